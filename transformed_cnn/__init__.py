@@ -1,0 +1,14 @@
+"""Transformed CNNs: pretrained timm ResNets whose late 3x3 convolutions become GPSA layers (chapter 8).
+
+Importing the package registers `tcnn_<resnet>` models (tcnn_resnet50, tcnn_resnet50d,
+tcnn_resnetrs50, ...) in timm's registry.
+"""
+from .gpsa_conv import GPSAConv2d
+from .transform import INITS, gpsa_layers, remove_stage_stride, transform
+from .diagnostics import query_attention_maps, plot_query_attention_maps
+from . import models
+
+__all__ = [
+    "GPSAConv2d", "INITS", "gpsa_layers", "remove_stage_stride", "transform",
+    "query_attention_maps", "plot_query_attention_maps", "models",
+]

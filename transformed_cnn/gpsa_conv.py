@@ -1,0 +1,205 @@
+"""A k x k convolution recast as gated positional self-attention with k^2 heads (Eq. 8.2).
+
+Head h of the layer stands for tap h of the filter (row-major, the order of W[:, :, ky, kx]). In the
+convolutional configuration its positional attention selects the pixel at the tap's offset, so
+
+    sum_h A^h X W_val W_out^h  =  conv(X, W)   when W_val = I and W_out^h = W[:, :, ky, kx]^T.
+
+Shapes (C_in -> C_out, N_q queries, N_k keys):
+
+- values: W_val is one C_in x C_in matrix shared by all heads (they play symmetric roles at init and
+  sharing keeps the parameter count of the paper); each head's value dimension is C_in.
+- output: W_out maps the concatenated heads, 9 * C_in, to C_out; it holds exactly the filter.
+- queries and keys: each head has its own query and key of dimension d = C_in // heads, one
+  Linear(C_in, 2 * heads * d) like a ViT's (about 2 C_in^2 parameters, as the paper counts). A single
+  C_in-dimensional query/key shared by all heads would give the same parameter count but forces every
+  head that turns to content (sigma(lambda_h) -> 0) onto the same attention map; the paper's Fig. 8.5
+  shows content heads attending differently, so heads get their own. C_in is rarely a multiple of 9,
+  hence the floor.
+- tokens: the keys are the pixels of the zero-padded input map (padding tokens have zero query, key
+  and value since no projection has a bias), the queries sit at the centers of the conv's windows on
+  that padded grid, i.e. on the strided grid for a strided conv. Border queries thus see the same
+  zeros as the convolution does; the output has exactly the conv's shape, no crop needed.
+
+The forward pass uses ConViT's fused hot path (`convit.attention.gated_attention`): content attention
+through `scaled_dot_product_attention`, positional attention (heads, N_q, N_k) computed once per
+forward and applied to the shared value as one GEMM with the batch folded into the columns. Setting
+`fused = False` runs the explicit path (materialized attention), which `attention()` also exposes.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import trunc_normal_
+
+from convit.attention import gated_attention, grid_positions, kernel_offsets, positional_attention, relative_encodings
+
+
+def _pair(value) -> Tuple[int, int]:
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+class GPSAConv2d(nn.Module):
+    """Gated positional self-attention shaped like `nn.Conv2d`: NCHW in, NCHW out, same output size."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int = 3,
+        stride: int | Tuple[int, int] = 1,
+        padding: int | Tuple[int, int] = 1,
+        dilation: int | Tuple[int, int] = 1,
+        bias: bool = False,
+        locality_strength: float = 1.0,
+        gating: float = 1.0,
+    ):
+        super().__init__()
+        kernel_size = _pair(kernel_size)
+        if kernel_size[0] != kernel_size[1]:
+            raise ValueError(f"GPSAConv2d needs a square kernel (one head per tap), got kernel_size={kernel_size}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.kernel_size = kernel_size
+        self.stride = _pair(stride)
+        self.padding = _pair(padding)
+        self.dilation = _pair(dilation)
+        self.num_heads = kernel_size[0] ** 2
+        self.qk_head_dim = max(1, in_channels // self.num_heads)
+
+        self.qk = nn.Linear(in_channels, 2 * self.num_heads * self.qk_head_dim, bias=False)
+        self.v = nn.Linear(in_channels, in_channels, bias=False)
+        self.proj = nn.Linear(self.num_heads * in_channels, out_channels, bias=bias)
+        self.pos_proj = nn.Linear(3, self.num_heads)
+        self.gating_param = nn.Parameter(torch.empty(self.num_heads))
+
+        self.fused = True  # False forces the explicit path (tests, attention dropout-free reference)
+        self.gate_override: Optional[float] = None  # test-time mask: 0 = content only, 1 = position only
+        self._geometry_cache: dict = {}
+        self.reset_parameters(locality_strength, gating)
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, locality_strength: float, gating: float) -> "GPSAConv2d":
+        """The GPSA layer computing `conv` in the convolutional configuration (Eq. 8.2)."""
+        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ValueError(
+                "GPSAConv2d converts convolutions with groups=1, zero padding and numeric padding; got "
+                f"groups={conv.groups}, padding_mode={conv.padding_mode!r}, padding={conv.padding!r}"
+            )
+        layer = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+            bias=conv.bias is not None, locality_strength=locality_strength, gating=gating,
+        ).to(device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            # W_out^h = W[:, :, ky, kx] for head h = ky * k + kx: columns ordered (head, input channel)
+            layer.proj.weight.copy_(conv.weight.permute(0, 2, 3, 1).reshape(conv.out_channels, -1))
+            if conv.bias is not None:
+                layer.proj.bias.copy_(conv.bias)
+        return layer
+
+    @torch.no_grad()
+    def reset_parameters(self, locality_strength: float, gating: float) -> None:
+        """Convolutional initialization: W_val = I, head h attends around tap h with strength alpha
+        (v_pos^h = alpha (2 Dx, 2 Dy, -1), Eq. 7.5), lambda_h = gating; queries/keys as in ConViT."""
+        trunc_normal_(self.qk.weight, std=0.02)
+        self.v.weight.copy_(torch.eye(self.in_channels))
+        trunc_normal_(self.proj.weight, std=0.02)
+        if self.proj.bias is not None:
+            self.proj.bias.zero_()
+        offsets = self.tap_offsets()
+        alpha = float(locality_strength)
+        self.pos_proj.weight.copy_(alpha * torch.cat([2 * offsets, -torch.ones(self.num_heads, 1)], dim=1))
+        self.pos_proj.bias.zero_()
+        self.gating_param.fill_(float(gating))
+
+    def tap_offsets(self) -> torch.Tensor:
+        """(dx, dy) pixel offset of each head's tap, row-major like the filter, dilation included."""
+        return kernel_offsets(self.num_heads) * torch.tensor([self.dilation[1], self.dilation[0]], dtype=torch.float32)
+
+    # -- geometry -------------------------------------------------------------------------------
+    def output_size(self, height: int, width: int) -> Tuple[int, int]:
+        """Spatial output size, the same formula as `nn.Conv2d`."""
+        k = self.kernel_size[0]
+        return tuple(
+            (size + 2 * pad - dil * (k - 1) - 1) // step + 1
+            for size, pad, dil, step in zip((height, width), self.padding, self.dilation, self.stride)
+        )
+
+    def _geometry(self, height: int, width: int, device) -> dict:
+        """Token layout for an input of this size: padded key grid, query indices, relative encodings."""
+        key = (height, width, str(device))
+        if key not in self._geometry_cache:
+            out_h, out_w = self.output_size(height, width)
+            if out_h < 1 or out_w < 1:
+                raise ValueError(f"input {height}x{width} is too small for kernel {self.kernel_size}, padding {self.padding}")
+            pad_h, pad_w = height + 2 * self.padding[0], width + 2 * self.padding[1]
+            center = self.kernel_size[0] // 2
+            # window centers on the padded grid: row s*i + d*(k//2), column s*j + d*(k//2)
+            rows = torch.arange(out_h, device=device) * self.stride[0] + self.dilation[0] * center
+            cols = torch.arange(out_w, device=device) * self.stride[1] + self.dilation[1] * center
+            query_index = (rows[:, None] * pad_w + cols[None, :]).flatten()
+            key_pos = grid_positions(pad_h, pad_w, device=device)
+            self._geometry_cache = {  # keep one size: resolutions rarely alternate
+                key: dict(
+                    out_size=(out_h, out_w),
+                    padded_size=(pad_h, pad_w),
+                    query_index=query_index,
+                    rel=relative_encodings(key_pos[query_index], key_pos),
+                )
+            }
+        return self._geometry_cache[key]
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def gate(self) -> torch.Tensor:
+        """Weight on the positional attention per head, sigma(lambda_h) unless overridden."""
+        if self.gate_override is not None:
+            return torch.full_like(self.gating_param, float(self.gate_override))
+        return torch.sigmoid(self.gating_param)
+
+    def positional_attention(self, height: int, width: int) -> torch.Tensor:
+        """(heads, N_q, N_k) positional attention for an input map of this size."""
+        geometry = self._geometry(height, width, self.pos_proj.weight.device)
+        return positional_attention(geometry["rel"], self.pos_proj)
+
+    def _qkv(self, x: torch.Tensor):
+        """Queries (B, heads, N_q, d), keys (B, heads, N_k, d), shared value (B, 1, N_k, C_in)."""
+        b, c, h, w = x.shape
+        geometry = self._geometry(h, w, x.device)
+        pad_h, pad_w = self.padding
+        tokens = F.pad(x, (pad_w, pad_w, pad_h, pad_h)).flatten(2).transpose(1, 2)  # (B, N_k, C_in)
+        n_k = tokens.shape[1]
+        qk = self.qk(tokens).view(b, n_k, 2, self.num_heads, self.qk_head_dim).permute(2, 0, 3, 1, 4)
+        q = qk[0].index_select(2, geometry["query_index"])
+        return q, qk[1], self.v(tokens).unsqueeze(1)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """The explicit, normalized attention A, shape (B, heads, N_q, N_k) over the padded key grid."""
+        q, k, _ = self._qkv(x)
+        return self._explicit_attention(q, k, *x.shape[-2:])
+
+    def _explicit_attention(self, q, k, height, width):
+        content = ((q @ k.transpose(-2, -1)) * self.qk_head_dim**-0.5).softmax(dim=-1)
+        gate = self.gate().view(1, -1, 1, 1).to(content.dtype)
+        attn = (1.0 - gate) * content + gate * self.positional_attention(height, width).to(content.dtype)
+        return attn / attn.sum(dim=-1, keepdim=True)
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        q, k, v = self._qkv(x)
+        if self.fused:
+            heads = gated_attention(q, k, v, self.positional_attention(h, w), self.gate())
+        else:
+            heads = self._explicit_attention(q, k, h, w) @ v
+        out_h, out_w = self._geometry(h, w, x.device)["out_size"]
+        out = self.proj(heads.permute(0, 2, 1, 3).reshape(b, out_h * out_w, -1))  # (B, N_q, C_out)
+        return out.transpose(1, 2).reshape(b, self.out_channels, out_h, out_w)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, dilation={self.dilation}, heads={self.num_heads}, qk_head_dim={self.qk_head_dim}"
+        )

@@ -1,0 +1,69 @@
+"""timm registry entries `tcnn_<resnet>`: a timm ResNet built (and loaded) by timm, then transformed.
+
+    timm.create_model('tcnn_resnetrs50', pretrained=True, pretrained_cfg_overlay=dict(file='rs50.pth'))
+
+`pretrained=True` loads timm's weights of the CNN through timm's own loading code (from the hub, or
+offline from `pretrained_cfg_overlay=dict(file=PATH)`), including its classifier reset when
+`num_classes` differs from the checkpoint's. A pretrained tag selects the CNN's weights:
+`tcnn_resnet50.a1_in1k`. The transform options (`stages`, `init`, `keep_stride`,
+`locality_strength`, `gating`) are model kwargs; every other kwarg goes to the CNN
+(`num_classes`, `drop_path_rate`, ...). The model keeps the CNN's `pretrained_cfg` (mean, std,
+input size of the weights it was loaded from).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+
+import timm
+import torch.nn as nn
+from timm.models import register_model
+
+from .transform import transform
+
+TRANSFORM_KWARGS = [name for name in inspect.signature(transform).parameters if name != "cnn"]
+
+
+def _cnn_names() -> list[str]:
+    """timm's plain ResNets: resnet<depth>[letter] (ResNet-B/C/D/S/T) and resnetrs<depth>."""
+    return [name for name in timm.list_models(module="resnet") if re.fullmatch(r"resnet(rs)?\d+[a-z]?", name)]
+
+
+def _check_pretrained_file(overlay: dict | None) -> None:
+    path = (overlay or {}).get("file")
+    if path is not None and not os.path.isfile(path):
+        raise ValueError(f"pretrained file {path!r} does not exist")
+
+
+def create_tcnn(cnn_name: str, pretrained: bool = False, **kwargs) -> nn.Module:
+    """Build timm's `cnn_name` (with its pretrained weights if asked) and transform it."""
+    transform_kwargs = {name: kwargs.pop(name) for name in TRANSFORM_KWARGS if name in kwargs}
+    pretrained_cfg = kwargs.pop("pretrained_cfg", None)
+    overlay = kwargs.pop("pretrained_cfg_overlay", None)
+    if pretrained:
+        _check_pretrained_file(overlay)
+    try:
+        cnn = timm.create_model(
+            cnn_name, pretrained=pretrained, pretrained_cfg=pretrained_cfg, pretrained_cfg_overlay=overlay, **kwargs
+        )
+    except RuntimeError as error:
+        if not str(error).startswith("Error(s) in loading state_dict"):
+            raise
+        source = (overlay or {}).get("file", "the pretrained weights")
+        raise ValueError(f"pretrained weights {source!r} do not match {cnn_name} (the CNN of tcnn_{cnn_name}): {error}") from None
+    return transform(cnn, **transform_kwargs)
+
+
+def _make_entrypoint(cnn_name: str):
+    def entrypoint(pretrained: bool = False, **kwargs) -> nn.Module:
+        return create_tcnn(cnn_name, pretrained=pretrained, **kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = f"tcnn_{cnn_name}"
+    entrypoint.__module__ = __name__
+    entrypoint.__doc__ = f"Transformed {cnn_name}: timm's {cnn_name} with its last stage's 3x3 convs as GPSA layers."
+    return entrypoint
+
+
+for _cnn_name in _cnn_names():
+    globals()[f"tcnn_{_cnn_name}"] = register_model(_make_entrypoint(_cnn_name))

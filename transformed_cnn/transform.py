@@ -1,0 +1,121 @@
+"""Recast the late 3x3 convolutions of a timm ResNet as GPSA layers (Transformed CNN, chapter 8).
+
+`transform(cnn)` modifies the ResNet in place and returns it: every 3x3 convolution of the chosen
+stages becomes a `GPSAConv2d` with 9 heads loaded from the filter; BatchNorm, shortcuts and every
+other module stay the same objects, so an optimizer can keep their state (reparametrization during
+training, Table 8.2).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch.nn as nn
+from timm.models.resnet import ResNet
+
+from .gpsa_conv import GPSAConv2d
+
+# Initial (locality strength alpha, gating lambda) of the GPSA layers.
+# 'paper' (Sec. 8.2): between convolution and free attention, so the T-CNN can leave locality.
+# 'exact': sharp enough that the T-CNN computes the CNN's function in float32: a head puts a
+# weight about 4 exp(-alpha) on pixels next to its tap and the content attention gets
+# 1 - sigmoid(lambda) ~ exp(-lambda), both about 1e-7 at 16.
+INITS = {"paper": (1.0, 1.0), "exact": (16.0, 16.0)}
+
+SUPPORTED = "a timm ResNet (resnet*, resnet*d, resnetrs*: timm.models.resnet.ResNet)"
+
+
+def _stage_names(cnn: ResNet) -> list[str]:
+    names = []
+    while hasattr(cnn, f"layer{len(names) + 1}"):
+        names.append(f"layer{len(names) + 1}")
+    return names
+
+
+def _resolve_stages(cnn: ResNet, stages: Optional[int | Iterable[int]]) -> list[int]:
+    count = len(_stage_names(cnn))
+    if stages is None:
+        return [count]
+    stages = [stages] if isinstance(stages, int) else list(stages)
+    for stage in stages:
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 1 <= stage <= count:
+            raise ValueError(f"stage {stage!r} is out of range: this ResNet has stages 1-{count} (layer1..layer{count})")
+    return sorted(set(stages))
+
+
+def remove_stage_stride(cnn: ResNet, stage: int) -> None:
+    """Turn the stride-2 convolution of `layer{stage}` and its shortcut into stride 1 (Sec. 8.2).
+
+    This changes the network's function (the stage and all later ones run at twice the resolution);
+    it is what the paper does before transforming a stage, following BoTNet. A ResNet-D / ResNet-RS
+    shortcut (average pool + 1x1 conv) loses its pool, as timm builds it for stride 1."""
+    name = f"layer{stage}"
+    for block_name, block in getattr(cnn, name).named_children():
+        if getattr(block, "stride", 1) == 1:
+            continue
+        if not isinstance(getattr(block, "aa", nn.Identity()), nn.Identity):
+            raise ValueError(
+                f"{name}.{block_name} downsamples with an anti-aliasing layer ({type(block.aa).__name__}); "
+                "keep_stride=False supports only strided convolutions: use keep_stride=True"
+            )
+        for module in block.modules():
+            if isinstance(module, nn.Conv2d) and module.stride != (1, 1):
+                module.stride = (1, 1)
+        if block.downsample is not None:
+            for index, module in enumerate(block.downsample):
+                if isinstance(module, nn.AvgPool2d):
+                    block.downsample[index] = nn.Identity()
+                elif not isinstance(module, (nn.Conv2d, nn.Identity, nn.modules.batchnorm._NormBase, nn.GroupNorm)):
+                    raise ValueError(f"{name}.{block_name}.downsample[{index}] is a {type(module).__name__}: "
+                                     "cannot remove its stride (expected AvgPool2d, Conv2d or a norm layer)")
+        block.stride = 1
+
+
+def transform(
+    cnn: nn.Module,
+    stages: Optional[int | Iterable[int]] = None,
+    init: str = "paper",
+    keep_stride: bool = False,
+    locality_strength: Optional[float] = None,
+    gating: Optional[float] = None,
+) -> nn.Module:
+    """Replace every 3x3 convolution of the chosen stages of a timm ResNet by a 9-head GPSA layer.
+
+    Args:
+        cnn: a timm ResNet (modified in place and returned).
+        stages: stage numbers 1..4 (the `layerN` modules); default: the last stage.
+        init: 'paper' (alpha = 1, lambda = 1, Sec. 8.2) or 'exact' (sharp attention and gating: the
+            T-CNN computes the CNN's function, up to the stride change below).
+        keep_stride: False (paper) turns each chosen stage's stride-2 conv and its shortcut into
+            stride 1; True converts the strided conv exactly, with queries on the strided grid.
+        locality_strength, gating: override the init's alpha and lambda.
+    """
+    if not isinstance(cnn, ResNet):
+        raise ValueError(f"transform expects {SUPPORTED}; got {type(cnn).__module__}.{type(cnn).__name__}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {sorted(INITS)}, got {init!r}")
+    default_alpha, default_lambda = INITS[init]
+    alpha = default_alpha if locality_strength is None else float(locality_strength)
+    lam = default_lambda if gating is None else float(gating)
+
+    for stage in _resolve_stages(cnn, stages):
+        name = f"layer{stage}"
+        convs = [(n, m) for n, m in getattr(cnn, name).named_modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+        if not convs:
+            raise ValueError(f"{name} has no 3x3 convolution left to transform (already transformed?)")
+        for conv_name, conv in convs:
+            if conv.groups != 1:
+                raise ValueError(f"{name}.{conv_name} is a grouped convolution (groups={conv.groups}); "
+                                 "a GPSA layer replaces only groups=1 convolutions")
+        if not keep_stride:
+            remove_stage_stride(cnn, stage)
+        stage_module = getattr(cnn, name)
+        for conv_name, conv in convs:
+            parent_name, _, attr = conv_name.rpartition(".")
+            parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
+            setattr(parent, attr, GPSAConv2d.from_conv(conv, locality_strength=alpha, gating=lam))
+    return cnn
+
+
+def gpsa_layers(model: nn.Module) -> dict[str, GPSAConv2d]:
+    """The GPSA layers of a Transformed CNN by module name, in network order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, GPSAConv2d)}
