@@ -1,0 +1,224 @@
+"""PNG figures of the locality diagnostics (Figs. 7.6-7.8 and 8.4-8.5), drawn with matplotlib.
+
+Figures are built as `matplotlib.figure.Figure` objects and saved with the Agg canvas, without
+pyplot: nothing here changes the caller's matplotlib backend or leaves figures open.
+
+- `plot_nonlocality`: nonlocality per layer over epochs, one panel per run (Fig. 7.6: DeiT | ConViT).
+- `plot_per_head`: gating sigma(lambda_h) (Fig. 7.7) or attention span 1/alpha_h (Fig. 8.4B) per
+  head over epochs, one panel per layer, heads in color and their mean in black.
+- `plot_attention_maps`: an image with its query patch boxed in red, then one panel per head and a
+  row per layer with the query's attention on a log color scale; each title gives sigma(lambda_h),
+  its color going from light (content) to dark red (position) (Figs. 7.8, 8.5).
+The history plots read the engine's `log.jsonl` (one JSON object per epoch, with `epoch` and the keys
+of `convit.diagnostics.summary`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from .diagnostics import attention_layers, attention_maps, default_query, gating, is_gated
+
+__all__ = ["read_log", "metric_history", "plot_nonlocality", "plot_per_head", "plot_attention_maps"]
+
+METRICS = ("nonlocality", "gating", "span")
+LOG_SCALE_RANGE = 1e-4  # attention maps show at most four decades below their maximum
+_KEY = re.compile(r"^(?P<metric>\w+)/layer(?P<layer>\d+)(?:/head(?P<head>\d+))?$")
+_METRIC_LABELS = {
+    "nonlocality": "nonlocality (patches)",
+    "gating": r"$\sigma(\lambda_h)$",
+    "span": r"attention span $1/\alpha_h$",
+}
+
+
+# -- reading the training log -------------------------------------------------------------------
+def read_log(path: str | Path) -> List[dict]:
+    """The records of a `log.jsonl` file, in file order; blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"log file not found: {path}")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {number}: not a JSON object ({err.msg})") from None
+        if not isinstance(record, dict) or "epoch" not in record:
+            raise ValueError(f"{path}, line {number}: expected a JSON object with an 'epoch' field")
+        records.append(record)
+    return records
+
+
+History = Dict[int, Dict[Optional[int], Tuple[List[float], List[float]]]]
+
+
+def metric_history(records: Sequence[dict], metric: str) -> History:
+    """{layer: {head or None for the layer mean: (epochs, values)}} of one metric over the records."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    history: History = {}
+    for record in records:
+        for key, value in record.items():
+            match = _KEY.match(key)
+            if match is None or match["metric"] != metric or value is None:
+                continue
+            head = int(match["head"]) if match["head"] else None
+            epochs, values = history.setdefault(int(match["layer"]), {}).setdefault(head, ([], []))
+            epochs.append(float(record["epoch"]))
+            values.append(float(value))
+    return history
+
+
+def _require(history: History, metric: str, what: str) -> None:
+    if not history:
+        raise ValueError(f"no '{metric}/layer*' values in {what}: was the run logged with diagnostics on?")
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _grid(count: int) -> Tuple[int, int]:
+    cols = min(count, 5)
+    return math.ceil(count / cols), cols
+
+
+# -- history figures ----------------------------------------------------------------------------
+def plot_nonlocality(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Path:
+    """Fig. 7.6: nonlocality of each layer (mean over heads) over epochs, one panel per run.
+
+    runs: {panel title: log records}, e.g. {"DeiT-S": deit_log, "ConViT-S": convit_log}."""
+    histories = {name: metric_history(records, "nonlocality") for name, records in runs.items()}
+    if not histories:
+        raise ValueError("no runs to plot")
+    for name, history in histories.items():
+        _require(history, "nonlocality", f"run {name!r}")
+    fig = Figure(figsize=(4.5 * len(histories), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(histories), sharey=True, squeeze=False)[0]
+    for ax, (name, history) in zip(axes, histories.items()):
+        layers = sorted(history)
+        colors = colormaps["viridis"](np.linspace(0, 0.9, len(layers)))
+        for color, layer in zip(colors, layers):
+            epochs, values = history[layer][None]
+            ax.plot(epochs, values, color=color, label=f"layer {layer}")
+        ax.set_title(name)
+        ax.set_xlabel("epoch")
+        ax.legend(fontsize="x-small", ncol=2)
+    axes[0].set_ylabel(_METRIC_LABELS["nonlocality"])
+    return _save(fig, path)
+
+
+def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title: str = "") -> Path:
+    """Fig. 7.7 (metric="gating") or Fig. 8.4B (metric="span"): one panel per layer, one colored
+    line per head, the mean over heads in black."""
+    history = metric_history(records, metric)
+    _require(history, metric, "the log")
+    layers = sorted(history)
+    rows, cols = _grid(len(layers))
+    fig = Figure(figsize=(2.6 * cols, 2.2 * rows + 0.4), layout="constrained")
+    axes = fig.subplots(rows, cols, sharex=True, sharey=metric == "gating", squeeze=False).flatten()
+    for ax, layer in zip(axes, layers):
+        heads = sorted(h for h in history[layer] if h is not None)
+        colors = colormaps["tab20"](np.arange(len(heads)) % 20)
+        for color, head in zip(colors, heads):
+            ax.plot(*history[layer][head], color=color, linewidth=0.9)
+        if None in history[layer]:
+            ax.plot(*history[layer][None], color="black", linewidth=2)
+        ax.set_title(f"layer {layer}", fontsize="small")
+        if metric == "gating":
+            ax.set_ylim(-0.03, 1.03)
+    for ax in axes[len(layers):]:
+        ax.set_visible(False)
+    fig.supxlabel("epoch")
+    fig.supylabel(_METRIC_LABELS[metric])
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
+
+
+# -- attention maps -----------------------------------------------------------------------------
+def _displayable(image: torch.Tensor) -> np.ndarray:
+    """(C, H, W) normalized image -> (H, W) or (H, W, 3) array in [0, 1] (min-max per image)."""
+    image = image.detach().float().cpu()
+    image = (image - image.min()) / (image.max() - image.min()).clamp_min(1e-12)
+    return image[0].numpy() if image.shape[0] == 1 else image[:3].permute(1, 2, 0).numpy()
+
+
+def _box(ax, row: int, col: int, height: float, width: float) -> None:
+    ax.add_patch(Rectangle((col * width - 0.5, row * height - 0.5), width, height, fill=False, edgecolor="red", linewidth=1.5))
+
+
+def plot_attention_maps(
+    model: nn.Module,
+    image: torch.Tensor,
+    path: str | Path,
+    query: Optional[Tuple[int, int]] = None,
+    layers: Optional[Sequence[int]] = None,
+) -> Path:
+    """Fig. 7.8: attention of a query patch (row, col; default the center) for one image.
+
+    image: (C, H, W), normalized as the model expects. layers: 1-based layer numbers to draw (default
+    all layers with attention maps). A row per layer: the image with the query patch boxed, then one
+    panel per head on a log color scale, titled with sigma(lambda_h) for gated layers."""
+    if not isinstance(image, torch.Tensor) or image.dim() != 3:
+        raise ValueError(f"image must be one (C, H, W) tensor, got {getattr(image, 'shape', type(image).__name__)}")
+    maps = attention_maps(model, image[None], query=query)
+    if not maps:
+        raise ValueError(f"{type(model).__name__} has no attention layer with explicit attention maps")
+    if layers is None:
+        layers = sorted(maps)
+    missing = [layer for layer in layers if layer not in maps]
+    if missing:
+        raise ValueError(f"layers {missing} have no attention maps; available layers: {sorted(maps)}")
+    modules = dict(enumerate((m for _, m in attention_layers(model)), start=1))
+    heads = max(maps[layer].shape[0] for layer in layers)
+    fig = Figure(figsize=(1.9 * (heads + 1), 2.0 * len(layers) + 0.3), layout="constrained")
+    axes = fig.subplots(len(layers), heads + 1, squeeze=False)
+    shown = _displayable(image)
+    reds = colormaps["Reds"]
+    for row_axes, layer in zip(axes, layers):
+        layer_maps = maps[layer].numpy()
+        grid = layer_maps.shape[1:]
+        row, col = default_query(grid) if query is None else query
+        gates = gating(modules[layer]).tolist() if is_gated(modules[layer]) else None
+        ax = row_axes[0]
+        ax.imshow(shown, cmap="gray" if shown.ndim == 2 else None)
+        _box(ax, row, col, shown.shape[0] / grid[0], shown.shape[1] / grid[1])
+        ax.set_ylabel(f"layer {layer}")
+        for head, ax in enumerate(row_axes[1:], start=1):
+            if head > layer_maps.shape[0]:
+                ax.set_visible(False)
+                continue
+            head_map = layer_maps[head - 1]
+            vmax = float(head_map.max())
+            vmin = max(float(head_map.min()), vmax * LOG_SCALE_RANGE)
+            vmin = vmin if vmin < vmax else vmax / 10  # a uniform map
+            ax.imshow(np.clip(head_map, vmin, None), cmap="viridis", norm=LogNorm(vmin=vmin, vmax=vmax))
+            _box(ax, row, col, 1, 1)
+            if gates is None:
+                ax.set_title(f"head {head}", fontsize="small")
+            else:
+                gate = gates[head - 1]
+                ax.set_title(rf"head {head}  $\sigma$={gate:.2f}", fontsize="small", color=reds(0.3 + 0.7 * gate))
+        for ax in row_axes:
+            ax.set_xticks([])
+            ax.set_yticks([])
+    return _save(fig, path)

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Draw the locality diagnostics of ConViT / DeiT / T-CNN runs as PNG files.
+
+From training runs (the `log.jsonl` that train.py writes with diagnostics on):
+    python scripts/convit_diagnostics.py --run output/deit_small output/convit_small --out figures
+  -> nonlocality.png (Fig. 7.6, one panel per run), gating_<run>.png (Fig. 7.7) and span_<run>.png
+     (Fig. 8.4B) for each run with gated layers.
+
+Attention maps of one image (Fig. 7.8), from a model and optionally its trained weights:
+    python scripts/convit_diagnostics.py --model convit_tiny --checkpoint output/convit_tiny/checkpoints/best.safetensors \
+        --image cat.jpg --layers 2 10 --out figures
+  -> attention_maps.png
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import timm
+import torch
+from PIL import Image, UnidentifiedImageError
+from timm.data import create_transform, resolve_data_config
+
+import convit  # noqa: F401  (registers the models of each family in timm)
+import efcn  # noqa: F401
+import transformed_cnn  # noqa: F401
+from convit.diagnostic_plots import plot_attention_maps, plot_nonlocality, plot_per_head, read_log
+
+
+def key_value(text: str):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", nargs="+", default=[], metavar="DIR", help="output dirs of train.py runs (with log.jsonl)")
+    parser.add_argument("--model", help="timm model name, to draw the attention maps of --image")
+    parser.add_argument("--checkpoint", help="weights file written by train.py (or any state dict); default: the model's init")
+    parser.add_argument("--image", help="image file for the attention maps")
+    parser.add_argument("--img-size", type=int, help="input size the model was trained at (default: the model's)")
+    parser.add_argument("--num-classes", type=int, help="classifier size of the checkpoint (default: the model's)")
+    parser.add_argument("--in-chans", type=int, default=3, help="input channels of the model (default 3)")
+    parser.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V", help="extra model kwargs")
+    parser.add_argument("--query", nargs=2, type=int, metavar=("ROW", "COL"), help="query patch on the grid (default: center)")
+    parser.add_argument("--layers", nargs="+", type=int, help="1-based attention layers to draw (default: all)")
+    parser.add_argument("--out", help="directory for the PNG files (default: <first run>/figures, else ./figures)")
+    args = parser.parse_args(argv)
+
+    if not args.run and not args.model:
+        parser.error("give --run DIR ... (history figures) and/or --model with --image (attention maps)")
+    for run in args.run:
+        if not (Path(run) / "log.jsonl").is_file():
+            parser.error(f"--run {run}: no log.jsonl in this directory")
+    if args.model:
+        if not timm.is_model(args.model):
+            parser.error(f"--model {args.model}: not a registered timm model")
+        if not args.image:
+            parser.error("--model needs --image")
+    if args.image and not args.model:
+        parser.error("--image needs --model")
+    for option in ("image", "checkpoint"):
+        path = getattr(args, option)
+        if path and not Path(path).is_file():
+            parser.error(f"--{option} {path}: file not found")
+    if args.query and min(args.query) < 0:
+        parser.error(f"--query {args.query[0]} {args.query[1]}: row and column must be >= 0")
+    if args.layers and min(args.layers) < 1:
+        parser.error("--layers: layers are numbered from 1")
+    if args.out is None:
+        args.out = str(Path(args.run[0]) / "figures") if args.run else "figures"
+    return args
+
+
+def draw_histories(runs: List[str], out: Path) -> List[Path]:
+    logs = {Path(run).resolve().name: read_log(Path(run) / "log.jsonl") for run in runs}
+    written = [plot_nonlocality(logs, out / "nonlocality.png")]
+    for name, records in logs.items():
+        for metric in ("gating", "span"):
+            if any(key.startswith(f"{metric}/") for record in records for key in record):
+                written.append(plot_per_head(records, metric, out / f"{metric}_{name}.png", title=name))
+    return written
+
+
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    try:
+        from engine.checkpoint import load_weights as engine_load_weights
+    except ImportError:  # engine not installed: timm's loader reads the same files
+        timm.models.load_checkpoint(model, path)
+    else:
+        engine_load_weights(model, path)
+
+
+def load_image(path: str, model: torch.nn.Module, in_chans: int, img_size: Optional[int]) -> torch.Tensor:
+    """The image as the model sees it at evaluation (timm's eval transform for the model's config)."""
+    overrides = {"input_size": (in_chans, img_size, img_size)} if img_size else {}
+    config = resolve_data_config(overrides, model=model)
+    if in_chans == 1:  # one channel: one mean and std
+        config["mean"] = (sum(config["mean"]) / len(config["mean"]),)
+        config["std"] = (sum(config["std"]) / len(config["std"]),)
+    try:
+        image = Image.open(path).convert("L" if in_chans == 1 else "RGB")
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"--image {path}: cannot read the image ({err})") from None
+    return create_transform(**config)(image)
+
+
+def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
+    kwargs = dict(args.model_kwargs, in_chans=args.in_chans)
+    if args.img_size:
+        kwargs["img_size"] = args.img_size
+    if args.num_classes:
+        kwargs["num_classes"] = args.num_classes
+    model = timm.create_model(args.model, **kwargs)
+    if args.checkpoint:
+        load_weights(model, args.checkpoint)
+    image = load_image(args.image, model, args.in_chans, args.img_size)
+    query = tuple(args.query) if args.query else None
+    return plot_attention_maps(model, image, out / "attention_maps.png", query=query, layers=args.layers)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    try:
+        written = draw_histories(args.run, out) if args.run else []
+        if args.model:
+            written.append(draw_attention_maps(args, out))
+    except ValueError as err:  # bad data: a log without diagnostics, a query off the grid, ...
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
