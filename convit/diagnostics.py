@@ -7,11 +7,12 @@ Naming. Attention layers are numbered 1, 2, ... in module order (`model.blocks[0
 is `layer1`), heads 1, 2, ... as in the paper's figures. `attention_layers(model)` gives the module
 name behind each number.
 
-Which layers. Nonlocality and attention maps need the explicit attention matrix: they cover this
-package's `GPSA` and `MHSA` (called as `layer(x, grid_size)`) and timm's ViT `Attention` (so a DeiT
-baseline can be compared with a ConViT, as in Fig. 7.6), for tokens on the grid of the model's
-`patch_embed`. Gating and span only read parameters: they cover any module that has `gating_param`
-and `pos_proj` (the GPSA layers of a Transformed CNN too, whatever their input).
+Which layers. Nonlocality and attention maps need the explicit attention matrix of tokens on a
+known grid: they cover this package's `GPSA` and `MHSA` (called as `layer(x, grid_size)`) and timm's
+ViT `Attention` (grid from the model's `patch_embed`), so timm's DeiT baselines compare with a ConViT
+as in Fig. 7.6. Gating and span only read parameters: they cover any module that has `gating_param`
+and `pos_proj` (the GPSA layers of a Transformed CNN too, whatever their input; their query maps
+are in `transformed_cnn.diagnostics`).
 
 Class token. Tokens before the patch grid (class / distillation tokens, N - Hp * Wp of them) have no
 position. Both their rows (queries) and columns (keys) are dropped, and each query's attention over
@@ -22,9 +23,8 @@ are measured on the same footing.
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -121,38 +121,38 @@ def attention_nonlocality(attn: torch.Tensor, grid_size: GridSize) -> torch.Tens
 
 # -- running the model with hooks ---------------------------------------------------------------
 def _timm_attention(module: TimmAttention, x: torch.Tensor) -> torch.Tensor:
-    """Explicit softmax(q k^T / sqrt(d)) of timm's ViT attention (which only runs fused)."""
+    """Explicit softmax(q k^T / sqrt(d)) of timm's ViT attention, whose forward does not return it."""
     b, n, _ = x.shape
     q, k, _ = module.qkv(x).view(b, n, 3, module.num_heads, module.head_dim).permute(2, 0, 3, 1, 4)
     q, k = module.q_norm(q), module.k_norm(k)
     return ((q * module.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
 
 
-def _call_inputs(module: nn.Module, args: tuple, kwargs: dict, model_grid: Optional[GridSize]):
-    """(x, grid_size) of one call of an attention layer, or None when it is not a call on tokens of a
-    known grid (then the layer is skipped, e.g. a T-CNN layer that takes feature maps)."""
+def _call_inputs(module: nn.Module, args: tuple, kwargs: dict, model: nn.Module):
+    """(x, grid_size) of one call of an attention layer on patch tokens, or None when the grid of the
+    tokens is unknown (the call is then skipped).
+
+    This package's layers receive their grid. For timm's `Attention` the grid is the model's
+    `patch_embed.grid_size`, trusted only when the token count is prefix tokens + that grid."""
     x = args[0] if args else kwargs.get("x")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    grid = None
     if isinstance(module, (GPSA, MHSA)):
-        grid = args[1] if len(args) > 1 else kwargs.get("grid_size", model_grid)
-    else:
-        grid = model_grid
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or grid is None:
+        grid = args[1] if len(args) > 1 else kwargs.get("grid_size")
+    model_grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    if grid is None and model_grid is not None:
+        prefix = getattr(model, "num_prefix_tokens", 0)
+        grid = model_grid if x.shape[1] == prefix + model_grid[0] * model_grid[1] else None
+    if grid is None or grid[0] * grid[1] > x.shape[1]:
         return None
-    grid = (int(grid[0]), int(grid[1]))
-    if grid[0] * grid[1] > x.shape[1]:
-        return None
-    return x, grid
+    return x, (int(grid[0]), int(grid[1]))
 
 
 def _explicit_attention(module: nn.Module, x: torch.Tensor, grid: GridSize) -> torch.Tensor:
     if isinstance(module, TimmAttention):
         return _timm_attention(module, x)
     return module.attention(x, grid)
-
-
-def _model_grid(model: nn.Module) -> Optional[GridSize]:
-    grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
-    return tuple(grid) if grid is not None else None
 
 
 @contextmanager
@@ -179,13 +179,12 @@ def _attention_statistics(model: nn.Module, images: torch.Tensor, reduce, chunk_
         raise ValueError(f"images must be a (B, C, H, W) tensor, got {shape}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    model_grid = _model_grid(model)
     totals: Dict[int, torch.Tensor] = {}
     counts: Dict[int, int] = {}
 
     def make_hook(layer: int):
         def hook(module, args, kwargs, output):
-            inputs = _call_inputs(module, args, kwargs, model_grid)
+            inputs = _call_inputs(module, args, kwargs, model)
             if inputs is None:
                 return
             x, grid = inputs
