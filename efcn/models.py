@@ -1,0 +1,176 @@
+"""The CNNs of chapter 6, their eFCNs and the standard FCN baselines, registered in timm.
+
+- `vanilla_cnn`: the VanillaCNN of Sec. 6.2.2, three (3x3 conv, ReLU, 2x2 max-pool) stages of
+  `channels` channels and one Linear. Its eFCN at 64 channels on 32x32 RGB has ~0.49 B weights.
+- `alexnet_cifar`: the AlexNet-style CNN for CIFAR of App. E.2 (five convs, three max-pools, a
+  three-layer classifier with dropout); its eFCN at 32x32 has ~0.13 B weights.
+- `efcn_<cnn>`: the eFCN of that CNN. `cnn_checkpoint=PATH` initializes it from the CNN's weights
+  (a train.py checkpoint or any state-dict file); without it, from the CNN's random init.
+- `fcn_<cnn>`: the same fully connected architecture with PyTorch's default Linear init.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch.nn as nn
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+
+from .embedding import EmbeddedFCN, embed, standard_fcn
+
+__all__ = ["VanillaCNN", "AlexNetCIFAR"]
+
+
+def _pair(size: int | Sequence[int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+class _ClassifierCNN(nn.Sequential):
+    """A CNN written as a flat chain of named layers ending in `head` (embeddable as is)."""
+
+    def __init__(self, layers: "OrderedDict[str, nn.Module]", num_classes: int, in_chans: int,
+                 img_size: tuple[int, int]):
+        super().__init__(layers)
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.img_size = img_size
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return (self.in_chans, *self.img_size)
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.head = nn.Linear(self.head.in_features, num_classes)
+        self.num_classes = num_classes
+
+
+class VanillaCNN(_ClassifierCNN):
+    """Sec. 6.2.2: 3 x (Conv 3x3 padding 1, ReLU, MaxPool 2x2), Flatten, Linear."""
+
+    def __init__(self, channels: int = 64, num_classes: int = 10, in_chans: int = 3,
+                 img_size: int | Sequence[int] = 32, depth: int = 3):
+        img_size = _pair(img_size)
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        height, width, chans = *img_size, in_chans
+        for i in range(1, depth + 1):
+            layers[f"conv{i}"] = nn.Conv2d(chans, channels, kernel_size=3, padding=1)
+            layers[f"act{i}"] = nn.ReLU()
+            layers[f"pool{i}"] = nn.MaxPool2d(2)
+            height, width, chans = height // 2, width // 2, channels
+        if min(height, width) < 1:
+            raise ValueError(f"VanillaCNN with depth {depth} needs img_size >= {2 ** depth}, got {img_size}")
+        layers["flatten"] = nn.Flatten()
+        layers["head"] = nn.Linear(channels * height * width, num_classes)
+        super().__init__(layers, num_classes, in_chans, img_size)
+
+
+class AlexNetCIFAR(_ClassifierCNN):
+    """App. E.2: AlexNet for 32x32 images (5 convs, 3 max-pools 3x3/2, MLP head with dropout)."""
+
+    def __init__(self, num_classes: int = 100, in_chans: int = 3, img_size: int | Sequence[int] = 32,
+                 drop_rate: float = 0.5):
+        img_size = _pair(img_size)
+        stages = [  # (out channels, kernel, stride, padding, max-pool after)
+            (64, 4, 2, 2, True), (192, 5, 1, 2, True), (384, 3, 1, 1, False), (256, 3, 1, 1, False),
+            (256, 3, 1, 1, True)]
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        (height, width), chans = img_size, in_chans
+        for i, (out, kernel, stride, padding, pool) in enumerate(stages, start=1):
+            layers[f"conv{i}"] = nn.Conv2d(chans, out, kernel, stride=stride, padding=padding)
+            layers[f"act{i}"] = nn.ReLU()
+            height, width = ((s + 2 * padding - kernel) // stride + 1 for s in (height, width))
+            if pool:
+                layers[f"pool{i}"] = nn.MaxPool2d(kernel_size=3, stride=2)
+                height, width = ((s - 3) // 2 + 1 for s in (height, width))
+            chans = out
+        if min(height, width) < 1:
+            raise ValueError(f"AlexNetCIFAR needs img_size >= 32, got {img_size}")
+        layers["flatten"] = nn.Flatten()
+        layers["drop1"] = nn.Dropout(drop_rate)
+        layers["fc1"] = nn.Linear(chans * height * width, 512)
+        layers["act6"] = nn.ReLU()
+        layers["drop2"] = nn.Dropout(drop_rate)
+        layers["fc2"] = nn.Linear(512, 512)
+        layers["act7"] = nn.ReLU()
+        layers["head"] = nn.Linear(512, num_classes)
+        super().__init__(layers, num_classes, in_chans, img_size)
+
+
+def _load_cnn(cnn: nn.Module, checkpoint: str) -> None:
+    from engine.checkpoint import load_weights  # the engine imports efcn: import it lazily
+    load_weights(cnn, checkpoint)
+
+
+def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN]) -> Callable[..., EmbeddedFCN]:
+    """A model constructor: build the CNN, load `cnn_checkpoint` if given, lift it with `lift`."""
+
+    def build(cnn_checkpoint: str | None = None, max_params: int | None = None, **cnn_kwargs) -> EmbeddedFCN:
+        cnn = cnn_cls(**cnn_kwargs)
+        if cnn_checkpoint:
+            if lift is not embed:
+                raise ValueError("cnn_checkpoint only applies to efcn_* models; fcn_* models use the default init")
+            _load_cnn(cnn, cnn_checkpoint)
+        model = lift(cnn.eval(), cnn.input_shape, max_params=max_params)
+        model.source_cnn = cnn_cls.__name__
+        return model
+
+    return build
+
+
+def _cfg(num_classes: int, input_size: tuple[int, int, int], classifier: str) -> dict:
+    return dict(num_classes=num_classes, input_size=input_size, fixed_input_size=True, classifier=classifier,
+                mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, interpolation="bilinear",
+                license="apache-2.0")
+
+
+default_cfgs = generate_default_cfgs({
+    "vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "head"),
+    "alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "head"),
+    "efcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head"),
+    "efcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head"),
+    "fcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head"),
+    "fcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head"),
+})
+
+
+def _create(variant: str, model_cls: Callable[..., nn.Module], pretrained: bool, **kwargs) -> nn.Module:
+    return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+
+
+@register_model
+def vanilla_cnn(pretrained: bool = False, **kwargs) -> VanillaCNN:
+    """VanillaCNN (Sec. 6.2.2); kwargs: channels=64, depth=3, in_chans, img_size, num_classes."""
+    return _create("vanilla_cnn", VanillaCNN, pretrained, **kwargs)
+
+
+@register_model
+def alexnet_cifar(pretrained: bool = False, **kwargs) -> AlexNetCIFAR:
+    """AlexNet-style CNN for CIFAR-100 (App. E.2); kwargs: drop_rate=0.5, in_chans, img_size, num_classes."""
+    return _create("alexnet_cifar", AlexNetCIFAR, pretrained, **kwargs)
+
+
+@register_model
+def efcn_vanilla_cnn(pretrained: bool = False, **kwargs) -> EmbeddedFCN:
+    """eFCN of vanilla_cnn; kwargs of vanilla_cnn plus cnn_checkpoint=PATH, max_params."""
+    return _create("efcn_vanilla_cnn", _efcn_builder(VanillaCNN, embed), pretrained, **kwargs)
+
+
+@register_model
+def efcn_alexnet_cifar(pretrained: bool = False, **kwargs) -> EmbeddedFCN:
+    """eFCN of alexnet_cifar; kwargs of alexnet_cifar plus cnn_checkpoint=PATH, max_params."""
+    return _create("efcn_alexnet_cifar", _efcn_builder(AlexNetCIFAR, embed), pretrained, **kwargs)
+
+
+@register_model
+def fcn_vanilla_cnn(pretrained: bool = False, **kwargs) -> EmbeddedFCN:
+    """Standard FCN with the eFCN architecture of vanilla_cnn, PyTorch default init (baseline)."""
+    return _create("fcn_vanilla_cnn", _efcn_builder(VanillaCNN, standard_fcn), pretrained, **kwargs)
+
+
+@register_model
+def fcn_alexnet_cifar(pretrained: bool = False, **kwargs) -> EmbeddedFCN:
+    """Standard FCN with the eFCN architecture of alexnet_cifar, PyTorch default init (baseline)."""
+    return _create("fcn_alexnet_cifar", _efcn_builder(AlexNetCIFAR, standard_fcn), pretrained, **kwargs)
