@@ -274,7 +274,6 @@ def load_cli():
 def test_cli_draws_histories_and_attention_maps(tmp_path, capsys):
     from PIL import Image
     from safetensors.torch import save_file
-    from sklearn.datasets import load_digits
 
     cli = load_cli()
     run = tmp_path / "run"
@@ -287,9 +286,9 @@ def test_cli_draws_histories_and_attention_maps(tmp_path, capsys):
     model = small_deit()
     checkpoint = tmp_path / "weights.safetensors"
     save_file(model.state_dict(), checkpoint)
-    digit = load_digits().images[0]
-    image = tmp_path / "digit.png"
-    Image.fromarray((digit * 255 / 16).astype("uint8")).resize((32, 32)).save(image)
+    image = tmp_path / "disc.png"
+    disc = (torch.arange(40)[:, None] - 20) ** 2 + (torch.arange(48)[None, :] - 24) ** 2 < 150
+    Image.fromarray((disc.numpy() * 255).astype("uint8")).convert("RGB").save(image)
     argv = ["--model", "deit_tiny_patch16_224", "--checkpoint", str(checkpoint), "--image", str(image), "--img-size", "32",
             "--num-classes", "10", "--model-kwargs", "patch_size=8", "depth=3", "--out", str(tmp_path / "maps")]
     assert cli.main(argv) == 0
