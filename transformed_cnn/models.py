@@ -18,7 +18,7 @@ import re
 
 import timm
 import torch.nn as nn
-from timm.models import register_model
+from timm.models import load_state_dict, register_model
 
 from .transform import transform
 
@@ -48,11 +48,26 @@ def create_tcnn(cnn_name: str, pretrained: bool = False, **kwargs) -> nn.Module:
             cnn_name, pretrained=pretrained, pretrained_cfg=pretrained_cfg, pretrained_cfg_overlay=overlay, **kwargs
         )
     except RuntimeError as error:
-        if not str(error).startswith("Error(s) in loading state_dict"):
+        if not str(error).startswith("Error(s) in loading state_dict") or "file" not in (overlay or {}):
             raise
-        source = (overlay or {}).get("file", "the pretrained weights")
-        raise ValueError(f"pretrained weights {source!r} do not match {cnn_name} (the CNN of tcnn_{cnn_name}): {error}") from None
+        mismatch = _describe_mismatch(timm.create_model(cnn_name, **kwargs), overlay["file"])
+        raise ValueError(f"pretrained file {overlay['file']!r} does not match {cnn_name} (the CNN of tcnn_{cnn_name}): {mismatch}") from None
     return transform(cnn, **transform_kwargs)
+
+
+def _describe_mismatch(model: nn.Module, path: str, shown: int = 3) -> str:
+    """One line: how many keys are missing / unexpected / of another shape, with the first few."""
+    checkpoint = load_state_dict(path)
+    expected = model.state_dict()
+    groups = {
+        "missing": [k for k in expected if k not in checkpoint],
+        "unexpected": [k for k in checkpoint if k not in expected],
+        "of another shape": [k for k in expected if k in checkpoint and checkpoint[k].shape != expected[k].shape],
+    }
+    return "; ".join(
+        f"{len(keys)} keys {what} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
+        for what, keys in groups.items() if keys
+    )
 
 
 def _make_entrypoint(cnn_name: str):
