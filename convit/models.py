@@ -1,0 +1,442 @@
+"""ConViT models (d'Ascoli et al., ch. 7) and their DeiT+ baselines, registered in timm's registry.
+
+A ConViT is a ViT whose first `local_up_to_layer` blocks (10 of 12) use gated positional
+self-attention (GPSA) initialized as a convolution; the class token joins the patch tokens only after
+the last GPSA block, and the absolute position embedding is kept. With `local_up_to_layer=0` the same
+class is the DeiT+ baseline of Table 7.1.
+
+State-dict keys and shapes are those of `timm.models.convit` and of the official checkpoints, so
+weights load both ways. Unlike timm's `ConVit`, `embed_dim` is the full width (192 for ConViT-Ti),
+not the width per head, and the model runs at any input size whose sides are multiples of the patch
+size (rectangular grids too): GPSA rebuilds its relative encodings for the token grid and the absolute
+position embedding is resampled.
+
+Ablations of Table 7.3 are constructor kwargs (`conv_init`, `train_gating`, `train_gpsa`,
+`local_up_to_layer`); the test-time masks of App. F.6 (Tables F.2, F.3) are `set_test_masks` (also
+reachable as kwargs for evaluation runs).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, LayerNorm, Mlp, PatchEmbed, calculate_drop_path_rates, resample_abs_pos_embed, to_2tuple, trunc_normal_
+from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.models import _registry
+
+from .attention import GPSA, MHSA, GridSize
+
+__all__ = ["ConViT", "Block", "checkpoint_filter_fn"]
+
+GLOBAL_POOLS = ("token", "avg", "")
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; its attention is GPSA (patch tokens only) or plain MHSA."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        act_layer: Type[nn.Module] = nn.GELU,
+        norm_layer: Type[nn.Module] = LayerNorm,
+        use_gpsa: bool = True,
+        locality_strength: float = 1.0,
+    ):
+        super().__init__()
+        self.use_gpsa = use_gpsa
+        self.norm1 = norm_layer(dim)
+        if use_gpsa:
+            self.attn = GPSA(dim, num_heads, qkv_bias, attn_drop, proj_drop, locality_strength)
+        else:
+            self.attn = MHSA(dim, num_heads, qkv_bias, attn_drop, proj_drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
+
+    def forward(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), grid_size))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_config(
+    img_size: Tuple[int, int],
+    patch_size: Tuple[int, int],
+    embed_dim: int,
+    depth: int,
+    num_heads: int,
+    global_pool: str,
+    local_up_to_layer: int,
+    locality_strength: float,
+) -> None:
+    """Reject a configuration that would otherwise fail as a shape error inside the forward."""
+    if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
+        heads = ", ".join(map(str, _divisors(embed_dim))) if embed_dim > 0 else "none"
+        raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}; allowed num_heads: {heads}")
+    if min(patch_size) < 1:
+        raise ValueError(f"patch_size={patch_size} must be positive")
+    if min(img_size) < 1 or img_size[0] % patch_size[0] or img_size[1] % patch_size[1]:
+        raise ValueError(
+            f"img_size={img_size} must be a positive multiple of patch_size={patch_size} on each side, "
+            f"e.g. {tuple(max(1, s // p) * p for s, p in zip(img_size, patch_size))}"
+        )
+    if depth < 1:
+        raise ValueError(f"depth={depth} must be >= 1")
+    if not 0 <= local_up_to_layer <= depth:
+        raise ValueError(f"local_up_to_layer={local_up_to_layer} must be in 0..depth={depth} (0 gives a DeiT)")
+    if global_pool not in GLOBAL_POOLS:
+        raise ValueError(f"global_pool={global_pool!r} must be one of {GLOBAL_POOLS}")
+    if global_pool == "token" and local_up_to_layer == depth:
+        raise ValueError(
+            f"local_up_to_layer={local_up_to_layer} leaves no block after the GPSA blocks for the class token; "
+            f"use local_up_to_layer < depth={depth} or global_pool='avg'"
+        )
+    if not locality_strength > 0:
+        raise ValueError(f"locality_strength={locality_strength} must be > 0")
+
+
+class ConViT(nn.Module):
+    """Vision transformer with `local_up_to_layer` GPSA blocks, then SA blocks with the class token.
+
+    Ablation switches (Table 7.3): `local_up_to_layer=0` (no GPSA: a DeiT), `conv_init=False`
+    (random GPSA init instead of Eq. 7.5), `train_gating=False` (lambda frozen at 0, so content and
+    position get equal weight: footnote 4), `train_gpsa=False` (the GPSA attention modules are frozen,
+    only their blocks' norms and MLPs train). Test-time masks (App. F.6): `mask_pos_embed`,
+    `mask_content_layers`, `mask_position_layers`; see `set_test_masks`.
+    """
+
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        patch_size: Union[int, Tuple[int, int]] = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "token",
+        embed_dim: int = 192,
+        depth: int = 12,
+        num_heads: int = 4,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        local_up_to_layer: int = 10,
+        locality_strength: float = 1.0,
+        use_pos_embed: bool = True,
+        conv_init: bool = True,
+        train_gating: bool = True,
+        train_gpsa: bool = True,
+        mask_pos_embed: bool = False,
+        mask_content_layers: int = 0,
+        mask_position_layers: int = 0,
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        super().__init__()
+        img_size, patch_size = to_2tuple(img_size), to_2tuple(patch_size)
+        _check_config(img_size, patch_size, embed_dim, depth, num_heads, global_pool, local_up_to_layer, locality_strength)
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.local_up_to_layer = local_up_to_layer
+        self.locality_strength = locality_strength
+        self.use_pos_embed = use_pos_embed
+        # the class token joins after the GPSA blocks; with GPSA in every block it never joins
+        self.num_prefix_tokens = 1 if local_up_to_layer < depth else 0
+        self.grad_checkpointing = False
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, strict_img_size=False)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim)) if use_pos_embed else None
+        self.pos_drop = nn.Dropout(pos_drop_rate)
+        drop_path_rates = calculate_drop_path_rates(drop_path_rate, depth)
+        self.blocks = nn.ModuleList(
+            Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio,
+                qkv_bias,
+                proj_drop=proj_drop_rate,
+                attn_drop=attn_drop_rate,
+                drop_path=drop_path_rates[i],
+                use_gpsa=i < local_up_to_layer,
+                locality_strength=locality_strength,
+            )
+            for i in range(depth)
+        )
+        self.norm = LayerNorm(embed_dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+        self._init_weights(conv_init)
+        if not train_gating:
+            for layer in self.gpsa_layers():
+                layer.gating_param.data.zero_()
+                layer.gating_param.requires_grad_(False)
+        if not train_gpsa:
+            for layer in self.gpsa_layers():
+                layer.requires_grad_(False)
+        self.set_test_masks(mask_pos_embed, mask_content_layers, mask_position_layers)
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+
+    def _init_weights(self, conv_init: bool) -> None:
+        if self.pos_embed is not None:
+            trunc_normal_(self.pos_embed, std=0.02)
+        trunc_normal_(self.cls_token, std=0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        if conv_init:
+            for layer in self.gpsa_layers():
+                layer.local_init()
+
+    # -- switches -------------------------------------------------------------------------------
+    def gpsa_layers(self) -> List[GPSA]:
+        """The GPSA attention modules, first block first."""
+        return [block.attn for block in self.blocks if block.use_gpsa]
+
+    def set_test_masks(self, pos_embed: bool = False, content_layers: int = 0, position_layers: int = 0) -> None:
+        """Test-time masks of App. F.6; calling it again replaces the previous masks.
+
+        pos_embed: drop the absolute position embedding (Table F.2).
+        content_layers: in the first k GPSA layers, sigma(lambda) := 1, attention on position only
+            ("mask content", Table F.3).
+        position_layers: in the first k GPSA layers, sigma(lambda) := 0, attention on content only
+            ("mask position", Table F.3).
+        """
+        num_gpsa = self.local_up_to_layer
+        for name, k in (("mask_content_layers", content_layers), ("mask_position_layers", position_layers)):
+            if not 0 <= k <= num_gpsa:
+                raise ValueError(f"{name}={k} must be in 0..{num_gpsa} (the number of GPSA layers)")
+        if content_layers and position_layers:
+            raise ValueError(
+                f"mask_content_layers={content_layers} and mask_position_layers={position_layers}: "
+                "mask content or position, not both (set one of them to 0)"
+            )
+        self.mask_pos_embed = bool(pos_embed)
+        for i, layer in enumerate(self.gpsa_layers()):
+            layer.gate_override = 1.0 if i < content_layers else 0.0 if i < position_layers else None
+
+    # -- timm model interface -------------------------------------------------------------------
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return {"pos_embed", "cls_token"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(stem=r"^cls_token|pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        if global_pool is not None:
+            if global_pool not in GLOBAL_POOLS or (global_pool == "token" and not self.num_prefix_tokens):
+                allowed = GLOBAL_POOLS if self.num_prefix_tokens else ("avg", "")
+                raise ValueError(f"global_pool={global_pool!r} must be one of {allowed} for this model")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes, device=self.cls_token.device, dtype=self.cls_token.dtype) if num_classes > 0 else nn.Identity()
+
+    # -- forward --------------------------------------------------------------------------------
+    def grid_size(self, img_size: Tuple[int, int]) -> GridSize:
+        """Token grid (Hp, Wp) of an (H, W) input; a ValueError if a side is not a multiple of the patch."""
+        (h, w), (ph, pw) = img_size, self.patch_embed.patch_size
+        if h % ph or w % pw:
+            raise ValueError(f"input size {(h, w)} must be a multiple of patch_size={(ph, pw)} on each side")
+        return h // ph, w // pw
+
+    def _pos_embed(self, grid_size: GridSize) -> torch.Tensor:
+        """The absolute position embedding, resampled (bicubic) when the grid differs from the built one."""
+        if tuple(grid_size) == tuple(self.patch_embed.grid_size):
+            return self.pos_embed
+        return resample_abs_pos_embed(self.pos_embed, new_size=grid_size, old_size=self.patch_embed.grid_size, num_prefix_tokens=0)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        grid_size = self.grid_size(x.shape[-2:])
+        x = self.patch_embed(x)
+        if self.pos_embed is not None and not self.mask_pos_embed:
+            x = x + self._pos_embed(grid_size)
+        x = self.pos_drop(x)
+        for i, block in enumerate(self.blocks):
+            if i == self.local_up_to_layer:
+                x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(block, x, grid_size)
+            else:
+                x = block(x, grid_size)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.global_pool == "avg":
+            x = x[:, self.num_prefix_tokens :].mean(dim=1)
+        elif self.global_pool == "token":
+            x = x[:, 0]
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: ConViT) -> Dict[str, torch.Tensor]:
+    """Adapt a timm or official ConViT state dict to `model`: resample `pos_embed` to its token grid.
+
+    The checkpoint's grid is taken as square (all published ConViT weights are)."""
+    state_dict = dict(state_dict)
+    pos_embed = state_dict.get("pos_embed")
+    if pos_embed is not None and model.pos_embed is not None and pos_embed.shape != model.pos_embed.shape:
+        side = math.isqrt(pos_embed.shape[1])
+        if side * side != pos_embed.shape[1]:
+            raise ValueError(
+                f"checkpoint pos_embed has {pos_embed.shape[1]} tokens, not a square grid: build the model at the "
+                f"checkpoint's img_size and pass a different input size at run time instead"
+            )
+        state_dict["pos_embed"] = resample_abs_pos_embed(
+            pos_embed, new_size=model.patch_embed.grid_size, old_size=(side, side), num_prefix_tokens=0
+        )
+    return state_dict
+
+
+# kwargs that timm.create_model / build_model_with_cfg consume before the model class sees them
+_BUILDER_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "pretrained_strict", "pretrained_model_args")
+
+
+def _check_kwargs(variant: str, kwargs: Dict[str, Any]) -> None:
+    allowed = set(inspect.signature(ConViT).parameters) | set(_BUILDER_KWARGS)
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise ValueError(f"{variant}: unknown model kwarg(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _create_convit(variant: str, pretrained: bool, arch: Dict[str, Any], kwargs: Dict[str, Any]) -> ConViT:
+    """Build `variant` (architecture `arch`, overridable by the user's `kwargs`) through timm's builder."""
+    _check_kwargs(variant, kwargs)
+    return build_model_with_cfg(
+        ConViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn, **{**arch, **kwargs}
+    )
+
+
+def _cfg(**kwargs) -> Dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "fixed_input_size": False,  # any multiple of the patch size works (timm's ConVit: True)
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+# Same weight sources as timm's convit entries ('timm/' expands to timm/<name>.<tag> on the HF hub).
+default_cfgs = generate_default_cfgs(
+    {
+        "convit_tiny.fb_in1k": _cfg(hf_hub_id="timm/"),
+        "convit_small.fb_in1k": _cfg(hf_hub_id="timm/"),
+        "convit_base.fb_in1k": _cfg(hf_hub_id="timm/"),
+        "convit_tiny_plus": _cfg(),
+        "convit_small_plus": _cfg(),
+        "convit_base_plus": _cfg(),
+        "deit_tiny_plus": _cfg(),
+        "deit_small_plus": _cfg(),
+        "deit_base_plus": _cfg(),
+    }
+)
+
+
+def _register(fn):
+    """timm's `register_model`, first releasing a name timm already holds (its own convit_*).
+
+    timm would warn about the overwrite and then clear the old entry itself; clearing it first with
+    the registry's own helper leaves the same registry state without the warning."""
+    name = fn.__name__
+    if name in _registry._model_entrypoints:
+        _registry._clear_model_entries(name)
+        del _registry._model_entrypoints[name]
+    return register_model(fn)
+
+
+@_register
+def convit_tiny(pretrained: bool = False, **kwargs) -> ConViT:
+    """ConViT-Ti: 4 heads x 48 (width 192), 10 GPSA + 2 SA blocks."""
+    return _create_convit("convit_tiny", pretrained, dict(embed_dim=192, num_heads=4), kwargs)
+
+
+@_register
+def convit_tiny_plus(pretrained: bool = False, **kwargs) -> ConViT:
+    """ConViT-Ti+: 4 heads x 64 (width 256)."""
+    return _create_convit("convit_tiny_plus", pretrained, dict(embed_dim=256, num_heads=4), kwargs)
+
+
+@_register
+def convit_small(pretrained: bool = False, **kwargs) -> ConViT:
+    """ConViT-S: 9 heads x 48 (width 432)."""
+    return _create_convit("convit_small", pretrained, dict(embed_dim=432, num_heads=9), kwargs)
+
+
+@_register
+def convit_small_plus(pretrained: bool = False, **kwargs) -> ConViT:
+    """ConViT-S+: 9 heads x 64 (width 576)."""
+    return _create_convit("convit_small_plus", pretrained, dict(embed_dim=576, num_heads=9), kwargs)
+
+
+@_register
+def convit_base(pretrained: bool = False, **kwargs) -> ConViT:
+    """ConViT-B: 16 heads x 48 (width 768)."""
+    return _create_convit("convit_base", pretrained, dict(embed_dim=768, num_heads=16), kwargs)
+
+
+@_register
+def convit_base_plus(pretrained: bool = False, **kwargs) -> ConViT:
+    """ConViT-B+: 16 heads x 64 (width 1024)."""
+    return _create_convit("convit_base_plus", pretrained, dict(embed_dim=1024, num_heads=16), kwargs)
+
+
+@_register
+def deit_tiny_plus(pretrained: bool = False, **kwargs) -> ConViT:
+    """DeiT-Ti+ baseline: ConViT-Ti+ without GPSA (4 heads x 64, 12 SA blocks)."""
+    return _create_convit("deit_tiny_plus", pretrained, dict(embed_dim=256, num_heads=4, local_up_to_layer=0), kwargs)
+
+
+@_register
+def deit_small_plus(pretrained: bool = False, **kwargs) -> ConViT:
+    """DeiT-S+ baseline: 9 heads x 64, 12 SA blocks."""
+    return _create_convit("deit_small_plus", pretrained, dict(embed_dim=576, num_heads=9, local_up_to_layer=0), kwargs)
+
+
+@_register
+def deit_base_plus(pretrained: bool = False, **kwargs) -> ConViT:
+    """DeiT-B+ baseline: 16 heads x 64, 12 SA blocks."""
+    return _create_convit("deit_base_plus", pretrained, dict(embed_dim=1024, num_heads=16, local_up_to_layer=0), kwargs)
