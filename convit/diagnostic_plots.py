@@ -28,6 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from .diagnostics import attention_layers, attention_maps, default_query, gating, is_gated
 
@@ -121,6 +122,7 @@ def plot_nonlocality(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Pa
             ax.plot(epochs, values, color=color, label=f"layer {layer}")
         ax.set_title(name)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize="x-small", ncol=2)
     axes[0].set_ylabel(_METRIC_LABELS["nonlocality"])
     return _save(fig, path)
@@ -143,6 +145,7 @@ def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title:
         if None in history[layer]:
             ax.plot(*history[layer][None], color="black", linewidth=2)
         ax.set_title(f"layer {layer}", fontsize="small")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if metric == "gating":
             ax.set_ylim(-0.03, 1.03)
     for ax in axes[len(layers):]:

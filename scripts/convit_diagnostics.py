@@ -44,7 +44,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", nargs="+", default=[], metavar="DIR", help="output dirs of train.py runs (with log.jsonl)")
     parser.add_argument("--model", help="timm model name, to draw the attention maps of --image")
-    parser.add_argument("--checkpoint", help="weights file written by train.py (or any state dict); default: the model's init")
+    parser.add_argument("--checkpoint", help="weights file or run dir written by train.py (or any state dict); default: the model's init")
     parser.add_argument("--image", help="image file for the attention maps")
     parser.add_argument("--img-size", type=int, help="input size the model was trained at (default: the model's)")
     parser.add_argument("--num-classes", type=int, help="classifier size of the checkpoint (default: the model's)")
@@ -67,10 +67,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             parser.error("--model needs --image")
     if args.image and not args.model:
         parser.error("--image needs --model")
-    for option in ("image", "checkpoint"):
-        path = getattr(args, option)
-        if path and not Path(path).is_file():
-            parser.error(f"--{option} {path}: file not found")
+    if args.image and not Path(args.image).is_file():
+        parser.error(f"--image {args.image}: file not found")
+    if args.checkpoint and not Path(args.checkpoint).exists():
+        parser.error(f"--checkpoint {args.checkpoint}: no such file or directory")
     if args.query and min(args.query) < 0:
         parser.error(f"--query {args.query[0]} {args.query[1]}: row and column must be >= 0")
     if args.layers and min(args.layers) < 1:
@@ -91,9 +91,10 @@ def draw_histories(runs: List[str], out: Path) -> List[Path]:
 
 
 def load_weights(model: torch.nn.Module, path: str) -> None:
+    """train.py's loader (a weights file or a run dir, clear errors), else timm's for a weights file."""
     try:
         from engine.checkpoint import load_weights as engine_load_weights
-    except ImportError:  # engine not installed: timm's loader reads the same files
+    except ImportError:
         timm.models.load_checkpoint(model, path)
     else:
         engine_load_weights(model, path)

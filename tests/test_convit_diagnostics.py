@@ -255,14 +255,6 @@ def test_read_log_names_the_bad_line(tmp_path):
         read_log(tmp_path / "missing.jsonl")
 
 
-def test_attention_map_figure(tmp_path):
-    model = TwoLayers()
-    path = plot_attention_maps(model, torch.randn(36, *GRID), tmp_path / "maps.png", layers=[1, 2])
-    assert_png(path)
-    with pytest.raises(ValueError, match="available layers"):
-        plot_attention_maps(model, torch.randn(36, *GRID), tmp_path / "bad.png", layers=[3])
-
-
 # -- command line -------------------------------------------------------------------------------
 def load_cli():
     spec = importlib.util.spec_from_file_location("convit_diagnostics_cli", REPO / "scripts" / "convit_diagnostics.py")
@@ -303,3 +295,69 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys):
     (tmp_path / "log.jsonl").write_text('{"epoch": 0, "train_loss": 1.0}\n')
     assert cli.main(["--run", str(tmp_path)]) == 2
     assert "error: no 'nonlocality/layer*' values" in capsys.readouterr().err
+
+
+# -- the ConViT models of this package ----------------------------------------------------------
+def small_convit(**kwargs) -> nn.Module:
+    model = timm.create_model("convit_tiny", img_size=32, patch_size=4, num_classes=10, **kwargs)
+    assert type(model).__module__ == "convit.models"
+    return model
+
+
+def test_convit_summary_covers_every_layer_and_head():
+    model = small_convit()
+    stats = diagnostics.summary(model, torch.randn(2, 3, 32, 32))
+    expected = set()
+    for layer in range(1, 13):
+        expected |= {f"nonlocality/layer{layer}"} | {f"nonlocality/layer{layer}/head{h}" for h in range(1, 5)}
+    for layer in range(1, model.local_up_to_layer + 1):
+        for metric in ("gating", "span"):
+            expected |= {f"{metric}/layer{layer}"} | {f"{metric}/layer{layer}/head{h}" for h in range(1, 5)}
+    assert set(stats) == expected
+    assert stats["gating/layer1/head1"] == pytest.approx(torch.sigmoid(torch.tensor(1.0)).item())  # lambda = 1 at init
+    assert stats["span/layer10/head4"] == pytest.approx(1.0)  # alpha = 1 at init
+
+
+def test_convit_position_only_layers_have_the_nonlocality_of_their_offsets():
+    # locality strength 50 and content masked in every GPSA layer: each head is a sharp shift
+    model = small_convit(locality_strength=50.0)
+    model.set_test_masks(content_layers=model.local_up_to_layer)
+    per_layer = diagnostics.nonlocality(model, torch.randn(2, 3, 32, 32))
+    expected = torch.tensor([clamped_offset_nonlocality(o, (8, 8)) for o in kernel_offsets(4).tolist()])
+    for layer in range(1, model.local_up_to_layer + 1):
+        torch.testing.assert_close(per_layer[layer], expected, atol=1e-4, rtol=0)
+    assert diagnostics.summary(model, torch.randn(1, 3, 32, 32))["span/layer3/head2"] == pytest.approx(1 / 50)
+
+
+def test_convit_nonlocality_matches_timm_convit_with_the_same_weights():
+    torch.manual_seed(4)
+    ours = small_convit()
+    with torch.no_grad():
+        for layer in ours.gpsa_layers():
+            layer.gating_param.normal_()
+    theirs = timm_convit.ConVit(img_size=32, patch_size=4, num_classes=10, embed_dim=48, num_heads=4, local_up_to_layer=10)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    theirs.eval()
+    images = torch.randn(3, 3, 32, 32)
+
+    inputs = {}
+    hooks = [
+        block.attn.register_forward_pre_hook(lambda _, args, i=i: inputs.__setitem__(i, args[0]))
+        for i, block in enumerate(theirs.blocks[:10])
+    ]
+    with torch.no_grad():
+        theirs(images)
+        expected = {i + 1: theirs.blocks[i].attn.get_attention_map(x) for i, x in inputs.items()}
+    for hook in hooks:
+        hook.remove()
+
+    ours_per_layer = diagnostics.nonlocality(ours, images)
+    for layer in range(1, 11):
+        torch.testing.assert_close(ours_per_layer[layer], expected[layer], atol=1e-5, rtol=1e-4)
+
+
+def test_convit_attention_map_figure(tmp_path):
+    model = small_convit()
+    assert_png(plot_attention_maps(model, torch.randn(3, 32, 32), tmp_path / "maps.png", query=(2, 5), layers=[2, 11]))
+    with pytest.raises(ValueError, match="available layers"):
+        plot_attention_maps(model, torch.randn(3, 32, 32), tmp_path / "bad.png", layers=[13])
