@@ -1,0 +1,180 @@
+"""GPSA / MHSA layers: hot path vs reference path, timm's layers as oracle, convolutional init, grids."""
+import pytest
+import torch
+from timm.models import convit as timm_convit
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from convit import GPSA, MHSA, gated_attention, grid_positions, kernel_offsets, relative_encodings
+
+
+def _randomized_gpsa(dim: int, heads: int, seed: int = 0) -> GPSA:
+    """A GPSA with random (not convolutional) positional weights and distinct gates per head."""
+    torch.manual_seed(seed)
+    layer = GPSA(dim, heads)
+    with torch.no_grad():
+        layer.pos_proj.weight.normal_()
+        layer.pos_proj.bias.normal_()
+        layer.gating_param.copy_(torch.linspace(-2.0, 2.0, heads))
+    return layer
+
+
+def _output_and_grads(layer: GPSA, x: torch.Tensor, grid_size, fused: bool):
+    layer.fused = fused
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = layer(x, grid_size)
+    out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))  # a non-trivial cotangent
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("grid_size", [(4, 4), (3, 5)])
+def test_hot_path_matches_reference_path_in_outputs_and_gradients(grid_size):
+    layer = _randomized_gpsa(dim=24, heads=4).double()
+    x = torch.randn(3, grid_size[0] * grid_size[1], 24, dtype=torch.float64)
+    out_fused, dx_fused, grads_fused = _output_and_grads(layer, x, grid_size, fused=True)
+    out_ref, dx_ref, grads_ref = _output_and_grads(layer, x, grid_size, fused=False)
+    torch.testing.assert_close(out_fused, out_ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(dx_fused, dx_ref, rtol=0, atol=1e-5)
+    assert set(grads_fused) == {"qk.weight", "v.weight", "proj.weight", "proj.bias", "pos_proj.weight", "pos_proj.bias", "gating_param"}
+    for name in grads_fused:
+        torch.testing.assert_close(grads_fused[name], grads_ref[name], rtol=0, atol=1e-5, msg=name)
+    assert grads_fused["gating_param"].abs().min() > 0  # the gate really is on the gradient path
+
+
+def test_shared_value_path_matches_per_head_values():
+    """gated_attention with one value for all heads (B, 1, N, dv) equals the expanded per-head value."""
+    torch.manual_seed(0)
+    b, h, n, d = 2, 4, 12, 5
+    q, k = torch.randn(2, b, h, n, d, dtype=torch.float64)
+    v = torch.randn(b, 1, n, 7, dtype=torch.float64)
+    pos = torch.randn(h, n, n, dtype=torch.float64).softmax(-1)
+    gate = torch.rand(h, dtype=torch.float64)
+    shared = gated_attention(q, k, v, pos, gate)
+    expanded = gated_attention(q, k, v.expand(-1, h, -1, -1).contiguous(), pos, gate)
+    content = (q @ k.transpose(-2, -1) / d**0.5).softmax(-1)
+    explicit = ((1 - gate.view(1, h, 1, 1)) * content + gate.view(1, h, 1, 1) * pos) @ v
+    torch.testing.assert_close(shared, expanded)
+    torch.testing.assert_close(shared, explicit)
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def test_hot_path_never_builds_a_batched_attention_matrix():
+    b, h, grid = 3, 4, (5, 7)  # B, H, N all distinct
+    n = grid[0] * grid[1]
+    layer = _randomized_gpsa(dim=32, heads=h)
+    x = torch.randn(b, n, 32, requires_grad=True)
+    with _ShapeRecorder() as fused:
+        layer(x, grid).sum().backward()
+    layer.fused = False
+    with _ShapeRecorder() as explicit:
+        layer(x, grid).sum().backward()
+    assert (b, h, n, n) in explicit.shapes  # the recorder does see it on the reference path
+    assert (b, h, n, n) not in fused.shapes
+    assert (h, n, n) in fused.shapes
+
+
+@pytest.mark.parametrize("gate_override", [0.0, 1.0])
+def test_gate_override_selects_content_or_position(gate_override):
+    layer = _randomized_gpsa(dim=16, heads=4).double()
+    grid = (3, 4)
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    q, k, v = layer._qkv(x)
+    if gate_override == 0.0:
+        attn = (q @ k.transpose(-2, -1) * layer.scale).softmax(-1)
+    else:
+        attn = layer.positional_attention(grid).double().expand(2, -1, -1, -1)
+    expected = layer.proj((attn @ v).transpose(1, 2).reshape(2, 12, 16))
+    layer.gate_override = gate_override
+    for fused in (True, False):
+        layer.fused = fused
+        torch.testing.assert_close(layer(x, grid), expected)
+
+
+def test_gpsa_and_mhsa_match_timm_layers():
+    torch.manual_seed(0)
+    grid, x = (6, 6), torch.randn(2, 36, 32)
+    ours, theirs = _randomized_gpsa(32, 4), timm_convit.GPSA(32, num_heads=4)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    torch.testing.assert_close(ours(x, grid), theirs(x), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours.attention(x, grid), theirs.get_attention(x), rtol=0, atol=1e-6)
+
+    ours_sa, theirs_sa = MHSA(32, 4), timm_convit.MHSA(32, num_heads=4)
+    theirs_sa.load_state_dict(ours_sa.state_dict(), strict=True)
+    x = torch.randn(2, 37, 32)  # 36 patches + class token
+    torch.testing.assert_close(ours_sa(x, grid), theirs_sa(x), rtol=0, atol=1e-5)
+
+
+def test_relative_encodings_of_a_rectangular_grid():
+    height, width = 2, 3
+    pos = grid_positions(height, width)
+    rel = relative_encodings(pos, pos)
+    tokens = [(x, y) for y in range(height) for x in range(width)]  # row-major
+    for i, (xi, yi) in enumerate(tokens):
+        for j, (xj, yj) in enumerate(tokens):
+            dx, dy = xj - xi, yj - yi
+            assert rel[i, j].tolist() == [dx, dy, dx * dx + dy * dy]
+
+
+@pytest.mark.parametrize("heads,kernel", [(4, 2), (9, 3), (16, 4)])
+def test_conv_init_with_large_alpha_attends_to_the_kernel_offset(heads, kernel):
+    grid = (9, 8)  # rectangular on purpose: catches swapped x / y
+    layer = GPSA(heads * 4, heads)
+    layer.local_init(locality_strength=10.0)
+    offsets = kernel_offsets(heads).long()
+    assert len({tuple(o) for o in offsets.tolist()}) == heads == kernel * kernel
+    assert torch.equal(layer.v.weight, torch.eye(heads * 4))
+    pos_attn = layer.positional_attention(grid)
+    margin = kernel  # every offset of every query stays inside the grid
+    for qy in range(margin, grid[0] - margin):
+        for qx in range(margin, grid[1] - margin):
+            query = qy * grid[1] + qx
+            for h, (dx, dy) in enumerate(offsets.tolist()):
+                target = (qy + dy) * grid[1] + (qx + dx)
+                assert pos_attn[h, query, target] > 0.99, (h, qx, qy)
+
+
+def test_position_only_conv_init_shifts_the_values_by_each_offset():
+    """With gate 1, identity value and output maps, head h copies its channels from query + Delta^h."""
+    heads, per_head, grid = 9, 2, (5, 6)
+    dim, n = heads * per_head, grid[0] * grid[1]
+    layer = GPSA(dim, heads)
+    layer.local_init(locality_strength=30.0)
+    layer.gate_override = 1.0
+    with torch.no_grad():
+        layer.proj.weight.copy_(torch.eye(dim))
+        layer.proj.bias.zero_()
+    x = torch.randn(1, n, dim)
+    out = layer(x, grid).view(grid[0], grid[1], heads, per_head)
+    image = x.view(grid[0], grid[1], heads, per_head)
+    for h, (dx, dy) in enumerate(kernel_offsets(heads).long().tolist()):
+        for qy in range(1, grid[0] - 1):
+            for qx in range(1, grid[1] - 1):
+                torch.testing.assert_close(out[qy, qx, h], image[qy + dy, qx + dx, h], atol=1e-4, rtol=0)
+
+
+def test_head_count_that_is_not_a_square_still_initializes():
+    layer = GPSA(36, 6)
+    layer.local_init()
+    offsets = kernel_offsets(6)
+    assert offsets.shape == (6, 2) and len({tuple(o) for o in offsets.tolist()}) == 6
+    assert torch.isfinite(layer(torch.randn(2, 12, 36), (3, 4))).all()
+
+
+def test_head_count_not_dividing_the_width_is_a_value_error():
+    with pytest.raises(ValueError, match="num_heads=5"):
+        GPSA(32, 5)
+    with pytest.raises(ValueError, match="num_heads=5"):
+        MHSA(32, 5)
