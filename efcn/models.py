@@ -137,6 +137,8 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create(variant: str, model_cls: Callable[..., nn.Module], pretrained: bool, **kwargs) -> nn.Module:
+    if kwargs.pop("drop_path_rate", None):
+        raise ValueError(f"{variant} has no residual branches to drop: drop_path_rate must be 0 (--drop-path 0)")
     return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
 
 

@@ -1,0 +1,326 @@
+"""The relax-time protocol of Sec. 6.2.2 (eFCN), end to end.
+
+1. Train the CNN (SGD lr 0.1, batch 250, no momentum / weight decay / augmentation), keeping
+   `snapshots` checkpoints at log-spaced epochs (0 = the initialization).
+2. Lift each snapshot to its eFCN and train it (SGD lr 0.01, or Adam as in App. E).
+3. Train the standard FCN of the same architecture from PyTorch's default init.
+4. Measure, for each eFCN at the start and end of its training, the gradient norm and the top
+   Hessian eigenvalue; at the end, delta, the weight-sharing violation and the accuracy of the
+   local / off-local blocks alone; interpolate CNN -> eFCN (linear, string, output space).
+5. Write CSVs and the figures 6.2-6.7 and E.6 into --output.
+
+All training goes through the engine (engine.run), so the train stage runs on one CPU or under
+`accelerate launch` on many GPUs; the analyze stage runs in one process:
+
+    python scripts/efcn_protocol.py -c configs/efcn_cpu.yaml --output results/efcn
+    accelerate launch scripts/efcn_protocol.py -c configs/efcn_cifar10.yaml --stage train --output runs/efcn
+    python scripts/efcn_protocol.py -c configs/efcn_cifar10.yaml --stage analyze --output runs/efcn
+
+Finished runs (with results.json) are not retrained, so an interrupted protocol resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import timm
+import torch
+import yaml
+
+import efcn
+from efcn import landscape, plots
+
+DEFAULTS = dict(
+    model="vanilla_cnn",            # the CNN; efcn_<model> and fcn_<model> must be registered
+    model_kwargs={},
+    dataset="digits", data_dir=None, img_size=None, num_classes=None,
+    batch_size=250, workers=2, seed=0,
+    cnn_epochs=150, cnn_lr=0.1,
+    snapshots=8,                    # k relax times, log-spaced in [0, cnn_epochs], 0 and cnn_epochs included
+    efcn_epochs=100, efcn_lr=0.01,
+    optimizer="sgd",                # sgd (no momentum) or adam (App. E)
+    adam_lr=1e-4,                   # lr of CNN, eFCNs and FCN when optimizer is adam
+    max_params=None,                # refuse eFCNs above this many parameters
+    measure_train_samples=1000,     # train images for losses, |grad L|, lambda_max and the string method
+    measure_test_samples=None,      # test images for accuracies (None = all)
+    power_iterations=20,
+    interpolate_relax_times=3,      # how many relax times (spread over the k) get the App. E.3 interpolations
+    interpolation_points=11,
+    string_points=7, string_steps=30, string_lr=0.01, string_stiffness=1.0,
+)
+
+
+# ------------------------------------------------------------------------------------- configuration
+def load_config(path: str | None, overrides: dict) -> dict:
+    cfg = dict(DEFAULTS)
+    if path:
+        if not Path(path).is_file():
+            raise SystemExit(f"error: config file not found: {path}")
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        unknown = sorted(set(loaded) - set(DEFAULTS))
+        if unknown:
+            raise SystemExit(f"error: unknown keys in {path}: {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
+        cfg.update(loaded)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    if cfg["optimizer"] not in ("sgd", "adam"):
+        raise SystemExit(f"error: optimizer must be sgd or adam, got {cfg['optimizer']!r}")
+    for key in ("cnn_epochs", "efcn_epochs", "snapshots", "batch_size", "power_iterations", "interpolation_points"):
+        if not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise SystemExit(f"error: {key} must be a positive integer, got {cfg[key]!r}")
+    if cfg["snapshots"] < 2:
+        raise SystemExit("error: snapshots must be >= 2 (the initialization and the trained CNN)")
+    for family in ("efcn_", "fcn_", ""):
+        if not timm.is_model(family + cfg["model"]):
+            raise SystemExit(f"error: model {family + cfg['model']} is not registered (import efcn registers "
+                             f"vanilla_cnn, alexnet_cifar and their efcn_/fcn_ variants)")
+    return cfg
+
+
+def relax_times(epochs: int, k: int) -> list[int]:
+    """0 and k-1 log-spaced epochs in [1, epochs] (rounded, duplicates moved up by one)."""
+    times = [0]
+    for t in np.geomspace(1, epochs, k - 1):
+        times.append(min(epochs, max(int(round(t)), times[-1] + 1)))
+    return sorted(set(times))
+
+
+def _train_options(cfg: dict, model: str, epochs: int, lr: float, output: Path, save_epochs: list[int],
+                   model_kwargs: dict) -> list[str]:
+    opt = ["--opt", "momentum", "--momentum", "0"] if cfg["optimizer"] == "sgd" else ["--opt", "adam"]
+    args = ["--model", model, "--dataset", cfg["dataset"], "--epochs", str(epochs), "--lr", str(lr), *opt,
+            "--batch-size", str(cfg["batch_size"]), "--weight-decay", "0", "--sched", "constant",
+            "--warmup-epochs", "0", "--no-aug", "--repeated-aug", "1", "--drop-path", "0",
+            "--seed", str(cfg["seed"]), "--workers", str(cfg["workers"]), "--output", str(output),
+            "--save-epochs", *map(str, save_epochs)]
+    for key in ("data_dir", "img_size", "num_classes"):
+        if cfg[key] is not None:
+            args += [f"--{key.replace('_', '-')}", str(cfg[key])]
+    if model_kwargs:
+        args += ["--model-kwargs", *[f"{k}={v}" for k, v in model_kwargs.items()]]
+    return args
+
+
+def _lr(cfg: dict, sgd_lr: float) -> float:
+    return sgd_lr if cfg["optimizer"] == "sgd" else cfg["adam_lr"]
+
+
+def _efcn_kwargs(cfg: dict, **extra) -> dict:
+    kwargs = dict(cfg["model_kwargs"], **extra)
+    if cfg["max_params"] is not None:
+        kwargs["max_params"] = cfg["max_params"]
+    return kwargs
+
+
+# ------------------------------------------------------------------------------------------ training
+def _run_once(args: list[str], output: Path) -> dict:
+    if (output / "results.json").exists():
+        print(f"[efcn_protocol] {output} already complete, kept")
+        return json.loads((output / "results.json").read_text())
+    import engine
+    print(f"[efcn_protocol] train.py {' '.join(args)}", flush=True)
+    return engine.run(args)
+
+
+def train_stage(cfg: dict, out: Path) -> None:
+    times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
+    _run_once(_train_options(cfg, cfg["model"], cfg["cnn_epochs"], _lr(cfg, cfg["cnn_lr"]), out / "cnn", times,
+                             cfg["model_kwargs"]), out / "cnn")
+    middle = cfg["efcn_epochs"] // 2
+    for t in times:
+        snapshot = (out / "cnn" / "checkpoints" / f"epoch_{t}.safetensors").resolve()
+        _run_once(_train_options(cfg, "efcn_" + cfg["model"], cfg["efcn_epochs"], _lr(cfg, cfg["efcn_lr"]),
+                                 out / f"efcn_tw{t}", sorted({0, middle, cfg["efcn_epochs"]}),
+                                 _efcn_kwargs(cfg, cnn_checkpoint=snapshot)), out / f"efcn_tw{t}")
+    _run_once(_train_options(cfg, "fcn_" + cfg["model"], cfg["efcn_epochs"], _lr(cfg, cfg["efcn_lr"]), out / "fcn",
+                             sorted({0, middle, cfg["efcn_epochs"]}), _efcn_kwargs(cfg)), out / "fcn")
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def _tensors(dataset, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    items = [dataset[i] for i in range(n)]
+    return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items])
+
+
+def _first_filter(model: torch.nn.Module) -> np.ndarray:
+    """First layer's row for output channel 0 at the top-left output pixel, as (C_in, H, W)."""
+    layer = next(iter(efcn.diagnostics.local_layers(model).values()))
+    return layer.weight[0].detach().reshape(layer.in_shape).cpu().numpy()
+
+
+def _read_summary(run: Path, name: str, initial: tuple[float, float] | None) -> list[dict]:
+    rows = [] if initial is None else [dict(run=name, epoch=0, train_loss=initial[0], test_acc=initial[1])]
+    with open(run / "summary.csv") as f:
+        for r in csv.DictReader(f):
+            rows.append(dict(run=name, epoch=int(r["epoch"]), train_loss=float(r["train_loss"]),
+                             test_acc=float(r["eval_top1"])))
+    return rows
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _pick(items: list, n: int) -> list:
+    if n >= len(items):
+        return list(items)
+    return [items[i] for i in sorted({round(j * (len(items) - 1) / max(1, n - 1)) for j in range(n)})]
+
+
+def analyze_stage(cfg: dict, out: Path) -> None:
+    from engine.checkpoint import load_weights
+    from engine.data import build_datasets
+
+    torch.manual_seed(cfg["seed"])
+    times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
+    E = cfg["efcn_epochs"]
+    bundle = build_datasets(dict(dataset=cfg["dataset"], data_dir=cfg["data_dir"], img_size=cfg["img_size"],
+                                 num_classes=cfg["num_classes"], seed=cfg["seed"], no_aug=True))
+    train = landscape.Batches(*_tensors(bundle.train, cfg["measure_train_samples"]), cfg["batch_size"])
+    test = landscape.Batches(*_tensors(bundle.val, cfg["measure_test_samples"]), cfg["batch_size"])
+    cnn_kwargs = dict(num_classes=bundle.num_classes, in_chans=bundle.in_chans, **cfg["model_kwargs"])
+    if cfg["img_size"] is not None:
+        cnn_kwargs["img_size"] = cfg["img_size"]
+    build_kwargs = _efcn_kwargs(cfg, **cnn_kwargs)
+
+    def build(family: str, path: Path) -> torch.nn.Module:
+        model = timm.create_model(family + cfg["model"], **(build_kwargs if family else cnn_kwargs))
+        return load_weights(model, path).eval()
+
+    def landscape_at(model) -> dict:
+        return dict(grad_norm=landscape.gradient_norm(model, train),
+                    hessian_top=landscape.top_hessian_eigenvalue(model, train, cfg["power_iterations"], cfg["seed"]))
+
+    cnn_results = json.loads((out / "cnn" / "results.json").read_text())
+    cnn_init = build("", out / "cnn" / "checkpoints" / "epoch_0.safetensors")
+    curves = _read_summary(out / "cnn", "cnn", (landscape.evaluate(cnn_init, train)[0],
+                                                landscape.evaluate(cnn_init, test)[1]))
+    rows, filters = [], {}
+    for t in times:
+        run = out / f"efcn_tw{t}"
+        started = time.perf_counter()
+        model = build("efcn_", run / "checkpoints" / "epoch_0.safetensors")
+        row = dict(relax_time=t)
+        row["initial_train_loss"], row["initial_train_acc"] = landscape.evaluate(model, train)
+        row["initial_test_acc"] = landscape.evaluate(model, test)[1]
+        start = landscape_at(model)
+        filters[f"eFCN t_w={t}"] = [("at relax time", _first_filter(model))]
+        for epoch in sorted({E // 2, E} - {0}):
+            load_weights(model, run / "checkpoints" / f"epoch_{epoch}.safetensors").eval()
+            filters[f"eFCN t_w={t}"].append((f"after {epoch} epochs", _first_filter(model)))
+        row["final_train_loss"], row["final_train_acc"] = landscape.evaluate(model, train)
+        row["final_test_acc"] = landscape.evaluate(model, test)[1]
+        row["best_test_acc"] = json.loads((run / "results.json").read_text())["best_top1"]
+        for key, value in efcn.deviation(model).items():
+            row[f"deviation_{key}"] = value
+        row["weight_sharing_total"] = efcn.weight_sharing_violation(model)["total"]
+        for keep in ("local", "off_local"):
+            with efcn.masked(model, keep):
+                row[f"{keep}_only_test_acc"] = landscape.evaluate(model, test)[1]
+        end = landscape_at(model)
+        row.update({f"{k}_start": v for k, v in start.items()})
+        row.update({f"{k}_end": v for k, v in end.items()})
+        rows.append(row)
+        curves += _read_summary(run, f"efcn_tw{t}", (row["initial_train_loss"], row["initial_test_acc"]))
+        print(f"[efcn_protocol] t_w={t}: final test acc {row['final_test_acc']:.2f}%, delta "
+              f"{row['deviation_total']:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+    fcn = build("fcn_", out / "fcn" / "checkpoints" / "epoch_0.safetensors")
+    fcn_initial = landscape.evaluate(fcn, train)[0], landscape.evaluate(fcn, test)[1]
+    filters["FCN"] = [("initialization", _first_filter(fcn))]
+    load_weights(fcn, out / "fcn" / "checkpoints" / f"epoch_{E}.safetensors").eval()
+    filters["FCN"].append((f"after {E} epochs", _first_filter(fcn)))
+    filters["FCN"].append(("difference", filters["FCN"][1][1] - filters["FCN"][0][1]))
+    curves += _read_summary(out / "fcn", "fcn", fcn_initial)
+    fcn_local = {}
+    for keep in ("local", "off_local"):
+        with efcn.masked(fcn, keep):
+            fcn_local[keep] = landscape.evaluate(fcn, test)[1]
+    baselines = dict(
+        cnn_final_test_acc=cnn_results["final_top1"], cnn_best_test_acc=cnn_results["best_top1"],
+        fcn_final_test_acc=landscape.evaluate(fcn, test)[1],
+        fcn_best_test_acc=json.loads((out / "fcn" / "results.json").read_text())["best_top1"],
+        fcn_initial_train_loss=fcn_initial[0], fcn_deviation_total=efcn.deviation(fcn)["total"],
+        fcn_local_only_test_acc=fcn_local["local"], fcn_off_local_only_test_acc=fcn_local["off_local"])
+
+    interpolation_rows = []
+    cnn_final = (out / "cnn" / "checkpoints" / f"epoch_{cfg['cnn_epochs']}.safetensors").resolve()
+    lifted_cnn = timm.create_model("efcn_" + cfg["model"], **build_kwargs, cnn_checkpoint=str(cnn_final)).eval()
+    start_params = landscape.parameters_of(lifted_cnn)
+    for t in _pick(times, cfg["interpolate_relax_times"]):
+        started = time.perf_counter()
+        trained = build("efcn_", out / f"efcn_tw{t}" / "checkpoints" / f"epoch_{E}.safetensors")
+        end_params = landscape.parameters_of(trained)
+        alphas = np.linspace(0, 1, cfg["interpolation_points"]).tolist()
+        for alpha, params in zip(alphas, landscape.linear_path(start_params, end_params, alphas)):
+            interpolation_rows.append(dict(relax_time=t, method="linear", alpha=alpha,
+                                           train_loss=landscape.evaluate(trained, train, params)[0],
+                                           test_acc=landscape.evaluate(trained, test, params)[1]))
+        string_alphas = np.linspace(0, 1, cfg["string_points"]).tolist()
+        path = landscape.string_path(trained, start_params, end_params, string_alphas, train,
+                                     cfg["string_stiffness"], cfg["string_steps"], cfg["string_lr"])
+        for alpha, params in zip(string_alphas, path):
+            interpolation_rows.append(dict(relax_time=t, method="string", alpha=alpha,
+                                           train_loss=landscape.evaluate(trained, train, params)[0],
+                                           test_acc=landscape.evaluate(trained, test, params)[1]))
+        for alpha in alphas:
+            interpolation_rows.append(dict(
+                relax_time=t, method="output", alpha=alpha,
+                train_loss=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, train)[0],
+                test_acc=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, test)[1]))
+        print(f"[efcn_protocol] interpolation t_w={t} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+    _write_csv(out / "relax_times.csv", rows)
+    _write_csv(out / "baselines.csv", [baselines])
+    _write_csv(out / "curves.csv", curves)
+    _write_csv(out / "interpolation.csv", interpolation_rows)
+    plots.training_curves(curves, times, out / "fig6_2_training_curves.png")
+    plots.accuracy_and_landscape(rows, baselines, out / "fig6_3_accuracy_gradient_hessian.png")
+    plots.deviation(rows, baselines, out / "fig6_4_deviation.png")
+    plots.local_contributions(rows, out / "fig6_5_local_offlocal.png")
+    plots.filter_heatmaps(filters, out / "fig6_6_6_7_first_layer_filters.png")
+    plots.interpolation(interpolation_rows, out / "figE6_interpolation.png")
+    print(f"[efcn_protocol] wrote CSVs and figures to {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-c", "--config", help="YAML with keys of DEFAULTS (configs/efcn_*.yaml)")
+    parser.add_argument("--output", required=True, help="directory for the runs, CSVs and figures")
+    parser.add_argument("--stage", choices=("all", "train", "analyze"), default="all")
+    for key in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed"):
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, dest=key)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"))
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, {k: getattr(args, k) for k in ("cnn_epochs", "efcn_epochs", "snapshots",
+                                                                  "workers", "seed", "optimizer")})
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "protocol_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    started = time.perf_counter()
+    from engine import ConfigError
+    try:
+        if args.stage in ("all", "train"):
+            train_stage(cfg, out)
+        if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:
+            analyze_stage(cfg, out)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    print(f"[efcn_protocol] done in {(time.perf_counter() - started) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
