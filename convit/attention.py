@@ -57,22 +57,72 @@ def positional_attention(rel: torch.Tensor, pos_proj: nn.Linear) -> torch.Tensor
     return logits.view(-1, nq, nk).softmax(dim=-1)
 
 
-def apply_positional(pos_attn: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """P @ V as a single GEMM with the batch folded into the columns.
+def _fold(v: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, dv) -> (H, N, B*dv); a value shared by heads, (B, 1, N, dv) -> (N, B*dv)."""
+    b, hv, n, dv = v.shape
+    if hv == 1:
+        return v[:, 0].permute(1, 0, 2).reshape(n, b * dv)
+    return v.permute(1, 2, 0, 3).reshape(hv, n, b * dv)
 
-    pos_attn: (H, Nq, Nk); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by all heads.
-    Returns (B, H, Nq, dv). Autograd forms dP as (H, Nq, Nk) directly: a broadcast
-    `pos_attn[None] @ v` would build a (B, H, Nq, Nk) gradient instead."""
-    b, hv, nk, dv = v.shape
-    h, nq, _ = pos_attn.shape
-    pos_attn = pos_attn.to(v.dtype)
-    if hv == 1:  # shared value: (Nk, B*dv), one plain matmul for all heads
-        folded = v[:, 0].permute(1, 0, 2).reshape(nk, b * dv)
-        out = (pos_attn.reshape(h * nq, nk) @ folded).view(h, nq, b, dv)
-    else:
-        folded = v.permute(1, 2, 0, 3).reshape(h, nk, b * dv)
-        out = torch.bmm(pos_attn, folded).view(h, nq, b, dv)
-    return out.permute(2, 0, 1, 3)
+
+def _unfold(folded: torch.Tensor, batch: int) -> torch.Tensor:
+    """(H, N, B*dv) -> (B, H, N, dv), a view."""
+    h, n, bd = folded.shape
+    return folded.view(h, n, batch, bd // batch).permute(2, 0, 1, 3)
+
+
+def _positional_matmul(pos_attn: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
+    """(H, Nq, Nk) @ folded values -> (H, Nq, B*dv): one GEMM (shared value) or one batched GEMM."""
+    if folded.dim() == 2:
+        h, nq, nk = pos_attn.shape
+        return (pos_attn.reshape(h * nq, nk) @ folded).view(h, nq, -1)
+    return torch.bmm(pos_attn, folded)
+
+
+def apply_positional(pos_attn: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """P @ V with the batch folded into the columns, (H, Nq, Nk) x (B, H|1, Nk, dv) -> (B, H, Nq, dv).
+
+    Differentiable through plain autograd, which forms dP as (H, Nq, Nk) directly (a broadcast
+    `P[None] @ v` would build a (B, H, Nq, Nk) gradient instead)."""
+    return _unfold(_positional_matmul(pos_attn.to(v.dtype), _fold(v)), v.shape[0])
+
+
+class _PositionalMix(torch.autograd.Function):
+    """lerp(content, P @ V, gate) that saves for backward only what SDPA already keeps alive.
+
+    The forward output of P @ V and the folded copy of V are not kept: the backward refolds V and
+    recomputes P @ V for the gate's gradient (one extra GEMM per layer), so the positional branch
+    adds almost no activation memory on top of the content attention."""
+
+    @staticmethod
+    def forward(ctx, content, pos_attn, v, gate):
+        positional = _unfold(_positional_matmul(pos_attn, _fold(v)), v.shape[0])
+        ctx.save_for_backward(content, pos_attn, v, gate)
+        return torch.lerp(content, positional, gate.to(content.dtype).view(1, -1, 1, 1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        content, pos_attn, v, gate = ctx.saved_tensors
+        batch = v.shape[0]
+        weight = gate.to(grad.dtype).view(1, -1, 1, 1)
+        folded = _fold(v)
+        grad_positional = (grad * weight).permute(1, 2, 0, 3).reshape(pos_attn.shape[0], pos_attn.shape[1], -1)
+        grad_content = grad_pos_attn = grad_v = grad_gate = None
+        if ctx.needs_input_grad[0]:
+            grad_content = grad - grad * weight
+        if ctx.needs_input_grad[1]:
+            keys_t = folded.t() if folded.dim() == 2 else folded.transpose(1, 2)
+            grad_pos_attn = grad_positional @ keys_t
+        if ctx.needs_input_grad[2]:
+            if folded.dim() == 2:  # shared value: sum the heads' contributions
+                grad_folded = torch.einsum("hqk,hqc->kc", pos_attn, grad_positional)
+                grad_v = grad_folded.view(-1, batch, v.shape[-1]).permute(1, 0, 2).unsqueeze(1)
+            else:
+                grad_v = _unfold(torch.bmm(pos_attn.transpose(1, 2), grad_positional), batch)
+        if ctx.needs_input_grad[3]:
+            positional = _unfold(_positional_matmul(pos_attn, folded), batch)
+            grad_gate = (grad * (positional - content)).sum(dim=(0, 2, 3)).to(gate.dtype)
+        return grad_content, grad_pos_attn, grad_v, grad_gate
 
 
 def gated_attention(
@@ -80,12 +130,11 @@ def gated_attention(
 ) -> torch.Tensor:
     """(1 - gate_h) softmax(Q K^T / sqrt(d)) V + gate_h P_h V, without a (B, H, Nq, Nk) tensor.
 
-    q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H or 1, Nk, dv); pos_attn: (H, Nq, Nk);
-    gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv)."""
+    q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by
+    all heads; pos_attn: (H, Nq, Nk); gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv)."""
     heads = q.shape[1]
     content = F.scaled_dot_product_attention(q, k, v.expand(-1, heads, -1, -1))
-    positional = apply_positional(pos_attn, v)
-    return torch.lerp(content, positional, gate.to(content.dtype).view(1, heads, 1, 1))
+    return _PositionalMix.apply(content, pos_attn.to(v.dtype), v, gate)
 
 
 def kernel_offsets(num_heads: int) -> torch.Tensor:
