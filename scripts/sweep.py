@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Sample-efficiency and parameter sweeps over train.py, and their report (Table 7.2, Figs. 7.2/7.9).
+
+    # run a sweep file (every incomplete run, one train.py subprocess at a time), then report
+    python scripts/sweep.py run configs/sweeps/digits_sample_efficiency.yaml --output results/sample_efficiency
+    # the same grid on your own ImageFolder
+    python scripts/sweep.py run configs/sweeps/digits_sample_efficiency.yaml --output out/mine \\
+        --dataset folder --data-dir /data/my_images
+    # print the train.py commands instead, for a cluster scheduler; collect when they are done
+    python scripts/sweep.py run configs/sweeps/imagenet_sample_efficiency.yaml --output out/se \\
+        --launcher "accelerate launch --multi_gpu --num_processes 8" --print-commands
+    python scripts/sweep.py collect --output out/se
+    # regenerate the tables and plots from the CSV alone
+    python scripts/sweep.py report --csv results/sample_efficiency/runs.csv
+
+Without a sweep file the grid is convit_tiny vs deit_tiny_patch16_224 at f in {0.05, 0.1, 0.3, 0.5, 1}
+(epochs x 1/f), seed 0; ``--models``, ``--fractions``, ``--seeds``, ``--grid KEY=V1,V2`` and
+``--set KEY=VALUE`` change any axis or shared option (``model_kwargs.NAME`` for a model argument).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_GRID = {
+    'model': ['convit_tiny', 'deit_tiny_patch16_224'],
+    'train_fraction': [0.05, 0.1, 0.3, 0.5, 1.0],
+    'seed': [0],
+}
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition('=')
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{text}'")
+    return key.replace('-', '_') if not key.startswith('model_kwargs.') else key, value
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != '' else ''
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest='command', required=True)
+
+    run = commands.add_parser('run', help='run (or print) every incomplete run of a grid, then report')
+    run.add_argument('sweep', nargs='?', help='sweep YAML (configs/sweeps/*.yaml); default: ConViT vs DeiT grid')
+    run.add_argument('--output', required=True, help='sweep directory (runs/, logs/, sweep.yaml, runs.csv, report)')
+    run.add_argument('--models', nargs='+', help='grid axis: model names')
+    run.add_argument('--fractions', nargs='+', type=float, help='grid axis: train fractions in (0, 1]')
+    run.add_argument('--seeds', nargs='+', type=int, help='grid axis: seeds')
+    run.add_argument('--grid', nargs='+', type=_key_value, default=[], metavar='KEY=V1,V2',
+                     help='grid axis for any train.py option or model_kwargs.NAME')
+    run.add_argument('--set', nargs='+', type=_key_value, default=[], metavar='KEY=VALUE',
+                     help='train.py option shared by every run (model_kwargs.NAME for a model argument)')
+    run.add_argument('--dataset', help='shorthand for --set dataset=NAME')
+    run.add_argument('--data-dir', help='shorthand for --set data_dir=PATH')
+    run.add_argument('--config', help='base train.py recipe YAML passed to every run (-c)')
+    run.add_argument('--no-scale-epochs', action='store_true', help='keep the epochs fixed across fractions')
+    run.add_argument('--launcher', default=None,
+                     help='command that launches train.py, e.g. "accelerate launch --num_processes 8" '
+                          '(default: this python)')
+    run.add_argument('--print-commands', action='store_true',
+                     help='print the train.py command of every incomplete run instead of running it')
+    _add_report_options(run)
+
+    collect = commands.add_parser('collect', help='write runs.csv and the report from the complete runs')
+    collect.add_argument('--output', required=True, help='sweep directory (holding sweep.yaml)')
+    _add_report_options(collect)
+
+    report = commands.add_parser('report', help='regenerate the tables and plots from a runs CSV')
+    report.add_argument('--csv', required=True, help='runs.csv written by run/collect')
+    report.add_argument('--output', help='directory for report.md and PNGs (default: next to the CSV)')
+    _add_report_options(report)
+    return parser
+
+
+def _add_report_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--baseline', help="model (or variant) the gaps are relative to (default: the sweep's "
+                                           "baseline, else the only name containing 'deit')")
+    parser.add_argument('--best', action='store_true', help='report the best epoch instead of the final one')
+
+
+def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    from engine import sweep
+
+    spec = sweep.load_spec(args.sweep) if args.sweep else sweep.normalize_spec({'grid': DEFAULT_GRID})
+    grid = {key: [_parse_value(v) for v in value.split(',')] for key, value in args.grid}
+    for key, values in (('model', args.models), ('train_fraction', args.fractions), ('seed', args.seeds)):
+        if values:
+            grid[key] = values
+    options = {key: _parse_value(value) for key, value in args.set}
+    if args.dataset:
+        options['dataset'] = args.dataset
+    if args.data_dir:
+        options['data_dir'] = args.data_dir
+    spec = sweep.override_spec(spec, grid, options)
+    if args.config:
+        spec['config'] = args.config
+    if args.no_scale_epochs:
+        spec['scale_epochs'] = False
+    return spec
+
+
+def write_outputs(prepared, args: argparse.Namespace) -> int:
+    """runs.csv and the report from the complete runs; 1 if some runs are missing."""
+    from engine import report, sweep
+
+    rows, missing = prepared.collect()
+    if missing:
+        print(f'{len(missing)} of {len(prepared.runs)} runs are not complete: {", ".join(missing)}')
+    if not rows:
+        return 1
+    csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
+    paths = report.write_report(csv_path, baseline=args.baseline or prepared.spec['baseline'], best=args.best)
+    print('wrote ' + ', '.join(str(p) for p in [csv_path] + paths))
+    return 1 if missing else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from engine import report, sweep
+
+    try:
+        if args.command == 'report':
+            paths = report.write_report(args.csv, args.output, baseline=args.baseline, best=args.best)
+            print('wrote ' + ', '.join(str(p) for p in paths))
+            return 0
+        if args.command == 'collect':
+            record = Path(args.output) / sweep.RECORD_NAME
+            if not record.is_file():
+                raise ValueError(f'{record} not found: is {args.output} a sweep directory?')
+            prepared = sweep.Sweep.prepare(sweep.load_spec(record), args.output)
+            return write_outputs(prepared, args)
+        prepared = sweep.Sweep.prepare(spec_from_args(args), args.output)
+        launcher = shlex.split(args.launcher) if args.launcher else None
+        if args.print_commands:
+            for cmd in prepared.commands(launcher):
+                print(shlex.join(cmd))
+            return 0
+        signal.signal(signal.SIGTERM, _interrupt)
+        failed = prepared.execute(launcher)
+        status = write_outputs(prepared, args)
+        if failed:
+            print(f'{len(failed)} run(s) failed: {", ".join(failed)}', file=sys.stderr)
+        return 1 if failed else status
+    except ValueError as error:
+        print(f'error: {error}', file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print('interrupted: rerun the same command to resume (complete runs are kept)', file=sys.stderr)
+        return 130
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
