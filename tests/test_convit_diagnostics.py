@@ -145,8 +145,9 @@ def test_gating_and_span_work_on_foreign_gated_layers():
 
 
 def test_gating_and_span_of_transformed_cnn_layers():
-    gpsa_conv = pytest.importorskip("transformed_cnn.gpsa_conv")
-    layer = gpsa_conv.GPSAConv2d(8, 8, 3, locality_strength=2.0, gating=0.5)
+    from transformed_cnn.gpsa_conv import GPSAConv2d
+
+    layer = GPSAConv2d(8, 8, 3, locality_strength=2.0, gating=0.5)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), layer)
     stats = diagnostics.summary(model, torch.randn(2, 3, 6, 6))
     assert stats["gating/layer1/head9"] == pytest.approx(torch.sigmoid(torch.tensor(0.5)).item())
