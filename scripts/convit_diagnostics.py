@@ -120,7 +120,10 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
         kwargs["img_size"] = args.img_size
     if args.num_classes:
         kwargs["num_classes"] = args.num_classes
-    model = timm.create_model(args.model, **kwargs)
+    try:
+        model = timm.create_model(args.model, **kwargs)
+    except TypeError as err:  # timm's own models reject unknown kwargs with a TypeError
+        raise ValueError(f"--model {args.model} with {kwargs}: {err}") from None
     if args.checkpoint:
         load_weights(model, args.checkpoint)
     image = load_image(args.image, model, args.in_chans, args.img_size)
