@@ -1,0 +1,48 @@
+"""The training engine shared by every model family: config, data, loop, checkpoints, logging.
+
+``engine.run(argv)`` is the body of ``train.py``; ``engine.main(argv)`` wraps it for the command line
+(user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from .config import ConfigError, parse_config
+
+__all__ = ["run", "main", "ConfigError"]
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse, validate, then train (or evaluate with --eval-only). Returns the content of results.json."""
+    from .trainer import Trainer  # imported late: `train.py --help` stays fast
+
+    cfg = parse_config(argv)
+    try:
+        trainer = Trainer(cfg)
+    except (ValueError, FileNotFoundError) as e:  # data, model and checkpoint checks; ConfigError included
+        raise ConfigError(str(e)) from None
+    if cfg.eval_only:
+        return trainer.evaluate_only()
+    return trainer.fit()
+
+
+def _print_error(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # one line for the user, not one per process
+        print("error: " + " ".join(message.split()), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: exit code 0 on success, 2 for bad input, 1 when training diverges."""
+    from .trainer import NonFiniteLossError
+
+    try:
+        run(argv)
+    except ConfigError as e:
+        _print_error(str(e))
+        return 2
+    except NonFiniteLossError as e:
+        _print_error(str(e))
+        return 1
+    return 0

@@ -1,0 +1,401 @@
+"""The training loop: one accelerate code path for CPU, one GPU, many GPUs and many nodes.
+
+``Trainer(cfg)`` does every check that can fail on user input (data, model, checkpoints, output dir)
+before it writes anything; ``Trainer.fit()`` then trains, evaluates, logs and checkpoints each epoch;
+``Trainer.evaluate_only()`` prints top-1/top-5 of a checkpoint.
+
+Distribution: the model and optimizer go through ``accelerator.prepare`` (DDP, or FSDP when the
+accelerate config asks for it). The train loader is *not* prepared: its sampler (from engine.data)
+shards itself across ranks so that, with a fixed seed, the union of the ranks' batches at step t is the
+1-process batch at step t. The eval loader is prepared and metrics use ``gather_for_metrics``, so they
+are exact (no duplicated padding samples). Gradient accumulation uses ``accelerator.accumulate``; each
+epoch runs a multiple of ``--grad-accum-steps`` batches (the few left over are skipped) so every
+optimizer step sees the same number of batches.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import math
+import time
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
+from timm.utils import ModelEmaV3
+from tqdm.auto import tqdm
+
+from . import recipe
+from .checkpoint import (CheckpointDir, find_resume_point, load_training_state, load_weights,
+                         rng_state, set_rng_state, weights_metadata, EMA_FILE, WEIGHTS_FILE)
+from .config import Config, ConfigError, effective_epochs, write_config
+from .diagnostics import ModelDiagnostics
+from .run_log import RunLog
+
+MODEL_FAMILIES = ("convit", "transformed_cnn", "efcn")
+LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training diverged; the run stops before saving, so the last checkpoint is the last good one."""
+
+
+def import_model_families() -> None:
+    """Register the project's models in timm's registry; a family that is not installed is skipped."""
+    for family in MODEL_FAMILIES:
+        try:
+            importlib.import_module(family)
+        except ModuleNotFoundError as e:
+            if e.name != family:
+                raise
+
+
+def check_model_name(name: str, option: str = "--model") -> None:
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.5)
+        hint = f"; close choices: {', '.join(close)}" if close else "; see timm.list_models()"
+        raise ConfigError(f"unknown model '{name}' for {option}{hint}")
+
+
+def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
+    """timm.create_model with the run's options; pretrained weights come from a local file only."""
+    kwargs: dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=cfg.drop_path or None,
+                                  in_chans=None if in_chans == 3 else in_chans, pretrained=cfg.pretrained)
+    if cfg.pretrained_file:
+        kwargs["pretrained_cfg_overlay"] = dict(file=str(Path(cfg.pretrained_file).resolve()))
+    kwargs.update(cfg.model_kwargs)
+    kwargs.setdefault("img_size", cfg.img_size)
+    try:
+        try:
+            return timm.create_model(cfg.model, **kwargs)
+        except TypeError as e:  # CNNs take no img_size: they run at any resolution
+            if "img_size" not in str(e) or "img_size" in cfg.model_kwargs:
+                raise
+            kwargs.pop("img_size")
+            return timm.create_model(cfg.model, **kwargs)
+    except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
+        raise ConfigError(f"cannot build {cfg.model} with {cfg.model_kwargs or 'default arguments'}: "
+                          f"{str(e).splitlines()[0]}") from None
+
+
+def transform_model(model: torch.nn.Module, kwargs: dict) -> torch.nn.Module:
+    """T-CNN reparametrization (transformed_cnn.transform), imported only when used."""
+    try:
+        from transformed_cnn import transform
+    except ImportError as e:
+        raise ConfigError(f"--reparametrize-at-epoch needs transformed_cnn.transform ({e})") from None
+    return transform(model, **kwargs)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.accelerator = acc = Accelerator(
+            mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps,
+            log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None)
+        self.output = Path(cfg.output)
+        self.epochs, self.warmup_epochs = effective_epochs(cfg)
+        self.global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
+        self.lr = cfg.lr if cfg.lr is not None else cfg.lr_base * self.global_batch / cfg.lr_base_size
+
+        import_model_families()
+        check_model_name(cfg.model)
+        if cfg.distill_teacher:
+            check_model_name(cfg.distill_teacher, "--distill-teacher")
+        self.resume_point = self._check_output_dir()
+        self.resume_state = load_training_state(self.resume_point) if self.resume_point else None
+        if self.resume_state and self.resume_state.get("model") != cfg.model:
+            raise ConfigError(f"--resume {self.resume_point} is a checkpoint of {self.resume_state.get('model')}, "
+                              f"not of --model {cfg.model}")
+
+        from .data import build_datasets, build_eval_loader, build_train_loader
+        from .datasets import DATASETS
+        cfg.img_size = cfg.img_size or DATASETS[cfg.dataset].default_img_size  # data and model agree
+        self.data = build_datasets(cfg)
+        set_seed(cfg.seed)  # same initial weights on every rank
+        model = create_model(cfg, self.data.num_classes, self.data.in_chans)
+        if self.resume_state:
+            self.reparametrized = self.resume_state["reparametrized"]
+        else:  # a checkpoint written after --reparametrize-at-epoch needs the transformed architecture
+            self.reparametrized = bool(cfg.checkpoint) and weights_metadata(cfg.checkpoint).get("reparametrized") == "True"
+        if self.reparametrized:
+            model = transform_model(model, cfg.reparametrize_kwargs)
+        if cfg.checkpoint and not self.resume_point:
+            load_weights(model, cfg.checkpoint)
+        if self.resume_point:
+            load_weights(model, self.resume_point / WEIGHTS_FILE)
+        self.teacher = self._create_teacher() if cfg.distill_teacher and not cfg.eval_only else None
+
+        self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers)
+        if cfg.eval_only:
+            self.model, self.eval_loader = acc.prepare(model, self.eval_loader)
+            return
+        self.train_loader = build_train_loader(self.data.train, cfg.batch_size, cfg.workers, cfg.repeated_aug,
+                                               cfg.seed, acc.num_processes, acc.process_index)
+        self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"the training set ({len(self.data.train)} images) gives no full batch of "
+                              f"{cfg.batch_size} x {acc.num_processes} processes x {cfg.grad_accum_steps} "
+                              f"accumulation steps; lower --batch-size")
+        if hasattr(model, "set_distilled_training") and self.teacher is not None:
+            model.set_distilled_training(True)
+
+        self.model = acc.prepare(model)
+        self.optimizer = acc.prepare(recipe.create_optimizer(cfg, acc.unwrap_model(self.model), self.lr))
+        self.scheduler = recipe.create_scheduler(cfg, self.optimizer, self.epochs, self.warmup_epochs,
+                                                 self.steps_per_epoch // cfg.grad_accum_steps)
+        self.mixup = recipe.create_mixup(cfg, self.data.num_classes)
+        self.train_loss = recipe.create_train_loss(cfg, self.mixup)
+        if self.teacher is not None:
+            self.train_loss = recipe.HardDistillationLoss(self.train_loss, self.teacher)
+        self.ema = ModelEmaV3(acc.unwrap_model(self.model), decay=cfg.model_ema_decay) if cfg.model_ema else None
+        self.eval_loader = acc.prepare(self.eval_loader)
+
+        self.start_epoch, self.num_updates = 0, 0
+        self.best: dict[str, Any] = {}  # epoch, eval_top1, eval_top5 of the best evaluation so far
+        self.final: dict[str, Any] = {}  # the latest evaluation
+        if self.resume_state:
+            self._restore_training_state(self.resume_state)
+        self.checkpoints = CheckpointDir(self.output)
+        self.diagnostics = None
+        if cfg.diagnostics:
+            count = min(cfg.diagnostics_images, len(self.data.val))
+            images = torch.stack([self.data.val[i][0] for i in range(count)]).to(acc.device)
+            self.diagnostics = ModelDiagnostics(images)
+
+    # ------------------------------------------------------------------------------------ set-up checks
+    def _check_output_dir(self) -> Path | None:
+        """The resume point, or None for a fresh run; refuses to overwrite an earlier run's results."""
+        cfg = self.cfg
+        if cfg.eval_only:
+            return None
+        point = find_resume_point(cfg.resume, self.output) if cfg.resume else None
+        if point is None and self.output.is_dir():
+            earlier = [name for name in ("checkpoints", "summary.csv", "results.json") if (self.output / name).exists()]
+            if earlier:
+                raise ConfigError(f"output dir {self.output} already holds a run ({', '.join(earlier)}); "
+                                  f"pass --resume auto to continue it, or choose another --output")
+        return point
+
+    def _create_teacher(self) -> torch.nn.Module:
+        cfg = self.cfg
+        teacher = timm.create_model(cfg.distill_teacher, num_classes=self.data.num_classes,
+                                    in_chans=None if self.data.in_chans == 3 else self.data.in_chans)
+        load_weights(teacher, cfg.distill_teacher_file)
+        return teacher.to(self.accelerator.device).eval()
+
+    def _restore_training_state(self, state: dict) -> None:
+        acc = self.accelerator
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None:
+            ema_file = self.resume_point / EMA_FILE
+            if ema_file.is_file():
+                load_weights(self.ema.module, ema_file)
+        if acc.scaler is not None and state.get("scaler"):
+            acc.scaler.load_state_dict(state["scaler"])
+        self.start_epoch = state["epoch"]
+        self.num_updates = state["num_updates"]
+        self.best, self.final = state["best"], state["final"]
+        self.scheduler.step_update(self.num_updates)
+
+    # ------------------------------------------------------------------------------------- main entry
+    def fit(self) -> dict[str, Any]:
+        cfg, acc = self.cfg, self.accelerator
+        derived = dict(num_processes=acc.num_processes, global_batch=self.global_batch, lr=self.lr,
+                       epochs=self.epochs, warmup_epochs=self.warmup_epochs, steps_per_epoch=self.steps_per_epoch)
+        if acc.is_main_process:
+            self.output.mkdir(parents=True, exist_ok=True)
+            write_config(cfg, self.output / "config.yaml", derived)
+        if cfg.log_wandb:
+            acc.init_trackers(cfg.wandb_project, config={**cfg, **derived},
+                              init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}})
+        log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
+        log.start(self.start_epoch)
+        if self.resume_state:
+            world = self.resume_state["rng"]
+            if len(world) == acc.num_processes:
+                set_rng_state(world[acc.process_index])
+            else:  # a different world size cannot replay the same random streams; start fresh ones
+                set_seed(cfg.seed + 1000 * self.start_epoch + acc.process_index)
+            acc.print(f"resumed from {self.resume_point} after epoch {self.start_epoch}")
+        else:
+            set_seed(cfg.seed + acc.process_index)  # per-rank augmentation and drop-path streams
+            if 0 in cfg.save_epochs:
+                self._save_snapshot(0)
+
+        for epoch in range(self.start_epoch, self.epochs):
+            started = time.perf_counter()
+            if cfg.reparametrize_at_epoch == epoch and not self.reparametrized:
+                self._reparametrize()
+            train = self._train_one_epoch(epoch)
+            record: dict[str, Any] = {"epoch": epoch + 1, **train}
+            evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.epochs
+            if evaluated:
+                metrics = self.evaluate(self.model)
+                record.update(metrics)
+                self.final = {"epoch": epoch + 1, **metrics}
+                if self.ema is not None:
+                    record.update({f"ema_{k}": v for k, v in self.evaluate(self.ema.module).items()})
+                if self.diagnostics is not None:
+                    record.update(self.diagnostics(acc.unwrap_model(self.model)))
+            record["epoch_seconds"] = time.perf_counter() - started
+            record["unreadable_images"] = len(self.data.unreadable_files())
+            is_best = evaluated and metrics["eval_top1"] > self.best.get("eval_top1", -1.0)
+            if is_best:
+                self.best = dict(self.final)
+            log.log_epoch(record)
+            self._save(epoch + 1, is_best)
+            if epoch + 1 in cfg.save_epochs:
+                self._save_snapshot(epoch + 1)
+            acc.print(f"epoch {epoch + 1}/{self.epochs}  train_loss {train['train_loss']:.4f}  " +
+                      (f"eval_top1 {metrics['eval_top1']:.2f}  eval_top5 {metrics['eval_top5']:.2f}" if evaluated else ""))
+
+        results = self._results()
+        log.write_results(results)
+        if cfg.log_wandb:
+            acc.end_training()
+        return results
+
+    def _results(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {"model": cfg.model, "dataset": cfg.dataset, "train_fraction": cfg.train_fraction, "seed": cfg.seed,
+                "epochs": self.epochs, "final_top1": self.final.get("eval_top1"),
+                "final_top5": self.final.get("eval_top5"), "best_top1": self.best.get("eval_top1"),
+                "best_top5": self.best.get("eval_top5"), "best_epoch": self.best.get("epoch")}
+
+    def evaluate_only(self) -> dict[str, float]:
+        metrics = self.evaluate(self.model)
+        self.accelerator.print(f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "
+                               f"loss {metrics['eval_loss']:.4f}  ({self.cfg.checkpoint})")
+        return metrics
+
+    # ---------------------------------------------------------------------------------------- epochs
+    def _train_one_epoch(self, epoch: int) -> dict[str, float]:
+        cfg, acc = self.cfg, self.accelerator
+        model, optimizer = self.model, self.optimizer
+        model.train()
+        if hasattr(self.train_loader.sampler, "set_epoch"):
+            self.train_loader.sampler.set_epoch(epoch)
+        loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
+        progress = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}/{self.epochs}",
+                        disable=not acc.is_main_process, leave=False, dynamic_ncols=True)
+        started = time.perf_counter()
+        for step, (images, targets) in enumerate(islice(self.train_loader, self.steps_per_epoch)):
+            images = images.to(acc.device, non_blocking=True)
+            targets = targets.to(acc.device, non_blocking=True)
+            if self.mixup is not None:
+                images, targets = self.mixup(images, targets)
+            with acc.accumulate(model):
+                outputs = model(images)
+                if self.teacher is not None:
+                    with acc.autocast():
+                        loss = self.train_loss(images, outputs, targets)
+                else:
+                    loss = self.train_loss(outputs, targets)
+                acc.backward(loss)
+                if cfg.clip_grad and acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if acc.sync_gradients:
+                self.num_updates += 1
+                self.scheduler.step_update(self.num_updates)
+                if self.ema is not None:
+                    self.ema.update(acc.unwrap_model(model), step=self.num_updates)
+            loss_sum += loss.detach().double()
+            if (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == self.steps_per_epoch:
+                mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
+                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
+            progress.update(1)
+        progress.close()
+        seconds = time.perf_counter() - started
+        images_seen = self.steps_per_epoch * cfg.batch_size * acc.num_processes
+        return {"train_loss": self._mean_loss(loss_sum, self.steps_per_epoch, epoch), "lr": self._lr(),
+                "images_per_sec": images_seen / seconds}
+
+    def _mean_loss(self, loss_sum: torch.Tensor, steps: int, epoch: int) -> float:
+        """Mean loss over ranks and steps so far; stops the run when it is not finite."""
+        total = self.accelerator.reduce(loss_sum.clone(), reduction="sum").item()
+        mean = total / (steps * self.accelerator.num_processes)
+        if not math.isfinite(mean):
+            last = self.checkpoints.last
+            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+            raise NonFiniteLossError(f"non-finite training loss ({mean}) in epoch {epoch + 1} by step {steps}; "
+                                     f"stopping; {kept} (try a lower --lr or --clip-grad)")
+        return mean
+
+    def _lr(self) -> float:
+        """The lr of the first group without a --param-group-lr override (the run's main lr)."""
+        groups = self.optimizer.param_groups
+        return next((g["lr"] for g in groups if g.get("lr_pattern") is None), groups[0]["lr"])
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Exact loss, top-1 and top-5 (in %) over the whole validation set, across all processes."""
+        acc = self.accelerator
+        was_training = model.training
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=acc.device)
+        count = 0
+        for images, targets in self.eval_loader:
+            with acc.autocast():
+                logits = model(images)
+            loss = F.cross_entropy(logits.float(), targets, reduction="none")
+            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+            correct1 = top[:, 0] == targets
+            correct5 = (top == targets[:, None]).any(dim=1)
+            loss, correct1, correct5 = acc.gather_for_metrics((loss, correct1, correct5))
+            totals += torch.stack([loss.double().sum(), correct1.double().sum(), correct5.double().sum()])
+            count += loss.numel()
+        model.train(was_training)
+        loss_sum, top1, top5 = totals.tolist()
+        return {"eval_loss": loss_sum / count, "eval_top1": 100.0 * top1 / count, "eval_top5": 100.0 * top5 / count}
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def _save(self, epoch: int, is_best: bool) -> None:
+        acc = self.accelerator
+        weights = acc.get_state_dict(self.model)  # collective under FSDP: every rank calls it
+        rng = gather_object([rng_state()])
+        if acc.is_main_process:
+            state = {
+                "model": self.cfg.model, "epoch": epoch, "num_updates": self.num_updates,
+                "best": self.best, "final": self.final, "reparametrized": self.reparametrized,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": acc.scaler.state_dict() if acc.scaler is not None else None, "rng": rng,
+            }
+            ema = self.ema.module.state_dict() if self.ema is not None else None
+            self.checkpoints.save(epoch, weights, state, ema, self._metadata(epoch), is_best)
+        acc.wait_for_everyone()
+
+    def _save_snapshot(self, epoch: int) -> None:
+        weights = self.accelerator.get_state_dict(self.model)
+        if self.accelerator.is_main_process:
+            self.checkpoints.save_snapshot(epoch, weights, self._metadata(epoch))
+        self.accelerator.wait_for_everyone()
+
+    def _metadata(self, epoch: int) -> dict[str, str]:
+        return {"model": self.cfg.model, "epoch": str(epoch), "reparametrized": str(self.reparametrized)}
+
+    # ------------------------------------------------------------------------------ reparametrization
+    def _reparametrize(self) -> None:
+        """Transform the model (T-CNN), keep the optimizer state of surviving parameters, re-prepare."""
+        cfg, acc = self.cfg, self.accelerator
+        model = acc.unwrap_model(self.model)
+        old_optimizer = self.optimizer.optimizer
+        new_model = transform_model(model, cfg.reparametrize_kwargs).to(acc.device)
+        optimizer = recipe.rebuild_optimizer(cfg, new_model, self.lr, old_optimizer)
+        if self.ema is not None:
+            self.ema.module = transform_model(self.ema.module, cfg.reparametrize_kwargs).to(acc.device)
+        acc.free_memory()  # drop accelerate's references to the old model and optimizer
+        self.model, self.optimizer = acc.prepare(new_model, optimizer)  # the eval loader stays prepared
+        self.scheduler = recipe.create_scheduler(cfg, self.optimizer, self.epochs, self.warmup_epochs,
+                                                 self.steps_per_epoch // cfg.grad_accum_steps)
+        self.scheduler.step_update(self.num_updates)
+        self.reparametrized = True
+        acc.print(f"reparametrized the model with transformed_cnn.transform({cfg.reparametrize_kwargs})")
