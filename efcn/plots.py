@@ -59,7 +59,8 @@ def accuracy_and_landscape(rows: list[dict], baselines: dict, path: Path) -> Non
     for ax, key, name in ((axes[1], "grad_norm", "|grad L|"), (axes[2], "hessian_top", "top Hessian eigenvalue")):
         ax.plot(tw, [r[f"{key}_start"] for r in rows], "o-", label="start of eFCN training")
         ax.plot(tw, [r[f"{key}_end"] for r in rows], "s-", label="end of eFCN training")
-        ax.set_yscale("log")
+        # lambda_max is the largest-magnitude eigenvalue and can be negative early on
+        ax.set_yscale("log" if key == "grad_norm" else "symlog")
         ax.set_ylabel(name)
         ax.legend(fontsize=8)
     for ax in axes:

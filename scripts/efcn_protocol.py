@@ -90,17 +90,21 @@ def relax_times(epochs: int, k: int) -> list[int]:
     return sorted(set(times))
 
 
-def _train_options(cfg: dict, model: str, epochs: int, lr: float, output: Path, save_epochs: list[int],
+def write_recipe(cfg: dict, out: Path) -> Path:
+    """The train.py options shared by every run of the protocol (Sec. 6.2.2), as a YAML recipe."""
+    recipe = dict(dataset=cfg["dataset"], batch_size=cfg["batch_size"], seed=cfg["seed"], workers=cfg["workers"],
+                  opt="momentum" if cfg["optimizer"] == "sgd" else "adam", momentum=0.0, weight_decay=0.0,
+                  sched="constant", warmup_epochs=0, no_aug=True, repeated_aug=1, drop_path=0.0)
+    recipe.update({k: cfg[k] for k in ("data_dir", "img_size", "num_classes") if cfg[k] is not None})
+    path = out / "train_recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _train_options(recipe: Path, model: str, epochs: int, lr: float, output: Path, save_epochs: list[int],
                    model_kwargs: dict) -> list[str]:
-    opt = ["--opt", "momentum", "--momentum", "0"] if cfg["optimizer"] == "sgd" else ["--opt", "adam"]
-    args = ["--model", model, "--dataset", cfg["dataset"], "--epochs", str(epochs), "--lr", str(lr), *opt,
-            "--batch-size", str(cfg["batch_size"]), "--weight-decay", "0", "--sched", "constant",
-            "--warmup-epochs", "0", "--no-aug", "--repeated-aug", "1", "--drop-path", "0",
-            "--seed", str(cfg["seed"]), "--workers", str(cfg["workers"]), "--output", str(output),
+    args = ["-c", str(recipe), "--model", model, "--epochs", str(epochs), "--lr", str(lr), "--output", str(output),
             "--save-epochs", *map(str, save_epochs)]
-    for key in ("data_dir", "img_size", "num_classes"):
-        if cfg[key] is not None:
-            args += [f"--{key.replace('_', '-')}", str(cfg[key])]
     if model_kwargs:
         args += ["--model-kwargs", *[f"{k}={v}" for k, v in model_kwargs.items()]]
     return args
@@ -129,15 +133,16 @@ def _run_once(args: list[str], output: Path) -> dict:
 
 def train_stage(cfg: dict, out: Path) -> None:
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
-    _run_once(_train_options(cfg, cfg["model"], cfg["cnn_epochs"], _lr(cfg, cfg["cnn_lr"]), out / "cnn", times,
+    recipe = write_recipe(cfg, out)
+    _run_once(_train_options(recipe, cfg["model"], cfg["cnn_epochs"], _lr(cfg, cfg["cnn_lr"]), out / "cnn", times,
                              cfg["model_kwargs"]), out / "cnn")
     middle = cfg["efcn_epochs"] // 2
     for t in times:
         snapshot = (out / "cnn" / "checkpoints" / f"epoch_{t}.safetensors").resolve()
-        _run_once(_train_options(cfg, "efcn_" + cfg["model"], cfg["efcn_epochs"], _lr(cfg, cfg["efcn_lr"]),
+        _run_once(_train_options(recipe, "efcn_" + cfg["model"], cfg["efcn_epochs"], _lr(cfg, cfg["efcn_lr"]),
                                  out / f"efcn_tw{t}", sorted({0, middle, cfg["efcn_epochs"]}),
                                  _efcn_kwargs(cfg, cnn_checkpoint=snapshot)), out / f"efcn_tw{t}")
-    _run_once(_train_options(cfg, "fcn_" + cfg["model"], cfg["efcn_epochs"], _lr(cfg, cfg["efcn_lr"]), out / "fcn",
+    _run_once(_train_options(recipe, "fcn_" + cfg["model"], cfg["efcn_epochs"], _lr(cfg, cfg["efcn_lr"]), out / "fcn",
                              sorted({0, middle, cfg["efcn_epochs"]}), _efcn_kwargs(cfg)), out / "fcn")
 
 
@@ -211,6 +216,9 @@ def analyze_stage(cfg: dict, out: Path) -> None:
         started = time.perf_counter()
         model = build("efcn_", run / "checkpoints" / "epoch_0.safetensors")
         row = dict(relax_time=t)
+        snapshot = build("", out / "cnn" / "checkpoints" / f"epoch_{t}.safetensors")
+        row["cnn_train_loss_at_relax_time"] = landscape.evaluate(snapshot, train)[0]
+        row["cnn_test_acc_at_relax_time"] = landscape.evaluate(snapshot, test)[1]
         row["initial_train_loss"], row["initial_train_acc"] = landscape.evaluate(model, train)
         row["initial_test_acc"] = landscape.evaluate(model, test)[1]
         start = landscape_at(model)
