@@ -151,7 +151,7 @@ def _labels(args) -> tuple[str, str | None]:
     if other == main:
         main, other = f'{main} ({Path(args.checkpoint).stem})', f'{other} ({Path(args.compare_checkpoint).stem})'
     if other == main:
-        main, other = f'{main} #1', f'{other} #2'
+        main, other = f'{args.model} ({args.checkpoint})', f'{args.compare_model} ({args.compare_checkpoint})'
     return main, other
 
 

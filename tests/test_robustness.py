@@ -71,6 +71,16 @@ def test_pixel_model_applies_the_normalization(trained):
         torch.testing.assert_close(trained['pixel_model'](pixels), trained['model'](images), atol=1e-4, rtol=1e-4)
 
 
+def test_pixel_model_from_timm_data_config():
+    model = timm.create_model(MODEL, num_classes=10).eval()
+    wrapped = PixelModel.from_data_config(model)
+    pixels = torch.rand(2, 3, 16, 16)
+    mean, std = torch.tensor(model.pretrained_cfg['mean']), torch.tensor(model.pretrained_cfg['std'])
+    with torch.no_grad():
+        expected = model((pixels - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1))
+        torch.testing.assert_close(wrapped(pixels), expected)
+
+
 def test_eps_zero_leaves_accuracy_unchanged(trained):
     model, batches = trained['pixel_model'], trained['batches']
     clean = accuracy(model, batches)

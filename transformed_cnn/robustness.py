@@ -46,6 +46,15 @@ class PixelModel(nn.Module):
         self.register_buffer('mean', torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.register_buffer('std', torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
 
+    @classmethod
+    def from_data_config(cls, model: nn.Module) -> 'PixelModel':
+        """Wrap a timm model with the mean/std of its pretrained cfg (timm's data config), for
+        models evaluated as timm ships them. Checkpoints from train.py were trained with the
+        dataset's mean/std (engine.data.DataBundle.mean/std): pass those to the constructor."""
+        from timm.data import resolve_model_data_config
+        config = resolve_model_data_config(model)
+        return cls(model, config['mean'], config['std'])
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.model((pixels - self.mean) / self.std)
 
