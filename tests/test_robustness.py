@@ -151,6 +151,33 @@ def test_corruptions_keep_shape_dtype_and_range(photos, corrupted):
         assert out.min() >= 0 and out.max() <= 1, name
 
 
+def test_filters_match_scipy_with_mirrored_borders():
+    """The blur helpers against scipy.ndimage (the Gaussian of ImageNet-C's skimage calls), on the
+    direct and the FFT path, with kernels wider than the image."""
+    from scipy import ndimage
+    from transformed_cnn.corruptions import _filter2d, gaussian_blur
+    generator = torch.Generator().manual_seed(0)
+    image = torch.rand(1, 1, 20, 23, generator=generator, dtype=torch.float64)
+    for shape in ((5, 7), (15, 13), (3, 61)):
+        kernel = torch.rand(shape, generator=generator, dtype=torch.float64)
+        expected = ndimage.correlate(image[0, 0].numpy(), kernel.numpy(), mode='reflect')
+        np.testing.assert_allclose(_filter2d(image, kernel)[0, 0].numpy(), expected, atol=1e-5)
+    for sigma in (0.7, 3.0, 30.0):
+        expected = ndimage.gaussian_filter(image[0, 0].numpy(), sigma, mode='reflect', truncate=4.0)
+        np.testing.assert_allclose(gaussian_blur(image, sigma)[0, 0].numpy(), expected, atol=1e-5)
+
+
+def test_brightness_is_the_published_hsv_value_shift(photos):
+    """ImageNet-C adds c to the HSV value; matplotlib's HSV conversion is the oracle."""
+    from matplotlib.colors import hsv_to_rgb, rgb_to_hsv
+    for severity in (1, 5):
+        shift = (0.1, 0.2, 0.3, 0.4, 0.5)[severity - 1]
+        hsv = rgb_to_hsv(photos.permute(0, 2, 3, 1).double().numpy())
+        hsv[..., 2] = np.clip(hsv[..., 2] + shift, 0, 1)
+        expected = torch.from_numpy(hsv_to_rgb(hsv)).permute(0, 3, 1, 2).float()
+        torch.testing.assert_close(corrupt(photos, 'brightness', severity), expected, atol=1e-5, rtol=0)
+
+
 def test_corruptions_are_reproducible(photos):
     for name in ('snow', 'elastic_transform', 'glass_blur'):
         first = corrupt(photos[:2], name, 3, torch.Generator().manual_seed(7))

@@ -168,8 +168,9 @@ def _filter2d(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         out = F.conv2d(padded.reshape(1, b * c, *padded.shape[-2:]), weight, groups=b * c)
         return out.view(b, c, h, w)
     # correlation theorem: no wrap-around for the h x w outputs kept, as the input is padded
-    size = padded.shape[-2:]
-    spectrum = torch.fft.rfft2(padded.float(), s=size) * torch.fft.rfft2(kernel.float(), s=size).conj().unsqueeze(1)
+    size, precision = padded.shape[-2:], torch.promote_types(x.dtype, torch.float32)
+    spectrum = (torch.fft.rfft2(padded.to(precision), s=size)
+                * torch.fft.rfft2(kernel.to(precision), s=size).conj().unsqueeze(1))
     return torch.fft.irfft2(spectrum, s=size)[..., :h, :w].to(x.dtype)
 
 
