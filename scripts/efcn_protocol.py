@@ -85,7 +85,7 @@ def load_config(path: str | None, overrides: dict) -> dict:
 def relax_times(epochs: int, k: int) -> list[int]:
     """0 and k-1 log-spaced epochs in [1, epochs] (rounded, duplicates moved up by one)."""
     times = [0]
-    for t in np.geomspace(1, epochs, k - 1):
+    for t in (np.geomspace(1, epochs, k - 1) if k > 2 else [epochs]):
         times.append(min(epochs, max(int(round(t)), times[-1] + 1)))
     return sorted(set(times))
 
@@ -134,8 +134,8 @@ def _run_once(args: list[str], output: Path) -> dict:
 def train_stage(cfg: dict, out: Path) -> None:
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
     recipe = write_recipe(cfg, out)
-    _run_once(_train_options(recipe, cfg["model"], cfg["cnn_epochs"], _lr(cfg, cfg["cnn_lr"]), out / "cnn", times,
-                             cfg["model_kwargs"]), out / "cnn")
+    _run_once(_train_options(recipe, cfg["model"], cfg["cnn_epochs"], _lr(cfg, cfg["cnn_lr"]), out / "cnn",
+                             sorted(set(times) | {cfg["cnn_epochs"]}), cfg["model_kwargs"]), out / "cnn")
     middle = cfg["efcn_epochs"] // 2
     for t in times:
         snapshot = (out / "cnn" / "checkpoints" / f"epoch_{t}.safetensors").resolve()
@@ -310,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, dest=key)
     parser.add_argument("--optimizer", choices=("sgd", "adam"))
+    parser.add_argument("--data-dir", dest="data_dir", help="dataset folder (CIFAR, ImageNet, ...)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, {k: getattr(args, k) for k in ("cnn_epochs", "efcn_epochs", "snapshots",
-                                                                  "workers", "seed", "optimizer")})
+                                                                  "workers", "seed", "optimizer", "data_dir")})
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "protocol_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -1,0 +1,75 @@
+"""The eFCN relax-time protocol end to end on a tiny digits setting, through the real engine."""
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "efcn_protocol.py"
+
+
+def _protocol():
+    spec = importlib.util.spec_from_file_location("efcn_protocol", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [{k: (v if k in ("method", "run") else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+TINY = dict(model="vanilla_cnn", model_kwargs={"channels": 4}, dataset="digits", img_size=8, batch_size=50,
+            workers=0, cnn_epochs=2, efcn_epochs=2, snapshots=2, measure_train_samples=100,
+            power_iterations=3, interpolate_relax_times=2, interpolation_points=3, string_points=3,
+            string_steps=2)
+
+
+def test_protocol_end_to_end(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "out"
+    assert _protocol().main(["-c", str(config), "--output", str(out)]) == 0
+
+    rows = _rows(out / "relax_times.csv")
+    assert [r["relax_time"] for r in rows] == [0, 2]
+    fcn = _rows(out / "baselines.csv")[0]
+    for r in rows:
+        # the eFCN starts as its CNN snapshot: same predictions, same loss (the embedding is exact)
+        assert r["initial_test_acc"] == pytest.approx(r["cnn_test_acc_at_relax_time"], abs=1e-6)
+        assert r["initial_train_loss"] == pytest.approx(r["cnn_train_loss_at_relax_time"], rel=1e-5)
+        # training in FCN space leaves the CNN subspace, but stays far closer than a standard FCN
+        assert 0 < r["deviation_total"] < fcn["fcn_deviation_total"]
+        assert r["weight_sharing_total"] > 0
+        assert r["grad_norm_start"] > 0 and r["grad_norm_end"] > 0
+    curves = _rows(out / "curves.csv")
+    assert len(curves) == (TINY["cnn_epochs"] + 1) + 2 * (TINY["efcn_epochs"] + 1) + (TINY["efcn_epochs"] + 1)
+
+    points = _rows(out / "interpolation.csv")
+    assert sorted({p["relax_time"] for p in points}) == [0, 2]
+    for t in (0, 2):
+        by_method = {m: [p for p in points if p["relax_time"] == t and p["method"] == m]
+                     for m in ("linear", "string", "output")}
+        assert [len(v) for v in by_method.values()] == [3, 3, 3]
+        # every path joins the same two endpoints (the lifted final CNN and the trained eFCN)
+        for end in (0, -1):
+            losses = [by_method[m][end]["train_loss"] for m in by_method]
+            assert max(losses) - min(losses) < 1e-4
+        final = next(r for r in rows if r["relax_time"] == t)
+        assert by_method["linear"][-1]["train_loss"] == pytest.approx(final["final_train_loss"], rel=1e-5)
+
+    for figure in ("fig6_2_training_curves", "fig6_3_accuracy_gradient_hessian", "fig6_4_deviation",
+                   "fig6_5_local_offlocal", "fig6_6_6_7_first_layer_filters", "figE6_interpolation"):
+        assert (out / f"{figure}.png").stat().st_size > 10_000
+
+
+def test_protocol_rejects_bad_config(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump(dict(TINY, cnn_epoch=3)))
+    with pytest.raises(SystemExit, match="unknown keys in .*bad.yaml: cnn_epoch"):
+        _protocol().main(["-c", str(config), "--output", str(tmp_path / "out")])
+    config.write_text(yaml.safe_dump(dict(TINY, model="resnet18")))
+    with pytest.raises(SystemExit, match="model efcn_resnet18 is not registered"):
+        _protocol().main(["-c", str(config), "--output", str(tmp_path / "out")])
