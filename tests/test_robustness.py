@@ -178,6 +178,32 @@ def test_brightness_is_the_published_hsv_value_shift(photos):
         torch.testing.assert_close(corrupt(photos, 'brightness', severity), expected, atol=1e-5, rtol=0)
 
 
+def test_noise_follows_the_published_parameters():
+    """On a mid-gray image (little clipping): Gaussian noise has std c, shot noise is Poisson with
+    c photons per unit (variance x / c), impulse noise flips a fraction c of the values."""
+    gray = torch.full((4, 3, 64, 64), 0.5)
+    for severity, std in zip((1, 2, 3), (0.08, 0.12, 0.18)):
+        noisy = corrupt(gray, 'gaussian_noise', severity, torch.Generator().manual_seed(severity))
+        assert (noisy - gray).std().item() == pytest.approx(std, rel=0.03)
+    for severity, photons in zip((1, 2), (60, 25)):
+        noisy = corrupt(gray, 'shot_noise', severity, torch.Generator().manual_seed(severity))
+        assert noisy.mean().item() == pytest.approx(0.5, abs=0.01)
+        assert noisy.var().item() == pytest.approx(0.5 / photons, rel=0.05)
+        assert torch.allclose(noisy * photons, (noisy * photons).round(), atol=1e-4)
+    for severity, amount in zip((1, 5), (0.03, 0.27)):
+        noisy = corrupt(gray, 'impulse_noise', severity, torch.Generator().manual_seed(severity))
+        flipped = noisy != gray
+        assert flipped.float().mean().item() == pytest.approx(amount, rel=0.05)
+        assert noisy[flipped].eq(1).float().mean().item() == pytest.approx(0.5, abs=0.03)
+
+
+def test_pixelate_is_a_box_resize_to_the_published_fraction():
+    image = torch.rand(1, 1, 40, 40, generator=torch.Generator().manual_seed(0))
+    out = corrupt(image, 'pixelate', 4)  # fraction 0.3: 12 x 12 blocks of 40 / 12 pixels
+    assert len(torch.unique(out[0, 0, 0])) == 12
+    assert out.mean().item() == pytest.approx(image.mean().item(), abs=0.01)
+
+
 def test_corruptions_are_reproducible(photos):
     for name in ('snow', 'elastic_transform', 'glass_blur'):
         first = corrupt(photos[:2], name, 3, torch.Generator().manual_seed(7))

@@ -24,6 +24,7 @@ At 224x224 the corruptions follow the published recipes, with these differences:
   brightness). Frost numbers are therefore not comparable with published ImageNet-C frost numbers.
 - glass blur: the published sequential pixel swaps are kept, but drawn once per batch (the
   shuffle does not depend on the image), so the images of one batch share the shuffle pattern.
+- pixelate resizes float images (PIL 'F' mode) rather than 8-bit ones.
 - motion blur uses our own line kernel built like ImageMagick's (one-sided Gaussian weights over
   2 * ceil(radius) + 1 taps), defocus an area-weighted disk; borders are mirrored everywhere.
 - elastic transform: the published table is not monotonic in damage (severities 1-2 are large
@@ -469,12 +470,19 @@ def elastic_transform(x: torch.Tensor, severity: int, generator: torch.Generator
     return warped.clamp(0, 1)
 
 
+def _pil_channels(x: torch.Tensor, apply: Callable[[Image.Image], Image.Image]) -> torch.Tensor:
+    """Apply a PIL operation to every channel of every image, as 32-bit float ('F') images."""
+    planes = [torch.from_numpy(np.asarray(apply(Image.fromarray(plane, 'F')), dtype=np.float32).copy())
+              for plane in x.detach().float().cpu().flatten(0, 1).numpy()]
+    return torch.stack(planes).view(*x.shape[:2], *planes[0].shape).to(x)
+
+
 def pixelate(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    """Box downsampling to a fraction of the size, then nearest (PIL BOX) upsampling."""
+    """PIL BOX resize to a fraction of the size and back, as ImageNet-C."""
     fraction = _param('pixelate', severity)
     h, w = x.shape[-2:]
-    small = F.adaptive_avg_pool2d(x, (max(int(h * fraction), 1), max(int(w * fraction), 1)))
-    return F.interpolate(small, size=(h, w), mode='nearest').clamp(0, 1)
+    small = (max(int(w * fraction), 1), max(int(h * fraction), 1))
+    return _pil_channels(x, lambda image: image.resize(small, Image.BOX).resize((w, h), Image.BOX)).clamp(0, 1)
 
 
 def jpeg_compression(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
