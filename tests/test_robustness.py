@@ -230,7 +230,7 @@ def test_higher_severity_does_more_damage(photos, corrupted):
         return [metric(corrupted[name, severity], photos) for severity in SEVERITIES]
 
     for name in ('gaussian_noise', 'shot_noise', 'impulse_noise', 'defocus_blur', 'glass_blur', 'motion_blur',
-                 'zoom_blur', 'snow', 'brightness', 'contrast', 'jpeg_compression'):
+                 'zoom_blur', 'snow', 'brightness', 'contrast', 'pixelate', 'jpeg_compression'):
         d = damage(name)
         assert all(a < b for a, b in zip(d, d[1:])), (name, d)
     # frost and fog blend an overlay with a falling image/overlay ratio; the mean distance also
@@ -241,9 +241,6 @@ def test_higher_severity_does_more_damage(photos, corrupted):
     # the published elastic table has two regimes: large smooth warps (1-2), then local jitter (3-5)
     d = damage('elastic_transform')
     assert d[0] < d[1] and d[2] < d[3] < d[4], d
-    # pixelate at fraction 0.5 (severity 2) is an exact 2x box at even sizes and may beat 0.6
-    d = damage('pixelate')
-    assert d[1] < d[2] < d[3] < d[4] and d[0] < d[4], d
 
 
 # ------------------------------------------------------------------------- class mapping
