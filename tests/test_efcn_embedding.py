@@ -187,3 +187,25 @@ def test_import_registers_models_without_warnings():
     assert out.stdout.strip() == str(sorted(
         ["vanilla_cnn", "alexnet_cifar", "efcn_vanilla_cnn", "efcn_alexnet_cifar", "fcn_vanilla_cnn",
          "fcn_alexnet_cifar"]))
+
+
+def test_efcn_model_from_a_cnn_checkpoint_and_from_its_own_weights_file(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(6)
+    cnn = timm.create_model("vanilla_cnn", channels=4, in_chans=1, img_size=8).eval()
+    cnn_file = tmp_path / "cnn.safetensors"
+    save_file(cnn.state_dict(), str(cnn_file))
+    model = timm.create_model("efcn_vanilla_cnn", channels=4, in_chans=1, img_size=8, cnn_checkpoint=str(cnn_file))
+    x = torch.randn(4, 1, 8, 8)
+    torch.testing.assert_close(model.eval()(x), cnn(x), atol=1e-5, rtol=1e-5)
+    # an eFCN's own weights (e.g. a train.py checkpoint) load through timm's pretrained-file path
+    with torch.no_grad():
+        model.layers.conv1.weight.add_(0.01)
+    efcn_file = tmp_path / "efcn.safetensors"
+    save_file(model.state_dict(), str(efcn_file))
+    reloaded = timm.create_model("efcn_vanilla_cnn", channels=4, in_chans=1, img_size=8, pretrained=True,
+                                 pretrained_cfg_overlay=dict(file=str(efcn_file)))
+    torch.testing.assert_close(reloaded.eval()(x), model(x))
+    with pytest.raises(ValueError, match="does not fit this model"):
+        timm.create_model("efcn_vanilla_cnn", channels=8, in_chans=1, img_size=8, cnn_checkpoint=str(cnn_file))
