@@ -59,22 +59,18 @@ class PixelModel(nn.Module):
         return self.model((pixels - self.mean) / self.std)
 
 
-def denormalized(batches: Batches, mean: Sequence[float], std: Sequence[float]) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-    """Map normalized image batches (as a training data loader yields them) back to [0, 1] pixels."""
-    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-    for images, labels in batches:
-        yield (images.float() * std_t + mean_t).clamp(0, 1), labels
-
-
 class Denormalized:
-    """Re-iterable `denormalized` view of a loader."""
+    """Re-iterable view of a loader of normalized images (as the engine's eval loader yields
+    them) that gives [0, 1] pixel batches: images * std + mean."""
 
     def __init__(self, loader: Iterable, mean: Sequence[float], std: Sequence[float]):
-        self.loader, self.mean, self.std = loader, mean, std
+        self.loader = loader
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
 
     def __iter__(self):
-        return denormalized(self.loader, self.mean, self.std)
+        for images, labels in self.loader:
+            yield (images.float() * self.std + self.mean).clamp(0, 1), labels
 
 
 # ---------------------------------------------------------------------------------------------
