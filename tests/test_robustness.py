@@ -257,6 +257,17 @@ def test_class_index_maps_a_subset_and_names_unmatched_classes(tmp_path):
     assert 'n01443537' not in str(error.value).split(':')[-1]
 
 
+def test_imagenet_c_folders_flat_or_inside_their_category(tmp_path):
+    from transformed_cnn.robustness import imagenet_c_folders
+    (tmp_path / 'gaussian_noise' / '1').mkdir(parents=True)
+    (tmp_path / 'blur' / 'zoom_blur' / '1').mkdir(parents=True)
+    folders = imagenet_c_folders(tmp_path, ['gaussian_noise', 'zoom_blur'], [1])
+    assert folders == {('gaussian_noise', 1): tmp_path / 'gaussian_noise' / '1',
+                       ('zoom_blur', 1): tmp_path / 'blur' / 'zoom_blur' / '1'}
+    with pytest.raises(ValueError, match=r'lacks .*zoom_blur/2'):
+        imagenet_c_folders(tmp_path, ['gaussian_noise', 'zoom_blur'], [1, 2])
+
+
 def test_subset_logits_predict_among_the_folder_classes_only():
     from transformed_cnn.robustness import correct
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [9.0, 0.0, 3.0, 1.0]])

@@ -243,12 +243,18 @@ def class_index(folder: str | os.PathLike, classes: Sequence[str], model_classes
 
 def imagenet_c_folders(root: str | os.PathLike, corruptions: Sequence[str],
                        severities: Sequence[int]) -> dict[tuple[str, int], Path]:
-    """The ROOT/<corruption>/<severity> folders of an ImageNet-C copy; ValueError naming the
-    missing ones."""
+    """The ROOT/<corruption>/<severity> folders of an ImageNet-C copy (also accepted: the
+    corruption folders inside their category folder, ROOT/noise/gaussian_noise/...); ValueError
+    naming the missing ones."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f'ImageNet-C folder {root} is not a directory (expected {root}/<corruption>/<severity>/<class>/<image>)')
-    folders = {(name, severity): root / name / str(severity) for name in corruptions for severity in severities}
+
+    def corruption_dir(name: str) -> Path:
+        nested = root / CATEGORY_OF.get(name, '') / name
+        return nested if not (root / name).is_dir() and nested.is_dir() else root / name
+
+    folders = {(name, severity): corruption_dir(name) / str(severity) for name in corruptions for severity in severities}
     missing = [str(path) for path in folders.values() if not path.is_dir()]
     if missing:
         shown = ', '.join(missing[:5]) + (f' (+{len(missing) - 5} more)' if len(missing) > 5 else '')
