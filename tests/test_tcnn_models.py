@@ -23,7 +23,7 @@ def test_import_registers_the_resnets_without_warnings():
 
 
 def test_model_kwargs_go_to_the_transform_and_to_the_cnn():
-    model = timm.create_model("tcnn_resnet18", num_classes=7, drop_path_rate=0.1, stages=(3, 4), keep_stride=True)
+    model = timm.create_model("tcnn_resnet18", num_classes=7, drop_path_rate=0.1, stages="3,4", keep_stride=True)
     assert sorted({name.split(".")[0] for name in gpsa_layers(model)}) == ["layer3", "layer4"]
     assert model.fc.out_features == 7
     assert model.layer4[1].drop_path.drop_prob > 0

@@ -31,10 +31,15 @@ def _stage_names(cnn: ResNet) -> list[str]:
     return names
 
 
-def _resolve_stages(cnn: ResNet, stages: Optional[int | Iterable[int]]) -> list[int]:
+def _resolve_stages(cnn: ResNet, stages: Optional[int | str | Iterable[int]]) -> list[int]:
     count = len(_stage_names(cnn))
     if stages is None:
         return [count]
+    if isinstance(stages, str):  # command line: --model-kwargs stages=3,4
+        try:
+            stages = [int(part) for part in stages.split(",")]
+        except ValueError:
+            raise ValueError(f"stages must be stage numbers like 4 or '3,4', got {stages!r}") from None
     stages = [stages] if isinstance(stages, int) else list(stages)
     for stage in stages:
         if isinstance(stage, bool) or not isinstance(stage, int) or not 1 <= stage <= count:
@@ -72,7 +77,7 @@ def remove_stage_stride(cnn: ResNet, stage: int) -> None:
 
 def transform(
     cnn: nn.Module,
-    stages: Optional[int | Iterable[int]] = None,
+    stages: Optional[int | str | Iterable[int]] = None,
     init: str = "paper",
     keep_stride: bool = False,
     locality_strength: Optional[float] = None,
@@ -82,7 +87,8 @@ def transform(
 
     Args:
         cnn: a timm ResNet (modified in place and returned).
-        stages: stage numbers 1..4 (the `layerN` modules); default: the last stage.
+        stages: stage numbers 1..4 (the `layerN` modules), an int, a list or a string '3,4';
+            default: the last stage.
         init: 'paper' (alpha = 1, lambda = 1, Sec. 8.2) or 'exact' (sharp attention and gating: the
             T-CNN computes the CNN's function, up to the stride change below).
         keep_stride: False (paper) turns each chosen stage's stride-2 conv and its shortcut into
