@@ -106,8 +106,8 @@ def local_contributions(rows: list[dict], path: Path) -> None:
 
 
 def filter_heatmaps(filters: dict[str, list[tuple[str, np.ndarray]]], path: Path) -> None:
-    """Figs. 6.6/6.7: log|w| of the first layer's row for output channel 0 at the top-left pixel,
-    unflattened to the input image (channels averaged). One row of panels per model."""
+    """Figs. 6.6/6.7: log|w| of one row of the first layer (one output unit), unflattened to the
+    input image (channels averaged). One row of panels per model."""
     names = list(filters)
     columns = max(len(v) for v in filters.values())
     fig, axes = plt.subplots(len(names), columns, figsize=(3 * columns, 2.8 * len(names)), squeeze=False)

@@ -154,9 +154,14 @@ def _tensors(dataset, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _first_filter(model: torch.nn.Module) -> np.ndarray:
-    """First layer's row for output channel 0 at the top-left output pixel, as (C_in, H, W)."""
+    """First layer's row for output channel 0 at the central output pixel, as (C_in, H, W).
+
+    (The paper shows the top-left pixel; on digits its unit sits on the blank border and often gets
+    no gradient, so its off-local weights stay exactly zero.)"""
     layer = next(iter(efcn.diagnostics.local_layers(model).values()))
-    return layer.weight[0].detach().reshape(layer.in_shape).cpu().numpy()
+    _, height, width = layer.out_shape
+    row = (height // 2) * width + width // 2
+    return layer.weight[row].detach().reshape(layer.in_shape).cpu().numpy().copy()  # weights get reloaded in place
 
 
 def _read_summary(run: Path, name: str, initial: tuple[float, float] | None) -> list[dict]:
