@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--interpolation", default="bicubic")
     g.add_argument("--crop-pct", type=float, default=0.875, help="eval center-crop fraction")
     g.add_argument("--hflip", type=float, default=0.5)
+    g.add_argument("--scale", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="random-resized-crop area range; default timm's (0.08, 1)")
     g.add_argument("--skip-unreadable", action=flag, default=True,
                    help="skip (and count) unreadable images instead of stopping")
     g.add_argument("--repeated-aug", type=int, default=3, help="repeated augmentation: copies of each image")

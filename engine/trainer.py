@@ -175,7 +175,7 @@ class Trainer:
         if cfg.eval_only:
             return None
         point = find_resume_point(cfg.resume, self.output) if cfg.resume else None
-        if point is None and self.output.is_dir():
+        if point is None and cfg.resume is None and self.output.is_dir():
             earlier = [name for name in ("checkpoints", "summary.csv", "results.json") if (self.output / name).exists()]
             if earlier:
                 raise ConfigError(f"output dir {self.output} already holds a run ({', '.join(earlier)}); "

@@ -1,0 +1,74 @@
+"""A real (short) training run on scikit-learn's digits, its output directory, eval-only, wandb offline."""
+import csv
+import json
+import re
+
+import pytest
+import timm
+
+import engine
+from engine.checkpoint import load_weights
+from engine.config import parse_config
+from engine.run_log import SUMMARY_FIELDS
+
+# A 2-block ConViT (one GPSA block, one SA block) of width 64 on the 8x8 digits: 16 tokens of 2x2 pixels.
+MODEL_ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
+              "embed_dim=64", "--dataset", "digits", "--img-size", "8", "--crop-pct", "1"]
+TRAIN_ARGS = MODEL_ARGS + ["--no-aug", "--repeated-aug", "1", "--batch-size", "16", "--lr", "1e-3",
+                           "--warmup-epochs", "0", "--weight-decay", "0", "--workers", "0", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("digits") / "run"
+    results = engine.run(TRAIN_ARGS + ["--epochs", "3", "--output", str(output)])
+    return output, results
+
+
+def test_training_on_digits_beats_chance(digits_run):
+    output, results = digits_run
+    assert results["final_top1"] > 40.0, results  # chance: 10%
+    rows = list(csv.DictReader(open(output / "summary.csv")))
+    assert tuple(rows[0]) == SUMMARY_FIELDS and [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"]) - 0.3
+    assert float(rows[-1]["eval_top1"]) == pytest.approx(results["final_top1"])
+    assert json.loads((output / "results.json").read_text()) == results
+    assert results["model"] == "convit_tiny" and results["epochs"] == 3 and results["train_fraction"] == 1.0
+
+
+def test_output_dir_holds_log_config_and_checkpoints(digits_run):
+    output, results = digits_run
+    records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    assert set(SUMMARY_FIELDS) <= set(records[0]) and records[0]["unreadable_images"] == 0
+    # ConViT diagnostics from convit.diagnostics.summary: one GPSA layer with 4 heads
+    assert {"gating/layer1/head1", "nonlocality/layer1"} <= set(records[-1])
+    assert 0 < records[-1]["gating/layer1/head1"] < 1
+
+    reloaded = parse_config(["-c", str(output / "config.yaml")])
+    assert reloaded.epochs == 3 and reloaded.model_kwargs == {"patch_size": 2, "depth": 2,
+                                                              "local_up_to_layer": 1, "embed_dim": 64}
+    best = output / "checkpoints" / "best" / "model.safetensors"
+    assert best.is_file() and (output / "checkpoints" / "last" / "training_state.pt").is_file()
+    model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=64,
+                              img_size=8, in_chans=1, num_classes=10)
+    load_weights(model, best)
+
+
+def test_eval_only_prints_top1_and_top5(digits_run, capsys):
+    output, results = digits_run
+    assert engine.main(MODEL_ARGS + ["--eval-only", "--checkpoint", str(output), "--workers", "0"]) == 0
+    printed = re.search(r"top1 ([\d.]+)\s+top5 ([\d.]+)", capsys.readouterr().out)
+    assert printed, "eval-only printed no top1/top5"
+    assert float(printed.group(1)) == pytest.approx(results["best_top1"], abs=0.01)
+    assert float(printed.group(2)) == pytest.approx(results["best_top5"], abs=0.01)
+
+
+def test_wandb_offline_run_writes_a_local_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    output = tmp_path / "run"
+    engine.run(TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--log-wandb", "--output", str(output)])
+    runs = list((output / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((output / "wandb").iterdir())
+    assert (output / "results.json").is_file()

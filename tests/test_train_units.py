@@ -1,0 +1,112 @@
+"""Engine pieces on their own: config precedence, parameter groups, optimizer rebuild, checkpoint files."""
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import convit  # noqa: F401  (registers the project's models)
+from engine.checkpoint import CheckpointDir, find_resume_point, load_training_state, load_weights
+from engine.config import ConfigError, effective_epochs, parse_config
+from engine.recipe import create_optimizer, create_scheduler, param_groups, rebuild_optimizer
+
+
+def test_yaml_base_and_command_line_precedence(tmp_path):
+    (tmp_path / "base.yaml").write_text("epochs: 30\nlr: 0.01\nmodel_kwargs: {patch_size: 4, depth: 6}\n")
+    (tmp_path / "run.yaml").write_text("_base_: base.yaml\nmodel: convit_tiny\nepochs: 40\nbatch_size: 8\n")
+    cfg = parse_config(["-c", str(tmp_path / "run.yaml"), "--epochs", "50", "--model-kwargs", "depth=2",
+                        "locality_strength=0.5", "--param-group-lr", "gating_param=0.1"])
+    assert cfg.epochs == 50 and cfg.batch_size == 8 and cfg.lr == 0.01  # CLI > file > _base_ > defaults
+    assert cfg.model_kwargs == {"patch_size": 4, "depth": 2, "locality_strength": 0.5}  # merged key by key
+    assert cfg.param_group_lr == {"gating_param": 0.1}
+    assert cfg.weight_decay == 0.05 and cfg.aa == "rand-m9-mstd0.5-inc1"  # the DeiT recipe defaults
+
+
+def test_yaml_errors_are_one_line(tmp_path):
+    (tmp_path / "bad.yaml").write_text("model: convit_tiny\nbatch_sise: 8\n")
+    with pytest.raises(ConfigError, match="unknown option 'batch_sise'.*batch_size"):
+        parse_config(["-c", str(tmp_path / "bad.yaml")])
+    (tmp_path / "typed.yaml").write_text("model: convit_tiny\nepochs: many\n")
+    with pytest.raises(ConfigError, match="--epochs"):
+        parse_config(["-c", str(tmp_path / "typed.yaml")])
+
+
+def test_no_aug_and_scale_epochs():
+    cfg = parse_config(["--model", "convit_tiny", "--no-aug"])
+    assert (cfg.aa, cfg.mixup, cfg.cutmix, cfg.reprob, cfg.smoothing, cfg.hflip) == (None, 0, 0, 0, 0, 0)
+    cfg = parse_config(["--model", "convit_tiny", "--train-fraction", "0.1", "--scale-epochs", "--epochs", "300"])
+    assert effective_epochs(cfg) == (3000, 50)
+
+
+def test_deit_param_groups_exclude_norms_biases_tokens_and_gating():
+    model = timm.create_model("convit_tiny", img_size=32, patch_size=8, depth=3, local_up_to_layer=2)
+    groups = param_groups(model, 0.05, {"gating_param": 0.1})
+    decayed = {n for g in groups if g["weight_decay"] > 0 for n in g["param_names"]}
+    gating = [g for g in groups if g["lr_pattern"] == "gating_param"]
+    assert {"pos_embed", "cls_token", "blocks.0.norm1.weight", "blocks.0.attn.proj.bias"}.isdisjoint(decayed)
+    assert "blocks.0.attn.qk.weight" in decayed and "head.weight" in decayed
+    assert len(gating) == 1 and gating[0]["lr"] == 0.1 and gating[0]["weight_decay"] == 0
+    assert sorted(gating[0]["param_names"]) == ["blocks.0.attn.gating_param", "blocks.1.attn.gating_param"]
+    names = [n for g in groups for n in g["param_names"]]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+    cfg = parse_config(["--model", "convit_tiny", "--param-group-lr", "gating_param=0.1", "--warmup-epochs", "0"])
+    optimizer = create_optimizer(cfg, model, lr=1e-3)
+    scheduler = create_scheduler(cfg, optimizer, epochs=10, warmup_epochs=0, updates_per_epoch=5)
+    scheduler.step_update(25)  # half way: cosine at its midpoint for every group, from each group's own lr
+    for group in optimizer.param_groups:
+        base = 0.1 if group["lr_pattern"] else 1e-3
+        assert group["lr"] == pytest.approx(cfg.min_lr + 0.5 * (base - cfg.min_lr))
+
+
+def test_rebuild_optimizer_keeps_state_of_surviving_parameters():
+    cfg = parse_config(["--model", "resnet18"])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    optimizer = create_optimizer(cfg, model, lr=1e-2)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    kept = optimizer.state[model[0].weight]["exp_avg"].clone()
+    model[1] = torch.nn.Linear(8, 5)  # a replaced layer: same names, new shapes
+    new = rebuild_optimizer(cfg, model, 1e-2, optimizer)
+    assert torch.equal(new.state[model[0].weight]["exp_avg"], kept)
+    assert model[1].weight not in new.state
+
+
+def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkeypatch):
+    model = torch.nn.Linear(3, 2)
+    ckpt = CheckpointDir(tmp_path)
+    ckpt.save(1, model.state_dict(), {"model": "m", "epoch": 1}, None, {"epoch": "1"}, is_best=True)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(2, model.state_dict(), {"model": "m", "epoch": 2}, None, {"epoch": "2"}, is_best=False)
+    monkeypatch.undo()
+    point = find_resume_point("auto", tmp_path)
+    assert point.name == "epoch_0001" and load_training_state(point)["epoch"] == 1
+    restored = load_weights(torch.nn.Linear(3, 2), point)
+    assert torch.equal(restored.weight, first["weight"])
+
+    ckpt.save(2, model.state_dict(), {"model": "m", "epoch": 2}, None, {"epoch": "2"}, is_best=False)
+    assert ckpt.last.name == "epoch_0002" and ckpt.best.name == "epoch_0001"
+    ckpt.save(3, model.state_dict(), {"model": "m", "epoch": 3}, None, {"epoch": "3"}, is_best=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch_*")) == ["epoch_0001", "epoch_0003"]
+
+    with pytest.raises(ValueError, match=r"missing keys: 1\.weight.*unexpected keys: bias, weight"):
+        load_weights(torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(3, 2)), point)
+    with pytest.raises(ValueError, match=r"mismatched shapes: weight \(2, 3\) vs model \(4, 3\)"):
+        load_weights(torch.nn.Linear(3, 4), point)
+
+
+def test_load_weights_reads_torch_files_without_unpickling_objects(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    torch.save({"model": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 3}, tmp_path / "ok.pth")
+    assert torch.equal(load_weights(torch.nn.Linear(3, 2), tmp_path / "ok.pth").weight, model.weight)
+    torch.save({"model": model.state_dict(), "extra": Path("x")}, tmp_path / "pickled.pth")  # an arbitrary object
+    with pytest.raises(ValueError, match="weights_only=True"):
+        load_weights(torch.nn.Linear(3, 2), tmp_path / "pickled.pth")
