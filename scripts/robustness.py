@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 import torchvision.transforms as T
+from PIL import Image
 from torch.utils.data import DataLoader
 
 from engine.checkpoint import load_weights
@@ -212,7 +214,8 @@ def evaluate(setup: Setup) -> dict:
                                             args.pgd_random_start, args.attacks, args.seed))
         table.append(row)
 
-    to_mode = T.Lambda(lambda image: image.convert('L' if bundle.in_chans == 1 else 'RGB'))
+    # a partial (not a lambda) pickles into DataLoader workers under any start method
+    to_mode = partial(Image.Image.convert, mode='L' if bundle.in_chans == 1 else 'RGB')
     corruption_rows = []
     if setup.c_folders:  # used at their stored resolution (224 for ImageNet-C), as in the paper
         stored = T.Compose([to_mode, T.ToTensor()])
