@@ -2,7 +2,7 @@
 
 The 15 corruptions and 5 severities of Hendrycks & Dietterich, "Benchmarking Neural Network
 Robustness to Common Corruptions and Perturbations" (ICLR 2019), written in torch (plus PIL for
-JPEG) so that no new dependency is needed. The severity parameters are the published ImageNet-C
+JPEG and pixelate) so that no new dependency is needed. The severity parameters are the published ImageNet-C
 ones (`SEVERITY_PARAMS`), stated for 224x224 images; the code is our own.
 
 Every function takes a float batch ``(B, C, H, W)`` of pixels in [0, 1] (C = 1 or 3) and returns a
@@ -11,7 +11,9 @@ batch of the same shape, dtype and range. How other image sizes are handled:
 - Per-pixel corruptions (noise, brightness, contrast, JPEG) and the ones whose parameters are
   relative (zoom factors, pixelation factor) run at the image's own size with the table's values.
 - Filters with sizes in pixels (defocus, motion blur, elastic) have those sizes multiplied by
-  ``s = min(H, W) / 224``, so an image looks at any size as the 224 one would when resized.
+  ``s = min(H, W) / 224``, so an image looks at any size as the 224 one would when resized (on
+  small images the mildest blurs then change little: defocus severity 1 is a radius of 0.4 px
+  at 32x32).
 - Textures (snow, frost, fog) are generated at the reference scale (short side 224) with the
   table's values and resized to the image.
 - Glass blur shuffles whole pixels, which has no fractional version: it runs on the image resized
@@ -20,13 +22,15 @@ batch of the same shape, dtype and range. How other image sizes are handled:
 At 224x224 the corruptions follow the published recipes, with these differences:
 
 - frost: ImageNet-C blends crops of six frost photographs; we have none, so a procedural texture
-  of ice needles modulated by a plasma fractal takes their place (same blend weights, similar
-  brightness). Frost numbers are therefore not comparable with published ImageNet-C frost numbers.
+  of ice needles modulated by a plasma fractal takes their place (same blend weights, texture
+  parameters in `FROST_TEXTURE`). Frost numbers are therefore not comparable with published
+  ImageNet-C frost numbers.
 - glass blur: the published sequential pixel swaps are kept, but drawn once per batch (the
   shuffle does not depend on the image), so the images of one batch share the shuffle pattern.
 - pixelate resizes float images (PIL 'F' mode) rather than 8-bit ones.
 - motion blur uses our own line kernel built like ImageMagick's (one-sided Gaussian weights over
   2 * ceil(radius) + 1 taps), defocus an area-weighted disk; borders are mirrored everywhere.
+- ImageNet-C stores its images as JPEG (quality 85); corruptions made on the fly skip that step.
 - elastic transform: the published table is not monotonic in damage (severities 1-2 are large
   smooth warps, 3-5 small local jitter); we keep it as published.
 """
