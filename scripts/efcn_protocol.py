@@ -91,7 +91,10 @@ def relax_times(epochs: int, k: int) -> list[int]:
 
 
 def write_recipe(cfg: dict, out: Path) -> Path:
-    """The train.py options shared by every run of the protocol (Sec. 6.2.2), as a YAML recipe."""
+    """The train.py options shared by every run of the protocol (Sec. 6.2.2), as a YAML recipe.
+
+    Plain SGD is timm's "momentum" optimizer with momentum 0 (timm's "sgd" is Nesterov SGD, which
+    refuses momentum 0)."""
     recipe = dict(dataset=cfg["dataset"], batch_size=cfg["batch_size"], seed=cfg["seed"], workers=cfg["workers"],
                   opt="momentum" if cfg["optimizer"] == "sgd" else "adam", momentum=0.0, weight_decay=0.0,
                   sched="constant", warmup_epochs=0, no_aug=True, repeated_aug=1, drop_path=0.0)
