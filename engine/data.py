@@ -1,0 +1,233 @@
+"""Data for the training engine: datasets with timm's transforms, a self-sharding train sampler
+(plain shuffle or repeated augmentation) and the loaders.
+
+    bundle = build_datasets(cfg)   # cfg: a mapping or an object with the DATA_DEFAULTS keys
+    train_loader = build_train_loader(bundle.train, batch_size, workers, repeated_aug, seed,
+                                      num_replicas, rank)
+    eval_loader = build_eval_loader(bundle.val, batch_size, workers)
+    for epoch in ...: train_loader.sampler.set_epoch(epoch)
+
+Sources and their on-disk layouts are in engine/datasets.py (`DATASETS`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import create_transform
+from timm.data.auto_augment import posterize as timm_posterize
+from torch.utils.data import DataLoader, Sampler
+
+from engine.datasets import (
+    DATASETS, fraction_per_class, load_cifar, load_digits_split, load_image_folders, select_classes,
+)
+
+# Values used when the config does not set a key (the DeiT recipe; img_size None = the dataset's
+# default, num_classes None = all classes, scale None = timm's (0.08, 1)).
+DATA_DEFAULTS: dict[str, Any] = dict(
+    dataset='digits', data_dir=None, num_classes=None, img_size=None, train_fraction=1.0, seed=0,
+    aa='rand-m9-mstd0.5-inc1', reprob=0.25, color_jitter=0.3, interpolation='bicubic',
+    crop_pct=0.875, hflip=0.5, scale=None, no_aug=False, skip_unreadable=True,
+)
+RANDOM_ERASING_MODE = 'pixel'  # DeiT: per-pixel normal noise in the erased box
+
+
+@dataclass
+class DataBundle:
+    train: Any
+    val: Any
+    num_classes: int
+    in_chans: int
+    class_names: list[str]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def unreadable_files(self) -> list[str]:
+        """Image files skipped so far because they could not be decoded (folder datasets only)."""
+        return [path for split in (self.train, self.val)
+                for path in getattr(split, 'unreadable_files', list)()]
+
+
+def _option(cfg: Any, name: str) -> Any:
+    """cfg[name] or cfg.name, DATA_DEFAULTS[name] when the key is absent (an explicit None stays None)."""
+    if isinstance(cfg, Mapping):
+        return cfg[name] if name in cfg else DATA_DEFAULTS[name]
+    return getattr(cfg, name, DATA_DEFAULTS[name])
+
+
+def _check_data_options(dataset: str, data_dir: Optional[str], train_fraction: float,
+                        num_classes: Optional[int], img_size: Optional[int]) -> Optional[Path]:
+    """Cheap checks made before any file is read; returns the data dir as a Path."""
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}")
+    if not 0.0 < float(train_fraction) <= 1.0:
+        raise ValueError(f"--train-fraction must be in (0, 1], got {train_fraction}")
+    if num_classes is not None and int(num_classes) < 1:
+        raise ValueError(f"--num-classes must be a positive integer, got {num_classes}")
+    if img_size is not None and int(img_size) < 1:
+        raise ValueError(f"--img-size must be a positive integer, got {img_size}")
+    if dataset == 'digits':
+        return None  # embedded in scikit-learn, no files
+    layout = DATASETS[dataset].layout
+    if not data_dir:
+        raise ValueError(f"--dataset {dataset} needs --data-dir; expected layout: {layout}")
+    path = Path(data_dir).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"--data-dir {path} is not a directory; expected layout for --dataset {dataset}: {layout}")
+    if not any(path.iterdir()):
+        raise ValueError(f"--data-dir {path} is empty; expected layout for --dataset {dataset}: {layout}")
+    return path
+
+
+def _posterize_zero_bits(img: Image.Image, bits_to_keep: int, **kwargs) -> Image.Image:
+    """timm's posterize, where keeping 0 bits gives a black image as with older Pillow.
+
+    timm's 'PosterizeIncreasing' asks for 0 bits at magnitude 10, which the magnitude noise of
+    'mstd0.5' reaches for a few samples in a thousand; Pillow 13 rejects bits < 1 with a ValueError
+    that would stop a run.
+    """
+    if bits_to_keep < 1:
+        return Image.new(img.mode, img.size)
+    return timm_posterize(img, bits_to_keep, **kwargs)
+
+
+def _patch_posterize(transform: Callable) -> None:
+    """Routes the posterize ops of timm's RandAugment/AugMix/AutoAugment inside `transform`."""
+    for step in getattr(transform, 'transforms', []):
+        ops = list(getattr(step, 'ops', []))
+        ops += [op for sub_policy in getattr(step, 'policy', []) for op in sub_policy]
+        for op in ops:
+            if op.name.startswith('Posterize'):
+                op.aug_fn = _posterize_zero_bits
+
+
+def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Any) -> tuple[Callable, Callable]:
+    """timm's train transform (random resized crop, flip, RandAugment, random erasing) and eval
+    transform (resize to img_size / crop_pct, center crop), normalized with the dataset's mean/std.
+    Works for any source size: 8x8 digits are upsampled to img_size."""
+    input_size = (in_chans, img_size, img_size)
+    interpolation = _option(cfg, 'interpolation')
+    scale = _option(cfg, 'scale')
+    train = create_transform(
+        input_size, is_training=True, no_aug=bool(_option(cfg, 'no_aug')),
+        scale=tuple(scale) if scale is not None else None, hflip=_option(cfg, 'hflip'),
+        color_jitter=_option(cfg, 'color_jitter'), auto_augment=_option(cfg, 'aa') or None,
+        interpolation=interpolation, mean=mean, std=std, re_prob=_option(cfg, 'reprob'),
+        re_mode=RANDOM_ERASING_MODE)
+    _patch_posterize(train)
+    val = create_transform(input_size, is_training=False, interpolation=interpolation,
+                           crop_pct=_option(cfg, 'crop_pct'), mean=mean, std=std)
+    return train, val
+
+
+def build_datasets(cfg: Any) -> DataBundle:
+    """Train and val datasets of cfg.dataset with transforms, after the class subset (train and
+    val) and the per-class train fraction (train only: validation is never subsampled)."""
+    name = _option(cfg, 'dataset')
+    num_classes, img_size = _option(cfg, 'num_classes'), _option(cfg, 'img_size')
+    fraction = _option(cfg, 'train_fraction')
+    data_dir = _check_data_options(name, _option(cfg, 'data_dir'), fraction, num_classes, img_size)
+
+    if name == 'digits':
+        train, val = load_digits_split()
+    elif name in ('cifar10', 'cifar100'):
+        train, val = load_cifar(name, data_dir)
+    else:
+        train, val = load_image_folders(name, data_dir, bool(_option(cfg, 'skip_unreadable')))
+
+    if num_classes is not None:
+        if int(num_classes) > len(train.classes):
+            raise ValueError(f"--num-classes {num_classes}: --dataset {name} has only {len(train.classes)} classes")
+        train, val = select_classes(train, int(num_classes)), select_classes(val, int(num_classes))
+    if float(fraction) < 1.0:
+        train = train.subset(fraction_per_class(train.targets, float(fraction), int(_option(cfg, 'seed'))))
+
+    info = DATASETS[name]
+    train.transform, val.transform = build_transforms(
+        int(img_size or info.default_img_size), info.in_chans, info.mean, info.std, cfg)
+    return DataBundle(train, val, len(train.classes), info.in_chans, list(train.classes), info.mean, info.std)
+
+
+class ShardedSampler(Sampler[int]):
+    """Seeded shuffling sampler that shards itself across processes, with optional repeated
+    augmentation (DeiT: each drawn image appears `repeats` times in a row, so its copies land on
+    different ranks, or in the same batch on one process).
+
+    An epoch is `len(dataset)` draws, as in DeiT, for any repeats. The epoch order is one global list
+    (seeded by (seed, epoch), independent of the number of processes); rank r takes every
+    num_replicas-th entry from r, truncated to len(dataset) // num_replicas. Hence, with a loader that
+    drops the last partial batch, the union of the ranks' batches at step t is exactly the batch a
+    single process with the global batch size draws at step t. Unlike timm's RepeatAugSampler there
+    is no rounding down to multiples of 256, so tiny datasets work.
+
+    The sampler also owns the generator the DataLoader draws its worker base seed from, reseeded in
+    `set_epoch` from (seed, epoch, rank): the augmentations of worker processes are reproducible
+    per epoch, which a resumed run needs (with workers=0 they use the global RNGs).
+    """
+
+    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
+                 repeats: int = 1, shuffle: bool = True):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        self.num_samples, self.num_replicas, self.rank = num_samples, num_replicas, rank
+        self.seed, self.repeats, self.shuffle = seed, repeats, shuffle
+        self.worker_seed_generator = torch.Generator()
+        self.epoch, self.start = 0, 0
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Selects the epoch's order; `start` skips this rank's first `start` indices (mid-epoch resume)."""
+        self.epoch, self.start = epoch, start
+        worker_seed = np.random.SeedSequence([self.seed, epoch, self.rank]).generate_state(1)[0]
+        self.worker_seed_generator.manual_seed(int(worker_seed))
+
+    def global_order(self) -> np.ndarray:
+        """This epoch's indices for all ranks together (what one process would draw)."""
+        n = self.num_samples
+        drawn = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return np.repeat(drawn, self.repeats)[:n]
+
+    def __iter__(self):
+        per_rank = self.num_samples // self.num_replicas
+        mine = self.global_order()[self.rank::self.num_replicas][:per_rank]
+        return iter(mine[self.start:].tolist())
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples // self.num_replicas - self.start)
+
+
+def _check_loader_args(batch_size: int, workers: int) -> None:
+    if int(batch_size) < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if int(workers) < 0:
+        raise ValueError(f"--workers must be >= 0, got {workers}")
+
+
+def build_train_loader(dataset, batch_size: int, workers: int, repeated_aug: int = 1, seed: int = 0,
+                       num_replicas: int = 1, rank: int = 0) -> DataLoader:
+    """Loader over this rank's shard (not to be passed through accelerator.prepare), dropping the
+    last partial batch. repeated_aug N > 1 repeats each drawn image N times (DeiT uses 3); 0 or 1
+    is a plain seeded shuffle. Call `loader.sampler.set_epoch(epoch)` before each epoch."""
+    _check_loader_args(batch_size, workers)
+    if int(repeated_aug) < 0:
+        raise ValueError(f"--repeated-aug must be >= 0 (0 or 1: off), got {repeated_aug}")
+    sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, repeats=max(1, int(repeated_aug)))
+    if len(sampler) < batch_size:
+        raise ValueError(f"the training set has {len(dataset)} images, fewer than one global batch of "
+                         f"{batch_size} x {num_replicas} process(es); lower --batch-size")
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=True,
+                      pin_memory=torch.cuda.is_available(), generator=sampler.worker_seed_generator)
+
+
+def build_eval_loader(dataset, batch_size: int, workers: int) -> DataLoader:
+    """Sequential loader over the whole dataset (the engine shards it with accelerator.prepare)."""
+    _check_loader_args(batch_size, workers)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+                      pin_memory=torch.cuda.is_available())

@@ -1,0 +1,268 @@
+"""Dataset sources of the training engine: ImageNet-style folders, CIFAR-10/100, any ImageFolder and
+the embedded scikit-learn digits.
+
+Every source returns a (train, val) pair of datasets that share one small interface: `targets`
+(list of int labels), `classes` (class names in label order), a settable `transform`, and
+`subset(indices, num_classes=None)`. Subsampling (`--train-fraction`) and class subsets
+(`--num-classes`) are written once against that interface (`select_classes`, `fraction_per_class`).
+
+Images are served as PIL images, so timm's transforms apply unchanged to every source.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch.utils.data import Dataset
+from torchvision.datasets import CIFAR10, CIFAR100
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What the engine needs to know about a source before reading it."""
+    in_chans: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    default_img_size: int
+    layout: str  # expected on-disk layout, quoted in error messages
+
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+# Pixel statistics of the 1,797 digits once scaled from 0..16 to 0..1 (checked by tests/test_data.py).
+DIGITS_MEAN, DIGITS_STD = (0.3053,), (0.3759,)
+
+DATASETS: dict[str, DatasetInfo] = {
+    'digits': DatasetInfo(
+        1, DIGITS_MEAN, DIGITS_STD, 32,
+        'no files: sklearn.datasets.load_digits(), 8x8 grayscale, 10 classes'),
+    'cifar10': DatasetInfo(
+        3, CIFAR10_MEAN, CIFAR10_STD, 32,
+        'DIR/cifar-10-batches-py/{data_batch_1..5, test_batch, batches.meta} '
+        '(torchvision format, the extracted cifar-10-python.tar.gz)'),
+    'cifar100': DatasetInfo(
+        3, CIFAR100_MEAN, CIFAR100_STD, 32,
+        'DIR/cifar-100-python/{train, test, meta} (torchvision format, the extracted cifar-100-python.tar.gz)'),
+    'imagenet': DatasetInfo(
+        3, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, 224,
+        'DIR/train/<class>/<image> and DIR/val/<class>/<image> (val sorted into the same class folders)'),
+    'folder': DatasetInfo(
+        3, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, 224,
+        'DIR/train/<class>/<image> and optionally DIR/val/<class>/<image>, '
+        'or DIR/<class>/<image> (then a held-out split is made)'),
+}
+
+# Validation split made when a source has none (digits; a folder dataset without val/). The split
+# seed is fixed, not the run's --seed, so every run of a sweep is scored on the same images.
+DIGITS_VAL_FRACTION = 0.2
+FOLDER_VAL_FRACTION = 0.1
+SPLIT_SEED = 0
+
+
+class ArrayImageDataset(Dataset):
+    """In-memory uint8 images, (N, H, W) grayscale or (N, H, W, 3) RGB, served as PIL images."""
+
+    def __init__(self, images: np.ndarray, targets: Sequence[int], classes: Sequence[str],
+                 transform: Optional[Callable] = None):
+        self.images = images
+        self.targets = [int(t) for t in targets]
+        self.classes = list(classes)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int):
+        image = Image.fromarray(self.images[index])
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, self.targets[index]
+
+    def subset(self, indices: Sequence[int], num_classes: Optional[int] = None) -> 'ArrayImageDataset':
+        indices = np.asarray(indices, dtype=np.int64)
+        classes = self.classes[:num_classes] if num_classes else self.classes
+        return ArrayImageDataset(self.images[indices], [self.targets[i] for i in indices], classes,
+                                 self.transform)
+
+
+class UnreadableImageError(ValueError):
+    """An image file that PIL cannot decode, raised when unreadable images are not skipped."""
+
+
+class ImageFolderDataset(Dataset):
+    """An ImageFolder (torchvision's class scan and loader) that survives unreadable files.
+
+    Files are not decoded at start-up (that would take hours on ImageNet). A file that fails to decode
+    when first loaded is recorded in `unreadable_mask`, reported with a warning, and replaced by the
+    next readable sample of the list (deterministic, so resumed runs see the same data); it is never
+    tried again. The mask lives in shared memory, so failures seen inside DataLoader workers are
+    visible to the main process through `unreadable_files()`. With `skip_unreadable=False` the first
+    unreadable file raises `UnreadableImageError` naming its path.
+    """
+
+    def __init__(self, root: Path, samples: list[tuple[str, int]], classes: Sequence[str],
+                 transform: Optional[Callable] = None, skip_unreadable: bool = True):
+        self.root = Path(root)
+        self.samples = samples
+        self.targets = [target for _, target in samples]
+        self.classes = list(classes)
+        self.transform = transform
+        self.skip_unreadable = skip_unreadable
+        self.unreadable_mask = torch.zeros(len(samples), dtype=torch.bool).share_memory_()
+
+    @classmethod
+    def scan(cls, root: Path, layout: str, classes: Optional[Sequence[str]] = None,
+             skip_unreadable: bool = True) -> 'ImageFolderDataset':
+        """Lists root/<class>/<image> with torchvision (file names only, nothing is decoded);
+        `classes` fixes the label order (val uses train's). `layout` is quoted in errors."""
+        try:
+            if classes is None:
+                classes, _ = find_classes(root)
+            class_to_idx = {name: i for i, name in enumerate(classes)}
+            samples = make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS)
+        except FileNotFoundError as error:
+            raise ValueError(f"{root}: {error} Expected layout: {layout}; image extensions: "
+                             f"{', '.join(IMG_EXTENSIONS)}") from None
+        return cls(root, samples, classes, skip_unreadable=skip_unreadable)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} images")
+        image, target = self._load_readable(index % len(self))
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, target
+
+    def _load_readable(self, index: int):
+        for offset in range(len(self)):
+            i = (index + offset) % len(self)
+            if self.unreadable_mask[i]:
+                continue
+            path, target = self.samples[i]
+            try:
+                return default_loader(path), target
+            except Exception as error:  # noqa: BLE001 - any failure to decode this one file
+                if not self.skip_unreadable:
+                    raise UnreadableImageError(f"unreadable image {path}: {error}") from None
+                self.unreadable_mask[i] = True
+                warnings.warn(f"skipping unreadable image {path} ({error}); "
+                              f"the next readable image takes its place", stacklevel=2)
+        raise UnreadableImageError(f"no readable image among the {len(self)} files under {self.root}")
+
+    def unreadable_files(self) -> list[str]:
+        """Paths found unreadable so far (in any worker)."""
+        return [self.samples[i][0] for i in torch.nonzero(self.unreadable_mask).flatten().tolist()]
+
+    def subset(self, indices: Sequence[int], num_classes: Optional[int] = None) -> 'ImageFolderDataset':
+        classes = self.classes[:num_classes] if num_classes else self.classes
+        return ImageFolderDataset(self.root, [self.samples[i] for i in indices], classes,
+                                  self.transform, self.skip_unreadable)
+
+
+def _stratified_split(targets: Sequence[int], val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint (train, val) indices holding out val_fraction of each class (at least one image of
+    every class with two or more)."""
+    targets = np.asarray(targets)
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for label in np.unique(targets):
+        members = rng.permutation(np.flatnonzero(targets == label))
+        num_val = max(1, round(val_fraction * len(members))) if len(members) > 1 else 0
+        val.append(members[:num_val])
+        train.append(members[num_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+def fraction_per_class(targets: Sequence[int], fraction: float, seed: int) -> np.ndarray:
+    """Sorted indices keeping round(fraction * n_c) (at least 1) images of each class c.
+
+    Each class is shuffled by its own generator seeded with (seed, class), and the first images of
+    that order are kept, so the same seed gives nested subsets: the 10% subset lies inside the 50% one.
+    """
+    targets = np.asarray(targets)
+    kept = []
+    for label in np.unique(targets):
+        members = np.flatnonzero(targets == label)
+        order = np.random.default_rng([seed, int(label)]).permutation(members)
+        kept.append(order[:max(1, round(fraction * len(members)))])
+    return np.sort(np.concatenate(kept))
+
+
+def select_classes(dataset, num_classes: int):
+    """The samples of the first num_classes classes (label order = sorted folder names for folders)."""
+    indices = np.flatnonzero(np.asarray(dataset.targets) < num_classes)
+    return dataset.subset(indices, num_classes=num_classes)
+
+
+def load_digits_split():
+    """scikit-learn's 1,797 8x8 digits (0..16 scaled to uint8 0..255) with a fixed stratified split."""
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
+    classes = [str(name) for name in digits.target_names]
+    full = ArrayImageDataset(images, digits.target, classes)
+    train_idx, val_idx = _stratified_split(full.targets, DIGITS_VAL_FRACTION, SPLIT_SEED)
+    return full.subset(train_idx), full.subset(val_idx)
+
+
+class _LocalCIFAR10(CIFAR10):
+    """torchvision's CIFAR-10 reader with a file-presence check instead of md5 hashing (the hashes
+    would reject the small batches the tests write, and cost a pass over 180 MB at each start)."""
+    train_list = [[name, None] for name, _ in CIFAR10.train_list]
+    test_list = [[name, None] for name, _ in CIFAR10.test_list]
+    meta = {**CIFAR10.meta, 'md5': None}
+
+
+class _LocalCIFAR100(CIFAR100):
+    """torchvision's CIFAR-100 reader with a file-presence check (see _LocalCIFAR10)."""
+    train_list = [[name, None] for name, _ in CIFAR100.train_list]
+    test_list = [[name, None] for name, _ in CIFAR100.test_list]
+    meta = {**CIFAR100.meta, 'md5': None}
+
+
+def load_cifar(name: str, data_dir: Path):
+    """CIFAR-10/100 from DIR/<base_folder>; DIR may also be the base folder itself."""
+    reader = {'cifar10': _LocalCIFAR10, 'cifar100': _LocalCIFAR100}[name]
+    root = data_dir.parent if data_dir.name == reader.base_folder else data_dir
+    expected = [name for name, _ in reader.train_list + reader.test_list] + [reader.meta['filename']]
+    missing = [f for f in expected if not (root / reader.base_folder / f).is_file()]
+    if missing:
+        raise ValueError(f"--dataset {name}: missing {', '.join(missing)} in {root / reader.base_folder}; "
+                         f"expected layout: {DATASETS[name].layout}")
+    train, val = reader(str(root), train=True), reader(str(root), train=False)
+    return (ArrayImageDataset(train.data, train.targets, train.classes),
+            ArrayImageDataset(val.data, val.targets, val.classes))
+
+
+def load_image_folders(name: str, data_dir: Path, skip_unreadable: bool):
+    """ImageNet-style DIR/train + DIR/val; for `folder`, a missing val/ (or no train/ at all) gives a
+    seeded stratified held-out split of FOLDER_VAL_FRACTION of each class."""
+    layout = DATASETS[name].layout
+    train_dir, val_dir = data_dir / 'train', data_dir / 'val'
+    if name == 'imagenet' and not (train_dir.is_dir() and val_dir.is_dir()):
+        missing = ' and '.join(str(d) for d in (train_dir, val_dir) if not d.is_dir())
+        raise ValueError(f"--dataset imagenet: {missing} not found; expected layout: {layout}")
+    if not train_dir.is_dir():
+        train_dir = data_dir  # folder dataset given as DIR/<class>/<image>
+    train = ImageFolderDataset.scan(train_dir, layout, skip_unreadable=skip_unreadable)
+    if val_dir.is_dir():
+        val_classes = sorted(entry.name for entry in val_dir.iterdir() if entry.is_dir())
+        if val_classes != train.classes:
+            only_train = sorted(set(train.classes) - set(val_classes))[:5]
+            only_val = sorted(set(val_classes) - set(train.classes))[:5]
+            raise ValueError(f"{val_dir}: class folders differ from {train_dir} (only in train: {only_train}, "
+                             f"only in val: {only_val}); expected layout: {layout}")
+        val = ImageFolderDataset.scan(val_dir, layout, train.classes, skip_unreadable)
+        return train, val
+    train_idx, val_idx = _stratified_split(train.targets, FOLDER_VAL_FRACTION, SPLIT_SEED)
+    return train.subset(train_idx), train.subset(val_idx)
