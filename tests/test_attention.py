@@ -178,3 +178,13 @@ def test_head_count_not_dividing_the_width_is_a_value_error():
         GPSA(32, 5)
     with pytest.raises(ValueError, match="num_heads=5"):
         MHSA(32, 5)
+
+
+def test_positional_attention_has_no_subnormal_weights():
+    """Subnormal operands make the CPU GEMMs with P many times slower; they are flushed to 0."""
+    layer = GPSA(64, 16)
+    layer.local_init()  # alpha = 1: weights fall below 1e-38 a few tokens away from the offset
+    pos_attn = layer.positional_attention((14, 14))
+    assert ((pos_attn > 0) & (pos_attn < torch.finfo(pos_attn.dtype).tiny)).sum() == 0
+    assert (pos_attn == 0).any()
+    torch.testing.assert_close(pos_attn.sum(-1), torch.ones(16, 196))
