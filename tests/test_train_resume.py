@@ -1,0 +1,75 @@
+"""The issue's command on an ImageFolder, and resume after SIGKILL giving the same metrics.
+
+Every run is `accelerate launch --cpu --num_processes 1 train.py ...` in a subprocess, with the DeiT
+recipe defaults (RandAugment, mixup/cutmix, random erasing, repeated augmentation, drop path, 4 data
+workers): the resumed run only matches if every RNG stream and the schedule are restored.
+"""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+DETERMINISTIC_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
+
+
+def write_image_folder(root: Path, per_class: dict[str, int], size: int = 28) -> None:
+    """Two classes of RGB PNGs a model can tell apart (bright left half vs bright right half)."""
+    rng = np.random.default_rng(0)
+    for split, count in per_class.items():
+        for label in range(2):
+            folder = root / split / f"class_{label}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                image = rng.integers(0, 90, (size, size, 3), dtype=np.uint8)
+                image[:, label * size // 2:(label + 1) * size // 2] += 150
+                Image.fromarray(image).save(folder / f"{i}.png")
+
+
+def issue_command(data_dir: Path, output: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            str(REPO / "train.py"), "--model", "convit_tiny", "--dataset", "folder", "--data-dir", str(data_dir),
+            "--img-size", "28", "--model-kwargs", "patch_size=4", "--epochs", "2", "--output", str(output), *extra]
+
+
+def summary(output: Path) -> list[tuple[str, ...]]:
+    with open(output / "summary.csv", newline="") as f:
+        return [tuple(row[k] for k in DETERMINISTIC_FIELDS) for row in csv.DictReader(f)]
+
+
+def test_issue_command_and_resume_after_kill(tmp_path):
+    data = tmp_path / "data"
+    write_image_folder(data, {"train": 32, "val": 4})  # 64 training images: one batch of the default 64
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+    uninterrupted = tmp_path / "uninterrupted"
+    done = subprocess.run(issue_command(data, uninterrupted), env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (uninterrupted / "results.json").is_file()
+    reference = summary(uninterrupted)
+    assert [row[0] for row in reference] == ["1", "2"]
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(issue_command(data, killed), env=env, cwd=tmp_path, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first_checkpoint = killed / "checkpoints" / "last" / "training_state.pt"
+    deadline = time.monotonic() + 300
+    while not first_checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert first_checkpoint.exists(), "the run ended before writing its first checkpoint"
+    assert not (killed / "results.json").exists(), "the run finished before it could be killed"
+
+    resumed = subprocess.run(issue_command(data, killed, "--resume", "auto"), env=env, cwd=tmp_path,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert summary(killed) == reference
