@@ -3,25 +3,31 @@
 A sweep file (YAML) describes the grid::
 
     config: configs/convit/deit_recipe.yaml   # optional base recipe, passed to every run as -c
+                                              # (a path as given, else relative to the repository)
     set:                                      # train.py options shared by every run (config keys)
-      dataset: imagenet
-      epochs: 300
-      model_kwargs: {drop_path_rate: 0.1}
+      data_dir: /data/imagenet
     grid:                                     # the runs are the Cartesian product of these lists
       model: [convit_small, deit_small_patch16_224]
       train_fraction: [0.05, 0.1, 0.3, 0.5, 1.0]
       seed: [0]
-      model_kwargs.locality_strength: [1.0]   # a model constructor argument
-    variants:                                 # optional named option sets, crossed with the grid
-      frozen_gate: {model: convit_small_plus, model_kwargs: {train_gating: false}}
-    scale_epochs: true                        # epochs x 1/f (train.py --scale-epochs); default true
+      model_kwargs.locality_strength: [1.0]   # a model constructor argument (any option works too)
+    scale_epochs: true                        # epochs x 1/f (train.py --scale-epochs); default true;
+                                              # an eval_interval set here is scaled the same way, so
+                                              # every run evaluates after the same numbers of images
     baseline: deit_small_patch16_224          # what the report compares against
 
+Instead of ``grid.model``, ``variants`` names option sets that are crossed with the grid, for
+ablations that change several options at once (Table 7.3)::
+
+    variants:
+      convit: {model: convit_small_plus}
+      frozen_gate: {model: convit_small_plus, model_kwargs: {train_gating: false}}
+
 Every run is a plain ``train.py`` invocation with its own output directory, named from its grid
-point, under ``<sweep dir>/runs/``. A run is complete iff its ``results.json`` exists; a run with a
-checkpoint but no ``results.json`` was interrupted: every command carries ``--resume auto``, so running it
-again continues from the last checkpoint. The sweep
-directory records its grid in ``sweep.yaml``, so that rerunning a different grid into it is refused.
+point, under ``<sweep dir>/runs/``. A run is complete iff its ``results.json`` exists. Every command
+carries ``--resume auto``: run again after an interruption, it continues from the run's last
+checkpoint. The sweep directory records its grid in ``sweep.yaml``, and rerunning a different grid
+into it is refused.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ MODEL_KWARG_PREFIX = 'model_kwargs.'
 # Options the sweep itself decides for every run: a sweep file must not set them.
 RESERVED_OPTIONS = ('output', 'resume', 'config', 'scale_epochs', 'eval_only', 'checkpoint')
 RECORD_NAME = 'sweep.yaml'
+BAD_INPUT_EXIT = 2  # train.py's exit code for a user mistake (engine.main)
 CSV_NAME = 'runs.csv'
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = REPO_ROOT / 'train.py'
@@ -254,8 +261,8 @@ def validate(spec: dict[str, Any], runs: list[Run], known: dict[str, argparse.Ac
     every run's full train.py options (checked by the engine's own parser and validation)."""
     from engine.config import parse_config
 
-    if spec['config'] is not None and not Path(spec['config']).is_file():
-        raise ValueError(f"base config not found: {spec['config']}")
+    if spec['config'] is not None:
+        resolve_config(spec['config'])
     _check_option_keys(spec['set'], 'set', known)
     _check_option_keys(spec['grid'], 'grid', known)
     for name, options in spec['variants'].items():
@@ -316,6 +323,14 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- commands
 
 
+def resolve_config(path: str) -> Path:
+    """A base recipe path as given, or relative to the repository (``configs/convit/...``)."""
+    for candidate in (Path(path), REPO_ROOT / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ValueError(f'base config not found: {path} (nor {REPO_ROOT / path})')
+
+
 def _flag(action: argparse.Action) -> str:
     return max(action.option_strings, key=len)
 
@@ -347,11 +362,14 @@ def train_args(run: Run, run_dir: Path, spec: dict[str, Any], known: dict[str, a
     ``--resume auto`` makes the same command start a new run or continue an interrupted one, so a
     scheduler can relaunch a preempted job as it is.
     """
-    args = ['-c', str(spec['config'])] if spec['config'] else []
-    args += ['--model', str(run.options['model'])]
-    for key, value in run.options.items():
-        if key != 'model':
-            args += option_args(key, value, known)
+    options = dict(run.options)
+    if spec['scale_epochs'] and options.get('eval_interval'):
+        fraction = options.get('train_fraction', 1.0)
+        options['eval_interval'] = max(1, round(options['eval_interval'] / fraction))
+    args = ['-c', str(resolve_config(spec['config']))] if spec['config'] else []
+    args += ['--model', str(options.pop('model'))]
+    for key, value in options.items():
+        args += option_args(key, value, known)
     if spec['scale_epochs']:
         args.append('--scale-epochs')
     return args + ['--output', str(run_dir), '--resume', 'auto']
@@ -428,6 +446,10 @@ class Sweep:
     def execute(self, launcher: list[str] | None = None, log=print) -> list[str]:
         """Run every incomplete run, one subprocess at a time; return the names of failed runs.
 
+        A run that train.py refuses as bad input (exit code 2, e.g. an empty data dir) stops the
+        sweep with that message; a run that fails otherwise (diverged, crashed) is reported and
+        the sweep goes on.
+
         Each run's console output goes to ``<sweep dir>/logs/<run>.log``. On KeyboardInterrupt
         (or SIGTERM turned into one by the CLI) the running child is terminated first, so a rerun
         finds it interrupted and resumes it from its last checkpoint.
@@ -462,6 +484,9 @@ class Sweep:
                         child.kill()
                     raise
             seconds = time.time() - start
+            if returncode == BAD_INPUT_EXIT:  # the same mistake would stop every other run too
+                last = log_path.read_text().strip().splitlines()[-1]
+                raise ValueError(f'train.py refused run {run.name} ({log_path}): {last}')
             if returncode != 0 or run_state(run_dir) != 'done':
                 tail = ''.join(log_path.read_text().splitlines(keepends=True)[-5:])
                 log(f'{prefix}: FAILED (exit {returncode}, {seconds:.0f}s), see {log_path}:\n{tail}')

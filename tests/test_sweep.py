@@ -123,7 +123,8 @@ def test_cli_overrides_replace_axes_and_shared_options():
 def test_printed_commands_are_train_py_invocations_with_scaled_epochs(tmp_path):
     out = tmp_path / 'sweep'
     done = sweep_cli('run', '--output', str(out), '--models', 'convit_tiny', 'deit_tiny_plus',
-                     '--fractions', '0.05', '0.3', '1', '--seeds', '0', '--set', 'epochs=2', 'dataset=digits',
+                     '--fractions', '0.05', '0.3', '1', '--seeds', '0', '--set', 'epochs=2', 'eval_interval=2',
+                     'dataset=digits',
                      'img_size=8', 'model_kwargs.patch_size=2', '--grid', 'model_kwargs.locality_strength=1,2',
                      '--print-commands')
     assert done.returncode == 0, done.stderr
@@ -137,6 +138,7 @@ def test_printed_commands_are_train_py_invocations_with_scaled_epochs(tmp_path):
         cfg = parse_config(argv[2:])  # the engine's own parser accepts every printed command
         assert cfg.scale_epochs and cfg.epochs == 2
         assert effective_epochs(cfg)[0] == math.ceil(2 / cfg.train_fraction - 1e-9)
+        assert cfg.eval_interval == round(2 / cfg.train_fraction)  # evaluations at equal images seen
         name = Path(cfg.output).name
         assert name == f"{cfg.model}__f{cfg.train_fraction:g}__seed0__locality_strength-{cfg.model_kwargs['locality_strength']}"
         assert cfg.model_kwargs['patch_size'] == 2
@@ -152,6 +154,28 @@ def test_launcher_prefix_and_no_scale_epochs(tmp_path):
     argv = shlex.split(done.stdout.strip())
     assert argv[:4] == ['accelerate', 'launch', '--num_processes', '2']
     assert argv[4] == str(REPO / 'train.py') and '--scale-epochs' not in argv
+
+
+def test_the_digits_study_runs_on_an_image_folder(tmp_path):
+    """The committed study's grid, pointed at a user's ImageFolder, gives valid train.py commands."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ('train', 'val'):
+        for name in ('cat', 'dog'):
+            (tmp_path / 'data' / split / name).mkdir(parents=True)
+            for i in range(10):
+                pixels = rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / 'data' / split / name / f'{i}.png')
+    done = sweep_cli('run', str(REPO / 'configs' / 'sweeps' / 'digits_sample_efficiency.yaml'),
+                     '--output', str(tmp_path / 'sweep'), '--dataset', 'folder', '--data-dir', str(tmp_path / 'data'),
+                     '--set', 'img_size=16', 'model_kwargs.patch_size=4', '--print-commands')
+    assert done.returncode == 0, done.stderr
+    configs = [parse_config(shlex.split(line)[2:]) for line in done.stdout.strip().splitlines()]
+    assert len(configs) == 12
+    assert {(c.dataset, c.data_dir, c.img_size, c.model_kwargs['patch_size']) for c in configs} == {
+        ('folder', str(tmp_path / 'data'), 16, 4)}
+    assert sorted({c.model for c in configs}) == ['convit_tiny', 'deit_tiny_plus']
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -174,6 +198,19 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, args, message):
     assert message in done.stderr and done.stderr.startswith('error: ')
     assert 'Traceback' not in done.stderr
     assert not out.exists()
+
+
+def test_a_run_refused_by_train_py_stops_the_sweep(tmp_path):
+    """Data problems are found by train.py (the sweep does not scan datasets): the first refusal
+    stops the sweep with train.py's message instead of failing every run the same way."""
+    (tmp_path / 'empty').mkdir()
+    out = tmp_path / 'sweep'
+    done = sweep_cli('run', '--output', str(out), '--models', 'convit_tiny', 'deit_tiny_plus', '--fractions', '1',
+                     '--dataset', 'folder', '--data-dir', str(tmp_path / 'empty'),
+                     '--set', 'img_size=8', 'model_kwargs.patch_size=2', 'workers=0')
+    assert done.returncode == 2
+    assert 'train.py refused run convit_tiny__f1__seed0' in done.stderr and str(tmp_path / 'empty') in done.stderr
+    assert [p.name for p in (out / 'logs').iterdir()] == ['convit_tiny__f1__seed0.log']  # the DeiT never started
 
 
 def test_a_different_grid_in_the_output_dir_is_refused_with_the_difference(tmp_path):
