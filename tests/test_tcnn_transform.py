@@ -180,3 +180,29 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(ValueError, match=r"layer4\.0 downsamples with an anti-aliasing layer"):
         transform(antialiased)
     transform(antialiased, keep_stride=True)  # exact conversion keeps the blur pool: fine
+
+
+# Table G.1: (ResNet-RS, T-ResNet-RS) parameter counts in millions
+TABLE_G1_PARAMS = {"resnetrs50": (36, 38), "resnetrs101": (64, 66), "resnetrs152": (87, 89),
+                   "resnetrs200": (93, 96), "resnetrs270": (130, 133), "resnetrs350": (164, 167)}
+
+
+def test_parameter_counts_match_table_g1():
+    for name, (cnn_millions, tcnn_millions) in TABLE_G1_PARAMS.items():
+        with torch.device("meta"):  # shapes only: no memory, no init time
+            model = timm.create_model(name)
+            cnn_count = sum(p.numel() for p in model.parameters())
+            tcnn_count = sum(p.numel() for p in transform(model).parameters())
+        assert (round(cnn_count / 1e6), round(tcnn_count / 1e6)) == (cnn_millions, tcnn_millions), name
+
+
+def test_attention_map_figure_has_one_row_per_layer_and_one_column_per_head():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from transformed_cnn import plot_query_attention_maps
+
+    tcnn = transform(timm.create_model("resnet18"))
+    figure = plot_query_attention_maps(tcnn, IMAGES[0])
+    assert len(figure.axes) == 4 * 9
+    assert [ax.get_title() for ax in figure.axes[:9]] == [f"{g:.2f}" for g in tcnn.layer4[0].conv1.gate().tolist()]

@@ -69,7 +69,7 @@ def plot_query_attention_maps(model: nn.Module, image: torch.Tensor, query: Tupl
             ax.axis("off")
             if head >= attn.shape[1]:
                 continue
-            ax.imshow(attn[0, head].float().cpu(), cmap="viridis")
+            ax.imshow(attn[0, head].float().cpu().numpy(), cmap="viridis")
             ax.plot(query[1] * width - 0.5, query[0] * height - 0.5, "s", mfc="none", mec="red", ms=6)
             ax.set_title(f"{gates[head]:.2f}", color="red", fontsize=8)
         axes[row, 0].text(-0.1, 0.5, name, transform=axes[row, 0].transAxes, ha="right", va="center", fontsize=8)
