@@ -12,7 +12,9 @@ Both softmaxes have rows summing to one, so `normalize` is the identity up to ro
 That identity is the hot path (`gated_attention`): the content term goes through PyTorch's fused
 `scaled_dot_product_attention`; P depends only on token positions, so it is built once per forward
 with shape (H, Nq, Nk) and applied as one GEMM with the batch folded into the columns. No
-(B, H, N, N) tensor is created in the forward or the backward. The explicit path
+(B, H, N, N) tensor is created in the forward or the backward. (When each head's value is wider than
+the key count, as in a Transformed CNN's late stages, forming the mixed attention once is cheaper:
+`gated_attention` then does that instead.) The explicit path
 (`GPSA.attention`) materializes A for attention maps, diagnostics and attention dropout.
 
 Parameter names and shapes follow `timm.models.convit` (qk, v, proj, pos_proj, gating_param), so
@@ -131,13 +133,27 @@ class _PositionalMix(torch.autograd.Function):
 def gated_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_attn: torch.Tensor, gate: torch.Tensor
 ) -> torch.Tensor:
-    """(1 - gate_h) softmax(Q K^T / sqrt(d)) V + gate_h P_h V, without a (B, H, Nq, Nk) tensor.
+    """(1 - gate_h) softmax(Q K^T / sqrt(d)) V + gate_h P_h V: the GPSA hot path.
 
     q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by
-    all heads; pos_attn: (H, Nq, Nk); gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv)."""
+    all heads; pos_attn: (H, Nq, Nk); gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv).
+
+    Two schedules give the same result; the cheaper one is picked from the shapes:
+    - values narrower than the key count (dv < Nk: a ViT's patch tokens): content through the fused
+      SDPA kernel plus the batch-folded positional GEMM; no (B, H, Nq, Nk) tensor exists at all.
+    - values at least as wide as the key count (dv >= Nk: a Transformed CNN's late stages, where each
+      head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is no larger than the output,
+      so it is formed once and applied in one GEMM, instead of multiplying the wide V twice."""
     heads = q.shape[1]
-    content = F.scaled_dot_product_attention(q, k, v.expand(-1, heads, -1, -1))
-    return _PositionalMix.apply(content, pos_attn.to(v.dtype), v, gate)
+    if v.shape[-1] < k.shape[-2]:
+        content = F.scaled_dot_product_attention(q, k, v.expand(-1, heads, -1, -1))
+        return _PositionalMix.apply(content, pos_attn.to(v.dtype), v, gate)
+    content = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)
+    attn = torch.lerp(content, pos_attn.to(content.dtype), gate.to(content.dtype).view(1, heads, 1, 1))
+    if v.shape[1] == 1:  # shared value: one GEMM per image over all heads' queries
+        b, _, nq, nk = attn.shape
+        return (attn.reshape(b, heads * nq, nk) @ v[:, 0]).view(b, heads, nq, -1)
+    return attn @ v
 
 
 def kernel_offsets(num_heads: int) -> torch.Tensor:
