@@ -8,12 +8,16 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from sklearn.datasets import load_digits
 
 from engine.data import (
     DATA_DEFAULTS, ShardedSampler, build_datasets, build_eval_loader, build_train_loader, build_transforms,
     _posterize_zero_bits,
 )
-from engine.datasets import DATASETS, DIGITS_MEAN, DIGITS_STD, UnreadableImageError, fraction_per_class
+from engine.datasets import (
+    DATASETS, DIGITS_MEAN, DIGITS_STD, DIGITS_VAL_FRACTION, SPLIT_SEED, UnreadableImageError, _stratified_split,
+    fraction_per_class,
+)
 
 # Images of class k are filled with gray level GRAY_STEP * (k % GRAY_CODES + 1), so a loaded image tells
 # its label (modulo GRAY_CODES, enough to catch any shuffling of labels against images).
@@ -77,10 +81,14 @@ def test_digits_split_channels_and_stats():
     train_counts, val_counts = Counter(bundle.train.targets), Counter(bundle.val.targets)
     for label in range(10):
         assert abs(val_counts[label] / (train_counts[label] + val_counts[label]) - 0.2) < 0.01
-    # disjoint: no image is in both splits
-    train_rows = {img.tobytes() + bytes([y]) for img, y in zip(bundle.train.images, bundle.train.targets)}
-    val_rows = {img.tobytes() + bytes([y]) for img, y in zip(bundle.val.images, bundle.val.targets)}
-    assert len(train_rows & val_rows) <= 2  # load_digits has a few exact duplicate images, no more
+    # disjoint: the split's index sets do not overlap, and the bundle serves exactly those images
+    digits = load_digits()
+    train_idx, val_idx = _stratified_split(digits.target, DIGITS_VAL_FRACTION, SPLIT_SEED)
+    assert not set(train_idx) & set(val_idx) and len(train_idx) + len(val_idx) == 1797
+    as_uint8 = np.round(digits.images * 255 / 16).astype(np.uint8)
+    assert np.array_equal(bundle.val.images, as_uint8[val_idx])
+    assert bundle.val.targets == digits.target[val_idx].tolist()
+    assert np.array_equal(bundle.train.images, as_uint8[train_idx])
     assert bundle.train.images.shape[1:] == (8, 8)
     pixels = np.concatenate([bundle.train.images, bundle.val.images]).astype(np.float64) / 255
     assert pixels.mean() == pytest.approx(DIGITS_MEAN[0], abs=1e-3)
@@ -263,12 +271,17 @@ def test_sampler_resume_start_and_worker_seeds():
     full = list(sampler)
     sampler.set_epoch(4, start=10)
     assert list(sampler) == full[10:] and len(sampler) == 15
-    # augmentations in worker processes are reproducible per epoch
+    # augmentations in worker processes are reproducible per epoch, and change with the epoch
     bundle = build_datasets(dict(dataset='digits', img_size=16))
     loader = build_train_loader(bundle.train, 8, workers=1, seed=0)
-    first = next(iter(loader))[0]
-    loader.sampler.set_epoch(0)
-    assert torch.equal(next(iter(loader))[0], first)
+    loader.sampler.shuffle = False  # the same images every epoch, to compare their augmentations
+
+    def first_batch(epoch):
+        loader.sampler.set_epoch(epoch)
+        return next(iter(loader))[0]
+
+    assert torch.equal(first_batch(0), first_batch(0))
+    assert not torch.equal(first_batch(0), first_batch(1))
 
 
 def test_eval_loader_is_sequential_and_complete():
@@ -324,6 +337,16 @@ def test_bad_folder_layouts(tmp_path):
     Image.new('RGB', (4, 4)).save(flat / 'x.png')  # images without class folders
     with pytest.raises(ValueError, match=f"Couldn't find any class folder in {flat}.* Expected layout"):
         build_datasets(dict(dataset='folder', data_dir=str(flat)))
+    flat_val = tmp_path / 'flat_val'  # ImageNet's val/ as shipped: images not sorted into classes
+    write_image_folder(flat_val / 'train', ['a'], 1)
+    (flat_val / 'val').mkdir()
+    Image.new('RGB', (4, 4)).save(flat_val / 'val' / 'x.png')
+    with pytest.raises(ValueError, match=f"{flat_val / 'val'} has no class folders: sort the validation images"):
+        build_datasets(dict(dataset='imagenet', data_dir=str(flat_val)))
+    only_val = tmp_path / 'only_val'
+    write_image_folder(only_val / 'val', ['a'], 1)
+    with pytest.raises(ValueError, match=f"--dataset folder: {only_val / 'train'} not found; expected layout"):
+        build_datasets(dict(dataset='folder', data_dir=str(only_val)))
 
 
 def test_cifar_missing_files_are_named(tmp_path):
