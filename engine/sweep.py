@@ -346,14 +346,10 @@ def option_args(key: str, value: Any, known: dict[str, argparse.Action]) -> list
     if value is None:
         return []
     if isinstance(value, dict):
-        return [_flag(action)] + [f'{k}={_cli_value(v)}' for k, v in value.items()] if value else []
+        return [_flag(action)] + [f'{k}={v}' for k, v in value.items()] if value else []
     if isinstance(value, (list, tuple)):
-        return [_flag(action)] + [_cli_value(v) for v in value]
-    return [_flag(action), _cli_value(value)]
-
-
-def _cli_value(value: Any) -> str:
-    return str(value)
+        return [_flag(action)] + [str(v) for v in value]
+    return [_flag(action), str(value)]
 
 
 def train_args(run: Run, run_dir: Path, spec: dict[str, Any], known: dict[str, argparse.Action]) -> list[str]:
@@ -435,7 +431,7 @@ class Sweep:
         return self.sweep_dir / 'runs' / run.name
 
     def commands(self, launcher: list[str] | None = None) -> list[list[str]]:
-        """The command of every run that is not complete (resuming the interrupted ones)."""
+        """The command of every run that is not complete."""
         out = []
         for run in self.runs:
             state = run_state(self.run_dir(run))
@@ -485,7 +481,7 @@ class Sweep:
                     raise
             seconds = time.time() - start
             if returncode == BAD_INPUT_EXIT:  # the same mistake would stop every other run too
-                last = log_path.read_text().strip().splitlines()[-1]
+                last = log_path.read_text().strip().splitlines()[-1].removeprefix('error: ')
                 raise ValueError(f'train.py refused run {run.name} ({log_path}): {last}')
             if returncode != 0 or run_state(run_dir) != 'done':
                 tail = ''.join(log_path.read_text().splitlines(keepends=True)[-5:])
@@ -508,9 +504,7 @@ class Sweep:
             row = {'run': run.name}
             if 'variant' in run.point:
                 row['variant'] = run.point['variant']
-            row['model'] = run.options['model']
-            row['train_fraction'] = run.options.get('train_fraction', 1.0)
-            row['seed'] = run.options.get('seed', 0)
+            row.update(model=results['model'], train_fraction=results['train_fraction'], seed=results['seed'])
             for axis, value in run.point.items():
                 row.setdefault(column_name(axis), value)
             for field, column in RESULT_COLUMNS.items():
