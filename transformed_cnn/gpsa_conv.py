@@ -15,7 +15,8 @@ Shapes (C_in -> C_out, N_q queries, N_k keys):
   C_in-dimensional query/key shared by all heads would give the same parameter count but forces every
   head that turns to content (sigma(lambda_h) -> 0) onto the same attention map; the paper's Fig. 8.5
   shows content heads attending differently, so heads get their own. C_in is rarely a multiple of 9,
-  hence the floor.
+  hence the floor. The counts then round to Table G.1's for all six ResNet-RS (36M -> 38M for
+  ResNet50-RS: 35.69M -> 38.03M).
 - tokens: the keys are the pixels of the zero-padded input map (padding tokens have zero query, key
   and value since no projection has a bias), the queries sit at the centers of the conv's windows on
   that padded grid, i.e. on the strided grid for a strided conv. Border queries thus see the same
@@ -25,9 +26,9 @@ Hot path (`fused = True`): the two attentions are mixed first, A_h = lerp(C_h, P
 (rows already sum to one, so no renormalization), then applied to the value shared by all heads as
 one batched GEMM, (B, heads * N_q, N_k) @ (B, N_k, C_in). P (heads, N_q, N_k) is computed once per
 forward from `convit.attention.positional_attention`. ConViT's `gated_attention` (SDPA for the
-content term, a second GEMM for the positional term) is not used here: with a value of dimension
-C_in >= N_k it does the A @ V product twice and, on CPU, SDPA falls back to its math kernel for
-query and value dimensions that differ. Measured per layer (forward + backward, CPU, fp32): 1.6x
+content term, a second GEMM for the positional term) is not used here: it multiplies by the value
+twice, and with a value of dimension C_in >= N_k that product, not the attention matrix, is what
+costs time and memory. Measured per layer (forward + backward, CPU, fp32): 1.6x
 slower at C_in = 64 on a 28x28 map, 4x slower and 30% more memory at C_in = 512 on 14x14 (a
 ResNet-50 last stage at 224); it saves memory only where N_k >> C_in, i.e. in early stages.
 `fused = False` runs the explicit path: the normalized attention of `attention()`, then the same
@@ -152,7 +153,6 @@ class GPSAConv2d(nn.Module):
             self._geometry_cache = {  # keep one size: resolutions rarely alternate
                 key: dict(
                     out_size=(out_h, out_w),
-                    padded_size=(pad_h, pad_w),
                     query_index=query_index,
                     rel=relative_encodings(key_pos[query_index], key_pos),
                 )
