@@ -39,6 +39,11 @@ CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 # Pixel statistics of the 1,797 digits once scaled from 0..16 to 0..1 (checked by tests/test_data.py).
 DIGITS_MEAN, DIGITS_STD = (0.3053,), (0.3759,)
 
+# Channels: digits stay grayscale (PIL mode 'L', in_chans=1: the models are built with in_chans=1,
+# which also keeps an eFCN three times smaller); every file-based source is read as RGB (torchvision's
+# loader converts grayscale files too), in_chans=3. Default img_size (when --img-size is not given):
+# the native 32 for CIFAR, 224 for folders, and 32 for the 8x8 digits (bicubic upsampling by 4, so
+# patch-16 models get a 2x2 grid; configs/demo_digits.yaml uses the native 8 with patch_size 2).
 DATASETS: dict[str, DatasetInfo] = {
     'digits': DatasetInfo(
         1, DIGITS_MEAN, DIGITS_STD, 32,
