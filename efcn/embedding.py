@@ -215,8 +215,11 @@ def _trace_chain(cnn: nn.Module) -> list[tuple[str, nn.Module | None]]:
             current = node
             continue
         if node.op == "output":
+            if node.args[0] is not current:
+                raise ValueError(f"embed supports a chain of layers; {type(cnn).__name__}.forward does not "
+                                 f"return the output of its last layer")
             break
-        inputs = [a for a in node.all_input_nodes]
+        inputs = node.all_input_nodes
         is_size = (node.op == "call_method" and node.target == "size") or (
             node.op == "call_function" and node.target in (getattr, operator.getitem) and
             (node.args[0] is current or node.args[0] in auxiliary))

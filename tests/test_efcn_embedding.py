@@ -209,3 +209,18 @@ def test_efcn_model_from_a_cnn_checkpoint_and_from_its_own_weights_file(tmp_path
     torch.testing.assert_close(reloaded.eval()(x), model(x))
     with pytest.raises(ValueError, match="does not fit this model"):
         timm.create_model("efcn_vanilla_cnn", channels=8, in_chans=1, img_size=8, cnn_checkpoint=str(cnn_file))
+
+
+class ResidualCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.fc((x + self.conv(x)).flatten(1))
+
+
+def test_non_chain_forward_is_rejected():
+    with pytest.raises(ValueError, match="chain of layers; node 'add' of ResidualCNN.forward"):
+        efcn.embed(ResidualCNN(), (2, 4, 4))
