@@ -296,7 +296,8 @@ def write_report(csv_path: str | Path, out_dir: str | Path | None = None, baseli
     which = 'best' if best else 'final'
     sections = [f'# Sweep report\n\nFrom `{Path(csv_path).name}`: {len(rows)} runs, {which} accuracy, '
                 'mean ± std over seeds.']
-    if len(_values(rows, column)) > 1:
+    compared = len(_values(rows, column)) > 1
+    if compared:
         base = choose_baseline(rows, baseline)
         for where, selected in _groups(rows, params):
             suffix = '' if not where else '_' + '_'.join(f'{k}-{v}' for k, v in where.items())
@@ -309,6 +310,8 @@ def write_report(csv_path: str | Path, out_dir: str | Path | None = None, baseli
                                              metric, _title(where))
                 sections.append(f'![sample efficiency]({png.name})')
                 written.append(png)
+    if not compared and not params:  # one model: its accuracy per fraction
+        sections.append('## Results\n\n' + parameter_table(rows, metric))
     if params:
         sections.append('## Parameter sweep\n\n' + parameter_table(rows, metric))
         png = plot_parameter_sweep(rows, out_dir / 'parameter_sweep.png', metric)

@@ -355,6 +355,15 @@ def test_parameter_sweep_report_and_heatmap(tmp_path):
     assert matplotlib.image.imread(paths[1]).ndim == 3
 
 
+def test_report_of_a_single_model_lists_its_accuracy_per_fraction(tmp_path):
+    rows = [{'run': f'r{f}{s}', 'model': 'convit_tiny', 'train_fraction': f, 'seed': s, 'top1': 10 * f + s, 'top5': 50}
+            for f in (0.5, 1.0) for s in (0, 1)]
+    sweep.write_csv(rows, tmp_path / 'runs.csv')
+    assert [p.name for p in report.write_report(tmp_path / 'runs.csv')] == ['report.md']
+    text = (tmp_path / 'report.md').read_text()
+    assert '| convit_tiny | 0.5 | 5.5 ± 0.7 | 50.0 ± 0.0 | 2 |' in text and '| convit_tiny | 1.0 | 10.5 ± 0.7 |' in text
+
+
 def test_report_bad_input(tmp_path):
     with pytest.raises(ValueError, match='CSV not found'):
         report.write_report(tmp_path / 'missing.csv')
