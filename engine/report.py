@@ -116,6 +116,11 @@ def _fraction(value: float) -> str:
     return f'{100 * value:g}%'
 
 
+def _label(metric: str) -> str:
+    """'best_top1' -> 'best top-1'."""
+    return metric.replace('top1', 'top-1').replace('_', ' ')
+
+
 def _fractions(rows: list[dict[str, Any]]) -> list[float]:
     return sorted(_values(rows, 'train_fraction'))
 
@@ -218,7 +223,7 @@ def plot_sample_efficiency(rows: list[dict[str, Any]], baseline: str, path: Path
         axis.set_xlabel('fraction of the training set')
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    ax.set_ylabel(f'{metric} accuracy (%)')
+    ax.set_ylabel(f'{_label(metric)} accuracy (%)')
     gap_ax.axhline(0, color='black', linewidth=0.8)
     gap_ax.set_ylabel('relative improvement (%)')
     fig.suptitle(title or 'Sample efficiency', fontsize=10)
@@ -259,7 +264,7 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = '
             ax.set_yticks(range(len(ys)), [f'{y:g}' if isinstance(y, float) else y for y in ys])
             ax.set_xlabel(x_col)
             ax.set_ylabel(y_col)
-            fig.colorbar(image, ax=ax, label=f'{metric} (%)')
+            fig.colorbar(image, ax=ax, label=f'{_label(metric)} accuracy (%)')
         else:
             x_col, rest = params[0], params[1:]
             for line, line_rows in _groups(selected, rest):
@@ -271,7 +276,7 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = '
                 if not _is_numeric(xs):
                     ax.set_xticks(positions, [str(x) for x in xs])
             ax.set_xlabel(x_col)
-            ax.set_ylabel(f'{metric} (%)')
+            ax.set_ylabel(f'{_label(metric)} accuracy (%)')
             ax.grid(alpha=0.3)
             if rest:
                 ax.legend(fontsize=7)
