@@ -86,14 +86,17 @@ def test_surviving_parameters_are_the_same_objects_and_the_count_matches(cnn):
     assert sum(p.numel() for p in tcnn.parameters()) == sum(p.numel() for p in cnn.parameters()) + added
 
 
-@pytest.mark.parametrize("stride,dilation", [(1, 1), (2, 1), (1, 2)])
-def test_fused_and_explicit_paths_agree_in_outputs_and_gradients(stride, dilation):
+# channels < keys (7x9 map: 99 padded keys) and channels > keys (3x4 map: 30 keys) take the two
+# schedules of the hot path
+@pytest.mark.parametrize("channels,size,stride,dilation", [(20, (7, 9), 1, 1), (20, (7, 9), 2, 1), (20, (7, 9), 1, 2),
+                                                           (40, (3, 4), 1, 1), (40, (3, 4), 2, 1)])
+def test_fused_and_explicit_paths_agree_in_outputs_and_gradients(channels, size, stride, dilation):
     torch.manual_seed(0)
-    layer = GPSAConv2d(20, 24, stride=stride, padding=dilation, dilation=dilation)
+    layer = GPSAConv2d(channels, 24, stride=stride, padding=dilation, dilation=dilation)
     with torch.no_grad():  # content attention far from uniform, gates away from 0 and 1
         layer.qk.weight.normal_(0, 0.5)
         layer.gating_param.uniform_(-2, 2)
-    x = torch.randn(3, 20, 7, 9)
+    x = torch.randn(3, channels, *size)
     results = []
     for fused in (True, False):
         layer.fused = fused
@@ -103,7 +106,7 @@ def test_fused_and_explicit_paths_agree_in_outputs_and_gradients(stride, dilatio
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         results.append((out.detach(), inputs.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}))
     (out_f, gx_f, grads_f), (out_e, gx_e, grads_e) = results
-    conv_shape = nn.Conv2d(20, 24, 3, stride, dilation, dilation)(x).shape
+    conv_shape = nn.Conv2d(channels, 24, 3, stride, dilation, dilation)(x).shape
     assert out_f.shape == conv_shape
     torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx_f, gx_e, rtol=1e-4, atol=1e-5)

@@ -22,17 +22,12 @@ Shapes (C_in -> C_out, N_q queries, N_k keys):
   that padded grid, i.e. on the strided grid for a strided conv. Border queries thus see the same
   zeros as the convolution does; the output has exactly the conv's shape, no crop needed.
 
-Hot path (`fused = True`): the two attentions are mixed first, A_h = lerp(C_h, P_h, sigma(lambda_h))
-(rows already sum to one, so no renormalization), then applied to the value shared by all heads as
-one batched GEMM, (B, heads * N_q, N_k) @ (B, N_k, C_in). P (heads, N_q, N_k) is computed once per
-forward from `convit.attention.positional_attention`. ConViT's `gated_attention` (SDPA for the
-content term, a second GEMM for the positional term) is not used here: it multiplies by the value
-twice, and with a value of dimension C_in >= N_k that product, not the attention matrix, is what
-costs time and memory. Measured per layer (forward + backward, CPU, fp32): 1.6x
-slower at C_in = 64 on a 28x28 map, 4x slower and 30% more memory at C_in = 512 on 14x14 (a
-ResNet-50 last stage at 224); it saves memory only where N_k >> C_in, i.e. in early stages.
-`fused = False` runs the explicit path: the normalized attention of `attention()`, then the same
-product.
+Hot path (`fused = True`): ConViT's `convit.attention.gated_attention` with the value shared by all
+heads, (B, 1, N_k, C_in), and the positional attention P (heads, N_q, N_k) computed once per forward.
+It picks its schedule from the shapes: in late stages (C_in >= N_k) it mixes the two attentions
+first and applies them in one GEMM; in early stages (C_in < N_k) the content term goes through
+SDPA and P @ V through one batch-folded GEMM, without a (B, heads, N_q, N_k) tensor. `fused = False`
+runs the explicit path: the normalized attention of `attention()`, then one product with the value.
 """
 from __future__ import annotations
 
@@ -43,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 
-from convit.attention import grid_positions, kernel_offsets, positional_attention, relative_encodings
+from convit.attention import gated_attention, grid_positions, kernel_offsets, positional_attention, relative_encodings
 
 
 def _pair(value) -> Tuple[int, int]:
@@ -172,7 +167,7 @@ class GPSAConv2d(nn.Module):
         return positional_attention(geometry["rel"], self.pos_proj)
 
     def _qkv(self, x: torch.Tensor):
-        """Queries (B, heads, N_q, d), keys (B, heads, N_k, d), shared value (B, N_k, C_in)."""
+        """Queries (B, heads, N_q, d), keys (B, heads, N_k, d), value shared by the heads (B, 1, N_k, C_in)."""
         b, c, h, w = x.shape
         geometry = self._geometry(h, w, x.device)
         pad_h, pad_w = self.padding
@@ -180,30 +175,29 @@ class GPSAConv2d(nn.Module):
         n_k = tokens.shape[1]
         qk = self.qk(tokens).view(b, n_k, 2, self.num_heads, self.qk_head_dim).permute(2, 0, 3, 1, 4)
         q = qk[0].index_select(2, geometry["query_index"])
-        return q, qk[1], self.v(tokens)
-
-    def _mixed_attention(self, q, k, height, width) -> torch.Tensor:
-        """(1 - sigma(lambda_h)) softmax(Q_h K_h^T / sqrt(d)) + sigma(lambda_h) P_h, (B, heads, N_q, N_k)."""
-        content = ((q @ k.transpose(-2, -1)) * self.qk_head_dim**-0.5).softmax(dim=-1)
-        positional = self.positional_attention(height, width).to(content.dtype)
-        return torch.lerp(content, positional, self.gate().to(content.dtype).view(1, -1, 1, 1))
+        return q, qk[1], self.v(tokens).unsqueeze(1)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """The explicit, normalized attention A, shape (B, heads, N_q, N_k) over the padded key grid."""
         q, k, _ = self._qkv(x)
-        attn = self._mixed_attention(q, k, *x.shape[-2:])
+        return self._explicit_attention(q, k, *x.shape[-2:])
+
+    def _explicit_attention(self, q, k, height, width):
+        content = ((q @ k.transpose(-2, -1)) * self.qk_head_dim**-0.5).softmax(dim=-1)
+        gate = self.gate().view(1, -1, 1, 1).to(content.dtype)
+        attn = (1.0 - gate) * content + gate * self.positional_attention(height, width).to(content.dtype)
         return attn / attn.sum(dim=-1, keepdim=True)
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, _, h, w = x.shape
         q, k, v = self._qkv(x)
-        attn = self._mixed_attention(q, k, h, w)
-        if not self.fused:
-            attn = attn / attn.sum(dim=-1, keepdim=True)
+        if self.fused:
+            heads = gated_attention(q, k, v, self.positional_attention(h, w), self.gate())
+        else:
+            heads = self._explicit_attention(q, k, h, w) @ v
         out_h, out_w = self._geometry(h, w, x.device)["out_size"]
-        heads = (attn.flatten(1, 2) @ v).view(b, self.num_heads, out_h * out_w, self.in_channels)
-        out = self.proj(heads.transpose(1, 2).reshape(b, out_h * out_w, -1))  # (B, N_q, C_out)
+        out = self.proj(heads.transpose(1, 2).reshape(b, out_h * out_w, -1))  # (B, N_q, heads * C_in)
         return out.transpose(1, 2).reshape(b, self.out_channels, out_h, out_w)
 
     def extra_repr(self) -> str:
