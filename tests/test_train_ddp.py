@@ -1,0 +1,74 @@
+"""DDP on CPU: 2 processes keep identical weights and train the same model as 1 process with the same
+global batch (gloo backend; randomness that differs per rank is off: no augmentation, no drop path). SGD keeps
+rounding differences at rounding size (Adam divides near-zero gradients by their own magnitude).
+
+`accelerate launch --cpu` starts a single process unless MPI is set up, so the test uses accelerate's
+torchrun launcher (`--multi_gpu`) with ACCELERATE_USE_CPU=1, which is accelerate's multi-CPU mode.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+DUMP_WEIGHTS = """
+import sys
+from safetensors.torch import save_file
+from engine.config import parse_config
+from engine.trainer import Trainer
+dump_dir, args = sys.argv[1], sys.argv[2:]
+trainer = Trainer(parse_config(args))
+trainer.fit()
+rank = trainer.accelerator.process_index
+weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+save_file({k: v.detach().contiguous() for k, v in weights.items()}, f"{dump_dir}/rank{rank}.safetensors")
+"""
+TRAIN_ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
+              "embed_dim=64", "--img-size", "8", "--crop-pct", "1", "--no-aug", "--repeated-aug", "1",
+              "--drop-path", "0", "--opt", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--workers", "0", "--epochs", "1",
+              "--train-fraction", "0.3", "--save-epochs", "0"]
+
+
+def launch(tmp_path: Path, name: str, processes: int, batch_size: int) -> Path:
+    dump = tmp_path / name
+    dump.mkdir()
+    script = tmp_path / "dump_weights.py"
+    script.write_text(DUMP_WEIGHTS)
+    mode = ["--multi_gpu"] if processes > 1 else ["--cpu"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(dump),
+               *TRAIN_ARGS, "--batch-size", str(batch_size), "--output", str(dump / "run")]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return dump
+
+
+def test_two_processes_train_the_same_model_as_one(tmp_path):
+    two = launch(tmp_path, "two", processes=2, batch_size=8)
+    one = launch(tmp_path, "one", processes=1, batch_size=16)
+
+    rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "DDP ranks diverged"
+
+    single = load_file(one / "rank0.safetensors")
+    initial = load_file(one / "run" / "checkpoints" / "epoch_0.safetensors")
+    assert all(torch.equal(initial[k], load_file(two / "run" / "checkpoints" / "epoch_0.safetensors")[k])
+               for k in initial)
+    moved = max((single[k] - initial[k]).abs().max().item() for k in single)
+    gap = max((single[k] - rank0[k]).abs().max().item() for k in single)
+    assert moved > 1e-2, "training did not change the weights"
+    assert gap < 1e-4 * moved, (gap, moved)  # float summation order only (SGD: no Adam amplification)
+
+    # evaluation is exact across processes: gather_for_metrics drops the padding of the last batch
+    results_two = json.loads((two / "run" / "results.json").read_text())
+    results_one = json.loads((one / "run" / "results.json").read_text())
+    assert abs(results_two["final_top1"] - results_one["final_top1"]) < 0.6  # at most 2 of 359 images flip
+    header, row_two = (two / "run" / "summary.csv").read_text().splitlines()[:2]
+    row_one = (one / "run" / "summary.csv").read_text().splitlines()[1]
+    eval_loss = header.split(",").index("eval_loss")
+    assert abs(float(row_two.split(",")[eval_loss]) - float(row_one.split(",")[eval_loss])) < 1e-3
