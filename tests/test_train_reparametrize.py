@@ -1,0 +1,41 @@
+"""--reparametrize-at-epoch: a ResNet trains, becomes a T-CNN (transformed_cnn.transform) at the start of
+epoch 1, and keeps the optimizer state of every parameter that survives."""
+import json
+
+import pytest
+import torch
+
+import engine
+from engine.checkpoint import load_training_state
+
+pytest.importorskip("transformed_cnn.transform")
+
+ARGS = ["--model", "resnet18", "--dataset", "digits", "--img-size", "32", "--crop-pct", "1", "--no-aug",
+        "--repeated-aug", "1", "--train-fraction", "0.2", "--batch-size", "16", "--lr", "1e-3",
+        "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--drop-path", "0",
+        "--reparametrize-at-epoch", "1", "--reparametrize-kwargs", "init=paper", "--no-diagnostics"]
+
+
+def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, capsys):
+    output = tmp_path / "run"
+    results = engine.run(ARGS + ["--output", str(output)])
+    assert "reparametrized the model" in capsys.readouterr().out
+    assert results["final_top1"] is not None
+
+    state = load_training_state(output / "checkpoints" / "last")
+    assert state["reparametrized"] is True
+    steps = {}
+    for group in state["optimizer"]["param_groups"]:
+        for name, index in zip(group["param_names"], group["params"]):
+            steps[name] = int(state["optimizer"]["state"][index]["step"])
+    per_epoch = state["num_updates"] // 2
+    gating = [name for name in steps if "gating_param" in name]
+    assert gating and all(steps[name] == per_epoch for name in gating)  # new in epoch 2
+    assert steps["conv1.weight"] == steps["layer1.0.conv1.weight"] == 2 * per_epoch  # kept across the change
+
+    # the checkpoint is a T-CNN: eval-only rebuilds the transformed architecture before loading it
+    eval_args = ARGS[:ARGS.index("--reparametrize-at-epoch")] + ["--reparametrize-kwargs", "init=paper"]
+    metrics = engine.run(eval_args + ["--eval-only", "--checkpoint", str(output / "checkpoints" / "last")])
+    assert metrics["eval_top1"] == pytest.approx(results["final_top1"])
+    assert json.loads((output / "results.json").read_text())["epochs"] == 2
+    assert torch.is_tensor(state["rng"][0]["torch"])
