@@ -7,7 +7,7 @@ import pytest
 import timm
 
 import engine
-from engine.checkpoint import load_weights
+from engine.checkpoint import load_weights, save_weights
 from engine.config import parse_config
 from engine.run_log import SUMMARY_FIELDS
 
@@ -72,3 +72,34 @@ def test_wandb_offline_run_writes_a_local_run(tmp_path, monkeypatch):
     runs = list((output / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((output / "wandb").iterdir())
     assert (output / "results.json").is_file()
+
+
+def test_ema_and_hard_distillation_from_a_local_teacher(tmp_path):
+    teacher = timm.create_model("resnet18", num_classes=10, in_chans=1)
+    save_weights(teacher.state_dict(), tmp_path / "teacher.safetensors")
+    output = tmp_path / "run"
+    engine.run(TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--model-ema", "--model-ema-decay", "0.9",
+                             "--distill-teacher", "resnet18", "--distill-teacher-file",
+                             str(tmp_path / "teacher.safetensors"), "--output", str(output)])
+    record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
+    assert 0 <= record["ema_eval_top1"] <= 100 and record["ema_eval_loss"] > 0
+    assert (output / "checkpoints" / "last" / "ema.safetensors").is_file()
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    from engine.config import parse_config
+    from engine.trainer import NonFiniteLossError, Trainer
+    output = tmp_path / "run"
+    trainer = Trainer(parse_config(TRAIN_ARGS + ["--epochs", "2", "--train-fraction", "0.2", "--output", str(output)]))
+    real_loss = trainer.train_loss
+
+    def diverging(outputs, targets):  # fine in epoch 1, NaN from epoch 2 on
+        return real_loss(outputs, targets) * (float("nan") if trainer.num_updates >= trainer.steps_per_epoch else 1.0)
+
+    trainer.train_loss = diverging
+    with pytest.raises(NonFiniteLossError, match="non-finite training loss .* epoch 2.*last good checkpoint"):
+        trainer.fit()
+    last = output / "checkpoints" / "last"
+    assert last.resolve().name == "epoch_0001" and not (output / "results.json").exists()
+    load_weights(timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=64,
+                                   img_size=8, in_chans=1, num_classes=10), last)

@@ -110,3 +110,18 @@ def test_load_weights_reads_torch_files_without_unpickling_objects(tmp_path):
     torch.save({"model": model.state_dict(), "extra": Path("x")}, tmp_path / "pickled.pth")  # an arbitrary object
     with pytest.raises(ValueError, match="weights_only=True"):
         load_weights(torch.nn.Linear(3, 2), tmp_path / "pickled.pth")
+
+
+def test_hard_distillation_loss_is_deit_average():
+    from engine.recipe import HardDistillationLoss
+    teacher = torch.nn.Linear(6, 4)
+    images, targets = torch.randn(8, 6), torch.randint(0, 4, (8,))
+    class_logits, distill_logits = torch.randn(8, 4), torch.randn(8, 4)
+    loss = HardDistillationLoss(torch.nn.CrossEntropyLoss(), teacher)
+    teacher_labels = teacher(images).argmax(-1)
+    expected = 0.5 * torch.nn.functional.cross_entropy(class_logits, targets) + \
+        0.5 * torch.nn.functional.cross_entropy(distill_logits, teacher_labels)
+    assert torch.allclose(loss(images, (class_logits, distill_logits), targets), expected)
+    single = 0.5 * torch.nn.functional.cross_entropy(class_logits, targets) + \
+        0.5 * torch.nn.functional.cross_entropy(class_logits, teacher_labels)
+    assert torch.allclose(loss(images, class_logits, targets), single)  # no distillation token
