@@ -26,6 +26,7 @@ import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, Mlp, PatchEmbed, calculate_drop_path_rates, resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
 from timm.models import _registry
 
 from .attention import GPSA, MHSA, GridSize
@@ -181,6 +182,8 @@ class ConViT(nn.Module):
             for i in range(depth)
         )
         self.norm = LayerNorm(embed_dim)
+        reduction = self.patch_embed.feat_ratio()
+        self.feature_info = [dict(num_chs=embed_dim, reduction=reduction, module=f"blocks.{i}") for i in range(depth)]
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
 
@@ -279,20 +282,70 @@ class ConViT(nn.Module):
             return self.pos_embed
         return resample_abs_pos_embed(self.pos_embed, new_size=grid_size, old_size=self.patch_embed.grid_size, num_prefix_tokens=0)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        grid_size = self.grid_size(x.shape[-2:])
+    def _embed(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         x = self.patch_embed(x)
         if self.pos_embed is not None and not self.mask_pos_embed:
             x = x + self._pos_embed(grid_size)
-        x = self.pos_drop(x)
-        for i, block in enumerate(self.blocks):
-            if i == self.local_up_to_layer:
-                x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(block, x, grid_size)
-            else:
-                x = block(x, grid_size)
+        return self.pos_drop(x)
+
+    def _run_block(self, index: int, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
+        """Block `index`, the class token joining first if it is the first block after the GPSA blocks."""
+        if index == self.local_up_to_layer and self.cls_token is not None:
+            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint(self.blocks[index], x, grid_size)
+        return self.blocks[index](x, grid_size)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        grid_size = self.grid_size(x.shape[-2:])
+        x = self._embed(x, grid_size)
+        for i in range(len(self.blocks)):
+            x = self._run_block(i, x, grid_size)
         return self.norm(x)
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """timm's feature API: outputs of the blocks in `indices` (patch tokens only, class token
+        removed), as (B, C, Hp, Wp) maps (NCHW) or (B, N, C) sequences (NLC)."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt={output_fmt!r} must be 'NCHW' or 'NLC'")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        batch = x.shape[0]
+        grid_size = self.grid_size(x.shape[-2:])
+        x = self._embed(x, grid_size)
+        intermediates = []
+        for i in range(max_index + 1 if stop_early else len(self.blocks)):
+            x = self._run_block(i, x, grid_size)
+            if i in take_indices:
+                y = self.norm(x) if norm else x
+                y = y[:, 1:] if i >= self.local_up_to_layer else y
+                intermediates.append(y.reshape(batch, *grid_size, -1).permute(0, 3, 1, 2) if output_fmt == "NCHW" else y)
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> List[int]:
+        """Drop the blocks after the last of `indices` (and the norm / head), for feature extraction."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if max_index < self.local_up_to_layer:  # the class token would join after the kept blocks
+            self.cls_token = None
+            self.num_prefix_tokens = 0
+            prune_head = prune_head or self.global_pool == "token"
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "avg":
@@ -326,7 +379,10 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: ConViT) -> 
 
 
 # kwargs that timm.create_model / build_model_with_cfg consume before the model class sees them
-_BUILDER_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "pretrained_strict", "pretrained_model_args")
+_BUILDER_KWARGS = (
+    "pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "pretrained_strict", "pretrained_model_args",
+    "features_only", "out_indices",
+)
 
 
 def _check_kwargs(variant: str, kwargs: Dict[str, Any]) -> None:
@@ -339,8 +395,10 @@ def _check_kwargs(variant: str, kwargs: Dict[str, Any]) -> None:
 def _create_convit(variant: str, pretrained: bool, arch: Dict[str, Any], kwargs: Dict[str, Any]) -> ConViT:
     """Build `variant` (architecture `arch`, overridable by the user's `kwargs`) through timm's builder."""
     _check_kwargs(variant, kwargs)
+    kwargs = {**arch, **kwargs}
+    feature_cfg = dict(out_indices=kwargs.pop("out_indices", 3), feature_cls="getter")
     return build_model_with_cfg(
-        ConViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn, **{**arch, **kwargs}
+        ConViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn, feature_cfg=feature_cfg, **kwargs
     )
 
 

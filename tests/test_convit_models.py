@@ -171,6 +171,30 @@ def test_common_kwargs_are_accepted():
     assert model(torch.randn(2, 1, 48, 48)).shape == (2, 7)
 
 
+def test_feature_extraction_matches_timm_convit():
+    torch.manual_seed(0)
+    theirs = timm_convit.ConVit(embed_dim=48, num_heads=4, local_up_to_layer=10, **SMALL).eval()
+    _randomize_gpsa(theirs)
+    ours = timm.create_model("convit_tiny", **SMALL).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        for kwargs in (dict(indices=[2, 9, 11]), dict(indices=3, norm=True, output_fmt="NLC")):
+            final, maps = ours.forward_intermediates(x, **kwargs)
+            final_ref, maps_ref = theirs.forward_intermediates(x, **kwargs)
+            torch.testing.assert_close(final, final_ref, rtol=0, atol=1e-5)
+            for got, expected in zip(maps, maps_ref, strict=True):
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        features = timm.create_model("convit_tiny", features_only=True, out_indices=(3, 11), **SMALL)
+        kept = features.model.state_dict()
+        features.model.load_state_dict({k: v for k, v in theirs.state_dict().items() if k in kept}, strict=True)
+        got = features(x)
+        expected = theirs.forward_intermediates(x, indices=[3, 11], intermediates_only=True)
+        assert [t.shape for t in got] == [(2, 192, 4, 4)] * 2
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 # -- grids and resolutions -------------------------------------------------------------------------
 def test_resolution_change_in_forward_equals_a_model_built_at_that_size():
     torch.manual_seed(0)
