@@ -163,7 +163,7 @@ class ConViT(nn.Module):
         self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, strict_img_size=False)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if self.num_prefix_tokens else None
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim)) if use_pos_embed else None
         self.pos_drop = nn.Dropout(pos_drop_rate)
         drop_path_rates = calculate_drop_path_rates(drop_path_rate, depth)
@@ -202,7 +202,8 @@ class ConViT(nn.Module):
     def _init_weights(self, conv_init: bool) -> None:
         if self.pos_embed is not None:
             trunc_normal_(self.pos_embed, std=0.02)
-        trunc_normal_(self.cls_token, std=0.02)
+        if self.cls_token is not None:
+            trunc_normal_(self.cls_token, std=0.02)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 trunc_normal_(module.weight, std=0.02)
@@ -266,7 +267,8 @@ class ConViT(nn.Module):
                 raise ValueError(f"global_pool={global_pool!r} must be one of {allowed} for this model")
             self.global_pool = global_pool
         self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes, device=self.cls_token.device, dtype=self.cls_token.dtype) if num_classes > 0 else nn.Identity()
+        weight = self.patch_embed.proj.weight
+        self.head = nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype) if num_classes > 0 else nn.Identity()
 
     # -- forward --------------------------------------------------------------------------------
     def grid_size(self, img_size: Tuple[int, int]) -> GridSize:

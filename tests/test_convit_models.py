@@ -158,6 +158,9 @@ def test_class_token_joins_after_the_last_gpsa_block():
     model = timm.create_model("convit_tiny", local_up_to_layer=4, **SMALL)
     assert _token_counts(model, torch.randn(1, 3, 32, 32)) == [16] * 4 + [17] * 8
     assert _token_counts(timm.create_model("deit_tiny_plus", **SMALL), torch.randn(1, 3, 32, 32)) == [17] * 12
+    all_gpsa = timm.create_model("convit_tiny", local_up_to_layer=12, global_pool="avg", **SMALL)
+    assert all_gpsa.cls_token is None  # no block left for it: average pooling of the patch tokens
+    assert _token_counts(all_gpsa, torch.randn(1, 3, 32, 32)) == [16] * 12
 
 
 def test_common_kwargs_are_accepted():
