@@ -125,3 +125,17 @@ def test_hard_distillation_loss_is_deit_average():
     single = 0.5 * torch.nn.functional.cross_entropy(class_logits, targets) + \
         0.5 * torch.nn.functional.cross_entropy(class_logits, teacher_labels)
     assert torch.allclose(loss(images, class_logits, targets), single)  # no distillation token
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(Path(__file__).parents[1])) for p in
+                                          Path(__file__).parents[1].glob("configs/convit/*/*.yaml")
+                                          if not p.name.startswith("_")) + ["configs/demo_digits.yaml"])
+def test_recipes_parse_and_name_registered_models(recipe):
+    cfg = parse_config(["-c", str(Path(__file__).parents[1] / recipe)])
+    assert timm.is_model(cfg.model), cfg.model
+    if "imagenet" in recipe or "cifar100" in recipe:
+        plus = cfg.model.endswith("_plus")
+        assert (cfg.lr_base, cfg.batch_size) == ((4e-4, 64) if plus else (5e-4, 128))
+        assert (cfg.weight_decay, cfg.warmup_epochs, cfg.min_lr, cfg.repeated_aug) == \
+            (0.05, 50 if "cifar100" in recipe else 5, 1e-5, 3)
+        assert cfg.img_size == 224 and cfg.epochs == (3000 if "cifar100" in recipe else 300)
