@@ -93,6 +93,8 @@ def transform_model(model: torch.nn.Module, kwargs: dict) -> torch.nn.Module:
 
 
 class Trainer:
+    """One run: set-up checks in ``__init__`` (nothing is written yet), then ``fit()`` or ``evaluate_only()``."""
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.accelerator = acc = Accelerator(
@@ -113,10 +115,20 @@ class Trainer:
             raise ConfigError(f"--resume {self.resume_point} is a checkpoint of {self.resume_state.get('model')}, "
                               f"not of --model {cfg.model}")
 
-        from .data import build_datasets, build_eval_loader, build_train_loader
+        from .data import build_datasets, build_eval_loader
         from .datasets import DATASETS
         cfg.img_size = cfg.img_size or DATASETS[cfg.dataset].default_img_size  # data and model agree
         self.data = build_datasets(cfg)
+        model = self._build_model()
+        self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers)
+        if cfg.eval_only:
+            self.model, self.eval_loader = acc.prepare(model, self.eval_loader)
+        else:
+            self._set_up_training(model)
+
+    def _build_model(self) -> torch.nn.Module:
+        """The model with its starting weights: a resume point, else --checkpoint, else timm's init/pretrained."""
+        cfg = self.cfg
         set_seed(cfg.seed)  # same initial weights on every rank
         model = create_model(cfg, self.data.num_classes, self.data.in_chans)
         if self.resume_state:
@@ -129,12 +141,14 @@ class Trainer:
             load_weights(model, cfg.checkpoint)
         if self.resume_point:
             load_weights(model, self.resume_point / WEIGHTS_FILE)
-        self.teacher = self._create_teacher() if cfg.distill_teacher and not cfg.eval_only else None
+        return model
 
-        self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers)
-        if cfg.eval_only:
-            self.model, self.eval_loader = acc.prepare(model, self.eval_loader)
-            return
+    def _set_up_training(self, model: torch.nn.Module) -> None:
+        """Train loader, optimizer, schedule, losses, EMA, diagnostics; the resume point's state on top."""
+        from .data import build_train_loader
+
+        cfg, acc = self.cfg, self.accelerator
+        self.teacher = self._create_teacher() if cfg.distill_teacher else None
         self.train_loader = build_train_loader(self.data.train, cfg.batch_size, cfg.workers, cfg.repeated_aug,
                                                cfg.seed, acc.num_processes, acc.process_index)
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
