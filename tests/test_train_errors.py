@@ -81,3 +81,26 @@ def test_real_cli_prints_no_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --batch-size must be a positive integer, got 0"
     assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_image_is_skipped_and_counted_in_the_log(tmp_path):
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in range(2):
+        folder = tmp_path / "data" / "train" / f"class_{label}"
+        folder.mkdir(parents=True)
+        for i in range(8):
+            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    (tmp_path / "data" / "train" / "class_0" / "broken.png").write_bytes(b"not a png")
+    output = tmp_path / "run"
+    with pytest.warns(UserWarning, match="broken.png"):
+        engine.run(["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
+                    "embed_dim=16", "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--img-size", "16",
+                    "--no-aug", "--repeated-aug", "1", "--batch-size", "4", "--workers", "0", "--epochs", "1",
+                    "--output", str(output)])
+    record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
+    assert record["unreadable_images"] == 1
