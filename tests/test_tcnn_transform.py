@@ -175,7 +175,9 @@ def test_bad_inputs_get_clear_errors():
         transform(resnet, init="conv")
     transform(resnet, stages=4)
     with pytest.raises(ValueError, match="layer4 has no 3x3 convolution left"):
-        transform(resnet, stages=4)
+        transform(resnet, stages="3,4")
+    assert not any(name.startswith("layer3") for name in gpsa_layers(resnet))  # all checks come first
+    assert resnet.layer3[0].conv1.stride == (2, 2)
     resnext = ResNet(Bottleneck, [1, 1, 1, 1], cardinality=4, base_width=4)
     with pytest.raises(ValueError, match=r"layer4\.0\.conv2 is a grouped convolution \(groups=4\)"):
         transform(resnext)

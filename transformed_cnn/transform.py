@@ -47,31 +47,37 @@ def _resolve_stages(cnn: ResNet, stages: Optional[int | str | Iterable[int]]) ->
     return sorted(set(stages))
 
 
+def _strided_blocks(cnn: ResNet, stage: int):
+    return [(name, block) for name, block in getattr(cnn, f"layer{stage}").named_children() if getattr(block, "stride", 1) != 1]
+
+
+def _check_strides_removable(cnn: ResNet, stage: int) -> None:
+    """Raise a ValueError naming the block if `remove_stage_stride` cannot handle it."""
+    for block_name, block in _strided_blocks(cnn, stage):
+        where = f"layer{stage}.{block_name}"
+        if not isinstance(getattr(block, "aa", nn.Identity()), nn.Identity):
+            raise ValueError(f"{where} downsamples with an anti-aliasing layer ({type(block.aa).__name__}); "
+                             "keep_stride=False supports only strided convolutions: use keep_stride=True")
+        for index, module in enumerate(block.downsample or []):
+            if not isinstance(module, (nn.AvgPool2d, nn.Conv2d, nn.Identity, nn.modules.batchnorm._NormBase, nn.GroupNorm)):
+                raise ValueError(f"{where}.downsample[{index}] is a {type(module).__name__}: cannot remove its "
+                                 "stride (expected AvgPool2d, Conv2d or a norm layer)")
+
+
 def remove_stage_stride(cnn: ResNet, stage: int) -> None:
     """Turn the stride-2 convolution of `layer{stage}` and its shortcut into stride 1 (Sec. 8.2).
 
     This changes the network's function (the stage and all later ones run at twice the resolution);
     it is what the paper does before transforming a stage, following BoTNet. A ResNet-D / ResNet-RS
     shortcut (average pool + 1x1 conv) loses its pool, as timm builds it for stride 1."""
-    name = f"layer{stage}"
-    for block_name, block in getattr(cnn, name).named_children():
-        if getattr(block, "stride", 1) == 1:
-            continue
-        if not isinstance(getattr(block, "aa", nn.Identity()), nn.Identity):
-            raise ValueError(
-                f"{name}.{block_name} downsamples with an anti-aliasing layer ({type(block.aa).__name__}); "
-                "keep_stride=False supports only strided convolutions: use keep_stride=True"
-            )
+    _check_strides_removable(cnn, stage)
+    for _, block in _strided_blocks(cnn, stage):
         for module in block.modules():
             if isinstance(module, nn.Conv2d) and module.stride != (1, 1):
                 module.stride = (1, 1)
-        if block.downsample is not None:
-            for index, module in enumerate(block.downsample):
-                if isinstance(module, nn.AvgPool2d):
-                    block.downsample[index] = nn.Identity()
-                elif not isinstance(module, (nn.Conv2d, nn.Identity, nn.modules.batchnorm._NormBase, nn.GroupNorm)):
-                    raise ValueError(f"{name}.{block_name}.downsample[{index}] is a {type(module).__name__}: "
-                                     "cannot remove its stride (expected AvgPool2d, Conv2d or a norm layer)")
+        for index, module in enumerate(block.downsample or []):
+            if isinstance(module, nn.AvgPool2d):
+                block.downsample[index] = nn.Identity()
         block.stride = 1
 
 
@@ -103,6 +109,7 @@ def transform(
     alpha = default_alpha if locality_strength is None else float(locality_strength)
     lam = default_lambda if gating is None else float(gating)
 
+    plan = {}  # checked for every stage before the model is touched
     for stage in _resolve_stages(cnn, stages):
         name = f"layer{stage}"
         convs = [(n, m) for n, m in getattr(cnn, name).named_modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
@@ -113,8 +120,13 @@ def transform(
                 raise ValueError(f"{name}.{conv_name} is a grouped convolution (groups={conv.groups}); "
                                  "a GPSA layer replaces only groups=1 convolutions")
         if not keep_stride:
+            _check_strides_removable(cnn, stage)
+        plan[stage] = convs
+
+    for stage, convs in plan.items():
+        if not keep_stride:
             remove_stage_stride(cnn, stage)
-        stage_module = getattr(cnn, name)
+        stage_module = getattr(cnn, f"layer{stage}")
         for conv_name, conv in convs:
             parent_name, _, attr = conv_name.rpartition(".")
             parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
