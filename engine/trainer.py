@@ -5,7 +5,9 @@ before it writes anything; ``Trainer.fit()`` then trains, evaluates, logs and ch
 ``Trainer.evaluate_only()`` prints top-1/top-5 of a checkpoint.
 
 Distribution: the model and optimizer go through ``accelerator.prepare`` (DDP, or FSDP when the
-accelerate config asks for it). The train loader is *not* prepared: its sampler (from engine.data)
+accelerate config asks for it; the model is prepared before the optimizer is built, as FSDP needs).
+Under FSDP the weight checkpoints are gathered with ``get_state_dict`` but the sharded optimizer state
+is not saved, so such a run cannot be resumed exactly (FSDP is not tested here: no GPUs). The train loader is *not* prepared: its sampler (from engine.data)
 shards itself across ranks so that, with a fixed seed, the union of the ranks' batches at step t is the
 1-process batch at step t. The eval loader is prepared and metrics use ``gather_for_metrics``, so they
 are exact (no duplicated padding samples). Gradient accumulation uses ``accelerator.accumulate``; each
@@ -26,7 +28,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import DistributedType, gather_object, set_seed
 from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
@@ -205,6 +207,9 @@ class Trainer:
 
     def _restore_training_state(self, state: dict) -> None:
         acc = self.accelerator
+        if state["optimizer"] is None:
+            raise ConfigError(f"{self.resume_point} was written under FSDP, whose sharded optimizer state the engine "
+                              f"does not save; start a new run from its weights with --checkpoint instead")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.ema is not None:
@@ -380,7 +385,9 @@ class Trainer:
             state = {
                 "model": self.cfg.model, "epoch": epoch, "num_updates": self.num_updates,
                 "best": self.best, "final": self.final, "reparametrized": self.reparametrized,
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                # FSDP shards the optimizer state across ranks; it is not gathered (resume is refused)
+                "optimizer": None if acc.distributed_type == DistributedType.FSDP else self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
                 "scaler": acc.scaler.state_dict() if acc.scaler is not None else None, "rng": rng,
             }
             ema = self.ema.module.state_dict() if self.ema is not None else None
