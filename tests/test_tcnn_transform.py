@@ -201,13 +201,15 @@ def test_parameter_counts_match_table_g1():
         assert (round(cnn_count / 1e6), round(tcnn_count / 1e6)) == (cnn_millions, tcnn_millions), name
 
 
-def test_attention_map_figure_has_one_row_per_layer_and_one_column_per_head():
-    import matplotlib
-
-    matplotlib.use("Agg")
+def test_attention_map_figure_has_one_row_per_layer_and_one_column_per_head(tmp_path):
     from transformed_cnn import plot_query_attention_maps
 
     tcnn = transform(timm.create_model("resnet18"))
+    with torch.no_grad():
+        tcnn.layer4[0].conv1.gating_param.copy_(torch.linspace(-2, 2, 9))
     figure = plot_query_attention_maps(tcnn, IMAGES[0])
-    assert len(figure.axes) == 4 * 9
-    assert [ax.get_title() for ax in figure.axes[:9]] == [f"{g:.2f}" for g in tcnn.layer4[0].conv1.gate().tolist()]
+    assert len(figure.axes) == 4 * 10
+    assert figure.axes[0].get_title() == "layer4.0.conv1"
+    assert [ax.get_title() for ax in figure.axes[1:10]] == [f"{g:.2f}" for g in torch.linspace(-2, 2, 9).sigmoid().tolist()]
+    figure.savefig(tmp_path / "maps.png")
+    assert (tmp_path / "maps.png").stat().st_size > 0

@@ -53,25 +53,28 @@ def query_attention_maps(
 
 
 def plot_query_attention_maps(model: nn.Module, image: torch.Tensor, query: Tuple[float, float] = (0.5, 0.5)):
-    """Figure like Fig. 8.5 for one (C, H, W) image: one row per GPSA layer, one column per head,
-    each titled with sigma(lambda_h); the query pixel is marked in red. Returns a matplotlib Figure."""
-    import matplotlib.pyplot as plt
+    """Figure like Fig. 8.5 for one normalized (C, H, W) image: the image with the query marked, then
+    one row per GPSA layer and one column per head, each titled with sigma(lambda_h) in red.
+    Returns a matplotlib Figure (`fig.savefig('maps.png')`)."""
+    from matplotlib.figure import Figure
 
     maps = query_attention_maps(model, image.unsqueeze(0), query)
     layers = gpsa_layers(model)
     heads = max(layer.num_heads for layer in layers.values())
-    fig, axes = plt.subplots(len(maps), heads, figsize=(1.6 * heads, 1.7 * len(maps)), squeeze=False)
+    fig = Figure(figsize=(1.6 * (heads + 1), 1.7 * len(maps)), layout="constrained")
+    axes = fig.subplots(len(maps), heads + 1, squeeze=False)
+    shown = image.detach().float().cpu()
+    shown = ((shown - shown.amin()) / (shown.amax() - shown.amin()).clamp_min(1e-12)).permute(1, 2, 0).squeeze(-1)
     for row, (name, attn) in enumerate(maps.items()):
         gates = layers[name].gate().tolist()
-        height, width = attn.shape[-2:]
-        for head in range(heads):
-            ax = axes[row, head]
-            ax.axis("off")
-            if head >= attn.shape[1]:
-                continue
-            ax.imshow(attn[0, head].float().cpu().numpy(), cmap="viridis")
+        for ax, picture, height, width in [(axes[row, 0], shown, *image.shape[-2:])] + [
+            (axes[row, head + 1], attn[0, head].float().cpu(), *attn.shape[-2:]) for head in range(attn.shape[1])
+        ]:
+            ax.imshow(picture.numpy(), cmap="viridis")
             ax.plot(query[1] * width - 0.5, query[0] * height - 0.5, "s", mfc="none", mec="red", ms=6)
-            ax.set_title(f"{gates[head]:.2f}", color="red", fontsize=8)
-        axes[row, 0].text(-0.1, 0.5, name, transform=axes[row, 0].transAxes, ha="right", va="center", fontsize=8)
-    fig.tight_layout()
+        for head in range(heads):
+            axes[row, head + 1].set_title(f"{gates[head]:.2f}" if head < len(gates) else "", color="red", fontsize=8)
+        axes[row, 0].set_title(name, fontsize=8)
+        for ax in axes[row]:
+            ax.axis("off")
     return fig
