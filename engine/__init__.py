@@ -9,16 +9,17 @@ import os
 import sys
 from typing import Any
 
-from .config import ConfigError, parse_config
+from .config import parse_config
+from .errors import ConfigError, NonFiniteLossError
 
-__all__ = ["run", "main", "ConfigError"]
+__all__ = ["run", "main", "ConfigError", "NonFiniteLossError"]
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse, validate, then train (or evaluate with --eval-only). Returns the content of results.json."""
-    from .trainer import Trainer  # imported late: `train.py --help` stays fast
-
     cfg = parse_config(argv)
+    from .trainer import Trainer  # imported after parsing: `train.py --help` loads no torch
+
     try:
         trainer = Trainer(cfg)
     except (ValueError, FileNotFoundError) as e:  # data, model and checkpoint checks; ConfigError included
@@ -35,8 +36,6 @@ def _print_error(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: exit code 0 on success, 2 for bad input, 1 when training diverges."""
-    from .trainer import NonFiniteLossError
-
     try:
         run(argv)
     except ConfigError as e:

@@ -19,14 +19,12 @@ from typing import Any
 
 import yaml
 
+from .errors import ConfigError
+
 DATASETS = ("digits", "cifar10", "cifar100", "imagenet", "folder")
 SCHEDULES = ("cosine", "step", "constant")
 PRECISIONS = ("no", "bf16", "fp16")
 KEY_VALUE_OPTIONS = ("model_kwargs", "reparametrize_kwargs", "param_group_lr")
-
-
-class ConfigError(ValueError):
-    """A user mistake in the options, the recipe files or the paths they name."""
 
 
 class Config(dict):

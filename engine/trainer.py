@@ -35,16 +35,13 @@ from tqdm.auto import tqdm
 from . import recipe
 from .checkpoint import (CheckpointDir, find_resume_point, load_training_state, load_weights,
                          rng_state, set_rng_state, weights_metadata, EMA_FILE, WEIGHTS_FILE)
-from .config import Config, ConfigError, effective_epochs, write_config
+from .config import Config, effective_epochs, write_config
+from .errors import ConfigError, NonFiniteLossError
 from .diagnostics import ModelDiagnostics
 from .run_log import RunLog
 
 MODEL_FAMILIES = ("convit", "transformed_cnn", "efcn")
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training diverged; the run stops before saving, so the last checkpoint is the last good one."""
 
 
 def import_model_families() -> None:
