@@ -5,6 +5,7 @@ recipe defaults (RandAugment, mixup/cutmix, random erasing, repeated augmentatio
 workers): the resumed run only matches if every RNG stream and the schedule are restored.
 """
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -73,3 +74,6 @@ def test_issue_command_and_resume_after_kill(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert summary(killed) == reference
+    logged = [json.loads(line) for line in (killed / "log.jsonl").read_text().splitlines()]
+    assert [record["epoch"] for record in logged] == [1, 2]
+    assert json.loads((killed / "results.json").read_text())["final_top1"] == float(reference[-1][3])
