@@ -281,7 +281,7 @@ def validate(cfg: Config) -> None:
         _check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0,
                f"--param-group-lr {pattern}=... needs a positive number, got {lr!r}")
 
-    for key in ("pretrained_file", "checkpoint", "distill_teacher_file", "data_dir"):
+    for key in ("pretrained_file", "checkpoint", "distill_teacher_file"):  # data_dir: engine.data names the layout
         if cfg[key] is not None:
             _check(Path(cfg[key]).exists(), f"--{key.replace('_', '-')}: path does not exist: {cfg[key]}")
     if cfg.pretrained_file:
