@@ -5,6 +5,7 @@ import re
 
 import pytest
 import timm
+import torch
 
 import engine
 from engine.checkpoint import load_weights, save_weights
@@ -103,3 +104,18 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
     assert last.resolve().name == "epoch_0001" and not (output / "results.json").exists()
     load_weights(timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=64,
                                    img_size=8, in_chans=1, num_classes=10), last)
+
+
+def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path):
+    from safetensors.torch import load_file
+    source = timm.create_model("resnet18", num_classes=1000)  # ImageNet-shaped: 3 channels, 1000 classes
+    save_weights(source.state_dict(), tmp_path / "resnet18.safetensors")
+    output = tmp_path / "run"
+    engine.run(["--model", "resnet18", "--pretrained-file", str(tmp_path / "resnet18.safetensors"), "--img-size", "32",
+                "--no-aug", "--repeated-aug", "1", "--train-fraction", "0.1", "--batch-size", "16", "--workers", "0",
+                "--epochs", "1", "--save-epochs", "0", "--no-diagnostics", "--output", str(output)])
+    start = load_file(output / "checkpoints" / "epoch_0.safetensors")
+    assert torch.equal(start["layer1.0.conv1.weight"], source.state_dict()["layer1.0.conv1.weight"])
+    # timm adapts the stem to 1 input channel (sum over RGB) and gives digits' 10 classes a new head
+    assert torch.allclose(start["conv1.weight"], source.conv1.weight.sum(dim=1, keepdim=True))
+    assert start["fc.weight"].shape == (10, 512)
