@@ -31,12 +31,15 @@ def _no_decay(name: str, param: torch.Tensor, model_no_decay: set[str]) -> bool:
             or any(pattern in name for pattern in NO_DECAY_PATTERNS))
 
 
-def param_groups(model: nn.Module, weight_decay: float, group_lr: dict[str, float]) -> list[dict[str, Any]]:
+def param_groups(model: nn.Module, weight_decay: float, group_lr: dict[str, float],
+                 require_all_patterns: bool = True) -> list[dict[str, Any]]:
     """Parameter groups keyed by (weight decay on/off, lr override).
 
     ``group_lr`` maps a regex to an absolute lr (``{'gating_param': 0.1}``); the first matching regex
     wins. The schedule (warmup, cosine) applies to every group from its own base lr. Each group keeps
     ``param_names`` so the optimizer state can be carried over when the model is reparametrized.
+    A regex that matches no parameter is an error unless ``require_all_patterns`` is False (a CNN
+    before ``--reparametrize-at-epoch`` has no gating parameters yet).
     """
     model_no_decay = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
     groups: dict[tuple, dict[str, Any]] = {}
@@ -52,17 +55,18 @@ def param_groups(model: nn.Module, weight_decay: float, group_lr: dict[str, floa
         group["params"].append(param)
         group["param_names"].append(name)
     unused = [p for p in group_lr if not any(key[1] == p for key in groups)]
-    if unused:
+    if unused and require_all_patterns:
         raise ValueError(f"--param-group-lr: no parameter name matches {', '.join(unused)}")
     return list(groups.values())
 
 
-def create_optimizer(cfg: Config, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+def create_optimizer(cfg: Config, model: nn.Module, lr: float, require_all_patterns: bool = True) -> torch.optim.Optimizer:
     """timm's optimizer factory on our parameter groups."""
     kwargs = {"eps": cfg.opt_eps} if cfg.opt.lower().startswith(("adam", "nadam", "radam")) else {}
     return create_optimizer_v2(
         model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-        param_group_fn=lambda m: param_groups(m, cfg.weight_decay, cfg.param_group_lr), **kwargs)
+        param_group_fn=lambda m: param_groups(m, cfg.weight_decay, cfg.param_group_lr, require_all_patterns),
+        **kwargs)
 
 
 def rebuild_optimizer(cfg: Config, model: nn.Module, lr: float, old: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -159,7 +159,9 @@ class Trainer:
             model.set_distilled_training(True)
 
         self.model = acc.prepare(model)
-        self.optimizer = acc.prepare(recipe.create_optimizer(cfg, acc.unwrap_model(self.model), self.lr))
+        before_reparametrization = cfg.reparametrize_at_epoch is not None and not self.reparametrized
+        self.optimizer = acc.prepare(recipe.create_optimizer(cfg, acc.unwrap_model(self.model), self.lr,
+                                                             require_all_patterns=not before_reparametrization))
         self.scheduler = recipe.create_scheduler(cfg, self.optimizer, self.epochs, self.warmup_epochs,
                                                  self.steps_per_epoch // cfg.grad_accum_steps)
         self.mixup = recipe.create_mixup(cfg, self.data.num_classes)

@@ -13,7 +13,8 @@ pytest.importorskip("transformed_cnn.transform")
 ARGS = ["--model", "resnet18", "--dataset", "digits", "--img-size", "32", "--crop-pct", "1", "--no-aug",
         "--repeated-aug", "1", "--train-fraction", "0.2", "--batch-size", "16", "--lr", "1e-3",
         "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--drop-path", "0",
-        "--reparametrize-at-epoch", "1", "--reparametrize-kwargs", "init=paper", "--no-diagnostics"]
+        "--reparametrize-at-epoch", "1", "--reparametrize-kwargs", "init=paper", "--no-diagnostics",
+        "--param-group-lr", "gating_param=0.1"]
 
 
 def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, capsys):
@@ -31,10 +32,13 @@ def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, c
     per_epoch = state["num_updates"] // 2
     gating = [name for name in steps if "gating_param" in name]
     assert gating and all(steps[name] == per_epoch for name in gating)  # new in epoch 2
+    gating_groups = [g for g in state["optimizer"]["param_groups"] if g["lr_pattern"] == "gating_param"]
+    assert len(gating_groups) == 1 and set(gating_groups[0]["param_names"]) == set(gating)
+    assert gating_groups[0]["initial_lr"] == 0.1
     assert steps["conv1.weight"] == steps["layer1.0.conv1.weight"] == 2 * per_epoch  # kept across the change
 
     # the checkpoint is a T-CNN: eval-only rebuilds the transformed architecture before loading it
-    eval_args = ARGS[:ARGS.index("--reparametrize-at-epoch")] + ["--reparametrize-kwargs", "init=paper"]
+    eval_args = ARGS[:ARGS.index("--reparametrize-at-epoch")] + ["--reparametrize-kwargs", "init=paper", "--no-diagnostics"]
     metrics = engine.run(eval_args + ["--eval-only", "--checkpoint", str(output / "checkpoints" / "last")])
     assert metrics["eval_top1"] == pytest.approx(results["final_top1"])
     assert json.loads((output / "results.json").read_text())["epochs"] == 2
