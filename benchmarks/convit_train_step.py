@@ -127,24 +127,29 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per model (default 8, quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, quick 1)")
     parser.add_argument("--repeats", type=int, default=1, help="run every model this many times, interleaved; keep the best")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per worker")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores, quick: 1)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--worker", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--img-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--patch-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.steps = args.steps or (2 if args.quick else 8)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    defaults = dict(steps=2, warmup=1, threads=1) if args.quick else dict(steps=8, warmup=2, threads=os.cpu_count() or 1)
+    for flag, value in defaults.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
     for flag in ("steps", "repeats", "threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
 
     if args.worker:
         result = run_worker(args.worker, args.img_size, args.patch_size, args.batch_size, args.steps, args.warmup, args.threads)
         print(json.dumps(result))
         return 0
 
+    load_before = os.getloadavg()[0]
     rows = []
     for setting in args.settings:
         img_size, patch_size, batch_size = SETTINGS[setting]
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
             )
     print(f"one training step (forward, backward, AdamW), fp32, {args.threads} threads, "
           f"{args.steps} timed steps after {args.warmup} warmup, best of {args.repeats}; "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
+          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after "
+          f"(other load distorts img/s most, img/CPU-s less, peak MB not)")
     print_table(rows)
     return 0
 
