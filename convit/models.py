@@ -388,10 +388,13 @@ _BUILDER_KWARGS = (
 
 
 def _check_kwargs(variant: str, kwargs: Dict[str, Any]) -> None:
-    allowed = set(inspect.signature(ConViT).parameters) | set(_BUILDER_KWARGS)
-    unknown = sorted(set(kwargs) - allowed)
+    model_kwargs = list(inspect.signature(ConViT).parameters)
+    unknown = sorted(set(kwargs) - set(model_kwargs) - set(_BUILDER_KWARGS))
     if unknown:
-        raise ValueError(f"{variant}: unknown model kwarg(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+        raise ValueError(
+            f"{variant}: unknown model kwarg(s) {', '.join(unknown)}; allowed: {', '.join(sorted(model_kwargs))} "
+            f"(and timm's {', '.join(_BUILDER_KWARGS)})"
+        )
 
 
 def _create_convit(variant: str, pretrained: bool, arch: Dict[str, Any], kwargs: Dict[str, Any]) -> ConViT:
