@@ -109,7 +109,8 @@ def choose_baseline(rows: list[dict[str, Any]], baseline: str | None = None) -> 
 def _gap(value: Stat | None, base: Stat | None) -> str:
     if value is None or base is None or base.mean == 0:
         return '–'
-    return f'{100 * (value.mean - base.mean) / base.mean:+.0f}%'
+    percent = round(100 * (value.mean - base.mean) / base.mean)
+    return f'{percent:+d}%' if percent else '0%'
 
 
 def _fraction(value: float) -> str:
