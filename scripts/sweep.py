@@ -5,16 +5,17 @@
     python scripts/sweep.py run configs/sweeps/digits_sample_efficiency.yaml --output results/sample_efficiency
     # the same grid on your own ImageFolder
     python scripts/sweep.py run configs/sweeps/digits_sample_efficiency.yaml --output out/mine \\
-        --dataset folder --data-dir /data/my_images
+        --dataset folder --data-dir /data/my_images --set img_size=32 model_kwargs.patch_size=4
     # print the train.py commands instead, for a cluster scheduler; collect when they are done
     python scripts/sweep.py run configs/sweeps/imagenet_sample_efficiency.yaml --output out/se \\
-        --launcher "accelerate launch --multi_gpu --num_processes 8" --print-commands
+        --data-dir /data/imagenet --launcher "accelerate launch --multi_gpu --num_processes 8" --print-commands
     python scripts/sweep.py collect --output out/se
     # regenerate the tables and plots from the CSV alone
     python scripts/sweep.py report --csv results/sample_efficiency/runs.csv
 
 Without a sweep file the grid is convit_tiny vs deit_tiny_patch16_224 at f in {0.05, 0.1, 0.3, 0.5, 1}
-(epochs x 1/f), seed 0; ``--models``, ``--fractions``, ``--seeds``, ``--grid KEY=V1,V2`` and
+(epochs x 1/f), seed 0, with train.py's defaults (the DeiT recipe; pick the data with --dataset,
+--data-dir or --config). ``--models``, ``--fractions``, ``--seeds``, ``--grid KEY=V1,V2`` and
 ``--set KEY=VALUE`` change any axis or shared option (``model_kwargs.NAME`` for a model argument).
 """
 
@@ -110,7 +111,7 @@ def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def write_outputs(prepared, args: argparse.Namespace) -> int:
+def write_outputs(prepared: 'sweep.Sweep', args: argparse.Namespace) -> int:
     """runs.csv and the report from the complete runs; 1 if some runs are missing."""
     from engine import report, sweep
 
@@ -121,8 +122,12 @@ def write_outputs(prepared, args: argparse.Namespace) -> int:
         return 1
     csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
     paths = report.write_report(csv_path, baseline=args.baseline or prepared.spec['baseline'], best=args.best)
-    print('wrote ' + ', '.join(str(p) for p in [csv_path] + paths))
+    _print_written([csv_path] + paths)
     return 1 if missing else 0
+
+
+def _print_written(paths: list[Path]) -> None:
+    print('wrote ' + ', '.join(str(p) for p in paths))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == 'report':
-            paths = report.write_report(args.csv, args.output, baseline=args.baseline, best=args.best)
-            print('wrote ' + ', '.join(str(p) for p in paths))
+            _print_written(report.write_report(args.csv, args.output, baseline=args.baseline, best=args.best))
             return 0
         if args.command == 'collect':
             record = Path(args.output) / sweep.RECORD_NAME
@@ -146,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             for cmd in prepared.commands(launcher):
                 print(shlex.join(cmd))
             return 0
-        signal.signal(signal.SIGTERM, _interrupt)
-        failed = prepared.execute(launcher)
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the child too
+        try:
+            failed = prepared.execute(launcher)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         status = write_outputs(prepared, args)
         if failed:
             print(f'{len(failed)} run(s) failed: {", ".join(failed)}', file=sys.stderr)
