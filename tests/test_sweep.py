@@ -178,6 +178,26 @@ def test_the_digits_study_runs_on_an_image_folder(tmp_path):
     assert sorted({c.model for c in configs}) == ['convit_tiny', 'deit_tiny_plus']
 
 
+@pytest.mark.parametrize('name, runs', [('imagenet_sample_efficiency', 10), ('imagenet100_locality', 20),
+                                         ('imagenet_ablations', 14)])
+def test_the_paper_sweeps_give_valid_commands(tmp_path, name, runs):
+    for split in ('train', 'val'):
+        (tmp_path / 'imagenet' / split).mkdir(parents=True)
+    done = sweep_cli('run', str(REPO / 'configs' / 'sweeps' / f'{name}.yaml'), '--output', str(tmp_path / 'sweep'),
+                     '--data-dir', str(tmp_path / 'imagenet'), '--print-commands')
+    assert done.returncode == 0, done.stderr
+    configs = [parse_config(shlex.split(line)[2:]) for line in done.stdout.strip().splitlines()]
+    assert len(configs) == runs
+    assert {(c.dataset, c.img_size, c.epochs) for c in configs} == {('imagenet', 224, 300)}
+    if name == 'imagenet_sample_efficiency':  # Table 7.2: 300 / f epochs, DeiT recipe
+        assert sorted(effective_epochs(c)[0] for c in configs if c.model == 'convit_small') == [
+            300, 600, 1000, 3000, 6000]
+        assert {c.batch_size * 8 for c in configs} == {1024} and {c.mixup for c in configs} == {0.8}
+    if name == 'imagenet100_locality':  # Fig. 7.9: first 100 classes
+        assert {c.num_classes for c in configs} == {100}
+        assert {c.model_kwargs['local_up_to_layer'] for c in configs} == {0, 3, 6, 9, 10}
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
