@@ -6,14 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from convit import GPSA, MHSA, gated_attention, grid_positions, kernel_offsets, relative_encodings
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """These models are tiny: a second thread costs more than it saves (far more on a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _randomized_gpsa(dim: int, heads: int, seed: int = 0) -> GPSA:

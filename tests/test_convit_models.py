@@ -29,14 +29,7 @@ ARCHITECTURES = {
 }
 SMALL = dict(img_size=32, patch_size=8, num_classes=10)  # 4x4 tokens: fast
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """These models are tiny: a second thread costs more than it saves (far more on a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _timm_convit_tiny(**kwargs) -> torch.nn.Module:
