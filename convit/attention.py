@@ -52,14 +52,15 @@ def positional_attention(rel: torch.Tensor, pos_proj: nn.Linear) -> torch.Tensor
     """P_h = softmax_j(v_pos^h . r_ij) for all heads at once: (Nq, Nk, 3) -> (H, Nq, Nk).
 
     Depends on positions and v_pos only, never on the image, hence no batch dimension.
-    Weights below the smallest normal float are set to 0: a local head (alpha |delta|^2 > ~87) makes
-    many of them subnormal, and subnormal operands slow the CPU GEMMs with P several times over."""
+    Weights below eps / Nk are set to 0 (together they change a row's output by less than float
+    rounding): a local head makes many weights tiny or subnormal, and subnormal operands or products
+    slow the CPU GEMMs with P (forward and backward) several times over."""
     nq, nk, _ = rel.shape
     logits = pos_proj.weight.float() @ rel.reshape(nq * nk, 3).t()
     if pos_proj.bias is not None:  # cancels in the softmax; kept for exact parity with timm
         logits = logits + pos_proj.bias.float()[:, None]
     attn = logits.view(-1, nq, nk).softmax(dim=-1)
-    return attn.masked_fill(attn < torch.finfo(attn.dtype).tiny, 0.0)
+    return attn.masked_fill(attn < torch.finfo(attn.dtype).eps / nk, 0.0)
 
 
 def _fold(v: torch.Tensor) -> torch.Tensor:
