@@ -25,7 +25,9 @@ def _save(fig, path: Path) -> None:
 
 
 def _symlog_epochs(ax) -> None:
+    """Epochs on a log axis that still shows epoch 0 (call after plotting)."""
     ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlim(left=-0.2)
     ax.set_xlabel("epoch (symlog)")
 
 
