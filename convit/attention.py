@@ -96,38 +96,47 @@ def apply_positional(pos_attn: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 class _PositionalMix(torch.autograd.Function):
     """lerp(content, P @ V, gate) that saves for backward only what SDPA already keeps alive.
 
-    The forward output of P @ V and the folded copy of V are not kept: the backward refolds V and
-    recomputes P @ V for the gate's gradient (one extra GEMM per layer), so the positional branch
-    adds almost no activation memory on top of the content attention."""
+    Neither P @ V nor the folded copy of V is kept: the backward refolds V. The gate's gradient needs
+    no second P @ V either: sum_{b,q,d} grad * (P V) = sum_{q,k} P * (grad_folded V_folded^T), and
+    that last product is the one dP needs anyway. The output is laid out as (B, Nq, H, dv) so that
+    merging the heads afterwards is a view, not a copy."""
 
     @staticmethod
     def forward(ctx, content, pos_attn, v, gate):
-        positional = _unfold(_positional_matmul(pos_attn, _fold(v)), v.shape[0])
+        batch, heads, nq, dv = content.shape
+        positional = _unfold(_positional_matmul(pos_attn, _fold(v)), batch)
+        out = content.new_empty(batch, nq, heads, dv).transpose(1, 2)
+        torch.lerp(content, positional, gate.to(content.dtype).view(1, -1, 1, 1), out=out)
         ctx.save_for_backward(content, pos_attn, v, gate)
-        return torch.lerp(content, positional, gate.to(content.dtype).view(1, -1, 1, 1))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         content, pos_attn, v, gate = ctx.saved_tensors
+        heads, nq, _ = pos_attn.shape
         batch = v.shape[0]
-        weight = gate.to(grad.dtype).view(1, -1, 1, 1)
+        weight = gate.to(grad.dtype)
         folded = _fold(v)
-        grad_positional = (grad * weight).permute(1, 2, 0, 3).reshape(pos_attn.shape[0], pos_attn.shape[1], -1)
+        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, nq, -1)  # (H, Nq, B*dv), unweighted
+        keys_t = folded.t() if folded.dim() == 2 else folded.transpose(1, 2)
+        grad_scores = grad_folded @ keys_t  # (H, Nq, Nk): dL/dP before the gate's weight
         grad_content = grad_pos_attn = grad_v = grad_gate = None
         if ctx.needs_input_grad[0]:
-            grad_content = grad - grad * weight
+            grad_content = grad * (1 - weight).view(1, -1, 1, 1)
         if ctx.needs_input_grad[1]:
-            keys_t = folded.t() if folded.dim() == 2 else folded.transpose(1, 2)
-            grad_pos_attn = grad_positional @ keys_t
+            grad_pos_attn = grad_scores * weight.view(-1, 1, 1)
         if ctx.needs_input_grad[2]:
-            if folded.dim() == 2:  # shared value: sum the heads' contributions
-                grad_folded = torch.einsum("hqk,hqc->kc", pos_attn, grad_positional)
-                grad_v = grad_folded.view(-1, batch, v.shape[-1]).permute(1, 0, 2).unsqueeze(1)
+            weighted_t = (pos_attn * weight.view(-1, 1, 1)).transpose(1, 2)  # (H, Nk, Nq)
+            if folded.dim() == 2:  # shared value: sum the heads' contributions in one GEMM
+                grad_shared = weighted_t.transpose(0, 1).reshape(-1, heads * nq) @ grad_folded.reshape(heads * nq, -1)
+                grad_v = grad_shared.view(-1, batch, v.shape[-1]).permute(1, 0, 2).unsqueeze(1)
             else:
-                grad_v = _unfold(torch.bmm(pos_attn.transpose(1, 2), grad_positional), batch)
+                grad_v = _unfold(torch.bmm(weighted_t, grad_folded), batch)
         if ctx.needs_input_grad[3]:
-            positional = _unfold(_positional_matmul(pos_attn, folded), batch)
-            grad_gate = (grad * (positional - content)).sum(dim=(0, 2, 3)).to(gate.dtype)
+            accumulate = torch.promote_types(grad.dtype, torch.float32)  # reduce bf16 in fp32
+            positional_part = (pos_attn * grad_scores).sum(dim=(1, 2), dtype=accumulate)
+            content_part = (grad * content).sum(dim=(0, 2, 3), dtype=accumulate)
+            grad_gate = (positional_part - content_part).to(gate.dtype)
         return grad_content, grad_pos_attn, grad_v, grad_gate
 
 
@@ -227,10 +236,11 @@ class GPSA(nn.Module):
         return positional_attention(self.relative_encodings(grid_size, self.pos_proj.weight.device), self.pos_proj)
 
     def _qkv(self, x: torch.Tensor):
+        """Queries, keys and values from one GEMM: timm's separate `qk` and `v` weights, concatenated."""
         b, n, c = x.shape
-        q, k = self.qk(x).view(b, n, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        v = self.v(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-        return q, k, v
+        weight = torch.cat([self.qk.weight, self.v.weight])
+        bias = None if self.qk.bias is None else torch.cat([self.qk.bias, self.v.bias])
+        return F.linear(x, weight, bias).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
 
     def attention(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         """The explicit, normalized attention matrix A, shape (B, H, N, N) (before dropout)."""
