@@ -118,9 +118,10 @@ class _PositionalMix(torch.autograd.Function):
         weight = gate.to(grad.dtype)
         folded = _fold(v)
         grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, nq, -1)  # (H, Nq, B*dv), unweighted
-        keys_t = folded.t() if folded.dim() == 2 else folded.transpose(1, 2)
-        grad_scores = grad_folded @ keys_t  # (H, Nq, Nk): dL/dP before the gate's weight
         grad_content = grad_pos_attn = grad_v = grad_gate = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
+            keys_t = folded.t() if folded.dim() == 2 else folded.transpose(1, 2)
+            grad_scores = grad_folded @ keys_t  # (H, Nq, Nk): dL/dP before the gate's weight
         if ctx.needs_input_grad[0]:
             grad_content = grad * (1 - weight).view(1, -1, 1, 1)
         if ctx.needs_input_grad[1]:
