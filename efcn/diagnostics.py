@@ -22,6 +22,14 @@ def local_layers(model: nn.Module) -> dict[str, LocalLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LocalLinear)}
 
 
+def _embedded_conv_layers(model: nn.Module) -> dict[str, LocalLinear]:
+    """`local_layers`, or a ValueError for a model that has none (not an eFCN)."""
+    layers = local_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no embedded conv layers (LocalLinear); build it with efcn.embed")
+    return layers
+
+
 def _short(name: str) -> str:
     return name.removeprefix("layers.")
 
@@ -37,9 +45,7 @@ def _squared_norms(layer: LocalLinear) -> tuple[float, float]:
 
 def deviation(model: nn.Module) -> dict[str, float]:
     """delta per embedded conv layer and "total" (all of them pooled)."""
-    layers = local_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no embedded conv layers (LocalLinear); build it with efcn.embed")
+    layers = _embedded_conv_layers(model)
     result, total, off_local = {}, 0.0, 0.0
     for name, layer in layers.items():
         layer_total, layer_off = _squared_norms(layer)
@@ -52,9 +58,7 @@ def deviation(model: nn.Module) -> dict[str, float]:
 @torch.no_grad()
 def weight_sharing_violation(model: nn.Module) -> dict[str, float]:
     """Relative distance of the local weights to the weight-sharing subspace, per layer and "total"."""
-    layers = local_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no embedded conv layers (LocalLinear); build it with efcn.embed")
+    layers = _embedded_conv_layers(model)
     result, total, residual = {}, 0.0, 0.0
     for name, layer in layers.items():
         out_pixel, in_pixel, tap = layer.local_entries()
