@@ -285,7 +285,10 @@ class ConViT(nn.Module):
         return resample_abs_pos_embed(self.pos_embed, new_size=grid_size, old_size=self.patch_embed.grid_size, num_prefix_tokens=0)
 
     def _embed(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
-        x = self.patch_embed(x)
+        # The patch embedding returns a transposed view (memory ordered B, C, N). Made contiguous once
+        # here: otherwise every residual add keeps that layout and every LayerNorm of the GPSA blocks
+        # (no class-token concat comes to fix it until after them) copies its input, forward and backward.
+        x = self.patch_embed(x).contiguous()
         if self.pos_embed is not None and not self.mask_pos_embed:
             x = x + self._pos_embed(grid_size)
         return self.pos_drop(x)
