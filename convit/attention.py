@@ -10,12 +10,19 @@ Both softmaxes have rows summing to one, so `normalize` is the identity up to ro
     out_h = (1 - s_h) SDPA(Q_h, K_h, V_h) + s_h (P_h @ V_h).
 
 That identity is the hot path (`gated_attention`): the content term goes through PyTorch's fused
-`scaled_dot_product_attention`; P depends only on token positions, so it is built once per forward
-with shape (H, Nq, Nk) and applied as one GEMM with the batch folded into the columns. No
-(B, H, N, N) tensor is created in the forward or the backward. (When each head's value is wider than
-the key count, as in a Transformed CNN's late stages, forming the mixed attention once is cheaper:
-`gated_attention` then does that instead.) The explicit path
-(`GPSA.attention`) materializes A for attention maps, diagnostics and attention dropout.
+`scaled_dot_product_attention`. The positional term needs no (N, N) matrix at all: the encodings
+r = (dx, dy, dx^2 + dy^2) add an x part and a y part, so exp(v_pos . r) is a product of a function of
+dx and one of dy, and so is each row's normalizer (a sum over a rectangular grid). Hence, exactly,
+
+    P_h = rows_h (x) cols_h      (Kronecker product; rows_h: (Hp, Hp), cols_h: (Wp, Wp) softmaxes)
+
+computed once per forward, without a batch dimension (`PositionalFactors`), and P_h @ V_h is two
+small GEMMs along the grid's two axes with the batch folded into the columns: (Hp + Wp) / (Hp * Wp)
+of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
+backward, nor an (H, N, N) one. (When each head's value is wider than the key count, as in a
+Transformed CNN's late stages, forming the mixed attention once is cheaper: `gated_attention` then
+does that instead.) The explicit path (`GPSA.attention`) materializes A from the dense encodings r for
+attention maps, diagnostics and attention dropout, and is the tests' reference for the hot path.
 
 Parameter names and shapes follow `timm.models.convit` (qk, v, proj, pos_proj, gating_param), so
 state dicts load both ways.
@@ -23,7 +30,7 @@ state dicts load both ways.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -51,10 +58,9 @@ def relative_encodings(query_positions: torch.Tensor, key_positions: torch.Tenso
 def positional_attention(rel: torch.Tensor, pos_proj: nn.Linear) -> torch.Tensor:
     """P_h = softmax_j(v_pos^h . r_ij) for all heads at once: (Nq, Nk, 3) -> (H, Nq, Nk).
 
-    Depends on positions and v_pos only, never on the image, hence no batch dimension.
-    Weights below eps / Nk are set to 0 (together they change a row's output by less than float
-    rounding): a local head makes many weights tiny or subnormal, and subnormal operands or products
-    slow the CPU GEMMs with P (forward and backward) several times over."""
+    The dense form, straight from the encodings as the paper writes it: the explicit path's (attention
+    maps, diagnostics, dropout) and the tests' reference for `positional_factors`. Weights below
+    eps / Nk are set to 0 as in `axis_attention`."""
     nq, nk, _ = rel.shape
     logits = pos_proj.weight.float() @ rel.reshape(nq * nk, 3).t()
     if pos_proj.bias is not None:  # cancels in the softmax; kept for exact parity with timm
@@ -63,12 +69,57 @@ def positional_attention(rel: torch.Tensor, pos_proj: nn.Linear) -> torch.Tensor
     return attn.masked_fill(attn < torch.finfo(attn.dtype).eps / nk, 0.0)
 
 
+class PositionalFactors(NamedTuple):
+    """Positional attention of every head as the Kronecker product P_h = rows_h (x) cols_h.
+
+    rows: (H, Qy, Ky) attention of query rows over key rows; cols: (H, Qx, Kx) the same for columns.
+    Tokens are numbered row-major on both grids, so P_h[qy * Qx + qx, ky * Kx + kx] =
+    rows_h[qy, ky] * cols_h[qx, kx]."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        """The (H, Qy*Qx, Ky*Kx) matrix, for schedules and maps that need it whole."""
+        heads, qy, ky = self.rows.shape
+        _, qx, kx = self.cols.shape
+        return (self.rows[:, :, None, :, None] * self.cols[:, None, :, None, :]).reshape(heads, qy * qx, ky * kx)
+
+
+def axis_attention(linear: torch.Tensor, quadratic: torch.Tensor, query_coords: torch.Tensor,
+                   key_coords: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax_k(linear_h * delta + quadratic_h * delta^2 [+ shift_h]), delta = key_k - query_q: (H, Q, K).
+
+    One axis of the factored positional attention. Weights below eps / K are set to 0 (together they
+    change a row's output by less than float rounding): a local head makes many weights tiny or
+    subnormal, and subnormal operands slow the CPU GEMMs several times over."""
+    delta = key_coords[None, :] - query_coords[:, None]
+    logits = linear[:, None, None] * delta + quadratic[:, None, None] * delta.square()
+    if shift is not None:
+        logits = logits + shift[:, None, None]
+    attn = logits.softmax(dim=-1)
+    return attn.masked_fill(attn < torch.finfo(attn.dtype).eps / delta.shape[-1], 0.0)
+
+
+def positional_factors(pos_proj: nn.Linear, query_rows: torch.Tensor, query_cols: torch.Tensor,
+                       key_rows: torch.Tensor, key_cols: torch.Tensor) -> PositionalFactors:
+    """P_h = softmax_k(v_pos^h . r_qk) in factored form, for query and key grids given by coordinates.
+
+    pos_proj weighs (dx, dy, dx^2 + dy^2): the rows factor takes the dy and squared terms, the columns
+    factor the dx and squared terms. The bias is constant along k and cancels in the softmax; it joins
+    the rows' logits anyway so that it stays in the graph (DDP expects every parameter to be used)."""
+    weight = pos_proj.weight.float()
+    bias = None if pos_proj.bias is None else pos_proj.bias.float()
+    return PositionalFactors(
+        rows=axis_attention(weight[:, 1], weight[:, 2], query_rows, key_rows, shift=bias),
+        cols=axis_attention(weight[:, 0], weight[:, 2], query_cols, key_cols),
+    )
+
+
 def _fold(v: torch.Tensor) -> torch.Tensor:
-    """(B, H, N, dv) -> (H, N, B*dv); a value shared by heads, (B, 1, N, dv) -> (N, B*dv)."""
-    b, hv, n, dv = v.shape
-    if hv == 1:
-        return v[:, 0].permute(1, 0, 2).reshape(n, b * dv)
-    return v.permute(1, 2, 0, 3).reshape(hv, n, b * dv)
+    """(B, H, N, dv) -> (H, N, B*dv): the batch folded into the columns (a copy)."""
+    b, h, n, dv = v.shape
+    return v.permute(1, 2, 0, 3).reshape(h, n, b * dv)
 
 
 def _unfold(folded: torch.Tensor, batch: int) -> torch.Tensor:
@@ -77,90 +128,97 @@ def _unfold(folded: torch.Tensor, batch: int) -> torch.Tensor:
     return folded.view(h, n, batch, bd // batch).permute(2, 0, 1, 3)
 
 
-def _positional_matmul(pos_attn: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
-    """(H, Nq, Nk) @ folded values -> (H, Nq, B*dv): one GEMM (shared value) or one batched GEMM."""
-    if folded.dim() == 2:
-        h, nq, nk = pos_attn.shape
-        return (pos_attn.reshape(h * nq, nk) @ folded).view(h, nq, -1)
-    return torch.bmm(pos_attn, folded)
+def _per_row(cols: torch.Tensor, rows: int) -> torch.Tensor:
+    """(H, Q, K) -> (H*rows, Q, K): the columns factor once per grid row, to batch the GEMMs over rows."""
+    heads, q, k = cols.shape
+    return cols[:, None].expand(heads, rows, q, k).reshape(heads * rows, q, k)
 
 
-def apply_positional(pos_attn: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """P @ V with the batch folded into the columns, (H, Nq, Nk) x (B, H|1, Nk, dv) -> (B, H, Nq, dv).
-
-    Differentiable through plain autograd, which forms dP as (H, Nq, Nk) directly (a broadcast
-    `P[None] @ v` would build a (B, H, Nq, Nk) gradient instead)."""
-    return _unfold(_positional_matmul(pos_attn.to(v.dtype), _fold(v)), v.shape[0])
+def _along_cols(cols: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
+    """cols applied to every key row of V folded as (H*Ky, Kx, B*dv): (H, Ky, Qx*B*dv)."""
+    heads = cols.shape[0]
+    key_rows = folded.shape[0] // heads
+    return torch.bmm(_per_row(cols, key_rows), folded).view(heads, key_rows, -1)
 
 
 class _PositionalMix(torch.autograd.Function):
-    """lerp(content, P @ V, gate) that saves for backward only what SDPA already keeps alive.
+    """lerp(content, P @ V, gate) with P = rows (x) cols applied axis by axis, V folded as (H, Ky, Kx, B*dv).
 
-    Neither P @ V nor the folded copy of V is kept: the backward refolds V. The gate's gradient needs
-    no second P @ V either: sum_{b,q,d} grad * (P V) = sum_{q,k} P * (grad_folded V_folded^T), and
-    that last product is the one dP needs anyway. The output is laid out as (B, Nq, H, dv) so that
-    merging the heads afterwards is a view, not a copy."""
+    Forward: along_cols = cols @ V (per key row), then P @ V = rows @ along_cols. Only the folded V
+    is saved (one B*N*C tensor per layer); nothing of size N x N exists. Backward: S = (s * rows)^T G
+    gives dV = cols^T S (per key row) and dL/dcols = sum_ky S V^T; dL/drows = G along_cols^T, with
+    along_cols recomputed (a GEMM with only Kx terms per output: cheaper than keeping it in memory).
+    The gate's gradient needs no P @ V: sum G * (P V) = sum rows * dL/drows, the positional term being
+    linear in rows. The output is laid out as (B, Nq, H, dv) so that merging the
+    heads afterwards is a view, not a copy."""
 
     @staticmethod
-    def forward(ctx, content, pos_attn, v, gate):
+    def forward(ctx, content, rows, cols, v, gate):
         batch, heads, nq, dv = content.shape
-        positional = _unfold(_positional_matmul(pos_attn, _fold(v)), batch)
+        key_rows, key_cols = rows.shape[-1], cols.shape[-1]
+        width = batch * dv
+        folded = _fold(v).reshape(heads * key_rows, key_cols, width)
+        positional = torch.bmm(rows, _along_cols(cols, folded)).view(heads, nq, width)
         out = content.new_empty(batch, nq, heads, dv).transpose(1, 2)
-        torch.lerp(content, positional, gate.to(content.dtype).view(1, -1, 1, 1), out=out)
-        ctx.save_for_backward(content, pos_attn, v, gate)
+        torch.lerp(content, _unfold(positional, batch), gate.to(content.dtype).view(1, -1, 1, 1), out=out)
+        ctx.save_for_backward(content, rows, cols, folded, gate)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        content, pos_attn, v, gate = ctx.saved_tensors
-        heads, nq, _ = pos_attn.shape
-        batch = v.shape[0]
-        weight = gate.to(grad.dtype)
-        folded = _fold(v)
-        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, nq, -1)  # (H, Nq, B*dv), unweighted
-        grad_content = grad_pos_attn = grad_v = grad_gate = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
-            keys_t = folded.t() if folded.dim() == 2 else folded.transpose(1, 2)
-            grad_scores = grad_folded @ keys_t  # (H, Nq, Nk): dL/dP before the gate's weight
+        content, rows, cols, folded, gate = ctx.saved_tensors
+        heads, query_rows, key_rows = rows.shape
+        _, query_cols, key_cols = cols.shape
+        batch, width = grad.shape[0], folded.shape[-1]
+        weight = gate.to(grad.dtype).view(-1, 1, 1)
+        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, query_rows, query_cols * width)  # unweighted
+        grad_content = grad_rows = grad_cols = grad_v = grad_gate = None
         if ctx.needs_input_grad[0]:
             grad_content = grad * (1 - weight).view(1, -1, 1, 1)
-        if ctx.needs_input_grad[1]:
-            grad_pos_attn = grad_scores * weight.view(-1, 1, 1)
-        if ctx.needs_input_grad[2]:
-            weighted_t = (pos_attn * weight.view(-1, 1, 1)).transpose(1, 2)  # (H, Nk, Nq)
-            if folded.dim() == 2:  # shared value: sum the heads' contributions in one GEMM
-                grad_shared = weighted_t.transpose(0, 1).reshape(-1, heads * nq) @ grad_folded.reshape(heads * nq, -1)
-                grad_v = grad_shared.view(-1, batch, v.shape[-1]).permute(1, 0, 2).unsqueeze(1)
-            else:
-                grad_v = _unfold(torch.bmm(weighted_t, grad_folded), batch)
-        if ctx.needs_input_grad[3]:
-            accumulate = torch.promote_types(grad.dtype, torch.float32)  # reduce bf16 in fp32
-            positional_part = (pos_attn * grad_scores).sum(dim=(1, 2), dtype=accumulate)
-            content_part = (grad * content).sum(dim=(0, 2, 3), dtype=accumulate)
-            grad_gate = (positional_part - content_part).to(gate.dtype)
-        return grad_content, grad_pos_attn, grad_v, grad_gate
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            # S: (H*Ky, Qx, B*dv), the gradient reaching along_cols, with the gate's weight
+            through_rows = torch.bmm((rows * weight).transpose(1, 2), grad_folded).view(heads * key_rows, query_cols, width)
+            if ctx.needs_input_grad[2]:
+                per_row = torch.bmm(through_rows, folded.transpose(1, 2))  # (H*Ky, Qx, Kx)
+                grad_cols = per_row.view(heads, key_rows, query_cols, key_cols).sum(dim=1)
+            if ctx.needs_input_grad[3]:
+                grad_folded_v = torch.bmm(_per_row(cols, key_rows).transpose(1, 2), through_rows)  # (H*Ky, Kx, B*dv)
+                grad_v = _unfold(grad_folded_v.view(heads, key_rows * key_cols, width), batch)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[4]:
+            grad_scores = torch.bmm(grad_folded, _along_cols(cols, folded).transpose(1, 2))  # (H, Qy, Ky), unweighted
+            if ctx.needs_input_grad[1]:
+                grad_rows = grad_scores * weight
+            if ctx.needs_input_grad[4]:
+                accumulate = torch.promote_types(grad.dtype, torch.float32)  # reduce bf16 in fp32
+                positional_part = (rows * grad_scores).sum(dim=(1, 2), dtype=accumulate)
+                content_part = (grad * content).sum(dim=(0, 2, 3), dtype=accumulate)
+                grad_gate = (positional_part - content_part).to(gate.dtype)
+        return grad_content, grad_rows, grad_cols, grad_v, grad_gate
 
 
 def gated_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_attn: torch.Tensor, gate: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positional: PositionalFactors, gate: torch.Tensor
 ) -> torch.Tensor:
     """(1 - gate_h) softmax(Q K^T / sqrt(d)) V + gate_h P_h V: the GPSA hot path.
 
     q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by
-    all heads; pos_attn: (H, Nq, Nk); gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv).
+    all heads; positional: P in factored form; gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv).
 
     Two schedules give the same result; the cheaper one is picked from the shapes:
     - values narrower than the key count (dv < Nk: a ViT's patch tokens): content through the fused
-      SDPA kernel plus the batch-folded positional GEMM; no (B, H, Nq, Nk) tensor exists at all.
+      SDPA kernel plus P @ V applied axis by axis with the batch folded into the columns; no
+      (B, H, Nq, Nk) tensor exists at all.
     - values at least as wide as the key count (dv >= Nk: a Transformed CNN's late stages, where each
       head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is no larger than the output,
       so it is formed once and applied in one GEMM, instead of multiplying the wide V twice."""
     heads = q.shape[1]
     if v.shape[-1] < k.shape[-2]:
-        content = F.scaled_dot_product_attention(q, k, v.expand(-1, heads, -1, -1))
-        return _PositionalMix.apply(content, pos_attn.to(v.dtype), v, gate)
+        v = v.expand(-1, heads, -1, -1)
+        content = F.scaled_dot_product_attention(q, k, v)
+        rows, cols = (factor.to(v.dtype) for factor in positional)
+        return _PositionalMix.apply(content, rows, cols, v, gate)
     content = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)
-    attn = torch.lerp(content, pos_attn.to(content.dtype), gate.to(content.dtype).view(1, heads, 1, 1))
+    attn = torch.lerp(content, positional.dense().to(content.dtype), gate.to(content.dtype).view(1, heads, 1, 1))
     if v.shape[1] == 1:  # shared value: one GEMM per image over all heads' queries
         b, _, nq, nk = attn.shape
         return (attn.reshape(b, heads * nq, nk) @ v[:, 0]).view(b, heads, nq, -1)
@@ -233,8 +291,13 @@ class GPSA(nn.Module):
         return self._rel_cache[key]
 
     def positional_attention(self, grid_size: GridSize) -> torch.Tensor:
-        """(H, N, N) positional attention for a grid of this size."""
+        """(H, N, N) positional attention for a grid of this size (dense; the explicit path's)."""
         return positional_attention(self.relative_encodings(grid_size, self.pos_proj.weight.device), self.pos_proj)
+
+    def positional_factors(self, grid_size: GridSize) -> PositionalFactors:
+        """The same attention in factored form (the hot path's): rows (H, Hp, Hp), cols (H, Wp, Wp)."""
+        rows, cols = (torch.arange(n, dtype=torch.float32, device=self.pos_proj.weight.device) for n in grid_size)
+        return positional_factors(self.pos_proj, rows, cols, rows, cols)
 
     def _qkv(self, x: torch.Tensor):
         """Queries, keys and values from one GEMM: timm's separate `qk` and `v` weights, concatenated."""
@@ -259,7 +322,7 @@ class GPSA(nn.Module):
         b, n, c = x.shape
         q, k, v = self._qkv(x)
         if self.fused and not (self.training and self.attn_drop.p > 0):
-            out = gated_attention(q, k, v, self.positional_attention(grid_size), self.gate())
+            out = gated_attention(q, k, v, self.positional_factors(grid_size), self.gate())
         else:
             out = self.attn_drop(self._explicit_attention(q, k, grid_size)) @ v
         x = out.transpose(1, 2).reshape(b, n, c)

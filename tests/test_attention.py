@@ -4,7 +4,7 @@ import torch
 from timm.models import convit as timm_convit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convit import GPSA, MHSA, gated_attention, grid_positions, kernel_offsets, relative_encodings
+from convit import GPSA, MHSA, PositionalFactors, gated_attention, grid_positions, kernel_offsets, relative_encodings
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -50,10 +50,12 @@ def test_shared_value_path_matches_per_head_values():
     b, h, n, d = 2, 4, 12, 5
     q, k = torch.randn(2, b, h, n, d, dtype=torch.float64)
     v = torch.randn(b, 1, n, 7, dtype=torch.float64)
-    pos = torch.randn(h, n, n, dtype=torch.float64).softmax(-1)
+    factors = PositionalFactors(rows=torch.randn(h, 3, 3, dtype=torch.float64).softmax(-1),
+                                cols=torch.randn(h, 4, 4, dtype=torch.float64).softmax(-1))
+    pos = factors.dense()
     gate = torch.rand(h, dtype=torch.float64)
-    shared = gated_attention(q, k, v, pos, gate)
-    expanded = gated_attention(q, k, v.expand(-1, h, -1, -1).contiguous(), pos, gate)
+    shared = gated_attention(q, k, v, factors, gate)
+    expanded = gated_attention(q, k, v.expand(-1, h, -1, -1).contiguous(), factors, gate)
     content = (q @ k.transpose(-2, -1) / d**0.5).softmax(-1)
     explicit = ((1 - gate.view(1, h, 1, 1)) * content + gate.view(1, h, 1, 1) * pos) @ v
     torch.testing.assert_close(shared, expanded)
@@ -84,8 +86,9 @@ def test_hot_path_never_builds_a_batched_attention_matrix():
     with _ShapeRecorder() as explicit:
         layer(x, grid).sum().backward()
     assert (b, h, n, n) in explicit.shapes  # the recorder does see it on the reference path
-    assert (b, h, n, n) not in fused.shapes
-    assert (h, n, n) in fused.shapes
+    assert (h, n, n) in explicit.shapes
+    assert not {(b, h, n, n), (h, n, n)} & fused.shapes  # not even the batch-free (H, N, N) matrix
+    assert {(h, grid[0], grid[0]), (h, grid[1], grid[1])} <= fused.shapes  # P's two factors
 
 
 @pytest.mark.parametrize("gate_override", [0.0, 1.0])
@@ -183,15 +186,25 @@ def test_head_count_not_dividing_the_width_is_a_value_error():
 
 
 def test_positional_attention_has_no_tiny_weights():
-    """Subnormal operands or products make the CPU GEMMs with P many times slower: weights below
-    eps / N, which together change a row's output by less than rounding, are set to 0."""
+    """Subnormal operands or products make the CPU GEMMs with P many times slower: weights of each
+    factor below eps / K, which together change a row's output by less than rounding, are set to 0."""
     layer = GPSA(64, 16)
     layer.local_init()  # alpha = 1: weights fall below 1e-38 a few tokens away from the offset
-    pos_attn = layer.positional_attention((14, 14))
-    threshold = torch.finfo(pos_attn.dtype).eps / 196
-    assert ((pos_attn > 0) & (pos_attn < threshold)).sum() == 0
-    assert (pos_attn == 0).float().mean() > 0.5
-    torch.testing.assert_close(pos_attn.sum(-1), torch.ones(16, 196))
+    for factor in layer.positional_factors((14, 14)):
+        threshold = torch.finfo(factor.dtype).eps / 14
+        assert ((factor > 0) & (factor < threshold)).sum() == 0
+        assert (factor == 0).any()
+        torch.testing.assert_close(factor.sum(-1), torch.ones(16, 14))
     unmasked = layer.pos_proj(layer.relative_encodings((14, 14), "cpu")).permute(2, 0, 1).softmax(-1)
     x = torch.randn(196, 8)
-    torch.testing.assert_close(pos_attn @ x, unmasked @ x, rtol=1e-6, atol=1e-6)
+    factored = layer.positional_factors((14, 14)).dense()
+    torch.testing.assert_close(factored @ x, unmasked @ x, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("grid_size", [(14, 14), (3, 5), (1, 6)])
+def test_factors_equal_the_dense_softmax_of_the_encodings(grid_size):
+    """P_h = rows_h (x) cols_h exactly: the encodings' x and y parts separate (bias included)."""
+    layer = _randomized_gpsa(dim=24, heads=4).double()
+    # both are computed in float32; masking differs only below eps / 14 per weight
+    torch.testing.assert_close(layer.positional_factors(grid_size).dense(), layer.positional_attention(grid_size),
+                               rtol=0, atol=1e-6)

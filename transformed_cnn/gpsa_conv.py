@@ -23,10 +23,11 @@ Shapes (C_in -> C_out, N_q queries, N_k keys):
   zeros as the convolution does; the output has exactly the conv's shape, no crop needed.
 
 Hot path (`fused = True`): ConViT's `convit.attention.gated_attention` with the value shared by all
-heads, (B, 1, N_k, C_in), and the positional attention P (heads, N_q, N_k) computed once per forward.
-It picks its schedule from the shapes: in late stages (C_in >= N_k) it mixes the two attentions
-first and applies them in one GEMM; in early stages (C_in < N_k) the content term goes through
-SDPA and P @ V through one batch-folded GEMM, without a (B, heads, N_q, N_k) tensor. `fused = False`
+heads, (B, 1, N_k, C_in), and the positional attention P computed once per forward in factored
+form (query rows x padded key rows, query columns x padded key columns). It picks its schedule from
+the shapes: in late stages (C_in >= N_k) it mixes the two attentions first and applies them in one
+GEMM; in early stages (C_in < N_k) the content term goes through SDPA and P @ V is applied axis by
+axis with the batch folded into the columns, without a (B, heads, N_q, N_k) tensor. `fused = False`
 runs the explicit path: the normalized attention of `attention()`, then one product with the value.
 """
 from __future__ import annotations
@@ -38,7 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 
-from convit.attention import gated_attention, grid_positions, kernel_offsets, positional_attention, relative_encodings
+from convit.attention import (
+    PositionalFactors, gated_attention, grid_positions, kernel_offsets, positional_attention, positional_factors,
+    relative_encodings,
+)
 
 
 def _pair(value) -> Tuple[int, int]:
@@ -150,6 +154,8 @@ class GPSAConv2d(nn.Module):
                     out_size=(out_h, out_w),
                     query_index=query_index,
                     rel=relative_encodings(key_pos[query_index], key_pos),
+                    axes=(rows.float(), cols.float(), torch.arange(pad_h, device=device, dtype=torch.float32),
+                          torch.arange(pad_w, device=device, dtype=torch.float32)),
                 )
             }
         return self._geometry_cache[key]
@@ -165,6 +171,10 @@ class GPSAConv2d(nn.Module):
         """(heads, N_q, N_k) positional attention for an input map of this size."""
         geometry = self._geometry(height, width, self.pos_proj.weight.device)
         return positional_attention(geometry["rel"], self.pos_proj)
+
+    def positional_factors(self, height: int, width: int) -> PositionalFactors:
+        """The same attention in factored form (the hot path's): query rows x padded key rows, likewise columns."""
+        return positional_factors(self.pos_proj, *self._geometry(height, width, self.pos_proj.weight.device)["axes"])
 
     def _qkv(self, x: torch.Tensor):
         """Queries (B, heads, N_q, d), keys (B, heads, N_k, d), value shared by the heads (B, 1, N_k, C_in)."""
@@ -193,7 +203,7 @@ class GPSAConv2d(nn.Module):
         b, _, h, w = x.shape
         q, k, v = self._qkv(x)
         if self.fused:
-            heads = gated_attention(q, k, v, self.positional_attention(h, w), self.gate())
+            heads = gated_attention(q, k, v, self.positional_factors(h, w), self.gate())
         else:
             heads = self._explicit_attention(q, k, h, w) @ v
         out_h, out_w = self._geometry(h, w, x.device)["out_size"]
