@@ -19,8 +19,8 @@ dx and one of dy, and so is each row's normalizer (a sum over a rectangular grid
 computed once per forward, without a batch dimension (`PositionalFactors`), and P_h @ V_h is two
 small GEMMs along the grid's two axes with the batch folded into the columns: (Hp + Wp) / (Hp * Wp)
 of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
-backward, nor an (H, N, N) one. (When each head's value is wider than the key count, as in a
-Transformed CNN's late stages, forming the mixed attention once is cheaper: `gated_attention` then
+backward, nor an (H, N, N) one. (When each head's value is wider than the query count, as in a
+Transformed CNN's late stages, forming the mixed attention once stores less: `gated_attention` then
 does that instead.) The explicit path (`GPSA.attention`) materializes A from the dense encodings r for
 attention maps, diagnostics and attention dropout, and is the tests' reference for the hot path.
 
@@ -204,15 +204,16 @@ def gated_attention(
     q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by
     all heads; positional: P in factored form; gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv).
 
-    Two schedules give the same result; the cheaper one is picked from the shapes:
-    - values narrower than the key count (dv < Nk: a ViT's patch tokens): content through the fused
-      SDPA kernel plus P @ V applied axis by axis with the batch folded into the columns; no
-      (B, H, Nq, Nk) tensor exists at all.
-    - values at least as wide as the key count (dv >= Nk: a Transformed CNN's late stages, where each
-      head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is no larger than the output,
-      so it is formed once and applied in one GEMM, instead of multiplying the wide V twice."""
+    Two schedules give the same result; the one that stores less is picked from the shapes:
+    - values narrower than the query count (dv < Nq: a ViT's patch tokens): content through the fused
+      SDPA kernel plus P @ V applied axis by axis with the batch folded into the columns. Its largest
+      extra tensor is the folded V, (H, Nk, B*dv) (a value shared by the heads is expanded to that);
+      no (B, H, Nq, Nk) tensor exists at all.
+    - values at least as wide as the query count (dv >= Nq: a Transformed CNN's late stages, where
+      each head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is then no larger than
+      that folded V, so it is formed once and applied in one GEMM."""
     heads = q.shape[1]
-    if v.shape[-1] < k.shape[-2]:
+    if v.shape[-1] < q.shape[-2]:
         v = v.expand(-1, heads, -1, -1)
         content = F.scaled_dot_product_attention(q, k, v)
         rows, cols = (factor.to(v.dtype) for factor in positional)

@@ -62,6 +62,27 @@ def test_shared_value_path_matches_per_head_values():
     torch.testing.assert_close(shared, explicit)
 
 
+@pytest.mark.parametrize("value_heads", [3, 1])
+def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads):
+    """The custom backward against finite differences, for every input, on a T-CNN-like geometry:
+    fewer query rows/columns than key rows/columns, per-head or shared value (dv < Nq)."""
+    torch.manual_seed(0)
+    b, h, d, dv = 2, 3, 4, 5
+    (qy, ky), (qx, kx) = (2, 4), (3, 5)
+    q = torch.randn(b, h, qy * qx, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, h, ky * kx, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, value_heads, ky * kx, dv, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(h, qy, ky, dtype=torch.float64).softmax(-1).requires_grad_(True)
+    cols = torch.randn(h, qx, kx, dtype=torch.float64).softmax(-1).requires_grad_(True)
+    gate = torch.rand(h, dtype=torch.float64, requires_grad=True)
+    assert dv < qy * qx  # the factored schedule, not the mixed one
+
+    def attention(q, k, v, rows, cols, gate):
+        return gated_attention(q, k, v, PositionalFactors(rows, cols), gate)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v, rows, cols, gate))
+
+
 class _ShapeRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()

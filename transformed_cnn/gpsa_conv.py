@@ -25,8 +25,8 @@ Shapes (C_in -> C_out, N_q queries, N_k keys):
 Hot path (`fused = True`): ConViT's `convit.attention.gated_attention` with the value shared by all
 heads, (B, 1, N_k, C_in), and the positional attention P computed once per forward in factored
 form (query rows x padded key rows, query columns x padded key columns). It picks its schedule from
-the shapes: in late stages (C_in >= N_k) it mixes the two attentions first and applies them in one
-GEMM; in early stages (C_in < N_k) the content term goes through SDPA and P @ V is applied axis by
+the shapes: in late stages (C_in >= N_q) it mixes the two attentions first and applies them in one
+GEMM; in early stages (C_in < N_q) the content term goes through SDPA and P @ V is applied axis by
 axis with the batch folded into the columns, without a (B, heads, N_q, N_k) tensor. `fused = False`
 runs the explicit path: the normalized attention of `attention()`, then one product with the value.
 """
