@@ -6,24 +6,21 @@ For each timm ResNet, three models at the same resolution:
   tcnn       tcnn_<resnet>: the last stage's 3x3 convs as GPSA layers (paper transform).
 cnn-s1 separates the cost of the stride change (4x the last stage's positions) from that of the
 attention. Inference = forward in eval mode under no_grad; training = forward + cross-entropy +
-backward + AdamW step (timm's optimizer factory); fp32, eager. Each (model, mode) runs in a fresh
-subprocess, so its peak memory is its own: ru_maxrss at the end minus the resident size before the
-first step. Throughput uses the median step time. Ratios are relative to the plain CNN.
+backward + AdamW step (timm's optimizer factory); fp32, eager. For each (ResNet, mode) the three run
+in their own processes, in lockstep, a step each in turn; ratios are relative to the plain CNN, speed
+ratios paired by round (see `lockstep.py` for the protocol and the memory measurement).
 
-    python benchmarks/tcnn_throughput.py                       # resnet50 at 224, a few minutes on 2 cores
+    python benchmarks/tcnn_throughput.py                       # resnet50 at 224, ~5 minutes on 2 cores
     python benchmarks/tcnn_throughput.py --models resnetrs50 resnet50d --img-size 224
     python benchmarks/tcnn_throughput.py --quick               # smoke run: resnet18 at 64, batch 4
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import statistics
-import subprocess
-import sys
 import time
+
+import lockstep
 
 VARIANTS = ("cnn", "cnn-s1", "tcnn")
 MODES = ("inference", "training")
@@ -45,12 +42,7 @@ def build_model(cnn_name: str, variant: str):
     return model
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def run_worker(args) -> dict:
+def run_worker(args) -> None:
     import torch
     from timm.optim import create_optimizer_v2
 
@@ -75,25 +67,18 @@ def run_worker(args) -> dict:
         def step() -> None:
             model(images)
 
-    rss_before = _rss_bytes()
-    times = []
-    for i in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    return {"images_per_sec": args.batch_size / statistics.median(times), "peak_mb": (peak - rss_before) / 2**20}
+    lockstep.serve(step)
 
 
-def measure(model: str, variant: str, mode: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--model", model, "--variant", variant, "--mode", mode,
-           "--img-size", str(args.img_size), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"worker {variant} {model} ({mode}) failed:\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def measure(model: str, mode: str, args) -> dict:
+    """The three variants of one ResNet in one mode, in lockstep; summaries relative to the CNN."""
+    workers = {
+        variant: [__file__, "--worker", "--model", model, "--variant", variant, "--mode", mode,
+                  "--img-size", str(args.img_size), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
+        for variant in VARIANTS
+    }
+    results = lockstep.run(workers, args.warmup, args.steps)
+    return {variant: lockstep.summary(result, results["cnn"], args.batch_size) for variant, result in results.items()}
 
 
 def main(argv=None) -> int:
@@ -102,9 +87,8 @@ def main(argv=None) -> int:
     parser.add_argument("--img-size", type=int, default=None, help="default 224 (quick 64)")
     parser.add_argument("--batch-size", type=int, default=None, help="default 16 (quick 4)")
     parser.add_argument("--quick", action="store_true", help="smoke run: resnet18, 64x64, batch 4, 1 warmup + 2 steps")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 5, quick 2)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1)")
-    parser.add_argument("--repeats", type=int, default=1, help="run everything this many times, interleaved; keep the best")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per model (default 12, quick 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per worker")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -114,16 +98,16 @@ def main(argv=None) -> int:
     args.models = args.models or (["resnet18"] if args.quick else ["resnet50"])
     args.img_size = args.img_size or (64 if args.quick else 224)
     args.batch_size = args.batch_size or (4 if args.quick else 16)
-    args.steps = args.steps or (2 if args.quick else 5)
-    args.warmup = 1 if args.warmup is None else args.warmup
-    for flag in ("img_size", "batch_size", "steps", "repeats", "threads"):
+    args.steps = args.steps or (2 if args.quick else 12)
+    args.warmup = (1 if args.quick else 3) if args.warmup is None else args.warmup
+    for flag in ("img_size", "batch_size", "steps", "threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
 
     if args.worker:
-        print(json.dumps(run_worker(args)))
+        run_worker(args)
         return 0
 
     import timm
@@ -135,29 +119,19 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"no T-CNN for {', '.join(unknown)}; supported: {', '.join(supported)}")
 
-    runs = {}
-    for _ in range(args.repeats):
-        for model in args.models:
-            for mode in MODES:
-                for variant in VARIANTS:
-                    runs.setdefault((model, mode, variant), []).append(measure(model, variant, mode, args))
-    best = {key: {"images_per_sec": max(r["images_per_sec"] for r in rs), "peak_mb": min(r["peak_mb"] for r in rs)}
-            for key, rs in runs.items()}
-
-    print(f"{args.img_size}x{args.img_size}, batch {args.batch_size}, fp32, {args.threads} threads, {args.steps} timed "
-          f"steps after {args.warmup} warmup, best of {args.repeats}; {time.strftime('%Y-%m-%d %H:%M')}")
+    load_before = os.getloadavg()[0]
+    results = {(model, mode): measure(model, mode, args) for model in args.models for mode in MODES}
+    print(f"{args.img_size}x{args.img_size}, batch {args.batch_size}, fp32, {args.threads} threads, variants in lockstep, "
+          f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after")
     header = f"{'model':<24} {'mode':<10} {'img/s':>8} {'x CNN':>6} {'peak MB':>8} {'x CNN':>6}"
     print(header)
     print("-" * len(header))
-    for model in args.models:
-        for mode in MODES:
-            reference = best[(model, mode, "cnn")]
-            for variant in VARIANTS:
-                row = best[(model, mode, variant)]
-                name = {"cnn": model, "cnn-s1": f"{model} (stride 1)", "tcnn": f"tcnn_{model}"}[variant]
-                print(f"{name:<24} {mode:<10} {row['images_per_sec']:8.1f} "
-                      f"{row['images_per_sec'] / reference['images_per_sec']:6.2f} {row['peak_mb']:8.0f} "
-                      f"{row['peak_mb'] / max(reference['peak_mb'], 1e-9):6.2f}")
+    for (model, mode), variants in results.items():
+        for variant, row in variants.items():
+            name = {"cnn": model, "cnn-s1": f"{model} (stride 1)", "tcnn": f"tcnn_{model}"}[variant]
+            print(f"{name:<24} {mode:<10} {row['images_per_sec']:8.1f} {row['speed_ratio']:6.2f} "
+                  f"{row['peak_mb']:8.0f} {row['memory_ratio']:6.2f}")
     return 0
 
 

@@ -1,0 +1,123 @@
+"""Side-by-side timing of models that each live in their own process, one step at a time in turn.
+
+Each model runs in a worker process, so that its peak resident memory is its own: peak = ru_maxrss at
+the end minus the resident size just before the first step (weights, batch and imports excluded;
+gradients, optimizer state and activations included).
+
+The workers run in lockstep: the parent asks each in turn for one step (rotating the order every
+round) while the others wait, blocked, so a step never shares the CPU with another model's. Steps of
+different models are at most a few seconds apart, and slow drifts in the machine's speed (on a shared
+VM, +-10% over seconds) hit every model alike instead of whichever ran during the slow minute. Speed
+ratios are paired: the median over rounds of the reference's step time over the model's in the same
+round, so a drift between rounds cancels.
+
+glibc's malloc adapts its mmap and trim thresholds as a process runs; with the defaults a worker can
+return hundreds of MB to the kernel and fault them back in on some steps (0 to 170k page faults per
+step measured here, varying from process to process). Every worker therefore gets the same fixed
+thresholds (`MALLOC_ENVIRONMENT`, unless already set): each model trains from a warm heap, as a long
+run does, and no model is timed on its page faults.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, Hashable, List, Sequence
+
+MALLOC_ENVIRONMENT = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's maximum: blocks below it come from the heap
+    "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30),  # never give the heap's free top back to the kernel
+}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reply(message: Dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def serve(step: Callable[[], None]) -> None:
+    """Worker side: run one step per 'step' line on stdin and answer with its wall and CPU time.
+
+    Any other line ends the loop; the answer is then the peak memory of the steps. Call it once the
+    model, data and optimizer exist. Nothing else may be written to stdout."""
+    rss_before = _rss_bytes()
+    _reply({"ready": True})
+    for command in sys.stdin:
+        if command.strip() != "step":
+            break
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        _reply({"wall": time.perf_counter() - start, "cpu": time.process_time() - start_cpu})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    _reply({"peak_mb": (peak - rss_before) / 2**20})
+
+
+class _Worker:
+    def __init__(self, key: Hashable, argv: Sequence[str]):
+        self.key = key
+        env = {**MALLOC_ENVIRONMENT, **os.environ}
+        self.process = subprocess.Popen(
+            [sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env,
+        )
+
+    def ask(self, command: str) -> Dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.answer()
+
+    def answer(self) -> Dict:
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait()
+            raise SystemExit(f"benchmark worker {self.key} failed:\n{self.process.stderr.read()}")
+        return json.loads(line)
+
+
+def run(workers: Dict[Hashable, Sequence[str]], warmup: int, steps: int) -> Dict[Hashable, Dict]:
+    """Start one process per entry (argv of a script that calls `serve`), run them in lockstep.
+
+    Returns per key: 'times' (one {'wall', 'cpu'} per timed step, in rounds) and 'peak_mb'."""
+    started: List[_Worker] = [_Worker(key, argv) for key, argv in workers.items()]
+    try:
+        for worker in started:  # the models build in parallel; nothing is timed yet
+            worker.answer()
+        times = {worker.key: [] for worker in started}
+        for round_index in range(warmup + steps):
+            shift = round_index % len(started)
+            for worker in started[shift:] + started[:shift]:
+                result = worker.ask("step")
+                if round_index >= warmup:
+                    times[worker.key].append(result)
+        peaks = {worker.key: worker.ask("done")["peak_mb"] for worker in started}
+        for worker in started:
+            worker.process.wait()
+    finally:
+        for worker in started:
+            if worker.process.poll() is None:
+                worker.process.kill()
+    return {key: {"times": times[key], "peak_mb": peaks[key]} for key in workers}
+
+
+def summary(result: Dict, reference: Dict, batch_size: int) -> Dict[str, float]:
+    """Throughput (median step), paired speed ratios (wall and CPU) and memory ratio against `reference`."""
+    def paired(clock: str) -> float:
+        return statistics.median(r[clock] / t[clock] for r, t in zip(reference["times"], result["times"]))
+
+    return {
+        "images_per_sec": batch_size / statistics.median(t["wall"] for t in result["times"]),
+        "images_per_cpu_sec": batch_size / statistics.median(t["cpu"] for t in result["times"]),
+        "speed_ratio": paired("wall"),
+        "cpu_speed_ratio": paired("cpu"),
+        "peak_mb": result["peak_mb"],
+        "memory_ratio": result["peak_mb"] / max(reference["peak_mb"], 1e-9),
+    }
