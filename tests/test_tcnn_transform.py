@@ -86,10 +86,10 @@ def test_surviving_parameters_are_the_same_objects_and_the_count_matches(cnn):
     assert sum(p.numel() for p in tcnn.parameters()) == sum(p.numel() for p in cnn.parameters()) + added
 
 
-# channels < keys (7x9 map: 99 padded keys) and channels > keys (3x4 map: 30 keys) take the two
-# schedules of the hot path
-@pytest.mark.parametrize("channels,size,stride,dilation", [(20, (7, 9), 1, 1), (20, (7, 9), 2, 1), (20, (7, 9), 1, 2),
-                                                           (40, (3, 4), 1, 1), (40, (3, 4), 2, 1)])
+# channels < queries (7x9 map: 63 queries, 20 at stride 2) take the factored schedule of the hot path,
+# channels >= queries (3x4 map: 12 queries; 7x9 at stride 2 with 20 channels) the mixed one
+@pytest.mark.parametrize("channels,size,stride,dilation", [(20, (7, 9), 1, 1), (12, (7, 9), 2, 1), (20, (7, 9), 1, 2),
+                                                           (20, (7, 9), 2, 1), (40, (3, 4), 1, 1), (40, (3, 4), 2, 1)])
 def test_fused_and_explicit_paths_agree_in_outputs_and_gradients(channels, size, stride, dilation):
     torch.manual_seed(0)
     layer = GPSAConv2d(channels, 24, stride=stride, padding=dilation, dilation=dilation)

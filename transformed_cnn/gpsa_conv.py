@@ -136,7 +136,8 @@ class GPSAConv2d(nn.Module):
         )
 
     def _geometry(self, height: int, width: int, device) -> dict:
-        """Token layout for an input of this size: padded key grid, query indices, relative encodings."""
+        """Token layout for an input of this size: padded key grid, query indices, relative encodings,
+        and the axes' coordinates (query rows, query columns, key rows, key columns) for the factors."""
         key = (height, width, str(device))
         if key not in self._geometry_cache:
             out_h, out_w = self.output_size(height, width)
