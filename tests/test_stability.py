@@ -1,0 +1,185 @@
+"""R_f = D_f / G_f against closed forms (identity, a linear filter through its spectrum, a constant model) and
+explicit per-layer computations, for a timm model and for ours; seeds, chunking and bad input."""
+import math
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+
+from convbias.evaluation import diffeo
+from convbias.evaluation.stability import relative_stability
+from convbias.families import load_families
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _draws(images, cut, T, seed):
+    """The perturbations relative_stability draws: every field first, then one noise direction per image."""
+    generator = torch.Generator().manual_seed(seed)
+    fields = diffeo.sample_fields(len(images), cut, generator)
+    moved = diffeo.deform(images, T, cut, coefficients=fields) - images
+    noise = torch.stack([torch.randn(images.shape[1:], generator=generator) for _ in images])
+    return moved, noise / noise.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+
+
+def _digits(count, size=16):
+    """Smooth-ish test images: sklearn digits upsampled to `size`."""
+    from sklearn.datasets import load_digits
+    images = torch.tensor(load_digits().images[:count], dtype=torch.float32)[:, None] / 16
+    return nn.functional.interpolate(images, size=size, mode="bilinear", align_corners=False)
+
+
+def test_identity_has_unit_relative_stability():
+    """With the median, ||eta|| = median ||tau x - x|| makes D_f = G_f exactly for f = identity."""
+    result = relative_stability(nn.Identity(), _digits(33), delta=1.0, cut=3, chunk_size=10)
+    assert result.R == pytest.approx(1.0, abs=1e-5)
+    assert result.D == pytest.approx(result.noise_radius ** 2, rel=1e-5)
+
+
+class CircularFilter(nn.Module):
+    """A linear, translation-equivariant f: a fixed 5x5 Gaussian blur with periodic boundaries."""
+
+    def __init__(self, width=1.2):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 5, padding=2, padding_mode="circular", bias=False)
+        grid = torch.arange(5.0) - 2
+        kernel = torch.exp(-(grid[:, None] ** 2 + grid[None, :] ** 2) / (2 * width ** 2))
+        self.conv.weight.data.copy_(kernel / kernel.sum())
+
+    def forward(self, x):
+        return self.conv(x).flatten(1)
+
+    def power_spectrum(self, size):
+        """|K(k)|^2 on the size x size frequency grid (the kernel wrapped around the origin)."""
+        embedded = torch.zeros(size, size, dtype=torch.float64)
+        embedded[:5, :5] = self.conv.weight.detach()[0, 0].double()
+        return torch.fft.fft2(torch.roll(embedded, (-2, -2), (0, 1))).abs() ** 2
+
+
+def test_linear_filter_follows_from_the_spectra():
+    """||K * v||^2 = sum_k |K(k)|^2 |v(k)|^2 / n^2: D_f from tau x - x, G_f from the noise, and G_f's
+    expectation r^2 <|K|^2> over the sphere."""
+    size, cut, seed = 16, 3, 4
+    images, model = _digits(48, size), CircularFilter()
+    result = relative_stability(model, images, delta=1.0, cut=cut, statistic="mean", seed=seed, chunk_size=20)
+    moved, directions = _draws(images, cut, result.T, seed)
+    spectrum = model.power_spectrum(size)
+
+    def energy(v):
+        return (spectrum * torch.fft.fft2(v[:, 0].double()).abs() ** 2).sum((-1, -2)) / size ** 2
+
+    radius = moved.flatten(1).norm(dim=1).double().mean()
+    assert result.noise_radius == pytest.approx(radius.item(), rel=1e-6)
+    assert result.D == pytest.approx(energy(moved).mean().item(), rel=1e-4)
+    assert result.G == pytest.approx(energy(directions * radius).mean().item(), rel=1e-4)
+    assert result.G == pytest.approx((radius ** 2 * spectrum.mean()).item(), rel=0.1)
+    assert result.R > 2  # a blur keeps the smooth tau x - x and removes most of the white noise: R_f > 1
+
+
+class Constant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(10))
+
+    def forward(self, x):
+        return self.bias.expand(x.shape[0], -1)
+
+
+def test_constant_model_is_undefined_not_divided_by_zero():
+    result = relative_stability(Constant(), _digits(8), normalize=True)
+    assert result.D != result.D and result.G != result.G and result.R != result.R  # NaN: undefined
+    assert math.isnan(relative_stability(Constant(), _digits(8)).R)
+
+
+def test_normalization_divides_by_pairs_of_test_images():
+    images = _digits(21)
+    plain = relative_stability(nn.Identity(), images, chunk_size=6)
+    normalized = relative_stability(nn.Identity(), images, chunk_size=6, normalize=True)
+    pairs = (images[1:] - images[:-1]).flatten(1).pow(2).sum(1).double().quantile(0.5).item()
+    assert normalized.D == pytest.approx(plain.D / pairs, rel=1e-5)
+    assert normalized.G == pytest.approx(plain.G / pairs, rel=1e-5)
+    assert normalized.R == pytest.approx(plain.R, rel=1e-6)
+
+
+def test_per_layer_values_of_a_timm_model_match_an_explicit_computation():
+    """resnet18's forward_intermediates (stem, 4 stages) against forward hooks on the same modules."""
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", num_classes=10, in_chans=1).eval()
+    images, cut, seed = _digits(12, 32), 3, 1
+    result = relative_stability(model, images, cut=cut, per_layer=True, seed=seed, chunk_size=5)
+    assert len(result.layers) == 5
+    moved, directions = _draws(images, cut, result.T, seed)
+    modules = [model.act1, model.layer1, model.layer2, model.layer3, model.layer4, model]
+    captured = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: captured.append(out.detach().flatten(1).clone()))
+             for m in modules]
+    with torch.no_grad():
+        outputs = []
+        for x in (images, images + moved, images + directions * result.noise_radius):
+            captured.clear()
+            model(x)
+            outputs.append(list(captured))
+    for hook in hooks:
+        hook.remove()
+    for depth, (d, g, r) in enumerate(result.layers + [(result.D, result.G, result.R)]):
+        ref, deformed, noisy = (o[depth] for o in outputs)
+        expected_d = (deformed - ref).double().pow(2).sum(1).quantile(0.5).item()
+        expected_g = (noisy - ref).double().pow(2).sum(1).quantile(0.5).item()
+        assert d == pytest.approx(expected_d, rel=1e-3)
+        assert g == pytest.approx(expected_g, rel=1e-3)
+        assert r == pytest.approx(expected_d / expected_g, rel=2e-3)
+
+
+def test_efcn_has_the_per_layer_values_of_the_cnn_it_embeds():
+    """Our eFCN computes the CNN's function layer by layer, so it has the same R_f at every depth."""
+    load_families()
+    from efcn.embedding import embed
+    torch.manual_seed(0)
+    cnn = timm.create_model("vanilla_cnn", channels=4, in_chans=1, img_size=16, num_classes=10).eval()
+    efcn = embed(cnn, cnn.input_shape)
+    images = _digits(16)
+    of_cnn, of_efcn = (relative_stability(m, images, per_layer=True, chunk_size=8) for m in (cnn, efcn))
+    assert len(of_cnn.layers) == len(of_efcn.layers) == 3
+    for a, b in zip(of_cnn.layers + [(of_cnn.D, of_cnn.G, of_cnn.R)],
+                    of_efcn.layers + [(of_efcn.D, of_efcn.G, of_efcn.R)]):
+        assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_convit_per_layer_reproduces_across_seeds_and_chunks():
+    load_families()
+    torch.manual_seed(0)
+    model = timm.create_model("convit_tiny", img_size=16, patch_size=4, num_classes=10, depth=3,
+                              local_up_to_layer=2, in_chans=1)
+    images = _digits(10)
+    first = relative_stability(model, images, per_layer=True, chunk_size=10, seed=3)
+    again = relative_stability(model, images, per_layer=True, chunk_size=4, seed=3)
+    other = relative_stability(model, images, per_layer=True, chunk_size=10, seed=4)
+    assert len(first.layers) == 3
+    assert [v for layer in first.layers for v in layer] == pytest.approx(
+        [v for layer in again.layers for v in layer], rel=1e-4)
+    assert first.R == pytest.approx(again.R, rel=1e-4)
+    assert first.R != pytest.approx(other.R, rel=1e-3)
+
+
+class Untouchable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        raise AssertionError("the model ran before the input was checked")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(images=torch.zeros(0, 1, 28, 28)), r"images must be a non-empty \(N, C, H, W\) tensor, got \(0, 1, 28, 28\)"),
+    (dict(delta=4.0), r"delta=4.0 is outside the diffeomorphism region \[0.5, 2.97\] pixels for cut=3 on a 28x28"),
+    (dict(cut=40), r"cut=40 must be an integer in \[2, 28\]"),
+    (dict(T=1.0), r"T=1.0 is outside the diffeomorphism region"),
+    (dict(statistic="mode"), r"statistic='mode' must be one of \('median', 'mean'\)"),
+    (dict(chunk_size=0), r"chunk_size=0 must be a positive integer"),
+])
+def test_bad_input_is_refused_before_any_work(kwargs, message):
+    images = kwargs.pop("images", torch.rand(4, 1, 28, 28))
+    with pytest.raises(ValueError, match=message):
+        relative_stability(Untouchable(), images, **kwargs)
