@@ -1,11 +1,16 @@
-"""Throughput and peak memory of one training step: our ConViT-Ti vs timm's ConViT-Ti vs timm's DeiT-Ti.
+"""Throughput and peak memory of one training step (or inference forward): our ConViT-Ti vs timm's
+ConViT-Ti vs timm's DeiT-Ti.
 
-A step is forward + cross-entropy + backward + AdamW step (timm's optimizer factory), fp32, eager.
-Each model lives in its own process and the three run in lockstep, a step each in turn; speed ratios
-are paired by round (see `lockstep.py` for the protocol and the memory measurement). timm's ConViT
-gets exactly our weights (loaded strictly), so both ConViTs compute the same function.
+A training step is forward + cross-entropy + backward + AdamW step (timm's optimizer factory); an
+inference step is a forward in eval mode under no_grad. fp32 or bf16 (autocast), eager or compiled, on
+the CPU or a GPU (`--device cuda`). Each model lives in its own process and the three run in lockstep,
+a step each in turn; speed ratios are paired by round (see `lockstep.py` for the protocol and the memory
+measurement). timm's ConViT gets exactly our weights (loaded strictly), so both ConViTs compute the
+same function.
 
     python benchmarks/convit_train_step.py            # full run, ~6 minutes on 2 cores
+    python benchmarks/convit_train_step.py --compile  # the same, every model torch.compile'd
+    python benchmarks/convit_train_step.py --device cuda --precision bf16 --modes training inference
     python benchmarks/convit_train_step.py --quick    # smoke run, small batches, 2 steps
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ SETTINGS = {
     "32px": (32, 4, 128),
 }
 QUICK_BATCH_DIVISOR = 8
+MODES = ("training", "inference")
 NUM_CLASSES = 1000
 
 
@@ -51,31 +57,23 @@ def build_model(name: str, img_size: int, patch_size: int):
     return reference
 
 
-def run_worker(name: str, img_size: int, patch_size: int, batch_size: int, threads: int) -> None:
+def run_worker(args) -> None:
     import torch
-    from timm.optim import create_optimizer_v2
 
-    torch.set_num_threads(threads)
-    model = build_model(name, img_size, patch_size).train()
-    optimizer = create_optimizer_v2(model, "adamw", lr=5e-4, weight_decay=0.05)
+    torch.set_num_threads(args.threads)
+    model = build_model(args.worker, args.img_size, args.patch_size)
     generator = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, img_size, img_size, generator=generator)
-    labels = torch.randint(0, NUM_CLASSES, (batch_size,), generator=generator)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(images), labels).backward()
-        optimizer.step()
-
-    lockstep.serve(step)
+    images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=generator)
+    labels = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=generator)
+    lockstep.serve(lockstep.make_step(model, images, labels, args.mode == "training", args), args.device)
 
 
-def measure(setting: str, batch_size: int, args) -> Dict[str, Dict]:
+def measure(setting: str, batch_size: int, mode: str, args) -> Dict[str, Dict]:
     img_size, patch_size, _ = SETTINGS[setting]
     workers = {
         name: [__file__, "--worker", name, "--img-size", str(img_size), "--patch-size", str(patch_size),
-               "--batch-size", str(batch_size), "--threads", str(args.threads)]
+               "--batch-size", str(batch_size), "--threads", str(args.threads), "--mode", mode,
+               *lockstep.step_argv(args)]
         for name in MODELS
     }
     results = lockstep.run(workers, args.warmup, args.steps)
@@ -84,14 +82,14 @@ def measure(setting: str, batch_size: int, args) -> Dict[str, Dict]:
 
 def print_table(rows: List[Dict]) -> None:
     header = (
-        f"{'setting':<16} {'model':<18} {'img/s':>8} {'x DeiT':>7} {'img/CPU-s':>10} {'x DeiT':>7} "
+        f"{'setting':<16} {'mode':<10} {'model':<18} {'img/s':>8} {'x DeiT':>7} {'img/CPU-s':>10} {'x DeiT':>7} "
         f"{'peak MB':>8} {'x DeiT':>7}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
-            f"{row['setting']:<16} {MODELS[row['model']]:<18} {row['images_per_sec']:8.1f} {row['speed_ratio']:7.2f} "
+            f"{row['setting']:<16} {row['mode']:<10} {MODELS[row['model']]:<18} {row['images_per_sec']:8.1f} {row['speed_ratio']:7.2f} "
             f"{row['images_per_cpu_sec']:10.1f} {row['cpu_speed_ratio']:7.2f} {row['peak_mb']:8.0f} {row['memory_ratio']:7.2f}"
         )
 
@@ -103,7 +101,10 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4, quick 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores, quick: 1)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--modes", nargs="+", default=["training"], choices=MODES)
+    lockstep.add_step_arguments(parser)
     parser.add_argument("--worker", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--img-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--patch-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
@@ -119,8 +120,9 @@ def main(argv=None) -> int:
         parser.error("--warmup must be >= 0")
 
     if args.worker:
-        run_worker(args.worker, args.img_size, args.patch_size, args.batch_size, args.threads)
+        run_worker(args)
         return 0
+    lockstep.check_step_arguments(parser, args)
 
     load_before = os.getloadavg()[0]
     rows = []
@@ -128,9 +130,10 @@ def main(argv=None) -> int:
         img_size, patch_size, batch_size = SETTINGS[setting]
         if args.quick:
             batch_size = max(1, batch_size // QUICK_BATCH_DIVISOR)
-        for name, result in measure(setting, batch_size, args).items():
-            rows.append(dict(setting=f"{img_size}/p{patch_size} bs{batch_size}", model=name, **result))
-    print(f"one training step (forward, backward, AdamW), fp32, {args.threads} threads, models in lockstep, "
+        for mode in args.modes:
+            for name, result in measure(setting, batch_size, mode, args).items():
+                rows.append(dict(setting=f"{img_size}/p{patch_size} bs{batch_size}", mode=mode, model=name, **result))
+    print(f"training step (forward, backward, AdamW) or inference forward, {lockstep.describe(args)}, {args.threads} threads, models in lockstep, "
           f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
           f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after")
     print_table(rows)

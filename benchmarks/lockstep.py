@@ -11,6 +11,9 @@ VM, +-10% over seconds) hit every model alike instead of whichever ran during th
 ratios are paired: the median over rounds of the reference's step time over the model's in the same
 round, so a drift between rounds cancels.
 
+On a GPU (`--device cuda`) the peak is torch's peak allocated CUDA memory over the steps minus the
+allocation before the first step, and every step ends with a synchronize, so its wall time is the GPU's.
+
 glibc's malloc adapts its mmap and trim thresholds as a process runs; with the defaults a worker can
 return hundreds of MB to the kernel and fault them back in on some steps (0 to 170k page faults per
 step measured here, varying from process to process). Every worker therefore gets the same fixed
@@ -26,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, Hashable, List, Sequence
+from typing import Any, Callable, Dict, Hashable, List, Sequence
 
 MALLOC_ENVIRONMENT = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's maximum: blocks below it come from the heap
@@ -44,21 +47,101 @@ def _reply(message: Dict) -> None:
     sys.stdout.flush()
 
 
-def serve(step: Callable[[], None]) -> None:
+def serve(step: Callable[[], None], device: str = "cpu") -> None:
     """Worker side: run one step per 'step' line on stdin and answer with its wall and CPU time.
 
     Any other line ends the loop; the answer is then the peak memory of the steps. Call it once the
     model, data and optimizer exist. Nothing else may be written to stdout."""
-    rss_before = _rss_bytes()
+    import torch
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else _rss_bytes()
     _reply({"ready": True})
     for command in sys.stdin:
         if command.strip() != "step":
             break
         start, start_cpu = time.perf_counter(), time.process_time()
         step()
+        if cuda:
+            torch.cuda.synchronize()
         _reply({"wall": time.perf_counter() - start, "cpu": time.process_time() - start_cpu})
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    _reply({"peak_mb": (peak - rss_before) / 2**20})
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    _reply({"peak_mb": (peak - before) / 2**20})
+
+
+# ------------------------------------------------------------------ device, precision and compilation
+PRECISIONS = ("fp32", "bf16")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def add_step_arguments(parser) -> None:
+    """The options every benchmark shares: where and how its steps run."""
+    parser.add_argument("--device", default="cpu", help="torch device of the steps: cpu, cuda, cuda:1...")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="bf16: forward and loss under torch.autocast(bfloat16), weights and optimizer in fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every model (inductor)")
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
+
+
+def check_step_arguments(parser, args) -> None:
+    """Bad --device values stop the parent with one line before any worker starts."""
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device visible to torch")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: expected cpu or cuda[:N]")
+
+
+def step_argv(args) -> List[str]:
+    """The parent's step options, forwarded to each worker."""
+    argv = ["--device", args.device, "--precision", args.precision, "--compile-mode", args.compile_mode]
+    return argv + (["--compile"] if args.compile else [])
+
+
+def describe(args) -> str:
+    """'fp32, eager, cpu' / 'bf16, compiled (default), cuda' for the table headers."""
+    how = f"compiled ({args.compile_mode})" if args.compile else "eager"
+    return f"{args.precision}, {how}, {args.device}"
+
+
+def make_step(model, images, labels, training: bool, args: Any) -> Callable[[], None]:
+    """One training step (forward, cross-entropy, backward, AdamW) or one inference forward (eval mode,
+    no_grad) on args.device, in args.precision, compiled with args.compile. The data stays on the device."""
+    import torch
+    from timm.optim import create_optimizer_v2
+
+    model = model.to(args.device).train(training)
+    images, labels = images.to(args.device), labels.to(args.device)
+    forward = torch.compile(model, mode=args.compile_mode) if args.compile else model
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    if not training:
+        @torch.no_grad()
+        def infer() -> None:
+            with autocast:
+                forward(images)
+        return infer
+
+    optimizer = create_optimizer_v2(model, "adamw", lr=1e-4, weight_decay=0.05)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def train() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_fn(forward(images), labels)
+        loss.backward()
+        optimizer.step()
+    return train
 
 
 class _Worker:

@@ -6,12 +6,15 @@ For each timm ResNet, three models at the same resolution:
   tcnn       tcnn_<resnet>: the last stage's 3x3 convs as GPSA layers (paper transform).
 cnn-s1 separates the cost of the stride change (4x the last stage's positions) from that of the
 attention. Inference = forward in eval mode under no_grad; training = forward + cross-entropy +
-backward + AdamW step (timm's optimizer factory); fp32, eager. For each (ResNet, mode) the three run
+backward + AdamW step (timm's optimizer factory); fp32 or bf16 (autocast), eager or compiled, on the
+CPU or a GPU (`--device cuda`). For each (ResNet, mode) the three run
 in their own processes, in lockstep, a step each in turn; ratios are relative to the plain CNN, speed
 ratios paired by round (see `lockstep.py` for the protocol and the memory measurement).
 
     python benchmarks/tcnn_throughput.py                       # resnet50 at 224, ~5 minutes on 2 cores
     python benchmarks/tcnn_throughput.py --models resnetrs50 resnet50d --img-size 224
+    python benchmarks/tcnn_throughput.py --compile             # every variant torch.compile'd
+    python benchmarks/tcnn_throughput.py --device cuda --precision bf16 --batch-size 64
     python benchmarks/tcnn_throughput.py --quick               # smoke run: resnet18 at 64, batch 4
 """
 from __future__ import annotations
@@ -44,37 +47,21 @@ def build_model(cnn_name: str, variant: str):
 
 def run_worker(args) -> None:
     import torch
-    from timm.optim import create_optimizer_v2
 
     torch.set_num_threads(args.threads)
     model = build_model(args.model, args.variant)
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=generator)
     labels = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=generator)
-    if args.mode == "training":
-        model.train()
-        optimizer = create_optimizer_v2(model, "adamw", lr=1e-4, weight_decay=0.05)
-        loss_fn = torch.nn.CrossEntropyLoss()
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(images), labels).backward()
-            optimizer.step()
-    else:
-        model.eval()
-
-        @torch.no_grad()
-        def step() -> None:
-            model(images)
-
-    lockstep.serve(step)
+    lockstep.serve(lockstep.make_step(model, images, labels, args.mode == "training", args), args.device)
 
 
 def measure(model: str, mode: str, args) -> dict:
     """The three variants of one ResNet in one mode, in lockstep; summaries relative to the CNN."""
     workers = {
         variant: [__file__, "--worker", "--model", model, "--variant", variant, "--mode", mode,
-                  "--img-size", str(args.img_size), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
+                  "--img-size", str(args.img_size), "--batch-size", str(args.batch_size), "--threads", str(args.threads),
+                  *lockstep.step_argv(args)]
         for variant in VARIANTS
     }
     results = lockstep.run(workers, args.warmup, args.steps)
@@ -90,6 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per model (default 12, quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per worker")
+    lockstep.add_step_arguments(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -109,6 +97,7 @@ def main(argv=None) -> int:
     if args.worker:
         run_worker(args)
         return 0
+    lockstep.check_step_arguments(parser, args)
 
     import timm
 
@@ -121,7 +110,7 @@ def main(argv=None) -> int:
 
     load_before = os.getloadavg()[0]
     results = {(model, mode): measure(model, mode, args) for model in args.models for mode in MODES}
-    print(f"{args.img_size}x{args.img_size}, batch {args.batch_size}, fp32, {args.threads} threads, variants in lockstep, "
+    print(f"{args.img_size}x{args.img_size}, batch {args.batch_size}, {lockstep.describe(args)}, {args.threads} threads, variants in lockstep, "
           f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
           f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after")
     header = f"{'model':<24} {'mode':<10} {'img/s':>8} {'x CNN':>6} {'peak MB':>8} {'x CNN':>6}"
