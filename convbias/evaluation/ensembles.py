@@ -1,0 +1,84 @@
+"""Ensembles of networks that differ only by their random initialization (Geiger et al. 2020, Sec. 4).
+
+Given the outputs of M members on the same test points, this reports each member's error, the error of
+the ensemble average <f> (of the logits, or of the softmax probabilities), and the fluctuation of the
+members around it,
+
+    fluctuation = sqrt( mean_{i, mu} ||f_i(x_mu) - <f>(x_mu)||^2 )      (Eq. 16 of the source; the
+                                                                       norm runs over the logits)
+
+which decays as width^(-1/2) and is what ensembling removes (the double-descent peak).
+
+Outputs are (M, n, K) logits with integer labels, or (M, n) scalar outputs of a binary classifier with
+labels +-1 (error = sign(f) != y, a zero output counting as an error).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+AVERAGES = ("logits", "probabilities")
+
+
+@dataclass
+class EnsembleResult:
+    members: int
+    member_errors: list[float]   # in %, one per member
+    mean_member_error: float     # in %
+    ensemble_error: float        # in %, of the averaged output
+    fluctuation: float           # RMS distance of a member's output to the average
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def error_rate(outputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Test error in % of (n, K) logits against class indices, or (n,) scalars against +-1 labels."""
+    if outputs.ndim == 1:
+        return 100.0 * (outputs * labels <= 0).double().mean().item()
+    return 100.0 * (outputs.argmax(dim=1) != labels).double().mean().item()
+
+
+def _check(outputs: torch.Tensor, labels: torch.Tensor, average: str) -> None:
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
+    if not isinstance(outputs, torch.Tensor) or outputs.ndim not in (2, 3) or len(outputs) == 0:
+        raise ValueError("outputs must be an (members, samples) or (members, samples, classes) tensor")
+    if outputs.shape[1] != len(labels):
+        raise ValueError(f"outputs hold {outputs.shape[1]} samples but there are {len(labels)} labels")
+    if outputs.ndim == 2 and average == "probabilities":
+        raise ValueError("average='probabilities' needs (members, samples, classes) logits, not scalar outputs")
+
+
+def evaluate_ensemble(outputs: torch.Tensor, labels: torch.Tensor, average: str = "logits") -> EnsembleResult:
+    """Member errors, ensemble error and fluctuation of M members' outputs on the same points."""
+    _check(outputs, labels, average)
+    outputs = outputs.double()
+    values = outputs.softmax(dim=-1) if average == "probabilities" else outputs
+    mean = values.mean(dim=0)
+    member_errors = [error_rate(member, labels) for member in outputs]
+    deviation = (values - mean).square()
+    if deviation.ndim == 3:
+        deviation = deviation.sum(dim=-1)
+    return EnsembleResult(
+        members=len(outputs), member_errors=member_errors,
+        mean_member_error=sum(member_errors) / len(member_errors),
+        ensemble_error=error_rate(mean, labels), fluctuation=deviation.mean().sqrt().item())
+
+
+def check_same_architecture(descriptions: Sequence[dict], sources: Sequence[str]) -> None:
+    """Refuse members of different architectures or class counts: one error naming the first odd one.
+
+    descriptions: per member, the fields that define the function's form (model name, constructor
+    arguments, number of classes, input size...)."""
+    if len(descriptions) < 2:
+        raise ValueError(f"an ensemble needs at least 2 members, got {len(descriptions)}")
+    reference = descriptions[0]
+    for description, source in zip(descriptions[1:], sources[1:]):
+        differ = sorted(key for key in set(reference) | set(description) if reference.get(key) != description.get(key))
+        if differ:
+            details = ", ".join(f"{key}: {reference.get(key)!r} vs {description.get(key)!r}" for key in differ)
+            raise ValueError(f"ensemble members must share the architecture and class count: {source} differs "
+                             f"from {sources[0]} in {details}")

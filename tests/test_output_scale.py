@@ -1,0 +1,84 @@
+"""The alpha-trick wrapper: zero output at initialization, gradients of alpha (f_w - f_w0) with the loss
+divided by alpha^2 (autograd of the explicit formula, and a linear model's closed form), bad alpha."""
+import copy
+import math
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from convbias.engine.output_scale import OutputScale, ScaledLoss, check_alpha
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def tiny_vit() -> nn.Module:
+    return timm.create_model("deit_tiny_patch16_224", img_size=8, patch_size=2, embed_dim=24, depth=2,
+                             num_heads=2, num_classes=5, in_chans=1)
+
+
+@pytest.mark.parametrize("alpha", [1e-3, 1.0, 1e3])
+def test_output_is_exactly_zero_at_initialization(alpha):
+    torch.manual_seed(0)
+    model = OutputScale(tiny_vit(), alpha).eval()
+    out = model(torch.randn(4, 1, 8, 8))
+    assert out.shape == (4, 5) and torch.equal(out, torch.zeros_like(out))
+
+
+def perturbed(model: nn.Module) -> None:
+    """Move the trainable weights off their initialization, so that f_w != f_w0."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("alpha", [0.1, 30.0])
+def test_gradients_match_the_explicit_formula(alpha):
+    torch.manual_seed(0)
+    network = tiny_vit().eval()
+    at_init = copy.deepcopy(network)
+    wrapped = OutputScale(network, alpha).eval()
+    perturbed(network)
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 5, (6,))
+
+    ScaledLoss(nn.CrossEntropyLoss(), alpha)(wrapped(x), y).backward()
+    got = {name: p.grad.clone() for name, p in network.named_parameters()}
+    network.zero_grad()
+    explicit = alpha * (network(x) - at_init(x).detach())  # F = alpha (f_w - f_w0), loss / alpha^2
+    (F.cross_entropy(explicit, y) / alpha ** 2).backward()
+    for name, p in network.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, msg=name)
+    assert all(p.grad is None for p in wrapped.initial.parameters())
+
+
+@pytest.mark.parametrize("alpha", [0.5, 8.0])
+def test_linear_model_gradient_closed_form(alpha):
+    # f = W x, F = alpha (W - W0) x, L = CE(F, y) / alpha^2  =>  dL/dW = (softmax(F) - onehot(y))^T x / (n alpha)
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 3, bias=False)
+    wrapped = OutputScale(linear, alpha)
+    perturbed(linear)
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    out = wrapped(x)
+    ScaledLoss(nn.CrossEntropyLoss(), alpha)(out, y).backward()
+    delta = linear.weight.detach() - wrapped.initial.weight
+    torch.testing.assert_close(out, alpha * x @ delta.T)
+    expected = (out.detach().softmax(1) - F.one_hot(y, 3)).T @ x / (10 * alpha)
+    torch.testing.assert_close(linear.weight.grad, expected)
+
+
+def test_initial_copy_is_frozen_in_eval_mode_and_saved():
+    wrapped = OutputScale(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)), 2.0).train()
+    assert wrapped.model.training and not wrapped.initial.training
+    assert not any(p.requires_grad for p in wrapped.initial.parameters())
+    assert set(wrapped.state_dict()) == {"model.0.weight", "model.0.bias", "initial.0.weight", "initial.0.bias"}
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "2"])
+def test_non_positive_alpha_is_refused(bad):
+    with pytest.raises(ValueError, match="--output-scale must be a positive finite number"):
+        check_alpha(bad)
+    with pytest.raises(ValueError, match="--output-scale"):
+        OutputScale(nn.Linear(2, 2), bad)
