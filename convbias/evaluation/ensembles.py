@@ -15,6 +15,7 @@ labels +-1 (error = sign(f) != y, a zero output counting as an error).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -82,3 +83,50 @@ def check_same_architecture(descriptions: Sequence[dict], sources: Sequence[str]
             details = ", ".join(f"{key}: {reference.get(key)!r} vs {description.get(key)!r}" for key in differ)
             raise ValueError(f"ensemble members must share the architecture and class count: {source} differs "
                              f"from {sources[0]} in {details}")
+
+
+# ------------------------------------------------------------------------------ train.py run directories
+ARCHITECTURE_KEYS = ("model", "model_kwargs", "num_classes", "dataset", "img_size", "output_scale",
+                     "reparametrize", "reparametrize_kwargs")
+
+
+def _run_config(run_dir: Path) -> dict:
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} is not a train.py run directory (no config.yaml)")
+    return yaml.safe_load(path.read_text())
+
+
+def evaluate_runs(run_dirs: Sequence[str | Path], extensions=None, average: str = "logits",
+                  batch_size: int = 256) -> EnsembleResult:
+    """The ensemble of train.py runs (their best checkpoint, else the last) on their validation set.
+
+    Every member must have been trained with the same architecture, class count, dataset, input
+    size and output scale (checked before any model is built); typically runs that differ by seed."""
+    from convbias.engine.config import Config
+    from convbias.engine.data import build_datasets, build_eval_loader
+    from convbias.engine.modeling import create_model
+    from convbias.engine.output_scale import OutputScale
+    from convbias.weights import load_weights, resolve_weights_path, weights_metadata
+
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
+    configs = [Config(_run_config(Path(d))) for d in run_dirs]
+    check_same_architecture([{k: c.get(k) for k in ARCHITECTURE_KEYS} for c in configs], [str(d) for d in run_dirs])
+    weights = [resolve_weights_path(d) for d in run_dirs]
+    data = build_datasets(configs[0])
+    loader = build_eval_loader(data.val, batch_size, 0)
+    outputs, labels = [], torch.cat([targets for _, targets in loader])
+    for cfg, path in zip(configs, weights):
+        model = create_model(cfg, data.num_classes, data.in_chans)
+        if weights_metadata(path).get("reparametrized") == "True":
+            model = extensions.reparametrizations[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
+        if cfg.get("output_scale") is not None:
+            model = OutputScale(model, cfg.output_scale)
+        load_weights(model, path)
+        model.eval()
+        with torch.no_grad():
+            outputs.append(torch.cat([model(images) for images, _ in loader]))
+    return evaluate_ensemble(torch.stack(outputs), labels, average)
