@@ -1,0 +1,60 @@
+"""The phase-diagram reproduction's pieces: the stacked FC nets against the source's formula, one width
+trained to zero loss in both regimes (kernel change small when lazy, large when learning features),
+the data, and bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from convbias.experiments import phase_diagram as pd
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_stacked_nets_follow_the_ntk_parametrization():
+    model = pd.FullyConnected.initialize([3, 7], d=5, h=6, beta=5.0)
+    x = torch.randn(4, 5)
+    for b, seed in enumerate([3, 7]):
+        g = torch.Generator().manual_seed(seed)
+        w0, w1, w2 = torch.randn(6, 5, generator=g), torch.randn(6, 6, generator=g), torch.randn(6, generator=g)
+        act = lambda z: model.gain * F.softplus(z, beta=5.0)  # noqa: E731
+        expected = act(act(x @ w0.T / math.sqrt(5)) @ w1.T / math.sqrt(6)) @ w2 / math.sqrt(6)
+        torch.testing.assert_close(model(x)[b], expected)
+    z = torch.randn(400_000, dtype=torch.float64)  # the gain gives unit second moment at unit-variance input
+    assert (model.gain * F.softplus(z, beta=5.0)).pow(2).mean().item() == pytest.approx(1.0, rel=0.01)
+
+
+def test_one_width_reaches_zero_loss_lazily_and_with_features():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 4, generator=g)
+    x = x * 2 / x.norm(dim=1, keepdim=True)
+    y = torch.sign(x[:, 0] * x[:, 1] + 0.1)  # a non-linear rule
+    data = (x[:40], y[:40], x[40:], y[40:])
+    cfg = pd.PhaseDiagramConfig(widths=[32], alpha_tildes=[0.1, 1000.0], seeds=[0, 1], max_steps=3000,
+                                ntk_samples=10).validated()
+    rows, outputs = pd.train_width(cfg, 32, data)
+    assert outputs.shape == (2, 2, 20) and all(r["converged"] == 1 and r["train_error"] == 0 for r in rows)
+    feature = [r["ntk_change"] for r in rows if r["alpha_tilde"] == 0.1]
+    lazy = [r["ntk_change"] for r in rows if r["alpha_tilde"] == 1000.0]
+    assert max(lazy) < 0.1 < 1.0 < min(feature)
+    cells = pd.cell_rows(cfg, 32, rows, outputs, data[3])
+    assert [c["converged_fraction"] for c in cells] == [1.0, 1.0] and cells[0]["seeds"] == 2
+
+
+def test_odd_even_digits_on_the_sphere():
+    x_train, y_train, x_test, y_test = pd.odd_even_digits(1000, 10, 0)
+    assert x_train.shape == (1000, 10) and x_test.shape == (797, 10)
+    torch.testing.assert_close(x_train.pow(2).sum(1), torch.full((1000,), 10.0))
+    assert set(y_train.tolist()) == {-1.0, 1.0} and 0.4 < (y_test > 0).float().mean() < 0.6
+
+
+def test_bad_grid_is_refused_before_any_work(tmp_path, capsys):
+    config = tmp_path / "grid.yaml"
+    config.write_text("alpha_tildes: [1.0, -2.0]\n")
+    assert pd.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+    assert "alpha_tildes must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    config.write_text("widths: [4]\nsteps: 3\n")
+    assert pd.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+    assert "unknown key(s) ['steps']" in capsys.readouterr().err
