@@ -1,0 +1,352 @@
+"""The (width, alpha~) phase diagram of Geiger, Petrini & Wyart (source Sec. 3, Figs. 4-5) at CPU scale.
+
+Fully connected nets with two hidden layers in the NTK parametrization of the source (no biases,
+N(0, 1) weights, z1 = s(W0 x / sqrt(d)), z2 = s(W1 z1 / sqrt(h)), f = W2 z2 / sqrt(h), s = a softplus
+of sharpness 5 scaled to unit second moment) learn odd/even on scikit-learn's digits projected on their
+first 10 principal components (inputs normalized to |x|^2 = d). Each net trains
+F = alpha (f_w - f_w0) with alpha = alpha~ / sqrt(h), on the soft hinge loss softplus_20(1 - F y) / alpha^2,
+by full-batch gradient descent with the source's adaptive step (a step is accepted when no training
+output moves by more than 0.1, then dt grows by 10%; otherwise it is undone and dt halves) until every
+training point has margin F y > 1 (zero hinge loss) or `max_steps` is reached.
+
+Per cell (h, alpha~) over the seeds: ensemble test error (error of the mean output), mean single-net
+test error, output fluctuation, the fraction of nets that reached zero training loss (jamming: the
+cell is under-parametrized when one does not), and the relative change of the tangent kernel
+||Theta_end - Theta_0|| / ||Theta_0|| on a fixed set of test points (lazy < 1 < feature).
+
+Why not one train.py run per net: the grid has hundreds of nets of a few thousand parameters trained
+by full-batch GD to convergence (thousands of steps). train.py is a minibatch engine (epochs, image
+transforms, checkpoints, a process per run); here one process trains all seeds and alphas of a width
+as one batched module (independent nets stacked along a leading axis), which is what makes the default
+grid fit in minutes on two cores. The measurements are the package's own: `convbias.evaluation.ntk`
+for the kernel, `convbias.evaluation.ensembles` for ensembles, and the per-net rows are written as a
+sweep CSV that `convbias.experiments.report` reads (a heatmap over width x alpha_tilde).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import yaml
+
+from convbias.evaluation.ensembles import evaluate_ensemble
+from convbias.evaluation.ntk import empirical_ntk, relative_change
+
+RUNS_CSV = "runs.csv"
+CELLS_CSV = "cells.csv"
+
+
+@dataclass
+class PhaseDiagramConfig:
+    """The grid and the training protocol (defaults: the committed reproduction)."""
+    widths: list[int] = field(default_factory=lambda: [4, 6, 8, 12, 16, 24, 32, 48])
+    alpha_tildes: list[float] = field(default_factory=lambda: [0.1, 1.0, 10.0, 100.0, 1000.0])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
+    train_size: int = 1000          # the rest of the 1,797 digits is the test set
+    pca_components: int = 10
+    data_seed: int = 0
+    activation_beta: float = 5.0    # softplus sharpness of the hidden units (source: 5)
+    loss_beta: float = 20.0         # soft-hinge sharpness (source: 20)
+    max_output_change: float = 0.1  # adaptive step: max |F_new - F_old| over the training set
+    initial_dt: float = 1.0
+    max_steps: int = 2000
+    ntk_samples: int = 100          # test points on which the kernel change is measured
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "PhaseDiagramConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"phase-diagram config not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known) if isinstance(data, dict) else ["(not a mapping)"]
+        if unknown:
+            raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**data).validated()
+
+    def validated(self) -> "PhaseDiagramConfig":
+        if not self.widths or any(not isinstance(h, int) or h < 1 for h in self.widths):
+            raise ValueError(f"widths must be positive integers, got {self.widths}")
+        if not self.alpha_tildes or any(not isinstance(a, (int, float)) or not a > 0 for a in self.alpha_tildes):
+            raise ValueError(f"alpha_tildes must be positive numbers (the rescaled output scale), got {self.alpha_tildes}")
+        if len(self.seeds) < 2:
+            raise ValueError(f"seeds: an ensemble needs at least 2 seeds, got {self.seeds}")
+        if not 10 <= self.train_size <= 1700:
+            raise ValueError(f"train_size must be in 10..1700 (digits has 1,797 images), got {self.train_size}")
+        if not 1 <= self.pca_components <= 64:
+            raise ValueError(f"pca_components must be in 1..64, got {self.pca_components}")
+        if self.max_steps < 1 or self.ntk_samples < 2:
+            raise ValueError("max_steps must be >= 1 and ntk_samples >= 2")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- data
+def odd_even_digits(train_size: int, components: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """(x_train, y_train, x_test, y_test): digits projected on the train set's first principal
+    components, each input rescaled to |x|^2 = d, labels +1 (even) / -1 (odd)."""
+    from sklearn.datasets import load_digits
+    from sklearn.decomposition import PCA
+
+    digits = load_digits()
+    order = np.random.default_rng(seed).permutation(len(digits.target))
+    train, test = order[:train_size], order[train_size:]
+    pca = PCA(n_components=components, random_state=seed).fit(digits.data[train])
+    x = pca.transform(digits.data)
+    x = x * math.sqrt(components) / np.linalg.norm(x, axis=1, keepdims=True)
+    y = np.where(digits.target % 2 == 0, 1.0, -1.0)
+    as_tensor = lambda a: torch.as_tensor(a, dtype=torch.float32)  # noqa: E731
+    return as_tensor(x[train]), as_tensor(y[train]), as_tensor(x[test]), as_tensor(y[test])
+
+
+# ---------------------------------------------------------------------------------------------- model
+class FullyConnected(nn.Module):
+    """`members` independent two-hidden-layer nets of width h, stacked: forward (n, d) -> (members, n)."""
+
+    def __init__(self, weights: list[torch.Tensor], beta: float):
+        super().__init__()
+        self.w0, self.w1, self.w2 = (nn.Parameter(w) for w in weights)  # (B, h, d), (B, h, h), (B, h)
+        self.beta = beta
+        self.gain = float(F.softplus(torch.randn(200_000, generator=torch.Generator().manual_seed(0),
+                                                 dtype=torch.float64), beta=beta).pow(2).mean().rsqrt())
+
+    @classmethod
+    def initialize(cls, seeds: list[int], d: int, h: int, beta: float) -> "FullyConnected":
+        """Standard Gaussian weights; member i is drawn from seeds[i] (same seed, same init)."""
+        draws = []
+        for seed in seeds:
+            g = torch.Generator().manual_seed(seed)
+            draws.append([torch.randn(h, d, generator=g), torch.randn(h, h, generator=g), torch.randn(h, generator=g)])
+        return cls([torch.stack(ws) for ws in zip(*draws)], beta)
+
+    def member(self, index: int) -> "FullyConnected":
+        """A detached copy of one member, as a one-member module (for the kernel)."""
+        return FullyConnected([w[index:index + 1].detach().clone() for w in (self.w0, self.w1, self.w2)], self.beta)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gain * F.softplus(x, beta=self.beta)
+
+    def forward(self, x: torch.Tensor, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Outputs (members, n); `weights` replaces the parameters (a subset of members, say)."""
+        w0, w1, w2 = weights or (self.w0, self.w1, self.w2)
+        h, d = w0.shape[1:]
+        z1 = self.activation(torch.einsum("bhd,nd->bnh", w0, x) / math.sqrt(d))
+        z2 = self.activation(torch.bmm(z1, w1.transpose(1, 2)) / math.sqrt(h))
+        return torch.einsum("bnh,bh->bn", z2, w2) / math.sqrt(h)
+
+
+def soft_hinge(scaled_outputs: torch.Tensor, labels: torch.Tensor, alpha: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-member loss  mean_mu softplus_beta(1 - F y) / alpha^2, F = alpha (f - f0): shape (members,)."""
+    return F.softplus(1 - scaled_outputs * labels, beta=beta).mean(dim=1) / alpha ** 2
+
+
+# ------------------------------------------------------------------------------------------- training
+def train_width(cfg: PhaseDiagramConfig, width: int, data: tuple[torch.Tensor, ...]) -> tuple[list[dict], torch.Tensor]:
+    """Train every (alpha~, seed) net of one width together. Returns one row per net and the test
+    outputs F, shaped (alphas, seeds, test points)."""
+    x_train, y_train, x_test, y_test = data
+    pairs = [(a, s) for a in cfg.alpha_tildes for s in cfg.seeds]
+    alpha = torch.tensor([a / math.sqrt(width) for a, _ in pairs])
+    model = FullyConnected.initialize([s for _, s in pairs], x_train.shape[1], width, cfg.activation_beta)
+    initial = [model.member(i) for i in range(len(pairs))]
+    with torch.no_grad():
+        f0_train, f0_test = model(x_train), model(x_test)
+
+    params = [p.detach() for p in model.parameters()]  # updated in place; the module sees them
+
+    def outputs_and_gradients(members: torch.Tensor, weights: list[torch.Tensor]):
+        """Scaled training outputs and loss gradients of a subset of members (the others are done)."""
+        weights = [w.requires_grad_(True) for w in weights]
+        scaled = alpha[members, None] * (model(x_train, weights) - f0_train[members])
+        loss = soft_hinge(scaled, y_train, alpha[members], cfg.loss_beta).sum()  # members are independent
+        return scaled.detach(), [g.detach() for g in torch.autograd.grad(loss, weights)]
+
+    everyone = torch.arange(len(pairs))
+    scaled, grads = outputs_and_gradients(everyone, [p.clone() for p in params])
+    dt = torch.full((len(pairs),), cfg.initial_dt)
+    done = (scaled * y_train > 1).all(dim=1)
+    steps = torch.zeros(len(pairs), dtype=torch.long)
+    started = time.perf_counter()
+    for _ in range(cfg.max_steps):
+        active = everyone[~done]
+        if len(active) == 0:
+            break
+        step = dt[active]
+        proposal = [p[active] - step.view(-1, *[1] * (p.ndim - 1)) * g[active] for p, g in zip(params, grads)]
+        new_scaled, new_grads = outputs_and_gradients(active, [w.clone() for w in proposal])
+        ok = (new_scaled - scaled[active]).abs().amax(dim=1) < cfg.max_output_change
+        accepted = active[ok]
+        for p, g, w, ng in zip(params, grads, proposal, new_grads):
+            p[accepted], g[accepted] = w[ok], ng[ok]
+        scaled[accepted] = new_scaled[ok]
+        dt[active] = torch.where(ok, step * 1.1, step * 0.5)
+        steps[accepted] += 1
+        done = done | (scaled * y_train > 1).all(dim=1)
+    seconds = time.perf_counter() - started
+
+    with torch.no_grad():
+        test_scaled = alpha[:, None] * (model(x_test) - f0_test)
+    kernel_points = x_test[:cfg.ntk_samples]
+    rows = []
+    for i, (alpha_tilde, seed) in enumerate(pairs):
+        theta0 = empirical_ntk(initial[i], kernel_points)
+        theta = empirical_ntk(model.member(i), kernel_points)
+        rows.append({
+            "model": "fc2", "width": width, "alpha_tilde": alpha_tilde, "seed": seed,
+            "params": sum(p[i].numel() for p in params),
+            "train_error": 100.0 * (scaled[i] * y_train <= 0).double().mean().item(),
+            "unfit": int((scaled[i] * y_train < 1).sum()),
+            "converged": int(bool(done[i])), "steps": int(steps[i]),
+            "test_error": 100.0 * (test_scaled[i] * y_test <= 0).double().mean().item(),
+            "top1": 100.0 - 100.0 * (test_scaled[i] * y_test <= 0).double().mean().item(),
+            "ntk_change": relative_change(theta, theta0), "train_seconds": seconds / len(pairs),
+        })
+    return rows, test_scaled.view(len(cfg.alpha_tildes), len(cfg.seeds), -1)
+
+
+def cell_rows(cfg: PhaseDiagramConfig, width: int, rows: list[dict], test_outputs: torch.Tensor,
+              y_test: torch.Tensor) -> list[dict]:
+    """One row per (width, alpha~): ensemble over seeds, jamming and kernel-change summaries."""
+    cells = []
+    for a, alpha_tilde in enumerate(cfg.alpha_tildes):
+        members = [r for r in rows if r["alpha_tilde"] == alpha_tilde]
+        ensemble = evaluate_ensemble(test_outputs[a], y_test)
+        cells.append({
+            "width": width, "alpha_tilde": alpha_tilde, "params": members[0]["params"], "seeds": len(members),
+            "ensemble_test_error": ensemble.ensemble_error, "mean_test_error": ensemble.mean_member_error,
+            "fluctuation": ensemble.fluctuation,
+            "converged_fraction": sum(r["converged"] for r in members) / len(members),
+            "mean_train_error": float(np.mean([r["train_error"] for r in members])),
+            "ntk_change": float(np.exp(np.mean(np.log([r["ntk_change"] for r in members])))),  # geometric mean
+            "mean_steps": float(np.mean([r["steps"] for r in members])),
+        })
+    return cells
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
+    """Train the whole grid, write runs.csv (one row per net) and cells.csv; return the cells."""
+    torch.manual_seed(0)
+    data = odd_even_digits(cfg.train_size, cfg.pca_components, cfg.data_seed)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    all_rows, all_cells = [], []
+    for width in cfg.widths:
+        started = time.perf_counter()
+        rows, test_outputs = train_width(cfg, width, data)
+        cells = cell_rows(cfg, width, rows, test_outputs, data[3])
+        all_rows += rows
+        all_cells += cells
+        write_csv(output / RUNS_CSV, all_rows)  # after every width: a partial grid is readable
+        write_csv(output / CELLS_CSV, all_cells)
+        log(f"h={width:4d}  {time.perf_counter() - started:6.1f}s  " + "  ".join(
+            f"a~={c['alpha_tilde']:g}: ens {c['ensemble_test_error']:.1f}% single {c['mean_test_error']:.1f}% "
+            f"fit {c['converged_fraction']:.1f} dTheta {c['ntk_change']:.2g}" for c in cells))
+    return all_cells
+
+
+# ------------------------------------------------------------------------------------------- figures
+def read_cells(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = None) -> list[Path]:
+    """phase_diagram.png (Fig. 4) and double_descent.png (Fig. 5) from cells.csv's rows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({c["width"] for c in cells})
+    alphas = sorted({c["alpha_tilde"] for c in cells})
+    cell = {(c["width"], c["alpha_tilde"]): c for c in cells}
+    grid = lambda key: np.array([[cell[(h, a)][key] for h in widths] for a in alphas])  # noqa: E731
+    error, fitted, change = grid("ensemble_test_error"), grid("converged_fraction"), grid("ntk_change")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    shown = np.ma.masked_where(fitted < 1, error)
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("black")
+    mesh = ax.pcolormesh(np.arange(len(widths) + 1), np.arange(len(alphas) + 1), shown, cmap=cmap, shading="flat")
+    fig.colorbar(mesh, ax=ax, label="ensemble test error (%)")
+    centers_x, centers_y = np.arange(len(widths)) + 0.5, np.arange(len(alphas)) + 0.5
+    for level, style in ((1.0, "-"), (0.3, "--"), (3.0, "--")):
+        if change.min() < level < change.max():
+            contour = ax.contour(centers_x, centers_y, np.log10(change), levels=[np.log10(level)],
+                                 colors="white", linestyles=style, linewidths=2 if level == 1 else 1)
+            ax.clabel(contour, fmt={np.log10(level): f"|dTheta|/|Theta0|={level:g}"}, fontsize=7)
+    ax.set_xticks(centers_x, [f"{int(h)}" for h in widths])
+    ax.set_yticks(centers_y, [f"{a:g}" for a in alphas])
+    ax.set_xlabel("width h")
+    ax.set_ylabel(r"$\tilde\alpha = \sqrt{h}\,\alpha$")
+    ax.set_title("odd/even digits, 10 PCA, FC L=2 (black: training loss not zero)", fontsize=9)
+    fig.tight_layout()
+    paths = [output / "phase_diagram.png"]
+    fig.savefig(paths[0], dpi=130)
+    plt.close(fig)
+
+    curves = curves or tuple(alphas[i] for i in sorted({0, len(alphas) // 2, len(alphas) - 1}))
+    fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4), sharey=True)
+    for ax, a in zip(np.atleast_1d(axes), curves):
+        params = [cell[(h, a)]["params"] for h in widths]
+        ax.plot(params, [cell[(h, a)]["mean_test_error"] for h in widths], "o-", label="single net (mean)")
+        ax.plot(params, [cell[(h, a)]["ensemble_test_error"] for h in widths], "s-", label="ensemble average")
+        jammed = [p for h, p in zip(widths, params) if cell[(h, a)]["converged_fraction"] < 1]
+        if jammed:
+            ax.axvline(max(jammed), color="gray", linestyle=":", label="last width not fitting")
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters N")
+        ax.set_title(rf"$\tilde\alpha$ = {a:g}")
+    np.atleast_1d(axes)[0].set_ylabel("test error (%)")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(output / "double_descent.png")
+    fig.savefig(paths[1], dpi=130)
+    plt.close(fig)
+    return paths
+
+
+# ------------------------------------------------------------------------------------ command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convbias-phase-diagram", description=__doc__.split("\n")[0])
+    p.add_argument("-c", "--config", help="YAML with any PhaseDiagramConfig field (widths, alpha_tildes, seeds, ...)")
+    p.add_argument("--output", required=True, help="directory for config.yaml, runs.csv, cells.csv and the figures")
+    p.add_argument("--plot-only", action="store_true", help="redraw the figures from OUTPUT/cells.csv")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    output = Path(args.output)
+    try:
+        cfg = PhaseDiagramConfig.from_yaml(args.config) if args.config else PhaseDiagramConfig().validated()
+        if args.plot_only and not (output / CELLS_CSV).is_file():
+            raise ValueError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")
+        if not args.plot_only and (output / CELLS_CSV).exists():
+            raise ValueError(f"{output} already holds a phase diagram ({CELLS_CSV}); choose another --output")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cells = read_cells(output / CELLS_CSV) if args.plot_only else run(cfg, output)
+    for path in plot(cells, output):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
