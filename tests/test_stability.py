@@ -178,6 +178,8 @@ class Untouchable(nn.Module):
     (dict(T=1.0), r"T=1.0 is outside the diffeomorphism region"),
     (dict(statistic="mode"), r"statistic='mode' must be one of \('median', 'mean'\)"),
     (dict(chunk_size=0), r"chunk_size=0 must be a positive integer"),
+    (dict(per_layer=True), r"per-layer R_f needs a model with forward_intermediates or activation modules"),
+    (dict(images=torch.rand(1, 1, 28, 28), normalize=True), r"normalize=True needs at least 2 images"),
 ])
 def test_bad_input_is_refused_before_any_work(kwargs, message):
     images = kwargs.pop("images", torch.rand(4, 1, 28, 28))

@@ -111,25 +111,31 @@ def sample_fields(count: int, cut: int, generator: Optional[torch.Generator] = N
     return torch.randn(count, 2, cut, cut, generator=generator) * scale
 
 
-def displacement_field(coefficients: torch.Tensor, T: float, size: Size) -> torch.Tensor:
-    """Pixel displacements (count, 2, H, W) (channel 0 along the width, 1 along the height) of fields
-    `coefficients` from `sample_fields` at temperature T."""
+def _field(coefficients: torch.Tensor, T: float, size: Size) -> torch.Tensor:
+    """Pixel displacements as one contiguous (count, H, W, 2) tensor, (x, y) last: `grid_sample`'s layout,
+    so that the source positions are computed in place in it."""
     height, width = _hw(size)
     cut = coefficients.shape[-1]
     k = torch.arange(1, cut + 1, dtype=coefficients.dtype, device=coefficients.device)
     sin_u = torch.sin(math.pi * torch.linspace(0, 1, width, device=k.device, dtype=k.dtype)[:, None] * k)  # (W, c)
     sin_v = torch.sin(math.pi * torch.linspace(0, 1, height, device=k.device, dtype=k.dtype)[:, None] * k)  # (H, c)
-    tau = torch.einsum("bdij,xi,yj->bdyx", coefficients, sin_u, sin_v)  # i: mode along u (width), j: along v
-    return tau * (math.sqrt(T) * torch.tensor([width, height], dtype=tau.dtype, device=tau.device)[:, None, None])
+    tau = torch.einsum("bdij,xi,yj->byxd", coefficients, sin_u, sin_v).contiguous()  # i: mode along u (width)
+    return tau.mul_(math.sqrt(T) * torch.tensor([width, height], dtype=tau.dtype, device=tau.device))
 
 
-def _source_positions(displacement: torch.Tensor) -> torch.Tensor:
-    """(count, H, W, 2) source pixel coordinates (x, y) = s - tau(s), clamped to the image."""
-    _, _, height, width = displacement.shape
-    y, x = torch.meshgrid(torch.arange(height, dtype=displacement.dtype, device=displacement.device),
-                          torch.arange(width, dtype=displacement.dtype, device=displacement.device), indexing="ij")
-    return torch.stack(((x - displacement[:, 0]).clamp(0, width - 1),
-                        (y - displacement[:, 1]).clamp(0, height - 1)), dim=-1)
+def displacement_field(coefficients: torch.Tensor, T: float, size: Size) -> torch.Tensor:
+    """Pixel displacements (count, 2, H, W) (channel 0 along the width, 1 along the height) of fields
+    `coefficients` from `sample_fields` at temperature T."""
+    return _field(coefficients, T, size).permute(0, 3, 1, 2)
+
+
+def _source_positions(coefficients: torch.Tensor, T: float, size: Size) -> torch.Tensor:
+    """(count, H, W, 2) source pixel coordinates (x, y) = s - tau(s), clamped to the image (in place)."""
+    height, width = _hw(size)
+    source = _field(coefficients, T, size).neg_()
+    source[..., 0].add_(torch.arange(width, dtype=source.dtype, device=source.device)).clamp_(0, width - 1)
+    source[..., 1].add_(torch.arange(height, dtype=source.dtype, device=source.device)[:, None]).clamp_(0, height - 1)
+    return source
 
 
 def _gaussian_resample(images: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -169,13 +175,14 @@ def deform(images: torch.Tensor, T: float, cut: int, coefficients: Optional[torc
         coefficients = sample_fields(batch.shape[0], cut, generator)
     elif coefficients.shape != (batch.shape[0], 2, cut, cut):
         raise ValueError(f"coefficients must have shape {(batch.shape[0], 2, cut, cut)}, got {tuple(coefficients.shape)}")
-    source = _source_positions(displacement_field(coefficients.to(batch.device), T, size))
+    source = _source_positions(coefficients.to(batch.device), T, size)
     if interpolation == "gaussian":
         out = _gaussian_resample(batch, source)
-    else:
+    else:  # pixel k -> -1 + 2k / (n - 1): align_corners=True; clamped sources = border padding
         height, width = size
-        grid = source / torch.tensor([width - 1, height - 1], dtype=source.dtype, device=source.device) * 2 - 1
-        out = F.grid_sample(batch, grid.to(batch.dtype), mode="bilinear", padding_mode="border", align_corners=True)
+        source[..., 0].mul_(2 / (width - 1)).sub_(1)
+        source[..., 1].mul_(2 / (height - 1)).sub_(1)
+        out = F.grid_sample(batch, source.to(batch.dtype), mode="bilinear", padding_mode="border", align_corners=True)
     return out[0] if single else out
 
 

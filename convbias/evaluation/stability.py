@@ -22,9 +22,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .diffeo import INTERPOLATIONS, check_cut, deform, sample_fields, temperature, temperature_range
+from .diffeo import (INTERPOLATIONS, check_cut, deform, displacement_range, sample_fields, temperature,
+                     temperature_range)
 
-__all__ = ["STATISTICS", "Stability", "relative_stability", "representations", "diagnostic"]
+__all__ = ["STATISTICS", "Stability", "relative_stability", "representations", "has_layers", "diagnostic"]
 
 STATISTICS = ("median", "mean")
 DIAGNOSTIC_DELTA = 1.0  # R_f of the paper: delta = 1 pixel, cut-off c = 3
@@ -64,6 +65,12 @@ def _statistic(values: torch.Tensor, statistic: str) -> float:
     return float(values.quantile(0.5) if statistic == "median" else values.mean())
 
 
+def has_layers(model: nn.Module) -> bool:
+    """Whether per-layer R_f applies: timm's feature API, or at least one activation module to hook."""
+    return (hasattr(model, "forward_intermediates") and hasattr(model, "forward_head")) or any(
+        isinstance(m, _ACTIVATIONS) for m in model.modules())
+
+
 def representations(model: nn.Module, x: torch.Tensor, per_layer: bool) -> list[torch.Tensor]:
     """[block outputs..., logits] (just [logits] without `per_layer`), each flattened to (B, -1)."""
     if not per_layer:
@@ -74,9 +81,6 @@ def representations(model: nn.Module, x: torch.Tensor, per_layer: bool) -> list[
     captured: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: captured.append(out.detach().flatten(1).clone()))
              for m in model.modules() if isinstance(m, _ACTIVATIONS)]
-    if not hooks:
-        raise ValueError(f"per-layer R_f needs a model with forward_intermediates or activation modules; "
-                         f"{type(model).__name__} has neither")
     try:
         logits = model(x)
     finally:
@@ -87,7 +91,7 @@ def representations(model: nn.Module, x: torch.Tensor, per_layer: bool) -> list[
 
 def _squared_distances(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> torch.Tensor:
     """(depth, B) ||out - ref||^2 per representation and image."""
-    return torch.stack([(o - r).double().pow(2).sum(1) for o, r in zip(outputs, reference)]).cpu()
+    return torch.stack([(o - r).pow_(2).sum(1) for o, r in zip(outputs, reference)]).double().cpu()
 
 
 def _check_inputs(images, statistic: str, chunk_size: int, interpolation: str, cut: int) -> None:
@@ -111,6 +115,11 @@ def relative_stability(model: nn.Module, images: torch.Tensor, delta: Optional[f
     """R_f of `model` on `images` (N, C, H, W), as the model sees them (normalized), at typical displacement
     `delta` pixels (or temperature `T`) and cut-off `cut`. One diffeomorphism and one noise per image."""
     _check_inputs(images, statistic, chunk_size, interpolation, cut)
+    if per_layer and not has_layers(model):
+        raise ValueError(f"per-layer R_f needs a model with forward_intermediates or activation modules; "
+                         f"{type(model).__name__} has neither")
+    if normalize and images.shape[0] < 2:
+        raise ValueError(f"normalize=True needs at least 2 images (pairs of test images), got {images.shape[0]}")
     size = images.shape[-2:]
     if T is None:
         if delta is None:
@@ -128,28 +137,32 @@ def relative_stability(model: nn.Module, images: torch.Tensor, delta: Optional[f
     device = params.device if params is not None else images.device
     chunks = [slice(i, min(i + chunk_size, count)) for i in range(0, count, chunk_size)]
 
-    def deformed(part: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        x = images[part].to(device)
-        return x, deform(x, T, cut, coefficients=fields[part], interpolation=interpolation)
+    def deformed(part: slice, x: torch.Tensor) -> torch.Tensor:
+        return deform(x, T, cut, coefficients=fields[part], interpolation=interpolation)
 
     # pass 1: the noise radius < ||tau x - x|| >, before any noise is drawn
-    moved = torch.cat([(y - x).flatten(1).double().norm(dim=1).cpu() for x, y in map(deformed, chunks)])
+    moved = torch.cat([deformed(part, x).sub_(x).flatten(1).norm(dim=1).double().cpu()
+                       for part, x in ((part, images[part].to(device)) for part in chunks)])
     radius = _statistic(moved, statistic)
 
-    # pass 2: f(x), f(tau x), f(x + eta), one at a time so the peak stays that of evaluating one chunk
+    # pass 2: f(x), f(tau x), f(x + eta), one at a time: beyond evaluating a chunk, one perturbed copy of it
     was_training = model.training
     model.eval()
     diffeo, noise, pairs = [], [], []
     previous: Optional[list[torch.Tensor]] = None
     try:
         for part in chunks:
-            x, y = deformed(part)
+            x = images[part].to(device)
             reference = representations(model, x, per_layer)
-            diffeo.append(_squared_distances(representations(model, y, per_layer), reference))
-            del y
-            eta = torch.stack([torch.randn(x.shape[1:], generator=generator) for _ in range(x.shape[0])]).to(x)
-            eta *= radius / eta.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, 1, 1, 1)
-            noise.append(_squared_distances(representations(model, x + eta, per_layer), reference))
+            deformed_x = deformed(part, x)
+            diffeo.append(_squared_distances(representations(model, deformed_x, per_layer), reference))
+            del deformed_x
+            noisy = torch.empty_like(x)  # x + eta, built in one buffer
+            for i in range(x.shape[0]):
+                noisy[i] = torch.randn(x.shape[1:], generator=generator)
+            noisy.mul_((radius / noisy.flatten(1).norm(dim=1).clamp_min(1e-30)).view(-1, 1, 1, 1)).add_(x)
+            noise.append(_squared_distances(representations(model, noisy, per_layer), reference))
+            del noisy
             if normalize:  # pairs (x_i, x_{i-1}), across chunk boundaries too
                 joined = [torch.cat([p, r]) for p, r in zip(previous, reference)] if previous else reference
                 if joined[0].shape[0] > 1:
@@ -160,8 +173,6 @@ def relative_stability(model: nn.Module, images: torch.Tensor, delta: Optional[f
     diffeo_d, noise_d = torch.cat(diffeo, dim=1), torch.cat(noise, dim=1)
     scale = torch.ones(diffeo_d.shape[0], dtype=torch.float64)
     if normalize:
-        if not pairs:
-            raise ValueError("normalize=True needs at least 2 images")
         scale = torch.tensor([_statistic(row, statistic) for row in torch.cat(pairs, dim=1)], dtype=torch.float64)
     values = []
     for row_d, row_g, s in zip(diffeo_d, noise_d, scale.tolist()):
@@ -173,6 +184,9 @@ def relative_stability(model: nn.Module, images: torch.Tensor, delta: Optional[f
 
 
 def diagnostic(model: nn.Module, images: torch.Tensor) -> dict[str, float]:
-    """The engine's per-evaluation diagnostic: R_f at delta = 1, c = 3 of the logits and every block, on the
-    run's fixed diagnostics images (their number, `--diagnostics-images`, sets the cost)."""
-    return relative_stability(model, images, per_layer=True).as_dict("rf")
+    """The engine's per-evaluation diagnostic: R_f at delta = 1, c = 3 of the logits and of every block, on the
+    run's fixed diagnostics images (their number, `--diagnostics-images`, sets the cost). {} for images too
+    small for such a diffeomorphism (e.g. the native 8x8 digits: delta <= 0.85 pixel at c = 3)."""
+    if displacement_range(DIAGNOSTIC_CUT, images.shape[-2:])[1] < DIAGNOSTIC_DELTA:
+        return {}
+    return relative_stability(model, images, per_layer=has_layers(model)).as_dict("rf")
