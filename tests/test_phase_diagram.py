@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from convbias.cli import phase_diagram as phase_cli
 from convbias.experiments import phase_diagram as pd
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -52,9 +53,9 @@ def test_odd_even_digits_on_the_sphere():
 def test_bad_grid_is_refused_before_any_work(tmp_path, capsys):
     config = tmp_path / "grid.yaml"
     config.write_text("alpha_tildes: [1.0, -2.0]\n")
-    assert pd.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+    assert phase_cli.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
     assert "alpha_tildes must be positive" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     config.write_text("widths: [4]\nsteps: 3\n")
-    assert pd.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+    assert phase_cli.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
     assert "unknown key(s) ['steps']" in capsys.readouterr().err

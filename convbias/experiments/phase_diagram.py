@@ -19,15 +19,16 @@ by full-batch GD to convergence (thousands of steps). train.py is a minibatch en
 transforms, checkpoints, a process per run); here one process trains all seeds and alphas of a width
 as one batched module (independent nets stacked along a leading axis), which is what makes the default
 grid fit in minutes on two cores. The measurements are the package's own: `convbias.evaluation.ntk`
-for the kernel, `convbias.evaluation.ensembles` for ensembles, and the per-net rows are written as a
-sweep CSV that `convbias.experiments.report` reads (a heatmap over width x alpha_tilde).
+for the kernel, `convbias.evaluation.ensembles` for ensembles, and the grid is also written as a sweep's
+runs.csv and ensembles.csv, which `convbias-sweep report` turns into tables and a width x alpha~ heatmap.
+
+Files in OUTPUT: config.yaml, nets.csv (every net), cells.csv (every cell), runs.csv and ensembles.csv
+(the sweep report's schemas), phase_diagram.png (Fig. 4), double_descent.png (Fig. 5).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -42,8 +43,11 @@ import yaml
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.ntk import empirical_ntk, relative_change
 
-RUNS_CSV = "runs.csv"
-CELLS_CSV = "cells.csv"
+NETS_CSV = "nets.csv"            # one row per net, every measurement
+CELLS_CSV = "cells.csv"          # one row per (width, alpha~): the figures' data
+RUNS_CSV = "runs.csv"            # the sweep report's schema (convbias-sweep report --csv ...)
+ENSEMBLES_CSV = "ensembles.csv"  # the sweep report's ensemble schema
+REPORT_COLUMNS = ("model", "width", "alpha_tilde", "seed", "top1", "train_seconds")
 
 
 @dataclass
@@ -240,7 +244,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
-    """Train the whole grid, write runs.csv (one row per net) and cells.csv; return the cells."""
+    """Train the whole grid, write nets.csv (one row per net) and cells.csv; return the cells."""
     torch.manual_seed(0)
     data = odd_even_digits(cfg.train_size, cfg.pca_components, cfg.data_seed)
     output.mkdir(parents=True, exist_ok=True)
@@ -252,12 +256,26 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
         cells = cell_rows(cfg, width, rows, test_outputs, data[3])
         all_rows += rows
         all_cells += cells
-        write_csv(output / RUNS_CSV, all_rows)  # after every width: a partial grid is readable
+        write_csv(output / NETS_CSV, all_rows)  # after every width: a partial grid is readable
         write_csv(output / CELLS_CSV, all_cells)
         log(f"h={width:4d}  {time.perf_counter() - started:6.1f}s  " + "  ".join(
             f"a~={c['alpha_tilde']:g}: ens {c['ensemble_test_error']:.1f}% single {c['mean_test_error']:.1f}% "
             f"fit {c['converged_fraction']:.1f} dTheta {c['ntk_change']:.2g}" for c in cells))
     return all_cells
+
+
+def write_report_csvs(output: Path) -> list[Path]:
+    """runs.csv and ensembles.csv in the sweep report's schemas, from nets.csv and cells.csv, so that
+    `convbias-sweep report --csv OUTPUT/runs.csv` tabulates and plots this grid like any sweep."""
+    with open(output / NETS_CSV, newline="") as f:
+        nets = list(csv.DictReader(f))
+    write_csv(output / RUNS_CSV, [{"run": f"fc2__h{r['width']}__a{float(r['alpha_tilde']):g}__seed{r['seed']}",
+                                   **{k: r[k] for k in REPORT_COLUMNS}} for r in nets])
+    write_csv(output / ENSEMBLES_CSV, [
+        {"model": "fc2", "width": int(c["width"]), "alpha_tilde": c["alpha_tilde"], "members": int(c["seeds"]),
+         "ensemble_top1": 100 - c["ensemble_test_error"], "member_top1": 100 - c["mean_test_error"],
+         "fluctuation": c["fluctuation"]} for c in read_cells(output / CELLS_CSV)])
+    return [output / RUNS_CSV, output / ENSEMBLES_CSV]
 
 
 # ------------------------------------------------------------------------------------------- figures
@@ -319,34 +337,3 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     fig.savefig(paths[1], dpi=130)
     plt.close(fig)
     return paths
-
-
-# ------------------------------------------------------------------------------------ command line
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convbias-phase-diagram", description=__doc__.split("\n")[0])
-    p.add_argument("-c", "--config", help="YAML with any PhaseDiagramConfig field (widths, alpha_tildes, seeds, ...)")
-    p.add_argument("--output", required=True, help="directory for config.yaml, runs.csv, cells.csv and the figures")
-    p.add_argument("--plot-only", action="store_true", help="redraw the figures from OUTPUT/cells.csv")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    output = Path(args.output)
-    try:
-        cfg = PhaseDiagramConfig.from_yaml(args.config) if args.config else PhaseDiagramConfig().validated()
-        if args.plot_only and not (output / CELLS_CSV).is_file():
-            raise ValueError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")
-        if not args.plot_only and (output / CELLS_CSV).exists():
-            raise ValueError(f"{output} already holds a phase diagram ({CELLS_CSV}); choose another --output")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cells = read_cells(output / CELLS_CSV) if args.plot_only else run(cfg, output)
-    for path in plot(cells, output):
-        print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""`convbias-phase-diagram`: the (width, alpha~) phase diagram; see convbias.experiments.phase_diagram.
+
+    convbias-phase-diagram -c configs/phase_diagram/digits_pca10.yaml --output results/phase_diagram
+    convbias-phase-diagram --output results/phase_diagram --plot-only     # figures and report CSVs again
+    convbias-sweep report --csv results/phase_diagram/runs.csv           # the sweep report of the grid
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from convbias.engine.config import OptionParser
+from convbias.engine.errors import ConfigError
+from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OptionParser(prog="convbias-phase-diagram", description="The (width, alpha~) phase diagram of FC nets on odd/even digits (source Sec. 3, Figs. 4-5).")
+    p.add_argument("-c", "--config", help="YAML with any PhaseDiagramConfig field (widths, alpha_tildes, seeds, ...)")
+    p.add_argument("--output", required=True, help="directory for config.yaml, the CSVs and the figures")
+    p.add_argument("--plot-only", action="store_true", help="redraw the figures and report CSVs from OUTPUT/cells.csv")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        output = Path(args.output)
+        cfg = PhaseDiagramConfig.from_yaml(args.config) if args.config else PhaseDiagramConfig().validated()
+        if args.plot_only and not (output / CELLS_CSV).is_file():
+            raise ValueError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")
+        if not args.plot_only and (output / CELLS_CSV).exists():
+            raise ValueError(f"{output} already holds a phase diagram ({CELLS_CSV}); choose another --output")
+    except (ConfigError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    cells = read_cells(output / CELLS_CSV) if args.plot_only else run(cfg, output)
+    for path in plot(cells, output) + write_report_csvs(output):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
