@@ -1,250 +1,25 @@
-"""Gated positional self-attention (GPSA) and plain multi-head self-attention.
+"""ConViT's attention layers: gated positional self-attention over patch tokens, and plain MHSA.
 
-GPSA mixes, per head h, a content attention C = softmax(Q K^T / sqrt(d)) and a positional attention
-P_h = softmax_j(v_pos^h . r_ij) with weight s_h = sigmoid(lambda_h):
-
-    A_h = (1 - s_h) C_h + s_h P_h,        out_h = normalize(A_h) V_h
-
-Both softmaxes have rows summing to one, so `normalize` is the identity up to rounding, and
-
-    out_h = (1 - s_h) SDPA(Q_h, K_h, V_h) + s_h (P_h @ V_h).
-
-That identity is the hot path (`gated_attention`): the content term goes through PyTorch's fused
-`scaled_dot_product_attention`. The positional term needs no (N, N) matrix at all: the encodings
-r = (dx, dy, dx^2 + dy^2) add an x part and a y part, so exp(v_pos . r) is a product of a function of
-dx and one of dy, and so is each row's normalizer (a sum over a rectangular grid). Hence, exactly,
-
-    P_h = rows_h (x) cols_h      (Kronecker product; rows_h: (Hp, Hp), cols_h: (Wp, Wp) softmaxes)
-
-computed once per forward, without a batch dimension (`PositionalFactors`), and P_h @ V_h is two
-small GEMMs along the grid's two axes with the batch folded into the columns: (Hp + Wp) / (Hp * Wp)
-of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
-backward, nor an (H, N, N) one. (When each head's value is wider than the query count, as in a
-Transformed CNN's late stages, forming the mixed attention once stores less: `gated_attention` then
-does that instead.) The explicit path (`GPSA.attention`) materializes A from the dense encodings r for
-attention maps, diagnostics and attention dropout, and is the tests' reference for the hot path.
-
-Parameter names and shapes follow `timm.models.convit` (qk, v, proj, pos_proj, gating_param), so
-state dicts load both ways.
+The GPSA math (factored positional attention, the fused hot path, the explicit path, the gate) lives
+in `convbias.gpsa`, shared with the Transformed CNN's layers; `GPSA` here supplies the ViT geometry (a
+grid of patch tokens, queries = keys) and timm's parameter layout. Parameter names and shapes follow
+`timm.models.convit` (qk, v, proj, pos_proj, gating_param), so state dicts load both ways.
 """
 from __future__ import annotations
 
-import math
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-GridSize = Tuple[int, int]
+from convbias.gpsa import (
+    GatedPositionalAttention, GridSize, PositionalFactors, grid_positions, kernel_offsets, positional_attention,
+    positional_factors, relative_encodings,
+)
 
 
-def grid_positions(height: int, width: int, stride: int = 1, device=None) -> torch.Tensor:
-    """(x, y) coordinates of the tokens of a height x width grid in row-major order, shape (N, 2).
-
-    With `stride` s only every s-th row and column is kept (queries of a strided convolution)."""
-    ys = torch.arange(0, height, stride, device=device, dtype=torch.float32)
-    xs = torch.arange(0, width, stride, device=device, dtype=torch.float32)
-    y, x = torch.meshgrid(ys, xs, indexing="ij")
-    return torch.stack([x.flatten(), y.flatten()], dim=-1)
-
-
-def relative_encodings(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-    """Fixed relative encodings r_ij = (dx, dy, dx^2 + dy^2), delta = key_j - query_i; (Nq, Nk, 3)."""
-    delta = key_positions[None, :, :] - query_positions[:, None, :]
-    return torch.cat([delta, delta.pow(2).sum(-1, keepdim=True)], dim=-1)
-
-
-def positional_attention(rel: torch.Tensor, pos_proj: nn.Linear) -> torch.Tensor:
-    """P_h = softmax_j(v_pos^h . r_ij) for all heads at once: (Nq, Nk, 3) -> (H, Nq, Nk).
-
-    The dense form, straight from the encodings as the paper writes it: the explicit path's (attention
-    maps, diagnostics, dropout) and the tests' reference for `positional_factors`. Weights below
-    eps / Nk are set to 0 as in `axis_attention`."""
-    nq, nk, _ = rel.shape
-    logits = pos_proj.weight.float() @ rel.reshape(nq * nk, 3).t()
-    if pos_proj.bias is not None:  # cancels in the softmax; kept for exact parity with timm
-        logits = logits + pos_proj.bias.float()[:, None]
-    attn = logits.view(-1, nq, nk).softmax(dim=-1)
-    return attn.masked_fill(attn < torch.finfo(attn.dtype).eps / nk, 0.0)
-
-
-class PositionalFactors(NamedTuple):
-    """Positional attention of every head as the Kronecker product P_h = rows_h (x) cols_h.
-
-    rows: (H, Qy, Ky) attention of query rows over key rows; cols: (H, Qx, Kx) the same for columns.
-    Tokens are numbered row-major on both grids, so P_h[qy * Qx + qx, ky * Kx + kx] =
-    rows_h[qy, ky] * cols_h[qx, kx]."""
-
-    rows: torch.Tensor
-    cols: torch.Tensor
-
-    def dense(self) -> torch.Tensor:
-        """The (H, Qy*Qx, Ky*Kx) matrix, for schedules and maps that need it whole."""
-        heads, qy, ky = self.rows.shape
-        _, qx, kx = self.cols.shape
-        return (self.rows[:, :, None, :, None] * self.cols[:, None, :, None, :]).reshape(heads, qy * qx, ky * kx)
-
-
-def axis_attention(linear: torch.Tensor, quadratic: torch.Tensor, query_coords: torch.Tensor,
-                   key_coords: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """softmax_k(linear_h * delta + quadratic_h * delta^2 [+ shift_h]), delta = key_k - query_q: (H, Q, K).
-
-    One axis of the factored positional attention. Weights below eps / K are set to 0 (together they
-    change a row's output by less than float rounding): a local head makes many weights tiny or
-    subnormal, and subnormal operands slow the CPU GEMMs several times over."""
-    delta = key_coords[None, :] - query_coords[:, None]
-    logits = linear[:, None, None] * delta + quadratic[:, None, None] * delta.square()
-    if shift is not None:
-        logits = logits + shift[:, None, None]
-    attn = logits.softmax(dim=-1)
-    return attn.masked_fill(attn < torch.finfo(attn.dtype).eps / delta.shape[-1], 0.0)
-
-
-def positional_factors(pos_proj: nn.Linear, query_rows: torch.Tensor, query_cols: torch.Tensor,
-                       key_rows: torch.Tensor, key_cols: torch.Tensor) -> PositionalFactors:
-    """P_h = softmax_k(v_pos^h . r_qk) in factored form, for query and key grids given by coordinates.
-
-    pos_proj weighs (dx, dy, dx^2 + dy^2): the rows factor takes the dy and squared terms, the columns
-    factor the dx and squared terms. The bias is constant along k and cancels in the softmax; it joins
-    the rows' logits anyway so that it stays in the graph (DDP expects every parameter to be used)."""
-    weight = pos_proj.weight.float()
-    bias = None if pos_proj.bias is None else pos_proj.bias.float()
-    return PositionalFactors(
-        rows=axis_attention(weight[:, 1], weight[:, 2], query_rows, key_rows, shift=bias),
-        cols=axis_attention(weight[:, 0], weight[:, 2], query_cols, key_cols),
-    )
-
-
-def _fold(v: torch.Tensor) -> torch.Tensor:
-    """(B, H, N, dv) -> (H, N, B*dv): the batch folded into the columns (a copy)."""
-    b, h, n, dv = v.shape
-    return v.permute(1, 2, 0, 3).reshape(h, n, b * dv)
-
-
-def _unfold(folded: torch.Tensor, batch: int) -> torch.Tensor:
-    """(H, N, B*dv) -> (B, H, N, dv), a view."""
-    h, n, bd = folded.shape
-    return folded.view(h, n, batch, bd // batch).permute(2, 0, 1, 3)
-
-
-def _per_row(cols: torch.Tensor, rows: int) -> torch.Tensor:
-    """(H, Q, K) -> (H*rows, Q, K): the columns factor once per grid row, to batch the GEMMs over rows."""
-    heads, q, k = cols.shape
-    return cols[:, None].expand(heads, rows, q, k).reshape(heads * rows, q, k)
-
-
-def _along_cols(cols: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
-    """cols applied to every key row of V folded as (H*Ky, Kx, B*dv): (H, Ky, Qx*B*dv)."""
-    heads = cols.shape[0]
-    key_rows = folded.shape[0] // heads
-    return torch.bmm(_per_row(cols, key_rows), folded).view(heads, key_rows, -1)
-
-
-class _PositionalMix(torch.autograd.Function):
-    """lerp(content, P @ V, gate) with P = rows (x) cols applied axis by axis, V folded as (H, Ky, Kx, B*dv).
-
-    Forward: along_cols = cols @ V (per key row), then P @ V = rows @ along_cols. Only the folded V
-    is saved (one B*N*C tensor per layer); nothing of size N x N exists. Backward: S = (s * rows)^T G
-    gives dV = cols^T S (per key row) and dL/dcols = sum_ky S V^T; dL/drows = G along_cols^T, with
-    along_cols recomputed (a GEMM with only Kx terms per output: cheaper than keeping it in memory).
-    The gate's gradient needs no P @ V: sum G * (P V) = sum rows * dL/drows, the positional term being
-    linear in rows. The output is laid out as (B, Nq, H, dv) so that merging the
-    heads afterwards is a view, not a copy."""
-
-    @staticmethod
-    def forward(ctx, content, rows, cols, v, gate):
-        batch, heads, nq, dv = content.shape
-        key_rows, key_cols = rows.shape[-1], cols.shape[-1]
-        width = batch * dv
-        folded = _fold(v).reshape(heads * key_rows, key_cols, width)
-        positional = torch.bmm(rows, _along_cols(cols, folded)).view(heads, nq, width)
-        out = content.new_empty(batch, nq, heads, dv).transpose(1, 2)
-        torch.lerp(content, _unfold(positional, batch), gate.to(content.dtype).view(1, -1, 1, 1), out=out)
-        ctx.save_for_backward(content, rows, cols, folded, gate)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        content, rows, cols, folded, gate = ctx.saved_tensors
-        heads, query_rows, key_rows = rows.shape
-        _, query_cols, key_cols = cols.shape
-        batch, width = grad.shape[0], folded.shape[-1]
-        weight = gate.to(grad.dtype).view(-1, 1, 1)
-        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, query_rows, query_cols * width)  # unweighted
-        grad_content = grad_rows = grad_cols = grad_v = grad_gate = None
-        if ctx.needs_input_grad[0]:
-            grad_content = grad * (1 - weight).view(1, -1, 1, 1)
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            # S: (H*Ky, Qx, B*dv), the gradient reaching along_cols, with the gate's weight
-            through_rows = torch.bmm((rows * weight).transpose(1, 2), grad_folded).view(heads * key_rows, query_cols, width)
-            if ctx.needs_input_grad[2]:
-                per_row = torch.bmm(through_rows, folded.transpose(1, 2))  # (H*Ky, Qx, Kx)
-                grad_cols = per_row.view(heads, key_rows, query_cols, key_cols).sum(dim=1)
-            if ctx.needs_input_grad[3]:
-                grad_folded_v = torch.bmm(_per_row(cols, key_rows).transpose(1, 2), through_rows)  # (H*Ky, Kx, B*dv)
-                grad_v = _unfold(grad_folded_v.view(heads, key_rows * key_cols, width), batch)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[4]:
-            grad_scores = torch.bmm(grad_folded, _along_cols(cols, folded).transpose(1, 2))  # (H, Qy, Ky), unweighted
-            if ctx.needs_input_grad[1]:
-                grad_rows = grad_scores * weight
-            if ctx.needs_input_grad[4]:
-                accumulate = torch.promote_types(grad.dtype, torch.float32)  # reduce bf16 in fp32
-                positional_part = (rows * grad_scores).sum(dim=(1, 2), dtype=accumulate)
-                content_part = (grad * content).sum(dim=(0, 2, 3), dtype=accumulate)
-                grad_gate = (positional_part - content_part).to(gate.dtype)
-        return grad_content, grad_rows, grad_cols, grad_v, grad_gate
-
-
-def gated_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positional: PositionalFactors, gate: torch.Tensor
-) -> torch.Tensor:
-    """(1 - gate_h) softmax(Q K^T / sqrt(d)) V + gate_h P_h V: the GPSA hot path.
-
-    q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by
-    all heads; positional: P in factored form; gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv).
-
-    Two schedules give the same result; the one that stores less is picked from the shapes:
-    - values narrower than the query count (dv < Nq: a ViT's patch tokens): content through the fused
-      SDPA kernel plus P @ V applied axis by axis with the batch folded into the columns. Its largest
-      extra tensor is the folded V, (H, Nk, B*dv) (a value shared by the heads is expanded to that);
-      no (B, H, Nq, Nk) tensor exists at all.
-    - values at least as wide as the query count (dv >= Nq: a Transformed CNN's late stages, where
-      each head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is then no larger than
-      that folded V, so it is formed once and applied in one GEMM."""
-    heads = q.shape[1]
-    if v.shape[-1] < q.shape[-2]:
-        v = v.expand(-1, heads, -1, -1)
-        content = F.scaled_dot_product_attention(q, k, v)
-        rows, cols = (factor.to(v.dtype) for factor in positional)
-        return _PositionalMix.apply(content, rows, cols, v, gate)
-    content = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)
-    attn = torch.lerp(content, positional.dense().to(content.dtype), gate.to(content.dtype).view(1, heads, 1, 1))
-    if v.shape[1] == 1:  # shared value: one GEMM per image over all heads' queries
-        b, _, nq, nk = attn.shape
-        return (attn.reshape(b, heads * nq, nk) @ v[:, 0]).view(b, heads, nq, -1)
-    return attn @ v
-
-
-def kernel_offsets(num_heads: int) -> torch.Tensor:
-    """Centers of attention Delta^h (dx, dy) of the convolutional initialization, shape (H, 2).
-
-    Heads tile a k x k kernel, k = ceil(sqrt(H)), in row-major order (head = row * k + col, the
-    order of a conv filter's taps). Offsets run over range(-(k // 2), k - k // 2): symmetric for odd
-    k, one more on the negative side for even k (2x2 -> {-1, 0}), so each head has one integer
-    target pixel (timm centers even kernels on half-integers, which splits a head over four pixels).
-    When H is not a perfect square the H offsets closest to the center are kept, in row-major order."""
-    k = math.ceil(math.sqrt(num_heads))
-    steps = torch.arange(k, dtype=torch.float32) - k // 2
-    dy, dx = torch.meshgrid(steps, steps, indexing="ij")
-    offsets = torch.stack([dx.flatten(), dy.flatten()], dim=-1)
-    if num_heads < k * k:
-        nearest = torch.argsort(offsets.pow(2).sum(-1), stable=True)[:num_heads]
-        offsets = offsets[nearest.sort().values]
-    return offsets
-
-
-class GPSA(nn.Module):
+class GPSA(GatedPositionalAttention):
     """Gated positional self-attention over a grid of patch tokens (no class token)."""
 
     def __init__(
@@ -272,18 +47,9 @@ class GPSA(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         self.pos_proj = nn.Linear(3, num_heads)
         self.gating_param = nn.Parameter(torch.ones(num_heads))
-
-        self.fused = True  # False forces the explicit path (for tests and diagnostics)
-        self.gate_override: Optional[float] = None  # test-time mask: 0 = content only, 1 = position only
         self._rel_cache: dict = {}
 
-    # -- pieces ---------------------------------------------------------------------------------
-    def gate(self) -> torch.Tensor:
-        """Weight on the positional attention per head, sigma(lambda_h) unless overridden."""
-        if self.gate_override is not None:
-            return torch.full_like(self.gating_param, float(self.gate_override))
-        return torch.sigmoid(self.gating_param)
-
+    # -- geometry: queries and keys are the patch tokens ------------------------------------------
     def relative_encodings(self, grid_size: GridSize, device) -> torch.Tensor:
         key = (tuple(grid_size), str(device))
         if key not in self._rel_cache:
@@ -310,35 +76,21 @@ class GPSA(nn.Module):
     def attention(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         """The explicit, normalized attention matrix A, shape (B, H, N, N) (before dropout)."""
         q, k, _ = self._qkv(x)
-        return self._explicit_attention(q, k, grid_size)
+        return self.explicit_attention(q, k, self.positional_attention(grid_size))
 
-    def _explicit_attention(self, q, k, grid_size):
-        content = ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
-        gate = self.gate().view(1, -1, 1, 1)
-        attn = (1.0 - gate) * content + gate * self.positional_attention(grid_size).to(content.dtype)
-        return attn / attn.sum(dim=-1, keepdim=True)
-
-    # -- forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         b, n, c = x.shape
         q, k, v = self._qkv(x)
-        if self.fused and not (self.training and self.attn_drop.p > 0):
-            out = gated_attention(q, k, v, self.positional_factors(grid_size), self.gate())
-        else:
-            out = self.attn_drop(self._explicit_attention(q, k, grid_size)) @ v
+        out = self.attend(q, k, v, grid_size, self.attn_drop)
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
     @torch.no_grad()
     def local_init(self, locality_strength: Optional[float] = None) -> None:
-        """Convolutional initialization (Eq. 7.5): W_val = I, v_pos^h = alpha (2 Dx, 2 Dy, -1).
-
-        Then v_pos^h . r = -alpha (|delta - Delta^h|^2 - |Delta^h|^2): head h attends around its
-        kernel offset Delta^h, more sharply as alpha grows."""
-        alpha = self.locality_strength if locality_strength is None else locality_strength
+        """Convolutional initialization (Eq. 7.5): W_val = I, heads on a k x k kernel of offsets."""
         self.v.weight.copy_(torch.eye(self.dim))
-        offsets = kernel_offsets(self.num_heads)
-        self.pos_proj.weight.copy_(alpha * torch.cat([2 * offsets, -torch.ones(self.num_heads, 1)], dim=1))
+        alpha = self.locality_strength if locality_strength is None else locality_strength
+        self.set_conv_init(kernel_offsets(self.num_heads), alpha)
 
 
 class MHSA(nn.Module):

@@ -30,7 +30,9 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention as TimmAttention
 
-from .attention import GPSA, MHSA, GridSize, grid_positions
+from convbias.gpsa import GridSize, grid_positions
+
+from .attention import GPSA, MHSA
 
 __all__ = [
     "attention_layers",
@@ -42,6 +44,7 @@ __all__ = [
     "nonlocality",
     "default_query",
     "attention_maps",
+    "query_maps",
     "summary",
 ]
 
@@ -243,6 +246,27 @@ def attention_maps(
         return patch_attn.sum(0).view(-1, *grid).cpu()
 
     return _attention_statistics(model, images, query_row, chunk_size)
+
+
+def query_maps(
+    model: nn.Module, image: torch.Tensor, query: Optional[Tuple[int, int]] = None, layers: Optional[List[int]] = None
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, int]], Dict[str, List[float]]]:
+    """What `convbias.evaluation.figures.plot_attention_maps` draws for one (C, H, W) image (Fig. 7.8):
+    ({"layer l": (H, Hp, Wp) maps}, {"layer l": query (row, col)}, {"layer l": gates} for gated layers).
+
+    layers: 1-based layer numbers (default: every layer with explicit attention maps)."""
+    maps = attention_maps(model, image[None], query=query)
+    if not maps:
+        raise ValueError(f"{type(model).__name__} has no attention layer with explicit attention maps")
+    layers = sorted(maps) if layers is None else list(layers)
+    missing = [layer for layer in layers if layer not in maps]
+    if missing:
+        raise ValueError(f"layers {missing} have no attention maps; available layers: {sorted(maps)}")
+    modules = dict(enumerate((m for _, m in attention_layers(model)), start=1))
+    labels = {layer: f"layer {layer}" for layer in layers}
+    queries = {labels[l]: default_query(tuple(maps[l].shape[1:])) if query is None else tuple(query) for l in layers}
+    gates = {labels[l]: gating(modules[l]).tolist() for l in layers if is_gated(modules[l])}
+    return {labels[l]: maps[l] for l in layers}, queries, gates
 
 
 def summary(model: nn.Module, images: torch.Tensor, chunk_size: int = 32) -> Dict[str, float]:

@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 import torch.nn as nn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
+from convbias.weights import load_weights
+
 from .embedding import EmbeddedFCN, embed, standard_fcn
 
 __all__ = ["VanillaCNN", "AlexNetCIFAR"]
@@ -99,11 +101,6 @@ class AlexNetCIFAR(_ClassifierCNN):
         super().__init__(layers, num_classes, in_chans, img_size)
 
 
-def _load_cnn(cnn: nn.Module, checkpoint: str) -> None:
-    from engine.checkpoint import load_weights  # the engine imports efcn: import it lazily
-    load_weights(cnn, checkpoint)
-
-
 def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN]) -> Callable[..., EmbeddedFCN]:
     """A model constructor: build the CNN, load `cnn_checkpoint` if given, lift it with `lift`."""
 
@@ -112,7 +109,7 @@ def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN
         if cnn_checkpoint:
             if lift is not embed:
                 raise ValueError("cnn_checkpoint only applies to efcn_* models; fcn_* models use the default init")
-            _load_cnn(cnn, cnn_checkpoint)
+            load_weights(cnn, cnn_checkpoint)
         model = lift(cnn.eval(), cnn.input_shape, max_params=max_params)
         model.source_cnn = cnn_cls.__name__
         return model

@@ -4,7 +4,8 @@ import torch
 from timm.models import convit as timm_convit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convit import GPSA, MHSA, PositionalFactors, gated_attention, grid_positions, kernel_offsets, relative_encodings
+from convbias.gpsa import PositionalFactors, gated_attention, grid_positions, kernel_offsets, relative_encodings
+from convit import GPSA, MHSA
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

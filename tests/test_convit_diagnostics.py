@@ -1,6 +1,5 @@
 """Locality diagnostics: known configurations give their known values; oracles are hand-computed
 closed forms, brute-force loops and timm's own ConViT `get_attention_map`."""
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,8 +12,9 @@ from matplotlib.image import imread
 from timm.models import convit as timm_convit
 
 from convit import diagnostics
-from convit.attention import GPSA, MHSA, kernel_offsets
-from convit.diagnostic_plots import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head, read_log
+from convbias.gpsa import kernel_offsets
+from convit.attention import GPSA, MHSA
+from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head, read_log
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = (5, 7)  # non-square on purpose
@@ -258,10 +258,8 @@ def test_read_log_names_the_bad_line(tmp_path):
 
 # -- command line -------------------------------------------------------------------------------
 def load_cli():
-    spec = importlib.util.spec_from_file_location("convit_diagnostics_cli", REPO / "scripts" / "convit_diagnostics.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from convbias.cli import diagnostics as cli
+    return cli
 
 
 def test_cli_draws_histories_and_attention_maps(tmp_path, capsys):
@@ -359,6 +357,11 @@ def test_convit_nonlocality_matches_timm_convit_with_the_same_weights():
 
 def test_convit_attention_map_figure(tmp_path):
     model = small_convit()
-    assert_png(plot_attention_maps(model, torch.randn(3, 32, 32), tmp_path / "maps.png", query=(2, 5), layers=[2, 11]))
+    image = torch.randn(3, 32, 32)
+    maps, queries, gates = diagnostics.query_maps(model, image, query=(2, 5), layers=[2, 11])
+    assert list(maps) == ["layer 2", "layer 11"] and queries["layer 2"] == (2, 5)
+    torch.testing.assert_close(maps["layer 2"], diagnostics.attention_maps(model, image[None], query=(2, 5))[2])
+    assert list(gates) == ["layer 2"]  # layer 2 is GPSA, layer 11 plain self-attention
+    assert_png(plot_attention_maps(image, maps, queries, tmp_path / "maps.png", gates=gates))
     with pytest.raises(ValueError, match="available layers"):
-        plot_attention_maps(model, torch.randn(3, 32, 32), tmp_path / "bad.png", layers=[13])
+        diagnostics.query_maps(model, image, layers=[13])

@@ -13,6 +13,7 @@ from timm.models import convit as timm_convit
 from timm.optim import create_optimizer_v2
 
 import convit
+from convbias.gpsa import kernel_offsets
 from convit import ConViT
 
 # name: (heads, width, GPSA blocks, millions of parameters in Table 7.1)
@@ -239,7 +240,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def test_conv_init_switch():
     with_init = timm.create_model("convit_tiny", locality_strength=3.0, **SMALL)
     without = timm.create_model("convit_tiny", conv_init=False, **SMALL)
-    offsets = convit.kernel_offsets(4)
+    offsets = kernel_offsets(4)
     expected = 3.0 * torch.cat([2 * offsets, -torch.ones(4, 1)], dim=1)
     for layer in with_init.gpsa_layers():
         torch.testing.assert_close(layer.pos_proj.weight, expected)

@@ -10,11 +10,11 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from engine.data import (
+from convbias.engine.data import (
     DATA_DEFAULTS, ShardedSampler, build_datasets, build_eval_loader, build_train_loader, build_transforms,
     _posterize_zero_bits,
 )
-from engine.datasets import (
+from convbias.engine.datasets import (
     DATASETS, DIGITS_MEAN, DIGITS_STD, DIGITS_VAL_FRACTION, SPLIT_SEED, UnreadableImageError, _stratified_split,
     fraction_per_class,
 )

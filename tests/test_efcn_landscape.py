@@ -6,7 +6,7 @@ from sklearn.datasets import load_digits
 from torch.func import functional_call
 
 import efcn
-from efcn import landscape
+from convbias.evaluation import landscape
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,12 @@
 """The eFCN relax-time protocol end to end on a tiny digits setting, through the real engine."""
 import csv
-import importlib.util
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "efcn_protocol.py"
-
-
-def _protocol():
-    spec = importlib.util.spec_from_file_location("efcn_protocol", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from convbias.cli import efcn_protocol
 
 
 def _rows(path: Path) -> list[dict]:
@@ -31,7 +24,7 @@ def test_protocol_end_to_end(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
     out = tmp_path / "out"
-    assert _protocol().main(["-c", str(config), "--output", str(out)]) == 0
+    assert efcn_protocol.main(["-c", str(config), "--output", str(out)]) == 0
 
     rows = _rows(out / "relax_times.csv")
     assert [r["relax_time"] for r in rows] == [0, 2]
@@ -68,8 +61,9 @@ def test_protocol_end_to_end(tmp_path):
 def test_protocol_rejects_bad_config(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump(dict(TINY, cnn_epoch=3)))
-    with pytest.raises(SystemExit, match="unknown keys in .*bad.yaml: cnn_epoch"):
-        _protocol().main(["-c", str(config), "--output", str(tmp_path / "out")])
+    assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+    assert re.fullmatch(r"error: unknown keys in \S*bad.yaml: cnn_epoch; known: .*\n", capsys.readouterr().err)
     config.write_text(yaml.safe_dump(dict(TINY, model="resnet18")))
-    with pytest.raises(SystemExit, match="model efcn_resnet18 is not registered"):
-        _protocol().main(["-c", str(config), "--output", str(tmp_path / "out")])
+    assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+    assert "error: model efcn_resnet18 is not registered" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything was written

@@ -3,7 +3,6 @@ real photos shipped with scikit-learn, the class mapping of benchmark folders, a
 from __future__ import annotations
 
 import csv
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +13,9 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
 
-from engine.data import build_datasets, build_eval_loader
-from transformed_cnn.corruptions import CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
-from transformed_cnn.robustness import (
+from convbias.engine.data import build_datasets, build_eval_loader
+from convbias.evaluation.corruptions import CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
+from convbias.evaluation.robustness import (
     Denormalized, PixelModel, accuracy, adversarial_accuracy, class_index, corruption_errors, fgsm, pgd,
     read_class_list, relative_improvement,
 )
@@ -28,10 +27,8 @@ EPOCHS = 3
 
 
 def _load_cli():
-    spec = importlib.util.spec_from_file_location('robustness_cli', REPO / 'scripts' / 'robustness.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from convbias.cli import robustness as cli
+    return cli
 
 
 @pytest.fixture(scope='module')
@@ -155,7 +152,7 @@ def test_filters_match_scipy_with_mirrored_borders():
     """The blur helpers against scipy.ndimage (the Gaussian of ImageNet-C's skimage calls), on the
     direct and the FFT path, with kernels wider than the image."""
     from scipy import ndimage
-    from transformed_cnn.corruptions import _filter2d, gaussian_blur
+    from convbias.evaluation.corruptions import _filter2d, gaussian_blur
     generator = torch.Generator().manual_seed(0)
     image = torch.rand(1, 1, 20, 23, generator=generator, dtype=torch.float64)
     for shape in ((5, 7), (15, 13), (3, 61)):
@@ -258,7 +255,7 @@ def test_class_index_maps_a_subset_and_names_unmatched_classes(tmp_path):
 
 
 def test_imagenet_c_folders_flat_or_inside_their_category(tmp_path):
-    from transformed_cnn.robustness import imagenet_c_folders
+    from convbias.evaluation.robustness import imagenet_c_folders
     (tmp_path / 'gaussian_noise' / '1').mkdir(parents=True)
     (tmp_path / 'blur' / 'zoom_blur' / '1').mkdir(parents=True)
     folders = imagenet_c_folders(tmp_path, ['gaussian_noise', 'zoom_blur'], [1])
@@ -269,7 +266,7 @@ def test_imagenet_c_folders_flat_or_inside_their_category(tmp_path):
 
 
 def test_subset_logits_predict_among_the_folder_classes_only():
-    from transformed_cnn.robustness import correct
+    from convbias.evaluation.robustness import correct
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [9.0, 0.0, 3.0, 1.0]])
     # dataset label 0 -> logit 2, label 1 -> logit 3
     assert correct(logits, torch.tensor([1, 0]), [2, 3]).tolist() == [True, True]

@@ -185,3 +185,73 @@ def test_bad_input_is_refused_before_any_work(kwargs, message):
     images = kwargs.pop("images", torch.rand(4, 1, 28, 28))
     with pytest.raises(ValueError, match=message):
         relative_stability(Untouchable(), images, **kwargs)
+
+
+# ------------------------------------------------------------------ a short training run and the command
+RUN_ARGS = ["--model", "vanilla_cnn", "--model-kwargs", "channels=4", "--dataset", "digits", "--img-size", "16",
+            "--crop-pct", "1", "--no-aug", "--repeated-aug", "1", "--batch-size", "32", "--lr", "3e-3",
+            "--warmup-epochs", "0", "--drop-path", "0", "--workers", "0", "--epochs", "2",
+            "--diagnostics-images", "24", "--save-epochs", "0", "2"]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    from convbias.cli import train
+    output = tmp_path_factory.mktemp("stability") / "run"
+    return output, train.run(RUN_ARGS + ["--output", str(output)])
+
+
+def _val_images(count):
+    from convbias.engine.data import build_datasets
+    val = build_datasets(dict(dataset="digits", img_size=16, crop_pct=1.0, no_aug=True)).val
+    return torch.stack([val[i][0] for i in range(count)])
+
+
+def _snapshot_model(run, name):
+    from convbias.weights import load_weights
+    model = timm.create_model("vanilla_cnn", channels=4, in_chans=1, img_size=16, num_classes=10)
+    return load_weights(model, run / "checkpoints" / f"{name}.safetensors").eval()
+
+
+def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
+    import csv
+    from convbias.cli import stability
+    run, results = digits_run
+    out = tmp_path / "out"
+    assert stability.main([str(run), "--checkpoints", "init", "epoch_2", "--images", "24", "--deltas", "0.5", "1",
+                           "--cuts", "3", "4", "--output", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "stability.csv")))
+    assert len(rows) == 2 * 2 * 2  # checkpoints x cuts x deltas
+    init = next(r for r in rows if r["checkpoint"] == "init" and float(r["delta"]) == 1 and r["cut"] == "3")
+    expected = relative_stability(_snapshot_model(run, "epoch_0"), _val_images(24), delta=1.0, cut=3)
+    assert float(init["R"]) == pytest.approx(expected.R, rel=1e-5)
+    final = next(r for r in rows if r["checkpoint"] == "epoch_2")
+    assert float(final["test_error"]) == pytest.approx(100 - results["final_top1"], abs=1e-6)
+    layers = list(csv.DictReader(open(out / "stability_layers.csv")))
+    assert [r["depth"] for r in layers] == ["0", "1", "2", "3"] * 2  # 3 activations + logits, per checkpoint
+    assert "| run | model | P | seed |" in (out / "stability.md").read_text()
+    for name in ("rf_vs_delta", "rf_per_layer", "rf_vs_error", "deformed_examples"):
+        assert (out / f"{name}.png").stat().st_size > 5000
+
+
+def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys):
+    from convbias.cli import stability
+    run, _ = digits_run
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.yaml").write_text((run / "config.yaml").read_text().replace("channels: 4", "channels: 8"))
+    (other / "checkpoints").symlink_to(run / "checkpoints")
+    cases = [
+        ([str(run), "--cuts", "4", "--deltas", "1.5"], "delta=1.5 is outside the diffeomorphism region [0.5, 1.27]"),
+        ([str(run), "--checkpoints", "epoch_7"], "has no checkpoint 'epoch_7'"),
+        ([str(other)], "does not fit this model"),
+        ([str(run), "--images", "0"], "--images must be >= 1, got 0"),
+        ([str(tmp_path)], "is not a train.py run folder: no config.yaml"),
+    ]
+    for argv, message in cases:
+        out = tmp_path / "out"
+        grid = [] if "--cuts" in argv else ["--cuts", "3", "--deltas", "1"]
+        assert stability.main(argv + grid + ["--output", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+        assert not out.exists()

@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 import yaml
 
-from engine import report, sweep
-from engine.config import effective_epochs, parse_config
+from convbias.experiments import report, sweep
+from convbias.engine.config import effective_epochs, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / 'scripts' / 'sweep.py'
 
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
 TINY_MODEL_KWARGS = {'patch_size': 2, 'embed_dim': 16, 'depth': 2, 'num_heads': 4, 'local_up_to_layer': 1}
@@ -42,14 +41,7 @@ def tiny_spec(**grid) -> dict:
     return sweep.normalize_spec({'set': TINY_SET, 'grid': grid})
 
 
-def load_cli():
-    spec = importlib.util.spec_from_file_location('sweep_cli', SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SWEEP_CLI = load_cli()
+from convbias.cli import sweep as SWEEP_CLI  # noqa: E402
 
 
 @dataclass
@@ -60,7 +52,7 @@ class Done:
 
 
 def sweep_cli(*args: str) -> Done:
-    """scripts/sweep.py in this process (its train.py runs are still subprocesses)."""
+    """convbias-sweep in this process (its train.py runs are still subprocesses)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = SWEEP_CLI.main(list(args))
@@ -134,15 +126,15 @@ def test_printed_commands_are_train_py_invocations_with_scaled_epochs(tmp_path):
     assert yaml.safe_load((out / 'sweep.yaml').read_text())['grid']['train_fraction'] == [0.05, 0.3, 1.0]
     for line in lines:
         argv = shlex.split(line)
-        assert argv[:2] == [sys.executable, str(REPO / 'train.py')]
-        cfg = parse_config(argv[2:])  # the engine's own parser accepts every printed command
+        assert argv[:3] == [sys.executable, '-m', 'convbias.cli.train']
+        cfg = parse_config(argv[3:])  # the engine's own parser accepts every printed command
         assert cfg.scale_epochs and cfg.epochs == 2
         assert effective_epochs(cfg)[0] == math.ceil(2 / cfg.train_fraction - 1e-9)
         assert cfg.eval_interval == round(2 / cfg.train_fraction)  # evaluations at equal images seen
         name = Path(cfg.output).name
         assert name == f"{cfg.model}__f{cfg.train_fraction:g}__seed0__locality_strength-{cfg.model_kwargs['locality_strength']}"
         assert cfg.model_kwargs['patch_size'] == 2
-    epochs = sorted({effective_epochs(parse_config(shlex.split(line)[2:]))[0] for line in lines})
+    epochs = sorted({effective_epochs(parse_config(shlex.split(line)[3:]))[0] for line in lines})
     assert epochs == [2, 7, 40]  # 2 / 1, ceil(2 / 0.3), 2 / 0.05
 
 
@@ -153,7 +145,7 @@ def test_launcher_prefix_and_no_scale_epochs(tmp_path):
     assert done.returncode == 0, done.stderr
     argv = shlex.split(done.stdout.strip())
     assert argv[:4] == ['accelerate', 'launch', '--num_processes', '2']
-    assert argv[4] == str(REPO / 'train.py') and '--scale-epochs' not in argv
+    assert argv[4:6] == ['-m', 'convbias.cli.train'] and '--scale-epochs' not in argv
 
 
 def test_the_digits_study_runs_on_an_image_folder(tmp_path):
@@ -171,7 +163,7 @@ def test_the_digits_study_runs_on_an_image_folder(tmp_path):
                      '--output', str(tmp_path / 'sweep'), '--dataset', 'folder', '--data-dir', str(tmp_path / 'data'),
                      '--set', 'img_size=16', 'model_kwargs.patch_size=4', '--print-commands')
     assert done.returncode == 0, done.stderr
-    configs = [parse_config(shlex.split(line)[2:]) for line in done.stdout.strip().splitlines()]
+    configs = [parse_config(shlex.split(line)[3:]) for line in done.stdout.strip().splitlines()]
     assert len(configs) == 12
     assert {(c.dataset, c.data_dir, c.img_size, c.model_kwargs['patch_size']) for c in configs} == {
         ('folder', str(tmp_path / 'data'), 16, 4)}
@@ -186,7 +178,7 @@ def test_the_paper_sweeps_give_valid_commands(tmp_path, name, runs):
     done = sweep_cli('run', str(REPO / 'configs' / 'sweeps' / f'{name}.yaml'), '--output', str(tmp_path / 'sweep'),
                      '--data-dir', str(tmp_path / 'imagenet'), '--print-commands')
     assert done.returncode == 0, done.stderr
-    configs = [parse_config(shlex.split(line)[2:]) for line in done.stdout.strip().splitlines()]
+    configs = [parse_config(shlex.split(line)[3:]) for line in done.stdout.strip().splitlines()]
     assert len(configs) == runs
     assert {(c.dataset, c.img_size, c.epochs) for c in configs} == {('imagenet', 224, 300)}
     if name == 'imagenet_sample_efficiency':  # Table 7.2: 300 / f epochs, DeiT recipe
@@ -273,7 +265,7 @@ def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path):
     out = tmp_path / 'sweep'
     first, second = out / 'runs' / 'convit_tiny__f1__seed0', out / 'runs' / 'convit_tiny__f0.25__seed0'
     with open(tmp_path / 'killed.log', 'w') as console:
-        process = subprocess.Popen([sys.executable, str(SCRIPT), 'run', str(sweep_file), '--output', str(out)],
+        process = subprocess.Popen([sys.executable, '-m', 'convbias.cli.sweep', 'run', str(sweep_file), '--output', str(out)],
                                    cwd=REPO, stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, 'OMP_NUM_THREADS': '1'})
         deadline = time.time() + 300

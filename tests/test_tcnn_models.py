@@ -56,7 +56,8 @@ def test_pretrained_loads_the_cnn_weights_offline_from_a_local_file(resnet18_fil
 def test_a_checkpoint_of_another_cnn_or_a_missing_file_is_a_clear_error(tmp_path):
     other = tmp_path / "resnet10t.pth"
     torch.save(timm.create_model("resnet10t").state_dict(), other)
-    with pytest.raises(ValueError, match=r"resnet10t\.pth' does not match resnet18 .*keys missing \(conv1\.weight, .*unexpected \(conv1\.0\.weight"):
+    with pytest.raises(ValueError, match=r"resnet10t\.pth does not fit this model .*missing keys: conv1\.weight, .*unexpected keys: "
+                       r"conv1\.0\.weight.*\(the CNN resnet18 of tcnn_resnet18\)"):
         timm.create_model("tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=dict(file=str(other)))
     missing = tmp_path / "nothing.safetensors"
     with pytest.raises(ValueError, match=r"pretrained file .*nothing\.safetensors' does not exist"):

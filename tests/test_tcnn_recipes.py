@@ -8,8 +8,8 @@ import timm
 import torch
 from safetensors.torch import load_file, save_file
 
-import engine
-from engine.config import parse_config
+from convbias.cli import train
+from convbias.engine.config import parse_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -24,19 +24,19 @@ def resnet18_file(tmp_path_factory):
 
 def test_recipes_hold_the_paper_values(resnet18_file, tmp_path):
     paths = ["--pretrained-file", str(resnet18_file), "--data-dir", str(tmp_path)]
-    finetune = parse_config(["-c", str(CONFIGS / "tcnn_finetune.yaml"), *paths])
+    finetune = parse_config(["-c", str(CONFIGS / "train" / "tcnn_finetune.yaml"), *paths])
     assert (finetune.model, finetune.opt, finetune.lr, finetune.epochs, finetune.sched) == ("tcnn_resnetrs50", "adamw", 1e-4, 50, "cosine")
     assert finetune.param_group_lr == {"gating_param": 0.1}
     assert finetune.img_size == 224 > timm.get_pretrained_cfg("resnetrs50").input_size[-1]  # above pretraining
     assert (finetune.drop_path, finetune.mixup, finetune.cutmix, finetune.aa) == (0.1, 0.8, 1.0, "rand-m9-mstd0.5-inc1")
-    baseline = parse_config(["-c", str(CONFIGS / "tcnn_finetune_without_sa.yaml"), *paths])
+    baseline = parse_config(["-c", str(CONFIGS / "train" / "tcnn_finetune_without_sa.yaml"), *paths])
     assert baseline.model == "resnetrs50" and baseline.param_group_lr == {}
     assert {k: v for k, v in baseline.items() if k not in ("model", "param_group_lr", "output", "config")} == {
         k: v for k, v in finetune.items() if k not in ("model", "param_group_lr", "output", "config")
     }
-    reparam = parse_config(["-c", str(CONFIGS / "tcnn_reparametrize.yaml"), "--data-dir", str(tmp_path)])
+    reparam = parse_config(["-c", str(CONFIGS / "train" / "tcnn_reparametrize.yaml"), "--data-dir", str(tmp_path)])
     assert (reparam.model, reparam.opt, reparam.epochs, reparam.reparametrize_at_epoch) == ("resnet50", "sgd", 400, 100)
-    assert reparam.reparametrize_kwargs == {"init": "paper", "keep_stride": False}
+    assert reparam.reparametrize_kwargs == {"init": "paper", "keep_stride": False} and reparam.reparametrize == "tcnn"
 
 
 SMALL_RUN = ["--dataset", "digits", "--img-size", "32", "--batch-size", "32", "--train-fraction", "0.1",
@@ -44,7 +44,7 @@ SMALL_RUN = ["--dataset", "digits", "--img-size", "32", "--batch-size", "32", "-
 
 
 def test_train_py_fine_tunes_a_tcnn_from_a_local_pretrained_file(resnet18_file, tmp_path):
-    results = engine.run(["--model", "tcnn_resnet18", "--pretrained", "--pretrained-file", str(resnet18_file),
+    results = train.run(["--model", "tcnn_resnet18", "--pretrained", "--pretrained-file", str(resnet18_file),
                           "--epochs", "1", "--lr", "1e-4", "--param-group-lr", "gating_param=0.1",
                           "--output", str(tmp_path / "run"), *SMALL_RUN])
     assert results["model"] == "tcnn_resnet18" and results["epochs"] == 1
@@ -52,7 +52,7 @@ def test_train_py_fine_tunes_a_tcnn_from_a_local_pretrained_file(resnet18_file, 
 
 
 def test_train_py_reparametrizes_a_cnn_during_training(tmp_path):
-    results = engine.run(["--model", "resnet18", "--epochs", "2", "--reparametrize-at-epoch", "1",
+    results = train.run(["--model", "resnet18", "--epochs", "2", "--reparametrize", "tcnn", "--reparametrize-at-epoch", "1",
                           "--reparametrize-kwargs", "keep_stride=true", "--output", str(tmp_path / "run"), *SMALL_RUN])
     assert results["epochs"] == 2
     names = load_file(str(tmp_path / "run" / "checkpoints" / "last" / "model.safetensors")).keys()

@@ -202,14 +202,17 @@ def test_parameter_counts_match_table_g1():
 
 
 def test_attention_map_figure_has_one_row_per_layer_and_one_column_per_head(tmp_path):
-    from transformed_cnn import plot_query_attention_maps
+    from PIL import Image
+
+    from convbias.evaluation.figures import plot_attention_maps
+    from transformed_cnn import query_maps
 
     tcnn = transform(timm.create_model("resnet18"))
     with torch.no_grad():
         tcnn.layer4[0].conv1.gating_param.copy_(torch.linspace(-2, 2, 9))
-    figure = plot_query_attention_maps(tcnn, IMAGES[0])
-    assert len(figure.axes) == 4 * 10
-    assert figure.axes[0].get_title() == "layer4.0.conv1"
-    assert [ax.get_title() for ax in figure.axes[1:10]] == [f"{g:.2f}" for g in torch.linspace(-2, 2, 9).sigmoid().tolist()]
-    figure.savefig(tmp_path / "maps.png")
-    assert (tmp_path / "maps.png").stat().st_size > 0
+    maps, queries, gates = query_maps(tcnn, IMAGES[0])
+    assert list(maps) == ["layer4.0.conv1", "layer4.0.conv2", "layer4.1.conv1", "layer4.1.conv2"]
+    assert all(m.shape[0] == 9 for m in maps.values())
+    torch.testing.assert_close(torch.tensor(gates["layer4.0.conv1"]), torch.linspace(-2, 2, 9).sigmoid())
+    width, height = Image.open(plot_attention_maps(IMAGES[0], maps, queries, tmp_path / "maps.png", gates=gates)).size
+    assert width > 2 * height  # 10 panels a row (the image and 9 heads), 4 rows

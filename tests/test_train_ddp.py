@@ -18,10 +18,11 @@ REPO = Path(__file__).resolve().parents[1]
 DUMP_WEIGHTS = """
 import sys
 from safetensors.torch import save_file
-from engine.config import parse_config
-from engine.trainer import Trainer
+from convbias.engine.config import parse_config
+from convbias.engine.trainer import Trainer
+from convbias.families import load_families
 dump_dir, args = sys.argv[1], sys.argv[2:]
-trainer = Trainer(parse_config(args))
+trainer = Trainer(parse_config(args), load_families())
 trainer.fit()
 rank = trainer.accelerator.process_index
 weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()

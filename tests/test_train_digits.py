@@ -7,10 +7,10 @@ import pytest
 import timm
 import torch
 
-import engine
-from engine.checkpoint import load_weights, save_weights
-from engine.config import parse_config
-from engine.run_log import SUMMARY_FIELDS
+from convbias.cli import train
+from convbias.engine.checkpoint import load_weights, save_weights
+from convbias.engine.config import parse_config
+from convbias.engine.run_log import SUMMARY_FIELDS
 
 # A 2-block ConViT (one GPSA block, one SA block) of width 64 on the 8x8 digits: 16 tokens of 2x2 pixels.
 MODEL_ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
@@ -22,7 +22,7 @@ TRAIN_ARGS = MODEL_ARGS + ["--no-aug", "--repeated-aug", "1", "--batch-size", "1
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("digits") / "run"
-    results = engine.run(TRAIN_ARGS + ["--epochs", "3", "--output", str(output)])
+    results = train.run(TRAIN_ARGS + ["--epochs", "3", "--output", str(output)])
     return output, results
 
 
@@ -58,7 +58,7 @@ def test_output_dir_holds_log_config_and_checkpoints(digits_run):
 
 def test_eval_only_prints_top1_and_top5(digits_run, capsys):
     output, results = digits_run
-    assert engine.main(MODEL_ARGS + ["--eval-only", "--checkpoint", str(output), "--workers", "0"]) == 0
+    assert train.main(MODEL_ARGS + ["--eval-only", "--checkpoint", str(output), "--workers", "0"]) == 0
     printed = re.search(r"top1 ([\d.]+)\s+top5 ([\d.]+)", capsys.readouterr().out)
     assert printed, "eval-only printed no top1/top5"
     assert float(printed.group(1)) == pytest.approx(results["best_top1"], abs=0.01)
@@ -69,7 +69,7 @@ def test_wandb_offline_run_writes_a_local_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     output = tmp_path / "run"
-    engine.run(TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--log-wandb", "--output", str(output)])
+    train.run(TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--log-wandb", "--output", str(output)])
     runs = list((output / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((output / "wandb").iterdir())
     assert (output / "results.json").is_file()
@@ -79,7 +79,7 @@ def test_ema_and_hard_distillation_from_a_local_teacher(tmp_path):
     teacher = timm.create_model("resnet18", num_classes=10, in_chans=1)
     save_weights(teacher.state_dict(), tmp_path / "teacher.safetensors")
     output = tmp_path / "run"
-    engine.run(TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--model-ema", "--model-ema-decay", "0.9",
+    train.run(TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--model-ema", "--model-ema-decay", "0.9",
                              "--distill-teacher", "resnet18", "--distill-teacher-file",
                              str(tmp_path / "teacher.safetensors"), "--output", str(output)])
     record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
@@ -88,10 +88,12 @@ def test_ema_and_hard_distillation_from_a_local_teacher(tmp_path):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    from engine.config import parse_config
-    from engine.trainer import NonFiniteLossError, Trainer
+    from convbias.engine.config import parse_config
+    from convbias.engine.trainer import NonFiniteLossError, Trainer
+    from convbias.families import load_families
     output = tmp_path / "run"
-    trainer = Trainer(parse_config(TRAIN_ARGS + ["--epochs", "2", "--train-fraction", "0.2", "--output", str(output)]))
+    trainer = Trainer(parse_config(TRAIN_ARGS + ["--epochs", "2", "--train-fraction", "0.2", "--output", str(output)]),
+                      load_families())
     real_loss = trainer.train_loss
 
     def diverging(outputs, targets):  # fine in epoch 1, NaN from epoch 2 on
@@ -111,7 +113,7 @@ def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path):
     source = timm.create_model("resnet18", num_classes=1000)  # ImageNet-shaped: 3 channels, 1000 classes
     save_weights(source.state_dict(), tmp_path / "resnet18.safetensors")
     output = tmp_path / "run"
-    engine.run(["--model", "resnet18", "--pretrained-file", str(tmp_path / "resnet18.safetensors"), "--img-size", "32",
+    train.run(["--model", "resnet18", "--pretrained-file", str(tmp_path / "resnet18.safetensors"), "--img-size", "32",
                 "--no-aug", "--repeated-aug", "1", "--train-fraction", "0.1", "--batch-size", "16", "--workers", "0",
                 "--epochs", "1", "--save-epochs", "0", "--no-diagnostics", "--output", str(output)])
     start = load_file(output / "checkpoints" / "epoch_0.safetensors")

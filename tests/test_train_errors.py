@@ -8,8 +8,8 @@ import pytest
 import timm
 import torch
 
-import engine
-from engine.checkpoint import save_weights
+from convbias.cli import train
+from convbias.engine.checkpoint import save_weights
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
@@ -26,7 +26,7 @@ def output(tmp_path):
 
 
 def run_cli(capsys, args):
-    code = engine.main(args)
+    code = train.main(args)
     err = capsys.readouterr().err.strip().splitlines()
     return code, err
 
@@ -99,7 +99,7 @@ def test_unreadable_image_is_skipped_and_counted_in_the_log(tmp_path):
     (tmp_path / "data" / "train" / "class_0" / "broken.png").write_bytes(b"not a png")
     output = tmp_path / "run"
     with pytest.warns(UserWarning, match="broken.png"):
-        engine.run(["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
+        train.run(["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
                     "embed_dim=16", "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--img-size", "16",
                     "--no-aug", "--repeated-aug", "1", "--batch-size", "4", "--workers", "0", "--epochs", "1",
                     "--output", str(output)])

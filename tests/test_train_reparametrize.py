@@ -5,21 +5,21 @@ import json
 import pytest
 import torch
 
-import engine
-from engine.checkpoint import load_training_state
+from convbias.cli import train
+from convbias.engine.checkpoint import load_training_state
 
 pytest.importorskip("transformed_cnn.transform")
 
 ARGS = ["--model", "resnet18", "--dataset", "digits", "--img-size", "32", "--crop-pct", "1", "--no-aug",
         "--repeated-aug", "1", "--train-fraction", "0.2", "--batch-size", "16", "--lr", "1e-3",
         "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--drop-path", "0",
-        "--reparametrize-at-epoch", "1", "--reparametrize-kwargs", "init=paper", "--no-diagnostics",
+        "--reparametrize", "tcnn", "--reparametrize-at-epoch", "1", "--reparametrize-kwargs", "init=paper", "--no-diagnostics",
         "--param-group-lr", "gating_param=0.1"]
 
 
 def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, capsys):
     output = tmp_path / "run"
-    results = engine.run(ARGS + ["--output", str(output)])
+    results = train.run(ARGS + ["--output", str(output)])
     assert "reparametrized the model" in capsys.readouterr().out
     assert results["final_top1"] is not None
 
@@ -39,7 +39,7 @@ def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, c
 
     # the checkpoint is a T-CNN: eval-only rebuilds the transformed architecture before loading it
     eval_args = ARGS[:ARGS.index("--reparametrize-at-epoch")] + ["--reparametrize-kwargs", "init=paper", "--no-diagnostics"]
-    metrics = engine.run(eval_args + ["--eval-only", "--checkpoint", str(output / "checkpoints" / "last")])
+    metrics = train.run(eval_args + ["--eval-only", "--checkpoint", str(output / "checkpoints" / "last")])
     assert metrics["eval_top1"] == pytest.approx(results["final_top1"])
     assert json.loads((output / "results.json").read_text())["epochs"] == 2
     assert torch.is_tensor(state["rng"][0]["torch"])

@@ -6,9 +6,9 @@ import timm
 import torch
 
 import convit  # noqa: F401  (registers the project's models)
-from engine.checkpoint import CheckpointDir, find_resume_point, load_training_state, load_weights
-from engine.config import ConfigError, effective_epochs, parse_config
-from engine.recipe import create_optimizer, create_scheduler, param_groups, rebuild_optimizer
+from convbias.engine.checkpoint import CheckpointDir, find_resume_point, load_training_state, load_weights
+from convbias.engine.config import ConfigError, effective_epochs, parse_config
+from convbias.engine.recipe import create_optimizer, create_scheduler, param_groups, rebuild_optimizer
 
 
 def test_yaml_base_and_command_line_precedence(tmp_path):
@@ -113,7 +113,7 @@ def test_load_weights_reads_torch_files_without_unpickling_objects(tmp_path):
 
 
 def test_hard_distillation_loss_is_deit_average():
-    from engine.recipe import HardDistillationLoss
+    from convbias.engine.recipe import HardDistillationLoss
     teacher = torch.nn.Linear(6, 4)
     images, targets = torch.randn(8, 6), torch.randint(0, 4, (8,))
     class_logits, distill_logits = torch.randn(8, 4), torch.randn(8, 4)
@@ -128,8 +128,8 @@ def test_hard_distillation_loss_is_deit_average():
 
 
 @pytest.mark.parametrize("recipe", sorted(str(p.relative_to(Path(__file__).parents[1])) for p in
-                                          Path(__file__).parents[1].glob("configs/convit/*/*.yaml")
-                                          if not p.name.startswith("_")) + ["configs/demo_digits.yaml"])
+                                          Path(__file__).parents[1].glob("configs/train/convit/*/*.yaml")
+                                          if not p.name.startswith("_")) + ["configs/train/demo_digits.yaml"])
 def test_recipes_parse_and_name_registered_models(recipe):
     cfg = parse_config(["-c", str(Path(__file__).parents[1] / recipe)])
     assert timm.is_model(cfg.model), cfg.model

@@ -5,10 +5,10 @@ tcnn_resnetrs50, ...) in timm's registry.
 """
 from .gpsa_conv import GPSAConv2d
 from .transform import INITS, gpsa_layers, remove_stage_stride, transform
-from .diagnostics import query_attention_maps, plot_query_attention_maps
+from .diagnostics import query_attention_maps, query_maps
 from . import models
 
 __all__ = [
     "GPSAConv2d", "INITS", "gpsa_layers", "remove_stage_stride", "transform",
-    "query_attention_maps", "plot_query_attention_maps", "models",
+    "query_attention_maps", "query_maps", "models",
 ]

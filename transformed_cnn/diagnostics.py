@@ -1,7 +1,8 @@
 """Attention maps of one query pixel in every GPSA layer of a Transformed CNN (Fig. 8.5).
 
-Per-head attention span 1/alpha_h and gating sigma(lambda_h) over training (Fig. 8.4) are logged by
-`convit.diagnostics.summary`, which reads `pos_proj` and `gating_param` of any layer.
+`convbias.evaluation.figures.plot_attention_maps` draws them. Per-head attention span 1/alpha_h and
+gating sigma(lambda_h) over training (Fig. 8.4) are logged with the other attention diagnostics
+(`convit.diagnostics.summary` reads `pos_proj` and `gating_param` of any gated layer).
 """
 from __future__ import annotations
 
@@ -52,29 +53,13 @@ def query_attention_maps(
     return maps
 
 
-def plot_query_attention_maps(model: nn.Module, image: torch.Tensor, query: Tuple[float, float] = (0.5, 0.5)):
-    """Figure like Fig. 8.5 for one normalized (C, H, W) image: the image with the query marked, then
-    one row per GPSA layer and one column per head, each titled with sigma(lambda_h) in red.
-    Returns a matplotlib Figure (`fig.savefig('maps.png')`)."""
-    from matplotlib.figure import Figure
-
-    maps = query_attention_maps(model, image.unsqueeze(0), query)
+def query_maps(
+    model: nn.Module, image: torch.Tensor, query: Tuple[float, float] = (0.5, 0.5)
+) -> Tuple[dict[str, torch.Tensor], dict[str, Tuple[float, float]], dict[str, list[float]]]:
+    """What `convbias.evaluation.figures.plot_attention_maps` draws for one (C, H, W) image (Fig. 8.5):
+    ({layer: (heads, H_in, W_in) maps}, {layer: query (row, col) on that map}, {layer: gates})."""
+    maps = {name: attn[0] for name, attn in query_attention_maps(model, image.unsqueeze(0), query).items()}
     layers = gpsa_layers(model)
-    heads = max(layer.num_heads for layer in layers.values())
-    fig = Figure(figsize=(1.6 * (heads + 1), 1.7 * len(maps)), layout="constrained")
-    axes = fig.subplots(len(maps), heads + 1, squeeze=False)
-    shown = image.detach().float().cpu()
-    shown = ((shown - shown.amin()) / (shown.amax() - shown.amin()).clamp_min(1e-12)).permute(1, 2, 0).squeeze(-1)
-    for row, (name, attn) in enumerate(maps.items()):
-        gates = layers[name].gate().tolist()
-        for ax, picture, height, width in [(axes[row, 0], shown, *image.shape[-2:])] + [
-            (axes[row, head + 1], attn[0, head].float().cpu(), *attn.shape[-2:]) for head in range(attn.shape[1])
-        ]:
-            ax.imshow(picture.numpy(), cmap="viridis")
-            ax.plot(query[1] * width - 0.5, query[0] * height - 0.5, "s", mfc="none", mec="red", ms=6)
-        for head in range(heads):
-            axes[row, head + 1].set_title(f"{gates[head]:.2f}" if head < len(gates) else "", color="red", fontsize=8)
-        axes[row, 0].set_title(name, fontsize=8)
-        for ax in axes[row]:
-            ax.axis("off")
-    return fig
+    queries = {name: (query[0] * m.shape[-2], query[1] * m.shape[-1]) for name, m in maps.items()}
+    gates = {name: layers[name].gate().tolist() for name in maps}
+    return maps, queries, gates

@@ -22,7 +22,7 @@ Shapes (C_in -> C_out, N_q queries, N_k keys):
   that padded grid, i.e. on the strided grid for a strided conv. Border queries thus see the same
   zeros as the convolution does; the output has exactly the conv's shape, no crop needed.
 
-Hot path (`fused = True`): ConViT's `convit.attention.gated_attention` with the value shared by all
+Hot path (`fused = True`): `convbias.gpsa.gated_attention`, the ConViT's, with the value shared by all
 heads, (B, 1, N_k, C_in), and the positional attention P computed once per forward in factored
 form (query rows x padded key rows, query columns x padded key columns). It picks its schedule from
 the shapes: in late stages (C_in >= N_q) it mixes the two attentions first and applies them in one
@@ -32,24 +32,22 @@ runs the explicit path: the normalized attention of `attention()`, then one prod
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 
-from convit.attention import (
-    PositionalFactors, gated_attention, grid_positions, kernel_offsets, positional_attention, positional_factors,
-    relative_encodings,
+from timm.layers import to_2tuple
+
+from convbias.gpsa import (
+    GatedPositionalAttention, GridSize, PositionalFactors, grid_positions, kernel_offsets, positional_attention,
+    positional_factors, relative_encodings,
 )
 
 
-def _pair(value) -> Tuple[int, int]:
-    return (value, value) if isinstance(value, int) else tuple(value)
-
-
-class GPSAConv2d(nn.Module):
+class GPSAConv2d(GatedPositionalAttention):
     """Gated positional self-attention shaped like `nn.Conv2d`: NCHW in, NCHW out, same output size."""
 
     def __init__(
@@ -65,15 +63,15 @@ class GPSAConv2d(nn.Module):
         gating: float = 1.0,
     ):
         super().__init__()
-        kernel_size = _pair(kernel_size)
+        kernel_size = to_2tuple(kernel_size)
         if kernel_size[0] != kernel_size[1]:
             raise ValueError(f"GPSAConv2d needs a square kernel (one head per tap), got kernel_size={kernel_size}")
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.kernel_size = kernel_size
-        self.stride = _pair(stride)
-        self.padding = _pair(padding)
-        self.dilation = _pair(dilation)
+        self.stride = to_2tuple(stride)
+        self.padding = to_2tuple(padding)
+        self.dilation = to_2tuple(dilation)
         self.num_heads = kernel_size[0] ** 2
         self.qk_head_dim = max(1, in_channels // self.num_heads)
 
@@ -82,9 +80,6 @@ class GPSAConv2d(nn.Module):
         self.proj = nn.Linear(self.num_heads * in_channels, out_channels, bias=bias)
         self.pos_proj = nn.Linear(3, self.num_heads)
         self.gating_param = nn.Parameter(torch.empty(self.num_heads))
-
-        self.fused = True  # False: the explicit path (normalized attention), for tests and diagnostics
-        self.gate_override: Optional[float] = None  # test-time mask: 0 = content only, 1 = position only
         self._geometry_cache: dict = {}
         self.reset_parameters(locality_strength, gating)
 
@@ -116,9 +111,7 @@ class GPSAConv2d(nn.Module):
         trunc_normal_(self.proj.weight, std=0.02)
         if self.proj.bias is not None:
             self.proj.bias.zero_()
-        offsets = self.tap_offsets()
-        alpha = float(locality_strength)
-        self.pos_proj.weight.copy_(alpha * torch.cat([2 * offsets, -torch.ones(self.num_heads, 1)], dim=1))
+        self.set_conv_init(self.tap_offsets(), locality_strength)
         self.pos_proj.bias.zero_()
         self.gating_param.fill_(float(gating))
 
@@ -162,20 +155,14 @@ class GPSAConv2d(nn.Module):
         return self._geometry_cache[key]
 
     # -- pieces ---------------------------------------------------------------------------------
-    def gate(self) -> torch.Tensor:
-        """Weight on the positional attention per head, sigma(lambda_h) unless overridden."""
-        if self.gate_override is not None:
-            return torch.full_like(self.gating_param, float(self.gate_override))
-        return torch.sigmoid(self.gating_param)
-
-    def positional_attention(self, height: int, width: int) -> torch.Tensor:
-        """(heads, N_q, N_k) positional attention for an input map of this size."""
-        geometry = self._geometry(height, width, self.pos_proj.weight.device)
+    def positional_attention(self, grid: GridSize) -> torch.Tensor:
+        """(heads, N_q, N_k) positional attention for an input map of size grid = (height, width)."""
+        geometry = self._geometry(*grid, self.pos_proj.weight.device)
         return positional_attention(geometry["rel"], self.pos_proj)
 
-    def positional_factors(self, height: int, width: int) -> PositionalFactors:
+    def positional_factors(self, grid: GridSize) -> PositionalFactors:
         """The same attention in factored form (the hot path's): query rows x padded key rows, likewise columns."""
-        return positional_factors(self.pos_proj, *self._geometry(height, width, self.pos_proj.weight.device)["axes"])
+        return positional_factors(self.pos_proj, *self._geometry(*grid, self.pos_proj.weight.device)["axes"])
 
     def _qkv(self, x: torch.Tensor):
         """Queries (B, heads, N_q, d), keys (B, heads, N_k, d), value shared by the heads (B, 1, N_k, C_in)."""
@@ -191,22 +178,13 @@ class GPSAConv2d(nn.Module):
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """The explicit, normalized attention A, shape (B, heads, N_q, N_k) over the padded key grid."""
         q, k, _ = self._qkv(x)
-        return self._explicit_attention(q, k, *x.shape[-2:])
-
-    def _explicit_attention(self, q, k, height, width):
-        content = ((q @ k.transpose(-2, -1)) * self.qk_head_dim**-0.5).softmax(dim=-1)
-        gate = self.gate().view(1, -1, 1, 1).to(content.dtype)
-        attn = (1.0 - gate) * content + gate * self.positional_attention(height, width).to(content.dtype)
-        return attn / attn.sum(dim=-1, keepdim=True)
+        return self.explicit_attention(q, k, self.positional_attention(tuple(x.shape[-2:])))
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, _, h, w = x.shape
         q, k, v = self._qkv(x)
-        if self.fused:
-            heads = gated_attention(q, k, v, self.positional_factors(h, w), self.gate())
-        else:
-            heads = self._explicit_attention(q, k, h, w) @ v
+        heads = self.attend(q, k, v, (h, w))
         out_h, out_w = self._geometry(h, w, x.device)["out_size"]
         out = self.proj(heads.transpose(1, 2).reshape(b, out_h * out_w, -1))  # (B, N_q, heads * C_in)
         return out.transpose(1, 2).reshape(b, self.out_channels, out_h, out_w)

@@ -18,7 +18,9 @@ import re
 
 import timm
 import torch.nn as nn
-from timm.models import load_state_dict, register_model
+from timm.models import register_model
+
+from convbias.weights import check_compatible, read_state_dict
 
 from .transform import transform
 
@@ -50,24 +52,12 @@ def create_tcnn(cnn_name: str, pretrained: bool = False, **kwargs) -> nn.Module:
     except RuntimeError as error:
         if not str(error).startswith("Error(s) in loading state_dict") or "file" not in (overlay or {}):
             raise
-        mismatch = _describe_mismatch(timm.create_model(cnn_name, **kwargs), overlay["file"])
-        raise ValueError(f"pretrained file {overlay['file']!r} does not match {cnn_name} (the CNN of tcnn_{cnn_name}): {mismatch}") from None
+        try:
+            check_compatible(timm.create_model(cnn_name, **kwargs), read_state_dict(overlay["file"]), overlay["file"])
+        except ValueError as mismatch:
+            raise ValueError(f"{mismatch} (the CNN {cnn_name} of tcnn_{cnn_name})") from None
+        raise
     return transform(cnn, **transform_kwargs)
-
-
-def _describe_mismatch(model: nn.Module, path: str, shown: int = 3) -> str:
-    """One line: how many keys are missing / unexpected / of another shape, with the first few."""
-    checkpoint = load_state_dict(path)
-    expected = model.state_dict()
-    groups = {
-        "missing": [k for k in expected if k not in checkpoint],
-        "unexpected": [k for k in checkpoint if k not in expected],
-        "of another shape": [k for k in expected if k in checkpoint and checkpoint[k].shape != expected[k].shape],
-    }
-    return "; ".join(
-        f"{len(keys)} keys {what} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
-        for what, keys in groups.items() if keys
-    )
 
 
 def _make_entrypoint(cnn_name: str):

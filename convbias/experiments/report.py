@@ -1,6 +1,6 @@
 """Sweep report from the CSV alone: markdown tables like Tables 7.2/7.3 and plots like Figs. 7.2/7.9.
 
-The CSV has one row per run (written by ``engine.sweep``). Its columns are the grid factors
+The CSV has one row per run (written by ``convbias.experiments.sweep``). Its columns are the grid factors
 (``variant`` or ``model``, ``train_fraction``, any swept option such as ``locality_strength``), the
 replicate ``seed`` and the results (``top1``, ``top5``, ``best_top1``, ...). Runs that differ only by
 seed are aggregated as mean +- std (sample std, n-1; 0 for one seed).
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engine.sweep import RESULT_COLUMNS, TIME_COLUMN
+from .sweep import RESULT_COLUMNS, TIME_COLUMN
 
 METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
 ID_COLUMNS = ('run', 'seed')
@@ -62,7 +62,7 @@ def read_runs(path: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f'{path} holds no runs')
     for column in ('model', 'top1'):
         if column not in rows[0]:
-            raise ValueError(f'{path} has no {column!r} column; expected a CSV written by scripts/sweep.py')
+            raise ValueError(f'{path} has no {column!r} column; expected a CSV written by convbias-sweep')
     return rows
 
 

@@ -16,8 +16,6 @@ optimizer step sees the same number of batches.
 """
 from __future__ import annotations
 
-import difflib
-import importlib
 import math
 import time
 from itertools import islice
@@ -36,66 +34,21 @@ from . import recipe
 from .checkpoint import (CheckpointDir, find_resume_point, load_training_state, load_weights,
                          rng_state, set_rng_state, weights_metadata, EMA_FILE, WEIGHTS_FILE)
 from .config import Config, effective_epochs, write_config
-from .errors import ConfigError, NonFiniteLossError
 from .diagnostics import ModelDiagnostics
+from .errors import ConfigError, NonFiniteLossError
+from .extensions import Extensions
+from .modeling import check_model_name, create_model
 from .run_log import RunLog
 
-MODEL_FAMILIES = ("convit", "transformed_cnn", "efcn")
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
-
-
-def import_model_families() -> None:
-    """Register the project's models in timm's registry; a family that is not installed is skipped."""
-    for family in MODEL_FAMILIES:
-        try:
-            importlib.import_module(family)
-        except ModuleNotFoundError as e:
-            if e.name != family:
-                raise
-
-
-def check_model_name(name: str, option: str = "--model") -> None:
-    if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.5)
-        hint = f"; close choices: {', '.join(close)}" if close else "; see timm.list_models()"
-        raise ConfigError(f"unknown model '{name}' for {option}{hint}")
-
-
-def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
-    """timm.create_model with the run's options; pretrained weights come from a local file only."""
-    kwargs: dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=cfg.drop_path or None,
-                                  in_chans=None if in_chans == 3 else in_chans, pretrained=cfg.pretrained)
-    if cfg.pretrained_file:
-        kwargs["pretrained_cfg_overlay"] = dict(file=str(Path(cfg.pretrained_file).resolve()))
-    kwargs.update(cfg.model_kwargs)
-    kwargs.setdefault("img_size", cfg.img_size)
-    try:
-        try:
-            return timm.create_model(cfg.model, **kwargs)
-        except TypeError as e:  # CNNs take no img_size: they run at any resolution
-            if "img_size" not in str(e) or "img_size" in cfg.model_kwargs:
-                raise
-            kwargs.pop("img_size")
-            return timm.create_model(cfg.model, **kwargs)
-    except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
-        raise ConfigError(f"cannot build {cfg.model} with {cfg.model_kwargs or 'default arguments'}: "
-                          f"{str(e).splitlines()[0]}") from None
-
-
-def transform_model(model: torch.nn.Module, kwargs: dict) -> torch.nn.Module:
-    """T-CNN reparametrization (transformed_cnn.transform), imported only when used."""
-    try:
-        from transformed_cnn import transform
-    except ImportError as e:
-        raise ConfigError(f"--reparametrize-at-epoch needs transformed_cnn.transform ({e})") from None
-    return transform(model, **kwargs)
 
 
 class Trainer:
     """One run: set-up checks in ``__init__`` (nothing is written yet), then ``fit()`` or ``evaluate_only()``."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, extensions: Extensions | None = None):
         self.cfg = cfg
+        self.extensions = extensions or Extensions()
         self.accelerator = acc = Accelerator(
             mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps,
             log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None)
@@ -104,8 +57,8 @@ class Trainer:
         self.global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
         self.lr = cfg.lr if cfg.lr is not None else cfg.lr_base * self.global_batch / cfg.lr_base_size
 
-        import_model_families()
         check_model_name(cfg.model)
+        self._check_reparametrization()
         if cfg.distill_teacher:
             check_model_name(cfg.distill_teacher, "--distill-teacher")
         self.resume_point = self._check_output_dir()
@@ -132,10 +85,13 @@ class Trainer:
         model = create_model(cfg, self.data.num_classes, self.data.in_chans)
         if self.resume_state:
             self.reparametrized = self.resume_state["reparametrized"]
-        else:  # a checkpoint written after --reparametrize-at-epoch needs the transformed architecture
-            self.reparametrized = bool(cfg.checkpoint) and weights_metadata(cfg.checkpoint).get("reparametrized") == "True"
+        else:  # a checkpoint written after --reparametrize-at-epoch needs the changed architecture
+            metadata = weights_metadata(cfg.checkpoint) if cfg.checkpoint else {}
+            self.reparametrized = metadata.get("reparametrized") == "True"
+            cfg.reparametrize = cfg.reparametrize or metadata.get("reparametrization") or None
+            self._check_reparametrization()
         if self.reparametrized:
-            model = transform_model(model, cfg.reparametrize_kwargs)
+            model = self._reparametrized(model)
         if cfg.checkpoint and not self.resume_point:
             load_weights(model, cfg.checkpoint)
         if self.resume_point:
@@ -181,7 +137,7 @@ class Trainer:
         if cfg.diagnostics:
             count = min(cfg.diagnostics_images, len(self.data.val))
             images = torch.stack([self.data.val[i][0] for i in range(count)]).to(acc.device)
-            self.diagnostics = ModelDiagnostics(images)
+            self.diagnostics = ModelDiagnostics(images, self.extensions.diagnostics)
 
     # ------------------------------------------------------------------------------------ set-up checks
     def _check_output_dir(self) -> Path | None:
@@ -196,6 +152,22 @@ class Trainer:
                 raise ConfigError(f"output dir {self.output} already holds a run ({', '.join(earlier)}); "
                                   f"pass --resume auto to continue it, or choose another --output")
         return point
+
+    def _check_reparametrization(self) -> None:
+        """--reparametrize names one of the composition root's reparametrizations (needed by
+        --reparametrize-at-epoch, and to rebuild a model from a checkpoint written after one)."""
+        name, known = self.cfg.reparametrize, self.extensions.reparametrizations
+        if name is not None and name not in known:
+            raise ConfigError(f"unknown --reparametrize '{name}'; choices: {', '.join(known) or 'none registered'}")
+        if self.cfg.reparametrize_at_epoch is not None and name is None:
+            raise ConfigError(f"--reparametrize-at-epoch needs --reparametrize NAME; choices: {', '.join(known) or 'none registered'}")
+
+    def _reparametrized(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model after the run's reparametrization (--reparametrize with --reparametrize-kwargs)."""
+        if self.cfg.reparametrize is None:
+            raise ConfigError("the weights to load were written after a reparametrization: pass the run's "
+                              "--reparametrize NAME and --reparametrize-kwargs to rebuild its architecture")
+        return self.extensions.reparametrizations[self.cfg.reparametrize](model, **self.cfg.reparametrize_kwargs)
 
     def _create_teacher(self) -> torch.nn.Module:
         cfg = self.cfg
@@ -400,22 +372,21 @@ class Trainer:
         self.accelerator.wait_for_everyone()
 
     def _metadata(self, epoch: int) -> dict[str, str]:
-        return {"model": self.cfg.model, "epoch": str(epoch), "reparametrized": str(self.reparametrized)}
+        return {"model": self.cfg.model, "epoch": str(epoch), "reparametrized": str(self.reparametrized),
+                "reparametrization": self.cfg.reparametrize or ""}
 
     # ------------------------------------------------------------------------------ reparametrization
     def _reparametrize(self) -> None:
-        """Transform the model (T-CNN), keep the optimizer state of surviving parameters, re-prepare."""
+        """Change the model's architecture mid-run, keep the optimizer state of surviving parameters, re-prepare."""
         cfg, acc = self.cfg, self.accelerator
-        model = acc.unwrap_model(self.model)
-        old_optimizer = self.optimizer.optimizer
-        new_model = transform_model(model, cfg.reparametrize_kwargs).to(acc.device)
-        optimizer = recipe.rebuild_optimizer(cfg, new_model, self.lr, old_optimizer)
+        new_model = self._reparametrized(acc.unwrap_model(self.model)).to(acc.device)
+        optimizer = recipe.rebuild_optimizer(cfg, new_model, self.lr, self.optimizer.optimizer)
         if self.ema is not None:
-            self.ema.module = transform_model(self.ema.module, cfg.reparametrize_kwargs).to(acc.device)
+            self.ema.module = self._reparametrized(self.ema.module).to(acc.device)
         acc.free_memory()  # drop accelerate's references to the old model and optimizer
         self.model, self.optimizer = acc.prepare(new_model, optimizer)  # the eval loader stays prepared
         self.scheduler = recipe.create_scheduler(cfg, self.optimizer, self.epochs, self.warmup_epochs,
                                                  self.steps_per_epoch // cfg.grad_accum_steps)
         self.scheduler.step_update(self.num_updates)
         self.reparametrized = True
-        acc.print(f"reparametrized the model with transformed_cnn.transform({cfg.reparametrize_kwargs})")
+        acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")

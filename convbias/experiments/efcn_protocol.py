@@ -9,22 +9,19 @@
    local / off-local blocks alone; interpolate CNN -> eFCN (linear, string, output space).
 5. Write CSVs and the figures 6.2-6.7 and E.6 into --output.
 
-All training goes through the engine (engine.run), so the train stage runs on one CPU or under
+All training goes through the engine (`convbias.engine.run`), so the train stage runs on one CPU or under
 `accelerate launch` on many GPUs; the analyze stage runs in one process:
 
-    python scripts/efcn_protocol.py -c configs/efcn_cpu.yaml --output results/efcn
-    accelerate launch scripts/efcn_protocol.py -c configs/efcn_cifar10.yaml --stage train --output runs/efcn
-    python scripts/efcn_protocol.py -c configs/efcn_cifar10.yaml --stage analyze --output runs/efcn
+    convbias-efcn-protocol -c configs/efcn_protocol/efcn_cpu.yaml --output results/efcn
+    accelerate launch -m convbias.cli.efcn_protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
+    convbias-efcn-protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage analyze --output runs/efcn
 
 Finished runs (with results.json) are not retrained, so an interrupted protocol resumes.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -34,7 +31,14 @@ import torch
 import yaml
 
 import efcn
-from efcn import landscape, plots
+from convbias import engine
+from convbias.engine.data import build_datasets
+from convbias.engine.errors import ConfigError
+from convbias.evaluation import landscape
+from convbias.families import load_families
+from convbias.weights import load_weights
+
+from . import efcn_figures as plots
 
 DEFAULTS = dict(
     model="vanilla_cnn",            # the CNN; efcn_<model> and fcn_<model> must be registered
@@ -61,23 +65,24 @@ def load_config(path: str | None, overrides: dict) -> dict:
     cfg = dict(DEFAULTS)
     if path:
         if not Path(path).is_file():
-            raise SystemExit(f"error: config file not found: {path}")
+            raise ConfigError(f"config file not found: {path}")
         loaded = yaml.safe_load(Path(path).read_text()) or {}
         unknown = sorted(set(loaded) - set(DEFAULTS))
         if unknown:
-            raise SystemExit(f"error: unknown keys in {path}: {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
+            raise ConfigError(f"unknown keys in {path}: {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
         cfg.update(loaded)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if cfg["optimizer"] not in ("sgd", "adam"):
-        raise SystemExit(f"error: optimizer must be sgd or adam, got {cfg['optimizer']!r}")
+        raise ConfigError(f"optimizer must be sgd or adam, got {cfg['optimizer']!r}")
     for key in ("cnn_epochs", "efcn_epochs", "snapshots", "batch_size", "power_iterations", "interpolation_points"):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise SystemExit(f"error: {key} must be a positive integer, got {cfg[key]!r}")
+            raise ConfigError(f"{key} must be a positive integer, got {cfg[key]!r}")
     if cfg["snapshots"] < 2:
-        raise SystemExit("error: snapshots must be >= 2 (the initialization and the trained CNN)")
+        raise ConfigError("snapshots must be >= 2 (the initialization and the trained CNN)")
+    load_families()
     for family in ("efcn_", "fcn_", ""):
         if not timm.is_model(family + cfg["model"]):
-            raise SystemExit(f"error: model {family + cfg['model']} is not registered (import efcn registers "
+            raise ConfigError(f"model {family + cfg['model']} is not registered (import efcn registers "
                              f"vanilla_cnn, alexnet_cifar and their efcn_/fcn_ variants)")
     return cfg
 
@@ -129,9 +134,8 @@ def _run_once(args: list[str], output: Path) -> dict:
     if (output / "results.json").exists():
         print(f"[efcn_protocol] {output} already complete, kept")
         return json.loads((output / "results.json").read_text())
-    import engine
     print(f"[efcn_protocol] train.py {' '.join(args)}", flush=True)
-    return engine.run(args)
+    return engine.run(args, load_families())
 
 
 def train_stage(cfg: dict, out: Path) -> None:
@@ -191,9 +195,6 @@ def _pick(items: list, n: int) -> list:
 
 
 def analyze_stage(cfg: dict, out: Path) -> None:
-    from engine.checkpoint import load_weights
-    from engine.data import build_datasets
-
     torch.manual_seed(cfg["seed"])
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
     E = cfg["efcn_epochs"]
@@ -307,37 +308,3 @@ def analyze_stage(cfg: dict, out: Path) -> None:
     plots.filter_heatmaps(filters, out / "fig6_6_6_7_first_layer_filters.png")
     plots.interpolation(interpolation_rows, out / "figE6_interpolation.png")
     print(f"[efcn_protocol] wrote CSVs and figures to {out}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-c", "--config", help="YAML with keys of DEFAULTS (configs/efcn_*.yaml)")
-    parser.add_argument("--output", required=True, help="directory for the runs, CSVs and figures")
-    parser.add_argument("--stage", choices=("all", "train", "analyze"), default="all")
-    for key in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed"):
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, dest=key)
-    parser.add_argument("--optimizer", choices=("sgd", "adam"))
-    parser.add_argument("--data-dir", dest="data_dir", help="dataset folder (CIFAR, ImageNet, ...)")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, {k: getattr(args, k) for k in ("cnn_epochs", "efcn_epochs", "snapshots",
-                                                                  "workers", "seed", "optimizer", "data_dir")})
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "protocol_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    started = time.perf_counter()
-    from engine import ConfigError
-    try:
-        if args.stage in ("all", "train"):
-            train_stage(cfg, out)
-        if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:
-            analyze_stage(cfg, out)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
-    print(f"[efcn_protocol] done in {(time.perf_counter() - started) / 60:.1f} min")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

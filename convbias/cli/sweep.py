@@ -1,17 +1,16 @@
-#!/usr/bin/env python
 """Sample-efficiency and parameter sweeps over train.py, and their report (Table 7.2, Figs. 7.2/7.9).
 
     # run a sweep file (every incomplete run, one train.py subprocess at a time), then report
-    python scripts/sweep.py run configs/sweeps/digits_sample_efficiency.yaml --output results/sample_efficiency
+    convbias-sweep run configs/sweeps/digits_sample_efficiency.yaml --output results/sample_efficiency
     # the same grid on your own ImageFolder
-    python scripts/sweep.py run configs/sweeps/digits_sample_efficiency.yaml --output out/mine \\
+    convbias-sweep run configs/sweeps/digits_sample_efficiency.yaml --output out/mine \\
         --dataset folder --data-dir /data/my_images --set img_size=32 model_kwargs.patch_size=4
     # print the train.py commands instead, for a cluster scheduler; collect when they are done
-    python scripts/sweep.py run configs/sweeps/imagenet_sample_efficiency.yaml --output out/se \\
+    convbias-sweep run configs/sweeps/imagenet_sample_efficiency.yaml --output out/se \\
         --data-dir /data/imagenet --launcher "accelerate launch --multi_gpu --num_processes 8" --print-commands
-    python scripts/sweep.py collect --output out/se
+    convbias-sweep collect --output out/se
     # regenerate the tables and plots from the CSV alone
-    python scripts/sweep.py report --csv results/sample_efficiency/runs.csv
+    convbias-sweep report --csv results/sample_efficiency/runs.csv
 
 Without a sweep file the grid is convit_tiny vs deit_tiny_patch16_224 at f in {0.05, 0.1, 0.3, 0.5, 1}
 (epochs x 1/f), seed 0, with train.py's defaults (the DeiT recipe; pick the data with --dataset,
@@ -91,7 +90,7 @@ def _add_report_options(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from engine import sweep
+    from convbias.experiments import sweep
 
     spec = sweep.load_spec(args.sweep) if args.sweep else sweep.normalize_spec({'grid': DEFAULT_GRID})
     grid = {key: [_parse_value(v) for v in value.split(',')] for key, value in args.grid}
@@ -113,7 +112,7 @@ def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def write_outputs(prepared: 'sweep.Sweep', args: argparse.Namespace) -> int:
     """runs.csv and the report from the complete runs; 1 if some runs are missing."""
-    from engine import report, sweep
+    from convbias.experiments import report, sweep
 
     rows, missing = prepared.collect()
     if missing:
@@ -132,7 +131,7 @@ def _print_written(paths: list[Path]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from engine import report, sweep
+    from convbias.experiments import report, sweep
 
     try:
         if args.command == 'report':

@@ -27,13 +27,14 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-WEIGHTS_FILE = "model.safetensors"
+from convbias.weights import (  # noqa: F401  (the engine's loading API is the shared one)
+    WEIGHTS_FILE, check_compatible, load_weights, read_state_dict, resolve_weights_path, weights_metadata,
+)
+
 EMA_FILE = "ema.safetensors"
 STATE_FILE = "training_state.pt"
-MAX_KEYS_SHOWN = 5
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
@@ -52,84 +53,6 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata
     """Write a state dict as safetensors, atomically. Tensors are copied to CPU (shared storage is fine)."""
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-
-
-def resolve_weights_path(path: str | Path) -> Path:
-    """A weights file, a checkpoint dir (its model.safetensors) or a run dir (checkpoints/best, else last)."""
-    path = Path(path)
-    if path.is_dir():
-        for candidate in (path / WEIGHTS_FILE, path / "checkpoints" / "best" / WEIGHTS_FILE,
-                          path / "checkpoints" / "last" / WEIGHTS_FILE):
-            if candidate.is_file():
-                return candidate
-        raise ValueError(f"no weights in {path} (expected {WEIGHTS_FILE} or checkpoints/best/{WEIGHTS_FILE})")
-    if not path.is_file():
-        raise ValueError(f"weights file not found: {path}")
-    return path
-
-
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Weights from a file or a directory (see resolve_weights_path), without unpickling arbitrary objects.
-
-    Reads ``.safetensors``, or a torch file (``.pt``/``.pth``/``.bin``) with weights_only=True, unwrapping
-    ``{'model': ...}``/``{'state_dict': ...}`` and a DDP ``module.`` prefix.
-    """
-    path = resolve_weights_path(path)
-    if path.suffix == ".safetensors":
-        try:
-            return load_file(str(path))
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{path} is not a weights file loadable with weights_only=True ({str(e).splitlines()[0]})") from None
-    for key in ("model", "state_dict", "model_state_dict"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
-            break
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path} does not hold a state dict of tensors")
-    return {k.removeprefix("module."): v for k, v in obj.items()}
-
-
-def _shown(keys: list[str]) -> str:
-    more = f" (+{len(keys) - MAX_KEYS_SHOWN} more)" if len(keys) > MAX_KEYS_SHOWN else ""
-    return ", ".join(keys[:MAX_KEYS_SHOWN]) + more
-
-
-def check_compatible(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """Raise ValueError naming missing, unexpected and shape-mismatched keys."""
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    mismatched = [f"{k} {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
-                  for k, v in expected.items() if k in state_dict and state_dict[k].shape != v.shape]
-    problems = [f"{label}: {_shown(keys)}" for label, keys in
-                (("missing keys", missing), ("unexpected keys", unexpected), ("mismatched shapes", mismatched)) if keys]
-    if problems:
-        raise ValueError(f"{source} does not fit this model ({type(model).__name__}): " + "; ".join(problems))
-
-
-def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
-    """Load weights written by train.py (or any safetensors / torch state-dict file) into ``model``.
-
-    Raises ValueError naming the missing, unexpected or mismatched keys when the file belongs to
-    another model. Returns the model.
-    """
-    state_dict = read_state_dict(path)
-    check_compatible(model, state_dict, str(path))
-    model.load_state_dict(state_dict, strict=True)
-    return model
-
-
-def weights_metadata(path: str | Path) -> dict[str, str]:
-    """The metadata stored in a safetensors header (model name, epoch), {} for other files."""
-    path = resolve_weights_path(path)
-    if path.suffix != ".safetensors":
-        return {}
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}
 
 
 # ----------------------------------------------------------------------------------------- RNG states

@@ -2,7 +2,7 @@
 
 A sweep file (YAML) describes the grid::
 
-    config: configs/convit/deit_recipe.yaml   # optional base recipe, passed to every run as -c
+    config: configs/train/convit/deit_recipe.yaml   # optional base recipe, passed to every run as -c
                                               # (a path as given, else relative to the repository)
     set:                                      # train.py options shared by every run (config keys)
       data_dir: /data/imagenet
@@ -56,8 +56,7 @@ RESERVED_OPTIONS = ('output', 'resume', 'config', 'scale_epochs', 'eval_only', '
 RECORD_NAME = 'sweep.yaml'
 BAD_INPUT_EXIT = 2  # train.py's exit code for a user mistake (engine.main)
 CSV_NAME = 'runs.csv'
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TRAIN_SCRIPT = REPO_ROOT / 'train.py'
+TRAIN_MODULE = 'convbias.cli.train'  # train.py's body, importable from an installed package
 # results.json field -> CSV column. The CSV keeps names that cannot collide with a swept option.
 RESULT_COLUMNS = {
     'final_top1': 'top1',
@@ -206,7 +205,7 @@ def expand_grid(spec: dict[str, Any]) -> list[Run]:
 
 def train_parser() -> argparse.ArgumentParser:
     """The argument parser of train.py (the engine's), used to check keys and render options."""
-    from engine.config import build_parser
+    from convbias.engine.config import build_parser
     return build_parser()
 
 
@@ -229,9 +228,9 @@ def _check_option_keys(keys: Iterable[str], where: str, known: dict[str, argpars
 def _check_model(run: Run, cfg: dict[str, Any]) -> None:
     """Build the run's model as train.py would, on the meta device (no memory, no init cost)."""
     import torch
-    from engine.config import Config
-    from engine.datasets import DATASETS
-    from engine.trainer import create_model
+    from convbias.engine.config import Config
+    from convbias.engine.datasets import DATASETS
+    from convbias.engine.modeling import create_model
 
     cfg = Config(cfg, pretrained=False, pretrained_file=None)  # no weights are read here
     try:
@@ -248,18 +247,19 @@ def _check_fraction(run: Run) -> None:
 
 
 def _check_model_name(run: Run) -> None:
-    from engine.trainer import check_model_name, import_model_families
+    from convbias.engine.modeling import check_model_name
+    from convbias.families import load_families
 
     if run.options.get('model') is None:
         raise ValueError(f'run {run.name}: no model (add grid.model, set.model or variants)')
-    import_model_families()
+    load_families()
     check_model_name(run.options['model'], option=f'run {run.name}')
 
 
 def validate(spec: dict[str, Any], runs: list[Run], known: dict[str, argparse.Action]) -> None:
     """Refuse bad input before anything runs: unknown models, fractions, keys, model kwargs, and
     every run's full train.py options (checked by the engine's own parser and validation)."""
-    from engine.config import parse_config
+    from convbias.engine.config import parse_config
 
     if spec['config'] is not None:
         resolve_config(spec['config'])
@@ -324,11 +324,10 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
 
 
 def resolve_config(path: str) -> Path:
-    """A base recipe path as given, or relative to the repository (``configs/convit/...``)."""
-    for candidate in (Path(path), REPO_ROOT / path):
-        if candidate.is_file():
-            return candidate.resolve()
-    raise ValueError(f'base config not found: {path} (nor {REPO_ROOT / path})')
+    """A base recipe path, relative to the current directory."""
+    if not Path(path).is_file():
+        raise ValueError(f'base config not found: {path} (relative to {Path.cwd()})')
+    return Path(path).resolve()
 
 
 def _flag(action: argparse.Action) -> str:
@@ -372,9 +371,10 @@ def train_args(run: Run, run_dir: Path, spec: dict[str, Any], known: dict[str, a
 
 
 def command(train_arguments: list[str], launcher: list[str] | None = None) -> list[str]:
-    """``python train.py ARGS``, or ``LAUNCHER train.py ARGS`` (e.g. ``accelerate launch ...``)."""
+    """``python -m convbias.cli.train ARGS`` (train.py's body), or ``LAUNCHER -m convbias.cli.train ARGS``
+    (e.g. ``accelerate launch --num_processes 8``)."""
     prefix = list(launcher) if launcher else [sys.executable]
-    return prefix + [str(TRAIN_SCRIPT)] + train_arguments
+    return prefix + ['-m', TRAIN_MODULE] + train_arguments
 
 
 # ----------------------------------------------------------------------------- run state
@@ -382,7 +382,7 @@ def command(train_arguments: list[str], launcher: list[str] | None = None) -> li
 
 def run_state(run_dir: Path) -> str:
     """``'done'`` (results.json), ``'interrupted'`` (a resume point, no results) or ``'new'``."""
-    from engine.checkpoint import CheckpointDir
+    from convbias.engine.checkpoint import CheckpointDir
 
     if (run_dir / 'results.json').is_file():
         return 'done'
@@ -469,7 +469,7 @@ class Sweep:
             with open(log_path, 'a') as log_file:
                 log_file.write(f'$ {shlex.join(cmd)}\n')
                 log_file.flush()
-                child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+                child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
                 try:
                     returncode = child.wait()
                 except BaseException:

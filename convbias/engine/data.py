@@ -23,7 +23,7 @@ from timm.data import create_transform
 from timm.data.auto_augment import posterize as timm_posterize
 from torch.utils.data import DataLoader, Sampler
 
-from engine.datasets import (
+from .datasets import (
     DATASETS, fraction_per_class, load_cifar, load_digits_split, load_image_folders, select_classes,
 )
 

@@ -1,7 +1,9 @@
-"""The training engine shared by every model family: config, data, loop, checkpoints, logging.
+"""The training engine: config, data, recipe, loop, checkpoints, logging. It names no model family.
 
-``engine.run(argv)`` is the body of ``train.py``; ``engine.main(argv)`` wraps it for the command line
-(user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1).
+``run(argv, extensions)`` trains (or evaluates) one run; ``main(argv, extensions)`` wraps it for the
+command line (user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1). The
+models come from timm's registry and the family-specific pieces from ``extensions``
+(``convbias.families`` builds both; ``train.py`` composes them).
 """
 from __future__ import annotations
 
@@ -11,17 +13,18 @@ from typing import Any
 
 from .config import parse_config
 from .errors import ConfigError, NonFiniteLossError
+from .extensions import Extensions
 
-__all__ = ["run", "main", "ConfigError", "NonFiniteLossError"]
+__all__ = ["run", "main", "ConfigError", "Extensions", "NonFiniteLossError"]
 
 
-def run(argv: list[str] | None = None) -> dict[str, Any]:
+def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:
     """Parse, validate, then train (or evaluate with --eval-only). Returns the content of results.json."""
     cfg = parse_config(argv)
     from .trainer import Trainer  # imported after parsing: `train.py --help` loads no torch
 
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, extensions)
     except (ValueError, FileNotFoundError) as e:  # data, model and checkpoint checks; ConfigError included
         raise ConfigError(str(e)) from None
     if cfg.eval_only:
@@ -34,10 +37,10 @@ def _print_error(message: str) -> None:
         print("error: " + " ".join(message.split()), file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extensions: Extensions | None = None) -> int:
     """Command-line entry point: exit code 0 on success, 2 for bad input, 1 when training diverges."""
     try:
-        run(argv)
+        run(argv, extensions)
     except ConfigError as e:
         _print_error(str(e))
         return 2

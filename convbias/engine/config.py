@@ -40,14 +40,14 @@ class Config(dict):
         self[name] = value
 
 
-class _Parser(argparse.ArgumentParser):
+class OptionParser(argparse.ArgumentParser):
     """argparse that raises ConfigError (one line) instead of printing usage and exiting."""
 
     def error(self, message: str) -> None:
         raise ConfigError(message)
 
 
-def _yaml_scalar(text: str) -> Any:
+def yaml_scalar(text: str) -> Any:
     """'4' -> 4, '0.1' -> 0.1, 'true' -> True, 'none'/'null' -> None, anything else stays a string."""
     if text.lower() == "none":
         return None
@@ -58,24 +58,25 @@ def _yaml_scalar(text: str) -> Any:
     return text if isinstance(value, (dict, list)) else value
 
 
-def _key_value(text: str) -> tuple[str, Any]:
+def key_value(text: str) -> tuple[str, Any]:
+    """argparse type of every K=V option of the project's commands: 'k=0.1' -> ('k', 0.1) (YAML scalars)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{text}'")
-    return key, _yaml_scalar(value)
+    return key, yaml_scalar(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """All options. Defaults are the DeiT recipe (Touvron et al. 2021) that the ConViT keeps unchanged."""
-    p = _Parser(prog="train.py", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = OptionParser(prog="train.py", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("-c", "--config", default=None, help="YAML recipe; command-line options override it")
     flag = argparse.BooleanOptionalAction
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="any timm model name (ConViT, T-CNN and eFCN models included)")
+    g.add_argument("--model", default=None, help="any model in timm's registry (train.py registers this project's families)")
     g.add_argument("--pretrained", action=flag, default=False, help="start from pretrained weights")
     g.add_argument("--pretrained-file", default=None, help="local weights file for --pretrained (no download)")
-    g.add_argument("--model-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V",
+    g.add_argument("--model-kwargs", nargs="*", type=key_value, default=None, metavar="K=V",
                    help="extra model constructor arguments, values parsed as YAML scalars (patch_size=4)")
     g.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
     g.add_argument("--num-classes", type=int, default=None, help="keep only the first K classes")
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--momentum", type=float, default=0.9)
     g.add_argument("--opt-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=None, help="clip the gradient norm to this value")
-    g.add_argument("--param-group-lr", nargs="*", type=_key_value, default=None, metavar="REGEX=LR",
+    g.add_argument("--param-group-lr", nargs="*", type=key_value, default=None, metavar="REGEX=LR",
                    help="absolute lr for parameters whose name matches REGEX (gating_param=0.1)")
     g.add_argument("--sched", default="cosine", help=f"one of {', '.join(SCHEDULES)}")
     g.add_argument("--epochs", type=int, default=300)
@@ -134,9 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-ema-decay", type=float, default=0.99996)
     g.add_argument("--distill-teacher", default=None, help="timm name of a CNN teacher (hard distillation)")
     g.add_argument("--distill-teacher-file", default=None, help="local weights of the teacher")
+    g.add_argument("--reparametrize", default=None, metavar="NAME",
+                   help="a change of architecture registered by the entry point (train.py registers tcnn)")
     g.add_argument("--reparametrize-at-epoch", type=int, default=None,
-                   help="call transformed_cnn.transform(model, **kwargs) at the start of this epoch (0-based)")
-    g.add_argument("--reparametrize-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V")
+                   help="apply --reparametrize NAME with --reparametrize-kwargs at the start of this epoch (0-based)")
+    g.add_argument("--reparametrize-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
 
     g = p.add_argument_group("run, checkpoints and logging")
     g.add_argument("--output", default=None, help="output dir; default runs/<model>-<dataset>")
@@ -186,7 +189,7 @@ def _as_dict(value: Any, key: str) -> dict:
 def parse_config(argv: list[str] | None) -> Config:
     """Parse argv (with its ``-c`` recipe) into a validated Config. Raises ConfigError."""
     parser = build_parser()
-    config_only = _Parser(add_help=False)
+    config_only = OptionParser(add_help=False)
     config_only.add_argument("-c", "--config", default=None)
     known, _ = config_only.parse_known_args(argv)
     file_cfg = load_yaml(known.config) if known.config else {}

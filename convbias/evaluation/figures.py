@@ -6,11 +6,12 @@ pyplot: nothing here changes the caller's matplotlib backend or leaves figures o
 - `plot_nonlocality`: nonlocality per layer over epochs, one panel per run (Fig. 7.6: DeiT | ConViT).
 - `plot_per_head`: gating sigma(lambda_h) (Fig. 7.7) or attention span 1/alpha_h (Fig. 8.4B) per
   head over epochs, one panel per layer, heads in color and their mean in black.
-- `plot_attention_maps`: an image with its query patch boxed in red, then one panel per head and a
-  row per layer with the query's attention on a log color scale; each title gives sigma(lambda_h),
-  its color going from light (content) to dark red (position) (Figs. 7.8, 8.5).
-The history plots read the engine's `log.jsonl` (one JSON object per epoch, with `epoch` and the keys
-of `convit.diagnostics.summary`).
+- `plot_attention_maps`: an image with its query boxed in red, then one panel per head and a row per
+  layer with the query's attention on a log color scale; each title gives sigma(lambda_h), its color
+  going from light (content) to dark red (position) (Figs. 7.8, 8.5). The maps come from
+  `convit.diagnostics.query_maps` (ViT layers) or `transformed_cnn.diagnostics.query_maps` (T-CNN layers).
+The history plots read the engine's `log.jsonl` (one JSON object per epoch, with `epoch` and keys
+`<metric>/layer<l>[/head<h>]`, as `convit.diagnostics.summary` logs them).
 """
 from __future__ import annotations
 
@@ -22,15 +23,12 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn as nn
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
-
-from .diagnostics import attention_layers, attention_maps, default_query, gating, is_gated
 
 __all__ = ["read_log", "metric_history", "plot_nonlocality", "plot_per_head", "plot_attention_maps"]
 
@@ -170,42 +168,37 @@ def _box(ax, row: int, col: int, height: float, width: float) -> None:
 
 
 def plot_attention_maps(
-    model: nn.Module,
     image: torch.Tensor,
+    maps: Mapping[str, torch.Tensor],
+    queries: Mapping[str, Tuple[float, float]],
     path: str | Path,
-    query: Optional[Tuple[int, int]] = None,
-    layers: Optional[Sequence[int]] = None,
+    gates: Optional[Mapping[str, Sequence[float]]] = None,
 ) -> Path:
-    """Fig. 7.8: attention of a query patch (row, col; default the center) for one image.
+    """Figs. 7.8 and 8.5: the attention of one query position, one row per layer, one panel per head.
 
-    image: (C, H, W), normalized as the model expects. layers: 1-based layer numbers to draw (default
-    all layers with attention maps). A row per layer: the image with the query patch boxed, then one
-    panel per head on a log color scale, titled with sigma(lambda_h) for gated layers."""
+    image: (C, H, W), normalized as the model saw it. maps: {row label: (heads, h, w)} attention over
+    each layer's grid; queries: {row label: (row, col)} of the query on that grid (drawn as a red box);
+    gates: {row label: sigma(lambda_h) per head} for gated layers (in the panel titles, the color going
+    from light (content) to dark red (position)). Maps use a log color scale over four decades."""
     if not isinstance(image, torch.Tensor) or image.dim() != 3:
         raise ValueError(f"image must be one (C, H, W) tensor, got {getattr(image, 'shape', type(image).__name__)}")
-    maps = attention_maps(model, image[None], query=query)
     if not maps:
-        raise ValueError(f"{type(model).__name__} has no attention layer with explicit attention maps")
-    if layers is None:
-        layers = sorted(maps)
-    missing = [layer for layer in layers if layer not in maps]
-    if missing:
-        raise ValueError(f"layers {missing} have no attention maps; available layers: {sorted(maps)}")
-    modules = dict(enumerate((m for _, m in attention_layers(model)), start=1))
-    heads = max(maps[layer].shape[0] for layer in layers)
-    fig = Figure(figsize=(1.9 * (heads + 1), 2.0 * len(layers) + 0.3), layout="constrained")
-    axes = fig.subplots(len(layers), heads + 1, squeeze=False)
+        raise ValueError("no attention maps to plot")
+    gates = gates or {}
+    heads = max(layer_maps.shape[0] for layer_maps in maps.values())
+    fig = Figure(figsize=(1.9 * (heads + 1), 2.0 * len(maps) + 0.3), layout="constrained")
+    axes = fig.subplots(len(maps), heads + 1, squeeze=False)
     shown = _displayable(image)
     reds = colormaps["Reds"]
-    for row_axes, layer in zip(axes, layers):
-        layer_maps = maps[layer].numpy()
+    for row_axes, (label, layer_maps) in zip(axes, maps.items()):
+        layer_maps = layer_maps.detach().float().cpu().numpy()
         grid = layer_maps.shape[1:]
-        row, col = default_query(grid) if query is None else query
-        gates = gating(modules[layer]).tolist() if is_gated(modules[layer]) else None
+        row, col = queries[label]
+        layer_gates = gates.get(label)
         ax = row_axes[0]
         ax.imshow(shown, cmap="gray" if shown.ndim == 2 else None)
         _box(ax, row, col, shown.shape[0] / grid[0], shown.shape[1] / grid[1])
-        ax.set_ylabel(f"layer {layer}")
+        ax.set_ylabel(label)
         for head, ax in enumerate(row_axes[1:], start=1):
             if head > layer_maps.shape[0]:
                 ax.set_visible(False)
@@ -216,10 +209,10 @@ def plot_attention_maps(
             vmin = vmin if vmin < vmax else vmax / 10  # a uniform map
             ax.imshow(np.clip(head_map, vmin, None), cmap="viridis", norm=LogNorm(vmin=vmin, vmax=vmax))
             _box(ax, row, col, 1, 1)
-            if gates is None:
+            if layer_gates is None:
                 ax.set_title(f"head {head}", fontsize="small")
             else:
-                gate = gates[head - 1]
+                gate = float(layer_gates[head - 1])
                 ax.set_title(rf"head {head}  $\sigma$={gate:.2f}", fontsize="small", color=reds(0.3 + 0.7 * gate))
         for ax in row_axes:
             ax.set_xticks([])

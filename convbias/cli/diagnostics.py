@@ -1,20 +1,18 @@
-#!/usr/bin/env python
 """Draw the locality diagnostics of ConViT / DeiT / T-CNN runs as PNG files.
 
 From training runs (the `log.jsonl` that train.py writes with diagnostics on):
-    python scripts/convit_diagnostics.py --run output/deit_small output/convit_small --out figures
+    convbias-diagnostics --run output/deit_small output/convit_small --out figures
   -> nonlocality.png (Fig. 7.6, one panel per run), gating_<run>.png (Fig. 7.7) and span_<run>.png
      (Fig. 8.4B) for each run with gated layers.
 
 Attention maps of one image (Fig. 7.8), from a model and optionally its trained weights:
-    python scripts/convit_diagnostics.py --model convit_tiny --checkpoint output/convit_tiny/checkpoints/best.safetensors \
+    convbias-diagnostics --model convit_tiny --checkpoint output/convit_tiny/checkpoints/best.safetensors \
         --image cat.jpg --layers 2 10 --out figures
   -> attention_maps.png
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -24,20 +22,10 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
-import convit  # noqa: F401  (registers the models of each family in timm)
-import efcn  # noqa: F401
-import transformed_cnn  # noqa: F401
-from convit.diagnostic_plots import plot_attention_maps, plot_nonlocality, plot_per_head, read_log
-
-
-def key_value(text: str):
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
-    key, value = text.split("=", 1)
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
+from convbias.engine.config import key_value
+from convbias.evaluation.figures import plot_attention_maps, plot_nonlocality, plot_per_head, read_log
+from convbias.families import load_families
+from convbias.weights import load_weights
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -54,7 +42,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--layers", nargs="+", type=int, help="1-based attention layers to draw (default: all)")
     parser.add_argument("--out", help="directory for the PNG files (default: <first run>/figures, else ./figures)")
     args = parser.parse_args(argv)
-
+    load_families()
     if not args.run and not args.model:
         parser.error("give --run DIR ... (history figures) and/or --model with --image (attention maps)")
     for run in args.run:
@@ -90,16 +78,6 @@ def draw_histories(runs: List[str], out: Path) -> List[Path]:
     return written
 
 
-def load_weights(model: torch.nn.Module, path: str) -> None:
-    """train.py's loader (a weights file or a run dir, clear errors), else timm's for a weights file."""
-    try:
-        from engine.checkpoint import load_weights as engine_load_weights
-    except ImportError:
-        timm.models.load_checkpoint(model, path)
-    else:
-        engine_load_weights(model, path)
-
-
 def load_image(path: str, model: torch.nn.Module, in_chans: int, img_size: Optional[int]) -> torch.Tensor:
     """The image as the model sees it at evaluation (timm's eval transform for the model's config)."""
     overrides = {"input_size": (in_chans, img_size, img_size)} if img_size else {}
@@ -127,8 +105,15 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
     if args.checkpoint:
         load_weights(model, args.checkpoint)
     image = load_image(args.image, model, args.in_chans, args.img_size)
+    import convit.diagnostics
+    import transformed_cnn
+
     query = tuple(args.query) if args.query else None
-    return plot_attention_maps(model, image, out / "attention_maps.png", query=query, layers=args.layers)
+    if transformed_cnn.gpsa_layers(model):  # a T-CNN: the center pixel's maps over each layer's input map
+        maps, queries, gates = transformed_cnn.query_maps(model, image)
+    else:
+        maps, queries, gates = convit.diagnostics.query_maps(model, image, query=query, layers=args.layers)
+    return plot_attention_maps(image, maps, queries, out / "attention_maps.png", gates=gates)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

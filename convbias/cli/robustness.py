@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Robustness of a trained model (Sec. 8.3.3, Table G.1, Fig. 8.3): clean top-1, FGSM and PGD
 accuracy, common corruptions (generated on the fly, or an ImageNet-C folder), ImageNet-A/-R.
 
-    python scripts/robustness.py --model tcnn_resnet50 --checkpoint RUN/checkpoints/best.safetensors \\
+    convbias-robustness --model tcnn_resnet50 --checkpoint RUN/checkpoints/best.safetensors \\
         --dataset imagenet --data-dir /data/imagenet \\
         --imagenet-c /data/imagenet-c --imagenet-a /data/imagenet-a --imagenet-r /data/imagenet-r \\
         --compare-model resnet50 --compare-checkpoint CNN.safetensors --output robustness/
@@ -25,13 +24,15 @@ import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from engine.checkpoint import load_weights
-from engine.config import Config
-from engine.data import build_datasets, build_eval_loader
-from engine.datasets import DATASETS, ImageFolderDataset
-from engine.trainer import check_model_name, create_model, import_model_families
-from transformed_cnn.corruptions import CORRUPTIONS, SEVERITIES
-from transformed_cnn.robustness import (
+from convbias.engine.config import OptionParser, key_value
+from convbias.engine.errors import ConfigError
+from convbias.engine.data import build_datasets, build_eval_loader
+from convbias.engine.datasets import DATASETS, ImageFolderDataset
+from convbias.engine.modeling import check_model_name, create_model
+from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
+from convbias.families import load_families
+from convbias.weights import load_weights
+from convbias.evaluation.robustness import (
     PAPER_ATTACK, Denormalized, PixelModel, accuracy, adversarial_accuracy, class_index,
     corruption_accuracy, corruption_summary, folder_classes, folder_corruption_accuracy,
     imagenet_c_folders, markdown_table, read_class_list, write_report, TABLE_COLUMNS,
@@ -42,24 +43,15 @@ IMAGENET_C_LAYOUT = 'DIR/<corruption>/<severity>/<class>/<image>'
 SUBSET_LAYOUT = 'DIR/<wnid>/<image> (ImageNet-A/-R: 200 ImageNet class folders)'
 
 
-class UsageError(ValueError):
-    """A user mistake: printed as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split('\n\n')[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OptionParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--model', required=True, help='timm model name (any registered name)')
     p.add_argument('--checkpoint', required=True, help='weights: a train.py run folder (its best checkpoint), a checkpoint folder or a '
                    'safetensors / state-dict file')
-    p.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V', help='extra timm.create_model arguments')
+    p.add_argument('--model-kwargs', nargs='*', type=key_value, default=[], metavar='K=V', help='extra timm.create_model arguments')
     p.add_argument('--compare-model', help='baseline model for the comparison (e.g. the CNN of a T-CNN)')
     p.add_argument('--compare-checkpoint', help='weights of --compare-model (same forms as --checkpoint)')
-    p.add_argument('--compare-model-kwargs', nargs='*', default=[], metavar='K=V')
+    p.add_argument('--compare-model-kwargs', nargs='*', type=key_value, default=[], metavar='K=V')
     p.add_argument('--dataset', default='digits', choices=DATASET_CHOICES, help='clean evaluation set (as train.py)')
     p.add_argument('--data-dir', help='dataset folder (as train.py)')
     p.add_argument('--num-classes', type=int, help='first N classes only (as train.py)')
@@ -89,27 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _key_values(items: list[str], option: str) -> dict:
-    import yaml
-    out = {}
-    for item in items:
-        key, sep, value = item.partition('=')
-        if not sep or not key:
-            raise UsageError(f'{option} expects KEY=VALUE items, got {item!r}')
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse and check everything that needs no data or model."""
     args = build_parser().parse_args(argv)
     if args.eps < 0 or args.pgd_step_size <= 0 or args.pgd_steps < 1:
-        raise UsageError(f'--eps must be >= 0, --pgd-step-size > 0 and --pgd-steps >= 1 '
+        raise ConfigError(f'--eps must be >= 0, --pgd-step-size > 0 and --pgd-steps >= 1 '
                          f'(got {args.eps}, {args.pgd_step_size}, {args.pgd_steps})')
     if args.max_images is not None and args.max_images < 1:
-        raise UsageError(f'--max-images must be >= 1, got {args.max_images}')
+        raise ConfigError(f'--max-images must be >= 1, got {args.max_images}')
     if args.batch_size < 1 or args.workers < 0:
-        raise UsageError(f'--batch-size must be >= 1 and --workers >= 0 (got {args.batch_size}, {args.workers})')
+        raise ConfigError(f'--batch-size must be >= 1 and --workers >= 0 (got {args.batch_size}, {args.workers})')
     args.attacks = [] if 'none' in args.attacks else list(dict.fromkeys(args.attacks))
     if args.corruptions == ['all']:
         args.corruptions = list(CORRUPTIONS)
@@ -118,23 +99,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     else:
         unknown = [name for name in args.corruptions if name not in CORRUPTIONS]
         if unknown:
-            raise UsageError(f"--corruptions: unknown {', '.join(unknown)}; expected 'all', 'none' or some of "
+            raise ConfigError(f"--corruptions: unknown {', '.join(unknown)}; expected 'all', 'none' or some of "
                              f"{', '.join(CORRUPTIONS)}")
     bad = [s for s in args.severities if s not in SEVERITIES]
     if bad:
-        raise UsageError(f'--severities must be in {list(SEVERITIES)}, got {bad}')
+        raise ConfigError(f'--severities must be in {list(SEVERITIES)}, got {bad}')
     if bool(args.compare_model) != bool(args.compare_checkpoint):
-        raise UsageError('--compare-model and --compare-checkpoint go together')
+        raise ConfigError('--compare-model and --compare-checkpoint go together')
     for option, path in (('--checkpoint', args.checkpoint), ('--compare-checkpoint', args.compare_checkpoint)):
         if path and not Path(path).exists():
-            raise UsageError(f'{option} {path} does not exist')
+            raise ConfigError(f'{option} {path} does not exist')
     for option, path in (('--imagenet-a', args.imagenet_a), ('--imagenet-r', args.imagenet_r)):
         if path and not Path(path).is_dir():
-            raise UsageError(f'{option} {path} is not a directory; expected {SUBSET_LAYOUT}')
+            raise ConfigError(f'{option} {path} is not a directory; expected {SUBSET_LAYOUT}')
     if args.imagenet_c and not args.corruptions:
-        raise UsageError('--imagenet-c given with --corruptions none')
-    args.model_kwargs = _key_values(args.model_kwargs, '--model-kwargs')
-    args.compare_model_kwargs = _key_values(args.compare_model_kwargs, '--compare-model-kwargs')
+        raise ConfigError('--imagenet-c given with --corruptions none')
+    args.model_kwargs, args.compare_model_kwargs = dict(args.model_kwargs), dict(args.compare_model_kwargs)
+    load_families()
     for option, name in (('--model', args.model), ('--compare-model', args.compare_model)):
         if name:
             check_model_name(name, option)
@@ -163,14 +144,13 @@ class Setup:
 
     def __init__(self, argv: list[str] | None):
         args = self.args = parse_args(argv)
-        import_model_families()
         args.img_size = args.img_size or DATASETS[args.dataset].default_img_size
         self.bundle = bundle = build_datasets(dict(
             dataset=args.dataset, data_dir=args.data_dir, num_classes=args.num_classes, img_size=args.img_size,
             seed=args.seed, no_aug=True))
         model_classes = read_class_list(args.imagenet_classes) if args.imagenet_classes else bundle.class_names
         if len(model_classes) != bundle.num_classes:
-            raise UsageError(f'--imagenet-classes {args.imagenet_classes} names {len(model_classes)} classes, '
+            raise ConfigError(f'--imagenet-classes {args.imagenet_classes} names {len(model_classes)} classes, '
                              f'the model has {bundle.num_classes} (--dataset {args.dataset})')
         self.subsets = {column: (Path(root), class_index(root, folder_classes(root), model_classes))
                         for column, root in (('A', args.imagenet_a), ('R', args.imagenet_r)) if root}
@@ -187,8 +167,7 @@ class Setup:
             self.checkpoints[self.baseline] = args.compare_checkpoint
 
     def _model(self, name: str, checkpoint: str, kwargs: dict) -> torch.nn.Module:
-        cfg = Config(model=name, drop_path=None, pretrained=False, pretrained_file=None, model_kwargs=kwargs,
-                     img_size=self.args.img_size)
+        cfg = dict(model=name, model_kwargs=kwargs, img_size=self.args.img_size)
         model = create_model(cfg, self.bundle.num_classes, self.bundle.in_chans)
         load_weights(model, checkpoint)
         return PixelModel(model, self.bundle.mean, self.bundle.std).to(self.args.device).eval()

@@ -43,7 +43,7 @@ DIGITS_MEAN, DIGITS_STD = (0.3053,), (0.3759,)
 # which also keeps an eFCN three times smaller); every file-based source is read as RGB (torchvision's
 # loader converts grayscale files too), in_chans=3. Default img_size (when --img-size is not given):
 # the native 32 for CIFAR, 224 for folders, and 32 for the 8x8 digits (bicubic upsampling by 4, so
-# patch-16 models get a 2x2 grid; configs/demo_digits.yaml uses the native 8 with patch_size 2).
+# patch-16 models get a 2x2 grid; configs/train/demo_digits.yaml uses the native 8 with patch_size 2).
 DATASETS: dict[str, DatasetInfo] = {
     'digits': DatasetInfo(
         1, DIGITS_MEAN, DIGITS_STD, 32,

@@ -1,0 +1,49 @@
+"""`convbias-efcn-protocol`: the eFCN relax-time protocol (Sec. 6.2.2); see convbias.experiments.efcn_protocol.
+
+    convbias-efcn-protocol -c configs/efcn_protocol/efcn_cpu.yaml --output results/efcn
+    accelerate launch -m convbias.cli.efcn_protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from convbias.engine.config import OptionParser
+from convbias.engine.errors import ConfigError
+from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OptionParser(prog="convbias-efcn-protocol", description=__doc__.split("\n")[0])
+    parser.add_argument("-c", "--config", help="protocol YAML (configs/efcn_protocol/*.yaml)")
+    parser.add_argument("--output", required=True, help="directory for the runs, CSVs and figures")
+    parser.add_argument("--stage", choices=("all", "train", "analyze"), default="all")
+    for key in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed"):
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, dest=key)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"))
+    parser.add_argument("--data-dir", dest="data_dir", help="dataset folder (CIFAR, ImageNet, ...)")
+    started = time.perf_counter()
+    try:
+        args = parser.parse_args(argv)
+        cfg = load_config(args.config, {k: getattr(args, k) for k in ("cnn_epochs", "efcn_epochs", "snapshots",
+                                                                      "workers", "seed", "optimizer", "data_dir")})
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "protocol_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        if args.stage in ("all", "train"):
+            train_stage(cfg, out)
+        if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:
+            analyze_stage(cfg, out)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    print(f"[efcn_protocol] done in {(time.perf_counter() - started) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""What the composition root hands the engine: the engine itself names no model family.
+
+`convbias.families` (called by `train.py`) imports the families, which register their models in timm's
+registry, and fills an `Extensions` with what they contribute:
+
+- `diagnostics`: {name: fn(model, images) -> {key: float}}, called on a fixed batch of evaluation images
+  at every evaluation (`--diagnostics`); a function returns {} for a model it does not apply to.
+- `reparametrizations`: {name: fn(model, **kwargs) -> model}, a change of architecture during training
+  (`--reparametrize NAME --reparametrize-at-epoch E`): the engine swaps the model and keeps the optimizer
+  state of every parameter that survives (same name and shape).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict
+
+Diagnostic = Callable[[Any, Any], Dict[str, float]]  # (model, images) -> {key: value}; no torch import here,
+Reparametrization = Callable[..., Any]  # (model, **kwargs) -> model       so that `train.py --help` stays light
+
+
+@dataclass
+class Extensions:
+    diagnostics: Dict[str, Diagnostic] = field(default_factory=dict)
+    reparametrizations: Dict[str, Reparametrization] = field(default_factory=dict)

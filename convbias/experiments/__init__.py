@@ -1,0 +1,1 @@
+"""Experiments over many runs: grid sweeps and their reports, the eFCN relax-time protocol."""

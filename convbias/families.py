@@ -1,0 +1,22 @@
+"""The composition root: the model families, and what they contribute to the generic engine.
+
+`load_families()` imports convit, transformed_cnn and efcn (each registers its models in timm's
+registry) and returns the engine's `Extensions`: the per-evaluation diagnostics (attention locality
+of ConViT/DeiT/T-CNN layers, the eFCN's deviation from locality) and the T-CNN reparametrization
+(`--reparametrize tcnn`). Every command that builds models calls it first; nothing below it does.
+"""
+from __future__ import annotations
+
+from convbias.engine.extensions import Extensions
+
+
+def load_families() -> Extensions:
+    """Register every family's models in timm and collect their engine extensions."""
+    import convit.diagnostics
+    import efcn.diagnostics
+    import transformed_cnn
+
+    return Extensions(
+        diagnostics={"attention": convit.diagnostics.summary, "efcn": efcn.diagnostics.summary},
+        reparametrizations={"tcnn": transformed_cnn.transform},
+    )
