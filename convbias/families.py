@@ -16,7 +16,9 @@ def load_families() -> Extensions:
     import efcn.diagnostics
     import transformed_cnn
 
+    from convbias.evaluation.ntk import NTKChange
+
     return Extensions(
-        diagnostics={"attention": convit.diagnostics.summary, "efcn": efcn.diagnostics.summary},
+        diagnostics={"ntk": NTKChange(), "attention": convit.diagnostics.summary, "efcn": efcn.diagnostics.summary},
         reparametrizations={"tcnn": transformed_cnn.transform},
     )

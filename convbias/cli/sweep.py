@@ -120,8 +120,15 @@ def write_outputs(prepared: 'sweep.Sweep', args: argparse.Namespace) -> int:
     if not rows:
         return 1
     csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
+    written = [csv_path]
+    if len({row['seed'] for row in rows}) > 1:  # several seeds: ensemble columns in the report
+        from convbias.families import load_families
+
+        ensembles = prepared.collect_ensembles(rows, load_families())
+        if ensembles:
+            written.append(sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME))
     paths = report.write_report(csv_path, baseline=args.baseline or prepared.spec['baseline'], best=args.best)
-    _print_written([csv_path] + paths)
+    _print_written(written + paths)
     return 1 if missing else 0
 
 

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
     g.add_argument("--num-classes", type=int, default=None, help="keep only the first K classes")
     g.add_argument("--img-size", type=int, default=None, help="default: the dataset's (224 for ImageNet)")
+    g.add_argument("--output-scale", type=float, default=None, metavar="ALPHA",
+                   help="train alpha (f_w - f_w0) with the loss / alpha^2 (the alpha-trick: large alpha = lazy, "
+                        "small = feature learning; lr not rescaled, use --opt sgd; see convbias.engine.output_scale)")
 
     g = p.add_argument_group("data and augmentation")
     g.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}")
@@ -232,7 +235,7 @@ def validate(cfg: Config) -> None:
     for key, default in defaults.items():  # YAML values skip argparse's type conversion
         if isinstance(default, (bool, int, float, str)) and key in cfg:
             _check_type(cfg, key, type(default))
-    for key in ("lr", "clip_grad"):
+    for key in ("lr", "clip_grad", "output_scale"):
         _check_type(cfg, key, float)
     for key in ("num_classes", "eval_batch_size", "reparametrize_at_epoch", "img_size"):
         _check_type(cfg, key, int)
@@ -265,6 +268,10 @@ def validate(cfg: Config) -> None:
     _check(0 < cfg.crop_pct <= 1, f"--crop-pct must be in (0, 1], got {cfg.crop_pct}")
     _check(0 <= cfg.drop_path < 1, f"--drop-path must be in [0, 1), got {cfg.drop_path}")
     _check(cfg.clip_grad is None or cfg.clip_grad > 0, "--clip-grad must be positive")
+    _check(cfg.output_scale is None or 0 < cfg.output_scale < math.inf,
+           f"--output-scale must be a positive finite number (the output scale alpha), got {cfg.output_scale}")
+    _check(cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
+           "--output-scale cannot be combined with --reparametrize or hard distillation")
     _check(0 <= cfg.model_ema_decay < 1, "--model-ema-decay must be in [0, 1)")
 
     if cfg.no_aug:  # one switch for every augmentation, so the data layer and the loss agree

@@ -38,6 +38,7 @@ from .diagnostics import ModelDiagnostics
 from .errors import ConfigError, NonFiniteLossError
 from .extensions import Extensions
 from .modeling import check_model_name, create_model
+from .output_scale import OutputScale, ScaledLoss
 from .run_log import RunLog
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
@@ -90,12 +91,20 @@ class Trainer:
             self.reparametrized = metadata.get("reparametrized") == "True"
             cfg.reparametrize = cfg.reparametrize or metadata.get("reparametrization") or None
             self._check_reparametrization()
+            if metadata.get("output_scale"):  # weights of an output-scaled run hold f_w0 too
+                cfg.output_scale = cfg.output_scale or float(metadata["output_scale"])
         if self.reparametrized:
             model = self._reparametrized(model)
         if cfg.checkpoint and not self.resume_point:
+            if metadata.get("output_scale"):
+                model = OutputScale(model, cfg.output_scale)
             load_weights(model, cfg.checkpoint)
         if self.resume_point:
+            if cfg.output_scale:
+                model = OutputScale(model, cfg.output_scale)
             load_weights(model, self.resume_point / WEIGHTS_FILE)
+        if cfg.output_scale and not isinstance(model, OutputScale):
+            model = OutputScale(model, cfg.output_scale)  # f_w0: the network as this run starts
         return model
 
     def _set_up_training(self, model: torch.nn.Module) -> None:
@@ -124,6 +133,8 @@ class Trainer:
         self.train_loss = recipe.create_train_loss(cfg, self.mixup)
         if self.teacher is not None:
             self.train_loss = recipe.HardDistillationLoss(self.train_loss, self.teacher)
+        if cfg.output_scale:
+            self.train_loss = ScaledLoss(self.train_loss, cfg.output_scale)
         self.ema = ModelEmaV3(acc.unwrap_model(self.model), decay=cfg.model_ema_decay) if cfg.model_ema else None
         self.eval_loader = acc.prepare(self.eval_loader)
 
@@ -373,7 +384,7 @@ class Trainer:
 
     def _metadata(self, epoch: int) -> dict[str, str]:
         return {"model": self.cfg.model, "epoch": str(epoch), "reparametrized": str(self.reparametrized),
-                "reparametrization": self.cfg.reparametrize or ""}
+                "reparametrization": self.cfg.reparametrize or "", "output_scale": str(self.cfg.output_scale or "")}
 
     # ------------------------------------------------------------------------------ reparametrization
     def _reparametrize(self) -> None:

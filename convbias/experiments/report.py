@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .sweep import RESULT_COLUMNS, TIME_COLUMN
+from .sweep import ENSEMBLES_CSV_NAME, RESULT_COLUMNS, TIME_COLUMN
 
 METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
 ID_COLUMNS = ('run', 'seed')
@@ -287,6 +287,29 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = '
     return path
 
 
+ENSEMBLE_METRICS = ('members', 'ensemble_top1', 'member_top1', 'fluctuation')
+
+
+def read_ensembles(path: str | Path) -> list[dict[str, Any]]:
+    """ensembles.csv (written by the sweep when a grid has several seeds): one row per group of runs."""
+    with open(path, newline='') as f:
+        rows = [{k: _parse(v) for k, v in row.items() if v != ''} for row in csv.DictReader(f)]
+    if not rows or any(metric not in rows[0] for metric in ENSEMBLE_METRICS):
+        raise ValueError(f'{path} holds no ensembles (expected columns {", ".join(ENSEMBLE_METRICS)})')
+    return rows
+
+
+def ensemble_table(rows: list[dict[str, Any]]) -> str:
+    """One row per group: its factors, the top-1 of the averaged logits, the members' mean top-1, the
+    gain of ensembling (points of top-1) and the fluctuation of the members around their average."""
+    factors = [column for column in rows[0] if column not in ENSEMBLE_METRICS]
+    body = [[row.get(f, '–') for f in factors] + [
+        f"{row['ensemble_top1']:.1f}", f"{row['member_top1']:.1f}",
+        f"{row['ensemble_top1'] - row['member_top1']:+.1f}", f"{row['fluctuation']:.3g}", row['members']]
+        for row in rows]
+    return _markdown(factors + ['ensemble top-1', 'members top-1 (mean)', 'gain', 'fluctuation', 'members'], body)
+
+
 def write_report(csv_path: str | Path, out_dir: str | Path | None = None, baseline: str | None = None,
                  best: bool = False) -> list[Path]:
     """Write ``report.md`` and the PNGs next to the CSV (or in ``out_dir``); return the paths."""
@@ -323,6 +346,9 @@ def write_report(csv_path: str | Path, out_dir: str | Path | None = None, baseli
         png = plot_parameter_sweep(rows, out_dir / 'parameter_sweep.png', metric)
         sections.append(f'![parameter sweep]({png.name})')
         written.append(png)
+    ensembles = Path(csv_path).parent / ENSEMBLES_CSV_NAME
+    if ensembles.is_file():
+        sections.append('## Ensembles over seeds\n\n' + ensemble_table(read_ensembles(ensembles)))
     report = out_dir / REPORT_NAME
     report.write_text('\n\n'.join(sections) + '\n')
     return [report] + written

@@ -56,6 +56,7 @@ RESERVED_OPTIONS = ('output', 'resume', 'config', 'scale_epochs', 'eval_only', '
 RECORD_NAME = 'sweep.yaml'
 BAD_INPUT_EXIT = 2  # train.py's exit code for a user mistake (engine.main)
 CSV_NAME = 'runs.csv'
+ENSEMBLES_CSV_NAME = 'ensembles.csv'  # one row per group of runs that differ only by seed
 TRAIN_MODULE = 'convbias.cli.train'  # train.py's body, importable from an installed package
 # results.json field -> CSV column. The CSV keeps names that cannot collide with a swept option.
 RESULT_COLUMNS = {
@@ -515,6 +516,26 @@ class Sweep:
                 row[TIME_COLUMN] = seconds
             rows.append(row)
         return rows, missing
+
+    def collect_ensembles(self, rows: list[dict[str, Any]], extensions: Any = None) -> list[dict[str, Any]]:
+        """For every group of complete runs that differ only by their seed (2 or more): the ensemble of
+        their checkpoints on the validation set (``convbias.evaluation.ensembles.evaluate_runs``) as
+        top-1 of the averaged logits, mean top-1 of the members and the members' fluctuation."""
+        from convbias.evaluation.ensembles import evaluate_runs
+
+        skip = {'run', 'seed', TIME_COLUMN, *RESULT_COLUMNS.values()}
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for row in rows:
+            key = tuple((k, v) for k, v in row.items() if k not in skip)
+            groups.setdefault(key, []).append(row)
+        ensembles = []
+        for key, members in groups.items():
+            if len(members) < 2:
+                continue
+            result = evaluate_runs([self.sweep_dir / 'runs' / m['run'] for m in members], extensions)
+            ensembles.append({**dict(key), 'members': result.members, 'ensemble_top1': 100 - result.ensemble_error,
+                              'member_top1': 100 - result.mean_member_error, 'fluctuation': result.fluctuation})
+        return ensembles
 
 
 def write_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
