@@ -64,26 +64,45 @@ def test_members_of_different_architectures_or_classes_are_refused():
 
 
 # ------------------------------------------------------------------------ convbias-ensemble on real runs
-TINY_RUN = ["--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=2", "embed_dim=32", "depth=1",
-            "num_heads=2", "--dataset", "digits", "--img-size", "8", "--crop-pct", "1", "--no-aug",
-            "--repeated-aug", "1", "--batch-size", "64", "--lr", "2e-3", "--warmup-epochs", "0",
-            "--workers", "0", "--epochs", "2", "--diagnostics-images", "2"]
+TINY_RUN_OPTIONS = dict(model="deit_tiny_patch16_224", model_kwargs=dict(patch_size=2, embed_dim=32, depth=1, num_heads=2),
+                        dataset="digits", img_size=8, crop_pct=1.0, no_aug=True, repeated_aug=1, batch_size=64, lr=2e-3,
+                        warmup_epochs=0, workers=0, epochs=2, diagnostics_images=2)
 
 
 @pytest.fixture(scope="module")
 def seed_runs(tmp_path_factory):
+    """A two-seed sweep of a tiny DeiT on digits, its train.py runs executed in this process."""
     from convbias.cli import train
+    from convbias.experiments import sweep
 
     root = tmp_path_factory.mktemp("ensemble")
-    results = [train.run(TINY_RUN + ["--seed", str(seed), "--output", str(root / f"seed{seed}")]) for seed in (0, 1)]
-    return root, results
+    spec = sweep.normalize_spec({"set": TINY_RUN_OPTIONS, "grid": {"seed": [0, 1]}, "scale_epochs": False})
+    prepared = sweep.Sweep.prepare(spec, root)
+    results = [train.run(cmd[3:]) for cmd in prepared.commands()]  # python -m convbias.cli.train ARGS
+    return prepared, results
+
+
+def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs):
+    from convbias.experiments import report, sweep
+    from convbias.families import load_families
+
+    prepared, results = seed_runs
+    rows, missing = prepared.collect()
+    ensembles = prepared.collect_ensembles(rows, load_families())
+    assert not missing and len(ensembles) == 1 and ensembles[0]["members"] == 2
+    assert ensembles[0]["member_top1"] == pytest.approx(sum(r["best_top1"] for r in results) / 2)
+    csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
+    sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME)
+    text = report.write_report(csv_path)[0].read_text()
+    table = text.split("## Ensembles over seeds")[1]
+    assert f"| {ensembles[0]['ensemble_top1']:.1f} | {ensembles[0]['member_top1']:.1f} |" in table
 
 
 def test_ensemble_command_on_runs_that_differ_by_seed(seed_runs, tmp_path, capsys):
     from convbias.cli import ensemble
 
-    root, results = seed_runs
-    runs = [str(root / "seed0"), str(root / "seed1")]
+    prepared, results = seed_runs
+    runs = [str(prepared.run_dir(run)) for run in prepared.runs]
     out = tmp_path / "ensemble.json"
     assert ensemble.main(runs + ["--output", str(out)]) == 0
     record = json.loads(out.read_text())
@@ -98,14 +117,15 @@ def test_ensemble_command_on_runs_that_differ_by_seed(seed_runs, tmp_path, capsy
 def test_ensemble_command_refuses_other_class_counts(seed_runs, tmp_path, capsys):
     from convbias.cli import ensemble
 
-    root, _ = seed_runs
+    prepared, _ = seed_runs
+    first, second = (prepared.run_dir(run) for run in prepared.runs)
     other = tmp_path / "five_classes"
-    shutil.copytree(root / "seed1", other)
+    shutil.copytree(second, other)
     config = yaml.safe_load((other / "config.yaml").read_text())
     (other / "config.yaml").write_text(yaml.safe_dump({**config, "num_classes": 5}))
-    assert ensemble.main([str(root / "seed0"), str(other)]) == 2
+    assert ensemble.main([str(first), str(other)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and len(err.splitlines()) == 1
-    assert f"{other} differs from {root / 'seed0'} in num_classes: None vs 5" in err
-    assert ensemble.main([str(root / "seed0"), str(tmp_path / "missing")]) == 2
+    assert f"{other} differs from {first} in num_classes: None vs 5" in err
+    assert ensemble.main([str(first), str(tmp_path / "missing")]) == 2
     assert "run directory not found" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The alpha-trick wrapper: zero output at initialization, gradients of alpha (f_w - f_w0) with the loss
 divided by alpha^2 (autograd of the explicit formula, and a linear model's closed form), bad alpha."""
 import copy
+import json
 import math
 
 import pytest
@@ -82,3 +83,38 @@ def test_non_positive_alpha_is_refused(bad):
         check_alpha(bad)
     with pytest.raises(ValueError, match="--output-scale"):
         OutputScale(nn.Linear(2, 2), bad)
+
+
+# ------------------------------------------------------------------------------ the engine's --output-scale
+TINY = ["--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=2", "embed_dim=32", "depth=1", "num_heads=2",
+        "--dataset", "digits", "--img-size", "8", "--crop-pct", "1", "--no-aug", "--repeated-aug", "1",
+        "--batch-size", "128", "--opt", "sgd", "--lr", "0.05", "--weight-decay", "0", "--drop-path", "0",
+        "--warmup-epochs", "0", "--workers", "0", "--diagnostics-images", "4"]
+
+
+def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path):
+    from convbias.cli import train
+    from convbias.weights import read_state_dict, weights_metadata
+
+    output = tmp_path / "run"
+    results = train.run(TINY + ["--epochs", "2", "--output-scale", "100", "--output", str(output)])
+    records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
+    changes = [r["ntk_relative_change"] for r in records]
+    assert 0 < changes[0] <= changes[1] < 0.2  # large alpha: the kernel barely moves (lazy)
+    assert records[-1]["ntk_eigenvalue_1"] > 0
+    weights = output / "checkpoints" / "last" / "model.safetensors"
+    assert weights_metadata(weights)["output_scale"] == "100.0"
+    state = read_state_dict(weights)
+    assert any(key.startswith("initial.") for key in state) and any(key.startswith("model.") for key in state)
+    evaluated = train.run(TINY + ["--eval-only", "--checkpoint", str(output), "--output", str(tmp_path / "eval")])
+    assert evaluated["eval_top1"] == pytest.approx(results["best_top1"])  # the wrapper is rebuilt from metadata
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "inf"])
+def test_train_refuses_a_non_positive_output_scale(tmp_path, capsys, value):
+    from convbias.cli import train
+
+    assert train.main(TINY + ["--output-scale", value, "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --output-scale must be a positive finite number") and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
