@@ -296,12 +296,16 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     grid = lambda key: np.array([[cell[(h, a)][key] for h in widths] for a in alphas])  # noqa: E731
     error, fitted, change = grid("ensemble_test_error"), grid("converged_fraction"), grid("ntk_change")
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    shown = np.ma.masked_where(fitted < 1, error)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("black")
-    mesh = ax.pcolormesh(np.arange(len(widths) + 1), np.arange(len(alphas) + 1), shown, cmap=cmap, shading="flat")
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    mesh = ax.pcolormesh(np.arange(len(widths) + 1), np.arange(len(alphas) + 1), error, cmap="viridis", shading="flat")
     fig.colorbar(mesh, ax=ax, label="ensemble test error (%)")
+    for i, j in zip(*np.nonzero(fitted < 1)):  # some net of the cell did not reach zero training loss
+        ax.add_patch(plt.Rectangle((j, i), 1, 1, fill=False, hatch="//", edgecolor="black", linewidth=0))
+        ax.text(j + 0.5, i + 0.5, f"{fitted[i, j]:.0%}", ha="center", va="center", fontsize=7, color="white")
+    for i in range(len(alphas)):  # jamming line: from this width on, every net of every wider cell fits
+        fits = [all(fitted[i, k:] == 1) for k in range(len(widths))]
+        if any(fits):
+            ax.plot([fits.index(True)] * 2, [i, i + 1], color="red", linewidth=2.5)
     centers_x, centers_y = np.arange(len(widths)) + 0.5, np.arange(len(alphas)) + 0.5
     for level, style in ((1.0, "-"), (0.3, "--"), (3.0, "--")):
         if change.min() < level < change.max():
@@ -312,7 +316,8 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     ax.set_yticks(centers_y, [f"{a:g}" for a in alphas])
     ax.set_xlabel("width h")
     ax.set_ylabel(r"$\tilde\alpha = \sqrt{h}\,\alpha$")
-    ax.set_title("odd/even digits, 10 PCA, FC L=2 (black: training loss not zero)", fontsize=9)
+    ax.set_title("odd/even digits, 10 PCA, FC L=2. Hatched: not every net reached zero training loss\n"
+                 "(% that did); red: jamming line (every wider net fits); white: lazy/feature cross-over", fontsize=8)
     fig.tight_layout()
     paths = [output / "phase_diagram.png"]
     fig.savefig(paths[0], dpi=130)
@@ -326,7 +331,7 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
         ax.plot(params, [cell[(h, a)]["ensemble_test_error"] for h in widths], "s-", label="ensemble average")
         jammed = [p for h, p in zip(widths, params) if cell[(h, a)]["converged_fraction"] < 1]
         if jammed:
-            ax.axvline(max(jammed), color="gray", linestyle=":", label="last width not fitting")
+            ax.axvline(max(jammed), color="gray", linestyle=":", label="widest with a net not fitting")
         ax.set_xscale("log")
         ax.set_xlabel("parameters N")
         ax.set_title(rf"$\tilde\alpha$ = {a:g}")
