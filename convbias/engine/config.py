@@ -19,7 +19,10 @@ from typing import Any
 
 import yaml
 
+from .compile import COMPILE_MODES
 from .errors import ConfigError
+from .run_dir import DEFAULT_WHICH, RUN_KEYS, WHICH, is_run_dir, read_run_config
+from .preemption import DEFAULT_SIGNALS, REQUEUE_EXIT_CODE, parse_signals
 
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
 SCHEDULES = ("cosine", "step", "constant")
@@ -38,6 +41,17 @@ class Config(dict):
 
     def __setattr__(self, name: str, value: Any) -> None:
         self[name] = value
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows every option's default (argparse's own formatter skips options without a help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is not argparse.SUPPRESS and action.option_strings and "%(default)" not in text \
+                and action.default not in (None, [], False) and action.nargs != 0:
+            text += " (default: %(default)s)"
+        return text
 
 
 class OptionParser(argparse.ArgumentParser):
@@ -68,7 +82,8 @@ def key_value(text: str) -> tuple[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """All options. Defaults are the DeiT recipe (Touvron et al. 2021) that the ConViT keeps unchanged."""
-    p = OptionParser(prog="train.py", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = OptionParser(prog="train.py", description=__doc__.split("\n")[0], allow_abbrev=False,
+                     formatter_class=DefaultsHelpFormatter)
     p.add_argument("-c", "--config", default=None, help="YAML recipe; command-line options override it")
     flag = argparse.BooleanOptionalAction
 
@@ -143,14 +158,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reparametrize-at-epoch", type=int, default=None,
                    help="apply --reparametrize NAME with --reparametrize-kwargs at the start of this epoch (0-based)")
     g.add_argument("--reparametrize-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
+    g.add_argument("--compile", action=flag, default=False,
+                   help="torch.compile the training and evaluation forwards (checkpoints keep the model's own keys)")
+    g.add_argument("--compile-mode", default="default", help=f"one of {', '.join(COMPILE_MODES)}")
+    g.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend (aot_eager: dynamo's graphs and autograd without code generation)")
+    g.add_argument("--grad-checkpointing", action=flag, default=False,
+                   help="recompute block activations in backward (timm's set_grad_checkpointing): less memory")
 
     g = p.add_argument_group("run, checkpoints and logging")
     g.add_argument("--output", default=None, help="output dir; default runs/<model>-<dataset>")
     g.add_argument("--resume", default=None, help="'auto' (the output dir's latest checkpoint) or a path")
-    g.add_argument("--eval-only", action=flag, default=False, help="evaluate --checkpoint and print top-1/top-5")
-    g.add_argument("--checkpoint", default=None, help="weights to evaluate or start from")
+    g.add_argument("--eval-only", nargs="?", const=True, default=False, metavar="RUN_OR_WEIGHTS",
+                   help="evaluate a run directory (its config.yaml gives the model and data; options given "
+                        "override them) or --checkpoint, and print top-1/top-5")
+    g.add_argument("--which", default=None, choices=WHICH,
+                   help=f"checkpoint of a run directory to evaluate or start from (default: {DEFAULT_WHICH})")
+    g.add_argument("--checkpoint", default=None, help="weights to evaluate or start from (a file or a run dir)")
     g.add_argument("--save-epochs", nargs="*", type=int, default=[], metavar="E",
                    help="also keep checkpoints/epoch_E.safetensors after E epochs (0 = the initial weights)")
+    g.add_argument("--checkpoint-interval", type=int, default=0, metavar="STEPS",
+                   help="also write a mid-epoch resume point every STEPS optimizer updates (0: at epoch ends only)")
+    g.add_argument("--preempt-signals", nargs="*", default=list(DEFAULT_SIGNALS), metavar="SIG",
+                   help="signals that stop the run after the current step with a resume point, exit code "
+                        f"{REQUEUE_EXIT_CODE} (none: off)")
     g.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs (and after the last)")
     g.add_argument("--diagnostics", action=flag, default=True, help="log model diagnostics every evaluation")
     g.add_argument("--diagnostics-images", type=int, default=16, help="fixed eval images used by diagnostics")
@@ -178,6 +209,19 @@ def load_yaml(path: str | Path) -> dict:
     return merged
 
 
+def _evaluated_run_options(known: argparse.Namespace) -> dict:
+    """With --eval-only RUN_DIR (or --eval-only --checkpoint RUN_DIR): the run's model and data options,
+    below the -c recipe and the command line."""
+    target = known.eval_only if isinstance(known.eval_only, str) else known.checkpoint if known.eval_only else None
+    if target is None or not is_run_dir(target):
+        return {}
+    try:
+        options = read_run_config(target)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return {key: options[key] for key in RUN_KEYS if key in options}
+
+
 def _as_dict(value: Any, key: str) -> dict:
     """KEY=VALUE options arrive as a list of pairs (command line) or a mapping (YAML)."""
     if value is None:
@@ -194,8 +238,11 @@ def parse_config(argv: list[str] | None) -> Config:
     parser = build_parser()
     config_only = OptionParser(add_help=False)
     config_only.add_argument("-c", "--config", default=None)
+    config_only.add_argument("--eval-only", nargs="?", const=True, default=False)
+    config_only.add_argument("--checkpoint", default=None)
     known, _ = config_only.parse_known_args(argv)
     file_cfg = load_yaml(known.config) if known.config else {}
+    file_cfg = {**_evaluated_run_options(known), **file_cfg}
 
     dests = {a.dest for a in parser._actions} - {"help"}
     for key in file_cfg:
@@ -211,6 +258,25 @@ def parse_config(argv: list[str] | None) -> Config:
     cfg = Config(args)
     validate(cfg)
     return cfg
+
+
+# Data and loader options: checked here before any work, and by engine.data for callers that build data
+# without a config (robustness, protocols). One rule per option: (is the value valid?, what is expected).
+DATA_RULES = {
+    "train_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "num_classes": (lambda v: v is None or v >= 2, "at least 2"),
+    "img_size": (lambda v: v is None or v >= 1, "a positive integer"),
+    "batch_size": (lambda v: v >= 1, "a positive integer"),
+    "workers": (lambda v: v >= 0, ">= 0"),
+    "repeated_aug": (lambda v: v >= 1, ">= 1 (1: each image once)"),
+}
+
+
+def check_data_option(name: str, value: Any) -> None:
+    """ConfigError (a ValueError) naming the option when `value` breaks DATA_RULES[name]."""
+    valid, expected = DATA_RULES[name]
+    if not valid(value):
+        raise ConfigError(f"--{name.replace('_', '-')} must be {expected}, got {value}")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -247,21 +313,17 @@ def validate(cfg: Config) -> None:
     _check(cfg.sched in SCHEDULES, f"unknown --sched '{cfg.sched}'; choices: {', '.join(SCHEDULES)}")
     _check(cfg.mixed_precision in PRECISIONS,
            f"unknown --mixed-precision '{cfg.mixed_precision}'; choices: {', '.join(PRECISIONS)}")
-    _check(0 < cfg.train_fraction <= 1, f"--train-fraction must be in (0, 1], got {cfg.train_fraction}")
     _check(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
     _check(cfg.warmup_epochs >= 0, f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}")
     _check(cfg.lr is None or cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
     _check(cfg.lr_base > 0 and cfg.lr_base_size > 0, "--lr-base and --lr-base-size must be positive")
     _check(cfg.min_lr >= 0 and cfg.warmup_lr >= 0, "--min-lr and --warmup-lr must be >= 0")
     _check(cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}")
-    _check(cfg.batch_size >= 1, f"--batch-size must be a positive integer, got {cfg.batch_size}")
     _check(cfg.eval_batch_size is None or cfg.eval_batch_size >= 1, "--eval-batch-size must be positive")
     _check(cfg.grad_accum_steps >= 1, f"--grad-accum-steps must be >= 1, got {cfg.grad_accum_steps}")
-    _check(cfg.workers >= 0, f"--workers must be >= 0, got {cfg.workers}")
-    _check(cfg.repeated_aug >= 1, f"--repeated-aug must be >= 1, got {cfg.repeated_aug}")
     _check(cfg.eval_interval >= 1, f"--eval-interval must be >= 1, got {cfg.eval_interval}")
-    _check(cfg.img_size is None or cfg.img_size >= 1, f"--img-size must be positive, got {cfg.img_size}")
-    _check(cfg.num_classes is None or cfg.num_classes >= 2, "--num-classes must be at least 2")
+    for name in DATA_RULES:  # the same rules engine.data applies to its own arguments
+        check_data_option(name, cfg[name])
     _check(cfg.mixup >= 0 and cfg.cutmix >= 0, "--mixup and --cutmix must be >= 0")
     _check(0 <= cfg.smoothing < 1, f"--smoothing must be in [0, 1), got {cfg.smoothing}")
     _check(0 <= cfg.reprob <= 1, f"--reprob must be in [0, 1], got {cfg.reprob}")
@@ -273,6 +335,23 @@ def validate(cfg: Config) -> None:
     _check(cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
            "--output-scale cannot be combined with --reparametrize or hard distillation")
     _check(0 <= cfg.model_ema_decay < 1, "--model-ema-decay must be in [0, 1)")
+    _check(cfg.compile_mode in COMPILE_MODES, f"unknown --compile-mode '{cfg.compile_mode}'; choices: {', '.join(COMPILE_MODES)}")
+    if cfg.compile:
+        import torch._dynamo  # only with --compile: `train.py --help` loads no torch
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        _check(cfg.compile_backend in backends,
+               f"unknown --compile-backend '{cfg.compile_backend}'; choices: {', '.join(backends)}")
+    _check(cfg.checkpoint_interval >= 0, f"--checkpoint-interval must be >= 0 (0: off), got {cfg.checkpoint_interval}")
+    signals = cfg.preempt_signals
+    if isinstance(signals, str):
+        signals = signals.split()
+    _check(isinstance(signals, list), f"--preempt-signals expects signal names, got {signals!r}")
+    cfg.preempt_signals = [] if [str(s).lower() for s in signals] in (["none"], []) else [str(s) for s in signals]
+    try:
+        parse_signals(cfg.preempt_signals)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     if cfg.no_aug:  # one switch for every augmentation, so the data layer and the loss agree
         cfg.update(aa=None, reprob=0.0, color_jitter=0.0, hflip=0.0, mixup=0.0, cutmix=0.0, smoothing=0.0)

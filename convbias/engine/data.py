@@ -11,7 +11,9 @@ Sources and their on-disk layouts are in engine/datasets.py (`DATASETS`).
 """
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -21,8 +23,9 @@ import torch
 from PIL import Image
 from timm.data import create_transform
 from timm.data.auto_augment import posterize as timm_posterize
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .config import check_data_option
 from .datasets import (
     DATASETS, EMBEDDED_SOURCES, fraction_per_class, load_cifar, load_image_folders, select_classes,
 )
@@ -65,12 +68,8 @@ def _check_data_options(dataset: str, data_dir: Optional[str], train_fraction: f
     """Cheap checks made before any file is read; returns the data dir as a Path."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}")
-    if not 0.0 < float(train_fraction) <= 1.0:
-        raise ValueError(f"--train-fraction must be in (0, 1], got {train_fraction}")
-    if num_classes is not None and int(num_classes) < 1:
-        raise ValueError(f"--num-classes must be a positive integer, got {num_classes}")
-    if img_size is not None and int(img_size) < 1:
-        raise ValueError(f"--img-size must be a positive integer, got {img_size}")
+    for name, value in (("train_fraction", train_fraction), ("num_classes", num_classes), ("img_size", img_size)):
+        check_data_option(name, value)
     if dataset in EMBEDDED_SOURCES:
         return None  # embedded in an installed package, no files
     layout = DATASETS[dataset].layout
@@ -168,16 +167,23 @@ class ShardedSampler(Sampler[int]):
     The sampler also owns the generator the DataLoader draws its worker base seed from, reseeded in
     `set_epoch` from (seed, epoch, rank): the augmentations of worker processes are reproducible
     per epoch, which a resumed run needs (with workers=0 they use the global RNGs).
+
+    With `per_sample_seeds` it yields (index, seed) pairs instead, the seed a function of (seed, epoch,
+    position in the epoch's global order) only; `SeededSamples` runs the dataset's transform under it.
+    A sample's augmentation then depends neither on the number of workers nor on which worker loads it,
+    so a run resumed in the middle of an epoch (`set_epoch(epoch, start)`) draws exactly the
+    augmentations of the uninterrupted run. The training loader uses this.
     """
 
     def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
-                 repeats: int = 1, shuffle: bool = True):
+                 repeats: int = 1, shuffle: bool = True, per_sample_seeds: bool = False):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         self.num_samples, self.num_replicas, self.rank = num_samples, num_replicas, rank
         self.seed, self.repeats, self.shuffle = seed, repeats, shuffle
+        self.per_sample_seeds = per_sample_seeds
         self.worker_seed_generator = torch.Generator()
         self.epoch, self.start = 0, 0
         self.set_epoch(0)
@@ -196,38 +202,78 @@ class ShardedSampler(Sampler[int]):
 
     def __iter__(self):
         per_rank = self.num_samples // self.num_replicas
-        mine = self.global_order()[self.rank::self.num_replicas][:per_rank]
-        return iter(mine[self.start:].tolist())
+        mine = self.global_order()[self.rank::self.num_replicas][:per_rank][self.start:].tolist()
+        if not self.per_sample_seeds:
+            return iter(mine)
+        seeds = np.random.default_rng([self.seed, self.epoch, SAMPLE_SEED_STREAM]).integers(
+            0, 2**31, size=self.num_samples)[self.rank::self.num_replicas][:per_rank][self.start:].tolist()
+        return iter(zip(mine, seeds))
 
     def __len__(self) -> int:
         return max(0, self.num_samples // self.num_replicas - self.start)
 
 
+SAMPLE_SEED_STREAM = 1  # keeps the per-sample seeds independent of the shuffling stream of (seed, epoch)
+
+
+@contextmanager
+def seeded_rngs(seed: int):
+    """Python's, numpy's and torch's global RNGs seeded with `seed` inside the block, restored after it."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+class SeededSamples(Dataset):
+    """Loads `dataset[index]` (its transform included) under the per-sample seed of a (index, seed) pair."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, seed = item
+        with seeded_rngs(seed):
+            return self.dataset[index]
+
+
 def _check_loader_args(batch_size: int, workers: int) -> None:
-    if int(batch_size) < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    if int(workers) < 0:
-        raise ValueError(f"--workers must be >= 0, got {workers}")
+    check_data_option("batch_size", batch_size)
+    check_data_option("workers", workers)
 
 
 def build_train_loader(dataset, batch_size: int, workers: int, repeated_aug: int = 1, seed: int = 0,
-                       num_replicas: int = 1, rank: int = 0) -> DataLoader:
+                       num_replicas: int = 1, rank: int = 0,
+                       worker_init_fn: Optional[Callable[[int], None]] = None) -> DataLoader:
     """Loader over this rank's shard (not to be passed through accelerator.prepare), dropping the
-    last partial batch. repeated_aug N > 1 repeats each drawn image N times (DeiT uses 3); 0 or 1
-    is a plain seeded shuffle. Call `loader.sampler.set_epoch(epoch)` before each epoch."""
+    last partial batch. repeated_aug N > 1 repeats each drawn image N times (DeiT uses 3); 1 is a
+    plain seeded shuffle. Call `loader.sampler.set_epoch(epoch)` (or `set_epoch(epoch, start)` to
+    resume after `start` samples) before each epoch. Augmentations use per-sample seeds (see
+    ShardedSampler), so they are the same for any number of workers and after a mid-epoch resume."""
     _check_loader_args(batch_size, workers)
-    if int(repeated_aug) < 0:
-        raise ValueError(f"--repeated-aug must be >= 0 (0 or 1: off), got {repeated_aug}")
-    sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, repeats=max(1, int(repeated_aug)))
+    check_data_option("repeated_aug", repeated_aug)
+    sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, repeats=int(repeated_aug),
+                             per_sample_seeds=True)
     if len(sampler) < batch_size:
         raise ValueError(f"the training set has {len(dataset)} images, fewer than one global batch of "
                          f"{batch_size} x {num_replicas} process(es); lower --batch-size")
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=True,
-                      pin_memory=torch.cuda.is_available(), generator=sampler.worker_seed_generator)
+    return DataLoader(SeededSamples(dataset), batch_size=batch_size, sampler=sampler, num_workers=workers,
+                      drop_last=True, pin_memory=torch.cuda.is_available(), generator=sampler.worker_seed_generator,
+                      worker_init_fn=worker_init_fn)
 
 
-def build_eval_loader(dataset, batch_size: int, workers: int) -> DataLoader:
+def build_eval_loader(dataset, batch_size: int, workers: int,
+                      worker_init_fn: Optional[Callable[[int], None]] = None) -> DataLoader:
     """Sequential loader over the whole dataset (the engine shards it with accelerator.prepare)."""
     _check_loader_args(batch_size, workers)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                      pin_memory=torch.cuda.is_available())
+                      pin_memory=torch.cuda.is_available(), worker_init_fn=worker_init_fn)

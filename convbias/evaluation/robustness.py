@@ -16,7 +16,6 @@ Attack definitions (x: clean pixels, y: true labels, L: cross-entropy, clamp to 
 """
 from __future__ import annotations
 
-import csv
 import math
 import os
 from collections import defaultdict
@@ -27,6 +26,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from convbias import tables
 
 from .corruptions import CATEGORIES, CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
 
@@ -366,19 +367,12 @@ def _cell(value) -> str:
     return '' if value is None else str(value)
 
 
-def write_csv(rows: Sequence[dict], columns: Sequence[str], path: str | os.PathLike) -> Path:
-    path = Path(path)
-    with path.open('w', newline='') as f:
-        writer = csv.writer(f)
-        writer.writerow(columns)
-        writer.writerows([_cell(row.get(column)) for column in columns] for row in rows)
-    return path
+def _cells(rows: Sequence[dict], columns: Sequence[str]) -> list[dict]:
+    return [{column: _cell(row.get(column)) for column in columns} for row in rows]
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    lines = ['| ' + ' | '.join(columns) + ' |', '|' + '|'.join(' --- ' for _ in columns) + '|']
-    lines += ['| ' + ' | '.join(_cell(row.get(column)) or '-' for column in columns) + ' |' for row in rows]
-    return '\n'.join(lines) + '\n'
+    return tables.markdown_table(columns, ([_cell(row.get(c)) or '-' for c in columns] for row in rows))
 
 
 def write_report(table: Sequence[dict], corruption_rows: Sequence[dict], output: str | os.PathLike,
@@ -388,7 +382,7 @@ def write_report(table: Sequence[dict], corruption_rows: Sequence[dict], output:
     baseline among the models, the Fig. 8.3 plot (improvement.png) of the first other model."""
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    files = dict(table_csv=write_csv(table, TABLE_COLUMNS, output / 'robustness.csv'))
+    files = dict(table_csv=tables.write_csv(_cells(table, TABLE_COLUMNS), output / 'robustness.csv'))
     notes = ('\nAccuracies are top-1 in percent. C: mean over the corruptions and severities evaluated; '
              'A, R: ImageNet-A/-R with the logits restricted to their 200 classes; FGSM, PGD: white-box '
              'attacks on the clean evaluation images.\n')
@@ -396,10 +390,10 @@ def write_report(table: Sequence[dict], corruption_rows: Sequence[dict], output:
     files['table_md'] = output / 'robustness.md'
     if corruption_rows:
         columns = ('model', 'source', 'corruption', 'category', 'severity', 'top1')
-        files['corruptions_csv'] = write_csv(corruption_rows, columns, output / 'corruptions.csv')
+        files['corruptions_csv'] = tables.write_csv(_cells(corruption_rows, columns), output / 'corruptions.csv')
         errors = corruption_errors(corruption_rows, baseline)
         columns = ('model', 'category', 'ce') + (('baseline', 'relative_ce') if baseline else ())
-        files['errors_csv'] = write_csv(errors, columns, output / 'corruption_errors.csv')
+        files['errors_csv'] = tables.write_csv(_cells(errors, columns), output / 'corruption_errors.csv')
         others = [row['model'] for row in table if row['model'] != baseline]
         if baseline is not None and others:
             files['plot'] = plot_improvement(corruption_rows, others[0], baseline, output / 'improvement.png')

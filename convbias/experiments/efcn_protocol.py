@@ -36,6 +36,7 @@ from convbias.engine.data import build_datasets
 from convbias.engine.errors import ConfigError
 from convbias.evaluation import landscape
 from convbias.families import load_families
+from convbias.tables import write_csv
 from convbias.weights import load_weights
 
 from . import efcn_figures as plots
@@ -180,14 +181,6 @@ def _read_summary(run: Path, name: str, initial: tuple[float, float] | None) -> 
     return rows
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def _pick(items: list, n: int) -> list:
     if n >= len(items):
         return list(items)
@@ -297,10 +290,10 @@ def analyze_stage(cfg: dict, out: Path) -> None:
                 test_acc=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, test)[1]))
         print(f"[efcn_protocol] interpolation t_w={t} ({time.perf_counter() - started:.0f} s)", flush=True)
 
-    _write_csv(out / "relax_times.csv", rows)
-    _write_csv(out / "baselines.csv", [baselines])
-    _write_csv(out / "curves.csv", curves)
-    _write_csv(out / "interpolation.csv", interpolation_rows)
+    write_csv(rows, out / "relax_times.csv")
+    write_csv([baselines], out / "baselines.csv")
+    write_csv(curves, out / "curves.csv")
+    write_csv(interpolation_rows, out / "interpolation.csv")
     plots.training_curves(curves, times, out / "fig6_2_training_curves.png")
     plots.accuracy_and_landscape(rows, baselines, out / "fig6_3_accuracy_gradient_hessian.png")
     plots.deviation(rows, baselines, out / "fig6_4_deviation.png")

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from convbias.tables import markdown_table
+
 from .sweep import ENSEMBLES_CSV_NAME, RESULT_COLUMNS, TIME_COLUMN
 
 METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
@@ -127,9 +129,7 @@ def _fractions(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def _markdown(header: Sequence[str], body: list[Sequence[Any]]) -> str:
-    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
-    lines += ['| ' + ' | '.join(str(cell) for cell in row) + ' |' for row in body]
-    return '\n'.join(lines)
+    return markdown_table(header, body).rstrip('\n')
 
 
 def comparison_table(rows: list[dict[str, Any]], baseline: str, metric: str = 'top1') -> str:

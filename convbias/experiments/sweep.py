@@ -49,6 +49,8 @@ from typing import Any, Iterable
 
 import yaml
 
+from convbias.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
+
 SWEEP_KEYS = ('config', 'set', 'grid', 'variants', 'scale_epochs', 'baseline')
 MODEL_KWARG_PREFIX = 'model_kwargs.'
 # Options the sweep itself decides for every run: a sweep file must not set them.
@@ -536,16 +538,3 @@ class Sweep:
             ensembles.append({**dict(key), 'members': result.members, 'ensemble_top1': 100 - result.ensemble_error,
                               'member_top1': 100 - result.mean_member_error, 'fluctuation': result.fluctuation})
         return ensembles
-
-
-def write_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write the rows (union of their columns, in first-seen order) atomically."""
-    path = Path(path)
-    columns = list(dict.fromkeys(column for row in rows for column in row))
-    tmp = path.with_suffix('.tmp')
-    with open(tmp, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path)
-    return path
