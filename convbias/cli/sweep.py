@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 DEFAULT_GRID = {
     'model': ['convit_tiny', 'deit_tiny_patch16_224'],
@@ -37,6 +36,7 @@ DEFAULT_GRID = {
 
 
 def _key_value(text: str) -> tuple[str, str]:
+    """--set and --grid items: KEY=TEXT with the text kept raw (a grid splits it at commas first)."""
     key, sep, value = text.partition('=')
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{text}'")
@@ -44,7 +44,9 @@ def _key_value(text: str) -> tuple[str, str]:
 
 
 def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != '' else ''
+    """One value as train.py's K=V options read it (YAML scalars; 'none' is None)."""
+    from convbias.engine.config import yaml_scalar
+    return yaml_scalar(text) if text != '' else ''
 
 
 def build_parser() -> argparse.ArgumentParser:
