@@ -1,8 +1,8 @@
 """The training recipe's pieces, built from timm: parameter groups, optimizer, schedule, losses, EMA.
 
 Defaults follow DeiT: AdamW, lr 5e-4 x global batch / 512, weight decay 0.05 on weight matrices only
-(no decay on norms, biases, position embeddings, the class/distillation tokens or GPSA gating
-parameters), warmup then cosine to 1e-5, mixup/cutmix with soft-target cross-entropy, label smoothing.
+(timm's rule: no decay on 1-D parameters (norms, GPSA gates), biases, and the names a model lists in
+``no_weight_decay()`` (position embeddings, class/distillation tokens)), warmup then cosine to 1e-5, mixup/cutmix with soft-target cross-entropy, label smoothing.
 
 The lr schedule is stepped per optimizer update (timm ``step_update``), not per epoch: warmup and decay
 are smooth even for runs of a few epochs, and a resumed run lands on exactly the same lr because the
@@ -18,17 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
 
 from .config import Config
 
-NO_DECAY_PATTERNS = ("pos_embed", "cls_token", "dist_token", "gating_param")
-
-
-def _no_decay(name: str, param: torch.Tensor, model_no_decay: set[str]) -> bool:
-    return (param.ndim <= 1 or name.endswith(".bias") or name in model_no_decay
-            or any(pattern in name for pattern in NO_DECAY_PATTERNS))
 
 
 def param_groups(model: nn.Module, weight_decay: float, group_lr: dict[str, float],
@@ -42,12 +36,15 @@ def param_groups(model: nn.Module, weight_decay: float, group_lr: dict[str, floa
     before ``--reparametrize-at-epoch`` has no gating parameters yet).
     """
     model_no_decay = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    # timm's rule (1-D parameters, biases and the model's no_weight_decay() names), from timm itself
+    timm_groups = param_groups_weight_decay(model, weight_decay or 1.0, no_weight_decay_list=model_no_decay)
+    no_decay = {id(p) for group in timm_groups if group["weight_decay"] == 0 for p in group["params"]}
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         pattern = next((p for p in group_lr if re.search(p, name)), None)
-        decay = 0.0 if _no_decay(name, param, model_no_decay) else weight_decay
+        decay = 0.0 if id(param) in no_decay else weight_decay
         group = groups.setdefault((decay, pattern), {"params": [], "param_names": [], "weight_decay": decay,
                                                      "lr_pattern": pattern})
         if pattern is not None:
