@@ -1,0 +1,90 @@
+"""Preemption: a scheduler's signal ends the run after the current optimizer step, with a resume point.
+
+Clusters that preempt jobs signal them first (SLURM: SIGTERM, or the signal of ``--signal=USR1@120``).
+``PreemptionSignals`` records the signal in a handler that only sets a flag; the training loop asks
+``requested()`` after every optimizer step (one tiny all-reduce when there are several processes, so
+that every rank stops at the same step even when the signal reached them at different steps), writes a
+mid-epoch resume point and raises ``Preempted``. The command exits with ``REQUEUE_EXIT_CODE``, which a
+job script maps to a requeue (README: SLURM recipe); ``--resume auto`` continues from that step.
+
+DataLoader workers ignore these signals (``ignore_in_worker``): a scheduler signals every process of
+the job, and a worker killed by it would end the run before its resume point is written. The workers
+stop with the main process as usual.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any, Sequence
+
+REQUEUE_EXIT_CODE = getattr(os, "EX_TEMPFAIL", 75)  # sysexits.h: temporary failure, the user is invited to retry
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class Preempted(Exception):
+    """The run stopped on a preemption signal after writing ``point`` (exit code ``REQUEUE_EXIT_CODE``)."""
+
+    def __init__(self, signal_name: str, point: Path | None, epoch: int, step: int):
+        self.signal_name, self.point, self.epoch, self.step = signal_name, point, epoch, step
+        super().__init__(f"stopped by {signal_name} after step {step} of epoch {epoch + 1}; resume point {point} "
+                         f"(continue with --resume auto; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue)")
+
+
+def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
+    """'SIGTERM', 'TERM' or '15' -> signal.SIGTERM; ValueError naming the option for anything else."""
+    parsed = []
+    for name in names:
+        text = str(name).upper()
+        try:
+            parsed.append(signal.Signals(int(text)) if text.isdigit() else signal.Signals[
+                text if text.startswith("SIG") else "SIG" + text])
+        except (KeyError, ValueError):
+            raise ValueError(f"--preempt-signals: unknown signal {name!r}; expected names such as SIGTERM SIGUSR1 "
+                             f"(or none to disable)") from None
+        if parsed[-1] in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
+            raise ValueError(f"--preempt-signals: {parsed[-1].name} cannot be used (it cannot be caught, or is Ctrl-C)")
+    return parsed
+
+
+class PreemptionSignals:
+    """Installs flag-setting handlers for ``signals`` (main thread only); ``restore()`` puts the old ones back."""
+
+    def __init__(self, signals: Sequence[signal.Signals]):
+        self.signals = list(signals)
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> "PreemptionSignals":
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum)
+
+    def requested(self, accelerator: Any) -> bool:
+        """True on every rank when any rank has received a signal (a collective: every rank must call it)."""
+        local = self.received is not None
+        if accelerator.num_processes == 1:
+            return local
+        import torch
+
+        flag = torch.tensor([float(local)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+    @property
+    def name(self) -> str:
+        return self.received.name if self.received is not None else "a signal of another rank"
+
+
+def ignore_in_worker(signals: Sequence[signal.Signals], worker_id: int = 0) -> None:
+    """A DataLoader ``worker_init_fn`` (with ``functools.partial``): the worker ignores the preemption
+    signals, the main process decides when to stop."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
