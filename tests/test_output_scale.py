@@ -89,7 +89,7 @@ def test_non_positive_alpha_is_refused(bad):
 TINY = ["--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=2", "embed_dim=32", "depth=1", "num_heads=2",
         "--dataset", "digits", "--img-size", "8", "--crop-pct", "1", "--no-aug", "--repeated-aug", "1",
         "--batch-size", "128", "--opt", "sgd", "--lr", "0.05", "--weight-decay", "0", "--drop-path", "0",
-        "--warmup-epochs", "0", "--workers", "0", "--diagnostics-images", "4"]
+        "--warmup-epochs", "0", "--workers", "0", "--diagnostics-images", "2"]
 
 
 def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path):
@@ -116,5 +116,5 @@ def test_train_refuses_a_non_positive_output_scale(tmp_path, capsys, value):
 
     assert train.main(TINY + ["--output-scale", value, "--output", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --output-scale must be a positive finite number") and len(err.splitlines()) == 1
+    assert err.startswith("error: --output-scale must be a") and "finite number" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
