@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 import transformed_cnn  # noqa: F401  (registers the models)
 from transformed_cnn import gpsa_layers
 
-from test_tcnn_transform import IMAGES, randomize_norms, relative_error
+from conftest import IMAGES, randomize_norms, relative_error
 
 
 def test_import_registers_the_resnets_without_warnings():

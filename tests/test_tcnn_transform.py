@@ -10,25 +10,7 @@ from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from transformed_cnn import GPSAConv2d, gpsa_layers, query_attention_maps, remove_stage_stride, transform
 
-IMAGES = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm()).item()
-
-
-@torch.no_grad()
-def randomize_norms(model: nn.Module) -> nn.Module:
-    """Random BatchNorm statistics and affine parameters: timm zero-inits the last BN of each
-    residual branch, which would hide the converted convolutions from the output."""
-    generator = torch.Generator().manual_seed(1)
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
-            module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
-            module.running_mean.copy_(0.1 * torch.randn(module.running_mean.shape, generator=generator))
-            module.running_var.copy_(torch.rand(module.running_var.shape, generator=generator) + 0.5)
-    return model.eval()
+from conftest import IMAGES, randomize_norms, relative_error  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["resnet18", "resnet50"])

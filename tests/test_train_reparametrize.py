@@ -1,4 +1,4 @@
-"""--reparametrize-at-epoch: a ResNet trains, becomes a T-CNN (transformed_cnn.transform) at the start of
+"""--reparametrize-at-epoch: a ResNet (timm's 0.47M-parameter test_resnet) trains, becomes a T-CNN (transformed_cnn.transform) at the start of
 epoch 1, and keeps the optimizer state of every parameter that survives."""
 import json
 
@@ -11,7 +11,7 @@ from convbias.engine.checkpoint import load_training_state
 
 pytest.importorskip("transformed_cnn.transform")
 
-ARGS = ["--model", "resnet18", "--dataset", "digits", "--img-size", "32", "--crop-pct", "1", "--no-aug",
+ARGS = ["--model", "test_resnet", "--dataset", "digits", "--img-size", "32", "--crop-pct", "1", "--no-aug",
         "--repeated-aug", "1", "--train-fraction", "0.2", "--batch-size", "16", "--lr", "1e-3",
         "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--drop-path", "0",
         "--reparametrize", "tcnn", "--reparametrize-at-epoch", "1", "--reparametrize-kwargs", "init=paper", "--no-diagnostics",
@@ -23,7 +23,7 @@ def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, c
     results = train.run(ARGS + ["--output", str(output)])
     assert "reparametrized the model" in capsys.readouterr().out
     names = load_file(str(output / "checkpoints" / "last" / "model.safetensors")).keys()
-    assert {"layer4.0.conv1.gating_param", "layer4.1.conv2.pos_proj.weight"} <= names
+    assert {"layer4.0.conv1.gating_param", "layer4.0.conv2.pos_proj.weight"} <= names
     assert "layer4.0.conv1.weight" not in names and "layer3.0.conv1.weight" in names
 
     state = load_training_state(output / "checkpoints" / "last")
@@ -38,7 +38,7 @@ def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, c
     gating_groups = [g for g in state["optimizer"]["param_groups"] if g["lr_pattern"] == "gating_param"]
     assert len(gating_groups) == 1 and set(gating_groups[0]["param_names"]) == set(gating)
     assert gating_groups[0]["initial_lr"] == 0.1
-    assert steps["conv1.weight"] == steps["layer1.0.conv1.weight"] == 2 * per_epoch  # kept across the change
+    assert steps["conv1.0.weight"] == steps["layer1.0.conv1.weight"] == 2 * per_epoch  # kept across the change
 
     # the checkpoint is a T-CNN: eval-only rebuilds the transformed architecture before loading it
     eval_args = ARGS[:ARGS.index("--reparametrize-at-epoch")] + ["--reparametrize-kwargs", "init=paper", "--no-diagnostics"]
