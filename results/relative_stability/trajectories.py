@@ -1,0 +1,49 @@
+"""R_f during training, from the runs' own logs: init_rf and rf (delta = 1, c = 3, 100 test images) per
+epoch, as train.py's --diagnostics wrote them to log.jsonl. Writes trajectories.csv and trajectories.png.
+
+    python results/relative_stability/trajectories.py RUNS_DIR OUTPUT_DIR
+"""
+import csv
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(runs: Path, output: Path) -> None:
+    rows = []
+    for log in sorted(runs.glob("*/log.jsonl")):
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        if not records or "init_rf" not in records[0]:
+            continue
+        name = log.parent.name
+        rows.append(dict(run=name, epoch=0, rf=records[0]["init_rf"], eval_top1=""))
+        rows += [dict(run=name, epoch=r["epoch"], rf=r.get("rf"), eval_top1=r.get("eval_top1")) for r in records]
+    with open(output / "trajectories.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["run", "epoch", "rf", "eval_top1"])
+        writer.writeheader()
+        writer.writerows(rows)
+    runs_by_name = {}
+    for r in rows:
+        runs_by_name.setdefault(r["run"], []).append(r)
+    families = sorted({name.split("_P")[0] for name in runs_by_name})
+    colors = {f: plt.cm.tab10(i) for i, f in enumerate(families)}
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, points in runs_by_name.items():
+        family = name.split("_P")[0]
+        ax.plot([p["epoch"] for p in points], [p["rf"] for p in points], "-" if "P1.0" in name else ":",
+                color=colors[family], marker="o", ms=2.5, label=family if "P1.0_seed0" in name else None)
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.set(yscale="log", xlabel="epoch (0 = initialization; eFCNs: epochs after the lift)", ylabel="R_f",
+           title="R_f during training (delta = 1, c = 3; solid P = 4000, dotted P = 1000)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(output / "trajectories.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
