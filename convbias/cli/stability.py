@@ -70,8 +70,8 @@ class Run:
     @property
     def group(self) -> str:
         """What runs averaged over seeds share: the model (with its kwargs) and the training-set size."""
-        kwargs = {k: v for k, v in (self.cfg.get("model_kwargs") or {}).items() if k != "cnn_checkpoint"}
-        extra = "".join(f" {k}={v}" for k, v in kwargs.items())
+        kwargs = self.cfg.get("model_kwargs") or {}  # an eFCN's CNN snapshot by its name (epoch_E), not its run
+        extra = "".join(f" lifted at {Path(v).stem}" if k == "cnn_checkpoint" else f" {k}={v}" for k, v in kwargs.items())
         return f"{self.cfg['model']}{extra} P={self.cfg.get('train_fraction', 1.0):g}"
 
 
@@ -204,7 +204,7 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, outpu
     import matplotlib.pyplot as plt
 
     groups = list(dict.fromkeys(r["group"] for r in rows))
-    colors = {g: plt.cm.tab10(i % 10) for i, g in enumerate(groups)}
+    colors = {g: plt.cm.tab20(i % 20) for i, g in enumerate(groups)}
     styles = {name: ("--" if name == "init" else "-") for name in args.checkpoints}
     files = []
 
