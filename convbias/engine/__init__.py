@@ -14,6 +14,7 @@ from typing import Any
 from .config import parse_config
 from .errors import ConfigError, NonFiniteLossError
 from .extensions import Extensions
+from .preemption import REQUEUE_EXIT_CODE, Preempted
 
 __all__ = ["run", "main", "ConfigError", "Extensions", "NonFiniteLossError"]
 
@@ -32,15 +33,19 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
     return trainer.fit()
 
 
-def _print_error(message: str) -> None:
+def _print_error(message: str, prefix: str = "error") -> None:
     if os.environ.get("RANK", "0") == "0":  # one line for the user, not one per process
-        print("error: " + " ".join(message.split()), file=sys.stderr)
+        print(f"{prefix}: " + " ".join(message.split()), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None, extensions: Extensions | None = None) -> int:
-    """Command-line entry point: exit code 0 on success, 2 for bad input, 1 when training diverges."""
+    """Command-line entry point: exit code 0 on success, 2 for bad input, 1 when training diverges,
+    REQUEUE_EXIT_CODE (75) when a preemption signal stopped the run after writing a resume point."""
     try:
         run(argv, extensions)
+    except Preempted as e:
+        _print_error(str(e), prefix="preempted")
+        return REQUEUE_EXIT_CODE
     except ConfigError as e:
         _print_error(str(e))
         return 2

@@ -3,6 +3,9 @@
 Layout of ``<output>/checkpoints``::
 
     epoch_0007/             one complete resume point (written as .epoch_0007.tmp, then renamed)
+    epoch_0007_step_0000120/  a mid-epoch resume point: 120 steps into the 8th epoch (preemption,
+                            --checkpoint-interval); its training_state.pt also holds the step and the
+                            loss accumulators
         model.safetensors   model weights (metadata: model name, epoch)
         ema.safetensors     EMA weights, with --model-ema
         training_state.pt   optimizer, scheduler, grad scaler, counters, RNG states of every rank
@@ -97,10 +100,12 @@ class CheckpointDir:
         return link.resolve() if (link / WEIGHTS_FILE).is_file() else None
 
     def save(self, epoch: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
-             ema_weights: dict[str, torch.Tensor] | None, metadata: dict[str, str], is_best: bool) -> Path:
-        """Write the resume point after ``epoch`` completed epochs, point ``last`` (and ``best``) at it."""
+             ema_weights: dict[str, torch.Tensor] | None, metadata: dict[str, str], is_best: bool,
+             step: int = 0) -> Path:
+        """Write the resume point after ``epoch`` completed epochs and ``step`` steps of the next one,
+        point ``last`` (and ``best``) at it."""
         self.root.mkdir(parents=True, exist_ok=True)
-        name = f"epoch_{epoch:04d}"
+        name = f"epoch_{epoch:04d}" + (f"_step_{step:07d}" if step else "")
         final, tmp = self.root / name, self.root / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from . import recipe
+from .compile import compile_counters, compiled
 from .checkpoint import (CheckpointDir, find_resume_point, load_training_state, load_weights,
                          rng_state, set_rng_state, weights_metadata, EMA_FILE, WEIGHTS_FILE)
 from .config import Config, effective_epochs, write_config
@@ -39,6 +41,7 @@ from .errors import ConfigError, NonFiniteLossError
 from .extensions import Extensions
 from .modeling import check_model_name, create_model
 from .output_scale import OutputScale, ScaledLoss
+from .preemption import Preempted, PreemptionSignals, ignore_in_worker, parse_signals
 from .run_log import RunLog
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
@@ -68,14 +71,21 @@ class Trainer:
             raise ConfigError(f"--resume {self.resume_point} is a checkpoint of {self.resume_state.get('model')}, "
                               f"not of --model {cfg.model}")
 
+        self._check_resume_world_size()
+
         from .data import build_datasets, build_eval_loader
         from .datasets import DATASETS
         cfg.img_size = cfg.img_size or DATASETS[cfg.dataset].default_img_size  # data and model agree
         self.data = build_datasets(cfg)
         model = self._build_model()
-        self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers)
+        self.preemption = PreemptionSignals(parse_signals(cfg.preempt_signals))
+        # loader workers leave the preemption signals to this process (see engine.preemption)
+        self.worker_init_fn = partial(ignore_in_worker, self.preemption.signals) if self.preemption.signals else None
+        self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers,
+                                             self.worker_init_fn)
         if cfg.eval_only:
             self.model, self.eval_loader = acc.prepare(model, self.eval_loader)
+            self.forward = compiled(self.model, cfg)
         else:
             self._set_up_training(model)
 
@@ -103,9 +113,18 @@ class Trainer:
             if cfg.output_scale:
                 model = OutputScale(model, cfg.output_scale)
             load_weights(model, self.resume_point / WEIGHTS_FILE)
+        if cfg.grad_checkpointing:
+            self._set_grad_checkpointing(model.model if isinstance(model, OutputScale) else model)
         if cfg.output_scale and not isinstance(model, OutputScale):
             model = OutputScale(model, cfg.output_scale)  # f_w0: the network as this run starts
         return model
+
+    def _set_grad_checkpointing(self, model: torch.nn.Module) -> None:
+        """--grad-checkpointing: timm's own switch; the model must have one."""
+        if not hasattr(model, "set_grad_checkpointing"):
+            raise ConfigError(f"--grad-checkpointing: {type(model).__name__} ({self.cfg.model}) has no "
+                              f"set_grad_checkpointing(); run without it")
+        model.set_grad_checkpointing(True)
 
     def _set_up_training(self, model: torch.nn.Module) -> None:
         """Train loader, optimizer, schedule, losses, EMA, diagnostics; the resume point's state on top."""
@@ -114,7 +133,7 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         self.teacher = self._create_teacher() if cfg.distill_teacher else None
         self.train_loader = build_train_loader(self.data.train, cfg.batch_size, cfg.workers, cfg.repeated_aug,
-                                               cfg.seed, acc.num_processes, acc.process_index)
+                                               cfg.seed, acc.num_processes, acc.process_index, self.worker_init_fn)
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
         if self.steps_per_epoch == 0:
             raise ConfigError(f"the training set ({len(self.data.train)} images) gives no full batch of "
@@ -137,8 +156,10 @@ class Trainer:
             self.train_loss = ScaledLoss(self.train_loss, cfg.output_scale)
         self.ema = ModelEmaV3(acc.unwrap_model(self.model), decay=cfg.model_ema_decay) if cfg.model_ema else None
         self.eval_loader = acc.prepare(self.eval_loader)
+        self._compile()
 
         self.start_epoch, self.num_updates = 0, 0
+        self.start_step, self.start_loss_sum = 0, 0.0  # the position inside start_epoch of a mid-epoch resume point
         self.best: dict[str, Any] = {}  # epoch, eval_top1, eval_top5 of the best evaluation so far
         self.final: dict[str, Any] = {}  # the latest evaluation
         if self.resume_state:
@@ -163,6 +184,23 @@ class Trainer:
                 raise ConfigError(f"output dir {self.output} already holds a run ({', '.join(earlier)}); "
                                   f"pass --resume auto to continue it, or choose another --output")
         return point
+
+    def _check_resume_world_size(self) -> None:
+        """A mid-epoch resume point continues exactly only on as many processes as wrote it (each rank's
+        sampler offset, RNG streams and loss sum); an end-of-epoch one continues on any number."""
+        state, world = self.resume_state, self.accelerator.num_processes
+        if state and state.get("step") and len(state["rng"]) != world:
+            raise ConfigError(
+                f"--resume {self.resume_point} is a mid-epoch resume point ({state['step']} steps into epoch "
+                f"{state['epoch'] + 1}) written by {len(state['rng'])} processes, and this run has {world}: its "
+                f"position in the epoch cannot be continued exactly; resume with {len(state['rng'])} processes, "
+                f"or keep its weights only with --checkpoint {self.resume_point / WEIGHTS_FILE} in a new --output")
+
+    def _compile(self) -> None:
+        """The compiled views used by the training step and evaluation (engine.compile): checkpoints,
+        EMA updates, reparametrizations and diagnostics keep using the modules themselves."""
+        self.forward = compiled(self.model, self.cfg)
+        self.ema_forward = compiled(self.ema.module, self.cfg) if self.ema is not None else None
 
     def _check_reparametrization(self) -> None:
         """--reparametrize names one of the composition root's reparametrizations (needed by
@@ -202,6 +240,9 @@ class Trainer:
             acc.scaler.load_state_dict(state["scaler"])
         self.start_epoch = state["epoch"]
         self.num_updates = state["num_updates"]
+        if state.get("step"):
+            self.start_step = state["step"]
+            self.start_loss_sum = state["loss_sums"][acc.process_index]
         self.best, self.final = state["best"], state["final"]
         self.scheduler.step_update(self.num_updates)
 
@@ -218,36 +259,55 @@ class Trainer:
                               init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}})
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
         log.start(self.start_epoch)
-        initial = {}  # every diagnostic at initialization too, logged with the first epoch as init_<key>
+        # every diagnostic at initialization too, logged with the first epoch as init_<key> (a resume point
+        # inside the first epoch carries them)
+        self.initial = self.resume_state.get("initial_diagnostics", {}) if self.resume_state else {}
         if self.diagnostics is not None and not self.resume_state:
-            initial = {f"init_{k}": v for k, v in self.diagnostics(acc.unwrap_model(self.model)).items()}
+            self.initial = {f"init_{k}": v for k, v in self.diagnostics(acc.unwrap_model(self.model)).items()}
         if self.resume_state:
             world = self.resume_state["rng"]
             if len(world) == acc.num_processes:
                 set_rng_state(world[acc.process_index])
             else:  # a different world size cannot replay the same random streams; start fresh ones
                 set_seed(cfg.seed + 1000 * self.start_epoch + acc.process_index)
-            acc.print(f"resumed from {self.resume_point} after epoch {self.start_epoch}")
+            where = f" and {self.start_step} steps of epoch {self.start_epoch + 1}" if self.start_step else ""
+            acc.print(f"resumed from {self.resume_point} after epoch {self.start_epoch}{where}")
         else:
             set_seed(cfg.seed + acc.process_index)  # per-rank augmentation and drop-path streams
             if 0 in cfg.save_epochs:
                 self._save_snapshot(0)
 
+        self.preemption.install()
+        try:
+            self._train_epochs(log)
+        finally:
+            self.preemption.restore()
+
+        results = self._results()
+        log.write_results(results)
+        if cfg.log_wandb:
+            acc.end_training()
+        return results
+
+    def _train_epochs(self, log: RunLog) -> None:
+        cfg, acc = self.cfg, self.accelerator
         for epoch in range(self.start_epoch, self.epochs):
             started = time.perf_counter()
             if cfg.reparametrize_at_epoch == epoch and not self.reparametrized:
                 self._reparametrize()
             train = self._train_one_epoch(epoch)
-            record: dict[str, Any] = {"epoch": epoch + 1, **train, **(initial if epoch == 0 else {})}
+            record: dict[str, Any] = {"epoch": epoch + 1, **train, **(self.initial if epoch == 0 else {})}
             evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.epochs
             if evaluated:
-                metrics = self.evaluate(self.model)
+                metrics = self.evaluate(self.forward)
                 record.update(metrics)
                 self.final = {"epoch": epoch + 1, **metrics}
                 if self.ema is not None:
-                    record.update({f"ema_{k}": v for k, v in self.evaluate(self.ema.module).items()})
-                if self.diagnostics is not None:
+                    record.update({f"ema_{k}": v for k, v in self.evaluate(self.ema_forward).items()})
+                if self.diagnostics is not None:  # eagerly, on the module itself (never traced)
                     record.update(self.diagnostics(acc.unwrap_model(self.model)))
+            if cfg.compile:
+                record.update(compile_counters())
             record["epoch_seconds"] = time.perf_counter() - started
             record["unreadable_images"] = len(self.data.unreadable_files())
             is_best = evaluated and metrics["eval_top1"] > self.best.get("eval_top1", -1.0)
@@ -260,12 +320,6 @@ class Trainer:
             acc.print(f"epoch {epoch + 1}/{self.epochs}  train_loss {train['train_loss']:.4f}  " +
                       (f"eval_top1 {metrics['eval_top1']:.2f}  eval_top5 {metrics['eval_top5']:.2f}" if evaluated else ""))
 
-        results = self._results()
-        log.write_results(results)
-        if cfg.log_wandb:
-            acc.end_training()
-        return results
-
     def _results(self) -> dict[str, Any]:
         cfg = self.cfg
         return {"model": cfg.model, "dataset": cfg.dataset, "train_fraction": cfg.train_fraction, "seed": cfg.seed,
@@ -274,29 +328,31 @@ class Trainer:
                 "best_top5": self.best.get("eval_top5"), "best_epoch": self.best.get("epoch")}
 
     def evaluate_only(self) -> dict[str, float]:
-        metrics = self.evaluate(self.model)
+        metrics = self.evaluate(self.forward)
         self.accelerator.print(f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "
                                f"loss {metrics['eval_loss']:.4f}  ({self.cfg.checkpoint})")
         return metrics
 
     # ---------------------------------------------------------------------------------------- epochs
     def _train_one_epoch(self, epoch: int) -> dict[str, float]:
+        """One epoch, or its remainder after a mid-epoch resume point; stops with Preempted on a signal."""
         cfg, acc = self.cfg, self.accelerator
         model, optimizer = self.model, self.optimizer
         model.train()
-        if hasattr(self.train_loader.sampler, "set_epoch"):
-            self.train_loader.sampler.set_epoch(epoch)
-        loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
-        progress = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}/{self.epochs}",
+        first = self.start_step if epoch == self.start_epoch else 0
+        self.train_loader.sampler.set_epoch(epoch, start=first * cfg.batch_size)
+        loss_sum = torch.full((), self.start_loss_sum if first else 0.0, device=acc.device, dtype=torch.float64)
+        progress = tqdm(total=self.steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{self.epochs}",
                         disable=not acc.is_main_process, leave=False, dynamic_ncols=True)
         started = time.perf_counter()
-        for step, (images, targets) in enumerate(islice(self.train_loader, self.steps_per_epoch)):
+        batches = islice(self.train_loader, self.steps_per_epoch - first)
+        for step, (images, targets) in enumerate(batches, start=first):
             images = images.to(acc.device, non_blocking=True)
             targets = targets.to(acc.device, non_blocking=True)
             if self.mixup is not None:
                 images, targets = self.mixup(images, targets)
             with acc.accumulate(model):
-                outputs = model(images)
+                outputs = self.forward(images)
                 if self.teacher is not None:
                     with acc.autocast():
                         loss = self.train_loss(images, outputs, targets)
@@ -317,11 +373,23 @@ class Trainer:
                 mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
             progress.update(1)
+            if acc.sync_gradients and step + 1 < self.steps_per_epoch:
+                self._maybe_stop_mid_epoch(epoch, step + 1, loss_sum)
         progress.close()
         seconds = time.perf_counter() - started
-        images_seen = self.steps_per_epoch * cfg.batch_size * acc.num_processes
+        images_seen = (self.steps_per_epoch - first) * cfg.batch_size * acc.num_processes
         return {"train_loss": self._mean_loss(loss_sum, self.steps_per_epoch, epoch), "lr": self._lr(),
                 "images_per_sec": images_seen / seconds}
+
+    def _maybe_stop_mid_epoch(self, epoch: int, steps: int, loss_sum: torch.Tensor) -> None:
+        """After an optimizer update: a resume point every --checkpoint-interval updates, and on a
+        preemption signal a resume point then Preempted (every rank decides together)."""
+        interval = self.cfg.checkpoint_interval
+        preempted = self.preemption.requested(self.accelerator) if self.preemption.signals else False
+        if preempted or (interval and self.num_updates % interval == 0):
+            point = self._save(epoch, is_best=False, step=steps, loss_sum=loss_sum)
+            if preempted:
+                raise Preempted(self.preemption.name, point, epoch, steps)
 
     def _mean_loss(self, loss_sum: torch.Tensor, steps: int, epoch: int) -> float:
         """Mean loss over ranks and steps so far; stops the run when it is not finite."""
@@ -362,13 +430,19 @@ class Trainer:
         return {"eval_loss": loss_sum / count, "eval_top1": 100.0 * top1 / count, "eval_top5": 100.0 * top5 / count}
 
     # ---------------------------------------------------------------------------------- checkpoints
-    def _save(self, epoch: int, is_best: bool) -> None:
+    def _save(self, epoch: int, is_best: bool, step: int = 0, loss_sum: torch.Tensor | None = None) -> Path | None:
+        """A resume point after ``epoch`` epochs, or ``step`` steps into the next one (with every rank's
+        loss accumulator); returns its directory on the main process."""
         acc = self.accelerator
         weights = acc.get_state_dict(self.model)  # collective under FSDP: every rank calls it
         rng = gather_object([rng_state()])
+        loss_sums = gather_object([loss_sum.item() if loss_sum is not None else 0.0])
+        point = None
         if acc.is_main_process:
             state = {
-                "model": self.cfg.model, "epoch": epoch, "num_updates": self.num_updates,
+                "model": self.cfg.model, "epoch": epoch, "step": step, "loss_sums": loss_sums,
+                "initial_diagnostics": self.initial if epoch == 0 and step else {},
+                "num_updates": self.num_updates,
                 "best": self.best, "final": self.final, "reparametrized": self.reparametrized,
                 # FSDP shards the optimizer state across ranks; it is not gathered (resume is refused)
                 "optimizer": None if acc.distributed_type == DistributedType.FSDP else self.optimizer.state_dict(),
@@ -376,8 +450,9 @@ class Trainer:
                 "scaler": acc.scaler.state_dict() if acc.scaler is not None else None, "rng": rng,
             }
             ema = self.ema.module.state_dict() if self.ema is not None else None
-            self.checkpoints.save(epoch, weights, state, ema, self._metadata(epoch), is_best)
+            point = self.checkpoints.save(epoch, weights, state, ema, self._metadata(epoch), is_best, step)
         acc.wait_for_everyone()
+        return point
 
     def _save_snapshot(self, epoch: int) -> None:
         weights = self.accelerator.get_state_dict(self.model)
@@ -402,5 +477,6 @@ class Trainer:
         self.scheduler = recipe.create_scheduler(cfg, self.optimizer, self.epochs, self.warmup_epochs,
                                                  self.steps_per_epoch // cfg.grad_accum_steps)
         self.scheduler.step_update(self.num_updates)
+        self._compile()
         self.reparametrized = True
         acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")

@@ -1,0 +1,73 @@
+"""Preemption: SIGTERM in the middle of an epoch, then `--resume auto`, gives the uninterrupted run.
+
+`python train.py` runs in its own process group, with the DeiT recipe's randomness on (RandAugment,
+mixup/cutmix, random erasing, repeated augmentation, drop path) and 2 data-loader workers; the signal goes
+to the whole group, as a scheduler sends it to every process of a job. The run must finish its step,
+write a mid-epoch resume point and exit with the requeue status; the resumed run must continue from that
+step and end with exactly the uninterrupted run's per-epoch metrics.
+"""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from convbias.engine.checkpoint import STATE_FILE, load_training_state
+from convbias.engine.preemption import REQUEUE_EXIT_CODE
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
+ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=32",
+        "--img-size", "8", "--crop-pct", "1", "--train-fraction", "0.3", "--batch-size", "16", "--workers", "2",
+        "--epochs", "2", "--warmup-epochs", "1", "--checkpoint-interval", "4", "--diagnostics-images", "4"]
+
+
+def train(output: Path, *extra: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *ARGS, "--output", str(output), *extra],
+                            env=env, cwd=output.parent, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def summary(output: Path) -> list[tuple[str, ...]]:
+    with open(output / "summary.csv", newline="") as f:
+        return [tuple(row[k] for k in FIELDS) for row in csv.DictReader(f)]
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = process.communicate(timeout=300)
+    return process.returncode, out, err
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM"])
+def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path, signal_name):
+    reference = tmp_path / "reference"
+    code, _, err = finish(train(reference))
+    assert code == 0, err[-3000:]
+
+    stopped = tmp_path / "stopped"
+    process = train(stopped)
+    interval_point = stopped / "checkpoints" / "epoch_0000_step_0000004" / STATE_FILE
+    deadline = time.monotonic() + 240
+    while not interval_point.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(process.pid, getattr(signal, signal_name))  # every process: the run and its loader workers
+    code, _, err = finish(process)
+    assert code == REQUEUE_EXIT_CODE, err[-3000:]
+    last = (stopped / "checkpoints" / "last").resolve()
+    state = load_training_state(last)
+    assert f"preempted: stopped by {signal_name} after step {state['step']} of epoch 1" in err
+    assert str(last) in err
+    assert state["epoch"] == 0 and 4 < state["step"] < 26, state["step"]  # 26 steps per epoch
+    assert state["num_updates"] == state["step"] and len(state["loss_sums"]) == 1 and state["loss_sums"][0] > 0
+    assert not (stopped / "results.json").exists() and summary(stopped) == []
+
+    code, out, err = finish(train(stopped, "--resume", "auto"))
+    assert code == 0, err[-3000:]
+    assert f"resumed from {last} after epoch 0 and {state['step']} steps of epoch 1" in out
+    assert summary(stopped) == summary(reference)
