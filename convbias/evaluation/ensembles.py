@@ -99,34 +99,49 @@ def _run_config(run_dir: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def load_run(run_dir: str | Path, extensions=None, data=None):
+    """(model in eval mode with the run's best weights, else its last; the run's config; its datasets).
+
+    The model is rebuilt as train.py built it: timm's registry, the reparametrization the weights were
+    written after (from `extensions`), the output-scale wrapper of a ``--output-scale`` run."""
+    from convbias.engine.config import Config
+    from convbias.engine.data import build_datasets
+    from convbias.engine.modeling import create_model
+    from convbias.engine.output_scale import OutputScale
+    from convbias.weights import load_weights, resolve_weights_path, weights_metadata
+
+    cfg = Config(_run_config(Path(run_dir)))
+    path = resolve_weights_path(run_dir)
+    data = data or build_datasets(cfg)
+    model = create_model(cfg, data.num_classes, data.in_chans)
+    if weights_metadata(path).get("reparametrized") == "True":
+        model = extensions.reparametrizations[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
+    if cfg.get("output_scale") is not None:
+        model = OutputScale(model, cfg.output_scale)
+    load_weights(model, path)
+    return model.eval(), cfg, data
+
+
 def evaluate_runs(run_dirs: Sequence[str | Path], extensions=None, average: str = "logits",
                   batch_size: int = 256) -> EnsembleResult:
     """The ensemble of train.py runs (their best checkpoint, else the last) on their validation set.
 
     Every member must have been trained with the same architecture, class count, dataset, input
     size and output scale (checked before any model is built); typically runs that differ by seed."""
-    from convbias.engine.config import Config
-    from convbias.engine.data import build_datasets, build_eval_loader
-    from convbias.engine.modeling import create_model
-    from convbias.engine.output_scale import OutputScale
-    from convbias.weights import load_weights, resolve_weights_path, weights_metadata
+    from convbias.engine.data import build_eval_loader
+    from convbias.weights import resolve_weights_path
 
     if average not in AVERAGES:
         raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
-    configs = [Config(_run_config(Path(d))) for d in run_dirs]
+    configs = [_run_config(Path(d)) for d in run_dirs]
     check_same_architecture([{k: c.get(k) for k in ARCHITECTURE_KEYS} for c in configs], [str(d) for d in run_dirs])
-    weights = [resolve_weights_path(d) for d in run_dirs]
-    data = build_datasets(configs[0])
-    loader = build_eval_loader(data.val, batch_size, 0)
-    outputs, labels = [], torch.cat([targets for _, targets in loader])
-    for cfg, path in zip(configs, weights):
-        model = create_model(cfg, data.num_classes, data.in_chans)
-        if weights_metadata(path).get("reparametrized") == "True":
-            model = extensions.reparametrizations[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
-        if cfg.get("output_scale") is not None:
-            model = OutputScale(model, cfg.output_scale)
-        load_weights(model, path)
-        model.eval()
+    for d in run_dirs:
+        resolve_weights_path(d)  # every member has weights, before any model is built
+    data, outputs, labels = None, [], None
+    for run_dir in run_dirs:
+        model, _, data = load_run(run_dir, extensions, data)
+        loader = build_eval_loader(data.val, batch_size, 0)
         with torch.no_grad():
             outputs.append(torch.cat([model(images) for images, _ in loader]))
+        labels = torch.cat([targets for _, targets in loader])
     return evaluate_ensemble(torch.stack(outputs), labels, average)

@@ -142,10 +142,11 @@ def local_energy(model: nn.Module, data: Batches, sigmas: Sequence[float], draws
     independently per weight, averaged over `draws` draws, for each sigma: [(sigma, mean, std)].
 
     A wide flat minimum keeps a low error up to larger sigma; the noise being relative, the curve does
-    not depend on how each layer's weights are scaled. sigma = 0 gives the solution's own error."""
+    not depend on how each layer's weights are scaled. sigma = 0 gives the solution's own error. Only
+    trainable parameters are perturbed (a frozen copy, as in `--output-scale` runs, stays as it is)."""
     if draws < 1 or any(not s >= 0 for s in sigmas):
         raise ValueError(f"local_energy needs draws >= 1 and sigmas >= 0, got draws={draws}, sigmas={list(sigmas)}")
-    params = parameters_of(model)
+    params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}  # not a frozen f_w0
     generator = torch.Generator().manual_seed(seed)
     curve = []
     for sigma in sigmas:
