@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--img-size", type=int, default=None, help="default: the dataset's (224 for ImageNet)")
     g.add_argument("--output-scale", type=float, default=None, metavar="ALPHA",
                    help="train alpha (f_w - f_w0) with the loss / alpha^2 (the alpha-trick: large alpha = lazy, "
-                        "small = feature learning; lr not rescaled, use --opt sgd; see convbias.engine.output_scale)")
+                        "small = feature learning; the lr is not rescaled: see convbias.engine.output_scale for Adam)")
 
     g = p.add_argument_group("data and augmentation")
     g.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}")

@@ -12,7 +12,8 @@ Learning-rate convention (the source's): the learning rate is *not* rescaled wit
 1/alpha^2 prefactor, gradient descent on L has an alpha-independent time scale as alpha -> infinity
 (alpha dF/dt = O(1)), so one lr serves every alpha. This holds for optimizers linear in the gradient
 (SGD, with or without momentum). Adam-type optimizers normalize the gradient, so for them the
-prefactor is a no-op and large alpha needs an lr of order 1/alpha: use ``--opt sgd`` for regime studies.
+prefactor is a no-op: the same function-space step at every alpha >= 1 needs lr = lr1 / alpha (what
+configs/sweeps/digits_regimes.yaml does with AdamW; ViTs train poorly with plain SGD).
 Weight decay pulls w towards 0, not w0; regime studies use ``--weight-decay 0``.
 
 Model-agnostic: any module whose output is a tensor. f_w0 always runs in eval mode, so a model with
