@@ -69,10 +69,11 @@ class Run:
 
     @property
     def group(self) -> str:
-        """What runs averaged over seeds share: the model (with its kwargs) and the training-set size."""
-        kwargs = self.cfg.get("model_kwargs") or {}  # an eFCN's CNN snapshot by its name (epoch_E), not its run
-        extra = "".join(f" lifted at {Path(v).stem}" if k == "cnn_checkpoint" else f" {k}={v}" for k, v in kwargs.items())
-        return f"{self.cfg['model']}{extra} P={self.cfg.get('train_fraction', 1.0):g}"
+        """What runs averaged over seeds share: the model (an eFCN with the name of the CNN snapshot it was
+        lifted from, epoch_E, not its run) and the training fraction; the other kwargs are in the CSV."""
+        checkpoint = (self.cfg.get("model_kwargs") or {}).get("cnn_checkpoint")
+        lifted = f" @{Path(checkpoint).stem}" if checkpoint else ""
+        return f"{self.cfg['model']}{lifted} f={self.cfg.get('train_fraction', 1.0):g}"
 
 
 def _checkpoint_path(run: Path, name: str) -> Path:
@@ -218,10 +219,10 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, outpu
                         points[r["delta"]].append(r["R"])
                 deltas = sorted(points)
                 ax.plot(deltas, [_geomean(points[d]) for d in deltas], styles[name], color=colors[g], marker="o",
-                        ms=3, label=f"{g} ({name})")
+                        ms=3, label=_label(g, name, args))
         ax.set(xlabel="delta (pixels)", ylabel="R_f", yscale="log", title=f"c = {cut}")
         ax.axhline(1.0, color="gray", lw=0.5)
-    axes[0][-1].legend(fontsize=6, loc="best")
+    _legend(axes[0][-1], args)
     files.append(_save(fig, output / "rf_vs_delta.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -233,11 +234,11 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, outpu
                     points[r["relative_depth"]].append(r["R"])
             depths = sorted(points)
             ax.plot(depths, [_geomean(points[d]) for d in depths], styles[name], color=colors[g], marker="o", ms=3,
-                    label=f"{g} ({name})")
+                    label=_label(g, name, args))
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set(xlabel="relative depth (block / number of blocks; 1 = logits)", ylabel="R_f", yscale="log",
            title=f"R_f per layer, delta = {args.main_delta}, c = {args.cuts[0]}")
-    ax.legend(fontsize=6)
+    _legend(ax, args)
     files.append(_save(fig, output / "rf_per_layer.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -250,14 +251,14 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, outpu
             if pts:
                 ax.scatter([p["R"] for p in pts], [p["test_error"] / 100 for p in pts], color=colors[g],
                            marker=markers[pts[0]["train_fraction"]], facecolors="none" if name == "init" else None,
-                           label=f"{g} ({name})", s=25)
+                           label=_label(g, name, args), s=25)
     if main:
         lo, hi = min(r["R"] for r in main), max(r["R"] for r in main)
         grid = [lo * (hi / lo) ** (i / 20) for i in range(21)] if hi > lo else [lo]
         ax.plot(grid, [ERROR_LAW * math.sqrt(x) for x in grid], "k--", lw=0.8, label="0.2 sqrt(R_f) (CIFAR-10, paper)")
     ax.set(xscale="log", yscale="log", xlabel=f"R_f (delta = {args.main_delta}, c = {args.cuts[0]})",
            ylabel="test error", title="test error vs relative stability")
-    ax.legend(fontsize=6)
+    _legend(ax, args)
     files.append(_save(fig, output / "rf_vs_error.png"))
 
     image = runs[0].images[0]
@@ -276,6 +277,16 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, outpu
     return files
 
 
+def _label(group: str, checkpoint: str, args) -> str | None:
+    """One legend entry per group (its last checkpoint); the others differ by line style / open markers."""
+    return group if checkpoint == args.checkpoints[-1] else None
+
+
+def _legend(ax, args) -> None:
+    others = ", ".join(f"{name}: {'dashed / open' if name == 'init' else 'solid'}" for name in args.checkpoints)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5), title=others, title_fontsize=6)
+
+
 def _show(ax, image: torch.Tensor, title: str) -> None:
     pixels = image.float().cpu()
     pixels = (pixels - pixels.min()) / (pixels.max() - pixels.min()).clamp_min(1e-12)
@@ -286,7 +297,7 @@ def _show(ax, image: torch.Tensor, title: str) -> None:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
