@@ -39,10 +39,10 @@ def main(runs: Path, output: Path) -> None:
                 color=colors[family], marker="o", ms=2.5, label=family if "P1.0_seed0" in name else None)
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set(yscale="log", xlabel="epoch (0 = initialization; eFCNs: epochs after the lift)", ylabel="R_f",
-           title="R_f during training (delta = 1, c = 3; solid P = 4000, dotted P = 1000)")
-    ax.legend(fontsize=7)
+           title="R_f during training (delta = 1, c = 3, 100 test images)\nsolid: P = 4000, dotted: P = 1000")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(output / "trajectories.png", dpi=120)
+    fig.savefig(output / "trajectories.png", dpi=120, bbox_inches="tight")
 
 
 if __name__ == "__main__":
