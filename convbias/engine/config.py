@@ -23,6 +23,7 @@ from .compile import COMPILE_MODES
 from .errors import ConfigError
 from .run_dir import DEFAULT_WHICH, RUN_KEYS, WHICH, is_run_dir, read_run_config
 from .preemption import DEFAULT_SIGNALS, REQUEUE_EXIT_CODE, parse_signals
+from .streams import is_stream
 
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
 SCHEDULES = ("cosine", "step", "constant")
@@ -309,7 +310,8 @@ def validate(cfg: Config) -> None:
     _check(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
     _check(isinstance(cfg.save_epochs, list) and all(isinstance(e, int) for e in cfg.save_epochs),
            f"--save-epochs expects integers, got {cfg.save_epochs!r}")
-    _check(cfg.dataset in DATASETS, f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}")
+    _check(cfg.dataset in DATASETS or is_stream(cfg.dataset),
+           f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}, or wds/NAME (tar shards)")
     _check(cfg.sched in SCHEDULES, f"unknown --sched '{cfg.sched}'; choices: {', '.join(SCHEDULES)}")
     _check(cfg.mixed_precision in PRECISIONS,
            f"unknown --mixed-precision '{cfg.mixed_precision}'; choices: {', '.join(PRECISIONS)}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from itertools import islice
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +27,13 @@ from timm.data.auto_augment import posterize as timm_posterize
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .config import check_data_option
+from .streams import STREAM_LAYOUT, check_stream, create_streams, is_stream
 from .datasets import (
-    DATASETS, EMBEDDED_SOURCES, fraction_per_class, load_cifar, load_image_folders, select_classes,
+    DATASETS, EMBEDDED_SOURCES, DatasetInfo, fraction_per_class, load_cifar, load_image_folders, select_classes,
 )
+
+# `wds/` shard sets (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
+STREAM_INFO = DatasetInfo(3, DATASETS['imagenet'].mean, DATASETS['imagenet'].std, 224, STREAM_LAYOUT)
 
 # Values used when the config does not set a key (the DeiT recipe; img_size None = the dataset's
 # default, num_classes None = all classes, scale None = timm's (0.08, 1)).
@@ -124,10 +129,28 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Any) -> tuple
     return train, val
 
 
+def dataset_info(name: str) -> DatasetInfo:
+    """What the engine needs to know about a source before reading it (streams: ImageNet's statistics)."""
+    return STREAM_INFO if is_stream(name) else DATASETS[name]
+
+
+def build_streams(cfg: Any) -> DataBundle:
+    """Train and val streams of a `wds/` shard set (engine.streams), with the engine's transforms."""
+    name, data_dir = _option(cfg, 'dataset'), _option(cfg, 'data_dir')
+    info = check_stream(name, data_dir, _option(cfg, 'train_fraction'), _option(cfg, 'num_classes'))
+    train, val = create_streams(name, data_dir, int(_option(cfg, 'seed')), batch_size=1)
+    img_size = _option(cfg, 'img_size') or STREAM_INFO.default_img_size
+    train.transform, val.transform = build_transforms(int(img_size), 3, STREAM_INFO.mean, STREAM_INFO.std, cfg)
+    classes = [str(i) for i in range(info['num_classes'])]
+    return DataBundle(train, val, len(classes), 3, classes, STREAM_INFO.mean, STREAM_INFO.std)
+
+
 def build_datasets(cfg: Any) -> DataBundle:
     """Train and val datasets of cfg.dataset with transforms, after the class subset (train and
     val) and the per-class train fraction (train only: validation is never subsampled)."""
     name = _option(cfg, 'dataset')
+    if is_stream(name):
+        return build_streams(cfg)
     num_classes, img_size = _option(cfg, 'num_classes'), _option(cfg, 'img_size')
     fraction = _option(cfg, 'train_fraction')
     data_dir = _check_data_options(name, _option(cfg, 'data_dir'), fraction, num_classes, img_size)
@@ -269,6 +292,41 @@ def build_train_loader(dataset, batch_size: int, workers: int, repeated_aug: int
     return DataLoader(SeededSamples(dataset), batch_size=batch_size, sampler=sampler, num_workers=workers,
                       drop_last=True, pin_memory=torch.cuda.is_available(), generator=sampler.worker_seed_generator,
                       worker_init_fn=worker_init_fn)
+
+
+def build_stream_loader(dataset, batch_size: int, workers: int, drop_last: bool,
+                        worker_init_fn: Optional[Callable[[int], None]] = None) -> DataLoader:
+    """Loader of a stream (timm's reader splits the shards between processes and workers itself). Its
+    generator (the workers' base seed, hence the sample shuffle) is reseeded per epoch by `epoch_batches`."""
+    _check_loader_args(batch_size, workers)
+    return DataLoader(dataset, batch_size=batch_size, num_workers=workers, drop_last=drop_last,
+                      pin_memory=torch.cuda.is_available(), worker_init_fn=worker_init_fn,
+                      generator=torch.Generator().manual_seed(0))
+
+
+def epoch_batches(loader: DataLoader, epoch: int, first: int, count: int, seed: int = 0, rank: int = 0):
+    """The batches first..first+count-1 of `epoch`. A sampled loader starts its sampler there; a stream
+    is replayed from the epoch's start (same seeds, same order) and its first batches are dropped, with
+    the global RNGs put back afterwards, so that a mid-epoch resume continues exactly in both cases."""
+    if isinstance(loader.sampler, ShardedSampler):
+        loader.sampler.set_epoch(epoch, start=first * loader.batch_size)
+        return islice(loader, count)
+    loader.dataset.set_epoch(epoch)
+    loader.generator.manual_seed(int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0]))
+    batches = iter(loader)
+    if first:
+        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        for _ in islice(batches, first):
+            pass
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+    return islice(batches, count)
+
+
+def first_images(dataset, count: int) -> torch.Tensor:
+    """The first `count` images of a dataset or stream, stacked (the diagnostics' fixed batch)."""
+    return torch.stack([image for image, _ in islice(iter(dataset), count)])
 
 
 def build_eval_loader(dataset, batch_size: int, workers: int,

@@ -36,6 +36,7 @@ from .compile import compile_counters, compiled
 from .checkpoint import (CheckpointDir, find_resume_point, load_training_state, load_weights,
                          rng_state, set_rng_state, weights_metadata, EMA_FILE, WEIGHTS_FILE)
 from .config import Config, effective_epochs, write_config
+from .data import epoch_batches, first_images
 from .diagnostics import ModelDiagnostics
 from .errors import ConfigError, NonFiniteLossError
 from .extensions import Extensions
@@ -73,18 +74,24 @@ class Trainer:
 
         self._check_resume_world_size()
 
-        from .data import build_datasets, build_eval_loader
-        from .datasets import DATASETS
-        cfg.img_size = cfg.img_size or DATASETS[cfg.dataset].default_img_size  # data and model agree
+        from .data import build_datasets, build_eval_loader, build_stream_loader, dataset_info
+        from .streams import is_stream
+        cfg.img_size = cfg.img_size or dataset_info(cfg.dataset).default_img_size  # data and model agree
         self.data = build_datasets(cfg)
         model = self._build_model()
         self.preemption = PreemptionSignals(parse_signals(cfg.preempt_signals))
         # loader workers leave the preemption signals to this process (see engine.preemption)
         self.worker_init_fn = partial(ignore_in_worker, self.preemption.signals) if self.preemption.signals else None
-        self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers,
-                                             self.worker_init_fn)
+        self.streamed = is_stream(cfg.dataset)  # timm's reader shards a stream itself: its loaders are not prepared
+        if self.streamed:
+            self.eval_loader = build_stream_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers,
+                                                   drop_last=False, worker_init_fn=self.worker_init_fn)
+        else:
+            self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers,
+                                                 self.worker_init_fn)
         if cfg.eval_only:
-            self.model, self.eval_loader = acc.prepare(model, self.eval_loader)
+            self.model = acc.prepare(model)
+            self.eval_loader = self.eval_loader if self.streamed else acc.prepare(self.eval_loader)
             self.forward = compiled(self.model, cfg)
         else:
             self._set_up_training(model)
@@ -128,12 +135,16 @@ class Trainer:
 
     def _set_up_training(self, model: torch.nn.Module) -> None:
         """Train loader, optimizer, schedule, losses, EMA, diagnostics; the resume point's state on top."""
-        from .data import build_train_loader
+        from .data import build_stream_loader, build_train_loader
 
         cfg, acc = self.cfg, self.accelerator
         self.teacher = self._create_teacher() if cfg.distill_teacher else None
-        self.train_loader = build_train_loader(self.data.train, cfg.batch_size, cfg.workers, cfg.repeated_aug,
-                                               cfg.seed, acc.num_processes, acc.process_index, self.worker_init_fn)
+        if self.streamed:
+            self.train_loader = build_stream_loader(self.data.train, cfg.batch_size, cfg.workers, drop_last=True,
+                                                    worker_init_fn=self.worker_init_fn)
+        else:
+            self.train_loader = build_train_loader(self.data.train, cfg.batch_size, cfg.workers, cfg.repeated_aug,
+                                                   cfg.seed, acc.num_processes, acc.process_index, self.worker_init_fn)
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
         if self.steps_per_epoch == 0:
             raise ConfigError(f"the training set ({len(self.data.train)} images) gives no full batch of "
@@ -155,7 +166,8 @@ class Trainer:
         if cfg.output_scale:
             self.train_loss = ScaledLoss(self.train_loss, cfg.output_scale)
         self.ema = ModelEmaV3(acc.unwrap_model(self.model), decay=cfg.model_ema_decay) if cfg.model_ema else None
-        self.eval_loader = acc.prepare(self.eval_loader)
+        if not self.streamed:
+            self.eval_loader = acc.prepare(self.eval_loader)
         self._compile()
 
         self.start_epoch, self.num_updates = 0, 0
@@ -167,8 +179,7 @@ class Trainer:
         self.checkpoints = CheckpointDir(self.output)
         self.diagnostics = None
         if cfg.diagnostics:
-            count = min(cfg.diagnostics_images, len(self.data.val))
-            images = torch.stack([self.data.val[i][0] for i in range(count)]).to(acc.device)
+            images = first_images(self.data.val, min(cfg.diagnostics_images, len(self.data.val))).to(acc.device)
             self.diagnostics = ModelDiagnostics(images, self.extensions.diagnostics)
 
     # ------------------------------------------------------------------------------------ set-up checks
@@ -340,12 +351,13 @@ class Trainer:
         model, optimizer = self.model, self.optimizer
         model.train()
         first = self.start_step if epoch == self.start_epoch else 0
-        self.train_loader.sampler.set_epoch(epoch, start=first * cfg.batch_size)
+
         loss_sum = torch.full((), self.start_loss_sum if first else 0.0, device=acc.device, dtype=torch.float64)
         progress = tqdm(total=self.steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{self.epochs}",
                         disable=not acc.is_main_process, leave=False, dynamic_ncols=True)
         started = time.perf_counter()
-        batches = islice(self.train_loader, self.steps_per_epoch - first)
+        batches = epoch_batches(self.train_loader, epoch, first, self.steps_per_epoch - first, cfg.seed,
+                                acc.process_index)
         for step, (images, targets) in enumerate(batches, start=first):
             images = images.to(acc.device, non_blocking=True)
             targets = targets.to(acc.device, non_blocking=True)

@@ -1,0 +1,87 @@
+"""`--dataset wds/NAME`: webdataset tar shards read through timm's dataset factory, written by the test.
+
+A shard set trains and is evaluated whole; a corrupt (truncated) shard, a missing info file and per-class
+subsampling of a stream each stop the run before any work with one line and exit 2, writing nothing.
+"""
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from convbias.cli import train
+
+pytest.importorskip("webdataset")
+
+SIZE = 16
+ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=4", "depth=2", "local_up_to_layer=1", "embed_dim=32",
+        "--img-size", str(SIZE), "--crop-pct", "1", "--no-aug", "--repeated-aug", "1", "--batch-size", "8",
+        "--lr", "2e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--diagnostics-images", "4"]
+
+
+def write_shards(root: Path, per_split: dict[str, int], shards: int = 2) -> None:
+    """Two classes of RGB PNGs (bright left half vs bright right half) in `shards` tars per split, and
+    timm's _info.json listing them."""
+    rng = np.random.default_rng(0)
+    info = {"num_classes": 2, "splits": {}}
+    for split, count in per_split.items():
+        names, lengths = [], []
+        for shard in range(shards):
+            name, members = f"toy-{split}-{shard:04d}.tar", range(shard, count, shards)
+            with tarfile.open(root / name, "w") as tar:
+                for i in members:
+                    label = (i // shards) % 2
+                    image = rng.integers(0, 90, (SIZE, SIZE, 3), dtype=np.uint8)
+                    image[:, label * SIZE // 2:(label + 1) * SIZE // 2] += 150
+                    png = io.BytesIO()
+                    Image.fromarray(image).save(png, format="PNG")
+                    for ext, data in (("png", png.getvalue()), ("cls", str(label).encode())):
+                        member = tarfile.TarInfo(f"{split}_{i:05d}.{ext}")
+                        member.size = len(data)
+                        tar.addfile(member, io.BytesIO(data))
+            names.append(name)
+            lengths.append(len(members))
+        info["splits"][split] = {"name": split, "num_samples": count, "filenames": names, "shard_lengths": lengths}
+    (root / "_info.json").write_text(json.dumps(info))
+
+
+@pytest.fixture()
+def shards(tmp_path):
+    root = tmp_path / "shards"
+    root.mkdir()
+    write_shards(root, {"train": 96, "validation": 16})
+    return root
+
+
+def test_a_wds_shard_set_trains(shards, tmp_path):
+    output = tmp_path / "run"
+    results = train.run(ARGS + ["--dataset", "wds/toy", "--data-dir", str(shards), "--output", str(output)])
+    log = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
+    assert [record["epoch"] for record in log] == [1, 2]
+    assert log[-1]["train_loss"] < log[0]["train_loss"]
+    assert results["final_top1"] * 16 / 100 == pytest.approx(round(results["final_top1"] * 16 / 100))  # all 16 images
+    assert results["final_top1"] > 50.0  # chance: 50%
+
+
+@pytest.mark.parametrize("mistake, expected", [
+    ("truncate", "toy-train-0001.tar is corrupt or partial"),
+    ("no_info", "no _info.json or info.json"),
+    ("fraction", "--train-fraction and --num-classes need an index of labels"),
+])
+def test_bad_stream_input_is_one_line_and_writes_nothing(shards, tmp_path, capsys, mistake, expected):
+    extra = []
+    if mistake == "truncate":
+        shard = shards / "toy-train-0001.tar"
+        shard.write_bytes(shard.read_bytes()[:700])
+    elif mistake == "no_info":
+        (shards / "_info.json").unlink()
+    else:
+        extra = ["--train-fraction", "0.5"]
+    output = tmp_path / "run"
+    code = train.main(ARGS + ["--dataset", "wds/toy", "--data-dir", str(shards), "--output", str(output), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not output.exists()
