@@ -85,3 +85,23 @@ def test_bad_stream_input_is_one_line_and_writes_nothing(shards, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
     assert not output.exists()
+
+
+def test_a_stream_resumes_mid_epoch_exactly(shards, tmp_path, monkeypatch):
+    """A stop after step 5 of epoch 1 (the preemption check answers yes on its 5th call), then --resume auto:
+    the stream is replayed from the epoch's start and its first 5 batches dropped; the metrics are those of
+    the uninterrupted run."""
+    from convbias.engine.preemption import REQUEUE_EXIT_CODE, PreemptionSignals
+
+    args = ARGS + ["--dataset", "wds/toy", "--data-dir", str(shards), "--no-diagnostics"]
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    assert train.main(args + ["--output", str(reference)]) == 0
+    calls = []
+    monkeypatch.setattr(PreemptionSignals, "requested", lambda self, accelerator: calls.append(1) or len(calls) == 5)
+    assert train.main(args + ["--output", str(stopped)]) == REQUEUE_EXIT_CODE
+    assert (stopped / "checkpoints" / "last").resolve().name == "epoch_0000_step_0000005"
+    monkeypatch.undo()
+    assert train.main(args + ["--output", str(stopped), "--resume", "auto"]) == 0
+    assert (stopped / "summary.csv").read_text().splitlines()[1:] != []
+    fields = lambda path: [line.split(",")[:6] for line in (path / "summary.csv").read_text().splitlines()]  # noqa: E731
+    assert fields(stopped) == fields(reference)
