@@ -8,6 +8,7 @@ step and end with exactly the uninterrupted run's per-epoch metrics.
 """
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,19 @@ def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path,
     assert state["epoch"] == 0 and 4 < state["step"] < 26, state["step"]  # 26 steps per epoch
     assert state["num_updates"] == state["step"] and len(state["loss_sums"]) == 1 and state["loss_sums"][0] > 0
     assert not (stopped / "results.json").exists() and summary(stopped) == []
+
+    # on another number of processes the position inside the epoch cannot be continued: one line, exit 2
+    other_world = tmp_path / "other_world"
+    shutil.copytree(stopped, other_world, symlinks=True)
+    point = (other_world / "checkpoints" / "last").resolve()
+    changed = dict(state, rng=state["rng"] * 2)  # as if written by 2 processes
+    torch.save(changed, point / STATE_FILE)
+    before = sorted((p, p.stat().st_mtime_ns) for p in other_world.rglob("*"))
+    code, _, err = finish(train(other_world, "--resume", "auto"))
+    assert code == 2 and err.count("\n") == 1, err[-3000:]
+    assert "mid-epoch resume point" in err and "written by 2 processes, and this run has 1" in err
+    assert f"--checkpoint {point / 'model.safetensors'}" in err
+    assert sorted((p, p.stat().st_mtime_ns) for p in other_world.rglob("*")) == before
 
     code, out, err = finish(train(stopped, "--resume", "auto"))
     assert code == 0, err[-3000:]
