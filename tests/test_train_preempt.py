@@ -85,3 +85,20 @@ def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path,
     assert code == 0, err[-3000:]
     assert f"resumed from {last} after epoch 0 and {state['step']} steps of epoch 1" in out
     assert summary(stopped) == summary(reference)
+
+
+@pytest.mark.parametrize("option, expected", [
+    (["--preempt-signals", "SIGFOO"], "--preempt-signals: unknown signal 'SIGFOO'"),
+    (["--preempt-signals", "SIGKILL"], "--preempt-signals: SIGKILL cannot be used"),
+    (["--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),
+    (["--compile", "--compile-mode", "fast"], "unknown --compile-mode 'fast'"),
+    (["--compile", "--compile-backend", "nope"], "unknown --compile-backend 'nope'"),
+])
+def test_bad_scale_out_options_are_one_line(tmp_path, capsys, option, expected):
+    from convbias.cli import train as cli
+
+    output = tmp_path / "run"
+    assert cli.main(ARGS + ["--output", str(output), *option]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not output.exists()
