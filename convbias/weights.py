@@ -90,5 +90,18 @@ def weights_metadata(path: str | Path) -> dict[str, str]:
     path = resolve_weights_path(path)
     if path.suffix != ".safetensors":
         return {}
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+
+
+def check_weights_file(path: str | Path) -> None:
+    """ValueError naming ``path`` unless it reads as weights (a safetensors header, or a torch state dict):
+    for files handed to a library that would fail with a traceback (timm's pretrained_cfg file)."""
+    path = resolve_weights_path(path)
+    if path.suffix == ".safetensors":
+        weights_metadata(path)
+    else:
+        read_state_dict(path)

@@ -106,7 +106,8 @@ def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path):
     assert weights_metadata(weights)["output_scale"] == "100.0"
     state = read_state_dict(weights)
     assert any(key.startswith("initial.") for key in state) and any(key.startswith("model.") for key in state)
-    evaluated = train.run(TINY + ["--eval-only", "--checkpoint", str(output), "--output", str(tmp_path / "eval")])
+    evaluated = train.run(TINY + ["--eval-only", "--checkpoint", str(output), "--which", "best",
+                                  "--output", str(tmp_path / "eval")])
     assert evaluated["eval_top1"] == pytest.approx(results["best_top1"])  # the wrapper is rebuilt from metadata
 
 

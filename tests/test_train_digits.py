@@ -58,7 +58,7 @@ def test_output_dir_holds_log_config_and_checkpoints(digits_run):
 
 def test_eval_only_prints_top1_and_top5(digits_run, capsys):
     output, results = digits_run
-    assert train.main(MODEL_ARGS + ["--eval-only", "--checkpoint", str(output), "--workers", "0"]) == 0
+    assert train.main(MODEL_ARGS + ["--eval-only", "--checkpoint", str(output), "--which", "best", "--workers", "0"]) == 0
     printed = re.search(r"top1 ([\d.]+)\s+top5 ([\d.]+)", capsys.readouterr().out)
     assert printed, "eval-only printed no top1/top5"
     assert float(printed.group(1)) == pytest.approx(results["best_top1"], abs=0.01)

@@ -1,4 +1,5 @@
 """Bad input: one `error: ...` line on stderr, exit code 2, no traceback, nothing in the output dir lost."""
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from convbias.engine.checkpoint import save_weights
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
-         "embed_dim=16", "--workers", "0", "--epochs", "1"]
+         "embed_dim=16", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0"]
 
 
 @pytest.fixture
@@ -25,15 +26,22 @@ def output(tmp_path):
     return out
 
 
+def messages(stderr):
+    """stderr's lines without the progress bars (tqdm redraws them on stderr)."""
+    return [line for line in stderr.strip().splitlines() if line.strip() and not PROGRESS.match(line)]
+
+
+PROGRESS = re.compile(r"^\s*epoch \d+/\d+:")
+
+
 def run_cli(capsys, args):
     code = train.main(args)
-    err = capsys.readouterr().err.strip().splitlines()
-    return code, err
+    return code, messages(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("args, expected", [
     (["--model", "convit_tinny"], r"unknown model 'convit_tinny' .*close choices: convit_tiny"),
-    (["--dataset", "mnist"], r"unknown dataset 'mnist'; choices: digits, cifar10, cifar100, imagenet, folder"),
+    (["--dataset", "svhn"], r"unknown dataset 'svhn'; choices: digits, mnist, cifar10, cifar100, imagenet, folder"),
     (["--train-fraction", "0"], r"--train-fraction must be in \(0, 1\], got 0.0"),
     (["--train-fraction", "1.5"], r"--train-fraction must be in \(0, 1\], got 1.5"),
     (["--lr", "-0.1"], r"--lr must be positive, got -0.1"),
@@ -54,10 +62,138 @@ def test_bad_input_is_one_line_exit_2_and_keeps_output(capsys, output, tmp_path,
     assert (output / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--checkpoint", "GARBAGE"], r"GARBAGE is not a readable safetensors file \(Error while deserializing header"),
+    (["--eval-only", "GARBAGE"], r"GARBAGE is not a readable safetensors file"),
+    (["--pretrained-file", "GARBAGE"], r"--pretrained-file: GARBAGE is not a readable safetensors file"),
+    (["--distill-teacher", "resnet18", "--distill-teacher-file", "GARBAGE"], r"GARBAGE is not a readable safetensors"),
+    (["--checkpoint", "TRUNCATED"], r"TRUNCATED is not a readable safetensors file"),
+    (["--lr", "inf"], r"^error: --lr must be a finite number, got inf$"),
+    (["--clip-grad", "nan"], r"^error: --clip-grad must be a finite number, got nan$"),
+    (["--scale", "0.5", "inf"], r"^error: --scale must be a finite number, got inf$"),
+    (["--param-group-lr", "gating_param=inf"], r"--param-group-lr gating_param=\.\.\. needs a positive number, got 'inf'"),
+    (["-c", "RECIPE:scale: 0.5"], r"^error: --scale expects a list of 2 float values, got 0.5$"),
+    (["-c", "RECIPE:scale: [0.5]"], r"^error: --scale expects a list of 2 float values, got \[0.5\]$"),
+    (["-c", "RECIPE:save_epochs: 1"], r"^error: --save-epochs expects a list of int values, got 1$"),
+    (["-c", "RECIPE:data_dir: 3"], r"^error: --data-dir expects a string, got 3$"),
+    (["-c", "RECIPE:lr: .inf"], r"^error: --lr must be a finite number, got inf$"),
+    (["--which", "best"], r"--which best picks a checkpoint of a run directory; --checkpoint \(none\) is not one"),
+])
+def test_more_mistakes_are_one_line_exit_2_and_keep_output(capsys, output, tmp_path, args, expected):
+    """Unreadable weight files in every option that loads weights, non-finite numbers, recipe values of the
+    wrong type (a YAML recipe skips argparse's conversion)."""
+    garbage, truncated = tmp_path / "garbage.safetensors", tmp_path / "truncated.safetensors"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    save_weights({"w": torch.zeros(64, 64)}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    resolved = []
+    for a in args:
+        if a.startswith("RECIPE:"):
+            (tmp_path / "recipe.yaml").write_text(a.removeprefix("RECIPE:") + "\n")
+            a = str(tmp_path / "recipe.yaml")
+        resolved.append(str(garbage) if a == "GARBAGE" else str(truncated) if a == "TRUNCATED" else a)
+    code, err = run_cli(capsys, SMALL + ["--output", str(output)] + resolved)
+    expected = expected.replace("GARBAGE", re.escape(str(garbage))).replace("TRUNCATED", re.escape(str(truncated)))
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(expected, err[0]), err[0]
+    assert [p.name for p in output.iterdir()] == ["notes.txt"]
+
+
+def test_output_that_cannot_be_a_run_directory_is_refused_before_set_up(capsys, tmp_path):
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("keep me")
+    code, err = run_cli(capsys, SMALL + ["--output", str(a_file)])
+    assert code == 2 and err == [f"error: --output {a_file} is a file; pass a directory (new or of this run)"]
+    code, err = run_cli(capsys, SMALL + ["--output", str(a_file / "run")])
+    assert code == 2 and err == [f"error: --output {a_file / 'run'}: {a_file} is a file, not a directory"]
+    assert a_file.read_text() == "keep me" and [p.name for p in tmp_path.iterdir()] == ["results.txt"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_output_in_a_read_only_directory_is_refused(capsys, tmp_path):
+    tmp_path.chmod(0o555)
+    try:
+        code, err = run_cli(capsys, SMALL + ["--output", str(tmp_path / "run")])
+    finally:
+        tmp_path.chmod(0o755)
+    assert code == 2 and err == [f"error: --output {tmp_path / 'run'}: {tmp_path} is not writable; choose another --output"]
+
+
+def write_folder(root, classes, broken=False):
+    """A folder dataset of 8 random 16x16 PNGs per class (and one corrupt file in the first class)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in range(classes):
+        folder = root / "train" / f"class_{label}"
+        folder.mkdir(parents=True)
+        for i in range(8):
+            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    if broken:
+        (root / "train" / "class_0" / "0broken.png").write_bytes(b"not a png")
+    return root
+
+
+FOLDER = ["--dataset", "folder", "--img-size", "16", "--no-aug", "--repeated-aug", "1", "--batch-size", "4"]
+
+
+def test_a_one_class_dataset_is_refused(capsys, tmp_path, output):
+    data = write_folder(tmp_path / "data", classes=1)
+    code, err = run_cli(capsys, SMALL + FOLDER + ["--data-dir", str(data), "--output", str(output)])
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"error: --dataset folder at {data} has 1 class (class_0); classification needs at least 2")
+    assert [p.name for p in output.iterdir()] == ["notes.txt"]
+
+
+def test_unreadable_image_without_skipping_is_one_line_and_a_plain_rerun_starts_over(capsys, tmp_path):
+    data, output = write_folder(tmp_path / "data", classes=2, broken=True), tmp_path / "run"
+    # 15 training images in 3 batches of 5: every image is read in the first epoch
+    args = SMALL + FOLDER + ["--batch-size", "5", "--data-dir", str(data), "--output", str(output)]
+    code, err = run_cli(capsys, args + ["--no-skip-unreadable"])
+    assert code == 2 and len(err) == 1, err
+    assert re.search(r"^error: unreadable image .*0broken.png: .*--skip-unreadable skips and counts such files", err[0])
+    assert not (output / "checkpoints").exists() and not (output / ".lock").exists()
+    with pytest.warns(UserWarning, match="0broken.png"):
+        assert train.main(args) == 0  # no checkpoint was written: the same command without the flag starts over
+    assert "starting over" in capsys.readouterr().out
+    assert (output / "results.json").is_file()
+
+
+def test_ctrl_c_says_what_was_kept_and_exits_130(capsys, tmp_path):
+    from convbias.engine import Extensions, main
+
+    calls = []
+
+    def interrupt_at_the_second_evaluation(model, images):  # called at init, after epoch 1, after epoch 2
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return {}
+
+    output = tmp_path / "run"
+    code = main(SMALL[:-4] + ["--epochs", "2", "--warmup-epochs", "0", "--no-aug", "--output", str(output)],
+                Extensions(diagnostics={"interrupt": interrupt_at_the_second_evaluation}))
+    err = messages(capsys.readouterr().err)
+    assert code == 130 and err == [f"interrupted: kept {output}/checkpoints/last (epoch 1); continue with --resume auto"]
+    assert not (output / ".lock").exists() and not (output / "results.json").exists()
+
+
+def test_help_shows_the_defaults():
+    from convbias.engine.config import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for shown in ("--epochs EPOCHS (default: 300)", "--lr-base LR_BASE (default: 0.0005)",
+                  "--which {last,best} checkpoint of a run directory to evaluate or start from (default: last)",
+                  "start from pretrained weights (default: False)"):
+        assert shown in text, shown
+
+
 def test_existing_run_is_not_overwritten_without_resume(capsys, output):
     (output / "summary.csv").write_text("epoch,train_loss\n1,0.5\n")
+    (output / "results.json").write_text("{}\n")
     code, err = run_cli(capsys, SMALL + ["--output", str(output)])
-    assert code == 2 and "already holds a run (summary.csv); pass --resume auto" in err[0]
+    assert code == 2 and "already holds a run (results.json); pass --resume auto" in err[0]
     assert (output / "summary.csv").read_text() == "epoch,train_loss\n1,0.5\n"
 
 

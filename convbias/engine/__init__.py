@@ -1,18 +1,20 @@
 """The training engine: config, data, recipe, loop, checkpoints, logging. It names no model family.
 
 ``run(argv, extensions)`` trains (or evaluates) one run; ``main(argv, extensions)`` wraps it for the
-command line (user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1). The
+command line (user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1; Ctrl-C
+prints one ``interrupted: ...`` line saying what was kept and exits 130). The
 models come from timm's registry and the family-specific pieces from ``extensions``
 (``convbias.families`` builds both; ``train.py`` composes them).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
 
-from .config import parse_config
-from .errors import ConfigError, NonFiniteLossError
+from .config import config_warnings, parse_config
+from .errors import ConfigError, Interrupted, NonFiniteLossError
 from .extensions import Extensions
 from .preemption import REQUEUE_EXIT_CODE, Preempted
 
@@ -22,18 +24,40 @@ __all__ = ["run", "main", "ConfigError", "Extensions", "NonFiniteLossError"]
 def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:
     """Parse, validate, then train (or evaluate with --eval-only). Returns the content of results.json."""
     cfg = parse_config(argv)
+    for warning in config_warnings(cfg):
+        _print_error(warning, prefix="warning")
+    from .lock import RunLock
     from .trainer import Trainer  # imported after parsing: `train.py --help` loads no torch
 
+    lock = None if cfg.eval_only else RunLock(cfg.output)  # held for the life of the run (engine.lock)
     try:
-        trainer = Trainer(cfg, extensions)
-    except (ValueError, FileNotFoundError) as e:  # data, model and checkpoint checks; ConfigError included
-        raise ConfigError(str(e)) from None
-    if cfg.eval_only:
-        return trainer.evaluate_only()
-    return trainer.fit()
+        try:
+            trainer = Trainer(cfg, extensions, lock)
+        except (ValueError, FileNotFoundError) as e:  # data, model and checkpoint checks; ConfigError included
+            raise ConfigError(str(e)) from None
+        except KeyboardInterrupt:
+            raise Interrupted("during set-up; nothing was written") from None
+        if trainer.finished:
+            trainer.accelerator.print(trainer.finished)
+            return json.loads((trainer.output / "results.json").read_text())
+        try:
+            return trainer.evaluate_only() if cfg.eval_only else trainer.fit()
+        except KeyboardInterrupt:
+            raise Interrupted(trainer.kept()) from None
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _close_progress_bars() -> None:
+    """A run stopped mid-epoch leaves its progress bar open: clear it, so the message gets a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", [])):
+        bar.close()
 
 
 def _print_error(message: str, prefix: str = "error") -> None:
+    _close_progress_bars()
     if os.environ.get("RANK", "0") == "0":  # one line for the user, not one per process
         print(f"{prefix}: " + " ".join(message.split()), file=sys.stderr)
 
@@ -52,4 +76,7 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
     except NonFiniteLossError as e:
         _print_error(str(e))
         return 1
+    except Interrupted as e:
+        _print_error(str(e), prefix="interrupted")
+        return 130
     return 0

@@ -11,8 +11,10 @@ message naming the option and the expected form; ``engine.main`` prints it as ``
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -47,12 +49,14 @@ class Config(dict):
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """--help shows every option's default (argparse's own formatter skips options without a help text)."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default is not argparse.SUPPRESS and action.option_strings and "%(default)" not in text \
-                and action.default not in (None, [], False) and action.nargs != 0:
-            text += " (default: %(default)s)"
-        return text
+    def _format_action(self, action: argparse.Action) -> str:
+        shown = action.option_strings and action.default not in (None, [], argparse.SUPPRESS) \
+            and "%(default)" not in (action.help or "") \
+            and (action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction))
+        if shown:
+            action = copy.copy(action)
+            action.help = f"{action.help or ''} (default: %(default)s)".strip()
+        return super()._format_action(action)
 
 
 class OptionParser(argparse.ArgumentParser):
@@ -296,8 +300,67 @@ def _check_type(cfg: Config, key: str, kind: type | tuple) -> None:
            f"--{key.replace('_', '-')} expects {getattr(kind, '__name__', kind)}, got {value!r}")
 
 
+def _option_name(key: str) -> str:
+    return f"--{key.replace('_', '-')}"
+
+
+def _check_option_types(cfg: Config, parser: argparse.ArgumentParser) -> None:
+    """Every value (a YAML recipe's included, which skip argparse's conversion) against its option: lists
+    of the option's item type and length, strings, and finite numbers (inf and nan make no sense here)."""
+    for action in parser._actions:
+        key, value = action.dest, cfg.get(action.dest)
+        if value is None or key in KEY_VALUE_OPTIONS or key == "eval_only":
+            continue
+        kind = action.type or str
+        if action.nargs == 0:  # flags: bools, checked with the other defaults' types
+            continue
+        if isinstance(action.nargs, int) or action.nargs in ("*", "+"):
+            count = f"{action.nargs} " if isinstance(action.nargs, int) else ""
+            expected = f"{_option_name(key)} expects a list of {count}{kind.__name__} values"
+            if isinstance(value, str) and kind is str:  # a YAML string of space-separated items
+                continue
+            _check(isinstance(value, list), f"{expected}, got {value!r}")
+            _check(not isinstance(action.nargs, int) or len(value) == action.nargs, f"{expected}, got {value!r}")
+            if kind is float:
+                value = cfg[key] = [float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
+            _check(all(isinstance(v, kind) and not isinstance(v, bool) for v in value), f"{expected}, got {value!r}")
+        elif kind is str and action.nargs is None and action.const is None and action.default is None:
+            _check(isinstance(value, str), f"{_option_name(key)} expects a string, got {value!r}")
+        values = value if isinstance(value, list) else [value]
+        if kind is float:
+            bad = [v for v in values if isinstance(v, float) and not math.isfinite(v)]
+            _check(not bad, f"{_option_name(key)} must be a finite number, got {bad[0] if bad else ''}")
+
+
+def check_output_dir(output: str | Path) -> None:
+    """--output must be (or become) a writable directory: checked before any set-up, nothing created."""
+    path = Path(output)
+    _check(not path.exists() or path.is_dir(), f"--output {path} is a file; pass a directory (new or of this run)")
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    _check(ancestor.is_dir(), f"--output {path}: {ancestor} is a file, not a directory")
+    _check(os.access(ancestor, os.W_OK | os.X_OK), f"--output {path}: {ancestor} is not writable; choose another --output")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Valid but probably unintended settings, printed as `warning: ...` lines before the run starts."""
+    warnings = []
+    epochs, warmup = effective_epochs(cfg)
+    if not cfg.eval_only and warmup >= epochs:
+        warnings.append(f"--warmup-epochs {warmup} covers the whole run of {epochs} epoch(s): the lr only ramps up "
+                        f"from --warmup-lr and never reaches its peak; lower --warmup-epochs")
+    return warnings
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no model and no data: names, ranges, paths. Raises ConfigError."""
+    if isinstance(cfg.eval_only, str):  # --eval-only RUN_OR_WEIGHTS is --eval-only --checkpoint RUN_OR_WEIGHTS
+        _check(cfg.checkpoint in (None, cfg.eval_only),
+               f"--eval-only {cfg.eval_only} and --checkpoint {cfg.checkpoint} name different weights; give one")
+        cfg.checkpoint, cfg.eval_only = cfg.eval_only, True
+    _check(cfg.get("which") in (None, *WHICH), f"--which must be one of {', '.join(WHICH)}, got {cfg.get('which')!r}")
+    _check_option_types(cfg, build_parser())
     defaults = vars(build_parser().parse_args([]))
     for key, default in defaults.items():  # YAML values skip argparse's type conversion
         if isinstance(default, (bool, int, float, str)) and key in cfg:
@@ -369,7 +432,7 @@ def validate(cfg: Config) -> None:
             re.compile(pattern)
         except re.error as e:
             raise ConfigError(f"--param-group-lr: '{pattern}' is not a regular expression ({e})") from None
-        _check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0,
+        _check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
                f"--param-group-lr {pattern}=... needs a positive number, got {lr!r}")
 
     for key in ("pretrained_file", "checkpoint", "distill_teacher_file"):  # data_dir: engine.data names the layout
@@ -387,6 +450,8 @@ def validate(cfg: Config) -> None:
                f"--reparametrize-at-epoch must be in 0..{effective_epochs(cfg)[0] - 1}, got {cfg.reparametrize_at_epoch}")
     if cfg.output is None:
         cfg.output = str(Path("runs") / f"{cfg.model}-{cfg.dataset}")
+    if not cfg.eval_only:
+        check_output_dir(cfg.output)
 
 
 def effective_epochs(cfg: Config) -> tuple[int, int]:

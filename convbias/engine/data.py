@@ -166,6 +166,10 @@ def build_datasets(cfg: Any) -> DataBundle:
         if int(num_classes) > len(train.classes):
             raise ValueError(f"--num-classes {num_classes}: --dataset {name} has only {len(train.classes)} classes")
         train, val = select_classes(train, int(num_classes)), select_classes(val, int(num_classes))
+    if len(train.classes) < 2:  # one class trains to a meaningless 100%
+        raise ValueError(f"--dataset {name}{f' at {data_dir}' if data_dir else ''} has {len(train.classes)} class "
+                         f"({', '.join(map(str, train.classes)) or 'none'}); classification needs at least 2; "
+                         f"expected layout: {DATASETS[name].layout}")
     if float(fraction) < 1.0:
         train = train.subset(fraction_per_class(train.targets, float(fraction), int(_option(cfg, 'seed'))))
 

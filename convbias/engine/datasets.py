@@ -23,6 +23,8 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
 
+from .errors import UnreadableImageError  # noqa: F401  (raised here; importable from here as before)
+
 
 @dataclass(frozen=True)
 class DatasetInfo:
@@ -103,10 +105,6 @@ class ArrayImageDataset(Dataset):
                                  self.transform)
 
 
-class UnreadableImageError(ValueError):
-    """An image file that PIL cannot decode, raised when unreadable images are not skipped."""
-
-
 class ImageFolderDataset(Dataset):
     """An ImageFolder (torchvision's class scan and loader) that survives unreadable files.
 
@@ -164,7 +162,8 @@ class ImageFolderDataset(Dataset):
                 return default_loader(path), target
             except Exception as error:  # noqa: BLE001 - any failure to decode this one file
                 if not self.skip_unreadable:
-                    raise UnreadableImageError(f"unreadable image {path}: {error}") from None
+                    raise UnreadableImageError(f"unreadable image {path}: {error} (--skip-unreadable skips and "
+                                               f"counts such files)") from None
                 self.unreadable_mask[i] = True
                 warnings.warn(f"skipping unreadable image {path} ({error}); "
                               f"the next readable image takes its place", stacklevel=2)

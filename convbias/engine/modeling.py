@@ -11,6 +11,8 @@ from typing import Any, Mapping
 import timm
 import torch
 
+from convbias.weights import check_weights_file
+
 from .errors import ConfigError
 
 
@@ -29,6 +31,10 @@ def create_model(cfg: Mapping[str, Any], num_classes: int, in_chans: int) -> tor
     kwargs: dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=cfg.get("drop_path") or None,
                                   in_chans=None if in_chans == 3 else in_chans, pretrained=bool(cfg.get("pretrained")))
     if cfg.get("pretrained_file"):
+        try:
+            check_weights_file(cfg["pretrained_file"])
+        except ValueError as e:
+            raise ConfigError(f"--pretrained-file: {e}") from None
         kwargs["pretrained_cfg_overlay"] = dict(file=str(Path(cfg["pretrained_file"]).resolve()))
     model_kwargs = dict(cfg.get("model_kwargs") or {})
     kwargs.update(model_kwargs)

@@ -43,7 +43,7 @@ class RunLog:
 
         def write_summary(tmp: Path) -> None:
             with open(tmp, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+                writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS, lineterminator="\n")  # one line ending
                 writer.writeheader()
                 writer.writerows(rows)
 

@@ -27,7 +27,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
 from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
@@ -43,15 +43,23 @@ from .extensions import Extensions
 from .modeling import check_model_name, create_model
 from .output_scale import OutputScale, ScaledLoss
 from .preemption import Preempted, PreemptionSignals, ignore_in_worker, parse_signals
+from .lock import RunLock, RunLockedError, describe as describe_holder
+from .run_dir import DEFAULT_WHICH, choose_checkpoint, is_run_dir
 from .run_log import RunLog
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
 
 
+def _check_which_target(which: str | None, checkpoint: Path | None) -> None:
+    if which is not None:
+        raise ConfigError(f"--which {which} picks a checkpoint of a run directory; --checkpoint "
+                          f"{checkpoint or '(none)'} is not one")
+
+
 class Trainer:
     """One run: set-up checks in ``__init__`` (nothing is written yet), then ``fit()`` or ``evaluate_only()``."""
 
-    def __init__(self, cfg: Config, extensions: Extensions | None = None):
+    def __init__(self, cfg: Config, extensions: Extensions | None = None, lock: RunLock | None = None):
         self.cfg = cfg
         self.extensions = extensions or Extensions()
         self.accelerator = acc = Accelerator(
@@ -66,11 +74,17 @@ class Trainer:
         self._check_reparametrization()
         if cfg.distill_teacher:
             check_model_name(cfg.distill_teacher, "--distill-teacher")
+        self.checkpoint_name = self._resolve_checkpoint()
+        self.notes: list[str] = []  # said when training starts (stale lock taken over, restart)
+        self._take_lock(lock)
         self.resume_point = self._check_output_dir()
         self.resume_state = load_training_state(self.resume_point) if self.resume_point else None
         if self.resume_state and self.resume_state.get("model") != cfg.model:
             raise ConfigError(f"--resume {self.resume_point} is a checkpoint of {self.resume_state.get('model')}, "
                               f"not of --model {cfg.model}")
+        self.finished = self._finished_message()
+        if self.finished:  # --resume of a finished run: nothing to set up, nothing to write
+            return
 
         self._check_resume_world_size()
 
@@ -115,7 +129,7 @@ class Trainer:
         if cfg.checkpoint and not self.resume_point:
             if metadata.get("output_scale"):
                 model = OutputScale(model, cfg.output_scale)
-            load_weights(model, cfg.checkpoint)
+            self._load_checkpoint(model)
         if self.resume_point:
             if cfg.output_scale:
                 model = OutputScale(model, cfg.output_scale)
@@ -125,6 +139,17 @@ class Trainer:
         if cfg.output_scale and not isinstance(model, OutputScale):
             model = OutputScale(model, cfg.output_scale)  # f_w0: the network as this run starts
         return model
+
+    def _load_checkpoint(self, model: torch.nn.Module) -> None:
+        """--checkpoint's weights; a file that does not fit says how to rebuild the model it was written for."""
+        try:
+            load_weights(model, self.cfg.checkpoint)
+        except ValueError as e:
+            if "does not fit" not in str(e):
+                raise
+            raise ConfigError(f"{e}; give the model options the weights were trained with (--model, --model-kwargs, "
+                              f"--img-size, --num-classes), or pass the run directory, whose config.yaml has them"
+                              ) from None
 
     def _set_grad_checkpointing(self, model: torch.nn.Module) -> None:
         """--grad-checkpointing: timm's own switch; the model must have one."""
@@ -183,18 +208,80 @@ class Trainer:
             self.diagnostics = ModelDiagnostics(images, self.extensions.diagnostics)
 
     # ------------------------------------------------------------------------------------ set-up checks
+    def _resolve_checkpoint(self) -> str | None:
+        """--checkpoint (or --eval-only) naming a run directory becomes its checkpoints/<--which> weights;
+        returns how to name the weights in messages (the link and its epoch)."""
+        cfg = self.cfg
+        if cfg.checkpoint is None:
+            _check_which_target(cfg.which, None)
+            return None
+        run = Path(cfg.checkpoint)
+        if (run / "checkpoints").is_dir() or is_run_dir(run):
+            chosen = choose_checkpoint(run, cfg.which or DEFAULT_WHICH)
+            cfg.checkpoint = str(chosen.weights)
+            return chosen.describe()
+        _check_which_target(cfg.which, run)
+        epoch = weights_metadata(run).get("epoch")
+        return f"{run}, epoch {epoch}" if epoch else str(run)
+
+    def _take_lock(self, lock: RunLock | None) -> None:
+        """The output dir's lock (engine.lock), taken by the main process before anything there is read or
+        written; every process stops when another live run holds it."""
+        acc, message = self.accelerator, None
+        if lock is None:
+            return
+        if acc.is_main_process:
+            try:
+                lock.acquire()
+            except RunLockedError as e:
+                message = str(e)
+            if lock.stale:
+                self.notes.append(f"took over the stale lock of {describe_holder(lock.stale)} (that process is gone)")
+        if acc.num_processes > 1:
+            message = broadcast_object_list([message])[0]
+        if message:
+            raise ConfigError(message)
+
     def _check_output_dir(self) -> Path | None:
-        """The resume point, or None for a fresh run; refuses to overwrite an earlier run's results."""
+        """The resume point, or None for a fresh run; refuses to overwrite an earlier run's results.
+
+        A directory without a resume point or results.json holds only the start of a run that failed
+        before its first checkpoint (config.yaml, summary.csv...): the run starts over there."""
         cfg = self.cfg
         if cfg.eval_only:
             return None
         point = find_resume_point(cfg.resume, self.output) if cfg.resume else None
-        if point is None and cfg.resume is None and self.output.is_dir():
-            earlier = [name for name in ("checkpoints", "summary.csv", "results.json") if (self.output / name).exists()]
-            if earlier:
+        if point is None and self.output.is_dir():
+            earlier = [name for name, there in (("checkpoints/last", CheckpointDir(self.output).last is not None),
+                                                ("results.json", (self.output / "results.json").exists())) if there]
+            if earlier and cfg.resume is None:
                 raise ConfigError(f"output dir {self.output} already holds a run ({', '.join(earlier)}); "
                                   f"pass --resume auto to continue it, or choose another --output")
+            leftovers = [name for name in ("config.yaml", "summary.csv", "log.jsonl") if (self.output / name).exists()]
+            if leftovers and not earlier:
+                self.notes.append(f"starting over: {self.output} holds no checkpoint of an earlier attempt "
+                                  f"(its {', '.join(leftovers)} are replaced)")
         return point
+
+    def _finished_message(self) -> str | None:
+        """What --resume of a run that already trained all its epochs says instead of training again."""
+        state = self.resume_state
+        if not state or state.get("step") or state["epoch"] < self.epochs or not (self.output / "results.json").is_file():
+            return None
+        final, best = state.get("final") or {}, state.get("best") or {}
+        return (f"{self.output} is already finished (epoch {state['epoch']}/{self.epochs}, final top-1 "
+                f"{final.get('eval_top1', float('nan')):.2f}, best top-1 {best.get('eval_top1', float('nan')):.2f} "
+                f"at epoch {best.get('epoch')}); nothing to do (a larger --epochs trains on)")
+
+    def kept(self) -> str:
+        """What an interrupted run leaves behind, in one sentence."""
+        if self.cfg.eval_only:
+            return "nothing was written"
+        last = CheckpointDir(self.output).last
+        if last is None:
+            return f"no checkpoint was written yet in {self.output}; rerun the same command to start over"
+        epoch = weights_metadata(last / WEIGHTS_FILE).get("epoch", "?")
+        return f"kept {self.output}/checkpoints/last (epoch {epoch}); continue with --resume auto"
 
     def _check_resume_world_size(self) -> None:
         """A mid-epoch resume point continues exactly only on as many processes as wrote it (each rank's
@@ -260,6 +347,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------- main entry
     def fit(self) -> dict[str, Any]:
         cfg, acc = self.cfg, self.accelerator
+        for note in self.notes:
+            acc.print(note)
         derived = dict(num_processes=acc.num_processes, global_batch=self.global_batch, lr=self.lr,
                        epochs=self.epochs, warmup_epochs=self.warmup_epochs, steps_per_epoch=self.steps_per_epoch)
         if acc.is_main_process:
@@ -298,7 +387,16 @@ class Trainer:
         log.write_results(results)
         if cfg.log_wandb:
             acc.end_training()
+        acc.print(self._summary_line(results))
         return results
+
+    def _summary_line(self, results: dict[str, Any]) -> str:
+        """The last line of a run: its final and best top-1 and where its files are."""
+        def top1(value: float | None) -> str:
+            return "n/a" if value is None else f"{value:.2f}"
+        return (f"done: final top-1 {top1(results['final_top1'])} (epoch {self.final.get('epoch')}), best top-1 "
+                f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {self.output}: results.json, "
+                f"summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best")
 
     def _train_epochs(self, log: RunLog) -> None:
         cfg, acc = self.cfg, self.accelerator
@@ -341,7 +439,7 @@ class Trainer:
     def evaluate_only(self) -> dict[str, float]:
         metrics = self.evaluate(self.forward)
         self.accelerator.print(f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "
-                               f"loss {metrics['eval_loss']:.4f}  ({self.cfg.checkpoint})")
+                               f"loss {metrics['eval_loss']:.4f}  ({self.checkpoint_name})")
         return metrics
 
     # ---------------------------------------------------------------------------------------- epochs
@@ -474,6 +572,7 @@ class Trainer:
 
     def _metadata(self, epoch: int) -> dict[str, str]:
         return {"model": self.cfg.model, "epoch": str(epoch), "reparametrized": str(self.reparametrized),
+                "num_classes": str(self.data.num_classes), "in_chans": str(self.data.in_chans),
                 "reparametrization": self.cfg.reparametrize or "", "output_scale": str(self.cfg.output_scale or "")}
 
     # ------------------------------------------------------------------------------ reparametrization

@@ -1,0 +1,138 @@
+"""A run directory is the unit: its lock, its reuse by path (--eval-only RUN_DIR, --which) and its restarts."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from convbias import engine
+from convbias.engine.lock import RunLock, RunLockedError
+from convbias.families import load_families
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# A 2-block ConViT of width 16 on the 8x8 digits (16 tokens of 2x2 pixels): about a second an epoch.
+MODEL = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=16",
+         "--dataset", "digits", "--img-size", "8", "--crop-pct", "1"]
+TRAIN = MODEL + ["--no-aug", "--repeated-aug", "1", "--batch-size", "32", "--lr", "2e-3", "--weight-decay", "0",
+                 "--workers", "0", "--warmup-epochs", "0"]
+
+
+def snapshot(directory):
+    """Every file under `directory` with its bytes and mtime: what "nothing changed" compares."""
+    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def hold_lock(directory):
+    """A live process holding `directory`'s run lock (as a running train.py does); returns the Popen."""
+    code = textwrap.dedent(f"""
+        import time
+        from convbias.engine.lock import RunLock
+        RunLock({str(directory)!r}).acquire()
+        print("locked", flush=True)
+        time.sleep(120)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 2-epoch run whose diagnostics hook, called mid-run, checks that the run holds its directory's lock."""
+    output = tmp_path_factory.mktemp("run") / "run"
+    seen = {}
+
+    def probe(model, images):
+        try:
+            RunLock(output).acquire().release()
+            seen["second_lock"] = "acquired"
+        except RunLockedError as e:
+            seen["second_lock"] = str(e)
+        return {}
+
+    extensions = load_families()
+    extensions.diagnostics["probe"] = probe
+    results = engine.run(TRAIN + ["--epochs", "2", "--output", str(output)], extensions)
+    return output, results, seen
+
+
+def test_a_live_run_holds_its_lock_and_releases_it(finished_run):
+    output, results, seen = finished_run
+    assert f"pid {os.getpid()} on host {socket.gethostname()}" in seen["second_lock"]
+    assert not (output / ".lock").exists()
+
+
+def test_second_run_on_a_live_runs_dir_is_refused_naming_the_holder(tmp_path, capsys):
+    output = tmp_path / "run"
+    holder = hold_lock(output)
+    try:
+        before = snapshot(output)
+        assert engine.main(TRAIN + ["--epochs", "1", "--output", str(output)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert f"in use by another run (pid {holder.pid} on host {socket.gethostname()}" in err[0]
+        assert snapshot(output) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_restart_after_a_failure_before_the_first_checkpoint_takes_over_the_stale_lock(tmp_path, capsys):
+    output = tmp_path / "run"
+    # a diverging first attempt stops before its first checkpoint (exit 1), leaving config.yaml and summary.csv
+    assert engine.main(TRAIN + ["--epochs", "1", "--lr", "1e30", "--output", str(output)]) == 1
+    assert (output / "summary.csv").is_file() and not (output / "checkpoints").exists()
+    holder = hold_lock(output)  # ...and a later attempt killed with -9 leaves its lock file behind
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert (output / ".lock").is_file()
+    capsys.readouterr()
+
+    results = engine.run(TRAIN + ["--epochs", "1", "--warmup-epochs", "3", "--output", str(output)], load_families())
+    captured = capsys.readouterr()
+    assert f"took over the stale lock of pid {holder.pid}" in captured.out
+    assert "starting over" in captured.out
+    assert ("warning: --warmup-epochs 3 covers the whole run of 1 epoch(s): the lr only ramps up from --warmup-lr "
+            "and never reaches its peak; lower --warmup-epochs") in captured.err.splitlines()
+    assert captured.out.strip().splitlines()[-1] == (
+        f"done: final top-1 {results['final_top1']:.2f} (epoch 1), best top-1 {results['best_top1']:.2f} (epoch 1); "
+        f"in {output}: results.json, summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best")
+    assert b"\r" not in (output / "summary.csv").read_bytes()  # one line ending
+    assert json.loads((output / "results.json").read_text()) == results
+    assert [json.loads(line)["epoch"] for line in (output / "log.jsonl").read_text().splitlines()] == [1]
+    assert not (output / ".lock").exists()
+
+
+def test_eval_only_run_dir_alone_gives_the_runs_final_top1(finished_run, capsys):
+    output, results, _ = finished_run
+    assert engine.main(["--eval-only", str(output)], load_families()) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints/last (epoch 2)" in out
+    top1 = float(re.search(r"top1 ([\d.]+)", out).group(1))
+    assert top1 == pytest.approx(results["final_top1"], abs=0.01)
+
+
+def test_which_best_evaluates_the_best_checkpoint(finished_run, capsys):
+    output, results, _ = finished_run
+    assert engine.main(["--eval-only", str(output), "--which", "best"], load_families()) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoints/best (epoch {results['best_epoch']})" in out
+    top1 = float(re.search(r"top1 ([\d.]+)", out).group(1))
+    assert top1 == pytest.approx(results["best_top1"], abs=0.01)
+
+
+def test_resume_auto_on_a_finished_run_says_so_and_rewrites_nothing(finished_run, capsys):
+    output, results, _ = finished_run
+    before = snapshot(output)
+    assert engine.main(TRAIN + ["--epochs", "2", "--resume", "auto", "--output", str(output)],
+                       load_families()) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"{output} is already finished (epoch 2/2"), out
+    assert snapshot(output) == before
