@@ -65,6 +65,9 @@ class Trainer:
         self.accelerator = acc = Accelerator(
             mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps,
             log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None)
+        if acc.is_fsdp2:  # prepare() would get the model and the optimizer apart, which FSDP2 cannot take
+            raise ConfigError("accelerate's FSDP2 (fsdp_version 2) is not supported by the engine yet: train with "
+                              "DDP (resumes exactly) or FSDP1; convbias.engine.fsdp holds the sharded checkpoints")
         self.output = Path(cfg.output)
         self.epochs, self.warmup_epochs = effective_epochs(cfg)
         self.global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
