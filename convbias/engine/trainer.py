@@ -4,10 +4,12 @@
 before it writes anything; ``Trainer.fit()`` then trains, evaluates, logs and checkpoints each epoch;
 ``Trainer.evaluate_only()`` prints top-1/top-5 of a checkpoint.
 
-Distribution: the model and optimizer go through ``accelerator.prepare`` (DDP, or FSDP when the
-accelerate config asks for it; the model is prepared before the optimizer is built, as FSDP needs).
-Under FSDP the weight checkpoints are gathered with ``get_state_dict`` but the sharded optimizer state
-is not saved, so such a run cannot be resumed exactly (FSDP is not tested here: no GPUs). The train loader is *not* prepared: its sampler (from engine.data)
+Distribution: the model and optimizer go through ``accelerator.prepare`` (DDP, or FSDP1 when the
+accelerate config asks for it; the model is prepared before the optimizer is built, as FSDP1 needs;
+FSDP2 is refused at set-up). Under FSDP the weight checkpoints are gathered with ``get_state_dict`` but
+the sharded optimizer state is not saved, so such a run cannot be resumed exactly (FSDP is not tested
+here: accelerate enables it only on GPUs; engine.fsdp's sharded checkpoints are tested below accelerate).
+The train loader is *not* prepared: its sampler (from engine.data)
 shards itself across ranks so that, with a fixed seed, the union of the ranks' batches at step t is the
 1-process batch at step t. The eval loader is prepared and metrics use ``gather_for_metrics``, so they
 are exact (no duplicated padding samples). Gradient accumulation uses ``accelerator.accumulate``; each
