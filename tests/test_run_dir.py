@@ -136,3 +136,40 @@ def test_resume_auto_on_a_finished_run_says_so_and_rewrites_nothing(finished_run
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(f"{output} is already finished (epoch 2/2"), out
     assert snapshot(output) == before
+
+
+def test_robustness_reads_the_run_dir_and_its_clean_accuracy_is_the_runs_final_top1(finished_run, tmp_path, capsys):
+    from convbias.cli import robustness
+
+    output, results, _ = finished_run
+    assert robustness.main(["--checkpoint", str(output), "--attacks", "none", "--corruptions", "none",
+                            "--workers", "0", "--output", str(tmp_path / "robustness")]) == 0
+    assert "convit_tiny: " + str(output / "checkpoints" / "last") + " (epoch 2)" in capsys.readouterr().err
+    table = json.loads((tmp_path / "robustness" / "robustness.json").read_text())["table"]
+    assert table[0]["clean"] == pytest.approx(results["final_top1"], abs=0.01)
+
+
+def test_diagnostics_reads_the_run_dir_and_unreadable_weights_are_one_line(finished_run, tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    from convbias.cli import diagnostics, robustness
+
+    output, results, _ = finished_run
+    image = tmp_path / "digit.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8), dtype=np.uint8)).save(image)
+    assert diagnostics.main(["--checkpoint", str(output), "--which", "best", "--image", str(image),
+                             "--out", str(tmp_path / "figures")]) == 0
+    captured = capsys.readouterr()
+    assert f"checkpoints/best (epoch {results['best_epoch']})" in captured.err
+    assert captured.out.strip() == str(tmp_path / "figures" / "attention_maps.png")
+
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(bytes(range(256)))
+    assert diagnostics.main(["--model", "convit_tiny", "--checkpoint", str(garbage), "--image", str(image),
+                             "--out", str(tmp_path / "figures2")]) == 2
+    assert robustness.main(["--model", "convit_tiny", "--checkpoint", str(garbage), "--output", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {garbage} is not a readable safetensors file (Error while deserializing header: "
+                   f"header too large)"] * 2
+    assert not (tmp_path / "figures2").exists() and not (tmp_path / "r").exists()

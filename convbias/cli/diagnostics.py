@@ -9,6 +9,8 @@ Attention maps of one image (Fig. 7.8), from a model and optionally its trained 
     convbias-diagnostics --model convit_tiny --checkpoint output/convit_tiny/checkpoints/best.safetensors \
         --image cat.jpg --layers 2 10 --out figures
   -> attention_maps.png
+A run dir as --checkpoint is enough: its config.yaml and checkpoint give the model, its kwargs, image
+size, channels and classes (options given override them); --which last|best picks the checkpoint.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
 from convbias.engine.config import key_value
+from convbias.engine.modeling import create_model
+from convbias.engine.run_dir import DEFAULT_WHICH, WHICH, is_run_dir, model_spec
 from convbias.evaluation.figures import plot_attention_maps, plot_nonlocality, plot_per_head, read_log
 from convbias.families import load_families
 from convbias.weights import load_weights
@@ -33,15 +37,23 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--run", nargs="+", default=[], metavar="DIR", help="output dirs of train.py runs (with log.jsonl)")
     parser.add_argument("--model", help="timm model name, to draw the attention maps of --image")
     parser.add_argument("--checkpoint", help="weights file or run dir written by train.py (or any state dict); default: the model's init")
+    parser.add_argument("--which", choices=WHICH, default=DEFAULT_WHICH, help="checkpoint of a run dir (default: last)")
     parser.add_argument("--image", help="image file for the attention maps")
     parser.add_argument("--img-size", type=int, help="input size the model was trained at (default: the model's)")
     parser.add_argument("--num-classes", type=int, help="classifier size of the checkpoint (default: the model's)")
-    parser.add_argument("--in-chans", type=int, default=3, help="input channels of the model (default 3)")
+    parser.add_argument("--in-chans", type=int, help="input channels of the model (default: the run dir's, else 3)")
     parser.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V", help="extra model kwargs")
     parser.add_argument("--query", nargs=2, type=int, metavar=("ROW", "COL"), help="query patch on the grid (default: center)")
     parser.add_argument("--layers", nargs="+", type=int, help="1-based attention layers to draw (default: all)")
     parser.add_argument("--out", help="directory for the PNG files (default: <first run>/figures, else ./figures)")
     args = parser.parse_args(argv)
+    args.model_kwargs = dict(args.model_kwargs)
+    if args.checkpoint and is_run_dir(args.checkpoint):
+        try:
+            _take_run_options(args)
+        except ValueError as err:
+            parser.error(str(err))
+    args.in_chans = args.in_chans or 3
     load_families()
     if not args.run and not args.model:
         parser.error("give --run DIR ... (history figures) and/or --model with --image (attention maps)")
@@ -66,6 +78,18 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     if args.out is None:
         args.out = str(Path(args.run[0]) / "figures") if args.run else "figures"
     return args
+
+
+def _take_run_options(args: argparse.Namespace) -> None:
+    """--checkpoint RUN: the run's model, kwargs, image size, channels and classes for the options not given."""
+    spec = model_spec(args.checkpoint, args.which)
+    args.model = args.model or spec["model"]
+    args.model_kwargs = {**spec["model_kwargs"], **args.model_kwargs}
+    args.img_size = args.img_size or spec["img_size"]
+    args.in_chans = args.in_chans or spec["in_chans"]
+    args.num_classes = args.num_classes or spec["num_classes"]
+    args.checkpoint = str(spec["checkpoint"].weights)
+    print(f"{args.model}: {spec['checkpoint'].describe()}", file=sys.stderr)
 
 
 def draw_histories(runs: List[str], out: Path) -> List[Path]:
@@ -99,7 +123,11 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
     if args.num_classes:
         kwargs["num_classes"] = args.num_classes
     try:
-        model = timm.create_model(args.model, **kwargs)
+        if args.num_classes:  # the engine's builder: CNNs (T-CNNs) take no img_size
+            model = create_model(dict(model=args.model, model_kwargs=args.model_kwargs, img_size=args.img_size),
+                                 args.num_classes, args.in_chans)
+        else:
+            model = timm.create_model(args.model, **kwargs)
     except TypeError as err:  # timm's own models reject unknown kwargs with a TypeError
         raise ValueError(f"--model {args.model} with {kwargs}: {err}") from None
     if args.checkpoint:

@@ -29,6 +29,7 @@ from convbias.engine.errors import ConfigError
 from convbias.engine.data import build_datasets, build_eval_loader
 from convbias.engine.datasets import DATASETS, ImageFolderDataset
 from convbias.engine.modeling import check_model_name, create_model
+from convbias.engine.run_dir import DEFAULT_WHICH, WHICH, choose_checkpoint, is_run_dir, run_options
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
 from convbias.families import load_families
 from convbias.weights import load_weights
@@ -45,14 +46,17 @@ SUBSET_LAYOUT = 'DIR/<wnid>/<image> (ImageNet-A/-R: 200 ImageNet class folders)'
 
 def build_parser() -> argparse.ArgumentParser:
     p = OptionParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--model', required=True, help='timm model name (any registered name)')
-    p.add_argument('--checkpoint', required=True, help='weights: a train.py run folder (its best checkpoint), a checkpoint folder or a '
-                   'safetensors / state-dict file')
+    p.add_argument('--checkpoint', required=True, help='weights: a train.py run folder (its config.yaml gives --model, '
+                   '--model-kwargs, --dataset, --data-dir, --num-classes, --img-size unless given), a checkpoint '
+                   'folder or a safetensors / state-dict file')
+    p.add_argument('--which', choices=WHICH, default=DEFAULT_WHICH, help='checkpoint of a run folder')
+    p.add_argument('--model', help='timm model name (any registered name); default: the run folder\'s')
     p.add_argument('--model-kwargs', nargs='*', type=key_value, default=[], metavar='K=V', help='extra timm.create_model arguments')
     p.add_argument('--compare-model', help='baseline model for the comparison (e.g. the CNN of a T-CNN)')
     p.add_argument('--compare-checkpoint', help='weights of --compare-model (same forms as --checkpoint)')
     p.add_argument('--compare-model-kwargs', nargs='*', type=key_value, default=[], metavar='K=V')
-    p.add_argument('--dataset', default='digits', choices=DATASET_CHOICES, help='clean evaluation set (as train.py)')
+    p.add_argument('--dataset', choices=DATASET_CHOICES, help="clean evaluation set (as train.py); default: the run "
+                   "folder's, else digits")
     p.add_argument('--data-dir', help='dataset folder (as train.py)')
     p.add_argument('--num-classes', type=int, help='first N classes only (as train.py)')
     p.add_argument('--img-size', type=int, help="evaluation resolution (None: the dataset's default)")
@@ -115,11 +119,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.imagenet_c and not args.corruptions:
         raise ConfigError('--imagenet-c given with --corruptions none')
     args.model_kwargs, args.compare_model_kwargs = dict(args.model_kwargs), dict(args.compare_model_kwargs)
+    _take_run_options(args)
+    if args.model is None:
+        raise ConfigError(f'--checkpoint {args.checkpoint} is not a run folder: pass --model NAME')
+    args.dataset = args.dataset or 'digits'
     load_families()
     for option, name in (('--model', args.model), ('--compare-model', args.compare_model)):
         if name:
             check_model_name(name, option)
     return args
+
+
+RUN_OPTIONS = ('model', 'dataset', 'data_dir', 'num_classes', 'img_size')
+
+
+def _take_run_options(args: argparse.Namespace) -> None:
+    """--checkpoint / --compare-checkpoint naming train.py runs: their config.yaml fills the options not given,
+    and --which picks their checkpoint (named on stderr with its epoch)."""
+    for option, model_key in (('checkpoint', 'model'), ('compare_checkpoint', 'compare_model')):
+        run = getattr(args, option)
+        if not run or not is_run_dir(run):
+            continue
+        options = run_options(run)
+        kwargs_key = f'{model_key}_kwargs'
+        setattr(args, kwargs_key, {**(options.get('model_kwargs') or {}), **getattr(args, kwargs_key)})
+        if getattr(args, model_key) is None:
+            setattr(args, model_key, options.get('model'))
+        if option == 'checkpoint':
+            for key in RUN_OPTIONS[1:]:
+                if getattr(args, key) is None:
+                    setattr(args, key, options.get(key))
+            # the run's evaluation transform, so that clean accuracy is the run's own top-1
+            args.eval_transform = {key: options[key] for key in ('crop_pct', 'interpolation') if key in options}
+        chosen = choose_checkpoint(run, args.which)
+        setattr(args, option, str(chosen.weights))
+        print(f'{getattr(args, model_key)}: {chosen.describe()}', file=sys.stderr)
+
+
+def _stage(message: str) -> None:
+    """Progress of a long evaluation, one line per stage on stderr."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def _subset(dataset, max_images: int | None, seed: int):
@@ -147,7 +186,7 @@ class Setup:
         args.img_size = args.img_size or DATASETS[args.dataset].default_img_size
         self.bundle = bundle = build_datasets(dict(
             dataset=args.dataset, data_dir=args.data_dir, num_classes=args.num_classes, img_size=args.img_size,
-            seed=args.seed, no_aug=True))
+            seed=args.seed, no_aug=True, **getattr(args, 'eval_transform', {})))
         model_classes = read_class_list(args.imagenet_classes) if args.imagenet_classes else bundle.class_names
         if len(model_classes) != bundle.num_classes:
             raise ConfigError(f'--imagenet-classes {args.imagenet_classes} names {len(model_classes)} classes, '
@@ -185,6 +224,8 @@ def evaluate(setup: Setup) -> dict:
     clean = Denormalized(build_eval_loader(val, args.batch_size, args.workers), bundle.mean, bundle.std)
     table = []
     for name, model in models.items():
+        _stage(f'{name}: clean accuracy' + (f" and {', '.join(args.attacks).upper()}" if args.attacks else '')
+               + f' on {len(val)} images')
         row = dict(model=name, checkpoint=setup.checkpoints[name], img_size=args.img_size,
                    params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
                    clean=accuracy(model, clean))
@@ -202,6 +243,7 @@ def evaluate(setup: Setup) -> dict:
             key: (setup.folder(folder, IMAGENET_C_LAYOUT, stored), index)
             for key, (folder, index) in setup.c_folders.items()})
     elif args.corruptions:
+        _stage(f"{len(args.corruptions)} corruptions x {len(args.severities)} severities on {len(val)} images")
         corruption_rows = corruption_accuracy(models, clean, args.corruptions, args.severities, args.seed)
     for column, (root, index) in setup.subsets.items():
         loader = setup.folder(root, SUBSET_LAYOUT, T.Compose([to_mode, bundle.val.transform]))
