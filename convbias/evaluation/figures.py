@@ -35,11 +35,13 @@ __all__ = ["read_log", "metric_history", "plot_nonlocality", "plot_per_head", "p
 METRICS = ("nonlocality", "gating", "span")
 LOG_SCALE_RANGE = 1e-4  # attention maps show at most four decades below their maximum
 _KEY = re.compile(r"^(?P<metric>\w+)/layer(?P<layer>\d+)(?:/head(?P<head>\d+))?$")
-_METRIC_LABELS = {
-    "nonlocality": "nonlocality (patches)",
-    "gating": r"$\sigma(\lambda_h)$",
-    "span": r"attention span $1/\alpha_h$",
+_METRIC_LABELS = {  # the quantity and its unit (token positions are in patches, or pixels of a T-CNN layer's map)
+    "nonlocality": "nonlocality: mean attention distance (patches)",
+    "gating": r"gating $\sigma(\lambda_h)$ (0-1)",
+    "span": r"attention span $1/\alpha_h$ (patches$^2$)",
 }
+_METRIC_TITLES = {"nonlocality": "nonlocality per layer", "gating": "gating per head (weight on position)",
+                  "span": "attention span per head"}
 
 
 # -- reading the training log -------------------------------------------------------------------
@@ -118,7 +120,7 @@ def plot_nonlocality(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Pa
         for color, layer in zip(colors, layers):
             epochs, values = history[layer][None]
             ax.plot(epochs, values, color=color, label=f"layer {layer}")
-        ax.set_title(name)
+        ax.set_title(f"{name}: {_METRIC_TITLES['nonlocality']}")
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize="x-small", ncol=2)
@@ -128,7 +130,7 @@ def plot_nonlocality(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Pa
 
 def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title: str = "") -> Path:
     """Fig. 7.7 (metric="gating") or Fig. 8.4B (metric="span"): one panel per layer, one colored
-    line per head, the mean over heads in black."""
+    line per head, the mean over heads in black; one legend (head colors) for all panels."""
     history = metric_history(records, metric)
     _require(history, metric, "the log")
     layers = sorted(history)
@@ -139,9 +141,9 @@ def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title:
         heads = sorted(h for h in history[layer] if h is not None)
         colors = colormaps["tab20"](np.arange(len(heads)) % 20)
         for color, head in zip(colors, heads):
-            ax.plot(*history[layer][head], color=color, linewidth=0.9)
+            ax.plot(*history[layer][head], color=color, linewidth=0.9, label=f"head {head}")
         if None in history[layer]:
-            ax.plot(*history[layer][None], color="black", linewidth=2)
+            ax.plot(*history[layer][None], color="black", linewidth=2, label="mean over heads")
         ax.set_title(f"layer {layer}", fontsize="small")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if metric == "gating":
@@ -150,8 +152,10 @@ def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title:
         ax.set_visible(False)
     fig.supxlabel("epoch")
     fig.supylabel(_METRIC_LABELS[metric])
-    if title:
-        fig.suptitle(title)
+    fig.suptitle(f"{title}: {_METRIC_TITLES[metric]}" if title else _METRIC_TITLES[metric])
+    widest = max(layers, key=lambda layer: len(history[layer]))  # the panel with every head
+    handles, labels = axes[layers.index(widest)].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize="x-small")
     return _save(fig, path)
 
 
@@ -179,7 +183,8 @@ def plot_attention_maps(
     image: (C, H, W), normalized as the model saw it. maps: {row label: (heads, h, w)} attention over
     each layer's grid; queries: {row label: (row, col)} of the query on that grid (drawn as a red box);
     gates: {row label: sigma(lambda_h) per head} for gated layers (in the panel titles, the color going
-    from light (content) to dark red (position)). Maps use a log color scale over four decades."""
+    from light (content) to dark red (position)). The heads of a row share one log color scale over four
+    decades below the row's maximum, drawn as the row's color bar."""
     if not isinstance(image, torch.Tensor) or image.dim() != 3:
         raise ValueError(f"image must be one (C, H, W) tensor, got {getattr(image, 'shape', type(image).__name__)}")
     if not maps:
@@ -199,15 +204,15 @@ def plot_attention_maps(
         ax.imshow(shown, cmap="gray" if shown.ndim == 2 else None)
         _box(ax, row, col, shown.shape[0] / grid[0], shown.shape[1] / grid[1])
         ax.set_ylabel(label)
+        ax.set_title("input, query boxed", fontsize="small")
+        vmax = float(layer_maps.max())
+        vmin = max(float(layer_maps.min()), vmax * LOG_SCALE_RANGE)
+        norm = LogNorm(vmin=vmin if vmin < vmax else vmax / 10, vmax=vmax)  # vmin = vmax: uniform maps
         for head, ax in enumerate(row_axes[1:], start=1):
             if head > layer_maps.shape[0]:
                 ax.set_visible(False)
                 continue
-            head_map = layer_maps[head - 1]
-            vmax = float(head_map.max())
-            vmin = max(float(head_map.min()), vmax * LOG_SCALE_RANGE)
-            vmin = vmin if vmin < vmax else vmax / 10  # a uniform map
-            ax.imshow(np.clip(head_map, vmin, None), cmap="viridis", norm=LogNorm(vmin=vmin, vmax=vmax))
+            shown_map = ax.imshow(np.clip(layer_maps[head - 1], norm.vmin, None), cmap="viridis", norm=norm)
             _box(ax, row, col, 1, 1)
             if layer_gates is None:
                 ax.set_title(f"head {head}", fontsize="small")
@@ -217,4 +222,7 @@ def plot_attention_maps(
         for ax in row_axes:
             ax.set_xticks([])
             ax.set_yticks([])
+        fig.colorbar(shown_map, ax=list(row_axes[1:]), shrink=0.9, label="attention weight\n(log scale)")
+    fig.suptitle(r"attention of the boxed query, per head ($\sigma$: gating, weight on position)" if gates
+                 else "attention of the boxed query, per head")
     return _save(fig, path)
