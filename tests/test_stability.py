@@ -233,14 +233,14 @@ def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
     from convbias.cli import stability
     run, results = digits_run
     out = tmp_path / "out"
-    assert stability.main([str(run), "--checkpoints", "init", "epoch_2", "--images", "24", "--deltas", "0.5", "1",
+    assert stability.main([str(run), "--checkpoints", "init", "last", "--images", "24", "--deltas", "0.5", "1",
                            "--cuts", "3", "4", "--output", str(out)]) == 0
     rows = list(csv.DictReader(open(out / "stability.csv")))
     assert len(rows) == 2 * 2 * 2  # checkpoints x cuts x deltas
     init = next(r for r in rows if r["checkpoint"] == "init" and float(r["delta"]) == 1 and r["cut"] == "3")
     expected = relative_stability(_snapshot_model(run, "epoch_0"), _val_images(24), delta=1.0, cut=3)
     assert float(init["R"]) == pytest.approx(expected.R, rel=1e-5)
-    final = next(r for r in rows if r["checkpoint"] == "epoch_2")
+    final = next(r for r in rows if r["checkpoint"] == "last")  # through the engine's run_dir
     assert float(final["test_error"]) == pytest.approx(100 - results["final_top1"], abs=1e-6)
     layers = list(csv.DictReader(open(out / "stability_layers.csv")))
     assert [r["depth"] for r in layers] == ["0", "1", "2", "3"] * 2  # 3 activations + logits, per checkpoint
@@ -261,7 +261,8 @@ def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys)
         ([str(run), "--checkpoints", "epoch_7"], "has no checkpoint 'epoch_7'"),
         ([str(other)], "does not fit this model"),
         ([str(run), "--images", "0"], "--images must be >= 1, got 0"),
-        ([str(tmp_path)], "is not a train.py run folder: no config.yaml"),
+        ([str(tmp_path)], "is not a run directory: no config.yaml"),
+        ([str(run), "--checkpoints", "last", "bestest"], "--checkpoints bestest: expected best, last, init"),
     ]
     for argv, message in cases:
         out = tmp_path / "out"

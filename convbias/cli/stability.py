@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from convbias.engine.config import OptionParser, load_yaml
+from convbias.engine.config import OptionParser
 from convbias.engine.data import build_datasets
 from convbias.engine.modeling import check_model_name, create_model
+from convbias.engine.run_dir import WHICH, choose_checkpoint, read_run_config
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import STATISTICS, Stability, relative_stability
 from convbias.families import load_families
@@ -77,13 +78,10 @@ class Run:
 
 
 def _checkpoint_path(run: Path, name: str) -> Path:
-    root = run / "checkpoints"
-    if name in ("best", "last"):
-        path = root / name / "model.safetensors"
-    elif name == "init" or re.fullmatch(r"epoch_\d+", name):
-        path = root / f"epoch_{0 if name == 'init' else int(name[6:])}.safetensors"
-    else:
-        raise ValueError(f"--checkpoints {name}: expected {CHECKPOINT_FORMS}")
+    """last / best through the engine's run_dir (as every command that reuses a run), else a snapshot."""
+    if name in WHICH:
+        return choose_checkpoint(run, name).weights
+    path = run / "checkpoints" / f"epoch_{0 if name == 'init' else int(name[6:])}.safetensors"
     if not path.is_file():
         hint = " (train with --save-epochs 0)" if name == "init" else ""
         raise ValueError(f"run {run} has no checkpoint {name!r}: {path} not found{hint}")
@@ -91,11 +89,8 @@ def _checkpoint_path(run: Path, name: str) -> Path:
 
 
 def _load_run(path: Path, args) -> Run:
-    config = path / "config.yaml"
-    if not config.is_file():
-        raise ValueError(f"{path} is not a train.py run folder: no config.yaml")
-    cfg = load_yaml(config)
-    check_model_name(cfg["model"], f"{config}: model")
+    cfg = read_run_config(path)
+    check_model_name(cfg["model"], f"{path}/config.yaml: model")
     bundle = build_datasets(dict(cfg, no_aug=True))
     if len(bundle.val) == 0:
         raise ValueError(f"run {path}: its test set ({cfg['dataset']}) is empty")
@@ -120,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.chunk_size < 1:
         raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
     for name in args.checkpoints:
-        if name not in ("best", "last", "init") and not re.fullmatch(r"epoch_\d+", name):
+        if name not in (*WHICH, "init") and not re.fullmatch(r"epoch_\d+", name):
             raise ValueError(f"--checkpoints {name}: expected {CHECKPOINT_FORMS}")
     return args
 
