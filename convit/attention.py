@@ -75,12 +75,12 @@ class GPSA(GatedPositionalAttention):
 
     def attention(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         """The explicit, normalized attention matrix A, shape (B, H, N, N) (before dropout)."""
-        q, k, _ = self._qkv(x)
+        q, k, _ = self._qkv(x).unbind(0)
         return self.explicit_attention(q, k, self.positional_attention(grid_size))
 
     def forward(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         b, n, c = x.shape
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x).unbind(0)
         out = self.attend(q, k, v, grid_size, self.attn_drop)
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
@@ -114,12 +114,12 @@ class MHSA(nn.Module):
 
     def attention(self, x: torch.Tensor, grid_size: Optional[GridSize] = None) -> torch.Tensor:
         """The explicit attention matrix, shape (B, H, N, N) (before dropout)."""
-        q, k, _ = self._qkv(x)
+        q, k, _ = self._qkv(x).unbind(0)
         return ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
 
     def forward(self, x: torch.Tensor, grid_size: Optional[GridSize] = None) -> torch.Tensor:
         b, n, c = x.shape
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x).unbind(0)
         drop = self.attn_drop.p if self.training else 0.0
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop).transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))

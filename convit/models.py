@@ -19,21 +19,30 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, LayerNorm, Mlp, PatchEmbed, calculate_drop_path_rates, resample_abs_pos_embed, to_2tuple, trunc_normal_
+from timm.layers import (
+    DropPath, LayerNorm, Mlp, PatchEmbed, calculate_drop_path_rates, register_notrace_function, resample_abs_pos_embed,
+    to_2tuple, trunc_normal_,
+)
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
-from timm.models import _registry
+
+from convbias.timm_compat import feature_take_indices
 
 from .attention import GPSA, MHSA, GridSize
 
-__all__ = ["ConViT", "Block", "checkpoint_filter_fn"]
+__all__ = ["ConViT", "Block", "checkpoint_filter_fn", "PoolError"]
 
 GLOBAL_POOLS = ("token", "avg", "")
+
+
+class PoolError(ValueError, AssertionError):
+    """A global pool the model cannot use: a ValueError (this project's convention) that is also the
+    AssertionError timm's ViT-like models raise for it."""
 
 
 class Block(nn.Module):
@@ -67,6 +76,14 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         x = x + self.drop_path(self.attn(self.norm1(x), grid_size))
         return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+@register_notrace_function  # FX: a leaf (its check is a Python branch on the input size)
+def token_grid(height: int, width: int, patch_h: int, patch_w: int) -> Tuple[int, int]:
+    """Token grid of an input of this size; a ValueError if a side is not a multiple of the patch."""
+    if height % patch_h != 0 or width % patch_w != 0:
+        raise ValueError(f"input size ({height}, {width}) must be a multiple of patch_size=({patch_h}, {patch_w}) on each side")
+    return height // patch_h, width // patch_w
 
 
 def _divisors(n: int) -> List[int]:
@@ -264,19 +281,17 @@ class ConViT(nn.Module):
         if global_pool is not None:
             if global_pool not in GLOBAL_POOLS or (global_pool == "token" and not self.num_prefix_tokens):
                 allowed = GLOBAL_POOLS if self.num_prefix_tokens else ("avg", "")
-                raise ValueError(f"global_pool={global_pool!r} must be one of {allowed} for this model")
+                raise PoolError(f"global_pool={global_pool!r} must be one of {allowed} for this model")
             self.global_pool = global_pool
         self.num_classes = num_classes
         weight = self.patch_embed.proj.weight
-        self.head = nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype) if num_classes > 0 else nn.Identity()
+        head = nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype) if num_classes > 0 else nn.Identity()
+        self.head = head.train(self.training)  # a new head follows the model's mode (timm's contract)
 
     # -- forward --------------------------------------------------------------------------------
-    def grid_size(self, img_size: Tuple[int, int]) -> GridSize:
+    def grid_size(self, img_size: List[int]) -> GridSize:
         """Token grid (Hp, Wp) of an (H, W) input; a ValueError if a side is not a multiple of the patch."""
-        (h, w), (ph, pw) = img_size, self.patch_embed.patch_size
-        if h % ph or w % pw:
-            raise ValueError(f"input size {(h, w)} must be a multiple of patch_size={(ph, pw)} on each side")
-        return h // ph, w // pw
+        return token_grid(img_size[0], img_size[1], self.patch_embed.patch_size[0], self.patch_embed.patch_size[1])
 
     def _pos_embed(self, grid_size: GridSize) -> torch.Tensor:
         """The absolute position embedding, resampled (bicubic) when the grid differs from the built one."""
@@ -383,31 +398,22 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: ConViT) -> 
     return state_dict
 
 
-# kwargs that timm.create_model / build_model_with_cfg consume before the model class sees them
-_BUILDER_KWARGS = (
-    "pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "pretrained_strict", "pretrained_model_args",
-    "features_only", "out_indices",
-)
-
-
-def _check_kwargs(variant: str, kwargs: Dict[str, Any]) -> None:
-    model_kwargs = list(inspect.signature(ConViT).parameters)
-    unknown = sorted(set(kwargs) - set(model_kwargs) - set(_BUILDER_KWARGS))
-    if unknown:
-        raise ValueError(
-            f"{variant}: unknown model kwarg(s) {', '.join(unknown)}; allowed: {', '.join(sorted(model_kwargs))} "
-            f"(and timm's {', '.join(_BUILDER_KWARGS)})"
-        )
-
-
 def _create_convit(variant: str, pretrained: bool, arch: Dict[str, Any], kwargs: Dict[str, Any]) -> ConViT:
-    """Build `variant` (architecture `arch`, overridable by the user's `kwargs`) through timm's builder."""
-    _check_kwargs(variant, kwargs)
+    """Build `variant` (architecture `arch`, overridable by the user's `kwargs`) through timm's builder.
+
+    timm's builder consumes its own kwargs (features_only, out_indices, feature_cls, pretrained_cfg...);
+    what is left goes to `ConViT`, whose TypeError for an unknown kwarg gets the allowed names."""
     kwargs = {**arch, **kwargs}
-    feature_cfg = dict(out_indices=kwargs.pop("out_indices", 3), feature_cls="getter")
-    return build_model_with_cfg(
-        ConViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn, feature_cfg=feature_cfg, **kwargs
-    )
+    feature_cfg = dict(out_indices=kwargs.pop("out_indices", 3), feature_cls="getter")  # as timm's convit
+    try:
+        return build_model_with_cfg(
+            ConViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn, feature_cfg=feature_cfg, **kwargs
+        )
+    except TypeError as error:
+        if "unexpected keyword argument" not in str(error):
+            raise
+        allowed = ", ".join(sorted(inspect.signature(ConViT).parameters))
+        raise TypeError(f"{variant}: {error}; model kwargs: {allowed} (and timm.create_model's own)") from None
 
 
 def _cfg(**kwargs) -> Dict[str, Any]:
@@ -443,15 +449,11 @@ default_cfgs = generate_default_cfgs(
 
 
 def _register(fn):
-    """timm's `register_model`, first releasing a name timm already holds (its own convit_*).
-
-    timm would warn about the overwrite and then clear the old entry itself; clearing it first with
-    the registry's own helper leaves the same registry state without the warning."""
-    name = fn.__name__
-    if name in _registry._model_entrypoints:
-        _registry._clear_model_entries(name)
-        del _registry._model_entrypoints[name]
-    return register_model(fn)
+    """timm's `register_model`; for timm's own convit_* names it replaces timm's entry (and clears its
+    pretrained cfgs) itself, with a warning that is expected here and silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=f"Overwriting {fn.__name__} in registry", category=UserWarning)
+        return register_model(fn)
 
 
 @_register

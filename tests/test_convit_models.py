@@ -335,12 +335,17 @@ def test_mask_errors_name_the_parameter():
         (dict(locality_strength=0.0), r"locality_strength=0.0 must be > 0"),
         (dict(global_pool="max"), r"global_pool='max' must be one of"),
         (dict(mask_position_layers=11), r"mask_position_layers=11"),
-        (dict(locality=2.0), r"convit_tiny: unknown model kwarg\(s\) locality; allowed: .*locality_strength"),
     ],
 )
 def test_bad_configuration_is_a_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         timm.create_model("convit_tiny", **kwargs)
+
+
+def test_unknown_kwarg_is_a_type_error_naming_the_allowed_ones():
+    """timm's builders raise TypeError for an unknown kwarg; ours too, with the allowed names."""
+    with pytest.raises(TypeError, match=r"convit_tiny: .*unexpected keyword argument 'locality'; model kwargs: .*locality_strength"):
+        timm.create_model("convit_tiny", locality=2.0)
 
 
 def test_input_size_not_a_multiple_of_the_patch_is_a_value_error():
