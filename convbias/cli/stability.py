@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OptionParser(prog="convbias-stability", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN", help="train.py output folders (config.yaml + checkpoints/)")
-    p.add_argument("--checkpoints", nargs="+", default=["init", "best"], metavar="NAME", help=CHECKPOINT_FORMS)
+    p.add_argument("--checkpoints", nargs="+", default=["init", "last"], metavar="NAME", help=CHECKPOINT_FORMS)
     p.add_argument("--images", type=int, default=500, help="test images R_f is measured on (the first N)")
     p.add_argument("--deltas", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5], help="typical displacements, pixels")
     p.add_argument("--cuts", type=int, nargs="+", default=[3, 5], help="high-frequency cut-offs c")
