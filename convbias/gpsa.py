@@ -253,13 +253,16 @@ class GatedPositionalAttention(nn.Module):
     Subclasses own the parameters `pos_proj` (Linear(3, heads): v_pos) and `gating_param` (lambda, one
     per head), created in their own order so that their state dicts and initializations stay as they were."""
 
-    pos_proj: nn.Linear
-    gating_param: nn.Parameter
-
     def __init__(self) -> None:
         super().__init__()
         self.fused = True  # False forces the explicit path (for tests and diagnostics)
         self.gate_override: Optional[float] = None  # test-time mask: 0 = content only, 1 = position only
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        raise RuntimeError(
+            f"{type(self).__name__} cannot be TorchScript-compiled: its hot path is a custom autograd Function "
+            "(TorchScript is deprecated and has none); use torch.compile(model) or torch.export instead"
+        )
 
     def gate(self) -> torch.Tensor:
         """Weight on the positional attention per head, sigma(lambda_h) unless overridden."""

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import register_notrace_module
 
 from convbias.gpsa import (
     GatedPositionalAttention, GridSize, PositionalFactors, grid_positions, kernel_offsets, positional_attention,
@@ -19,6 +20,7 @@ from convbias.gpsa import (
 )
 
 
+@register_notrace_module  # FX: a leaf, as timm registers its own GPSA (custom autograd hot path inside)
 class GPSA(GatedPositionalAttention):
     """Gated positional self-attention over a grid of patch tokens (no class token)."""
 

@@ -86,6 +86,14 @@ def token_grid(height: int, width: int, patch_h: int, patch_w: int) -> Tuple[int
     return height // patch_h, width // patch_w
 
 
+@register_notrace_function  # FX: a leaf (Python branch on the grid)
+def pos_embed_for_grid(pos_embed: torch.Tensor, grid_size: Tuple[int, int], built_grid: Tuple[int, int]) -> torch.Tensor:
+    """The absolute position embedding, resampled (bicubic) when the grid differs from the built one."""
+    if grid_size[0] == built_grid[0] and grid_size[1] == built_grid[1]:
+        return pos_embed
+    return resample_abs_pos_embed(pos_embed, new_size=[grid_size[0], grid_size[1]], old_size=[built_grid[0], built_grid[1]], num_prefix_tokens=0)
+
+
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -294,10 +302,7 @@ class ConViT(nn.Module):
         return token_grid(img_size[0], img_size[1], self.patch_embed.patch_size[0], self.patch_embed.patch_size[1])
 
     def _pos_embed(self, grid_size: GridSize) -> torch.Tensor:
-        """The absolute position embedding, resampled (bicubic) when the grid differs from the built one."""
-        if tuple(grid_size) == tuple(self.patch_embed.grid_size):
-            return self.pos_embed
-        return resample_abs_pos_embed(self.pos_embed, new_size=grid_size, old_size=self.patch_embed.grid_size, num_prefix_tokens=0)
+        return pos_embed_for_grid(self.pos_embed, grid_size, self.patch_embed.grid_size)
 
     def _embed(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         # The patch embedding returns a transposed view (memory ordered B, C, N). Made contiguous once
@@ -308,19 +313,21 @@ class ConViT(nn.Module):
             x = x + self._pos_embed(grid_size)
         return self.pos_drop(x)
 
-    def _run_block(self, index: int, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
-        """Block `index`, the class token joining first if it is the first block after the GPSA blocks."""
+    def _join_cls_token(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Before block `index`: prepend the class token if it is the first block after the GPSA blocks."""
         if index == self.local_up_to_layer and self.cls_token is not None:
             x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint(self.blocks[index], x, grid_size)
-        return self.blocks[index](x, grid_size)
+        return x
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         grid_size = self.grid_size(x.shape[-2:])
         x = self._embed(x, grid_size)
-        for i in range(len(self.blocks)):
-            x = self._run_block(i, x, grid_size)
+        for i, block in enumerate(self.blocks):
+            x = self._join_cls_token(i, x)
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(block, x, grid_size)
+            else:
+                x = block(x, grid_size)
         return self.norm(x)
 
     def forward_intermediates(
@@ -341,12 +348,19 @@ class ConViT(nn.Module):
         grid_size = self.grid_size(x.shape[-2:])
         x = self._embed(x, grid_size)
         intermediates = []
-        for i in range(max_index + 1 if stop_early else len(self.blocks)):
-            x = self._run_block(i, x, grid_size)
+        last = max_index if stop_early else len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            if i > last:
+                break
+            x = self._join_cls_token(i, x)
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(block, x, grid_size)
+            else:
+                x = block(x, grid_size)
             if i in take_indices:
                 y = self.norm(x) if norm else x
                 y = y[:, 1:] if i >= self.local_up_to_layer else y
-                intermediates.append(y.reshape(batch, *grid_size, -1).permute(0, 3, 1, 2) if output_fmt == "NCHW" else y)
+                intermediates.append(y.reshape(batch, grid_size[0], grid_size[1], -1).permute(0, 3, 1, 2) if output_fmt == "NCHW" else y)
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates

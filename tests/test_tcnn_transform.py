@@ -98,7 +98,7 @@ def test_fused_and_explicit_paths_agree_in_outputs_and_gradients(channels, size,
 
 def test_paper_init_puts_about_a_third_of_the_mass_on_the_tap_and_differs_from_the_cnn():
     layer = GPSAConv2d(16, 16)
-    attn = layer.positional_attention(9, 9)  # (9 heads, 81 queries, 121 keys)
+    attn = layer.positional_attention((9, 9))  # (9 heads, 81 queries, 121 keys)
     center_query, padded_width = 4 * 9 + 4, 11
     for head, (dx, dy) in enumerate(layer.tap_offsets().long().tolist()):
         tap = (5 + dy) * padded_width + (5 + dx)

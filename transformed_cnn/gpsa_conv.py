@@ -37,9 +37,7 @@ from typing import Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import trunc_normal_
-
-from timm.layers import to_2tuple
+from timm.layers import register_notrace_module, to_2tuple, trunc_normal_
 
 from convbias.gpsa import (
     GatedPositionalAttention, GridSize, PositionalFactors, grid_positions, kernel_offsets, positional_attention,
@@ -47,6 +45,7 @@ from convbias.gpsa import (
 )
 
 
+@register_notrace_module  # FX: a leaf, like timm's GPSA (its geometry branches on the input size)
 class GPSAConv2d(GatedPositionalAttention):
     """Gated positional self-attention shaped like `nn.Conv2d`: NCHW in, NCHW out, same output size."""
 

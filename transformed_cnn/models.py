@@ -16,9 +16,11 @@ import inspect
 import os
 import re
 
+import dataclasses
+
 import timm
 import torch.nn as nn
-from timm.models import register_model
+from timm.models import FeatureDictNet, FeatureHookNet, FeatureListNet, generate_default_cfgs, get_pretrained_cfg, register_model
 
 from convbias.weights import check_compatible, read_state_dict
 
@@ -38,9 +40,33 @@ def _check_pretrained_file(overlay: dict | None) -> None:
         raise ValueError(f"pretrained file {path!r} does not exist")
 
 
+FEATURE_CLASSES = {"list": FeatureListNet, "dict": FeatureDictNet, "hook": FeatureHookNet}
+
+
+def _feature_wrapper(model: nn.Module, out_indices, feature_cls) -> nn.Module:
+    """timm's features_only wrapper around the transformed model (its feature_info has the new reductions)."""
+    feature_cls = feature_cls or "list"
+    if feature_cls not in FEATURE_CLASSES:
+        raise ValueError(f"feature_cls={feature_cls!r}: a T-CNN supports feature_cls in {sorted(FEATURE_CLASSES)}")
+    return FEATURE_CLASSES[feature_cls](model, out_indices=out_indices)
+
+
+def _update_cfg(model: nn.Module) -> None:
+    """The CNN's pretrained cfg with the pool size of the transformed model (a removed stride doubles it)."""
+    cfg = dict(model.pretrained_cfg)
+    reduction = model.feature_info[-1]["reduction"]
+    cfg["pool_size"] = tuple(side // reduction for side in cfg["input_size"][1:])
+    cfg["architecture"] = f"tcnn_{cfg.get('architecture', '')}"
+    model.pretrained_cfg = model.default_cfg = cfg
+
+
 def create_tcnn(cnn_name: str, pretrained: bool = False, **kwargs) -> nn.Module:
-    """Build timm's `cnn_name` (with its pretrained weights if asked) and transform it."""
+    """Build timm's `cnn_name` (with its pretrained weights if asked) and transform it; with
+    `features_only=True` the transformed model goes into timm's feature wrapper (not the CNN)."""
     transform_kwargs = {name: kwargs.pop(name) for name in TRANSFORM_KWARGS if name in kwargs}
+    features_only = kwargs.pop("features_only", False)
+    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3, 4))
+    feature_cls = kwargs.pop("feature_cls", None)
     pretrained_cfg = kwargs.pop("pretrained_cfg", None)
     overlay = kwargs.pop("pretrained_cfg_overlay", None)
     if pretrained:
@@ -57,7 +83,17 @@ def create_tcnn(cnn_name: str, pretrained: bool = False, **kwargs) -> nn.Module:
         except ValueError as mismatch:
             raise ValueError(f"{mismatch} (the CNN {cnn_name} of tcnn_{cnn_name})") from None
         raise
-    return transform(cnn, **transform_kwargs)
+    model = transform(cnn, **transform_kwargs)
+    _update_cfg(model)
+    return _feature_wrapper(model, out_indices, feature_cls) if features_only else model
+
+
+def _default_cfg(cnn_name: str) -> dict:
+    """Registered cfg of tcnn_<cnn>: the CNN's, with the pool size of the default transform (last stage
+    at stride 1: twice the CNN's), no weights of its own (pretrained=True loads the CNN's)."""
+    cfg = dataclasses.asdict(get_pretrained_cfg(cnn_name))
+    cfg.update(url="", hf_hub_id=None, tag=None, architecture=None, pool_size=tuple(2 * p for p in cfg["pool_size"]))
+    return {k: v for k, v in cfg.items() if v is not None}
 
 
 def _make_entrypoint(cnn_name: str):
@@ -69,6 +105,8 @@ def _make_entrypoint(cnn_name: str):
     entrypoint.__doc__ = f"Transformed {cnn_name}: timm's {cnn_name} with its last stage's 3x3 convs as GPSA layers."
     return entrypoint
 
+
+default_cfgs = generate_default_cfgs({f"tcnn_{name}": _default_cfg(name) for name in _cnn_names()})
 
 for _cnn_name in _cnn_names():
     globals()[f"tcnn_{_cnn_name}"] = register_model(_make_entrypoint(_cnn_name))

@@ -79,6 +79,15 @@ def remove_stage_stride(cnn: ResNet, stage: int) -> None:
             if isinstance(module, nn.AvgPool2d):
                 block.downsample[index] = nn.Identity()
         block.stride = 1
+    for info in getattr(cnn, "feature_info", []):  # this stage and the later ones now run at twice the resolution
+        if _stage_of(info.get("module", "")) >= stage:
+            info["reduction"] //= 2
+
+
+def _stage_of(module_name: str) -> int:
+    """The stage number of a `layerN` feature module; 0 for the stem."""
+    head = module_name.split(".")[0]
+    return int(head[len("layer"):]) if head.startswith("layer") and head[len("layer"):].isdigit() else 0
 
 
 def transform(
