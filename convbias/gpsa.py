@@ -162,8 +162,12 @@ class _PositionalMix(torch.autograd.Function):
         width = batch * dv
         folded = _fold(v).reshape(heads * key_rows, key_cols, width)
         positional = torch.bmm(rows, _along_cols(cols, folded)).view(heads, nq, width)
-        out = content.new_empty(batch, nq, heads, dv).transpose(1, 2)
-        torch.lerp(content, _unfold(positional, batch), gate.to(content.dtype).view(1, -1, 1, 1), out=out)
+        weight = gate.to(content.dtype).view(1, -1, 1, 1)
+        if torch.compiler.is_compiling():  # Dynamo refuses a non-contiguous out=; inductor picks the layout
+            out = torch.lerp(content, _unfold(positional, batch), weight)
+        else:
+            out = content.new_empty(batch, nq, heads, dv).transpose(1, 2)
+            torch.lerp(content, _unfold(positional, batch), weight, out=out)
         ctx.save_for_backward(content, rows, cols, folded, gate)
         return out
 
