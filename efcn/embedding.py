@@ -23,7 +23,7 @@ import operator
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence
+from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 import torch.fx
@@ -154,10 +154,15 @@ class EmbeddedFCN(nn.Module):
     def get_classifier(self) -> nn.Linear:
         return getattr(self.layers, self.head_name)
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new last Linear (in the model's mode); an eFCN has no pooling, so `global_pool` must be None."""
+        if global_pool is not None:
+            raise ValueError(f"global_pool={global_pool!r}: an eFCN is fully connected and has no pooling; use None")
+        if num_classes < 1:
+            raise ValueError(f"num_classes={num_classes}: an eFCN keeps a classifier (its head is a layer of the lifted CNN); use >= 1")
         head = self.get_classifier()
         new_head = nn.Linear(head.in_features, num_classes, device=head.weight.device, dtype=head.weight.dtype)
-        setattr(self.layers, self.head_name, new_head)
+        setattr(self.layers, self.head_name, new_head.train(self.training))
         self.num_classes = num_classes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
+import torch
 import torch.nn as nn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
@@ -31,21 +32,60 @@ class _ClassifierCNN(nn.Sequential):
     """A CNN written as a flat chain of named layers ending in `head` (embeddable as is)."""
 
     def __init__(self, layers: "OrderedDict[str, nn.Module]", num_classes: int, in_chans: int,
-                 img_size: tuple[int, int]):
+                 img_size: tuple[int, int], device=None, dtype=None):
         super().__init__(layers)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.img_size = img_size
+        if device is not None or dtype is not None:  # timm.create_model passes them (timm >= 1.0.20)
+            self.to(device=device, dtype=dtype)
+        if num_classes == 0:  # timm's convention: no classifier, the model returns its pre-logits
+            self.reset_classifier(0)
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
         return (self.in_chans, *self.img_size)
 
+    @property
+    def num_features(self) -> int:
+        """Channels of the last feature map (the input of the flatten)."""
+        return [m for name, m in self.named_children() if isinstance(m, nn.Conv2d)][-1].out_channels
+
+    @property
+    def head_hidden_size(self) -> int:
+        """Width of the pre-logits (the classifier's input): the flattened map, or the MLP's last layer."""
+        return self.head.in_features if isinstance(self.head, nn.Linear) else self.head_width
+
+    def _split(self) -> int:
+        return list(self._modules).index("flatten")
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The convolutional part: the unflattened (B, C, H, W) map."""
+        for module in list(self._modules.values())[: self._split()]:
+            x = module(x)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Flatten (the paper's CNNs flatten; they do not pool), the MLP if any, then the classifier."""
+        for name, module in list(self._modules.items())[self._split():]:
+            if pre_logits and name == "head":
+                break
+            x = module(x)
+        return x
+
     def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes: int) -> None:
-        self.head = nn.Linear(self.head.in_features, num_classes)
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new classifier (Identity for 0) in the model's mode; `global_pool` can only be the paper's flatten."""
+        if global_pool not in (None, "flatten"):
+            raise ValueError(f"global_pool={global_pool!r}: {type(self).__name__} flattens its last map (the paper's "
+                             "architecture), the only pooling it has; use global_pool=None or 'flatten'")
+        width = self.head_hidden_size
+        weight = next(self.parameters())
+        head = nn.Linear(width, num_classes, device=weight.device, dtype=weight.dtype) if num_classes > 0 else nn.Identity()
+        self.head_width = width
+        self.head = head.train(self.training)
         self.num_classes = num_classes
 
 
@@ -53,7 +93,7 @@ class VanillaCNN(_ClassifierCNN):
     """Sec. 6.2.2: 3 x (Conv 3x3 padding 1, ReLU, MaxPool 2x2), Flatten, Linear."""
 
     def __init__(self, channels: int = 64, num_classes: int = 10, in_chans: int = 3,
-                 img_size: int | Sequence[int] = 32, depth: int = 3):
+                 img_size: int | Sequence[int] = 32, depth: int = 3, device=None, dtype=None):
         img_size = _pair(img_size)
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         height, width, chans = *img_size, in_chans
@@ -66,14 +106,14 @@ class VanillaCNN(_ClassifierCNN):
             raise ValueError(f"VanillaCNN with depth {depth} needs img_size >= {2 ** depth}, got {img_size}")
         layers["flatten"] = nn.Flatten()
         layers["head"] = nn.Linear(channels * height * width, num_classes)
-        super().__init__(layers, num_classes, in_chans, img_size)
+        super().__init__(layers, num_classes, in_chans, img_size, device, dtype)
 
 
 class AlexNetCIFAR(_ClassifierCNN):
     """App. E.2: AlexNet for 32x32 images (5 convs, 3 max-pools 3x3/2, MLP head with dropout)."""
 
     def __init__(self, num_classes: int = 100, in_chans: int = 3, img_size: int | Sequence[int] = 32,
-                 drop_rate: float = 0.5):
+                 drop_rate: float = 0.5, device=None, dtype=None):
         img_size = _pair(img_size)
         stages = [  # (out channels, kernel, stride, padding, max-pool after)
             (64, 4, 2, 2, True), (192, 5, 1, 2, True), (384, 3, 1, 1, False), (256, 3, 1, 1, False),
@@ -98,7 +138,7 @@ class AlexNetCIFAR(_ClassifierCNN):
         layers["fc2"] = nn.Linear(512, 512)
         layers["act7"] = nn.ReLU()
         layers["head"] = nn.Linear(512, num_classes)
-        super().__init__(layers, num_classes, in_chans, img_size)
+        super().__init__(layers, num_classes, in_chans, img_size, device, dtype)
 
 
 def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN]) -> Callable[..., EmbeddedFCN]:

@@ -1,0 +1,147 @@
+"""The timm model contract (issue 10) for every model this project registers: parametrized over the
+registry, so registering a model puts it under these checks. Tiny sizes; the oracle is the model's
+own full forward (forward_head(forward_features(x)) == forward(x)) and timm's own behavior."""
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from timm.models import get_pretrained_cfg, model_entrypoint
+
+import convit  # noqa: F401  (registers convit_*, deit_*_plus)
+import efcn  # noqa: F401  (registers vanilla_cnn, alexnet_cifar, efcn_*, fcn_*)
+import transformed_cnn  # noqa: F401  (registers tcnn_*)
+from convbias.timm_compat import feature_take_indices
+
+FAMILIES = ("convit", "transformed_cnn", "efcn")
+OURS = sorted(n for n in timm.list_models() if model_entrypoint(n).__module__.split(".")[0] in FAMILIES)
+TCNN_CHECKED = ("tcnn_resnet18", "tcnn_resnet26d", "tcnn_resnet50", "tcnn_resnetrs50")
+# a T-CNN entry is timm's ResNet plus the same transform: the listed depths stand for the family
+CHECKED = [n for n in OURS if not n.startswith("tcnn_") or n in TCNN_CHECKED]
+
+
+def _tiny(name: str) -> tuple[dict, int]:
+    """Model kwargs and input side small enough for a unit test."""
+    if name.startswith(("convit_", "deit_")):
+        return dict(img_size=16, patch_size=4, depth=2, local_up_to_layer=0 if name.startswith("deit") else 1), 16
+    if name.startswith("tcnn_"):
+        return {}, 32
+    if "vanilla_cnn" in name:
+        return dict(channels=4, img_size=8), 8
+    return {}, 32  # alexnet_cifar family: built for 32x32
+
+
+def _build(name: str, **kwargs) -> torch.nn.Module:
+    tiny, _ = _tiny(name)
+    return timm.create_model(name, **{**tiny, **kwargs}).eval()
+
+
+def _input(name: str, batch: int = 2) -> torch.Tensor:
+    return torch.randn(batch, 3, _tiny(name)[1], _tiny(name)[1], generator=torch.Generator().manual_seed(0))
+
+
+needs_timm_head_api = pytest.mark.xfail(
+    strict=True, raises=(AttributeError, ValueError),
+    reason="eFCN / FCN: no forward_features/forward_head/num_features yet (issue 10, open)")
+
+
+def _head_api(name: str):
+    return [needs_timm_head_api] if name.startswith(("efcn_", "fcn_")) else []
+
+
+def test_registry_lists_every_family():
+    assert {"convit_tiny", "deit_tiny_plus", "tcnn_resnet18", "vanilla_cnn", "efcn_vanilla_cnn", "fcn_alexnet_cifar"} <= set(OURS)
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_registered_with_a_default_cfg(name):
+    """timm's test selection (name_matches_cfg) needs a registered cfg; its input size runs the model."""
+    cfg = get_pretrained_cfg(name)
+    assert cfg is not None and cfg.input_size[0] == 3
+    assert name in timm.list_models(name, name_matches_cfg=True)
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_unknown_kwarg_is_a_type_error_naming_it(name):
+    with pytest.raises(TypeError, match="not_a_model_arg"):
+        timm.create_model(name, not_a_model_arg=1)
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_device_and_dtype_kwargs(name):
+    model = _build(name, device="cpu", dtype=torch.float64)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_head_api(n)) for n in CHECKED])
+def test_forward_features_and_head_compose_to_forward(name):
+    model = _build(name, num_classes=7)
+    x = _input(name)
+    with torch.no_grad():
+        out = model(x)
+        features = model.forward_features(x)
+        pre_logits = model.forward_head(features, pre_logits=True)
+        torch.testing.assert_close(model.forward_head(features), out)
+    assert out.shape == (2, 7)
+    assert pre_logits.shape == (2, model.head_hidden_size)
+    channel_dim = -1 if features.ndim == 3 else 1  # token models: (B, N, C); CNNs: (B, C, H, W)
+    assert features.shape[channel_dim] == model.num_features
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_head_api(n)) for n in CHECKED])
+def test_reset_classifier_follows_mode_and_removes_the_head(name):
+    model = _build(name)
+    model.reset_classifier(5)
+    assert not model.get_classifier().training  # the model is in eval mode: a new head too
+    x = _input(name)
+    with torch.no_grad():
+        assert model(x).shape == (2, 5)
+        model.reset_classifier(0)
+        pooled = model(x)
+        assert pooled.shape == (2, model.head_hidden_size)
+        torch.testing.assert_close(pooled, model.forward_head(model.forward_features(x), pre_logits=True))
+
+
+FEATURE_MODELS = [n for n in CHECKED if n.startswith(("convit_", "deit_", "tcnn_"))]
+
+
+@pytest.mark.parametrize("name", FEATURE_MODELS)
+def test_features_only_maps_match_feature_info_and_intermediates(name):
+    token_model = name.startswith(("convit_", "deit_"))
+    kwargs = dict(out_indices=2) if token_model else {}  # the tiny ViTs have 2 blocks (timm's default: last 3)
+    torch.manual_seed(0)
+    model = _build(name)
+    torch.manual_seed(0)  # the same initialization: the wrapper only prunes what follows the taps
+    features = _build(name, features_only=True, **kwargs)
+    x = _input(name, batch=1)
+    with torch.no_grad():
+        maps = features(x)
+    assert [m.shape[1] for m in maps] == features.feature_info.channels()
+    assert [x.shape[-1] // m.shape[-1] for m in maps] == features.feature_info.reduction()
+    if token_model:  # the getter wrapper is forward_intermediates on the same weights
+        with torch.no_grad():
+            taps = model.forward_intermediates(x, indices=2, intermediates_only=True)
+        for got, want in zip(maps, taps):
+            torch.testing.assert_close(got, want)
+
+
+def test_feature_take_indices_is_timms_contract():
+    """convbias.timm_compat's private timm import: fails loudly if timm changes it."""
+    assert feature_take_indices(4, None) == ([0, 1, 2, 3], 3)
+    assert feature_take_indices(4, 2) == ([2, 3], 3)
+    assert feature_take_indices(4, [0, -1]) == ([0, 3], 3)
+
+
+def test_importing_a_family_registers_only_its_names():
+    """transformed_cnn and efcn leave timm's convit_* alone; convit replaces them (and says so in its docs)."""
+    code = (
+        "import timm\nfrom timm.models import model_entrypoint as e\n"
+        "import transformed_cnn, efcn\n"
+        "assert e('convit_tiny').__module__ == 'timm.models.convit', e('convit_tiny').__module__\n"
+        "assert not [n for n in timm.list_models() if e(n).__module__.startswith('convit')]\n"
+        "import convit\n"
+        "assert e('convit_tiny').__module__ == 'convit.models'\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
