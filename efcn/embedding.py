@@ -23,12 +23,13 @@ import operator
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional, Sequence
+from typing import Iterator, Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 SUPPORTED_LAYERS = (
     "Conv2d (groups=1, zero padding, any kernel/stride/padding/dilation, with or without bias), "
@@ -115,6 +116,10 @@ class LocalLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.keep == "all":
             return F.linear(x, self.weight, self.bias)
+        return self._masked_forward(x)
+
+    @torch.jit.unused  # diagnostics only (`masked`)
+    def _masked_forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.cat([x @ w.t() for _, w in self.masked_weight_chunks(self.keep)], dim=-1)
         return out if self.bias is None else out + self.bias
 
@@ -135,6 +140,14 @@ class OnFeatureMap(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_shape={self.in_shape}"
+
+
+@register_notrace_function  # FX: a leaf (a Python check on the input's size)
+def check_input_shape(x: torch.Tensor, input_shape: Tuple[int, int, int]) -> torch.Tensor:
+    """`x` unchanged; a ValueError unless each sample has the size of `input_shape` (what the eFCN was built for)."""
+    if x[0].numel() != input_shape[0] * input_shape[1] * input_shape[2]:
+        raise ValueError("EmbeddedFCN was built for inputs of shape " + str(input_shape) + ", got " + str(x.shape[1:]))
+    return x
 
 
 class EmbeddedFCN(nn.Module):
@@ -166,9 +179,7 @@ class EmbeddedFCN(nn.Module):
         self.num_classes = num_classes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x[0].numel() != math.prod(self.input_shape):
-            raise ValueError(f"EmbeddedFCN was built for inputs of shape {self.input_shape}, got {tuple(x.shape[1:])}")
-        return self.layers(x.flatten(1))
+        return self.layers(check_input_shape(x, self.input_shape).flatten(1))
 
 
 @contextmanager
