@@ -241,3 +241,16 @@ def test_unreadable_image_is_skipped_and_counted_in_the_log(tmp_path):
                     "--output", str(output)])
     record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
     assert record["unreadable_images"] == 1
+
+
+def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line(tmp_path):
+    """Workers ignore the scheduler's preemption signals but still obey the main process's shutdown:
+    with workers, an error in one of them is one line and the process exits (no hang, no traceback)."""
+    data = write_folder(tmp_path / "data", classes=2, broken=True)
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *SMALL, *FOLDER, "--batch-size", "5",
+                             "--data-dir", str(data), "--workers", "2", "--no-skip-unreadable",
+                             "--output", str(tmp_path / "run")],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    lines = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.strip() and "it/s" not in line]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert re.search(r"^error: unreadable image .*0broken.png", lines[0])

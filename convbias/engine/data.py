@@ -249,7 +249,8 @@ def seeded_rngs(seed: int):
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)  # the CPU generator the transforms draw from (torch.manual_seed
+    # would also seed every accelerator's generators: 0.14 ms per image instead of 1 us)
     try:
         yield
     finally:

@@ -7,14 +7,15 @@ that every rank stops at the same step even when the signal reached them at diff
 mid-epoch resume point and raises ``Preempted``. The command exits with ``REQUEUE_EXIT_CODE``, which a
 job script maps to a requeue (README: SLURM recipe); ``--resume auto`` continues from that step.
 
-DataLoader workers ignore these signals (``ignore_in_worker``): a scheduler signals every process of
-the job, and a worker killed by it would end the run before its resume point is written. The workers
-stop with the main process as usual.
+DataLoader workers ignore these signals when the scheduler sends them (``ignore_in_worker``): a
+scheduler signals every process of the job, and a worker killed by it would end the run before its
+resume point is written. A SIGTERM from the main process (the DataLoader's shutdown) still ends them.
 """
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -85,6 +86,22 @@ class PreemptionSignals:
 
 def ignore_in_worker(signals: Sequence[signal.Signals], worker_id: int = 0) -> None:
     """A DataLoader ``worker_init_fn`` (with ``functools.partial``): the worker ignores the preemption
-    signals, the main process decides when to stop."""
-    for sig in signals:
-        signal.signal(sig, signal.SIG_IGN)
+    signals of the scheduler, the main process decides when to stop.
+
+    The worker still obeys its parent: the DataLoader's and multiprocessing's shutdown end workers with
+    ``terminate()`` (SIGTERM from the main process), and a worker deaf to it would hang the main process
+    at exit (after an error in a worker, say). So the signals are blocked and a thread waits for them,
+    ending the worker when the sender is its parent and dropping them otherwise."""
+    parent = os.getppid()
+    if not hasattr(signal, "sigwaitinfo"):  # not on macOS: ignore them outright
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+
+    def obey_parent_only() -> None:
+        while True:
+            if signal.sigwaitinfo(signals).si_pid == parent:
+                os._exit(0)  # a clean exit: torch reports a worker that exits non-zero as a failure
+
+    threading.Thread(target=obey_parent_only, name="preemption-signals", daemon=True).start()
