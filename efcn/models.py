@@ -37,6 +37,8 @@ def _feature(channels: int, img_side: int, side: int, module: str) -> dict:
 class _ClassifierCNN(nn.Sequential):
     """A CNN written as a flat chain of named layers ending in `head` (embeddable as is)."""
 
+    __jit_unused_properties__ = ["input_shape", "num_features", "head_hidden_size"]  # Python-side metadata
+
     def __init__(self, layers: "OrderedDict[str, nn.Module]", num_classes: int, in_chans: int,
                  img_size: tuple[int, int], device=None, dtype=None):
         super().__init__(layers)
@@ -169,15 +171,15 @@ def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN
     return build
 
 
-def _cfg(num_classes: int, input_size: tuple[int, int, int], classifier: str) -> dict:
-    return dict(num_classes=num_classes, input_size=input_size, fixed_input_size=True, classifier=classifier,
+def _cfg(num_classes: int, input_size: tuple[int, int, int], classifier: str, pool_size=None) -> dict:
+    return dict(num_classes=num_classes, input_size=input_size, fixed_input_size=True, classifier=classifier, pool_size=pool_size,
                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, interpolation="bilinear",
                 license="apache-2.0")
 
 
 default_cfgs = generate_default_cfgs({
-    "vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "head"),
-    "alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "head"),
+    "vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "head", pool_size=(4, 4)),  # the last map (no pooling: flattened)
+    "alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "head", pool_size=(1, 1)),
     "efcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head"),
     "efcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head"),
     "fcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head"),

@@ -48,7 +48,9 @@ def _feature_wrapper(model: nn.Module, out_indices, feature_cls) -> nn.Module:
     feature_cls = feature_cls or "list"
     if feature_cls not in FEATURE_CLASSES:
         raise ValueError(f"feature_cls={feature_cls!r}: a T-CNN supports feature_cls in {sorted(FEATURE_CLASSES)}")
-    return FEATURE_CLASSES[feature_cls](model, out_indices=out_indices)
+    features = FEATURE_CLASSES[feature_cls](model, out_indices=out_indices)
+    features.pretrained_cfg = features.default_cfg = model.pretrained_cfg  # as timm's builder does
+    return features
 
 
 def _update_cfg(model: nn.Module) -> None:
