@@ -15,7 +15,6 @@ Ablations of Table 7.3 are constructor kwargs (`conv_init`, `train_gating`, `tra
 `local_up_to_layer`); the test-time masks of App. F.6 (Tables F.2, F.3) are `set_test_masks` (also
 reachable as kwargs for evaluation runs).
 """
-from __future__ import annotations
 
 import inspect
 import math
