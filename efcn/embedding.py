@@ -157,26 +157,36 @@ class EmbeddedFCN(nn.Module):
         super().__init__()
         self.input_shape = tuple(input_shape)
         self.layers = nn.Sequential(layers)
+        names = [name for name, _ in self.layers.named_children()]
         head_name, head = [(n, m) for n, m in self.layers.named_children() if isinstance(m, nn.Linear)][-1]
         self.head_name = head_name
+        self.head_index = names.index(head_name)  # the head and what follows it: timm's forward_head
         self.num_classes = head.out_features
+        self.num_features = self.head_hidden_size = head.in_features
 
     def local_layers(self) -> dict[str, LocalLinear]:
         return {name: m for name, m in self.layers.named_children() if isinstance(m, LocalLinear)}
 
-    def get_classifier(self) -> nn.Linear:
+    def get_classifier(self) -> nn.Module:
         return getattr(self.layers, self.head_name)
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """A new last Linear (in the model's mode); an eFCN has no pooling, so `global_pool` must be None."""
+        """A new last Linear (in the model's mode), or none for num_classes=0 (timm's contract); an eFCN has
+        no pooling, so `global_pool` must be None."""
         if global_pool is not None:
             raise ValueError(f"global_pool={global_pool!r}: an eFCN is fully connected and has no pooling; use None")
-        if num_classes < 1:
-            raise ValueError(f"num_classes={num_classes}: an eFCN keeps a classifier (its head is a layer of the lifted CNN); use >= 1")
-        head = self.get_classifier()
-        new_head = nn.Linear(head.in_features, num_classes, device=head.weight.device, dtype=head.weight.dtype)
+        reference = next(self.parameters())
+        new_head = (nn.Linear(self.num_features, num_classes, device=reference.device, dtype=reference.dtype)
+                    if num_classes > 0 else nn.Identity())
         setattr(self.layers, self.head_name, new_head.train(self.training))
         self.num_classes = num_classes
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The flat activation (B, num_features) that the last Linear reads."""
+        return self.layers[:self.head_index](check_input_shape(x, self.input_shape).flatten(1))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return x if pre_logits else self.layers[self.head_index:](x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(check_input_shape(x, self.input_shape).flatten(1))

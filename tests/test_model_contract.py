@@ -42,15 +42,6 @@ def _input(name: str, batch: int = 2) -> torch.Tensor:
     return torch.randn(batch, 3, _tiny(name)[1], _tiny(name)[1], generator=torch.Generator().manual_seed(0))
 
 
-needs_timm_head_api = pytest.mark.xfail(
-    strict=True, raises=(AttributeError, ValueError),
-    reason="eFCN / FCN: no forward_features/forward_head/num_features yet (issue 10, open)")
-
-
-def _head_api(name: str):
-    return [needs_timm_head_api] if name.startswith(("efcn_", "fcn_")) else []
-
-
 def test_registry_lists_every_family():
     assert {"convit_tiny", "deit_tiny_plus", "tcnn_resnet18", "vanilla_cnn", "efcn_vanilla_cnn", "fcn_alexnet_cifar"} <= set(OURS)
 
@@ -75,7 +66,7 @@ def test_device_and_dtype_kwargs(name):
     assert {p.dtype for p in model.parameters()} == {torch.float64}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_head_api(n)) for n in CHECKED])
+@pytest.mark.parametrize("name", CHECKED)
 def test_forward_features_and_head_compose_to_forward(name):
     model = _build(name, num_classes=7)
     x = _input(name)
@@ -90,7 +81,7 @@ def test_forward_features_and_head_compose_to_forward(name):
     assert features.shape[channel_dim] == model.num_features
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_head_api(n)) for n in CHECKED])
+@pytest.mark.parametrize("name", CHECKED)
 def test_reset_classifier_follows_mode_and_removes_the_head(name):
     model = _build(name)
     model.reset_classifier(5)
