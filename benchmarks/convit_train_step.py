@@ -10,13 +10,14 @@ same function.
 
     python benchmarks/convit_train_step.py            # full run, ~6 minutes on 2 cores
     python benchmarks/convit_train_step.py --compile  # the same, every model torch.compile'd
-    python benchmarks/convit_train_step.py --device cuda --precision bf16 --modes training inference
+    python benchmarks/convit_train_step.py --device cuda --precision bf16 --modes training inference --batch-size 256
     python benchmarks/convit_train_step.py --quick    # smoke run, small batches, 2 steps
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import Dict, List
 
@@ -107,15 +108,16 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--img-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--patch-size", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="images per step for every setting (default: the setting's, 32 at 224px, 128 at 32px; /8 with --quick)")
     args = parser.parse_args(argv)
     defaults = dict(steps=2, warmup=1, threads=1) if args.quick else dict(steps=30, warmup=4, threads=os.cpu_count() or 1)
     for flag, value in defaults.items():
         if getattr(args, flag) is None:
             setattr(args, flag, value)
-    for flag in ("steps", "threads"):
+    for flag in ("steps", "threads") + (("batch_size",) if args.batch_size is not None else ()):
         if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be >= 1")
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
 
@@ -128,11 +130,15 @@ def main(argv=None) -> int:
     rows = []
     for setting in args.settings:
         img_size, patch_size, batch_size = SETTINGS[setting]
-        if args.quick:
+        if args.batch_size is not None:
+            batch_size = args.batch_size
+        elif args.quick:
             batch_size = max(1, batch_size // QUICK_BATCH_DIVISOR)
         for mode in args.modes:
+            started = time.perf_counter()
             for name, result in measure(setting, batch_size, mode, args).items():
                 rows.append(dict(setting=f"{img_size}/p{patch_size} bs{batch_size}", mode=mode, model=name, **result))
+            print(f"measured {setting} {mode} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     print(f"training step (forward, backward, AdamW) or inference forward, {lockstep.describe(args)}, {args.threads} threads, models in lockstep, "
           f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
           f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after")

@@ -4,6 +4,7 @@ import torch
 from timm.models import convit as timm_convit
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from convbias import gpsa
 from convbias.gpsa import PositionalFactors, gated_attention, grid_positions, kernel_offsets, relative_encodings
 from convit import GPSA, MHSA
 
@@ -64,9 +65,13 @@ def test_shared_value_path_matches_per_head_values():
 
 
 @pytest.mark.parametrize("value_heads", [3, 1])
-def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads):
+@pytest.mark.parametrize("split_k", [False, True], ids=["cpu-schedule", "gpu-split-k"])
+def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads, split_k, monkeypatch):
     """The custom backward against finite differences, for every input, on a T-CNN-like geometry:
-    fewer query rows/columns than key rows/columns, per-head or shared value (dv < Nq)."""
+    fewer query rows/columns than key rows/columns, per-head or shared value (dv < Nq). With split_k the
+    factors' gradients take the GPU's split-K contraction (forced here on the CPU, smallest split)."""
+    if split_k:
+        monkeypatch.setattr(gpsa, "_split_count", lambda length, device: next(n for n in range(2, length + 1) if length % n == 0))
     torch.manual_seed(0)
     b, h, d, dv = 2, 3, 4, 5
     (qy, ky), (qx, kx) = (2, 4), (3, 5)
@@ -82,6 +87,22 @@ def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads):
         return gated_attention(q, k, v, PositionalFactors(rows, cols), gate)
 
     assert torch.autograd.gradcheck(attention, (q, k, v, rows, cols, gate))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 12])
+def test_split_k_contraction_equals_one_product(splits):
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 5, 36, dtype=torch.float64), torch.randn(4, 7, 36, dtype=torch.float64)
+    torch.testing.assert_close(gpsa._contract(a, b, splits), a @ b.transpose(1, 2))
+
+
+def test_split_k_is_chosen_on_the_gpu_only():
+    """ConViT-Ti at batch 256: K = 256 * 48 * 14 terms, cut into chunks of >= SPLIT_K_MIN_CHUNK on a GPU."""
+    length = 256 * 48 * 14
+    splits = gpsa._split_count(length, torch.device("cuda"))
+    assert length % splits == 0 and length // splits >= gpsa.SPLIT_K_MIN_CHUNK and splits == 168
+    assert gpsa._split_count(length, torch.device("cpu")) == 1
+    assert gpsa._split_count(100, torch.device("cuda")) == 1  # too short to split
 
 
 class _ShapeRecorder(TorchDispatchMode):
