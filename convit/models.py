@@ -6,9 +6,9 @@ the last GPSA block, and the absolute position embedding is kept. With `local_up
 class is the DeiT+ baseline of Table 7.1.
 
 State-dict keys and shapes are those of `timm.models.convit` and of the official checkpoints, so
-weights load both ways. Unlike timm's `ConVit`, `embed_dim` is the full width (192 for ConViT-Ti),
-not the width per head, and the model runs at any input size whose sides are multiples of the patch
-size (rectangular grids too): GPSA rebuilds its relative encodings for the token grid and the absolute
+weights load both ways. The constructor's kwargs keep timm's meaning (`embed_dim` is the width per
+head, 48 for ConViT-Ti: width 48 x 4 = 192). Unlike timm's `ConVit`, the model runs at any input size
+whose sides are multiples of the patch size (rectangular grids too): GPSA rebuilds its relative encodings for the token grid and the absolute
 position embedding is resampled.
 
 Ablations of Table 7.3 are constructor kwargs (`conv_init`, `train_gating`, `train_gpsa`,
@@ -93,10 +93,6 @@ def pos_embed_for_grid(pos_embed: torch.Tensor, grid_size: Tuple[int, int], buil
     return resample_abs_pos_embed(pos_embed, new_size=[grid_size[0], grid_size[1]], old_size=[built_grid[0], built_grid[1]], num_prefix_tokens=0)
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _check_config(
     img_size: Tuple[int, int],
     patch_size: Tuple[int, int],
@@ -108,9 +104,8 @@ def _check_config(
     locality_strength: float,
 ) -> None:
     """Reject a configuration that would otherwise fail as a shape error inside the forward."""
-    if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
-        heads = ", ".join(map(str, _divisors(embed_dim))) if embed_dim > 0 else "none"
-        raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}; allowed num_heads: {heads}")
+    if embed_dim < 1 or num_heads < 1:
+        raise ValueError(f"embed_dim={embed_dim} (per head) and num_heads={num_heads} must be >= 1")
     if min(patch_size) < 1:
         raise ValueError(f"patch_size={patch_size} must be positive")
     if min(img_size) < 1 or img_size[0] % patch_size[0] or img_size[1] % patch_size[1]:
@@ -150,7 +145,7 @@ class ConViT(nn.Module):
         in_chans: int = 3,
         num_classes: int = 1000,
         global_pool: str = "token",
-        embed_dim: int = 192,
+        embed_dim: int = 48,
         depth: int = 12,
         num_heads: int = 4,
         mlp_ratio: float = 4.0,
@@ -175,6 +170,7 @@ class ConViT(nn.Module):
         super().__init__()
         img_size, patch_size = to_2tuple(img_size), to_2tuple(patch_size)
         _check_config(img_size, patch_size, embed_dim, depth, num_heads, global_pool, local_up_to_layer, locality_strength)
+        embed_dim *= num_heads  # per head in the arguments, as timm's ConVit; the full width from here on
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.global_pool = global_pool
@@ -472,52 +468,52 @@ def _register(fn):
 @_register
 def convit_tiny(pretrained: bool = False, **kwargs) -> ConViT:
     """ConViT-Ti: 4 heads x 48 (width 192), 10 GPSA + 2 SA blocks."""
-    return _create_convit("convit_tiny", pretrained, dict(embed_dim=192, num_heads=4), kwargs)
+    return _create_convit("convit_tiny", pretrained, dict(embed_dim=48, num_heads=4), kwargs)
 
 
 @_register
 def convit_tiny_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """ConViT-Ti+: 4 heads x 64 (width 256)."""
-    return _create_convit("convit_tiny_plus", pretrained, dict(embed_dim=256, num_heads=4), kwargs)
+    return _create_convit("convit_tiny_plus", pretrained, dict(embed_dim=64, num_heads=4), kwargs)
 
 
 @_register
 def convit_small(pretrained: bool = False, **kwargs) -> ConViT:
     """ConViT-S: 9 heads x 48 (width 432)."""
-    return _create_convit("convit_small", pretrained, dict(embed_dim=432, num_heads=9), kwargs)
+    return _create_convit("convit_small", pretrained, dict(embed_dim=48, num_heads=9), kwargs)
 
 
 @_register
 def convit_small_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """ConViT-S+: 9 heads x 64 (width 576)."""
-    return _create_convit("convit_small_plus", pretrained, dict(embed_dim=576, num_heads=9), kwargs)
+    return _create_convit("convit_small_plus", pretrained, dict(embed_dim=64, num_heads=9), kwargs)
 
 
 @_register
 def convit_base(pretrained: bool = False, **kwargs) -> ConViT:
     """ConViT-B: 16 heads x 48 (width 768)."""
-    return _create_convit("convit_base", pretrained, dict(embed_dim=768, num_heads=16), kwargs)
+    return _create_convit("convit_base", pretrained, dict(embed_dim=48, num_heads=16), kwargs)
 
 
 @_register
 def convit_base_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """ConViT-B+: 16 heads x 64 (width 1024)."""
-    return _create_convit("convit_base_plus", pretrained, dict(embed_dim=1024, num_heads=16), kwargs)
+    return _create_convit("convit_base_plus", pretrained, dict(embed_dim=64, num_heads=16), kwargs)
 
 
 @_register
 def deit_tiny_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """DeiT-Ti+ baseline: ConViT-Ti+ without GPSA (4 heads x 64, 12 SA blocks)."""
-    return _create_convit("deit_tiny_plus", pretrained, dict(embed_dim=256, num_heads=4, local_up_to_layer=0), kwargs)
+    return _create_convit("deit_tiny_plus", pretrained, dict(embed_dim=64, num_heads=4, local_up_to_layer=0), kwargs)
 
 
 @_register
 def deit_small_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """DeiT-S+ baseline: 9 heads x 64, 12 SA blocks."""
-    return _create_convit("deit_small_plus", pretrained, dict(embed_dim=576, num_heads=9, local_up_to_layer=0), kwargs)
+    return _create_convit("deit_small_plus", pretrained, dict(embed_dim=64, num_heads=9, local_up_to_layer=0), kwargs)
 
 
 @_register
 def deit_base_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """DeiT-B+ baseline: 16 heads x 64, 12 SA blocks."""
-    return _create_convit("deit_base_plus", pretrained, dict(embed_dim=1024, num_heads=16, local_up_to_layer=0), kwargs)
+    return _create_convit("deit_base_plus", pretrained, dict(embed_dim=64, num_heads=16, local_up_to_layer=0), kwargs)

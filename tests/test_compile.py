@@ -11,8 +11,8 @@ import transformed_cnn  # noqa: F401
 
 # tiny configurations; (model kwargs, input side)
 CASES = {
-    "convit_tiny": (dict(img_size=16, patch_size=4, depth=2, local_up_to_layer=1, embed_dim=32), 16),
-    "deit_tiny_plus": (dict(img_size=16, patch_size=4, depth=2, embed_dim=32), 16),
+    "convit_tiny": (dict(img_size=16, patch_size=4, depth=2, local_up_to_layer=1, embed_dim=8), 16),
+    "deit_tiny_plus": (dict(img_size=16, patch_size=4, depth=2, embed_dim=8), 16),
     "tcnn_resnet18": (dict(), 16),
     "efcn_vanilla_cnn": (dict(channels=4, img_size=8), 8),
 }

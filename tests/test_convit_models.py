@@ -166,6 +166,16 @@ def test_class_token_joins_after_the_last_gpsa_block():
     assert _token_counts(all_gpsa, torch.randn(1, 3, 32, 32)) == [16] * 12
 
 
+@pytest.mark.parametrize("kwargs", [dict(embed_dim=16), dict(embed_dim=16, num_heads=2), dict(num_heads=9)])
+def test_width_kwargs_keep_timms_meaning(kwargs):
+    """`embed_dim` is per head at the registry entry, as for timm's ConVit: the same call builds the same
+    architecture (every parameter's name and shape) with or without `import convit`."""
+    ours = timm.create_model("convit_tiny", **SMALL, **kwargs)
+    theirs = timm_convit.ConVit(**{**dict(embed_dim=48, num_heads=4, local_up_to_layer=10), **SMALL, **kwargs})
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    assert ours.embed_dim == theirs.embed_dim == kwargs.get("embed_dim", 48) * kwargs.get("num_heads", 4)
+
+
 def test_common_kwargs_are_accepted():
     model = timm.create_model(
         "convit_small", img_size=48, patch_size=12, in_chans=1, num_classes=7, drop_path_rate=0.2,
@@ -327,7 +337,7 @@ def test_mask_errors_name_the_parameter():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(num_heads=5), r"num_heads=5 must divide embed_dim=192; allowed num_heads: 1, 2, 3, 4, 6, 8"),
+        (dict(num_heads=0), r"embed_dim=48 \(per head\) and num_heads=0 must be >= 1"),
         (dict(img_size=30, patch_size=16), r"img_size=\(30, 30\) must be a positive multiple of patch_size=\(16, 16\)"),
         (dict(img_size=(32, 36), patch_size=8), r"img_size=\(32, 36\)"),
         (dict(local_up_to_layer=13), r"local_up_to_layer=13 must be in 0\.\.depth=12"),

@@ -17,7 +17,7 @@ from convbias.cli import train
 pytest.importorskip("webdataset")
 
 SIZE = 16
-ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=4", "depth=2", "local_up_to_layer=1", "embed_dim=32",
+ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=4", "depth=2", "local_up_to_layer=1", "embed_dim=8",
         "--img-size", str(SIZE), "--crop-pct", "1", "--no-aug", "--repeated-aug", "1", "--batch-size", "8",
         "--lr", "2e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--diagnostics-images", "4"]
 

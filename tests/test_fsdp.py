@@ -38,7 +38,7 @@ mode, out, global_batch = sys.argv[1], Path(sys.argv[2]), 8
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=32, img_size=8,
+model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8,
                           in_chans=1, num_classes=10, drop_path_rate=0.0)
 mesh = init_device_mesh("cpu", (world,))
 for block in model.blocks:
@@ -105,7 +105,7 @@ def test_sharded_save_and_resume_continue_exactly(tmp_path):
     import convit  # noqa: F401
     from convbias.engine.fsdp import load_full_weights
 
-    model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=32, img_size=8,
+    model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8,
                               in_chans=1, num_classes=10)
     load_full_weights(tmp_path / "point", model)
     at_save = load_file(tmp_path / "at_save.safetensors")

@@ -17,7 +17,7 @@ from convbias.families import load_families
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 # A 2-block ConViT of width 16 on the 8x8 digits (16 tokens of 2x2 pixels): about a second an epoch.
-MODEL = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=16",
+MODEL = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=4",
          "--dataset", "digits", "--img-size", "8", "--crop-pct", "1"]
 TRAIN = MODEL + ["--no-aug", "--repeated-aug", "1", "--batch-size", "32", "--lr", "2e-3", "--weight-decay", "0",
                  "--workers", "0", "--warmup-epochs", "0"]

@@ -28,7 +28,7 @@ from convbias.engine.config import effective_epochs, parse_config
 REPO = Path(__file__).resolve().parent.parent
 
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
-TINY_MODEL_KWARGS = {'patch_size': 2, 'embed_dim': 16, 'depth': 2, 'num_heads': 4, 'local_up_to_layer': 1}
+TINY_MODEL_KWARGS = {'patch_size': 2, 'embed_dim': 4, 'depth': 2, 'num_heads': 4, 'local_up_to_layer': 1}
 TINY_SET = {
     'dataset': 'digits', 'img_size': 8, 'epochs': 1, 'warmup_epochs': 0, 'batch_size': 64,
     'workers': 0, 'no_aug': True, 'repeated_aug': 1, 'diagnostics': False,

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from convbias.cli import train
 
 CONVIT = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
-          "embed_dim=32", "--dataset", "digits", "--img-size", "8", "--crop-pct", "1", "--no-aug",
+          "embed_dim=8", "--dataset", "digits", "--img-size", "8", "--crop-pct", "1", "--no-aug",
           "--repeated-aug", "1", "--train-fraction", "0.2", "--batch-size", "16", "--eval-batch-size", "128",
           "--lr", "1e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--drop-path", "0.1",
           "--model-ema", "--model-ema-decay", "0.9", "--diagnostics-images", "4"]

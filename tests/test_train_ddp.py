@@ -29,7 +29,7 @@ weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
 save_file({k: v.detach().contiguous() for k, v in weights.items()}, f"{dump_dir}/rank{rank}.safetensors")
 """
 TRAIN_ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
-              "embed_dim=64", "--img-size", "8", "--crop-pct", "1", "--no-aug", "--repeated-aug", "1",
+              "embed_dim=16", "--img-size", "8", "--crop-pct", "1", "--no-aug", "--repeated-aug", "1",
               "--drop-path", "0", "--opt", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--workers", "0", "--epochs", "1",
               "--train-fraction", "0.3", "--save-epochs", "0"]
 

@@ -14,7 +14,7 @@ from convbias.engine.run_log import SUMMARY_FIELDS
 
 # A 2-block ConViT (one GPSA block, one SA block) of width 64 on the 8x8 digits: 16 tokens of 2x2 pixels.
 MODEL_ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
-              "embed_dim=64", "--dataset", "digits", "--img-size", "8", "--crop-pct", "1"]
+              "embed_dim=16", "--dataset", "digits", "--img-size", "8", "--crop-pct", "1"]
 TRAIN_ARGS = MODEL_ARGS + ["--no-aug", "--repeated-aug", "1", "--batch-size", "16", "--lr", "1e-3",
                            "--warmup-epochs", "0", "--weight-decay", "0", "--workers", "0", "--seed", "0"]
 
@@ -48,10 +48,10 @@ def test_output_dir_holds_log_config_and_checkpoints(digits_run):
 
     reloaded = parse_config(["-c", str(output / "config.yaml")])
     assert reloaded.epochs == 3 and reloaded.model_kwargs == {"patch_size": 2, "depth": 2,
-                                                              "local_up_to_layer": 1, "embed_dim": 64}
+                                                              "local_up_to_layer": 1, "embed_dim": 16}
     best = output / "checkpoints" / "best" / "model.safetensors"
     assert best.is_file() and (output / "checkpoints" / "last" / "training_state.pt").is_file()
-    model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=64,
+    model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=16,
                               img_size=8, in_chans=1, num_classes=10)
     load_weights(model, best)
 
@@ -140,7 +140,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
         trainer.fit()
     last = output / "checkpoints" / "last"
     assert last.resolve().name == "epoch_0001" and not (output / "results.json").exists()
-    load_weights(timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=64,
+    load_weights(timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=16,
                                    img_size=8, in_chans=1, num_classes=10), last)
 
 

@@ -14,7 +14,7 @@ from convbias.engine.checkpoint import save_weights
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
-         "embed_dim=16", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0"]
+         "embed_dim=4", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0"]
 
 
 @pytest.fixture
@@ -205,7 +205,7 @@ def test_checkpoint_of_another_model_names_the_mismatched_keys(capsys, tmp_path,
     assert "does not fit this model" in err[0] and "missing keys: " in err[0] and "unexpected keys: " in err[0]
     assert "layer1.0.bn1" in err[0] and "pos_embed" in err[0]  # keys of both models named
 
-    wrong_width = timm.create_model("convit_tiny", patch_size=8, depth=2, local_up_to_layer=1, embed_dim=32,
+    wrong_width = timm.create_model("convit_tiny", patch_size=8, depth=2, local_up_to_layer=1, embed_dim=8,
                                     img_size=32, in_chans=1, num_classes=10)
     torch.save(wrong_width.state_dict(), tmp_path / "wide.pth")
     code, err = run_cli(capsys, SMALL + ["--eval-only", "--checkpoint", str(tmp_path / "wide.pth")])
@@ -236,7 +236,7 @@ def test_unreadable_image_is_skipped_and_counted_in_the_log(tmp_path):
     output = tmp_path / "run"
     with pytest.warns(UserWarning, match="broken.png"):
         train.run(["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
-                    "embed_dim=16", "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--img-size", "16",
+                    "embed_dim=4", "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--img-size", "16",
                     "--no-aug", "--repeated-aug", "1", "--batch-size", "4", "--workers", "0", "--epochs", "1",
                     "--output", str(output)])
     record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])

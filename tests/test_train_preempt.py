@@ -23,7 +23,7 @@ from convbias.engine.preemption import REQUEUE_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
-ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=32",
+ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=8",
         "--img-size", "8", "--crop-pct", "1", "--train-fraction", "0.3", "--batch-size", "16", "--workers", "2",
         "--epochs", "2", "--warmup-epochs", "1", "--checkpoint-interval", "4", "--diagnostics-images", "4"]
 

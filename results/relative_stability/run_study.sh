@@ -19,7 +19,7 @@ OUT=results/relative_stability
 RUNS=${RUNS:-runs/relative_stability}  # checkpoints stay out of git; the tables and plots are committed
 SEEDS=${*:-0}
 TRAIN="python train.py -c configs/train/stability_mnist.yaml"
-VIT="patch_size=4 embed_dim=48 num_heads=4 depth=4"
+VIT="patch_size=4 embed_dim=12 num_heads=4 depth=4"
 
 train() {  # NAME ARGS...: one train.py run into $RUNS/NAME unless it completed already
   local name=$1; shift
