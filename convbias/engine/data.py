@@ -27,13 +27,14 @@ from timm.data.auto_augment import posterize as timm_posterize
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .config import check_data_option
-from .streams import STREAM_LAYOUT, check_stream, create_streams, is_stream
+from .streams import HFDS_LAYOUT, STREAM_LAYOUT, check_stream, create_streams, is_hfds, is_stream, load_hfds
 from .datasets import (
     DATASETS, EMBEDDED_SOURCES, DatasetInfo, fraction_per_class, load_cifar, load_image_folders, select_classes,
 )
 
-# `wds/` shard sets (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
+# `wds/` shard sets and `hfds/` datasets (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
 STREAM_INFO = DatasetInfo(3, DATASETS['imagenet'].mean, DATASETS['imagenet'].std, 224, STREAM_LAYOUT)
+HFDS_INFO = DatasetInfo(3, DATASETS['imagenet'].mean, DATASETS['imagenet'].std, 224, HFDS_LAYOUT)
 
 # Values used when the config does not set a key (the DeiT recipe; img_size None = the dataset's
 # default, num_classes None = all classes, scale None = timm's (0.08, 1)).
@@ -71,19 +72,19 @@ def _option(cfg: Any, name: str) -> Any:
 def _check_data_options(dataset: str, data_dir: Optional[str], train_fraction: float,
                         num_classes: Optional[int], img_size: Optional[int]) -> Optional[Path]:
     """Cheap checks made before any file is read; returns the data dir as a Path."""
-    if dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}")
+    if dataset not in DATASETS and not is_hfds(dataset):
+        raise ValueError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}, hfds/NAME")
     for name, value in (("train_fraction", train_fraction), ("num_classes", num_classes), ("img_size", img_size)):
         check_data_option(name, value)
     if dataset in EMBEDDED_SOURCES:
         return None  # embedded in an installed package, no files
-    layout = DATASETS[dataset].layout
+    layout = dataset_info(dataset).layout
     if not data_dir:
         raise ValueError(f"--dataset {dataset} needs --data-dir; expected layout: {layout}")
     path = Path(data_dir).expanduser()
     if not path.is_dir():
         raise ValueError(f"--data-dir {path} is not a directory; expected layout for --dataset {dataset}: {layout}")
-    if not any(path.iterdir()):
+    if not is_hfds(dataset) and not any(path.iterdir()):  # an hfds/ cache starts empty
         raise ValueError(f"--data-dir {path} is empty; expected layout for --dataset {dataset}: {layout}")
     return path
 
@@ -130,8 +131,10 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Any) -> tuple
 
 
 def dataset_info(name: str) -> DatasetInfo:
-    """What the engine needs to know about a source before reading it (streams: ImageNet's statistics)."""
-    return STREAM_INFO if is_stream(name) else DATASETS[name]
+    """What the engine needs to know about a source before reading it (wds/, hfds/: ImageNet's statistics)."""
+    if is_stream(name):
+        return STREAM_INFO
+    return HFDS_INFO if is_hfds(name) else DATASETS[name]
 
 
 def build_streams(cfg: Any) -> DataBundle:
@@ -157,6 +160,8 @@ def build_datasets(cfg: Any) -> DataBundle:
 
     if name in EMBEDDED_SOURCES:
         train, val = EMBEDDED_SOURCES[name]()
+    elif is_hfds(name):
+        train, val = load_hfds(name, str(data_dir))
     elif name in ('cifar10', 'cifar100'):
         train, val = load_cifar(name, data_dir)
     else:
@@ -169,11 +174,11 @@ def build_datasets(cfg: Any) -> DataBundle:
     if len(train.classes) < 2:  # one class trains to a meaningless 100%
         raise ValueError(f"--dataset {name}{f' at {data_dir}' if data_dir else ''} has {len(train.classes)} class "
                          f"({', '.join(map(str, train.classes)) or 'none'}); classification needs at least 2; "
-                         f"expected layout: {DATASETS[name].layout}")
+                         f"expected layout: {dataset_info(name).layout}")
     if float(fraction) < 1.0:
         train = train.subset(fraction_per_class(train.targets, float(fraction), int(_option(cfg, 'seed'))))
 
-    info = DATASETS[name]
+    info = dataset_info(name)
     train.transform, val.transform = build_transforms(
         int(img_size or info.default_img_size), info.in_chans, info.mean, info.std, cfg)
     return DataBundle(train, val, len(train.classes), info.in_chans, list(train.classes), info.mean, info.std)

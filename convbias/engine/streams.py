@@ -1,4 +1,5 @@
-"""Streamed datasets through timm's dataset factory: webdataset tar shards (``--dataset wds/NAME``).
+"""Datasets through timm's dataset factory: webdataset tar shards (``--dataset wds/NAME``, streamed) and
+Hugging Face datasets (``--dataset hfds/NAME``, random access).
 
 ImageNet as tar shards (local, or anything ``webdataset`` opens) trains without unpacking: timm's
 ``ReaderWds`` splits the shards between processes and loader workers and shuffles shards and samples
@@ -16,19 +17,37 @@ line naming it (timm's reader would log it and skip it, silently training on les
 Not available on a stream: per-class subsampling (``--train-fraction``, ``--num-classes``): a stream has
 no index of labels to draw from; write the subset's shards instead. The validation stream is read whole
 by every evaluation. A mid-epoch resume re-reads the epoch's first batches (same seeds, same order) and
-drops them. Hugging Face datasets (``hfds/``) are not wired: they need the ``datasets`` package
-(pyarrow), which this project does not install.
+drops them.
+
+``hfds/NAME`` goes through timm's ``ReaderHfds``, which calls ``datasets.load_dataset(NAME, split=...,
+cache_dir=--data-dir)``: NAME is a Hub dataset id or a local dataset directory (parquet, imagefolder, ...;
+read offline), DIR the cache the dataset is downloaded and prepared into. The split is random access, so
+it takes the engine's sampled loaders (exact resume) and ``--train-fraction`` / ``--num-classes``
+(``HfdsImages``: labels read without decoding images). Any failure to load (no ``datasets`` package, an
+unknown or unreachable NAME, a corrupt file) is one ValueError line, quoting the file the library logged.
 """
 from __future__ import annotations
 
 import json
+import logging
+import logging.handlers
+import sys
 import tarfile
+from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional, Sequence
 
+import numpy as np
 import yaml
+from torch.utils.data import Dataset
 
 STREAM_PREFIXES = ("wds/",)
+HFDS_PREFIX = "hfds/"
+HFDS_VAL_SPLITS = ("validation", "test")  # evaluated on the first of these the dataset has
+HFDS_LAYOUT = ("NAME: a Hugging Face Hub dataset id or a local dataset directory that datasets.load_dataset "
+               "reads (parquet, imagefolder, ...), with 'image' and 'label' columns and 'train' and 'validation' "
+               "(or 'test') splits; DIR: the datasets cache it is downloaded and prepared into")
 INFO_FILES = ("_info.json", "info.json")
 SPLITS = ("train", "validation")
 STREAM_LAYOUT = ("DIR/_info.json ({'num_classes': K, 'splits': {'train': {'num_samples', 'filenames', "
@@ -38,6 +57,15 @@ STREAM_LAYOUT = ("DIR/_info.json ({'num_classes': K, 'splits': {'train': {'num_s
 
 def is_stream(name: str) -> bool:
     return isinstance(name, str) and name.startswith(STREAM_PREFIXES)
+
+
+def is_hfds(name: str) -> bool:
+    return isinstance(name, str) and name.startswith(HFDS_PREFIX)
+
+
+def is_factory_source(name: str) -> bool:
+    """A --dataset read through timm's dataset factory (wds/ or hfds/) rather than engine.datasets."""
+    return is_stream(name) or is_hfds(name)
 
 
 def check_stream(name: str, data_dir: str | None, train_fraction: float, num_classes: int | None) -> dict[str, Any]:
@@ -92,3 +120,90 @@ def create_streams(name: str, data_dir: str, seed: int, batch_size: int) -> tupl
     train = create_dataset(name, split="train", is_training=True, **common)
     val = create_dataset(name, split="validation", is_training=False, **common)
     return train, val
+
+
+class HfdsImages(Dataset):
+    """A split of a Hugging Face dataset as timm's ImageDataset reads it (PIL images, int labels), with the
+    interface of engine.datasets (`targets`, `classes`, settable `transform`, `subset`), so that the class
+    subset and per-class fraction code applies unchanged."""
+
+    def __init__(self, images: Dataset, classes: Sequence[str], indices: Optional[np.ndarray] = None):
+        self.images = images  # timm's ImageDataset (transform None: this wrapper applies its own)
+        self.classes = list(classes)
+        self.indices = np.arange(len(images)) if indices is None else indices
+        self.transform = None
+
+    @cached_property
+    def targets(self) -> list[int]:
+        """Labels in order, read without decoding any image (only subsampling asks for them)."""
+        return [int(t) for t in self.images.reader.iter_targets()]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int):
+        image, target = self.images[int(self.indices[index])]
+        return (self.transform(image) if self.transform is not None else image), target
+
+    def subset(self, indices: Sequence[int], num_classes: Optional[int] = None) -> 'HfdsImages':
+        indices = np.asarray(indices, dtype=np.int64)
+        subset = HfdsImages(self.images, self.classes[:num_classes] if num_classes else self.classes,
+                            self.indices[indices])
+        subset.transform, subset.targets = self.transform, [self.targets[i] for i in indices]
+        return subset
+
+
+@contextmanager
+def _held_logs(logger_name: str) -> Iterator[list[logging.LogRecord]]:
+    """Holds back what a library logs inside the block: printed after it when it succeeds, dropped when it
+    fails (the caller's one error line quotes it: `datasets` logs the corrupt file's name, not its exception)."""
+    logger = logging.getLogger(logger_name)
+    handlers, held = logger.handlers, logging.handlers.MemoryHandler(sys.maxsize, logging.CRITICAL + 1)
+    logger.handlers = [held]
+    try:
+        yield held.buffer
+    finally:
+        logger.handlers = handlers
+    for record in held.buffer:
+        logger.handle(record)
+
+
+def _check_columns(reader: Any) -> None:
+    """A missing image or label column is an error now, not at the first batch: timm's reader casts the image
+    column (which adds a missing one, empty, in datasets 5) and reads labels only when asked."""
+    row = reader.dataset[0]
+    for key in (reader.image_key, reader.label_key):
+        if row.get(key) is None:
+            others = ", ".join(column for column in row if column != reader.image_key)
+            raise ValueError(f"split {reader.split!r} has no {key!r} column or an empty one (other columns: {others})")
+
+
+def load_hfds(name: str, data_dir: str) -> tuple[HfdsImages, HfdsImages]:
+    """(train, validation or test) of a Hugging Face dataset through timm's factory (ReaderHfds: NAME is
+    datasets.load_dataset's path, DIR its cache_dir); any failure is a ValueError of one line."""
+    if not is_hfds(name) or not name.partition("/")[2]:
+        raise ValueError(f"--dataset {name}: expected hfds/NAME; {HFDS_LAYOUT}")
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        raise ValueError(f"--dataset {name} needs the datasets package: pip install datasets") from None
+    from timm.data import create_dataset
+
+    with _held_logs("datasets") as logged:
+        try:
+            train = create_dataset(name, root=str(data_dir), split="train")
+            splits = train.reader.dataset.info.splits or {}
+            val_split = next((split for split in HFDS_VAL_SPLITS if split in splits), HFDS_VAL_SPLITS[0])
+            val = create_dataset(name, root=str(data_dir), split=val_split)
+            for split_set in (train, val):
+                _check_columns(split_set.reader)
+        except Exception as error:  # noqa: BLE001 - datasets raises many kinds: missing, offline, corrupt, columns
+            reason = f"{type(error).__name__}: {error}"
+            errors = [record.getMessage() for record in logged if record.levelno >= logging.ERROR]
+            reason = errors[-1] if errors and str(error) in errors[-1] else reason  # the logged one names the file
+            raise ValueError(f"--dataset {name} (--data-dir {data_dir}): {reason}; expected {HFDS_LAYOUT}") from None
+    classes = sorted(train.reader.class_to_idx, key=train.reader.class_to_idx.get)
+    train = HfdsImages(train, classes)
+    if not classes:  # labels without a ClassLabel feature: classes 0..max
+        train.classes = classes = [str(k) for k in range(max(train.targets, default=-1) + 1)]
+    return train, HfdsImages(val, classes)
