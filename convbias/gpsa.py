@@ -23,7 +23,9 @@ backward, nor an (H, N, N) one. (When each head's value is wider than the query 
 Transformed CNN's late stages, forming the mixed attention once stores less: `gated_attention` then
 does that instead.) The explicit path (`GatedPositionalAttention.explicit_attention`) materializes the
 normalized A from the dense encodings r for attention maps, diagnostics and attention dropout, and is
-the tests' reference for the hot path.
+the tests' reference for the hot path. It is also what a TorchScript-compiled model runs: TorchScript
+has no custom autograd Function, and under `torch.jit.is_scripting()` `attend` takes the explicit path
+(the same function, up to rounding), so eager mode and `torch.compile` keep the hot path.
 
 `GatedPositionalAttention` is the base of both layer kinds (`convit.GPSA` on a ViT's tokens,
 `transformed_cnn.GPSAConv2d` on a feature map): the gate with its test-time mask, the choice between the
@@ -40,9 +42,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 GridSize = Tuple[int, int]
+# Cut-off of the positional attention's tiny weights: it is computed in float32. A default argument,
+# not torch.finfo in the body, so that TorchScript (which has no torch.finfo) compiles it.
+FP32_EPS = torch.finfo(torch.float32).eps
 
 
-def grid_positions(height: int, width: int, stride: int = 1, device=None) -> torch.Tensor:
+def grid_positions(height: int, width: int, stride: int = 1, device: Optional[torch.device] = None) -> torch.Tensor:
     """(x, y) coordinates of the tokens of a height x width grid in row-major order, shape (N, 2).
 
     With `stride` s only every s-th row and column is kept (queries of a strided convolution)."""
@@ -58,18 +63,20 @@ def relative_encodings(query_positions: torch.Tensor, key_positions: torch.Tenso
     return torch.cat([delta, delta.pow(2).sum(-1, keepdim=True)], dim=-1)
 
 
-def positional_attention(rel: torch.Tensor, pos_proj: nn.Linear) -> torch.Tensor:
+def positional_attention(rel: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         eps: float = FP32_EPS) -> torch.Tensor:
     """P_h = softmax_j(v_pos^h . r_ij) for all heads at once: (Nq, Nk, 3) -> (H, Nq, Nk).
 
+    weight, bias: those of pos_proj (v_pos), passed as tensors so that TorchScript compiles this.
     The dense form, straight from the encodings as the paper writes it: the explicit path's (attention
-    maps, diagnostics, dropout) and the tests' reference for `positional_factors`. Weights below
-    eps / Nk are set to 0 as in `axis_attention`."""
+    maps, diagnostics, dropout, TorchScript) and the tests' reference for `positional_factors`. Weights
+    below eps / Nk are set to 0 as in `axis_attention`."""
     nq, nk, _ = rel.shape
-    logits = pos_proj.weight.float() @ rel.reshape(nq * nk, 3).t()
-    if pos_proj.bias is not None:  # cancels in the softmax; kept for exact parity with timm
-        logits = logits + pos_proj.bias.float()[:, None]
+    logits = weight.float() @ rel.reshape(nq * nk, 3).t()
+    if bias is not None:  # cancels in the softmax; kept for exact parity with timm
+        logits = logits + bias.float()[:, None]
     attn = logits.view(-1, nq, nk).softmax(dim=-1)
-    return attn.masked_fill(attn < torch.finfo(attn.dtype).eps / nk, 0.0)
+    return attn.masked_fill(attn < eps / nk, 0.0)
 
 
 class PositionalFactors(NamedTuple):
@@ -294,12 +301,6 @@ class GatedPositionalAttention(nn.Module):
         self.fused = True  # False forces the explicit path (for tests and diagnostics)
         self.gate_override: Optional[float] = None  # test-time mask: 0 = content only, 1 = position only
 
-    def __prepare_scriptable__(self) -> nn.Module:
-        raise RuntimeError(
-            f"{type(self).__name__} cannot be TorchScript-compiled: its hot path is a custom autograd Function "
-            "(TorchScript is deprecated and has none); use torch.compile(model) or torch.export instead"
-        )
-
     def gate(self) -> torch.Tensor:
         """Weight on the positional attention per head, sigma(lambda_h) unless overridden."""
         if self.gate_override is not None:
@@ -322,13 +323,18 @@ class GatedPositionalAttention(nn.Module):
         return attn / attn.sum(dim=-1, keepdim=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: GridSize,
-               attn_drop: Optional[nn.Dropout] = None) -> torch.Tensor:
+               attn_drop: float = 0.0) -> torch.Tensor:
         """Attention output (B, H, Nq, dv) over a token grid: the hot path, or the explicit one when
-        `fused` is off or attention dropout is active (it needs the materialized matrix)."""
-        if self.fused and not (attn_drop is not None and self.training and attn_drop.p > 0):
-            return gated_attention(q, k, v, self.positional_factors(grid), self.gate())
-        attn = self.explicit_attention(q, k, self.positional_attention(grid))
-        return (attn if attn_drop is None else attn_drop(attn)) @ v
+        `fused` is off, attention dropout (probability `attn_drop`) is active (it needs the materialized
+        matrix) or the model is TorchScript-compiled (the hot path's autograd Function does not script;
+        `torch.jit.is_scripting()` is resolved at compile time, so the hot path is not even compiled)."""
+        dropout = self.training and attn_drop > 0.0
+        if torch.jit.is_scripting() or not self.fused or dropout:
+            attn = self.explicit_attention(q, k, self.positional_attention(grid))
+            if dropout:
+                attn = F.dropout(attn, p=attn_drop)
+            return attn @ v
+        return gated_attention(q, k, v, self.positional_factors(grid), self.gate())
 
     def positional_factors(self, grid: GridSize) -> PositionalFactors:
         """Factored positional attention for an input grid (height, width); the subclass's geometry."""

@@ -20,6 +20,12 @@ from convbias.gpsa import (
 )
 
 
+def _grid_encodings(grid_size: GridSize, device: torch.device) -> torch.Tensor:
+    """Relative encodings (N, N, 3) among the tokens of a grid (queries = keys)."""
+    pos = grid_positions(grid_size[0], grid_size[1], device=device)
+    return relative_encodings(pos, pos)
+
+
 @register_notrace_module  # FX: a leaf, as timm registers its own GPSA (custom autograd hot path inside)
 class GPSA(GatedPositionalAttention):
     """Gated positional self-attention over a grid of patch tokens (no class token)."""
@@ -52,16 +58,20 @@ class GPSA(GatedPositionalAttention):
         self._rel_cache: dict = {}
 
     # -- geometry: queries and keys are the patch tokens ------------------------------------------
-    def relative_encodings(self, grid_size: GridSize, device) -> torch.Tensor:
+    def relative_encodings(self, grid_size: GridSize, device: torch.device) -> torch.Tensor:
+        """(N, N, 3) encodings of the token grid, cached for the last grid (not under TorchScript,
+        whose module attributes cannot be a dict keyed by tuples)."""
+        if torch.jit.is_scripting():
+            return _grid_encodings(grid_size, device)
         key = (tuple(grid_size), str(device))
         if key not in self._rel_cache:
-            pos = grid_positions(*grid_size, device=device)
-            self._rel_cache = {key: relative_encodings(pos, pos)}  # keep one grid: sizes rarely alternate
+            self._rel_cache = {key: _grid_encodings(grid_size, device)}  # keep one grid: sizes rarely alternate
         return self._rel_cache[key]
 
     def positional_attention(self, grid_size: GridSize) -> torch.Tensor:
         """(H, N, N) positional attention for a grid of this size (dense; the explicit path's)."""
-        return positional_attention(self.relative_encodings(grid_size, self.pos_proj.weight.device), self.pos_proj)
+        rel = self.relative_encodings(grid_size, self.pos_proj.weight.device)
+        return positional_attention(rel, self.pos_proj.weight, self.pos_proj.bias)
 
     def positional_factors(self, grid_size: GridSize) -> PositionalFactors:
         """The same attention in factored form (the hot path's): rows (H, Hp, Hp), cols (H, Wp, Wp)."""
@@ -83,7 +93,7 @@ class GPSA(GatedPositionalAttention):
     def forward(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
         b, n, c = x.shape
         q, k, v = self._qkv(x).unbind(0)
-        out = self.attend(q, k, v, grid_size, self.attn_drop)
+        out = self.attend(q, k, v, grid_size, self.attn_drop.p)
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 

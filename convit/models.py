@@ -337,16 +337,17 @@ class ConViT(nn.Module):
         """timm's feature API: outputs of the blocks in `indices` (patch tokens only, class token
         removed), as (B, C, Hp, Wp) maps (NCHW) or (B, N, C) sequences (NLC)."""
         if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt={output_fmt!r} must be 'NCHW' or 'NLC'")
+            raise ValueError(f"output_fmt='{output_fmt}' must be 'NCHW' or 'NLC'")  # TorchScript has no !r
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         batch = x.shape[0]
         grid_size = self.grid_size(x.shape[-2:])
         x = self._embed(x, grid_size)
         intermediates = []
-        last = max_index if stop_early else len(self.blocks) - 1
-        for i, block in enumerate(self.blocks):
-            if i > last:
-                break
+        if torch.jit.is_scripting() or not stop_early:  # TorchScript cannot slice a ModuleList by a variable
+            blocks = self.blocks
+        else:
+            blocks = self.blocks[: max_index + 1]
+        for i, block in enumerate(blocks):
             x = self._join_cls_token(i, x)
             if self.grad_checkpointing and not torch.jit.is_scripting():
                 x = checkpoint(block, x, grid_size)

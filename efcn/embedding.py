@@ -15,8 +15,6 @@ act on the flat vector directly; spatial ones (pools, zero padding, Dropout2d) r
 activation viewed back as (C, H, W) (`OnFeatureMap`). BatchNorm (running statistics, i.e. the
 CNN's eval-mode function) is folded into the Conv2d or Linear right before it.
 """
-from __future__ import annotations
-
 import copy
 import math
 import operator
@@ -118,7 +116,7 @@ class LocalLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return self._masked_forward(x)
 
-    @torch.jit.unused  # diagnostics only (`masked`)
+    @torch.jit.unused  # diagnostics only (`masked`, eager models)
     def _masked_forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.cat([x @ w.t() for _, w in self.masked_weight_chunks(self.keep)], dim=-1)
         return out if self.bias is None else out + self.bias
@@ -136,7 +134,8 @@ class OnFeatureMap(nn.Module):
         self.in_shape = tuple(in_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x.view(x.shape[0], *self.in_shape)).flatten(1)
+        channels, height, width = self.in_shape  # unpacked: TorchScript has no starred arguments
+        return self.layer(x.view(x.shape[0], channels, height, width)).flatten(1)
 
     def extra_repr(self) -> str:
         return f"in_shape={self.in_shape}"
@@ -197,6 +196,8 @@ def masked(model: nn.Module, keep: Keep):
     """Evaluate `model` with only the local ("local") or off-local ("off_local") conv weights."""
     if keep not in ("all", "local", "off_local"):
         raise ValueError(f"keep must be 'all', 'local' or 'off_local', got {keep!r}")
+    if isinstance(model, torch.jit.ScriptModule):  # its layers are no LocalLinear: it would run unmasked
+        raise ValueError("masked needs the eager model: a TorchScript-compiled eFCN evaluates all its weights only")
     layers = [m for m in model.modules() if isinstance(m, LocalLinear)]
     previous = [m.keep for m in layers]
     for m in layers:

@@ -95,6 +95,55 @@ def test_reset_classifier_follows_mode_and_removes_the_head(name):
         torch.testing.assert_close(pooled, model.forward_head(model.forward_features(x), pre_logits=True))
 
 
+# T-CNN: one ResNet with basic blocks, one with bottlenecks (scripting a ResNet-50 takes ~5 s; what else
+# differs among the depths is timm's own scriptable code)
+SCRIPTED = [n for n in CHECKED if not n.startswith("tcnn_") or n in ("tcnn_resnet18", "tcnn_resnet50")]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+@pytest.mark.parametrize("name", SCRIPTED)
+def test_torchscript_matches_eager(name):
+    """timm's models script; so do ours. A scripted GPSA layer runs the explicit path (the hot path's
+    autograd Function does not script), the same function up to rounding."""
+    model = _build(name)
+    x = _input(name)
+    scripted = torch.jit.script(model)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_torchscript_keeps_convit_test_time_masks():
+    """A masked gate (a float gate_override instead of None) compiles and gives the eager output."""
+    model = _build("convit_tiny", depth=3, local_up_to_layer=2)
+    model.set_test_masks(content_layers=1)
+    x = _input("convit_tiny")
+    with torch.no_grad():
+        torch.testing.assert_close(torch.jit.script(model)(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+@pytest.mark.parametrize("name", ["convit_tiny", "deit_tiny_plus"])
+def test_torchscript_features_only(name):
+    """timm's getter wrapper scripts forward_intermediates, as timm's test_pruned_features_torchscript does."""
+    model = _build(name, features_only=True, out_indices=(0,))
+    x = _input(name, batch=1)
+    with torch.no_grad():
+        for got, want in zip(torch.jit.script(model)(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_efcn_masked_refuses_a_scripted_model():
+    """`masked` switches LocalLinear layers, which a scripted model no longer has: one line, not a silent no-op."""
+    from efcn.embedding import masked
+
+    scripted = torch.jit.script(_build("efcn_vanilla_cnn"))
+    with pytest.raises(ValueError, match="masked needs the eager model"):
+        with masked(scripted, "local"):
+            pass
+
+
 FEATURE_MODELS = [n for n in CHECKED if n.startswith(("convit_", "deit_", "tcnn_", "vanilla_cnn", "alexnet_cifar"))]
 
 

@@ -32,7 +32,7 @@ runs the explicit path: the normalized attention of `attention()`, then one prod
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,20 @@ from convbias.gpsa import (
     GatedPositionalAttention, GridSize, PositionalFactors, grid_positions, kernel_offsets, positional_attention,
     positional_factors, relative_encodings,
 )
+
+
+class Geometry(NamedTuple):
+    """Token layout of a GPSAConv2d for one input size (a NamedTuple: TorchScript compiles it)."""
+
+    out_size: Tuple[int, int]  # the conv's output (height, width)
+    query_index: torch.Tensor  # the queries' indices among the padded grid's tokens, (N_q,)
+    rel: torch.Tensor  # relative encodings (N_q, N_k, 3), for the dense positional attention
+    axes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # query rows, query cols, key rows, key cols
+
+
+def _conv_output_length(size: int, kernel: int, padding: int, dilation: int, stride: int) -> int:
+    """Output length of a convolution along one axis, the formula of `nn.Conv2d`."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
 @register_notrace_module  # FX: a leaf, like timm's GPSA (its geometry branches on the input size)
@@ -122,46 +136,49 @@ class GPSAConv2d(GatedPositionalAttention):
     def output_size(self, height: int, width: int) -> Tuple[int, int]:
         """Spatial output size, the same formula as `nn.Conv2d`."""
         k = self.kernel_size[0]
-        return tuple(
-            (size + 2 * pad - dil * (k - 1) - 1) // step + 1
-            for size, pad, dil, step in zip((height, width), self.padding, self.dilation, self.stride)
-        )
+        return (_conv_output_length(height, k, self.padding[0], self.dilation[0], self.stride[0]),
+                _conv_output_length(width, k, self.padding[1], self.dilation[1], self.stride[1]))
 
-    def _geometry(self, height: int, width: int, device) -> dict:
+    def _geometry(self, height: int, width: int, device: torch.device) -> Geometry:
+        """The token layout for an input of this size, cached for the last size (not under TorchScript,
+        whose module attributes cannot be a dict keyed by tuples)."""
+        if torch.jit.is_scripting():
+            return self._build_geometry(height, width, device)
+        key = (height, width, str(device))
+        if key not in self._geometry_cache:  # keep one size: resolutions rarely alternate
+            self._geometry_cache = {key: self._build_geometry(height, width, device)}
+        return self._geometry_cache[key]
+
+    def _build_geometry(self, height: int, width: int, device: torch.device) -> Geometry:
         """Token layout for an input of this size: padded key grid, query indices, relative encodings,
         and the axes' coordinates (query rows, query columns, key rows, key columns) for the factors."""
-        key = (height, width, str(device))
-        if key not in self._geometry_cache:
-            out_h, out_w = self.output_size(height, width)
-            if out_h < 1 or out_w < 1:
-                raise ValueError(f"input {height}x{width} is too small for kernel {self.kernel_size}, padding {self.padding}")
-            pad_h, pad_w = height + 2 * self.padding[0], width + 2 * self.padding[1]
-            center = self.kernel_size[0] // 2
-            # window centers on the padded grid: row s*i + d*(k//2), column s*j + d*(k//2)
-            rows = torch.arange(out_h, device=device) * self.stride[0] + self.dilation[0] * center
-            cols = torch.arange(out_w, device=device) * self.stride[1] + self.dilation[1] * center
-            query_index = (rows[:, None] * pad_w + cols[None, :]).flatten()
-            key_pos = grid_positions(pad_h, pad_w, device=device)
-            self._geometry_cache = {  # keep one size: resolutions rarely alternate
-                key: dict(
-                    out_size=(out_h, out_w),
-                    query_index=query_index,
-                    rel=relative_encodings(key_pos[query_index], key_pos),
-                    axes=(rows.float(), cols.float(), torch.arange(pad_h, device=device, dtype=torch.float32),
-                          torch.arange(pad_w, device=device, dtype=torch.float32)),
-                )
-            }
-        return self._geometry_cache[key]
+        out_h, out_w = self.output_size(height, width)
+        if out_h < 1 or out_w < 1:
+            raise ValueError(f"input {height}x{width} is too small for kernel {self.kernel_size}, padding {self.padding}")
+        pad_h, pad_w = height + 2 * self.padding[0], width + 2 * self.padding[1]
+        center = self.kernel_size[0] // 2
+        # window centers on the padded grid: row s*i + d*(k//2), column s*j + d*(k//2)
+        rows = torch.arange(out_h, device=device) * self.stride[0] + self.dilation[0] * center
+        cols = torch.arange(out_w, device=device) * self.stride[1] + self.dilation[1] * center
+        query_index = (rows[:, None] * pad_w + cols[None, :]).flatten()
+        key_pos = grid_positions(pad_h, pad_w, device=device)
+        return Geometry(
+            out_size=(out_h, out_w),
+            query_index=query_index,
+            rel=relative_encodings(key_pos[query_index], key_pos),
+            axes=(rows.float(), cols.float(), torch.arange(pad_h, device=device, dtype=torch.float32),
+                  torch.arange(pad_w, device=device, dtype=torch.float32)),
+        )
 
     # -- pieces ---------------------------------------------------------------------------------
     def positional_attention(self, grid: GridSize) -> torch.Tensor:
         """(heads, N_q, N_k) positional attention for an input map of size grid = (height, width)."""
-        geometry = self._geometry(*grid, self.pos_proj.weight.device)
-        return positional_attention(geometry["rel"], self.pos_proj)
+        rel = self._geometry(grid[0], grid[1], self.pos_proj.weight.device).rel
+        return positional_attention(rel, self.pos_proj.weight, self.pos_proj.bias)
 
     def positional_factors(self, grid: GridSize) -> PositionalFactors:
         """The same attention in factored form (the hot path's): query rows x padded key rows, likewise columns."""
-        return positional_factors(self.pos_proj, *self._geometry(*grid, self.pos_proj.weight.device)["axes"])
+        return positional_factors(self.pos_proj, *self._geometry(*grid, self.pos_proj.weight.device).axes)
 
     def _qkv(self, x: torch.Tensor):
         """Queries (B, heads, N_q, d), keys (B, heads, N_k, d), value shared by the heads (B, 1, N_k, C_in)."""
@@ -171,7 +188,7 @@ class GPSAConv2d(GatedPositionalAttention):
         tokens = F.pad(x, (pad_w, pad_w, pad_h, pad_h)).flatten(2).transpose(1, 2)  # (B, N_k, C_in)
         n_k = tokens.shape[1]
         qk = self.qk(tokens).view(b, n_k, 2, self.num_heads, self.qk_head_dim).permute(2, 0, 3, 1, 4)
-        q = qk[0].index_select(2, geometry["query_index"])
+        q = qk[0].index_select(2, geometry.query_index)
         return q, qk[1], self.v(tokens).unsqueeze(1)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +201,7 @@ class GPSAConv2d(GatedPositionalAttention):
         b, _, h, w = x.shape
         q, k, v = self._qkv(x)
         heads = self.attend(q, k, v, (h, w))
-        out_h, out_w = self._geometry(h, w, x.device)["out_size"]
+        out_h, out_w = self._geometry(h, w, x.device).out_size
         out = self.proj(heads.transpose(1, 2).reshape(b, out_h * out_w, -1))  # (B, N_q, heads * C_in)
         return out.transpose(1, 2).reshape(b, self.out_channels, out_h, out_w)
 
