@@ -438,6 +438,8 @@ def _embed_conv(step: _Step, copy_weights: bool) -> LocalLinear:
     has_bias = conv.bias is not None or step.batchnorm is not None
     dense = LocalLinear(step.in_shape, step.out_shape, mask, tap_index, bias=has_bias,
                         device=conv.weight.device, dtype=conv.weight.dtype)
+    if conv.weight.is_meta:  # a structure-only model (timm builds models on the meta device): no values
+        return dense
     if not copy_weights:
         dense.reset_parameters()  # nn.Linear's default init of the full matrix: the standard FCN
         return dense
