@@ -394,27 +394,29 @@ def _num_params(steps: list[_Step]) -> int:
 
 
 def conv_locality(conv: nn.Conv2d, in_hw: tuple[int, int], out_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Locality mask (H'W', HW) and tap index (H'W', HW; -1 off-local) of a conv, by index arithmetic."""
-    pad_left, _ = _conv_padding(conv)
-    per_axis = []
-    for size, out, kernel, stride, dilation, pad in zip(
-            in_hw, out_hw, conv.kernel_size, conv.stride, conv.dilation, pad_left):
-        position = torch.arange(out)[:, None] * stride - pad + torch.arange(kernel)[None, :] * dilation
-        per_axis.append((position, (position >= 0) & (position < size)))  # (out, kernel)
-    (iy, vy), (ix, vx) = per_axis
-    (height, width), (out_h, out_w) = in_hw, out_hw
-    kh, kw = conv.kernel_size
-    # Broadcast to (out_h, out_w, kh, kw).
-    valid = vy[:, None, :, None] & vx[None, :, None, :]
-    in_pixel = (iy[:, None, :, None] * width + ix[None, :, None, :]).expand_as(valid)[valid]
-    out_pixel = (torch.arange(out_h)[:, None, None, None] * out_w +
-                 torch.arange(out_w)[None, :, None, None]).expand_as(valid)[valid]
-    tap = (torch.arange(kh)[None, None, :, None] * kw + torch.arange(kw)[None, None, None, :]).expand_as(valid)[valid]
-    mask = torch.zeros(out_h * out_w, height * width, dtype=torch.bool)
-    mask[out_pixel, in_pixel] = True
-    tap_index = torch.full((out_h * out_w, height * width), -1, dtype=torch.int32)
-    tap_index[out_pixel, in_pixel] = tap.to(torch.int32)
-    return mask, tap_index
+    """Locality mask (H'W', HW) and tap index (H'W', HW; -1 off-local) of a conv, by index arithmetic
+    on the CPU, also under a `torch.device` context (timm builds models under `torch.device('meta')`)."""
+    with torch.device("cpu"):
+        pad_left, _ = _conv_padding(conv)
+        per_axis = []
+        for size, out, kernel, stride, dilation, pad in zip(
+                in_hw, out_hw, conv.kernel_size, conv.stride, conv.dilation, pad_left):
+            position = torch.arange(out)[:, None] * stride - pad + torch.arange(kernel)[None, :] * dilation
+            per_axis.append((position, (position >= 0) & (position < size)))  # (out, kernel)
+        (iy, vy), (ix, vx) = per_axis
+        (height, width), (out_h, out_w) = in_hw, out_hw
+        kh, kw = conv.kernel_size
+        # Broadcast to (out_h, out_w, kh, kw).
+        valid = vy[:, None, :, None] & vx[None, :, None, :]
+        in_pixel = (iy[:, None, :, None] * width + ix[None, :, None, :]).expand_as(valid)[valid]
+        out_pixel = (torch.arange(out_h)[:, None, None, None] * out_w +
+                     torch.arange(out_w)[None, :, None, None]).expand_as(valid)[valid]
+        tap = (torch.arange(kh)[None, None, :, None] * kw + torch.arange(kw)[None, None, None, :]).expand_as(valid)[valid]
+        mask = torch.zeros(out_h * out_w, height * width, dtype=torch.bool)
+        mask[out_pixel, in_pixel] = True
+        tap_index = torch.full((out_h * out_w, height * width), -1, dtype=torch.int32)
+        tap_index[out_pixel, in_pixel] = tap.to(torch.int32)
+        return mask, tap_index
 
 
 def _folded(weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -69,7 +69,8 @@ def test_device_and_dtype_kwargs(name):
 @pytest.mark.parametrize("name", CHECKED)
 def test_builds_on_the_meta_device_with_the_structure_of_a_real_model(name):
     """timm reads a model's structure on the meta device (no memory, no values): same names and shapes."""
-    meta = _build(name, device="meta", dtype=torch.float64)
+    with torch.device("meta"):  # as timm's test_model_default_cfgs builds
+        meta = _build(name, device="meta", dtype=torch.float64)
     assert {p.device.type for p in meta.parameters()} == {"meta"} and {p.dtype for p in meta.parameters()} == {torch.float64}
     assert {k: v.shape for k, v in meta.state_dict().items()} == {k: v.shape for k, v in _build(name).state_dict().items()}
 
