@@ -155,6 +155,7 @@ class EmbeddedFCN(nn.Module):
     def __init__(self, layers: "OrderedDict[str, nn.Module]", input_shape: Sequence[int]):
         super().__init__()
         self.input_shape = tuple(input_shape)
+        self.in_chans = self.input_shape[0]
         self.layers = nn.Sequential(layers)
         names = [name for name, _ in self.layers.named_children()]
         head_name, head = [(n, m) for n, m in self.layers.named_children() if isinstance(m, nn.Linear)][-1]

@@ -40,15 +40,15 @@ class _ClassifierCNN(nn.Sequential):
     __jit_unused_properties__ = ["input_shape", "num_features", "head_hidden_size"]  # Python-side metadata
 
     def __init__(self, layers: "OrderedDict[str, nn.Module]", num_classes: int, in_chans: int,
-                 img_size: tuple[int, int], device=None, dtype=None):
+                 img_size: tuple[int, int], global_pool: Optional[str] = None, device=None, dtype=None):
         super().__init__(layers)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.img_size = img_size
         if device is not None or dtype is not None:  # timm.create_model passes them (timm >= 1.0.20)
             self.to(device=device, dtype=dtype)
-        if num_classes == 0:  # timm's convention: no classifier, the model returns its pre-logits
-            self.reset_classifier(0)
+        if num_classes == 0 or global_pool is not None:  # timm's convention: 0 classes -> the pre-logits
+            self.reset_classifier(num_classes, global_pool)
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -85,11 +85,22 @@ class _ClassifierCNN(nn.Sequential):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """A new classifier (Identity for 0) in the model's mode; `global_pool` can only be the paper's flatten."""
-        if global_pool not in (None, "flatten"):
+        """A new classifier (Identity for 0) in the model's mode. The paper's CNNs flatten their last map
+        instead of pooling it: `global_pool` 'flatten' (or None: unchanged) keeps that, '' with no classifier
+        removes it, so that the model returns its last map as timm's models do; an MLP that reads the
+        flat vector (AlexNet's) cannot lose it."""
+        if global_pool not in (None, "flatten", ""):
             raise ValueError(f"global_pool={global_pool!r}: {type(self).__name__} flattens its last map (the paper's "
-                             "architecture), the only pooling it has; use global_pool=None or 'flatten'")
+                             "architecture), the only pooling it has; use None, 'flatten' or '' (no classifier)")
+        if global_pool == "":
+            after_flatten = list(self._modules)[self._split() + 1:]
+            if num_classes or after_flatten != ["head"]:
+                raise ValueError(f"global_pool='': {type(self).__name__} can return its unflattened last map only "
+                                 "without a classifier (num_classes=0) and when nothing else reads the flat vector; "
+                                 f"after its flatten come {', '.join(after_flatten)}")
         width = self.head_hidden_size
+        if global_pool is not None:
+            self.flatten = nn.Flatten() if global_pool == "flatten" else nn.Identity()
         weight = next(self.parameters())
         head = nn.Linear(width, num_classes, device=weight.device, dtype=weight.dtype) if num_classes > 0 else nn.Identity()
         self.head_width = width
@@ -101,7 +112,8 @@ class VanillaCNN(_ClassifierCNN):
     """Sec. 6.2.2: 3 x (Conv 3x3 padding 1, ReLU, MaxPool 2x2), Flatten, Linear."""
 
     def __init__(self, channels: int = 64, num_classes: int = 10, in_chans: int = 3,
-                 img_size: int | Sequence[int] = 32, depth: int = 3, device=None, dtype=None):
+                 img_size: int | Sequence[int] = 32, depth: int = 3, global_pool: Optional[str] = None,
+                 device=None, dtype=None):
         img_size = _pair(img_size)
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         height, width, chans = *img_size, in_chans
@@ -116,7 +128,7 @@ class VanillaCNN(_ClassifierCNN):
             raise ValueError(f"VanillaCNN with depth {depth} needs img_size >= {2 ** depth}, got {img_size}")
         layers["flatten"] = nn.Flatten()
         layers["head"] = nn.Linear(channels * height * width, num_classes)
-        super().__init__(layers, num_classes, in_chans, img_size, device, dtype)
+        super().__init__(layers, num_classes, in_chans, img_size, global_pool, device, dtype)
         self.feature_info = feature_info
 
 
@@ -124,7 +136,7 @@ class AlexNetCIFAR(_ClassifierCNN):
     """App. E.2: AlexNet for 32x32 images (5 convs, 3 max-pools 3x3/2, MLP head with dropout)."""
 
     def __init__(self, num_classes: int = 100, in_chans: int = 3, img_size: int | Sequence[int] = 32,
-                 drop_rate: float = 0.5, device=None, dtype=None):
+                 drop_rate: float = 0.5, global_pool: Optional[str] = None, device=None, dtype=None):
         img_size = _pair(img_size)
         stages = [  # (out channels, kernel, stride, padding, max-pool after)
             (64, 4, 2, 2, True), (192, 5, 1, 2, True), (384, 3, 1, 1, False), (256, 3, 1, 1, False),
@@ -151,7 +163,7 @@ class AlexNetCIFAR(_ClassifierCNN):
         layers["fc2"] = nn.Linear(512, 512)
         layers["act7"] = nn.ReLU()
         layers["head"] = nn.Linear(512, num_classes)
-        super().__init__(layers, num_classes, in_chans, img_size, device, dtype)
+        super().__init__(layers, num_classes, in_chans, img_size, global_pool, device, dtype)
         self.feature_info = feature_info
 
 
@@ -171,19 +183,20 @@ def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN
     return build
 
 
-def _cfg(num_classes: int, input_size: tuple[int, int, int], classifier: str, pool_size=None) -> dict:
-    return dict(num_classes=num_classes, input_size=input_size, fixed_input_size=True, classifier=classifier, pool_size=pool_size,
+def _cfg(num_classes: int, input_size: tuple[int, int, int], classifier: str, first_conv: str, pool_size=None) -> dict:
+    return dict(num_classes=num_classes, input_size=input_size, fixed_input_size=True, classifier=classifier,
+                first_conv=first_conv, pool_size=pool_size,
                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, interpolation="bilinear",
                 license="apache-2.0")
 
 
 default_cfgs = generate_default_cfgs({
-    "vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "head", pool_size=(4, 4)),  # the last map (no pooling: flattened)
-    "alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "head", pool_size=(1, 1)),
-    "efcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head"),
-    "efcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head"),
-    "fcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head"),
-    "fcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head"),
+    "vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "head", "conv1", pool_size=(4, 4)),  # the last map (flattened, not pooled)
+    "alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "head", "conv1", pool_size=(1, 1)),
+    "efcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1"),
+    "efcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1"),
+    "fcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1"),
+    "fcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1"),
 })
 
 

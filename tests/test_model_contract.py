@@ -104,6 +104,31 @@ def test_reset_classifier_follows_mode_and_removes_the_head(name):
         torch.testing.assert_close(pooled, model.forward_head(model.forward_features(x), pre_logits=True))
 
 
+# the models whose pre-logits are not a pooled map: a sequence (ViTs), flat layers (eFCN), an MLP after
+# the flatten (AlexNet; timm's VGG is exempt from this check for the same reason)
+NO_UNPOOLED_MAP = ("convit_", "deit_", "efcn_", "fcn_", "alexnet_cifar")
+
+
+@pytest.mark.parametrize("name", [n for n in CHECKED if not n.startswith(NO_UNPOOLED_MAP)])
+def test_removing_classifier_and_pooling_returns_the_last_map(name):
+    """timm's contract: reset_classifier(0, '') and num_classes=0, global_pool='' give forward_features' map."""
+    model = _build(name)
+    x = _input(name)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        model.reset_classifier(0, "")
+        torch.testing.assert_close(model(x), features)
+        built = _build(name, num_classes=0, global_pool="")
+        built.load_state_dict(model.state_dict())
+        torch.testing.assert_close(built(x), features)
+    assert features.dim() == 4
+
+
+def test_alexnet_refuses_to_drop_the_flatten_its_mlp_reads():
+    with pytest.raises(ValueError, match="after its flatten come drop1, fc1"):
+        _build("alexnet_cifar").reset_classifier(0, "")
+
+
 # T-CNN: one ResNet with basic blocks, one with bottlenecks (scripting a ResNet-50 takes ~5 s; what else
 # differs among the depths is timm's own scriptable code)
 SCRIPTED = [n for n in CHECKED if not n.startswith("tcnn_") or n in ("tcnn_resnet18", "tcnn_resnet50")]
