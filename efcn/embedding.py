@@ -152,7 +152,10 @@ def check_input_shape(x: torch.Tensor, input_shape: Tuple[int, int, int]) -> tor
 class EmbeddedFCN(nn.Module):
     """A fully connected network: Flatten, then Linear/LocalLinear layers and weightless layers."""
 
-    def __init__(self, layers: "OrderedDict[str, nn.Module]", input_shape: Sequence[int]):
+    def __init__(self, layers: "OrderedDict[str, nn.Module]", input_shape: Sequence[int],
+                 feature_map: Optional[tuple[int, Sequence[int]]] = None):
+        """feature_map: (how many layers come before the CNN's flatten, the (C, H, W) map it flattened);
+        forward_features returns that map (viewed from the flat activation), as the CNN's does."""
         super().__init__()
         self.input_shape = tuple(input_shape)
         self.in_chans = self.input_shape[0]
@@ -161,8 +164,12 @@ class EmbeddedFCN(nn.Module):
         head_name, head = [(n, m) for n, m in self.layers.named_children() if isinstance(m, nn.Linear)][-1]
         self.head_name = head_name
         self.head_index = names.index(head_name)  # the head and what follows it: timm's forward_head
+        self.features_end, feature_shape = feature_map if feature_map is not None else (self.head_index, (head.in_features,))
+        self.feature_shape = list(feature_shape)
         self.num_classes = head.out_features
-        self.num_features = self.head_hidden_size = head.in_features
+        self.num_features = self.feature_shape[0]  # channels of the map, as for the CNN
+        self.head_hidden_size = head.in_features
+        self.flatten_map = True  # False after reset_classifier(0, ''): forward returns the map
 
     def local_layers(self) -> dict[str, LocalLinear]:
         return {name: m for name, m in self.layers.named_children() if isinstance(m, LocalLinear)}
@@ -171,25 +178,42 @@ class EmbeddedFCN(nn.Module):
         return getattr(self.layers, self.head_name)
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """A new last Linear (in the model's mode), or none for num_classes=0 (timm's contract); an eFCN has
-        no pooling, so `global_pool` must be None."""
-        if global_pool is not None:
-            raise ValueError(f"global_pool={global_pool!r}: an eFCN is fully connected and has no pooling; use None")
+        """A new last Linear (in the model's mode), or none for num_classes=0 (timm's contract). Like the CNN
+        it embeds, an eFCN flattens its last map: `global_pool` 'flatten' (None: unchanged) keeps that, ''
+        with no classifier returns the map, where nothing but the classifier reads the flat vector."""
+        if global_pool not in (None, "flatten", ""):
+            raise ValueError(f"global_pool={global_pool!r}: an eFCN flattens its last map, the only pooling it has; "
+                             "use None, 'flatten' or '' (no classifier)")
+        if global_pool == "" and (num_classes or self.features_end != self.head_index):
+            raise ValueError("global_pool='': an eFCN can return its last map only without a classifier "
+                             "(num_classes=0) and when nothing else reads the flat vector (no MLP after the flatten)")
         reference = next(self.parameters())
-        new_head = (nn.Linear(self.num_features, num_classes, device=reference.device, dtype=reference.dtype)
+        new_head = (nn.Linear(self.head_hidden_size, num_classes, device=reference.device, dtype=reference.dtype)
                     if num_classes > 0 else nn.Identity())
         setattr(self.layers, self.head_name, new_head.train(self.training))
         self.num_classes = num_classes
+        if global_pool is not None:
+            self.flatten_map = global_pool == "flatten"
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The flat activation (B, num_features) that the last Linear reads."""
-        return self.layers[:self.head_index](check_input_shape(x, self.input_shape).flatten(1))
+        """The CNN's last map (B, C, H, W) before its flatten, computed by the fully connected layers."""
+        x = check_input_shape(x, self.input_shape).flatten(1)
+        for index, layer in enumerate(self.layers):  # (loops, not slices: TorchScript calls no slice)
+            if index < self.features_end:
+                x = layer(x)
+        return x.view([x.shape[0]] + self.feature_shape)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return x if pre_logits else self.layers[self.head_index:](x)
+        if not self.flatten_map:
+            return x
+        x = x.flatten(1)
+        for index, layer in enumerate(self.layers):  # after the flatten: an MLP if any, then the head
+            if index >= self.features_end and (index < self.head_index or not pre_logits):
+                x = layer(x)
+        return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(check_input_shape(x, self.input_shape).flatten(1))
+        return self.forward_head(self.forward_features(x))
 
 
 @contextmanager
@@ -491,7 +515,10 @@ def _build(cnn: nn.Module, input_shape: Sequence[int], max_params: int | None, c
             f"than max_params={max_params:,} (largest layer {largest.name!r}: {math.prod(largest.out_shape):,} x "
             f"{math.prod(largest.in_shape):,}); use fewer channels or a smaller input")
     layers: OrderedDict[str, nn.Module] = OrderedDict()
+    feature_map = None
     for step in steps:
+        if step.kind == "flatten" and feature_map is None:
+            feature_map = (len(layers), step.in_shape)  # the eFCN's features: the CNN's map before it
         if step.kind == "conv":
             layers[step.name] = _embed_conv(step, copy_weights)
         elif step.kind == "linear":
@@ -501,7 +528,7 @@ def _build(cnn: nn.Module, input_shape: Sequence[int], max_params: int | None, c
         elif step.kind == "spatial":
             layers[step.name] = OnFeatureMap(_copy_layer(step.layer), step.in_shape)
         # a flatten is the identity on the eFCN's flat activations
-    return EmbeddedFCN(layers, input_shape)
+    return EmbeddedFCN(layers, input_shape, feature_map)
 
 
 def _copy_layer(layer: nn.Module) -> nn.Module:

@@ -170,14 +170,19 @@ class AlexNetCIFAR(_ClassifierCNN):
 def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN]) -> Callable[..., EmbeddedFCN]:
     """A model constructor: build the CNN, load `cnn_checkpoint` if given, lift it with `lift`."""
 
-    def build(cnn_checkpoint: str | None = None, max_params: int | None = None, **cnn_kwargs) -> EmbeddedFCN:
-        cnn = cnn_cls(**cnn_kwargs)
+    def build(cnn_checkpoint: str | None = None, max_params: int | None = None, global_pool: str | None = None,
+              **cnn_kwargs) -> EmbeddedFCN:
+        # the CNN keeps its classifier (the eFCN's head is found as its last Linear); removed after the lift
+        remove_head = cnn_kwargs.get("num_classes") == 0
+        cnn = cnn_cls(**{k: v for k, v in cnn_kwargs.items() if not (k == "num_classes" and remove_head)})
         if cnn_checkpoint:
             if lift is not embed:
                 raise ValueError("cnn_checkpoint only applies to efcn_* models; fcn_* models use the default init")
             load_weights(cnn, cnn_checkpoint)
         model = lift(cnn.eval(), cnn.input_shape, max_params=max_params)
         model.source_cnn = cnn_cls.__name__
+        if remove_head or global_pool == "":
+            model.reset_classifier(0 if remove_head else model.num_classes, global_pool)
         return model
 
     return build
@@ -193,10 +198,10 @@ def _cfg(num_classes: int, input_size: tuple[int, int, int], classifier: str, fi
 default_cfgs = generate_default_cfgs({
     "vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "head", "conv1", pool_size=(4, 4)),  # the last map (flattened, not pooled)
     "alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "head", "conv1", pool_size=(1, 1)),
-    "efcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1"),
-    "efcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1"),
-    "fcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1"),
-    "fcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1"),
+    "efcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(4, 4)),
+    "efcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(1, 1)),
+    "fcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(4, 4)),
+    "fcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(1, 1)),
 })
 
 

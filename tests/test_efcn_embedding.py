@@ -224,3 +224,20 @@ class ResidualCNN(nn.Module):
 def test_non_chain_forward_is_rejected():
     with pytest.raises(ValueError, match="chain of layers; node 'add' of ResidualCNN.forward"):
         efcn.embed(ResidualCNN(), (2, 4, 4))
+
+
+@pytest.mark.parametrize("cnn_name,kwargs,side", [("vanilla_cnn", dict(channels=4, img_size=16), 16),
+                                                  ("alexnet_cifar", dict(num_classes=10), 32)])
+def test_features_and_pre_logits_are_the_cnns(cnn_name, kwargs, side):
+    """timm's split of the eFCN matches its CNN's: forward_features is the CNN's last map (viewed from the
+    flat activation), forward_head(pre_logits=True) the classifier's input."""
+    torch.manual_seed(0)
+    cnn = timm.create_model(cnn_name, **kwargs).eval()
+    fcn = efcn.embed(cnn, cnn.input_shape)
+    x = torch.randn(3, 3, side, side)
+    with torch.no_grad():
+        features = fcn.forward_features(x)
+        torch.testing.assert_close(features, cnn.forward_features(x), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(fcn.forward_head(features, pre_logits=True),
+                                   cnn.forward_head(cnn.forward_features(x), pre_logits=True), atol=1e-5, rtol=1e-4)
+    assert (fcn.num_features, fcn.head_hidden_size) == (cnn.num_features, cnn.head_hidden_size)
