@@ -34,6 +34,7 @@ Importing this module registers no model.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -156,6 +157,7 @@ SPLIT_K_MIN_CHUNK = 1024
 SPLIT_K_MAX_SPLITS = 256
 
 
+@functools.lru_cache(maxsize=None)  # called twice per GPSA layer and backward, with a few distinct shapes
 def _split_count(length: int, device: torch.device) -> int:
     """How many chunks `_contract` cuts a contraction of this length into: 1 (no split) off the GPU."""
     if device.type != "cuda":
