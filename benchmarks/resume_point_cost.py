@@ -71,6 +71,7 @@ def main(argv=None) -> int:
             state = {"model": args.model, "epoch": 0, "step": index + 1, "loss_sums": [1.0], "num_updates": index + 1,
                      "best": {}, "final": {}, "reparametrized": False, "optimizer": optimizer.state_dict(),
                      "scheduler": scheduler.state_dict(), "scaler": None, "rng": [rng_state()]}
+            checkpoints.stage(0, step=index + 1)
             checkpoints.save(0, model.state_dict(), state, ema.module.state_dict(),
                              {"model": args.model, "epoch": "0"}, is_best=False, step=index + 1)
 

@@ -4,7 +4,10 @@ FSDP only on GPUs, see convbias/engine/fsdp.py), a tiny ConViT sharded block by 
 - A run saved after 3 steps with `save_sharded` and continued in fresh processes with `load_sharded`
   ends bit-identical to the run that went on (sharded weights *and* AdamW state restored).
 - The sharded weights load into an unsharded model in 1 process (another world size) and equal the
-  gathered weights at the save.
+  gathered weights at the save; `load_sharded` without a process group restores the weights *and* the
+  AdamW state into an ordinary model and optimizer (how a sharded point resumes without FSDP).
+- `FullCopy.refresh` (what the EMA and the diagnostics read under FSDP) holds the gathered weights on
+  every rank.
 - 2 sharded processes train the same model as 1 process with the same global batch (up to float
   summation order).
 """
@@ -27,12 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import convit  # noqa: F401  (registers convit_tiny)
-from convbias.engine.fsdp import load_sharded, save_sharded
+from convbias.engine.fsdp import FullCopy, load_sharded, save_sharded
 
 mode, out, global_batch = sys.argv[1], Path(sys.argv[2]), 8
 dist.init_process_group("gloo")
@@ -40,6 +43,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8,
                           in_chans=1, num_classes=10, drop_path_rate=0.0)
+full_copy = FullCopy(model, "cpu")
 mesh = init_device_mesh("cpu", (world,))
 for block in model.blocks:
     fully_shard(block, mesh=mesh)
@@ -66,9 +70,15 @@ def dump(name):
 if mode == "straight":  # 6 steps, saved after 3 (the save changes nothing in the run)
     train(range(3))
     dump("at_save")
+    copied = full_copy.refresh(model).state_dict()
+    save_file({k: v.contiguous() for k, v in copied.items()}, str(out / f"full_copy_rank{rank}.safetensors"))
     point = out / "point"
     point.mkdir(exist_ok=True)
     save_sharded(point, model, optimizer)
+    full_optimizer = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                        cpu_offload=True))
+    if rank == 0:
+        torch.save(full_optimizer, out / "optimizer_at_save.pt")
     train(range(3, 6))
     dump("straight")
 else:
@@ -110,6 +120,25 @@ def test_sharded_save_and_resume_continue_exactly(tmp_path):
     load_full_weights(tmp_path / "point", model)
     at_save = load_file(tmp_path / "at_save.safetensors")
     assert all(torch.equal(v, at_save[k]) for k, v in model.state_dict().items())
+    for rank in range(2):  # every rank's full copy holds the gathered weights
+        copied = load_file(tmp_path / f"full_copy_rank{rank}.safetensors")
+        assert copied.keys() == at_save.keys() and all(torch.equal(copied[k], at_save[k]) for k in at_save)
+
+    # weights and optimizer state into an ordinary model and AdamW, no process group (resume without FSDP)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from convbias.engine.fsdp import load_sharded
+
+    plain = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8,
+                              in_chans=1, num_classes=10)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    load_sharded(tmp_path / "point", plain, optimizer)
+    assert all(torch.equal(v, at_save[k]) for k, v in plain.state_dict().items())
+    restored = get_optimizer_state_dict(plain, optimizer)["state"]
+    expected = torch.load(tmp_path / "optimizer_at_save.pt", weights_only=True)["state"]
+    assert restored.keys() == expected.keys() and len(expected) == len(list(plain.parameters()))
+    for name, moments in expected.items():
+        assert all(torch.equal(restored[name][k], v) for k, v in moments.items()), name
 
     # 2 sharded processes train what 1 process trains with the same global batch
     single = tmp_path / "single"

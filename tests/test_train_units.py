@@ -75,6 +75,7 @@ def test_rebuild_optimizer_keeps_state_of_surviving_parameters():
 def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkeypatch):
     model = torch.nn.Linear(3, 2)
     ckpt = CheckpointDir(tmp_path)
+    ckpt.stage(1)
     ckpt.save(1, model.state_dict(), {"model": "m", "epoch": 1}, None, {"epoch": "1"}, is_best=True)
     first = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -84,6 +85,7 @@ def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkey
         raise KeyboardInterrupt("killed while writing")
 
     monkeypatch.setattr(torch, "save", killed)
+    ckpt.stage(2)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(2, model.state_dict(), {"model": "m", "epoch": 2}, None, {"epoch": "2"}, is_best=False)
     monkeypatch.undo()
@@ -92,8 +94,10 @@ def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkey
     restored = load_weights(torch.nn.Linear(3, 2), point)
     assert torch.equal(restored.weight, first["weight"])
 
+    ckpt.stage(2)
     ckpt.save(2, model.state_dict(), {"model": "m", "epoch": 2}, None, {"epoch": "2"}, is_best=False)
     assert ckpt.last.name == "epoch_0002" and ckpt.best.name == "epoch_0001"
+    ckpt.stage(3)
     ckpt.save(3, model.state_dict(), {"model": "m", "epoch": 3}, None, {"epoch": "3"}, is_best=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch_*")) == ["epoch_0001", "epoch_0003"]
 

@@ -99,16 +99,30 @@ class CheckpointDir:
         link = self.root / "best"
         return link.resolve() if (link / WEIGHTS_FILE).is_file() else None
 
+    @staticmethod
+    def point_name(epoch: int, step: int = 0) -> str:
+        return f"epoch_{epoch:04d}" + (f"_step_{step:07d}" if step else "")
+
+    def _staging(self, name: str) -> Path:
+        return self.root / f".{name}.tmp"
+
+    def stage(self, epoch: int, step: int = 0) -> Path:
+        """A fresh, empty directory for the resume point (epoch, step), under a temporary name (main process).
+        Under FSDP every rank writes its shards there before ``save`` completes it and renames it into place."""
+        tmp = self._staging(self.point_name(epoch, step))
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
     def save(self, epoch: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
              ema_weights: dict[str, torch.Tensor] | None, metadata: dict[str, str], is_best: bool,
              step: int = 0) -> Path:
-        """Write the resume point after ``epoch`` completed epochs and ``step`` steps of the next one,
-        point ``last`` (and ``best``) at it."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        name = f"epoch_{epoch:04d}" + (f"_step_{step:07d}" if step else "")
-        final, tmp = self.root / name, self.root / f".{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        """Complete the resume point that ``stage(epoch, step)`` started (after ``epoch`` completed epochs and
+        ``step`` steps of the next one), rename it into place and point ``last`` (and ``best``) at it."""
+        name = self.point_name(epoch, step)
+        final, tmp = self.root / name, self._staging(name)
+        if not tmp.is_dir():
+            raise FileNotFoundError(f"{tmp}: stage({epoch}, {step}) first")
         save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
                   str(tmp / WEIGHTS_FILE), metadata=metadata)
         if ema_weights is not None:

@@ -10,16 +10,26 @@ its weights; exact continuation (optimizer state, RNG streams, sampler position)
 Atomicity comes from the resume point itself (engine.checkpoint: written under a temporary name,
 renamed when complete), so a killed save never leaves a ``last`` that points at a partial shard set.
 
+A sharded point also resumes without FSDP (one process, or DDP): DCP reads the global tensors into
+ordinary ones.
+
+``FullCopy`` is what the EMA update and the diagnostics read under FSDP: an ordinary copy of the model
+on every rank, refreshed from the shards (an all-gather of the fp32 weights, not of the low-precision
+copies FSDP's mixed precision computes with).
+
 Tested on CPU with 2 gloo processes below accelerate (tests/test_fsdp.py): accelerate 1.15 enables FSDP
 only for GPU-like devices; with ``ACCELERATE_USE_CPU=1 accelerate launch --use_fsdp --fsdp_version 2``
-it silently falls back to DDP (``AcceleratorState`` keeps ``DistributedType.MULTI_CPU``).
+it silently falls back to DDP (``AcceleratorState`` keeps ``DistributedType.MULTI_CPU``). The engine
+under accelerate's FSDP2 is tested on a GPU (tests/test_train_fsdp.py, skipped without one).
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 SHARDED_DIR = "sharded"
 
@@ -54,7 +64,7 @@ def load_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.opt
         raise ValueError(f"{directory}: no sharded checkpoint there (expected DCP's .metadata and one "
                          f"__<rank>_0.distcp file per writing process)")
     state = sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(directory))
+    dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state.get("optimizer", {}))
 
@@ -68,3 +78,24 @@ def load_full_weights(point: str | Path, model: torch.nn.Module) -> None:
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     model.load_state_dict(state["model"])
+
+
+def gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full weights of a sharded model on every rank, in the sharded parameters' dtype and keyed like
+    the unsharded model's state dict (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+class FullCopy:
+    """An ordinary copy of a model that is sharded for training, refreshed from the shards on demand."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str):
+        self.module = copy.deepcopy(model).to(device)  # the model before fully_shard
+        self.module.requires_grad_(False)
+
+    def refresh(self, sharded: torch.nn.Module) -> torch.nn.Module:
+        """The copy, now holding the sharded model's current weights (every rank calls it)."""
+        self.module.load_state_dict(gathered_state(sharded))
+        return self.module

@@ -4,11 +4,11 @@
 before it writes anything; ``Trainer.fit()`` then trains, evaluates, logs and checkpoints each epoch;
 ``Trainer.evaluate_only()`` prints top-1/top-5 of a checkpoint.
 
-Distribution: the model and optimizer go through ``accelerator.prepare`` (DDP, or FSDP1 when the
-accelerate config asks for it; the model is prepared before the optimizer is built, as FSDP1 needs;
-FSDP2 is refused at set-up). Under FSDP the weight checkpoints are gathered with ``get_state_dict`` but
-the sharded optimizer state is not saved, so such a run cannot be resumed exactly (FSDP is not tested
-here: accelerate enables it only on GPUs; engine.fsdp's sharded checkpoints are tested below accelerate).
+Distribution: the model and its optimizer go through ``accelerator.prepare`` together: DDP, or FSDP2
+when the accelerate config asks for FSDP with ``fsdp_version: 2`` (FSDP1 is refused at set-up). Under
+FSDP a resume point also holds every rank's shards of the weights and the optimizer state (engine.fsdp,
+torch distributed checkpoint), from which ``--resume`` continues exactly; the EMA update and the
+diagnostics read an ordinary copy of the model refreshed from the shards (``FullCopy``).
 The train loader is *not* prepared: its sampler (from engine.data)
 shards itself across ranks so that, with a fixed seed, the union of the ranks' batches at step t is the
 1-process batch at step t. The eval loader is prepared and metrics use ``gather_for_metrics``, so they
@@ -41,6 +41,7 @@ from .config import Config, effective_epochs, write_config
 from .data import epoch_batches, first_images
 from .diagnostics import ModelDiagnostics
 from .errors import ConfigError, NonFiniteLossError
+from .fsdp import FullCopy, load_sharded, save_sharded
 from .extensions import Extensions
 from .modeling import check_model_name, create_model
 from .output_scale import OutputScale, ScaledLoss
@@ -67,9 +68,9 @@ class Trainer:
         self.accelerator = acc = Accelerator(
             mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps,
             log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None)
-        if acc.is_fsdp2:  # prepare() would get the model and the optimizer apart, which FSDP2 cannot take
-            raise ConfigError("accelerate's FSDP2 (fsdp_version 2) is not supported by the engine yet: train with "
-                              "DDP (resumes exactly) or FSDP1; convbias.engine.fsdp holds the sharded checkpoints")
+        self.sharded = acc.is_fsdp2
+        self.full_copy: FullCopy | None = None  # under FSDP, what whole_model() returns (made with the optimizer)
+        self._check_fsdp()
         self.output = Path(cfg.output)
         self.epochs, self.warmup_epochs = effective_epochs(cfg)
         self.global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
@@ -108,8 +109,8 @@ class Trainer:
         else:
             self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers,
                                                  self.worker_init_fn)
-        if cfg.eval_only:
-            self.model = acc.prepare(model)
+        if cfg.eval_only:  # evaluation needs no sharding (and FSDP2 prepares a model only with its optimizer)
+            self.model = model.to(acc.device) if self.sharded else acc.prepare(model)
             self.eval_loader = self.eval_loader if self.streamed else acc.prepare(self.eval_loader)
             self.forward = compiled(self.model, cfg)
         else:
@@ -183,10 +184,14 @@ class Trainer:
         if hasattr(model, "set_distilled_training") and self.teacher is not None:
             model.set_distilled_training(True)
 
-        self.model = acc.prepare(model)
         before_reparametrization = cfg.reparametrize_at_epoch is not None and not self.reparametrized
-        self.optimizer = acc.prepare(recipe.create_optimizer(cfg, acc.unwrap_model(self.model), self.lr,
-                                                             require_all_patterns=not before_reparametrization))
+        optimizer = recipe.create_optimizer(cfg, model, self.lr, require_all_patterns=not before_reparametrization)
+        # the EMA (and under FSDP the full copy) from the model as built, before prepare() shards or wraps it
+        self.ema = ModelEmaV3(model, decay=cfg.model_ema_decay, device=acc.device) if cfg.model_ema else None
+        self.full_copy = FullCopy(model, acc.device) if self.sharded else None
+        if self.sharded:  # every rank has built the whole model; accelerate's rank-0 loading (on by default)
+            acc.state.fsdp_plugin.cpu_ram_efficient_loading = False  # serves transformers models only
+        self.model, self.optimizer = acc.prepare(model, optimizer)
         self.scheduler = recipe.create_scheduler(cfg, self.optimizer, self.epochs, self.warmup_epochs,
                                                  self.steps_per_epoch // cfg.grad_accum_steps)
         self.mixup = recipe.create_mixup(cfg, self.data.num_classes)
@@ -195,7 +200,6 @@ class Trainer:
             self.train_loss = recipe.HardDistillationLoss(self.train_loss, self.teacher)
         if cfg.output_scale:
             self.train_loss = ScaledLoss(self.train_loss, cfg.output_scale)
-        self.ema = ModelEmaV3(acc.unwrap_model(self.model), decay=cfg.model_ema_decay) if cfg.model_ema else None
         if not self.streamed:
             self.eval_loader = acc.prepare(self.eval_loader)
         self._compile()
@@ -305,6 +309,23 @@ class Trainer:
         self.forward = compiled(self.model, self.cfg)
         self.ema_forward = compiled(self.ema.module, self.cfg) if self.ema is not None else None
 
+    def _check_fsdp(self) -> None:
+        """FSDP through fsdp_version 2 only, and without a mid-run change of architecture."""
+        acc, cfg = self.accelerator, self.cfg
+        if acc.distributed_type == DistributedType.FSDP and not self.sharded:
+            raise ConfigError("FSDP1 (fsdp_version 1) is not supported: its resume points cannot be continued; set "
+                              "fsdp_version: 2 in the accelerate config (or --fsdp_version 2), or train with DDP")
+        if self.sharded and cfg.reparametrize_at_epoch is not None and not cfg.eval_only:
+            raise ConfigError("--reparametrize-at-epoch changes the model's architecture mid-run, which FSDP's "
+                              "sharded parameters cannot follow; run it with DDP")
+
+    def whole_model(self) -> torch.nn.Module:
+        """The model with whole (unsharded) weights, as the EMA update and the diagnostics read it: under FSDP
+        an ordinary copy refreshed from the shards (every rank calls it), else the unwrapped module."""
+        if self.full_copy is not None:
+            return self.full_copy.refresh(self.model)
+        return self.accelerator.unwrap_model(self.model)
+
     def _check_reparametrization(self) -> None:
         """--reparametrize names one of the composition root's reparametrizations (needed by
         --reparametrize-at-epoch, and to rebuild a model from a checkpoint written after one)."""
@@ -330,10 +351,16 @@ class Trainer:
 
     def _restore_training_state(self, state: dict) -> None:
         acc = self.accelerator
-        if state["optimizer"] is None:
-            raise ConfigError(f"{self.resume_point} was written under FSDP, whose sharded optimizer state the engine "
-                              f"does not save; start a new run from its weights with --checkpoint instead")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("sharded"):  # weights and optimizer state from every rank's shards, on any number of ranks
+            load_sharded(self.resume_point, self.model, self.optimizer.optimizer)
+        elif state["optimizer"] is None:
+            raise ConfigError(f"{self.resume_point} was written under FSDP1, whose sharded optimizer state was not "
+                              f"saved; start a new run from its weights with --checkpoint instead")
+        elif self.sharded:
+            raise ConfigError(f"{self.resume_point} was written without FSDP: its optimizer state is not sharded; "
+                              f"continue it without FSDP, or start a new run from its weights with --checkpoint")
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.ema is not None:
             ema_file = self.resume_point / EMA_FILE
@@ -368,7 +395,7 @@ class Trainer:
         # inside the first epoch carries them)
         self.initial = self.resume_state.get("initial_diagnostics", {}) if self.resume_state else {}
         if self.diagnostics is not None and not self.resume_state:
-            self.initial = {f"init_{k}": v for k, v in self.diagnostics(acc.unwrap_model(self.model)).items()}
+            self.initial = {f"init_{k}": v for k, v in self.diagnostics(self.whole_model()).items()}
         if self.resume_state:
             world = self.resume_state["rng"]
             if len(world) == acc.num_processes:
@@ -419,7 +446,7 @@ class Trainer:
                 if self.ema is not None:
                     record.update({f"ema_{k}": v for k, v in self.evaluate(self.ema_forward).items()})
                 if self.diagnostics is not None:  # eagerly, on the module itself (never traced)
-                    record.update(self.diagnostics(acc.unwrap_model(self.model)))
+                    record.update(self.diagnostics(self.whole_model()))
             if cfg.compile:
                 record.update(compile_counters())
             record["epoch_seconds"] = time.perf_counter() - started
@@ -482,7 +509,7 @@ class Trainer:
                 self.num_updates += 1
                 self.scheduler.step_update(self.num_updates)
                 if self.ema is not None:
-                    self.ema.update(acc.unwrap_model(model), step=self.num_updates)
+                    self.ema.update(self.whole_model(), step=self.num_updates)
             loss_sum += loss.detach().double()
             if (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == self.steps_per_epoch:
                 mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
@@ -552,6 +579,10 @@ class Trainer:
         weights = acc.get_state_dict(self.model)  # collective under FSDP: every rank calls it
         rng = gather_object([rng_state()])
         loss_sums = gather_object([loss_sum.item() if loss_sum is not None else 0.0])
+        staging = self.checkpoints.stage(epoch, step) if acc.is_main_process else None
+        if self.sharded:  # every rank writes its shards into the staged directory (on a shared file system)
+            save_sharded(broadcast_object_list([staging])[0], self.model, self.optimizer.optimizer)
+            acc.wait_for_everyone()
         point = None
         if acc.is_main_process:
             state = {
@@ -559,8 +590,8 @@ class Trainer:
                 "initial_diagnostics": self.initial if epoch == 0 and step else {},
                 "num_updates": self.num_updates,
                 "best": self.best, "final": self.final, "reparametrized": self.reparametrized,
-                # FSDP shards the optimizer state across ranks; it is not gathered (resume is refused)
-                "optimizer": None if acc.distributed_type == DistributedType.FSDP else self.optimizer.state_dict(),
+                # under FSDP the optimizer state is in the shards only
+                "sharded": self.sharded, "optimizer": None if self.sharded else self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": acc.scaler.state_dict() if acc.scaler is not None else None, "rng": rng,
             }
