@@ -103,3 +103,27 @@ def test_bad_hfds_input_is_one_line_and_writes_nothing(toy, cache, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected.format(toy=toy) in err[0], err
     assert not output.exists()
+
+
+def test_an_unreachable_hub_is_one_line_with_the_offline_hint(cache, tmp_path, capsys, caplog, monkeypatch):
+    """With no network, huggingface_hub logs a warning per retry before datasets gives up: held back, so the
+    user reads one line, which names HF_HUB_OFFLINE (the retries' way out)."""
+    import logging
+
+    import timm.data
+
+    def unreachable(name, **kwargs):
+        logging.getLogger("huggingface_hub.utils._http").warning(
+            "'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/... "
+            "Retrying in 1s [Retry 1/5].")
+        raise ConnectionError("Couldn't reach 'nobody/no-such-dataset' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(timm.data, "create_dataset", unreachable)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    output = tmp_path / "run"
+    code = train.main(ARGS + ["--dataset", "hfds/nobody/no-such-dataset", "--data-dir", str(cache),
+                              "--output", str(output)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no network? HF_HUB_OFFLINE=1" in err[0], err
+    assert not [record for record in caplog.records if "Retrying" in record.getMessage()]  # held, then dropped
+    assert not output.exists()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
+import os
 import sys
 import tarfile
 from contextlib import contextmanager
@@ -154,18 +155,22 @@ class HfdsImages(Dataset):
 
 
 @contextmanager
-def _held_logs(logger_name: str) -> Iterator[list[logging.LogRecord]]:
-    """Holds back what a library logs inside the block: printed after it when it succeeds, dropped when it
-    fails (the caller's one error line quotes it: `datasets` logs the corrupt file's name, not its exception)."""
-    logger = logging.getLogger(logger_name)
-    handlers, held = logger.handlers, logging.handlers.MemoryHandler(sys.maxsize, logging.CRITICAL + 1)
-    logger.handlers = [held]
+def _held_logs(*logger_names: str) -> Iterator[list[logging.LogRecord]]:
+    """Holds back what libraries log inside the block: printed after it when it succeeds, dropped when it
+    fails (the caller's one error line quotes it: `datasets` logs the corrupt file's name, not its exception;
+    huggingface_hub logs one warning per retry when the Hub cannot be reached)."""
+    loggers = [logging.getLogger(name) for name in logger_names]
+    held = logging.handlers.MemoryHandler(sys.maxsize, logging.CRITICAL + 1)
+    own = [(logger.handlers, logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.handlers, logger.propagate = [held], False
     try:
         yield held.buffer
     finally:
-        logger.handlers = handlers
+        for logger, (handlers, propagate) in zip(loggers, own):
+            logger.handlers, logger.propagate = handlers, propagate
     for record in held.buffer:
-        logger.handle(record)
+        logging.getLogger(record.name).handle(record)
 
 
 def _check_columns(reader: Any) -> None:
@@ -189,7 +194,7 @@ def load_hfds(name: str, data_dir: str) -> tuple[HfdsImages, HfdsImages]:
         raise ValueError(f"--dataset {name} needs the datasets package: pip install datasets") from None
     from timm.data import create_dataset
 
-    with _held_logs("datasets") as logged:
+    with _held_logs("datasets", "huggingface_hub") as logged:
         try:
             train = create_dataset(name, root=str(data_dir), split="train")
             splits = train.reader.dataset.info.splits or {}
@@ -201,6 +206,8 @@ def load_hfds(name: str, data_dir: str) -> tuple[HfdsImages, HfdsImages]:
             reason = f"{type(error).__name__}: {error}"
             errors = [record.getMessage() for record in logged if record.levelno >= logging.ERROR]
             reason = errors[-1] if errors and str(error) in errors[-1] else reason  # the logged one names the file
+            if isinstance(error, ConnectionError) and not os.environ.get("HF_HUB_OFFLINE"):
+                reason += " (no network? HF_HUB_OFFLINE=1 reads the datasets cache in --data-dir without retries)"
             raise ValueError(f"--dataset {name} (--data-dir {data_dir}): {reason}; expected {HFDS_LAYOUT}") from None
     classes = sorted(train.reader.class_to_idx, key=train.reader.class_to_idx.get)
     train = HfdsImages(train, classes)
