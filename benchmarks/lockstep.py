@@ -144,6 +144,17 @@ def make_step(model, images, labels, training: bool, args: Any) -> Callable[[], 
     return train
 
 
+def serve_random_batch(model, img_size: int, batch_size: int, num_classes: int, training: bool, args: Any) -> None:
+    """Worker side, the common case: `make_step` on a fixed random batch (seed 0) of RGB images and labels,
+    served (see `serve`). Call it after torch.set_num_threads and building the model."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, img_size, img_size, generator=generator)
+    labels = torch.randint(0, num_classes, (batch_size,), generator=generator)
+    serve(make_step(model, images, labels, training, args), args.device)
+
+
 class _Worker:
     def __init__(self, key: Hashable, argv: Sequence[str]):
         self.key = key
@@ -169,18 +180,19 @@ class _Worker:
 def run(workers: Dict[Hashable, Sequence[str]], warmup: int, steps: int) -> Dict[Hashable, Dict]:
     """Start one process per entry (argv of a script that calls `serve`), run them in lockstep.
 
-    Returns per key: 'times' (one {'wall', 'cpu'} per timed step, in rounds) and 'peak_mb'."""
+    Returns per key: 'times' (one {'wall', 'cpu'} per timed step, in rounds), 'warmup_times' (the same
+    for the warmup steps: the first one holds torch.compile's compilation) and 'peak_mb'."""
     started: List[_Worker] = [_Worker(key, argv) for key, argv in workers.items()]
     try:
         for worker in started:  # the models build in parallel; nothing is timed yet
             worker.answer()
         times = {worker.key: [] for worker in started}
+        warmup_times = {worker.key: [] for worker in started}
         for round_index in range(warmup + steps):
             shift = round_index % len(started)
             for worker in started[shift:] + started[:shift]:
                 result = worker.ask("step")
-                if round_index >= warmup:
-                    times[worker.key].append(result)
+                (times if round_index >= warmup else warmup_times)[worker.key].append(result)
         peaks = {worker.key: worker.ask("done")["peak_mb"] for worker in started}
         for worker in started:
             worker.process.wait()
@@ -188,7 +200,7 @@ def run(workers: Dict[Hashable, Sequence[str]], warmup: int, steps: int) -> Dict
         for worker in started:
             if worker.process.poll() is None:
                 worker.process.kill()
-    return {key: {"times": times[key], "peak_mb": peaks[key]} for key in workers}
+    return {key: {"times": times[key], "warmup_times": warmup_times[key], "peak_mb": peaks[key]} for key in workers}
 
 
 def summary(result: Dict, reference: Dict, batch_size: int) -> Dict[str, float]:
