@@ -157,13 +157,23 @@ SPLIT_K_MIN_CHUNK = 1024
 SPLIT_K_MAX_SPLITS = 256
 
 
-@functools.lru_cache(maxsize=None)  # called twice per GPSA layer and backward, with a few distinct shapes
-def _split_count(length: int, device: torch.device) -> int:
+def _scan_split_count(length: int, device: torch.device) -> int:
     """How many chunks `_contract` cuts a contraction of this length into: 1 (no split) off the GPU."""
     if device.type != "cuda":
         return 1
     divisors = [d for d in range(2, SPLIT_K_MAX_SPLITS + 1) if length % d == 0 and length // d >= SPLIT_K_MIN_CHUNK]
     return max(divisors, default=1)
+
+
+_cached_split_count = functools.lru_cache(maxsize=None)(_scan_split_count)  # a few distinct shapes per model
+
+
+def _split_count(length: int, device: torch.device) -> int:
+    """`_scan_split_count`, cached in eager mode (called twice per GPSA layer's backward); Dynamo traces the
+    scan itself once per graph (it warns about a cache wrapper it would ignore)."""
+    if torch.compiler.is_compiling():
+        return _scan_split_count(length, device)
+    return _cached_split_count(length, device)
 
 
 def _contract(a: torch.Tensor, b: torch.Tensor, splits: Optional[int] = None) -> torch.Tensor:
