@@ -97,8 +97,13 @@ def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkey
     ckpt.stage(2)
     ckpt.save(2, model.state_dict(), {"model": "m", "epoch": 2}, None, {"epoch": "2"}, is_best=False)
     assert ckpt.last.name == "epoch_0002" and ckpt.best.name == "epoch_0001"
-    ckpt.stage(3)
+    staged = ckpt.stage(3)
+    (staged / "sharded").mkdir()
+    (staged / "sharded" / "__5_0.distcp").write_bytes(b"left by a killed save")
+    assert ckpt.stage(3) == staged and not any(staged.iterdir())  # a fresh start: no stale shard survives
     ckpt.save(3, model.state_dict(), {"model": "m", "epoch": 3}, None, {"epoch": "3"}, is_best=False)
+    with pytest.raises(FileNotFoundError, match=r"stage\(4, 0\) first"):
+        ckpt.save(4, model.state_dict(), {"model": "m", "epoch": 4}, None, {"epoch": "4"}, is_best=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch_*")) == ["epoch_0001", "epoch_0003"]
 
     with pytest.raises(ValueError, match=r"missing keys: 1\.weight.*unexpected keys: bias, weight"):
