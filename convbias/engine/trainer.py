@@ -41,8 +41,8 @@ from .config import Config, effective_epochs, write_config
 from .data import epoch_batches, first_images
 from .diagnostics import ModelDiagnostics
 from .errors import ConfigError, NonFiniteLossError
-from .fsdp import FullCopy, load_sharded, save_sharded
 from .extensions import Extensions
+from .fsdp import FullCopy, load_sharded, save_sharded
 from .modeling import check_model_name, create_model
 from .output_scale import OutputScale, ScaledLoss
 from .preemption import Preempted, PreemptionSignals, ignore_in_worker, parse_signals
