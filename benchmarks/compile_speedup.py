@@ -18,13 +18,11 @@ of the step alone.
     python benchmarks/compile_speedup.py                         # every case, ~15 minutes on 2 cores
     python benchmarks/compile_speedup.py --cases convit_tiny@32 deit_tiny_patch16_224@32 --modes training
     python benchmarks/compile_speedup.py --compile-mode max-autotune-no-cudagraphs
-    python benchmarks/compile_speedup.py --inductor cpp_wrapper=True   # torch._inductor.config, compiled worker
     python benchmarks/compile_speedup.py --quick                 # smoke run, < 2 minutes
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
 import time
@@ -82,48 +80,22 @@ def build_model(case: Case):
     return timm.create_model(case.model, num_classes=case.num_classes, **case.kwargs)
 
 
-def parse_inductor_settings(parser: argparse.ArgumentParser, items: Sequence[str]) -> Dict[str, Any]:
-    """KEY=VALUE pairs of torch._inductor.config (VALUE a Python literal, else a string); one-line errors."""
-    import torch._inductor.config as inductor_config
-
-    known = inductor_config.get_config_copy()
-    settings = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep:
-            parser.error(f"--inductor {item!r}: expected KEY=VALUE, e.g. cpp_wrapper=True")
-        if key not in known:
-            parser.error(f"--inductor {item!r}: torch._inductor.config has no {key!r}")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        default = known[key]
-        if default is not None and not isinstance(value, type(default)) and not (isinstance(default, float) and isinstance(value, int)):
-            parser.error(f"--inductor {item!r}: expected a {type(default).__name__}, like the default {default!r}")
-        settings[key] = value
-    return settings
-
-
-def run_worker(args: argparse.Namespace, settings: Dict[str, Any]) -> None:
+def run_worker(args: argparse.Namespace) -> None:
     import torch
-    import torch._inductor.config as inductor_config
 
     torch.set_num_threads(args.threads)
     if args.compile:
         torch.compiler.config.force_disable_caches = True  # a cold compile, whatever earlier runs cached
     case = CASES[args.worker]
-    with inductor_config.patch(settings):  # compilation happens in the first step, inside `serve`
-        lockstep.serve_random_batch(build_model(case), case.img_size, args.batch_size, case.num_classes,
-                                    args.mode == "training", args)
+    lockstep.serve_random_batch(build_model(case), case.img_size, args.batch_size, case.num_classes,
+                                args.mode == "training", args)
 
 
 def measure(case: Case, batch_size: int, mode: str, args: argparse.Namespace) -> Dict[str, Any]:
     """Eager and compiled `case` in lockstep: both summaries (relative to eager) and the compile time."""
     common = ["--worker", case.name, "--mode", mode, "--batch-size", str(batch_size), "--threads", str(args.threads)]
     workers = {
-        flavour: [__file__, *common, *lockstep.step_argv(argparse.Namespace(**{**vars(args), "compile": flavour == "compiled"})),
-                  *(f"--inductor={item}" for item in args.inductor)]
+        flavour: [__file__, *common, *lockstep.step_argv(argparse.Namespace(**{**vars(args), "compile": flavour == "compiled"}))]
         for flavour in FLAVOURS
     }
     results = lockstep.run(workers, args.warmup, args.steps)
@@ -134,14 +106,13 @@ def measure(case: Case, batch_size: int, mode: str, args: argparse.Namespace) ->
     }
 
 
-def header(args: argparse.Namespace, settings: Dict[str, Any], load_before: Sequence[float], load_after: Sequence[float]) -> str:
+def header(args: argparse.Namespace, load_before: Sequence[float], load_after: Sequence[float]) -> str:
     """The line above the table: what ran, how, when, and the load average (1/5/15 min) around the run."""
     import torch
 
-    changes = [f"{key}={value!r}" for key, value in settings.items()]
     load = {when: "/".join(f"{x:.2f}" for x in values) for when, values in (("before", load_before), ("after", load_after))}
     return (f"torch.compile vs eager, {args.precision}, {args.device}, torch {torch.__version__}, compile mode {args.compile_mode}, "
-            f"inductor config: {', '.join(changes) or 'defaults'}, cold compile; {args.threads} threads, eager and compiled "
+            f"cold compile; {args.threads} threads, eager and compiled "
             f"in lockstep, {args.steps} timed steps after {args.warmup} warmup, ratios paired by round (> 1: compiled faster); "
             f"{time.strftime('%Y-%m-%d %H:%M')}, load average (1/5/15 min) {load['before']} before, {load['after']} after")
 
@@ -175,8 +146,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed steps first, the first one compiles (default {DEFAULT_WARMUP}, quick {QUICK_WARMUP})")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads per worker")
-    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
-                        help="a torch._inductor.config setting for the compiled worker (repeatable), e.g. cpp_wrapper=True")
     lockstep.add_step_arguments(parser)
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
@@ -190,10 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{flag} must be >= 1" + (" (the first warmup step compiles)" if flag == "warmup" else ""))
     if args.compile and not args.worker:
         parser.error("--compile: this benchmark runs every case both eager and compiled; see --compile-mode")
-    settings = parse_inductor_settings(parser, args.inductor)
 
     if args.worker:
-        run_worker(args, settings)
+        run_worker(args)
         return 0
     lockstep.check_step_arguments(parser, args)
 
@@ -207,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(dict(case=name, batch=batch_size, mode=mode, **measure(case, batch_size, mode, args)))
             print(f"measured {name} {mode} in {time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.2f}",
                   file=sys.stderr, flush=True)
-    print(header(args, settings, load_before, os.getloadavg()))
+    print(header(args, load_before, os.getloadavg()))
     print_table(rows)
     return 0
 

@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, Hashable, List, Sequence
 
+from convbias.engine.compile import COMPILE_MODES
+
 MALLOC_ENVIRONMENT = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's maximum: blocks below it come from the heap
     "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30),  # never give the heap's free top back to the kernel
@@ -77,7 +79,6 @@ def serve(step: Callable[[], None], device: str = "cpu") -> None:
 
 # ------------------------------------------------------------------ device, precision and compilation
 PRECISIONS = ("fp32", "bf16")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def add_step_arguments(parser) -> None:

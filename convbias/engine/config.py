@@ -403,9 +403,9 @@ def validate(cfg: Config) -> None:
     _check(0 <= cfg.model_ema_decay < 1, "--model-ema-decay must be in [0, 1)")
     _check(cfg.compile_mode in COMPILE_MODES, f"unknown --compile-mode '{cfg.compile_mode}'; choices: {', '.join(COMPILE_MODES)}")
     if cfg.compile:
-        import torch._dynamo  # only with --compile: `train.py --help` loads no torch
+        import torch  # only with --compile: `train.py --help` loads no torch
 
-        backends = torch._dynamo.list_backends(exclude_tags=())
+        backends = torch.compiler.list_backends(exclude_tags=())
         _check(cfg.compile_backend in backends,
                f"unknown --compile-backend '{cfg.compile_backend}'; choices: {', '.join(backends)}")
     _check(cfg.checkpoint_interval >= 0, f"--checkpoint-interval must be >= 0 (0: off), got {cfg.checkpoint_interval}")
