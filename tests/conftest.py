@@ -1,7 +1,11 @@
 """Shared pytest fixtures and helpers (import helpers with `from conftest import ...`)."""
+import io
+
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from PIL import Image
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +39,35 @@ def randomize_norms(model: nn.Module) -> nn.Module:
             module.running_mean.copy_(0.1 * torch.randn(module.running_mean.shape, generator=generator))
             module.running_var.copy_(torch.rand(module.running_var.shape, generator=generator) + 0.5)
     return model.eval()
+
+
+# -- A Hugging Face dataset in the Hub's layout, local (hfds/ and hfids/ sources) -------------------------
+HF_TOY_SIZE, HF_TOY_CLASSES = 8, ("left", "middle", "right")
+
+
+def write_hf_parquet_dataset(root, per_split: dict[str, int]) -> None:
+    """Three classes of 8x8 RGB PNGs (a bright left, middle or right band) as the Hub stores a dataset:
+    root/data/<split>-00000-of-00001.parquet with 'image' and ClassLabel 'label' columns."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    features = datasets.Features(image=datasets.Image(), label=datasets.ClassLabel(names=list(HF_TOY_CLASSES)))
+    for split, count in per_split.items():
+        labels, images = [i % len(HF_TOY_CLASSES) for i in range(count)], []
+        for label in labels:
+            pixels = rng.integers(0, 90, (HF_TOY_SIZE, HF_TOY_SIZE, 3), dtype=np.uint8)
+            pixels[:, 3 * label:3 * label + 2] += 150
+            png = io.BytesIO()
+            Image.fromarray(pixels).save(png, format="PNG")
+            images.append({"bytes": png.getvalue(), "path": None})
+        split_set = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
+        split_set.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+
+
+def write_hf_card(root, per_split: dict[str, int]) -> None:
+    """The README.md a Hub dataset carries: its features and each split's size (what a stream needs)."""
+    names = "".join(f"          '{index}': {name}\n" for index, name in enumerate(HF_TOY_CLASSES))
+    splits = "".join(f"  - name: {split}\n    num_bytes: 0\n    num_examples: {count}\n" for split, count in per_split.items())
+    (root / "README.md").write_text("---\ndataset_info:\n  features:\n  - name: image\n    dtype: image\n"
+                                    "  - name: label\n    dtype:\n      class_label:\n        names:\n"
+                                    f"{names}  splits:\n{splits}---\n")

@@ -1,52 +1,45 @@
-"""`--dataset hfds/NAME`: a Hugging Face dataset read through timm's dataset factory (ReaderHfds), here a
-local parquet dataset in the Hub's layout written by the test and read offline.
+"""`--dataset hfds/NAME` and `hfids/NAME`: a Hugging Face dataset read through timm's dataset factory
+(ReaderHfds, random access; ReaderHfids, streamed), here a local parquet dataset in the Hub's layout written
+by the test and read offline.
 
-It trains and is evaluated whole; subsampling applies to it; a missing package, a missing local dataset, an
-unknown Hub id (offline), and a corrupt parquet file each stop the run before any work with one line and
-exit 2, writing nothing.
+It trains and is evaluated whole; subsampling applies to hfds/; an hfids/ stream resumes mid-epoch exactly;
+a missing package, a missing local dataset, an unknown Hub id (offline), a corrupt parquet file, and for
+hfids/ a card without split sizes or class names, each stop the run before any work with one line and exit
+2, writing nothing.
 """
-import io
 import json
 import shutil
 import sys
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from convbias.cli import train
 from convbias.engine.data import build_datasets
 
+from conftest import HF_TOY_CLASSES, HF_TOY_SIZE, write_hf_card, write_hf_parquet_dataset
+
 datasets = pytest.importorskip("datasets")
 
-SIZE, CLASSES = 8, ("left", "middle", "right")
+SIZE = HF_TOY_SIZE
 ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=8",
         "--img-size", str(SIZE), "--crop-pct", "1", "--no-aug", "--repeated-aug", "1", "--batch-size", "8",
         "--lr", "2e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "1", "--no-diagnostics"]
-
-
-def write_parquet_dataset(root, per_split: dict[str, int]) -> None:
-    """Three classes of 8x8 RGB PNGs (a bright left, middle or right band) as the Hub stores a dataset:
-    root/data/<split>-00000-of-00001.parquet with 'image' and ClassLabel 'label' columns."""
-    rng = np.random.default_rng(0)
-    features = datasets.Features(image=datasets.Image(), label=datasets.ClassLabel(names=list(CLASSES)))
-    for split, count in per_split.items():
-        labels, images = [i % len(CLASSES) for i in range(count)], []
-        for label in labels:
-            pixels = rng.integers(0, 90, (SIZE, SIZE, 3), dtype=np.uint8)
-            pixels[:, 3 * label:3 * label + 2] += 150
-            png = io.BytesIO()
-            Image.fromarray(pixels).save(png, format="PNG")
-            images.append({"bytes": png.getvalue(), "path": None})
-        split_set = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
-        split_set.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfds") / "toy"
     (root / "data").mkdir(parents=True)
-    write_parquet_dataset(root, {"train": 48, "validation": 12})
+    write_hf_parquet_dataset(root, {"train": 48, "validation": 12})
+    return root
+
+
+@pytest.fixture(scope="module")
+def carded(toy, tmp_path_factory):
+    """The toy dataset with its card (hfids/ needs the split sizes; hfds/ reads the files without one)."""
+    root = shutil.copytree(toy, tmp_path_factory.mktemp("hfids") / "toy")
+    write_hf_card(root, {"train": 48, "validation": 12})
     return root
 
 
@@ -126,4 +119,56 @@ def test_an_unreachable_hub_is_one_line_with_the_offline_hint(cache, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no network? HF_HUB_OFFLINE=1" in err[0], err
     assert not [record for record in caplog.records if "Retrying" in record.getMessage()]  # held, then dropped
+    assert not output.exists()
+
+
+def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cache, tmp_path, monkeypatch):
+    """hfids/: 2 epochs of 6 steps; a stop after step 4 of epoch 1, then --resume auto (the stream replayed from
+    the epoch's start, its first 4 batches dropped) ends with the uninterrupted run's metrics, all 12
+    validation images evaluated."""
+    from convbias.engine.preemption import REQUEUE_EXIT_CODE, PreemptionSignals
+
+    args = ARGS + ["--dataset", f"hfids/{carded}", "--data-dir", str(cache), "--epochs", "2"]
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    results = train.run(args + ["--output", str(reference)])
+    assert results["final_top1"] * 12 / 100 == pytest.approx(round(results["final_top1"] * 12 / 100))  # all 12
+    log = [json.loads(line) for line in (reference / "log.jsonl").read_text().splitlines()]
+    assert [record["epoch"] for record in log] == [1, 2] and log[-1]["train_loss"] < log[0]["train_loss"]
+    calls = []
+    monkeypatch.setattr(PreemptionSignals, "requested", lambda self, accelerator: calls.append(1) or len(calls) == 4)
+    assert train.main(args + ["--output", str(stopped)]) == REQUEUE_EXIT_CODE
+    assert (stopped / "checkpoints" / "last").resolve().name == "epoch_0000_step_0000004"
+    monkeypatch.undo()
+    assert train.main(args + ["--output", str(stopped), "--resume", "auto"]) == 0
+    fields = lambda path: [line.split(",")[:6] for line in (path / "summary.csv").read_text().splitlines()]  # noqa: E731
+    assert len(fields(reference)) == 3 and fields(stopped) == fields(reference)
+
+
+@pytest.mark.parametrize("mistake, expected", [
+    ("no_sizes", "its card gives no num_examples for split 'train' and 'validation'"),
+    ("no_classes", "no ClassLabel 'label' column (columns: image, label)"),
+    ("fraction", "--train-fraction and --num-classes need an index of labels"),
+    ("missing", "Couldn't find any data file at {toy}"),
+    ("no_package", "needs the datasets package: pip install datasets"),
+])
+def test_bad_hfids_input_is_one_line_and_writes_nothing(carded, cache, tmp_path, capsys, monkeypatch, mistake, expected):
+    toy, extra = carded, []
+    if mistake in ("no_sizes", "no_classes"):
+        toy = shutil.copytree(carded, tmp_path / "toy")
+        card = toy / "README.md"
+        if mistake == "no_sizes":
+            card.unlink()
+        else:
+            card.write_text(card.read_text().replace("dtype:\n      class_label:\n        names:\n", "dtype: int64\n")
+                            .replace("".join(f"          '{k}': {c}\n" for k, c in enumerate(HF_TOY_CLASSES)), ""))
+    elif mistake == "fraction":
+        extra = ["--train-fraction", "0.5"]
+    elif mistake == "missing":
+        toy = toy / "missing"
+    else:
+        monkeypatch.setitem(sys.modules, "datasets", None)
+    output = tmp_path / "run"
+    code = train.main(ARGS + ["--dataset", f"hfids/{toy}", "--data-dir", str(cache), "--output", str(output), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected.format(toy=toy) in err[0], err
     assert not output.exists()

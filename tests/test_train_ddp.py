@@ -11,8 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+from convbias.cli import train
+
+from conftest import write_hf_card, write_hf_parquet_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 DUMP_WEIGHTS = """
@@ -28,13 +33,14 @@ rank = trainer.accelerator.process_index
 weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
 save_file({k: v.detach().contiguous() for k, v in weights.items()}, f"{dump_dir}/rank{rank}.safetensors")
 """
+LAUNCH_TIMEOUT_S = 300  # a collective that one rank never joins hangs: fail instead
 TRAIN_ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
               "embed_dim=16", "--img-size", "8", "--crop-pct", "1", "--no-aug", "--repeated-aug", "1",
               "--drop-path", "0", "--opt", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--workers", "0", "--epochs", "1",
               "--train-fraction", "0.3", "--save-epochs", "0"]
 
 
-def launch(tmp_path: Path, name: str, processes: int, batch_size: int) -> Path:
+def launch(tmp_path: Path, name: str, processes: int, batch_size: int, train_args: list[str] = TRAIN_ARGS) -> Path:
     dump = tmp_path / name
     dump.mkdir()
     script = tmp_path / "dump_weights.py"
@@ -42,9 +48,9 @@ def launch(tmp_path: Path, name: str, processes: int, batch_size: int) -> Path:
     mode = ["--multi_gpu"] if processes > 1 else ["--cpu"]
     command = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(dump),
-               *TRAIN_ARGS, "--batch-size", str(batch_size), "--output", str(dump / "run")]
+               *train_args, "--batch-size", str(batch_size), "--output", str(dump / "run")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     return dump
 
@@ -73,3 +79,28 @@ def test_two_processes_train_the_same_model_as_one(tmp_path):
     row_one = (one / "run" / "summary.csv").read_text().splitlines()[1]
     eval_loss = header.split(",").index("eval_loss")
     assert abs(float(row_two.split(",")[eval_loss]) - float(row_one.split(",")[eval_loss])) < 1e-3
+
+
+def test_two_processes_stream_a_dataset_and_evaluate_all_of_it(tmp_path):
+    """hfids/ under 2 processes: timm's reader gives each rank its own part of the stream (one parquet shard:
+    every other example), the ranks stay identical, and the 13 validation images, split 7/6 between the
+    ranks and read in batches of 2 (4 batches against 3), are evaluated whole: the final metrics are those
+    of one process evaluating the final weights."""
+    pytest.importorskip("datasets")
+    root, cache = tmp_path / "toy", tmp_path / "cache"
+    (root / "data").mkdir(parents=True)
+    cache.mkdir()
+    write_hf_parquet_dataset(root, {"train": 48, "validation": 13})
+    write_hf_card(root, {"train": 48, "validation": 13})
+    stream_args = [arg for arg in TRAIN_ARGS if arg not in ("--train-fraction", "0.3")]
+    stream_args += ["--dataset", f"hfids/{root}", "--data-dir", str(cache), "--eval-batch-size", "2"]
+    two = launch(tmp_path, "two", processes=2, batch_size=8, train_args=stream_args)
+
+    rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "DDP ranks diverged"
+    final = json.loads((two / "run" / "log.jsonl").read_text().splitlines()[-1])
+    one = train.run(stream_args + ["--eval-only", "--checkpoint", str(two / "rank0.safetensors"),
+                                   "--output", str(tmp_path / "eval")])
+    assert final["eval_top1"] == pytest.approx(one["eval_top1"], abs=1e-9)
+    assert final["eval_top1"] * 13 / 100 == pytest.approx(round(final["eval_top1"] * 13 / 100))  # out of 13
+    assert final["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "small = feature learning; the lr is not rescaled: see convbias.engine.output_scale for Adam)")
 
     g = p.add_argument_group("data and augmentation")
-    g.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}, wds/NAME, hfds/NAME")
+    g.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}, wds/NAME, hfids/NAME, hfds/NAME")
     g.add_argument("--data-dir", default=None)
     g.add_argument("--train-fraction", type=float, default=1.0, help="keep this fraction of each class, in (0, 1]")
     g.add_argument("--scale-epochs", action=flag, default=False,
@@ -374,8 +374,8 @@ def validate(cfg: Config) -> None:
     _check(isinstance(cfg.save_epochs, list) and all(isinstance(e, int) for e in cfg.save_epochs),
            f"--save-epochs expects integers, got {cfg.save_epochs!r}")
     _check(cfg.dataset in DATASETS or is_factory_source(cfg.dataset),
-           f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}, wds/NAME (tar shards) "
-           f"or hfds/NAME (Hugging Face datasets)")
+           f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}, wds/NAME (tar shards), "
+           f"hfids/NAME (Hugging Face datasets, streamed) or hfds/NAME (Hugging Face datasets)")
     _check(cfg.sched in SCHEDULES, f"unknown --sched '{cfg.sched}'; choices: {', '.join(SCHEDULES)}")
     _check(cfg.mixed_precision in PRECISIONS,
            f"unknown --mixed-precision '{cfg.mixed_precision}'; choices: {', '.join(PRECISIONS)}")

@@ -15,7 +15,7 @@ import random
 from collections.abc import Mapping
 from itertools import islice
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -27,14 +27,13 @@ from timm.data.auto_augment import posterize as timm_posterize
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .config import check_data_option
-from .streams import HFDS_LAYOUT, STREAM_LAYOUT, check_stream, create_streams, is_hfds, is_stream, load_hfds
+from .streams import check_stream, create_streams, factory_layout, is_factory_source, is_hfds, is_stream, load_hfds
 from .datasets import (
     DATASETS, EMBEDDED_SOURCES, DatasetInfo, fraction_per_class, load_cifar, load_image_folders, select_classes,
 )
 
-# `wds/` shard sets and `hfds/` datasets (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
-STREAM_INFO = DatasetInfo(3, DATASETS['imagenet'].mean, DATASETS['imagenet'].std, 224, STREAM_LAYOUT)
-HFDS_INFO = DatasetInfo(3, DATASETS['imagenet'].mean, DATASETS['imagenet'].std, 224, HFDS_LAYOUT)
+# `wds/`, `hfids/` and `hfds/` sources (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
+FACTORY_INFO = DatasetInfo(3, DATASETS['imagenet'].mean, DATASETS['imagenet'].std, 224, layout="")
 
 # Values used when the config does not set a key (the DeiT recipe; img_size None = the dataset's
 # default, num_classes None = all classes, scale None = timm's (0.08, 1)).
@@ -131,21 +130,19 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Any) -> tuple
 
 
 def dataset_info(name: str) -> DatasetInfo:
-    """What the engine needs to know about a source before reading it (wds/, hfds/: ImageNet's statistics)."""
-    if is_stream(name):
-        return STREAM_INFO
-    return HFDS_INFO if is_hfds(name) else DATASETS[name]
+    """What the engine needs to know about a source before reading it (wds/, hfids/, hfds/: ImageNet's statistics)."""
+    return replace(FACTORY_INFO, layout=factory_layout(name)) if is_factory_source(name) else DATASETS[name]
 
 
 def build_streams(cfg: Any) -> DataBundle:
-    """Train and val streams of a `wds/` shard set (engine.streams), with the engine's transforms."""
+    """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.streams), with the engine's
+    transforms."""
     name, data_dir = _option(cfg, 'dataset'), _option(cfg, 'data_dir')
     info = check_stream(name, data_dir, _option(cfg, 'train_fraction'), _option(cfg, 'num_classes'))
-    train, val = create_streams(name, data_dir, int(_option(cfg, 'seed')), batch_size=1)
-    img_size = _option(cfg, 'img_size') or STREAM_INFO.default_img_size
-    train.transform, val.transform = build_transforms(int(img_size), 3, STREAM_INFO.mean, STREAM_INFO.std, cfg)
-    classes = [str(i) for i in range(info['num_classes'])]
-    return DataBundle(train, val, len(classes), 3, classes, STREAM_INFO.mean, STREAM_INFO.std)
+    train, val = create_streams(name, data_dir, int(_option(cfg, 'seed')), batch_size=1, splits=info['splits'])
+    img_size = _option(cfg, 'img_size') or FACTORY_INFO.default_img_size
+    train.transform, val.transform = build_transforms(int(img_size), 3, FACTORY_INFO.mean, FACTORY_INFO.std, cfg)
+    return DataBundle(train, val, info['num_classes'], 3, info['classes'], FACTORY_INFO.mean, FACTORY_INFO.std)
 
 
 def build_datasets(cfg: Any) -> DataBundle:

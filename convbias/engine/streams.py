@@ -1,5 +1,6 @@
-"""Datasets through timm's dataset factory: webdataset tar shards (``--dataset wds/NAME``, streamed) and
-Hugging Face datasets (``--dataset hfds/NAME``, random access).
+"""Datasets through timm's dataset factory: webdataset tar shards (``--dataset wds/NAME``, streamed),
+streamed Hugging Face datasets (``--dataset hfids/NAME``) and Hugging Face datasets with random access
+(``--dataset hfds/NAME``).
 
 ImageNet as tar shards (local, or anything ``webdataset`` opens) trains without unpacking: timm's
 ``ReaderWds`` splits the shards between processes and loader workers and shuffles shards and samples
@@ -18,6 +19,14 @@ Not available on a stream: per-class subsampling (``--train-fraction``, ``--num-
 no index of labels to draw from; write the subset's shards instead. The validation stream is read whole
 by every evaluation. A mid-epoch resume re-reads the epoch's first batches (same seeds, same order) and
 drops them.
+
+``hfids/NAME`` streams a Hugging Face dataset through timm's ``ReaderHfids`` (``datasets``' streaming
+mode: nothing is downloaded or prepared first; shards go to processes with ``split_dataset_by_node``, samples
+are shuffled in a buffer seeded by (seed, epoch)). NAME is a Hub id or a local dataset directory, DIR the
+datasets cache. A stream's length must be known before it is read (the schedule needs steps per epoch), so
+the dataset card must give each split's ``num_examples`` (Hub datasets' cards do; for a local directory,
+``dataset_info.splits`` in its README.md), and its classes come from the ClassLabel ``label`` feature.
+The same limits as ``wds/`` apply (no subsampling, replay on a mid-epoch resume).
 
 ``hfds/NAME`` goes through timm's ``ReaderHfds``, which calls ``datasets.load_dataset(NAME, split=...,
 cache_dir=--data-dir)``: NAME is a Hub dataset id or a local dataset directory (parquet, imagefolder, ...;
@@ -43,12 +52,15 @@ import numpy as np
 import yaml
 from torch.utils.data import Dataset
 
-STREAM_PREFIXES = ("wds/",)
-HFDS_PREFIX = "hfds/"
+WDS_PREFIX, HFIDS_PREFIX, HFDS_PREFIX = "wds/", "hfids/", "hfds/"
+STREAM_PREFIXES = (WDS_PREFIX, HFIDS_PREFIX)
 HFDS_VAL_SPLITS = ("validation", "test")  # evaluated on the first of these the dataset has
 HFDS_LAYOUT = ("NAME: a Hugging Face Hub dataset id or a local dataset directory that datasets.load_dataset "
                "reads (parquet, imagefolder, ...), with 'image' and 'label' columns and 'train' and 'validation' "
                "(or 'test') splits; DIR: the datasets cache it is downloaded and prepared into")
+HFIDS_LAYOUT = ("NAME: a Hugging Face Hub dataset id or a local dataset directory that datasets streams, whose "
+                "card gives the 'train' and 'validation' (or 'test') splits' num_examples and an 'image' column "
+                "and a ClassLabel 'label' column; DIR: the datasets cache")
 INFO_FILES = ("_info.json", "info.json")
 SPLITS = ("train", "validation")
 STREAM_LAYOUT = ("DIR/_info.json ({'num_classes': K, 'splits': {'train': {'num_samples', 'filenames', "
@@ -69,20 +81,31 @@ def is_factory_source(name: str) -> bool:
     return is_stream(name) or is_hfds(name)
 
 
+def factory_layout(name: str) -> str:
+    """The layout a wds/, hfids/ or hfds/ source expects, for error messages."""
+    return HFIDS_LAYOUT if name.startswith(HFIDS_PREFIX) else HFDS_LAYOUT if is_hfds(name) else STREAM_LAYOUT
+
+
 def check_stream(name: str, data_dir: str | None, train_fraction: float, num_classes: int | None) -> dict[str, Any]:
-    """The info of a shard set after cheap checks (ValueError, one line): package, layout, every shard."""
+    """What a wds/ or hfids/ stream holds (num_classes, classes, num_samples and split names per split) after
+    cheap checks (ValueError, one line): package, layout, split sizes, every local shard."""
     if not is_stream(name) or not name.partition("/")[2]:
-        raise ValueError(f"--dataset {name}: expected wds/NAME (NAME: any label for the shard set)")
+        raise ValueError(f"--dataset {name}: expected wds/NAME (NAME: any label for the shard set) or hfids/NAME")
+    package, pip_name = ("datasets", "datasets") if name.startswith(HFIDS_PREFIX) else ("webdataset", "'webdataset>=0.2'")
     try:
-        import webdataset  # noqa: F401
+        __import__(package)
     except ImportError:
-        raise ValueError(f"--dataset {name} needs the webdataset package: pip install 'webdataset>=0.2'") from None
+        raise ValueError(f"--dataset {name} needs the {package} package: pip install {pip_name}") from None
     if float(train_fraction) < 1.0 or num_classes is not None:
         raise ValueError(f"--dataset {name}: --train-fraction and --num-classes need an index of labels, which a "
                          f"stream has not; write the subset's shards instead")
     if not data_dir or not Path(data_dir).is_dir():
-        raise ValueError(f"--dataset {name} needs --data-dir with {STREAM_LAYOUT}")
-    root = Path(data_dir)
+        raise ValueError(f"--dataset {name} needs --data-dir with {factory_layout(name)}")
+    return _check_hfids(name, data_dir) if name.startswith(HFIDS_PREFIX) else _check_wds(Path(data_dir))
+
+
+def _check_wds(root: Path) -> dict[str, Any]:
+    """timm's info file of a shard set, and every local shard it lists."""
     info_file = next((root / n for n in INFO_FILES if (root / n).is_file()), None)
     if info_file is None:
         raise ValueError(f"--data-dir {root}: no {' or '.join(INFO_FILES)}; expected {STREAM_LAYOUT}")
@@ -91,13 +114,35 @@ def check_stream(name: str, data_dir: str | None, train_fraction: float, num_cla
         splits = {split: info["splits"][split] for split in SPLITS}
         counts = {split: int(splits[split]["num_samples"]) for split in SPLITS}
         files = {split: [root / f for f in splits[split]["filenames"]] for split in SPLITS}
-        int(info["num_classes"])
+        num_classes = int(info["num_classes"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{info_file}: missing or malformed {e}; expected {STREAM_LAYOUT}") from None
     for split in SPLITS:
         for shard in files[split]:
             _check_shard(shard)
-    return {"num_classes": int(info["num_classes"]), "num_samples": counts}
+    return {"num_classes": num_classes, "classes": [str(k) for k in range(num_classes)], "num_samples": counts,
+            "splits": {split: split for split in SPLITS}}
+
+
+def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
+    """The card of a streamed Hugging Face dataset (read, not the data): split sizes, image and label columns."""
+    import datasets
+
+    with _one_line_errors(name, data_dir, HFIDS_LAYOUT):
+        info = datasets.load_dataset_builder(name.partition("/")[2], cache_dir=str(data_dir)).info
+    splits, features = info.splits or {}, info.features or {}
+    val_split = next((split for split in HFDS_VAL_SPLITS if split in splits), HFDS_VAL_SPLITS[0])
+    sizes = {split: getattr(splits.get(split), "num_examples", 0) or 0 for split in ("train", val_split)}
+    unknown = [split for split, size in sizes.items() if not size]
+    if unknown:
+        raise ValueError(f"--dataset {name}: its card gives no num_examples for split {' and '.join(map(repr, unknown))} "
+                         f"(a stream's length is needed before it is read); expected {HFIDS_LAYOUT}")
+    classes = getattr(features.get("label"), "names", None)
+    if "image" not in features or not classes:
+        raise ValueError(f"--dataset {name}: its card has no 'image' column or no ClassLabel 'label' column "
+                         f"(columns: {', '.join(features) or 'none'}); expected {HFIDS_LAYOUT}")
+    return {"num_classes": len(classes), "classes": list(classes),
+            "num_samples": dict(zip(SPLITS, sizes.values())), "splits": dict(zip(SPLITS, sizes))}
 
 
 def _check_shard(path: Path) -> None:
@@ -113,13 +158,16 @@ def _check_shard(path: Path) -> None:
         raise ValueError(f"shard {path} is corrupt or partial ({e}); rewrite or remove it (and its info entry)") from None
 
 
-def create_streams(name: str, data_dir: str, seed: int, batch_size: int) -> tuple[Any, Any]:
-    """(train, val) IterableImageDatasets from timm's factory; transforms are set by the caller."""
+def create_streams(name: str, data_dir: str, seed: int, batch_size: int,
+                   splits: dict[str, str] | None = None) -> tuple[Any, Any]:
+    """(train, val) IterableImageDatasets from timm's factory (`splits`: the dataset's name of each of SPLITS,
+    as `check_stream` found them); transforms are set by the caller."""
     from timm.data import create_dataset
 
+    splits = splits or {split: split for split in SPLITS}
     common = dict(root=str(data_dir), batch_size=batch_size, seed=seed)
-    train = create_dataset(name, split="train", is_training=True, **common)
-    val = create_dataset(name, split="validation", is_training=False, **common)
+    train = create_dataset(name, split=splits["train"], is_training=True, **common)
+    val = create_dataset(name, split=splits["validation"], is_training=False, **common)
     return train, val
 
 
@@ -173,6 +221,22 @@ def _held_logs(*logger_names: str) -> Iterator[list[logging.LogRecord]]:
         logging.getLogger(record.name).handle(record)
 
 
+@contextmanager
+def _one_line_errors(name: str, data_dir: str, layout: str) -> Iterator[None]:
+    """Any failure of `datasets` inside the block (no such dataset, offline, a corrupt file, a missing column:
+    it raises many kinds) as one ValueError line, quoting the file it logged; its logs held back meanwhile."""
+    with _held_logs("datasets", "huggingface_hub") as logged:
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001
+            reason = f"{type(error).__name__}: {error}"
+            errors = [record.getMessage() for record in logged if record.levelno >= logging.ERROR]
+            reason = errors[-1] if errors and str(error) in errors[-1] else reason  # the logged one names the file
+            if isinstance(error, ConnectionError) and not os.environ.get("HF_HUB_OFFLINE"):
+                reason += " (no network? HF_HUB_OFFLINE=1 reads the datasets cache in --data-dir without retries)"
+            raise ValueError(f"--dataset {name} (--data-dir {data_dir}): {reason}; expected {layout}") from None
+
+
 def _check_columns(reader: Any) -> None:
     """A missing image or label column is an error now, not at the first batch: timm's reader casts the image
     column (which adds a missing one, empty, in datasets 5) and reads labels only when asked."""
@@ -194,21 +258,13 @@ def load_hfds(name: str, data_dir: str) -> tuple[HfdsImages, HfdsImages]:
         raise ValueError(f"--dataset {name} needs the datasets package: pip install datasets") from None
     from timm.data import create_dataset
 
-    with _held_logs("datasets", "huggingface_hub") as logged:
-        try:
-            train = create_dataset(name, root=str(data_dir), split="train")
-            splits = train.reader.dataset.info.splits or {}
-            val_split = next((split for split in HFDS_VAL_SPLITS if split in splits), HFDS_VAL_SPLITS[0])
-            val = create_dataset(name, root=str(data_dir), split=val_split)
-            for split_set in (train, val):
-                _check_columns(split_set.reader)
-        except Exception as error:  # noqa: BLE001 - datasets raises many kinds: missing, offline, corrupt, columns
-            reason = f"{type(error).__name__}: {error}"
-            errors = [record.getMessage() for record in logged if record.levelno >= logging.ERROR]
-            reason = errors[-1] if errors and str(error) in errors[-1] else reason  # the logged one names the file
-            if isinstance(error, ConnectionError) and not os.environ.get("HF_HUB_OFFLINE"):
-                reason += " (no network? HF_HUB_OFFLINE=1 reads the datasets cache in --data-dir without retries)"
-            raise ValueError(f"--dataset {name} (--data-dir {data_dir}): {reason}; expected {HFDS_LAYOUT}") from None
+    with _one_line_errors(name, data_dir, HFDS_LAYOUT):
+        train = create_dataset(name, root=str(data_dir), split="train")
+        splits = train.reader.dataset.info.splits or {}
+        val_split = next((split for split in HFDS_VAL_SPLITS if split in splits), HFDS_VAL_SPLITS[0])
+        val = create_dataset(name, root=str(data_dir), split=val_split)
+        for split_set in (train, val):
+            _check_columns(split_set.reader)
     classes = sorted(train.reader.class_to_idx, key=train.reader.class_to_idx.get)
     train = HfdsImages(train, classes)
     if not classes:  # labels without a ClassLabel feature: classes 0..max
