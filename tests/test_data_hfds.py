@@ -148,6 +148,8 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     ("no_sizes", "its card gives no num_examples for split 'train' and 'validation'"),
     ("no_classes", "no ClassLabel 'label' column (columns: image, label)"),
     ("fraction", "--train-fraction and --num-classes need an index of labels"),
+    ("workers", "has 1 shard(s) for 1 process(es) x 2 loader worker(s), and a worker without a shard reads nothing; "
+                "use --workers 1 or fewer"),
     ("missing", "Couldn't find any data file at {toy}"),
     ("no_package", "needs the datasets package: pip install datasets"),
 ])
@@ -163,6 +165,8 @@ def test_bad_hfids_input_is_one_line_and_writes_nothing(carded, cache, tmp_path,
                             .replace("".join(f"          '{k}': {c}\n" for k, c in enumerate(HF_TOY_CLASSES)), ""))
     elif mistake == "fraction":
         extra = ["--train-fraction", "0.5"]
+    elif mistake == "workers":  # timm's reader would raise in the second worker, mid-run
+        extra = ["--workers", "2"]
     elif mistake == "missing":
         toy = toy / "missing"
     else:
@@ -172,3 +176,23 @@ def test_bad_hfids_input_is_one_line_and_writes_nothing(carded, cache, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected.format(toy=toy) in err[0], err
     assert not output.exists()
+
+
+def _numbers(files):
+    yield from ({"x": f} for f in files)
+
+
+@pytest.mark.parametrize("shards, processes", [(4, 2), (3, 2), (1, 2), (6, 3), (2, 4)])
+def test_the_hfids_worker_check_follows_datasets_split_between_processes(shards, processes):
+    """The most loader workers the check lets each process have is the number of shards datasets'
+    split_dataset_by_node actually gives rank 0 (the oracle): that many pass, one more is refused."""
+    from datasets.distributed import split_dataset_by_node
+
+    from convbias.engine.streams import _check_shards_per_worker
+
+    stream = datasets.IterableDataset.from_generator(_numbers, gen_kwargs={"files": list(range(shards))})
+    assert stream.num_shards == shards
+    per_process = split_dataset_by_node(stream, rank=0, world_size=processes).num_shards
+    _check_shards_per_worker("hfids/toy", shards, per_process, processes)
+    with pytest.raises(ValueError, match=f"use --workers {per_process} or fewer"):
+        _check_shards_per_worker("hfids/toy", shards, per_process + 1, processes)

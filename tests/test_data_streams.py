@@ -70,16 +70,21 @@ def test_a_wds_shard_set_trains(shards, tmp_path):
     ("truncate", "toy-train-0001.tar is corrupt or partial"),
     ("no_info", "no _info.json or info.json"),
     ("fraction", "--train-fraction and --num-classes need an index of labels"),
+    ("workers", "--workers 3: the training stream of --dataset wds/toy has 2 shard(s) for 1 process(es) x 3 loader "
+                "worker(s), and a worker without a shard reads nothing; use --workers 2 or fewer"),
 ])
 def test_bad_stream_input_is_one_line_and_writes_nothing(shards, tmp_path, capsys, mistake, expected):
+    """(--workers 3 over 2 shards: the third worker would read nothing and the epoch end after 64 of 96 images.)"""
     extra = []
     if mistake == "truncate":
         shard = shards / "toy-train-0001.tar"
         shard.write_bytes(shard.read_bytes()[:700])
     elif mistake == "no_info":
         (shards / "_info.json").unlink()
-    else:
+    elif mistake == "fraction":
         extra = ["--train-fraction", "0.5"]
+    else:
+        extra = ["--workers", "3"]
     output = tmp_path / "run"
     code = train.main(ARGS + ["--dataset", "wds/toy", "--data-dir", str(shards), "--output", str(output), *extra])
     err = capsys.readouterr().err.strip().splitlines()

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image
 from timm.data import create_transform
 from timm.data.auto_augment import posterize as timm_posterize
@@ -40,7 +41,7 @@ FACTORY_INFO = DatasetInfo(3, DATASETS['imagenet'].mean, DATASETS['imagenet'].st
 DATA_DEFAULTS: dict[str, Any] = dict(
     dataset='digits', data_dir=None, num_classes=None, img_size=None, train_fraction=1.0, seed=0,
     aa='rand-m9-mstd0.5-inc1', reprob=0.25, color_jitter=0.3, interpolation='bicubic',
-    crop_pct=0.875, hflip=0.5, scale=None, no_aug=False, skip_unreadable=True,
+    crop_pct=0.875, hflip=0.5, scale=None, no_aug=False, skip_unreadable=True, workers=0,
 )
 RANDOM_ERASING_MODE = 'pixel'  # DeiT: per-pixel normal noise in the erased box
 
@@ -134,11 +135,17 @@ def dataset_info(name: str) -> DatasetInfo:
     return replace(FACTORY_INFO, layout=factory_layout(name)) if is_factory_source(name) else DATASETS[name]
 
 
+def _world_size() -> int:
+    """Processes of the run: timm's stream readers split shards by torch.distributed's world, so do we."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def build_streams(cfg: Any) -> DataBundle:
     """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.streams), with the engine's
     transforms."""
     name, data_dir = _option(cfg, 'dataset'), _option(cfg, 'data_dir')
-    info = check_stream(name, data_dir, _option(cfg, 'train_fraction'), _option(cfg, 'num_classes'))
+    info = check_stream(name, data_dir, _option(cfg, 'train_fraction'), _option(cfg, 'num_classes'),
+                        int(_option(cfg, 'workers')), _world_size())
     train, val = create_streams(name, data_dir, int(_option(cfg, 'seed')), batch_size=1, splits=info['splits'])
     img_size = _option(cfg, 'img_size') or FACTORY_INFO.default_img_size
     train.transform, val.transform = build_transforms(int(img_size), 3, FACTORY_INFO.mean, FACTORY_INFO.std, cfg)

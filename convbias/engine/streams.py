@@ -86,9 +86,11 @@ def factory_layout(name: str) -> str:
     return HFIDS_LAYOUT if name.startswith(HFIDS_PREFIX) else HFDS_LAYOUT if is_hfds(name) else STREAM_LAYOUT
 
 
-def check_stream(name: str, data_dir: str | None, train_fraction: float, num_classes: int | None) -> dict[str, Any]:
+def check_stream(name: str, data_dir: str | None, train_fraction: float, num_classes: int | None,
+                 workers: int = 0, processes: int = 1) -> dict[str, Any]:
     """What a wds/ or hfids/ stream holds (num_classes, classes, num_samples and split names per split) after
-    cheap checks (ValueError, one line): package, layout, split sizes, every local shard."""
+    cheap checks (ValueError, one line): package, layout, split sizes, every local shard, and enough training
+    shards for `processes` x `workers` loader workers."""
     if not is_stream(name) or not name.partition("/")[2]:
         raise ValueError(f"--dataset {name}: expected wds/NAME (NAME: any label for the shard set) or hfids/NAME")
     package, pip_name = ("datasets", "datasets") if name.startswith(HFIDS_PREFIX) else ("webdataset", "'webdataset>=0.2'")
@@ -101,7 +103,25 @@ def check_stream(name: str, data_dir: str | None, train_fraction: float, num_cla
                          f"stream has not; write the subset's shards instead")
     if not data_dir or not Path(data_dir).is_dir():
         raise ValueError(f"--dataset {name} needs --data-dir with {factory_layout(name)}")
-    return _check_hfids(name, data_dir) if name.startswith(HFIDS_PREFIX) else _check_wds(Path(data_dir))
+    info = _check_hfids(name, data_dir) if name.startswith(HFIDS_PREFIX) else _check_wds(Path(data_dir))
+    _check_shards_per_worker(name, info["train_shards"], workers, processes)
+    return info
+
+
+def _check_shards_per_worker(name: str, shards: int, workers: int, processes: int) -> None:
+    """timm's readers hand whole training shards to loader workers: a worker without one reads nothing (wds/:
+    the epoch silently ends early; hfids/: timm raises in the worker mid-run). ReaderWds deals the shards out
+    to every worker of every process; datasets' split_dataset_by_node gives each process shards / processes
+    when that divides, else every shard (each process then keeps every processes-th example)."""
+    if name.startswith(HFIDS_PREFIX):
+        fits = shards // processes if shards % processes == 0 else shards  # workers per process with a shard
+    else:
+        fits = shards // processes
+    if fits < max(1, workers):
+        hint = f"use --workers {fits} or fewer" if fits else f"write at least {processes} shards, one per process"
+        raise ValueError(f"--workers {workers}: the training stream of --dataset {name} has {shards} shard(s) for "
+                         f"{processes} process(es) x {max(1, workers)} loader worker(s), and a worker without a "
+                         f"shard reads nothing; {hint}")
 
 
 def _check_wds(root: Path) -> dict[str, Any]:
@@ -121,7 +141,7 @@ def _check_wds(root: Path) -> dict[str, Any]:
         for shard in files[split]:
             _check_shard(shard)
     return {"num_classes": num_classes, "classes": [str(k) for k in range(num_classes)], "num_samples": counts,
-            "splits": {split: split for split in SPLITS}}
+            "splits": {split: split for split in SPLITS}, "train_shards": len(files["train"])}
 
 
 def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
@@ -129,7 +149,9 @@ def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
     import datasets
 
     with _one_line_errors(name, data_dir, HFIDS_LAYOUT):
-        info = datasets.load_dataset_builder(name.partition("/")[2], cache_dir=str(data_dir)).info
+        builder = datasets.load_dataset_builder(name.partition("/")[2], cache_dir=str(data_dir))
+        info = builder.info
+        train_shards = builder.as_streaming_dataset(split="train").num_shards if "train" in (info.splits or {}) else 0
     splits, features = info.splits or {}, info.features or {}
     val_split = next((split for split in HFDS_VAL_SPLITS if split in splits), HFDS_VAL_SPLITS[0])
     sizes = {split: getattr(splits.get(split), "num_examples", 0) or 0 for split in ("train", val_split)}
@@ -141,8 +163,8 @@ def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
     if "image" not in features or not classes:
         raise ValueError(f"--dataset {name}: its card has no 'image' column or no ClassLabel 'label' column "
                          f"(columns: {', '.join(features) or 'none'}); expected {HFIDS_LAYOUT}")
-    return {"num_classes": len(classes), "classes": list(classes),
-            "num_samples": dict(zip(SPLITS, sizes.values())), "splits": dict(zip(SPLITS, sizes))}
+    return {"num_classes": len(classes), "classes": list(classes), "num_samples": dict(zip(SPLITS, sizes.values())),
+            "splits": dict(zip(SPLITS, sizes)), "train_shards": train_shards}
 
 
 def _check_shard(path: Path) -> None:
