@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
+from convbias.tables import markdown_table
+
 import lockstep
 from convit_train_step import NUM_CLASSES as IMAGENET_CLASSES
 from convit_train_step import SETTINGS as VIT_SETTINGS
@@ -120,18 +122,11 @@ def header(args: argparse.Namespace, load_before: Sequence[float], load_after: S
 def print_table(rows: List[Dict[str, Any]]) -> None:
     columns = ["case", "batch", "mode", "eager img/s", "compiled img/s", "compiled/eager", "eager peak MB",
                "compiled peak MB", "peak ratio", "compile s"]
-    lines = [[row["case"], str(row["batch"]), row["mode"], f"{row['eager']['images_per_sec']:.1f}",
-              f"{row['compiled']['images_per_sec']:.1f}", f"{row['compiled']['speed_ratio']:.3f}",
-              f"{row['eager']['peak_mb']:.0f}", f"{row['compiled']['peak_mb']:.0f}",
-              f"{row['compiled']['memory_ratio']:.2f}", f"{row['compile_s']:.1f}"] for row in rows]
-    left = {0, 2}  # text columns; the numbers align right
-    widths = [max(len(text) for text in column) for column in zip(columns, *lines)]
-    for index, cells in enumerate([columns, *lines]):
-        print("| " + " | ".join(cell.ljust(width) if position in left else cell.rjust(width)
-                                for position, (cell, width) in enumerate(zip(cells, widths))) + " |")
-        if index == 0:
-            print("|" + "|".join("-" * (width + 1) + ("-" if position in left else ":")
-                                 for position, width in enumerate(widths)) + "|")
+    print(markdown_table(columns, [
+        [row["case"], row["batch"], row["mode"], f"{row['eager']['images_per_sec']:.1f}",
+         f"{row['compiled']['images_per_sec']:.1f}", f"{row['compiled']['speed_ratio']:.3f}",
+         f"{row['eager']['peak_mb']:.0f}", f"{row['compiled']['peak_mb']:.0f}",
+         f"{row['compiled']['memory_ratio']:.2f}", f"{row['compile_s']:.1f}"] for row in rows]), end="")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
