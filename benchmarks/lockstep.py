@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, Hashable, List, Sequence
 
-from convbias.engine.compile import COMPILE_MODES
+from convbias.engine.compile import COMPILE_MODES, compile_model
 
 MALLOC_ENVIRONMENT = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's maximum: blocks below it come from the heap
@@ -79,6 +79,7 @@ def serve(step: Callable[[], None], device: str = "cpu") -> None:
 
 # ------------------------------------------------------------------ device, precision and compilation
 PRECISIONS = ("fp32", "bf16")
+COMPILE_AS = ("engine", "torch")
 
 
 def add_step_arguments(parser) -> None:
@@ -88,6 +89,9 @@ def add_step_arguments(parser) -> None:
                         help="bf16: forward and loss under torch.autocast(bfloat16), weights and optimizer in fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model (inductor)")
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
+    parser.add_argument("--compile-as", default="engine", choices=COMPILE_AS,
+                        help="engine: as train.py --compile (on a CPU, ATen's kernels for GELU, LayerNorm and "
+                             "max-pool, no layout optimization: convbias.engine.compile); torch: plain torch.compile")
 
 
 def check_step_arguments(parser, args) -> None:
@@ -106,25 +110,28 @@ def check_step_arguments(parser, args) -> None:
 
 def step_argv(args) -> List[str]:
     """The parent's step options, forwarded to each worker."""
-    argv = ["--device", args.device, "--precision", args.precision, "--compile-mode", args.compile_mode]
+    argv = ["--device", args.device, "--precision", args.precision, "--compile-mode", args.compile_mode,
+            "--compile-as", args.compile_as]
     return argv + (["--compile"] if args.compile else [])
 
 
 def describe(args) -> str:
-    """'fp32, eager, cpu' / 'bf16, compiled (default), cuda' for the table headers."""
-    how = f"compiled ({args.compile_mode})" if args.compile else "eager"
+    """'fp32, eager, cpu' / 'bf16, compiled (default, as engine), cuda' for the table headers."""
+    how = f"compiled ({args.compile_mode}, as {args.compile_as})" if args.compile else "eager"
     return f"{args.precision}, {how}, {args.device}"
 
 
 def make_step(model, images, labels, training: bool, args: Any) -> Callable[[], None]:
     """One training step (forward, cross-entropy, backward, AdamW) or one inference forward (eval mode,
-    no_grad) on args.device, in args.precision, compiled with args.compile. The data stays on the device."""
+    no_grad) on args.device, in args.precision, compiled with args.compile (as args.compile_as). The data stays on the device."""
     import torch
     from timm.optim import create_optimizer_v2
 
     model = model.to(args.device).train(training)
     images, labels = images.to(args.device), labels.to(args.device)
-    forward = torch.compile(model, mode=args.compile_mode) if args.compile else model
+    device_type = torch.device(args.device).type
+    forward = (compile_model(model, device_type, mode=args.compile_mode, aten_kernels=args.compile_as == "engine")
+               if args.compile else model)
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     if not training:
         @torch.no_grad()

@@ -83,3 +83,12 @@ def test_grad_checkpointing_trains_the_same_model(tmp_path):
     b = load_file(tmp_path / "checkpointed" / "checkpoints" / "last" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert checkpointed["final_top1"] == plain["final_top1"]
+
+
+def test_inductor_compiled_run_on_cpu_matches_eager(tmp_path):
+    """The default backend, as users run it: on a CPU, inductor with engine.aten_kernels (here the ResNet's
+    ReLUs and max-pool), also after the reparametrization, which compiles the new model."""
+    _, eager_log, _ = run(TCNN, tmp_path / "eager")
+    _, log, breaks = run(TCNN, tmp_path / "compiled", "--compile")
+    assert breaks == {} and log[-1]["graph_breaks"] == 0
+    assert_same_training(eager_log, log, loss_tol=1e-3)

@@ -13,6 +13,14 @@ only the training step and ``evaluate`` call. Hence
 
 DDP is compiled from the outside (``torch.compile(ddp_model)``), as PyTorch recommends, so dynamo's
 DDP optimizer splits the graph at bucket boundaries and gradient all-reduce still overlaps backward.
+
+On a CPU, inductor's own code loses to eager in two places (measured: benchmarks/compile_speedup.py,
+README): its generated kernels for GELU, LayerNorm, max-pool and ReLU's saved mask are up to 20x slower
+than ATen's (`aten_kernels`), and its layout optimization moved the small CNN's convolutions to
+channels-last, where oneDNN ran them 2x slower. So on a CPU the engine compiles with inductor's
+``layout_optimization`` option off (a documented ``torch.compile`` option) and routes those modules
+through `aten_kernels.use_aten_kernels`, which keeps eager's numerics for them. On a GPU
+``torch.compile`` runs as PyTorch ships it.
 """
 from __future__ import annotations
 
@@ -21,15 +29,34 @@ from typing import Any
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def compiled(module: Any, cfg: Any) -> Any:
-    """``torch.compile(module)`` with the run's --compile-backend and --compile-mode; module itself without --compile."""
-    if not cfg.get("compile"):
-        return module
+CPU_INDUCTOR_OPTIONS = {"layout_optimization": False}  # see the module docstring
+
+
+def compile_model(module: Any, device_type: str, backend: str = "inductor", mode: str = "default",
+                  aten_kernels: bool = True, fullgraph: bool = False) -> Any:
+    """``torch.compile(module)`` as the engine runs it on `device_type` ('cpu', 'cuda'); on a CPU with
+    inductor, `aten_kernels` (the default) gives the CPU treatment of the module docstring, and False
+    plain ``torch.compile`` (what benchmarks/compile_speedup.py compares it with). `fullgraph` as in
+    ``torch.compile`` (tests: a graph break raises)."""
     import torch  # here, not at the top: config.py imports COMPILE_MODES and `train.py --help` loads no torch
 
-    mode = cfg.get("compile_mode") or "default"
-    return torch.compile(module, backend=cfg.get("compile_backend") or "inductor",
-                         mode=None if mode == "default" else mode)
+    if device_type == "cpu" and backend == "inductor" and aten_kernels:
+        from torch._inductor import list_mode_options  # named in torch.compile's documentation of `mode`
+
+        from .aten_kernels import use_aten_kernels
+
+        use_aten_kernels(module)
+        options = {**list_mode_options(mode), **CPU_INDUCTOR_OPTIONS}
+        return torch.compile(module, backend=backend, options=options, fullgraph=fullgraph)
+    return torch.compile(module, backend=backend, mode=None if mode == "default" else mode, fullgraph=fullgraph)
+
+
+def compiled(module: Any, cfg: Any, device_type: str) -> Any:
+    """`compile_model` with the run's --compile-backend and --compile-mode; module itself without --compile."""
+    if not cfg.get("compile"):
+        return module
+    return compile_model(module, device_type, cfg.get("compile_backend") or "inductor",
+                         cfg.get("compile_mode") or "default")
 
 
 def compile_counters() -> dict[str, int]:

@@ -113,7 +113,7 @@ class Trainer:
         if cfg.eval_only:  # evaluation needs no sharding (and FSDP2 prepares a model only with its optimizer)
             self.model = model.to(acc.device) if self.sharded else acc.prepare(model)
             self.eval_loader = self.eval_loader if self.streamed else acc.prepare(self.eval_loader)
-            self.forward = compiled(self.model, cfg)
+            self.forward = compiled(self.model, cfg, acc.device.type)
         else:
             self._set_up_training(model)
 
@@ -307,8 +307,9 @@ class Trainer:
     def _compile(self) -> None:
         """The compiled views used by the training step and evaluation (engine.compile): checkpoints,
         EMA updates, reparametrizations and diagnostics keep using the modules themselves."""
-        self.forward = compiled(self.model, self.cfg)
-        self.ema_forward = compiled(self.ema.module, self.cfg) if self.ema is not None else None
+        device_type = self.accelerator.device.type
+        self.forward = compiled(self.model, self.cfg, device_type)
+        self.ema_forward = compiled(self.ema.module, self.cfg, device_type) if self.ema is not None else None
 
     def _check_fsdp(self) -> None:
         """FSDP through fsdp_version 2 only, and without a mid-run change of architecture."""
