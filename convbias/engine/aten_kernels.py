@@ -4,8 +4,8 @@ Measured on the CPU this package is tested on (benchmarks/compile_speedup.py; RE
 generated C++ against ATen: GELU forward 2.3 vs 1.2 ms and backward 3.7 vs 3.0 ms at DeiT-Ti/32px
 shapes; LayerNorm 0.9 vs 0.7 ms; max-pool with indices a scalar loop, 3x ATen's, and its backward 12
 vs 1.5 ms; and the bool mask inductor saves for ReLU's backward, stored 20x slower than eager computes
-it (11 vs 0.6 ms for 2M elements). Together they made compiled training up to 8% slower than eager for
-the ViTs and 45% for a small CNN. Here:
+it (11 vs 0.6 ms for 2M elements). Together they made plain `torch.compile` train the ViTs 2-4% and a small
+CNN 40% slower than eager. Here:
 
 - GELU, LayerNorm: `torch.library.custom_op`s whose forward and backward call ATen's kernels, so
   inductor keeps each as one opaque call inside the graph (no graph break) and fuses what is around it;
