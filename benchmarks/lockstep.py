@@ -90,8 +90,8 @@ def add_step_arguments(parser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile every model (inductor)")
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
     parser.add_argument("--compile-as", default="engine", choices=COMPILE_AS,
-                        help="engine: as train.py --compile (on a CPU, ATen's kernels for GELU, LayerNorm and "
-                             "max-pool, no layout optimization: convbias.engine.compile); torch: plain torch.compile")
+                        help="engine: as train.py --compile (on a CPU: ATen's kernels for GELU, LayerNorm, ReLU and "
+                             "max-pool, no layout optimization; convbias.engine.compile); torch: plain torch.compile")
 
 
 def check_step_arguments(parser, args) -> None:
@@ -123,7 +123,8 @@ def describe(args) -> str:
 
 def make_step(model, images, labels, training: bool, args: Any) -> Callable[[], None]:
     """One training step (forward, cross-entropy, backward, AdamW) or one inference forward (eval mode,
-    no_grad) on args.device, in args.precision, compiled with args.compile (as args.compile_as). The data stays on the device."""
+    no_grad) on args.device, in args.precision, compiled with args.compile (as args.compile_as). The data
+    stays on the device."""
     import torch
     from timm.optim import create_optimizer_v2
 
@@ -132,7 +133,7 @@ def make_step(model, images, labels, training: bool, args: Any) -> Callable[[], 
     device_type = torch.device(args.device).type
     forward = (compile_model(model, device_type, mode=args.compile_mode, aten_kernels=args.compile_as == "engine")
                if args.compile else model)
-    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     if not training:
         @torch.no_grad()
         def infer() -> None:
