@@ -13,9 +13,9 @@ The train loader is *not* prepared: its sampler (from engine.data)
 shards itself across ranks so that, with a fixed seed, the union of the ranks' batches at step t is the
 1-process batch at step t. The eval loader is prepared and metrics use ``gather_for_metrics``, so they
 are exact (no duplicated padding samples); a stream's loaders are not prepared (timm's reader splits the
-stream between processes) and each process's sums are reduced once after evaluation. Gradient accumulation uses ``accelerator.accumulate``; each
-epoch runs a multiple of ``--grad-accum-steps`` batches (the few left over are skipped) so every
-optimizer step sees the same number of batches.
+stream between processes) and each process's sums are reduced once after evaluation. Gradient
+accumulation uses ``accelerator.accumulate``; each epoch runs a multiple of ``--grad-accum-steps``
+batches (the few left over are skipped) so every optimizer step sees the same number of batches.
 """
 from __future__ import annotations
 
