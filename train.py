@@ -2,6 +2,7 @@
 
 Options: ``python train.py --help``. The same as the installed ``convbias-train`` command.
 """
+
 from convbias.cli.train import main
 
 if __name__ == "__main__":

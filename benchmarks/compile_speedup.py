@@ -21,20 +21,22 @@ code, the compiler's heap), so the memory ratio is that of a training process, n
     python benchmarks/compile_speedup.py --compile-mode max-autotune-no-cudagraphs
     python benchmarks/compile_speedup.py --quick                 # smoke run, < 2 minutes
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence
-
-from convbias.tables import markdown_table
+from typing import Any
 
 import lockstep
 from convit_train_step import NUM_CLASSES as IMAGENET_CLASSES
 from convit_train_step import SETTINGS as VIT_SETTINGS
+
+from convbias.tables import markdown_table
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class Case:
     img_size: int
     batch_size: int
     num_classes: int
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # more timm.create_model arguments
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model arguments
 
     @property
     def name(self) -> str:
@@ -54,13 +56,19 @@ VIT_MODELS = ("convit_tiny", "deit_tiny_patch16_224")  # ConViT-Ti and DeiT-Ti, 
 TCNN_IMG_SIZE, TCNN_BATCH = 224, 8  # T-CNN (last stage at stride 1, GPSA) and its ResNet: ~1.2 s per training step
 EFCN_CHANNELS, EFCN_CLASSES, EFCN_IMG_SIZE, EFCN_BATCH = 16, 10, 32, 128  # configs/efcn_protocol/efcn_cpu.yaml's
 # width, at CIFAR-10's size: the eFCN has 68 M weights (the paper's 64 channels would need 1.3 G)
-CASES: Dict[str, Case] = {
-    case.name: case for case in [
-        *(Case(model, img_size, batch, IMAGENET_CLASSES, dict(img_size=img_size, patch_size=patch))
-          for img_size, patch, batch in VIT_SETTINGS.values() for model in VIT_MODELS),
+CASES: dict[str, Case] = {
+    case.name: case
+    for case in [
+        *(
+            Case(model, img_size, batch, IMAGENET_CLASSES, dict(img_size=img_size, patch_size=patch))
+            for img_size, patch, batch in VIT_SETTINGS.values()
+            for model in VIT_MODELS
+        ),
         *(Case(model, TCNN_IMG_SIZE, TCNN_BATCH, IMAGENET_CLASSES) for model in ("tcnn_resnet18", "resnet18")),
-        *(Case(model, EFCN_IMG_SIZE, EFCN_BATCH, EFCN_CLASSES, dict(channels=EFCN_CHANNELS, img_size=EFCN_IMG_SIZE))
-          for model in ("efcn_vanilla_cnn", "vanilla_cnn")),
+        *(
+            Case(model, EFCN_IMG_SIZE, EFCN_BATCH, EFCN_CLASSES, dict(channels=EFCN_CHANNELS, img_size=EFCN_IMG_SIZE))
+            for model in ("efcn_vanilla_cnn", "vanilla_cnn")
+        ),
     ]
 }
 MODES = ("training", "inference")
@@ -91,16 +99,24 @@ def run_worker(args: argparse.Namespace) -> None:
     if args.compile:
         torch.compiler.config.force_disable_caches = True  # a cold compile, whatever earlier runs cached
     case = CASES[args.worker]
-    lockstep.serve_random_batch(build_model(case), case.img_size, args.batch_size, case.num_classes,
-                                args.mode == "training", args)
+    lockstep.serve_random_batch(
+        build_model(case), case.img_size, args.batch_size, case.num_classes, args.mode == "training", args
+    )
 
 
-def measure(case: Case, batch_size: int, mode: str, args: argparse.Namespace) -> Dict[str, Any]:
+def measure(case: Case, batch_size: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """The case's workers in lockstep: their summaries (relative to eager) and compile times."""
     common = ["--worker", case.name, "--mode", mode, "--batch-size", str(batch_size), "--threads", str(args.threads)]
     workers = {
-        flavour: [__file__, *common, *lockstep.step_argv(argparse.Namespace(
-            **{**vars(args), "compile": compile_as is not None, "compile_as": compile_as or args.compile_as}))]
+        flavour: [
+            __file__,
+            *common,
+            *lockstep.step_argv(
+                argparse.Namespace(
+                    **{**vars(args), "compile": compile_as is not None, "compile_as": compile_as or args.compile_as}
+                )
+            ),
+        ]
         for flavour, compile_as in FLAVOURS.items()
     }
     results = lockstep.run(workers, args.warmup, args.steps)
@@ -115,35 +131,84 @@ def header(args: argparse.Namespace, load_before: Sequence[float], load_after: S
     """The line above the table: what ran, how, when, and the load average (1/5/15 min) around the run."""
     import torch
 
-    load = {when: "/".join(f"{x:.2f}" for x in values) for when, values in (("before", load_before), ("after", load_after))}
-    return (f"torch.compile vs eager, {args.precision}, {args.device}, torch {torch.__version__}, compile mode {args.compile_mode}, "
-            f"cold compile; {args.threads} threads, eager, torch.compile and --compile "
-            f"in lockstep, {args.steps} timed steps after {args.warmup} warmup, ratios paired by round (> 1: compiled faster); "
-            f"{time.strftime('%Y-%m-%d %H:%M')}, load average (1/5/15 min) {load['before']} before, {load['after']} after")
+    load = {
+        when: "/".join(f"{x:.2f}" for x in values) for when, values in (("before", load_before), ("after", load_after))
+    }
+    return (
+        f"torch.compile vs eager, {args.precision}, {args.device}, torch {torch.__version__}, compile mode {args.compile_mode}, "
+        f"cold compile; {args.threads} threads, eager, torch.compile and --compile "
+        f"in lockstep, {args.steps} timed steps after {args.warmup} warmup, ratios paired by round (> 1: compiled faster); "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, load average (1/5/15 min) {load['before']} before, {load['after']} after"
+    )
 
 
-def print_table(rows: List[Dict[str, Any]]) -> None:
-    columns = ["case", "batch", "mode", "eager img/s", "torch.compile img/s", "x eager", "compile s",
-               "--compile img/s", "x eager", "compile s", "--compile peak / eager"]
-    print(markdown_table(columns, [
-        [row["case"], row["batch"], row["mode"], f"{row['eager']['images_per_sec']:.1f}",
-         *(cell for flavour in ("torch", "engine") for cell in (
-             f"{row[flavour]['images_per_sec']:.1f}", f"{row[flavour]['speed_ratio']:.3f}",
-             f"{row['compile_s'][flavour]:.0f}")),
-         f"{row['engine']['memory_ratio']:.2f}"] for row in rows]), end="")
+def print_table(rows: list[dict[str, Any]]) -> None:
+    columns = [
+        "case",
+        "batch",
+        "mode",
+        "eager img/s",
+        "torch.compile img/s",
+        "x eager",
+        "compile s",
+        "--compile img/s",
+        "x eager",
+        "compile s",
+        "--compile peak / eager",
+    ]
+    print(
+        markdown_table(
+            columns,
+            [
+                [
+                    row["case"],
+                    row["batch"],
+                    row["mode"],
+                    f"{row['eager']['images_per_sec']:.1f}",
+                    *(
+                        cell
+                        for flavour in ("torch", "engine")
+                        for cell in (
+                            f"{row[flavour]['images_per_sec']:.1f}",
+                            f"{row[flavour]['speed_ratio']:.3f}",
+                            f"{row['compile_s'][flavour]:.0f}",
+                        )
+                    ),
+                    f"{row['engine']['memory_ratio']:.2f}",
+                ]
+                for row in rows
+            ],
+        ),
+        end="",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=None, choices=list(CASES), metavar="CASE",
-                        help=f"of {', '.join(CASES)} (default: all; quick: {' '.join(QUICK_CASES)})")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=None,
+        choices=list(CASES),
+        metavar="CASE",
+        help=f"of {', '.join(CASES)} (default: all; quick: {' '.join(QUICK_CASES)})",
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: {len(QUICK_CASES)} cases, batch / {QUICK_BATCH_DIVISOR}, "
-                             f"{QUICK_WARMUP} warmup + {QUICK_STEPS} steps")
-    parser.add_argument("--steps", type=int, default=None, help=f"timed steps per worker (default {DEFAULT_STEPS}, quick {QUICK_STEPS})")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help=f"untimed steps first, the first one compiles (default {DEFAULT_WARMUP}, quick {QUICK_WARMUP})")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {len(QUICK_CASES)} cases, batch / {QUICK_BATCH_DIVISOR}, "
+        f"{QUICK_WARMUP} warmup + {QUICK_STEPS} steps",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"timed steps per worker (default {DEFAULT_STEPS}, quick {QUICK_STEPS})"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"untimed steps first, the first one compiles (default {DEFAULT_WARMUP}, quick {QUICK_WARMUP})",
+    )
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads per worker")
     lockstep.add_step_arguments(parser)
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
@@ -157,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1" + (" (the first warmup step compiles)" if flag == "warmup" else ""))
     if args.compile and not args.worker:
-        parser.error("--compile: this benchmark runs every case eager, under torch.compile and as the engine compiles; see --compile-mode")
+        parser.error(
+            "--compile: this benchmark runs every case eager, under torch.compile and as the engine compiles; see --compile-mode"
+        )
 
     if args.worker:
         run_worker(args)
@@ -172,8 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for mode in args.modes:
             started = time.perf_counter()
             rows.append(dict(case=name, batch=batch_size, mode=mode, **measure(case, batch_size, mode, args)))
-            print(f"measured {name} {mode} in {time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.2f}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"measured {name} {mode} in {time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
     print(header(args, load_before, os.getloadavg()))
     print_table(rows)
     return 0

@@ -15,13 +15,13 @@ same function.
     python benchmarks/convit_train_step.py --device cuda --precision bf16 --compile --compile-mode reduce-overhead \
         --models ours --settings 224px --batch-size 256    # CUDA graphs (ours against DeiT-Ti)
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import time
-from typing import Dict, List
 
 import lockstep
 
@@ -71,19 +71,32 @@ def run_worker(args) -> None:
     lockstep.serve(lockstep.make_step(model, images, labels, args.mode == "training", args), args.device)
 
 
-def measure(setting: str, batch_size: int, mode: str, args) -> Dict[str, Dict]:
+def measure(setting: str, batch_size: int, mode: str, args) -> dict[str, dict]:
     img_size, patch_size, _ = SETTINGS[setting]
     workers = {
-        name: [__file__, "--worker", name, "--img-size", str(img_size), "--patch-size", str(patch_size),
-               "--batch-size", str(batch_size), "--threads", str(args.threads), "--mode", mode,
-               *lockstep.step_argv(args)]
+        name: [
+            __file__,
+            "--worker",
+            name,
+            "--img-size",
+            str(img_size),
+            "--patch-size",
+            str(patch_size),
+            "--batch-size",
+            str(batch_size),
+            "--threads",
+            str(args.threads),
+            "--mode",
+            mode,
+            *lockstep.step_argv(args),
+        ]
         for name in args.models
     }
     results = lockstep.run(workers, args.warmup, args.steps)
     return {name: lockstep.summary(result, results[REFERENCE], batch_size) for name, result in results.items()}
 
 
-def print_table(rows: List[Dict]) -> None:
+def print_table(rows: list[dict]) -> None:
     header = (
         f"{'setting':<16} {'mode':<10} {'model':<18} {'img/s':>8} {'x DeiT':>7} {'img/CPU-s':>10} {'x DeiT':>7} "
         f"{'peak MB':>8} {'x DeiT':>7}"
@@ -102,21 +115,34 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: batch / 8, 1 warmup + 2 steps")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per model (default 30, quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4, quick 1)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores, quick: 1)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads per worker (default: all cores, quick: 1)"
+    )
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--modes", nargs="+", default=["training"], choices=MODES)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
-                        help=f"which models (the reference, {REFERENCE}, always runs; timm's ConViT fails under "
-                             f"--compile-mode reduce-overhead: its cached rel_indices are overwritten by CUDA graphs)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(MODELS),
+        choices=list(MODELS),
+        help=f"which models (the reference, {REFERENCE}, always runs; timm's ConViT fails under "
+        f"--compile-mode reduce-overhead: its cached rel_indices are overwritten by CUDA graphs)",
+    )
     lockstep.add_step_arguments(parser)
     parser.add_argument("--worker", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--img-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--patch-size", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="images per step for every setting (default: the setting's, 32 at 224px, 128 at 32px; /8 with --quick)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="images per step for every setting (default: the setting's, 32 at 224px, 128 at 32px; /8 with --quick)",
+    )
     args = parser.parse_args(argv)
-    defaults = dict(steps=2, warmup=1, threads=1) if args.quick else dict(steps=30, warmup=4, threads=os.cpu_count() or 1)
+    defaults = (
+        dict(steps=2, warmup=1, threads=1) if args.quick else dict(steps=30, warmup=4, threads=os.cpu_count() or 1)
+    )
     for flag, value in defaults.items():
         if getattr(args, flag) is None:
             setattr(args, flag, value)
@@ -145,9 +171,11 @@ def main(argv=None) -> int:
             for name, result in measure(setting, batch_size, mode, args).items():
                 rows.append(dict(setting=f"{img_size}/p{patch_size} bs{batch_size}", mode=mode, model=name, **result))
             print(f"measured {setting} {mode} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    print(f"training step (forward, backward, AdamW) or inference forward, {lockstep.describe(args)}, {args.threads} threads, models in lockstep, "
-          f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after")
+    print(
+        f"training step (forward, backward, AdamW) or inference forward, {lockstep.describe(args)}, {args.threads} threads, models in lockstep, "
+        f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after"
+    )
     print_table(rows)
     return 0
 

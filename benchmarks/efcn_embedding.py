@@ -7,6 +7,7 @@ the masks and every temporary. Target: peak <= 1.5x the eFCN's weights.
     python benchmarks/efcn_embedding.py                      # 16, 32, 64 channels at 32x32 RGB
     python benchmarks/efcn_embedding.py --channels 8 16 --img-size 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,7 @@ print(json.dumps(dict(params=params, weights_mb=params * 4 / 2**20, seconds=seco
 
 
 def measure(channels: int, img_size: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", WORKER, str(channels), str(img_size)],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", WORKER, str(channels), str(img_size)], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"embedding {channels} channels at {img_size}x{img_size} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -52,13 +52,19 @@ def main() -> None:
     parser.add_argument("--channels", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--img-size", type=int, default=32)
     args = parser.parse_args()
-    print(f"VanillaCNN (3 x conv3x3-ReLU-maxpool2, RGB {args.img_size}x{args.img_size}) -> eFCN, fp32, one process each")
-    print(f"{'channels':>8} {'eFCN params':>14} {'weights MB':>11} {'embed s':>8} {'peak MB':>9} "
-          f"{'peak/weights':>12} {'max |err|':>10}")
+    print(
+        f"VanillaCNN (3 x conv3x3-ReLU-maxpool2, RGB {args.img_size}x{args.img_size}) -> eFCN, fp32, one process each"
+    )
+    print(
+        f"{'channels':>8} {'eFCN params':>14} {'weights MB':>11} {'embed s':>8} {'peak MB':>9} "
+        f"{'peak/weights':>12} {'max |err|':>10}"
+    )
     for channels in args.channels:
         r = measure(channels, args.img_size)
-        print(f"{channels:>8} {r['params']:>14,} {r['weights_mb']:>11.1f} {r['seconds']:>8.2f} {r['peak_mb']:>9.1f} "
-              f"{r['peak_mb'] / r['weights_mb']:>12.2f} {r['max_abs_error']:>10.1e}")
+        print(
+            f"{channels:>8} {r['params']:>14,} {r['weights_mb']:>11.1f} {r['seconds']:>8.2f} {r['peak_mb']:>9.1f} "
+            f"{r['peak_mb'] / r['weights_mb']:>12.2f} {r['max_abs_error']:>10.1e}"
+        )
 
 
 if __name__ == "__main__":

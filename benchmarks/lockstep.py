@@ -20,6 +20,7 @@ step measured here, varying from process to process). Every worker therefore get
 thresholds (`MALLOC_ENVIRONMENT`, unless already set): each model trains from a warm heap, as a long
 run does, and no model is timed on its page faults.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, Hashable, List, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from convbias.engine.compile import COMPILE_MODES, compile_model
 
@@ -44,7 +46,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _reply(message: Dict) -> None:
+def _reply(message: dict) -> None:
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
 
@@ -85,13 +87,21 @@ COMPILE_AS = ("engine", "torch")
 def add_step_arguments(parser) -> None:
     """The options every benchmark shares: where and how its steps run."""
     parser.add_argument("--device", default="cpu", help="torch device of the steps: cpu, cuda, cuda:1...")
-    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                        help="bf16: forward and loss under torch.autocast(bfloat16), weights and optimizer in fp32")
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=PRECISIONS,
+        help="bf16: forward and loss under torch.autocast(bfloat16), weights and optimizer in fp32",
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile every model (inductor)")
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
-    parser.add_argument("--compile-as", default="engine", choices=COMPILE_AS,
-                        help="engine: as train.py --compile (on a CPU: ATen's kernels for GELU, LayerNorm, ReLU and "
-                             "max-pool, no layout optimization; convbias.engine.compile); torch: plain torch.compile")
+    parser.add_argument(
+        "--compile-as",
+        default="engine",
+        choices=COMPILE_AS,
+        help="engine: as train.py --compile (on a CPU: ATen's kernels for GELU, LayerNorm, ReLU and "
+        "max-pool, no layout optimization; convbias.engine.compile); torch: plain torch.compile",
+    )
 
 
 def check_step_arguments(parser, args) -> None:
@@ -108,10 +118,18 @@ def check_step_arguments(parser, args) -> None:
         parser.error(f"--device {args.device}: expected cpu or cuda[:N]")
 
 
-def step_argv(args) -> List[str]:
+def step_argv(args) -> list[str]:
     """The parent's step options, forwarded to each worker."""
-    argv = ["--device", args.device, "--precision", args.precision, "--compile-mode", args.compile_mode,
-            "--compile-as", args.compile_as]
+    argv = [
+        "--device",
+        args.device,
+        "--precision",
+        args.precision,
+        "--compile-mode",
+        args.compile_mode,
+        "--compile-as",
+        args.compile_as,
+    ]
     return argv + (["--compile"] if args.compile else [])
 
 
@@ -131,14 +149,19 @@ def make_step(model, images, labels, training: bool, args: Any) -> Callable[[], 
     model = model.to(args.device).train(training)
     images, labels = images.to(args.device), labels.to(args.device)
     device_type = torch.device(args.device).type
-    forward = (compile_model(model, device_type, mode=args.compile_mode, aten_kernels=args.compile_as == "engine")
-               if args.compile else model)
+    forward = (
+        compile_model(model, device_type, mode=args.compile_mode, aten_kernels=args.compile_as == "engine")
+        if args.compile
+        else model
+    )
     autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     if not training:
+
         @torch.no_grad()
         def infer() -> None:
             with autocast:
                 forward(images)
+
         return infer
 
     optimizer = create_optimizer_v2(model, "adamw", lr=1e-4, weight_decay=0.05)
@@ -150,6 +173,7 @@ def make_step(model, images, labels, training: bool, args: Any) -> Callable[[], 
             loss = loss_fn(forward(images), labels)
         loss.backward()
         optimizer.step()
+
     return train
 
 
@@ -169,16 +193,20 @@ class _Worker:
         self.key = key
         env = {**MALLOC_ENVIRONMENT, **os.environ}
         self.process = subprocess.Popen(
-            [sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=env,
+            [sys.executable, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
 
-    def ask(self, command: str) -> Dict:
+    def ask(self, command: str) -> dict:
         self.process.stdin.write(command + "\n")
         self.process.stdin.flush()
         return self.answer()
 
-    def answer(self) -> Dict:
+    def answer(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
             self.process.wait()
@@ -186,12 +214,12 @@ class _Worker:
         return json.loads(line)
 
 
-def run(workers: Dict[Hashable, Sequence[str]], warmup: int, steps: int) -> Dict[Hashable, Dict]:
+def run(workers: dict[Hashable, Sequence[str]], warmup: int, steps: int) -> dict[Hashable, dict]:
     """Start one process per entry (argv of a script that calls `serve`), run them in lockstep.
 
     Returns per key: 'times' (one {'wall', 'cpu'} per timed step, in rounds), 'warmup_times' (the same
     for the warmup steps: the first one holds torch.compile's compilation) and 'peak_mb'."""
-    started: List[_Worker] = [_Worker(key, argv) for key, argv in workers.items()]
+    started: list[_Worker] = [_Worker(key, argv) for key, argv in workers.items()]
     try:
         for worker in started:  # the models build in parallel; nothing is timed yet
             worker.answer()
@@ -212,8 +240,9 @@ def run(workers: Dict[Hashable, Sequence[str]], warmup: int, steps: int) -> Dict
     return {key: {"times": times[key], "warmup_times": warmup_times[key], "peak_mb": peaks[key]} for key in workers}
 
 
-def summary(result: Dict, reference: Dict, batch_size: int) -> Dict[str, float]:
+def summary(result: dict, reference: dict, batch_size: int) -> dict[str, float]:
     """Throughput (median step), paired speed ratios (wall and CPU) and memory ratio against `reference`."""
+
     def paired(clock: str) -> float:
         return statistics.median(r[clock] / t[clock] for r, t in zip(reference["times"], result["times"]))
 

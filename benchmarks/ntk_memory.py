@@ -7,6 +7,7 @@ naive implementation would hold, (samples x logits) x params in float32. Target:
     python benchmarks/ntk_memory.py                     # 16 and 64 samples, ConViT-Ti, patch 4, 10 classes
     python benchmarks/ntk_memory.py --samples 8 --model deit_tiny_patch16_224
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,19 +46,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--patch-size", type=int, default=4)
     p.add_argument("--classes", type=int, default=10)
     args = p.parse_args(argv)
-    print(f"{args.model} at {args.img_size}x{args.img_size}, patch {args.patch_size}, {args.classes} logits "
-          f"(trace contraction), float32, 1 thread")
-    print("| samples | params | full Jacobian (GB) | gradient buffer (GB) | peak RSS (GB) | peak / Jacobian | time (s) |")
+    print(
+        f"{args.model} at {args.img_size}x{args.img_size}, patch {args.patch_size}, {args.classes} logits "
+        f"(trace contraction), float32, 1 thread"
+    )
+    print(
+        "| samples | params | full Jacobian (GB) | gradient buffer (GB) | peak RSS (GB) | peak / Jacobian | time (s) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for samples in args.samples:
-        out = subprocess.run([sys.executable, "-c", WORKER, args.model, str(samples), str(args.img_size),
-                              str(args.patch_size), str(args.classes)], capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                args.model,
+                str(samples),
+                str(args.img_size),
+                str(args.patch_size),
+                str(args.classes),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             print(out.stderr.strip().splitlines()[-1], file=sys.stderr)
             return 1
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"| {samples} | {r['params']:,} | {r['jacobian_gb']:.2f} | {r['buffer_gb']:.2f} | {r['peak_gb']:.2f} | "
-              f"{r['peak_gb'] / r['jacobian_gb']:.2f}x | {r['seconds']:.0f} |")
+        print(
+            f"| {samples} | {r['params']:,} | {r['jacobian_gb']:.2f} | {r['buffer_gb']:.2f} | {r['peak_gb']:.2f} | "
+            f"{r['peak_gb'] / r['jacobian_gb']:.2f}x | {r['seconds']:.0f} |"
+        )
     return 0
 
 

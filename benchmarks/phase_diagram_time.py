@@ -7,6 +7,7 @@ the machine gave it, and wall / target. Target: the default grid in under 30 min
     python benchmarks/phase_diagram_time.py                                   # the committed grid
     python benchmarks/phase_diagram_time.py -c my_small_grid.yaml --target-min 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as out:
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "convbias.cli.phase_diagram", "-c", args.config,
-                               "--output", str(Path(out) / "grid")], cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "convbias.cli.phase_diagram",
+                "-c",
+                args.config,
+                "--output",
+                str(Path(out) / "grid"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         wall = time.perf_counter() - started
     if done.returncode != 0:
         print(done.stderr.strip().splitlines()[-1], file=sys.stderr)
@@ -40,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"phase diagram, {Path(args.config).name}, OMP_NUM_THREADS=1")
     print("| wall (min) | CPU (min) | CPU share | target (min) | wall / target |")
     print("|---:|---:|---:|---:|---:|")
-    print(f"| {wall / 60:.1f} | {cpu / 60:.1f} | {cpu / wall:.0%} | {args.target_min:g} | {wall / 60 / args.target_min:.2f} |")
+    print(
+        f"| {wall / 60:.1f} | {cpu / 60:.1f} | {cpu / wall:.0%} | {args.target_min:g} | {wall / 60 / args.target_min:.2f} |"
+    )
     return 0
 
 

@@ -13,6 +13,7 @@ size once model and images are loaded.
     python benchmarks/relative_stability.py --per-layer     # R_f of every block as well
     python benchmarks/relative_stability.py --quick         # smoke run: 32 images at 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,30 +96,49 @@ def main(argv=None) -> int:
         diffeo.temperature(DELTA, CUT, args.img_size)
     except ValueError as e:
         parser.error(f"--img-size {args.img_size}: {e}")
-    common = ["--model", args.model, "--img-size", str(args.img_size), "--images", str(args.images),
-              "--chunk-size", str(args.chunk_size), "--threads", str(args.threads)]
+    common = [
+        "--model",
+        args.model,
+        "--img-size",
+        str(args.img_size),
+        "--images",
+        str(args.images),
+        "--chunk-size",
+        str(args.chunk_size),
+        "--threads",
+        str(args.threads),
+    ]
     common += ["--per-layer"] if args.per_layer else []
     load_before = os.getloadavg()[0]
-    results = lockstep.run({work: [__file__, "--worker", "--work", work, *common] for work in WORKS},
-                           args.warmup, args.rounds)
+    results = lockstep.run(
+        {work: [__file__, "--worker", "--work", work, *common] for work in WORKS}, args.warmup, args.rounds
+    )
     seconds = {work: statistics.median(t["wall"] for t in r["times"]) for work, r in results.items()}
     cpu = {work: statistics.median(t["cpu"] for t in r["times"]) for work, r in results.items()}
     peak = {work: r["peak_mb"] for work, r in results.items()}
-    print(f"{args.model} at {args.img_size}x{args.img_size}, {args.images} images, chunks of {args.chunk_size}, "
-          f"delta={DELTA} c={CUT}, {'logits + every block' if args.per_layer else 'logits'}, {args.threads} threads, "
-          f"median of {args.rounds} lockstep rounds after {args.warmup} warmup; {time.strftime('%Y-%m-%d %H:%M')}, "
-          f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after")
+    print(
+        f"{args.model} at {args.img_size}x{args.img_size}, {args.images} images, chunks of {args.chunk_size}, "
+        f"delta={DELTA} c={CUT}, {'logits + every block' if args.per_layer else 'logits'}, {args.threads} threads, "
+        f"median of {args.rounds} lockstep rounds after {args.warmup} warmup; {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after"
+    )
     header = f"{'work':<10} {'wall s':>7} {'cpu s':>7} {'x evaluate (cpu)':>16} {'peak MB':>8} {'x evaluate':>10}"
     print(header)
     print("-" * len(header))
     for work in WORKS:
-        print(f"{work:<10} {seconds[work]:7.1f} {cpu[work]:7.1f} {cpu[work] / cpu['evaluate']:16.2f} "
-              f"{peak[work]:8.0f} {peak[work] / max(peak['evaluate'], 1e-9):10.2f}")
-    checks = [(f"rf under {TARGET_SECONDS:.0f} s (wall)", seconds["rf"] < TARGET_SECONDS),
-              (f"rf peak under {TARGET_MEMORY}x evaluate", peak["rf"] < TARGET_MEMORY * peak["evaluate"]),
-              (f"deformation under {TARGET_DEFORM:.0%} of rf (cpu)", cpu["deform"] < TARGET_DEFORM * cpu["rf"])]
-    print("; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks) +
-          f" (deformation {cpu['deform'] / cpu['rf']:.1%} of rf)")
+        print(
+            f"{work:<10} {seconds[work]:7.1f} {cpu[work]:7.1f} {cpu[work] / cpu['evaluate']:16.2f} "
+            f"{peak[work]:8.0f} {peak[work] / max(peak['evaluate'], 1e-9):10.2f}"
+        )
+    checks = [
+        (f"rf under {TARGET_SECONDS:.0f} s (wall)", seconds["rf"] < TARGET_SECONDS),
+        (f"rf peak under {TARGET_MEMORY}x evaluate", peak["rf"] < TARGET_MEMORY * peak["evaluate"]),
+        (f"deformation under {TARGET_DEFORM:.0%} of rf (cpu)", cpu["deform"] < TARGET_DEFORM * cpu["rf"]),
+    ]
+    print(
+        "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks)
+        + f" (deformation {cpu['deform'] / cpu['rf']:.1%} of rf)"
+    )
     return 0
 
 

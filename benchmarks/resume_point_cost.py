@@ -9,6 +9,7 @@ ratio is the median save time over the median step time (the issue's target: < 2
     python benchmarks/resume_point_cost.py                   # ConViT-Ti, 224, batch 32, 5 rounds
     python benchmarks/resume_point_cost.py --quick           # 32x32, batch 8, 2 rounds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,12 +69,30 @@ def main(argv=None) -> int:
         checkpoints = CheckpointDir(root)
 
         def save(index: int) -> None:
-            state = {"model": args.model, "epoch": 0, "step": index + 1, "loss_sums": [1.0], "num_updates": index + 1,
-                     "best": {}, "final": {}, "reparametrized": False, "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "scaler": None, "rng": [rng_state()]}
+            state = {
+                "model": args.model,
+                "epoch": 0,
+                "step": index + 1,
+                "loss_sums": [1.0],
+                "num_updates": index + 1,
+                "best": {},
+                "final": {},
+                "reparametrized": False,
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": None,
+                "rng": [rng_state()],
+            }
             checkpoints.stage(0, step=index + 1)
-            checkpoints.save(0, model.state_dict(), state, ema.module.state_dict(),
-                             {"model": args.model, "epoch": "0"}, is_best=False, step=index + 1)
+            checkpoints.save(
+                0,
+                model.state_dict(),
+                state,
+                ema.module.state_dict(),
+                {"model": args.model, "epoch": "0"},
+                is_best=False,
+                step=index + 1,
+            )
 
         step()  # warm-up: optimizer state exists from here on
         steps, saves = [], []
@@ -87,8 +106,10 @@ def main(argv=None) -> int:
         size_mb = sum(f.stat().st_size for f in checkpoints.last.iterdir()) / 2**20
 
     step_s, save_s = statistics.median(steps), statistics.median(saves)
-    print(f"{args.model}, {args.img_size}x{args.img_size}, batch {args.batch_size}, fp32, {args.threads} threads, "
-          f"{args.rounds} rounds of step + save; {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{args.model}, {args.img_size}x{args.img_size}, batch {args.batch_size}, fp32, {args.threads} threads, "
+        f"{args.rounds} rounds of step + save; {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'training step s':>16} {'resume point s':>15} {'size MB':>8} {'x step':>7}")
     print(f"{step_s:16.3f} {save_s:15.3f} {size_mb:8.1f} {save_s / step_s:7.2f}")
     return 0

@@ -17,6 +17,7 @@ ratios paired by round (see `lockstep.py` for the protocol and the memory measur
     python benchmarks/tcnn_throughput.py --device cuda --precision bf16 --batch-size 64
     python benchmarks/tcnn_throughput.py --quick               # smoke run: resnet18 at 64, batch 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,23 @@ def run_worker(args) -> None:
 def measure(model: str, mode: str, args) -> dict:
     """The three variants of one ResNet in one mode, in lockstep; summaries relative to the CNN."""
     workers = {
-        variant: [__file__, "--worker", "--model", model, "--variant", variant, "--mode", mode,
-                  "--img-size", str(args.img_size), "--batch-size", str(args.batch_size), "--threads", str(args.threads),
-                  *lockstep.step_argv(args)]
+        variant: [
+            __file__,
+            "--worker",
+            "--model",
+            model,
+            "--variant",
+            variant,
+            "--mode",
+            mode,
+            "--img-size",
+            str(args.img_size),
+            "--batch-size",
+            str(args.batch_size),
+            "--threads",
+            str(args.threads),
+            *lockstep.step_argv(args),
+        ]
         for variant in VARIANTS
     }
     results = lockstep.run(workers, args.warmup, args.steps)
@@ -70,7 +85,9 @@ def measure(model: str, mode: str, args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=None, help="timm ResNet names (default resnet50; quick resnet18)")
+    parser.add_argument(
+        "--models", nargs="+", default=None, help="timm ResNet names (default resnet50; quick resnet18)"
+    )
     parser.add_argument("--img-size", type=int, default=None, help="default 224 (quick 64)")
     parser.add_argument("--batch-size", type=int, default=None, help="default 16 (quick 4)")
     parser.add_argument("--quick", action="store_true", help="smoke run: resnet18, 64x64, batch 4, 1 warmup + 2 steps")
@@ -110,17 +127,21 @@ def main(argv=None) -> int:
 
     load_before = os.getloadavg()[0]
     results = {(model, mode): measure(model, mode, args) for model in args.models for mode in MODES}
-    print(f"{args.img_size}x{args.img_size}, batch {args.batch_size}, {lockstep.describe(args)}, {args.threads} threads, variants in lockstep, "
-          f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after")
+    print(
+        f"{args.img_size}x{args.img_size}, batch {args.batch_size}, {lockstep.describe(args)}, {args.threads} threads, variants in lockstep, "
+        f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after"
+    )
     header = f"{'model':<24} {'mode':<10} {'img/s':>8} {'x CNN':>6} {'peak MB':>8} {'x CNN':>6}"
     print(header)
     print("-" * len(header))
     for (model, mode), variants in results.items():
         for variant, row in variants.items():
             name = {"cnn": model, "cnn-s1": f"{model} (stride 1)", "tcnn": f"tcnn_{model}"}[variant]
-            print(f"{name:<24} {mode:<10} {row['images_per_sec']:8.1f} {row['speed_ratio']:6.2f} "
-                  f"{row['peak_mb']:8.0f} {row['memory_ratio']:6.2f}")
+            print(
+                f"{name:<24} {mode:<10} {row['images_per_sec']:8.1f} {row['speed_ratio']:6.2f} "
+                f"{row['peak_mb']:8.0f} {row['memory_ratio']:6.2f}"
+            )
     return 0
 
 

@@ -6,6 +6,7 @@ of ConViT/DeiT/T-CNN layers, the eFCN's deviation from locality, and the model-a
 stability to diffeomorphisms R_f of any model, per layer) and the T-CNN reparametrization
 (`--reparametrize tcnn`). Every command that builds models calls it first; nothing below it does.
 """
+
 from __future__ import annotations
 
 from convbias.engine.extensions import Extensions
@@ -16,12 +17,15 @@ def load_families() -> Extensions:
     import convit.diagnostics
     import efcn.diagnostics
     import transformed_cnn
-
     from convbias.evaluation import stability
     from convbias.evaluation.ntk import NTKChange
 
     return Extensions(
-        diagnostics={"ntk": NTKChange(), "attention": convit.diagnostics.summary, "efcn": efcn.diagnostics.summary,
-                     "stability": stability.diagnostic},
+        diagnostics={
+            "ntk": NTKChange(),
+            "attention": convit.diagnostics.summary,
+            "efcn": efcn.diagnostics.summary,
+            "stability": stability.diagnostic,
+        },
         reparametrizations={"tcnn": transformed_cnn.transform},
     )

@@ -32,23 +32,24 @@ has no custom autograd Function, and under `torch.jit.is_scripting()` `attend` t
 two paths, the convolutional initialization of v_pos. Each subclass supplies its token geometry.
 Importing this module registers no model.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-GridSize = Tuple[int, int]
+GridSize = tuple[int, int]
 # Cut-off of the positional attention's tiny weights: it is computed in float32. A default argument,
 # not torch.finfo in the body, so that TorchScript (which has no torch.finfo) compiles it.
 FP32_EPS = torch.finfo(torch.float32).eps
 
 
-def grid_positions(height: int, width: int, stride: int = 1, device: Optional[torch.device] = None) -> torch.Tensor:
+def grid_positions(height: int, width: int, stride: int = 1, device: torch.device | None = None) -> torch.Tensor:
     """(x, y) coordinates of the tokens of a height x width grid in row-major order, shape (N, 2).
 
     With `stride` s only every s-th row and column is kept (queries of a strided convolution)."""
@@ -64,8 +65,9 @@ def relative_encodings(query_positions: torch.Tensor, key_positions: torch.Tenso
     return torch.cat([delta, delta.pow(2).sum(-1, keepdim=True)], dim=-1)
 
 
-def positional_attention(rel: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         eps: float = FP32_EPS) -> torch.Tensor:
+def positional_attention(
+    rel: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = FP32_EPS
+) -> torch.Tensor:
     """P_h = softmax_j(v_pos^h . r_ij) for all heads at once: (Nq, Nk, 3) -> (H, Nq, Nk).
 
     weight, bias: those of pos_proj (v_pos), passed as tensors so that TorchScript compiles this.
@@ -97,8 +99,13 @@ class PositionalFactors(NamedTuple):
         return (self.rows[:, :, None, :, None] * self.cols[:, None, :, None, :]).reshape(heads, qy * qx, ky * kx)
 
 
-def axis_attention(linear: torch.Tensor, quadratic: torch.Tensor, query_coords: torch.Tensor,
-                   key_coords: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+def axis_attention(
+    linear: torch.Tensor,
+    quadratic: torch.Tensor,
+    query_coords: torch.Tensor,
+    key_coords: torch.Tensor,
+    shift: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax_k(linear_h * delta + quadratic_h * delta^2 [+ shift_h]), delta = key_k - query_q: (H, Q, K).
 
     One axis of the factored positional attention. Weights below eps / K are set to 0 (together they
@@ -112,8 +119,13 @@ def axis_attention(linear: torch.Tensor, quadratic: torch.Tensor, query_coords: 
     return attn.masked_fill(attn < torch.finfo(attn.dtype).eps / delta.shape[-1], 0.0)
 
 
-def positional_factors(pos_proj: nn.Linear, query_rows: torch.Tensor, query_cols: torch.Tensor,
-                       key_rows: torch.Tensor, key_cols: torch.Tensor) -> PositionalFactors:
+def positional_factors(
+    pos_proj: nn.Linear,
+    query_rows: torch.Tensor,
+    query_cols: torch.Tensor,
+    key_rows: torch.Tensor,
+    key_cols: torch.Tensor,
+) -> PositionalFactors:
     """P_h = softmax_k(v_pos^h . r_qk) in factored form, for query and key grids given by coordinates.
 
     pos_proj weighs (dx, dy, dx^2 + dy^2): the rows factor takes the dy and squared terms, the columns
@@ -176,7 +188,7 @@ def _split_count(length: int, device: torch.device) -> int:
     return _cached_split_count(length, device)
 
 
-def _contract(a: torch.Tensor, b: torch.Tensor, splits: Optional[int] = None) -> torch.Tensor:
+def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """a @ b^T for a (G, M, K) and b (G, L, K) with a long K and a small M x L output: (G, M, L).
 
     The backward's products for the factors' gradients have a 14 x 14 output per head and K = B * dv *
@@ -235,7 +247,9 @@ class _PositionalMix(torch.autograd.Function):
             grad_content = grad * (1 - weight).view(1, -1, 1, 1)
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             # S: (H*Ky, Qx, B*dv), the gradient reaching along_cols, with the gate's weight
-            through_rows = torch.bmm((rows * weight).transpose(1, 2), grad_folded).view(heads * key_rows, query_cols, width)
+            through_rows = torch.bmm((rows * weight).transpose(1, 2), grad_folded).view(
+                heads * key_rows, query_cols, width
+            )
             if ctx.needs_input_grad[2]:
                 per_row = _contract(through_rows, folded)  # (H*Ky, Qx, Kx)
                 grad_cols = per_row.view(heads, key_rows, query_cols, key_cols).sum(dim=1)
@@ -311,7 +325,7 @@ class GatedPositionalAttention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fused = True  # False forces the explicit path (for tests and diagnostics)
-        self.gate_override: Optional[float] = None  # test-time mask: 0 = content only, 1 = position only
+        self.gate_override: float | None = None  # test-time mask: 0 = content only, 1 = position only
 
     def gate(self) -> torch.Tensor:
         """Weight on the positional attention per head, sigma(lambda_h) unless overridden."""
@@ -334,8 +348,9 @@ class GatedPositionalAttention(nn.Module):
         attn = (1.0 - gate) * content + gate * positional.to(content.dtype)
         return attn / attn.sum(dim=-1, keepdim=True)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: GridSize,
-               attn_drop: float = 0.0) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: GridSize, attn_drop: float = 0.0
+    ) -> torch.Tensor:
         """Attention output (B, H, Nq, dv) over a token grid: the hot path, or the explicit one when
         `fused` is off, attention dropout (probability `attn_drop`) is active (it needs the materialized
         matrix) or the model is TorchScript-compiled (the hot path's autograd Function does not script;

@@ -1,10 +1,12 @@
 """Result tables: one CSV writer and one markdown renderer for every command that writes results."""
+
 from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike, columns: Sequence[str] | None = None) -> Path:

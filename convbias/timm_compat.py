@@ -5,6 +5,7 @@
 tests/test_model_contract.py checks its behavior, so a timm release that moves or changes it fails
 there, loudly, rather than inside a model.
 """
+
 from timm.models._features import feature_take_indices
 
 __all__ = ["feature_take_indices"]

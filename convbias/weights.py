@@ -4,6 +4,7 @@ Loading never unpickles arbitrary objects: weights come from safetensors, and ``
 with ``torch.load(weights_only=True)`` (tensors and plain containers only). Every failure is a
 ValueError whose one-line message names the file and what is wrong with it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +21,11 @@ def resolve_weights_path(path: str | Path) -> Path:
     """A weights file, a checkpoint dir (its model.safetensors) or a run dir (checkpoints/best, else last)."""
     path = Path(path)
     if path.is_dir():
-        for candidate in (path / WEIGHTS_FILE, path / "checkpoints" / "best" / WEIGHTS_FILE,
-                          path / "checkpoints" / "last" / WEIGHTS_FILE):
+        for candidate in (
+            path / WEIGHTS_FILE,
+            path / "checkpoints" / "best" / WEIGHTS_FILE,
+            path / "checkpoints" / "last" / WEIGHTS_FILE,
+        ):
             if candidate.is_file():
                 return candidate
         raise ValueError(f"no weights in {path} (expected {WEIGHTS_FILE} or checkpoints/best/{WEIGHTS_FILE})")
@@ -45,7 +49,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path} is not a weights file loadable with weights_only=True ({str(e).splitlines()[0]})") from None
+        raise ValueError(
+            f"{path} is not a weights file loadable with weights_only=True ({str(e).splitlines()[0]})"
+        ) from None
     for key in ("model", "state_dict", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -65,10 +71,20 @@ def check_compatible(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
     expected = model.state_dict()
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
-    mismatched = [f"{k} {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
-                  for k, v in expected.items() if k in state_dict and state_dict[k].shape != v.shape]
-    problems = [f"{label}: {_shown(keys)}" for label, keys in
-                (("missing keys", missing), ("unexpected keys", unexpected), ("mismatched shapes", mismatched)) if keys]
+    mismatched = [
+        f"{k} {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state_dict and state_dict[k].shape != v.shape
+    ]
+    problems = [
+        f"{label}: {_shown(keys)}"
+        for label, keys in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("mismatched shapes", mismatched),
+        )
+        if keys
+    ]
     if problems:
         raise ValueError(f"{source} does not fit this model ({type(model).__name__}): " + "; ".join(problems))
 

@@ -3,6 +3,7 @@
 Importing the package registers convit_* and deit_*_plus in timm's registry. The GPSA math shared
 with the Transformed CNNs is in `convbias.gpsa`.
 """
+
 from .attention import GPSA, MHSA
 from .models import ConViT, checkpoint_filter_fn
 

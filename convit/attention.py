@@ -5,18 +5,23 @@ in `convbias.gpsa`, shared with the Transformed CNN's layers; `GPSA` here suppli
 grid of patch tokens, queries = keys) and timm's parameter layout. Parameter names and shapes follow
 `timm.models.convit` (qk, v, proj, pos_proj, gating_param), so state dicts load both ways.
 """
+
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
+from torch import nn
 
 from convbias.gpsa import (
-    GatedPositionalAttention, GridSize, PositionalFactors, grid_positions, kernel_offsets, positional_attention,
-    positional_factors, relative_encodings,
+    GatedPositionalAttention,
+    GridSize,
+    PositionalFactors,
+    grid_positions,
+    kernel_offsets,
+    positional_attention,
+    positional_factors,
+    relative_encodings,
 )
 
 
@@ -80,7 +85,7 @@ class GPSA(GatedPositionalAttention):
 
     def _qkv(self, x: torch.Tensor):
         """Queries, keys and values from one GEMM: timm's separate `qk` and `v` weights, concatenated."""
-        b, n, c = x.shape
+        b, n, _c = x.shape
         weight = torch.cat([self.qk.weight, self.v.weight])
         bias = None if self.qk.bias is None else torch.cat([self.qk.bias, self.v.bias])
         return F.linear(x, weight, bias).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -98,7 +103,7 @@ class GPSA(GatedPositionalAttention):
         return self.proj_drop(self.proj(x))
 
     @torch.no_grad()
-    def local_init(self, locality_strength: Optional[float] = None) -> None:
+    def local_init(self, locality_strength: float | None = None) -> None:
         """Convolutional initialization (Eq. 7.5): W_val = I, heads on a k x k kernel of offsets."""
         self.v.weight.copy_(torch.eye(self.dim))
         alpha = self.locality_strength if locality_strength is None else locality_strength
@@ -108,7 +113,9 @@ class GPSA(GatedPositionalAttention):
 class MHSA(nn.Module):
     """Multi-head self-attention through PyTorch's fused kernel; explicit maps for diagnostics."""
 
-    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0):
+    def __init__(
+        self, dim: int, num_heads: int = 8, qkv_bias: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0
+    ):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide the width dim={dim}")
@@ -124,12 +131,12 @@ class MHSA(nn.Module):
         b, n, _ = x.shape
         return self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
 
-    def attention(self, x: torch.Tensor, grid_size: Optional[GridSize] = None) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, grid_size: GridSize | None = None) -> torch.Tensor:
         """The explicit attention matrix, shape (B, H, N, N) (before dropout)."""
         q, k, _ = self._qkv(x).unbind(0)
         return ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
 
-    def forward(self, x: torch.Tensor, grid_size: Optional[GridSize] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grid_size: GridSize | None = None) -> torch.Tensor:
         b, n, c = x.shape
         q, k, v = self._qkv(x).unbind(0)
         drop = self.attn_drop.p if self.training else 0.0

@@ -21,14 +21,15 @@ head looks at*. Without renormalization a head that attends mostly to the class 
 local (distance 0); with it, SA layers (which see the class token) and GPSA layers (which do not)
 are measured on the same footing.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.nn as nn
 from timm.layers import Attention as TimmAttention
+from torch import nn
 
 from convbias.gpsa import GridSize, grid_positions
 
@@ -36,14 +37,14 @@ from .attention import GPSA, MHSA
 
 __all__ = [
     "attention_layers",
-    "is_gated",
-    "gating",
-    "attention_span",
-    "patch_distances",
-    "attention_nonlocality",
-    "nonlocality",
-    "default_query",
     "attention_maps",
+    "attention_nonlocality",
+    "attention_span",
+    "default_query",
+    "gating",
+    "is_gated",
+    "nonlocality",
+    "patch_distances",
     "query_maps",
     "summary",
 ]
@@ -61,7 +62,7 @@ def _has_explicit_attention(module: nn.Module) -> bool:
     return isinstance(module, (GPSA, MHSA, TimmAttention))
 
 
-def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(module name, module) of every attention layer, in module order; layer l is entry l - 1."""
     return [(name, m) for name, m in model.named_modules() if is_gated(m) or _has_explicit_attention(m)]
 
@@ -171,7 +172,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
-def _attention_statistics(model: nn.Module, images: torch.Tensor, reduce, chunk_size: int) -> Dict[int, torch.Tensor]:
+def _attention_statistics(model: nn.Module, images: torch.Tensor, reduce, chunk_size: int) -> dict[int, torch.Tensor]:
     """Mean over images of reduce(A, grid_size) for every attention layer l with an explicit matrix.
 
     Forwards `images` once in eval mode without gradients; a forward hook computes each layer's
@@ -182,8 +183,8 @@ def _attention_statistics(model: nn.Module, images: torch.Tensor, reduce, chunk_
         raise ValueError(f"images must be a (B, C, H, W) tensor, got {shape}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    totals: Dict[int, torch.Tensor] = {}
-    counts: Dict[int, int] = {}
+    totals: dict[int, torch.Tensor] = {}
+    counts: dict[int, int] = {}
 
     def make_hook(layer: int):
         def hook(module, args, kwargs, output):
@@ -215,7 +216,7 @@ def _attention_statistics(model: nn.Module, images: torch.Tensor, reduce, chunk_
     return {layer: totals[layer] / counts[layer] for layer in totals}
 
 
-def nonlocality(model: nn.Module, images: torch.Tensor, chunk_size: int = 32) -> Dict[int, torch.Tensor]:
+def nonlocality(model: nn.Module, images: torch.Tensor, chunk_size: int = 32) -> dict[int, torch.Tensor]:
     """Nonlocality (Eq. 7.8) per head of every attention layer over a batch of images: {l: (H,)}."""
 
     def summed_over_images(attn: torch.Tensor, grid: GridSize) -> torch.Tensor:
@@ -224,14 +225,14 @@ def nonlocality(model: nn.Module, images: torch.Tensor, chunk_size: int = 32) ->
     return _attention_statistics(model, images, summed_over_images, chunk_size)
 
 
-def default_query(grid_size: GridSize) -> Tuple[int, int]:
+def default_query(grid_size: GridSize) -> tuple[int, int]:
     """The query patch (row, col) at the center of the grid, as in Figs. 7.8 and 8.5."""
     return grid_size[0] // 2, grid_size[1] // 2
 
 
 def attention_maps(
-    model: nn.Module, images: torch.Tensor, query: Optional[Tuple[int, int]] = None, chunk_size: int = 32
-) -> Dict[int, torch.Tensor]:
+    model: nn.Module, images: torch.Tensor, query: tuple[int, int] | None = None, chunk_size: int = 32
+) -> dict[int, torch.Tensor]:
     """Attention of one query patch over the patch grid, per layer and head: {l: (H, Hp, Wp)}.
 
     `query` is (row, col) on the grid (default: the center). With several images the maps are
@@ -249,8 +250,8 @@ def attention_maps(
 
 
 def query_maps(
-    model: nn.Module, image: torch.Tensor, query: Optional[Tuple[int, int]] = None, layers: Optional[List[int]] = None
-) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, int]], Dict[str, List[float]]]:
+    model: nn.Module, image: torch.Tensor, query: tuple[int, int] | None = None, layers: list[int] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]], dict[str, list[float]]]:
     """What `convbias.evaluation.figures.plot_attention_maps` draws for one (C, H, W) image (Fig. 7.8):
     ({"layer l": (H, Hp, Wp) maps}, {"layer l": query (row, col)}, {"layer l": gates} for gated layers).
 
@@ -264,12 +265,12 @@ def query_maps(
         raise ValueError(f"layers {missing} have no attention maps; available layers: {sorted(maps)}")
     modules = dict(enumerate((m for _, m in attention_layers(model)), start=1))
     labels = {layer: f"layer {layer}" for layer in layers}
-    queries = {labels[l]: default_query(tuple(maps[l].shape[1:])) if query is None else tuple(query) for l in layers}
-    gates = {labels[l]: gating(modules[l]).tolist() for l in layers if is_gated(modules[l])}
-    return {labels[l]: maps[l] for l in layers}, queries, gates
+    queries = {labels[i]: default_query(tuple(maps[i].shape[1:])) if query is None else tuple(query) for i in layers}
+    gates = {labels[i]: gating(modules[i]).tolist() for i in layers if is_gated(modules[i])}
+    return {labels[i]: maps[i] for i in layers}, queries, gates
 
 
-def summary(model: nn.Module, images: torch.Tensor, chunk_size: int = 32) -> Dict[str, float]:
+def summary(model: nn.Module, images: torch.Tensor, chunk_size: int = 32) -> dict[str, float]:
     """Flat diagnostics for logging, layers and heads numbered from 1:
 
     `nonlocality/layer{l}` (mean over heads) and `nonlocality/layer{l}/head{h}` for layers with an
@@ -278,7 +279,7 @@ def summary(model: nn.Module, images: torch.Tensor, chunk_size: int = 32) -> Dic
     layers = attention_layers(model)
     if not layers:
         return {}
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
 
     def add(metric: str, layer: int, per_head: torch.Tensor) -> None:
         out[f"{metric}/layer{layer}"] = float(per_head.mean())

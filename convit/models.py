@@ -19,22 +19,29 @@ reachable as kwargs for evaluation runs).
 import inspect
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Type, Union
+from typing import Any
 
 import torch
-import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import (
-    DropPath, LayerNorm, Mlp, PatchEmbed, calculate_drop_path_rates, register_notrace_function, resample_abs_pos_embed,
-    to_2tuple, trunc_normal_,
+    DropPath,
+    LayerNorm,
+    Mlp,
+    PatchEmbed,
+    calculate_drop_path_rates,
+    register_notrace_function,
+    resample_abs_pos_embed,
+    to_2tuple,
+    trunc_normal_,
 )
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from torch import nn
 
 from convbias.timm_compat import feature_take_indices
 
 from .attention import GPSA, MHSA, GridSize
 
-__all__ = ["ConViT", "Block", "checkpoint_filter_fn", "PoolError"]
+__all__ = ["Block", "ConViT", "PoolError", "checkpoint_filter_fn"]
 
 GLOBAL_POOLS = ("token", "avg", "")
 
@@ -56,8 +63,8 @@ class Block(nn.Module):
         proj_drop: float = 0.0,
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
-        act_layer: Type[nn.Module] = nn.GELU,
-        norm_layer: Type[nn.Module] = LayerNorm,
+        act_layer: type[nn.Module] = nn.GELU,
+        norm_layer: type[nn.Module] = LayerNorm,
         use_gpsa: bool = True,
         locality_strength: float = 1.0,
     ):
@@ -78,24 +85,30 @@ class Block(nn.Module):
 
 
 @register_notrace_function  # FX: a leaf (its check is a Python branch on the input size)
-def token_grid(height: int, width: int, patch_h: int, patch_w: int) -> Tuple[int, int]:
+def token_grid(height: int, width: int, patch_h: int, patch_w: int) -> tuple[int, int]:
     """Token grid of an input of this size; a ValueError if a side is not a multiple of the patch."""
     if height % patch_h != 0 or width % patch_w != 0:
-        raise ValueError(f"input size ({height}, {width}) must be a multiple of patch_size=({patch_h}, {patch_w}) on each side")
+        raise ValueError(
+            f"input size ({height}, {width}) must be a multiple of patch_size=({patch_h}, {patch_w}) on each side"
+        )
     return height // patch_h, width // patch_w
 
 
 @register_notrace_function  # FX: a leaf (Python branch on the grid)
-def pos_embed_for_grid(pos_embed: torch.Tensor, grid_size: Tuple[int, int], built_grid: Tuple[int, int]) -> torch.Tensor:
+def pos_embed_for_grid(
+    pos_embed: torch.Tensor, grid_size: tuple[int, int], built_grid: tuple[int, int]
+) -> torch.Tensor:
     """The absolute position embedding, resampled (bicubic) when the grid differs from the built one."""
     if grid_size[0] == built_grid[0] and grid_size[1] == built_grid[1]:
         return pos_embed
-    return resample_abs_pos_embed(pos_embed, new_size=[grid_size[0], grid_size[1]], old_size=[built_grid[0], built_grid[1]], num_prefix_tokens=0)
+    return resample_abs_pos_embed(
+        pos_embed, new_size=[grid_size[0], grid_size[1]], old_size=[built_grid[0], built_grid[1]], num_prefix_tokens=0
+    )
 
 
 def _check_config(
-    img_size: Tuple[int, int],
-    patch_size: Tuple[int, int],
+    img_size: tuple[int, int],
+    patch_size: tuple[int, int],
     embed_dim: int,
     depth: int,
     num_heads: int,
@@ -140,8 +153,8 @@ class ConViT(nn.Module):
 
     def __init__(
         self,
-        img_size: Union[int, Tuple[int, int]] = 224,
-        patch_size: Union[int, Tuple[int, int]] = 16,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int | tuple[int, int] = 16,
         in_chans: int = 3,
         num_classes: int = 1000,
         global_pool: str = "token",
@@ -164,12 +177,14 @@ class ConViT(nn.Module):
         mask_pos_embed: bool = False,
         mask_content_layers: int = 0,
         mask_position_layers: int = 0,
-        device: Optional[Union[str, torch.device]] = None,
-        dtype: Optional[torch.dtype] = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         img_size, patch_size = to_2tuple(img_size), to_2tuple(patch_size)
-        _check_config(img_size, patch_size, embed_dim, depth, num_heads, global_pool, local_up_to_layer, locality_strength)
+        _check_config(
+            img_size, patch_size, embed_dim, depth, num_heads, global_pool, local_up_to_layer, locality_strength
+        )
         embed_dim *= num_heads  # per head in the arguments, as timm's ConVit; the full width from here on
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -184,7 +199,9 @@ class ConViT(nn.Module):
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, strict_img_size=False)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if self.num_prefix_tokens else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim)) if use_pos_embed else None
+        self.pos_embed = (
+            nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim)) if use_pos_embed else None
+        )
         self.pos_drop = nn.Dropout(pos_drop_rate)
         drop_path_rates = calculate_drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.ModuleList(
@@ -237,7 +254,7 @@ class ConViT(nn.Module):
                 layer.local_init()
 
     # -- switches -------------------------------------------------------------------------------
-    def gpsa_layers(self) -> List[GPSA]:
+    def gpsa_layers(self) -> list[GPSA]:
         """The GPSA attention modules, first block first."""
         return [block.attn for block in self.blocks if block.use_gpsa]
 
@@ -269,7 +286,7 @@ class ConViT(nn.Module):
         return {"pos_embed", "cls_token"}
 
     @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         return dict(stem=r"^cls_token|pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     @torch.jit.ignore
@@ -280,7 +297,7 @@ class ConViT(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         if global_pool is not None:
             if global_pool not in GLOBAL_POOLS or (global_pool == "token" and not self.num_prefix_tokens):
                 allowed = GLOBAL_POOLS if self.num_prefix_tokens else ("avg", "")
@@ -288,11 +305,15 @@ class ConViT(nn.Module):
             self.global_pool = global_pool
         self.num_classes = num_classes
         weight = self.patch_embed.proj.weight
-        head = nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype) if num_classes > 0 else nn.Identity()
+        head = (
+            nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype)
+            if num_classes > 0
+            else nn.Identity()
+        )
         self.head = head.train(self.training)  # a new head follows the model's mode (timm's contract)
 
     # -- forward --------------------------------------------------------------------------------
-    def grid_size(self, img_size: List[int]) -> GridSize:
+    def grid_size(self, img_size: list[int]) -> GridSize:
         """Token grid (Hp, Wp) of an (H, W) input; a ValueError if a side is not a multiple of the patch."""
         return token_grid(img_size[0], img_size[1], self.patch_embed.patch_size[0], self.patch_embed.patch_size[1])
 
@@ -328,12 +349,12 @@ class ConViT(nn.Module):
     def forward_intermediates(
         self,
         x: torch.Tensor,
-        indices: Optional[Union[int, List[int]]] = None,
+        indices: int | list[int] | None = None,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """timm's feature API: outputs of the blocks in `indices` (patch tokens only, class token
         removed), as (B, C, Hp, Wp) maps (NCHW) or (B, N, C) sequences (NLC)."""
         if output_fmt not in ("NCHW", "NLC"):
@@ -356,14 +377,16 @@ class ConViT(nn.Module):
             if i in take_indices:
                 y = self.norm(x) if norm else x
                 y = y[:, 1:] if i >= self.local_up_to_layer else y
-                intermediates.append(y.reshape(batch, grid_size[0], grid_size[1], -1).permute(0, 3, 1, 2) if output_fmt == "NCHW" else y)
+                intermediates.append(
+                    y.reshape(batch, grid_size[0], grid_size[1], -1).permute(0, 3, 1, 2) if output_fmt == "NCHW" else y
+                )
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates
 
     def prune_intermediate_layers(
-        self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True
-    ) -> List[int]:
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
         """Drop the blocks after the last of `indices` (and the norm / head), for feature extraction."""
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         self.blocks = self.blocks[: max_index + 1]
@@ -389,7 +412,7 @@ class ConViT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: ConViT) -> Dict[str, torch.Tensor]:
+def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: ConViT) -> dict[str, torch.Tensor]:
     """Adapt a timm or official ConViT state dict to `model`: resample `pos_embed` to its token grid.
 
     The checkpoint's grid is taken as square (all published ConViT weights are)."""
@@ -408,7 +431,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: ConViT) -> 
     return state_dict
 
 
-def _create_convit(variant: str, pretrained: bool, arch: Dict[str, Any], kwargs: Dict[str, Any]) -> ConViT:
+def _create_convit(variant: str, pretrained: bool, arch: dict[str, Any], kwargs: dict[str, Any]) -> ConViT:
     """Build `variant` (architecture `arch`, overridable by the user's `kwargs`) through timm's builder.
 
     timm's builder consumes its own kwargs (features_only, out_indices, feature_cls, pretrained_cfg...);
@@ -426,7 +449,7 @@ def _create_convit(variant: str, pretrained: bool, arch: Dict[str, Any], kwargs:
         raise TypeError(f"{variant}: {error}; model kwargs: {allowed} (and timm.create_model's own)") from None
 
 
-def _cfg(**kwargs) -> Dict[str, Any]:
+def _cfg(**kwargs) -> dict[str, Any]:
     return {
         "url": "",
         "num_classes": 1000,

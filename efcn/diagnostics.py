@@ -8,12 +8,13 @@
   mean_tap replaces every copy by the mean of its tap's copies (the orthogonal projection onto the
   weight-sharing subspace). 0 right after embedding.
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .embedding import LocalLinear
 
@@ -38,8 +39,10 @@ def _short(name: str) -> str:
 def _squared_norms(layer: LocalLinear) -> tuple[float, float]:
     """(||W||^2, ||W_off-local||^2) accumulated in float64, chunked over output channels."""
     total = torch.linalg.vector_norm(layer.weight, dtype=torch.float64).item() ** 2
-    off_local = sum(torch.linalg.vector_norm(chunk, dtype=torch.float64).item() ** 2
-                    for _, chunk in layer.masked_weight_chunks("off_local"))
+    off_local = sum(
+        torch.linalg.vector_norm(chunk, dtype=torch.float64).item() ** 2
+        for _, chunk in layer.masked_weight_chunks("off_local")
+    )
     return total, off_local
 
 

@@ -15,19 +15,21 @@ act on the flat vector directly; spatial ones (pools, zero padding, Dropout2d) r
 activation viewed back as (C, H, W) (`OnFeatureMap`). BatchNorm (running statistics, i.e. the
 CNN's eval-mode function) is folded into the Conv2d or Linear right before it.
 """
+
 import copy
 import math
 import operator
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional, Sequence, Tuple
+from typing import Literal
 
 import torch
 import torch.fx
-import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
+from torch import nn
 
 SUPPORTED_LAYERS = (
     "Conv2d (groups=1, zero padding, any kernel/stride/padding/dilation, with or without bias), "
@@ -36,11 +38,25 @@ SUPPORTED_LAYERS = (
     "activations"
 )
 ELEMENTWISE = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Hardtanh,
-    nn.Identity, nn.Dropout, nn.AlphaDropout,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Hardtanh,
+    nn.Identity,
+    nn.Dropout,
+    nn.AlphaDropout,
 )
 SPATIAL = (
-    nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.ZeroPad2d,
+    nn.MaxPool2d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool2d,
+    nn.ZeroPad2d,
     nn.Dropout2d,
 )
 # Elements per scatter chunk when filling a dense conv matrix: bounds the temporary memory.
@@ -74,10 +90,8 @@ class LocalLinear(nn.Linear):
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
         self.in_features = math.prod(in_shape)
         self.out_features = math.prod(out_shape)
-        self.weight = nn.Parameter(
-            torch.zeros(self.out_features, self.in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(
-            torch.zeros(self.out_features, device=device, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.zeros(self.out_features, self.in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(self.out_features, device=device, dtype=dtype)) if bias else None
         self.register_buffer("locality_mask", locality_mask.to(device), persistent=False)
         self.register_buffer("tap_index", tap_index.to(device), persistent=False)
         self.keep: Keep = "all"
@@ -91,8 +105,9 @@ class LocalLinear(nn.Linear):
         """Boolean (out_features, in_features) mask of local entries (materialized)."""
         c_out, c_in = self.out_shape[0], self.in_shape[0]
         p, q = self.locality_mask.shape
-        return self.locality_mask[None, :, None, :].expand(c_out, p, c_in, q).reshape(
-            self.out_features, self.in_features)
+        return (
+            self.locality_mask[None, :, None, :].expand(c_out, p, c_in, q).reshape(self.out_features, self.in_features)
+        )
 
     def local_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(out pixel, in pixel, tap) of every local (p, q) pair, as index vectors."""
@@ -107,9 +122,11 @@ class LocalLinear(nn.Linear):
         rows_per_channel = w4.shape[1]
         step = max(1, FILL_CHUNK_ELEMENTS // w4[0].numel())
         for start in range(0, w4.shape[0], step):
-            chunk = w4[start:start + step] * mask
-            yield (slice(start * rows_per_channel, (start + chunk.shape[0]) * rows_per_channel),
-                   chunk.reshape(-1, self.in_features))
+            chunk = w4[start : start + step] * mask
+            yield (
+                slice(start * rows_per_channel, (start + chunk.shape[0]) * rows_per_channel),
+                chunk.reshape(-1, self.in_features),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.keep == "all":
@@ -142,7 +159,7 @@ class OnFeatureMap(nn.Module):
 
 
 @register_notrace_function  # FX: a leaf (a Python check on the input's size)
-def check_input_shape(x: torch.Tensor, input_shape: Tuple[int, int, int]) -> torch.Tensor:
+def check_input_shape(x: torch.Tensor, input_shape: tuple[int, int, int]) -> torch.Tensor:
     """`x` unchanged; a ValueError unless each sample has the size of `input_shape` (what the eFCN was built for)."""
     if x[0].numel() != input_shape[0] * input_shape[1] * input_shape[2]:
         raise ValueError("EmbeddedFCN was built for inputs of shape " + str(input_shape) + ", got " + str(x.shape[1:]))
@@ -152,8 +169,12 @@ def check_input_shape(x: torch.Tensor, input_shape: Tuple[int, int, int]) -> tor
 class EmbeddedFCN(nn.Module):
     """A fully connected network: Flatten, then Linear/LocalLinear layers and weightless layers."""
 
-    def __init__(self, layers: "OrderedDict[str, nn.Module]", input_shape: Sequence[int],
-                 feature_map: Optional[tuple[int, Sequence[int]]] = None):
+    def __init__(
+        self,
+        layers: "OrderedDict[str, nn.Module]",
+        input_shape: Sequence[int],
+        feature_map: tuple[int, Sequence[int]] | None = None,
+    ):
         """feature_map: (how many layers come before the CNN's flatten, the (C, H, W) map it flattened);
         forward_features returns that map (viewed from the flat activation), as the CNN's does."""
         super().__init__()
@@ -164,7 +185,9 @@ class EmbeddedFCN(nn.Module):
         head_name, head = [(n, m) for n, m in self.layers.named_children() if isinstance(m, nn.Linear)][-1]
         self.head_name = head_name
         self.head_index = names.index(head_name)  # the head and what follows it: timm's forward_head
-        self.features_end, feature_shape = feature_map if feature_map is not None else (self.head_index, (head.in_features,))
+        self.features_end, feature_shape = (
+            feature_map if feature_map is not None else (self.head_index, (head.in_features,))
+        )
         self.feature_shape = list(feature_shape)
         self.num_classes = head.out_features
         self.num_features = self.feature_shape[0]  # channels of the map, as for the CNN
@@ -177,19 +200,26 @@ class EmbeddedFCN(nn.Module):
     def get_classifier(self) -> nn.Module:
         return getattr(self.layers, self.head_name)
 
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A new last Linear (in the model's mode), or none for num_classes=0 (timm's contract). Like the CNN
         it embeds, an eFCN flattens its last map: `global_pool` 'flatten' (None: unchanged) keeps that, ''
         with no classifier returns the map, where nothing but the classifier reads the flat vector."""
         if global_pool not in (None, "flatten", ""):
-            raise ValueError(f"global_pool={global_pool!r}: an eFCN flattens its last map, the only pooling it has; "
-                             "use None, 'flatten' or '' (no classifier)")
+            raise ValueError(
+                f"global_pool={global_pool!r}: an eFCN flattens its last map, the only pooling it has; "
+                "use None, 'flatten' or '' (no classifier)"
+            )
         if global_pool == "" and (num_classes or self.features_end != self.head_index):
-            raise ValueError("global_pool='': an eFCN can return its last map only without a classifier "
-                             "(num_classes=0) and when nothing else reads the flat vector (no MLP after the flatten)")
+            raise ValueError(
+                "global_pool='': an eFCN can return its last map only without a classifier "
+                "(num_classes=0) and when nothing else reads the flat vector (no MLP after the flatten)"
+            )
         reference = next(self.parameters())
-        new_head = (nn.Linear(self.head_hidden_size, num_classes, device=reference.device, dtype=reference.dtype)
-                    if num_classes > 0 else nn.Identity())
+        new_head = (
+            nn.Linear(self.head_hidden_size, num_classes, device=reference.device, dtype=reference.dtype)
+            if num_classes > 0
+            else nn.Identity()
+        )
         setattr(self.layers, self.head_name, new_head.train(self.training))
         self.num_classes = num_classes
         if global_pool is not None:
@@ -255,7 +285,8 @@ def _trace_chain(cnn: nn.Module) -> list[tuple[str, nn.Module | None]]:
     except Exception as error:  # fx raises many types for untraceable code
         raise ValueError(
             f"embed could not trace {type(cnn).__name__}.forward ({error}); it supports a chain of layers "
-            f"(an nn.Sequential, or a forward that applies its layers one after the other)") from error
+            f"(an nn.Sequential, or a forward that applies its layers one after the other)"
+        ) from error
     modules = dict(cnn.named_modules())
     chain: list[tuple[str, nn.Module | None]] = []
     current = None
@@ -268,20 +299,25 @@ def _trace_chain(cnn: nn.Module) -> list[tuple[str, nn.Module | None]]:
             continue
         if node.op == "output":
             if node.args[0] is not current:
-                raise ValueError(f"embed supports a chain of layers; {type(cnn).__name__}.forward does not "
-                                 f"return the output of its last layer")
+                raise ValueError(
+                    f"embed supports a chain of layers; {type(cnn).__name__}.forward does not "
+                    f"return the output of its last layer"
+                )
             break
         inputs = node.all_input_nodes
         is_size = (node.op == "call_method" and node.target == "size") or (
-            node.op == "call_function" and node.target in (getattr, operator.getitem) and
-            (node.args[0] is current or node.args[0] in auxiliary))
+            node.op == "call_function"
+            and node.target in (getattr, operator.getitem)
+            and (node.args[0] is current or node.args[0] in auxiliary)
+        )
         if is_size:
             auxiliary.add(node)
             continue
         if not inputs or inputs[0] is not current or any(a not in auxiliary for a in inputs[1:]):
             raise ValueError(
                 f"embed supports a chain of layers; node {node.name!r} of {type(cnn).__name__}.forward "
-                f"does not take the previous layer's output as its only input")
+                f"does not take the previous layer's output as its only input"
+            )
         if node.op == "call_module":
             chain.append((node.target, modules[node.target]))
         elif _is_flatten(node):
@@ -291,7 +327,8 @@ def _trace_chain(cnn: nn.Module) -> list[tuple[str, nn.Module | None]]:
         else:
             raise ValueError(
                 f"embed does not support operation {node.name!r} ({node.op} {node.target}) in "
-                f"{type(cnn).__name__}.forward; supported: {SUPPORTED_LAYERS}")
+                f"{type(cnn).__name__}.forward; supported: {SUPPORTED_LAYERS}"
+            )
         current = node
     return chain
 
@@ -326,24 +363,34 @@ def _check_conv(name: str, conv: nn.Module, in_shape: tuple[int, ...]) -> tuple[
     if not isinstance(conv, nn.Conv2d) or type(conv).forward is not nn.Conv2d.forward:
         raise ValueError(f"layer {name!r} ({kind}) is not supported; supported: {SUPPORTED_LAYERS}")
     if conv.groups != 1:
-        raise ValueError(f"layer {name!r} (Conv2d, groups={conv.groups}) is not supported: only groups=1 "
-                         f"convolutions can be embedded")
+        raise ValueError(
+            f"layer {name!r} (Conv2d, groups={conv.groups}) is not supported: only groups=1 "
+            f"convolutions can be embedded"
+        )
     if conv.padding_mode != "zeros":
-        raise ValueError(f"layer {name!r} (Conv2d, padding_mode={conv.padding_mode!r}) is not supported: "
-                         f"only zero padding")
+        raise ValueError(
+            f"layer {name!r} (Conv2d, padding_mode={conv.padding_mode!r}) is not supported: only zero padding"
+        )
     if len(in_shape) != 3:
-        raise ValueError(f"layer {name!r} (Conv2d) needs a (C, H, W) feature map but gets a flat vector of "
-                         f"{in_shape[0]} features")
+        raise ValueError(
+            f"layer {name!r} (Conv2d) needs a (C, H, W) feature map but gets a flat vector of {in_shape[0]} features"
+        )
     if in_shape[0] != conv.in_channels:
-        raise ValueError(f"layer {name!r} (Conv2d) expects {conv.in_channels} input channels, gets "
-                         f"{in_shape[0]} (input_shape and the CNN do not fit)")
+        raise ValueError(
+            f"layer {name!r} (Conv2d) expects {conv.in_channels} input channels, gets "
+            f"{in_shape[0]} (input_shape and the CNN do not fit)"
+        )
     _, pad_total = _conv_padding(conv)
-    out_hw = [_conv_output_size(s, k, st, d, p) for s, k, st, d, p in
-              zip(in_shape[1:], conv.kernel_size, conv.stride, conv.dilation, pad_total)]
+    out_hw = [
+        _conv_output_size(s, k, st, d, p)
+        for s, k, st, d, p in zip(in_shape[1:], conv.kernel_size, conv.stride, conv.dilation, pad_total)
+    ]
     if min(out_hw) < 1:
-        raise ValueError(f"layer {name!r} (Conv2d kernel {conv.kernel_size}, dilation {conv.dilation}, "
-                         f"padding {conv.padding}) does not fit a {in_shape[1]}x{in_shape[2]} feature map "
-                         f"(input_shape too small for the CNN)")
+        raise ValueError(
+            f"layer {name!r} (Conv2d kernel {conv.kernel_size}, dilation {conv.dilation}, "
+            f"padding {conv.padding}) does not fit a {in_shape[1]}x{in_shape[2]} feature map "
+            f"(input_shape too small for the CNN)"
+        )
     return (conv.out_channels, *out_hw)
 
 
@@ -356,30 +403,40 @@ def _plan(cnn: nn.Module, input_shape: tuple[int, int, int]) -> list[_Step]:
         kind = type(layer).__name__
         if layer is None or isinstance(layer, nn.Flatten):
             if isinstance(layer, nn.Flatten) and (layer.start_dim, layer.end_dim) != (1, -1):
-                raise ValueError(f"layer {name!r} (Flatten) must flatten dims 1..-1, got "
-                                 f"start_dim={layer.start_dim}, end_dim={layer.end_dim}")
+                raise ValueError(
+                    f"layer {name!r} (Flatten) must flatten dims 1..-1, got "
+                    f"start_dim={layer.start_dim}, end_dim={layer.end_dim}"
+                )
             step.kind, step.out_shape = "flatten", (math.prod(shape),)
         elif isinstance(layer, (nn.BatchNorm1d, nn.BatchNorm2d)):
             previous = steps[-1] if steps else None
             wanted = "conv" if isinstance(layer, nn.BatchNorm2d) else "linear"
             if previous is None or previous.kind != wanted or previous.batchnorm is not None:
-                raise ValueError(f"layer {name!r} ({kind}) can only be folded right after a "
-                                 f"{'Conv2d' if wanted == 'conv' else 'Linear'}; supported: {SUPPORTED_LAYERS}")
+                raise ValueError(
+                    f"layer {name!r} ({kind}) can only be folded right after a "
+                    f"{'Conv2d' if wanted == 'conv' else 'Linear'}; supported: {SUPPORTED_LAYERS}"
+                )
             if layer.running_mean is None:
-                raise ValueError(f"layer {name!r} ({kind}) has no running statistics "
-                                 f"(track_running_stats=False) and cannot be folded")
+                raise ValueError(
+                    f"layer {name!r} ({kind}) has no running statistics "
+                    f"(track_running_stats=False) and cannot be folded"
+                )
             previous.batchnorm = layer
             continue
         elif isinstance(layer, nn.Linear):
             if type(layer).forward is not nn.Linear.forward:
                 raise ValueError(f"layer {name!r} ({kind}) is not supported; supported: {SUPPORTED_LAYERS}")
             if len(shape) != 1:
-                raise ValueError(f"layer {name!r} (Linear) needs a flat input; add a Flatten before it "
-                                 f"(it gets a feature map of shape {shape})")
+                raise ValueError(
+                    f"layer {name!r} (Linear) needs a flat input; add a Flatten before it "
+                    f"(it gets a feature map of shape {shape})"
+                )
             if shape[0] != layer.in_features:
-                raise ValueError(f"layer {name!r} (Linear) expects {layer.in_features} features, gets "
-                                 f"{shape[0]} from input_shape {tuple(input_shape)} (input_shape and the CNN "
-                                 f"do not fit)")
+                raise ValueError(
+                    f"layer {name!r} (Linear) expects {layer.in_features} features, gets "
+                    f"{shape[0]} from input_shape {tuple(input_shape)} (input_shape and the CNN "
+                    f"do not fit)"
+                )
             step.kind, step.out_shape = "linear", (layer.out_features,)
         elif isinstance(layer, nn.modules.conv._ConvNd):
             step.kind, step.out_shape = "conv", _check_conv(name, layer, shape)
@@ -393,8 +450,10 @@ def _plan(cnn: nn.Module, input_shape: tuple[int, int, int]) -> list[_Step]:
             try:
                 out = layer(torch.empty(1, *shape, device="meta"))
             except RuntimeError as error:
-                raise ValueError(f"layer {name!r} ({kind}) does not fit a feature map of shape {shape} "
-                                 f"({error}); input_shape too small for the CNN") from error
+                raise ValueError(
+                    f"layer {name!r} ({kind}) does not fit a feature map of shape {shape} "
+                    f"({error}); input_shape too small for the CNN"
+                ) from error
             step.kind, step.out_shape = "spatial", tuple(out.shape[1:])
         else:
             raise ValueError(f"layer {name!r} ({kind}) is not supported; supported: {SUPPORTED_LAYERS}")
@@ -418,14 +477,17 @@ def _num_params(steps: list[_Step]) -> int:
 # Building the dense layers
 
 
-def conv_locality(conv: nn.Conv2d, in_hw: tuple[int, int], out_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_locality(
+    conv: nn.Conv2d, in_hw: tuple[int, int], out_hw: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Locality mask (H'W', HW) and tap index (H'W', HW; -1 off-local) of a conv, by index arithmetic
     on the CPU, also under a `torch.device` context (timm builds models under `torch.device('meta')`)."""
     with torch.device("cpu"):
         pad_left, _ = _conv_padding(conv)
         per_axis = []
         for size, out, kernel, stride, dilation, pad in zip(
-                in_hw, out_hw, conv.kernel_size, conv.stride, conv.dilation, pad_left):
+            in_hw, out_hw, conv.kernel_size, conv.stride, conv.dilation, pad_left
+        ):
             position = torch.arange(out)[:, None] * stride - pad + torch.arange(kernel)[None, :] * dilation
             per_axis.append((position, (position >= 0) & (position < size)))  # (out, kernel)
         (iy, vy), (ix, vx) = per_axis
@@ -434,9 +496,12 @@ def conv_locality(conv: nn.Conv2d, in_hw: tuple[int, int], out_hw: tuple[int, in
         # Broadcast to (out_h, out_w, kh, kw).
         valid = vy[:, None, :, None] & vx[None, :, None, :]
         in_pixel = (iy[:, None, :, None] * width + ix[None, :, None, :]).expand_as(valid)[valid]
-        out_pixel = (torch.arange(out_h)[:, None, None, None] * out_w +
-                     torch.arange(out_w)[None, :, None, None]).expand_as(valid)[valid]
-        tap = (torch.arange(kh)[None, None, :, None] * kw + torch.arange(kw)[None, None, None, :]).expand_as(valid)[valid]
+        out_pixel = (
+            torch.arange(out_h)[:, None, None, None] * out_w + torch.arange(out_w)[None, :, None, None]
+        ).expand_as(valid)[valid]
+        tap = (torch.arange(kh)[None, None, :, None] * kw + torch.arange(kw)[None, None, None, :]).expand_as(valid)[
+            valid
+        ]
         mask = torch.zeros(out_h * out_w, height * width, dtype=torch.bool)
         mask[out_pixel, in_pixel] = True
         tap_index = torch.full((out_h * out_w, height * width), -1, dtype=torch.int32)
@@ -444,7 +509,9 @@ def conv_locality(conv: nn.Conv2d, in_hw: tuple[int, int], out_hw: tuple[int, in
         return mask, tap_index
 
 
-def _folded(weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _folded(
+    weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.Module | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weight and bias with an eval-mode BatchNorm that follows them folded in."""
     if bn is None:
         return weight, bias
@@ -463,8 +530,15 @@ def _embed_conv(step: _Step, copy_weights: bool) -> LocalLinear:
     conv = step.layer
     mask, tap_index = conv_locality(conv, step.in_shape[1:], step.out_shape[1:])
     has_bias = conv.bias is not None or step.batchnorm is not None
-    dense = LocalLinear(step.in_shape, step.out_shape, mask, tap_index, bias=has_bias,
-                        device=conv.weight.device, dtype=conv.weight.dtype)
+    dense = LocalLinear(
+        step.in_shape,
+        step.out_shape,
+        mask,
+        tap_index,
+        bias=has_bias,
+        device=conv.weight.device,
+        dtype=conv.weight.dtype,
+    )
     if conv.weight.is_meta:  # a structure-only model (timm builds models on the meta device): no values
         return dense
     if not copy_weights:
@@ -489,12 +563,14 @@ def _embed_conv(step: _Step, copy_weights: bool) -> LocalLinear:
 def _embed_linear(step: _Step, copy_weights: bool) -> nn.Linear:
     linear = step.layer
     has_bias = linear.bias is not None or step.batchnorm is not None
-    dense = nn.Linear(linear.in_features, linear.out_features, bias=has_bias,
-                      device=linear.weight.device, dtype=linear.weight.dtype)
+    dense = nn.Linear(
+        linear.in_features, linear.out_features, bias=has_bias, device=linear.weight.device, dtype=linear.weight.dtype
+    )
     if copy_weights:
         with torch.no_grad():
-            weight, bias = _folded(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
-                                   step.batchnorm)
+            weight, bias = _folded(
+                linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), step.batchnorm
+            )
             dense.weight.copy_(weight)
             if bias is not None:
                 dense.bias.copy_(bias)
@@ -508,12 +584,15 @@ def _build(cnn: nn.Module, input_shape: Sequence[int], max_params: int | None, c
     steps = _plan(cnn, input_shape)
     n_params = _num_params(steps)
     if max_params is not None and n_params > max_params:
-        largest = max((s for s in steps if s.kind in ("conv", "linear")),
-                      key=lambda s: math.prod(s.in_shape) * math.prod(s.out_shape))
+        largest = max(
+            (s for s in steps if s.kind in ("conv", "linear")),
+            key=lambda s: math.prod(s.in_shape) * math.prod(s.out_shape),
+        )
         raise ValueError(
             f"the eFCN of {type(cnn).__name__} at input_shape {input_shape} has {n_params:,} parameters, more "
             f"than max_params={max_params:,} (largest layer {largest.name!r}: {math.prod(largest.out_shape):,} x "
-            f"{math.prod(largest.in_shape):,}); use fewer channels or a smaller input")
+            f"{math.prod(largest.in_shape):,}); use fewer channels or a smaller input"
+        )
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     feature_map = None
     for step in steps:

@@ -8,21 +8,22 @@
   (a train.py checkpoint or any state-dict file); without it, from the CNN's random init.
 - `fcn_<cnn>`: the same fully connected architecture with PyTorch's default Linear init.
 """
+
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn as nn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import nn
 
 from convbias.weights import load_weights
 
 from .embedding import EmbeddedFCN, embed, standard_fcn
 
-__all__ = ["VanillaCNN", "AlexNetCIFAR"]
+__all__ = ["AlexNetCIFAR", "VanillaCNN"]
 
 
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:
@@ -39,8 +40,16 @@ class _ClassifierCNN(nn.Sequential):
 
     __jit_unused_properties__ = ["input_shape", "num_features", "head_hidden_size"]  # Python-side metadata
 
-    def __init__(self, layers: "OrderedDict[str, nn.Module]", num_classes: int, in_chans: int,
-                 img_size: tuple[int, int], global_pool: Optional[str] = None, device=None, dtype=None):
+    def __init__(
+        self,
+        layers: OrderedDict[str, nn.Module],
+        num_classes: int,
+        in_chans: int,
+        img_size: tuple[int, int],
+        global_pool: str | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(layers)
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -75,7 +84,7 @@ class _ClassifierCNN(nn.Sequential):
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Flatten (the paper's CNNs flatten; they do not pool), the MLP if any, then the classifier."""
-        for name, module in list(self._modules.items())[self._split():]:
+        for name, module in list(self._modules.items())[self._split() :]:
             if pre_logits and name == "head":
                 break
             x = module(x)
@@ -84,25 +93,33 @@ class _ClassifierCNN(nn.Sequential):
     def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A new classifier (Identity for 0) in the model's mode. The paper's CNNs flatten their last map
         instead of pooling it: `global_pool` 'flatten' (or None: unchanged) keeps that, '' with no classifier
         removes it, so that the model returns its last map as timm's models do; an MLP that reads the
         flat vector (AlexNet's) cannot lose it."""
         if global_pool not in (None, "flatten", ""):
-            raise ValueError(f"global_pool={global_pool!r}: {type(self).__name__} flattens its last map (the paper's "
-                             "architecture), the only pooling it has; use None, 'flatten' or '' (no classifier)")
+            raise ValueError(
+                f"global_pool={global_pool!r}: {type(self).__name__} flattens its last map (the paper's "
+                "architecture), the only pooling it has; use None, 'flatten' or '' (no classifier)"
+            )
         if global_pool == "":
-            after_flatten = list(self._modules)[self._split() + 1:]
+            after_flatten = list(self._modules)[self._split() + 1 :]
             if num_classes or after_flatten != ["head"]:
-                raise ValueError(f"global_pool='': {type(self).__name__} can return its unflattened last map only "
-                                 "without a classifier (num_classes=0) and when nothing else reads the flat vector; "
-                                 f"after its flatten come {', '.join(after_flatten)}")
+                raise ValueError(
+                    f"global_pool='': {type(self).__name__} can return its unflattened last map only "
+                    "without a classifier (num_classes=0) and when nothing else reads the flat vector; "
+                    f"after its flatten come {', '.join(after_flatten)}"
+                )
         width = self.head_hidden_size
         if global_pool is not None:
             self.flatten = nn.Flatten() if global_pool == "flatten" else nn.Identity()
         weight = next(self.parameters())
-        head = nn.Linear(width, num_classes, device=weight.device, dtype=weight.dtype) if num_classes > 0 else nn.Identity()
+        head = (
+            nn.Linear(width, num_classes, device=weight.device, dtype=weight.dtype)
+            if num_classes > 0
+            else nn.Identity()
+        )
         self.head_width = width
         self.head = head.train(self.training)
         self.num_classes = num_classes
@@ -111,9 +128,17 @@ class _ClassifierCNN(nn.Sequential):
 class VanillaCNN(_ClassifierCNN):
     """Sec. 6.2.2: 3 x (Conv 3x3 padding 1, ReLU, MaxPool 2x2), Flatten, Linear."""
 
-    def __init__(self, channels: int = 64, num_classes: int = 10, in_chans: int = 3,
-                 img_size: int | Sequence[int] = 32, depth: int = 3, global_pool: Optional[str] = None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        channels: int = 64,
+        num_classes: int = 10,
+        in_chans: int = 3,
+        img_size: int | Sequence[int] = 32,
+        depth: int = 3,
+        global_pool: str | None = None,
+        device=None,
+        dtype=None,
+    ):
         img_size = _pair(img_size)
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         height, width, chans = *img_size, in_chans
@@ -125,7 +150,7 @@ class VanillaCNN(_ClassifierCNN):
             height, width, chans = height // 2, width // 2, channels
             feature_info.append(_feature(chans, img_size[0], height, f"pool{i}"))
         if min(height, width) < 1:
-            raise ValueError(f"VanillaCNN with depth {depth} needs img_size >= {2 ** depth}, got {img_size}")
+            raise ValueError(f"VanillaCNN with depth {depth} needs img_size >= {2**depth}, got {img_size}")
         layers["flatten"] = nn.Flatten()
         layers["head"] = nn.Linear(channels * height * width, num_classes)
         super().__init__(layers, num_classes, in_chans, img_size, global_pool, device, dtype)
@@ -135,12 +160,24 @@ class VanillaCNN(_ClassifierCNN):
 class AlexNetCIFAR(_ClassifierCNN):
     """App. E.2: AlexNet for 32x32 images (5 convs, 3 max-pools 3x3/2, MLP head with dropout)."""
 
-    def __init__(self, num_classes: int = 100, in_chans: int = 3, img_size: int | Sequence[int] = 32,
-                 drop_rate: float = 0.5, global_pool: Optional[str] = None, device=None, dtype=None):
+    def __init__(
+        self,
+        num_classes: int = 100,
+        in_chans: int = 3,
+        img_size: int | Sequence[int] = 32,
+        drop_rate: float = 0.5,
+        global_pool: str | None = None,
+        device=None,
+        dtype=None,
+    ):
         img_size = _pair(img_size)
         stages = [  # (out channels, kernel, stride, padding, max-pool after)
-            (64, 4, 2, 2, True), (192, 5, 1, 2, True), (384, 3, 1, 1, False), (256, 3, 1, 1, False),
-            (256, 3, 1, 1, True)]
+            (64, 4, 2, 2, True),
+            (192, 5, 1, 2, True),
+            (384, 3, 1, 1, False),
+            (256, 3, 1, 1, False),
+            (256, 3, 1, 1, True),
+        ]
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         (height, width), chans = img_size, in_chans
         feature_info = []
@@ -170,8 +207,9 @@ class AlexNetCIFAR(_ClassifierCNN):
 def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN]) -> Callable[..., EmbeddedFCN]:
     """A model constructor: build the CNN, load `cnn_checkpoint` if given, lift it with `lift`."""
 
-    def build(cnn_checkpoint: str | None = None, max_params: int | None = None, global_pool: str | None = None,
-              **cnn_kwargs) -> EmbeddedFCN:
+    def build(
+        cnn_checkpoint: str | None = None, max_params: int | None = None, global_pool: str | None = None, **cnn_kwargs
+    ) -> EmbeddedFCN:
         # the CNN keeps its classifier (the eFCN's head is found as its last Linear); removed after the lift
         remove_head = cnn_kwargs.get("num_classes") == 0
         cnn = cnn_cls(**{k: v for k, v in cnn_kwargs.items() if not (k == "num_classes" and remove_head)})
@@ -189,28 +227,43 @@ def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN
 
 
 def _cfg(num_classes: int, input_size: tuple[int, int, int], classifier: str, first_conv: str, pool_size=None) -> dict:
-    return dict(num_classes=num_classes, input_size=input_size, fixed_input_size=True, classifier=classifier,
-                first_conv=first_conv, pool_size=pool_size,
-                mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, interpolation="bilinear",
-                license="apache-2.0")
+    return dict(
+        num_classes=num_classes,
+        input_size=input_size,
+        fixed_input_size=True,
+        classifier=classifier,
+        first_conv=first_conv,
+        pool_size=pool_size,
+        mean=(0.5, 0.5, 0.5),
+        std=(0.5, 0.5, 0.5),
+        crop_pct=1.0,
+        interpolation="bilinear",
+        license="apache-2.0",
+    )
 
 
-default_cfgs = generate_default_cfgs({
-    "vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "head", "conv1", pool_size=(4, 4)),  # the last map (flattened, not pooled)
-    "alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "head", "conv1", pool_size=(1, 1)),
-    "efcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(4, 4)),
-    "efcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(1, 1)),
-    "fcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(4, 4)),
-    "fcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(1, 1)),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "vanilla_cnn.untrained": _cfg(
+            10, (3, 32, 32), "head", "conv1", pool_size=(4, 4)
+        ),  # the last map (flattened, not pooled)
+        "alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "head", "conv1", pool_size=(1, 1)),
+        "efcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(4, 4)),
+        "efcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(1, 1)),
+        "fcn_vanilla_cnn.untrained": _cfg(10, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(4, 4)),
+        "fcn_alexnet_cifar.untrained": _cfg(100, (3, 32, 32), "layers.head", "layers.conv1", pool_size=(1, 1)),
+    }
+)
 
 
 def _create(variant: str, model_cls: Callable[..., nn.Module], pretrained: bool, **kwargs) -> nn.Module:
     if kwargs.pop("drop_path_rate", None):
         raise ValueError(f"{variant} has no residual branches to drop: drop_path_rate must be 0 (--drop-path 0)")
     if kwargs.get("features_only") and variant.startswith(("efcn_", "fcn_")):
-        raise ValueError(f"{variant}: features_only is not supported: an eFCN is fully connected, it has no feature maps "
-                         f"(use the CNN {variant.split('_', 1)[1]} for features)")
+        raise ValueError(
+            f"{variant}: features_only is not supported: an eFCN is fully connected, it has no feature maps "
+            f"(use the CNN {variant.split('_', 1)[1]} for features)"
+        )
     feature_cfg = dict(out_indices=(0, 1, 2))  # the pooled maps (VanillaCNN's default depth, AlexNet's three pools)
     return build_model_with_cfg(model_cls, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
 

@@ -1,11 +1,12 @@
 """Shared pytest fixtures and helpers (import helpers with `from conftest import ...`)."""
+
 import io
 
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 from PIL import Image
+from torch import nn
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def write_hf_parquet_dataset(root, per_split: dict[str, int]) -> None:
         labels, images = [i % len(HF_TOY_CLASSES) for i in range(count)], []
         for label in labels:
             pixels = rng.integers(0, 90, (HF_TOY_SIZE, HF_TOY_SIZE, 3), dtype=np.uint8)
-            pixels[:, 3 * label:3 * label + 2] += 150
+            pixels[:, 3 * label : 3 * label + 2] += 150
             png = io.BytesIO()
             Image.fromarray(pixels).save(png, format="PNG")
             images.append({"bytes": png.getvalue(), "path": None})
@@ -67,7 +68,11 @@ def write_hf_parquet_dataset(root, per_split: dict[str, int]) -> None:
 def write_hf_card(root, per_split: dict[str, int]) -> None:
     """The README.md a Hub dataset carries: its features and each split's size (what a stream needs)."""
     names = "".join(f"          '{index}': {name}\n" for index, name in enumerate(HF_TOY_CLASSES))
-    splits = "".join(f"  - name: {split}\n    num_bytes: 0\n    num_examples: {count}\n" for split, count in per_split.items())
-    (root / "README.md").write_text("---\ndataset_info:\n  features:\n  - name: image\n    dtype: image\n"
-                                    "  - name: label\n    dtype:\n      class_label:\n        names:\n"
-                                    f"{names}  splits:\n{splits}---\n")
+    splits = "".join(
+        f"  - name: {split}\n    num_bytes: 0\n    num_examples: {count}\n" for split, count in per_split.items()
+    )
+    (root / "README.md").write_text(
+        "---\ndataset_info:\n  features:\n  - name: image\n    dtype: image\n"
+        "  - name: label\n    dtype:\n      class_label:\n        names:\n"
+        f"{names}  splits:\n{splits}---\n"
+    )

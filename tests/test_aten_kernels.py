@@ -2,6 +2,7 @@
 exactly what the unswapped modules compute (outputs and every gradient, bit for bit), eagerly and under
 inductor with no graph break, in fp32 and under bf16 autocast; their parameters, keys and classes stay
 what they were, and only the exact module classes named there are touched."""
+
 import copy
 import pickle
 
@@ -76,17 +77,31 @@ def test_inference_graph_and_training_graph_both_match():
 
 
 def test_only_the_named_module_classes_are_swapped():
-    model = nn.Sequential(LayerNorm2d(3), nn.LayerNorm(4, elementwise_affine=False), nn.MaxPool2d(2, return_indices=True),
-                          nn.SiLU(), nn.GELU(), nn.ReLU())
+    model = nn.Sequential(
+        LayerNorm2d(3),
+        nn.LayerNorm(4, elementwise_affine=False),
+        nn.MaxPool2d(2, return_indices=True),
+        nn.SiLU(),
+        nn.GELU(),
+        nn.ReLU(),
+    )
     assert use_aten_kernels(model) == 2  # LayerNorm2d permutes first; no affine; indices returned; SiLU
-    assert [type(m).__name__ for m in model] == ["LayerNorm2d", "LayerNorm", "MaxPool2d", "SiLU", "AtenGELU", "AtenReLU"]
+    assert [type(m).__name__ for m in model] == [
+        "LayerNorm2d",
+        "LayerNorm",
+        "MaxPool2d",
+        "SiLU",
+        "AtenGELU",
+        "AtenReLU",
+    ]
     assert use_aten_kernels(model) == 0  # a second call changes nothing
 
 
 def test_a_swapped_vit_keeps_its_weights_and_outputs():
     torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", img_size=16, patch_size=4, depth=2, embed_dim=24,
-                              num_heads=2, num_classes=3).eval()
+    model = timm.create_model(
+        "deit_tiny_patch16_224", img_size=16, patch_size=4, depth=2, embed_dim=24, num_heads=2, num_classes=3
+    ).eval()
     swapped = copy.deepcopy(model)
     assert use_aten_kernels(swapped) == 2 * 3 + 1  # per block: 2 LayerNorms and a GELU; the final norm
     x = torch.randn(2, 3, 16, 16)
@@ -97,8 +112,11 @@ def test_a_swapped_vit_keeps_its_weights_and_outputs():
 def _layouts(shape):
     """A contiguous, a channels-last and a transposed (non-contiguous) tensor of `shape`."""
     x = torch.randn(shape)
-    return {"contiguous": x, "channels_last": x.contiguous(memory_format=torch.channels_last),
-            "transposed": torch.randn(shape[:-2] + shape[-2:][::-1]).transpose(-1, -2)}
+    return {
+        "contiguous": x,
+        "channels_last": x.contiguous(memory_format=torch.channels_last),
+        "transposed": torch.randn(shape[:-2] + shape[-2:][::-1]).transpose(-1, -2),
+    }
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
@@ -108,7 +126,7 @@ def test_custom_ops_pass_torch_opcheck(layout):
     x = _layouts((2, 4, 6, 6))[layout]
     grad = _layouts((2, 4, 6, 6))[layout]
     weight, bias = torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True)
-    out, mean, rstd = torch.ops.aten.native_layer_norm(x, [6], weight, bias, 1e-5)
+    _out, mean, rstd = torch.ops.aten.native_layer_norm(x, [6], weight, bias, 1e-5)
     pooled, indices = torch.ops.aten.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1], [1, 1], False)
     samples = [
         (aten_kernels.gelu, (x.requires_grad_(), "none")),
@@ -116,10 +134,15 @@ def test_custom_ops_pass_torch_opcheck(layout):
         (aten_kernels.layer_norm, (x, [6], weight, bias, 1e-5)),
         (aten_kernels.layer_norm_backward, (grad, x.detach(), [6], mean, rstd, weight.detach(), bias.detach())),
         (aten_kernels.relu_backward, (grad, x.detach().relu())),
-        (aten_kernels.relu_backward, (grad.contiguous(), x.detach().relu().contiguous(memory_format=torch.channels_last))),
+        (
+            aten_kernels.relu_backward,
+            (grad.contiguous(), x.detach().relu().contiguous(memory_format=torch.channels_last)),
+        ),
         (aten_kernels.max_pool2d, (x, [3, 3], [2, 2], [1, 1], [1, 1], False)),
-        (aten_kernels.max_pool2d_backward, (torch.randn_like(pooled), x.detach(), [3, 3], [2, 2], [1, 1], [1, 1],
-                                            False, indices)),
+        (
+            aten_kernels.max_pool2d_backward,
+            (torch.randn_like(pooled), x.detach(), [3, 3], [2, 2], [1, 1], [1, 1], False, indices),
+        ),
     ]
     for op, args in samples:
         torch.library.opcheck(op, args)

@@ -1,4 +1,5 @@
 """GPSA / MHSA layers: hot path vs reference path, timm's layers as oracle, convolutional init, grids."""
+
 import pytest
 import torch
 from timm.models import convit as timm_convit
@@ -40,7 +41,15 @@ def test_hot_path_matches_reference_path_in_outputs_and_gradients(grid_size):
     out_ref, dx_ref, grads_ref = _output_and_grads(layer, x, grid_size, fused=False)
     torch.testing.assert_close(out_fused, out_ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(dx_fused, dx_ref, rtol=0, atol=1e-5)
-    assert set(grads_fused) == {"qk.weight", "v.weight", "proj.weight", "proj.bias", "pos_proj.weight", "pos_proj.bias", "gating_param"}
+    assert set(grads_fused) == {
+        "qk.weight",
+        "v.weight",
+        "proj.weight",
+        "proj.bias",
+        "pos_proj.weight",
+        "pos_proj.bias",
+        "gating_param",
+    }
     for name in grads_fused:
         torch.testing.assert_close(grads_fused[name], grads_ref[name], rtol=0, atol=1e-5, msg=name)
     assert grads_fused["gating_param"].abs().min() > 0  # the gate really is on the gradient path
@@ -52,8 +61,10 @@ def test_shared_value_path_matches_per_head_values():
     b, h, n, d = 2, 4, 12, 5
     q, k = torch.randn(2, b, h, n, d, dtype=torch.float64)
     v = torch.randn(b, 1, n, 7, dtype=torch.float64)
-    factors = PositionalFactors(rows=torch.randn(h, 3, 3, dtype=torch.float64).softmax(-1),
-                                cols=torch.randn(h, 4, 4, dtype=torch.float64).softmax(-1))
+    factors = PositionalFactors(
+        rows=torch.randn(h, 3, 3, dtype=torch.float64).softmax(-1),
+        cols=torch.randn(h, 4, 4, dtype=torch.float64).softmax(-1),
+    )
     pos = factors.dense()
     gate = torch.rand(h, dtype=torch.float64)
     shared = gated_attention(q, k, v, factors, gate)
@@ -71,7 +82,9 @@ def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads, split_
     fewer query rows/columns than key rows/columns, per-head or shared value (dv < Nq). With split_k the
     factors' gradients take the GPU's split-K contraction (forced here on the CPU, smallest split)."""
     if split_k:
-        monkeypatch.setattr(gpsa, "_split_count", lambda length, device: next(n for n in range(2, length + 1) if length % n == 0))
+        monkeypatch.setattr(
+            gpsa, "_split_count", lambda length, device: next(n for n in range(2, length + 1) if length % n == 0)
+        )
     torch.manual_seed(0)
     b, h, d, dv = 2, 3, 4, 5
     (qy, ky), (qx, kx) = (2, 4), (3, 5)
@@ -249,5 +262,6 @@ def test_factors_equal_the_dense_softmax_of_the_encodings(grid_size):
     """P_h = rows_h (x) cols_h exactly: the encodings' x and y parts separate (bias included)."""
     layer = _randomized_gpsa(dim=24, heads=4).double()
     # both are computed in float32; masking differs only below eps / 14 per weight
-    torch.testing.assert_close(layer.positional_factors(grid_size).dense(), layer.positional_attention(grid_size),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        layer.positional_factors(grid_size).dense(), layer.positional_attention(grid_size), rtol=0, atol=1e-6
+    )

@@ -2,14 +2,15 @@
 no graph break (fullgraph raises on the first one, the GPSA hot path's autograd Function included),
 compiled outputs and gradients equal to eager's; both as plain torch.compile and as the engine's
 --compile does it on a CPU (convbias.engine.compile.compile_model: ATen's kernels for some modules)."""
+
 import pytest
 import timm
 import torch
 
 import convit  # noqa: F401  (registers the models)
-from convbias.engine.compile import compile_model
 import efcn  # noqa: F401
 import transformed_cnn  # noqa: F401
+from convbias.engine.compile import compile_model
 
 # tiny configurations; (model kwargs, input side)
 CASES = {
@@ -22,8 +23,14 @@ CASES = {
 # (model, compiled as the engine does on a CPU?): the engine's way where it swaps modules in a new way
 # (GELU and LayerNorm; ReLU, BatchNorm and ATen's max-pool; the tiled max-pool), plain torch.compile for
 # the others (each model's compile costs 5-45 s of the suite, so not every model both ways)
-VARIANTS = [("convit_tiny", False), ("convit_tiny", True), ("deit_tiny_plus", False), ("tcnn_resnet18", True),
-            ("efcn_vanilla_cnn", False), ("vanilla_cnn", True)]
+VARIANTS = [
+    ("convit_tiny", False),
+    ("convit_tiny", True),
+    ("deit_tiny_plus", False),
+    ("tcnn_resnet18", True),
+    ("efcn_vanilla_cnn", False),
+    ("vanilla_cnn", True),
+]
 
 
 def _loss_and_grads(model: torch.nn.Module, fn, x: torch.Tensor):

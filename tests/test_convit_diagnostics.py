@@ -1,5 +1,6 @@
 """Locality diagnostics: known configurations give their known values; oracles are hand-computed
 closed forms, brute-force loops and timm's own ConViT `get_attention_map`."""
+
 import json
 import math
 from pathlib import Path
@@ -7,14 +8,14 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-import torch.nn as nn
 from matplotlib.image import imread
 from timm.models import convit as timm_convit
+from torch import nn
 
-from convit import diagnostics
-from convbias.gpsa import kernel_offsets
-from convit.attention import GPSA, MHSA
 from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head, read_log
+from convbias.gpsa import kernel_offsets
+from convit import diagnostics
+from convit.attention import GPSA, MHSA
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = (5, 7)  # non-square on purpose
@@ -111,7 +112,8 @@ def test_chunking_does_not_change_the_result():
     model = OneLayer(GPSA(16, 4))
     images = torch.randn(5, 16, *GRID)
     torch.testing.assert_close(
-        diagnostics.nonlocality(model, images, chunk_size=2)[1], diagnostics.nonlocality(model, images, chunk_size=32)[1]
+        diagnostics.nonlocality(model, images, chunk_size=2)[1],
+        diagnostics.nonlocality(model, images, chunk_size=32)[1],
     )
 
 
@@ -163,7 +165,9 @@ def small_deit() -> nn.Module:
 def test_summary_of_a_timm_deit_covers_every_layer_and_head():
     model = small_deit()
     stats = diagnostics.summary(model, torch.randn(2, 3, 32, 32))
-    expected = {f"nonlocality/layer{l}" for l in (1, 2, 3)} | {f"nonlocality/layer{l}/head{h}" for l in (1, 2, 3) for h in (1, 2, 3)}
+    expected = {f"nonlocality/layer{i}" for i in (1, 2, 3)} | {
+        f"nonlocality/layer{i}/head{h}" for i in (1, 2, 3) for h in (1, 2, 3)
+    }
     assert set(stats) == expected
     grid_max = math.dist((0, 0), (3, 3))
     assert all(0 < value < grid_max for value in stats.values())
@@ -259,6 +263,7 @@ def test_read_log_names_the_bad_line(tmp_path):
 # -- command line -------------------------------------------------------------------------------
 def load_cli():
     from convbias.cli import diagnostics as cli
+
     return cli
 
 
@@ -280,8 +285,23 @@ def test_cli_draws_histories_and_attention_maps(tmp_path, capsys):
     image = tmp_path / "disc.png"
     disc = (torch.arange(40)[:, None] - 20) ** 2 + (torch.arange(48)[None, :] - 24) ** 2 < 150
     Image.fromarray((disc.numpy() * 255).astype("uint8")).convert("RGB").save(image)
-    argv = ["--model", "deit_tiny_patch16_224", "--checkpoint", str(checkpoint), "--image", str(image), "--img-size", "32",
-            "--num-classes", "10", "--model-kwargs", "patch_size=8", "depth=3", "--out", str(tmp_path / "maps")]
+    argv = [
+        "--model",
+        "deit_tiny_patch16_224",
+        "--checkpoint",
+        str(checkpoint),
+        "--image",
+        str(image),
+        "--img-size",
+        "32",
+        "--num-classes",
+        "10",
+        "--model-kwargs",
+        "patch_size=8",
+        "depth=3",
+        "--out",
+        str(tmp_path / "maps"),
+    ]
     assert cli.main(argv) == 0
     assert_png(tmp_path / "maps" / "attention_maps.png")
 
@@ -334,7 +354,9 @@ def test_convit_nonlocality_matches_timm_convit_with_the_same_weights():
     with torch.no_grad():
         for layer in ours.gpsa_layers():
             layer.gating_param.normal_()
-    theirs = timm_convit.ConVit(img_size=32, patch_size=4, num_classes=10, embed_dim=48, num_heads=4, local_up_to_layer=10)
+    theirs = timm_convit.ConVit(
+        img_size=32, patch_size=4, num_classes=10, embed_dim=48, num_heads=4, local_up_to_layer=10
+    )
     theirs.load_state_dict(ours.state_dict(), strict=True)
     theirs.eval()
     images = torch.randn(3, 3, 32, 32)

@@ -1,4 +1,5 @@
 """ConViT models: timm interchange, registry, pretrained loading, resolutions, ablation switches, bad input."""
+
 import copy
 import subprocess
 import sys
@@ -107,7 +108,17 @@ def test_pretrained_loads_offline_through_timm_from_a_local_file(tmp_path):
     timm_cfg = timm_convit.default_cfgs["convit_tiny"].cfgs["fb_in1k"]
     our_cfg = ours.pretrained_cfg
     assert our_cfg["hf_hub_id"] == "timm/convit_tiny.fb_in1k"
-    for key in ("url", "num_classes", "input_size", "mean", "std", "crop_pct", "interpolation", "first_conv", "classifier"):
+    for key in (
+        "url",
+        "num_classes",
+        "input_size",
+        "mean",
+        "std",
+        "crop_pct",
+        "interpolation",
+        "first_conv",
+        "classifier",
+    ):
         assert our_cfg[key] == getattr(timm_cfg, key), key
 
     # another resolution and head: pos_embed resampled by checkpoint_filter_fn, classifier dropped
@@ -122,19 +133,18 @@ def test_pretrained_loads_offline_through_timm_from_a_local_file(tmp_path):
 
 def test_registration_names_our_module_without_warnings():
     code = textwrap.dedent(
-        """
+        f"""
         import warnings
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import timm, convit
-            names = %r
-            modules = {timm.models.model_entrypoint(n).__module__ for n in names}
+            names = {sorted(ARCHITECTURES)!r}
+            modules = {{timm.models.model_entrypoint(n).__module__ for n in names}}
             built = type(timm.create_model("convit_tiny", img_size=32, patch_size=8)).__module__
         print(len(caught), sorted(modules), built, sorted(timm.list_models("convit_*", pretrained=True)))
         for w in caught:
             print(w.category.__name__, w.message)
         """
-        % sorted(ARCHITECTURES)
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     first_line = done.stdout.splitlines()[0]
@@ -178,8 +188,14 @@ def test_width_kwargs_keep_timms_meaning(kwargs):
 
 def test_common_kwargs_are_accepted():
     model = timm.create_model(
-        "convit_small", img_size=48, patch_size=12, in_chans=1, num_classes=7, drop_path_rate=0.2,
-        local_up_to_layer=3, locality_strength=2.0,
+        "convit_small",
+        img_size=48,
+        patch_size=12,
+        in_chans=1,
+        num_classes=7,
+        drop_path_rate=0.2,
+        local_up_to_layer=3,
+        locality_strength=2.0,
     )
     assert len(model.gpsa_layers()) == 3
     assert model.blocks[-1].drop_path.drop_prob == pytest.approx(0.2)
@@ -354,7 +370,9 @@ def test_bad_configuration_is_a_value_error(kwargs, message):
 
 def test_unknown_kwarg_is_a_type_error_naming_the_allowed_ones():
     """timm's builders raise TypeError for an unknown kwarg; ours too, with the allowed names."""
-    with pytest.raises(TypeError, match=r"convit_tiny: .*unexpected keyword argument 'locality'; model kwargs: .*locality_strength"):
+    with pytest.raises(
+        TypeError, match=r"convit_tiny: .*unexpected keyword argument 'locality'; model kwargs: .*locality_strength"
+    ):
         timm.create_model("convit_tiny", locality=2.0)
 
 

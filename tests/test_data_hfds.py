@@ -7,24 +7,48 @@ a missing package, a missing local dataset, an unknown Hub id (offline), a corru
 hfids/ a card without split sizes or class names, each stop the run before any work with one line and exit
 2, writing nothing.
 """
+
 import json
 import shutil
 import sys
 
 import numpy as np
 import pytest
+from conftest import HF_TOY_CLASSES, HF_TOY_SIZE, write_hf_card, write_hf_parquet_dataset
 
 from convbias.cli import train
 from convbias.engine.data import build_datasets
 
-from conftest import HF_TOY_CLASSES, HF_TOY_SIZE, write_hf_card, write_hf_parquet_dataset
-
 datasets = pytest.importorskip("datasets")
 
 SIZE = HF_TOY_SIZE
-ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=8",
-        "--img-size", str(SIZE), "--crop-pct", "1", "--no-aug", "--repeated-aug", "1", "--batch-size", "8",
-        "--lr", "2e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "1", "--no-diagnostics"]
+ARGS = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=2",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=8",
+    "--img-size",
+    str(SIZE),
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--batch-size",
+    "8",
+    "--lr",
+    "2e-3",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--epochs",
+    "1",
+    "--no-diagnostics",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +84,9 @@ def test_a_local_hf_dataset_trains(toy, cache, tmp_path):
 
 def test_subsampling_an_hf_dataset(toy, cache):
     """--train-fraction keeps round(f n) of each class of train; --num-classes keeps the first classes of both."""
-    bundle = build_datasets(dict(dataset=f"hfds/{toy}", data_dir=str(cache), img_size=SIZE,
-                                 train_fraction=0.25, num_classes=2))
+    bundle = build_datasets(
+        dict(dataset=f"hfds/{toy}", data_dir=str(cache), img_size=SIZE, train_fraction=0.25, num_classes=2)
+    )
     assert bundle.class_names == ["left", "middle"] and bundle.num_classes == 2
     assert np.bincount(bundle.train.targets).tolist() == [4, 4]
     assert np.bincount(bundle.val.targets).tolist() == [4, 4]
@@ -69,12 +94,15 @@ def test_subsampling_an_hf_dataset(toy, cache):
     assert bundle.train[0][0].shape == (3, SIZE, SIZE)
 
 
-@pytest.mark.parametrize("mistake, expected", [
-    ("corrupt", "Failed to read schema from '{toy}/data/train-00000-of-00001.parquet'"),
-    ("missing", "Couldn't find any data file at {toy}/missing"),
-    ("offline", "Couldn't reach 'nobody/no-such-dataset' on the Hub"),
-    ("no_package", "needs the datasets package: pip install datasets"),
-])
+@pytest.mark.parametrize(
+    "mistake, expected",
+    [
+        ("corrupt", "Failed to read schema from '{toy}/data/train-00000-of-00001.parquet'"),
+        ("missing", "Couldn't find any data file at {toy}/missing"),
+        ("offline", "Couldn't reach 'nobody/no-such-dataset' on the Hub"),
+        ("no_package", "needs the datasets package: pip install datasets"),
+    ],
+)
 def test_bad_hfds_input_is_one_line_and_writes_nothing(toy, cache, tmp_path, capsys, monkeypatch, mistake, expected):
     name = f"hfds/{toy}"
     if mistake == "corrupt":
@@ -108,14 +136,16 @@ def test_an_unreachable_hub_is_one_line_with_the_offline_hint(cache, tmp_path, c
     def unreachable(name, **kwargs):
         logging.getLogger("huggingface_hub.utils._http").warning(
             "'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/... "
-            "Retrying in 1s [Retry 1/5].")
+            "Retrying in 1s [Retry 1/5]."
+        )
         raise ConnectionError("Couldn't reach 'nobody/no-such-dataset' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(timm.data, "create_dataset", unreachable)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     output = tmp_path / "run"
-    code = train.main(ARGS + ["--dataset", "hfds/nobody/no-such-dataset", "--data-dir", str(cache),
-                              "--output", str(output)])
+    code = train.main(
+        ARGS + ["--dataset", "hfds/nobody/no-such-dataset", "--data-dir", str(cache), "--output", str(output)]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no network? HF_HUB_OFFLINE=1" in err[0], err
     assert not [record for record in caplog.records if "Retrying" in record.getMessage()]  # held, then dropped
@@ -144,16 +174,24 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     assert len(fields(reference)) == 3 and fields(stopped) == fields(reference)
 
 
-@pytest.mark.parametrize("mistake, expected", [
-    ("no_sizes", "its card gives no num_examples for split 'train' and 'validation'"),
-    ("no_classes", "no ClassLabel 'label' column (columns: image, label)"),
-    ("fraction", "--train-fraction and --num-classes need an index of labels"),
-    ("workers", "has 1 shard(s) for 1 process(es) x 2 loader worker(s), and a worker without a shard reads nothing; "
-                "use --workers 1 or fewer"),
-    ("missing", "Couldn't find any data file at {toy}"),
-    ("no_package", "needs the datasets package: pip install datasets"),
-])
-def test_bad_hfids_input_is_one_line_and_writes_nothing(carded, cache, tmp_path, capsys, monkeypatch, mistake, expected):
+@pytest.mark.parametrize(
+    "mistake, expected",
+    [
+        ("no_sizes", "its card gives no num_examples for split 'train' and 'validation'"),
+        ("no_classes", "no ClassLabel 'label' column (columns: image, label)"),
+        ("fraction", "--train-fraction and --num-classes need an index of labels"),
+        (
+            "workers",
+            "has 1 shard(s) for 1 process(es) x 2 loader worker(s), and a worker without a shard reads nothing; "
+            "use --workers 1 or fewer",
+        ),
+        ("missing", "Couldn't find any data file at {toy}"),
+        ("no_package", "needs the datasets package: pip install datasets"),
+    ],
+)
+def test_bad_hfids_input_is_one_line_and_writes_nothing(
+    carded, cache, tmp_path, capsys, monkeypatch, mistake, expected
+):
     toy, extra = carded, []
     if mistake in ("no_sizes", "no_classes"):
         toy = shutil.copytree(carded, tmp_path / "toy")
@@ -161,8 +199,11 @@ def test_bad_hfids_input_is_one_line_and_writes_nothing(carded, cache, tmp_path,
         if mistake == "no_sizes":
             card.unlink()
         else:
-            card.write_text(card.read_text().replace("dtype:\n      class_label:\n        names:\n", "dtype: int64\n")
-                            .replace("".join(f"          '{k}': {c}\n" for k, c in enumerate(HF_TOY_CLASSES)), ""))
+            card.write_text(
+                card.read_text()
+                .replace("dtype:\n      class_label:\n        names:\n", "dtype: int64\n")
+                .replace("".join(f"          '{k}': {c}\n" for k, c in enumerate(HF_TOY_CLASSES)), "")
+            )
     elif mistake == "fraction":
         extra = ["--train-fraction", "0.5"]
     elif mistake == "workers":  # timm's reader would raise in the second worker, mid-run

@@ -3,6 +3,7 @@
 A shard set trains and is evaluated whole; a corrupt (truncated) shard, a missing info file and per-class
 subsampling of a stream each stop the run before any work with one line and exit 2, writing nothing.
 """
+
 import io
 import json
 import tarfile
@@ -17,9 +18,34 @@ from convbias.cli import train
 pytest.importorskip("webdataset")
 
 SIZE = 16
-ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=4", "depth=2", "local_up_to_layer=1", "embed_dim=8",
-        "--img-size", str(SIZE), "--crop-pct", "1", "--no-aug", "--repeated-aug", "1", "--batch-size", "8",
-        "--lr", "2e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--diagnostics-images", "4"]
+ARGS = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=4",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=8",
+    "--img-size",
+    str(SIZE),
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--batch-size",
+    "8",
+    "--lr",
+    "2e-3",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--epochs",
+    "2",
+    "--diagnostics-images",
+    "4",
+]
 
 
 def write_shards(root: Path, per_split: dict[str, int], shards: int = 2) -> None:
@@ -35,7 +61,7 @@ def write_shards(root: Path, per_split: dict[str, int], shards: int = 2) -> None
                 for i in members:
                     label = (i // shards) % 2
                     image = rng.integers(0, 90, (SIZE, SIZE, 3), dtype=np.uint8)
-                    image[:, label * SIZE // 2:(label + 1) * SIZE // 2] += 150
+                    image[:, label * SIZE // 2 : (label + 1) * SIZE // 2] += 150
                     png = io.BytesIO()
                     Image.fromarray(image).save(png, format="PNG")
                     for ext, data in (("png", png.getvalue()), ("cls", str(label).encode())):
@@ -66,13 +92,19 @@ def test_a_wds_shard_set_trains(shards, tmp_path):
     assert results["final_top1"] > 50.0  # chance: 50%
 
 
-@pytest.mark.parametrize("mistake, expected", [
-    ("truncate", "toy-train-0001.tar is corrupt or partial"),
-    ("no_info", "no _info.json or info.json"),
-    ("fraction", "--train-fraction and --num-classes need an index of labels"),
-    ("workers", "--workers 3: the training stream of --dataset wds/toy has 2 shard(s) for 1 process(es) x 3 loader "
-                "worker(s), and a worker without a shard reads nothing; use --workers 2 or fewer"),
-])
+@pytest.mark.parametrize(
+    "mistake, expected",
+    [
+        ("truncate", "toy-train-0001.tar is corrupt or partial"),
+        ("no_info", "no _info.json or info.json"),
+        ("fraction", "--train-fraction and --num-classes need an index of labels"),
+        (
+            "workers",
+            "--workers 3: the training stream of --dataset wds/toy has 2 shard(s) for 1 process(es) x 3 loader "
+            "worker(s), and a worker without a shard reads nothing; use --workers 2 or fewer",
+        ),
+    ],
+)
 def test_bad_stream_input_is_one_line_and_writes_nothing(shards, tmp_path, capsys, mistake, expected):
     """(--workers 3 over 2 shards: the third worker would read nothing and the epoch end after 64 of 96 images.)"""
     extra = []

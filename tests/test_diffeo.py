@@ -1,5 +1,6 @@
 """Max-entropy diffeomorphisms: boundary conditions, the delta(T, c) law, resampling against explicit formulas,
 seeds, the augmentation transform, and bad input."""
+
 import math
 
 import pytest
@@ -27,8 +28,10 @@ def test_center_displacement_follows_the_formula_for_large_cut(size):
     T = diffeo.temperature(delta, cut, size)
     assert diffeo.typical_displacement(T, cut, size) == pytest.approx(delta)
     generator = torch.Generator().manual_seed(1)
-    center = [diffeo.displacement_field(diffeo.sample_fields(1000, cut, generator), T, size)[
-        :, :, size[0] // 2, size[1] // 2] for _ in range(4)]
+    center = [
+        diffeo.displacement_field(diffeo.sample_fields(1000, cut, generator), T, size)[:, :, size[0] // 2, size[1] // 2]
+        for _ in range(4)
+    ]
     empirical = torch.cat(center).pow(2).sum(1).mean().sqrt().item()
     assert empirical == pytest.approx(delta, rel=0.10)
 
@@ -36,28 +39,35 @@ def test_center_displacement_follows_the_formula_for_large_cut(size):
 def _explicit_bilinear(image, field):
     """The reference library's remap: floor/ceil corners of the clamped source point."""
     height, width = image.shape[-2:]
-    y, x = torch.meshgrid(torch.arange(height, dtype=torch.float32), torch.arange(width, dtype=torch.float32),
-                          indexing="ij")
+    y, x = torch.meshgrid(
+        torch.arange(height, dtype=torch.float32), torch.arange(width, dtype=torch.float32), indexing="ij"
+    )
     xn, yn = (x - field[0]).clamp(0, width - 1), (y - field[1]).clamp(0, height - 1)
     xf, yf, xc, yc = xn.floor().long(), yn.floor().long(), xn.ceil().long(), yn.ceil().long()
     xv, yv = xn - xf, yn - yf
-    return ((1 - yv) * (1 - xv) * image[..., yf, xf] + (1 - yv) * xv * image[..., yf, xc]
-            + yv * (1 - xv) * image[..., yc, xf] + yv * xv * image[..., yc, xc])
+    return (
+        (1 - yv) * (1 - xv) * image[..., yf, xf]
+        + (1 - yv) * xv * image[..., yf, xc]
+        + yv * (1 - xv) * image[..., yc, xf]
+        + yv * xv * image[..., yc, xc]
+    )
 
 
 def _explicit_gaussian(image, field, sigma=diffeo.GAUSSIAN_SIGMA):
     """App. C, dense: every pixel weighted by exp(-d^2 / 2 sigma^2) around the source point, normalized."""
     height, width = image.shape[-2:]
-    y, x = torch.meshgrid(torch.arange(height, dtype=torch.float64), torch.arange(width, dtype=torch.float64),
-                          indexing="ij")
+    y, x = torch.meshgrid(
+        torch.arange(height, dtype=torch.float64), torch.arange(width, dtype=torch.float64), indexing="ij"
+    )
     xn, yn = (x - field[0]).clamp(0, width - 1), (y - field[1]).clamp(0, height - 1)
-    weight = torch.exp(-((xn[:, :, None, None] - x) ** 2 + (yn[:, :, None, None] - y) ** 2) / (2 * sigma ** 2))
+    weight = torch.exp(-((xn[:, :, None, None] - x) ** 2 + (yn[:, :, None, None] - y) ** 2) / (2 * sigma**2))
     weight = weight / weight.sum((2, 3), keepdim=True)
     return (weight * image.double()[..., None, None, :, :]).sum((-1, -2)).float()
 
 
-@pytest.mark.parametrize("interpolation, explicit, tol", [("bilinear", _explicit_bilinear, 1e-5),
-                                                          ("gaussian", _explicit_gaussian, 2e-4)])
+@pytest.mark.parametrize(
+    "interpolation, explicit, tol", [("bilinear", _explicit_bilinear, 1e-5), ("gaussian", _explicit_gaussian, 2e-4)]
+)
 def test_resampling_matches_the_explicit_formula(interpolation, explicit, tol):
     size, cut = (12, 15), 3
     images = torch.rand(3, 2, *size, generator=torch.Generator().manual_seed(2))
@@ -91,16 +101,19 @@ def test_augmentation_keeps_the_frame_and_moves_the_inside():
     assert torch.equal(diffeo.Diffeo(p=0.0)(image), image)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: diffeo.temperature(3.5, 3, 28), r"delta=3.5 is outside the diffeomorphism region \[0.5, 2.97\]"),
-    (lambda: diffeo.temperature(0.2, 3, 28), r"delta=0.2 is outside"),
-    (lambda: diffeo.temperature_range(9, 8), r"cut=9 must be an integer in \[2, 8\]"),
-    (lambda: diffeo.temperature_range(6, 8), r"cut=6 is too large for a 8x8 image"),
-    (lambda: diffeo.deform(torch.rand(1, 1, 28, 28), 0.5, 3), r"T=0.5 is outside the diffeomorphism region"),
-    (lambda: diffeo.deform(torch.rand(0, 1, 28, 28), 1e-3, 3), r"images must be a non-empty"),
-    (lambda: diffeo.deform(torch.rand(1, 1, 28, 28), 1e-3, 3, interpolation="cubic"), r"interpolation='cubic'"),
-    (lambda: diffeo.Diffeo(delta=(0.1, 1.0)), r"delta=\(0.1, 1.0\)"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: diffeo.temperature(3.5, 3, 28), r"delta=3.5 is outside the diffeomorphism region \[0.5, 2.97\]"),
+        (lambda: diffeo.temperature(0.2, 3, 28), r"delta=0.2 is outside"),
+        (lambda: diffeo.temperature_range(9, 8), r"cut=9 must be an integer in \[2, 8\]"),
+        (lambda: diffeo.temperature_range(6, 8), r"cut=6 is too large for a 8x8 image"),
+        (lambda: diffeo.deform(torch.rand(1, 1, 28, 28), 0.5, 3), r"T=0.5 is outside the diffeomorphism region"),
+        (lambda: diffeo.deform(torch.rand(0, 1, 28, 28), 1e-3, 3), r"images must be a non-empty"),
+        (lambda: diffeo.deform(torch.rand(1, 1, 28, 28), 1e-3, 3, interpolation="cubic"), r"interpolation='cubic'"),
+        (lambda: diffeo.Diffeo(delta=(0.1, 1.0)), r"delta=\(0.1, 1.0\)"),
+    ],
+)
 def test_bad_input_names_the_value_and_the_range(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -108,6 +121,6 @@ def test_bad_input_names_the_value_and_the_range(call, message):
 
 def test_temperature_range_formulas():
     t_min, t_max = diffeo.temperature_range(5, 64)
-    assert t_min == pytest.approx(1 / (math.pi * 64 ** 2 * math.log(5)))
-    assert t_max == pytest.approx(4 / (math.pi ** 3 * 25 * math.log(5)))
+    assert t_min == pytest.approx(1 / (math.pi * 64**2 * math.log(5)))
+    assert t_max == pytest.approx(4 / (math.pi**3 * 25 * math.log(5)))
     assert diffeo.displacement_range(5, 64) == pytest.approx((0.5, 64 / (math.pi * 5)))

@@ -1,4 +1,5 @@
 """eFCN embedding: the eFCN computes its CNN's function; masks, deviation and errors."""
+
 import itertools
 import subprocess
 import sys
@@ -6,12 +7,11 @@ import sys
 import pytest
 import timm
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
+from torch import nn
 
 import efcn
-from efcn.embedding import LocalLinear
 
 
 def _randomize_batchnorm(model: nn.Module) -> nn.Module:
@@ -57,12 +57,24 @@ def test_every_layer_type_with_batchnorm_folded():
     torch.manual_seed(1)
     cnn = nn.Sequential(
         nn.ZeroPad2d((1, 0, 2, 1)),
-        nn.Conv2d(3, 6, 3, padding="same", bias=False), nn.BatchNorm2d(6), nn.ReLU(),
+        nn.Conv2d(3, 6, 3, padding="same", bias=False),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
         nn.MaxPool2d(3, stride=2, padding=1),
-        nn.Conv2d(6, 5, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)), nn.BatchNorm2d(5), nn.GELU(),
-        nn.AvgPool2d(2, ceil_mode=True), nn.Dropout2d(0.3),
-        nn.Conv2d(5, 4, 1), nn.LeakyReLU(0.1), nn.AdaptiveAvgPool2d((2, 1)), nn.Dropout(0.5),
-        nn.Flatten(), nn.Linear(8, 7), nn.BatchNorm1d(7), nn.Tanh(), nn.Linear(7, 3),
+        nn.Conv2d(6, 5, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
+        nn.BatchNorm2d(5),
+        nn.GELU(),
+        nn.AvgPool2d(2, ceil_mode=True),
+        nn.Dropout2d(0.3),
+        nn.Conv2d(5, 4, 1),
+        nn.LeakyReLU(0.1),
+        nn.AdaptiveAvgPool2d((2, 1)),
+        nn.Dropout(0.5),
+        nn.Flatten(),
+        nn.Linear(8, 7),
+        nn.BatchNorm1d(7),
+        nn.Tanh(),
+        nn.Linear(7, 3),
     )
     model = _assert_equivalent(cnn, (3, 13, 12))
     assert len(model.local_layers()) == 3
@@ -143,8 +155,8 @@ def test_deviation_is_zero_after_embedding_and_positive_after_one_training_step(
     assert efcn.weight_sharing_violation(model)["total"] > 0
     # delta against its definition computed directly with the dense masks
     layers = model.local_layers().values()
-    off = sum((l.weight * ~l.full_mask()).square().sum() for l in layers)
-    total = sum(l.weight.square().sum() for l in layers)
+    off = sum((layer.weight * ~layer.full_mask()).square().sum() for layer in layers)
+    total = sum(layer.weight.square().sum() for layer in layers)
     assert deviation["total"] == pytest.approx((off / total).sqrt().item(), rel=1e-5)
     summary = efcn.diagnostics.summary(model, images)
     assert summary["deviation/total"] == deviation["total"] and "deviation/conv2" in summary
@@ -157,17 +169,24 @@ def test_standard_fcn_is_far_from_the_cnn_subspace():
     assert efcn.deviation(fcn)["total"] > 0.9
 
 
-@pytest.mark.parametrize("layers,input_shape,message", [
-    ([nn.Conv2d(4, 4, 3, groups=2)], (4, 8, 8), r"'0' \(Conv2d, groups=2\).*groups=1"),
-    ([nn.ConvTranspose2d(3, 4, 3)], (3, 8, 8), r"'0' \(ConvTranspose2d\) is not supported; supported: Conv2d"),
-    ([nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")], (3, 8, 8), "padding_mode='reflect'"),
-    ([nn.Conv2d(3, 4, 3)], (1, 8, 8), r"'0' \(Conv2d\) expects 3 input channels, gets 1"),
-    ([nn.Conv2d(3, 4, 5)], (3, 4, 4), r"'0' \(Conv2d kernel \(5, 5\).*does not fit a 4x4"),
-    ([nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(10, 2)], (3, 8, 8), r"'2' \(Linear\) expects 10 features, gets 144"),
-    ([nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4)], (3, 8, 8), r"'2' \(BatchNorm2d\) can only be folded"),
-    ([nn.Conv2d(3, 4, 3), nn.LSTM(4, 4)], (3, 8, 8), r"'1' \(LSTM\) is not supported"),
-    ([nn.Conv2d(3, 4, 3)], (3, 8), r"input_shape must be \(C, H, W\)"),
-])
+@pytest.mark.parametrize(
+    "layers,input_shape,message",
+    [
+        ([nn.Conv2d(4, 4, 3, groups=2)], (4, 8, 8), r"'0' \(Conv2d, groups=2\).*groups=1"),
+        ([nn.ConvTranspose2d(3, 4, 3)], (3, 8, 8), r"'0' \(ConvTranspose2d\) is not supported; supported: Conv2d"),
+        ([nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")], (3, 8, 8), "padding_mode='reflect'"),
+        ([nn.Conv2d(3, 4, 3)], (1, 8, 8), r"'0' \(Conv2d\) expects 3 input channels, gets 1"),
+        ([nn.Conv2d(3, 4, 5)], (3, 4, 4), r"'0' \(Conv2d kernel \(5, 5\).*does not fit a 4x4"),
+        (
+            [nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(10, 2)],
+            (3, 8, 8),
+            r"'2' \(Linear\) expects 10 features, gets 144",
+        ),
+        ([nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4)], (3, 8, 8), r"'2' \(BatchNorm2d\) can only be folded"),
+        ([nn.Conv2d(3, 4, 3), nn.LSTM(4, 4)], (3, 8, 8), r"'1' \(LSTM\) is not supported"),
+        ([nn.Conv2d(3, 4, 3)], (3, 8), r"input_shape must be \(C, H, W\)"),
+    ],
+)
 def test_bad_input_errors_name_the_layer(layers, input_shape, message):
     with pytest.raises(ValueError, match=message):
         efcn.embed(nn.Sequential(*layers), input_shape)
@@ -175,8 +194,11 @@ def test_bad_input_errors_name_the_layer(layers, input_shape, message):
 
 def test_max_params_is_checked_before_allocating():
     cnn = timm.create_model("vanilla_cnn")  # 64 channels: ~0.49 B weights at 32x32
-    with pytest.raises(ValueError, match=r"has 48\d,\d{3},\d{3} parameters, more than max_params=1,000,000 "
-                                         r"\(largest layer 'conv2'"):
+    with pytest.raises(
+        ValueError,
+        match=r"has 48\d,\d{3},\d{3} parameters, more than max_params=1,000,000 "
+        r"\(largest layer 'conv2'",
+    ):
         efcn.embed(cnn, (3, 32, 32), max_params=1_000_000)
 
 
@@ -184,9 +206,18 @@ def test_import_registers_models_without_warnings():
     code = "import efcn, timm; print(sorted(m for m in timm.list_models() if 'vanilla' in m or 'alexnet' in m))"
     out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True)
     assert out.stderr == ""
-    assert out.stdout.strip() == str(sorted(
-        ["vanilla_cnn", "alexnet_cifar", "efcn_vanilla_cnn", "efcn_alexnet_cifar", "fcn_vanilla_cnn",
-         "fcn_alexnet_cifar"]))
+    assert out.stdout.strip() == str(
+        sorted(
+            [
+                "vanilla_cnn",
+                "alexnet_cifar",
+                "efcn_vanilla_cnn",
+                "efcn_alexnet_cifar",
+                "fcn_vanilla_cnn",
+                "fcn_alexnet_cifar",
+            ]
+        )
+    )
 
 
 def test_efcn_model_from_a_cnn_checkpoint_and_from_its_own_weights_file(tmp_path):
@@ -204,8 +235,14 @@ def test_efcn_model_from_a_cnn_checkpoint_and_from_its_own_weights_file(tmp_path
         model.layers.conv1.weight.add_(0.01)
     efcn_file = tmp_path / "efcn.safetensors"
     save_file(model.state_dict(), str(efcn_file))
-    reloaded = timm.create_model("efcn_vanilla_cnn", channels=4, in_chans=1, img_size=8, pretrained=True,
-                                 pretrained_cfg_overlay=dict(file=str(efcn_file)))
+    reloaded = timm.create_model(
+        "efcn_vanilla_cnn",
+        channels=4,
+        in_chans=1,
+        img_size=8,
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(efcn_file)),
+    )
     torch.testing.assert_close(reloaded.eval()(x), model(x))
     with pytest.raises(ValueError, match="does not fit this model"):
         timm.create_model("efcn_vanilla_cnn", channels=8, in_chans=1, img_size=8, cnn_checkpoint=str(cnn_file))
@@ -226,8 +263,10 @@ def test_non_chain_forward_is_rejected():
         efcn.embed(ResidualCNN(), (2, 4, 4))
 
 
-@pytest.mark.parametrize("cnn_name,kwargs,side", [("vanilla_cnn", dict(channels=4, img_size=16), 16),
-                                                  ("alexnet_cifar", dict(num_classes=10), 32)])
+@pytest.mark.parametrize(
+    "cnn_name,kwargs,side",
+    [("vanilla_cnn", dict(channels=4, img_size=16), 16), ("alexnet_cifar", dict(num_classes=10), 32)],
+)
 def test_features_and_pre_logits_are_the_cnns(cnn_name, kwargs, side):
     """timm's split of the eFCN matches its CNN's: forward_features is the CNN's last map (viewed from the
     flat activation), forward_head(pre_logits=True) the classifier's input."""
@@ -238,6 +277,10 @@ def test_features_and_pre_logits_are_the_cnns(cnn_name, kwargs, side):
     with torch.no_grad():
         features = fcn.forward_features(x)
         torch.testing.assert_close(features, cnn.forward_features(x), atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(fcn.forward_head(features, pre_logits=True),
-                                   cnn.forward_head(cnn.forward_features(x), pre_logits=True), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            fcn.forward_head(features, pre_logits=True),
+            cnn.forward_head(cnn.forward_features(x), pre_logits=True),
+            atol=1e-5,
+            rtol=1e-4,
+        )
     assert (fcn.num_features, fcn.head_hidden_size) == (cnn.num_features, cnn.head_hidden_size)

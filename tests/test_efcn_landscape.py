@@ -1,4 +1,5 @@
 """Landscape measurements against exact oracles on a tiny eFCN (full Hessian, autograd gradient)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ def _loss_of(model, data):
     def loss(flat):
         params, start = {}, 0
         for name, shape in zip(names, shapes):
-            params[name] = flat[start:start + shape.numel()].view(shape)
+            params[name] = flat[start : start + shape.numel()].view(shape)
             start += shape.numel()
         return F.cross_entropy(functional_call(model, params, (data.images,)), data.labels)
 
@@ -52,8 +53,9 @@ def test_interpolation_paths(tiny):
     end = {k: v + 0.05 * torch.randn_like(v) for k, v in start.items()}
     alphas = [0.0, 0.5, 1.0]
     linear = landscape.linear_path(start, end, alphas)
-    torch.testing.assert_close(linear[1]["layers.conv1.weight"],
-                               (start["layers.conv1.weight"] + end["layers.conv1.weight"]) / 2)
+    torch.testing.assert_close(
+        linear[1]["layers.conv1.weight"], (start["layers.conv1.weight"] + end["layers.conv1.weight"]) / 2
+    )
     # a very stiff string stays on the straight line; a slack one lowers the loss of its interior point
     stiff = landscape.string_path(model, start, end, alphas, data, stiffness=1e4, steps=5, lr=1e-5)
     torch.testing.assert_close(stiff[1]["layers.conv1.weight"], linear[1]["layers.conv1.weight"], atol=1e-4, rtol=0)

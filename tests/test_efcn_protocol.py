@@ -1,4 +1,5 @@
 """The eFCN relax-time protocol end to end on a tiny digits setting, through the real engine."""
+
 import csv
 import re
 from pathlib import Path
@@ -14,10 +15,23 @@ def _rows(path: Path) -> list[dict]:
         return [{k: (v if k in ("method", "run") else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
-TINY = dict(model="vanilla_cnn", model_kwargs={"channels": 4}, dataset="digits", img_size=8, batch_size=50,
-            workers=0, cnn_epochs=2, efcn_epochs=2, snapshots=2, measure_train_samples=100,
-            power_iterations=3, interpolate_relax_times=2, interpolation_points=3, string_points=3,
-            string_steps=2)
+TINY = dict(
+    model="vanilla_cnn",
+    model_kwargs={"channels": 4},
+    dataset="digits",
+    img_size=8,
+    batch_size=50,
+    workers=0,
+    cnn_epochs=2,
+    efcn_epochs=2,
+    snapshots=2,
+    measure_train_samples=100,
+    power_iterations=3,
+    interpolate_relax_times=2,
+    interpolation_points=3,
+    string_points=3,
+    string_steps=2,
+)
 
 
 def test_protocol_end_to_end(tmp_path):
@@ -43,8 +57,9 @@ def test_protocol_end_to_end(tmp_path):
     points = _rows(out / "interpolation.csv")
     assert sorted({p["relax_time"] for p in points}) == [0, 2]
     for t in (0, 2):
-        by_method = {m: [p for p in points if p["relax_time"] == t and p["method"] == m]
-                     for m in ("linear", "string", "output")}
+        by_method = {
+            m: [p for p in points if p["relax_time"] == t and p["method"] == m] for m in ("linear", "string", "output")
+        }
         assert [len(v) for v in by_method.values()] == [3, 3, 3]
         # every path joins the same two endpoints (the lifted final CNN and the trained eFCN)
         for end in (0, -1):
@@ -53,8 +68,14 @@ def test_protocol_end_to_end(tmp_path):
         final = next(r for r in rows if r["relax_time"] == t)
         assert by_method["linear"][-1]["train_loss"] == pytest.approx(final["final_train_loss"], rel=1e-5)
 
-    for figure in ("fig6_2_training_curves", "fig6_3_accuracy_gradient_hessian", "fig6_4_deviation",
-                   "fig6_5_local_offlocal", "fig6_6_6_7_first_layer_filters", "figE6_interpolation"):
+    for figure in (
+        "fig6_2_training_curves",
+        "fig6_3_accuracy_gradient_hessian",
+        "fig6_4_deviation",
+        "fig6_5_local_offlocal",
+        "fig6_6_6_7_first_layer_filters",
+        "figE6_interpolation",
+    ):
         assert (out / f"{figure}.png").stat().st_size > 10_000
 
 

@@ -1,5 +1,6 @@
 """Ensemble evaluation: identical members, a hand-computed two-member case, scalar binary outputs,
 and refusing members of different architectures or class counts."""
+
 import json
 import shutil
 
@@ -64,9 +65,21 @@ def test_members_of_different_architectures_or_classes_are_refused():
 
 
 # ------------------------------------------------------------------------ convbias-ensemble on real runs
-TINY_RUN_OPTIONS = dict(model="deit_tiny_patch16_224", model_kwargs=dict(patch_size=2, embed_dim=32, depth=1, num_heads=2),
-                        dataset="digits", img_size=8, crop_pct=1.0, no_aug=True, repeated_aug=1, batch_size=64, lr=2e-3,
-                        warmup_epochs=0, workers=0, epochs=1, diagnostics=False)
+TINY_RUN_OPTIONS = dict(
+    model="deit_tiny_patch16_224",
+    model_kwargs=dict(patch_size=2, embed_dim=32, depth=1, num_heads=2),
+    dataset="digits",
+    img_size=8,
+    crop_pct=1.0,
+    no_aug=True,
+    repeated_aug=1,
+    batch_size=64,
+    lr=2e-3,
+    warmup_epochs=0,
+    workers=0,
+    epochs=1,
+    diagnostics=False,
+)
 
 
 @pytest.fixture(scope="module")

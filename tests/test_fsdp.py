@@ -12,17 +12,17 @@ FSDP only on GPUs, see convbias/engine/fsdp.py), a tiny ConViT sharded block by 
   summation order), also with activation checkpointing and torch.compile (AOTAutograd's forward and
   backward graphs around FSDP2's hooks), as `--grad-checkpointing --compile` run.
 """
+
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = r'''
+WORKER = r"""
 import sys
 from pathlib import Path
 
@@ -95,15 +95,24 @@ else:
     dump("resumed")
 dist.barrier()
 dist.destroy_process_group()
-'''
+"""
 
 
 def launch(tmp_path: Path, mode: str, processes: int) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-               "--standalone", str(script), mode, str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--standalone",
+        str(script),
+        mode,
+        str(tmp_path),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -111,7 +120,10 @@ def launch(tmp_path: Path, mode: str, processes: int) -> None:
 def test_sharded_save_and_resume_continue_exactly(tmp_path):
     launch(tmp_path, "straight", 2)
     assert sorted(p.name for p in (tmp_path / "point" / "sharded").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     launch(tmp_path, "resume", 2)
     straight, resumed = load_file(tmp_path / "straight.safetensors"), load_file(tmp_path / "resumed.safetensors")
     assert straight.keys() == resumed.keys()
@@ -123,8 +135,9 @@ def test_sharded_save_and_resume_continue_exactly(tmp_path):
     import convit  # noqa: F401
     from convbias.engine.fsdp import load_full_weights
 
-    model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8,
-                              in_chans=1, num_classes=10)
+    model = timm.create_model(
+        "convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8, in_chans=1, num_classes=10
+    )
     load_full_weights(tmp_path / "point", model)
     at_save = load_file(tmp_path / "at_save.safetensors")
     assert all(torch.equal(v, at_save[k]) for k, v in model.state_dict().items())
@@ -137,8 +150,9 @@ def test_sharded_save_and_resume_continue_exactly(tmp_path):
 
     from convbias.engine.fsdp import load_sharded
 
-    plain = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8,
-                              in_chans=1, num_classes=10)
+    plain = timm.create_model(
+        "convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8, in_chans=1, num_classes=10
+    )
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     load_sharded(tmp_path / "point", plain, optimizer)
     assert all(torch.equal(v, at_save[k]) for k, v in plain.state_dict().items())

@@ -1,9 +1,10 @@
 """The local-energy curve (convbias.evaluation.landscape.local_energy) against a closed form."""
+
 import math
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from convbias.evaluation.landscape import Batches, local_energy
 

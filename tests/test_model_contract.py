@@ -1,6 +1,7 @@
 """The timm model contract (issue 10) for every model this project registers: parametrized over the
 registry, so registering a model puts it under these checks. Tiny sizes; the oracle is the model's
 own full forward (forward_head(forward_features(x)) == forward(x)) and timm's own behavior."""
+
 import math
 import subprocess
 import sys
@@ -43,7 +44,14 @@ def _input(name: str, batch: int = 2) -> torch.Tensor:
 
 
 def test_registry_lists_every_family():
-    assert {"convit_tiny", "deit_tiny_plus", "tcnn_resnet18", "vanilla_cnn", "efcn_vanilla_cnn", "fcn_alexnet_cifar"} <= set(OURS)
+    assert {
+        "convit_tiny",
+        "deit_tiny_plus",
+        "tcnn_resnet18",
+        "vanilla_cnn",
+        "efcn_vanilla_cnn",
+        "fcn_alexnet_cifar",
+    } <= set(OURS)
 
 
 @pytest.mark.parametrize("name", CHECKED)
@@ -71,8 +79,12 @@ def test_builds_on_the_meta_device_with_the_structure_of_a_real_model(name):
     """timm reads a model's structure on the meta device (no memory, no values): same names and shapes."""
     with torch.device("meta"):  # as timm's test_model_default_cfgs builds
         meta = _build(name, device="meta", dtype=torch.float64)
-    assert {p.device.type for p in meta.parameters()} == {"meta"} and {p.dtype for p in meta.parameters()} == {torch.float64}
-    assert {k: v.shape for k, v in meta.state_dict().items()} == {k: v.shape for k, v in _build(name).state_dict().items()}
+    assert {p.device.type for p in meta.parameters()} == {"meta"} and {p.dtype for p in meta.parameters()} == {
+        torch.float64
+    }
+    assert {k: v.shape for k, v in meta.state_dict().items()} == {
+        k: v.shape for k, v in _build(name).state_dict().items()
+    }
 
 
 @pytest.mark.parametrize("name", CHECKED)
@@ -173,9 +185,8 @@ def test_efcn_masked_refuses_a_scripted_model():
     from efcn.embedding import masked
 
     scripted = torch.jit.script(_build("efcn_vanilla_cnn"))
-    with pytest.raises(ValueError, match="masked needs the eager model"):
-        with masked(scripted, "local"):
-            pass
+    with pytest.raises(ValueError, match="masked needs the eager model"), masked(scripted, "local"):
+        pass
 
 
 FEATURE_MODELS = [n for n in CHECKED if n.startswith(("convit_", "deit_", "tcnn_", "vanilla_cnn", "alexnet_cifar"))]

@@ -1,8 +1,9 @@
 """Empirical NTK: against the full Jacobian (torch.func.jacrev) and a linear model's closed form; the
 kernel's change in the lazy (large alpha) and feature (small alpha) regimes; the memory budget."""
+
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.func import functional_call, jacrev
 
 from convbias.engine.output_scale import OutputScale, ScaledLoss

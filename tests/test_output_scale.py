@@ -1,5 +1,6 @@
 """The alpha-trick wrapper: zero output at initialization, gradients of alpha (f_w - f_w0) with the loss
 divided by alpha^2 (autograd of the explicit formula, and a linear model's closed form), bad alpha."""
+
 import copy
 import json
 import math
@@ -7,8 +8,8 @@ import math
 import pytest
 import timm
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from convbias.engine.output_scale import OutputScale, ScaledLoss, check_alpha
 
@@ -16,8 +17,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def tiny_vit() -> nn.Module:
-    return timm.create_model("deit_tiny_patch16_224", img_size=8, patch_size=2, embed_dim=24, depth=2,
-                             num_heads=2, num_classes=5, in_chans=1)
+    return timm.create_model(
+        "deit_tiny_patch16_224", img_size=8, patch_size=2, embed_dim=24, depth=2, num_heads=2, num_classes=5, in_chans=1
+    )
 
 
 @pytest.mark.parametrize("alpha", [1e-3, 1.0, 1e3])
@@ -48,7 +50,7 @@ def test_gradients_match_the_explicit_formula(alpha):
     got = {name: p.grad.clone() for name, p in network.named_parameters()}
     network.zero_grad()
     explicit = alpha * (network(x) - at_init(x).detach())  # F = alpha (f_w - f_w0), loss / alpha^2
-    (F.cross_entropy(explicit, y) / alpha ** 2).backward()
+    (F.cross_entropy(explicit, y) / alpha**2).backward()
     for name, p in network.named_parameters():
         torch.testing.assert_close(got[name], p.grad, msg=name)
     assert all(p.grad is None for p in wrapped.initial.parameters())
@@ -86,10 +88,40 @@ def test_non_positive_alpha_is_refused(bad):
 
 
 # ------------------------------------------------------------------------------ the engine's --output-scale
-TINY = ["--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=2", "embed_dim=32", "depth=1", "num_heads=2",
-        "--dataset", "digits", "--img-size", "8", "--crop-pct", "1", "--no-aug", "--repeated-aug", "1",
-        "--batch-size", "128", "--opt", "sgd", "--lr", "0.05", "--weight-decay", "0", "--drop-path", "0",
-        "--warmup-epochs", "0", "--workers", "0", "--diagnostics-images", "2"]
+TINY = [
+    "--model",
+    "deit_tiny_patch16_224",
+    "--model-kwargs",
+    "patch_size=2",
+    "embed_dim=32",
+    "depth=1",
+    "num_heads=2",
+    "--dataset",
+    "digits",
+    "--img-size",
+    "8",
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--batch-size",
+    "128",
+    "--opt",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--weight-decay",
+    "0",
+    "--drop-path",
+    "0",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--diagnostics-images",
+    "2",
+]
 
 
 def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path):
@@ -106,8 +138,9 @@ def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path):
     assert weights_metadata(weights)["output_scale"] == "100.0"
     state = read_state_dict(weights)
     assert any(key.startswith("initial.") for key in state) and any(key.startswith("model.") for key in state)
-    evaluated = train.run(TINY + ["--eval-only", "--checkpoint", str(output), "--which", "best",
-                                  "--output", str(tmp_path / "eval")])
+    evaluated = train.run(
+        TINY + ["--eval-only", "--checkpoint", str(output), "--which", "best", "--output", str(tmp_path / "eval")]
+    )
     assert evaluated["eval_top1"] == pytest.approx(results["best_top1"])  # the wrapper is rebuilt from metadata
 
 

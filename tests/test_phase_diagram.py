@@ -1,6 +1,7 @@
 """The phase-diagram reproduction's pieces: the stacked FC nets against the source's formula, one width
 trained to zero loss in both regimes (kernel change small when lazy, large when learning features),
 the data, and bad input."""
+
 import math
 
 import pytest
@@ -32,8 +33,9 @@ def test_one_width_reaches_zero_loss_lazily_and_with_features():
     x = x * 2 / x.norm(dim=1, keepdim=True)
     y = torch.sign(x[:, 0] * x[:, 1] + 0.1)  # a non-linear rule
     data = (x[:40], y[:40], x[40:], y[40:])
-    cfg = pd.PhaseDiagramConfig(widths=[32], alpha_tildes=[0.1, 1000.0], seeds=[0, 1], max_steps=3000,
-                                ntk_samples=10).validated()
+    cfg = pd.PhaseDiagramConfig(
+        widths=[32], alpha_tildes=[0.1, 1000.0], seeds=[0, 1], max_steps=3000, ntk_samples=10
+    ).validated()
     rows, outputs = pd.train_width(cfg, 32, data)
     assert outputs.shape == (2, 2, 20) and all(r["converged"] == 1 and r["train_error"] == 0 for r in rows)
     feature = [r["ntk_change"] for r in rows if r["alpha_tilde"] == 0.1]

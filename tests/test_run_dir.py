@@ -1,4 +1,5 @@
 """A run directory is the unit: its lock, its reuse by path (--eval-only RUN_DIR, --which) and its restarts."""
+
 import json
 import os
 import re
@@ -17,16 +18,45 @@ from convbias.families import load_families
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 # A 2-block ConViT of width 16 on the 8x8 digits (16 tokens of 2x2 pixels): about a second an epoch.
-MODEL = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=4",
-         "--dataset", "digits", "--img-size", "8", "--crop-pct", "1"]
-TRAIN = MODEL + ["--no-aug", "--repeated-aug", "1", "--batch-size", "32", "--lr", "2e-3", "--weight-decay", "0",
-                 "--workers", "0", "--warmup-epochs", "0"]
+MODEL = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=2",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=4",
+    "--dataset",
+    "digits",
+    "--img-size",
+    "8",
+    "--crop-pct",
+    "1",
+]
+TRAIN = MODEL + [
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--batch-size",
+    "32",
+    "--lr",
+    "2e-3",
+    "--weight-decay",
+    "0",
+    "--workers",
+    "0",
+    "--warmup-epochs",
+    "0",
+]
 
 
 def snapshot(directory):
     """Every file under `directory` with its bytes and mtime: what "nothing changed" compares."""
-    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def hold_lock(directory):
@@ -64,7 +94,7 @@ def finished_run(tmp_path_factory):
 
 
 def test_a_live_run_holds_its_lock_and_releases_it(finished_run):
-    output, results, seen = finished_run
+    output, _results, seen = finished_run
     assert f"pid {os.getpid()} on host {socket.gethostname()}" in seen["second_lock"]
     assert not (output / ".lock").exists()
 
@@ -99,11 +129,14 @@ def test_restart_after_a_failure_before_the_first_checkpoint_takes_over_the_stal
     captured = capsys.readouterr()
     assert f"took over the stale lock of pid {holder.pid}" in captured.out
     assert "starting over" in captured.out
-    assert ("warning: --warmup-epochs 3 covers the whole run of 1 epoch(s): the lr only ramps up from --warmup-lr "
-            "and never reaches its peak; lower --warmup-epochs") in captured.err.splitlines()
+    assert (
+        "warning: --warmup-epochs 3 covers the whole run of 1 epoch(s): the lr only ramps up from --warmup-lr "
+        "and never reaches its peak; lower --warmup-epochs"
+    ) in captured.err.splitlines()
     assert captured.out.strip().splitlines()[-1] == (
         f"done: final top-1 {results['final_top1']:.2f} (epoch 1), best top-1 {results['best_top1']:.2f} (epoch 1); "
-        f"in {output}: results.json, summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best")
+        f"in {output}: results.json, summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best"
+    )
     assert b"\r" not in (output / "summary.csv").read_bytes()  # one line ending
     assert json.loads((output / "results.json").read_text()) == results
     assert [json.loads(line)["epoch"] for line in (output / "log.jsonl").read_text().splitlines()] == [1]
@@ -129,10 +162,9 @@ def test_which_best_evaluates_the_best_checkpoint(finished_run, capsys):
 
 
 def test_resume_auto_on_a_finished_run_says_so_and_rewrites_nothing(finished_run, capsys):
-    output, results, _ = finished_run
+    output, _results, _ = finished_run
     before = snapshot(output)
-    assert engine.main(TRAIN + ["--epochs", "2", "--resume", "auto", "--output", str(output)],
-                       load_families()) == 0
+    assert engine.main(TRAIN + ["--epochs", "2", "--resume", "auto", "--output", str(output)], load_families()) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(f"{output} is already finished (epoch 2/2"), out
     assert snapshot(output) == before
@@ -142,8 +174,23 @@ def test_robustness_reads_the_run_dir_and_its_clean_accuracy_is_the_runs_final_t
     from convbias.cli import robustness
 
     output, results, _ = finished_run
-    assert robustness.main(["--checkpoint", str(output), "--attacks", "none", "--corruptions", "none",
-                            "--workers", "0", "--output", str(tmp_path / "robustness")]) == 0
+    assert (
+        robustness.main(
+            [
+                "--checkpoint",
+                str(output),
+                "--attacks",
+                "none",
+                "--corruptions",
+                "none",
+                "--workers",
+                "0",
+                "--output",
+                str(tmp_path / "robustness"),
+            ]
+        )
+        == 0
+    )
     assert "convit_tiny: " + str(output / "checkpoints" / "last") + " (epoch 2)" in capsys.readouterr().err
     table = json.loads((tmp_path / "robustness" / "robustness.json").read_text())["table"]
     assert table[0]["clean"] == pytest.approx(results["final_top1"], abs=0.01)
@@ -158,18 +205,40 @@ def test_diagnostics_reads_the_run_dir_and_unreadable_weights_are_one_line(finis
     output, results, _ = finished_run
     image = tmp_path / "digit.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8), dtype=np.uint8)).save(image)
-    assert diagnostics.main(["--checkpoint", str(output), "--which", "best", "--image", str(image),
-                             "--out", str(tmp_path / "figures")]) == 0
+    assert (
+        diagnostics.main(
+            ["--checkpoint", str(output), "--which", "best", "--image", str(image), "--out", str(tmp_path / "figures")]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert f"checkpoints/best (epoch {results['best_epoch']})" in captured.err
     assert captured.out.strip() == str(tmp_path / "figures" / "attention_maps.png")
 
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(bytes(range(256)))
-    assert diagnostics.main(["--model", "convit_tiny", "--checkpoint", str(garbage), "--image", str(image),
-                             "--out", str(tmp_path / "figures2")]) == 2
-    assert robustness.main(["--model", "convit_tiny", "--checkpoint", str(garbage), "--output", str(tmp_path / "r")]) == 2
+    assert (
+        diagnostics.main(
+            [
+                "--model",
+                "convit_tiny",
+                "--checkpoint",
+                str(garbage),
+                "--image",
+                str(image),
+                "--out",
+                str(tmp_path / "figures2"),
+            ]
+        )
+        == 2
+    )
+    assert (
+        robustness.main(["--model", "convit_tiny", "--checkpoint", str(garbage), "--output", str(tmp_path / "r")]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {garbage} is not a readable safetensors file (Error while deserializing header: "
-                   f"header too large)"] * 2
+    assert (
+        err
+        == [f"error: {garbage} is not a readable safetensors file (Error while deserializing header: header too large)"]
+        * 2
+    )
     assert not (tmp_path / "figures2").exists() and not (tmp_path / "r").exists()

@@ -1,12 +1,13 @@
 """R_f = D_f / G_f against closed forms (identity, a linear filter through its spectrum, a constant model) and
 explicit per-layer computations, for a timm model and for ours; seeds, chunking and bad input."""
+
 import json
 import math
 
 import pytest
 import timm
 import torch
-import torch.nn as nn
+from torch import nn
 
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
@@ -27,6 +28,7 @@ def _draws(images, cut, T, seed):
 def _digits(count, size=16):
     """Smooth-ish test images: sklearn digits upsampled to `size`."""
     from sklearn.datasets import load_digits
+
     images = torch.tensor(load_digits().images[:count], dtype=torch.float32)[:, None] / 16
     return nn.functional.interpolate(images, size=size, mode="bilinear", align_corners=False)
 
@@ -34,8 +36,8 @@ def _digits(count, size=16):
 def test_identity_has_unit_relative_stability():
     """With the median, ||eta|| = median ||tau x - x|| makes D_f = G_f exactly for f = identity."""
     result = relative_stability(nn.Identity(), _digits(33), delta=1.0, cut=3, chunk_size=10)
-    assert result.R == pytest.approx(1.0, abs=1e-5)
-    assert result.D == pytest.approx(result.noise_radius ** 2, rel=1e-5)
+    assert pytest.approx(1.0, abs=1e-5) == result.R
+    assert pytest.approx(result.noise_radius**2, rel=1e-5) == result.D
 
 
 class CircularFilter(nn.Module):
@@ -45,7 +47,7 @@ class CircularFilter(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(1, 1, 5, padding=2, padding_mode="circular", bias=False)
         grid = torch.arange(5.0) - 2
-        kernel = torch.exp(-(grid[:, None] ** 2 + grid[None, :] ** 2) / (2 * width ** 2))
+        kernel = torch.exp(-(grid[:, None] ** 2 + grid[None, :] ** 2) / (2 * width**2))
         self.conv.weight.data.copy_(kernel / kernel.sum())
 
     def forward(self, x):
@@ -68,13 +70,13 @@ def test_linear_filter_follows_from_the_spectra():
     spectrum = model.power_spectrum(size)
 
     def energy(v):
-        return (spectrum * torch.fft.fft2(v[:, 0].double()).abs() ** 2).sum((-1, -2)) / size ** 2
+        return (spectrum * torch.fft.fft2(v[:, 0].double()).abs() ** 2).sum((-1, -2)) / size**2
 
     radius = moved.flatten(1).norm(dim=1).double().mean()
     assert result.noise_radius == pytest.approx(radius.item(), rel=1e-6)
-    assert result.D == pytest.approx(energy(moved).mean().item(), rel=1e-4)
-    assert result.G == pytest.approx(energy(directions * radius).mean().item(), rel=1e-4)
-    assert result.G == pytest.approx((radius ** 2 * spectrum.mean()).item(), rel=0.1)
+    assert pytest.approx(energy(moved).mean().item(), rel=1e-4) == result.D
+    assert pytest.approx(energy(directions * radius).mean().item(), rel=1e-4) == result.G
+    assert pytest.approx((radius**2 * spectrum.mean()).item(), rel=0.1) == result.G
     assert result.R > 2  # a blur keeps the smooth tau x - x and removes most of the white noise: R_f > 1
 
 
@@ -98,9 +100,9 @@ def test_normalization_divides_by_pairs_of_test_images():
     plain = relative_stability(nn.Identity(), images, chunk_size=6)
     normalized = relative_stability(nn.Identity(), images, chunk_size=6, normalize=True)
     pairs = (images[1:] - images[:-1]).flatten(1).pow(2).sum(1).double().quantile(0.5).item()
-    assert normalized.D == pytest.approx(plain.D / pairs, rel=1e-5)
-    assert normalized.G == pytest.approx(plain.G / pairs, rel=1e-5)
-    assert normalized.R == pytest.approx(plain.R, rel=1e-6)
+    assert pytest.approx(plain.D / pairs, rel=1e-5) == normalized.D
+    assert pytest.approx(plain.G / pairs, rel=1e-5) == normalized.G
+    assert pytest.approx(plain.R, rel=1e-6) == normalized.R
 
 
 def test_per_layer_values_of_a_timm_model_match_an_explicit_computation():
@@ -113,8 +115,9 @@ def test_per_layer_values_of_a_timm_model_match_an_explicit_computation():
     moved, directions = _draws(images, cut, result.T, seed)
     modules = [model.act1, model.layer1, model.layer2, model.layer3, model.layer4, model]
     captured = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: captured.append(out.detach().flatten(1).clone()))
-             for m in modules]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: captured.append(out.detach().flatten(1).clone())) for m in modules
+    ]
     with torch.no_grad():
         outputs = []
         for x in (images, images + moved, images + directions * result.noise_radius):
@@ -136,31 +139,35 @@ def test_efcn_has_the_per_layer_values_of_the_cnn_it_embeds():
     """Our eFCN computes the CNN's function layer by layer, so it has the same R_f at every depth."""
     load_families()
     from efcn.embedding import embed
+
     torch.manual_seed(0)
     cnn = timm.create_model("vanilla_cnn", channels=4, in_chans=1, img_size=16, num_classes=10).eval()
     efcn = embed(cnn, cnn.input_shape)
     images = _digits(16)
     of_cnn, of_efcn = (relative_stability(m, images, per_layer=True, chunk_size=8) for m in (cnn, efcn))
     assert len(of_cnn.layers) == len(of_efcn.layers) == 3
-    for a, b in zip(of_cnn.layers + [(of_cnn.D, of_cnn.G, of_cnn.R)],
-                    of_efcn.layers + [(of_efcn.D, of_efcn.G, of_efcn.R)]):
+    for a, b in zip(
+        of_cnn.layers + [(of_cnn.D, of_cnn.G, of_cnn.R)], of_efcn.layers + [(of_efcn.D, of_efcn.G, of_efcn.R)]
+    ):
         assert a == pytest.approx(b, rel=1e-4)
 
 
 def test_convit_per_layer_reproduces_across_seeds_and_chunks():
     load_families()
     torch.manual_seed(0)
-    model = timm.create_model("convit_tiny", img_size=16, patch_size=4, num_classes=10, depth=3,
-                              local_up_to_layer=2, in_chans=1)
+    model = timm.create_model(
+        "convit_tiny", img_size=16, patch_size=4, num_classes=10, depth=3, local_up_to_layer=2, in_chans=1
+    )
     images = _digits(10)
     first = relative_stability(model, images, per_layer=True, chunk_size=10, seed=3)
     again = relative_stability(model, images, per_layer=True, chunk_size=4, seed=3)
     other = relative_stability(model, images, per_layer=True, chunk_size=10, seed=4)
     assert len(first.layers) == 3
     assert [v for layer in first.layers for v in layer] == pytest.approx(
-        [v for layer in again.layers for v in layer], rel=1e-4)
-    assert first.R == pytest.approx(again.R, rel=1e-4)
-    assert first.R != pytest.approx(other.R, rel=1e-3)
+        [v for layer in again.layers for v in layer], rel=1e-4
+    )
+    assert pytest.approx(again.R, rel=1e-4) == first.R
+    assert pytest.approx(other.R, rel=1e-3) != first.R
 
 
 class Untouchable(nn.Module):
@@ -172,16 +179,22 @@ class Untouchable(nn.Module):
         raise AssertionError("the model ran before the input was checked")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(images=torch.zeros(0, 1, 28, 28)), r"images must be a non-empty \(N, C, H, W\) tensor, got \(0, 1, 28, 28\)"),
-    (dict(delta=4.0), r"delta=4.0 is outside the diffeomorphism region \[0.5, 2.97\] pixels for cut=3 on a 28x28"),
-    (dict(cut=40), r"cut=40 must be an integer in \[2, 28\]"),
-    (dict(T=1.0), r"T=1.0 is outside the diffeomorphism region"),
-    (dict(statistic="mode"), r"statistic='mode' must be one of \('median', 'mean'\)"),
-    (dict(chunk_size=0), r"chunk_size=0 must be a positive integer"),
-    (dict(per_layer=True), r"per-layer R_f needs a model with forward_intermediates or activation modules"),
-    (dict(images=torch.rand(1, 1, 28, 28), normalize=True), r"normalize=True needs at least 2 images"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(images=torch.zeros(0, 1, 28, 28)),
+            r"images must be a non-empty \(N, C, H, W\) tensor, got \(0, 1, 28, 28\)",
+        ),
+        (dict(delta=4.0), r"delta=4.0 is outside the diffeomorphism region \[0.5, 2.97\] pixels for cut=3 on a 28x28"),
+        (dict(cut=40), r"cut=40 must be an integer in \[2, 28\]"),
+        (dict(T=1.0), r"T=1.0 is outside the diffeomorphism region"),
+        (dict(statistic="mode"), r"statistic='mode' must be one of \('median', 'mean'\)"),
+        (dict(chunk_size=0), r"chunk_size=0 must be a positive integer"),
+        (dict(per_layer=True), r"per-layer R_f needs a model with forward_intermediates or activation modules"),
+        (dict(images=torch.rand(1, 1, 28, 28), normalize=True), r"normalize=True needs at least 2 images"),
+    ],
+)
 def test_bad_input_is_refused_before_any_work(kwargs, message):
     images = kwargs.pop("images", torch.rand(4, 1, 28, 28))
     with pytest.raises(ValueError, match=message):
@@ -189,27 +202,58 @@ def test_bad_input_is_refused_before_any_work(kwargs, message):
 
 
 # ------------------------------------------------------------------ a short training run and the command
-RUN_ARGS = ["--model", "vanilla_cnn", "--model-kwargs", "channels=4", "--dataset", "digits", "--img-size", "16",
-            "--crop-pct", "1", "--no-aug", "--repeated-aug", "1", "--batch-size", "32", "--lr", "3e-3",
-            "--warmup-epochs", "0", "--drop-path", "0", "--workers", "0", "--epochs", "2",
-            "--diagnostics-images", "24", "--save-epochs", "0", "2"]
+RUN_ARGS = [
+    "--model",
+    "vanilla_cnn",
+    "--model-kwargs",
+    "channels=4",
+    "--dataset",
+    "digits",
+    "--img-size",
+    "16",
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--batch-size",
+    "32",
+    "--lr",
+    "3e-3",
+    "--warmup-epochs",
+    "0",
+    "--drop-path",
+    "0",
+    "--workers",
+    "0",
+    "--epochs",
+    "2",
+    "--diagnostics-images",
+    "24",
+    "--save-epochs",
+    "0",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     from convbias.cli import train
+
     output = tmp_path_factory.mktemp("stability") / "run"
     return output, train.run(RUN_ARGS + ["--output", str(output)])
 
 
 def _val_images(count):
     from convbias.engine.data import build_datasets
+
     val = build_datasets(dict(dataset="digits", img_size=16, crop_pct=1.0, no_aug=True)).val
     return torch.stack([val[i][0] for i in range(count)])
 
 
 def _snapshot_model(run, name):
     from convbias.weights import load_weights
+
     model = timm.create_model("vanilla_cnn", channels=4, in_chans=1, img_size=16, num_classes=10)
     return load_weights(model, run / "checkpoints" / f"{name}.safetensors").eval()
 
@@ -230,19 +274,40 @@ def test_training_logs_rf_each_evaluation_and_at_initialization(digits_run):
 
 def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
     import csv
+
     from convbias.cli import stability
+
     run, results = digits_run
     out = tmp_path / "out"
-    assert stability.main([str(run), "--checkpoints", "init", "last", "--images", "24", "--deltas", "0.5", "1",
-                           "--cuts", "3", "4", "--output", str(out)]) == 0
-    rows = list(csv.DictReader(open(out / "stability.csv")))
+    assert (
+        stability.main(
+            [
+                str(run),
+                "--checkpoints",
+                "init",
+                "last",
+                "--images",
+                "24",
+                "--deltas",
+                "0.5",
+                "1",
+                "--cuts",
+                "3",
+                "4",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    rows = list(csv.DictReader((out / "stability.csv").read_text().splitlines()))
     assert len(rows) == 2 * 2 * 2  # checkpoints x cuts x deltas
     init = next(r for r in rows if r["checkpoint"] == "init" and float(r["delta"]) == 1 and r["cut"] == "3")
     expected = relative_stability(_snapshot_model(run, "epoch_0"), _val_images(24), delta=1.0, cut=3)
     assert float(init["R"]) == pytest.approx(expected.R, rel=1e-5)
     final = next(r for r in rows if r["checkpoint"] == "last")  # through the engine's run_dir
     assert float(final["test_error"]) == pytest.approx(100 - results["final_top1"], abs=1e-6)
-    layers = list(csv.DictReader(open(out / "stability_layers.csv")))
+    layers = list(csv.DictReader((out / "stability_layers.csv").read_text().splitlines()))
     assert [r["depth"] for r in layers] == ["0", "1", "2", "3"] * 2  # 3 activations + logits, per checkpoint
     assert "| run | model | P | seed |" in (out / "stability.md").read_text()
     for name in ("rf_vs_delta", "rf_per_layer", "rf_vs_error", "deformed_examples"):
@@ -251,6 +316,7 @@ def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
 
 def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys):
     from convbias.cli import stability
+
     run, _ = digits_run
     other = tmp_path / "other"
     other.mkdir()

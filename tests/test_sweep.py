@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib.util
 import io
 import json
 import math
@@ -22,23 +21,30 @@ import numpy as np
 import pytest
 import yaml
 
-from convbias.experiments import report, sweep
 from convbias.engine.config import effective_epochs, parse_config
+from convbias.experiments import report, sweep
 
 REPO = Path(__file__).resolve().parent.parent
 
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
-TINY_MODEL_KWARGS = {'patch_size': 2, 'embed_dim': 4, 'depth': 2, 'num_heads': 4, 'local_up_to_layer': 1}
+TINY_MODEL_KWARGS = {"patch_size": 2, "embed_dim": 4, "depth": 2, "num_heads": 4, "local_up_to_layer": 1}
 TINY_SET = {
-    'dataset': 'digits', 'img_size': 8, 'epochs': 1, 'warmup_epochs': 0, 'batch_size': 64,
-    'workers': 0, 'no_aug': True, 'repeated_aug': 1, 'diagnostics': False,
-    'model_kwargs': TINY_MODEL_KWARGS,
+    "dataset": "digits",
+    "img_size": 8,
+    "epochs": 1,
+    "warmup_epochs": 0,
+    "batch_size": 64,
+    "workers": 0,
+    "no_aug": True,
+    "repeated_aug": 1,
+    "diagnostics": False,
+    "model_kwargs": TINY_MODEL_KWARGS,
 }
 
 
 def tiny_spec(**grid) -> dict:
-    grid = grid or {'model': ['convit_tiny', 'deit_tiny_plus'], 'train_fraction': [0.5, 1.0], 'seed': [0, 1]}
-    return sweep.normalize_spec({'set': TINY_SET, 'grid': grid})
+    grid = grid or {"model": ["convit_tiny", "deit_tiny_plus"], "train_fraction": [0.5, 1.0], "seed": [0, 1]}
+    return sweep.normalize_spec({"set": TINY_SET, "grid": grid})
 
 
 from convbias.cli import sweep as SWEEP_CLI  # noqa: E402
@@ -63,89 +69,141 @@ def sweep_cli(*args: str) -> Done:
 
 
 def test_grid_expansion_is_the_cartesian_product_in_order():
-    spec = sweep.normalize_spec({
-        'set': {'dataset': 'digits', 'model_kwargs': {'patch_size': 2}},
-        'grid': {'model': ['convit_tiny', 'deit_tiny_plus'], 'train_fraction': [0.05, 1.0],
-                 'seed': [0, 1, 2], 'model_kwargs.locality_strength': [0.5, 2.0]},
-    })
+    spec = sweep.normalize_spec(
+        {
+            "set": {"dataset": "digits", "model_kwargs": {"patch_size": 2}},
+            "grid": {
+                "model": ["convit_tiny", "deit_tiny_plus"],
+                "train_fraction": [0.05, 1.0],
+                "seed": [0, 1, 2],
+                "model_kwargs.locality_strength": [0.5, 2.0],
+            },
+        }
+    )
     runs = sweep.expand_grid(spec)
     assert len(runs) == 2 * 2 * 3 * 2
     assert [run.name for run in runs[:3]] == [
-        'convit_tiny__f0.05__seed0__locality_strength-0.5',
-        'convit_tiny__f0.05__seed0__locality_strength-2',
-        'convit_tiny__f0.05__seed1__locality_strength-0.5',
+        "convit_tiny__f0.05__seed0__locality_strength-0.5",
+        "convit_tiny__f0.05__seed0__locality_strength-2",
+        "convit_tiny__f0.05__seed1__locality_strength-0.5",
     ]
     assert len({run.name for run in runs}) == len(runs)
     last = runs[-1]
-    assert last.point == {'model': 'deit_tiny_plus', 'train_fraction': 1.0, 'seed': 2,
-                          'model_kwargs.locality_strength': 2.0}
+    assert last.point == {
+        "model": "deit_tiny_plus",
+        "train_fraction": 1.0,
+        "seed": 2,
+        "model_kwargs.locality_strength": 2.0,
+    }
     # the swept kwarg joins the shared ones without mutating the spec
-    assert last.options['model_kwargs'] == {'patch_size': 2, 'locality_strength': 2.0}
-    assert spec['set']['model_kwargs'] == {'patch_size': 2}
+    assert last.options["model_kwargs"] == {"patch_size": 2, "locality_strength": 2.0}
+    assert spec["set"]["model_kwargs"] == {"patch_size": 2}
 
 
 def test_variants_are_crossed_with_the_grid():
-    spec = sweep.normalize_spec({
-        'set': {'model_kwargs': {'patch_size': 2}},
-        'variants': {'convit': {'model': 'convit_tiny'},
-                     'frozen_gate': {'model': 'convit_tiny', 'model_kwargs': {'train_gating': False}},
-                     'deit': {'model': 'deit_tiny_plus'}},
-        'grid': {'train_fraction': [0.1, 1.0], 'seed': [0]},
-    })
+    spec = sweep.normalize_spec(
+        {
+            "set": {"model_kwargs": {"patch_size": 2}},
+            "variants": {
+                "convit": {"model": "convit_tiny"},
+                "frozen_gate": {"model": "convit_tiny", "model_kwargs": {"train_gating": False}},
+                "deit": {"model": "deit_tiny_plus"},
+            },
+            "grid": {"train_fraction": [0.1, 1.0], "seed": [0]},
+        }
+    )
     runs = sweep.expand_grid(spec)
     assert [run.name for run in runs] == [
-        'convit__f0.1__seed0', 'convit__f1__seed0', 'frozen_gate__f0.1__seed0', 'frozen_gate__f1__seed0',
-        'deit__f0.1__seed0', 'deit__f1__seed0']
-    assert runs[2].options['model_kwargs'] == {'patch_size': 2, 'train_gating': False}
-    assert runs[0].options['model_kwargs'] == {'patch_size': 2}
+        "convit__f0.1__seed0",
+        "convit__f1__seed0",
+        "frozen_gate__f0.1__seed0",
+        "frozen_gate__f1__seed0",
+        "deit__f0.1__seed0",
+        "deit__f1__seed0",
+    ]
+    assert runs[2].options["model_kwargs"] == {"patch_size": 2, "train_gating": False}
+    assert runs[0].options["model_kwargs"] == {"patch_size": 2}
 
 
 def test_cli_overrides_replace_axes_and_shared_options():
-    spec = sweep.override_spec(tiny_spec(), grid={'seed': [3]},
-                               options={'epochs': 7, 'model_kwargs.depth': 3})
-    assert spec['grid']['seed'] == [3]
-    assert spec['set']['epochs'] == 7
-    assert spec['set']['model_kwargs'] == {**TINY_MODEL_KWARGS, 'depth': 3}
-    assert tiny_spec()['set']['model_kwargs'] == TINY_MODEL_KWARGS
+    spec = sweep.override_spec(tiny_spec(), grid={"seed": [3]}, options={"epochs": 7, "model_kwargs.depth": 3})
+    assert spec["grid"]["seed"] == [3]
+    assert spec["set"]["epochs"] == 7
+    assert spec["set"]["model_kwargs"] == {**TINY_MODEL_KWARGS, "depth": 3}
+    assert tiny_spec()["set"]["model_kwargs"] == TINY_MODEL_KWARGS
 
 
 # ----------------------------------------------------------------------------- commands and epoch scaling
 
 
 def test_printed_commands_are_train_py_invocations_with_scaled_epochs(tmp_path):
-    out = tmp_path / 'sweep'
-    done = sweep_cli('run', '--output', str(out), '--models', 'convit_tiny', 'deit_tiny_plus',
-                     '--fractions', '0.05', '0.3', '1', '--seeds', '0', '--set', 'epochs=2', 'eval_interval=2',
-                     'dataset=digits',
-                     'img_size=8', 'model_kwargs.patch_size=2', '--grid', 'model_kwargs.locality_strength=1,2',
-                     '--print-commands')
+    out = tmp_path / "sweep"
+    done = sweep_cli(
+        "run",
+        "--output",
+        str(out),
+        "--models",
+        "convit_tiny",
+        "deit_tiny_plus",
+        "--fractions",
+        "0.05",
+        "0.3",
+        "1",
+        "--seeds",
+        "0",
+        "--set",
+        "epochs=2",
+        "eval_interval=2",
+        "dataset=digits",
+        "img_size=8",
+        "model_kwargs.patch_size=2",
+        "--grid",
+        "model_kwargs.locality_strength=1,2",
+        "--print-commands",
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2 * 3 * 2
-    assert not (out / 'runs').exists()  # printing runs nothing
-    assert yaml.safe_load((out / 'sweep.yaml').read_text())['grid']['train_fraction'] == [0.05, 0.3, 1.0]
+    assert not (out / "runs").exists()  # printing runs nothing
+    assert yaml.safe_load((out / "sweep.yaml").read_text())["grid"]["train_fraction"] == [0.05, 0.3, 1.0]
     for line in lines:
         argv = shlex.split(line)
-        assert argv[:3] == [sys.executable, '-m', 'convbias.cli.train']
+        assert argv[:3] == [sys.executable, "-m", "convbias.cli.train"]
         cfg = parse_config(argv[3:])  # the engine's own parser accepts every printed command
         assert cfg.scale_epochs and cfg.epochs == 2
         assert effective_epochs(cfg)[0] == math.ceil(2 / cfg.train_fraction - 1e-9)
         assert cfg.eval_interval == round(2 / cfg.train_fraction)  # evaluations at equal images seen
         name = Path(cfg.output).name
-        assert name == f"{cfg.model}__f{cfg.train_fraction:g}__seed0__locality_strength-{cfg.model_kwargs['locality_strength']}"
-        assert cfg.model_kwargs['patch_size'] == 2
+        assert (
+            name
+            == f"{cfg.model}__f{cfg.train_fraction:g}__seed0__locality_strength-{cfg.model_kwargs['locality_strength']}"
+        )
+        assert cfg.model_kwargs["patch_size"] == 2
     epochs = sorted({effective_epochs(parse_config(shlex.split(line)[3:]))[0] for line in lines})
     assert epochs == [2, 7, 40]  # 2 / 1, ceil(2 / 0.3), 2 / 0.05
 
 
 def test_launcher_prefix_and_no_scale_epochs(tmp_path):
-    done = sweep_cli('run', '--output', str(tmp_path / 's'), '--models', 'convit_tiny', '--fractions', '0.5',
-                     '--no-scale-epochs', '--launcher', 'accelerate launch --num_processes 2',
-                     '--set', 'model_kwargs.patch_size=2', 'img_size=8', '--print-commands')
+    done = sweep_cli(
+        "run",
+        "--output",
+        str(tmp_path / "s"),
+        "--models",
+        "convit_tiny",
+        "--fractions",
+        "0.5",
+        "--no-scale-epochs",
+        "--launcher",
+        "accelerate launch --num_processes 2",
+        "--set",
+        "model_kwargs.patch_size=2",
+        "img_size=8",
+        "--print-commands",
+    )
     assert done.returncode == 0, done.stderr
     argv = shlex.split(done.stdout.strip())
-    assert argv[:4] == ['accelerate', 'launch', '--num_processes', '2']
-    assert argv[4:6] == ['-m', 'convbias.cli.train'] and '--scale-epochs' not in argv
+    assert argv[:4] == ["accelerate", "launch", "--num_processes", "2"]
+    assert argv[4:6] == ["-m", "convbias.cli.train"] and "--scale-epochs" not in argv
 
 
 def test_the_digits_study_runs_on_an_image_folder(tmp_path):
@@ -153,159 +211,225 @@ def test_the_digits_study_runs_on_an_image_folder(tmp_path):
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    for split in ('train', 'val'):
-        for name in ('cat', 'dog'):
-            (tmp_path / 'data' / split / name).mkdir(parents=True)
+    for split in ("train", "val"):
+        for name in ("cat", "dog"):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
             for i in range(10):
                 pixels = rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(tmp_path / 'data' / split / name / f'{i}.png')
-    done = sweep_cli('run', str(REPO / 'configs' / 'sweeps' / 'digits_sample_efficiency.yaml'),
-                     '--output', str(tmp_path / 'sweep'), '--dataset', 'folder', '--data-dir', str(tmp_path / 'data'),
-                     '--set', 'img_size=16', 'model_kwargs.patch_size=4', '--print-commands')
+                Image.fromarray(pixels).save(tmp_path / "data" / split / name / f"{i}.png")
+    done = sweep_cli(
+        "run",
+        str(REPO / "configs" / "sweeps" / "digits_sample_efficiency.yaml"),
+        "--output",
+        str(tmp_path / "sweep"),
+        "--dataset",
+        "folder",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--set",
+        "img_size=16",
+        "model_kwargs.patch_size=4",
+        "--print-commands",
+    )
     assert done.returncode == 0, done.stderr
     configs = [parse_config(shlex.split(line)[3:]) for line in done.stdout.strip().splitlines()]
     assert len(configs) == 12
-    assert {(c.dataset, c.data_dir, c.img_size, c.model_kwargs['patch_size']) for c in configs} == {
-        ('folder', str(tmp_path / 'data'), 16, 4)}
-    assert sorted({c.model for c in configs}) == ['convit_tiny', 'deit_tiny_plus']
+    assert {(c.dataset, c.data_dir, c.img_size, c.model_kwargs["patch_size"]) for c in configs} == {
+        ("folder", str(tmp_path / "data"), 16, 4)
+    }
+    assert sorted({c.model for c in configs}) == ["convit_tiny", "deit_tiny_plus"]
 
 
-@pytest.mark.parametrize('name, runs', [('imagenet_sample_efficiency', 10), ('imagenet100_locality', 20),
-                                         ('imagenet_ablations', 14)])
+@pytest.mark.parametrize(
+    "name, runs", [("imagenet_sample_efficiency", 10), ("imagenet100_locality", 20), ("imagenet_ablations", 14)]
+)
 def test_the_paper_sweeps_give_valid_commands(tmp_path, name, runs):
-    for split in ('train', 'val'):
-        (tmp_path / 'imagenet' / split).mkdir(parents=True)
-    done = sweep_cli('run', str(REPO / 'configs' / 'sweeps' / f'{name}.yaml'), '--output', str(tmp_path / 'sweep'),
-                     '--data-dir', str(tmp_path / 'imagenet'), '--print-commands')
+    for split in ("train", "val"):
+        (tmp_path / "imagenet" / split).mkdir(parents=True)
+    done = sweep_cli(
+        "run",
+        str(REPO / "configs" / "sweeps" / f"{name}.yaml"),
+        "--output",
+        str(tmp_path / "sweep"),
+        "--data-dir",
+        str(tmp_path / "imagenet"),
+        "--print-commands",
+    )
     assert done.returncode == 0, done.stderr
     configs = [parse_config(shlex.split(line)[3:]) for line in done.stdout.strip().splitlines()]
     assert len(configs) == runs
-    assert {(c.dataset, c.img_size, c.epochs) for c in configs} == {('imagenet', 224, 300)}
-    if name == 'imagenet_sample_efficiency':  # Table 7.2: 300 / f epochs, DeiT recipe
-        assert sorted(effective_epochs(c)[0] for c in configs if c.model == 'convit_small') == [
-            300, 600, 1000, 3000, 6000]
+    assert {(c.dataset, c.img_size, c.epochs) for c in configs} == {("imagenet", 224, 300)}
+    if name == "imagenet_sample_efficiency":  # Table 7.2: 300 / f epochs, DeiT recipe
+        assert sorted(effective_epochs(c)[0] for c in configs if c.model == "convit_small") == [
+            300,
+            600,
+            1000,
+            3000,
+            6000,
+        ]
         assert {c.batch_size * 8 for c in configs} == {1024} and {c.mixup for c in configs} == {0.8}
-    if name == 'imagenet100_locality':  # Fig. 7.9: first 100 classes
+    if name == "imagenet100_locality":  # Fig. 7.9: first 100 classes
         assert {c.num_classes for c in configs} == {100}
-        assert {c.model_kwargs['local_up_to_layer'] for c in configs} == {0, 3, 6, 9, 10}
+        assert {c.model_kwargs["local_up_to_layer"] for c in configs} == {0, 3, 6, 9, 10}
 
 
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize('args, message', [
-    (['--models', 'convit_tiny', 'convit_tinny'], "unknown model 'convit_tinny'"),
-    (['--fractions', '0'], 'train_fraction must be a number in (0, 1], got 0.0'),
-    (['--fractions', '0.5', '1.5'], 'train_fraction must be a number in (0, 1], got 1.5'),
-    (['--grid', 'lerning_rate=0.1,0.2'], "'lerning_rate' is not a train.py option"),
-    (['--models', 'deit_tiny_patch16_224', '--grid', 'model_kwargs.locality_strength=1,2'],
-     "cannot build deit_tiny_patch16_224 with {'patch_size': 2, 'locality_strength': 1}: "
-     "VisionTransformer.__init__() got an unexpected keyword argument 'locality_strength'"),
-    (['--models', 'convit_tiny', '--grid', 'model_kwargs.localty_strength=1,2'], 'localty_strength'),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--models", "convit_tiny", "convit_tinny"], "unknown model 'convit_tinny'"),
+        (["--fractions", "0"], "train_fraction must be a number in (0, 1], got 0.0"),
+        (["--fractions", "0.5", "1.5"], "train_fraction must be a number in (0, 1], got 1.5"),
+        (["--grid", "lerning_rate=0.1,0.2"], "'lerning_rate' is not a train.py option"),
+        (
+            ["--models", "deit_tiny_patch16_224", "--grid", "model_kwargs.locality_strength=1,2"],
+            "cannot build deit_tiny_patch16_224 with {'patch_size': 2, 'locality_strength': 1}: "
+            "VisionTransformer.__init__() got an unexpected keyword argument 'locality_strength'",
+        ),
+        (["--models", "convit_tiny", "--grid", "model_kwargs.localty_strength=1,2"], "localty_strength"),
+    ],
+)
 def test_bad_input_is_refused_before_anything_runs(tmp_path, args, message):
-    out = tmp_path / 'sweep'
-    done = sweep_cli('run', '--output', str(out), '--set', 'img_size=8', 'model_kwargs.patch_size=2', *args)
+    out = tmp_path / "sweep"
+    done = sweep_cli("run", "--output", str(out), "--set", "img_size=8", "model_kwargs.patch_size=2", *args)
     assert done.returncode == 2
-    assert message in done.stderr and done.stderr.startswith('error: ')
-    assert 'Traceback' not in done.stderr
+    assert message in done.stderr and done.stderr.startswith("error: ")
+    assert "Traceback" not in done.stderr
     assert not out.exists()
 
 
 def test_a_run_refused_by_train_py_stops_the_sweep(tmp_path):
     """Data problems are found by train.py (the sweep does not scan datasets): the first refusal
     stops the sweep with train.py's message instead of failing every run the same way."""
-    (tmp_path / 'empty').mkdir()
-    out = tmp_path / 'sweep'
-    done = sweep_cli('run', '--output', str(out), '--models', 'convit_tiny', 'deit_tiny_plus', '--fractions', '1',
-                     '--dataset', 'folder', '--data-dir', str(tmp_path / 'empty'),
-                     '--set', 'img_size=8', 'model_kwargs.patch_size=2', 'workers=0')
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "sweep"
+    done = sweep_cli(
+        "run",
+        "--output",
+        str(out),
+        "--models",
+        "convit_tiny",
+        "deit_tiny_plus",
+        "--fractions",
+        "1",
+        "--dataset",
+        "folder",
+        "--data-dir",
+        str(tmp_path / "empty"),
+        "--set",
+        "img_size=8",
+        "model_kwargs.patch_size=2",
+        "workers=0",
+    )
     assert done.returncode == 2
-    assert 'train.py refused run convit_tiny__f1__seed0' in done.stderr and str(tmp_path / 'empty') in done.stderr
-    assert [p.name for p in (out / 'logs').iterdir()] == ['convit_tiny__f1__seed0.log']  # the DeiT never started
+    assert "train.py refused run convit_tiny__f1__seed0" in done.stderr and str(tmp_path / "empty") in done.stderr
+    assert [p.name for p in (out / "logs").iterdir()] == ["convit_tiny__f1__seed0.log"]  # the DeiT never started
 
 
 def test_a_different_grid_in_the_output_dir_is_refused_with_the_difference(tmp_path):
-    out = tmp_path / 'sweep'
-    base = ['run', '--output', str(out), '--models', 'convit_tiny', '--set', 'img_size=8',
-            'model_kwargs.patch_size=2', '--print-commands']
-    assert sweep_cli(*base, '--seeds', '0', '1').returncode == 0
-    done = sweep_cli(*base, '--seeds', '0', '1', '2')
+    out = tmp_path / "sweep"
+    base = [
+        "run",
+        "--output",
+        str(out),
+        "--models",
+        "convit_tiny",
+        "--set",
+        "img_size=8",
+        "model_kwargs.patch_size=2",
+        "--print-commands",
+    ]
+    assert sweep_cli(*base, "--seeds", "0", "1").returncode == 0
+    done = sweep_cli(*base, "--seeds", "0", "1", "2")
     assert done.returncode == 2
-    assert 'holds a different sweep' in done.stderr and 'grid.seed: [0, 1] -> [0, 1, 2]' in done.stderr
+    assert "holds a different sweep" in done.stderr and "grid.seed: [0, 1] -> [0, 1, 2]" in done.stderr
     # the same grid again is fine, and the baseline (a report option) is not part of the grid
-    assert sweep_cli(*base, '--seeds', '0', '1', '--baseline', 'convit_tiny').returncode == 0
+    assert sweep_cli(*base, "--seeds", "0", "1", "--baseline", "convit_tiny").returncode == 0
 
 
 def test_spec_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match=r"unknown sweep key\(s\) \['grids'\]"):
-        sweep.normalize_spec({'grids': {}})
-    with pytest.raises(ValueError, match='grid.seed is empty'):
-        sweep.normalize_spec({'grid': {'seed': []}})
+        sweep.normalize_spec({"grids": {}})
+    with pytest.raises(ValueError, match="grid.seed is empty"):
+        sweep.normalize_spec({"grid": {"seed": []}})
     with pytest.raises(ValueError, match="'output' is set by the sweep"):
-        sweep.Sweep.prepare(sweep.normalize_spec({'set': {**TINY_SET, 'output': 'x'},
-                                                  'grid': {'model': ['convit_tiny']}}), tmp_path)
+        sweep.Sweep.prepare(
+            sweep.normalize_spec({"set": {**TINY_SET, "output": "x"}, "grid": {"model": ["convit_tiny"]}}), tmp_path
+        )
 
 
 # ----------------------------------------------------------------------------- resumption with real runs
 
 
 def _epochs(summary: Path) -> list[int]:
-    with open(summary, newline='') as f:
-        return [int(row['epoch']) for row in csv.DictReader(f)]
+    with open(summary, newline="") as f:
+        return [int(row["epoch"]) for row in csv.DictReader(f)]
 
 
 def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path):
     """Kill the sweep (and its train.py) inside its second run, rerun: the first run is kept as it is,
     the second resumes from its checkpoint, and the CSV holds both. Also checks epochs x 1/f."""
-    sweep_file = tmp_path / 'tiny.yaml'
-    sweep_file.write_text(yaml.safe_dump({
-        'set': {**TINY_SET, 'epochs': 3, 'lr': 1e-3},
-        'grid': {'model': ['convit_tiny'], 'train_fraction': [1.0, 0.25], 'seed': [0]}}, sort_keys=False))
-    out = tmp_path / 'sweep'
-    first, second = out / 'runs' / 'convit_tiny__f1__seed0', out / 'runs' / 'convit_tiny__f0.25__seed0'
-    with open(tmp_path / 'killed.log', 'w') as console:
-        process = subprocess.Popen([sys.executable, '-m', 'convbias.cli.sweep', 'run', str(sweep_file), '--output', str(out)],
-                                   cwd=REPO, stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    sweep_file = tmp_path / "tiny.yaml"
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {
+                "set": {**TINY_SET, "epochs": 3, "lr": 1e-3},
+                "grid": {"model": ["convit_tiny"], "train_fraction": [1.0, 0.25], "seed": [0]},
+            },
+            sort_keys=False,
+        )
+    )
+    out = tmp_path / "sweep"
+    first, second = out / "runs" / "convit_tiny__f1__seed0", out / "runs" / "convit_tiny__f0.25__seed0"
+    with open(tmp_path / "killed.log", "w") as console:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "convbias.cli.sweep", "run", str(sweep_file), "--output", str(out)],
+            cwd=REPO,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         deadline = time.time() + 300
-        while not (second / 'checkpoints' / 'last' / 'training_state.pt').is_file():
-            assert process.poll() is None, (tmp_path / 'killed.log').read_text()
-            assert time.time() < deadline, 'the second run never wrote a checkpoint'
+        while not (second / "checkpoints" / "last" / "training_state.pt").is_file():
+            assert process.poll() is None, (tmp_path / "killed.log").read_text()
+            assert time.time() < deadline, "the second run never wrote a checkpoint"
             time.sleep(0.02)
         os.killpg(process.pid, signal.SIGKILL)  # the sweep and its train.py child, as a lost node would
         process.wait()
-    assert (first / 'results.json').is_file()
-    assert not (second / 'results.json').exists(), 'the second run ended before the kill: nothing to resume'
-    killed_at = int((second / 'checkpoints' / 'last').resolve().name.split('_')[1])
+    assert (first / "results.json").is_file()
+    assert not (second / "results.json").exists(), "the second run ended before the kill: nothing to resume"
+    killed_at = int((second / "checkpoints" / "last").resolve().name.split("_")[1])
     assert 1 <= killed_at < 12
-    first_results = (first / 'results.json').read_bytes()
-    first_mtime = (first / 'results.json').stat().st_mtime_ns
-    kept_rows = (second / 'summary.csv').read_text().splitlines()[:1 + killed_at]
+    first_results = (first / "results.json").read_bytes()
+    first_mtime = (first / "results.json").stat().st_mtime_ns
+    kept_rows = (second / "summary.csv").read_text().splitlines()[: 1 + killed_at]
 
-    done = sweep_cli('run', str(sweep_file), '--output', str(out))
+    done = sweep_cli("run", str(sweep_file), "--output", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert '[1/2] convit_tiny__f1__seed0: complete, skipped' in done.stdout
-    assert '[2/2] convit_tiny__f0.25__seed0: resuming' in done.stdout
+    assert "[1/2] convit_tiny__f1__seed0: complete, skipped" in done.stdout
+    assert "[2/2] convit_tiny__f0.25__seed0: resuming" in done.stdout
     # nothing repeated: the first run was not touched
-    assert (first / 'results.json').read_bytes() == first_results
-    assert (first / 'results.json').stat().st_mtime_ns == first_mtime
-    assert _epochs(first / 'summary.csv') == [1, 2, 3]
+    assert (first / "results.json").read_bytes() == first_results
+    assert (first / "results.json").stat().st_mtime_ns == first_mtime
+    assert _epochs(first / "summary.csv") == [1, 2, 3]
     # nothing lost: the second run continued after its checkpoint, every epoch logged once
-    assert f'resumed from' in (out / 'logs' / 'convit_tiny__f0.25__seed0.log').read_text()
-    assert (second / 'summary.csv').read_text().splitlines()[:1 + killed_at] == kept_rows
-    assert _epochs(second / 'summary.csv') == list(range(1, 13))
-    second_results = json.loads((second / 'results.json').read_text())
-    assert second_results['epochs'] == 12  # 3 epochs / 0.25
-    with open(out / 'runs.csv', newline='') as f:
-        rows = {row['run']: row for row in csv.DictReader(f)}
+    assert "resumed from" in (out / "logs" / "convit_tiny__f0.25__seed0.log").read_text()
+    assert (second / "summary.csv").read_text().splitlines()[: 1 + killed_at] == kept_rows
+    assert _epochs(second / "summary.csv") == list(range(1, 13))
+    second_results = json.loads((second / "results.json").read_text())
+    assert second_results["epochs"] == 12  # 3 epochs / 0.25
+    with open(out / "runs.csv", newline="") as f:
+        rows = {row["run"]: row for row in csv.DictReader(f)}
     assert set(rows) == {first.name, second.name}
-    assert float(rows[second.name]['top1']) == pytest.approx(second_results['final_top1'])
-    assert rows[second.name]['epochs_trained'] == '12' and rows[first.name]['epochs_trained'] == '3'
-    assert (out / 'report.md').is_file()
+    assert float(rows[second.name]["top1"]) == pytest.approx(second_results["final_top1"])
+    assert rows[second.name]["epochs_trained"] == "12" and rows[first.name]["epochs_trained"] == "3"
+    assert (out / "report.md").is_file()
     # a third run of the same command does nothing at all
-    again = sweep_cli('run', str(sweep_file), '--output', str(out), '--print-commands')
-    assert again.returncode == 0 and again.stdout == ''
+    again = sweep_cli("run", str(sweep_file), "--output", str(out), "--print-commands")
+    assert again.returncode == 0 and again.stdout == ""
 
 
 # ----------------------------------------------------------------------------- report from a CSV fixture
@@ -313,16 +437,31 @@ def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path):
 
 def write_fixture(path: Path) -> dict:
     """Two models x three fractions x two seeds, with known values; returns the expected stats."""
-    top1 = {('convit_tiny', 0.1): [50.0, 54.0], ('convit_tiny', 0.5): [70.0, 72.0], ('convit_tiny', 1.0): [80.0, 80.0],
-            ('deit_tiny_plus', 0.1): [40.0, 44.0], ('deit_tiny_plus', 0.5): [60.0, 66.0],
-            ('deit_tiny_plus', 1.0): [78.0, 82.0]}
+    top1 = {
+        ("convit_tiny", 0.1): [50.0, 54.0],
+        ("convit_tiny", 0.5): [70.0, 72.0],
+        ("convit_tiny", 1.0): [80.0, 80.0],
+        ("deit_tiny_plus", 0.1): [40.0, 44.0],
+        ("deit_tiny_plus", 0.5): [60.0, 66.0],
+        ("deit_tiny_plus", 1.0): [78.0, 82.0],
+    }
     rows = []
     for (model, fraction), values in top1.items():
         for seed, value in enumerate(values):
-            rows.append({'run': f'{model}__f{fraction:g}__seed{seed}', 'model': model, 'train_fraction': fraction,
-                         'seed': seed, 'top1': value, 'top5': 95.0 + seed, 'best_top1': value + 1,
-                         'best_top5': 99.0, 'epochs_trained': int(10 / fraction)})
-    with open(path, 'w', newline='') as f:
+            rows.append(
+                {
+                    "run": f"{model}__f{fraction:g}__seed{seed}",
+                    "model": model,
+                    "train_fraction": fraction,
+                    "seed": seed,
+                    "top1": value,
+                    "top5": 95.0 + seed,
+                    "best_top1": value + 1,
+                    "best_top5": 99.0,
+                    "epochs_trained": int(10 / fraction),
+                }
+            )
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -330,57 +469,74 @@ def write_fixture(path: Path) -> dict:
 
 
 def test_report_from_csv_fixture(tmp_path):
-    top1 = write_fixture(tmp_path / 'runs.csv')
-    done = sweep_cli('report', '--csv', str(tmp_path / 'runs.csv'))
+    top1 = write_fixture(tmp_path / "runs.csv")
+    done = sweep_cli("report", "--csv", str(tmp_path / "runs.csv"))
     assert done.returncode == 0, done.stderr
-    text = (tmp_path / 'report.md').read_text()
-    table = [line for line in text.splitlines() if line.startswith('| ')]
-    assert table[0] == ('| Train size | deit_tiny_plus top-1 | convit_tiny top-1 | Gap | '
-                        'deit_tiny_plus top-5 | convit_tiny top-5 | Gap |')
-    rows = {line.split(' | ')[0][2:]: line.strip('| ').split(' | ') for line in table[1:]}
-    assert list(rows) == ['10%', '50%', '100%']
-    for fraction, label in ((0.1, '10%'), (0.5, '50%'), (1.0, '100%')):
-        base, ours = top1[('deit_tiny_plus', fraction)], top1[('convit_tiny', fraction)]
-        assert rows[label][1] == f'{np.mean(base):.1f} ± {np.std(base, ddof=1):.1f}'
-        assert rows[label][2] == f'{np.mean(ours):.1f} ± {np.std(ours, ddof=1):.1f}'
-        assert rows[label][4] == '95.5 ± 0.7' and rows[label][6] == '0%'
+    text = (tmp_path / "report.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[0] == (
+        "| Train size | deit_tiny_plus top-1 | convit_tiny top-1 | Gap | "
+        "deit_tiny_plus top-5 | convit_tiny top-5 | Gap |"
+    )
+    rows = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ") for line in table[1:]}
+    assert list(rows) == ["10%", "50%", "100%"]
+    for fraction, label in ((0.1, "10%"), (0.5, "50%"), (1.0, "100%")):
+        base, ours = top1[("deit_tiny_plus", fraction)], top1[("convit_tiny", fraction)]
+        assert rows[label][1] == f"{np.mean(base):.1f} ± {np.std(base, ddof=1):.1f}"
+        assert rows[label][2] == f"{np.mean(ours):.1f} ± {np.std(ours, ddof=1):.1f}"
+        assert rows[label][4] == "95.5 ± 0.7" and rows[label][6] == "0%"
     # gaps: (52 - 42) / 42, (71 - 63) / 63, (80 - 80) / 80
-    assert [rows[label][3] for label in rows] == ['+24%', '+13%', '0%']
-    image = matplotlib.image.imread(tmp_path / 'sample_efficiency.png')
+    assert [rows[label][3] for label in rows] == ["+24%", "+13%", "0%"]
+    image = matplotlib.image.imread(tmp_path / "sample_efficiency.png")
     assert image.shape[0] > 200 and image.shape[1] > 400 and image[..., :3].std() > 0.05
 
     # --best switches to the best-epoch columns
-    report.write_report(tmp_path / 'runs.csv', tmp_path / 'best', best=True)
-    assert '| 10% | 43.0 ± 2.8 | 53.0 ± 2.8 | +23% |' in (tmp_path / 'best' / 'report.md').read_text()
+    report.write_report(tmp_path / "runs.csv", tmp_path / "best", best=True)
+    assert "| 10% | 43.0 ± 2.8 | 53.0 ± 2.8 | +23% |" in (tmp_path / "best" / "report.md").read_text()
 
 
 def test_parameter_sweep_report_and_heatmap(tmp_path):
-    rows = [{'run': f'r{a}{k}{s}', 'model': 'convit_tiny', 'train_fraction': 1.0, 'seed': s,
-             'locality_strength': a, 'local_up_to_layer': k, 'top1': 50 + 10 * a * k + s, 'top5': 90}
-            for a in (0.5, 2.0) for k in (0, 1, 3) for s in (0, 1)]
-    sweep.write_csv(rows, tmp_path / 'runs.csv')
-    paths = report.write_report(tmp_path / 'runs.csv')
-    assert [p.name for p in paths] == ['report.md', 'parameter_sweep.png']
+    rows = [
+        {
+            "run": f"r{a}{k}{s}",
+            "model": "convit_tiny",
+            "train_fraction": 1.0,
+            "seed": s,
+            "locality_strength": a,
+            "local_up_to_layer": k,
+            "top1": 50 + 10 * a * k + s,
+            "top5": 90,
+        }
+        for a in (0.5, 2.0)
+        for k in (0, 1, 3)
+        for s in (0, 1)
+    ]
+    sweep.write_csv(rows, tmp_path / "runs.csv")
+    paths = report.write_report(tmp_path / "runs.csv")
+    assert [p.name for p in paths] == ["report.md", "parameter_sweep.png"]
     text = paths[0].read_text()
-    assert '| convit_tiny | 1.0 | 2.0 | 3 | 110.5 ± 0.7 | 90.0 ± 0.0 | 2 |' in text
-    assert 'Sample efficiency' not in text  # one model: nothing to compare
+    assert "| convit_tiny | 1.0 | 2.0 | 3 | 110.5 ± 0.7 | 90.0 ± 0.0 | 2 |" in text
+    assert "Sample efficiency" not in text  # one model: nothing to compare
     assert matplotlib.image.imread(paths[1]).ndim == 3
 
 
 def test_report_of_a_single_model_lists_its_accuracy_per_fraction(tmp_path):
-    rows = [{'run': f'r{f}{s}', 'model': 'convit_tiny', 'train_fraction': f, 'seed': s, 'top1': 10 * f + s, 'top5': 50}
-            for f in (0.5, 1.0) for s in (0, 1)]
-    sweep.write_csv(rows, tmp_path / 'runs.csv')
-    assert [p.name for p in report.write_report(tmp_path / 'runs.csv')] == ['report.md']
-    text = (tmp_path / 'report.md').read_text()
-    assert '| convit_tiny | 0.5 | 5.5 ± 0.7 | 50.0 ± 0.0 | 2 |' in text and '| convit_tiny | 1.0 | 10.5 ± 0.7 |' in text
+    rows = [
+        {"run": f"r{f}{s}", "model": "convit_tiny", "train_fraction": f, "seed": s, "top1": 10 * f + s, "top5": 50}
+        for f in (0.5, 1.0)
+        for s in (0, 1)
+    ]
+    sweep.write_csv(rows, tmp_path / "runs.csv")
+    assert [p.name for p in report.write_report(tmp_path / "runs.csv")] == ["report.md"]
+    text = (tmp_path / "report.md").read_text()
+    assert "| convit_tiny | 0.5 | 5.5 ± 0.7 | 50.0 ± 0.0 | 2 |" in text and "| convit_tiny | 1.0 | 10.5 ± 0.7 |" in text
 
 
 def test_report_bad_input(tmp_path):
-    with pytest.raises(ValueError, match='CSV not found'):
-        report.write_report(tmp_path / 'missing.csv')
-    write_fixture(tmp_path / 'runs.csv')
+    with pytest.raises(ValueError, match="CSV not found"):
+        report.write_report(tmp_path / "missing.csv")
+    write_fixture(tmp_path / "runs.csv")
     with pytest.raises(ValueError, match=r"baseline 'deit_small' is not in the CSV's model column"):
-        report.write_report(tmp_path / 'runs.csv', baseline='deit_small')
-    done = sweep_cli('report', '--csv', str(tmp_path / 'nope.csv'))
-    assert done.returncode == 2 and done.stderr.strip() == f'error: CSV not found: {tmp_path / "nope.csv"}'
+        report.write_report(tmp_path / "runs.csv", baseline="deit_small")
+    done = sweep_cli("report", "--csv", str(tmp_path / "nope.csv"))
+    assert done.returncode == 2 and done.stderr.strip() == f"error: CSV not found: {tmp_path / 'nope.csv'}"

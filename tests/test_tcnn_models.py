@@ -1,16 +1,16 @@
 """tcnn_* registry entries: names, kwargs, offline pretrained loading through timm, bad checkpoints."""
+
 import subprocess
 import sys
 
 import pytest
 import timm
 import torch
+from conftest import IMAGES, randomize_norms, relative_error
 from safetensors.torch import save_file
 
 import transformed_cnn  # noqa: F401  (registers the models)
 from transformed_cnn import gpsa_layers
-
-from conftest import IMAGES, randomize_norms, relative_error
 
 
 def test_import_registers_the_resnets_without_warnings():
@@ -47,7 +47,9 @@ def test_pretrained_loads_the_cnn_weights_offline_from_a_local_file(resnet18_fil
     ).eval()
     assert relative_error(tcnn(IMAGES), cnn(IMAGES)) < 1e-4
     # another number of classes: timm drops the checkpoint's classifier, the trunk still loads
-    finetune = timm.create_model("tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), num_classes=10)
+    finetune = timm.create_model(
+        "tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), num_classes=10
+    )
     assert finetune.fc.out_features == 10
     assert torch.equal(finetune.layer3[1].bn2.running_var, cnn.layer3[1].bn2.running_var)
     assert finetune.pretrained_cfg["mean"] == cnn.pretrained_cfg["mean"]
@@ -56,8 +58,11 @@ def test_pretrained_loads_the_cnn_weights_offline_from_a_local_file(resnet18_fil
 def test_a_checkpoint_of_another_cnn_or_a_missing_file_is_a_clear_error(tmp_path):
     other = tmp_path / "resnet10t.pth"
     torch.save(timm.create_model("resnet10t").state_dict(), other)
-    with pytest.raises(ValueError, match=r"resnet10t\.pth does not fit this model .*missing keys: conv1\.weight, .*unexpected keys: "
-                       r"conv1\.0\.weight.*\(the CNN resnet18 of tcnn_resnet18\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"resnet10t\.pth does not fit this model .*missing keys: conv1\.weight, .*unexpected keys: "
+        r"conv1\.0\.weight.*\(the CNN resnet18 of tcnn_resnet18\)",
+    ):
         timm.create_model("tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=dict(file=str(other)))
     missing = tmp_path / "nothing.safetensors"
     with pytest.raises(ValueError, match=r"pretrained file .*nothing\.safetensors' does not exist"):

@@ -1,5 +1,6 @@
 """T-CNN recipes: the YAML files are valid engine configs with the paper's values, and train.py
 fine-tunes a T-CNN from a local pretrained file and reparametrizes a CNN during training."""
+
 import json
 from pathlib import Path
 
@@ -25,7 +26,13 @@ def resnet18_file(tmp_path_factory):
 def test_recipes_hold_the_paper_values(resnet18_file, tmp_path):
     paths = ["--pretrained-file", str(resnet18_file), "--data-dir", str(tmp_path)]
     finetune = parse_config(["-c", str(CONFIGS / "train" / "tcnn_finetune.yaml"), *paths])
-    assert (finetune.model, finetune.opt, finetune.lr, finetune.epochs, finetune.sched) == ("tcnn_resnetrs50", "adamw", 1e-4, 50, "cosine")
+    assert (finetune.model, finetune.opt, finetune.lr, finetune.epochs, finetune.sched) == (
+        "tcnn_resnetrs50",
+        "adamw",
+        1e-4,
+        50,
+        "cosine",
+    )
     assert finetune.param_group_lr == {"gating_param": 0.1}
     assert finetune.img_size == 224 > timm.get_pretrained_cfg("resnetrs50").input_size[-1]  # above pretraining
     assert (finetune.drop_path, finetune.mixup, finetune.cutmix, finetune.aa) == (0.1, 0.8, 1.0, "rand-m9-mstd0.5-inc1")
@@ -39,14 +46,47 @@ def test_recipes_hold_the_paper_values(resnet18_file, tmp_path):
     assert reparam.reparametrize_kwargs == {"init": "paper", "keep_stride": False} and reparam.reparametrize == "tcnn"
 
 
-SMALL_RUN = ["--dataset", "digits", "--img-size", "32", "--batch-size", "32", "--train-fraction", "0.1",
-             "--no-aug", "--repeated-aug", "1", "--workers", "0", "--warmup-epochs", "0", "--no-diagnostics"]
+SMALL_RUN = [
+    "--dataset",
+    "digits",
+    "--img-size",
+    "32",
+    "--batch-size",
+    "32",
+    "--train-fraction",
+    "0.1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--workers",
+    "0",
+    "--warmup-epochs",
+    "0",
+    "--no-diagnostics",
+]
 
 
 def test_train_py_fine_tunes_a_tcnn_from_a_local_pretrained_file(resnet18_file, tmp_path):
-    results = train.run(["--model", "tcnn_resnet18", "--pretrained", "--pretrained-file", str(resnet18_file),
-                          "--epochs", "1", "--lr", "1e-4", "--param-group-lr", "gating_param=0.1", "--save-epochs", "0",
-                          "--output", str(tmp_path / "run"), *SMALL_RUN])
+    results = train.run(
+        [
+            "--model",
+            "tcnn_resnet18",
+            "--pretrained",
+            "--pretrained-file",
+            str(resnet18_file),
+            "--epochs",
+            "1",
+            "--lr",
+            "1e-4",
+            "--param-group-lr",
+            "gating_param=0.1",
+            "--save-epochs",
+            "0",
+            "--output",
+            str(tmp_path / "run"),
+            *SMALL_RUN,
+        ]
+    )
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == results
     # the run started from the file's CNN: kept layers as they were, each GPSA output projection holds its filter
     cnn, start = load_file(str(resnet18_file)), load_file(str(tmp_path / "run" / "checkpoints" / "epoch_0.safetensors"))

@@ -1,16 +1,16 @@
 """Transformed CNN conversion: exactness against the CNN itself, paths, paper init, errors."""
+
 import copy
 
 import pytest
 import timm
 import torch
-import torch.nn as nn
+from conftest import IMAGES, randomize_norms, relative_error
 from sklearn.datasets import load_digits
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
+from torch import nn
 
 from transformed_cnn import GPSAConv2d, gpsa_layers, query_attention_maps, remove_stage_stride, transform
-
-from conftest import IMAGES, randomize_norms, relative_error  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["resnet18", "resnet50"])
@@ -64,14 +64,25 @@ def test_surviving_parameters_are_the_same_objects_and_the_count_matches(cnn):
     assert converted and all(name.startswith("layer4") and name.endswith(".weight") for name in converted)
     assert all(after[name] is before[name] for name in before if name in after)
     # Added per layer: queries/keys 2 * 9 * (C_in // 9) * C_in, W_val C_in^2, pos_proj 3*9+9, gating 9
-    added = sum(2 * 9 * (m.in_channels // 9) * m.in_channels + m.in_channels**2 + 45 for m in gpsa_layers(tcnn).values())
+    added = sum(
+        2 * 9 * (m.in_channels // 9) * m.in_channels + m.in_channels**2 + 45 for m in gpsa_layers(tcnn).values()
+    )
     assert sum(p.numel() for p in tcnn.parameters()) == sum(p.numel() for p in cnn.parameters()) + added
 
 
 # channels < queries (7x9 map: 63 queries, 20 at stride 2) take the factored schedule of the hot path,
 # channels >= queries (3x4 map: 12 queries; 7x9 at stride 2 with 20 channels) the mixed one
-@pytest.mark.parametrize("channels,size,stride,dilation", [(20, (7, 9), 1, 1), (12, (7, 9), 2, 1), (20, (7, 9), 1, 2),
-                                                           (20, (7, 9), 2, 1), (40, (3, 4), 1, 1), (40, (3, 4), 2, 1)])
+@pytest.mark.parametrize(
+    "channels,size,stride,dilation",
+    [
+        (20, (7, 9), 1, 1),
+        (12, (7, 9), 2, 1),
+        (20, (7, 9), 1, 2),
+        (20, (7, 9), 2, 1),
+        (40, (3, 4), 1, 1),
+        (40, (3, 4), 2, 1),
+    ],
+)
 def test_fused_and_explicit_paths_agree_in_outputs_and_gradients(channels, size, stride, dilation):
     torch.manual_seed(0)
     layer = GPSAConv2d(channels, 24, stride=stride, padding=dilation, dilation=dilation)
@@ -170,8 +181,14 @@ def test_bad_inputs_get_clear_errors():
 
 
 # Table G.1: (ResNet-RS, T-ResNet-RS) parameter counts in millions
-TABLE_G1_PARAMS = {"resnetrs50": (36, 38), "resnetrs101": (64, 66), "resnetrs152": (87, 89),
-                   "resnetrs200": (93, 96), "resnetrs270": (130, 133), "resnetrs350": (164, 167)}
+TABLE_G1_PARAMS = {
+    "resnetrs50": (36, 38),
+    "resnetrs101": (64, 66),
+    "resnetrs152": (87, 89),
+    "resnetrs200": (93, 96),
+    "resnetrs270": (130, 133),
+    "resnetrs350": (164, 167),
+}
 
 
 def test_parameter_counts_match_table_g1():

@@ -6,6 +6,7 @@ Runs in-process (`train.run`), so dynamo's counters can be read; tiny models. Th
 what is tested here, through dynamo and AOTAutograd (`aot_eager`: forward and backward graphs, no code
 generation); inductor's numerics on the models are tests/test_compile.py's.
 """
+
 import json
 
 import pytest
@@ -14,20 +15,118 @@ from safetensors.torch import load_file
 
 from convbias.cli import train
 
-CONVIT = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
-          "embed_dim=8", "--dataset", "digits", "--img-size", "8", "--crop-pct", "1", "--no-aug",
-          "--repeated-aug", "1", "--train-fraction", "0.2", "--batch-size", "16", "--eval-batch-size", "128",
-          "--lr", "1e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--drop-path", "0.1",
-          "--model-ema", "--model-ema-decay", "0.9", "--diagnostics-images", "4"]
-TCNN = ["--model", "test_resnet", "--dataset", "digits", "--img-size", "16", "--crop-pct", "1", "--no-aug",
-        "--repeated-aug", "1", "--train-fraction", "0.1", "--batch-size", "16", "--eval-batch-size", "128",
-        "--lr", "1e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--drop-path", "0",
-        "--reparametrize", "tcnn", "--reparametrize-at-epoch", "1", "--reparametrize-kwargs", "init=paper",
-        "--diagnostics-images", "4"]
-SMALL_CNN = ["--model", "vanilla_cnn", "--model-kwargs", "channels=4", "--dataset", "digits", "--img-size", "8",
-             "--crop-pct", "1", "--no-aug", "--repeated-aug", "1", "--train-fraction", "0.2", "--batch-size", "16",
-             "--eval-batch-size", "128", "--lr", "1e-3", "--warmup-epochs", "0", "--workers", "0", "--epochs", "2",
-             "--drop-path", "0", "--model-ema", "--model-ema-decay", "0.9", "--diagnostics-images", "4"]
+CONVIT = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=2",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=8",
+    "--dataset",
+    "digits",
+    "--img-size",
+    "8",
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--train-fraction",
+    "0.2",
+    "--batch-size",
+    "16",
+    "--eval-batch-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--epochs",
+    "2",
+    "--drop-path",
+    "0.1",
+    "--model-ema",
+    "--model-ema-decay",
+    "0.9",
+    "--diagnostics-images",
+    "4",
+]
+TCNN = [
+    "--model",
+    "test_resnet",
+    "--dataset",
+    "digits",
+    "--img-size",
+    "16",
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--train-fraction",
+    "0.1",
+    "--batch-size",
+    "16",
+    "--eval-batch-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--epochs",
+    "2",
+    "--drop-path",
+    "0",
+    "--reparametrize",
+    "tcnn",
+    "--reparametrize-at-epoch",
+    "1",
+    "--reparametrize-kwargs",
+    "init=paper",
+    "--diagnostics-images",
+    "4",
+]
+SMALL_CNN = [
+    "--model",
+    "vanilla_cnn",
+    "--model-kwargs",
+    "channels=4",
+    "--dataset",
+    "digits",
+    "--img-size",
+    "8",
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--train-fraction",
+    "0.2",
+    "--batch-size",
+    "16",
+    "--eval-batch-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--epochs",
+    "2",
+    "--drop-path",
+    "0",
+    "--model-ema",
+    "--model-ema-decay",
+    "0.9",
+    "--diagnostics-images",
+    "4",
+]
 
 
 def run(args, output, *extra):
@@ -80,7 +179,7 @@ def test_compiled_tcnn_reparametrization_matches_eager(tmp_path):
 
 
 def test_grad_checkpointing_trains_the_same_model(tmp_path):
-    args = CONVIT[:CONVIT.index("--epochs")] + ["--epochs", "1", "--no-diagnostics"]
+    args = CONVIT[: CONVIT.index("--epochs")] + ["--epochs", "1", "--no-diagnostics"]
     plain = train.run(args + ["--output", str(tmp_path / "plain")])
     checkpointed = train.run(args + ["--output", str(tmp_path / "checkpointed"), "--grad-checkpointing"])
     a = load_file(tmp_path / "plain" / "checkpoints" / "last" / "model.safetensors")

@@ -5,6 +5,7 @@ rounding differences at rounding size (Adam divides near-zero gradients by their
 `accelerate launch --cpu` starts a single process unless MPI is set up, so the test uses accelerate's
 torchrun launcher (`--multi_gpu`) with ACCELERATE_USE_CPU=1, which is accelerate's multi-CPU mode.
 """
+
 import json
 import os
 import subprocess
@@ -13,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_hf_card, write_hf_parquet_dataset
 from safetensors.torch import load_file
 
 from convbias.cli import train
-
-from conftest import write_hf_card, write_hf_parquet_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 DUMP_WEIGHTS = """
@@ -34,10 +34,38 @@ weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
 save_file({k: v.detach().contiguous() for k, v in weights.items()}, f"{dump_dir}/rank{rank}.safetensors")
 """
 LAUNCH_TIMEOUT_S = 300  # a collective that one rank never joins hangs: fail instead
-TRAIN_ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
-              "embed_dim=16", "--img-size", "8", "--crop-pct", "1", "--no-aug", "--repeated-aug", "1",
-              "--drop-path", "0", "--opt", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--workers", "0", "--epochs", "1",
-              "--train-fraction", "0.3", "--save-epochs", "0"]
+TRAIN_ARGS = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=2",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=16",
+    "--img-size",
+    "8",
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--drop-path",
+    "0",
+    "--opt",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--epochs",
+    "1",
+    "--train-fraction",
+    "0.3",
+    "--save-epochs",
+    "0",
+]
 
 
 def launch(tmp_path: Path, name: str, processes: int, batch_size: int, train_args: list[str] = TRAIN_ARGS) -> Path:
@@ -46,9 +74,27 @@ def launch(tmp_path: Path, name: str, processes: int, batch_size: int, train_arg
     script = tmp_path / "dump_weights.py"
     script.write_text(DUMP_WEIGHTS)
     mode = ["--multi_gpu"] if processes > 1 else ["--cpu"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(dump),
-               *train_args, "--batch-size", str(batch_size), "--output", str(dump / "run")]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *mode,
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        str(dump),
+        *train_args,
+        "--batch-size",
+        str(batch_size),
+        "--output",
+        str(dump / "run"),
+    ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -64,8 +110,9 @@ def test_two_processes_train_the_same_model_as_one(tmp_path):
 
     single = load_file(one / "rank0.safetensors")
     initial = load_file(one / "run" / "checkpoints" / "epoch_0.safetensors")
-    assert all(torch.equal(initial[k], load_file(two / "run" / "checkpoints" / "epoch_0.safetensors")[k])
-               for k in initial)
+    assert all(
+        torch.equal(initial[k], load_file(two / "run" / "checkpoints" / "epoch_0.safetensors")[k]) for k in initial
+    )
     moved = max((single[k] - initial[k]).abs().max().item() for k in single)
     gap = max((single[k] - rank0[k]).abs().max().item() for k in single)
     assert moved > 1e-2, "training did not change the weights"
@@ -99,8 +146,10 @@ def test_two_processes_stream_a_dataset_and_evaluate_all_of_it(tmp_path):
     rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "DDP ranks diverged"
     final = json.loads((two / "run" / "log.jsonl").read_text().splitlines()[-1])
-    one = train.run(stream_args + ["--eval-only", "--checkpoint", str(two / "rank0.safetensors"),
-                                   "--output", str(tmp_path / "eval")])
+    one = train.run(
+        stream_args
+        + ["--eval-only", "--checkpoint", str(two / "rank0.safetensors"), "--output", str(tmp_path / "eval")]
+    )
     assert final["eval_top1"] == pytest.approx(one["eval_top1"], abs=1e-9)
     assert final["eval_top1"] * 13 / 100 == pytest.approx(round(final["eval_top1"] * 13 / 100))  # out of 13
     assert final["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)

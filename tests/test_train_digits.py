@@ -1,4 +1,5 @@
 """A real (short) training run on scikit-learn's digits, its output directory, eval-only, wandb offline."""
+
 import csv
 import json
 import re
@@ -13,10 +14,38 @@ from convbias.engine.config import parse_config
 from convbias.engine.run_log import SUMMARY_FIELDS
 
 # A 2-block ConViT (one GPSA block, one SA block) of width 64 on the 8x8 digits: 16 tokens of 2x2 pixels.
-MODEL_ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1",
-              "embed_dim=16", "--dataset", "digits", "--img-size", "8", "--crop-pct", "1"]
-TRAIN_ARGS = MODEL_ARGS + ["--no-aug", "--repeated-aug", "1", "--batch-size", "16", "--lr", "1e-3",
-                           "--warmup-epochs", "0", "--weight-decay", "0", "--workers", "0", "--seed", "0"]
+MODEL_ARGS = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=2",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=16",
+    "--dataset",
+    "digits",
+    "--img-size",
+    "8",
+    "--crop-pct",
+    "1",
+]
+TRAIN_ARGS = MODEL_ARGS + [
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--batch-size",
+    "16",
+    "--lr",
+    "1e-3",
+    "--warmup-epochs",
+    "0",
+    "--weight-decay",
+    "0",
+    "--workers",
+    "0",
+    "--seed",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +58,7 @@ def digits_run(tmp_path_factory):
 def test_training_on_digits_beats_chance(digits_run):
     output, results = digits_run
     assert results["final_top1"] > 40.0, results  # chance: 10%
-    rows = list(csv.DictReader(open(output / "summary.csv")))
+    rows = list(csv.DictReader((output / "summary.csv").read_text().splitlines()))
     assert tuple(rows[0]) == SUMMARY_FIELDS and [int(r["epoch"]) for r in rows] == [1, 2, 3]
     assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"]) - 0.3
     assert float(rows[-1]["eval_top1"]) == pytest.approx(results["final_top1"])
@@ -38,7 +67,7 @@ def test_training_on_digits_beats_chance(digits_run):
 
 
 def test_output_dir_holds_log_config_and_checkpoints(digits_run):
-    output, results = digits_run
+    output, _results = digits_run
     records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]
     assert set(SUMMARY_FIELDS) <= set(records[0]) and records[0]["unreadable_images"] == 0
@@ -47,18 +76,25 @@ def test_output_dir_holds_log_config_and_checkpoints(digits_run):
     assert 0 < records[-1]["gating/layer1/head1"] < 1
 
     reloaded = parse_config(["-c", str(output / "config.yaml")])
-    assert reloaded.epochs == 3 and reloaded.model_kwargs == {"patch_size": 2, "depth": 2,
-                                                              "local_up_to_layer": 1, "embed_dim": 16}
+    assert reloaded.epochs == 3 and reloaded.model_kwargs == {
+        "patch_size": 2,
+        "depth": 2,
+        "local_up_to_layer": 1,
+        "embed_dim": 16,
+    }
     best = output / "checkpoints" / "best" / "model.safetensors"
     assert best.is_file() and (output / "checkpoints" / "last" / "training_state.pt").is_file()
-    model = timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=16,
-                              img_size=8, in_chans=1, num_classes=10)
+    model = timm.create_model(
+        "convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=16, img_size=8, in_chans=1, num_classes=10
+    )
     load_weights(model, best)
 
 
 def test_eval_only_prints_top1_and_top5(digits_run, capsys):
     output, results = digits_run
-    assert train.main(MODEL_ARGS + ["--eval-only", "--checkpoint", str(output), "--which", "best", "--workers", "0"]) == 0
+    assert (
+        train.main(MODEL_ARGS + ["--eval-only", "--checkpoint", str(output), "--which", "best", "--workers", "0"]) == 0
+    )
     printed = re.search(r"top1 ([\d.]+)\s+top5 ([\d.]+)", capsys.readouterr().out)
     assert printed, "eval-only printed no top1/top5"
     assert float(printed.group(1)) == pytest.approx(results["best_top1"], abs=0.01)
@@ -69,7 +105,9 @@ def test_wandb_offline_run_records_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     output = tmp_path / "run"
-    results = train.run(TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--log-wandb", "--output", str(output)])
+    results = train.run(
+        TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--log-wandb", "--output", str(output)]
+    )
     runs = list((output / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((output / "wandb").iterdir())
     console = (runs[0] / "files" / "output.log").read_text()  # wandb's capture of the run's console
@@ -101,9 +139,22 @@ def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path):
         teacher.fc.weight.zero_()
         teacher.fc.bias.copy_(torch.nn.functional.one_hot(torch.tensor(3), 10).float())
     save_weights(teacher.state_dict(), tmp_path / "teacher.safetensors")
-    trainer = Trainer(parse_config(TRAIN_ARGS + ["--epochs", "1", "--distill-teacher", "test_resnet",
-                                                 "--distill-teacher-file", str(tmp_path / "teacher.safetensors"),
-                                                 "--output", str(tmp_path / "run")]), load_families())
+    trainer = Trainer(
+        parse_config(
+            TRAIN_ARGS
+            + [
+                "--epochs",
+                "1",
+                "--distill-teacher",
+                "test_resnet",
+                "--distill-teacher-file",
+                str(tmp_path / "teacher.safetensors"),
+                "--output",
+                str(tmp_path / "run"),
+            ]
+        ),
+        load_families(),
+    )
     images, targets = next(iter(trainer.train_loader))
     logits = trainer.model(images)
     cross_entropy = torch.nn.functional.cross_entropy
@@ -113,8 +164,20 @@ def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path):
 
 def test_ema_is_evaluated_and_saved(tmp_path):
     output = tmp_path / "run"
-    train.run(TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--model-ema", "--model-ema-decay", "0.9",
-                            "--output", str(output)])
+    train.run(
+        TRAIN_ARGS
+        + [
+            "--epochs",
+            "1",
+            "--train-fraction",
+            "0.2",
+            "--model-ema",
+            "--model-ema-decay",
+            "0.9",
+            "--output",
+            str(output),
+        ]
+    )
     record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
     ema_file = output / "checkpoints" / "last" / "ema.safetensors"
     evaluated = train.run(MODEL_ARGS + ["--eval-only", "--checkpoint", str(ema_file), "--workers", "0"])
@@ -127,9 +190,12 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
     from convbias.engine.config import parse_config
     from convbias.engine.trainer import NonFiniteLossError, Trainer
     from convbias.families import load_families
+
     output = tmp_path / "run"
-    trainer = Trainer(parse_config(TRAIN_ARGS + ["--epochs", "2", "--train-fraction", "0.2", "--output", str(output)]),
-                      load_families())
+    trainer = Trainer(
+        parse_config(TRAIN_ARGS + ["--epochs", "2", "--train-fraction", "0.2", "--output", str(output)]),
+        load_families(),
+    )
     real_loss = trainer.train_loss
 
     def diverging(outputs, targets):  # fine in epoch 1, NaN from epoch 2 on
@@ -140,18 +206,53 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
         trainer.fit()
     last = output / "checkpoints" / "last"
     assert last.resolve().name == "epoch_0001" and not (output / "results.json").exists()
-    load_weights(timm.create_model("convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=16,
-                                   img_size=8, in_chans=1, num_classes=10), last)
+    load_weights(
+        timm.create_model(
+            "convit_tiny",
+            patch_size=2,
+            depth=2,
+            local_up_to_layer=1,
+            embed_dim=16,
+            img_size=8,
+            in_chans=1,
+            num_classes=10,
+        ),
+        last,
+    )
 
 
 def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path):
     from safetensors.torch import load_file
+
     source = timm.create_model("resnet18", num_classes=1000)  # ImageNet-shaped: 3 channels, 1000 classes
     save_weights(source.state_dict(), tmp_path / "resnet18.safetensors")
     output = tmp_path / "run"
-    train.run(["--model", "resnet18", "--pretrained-file", str(tmp_path / "resnet18.safetensors"), "--img-size", "32",
-                "--no-aug", "--repeated-aug", "1", "--train-fraction", "0.1", "--batch-size", "16", "--workers", "0",
-                "--epochs", "1", "--save-epochs", "0", "--no-diagnostics", "--output", str(output)])
+    train.run(
+        [
+            "--model",
+            "resnet18",
+            "--pretrained-file",
+            str(tmp_path / "resnet18.safetensors"),
+            "--img-size",
+            "32",
+            "--no-aug",
+            "--repeated-aug",
+            "1",
+            "--train-fraction",
+            "0.1",
+            "--batch-size",
+            "16",
+            "--workers",
+            "0",
+            "--epochs",
+            "1",
+            "--save-epochs",
+            "0",
+            "--no-diagnostics",
+            "--output",
+            str(output),
+        ]
+    )
     start = load_file(output / "checkpoints" / "epoch_0.safetensors")
     assert torch.equal(start["layer1.0.conv1.weight"], source.state_dict()["layer1.0.conv1.weight"])
     # timm adapts the stem to 1 input channel (sum over RGB) and gives digits' 10 classes a new head

@@ -1,4 +1,5 @@
 """Bad input: one `error: ...` line on stderr, exit code 2, no traceback, nothing in the output dir lost."""
+
 import os
 import re
 import subprocess
@@ -13,8 +14,21 @@ from convbias.cli import train
 from convbias.engine.checkpoint import save_weights
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
-         "embed_dim=4", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0"]
+SMALL = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=8",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=4",
+    "--workers",
+    "0",
+    "--epochs",
+    "1",
+    "--warmup-epochs",
+    "0",
+]
 
 
 @pytest.fixture
@@ -39,20 +53,25 @@ def run_cli(capsys, args):
     return code, messages(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--model", "convit_tinny"], r"unknown model 'convit_tinny' .*close choices: convit_tiny"),
-    (["--dataset", "svhn"], r"unknown dataset 'svhn'; choices: digits, mnist, cifar10, cifar100, imagenet, folder"),
-    (["--train-fraction", "0"], r"--train-fraction must be in \(0, 1\], got 0.0"),
-    (["--train-fraction", "1.5"], r"--train-fraction must be in \(0, 1\], got 1.5"),
-    (["--lr", "-0.1"], r"--lr must be positive, got -0.1"),
-    (["--epochs", "-3"], r"--epochs must be a positive integer, got -3"),
-    (["--batch-size", "0"], r"--batch-size must be a positive integer, got 0"),
-    (["--dataset", "folder", "--data-dir", "/nonexistent/images"], 
-     r"--data-dir /nonexistent/images is not a directory; expected layout for --dataset folder: DIR/train/<class>"),
-    (["--dataset", "imagenet"], r"--dataset imagenet needs --data-dir; expected layout: DIR/train/<class>"),
-    (["--model-kwargs", "patch_sise=4"], r"cannot build convit_tiny .*patch_sise"),
-    (["--resume", "EMPTY"], r"--resume .*: no checkpoint there"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model", "convit_tinny"], r"unknown model 'convit_tinny' .*close choices: convit_tiny"),
+        (["--dataset", "svhn"], r"unknown dataset 'svhn'; choices: digits, mnist, cifar10, cifar100, imagenet, folder"),
+        (["--train-fraction", "0"], r"--train-fraction must be in \(0, 1\], got 0.0"),
+        (["--train-fraction", "1.5"], r"--train-fraction must be in \(0, 1\], got 1.5"),
+        (["--lr", "-0.1"], r"--lr must be positive, got -0.1"),
+        (["--epochs", "-3"], r"--epochs must be a positive integer, got -3"),
+        (["--batch-size", "0"], r"--batch-size must be a positive integer, got 0"),
+        (
+            ["--dataset", "folder", "--data-dir", "/nonexistent/images"],
+            r"--data-dir /nonexistent/images is not a directory; expected layout for --dataset folder: DIR/train/<class>",
+        ),
+        (["--dataset", "imagenet"], r"--dataset imagenet needs --data-dir; expected layout: DIR/train/<class>"),
+        (["--model-kwargs", "patch_sise=4"], r"cannot build convit_tiny .*patch_sise"),
+        (["--resume", "EMPTY"], r"--resume .*: no checkpoint there"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_keeps_output(capsys, output, tmp_path, args, expected):
     args = [str(tmp_path) if a == "EMPTY" else a for a in args]
     code, err = run_cli(capsys, SMALL + ["--output", str(output)] + args)
@@ -62,23 +81,32 @@ def test_bad_input_is_one_line_exit_2_and_keeps_output(capsys, output, tmp_path,
     assert (output / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--checkpoint", "GARBAGE"], r"GARBAGE is not a readable safetensors file \(Error while deserializing header"),
-    (["--eval-only", "GARBAGE"], r"GARBAGE is not a readable safetensors file"),
-    (["--pretrained-file", "GARBAGE"], r"--pretrained-file: GARBAGE is not a readable safetensors file"),
-    (["--distill-teacher", "resnet18", "--distill-teacher-file", "GARBAGE"], r"GARBAGE is not a readable safetensors"),
-    (["--checkpoint", "TRUNCATED"], r"TRUNCATED is not a readable safetensors file"),
-    (["--lr", "inf"], r"^error: --lr must be a finite number, got inf$"),
-    (["--clip-grad", "nan"], r"^error: --clip-grad must be a finite number, got nan$"),
-    (["--scale", "0.5", "inf"], r"^error: --scale must be a finite number, got inf$"),
-    (["--param-group-lr", "gating_param=inf"], r"--param-group-lr gating_param=\.\.\. needs a positive number, got 'inf'"),
-    (["-c", "RECIPE:scale: 0.5"], r"^error: --scale expects a list of 2 float values, got 0.5$"),
-    (["-c", "RECIPE:scale: [0.5]"], r"^error: --scale expects a list of 2 float values, got \[0.5\]$"),
-    (["-c", "RECIPE:save_epochs: 1"], r"^error: --save-epochs expects a list of int values, got 1$"),
-    (["-c", "RECIPE:data_dir: 3"], r"^error: --data-dir expects a string, got 3$"),
-    (["-c", "RECIPE:lr: .inf"], r"^error: --lr must be a finite number, got inf$"),
-    (["--which", "best"], r"--which best picks a checkpoint of a run directory; --checkpoint \(none\) is not one"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--checkpoint", "GARBAGE"], r"GARBAGE is not a readable safetensors file \(Error while deserializing header"),
+        (["--eval-only", "GARBAGE"], r"GARBAGE is not a readable safetensors file"),
+        (["--pretrained-file", "GARBAGE"], r"--pretrained-file: GARBAGE is not a readable safetensors file"),
+        (
+            ["--distill-teacher", "resnet18", "--distill-teacher-file", "GARBAGE"],
+            r"GARBAGE is not a readable safetensors",
+        ),
+        (["--checkpoint", "TRUNCATED"], r"TRUNCATED is not a readable safetensors file"),
+        (["--lr", "inf"], r"^error: --lr must be a finite number, got inf$"),
+        (["--clip-grad", "nan"], r"^error: --clip-grad must be a finite number, got nan$"),
+        (["--scale", "0.5", "inf"], r"^error: --scale must be a finite number, got inf$"),
+        (
+            ["--param-group-lr", "gating_param=inf"],
+            r"--param-group-lr gating_param=\.\.\. needs a positive number, got 'inf'",
+        ),
+        (["-c", "RECIPE:scale: 0.5"], r"^error: --scale expects a list of 2 float values, got 0.5$"),
+        (["-c", "RECIPE:scale: [0.5]"], r"^error: --scale expects a list of 2 float values, got \[0.5\]$"),
+        (["-c", "RECIPE:save_epochs: 1"], r"^error: --save-epochs expects a list of int values, got 1$"),
+        (["-c", "RECIPE:data_dir: 3"], r"^error: --data-dir expects a string, got 3$"),
+        (["-c", "RECIPE:lr: .inf"], r"^error: --lr must be a finite number, got inf$"),
+        (["--which", "best"], r"--which best picks a checkpoint of a run directory; --checkpoint \(none\) is not one"),
+    ],
+)
 def test_more_mistakes_are_one_line_exit_2_and_keep_output(capsys, output, tmp_path, args, expected):
     """Unreadable weight files in every option that loads weights, non-finite numbers, recipe values of the
     wrong type (a YAML recipe skips argparse's conversion)."""
@@ -116,7 +144,9 @@ def test_output_in_a_read_only_directory_is_refused(capsys, tmp_path):
         code, err = run_cli(capsys, SMALL + ["--output", str(tmp_path / "run")])
     finally:
         tmp_path.chmod(0o755)
-    assert code == 2 and err == [f"error: --output {tmp_path / 'run'}: {tmp_path} is not writable; choose another --output"]
+    assert code == 2 and err == [
+        f"error: --output {tmp_path / 'run'}: {tmp_path} is not writable; choose another --output"
+    ]
 
 
 def write_folder(root, classes, broken=False):
@@ -142,7 +172,9 @@ def test_a_one_class_dataset_is_refused(capsys, tmp_path, output):
     data = write_folder(tmp_path / "data", classes=1)
     code, err = run_cli(capsys, SMALL + FOLDER + ["--data-dir", str(data), "--output", str(output)])
     assert code == 2 and len(err) == 1
-    assert err[0].startswith(f"error: --dataset folder at {data} has 1 class (class_0); classification needs at least 2")
+    assert err[0].startswith(
+        f"error: --dataset folder at {data} has 1 class (class_0); classification needs at least 2"
+    )
     assert [p.name for p in output.iterdir()] == ["notes.txt"]
 
 
@@ -172,10 +204,14 @@ def test_ctrl_c_says_what_was_kept_and_exits_130(capsys, tmp_path):
         return {}
 
     output = tmp_path / "run"
-    code = main(SMALL[:-4] + ["--epochs", "2", "--warmup-epochs", "0", "--no-aug", "--output", str(output)],
-                Extensions(diagnostics={"interrupt": interrupt_at_the_second_evaluation}))
+    code = main(
+        SMALL[:-4] + ["--epochs", "2", "--warmup-epochs", "0", "--no-aug", "--output", str(output)],
+        Extensions(diagnostics={"interrupt": interrupt_at_the_second_evaluation}),
+    )
     err = messages(capsys.readouterr().err)
-    assert code == 130 and err == [f"interrupted: kept {output}/checkpoints/last (epoch 1); continue with --resume auto"]
+    assert code == 130 and err == [
+        f"interrupted: kept {output}/checkpoints/last (epoch 1); continue with --resume auto"
+    ]
     assert not (output / ".lock").exists() and not (output / "results.json").exists()
 
 
@@ -183,9 +219,12 @@ def test_help_shows_the_defaults():
     from convbias.engine.config import build_parser
 
     text = " ".join(build_parser().format_help().split())
-    for shown in ("--epochs EPOCHS (default: 300)", "--lr-base LR_BASE (default: 0.0005)",
-                  "--which {last,best} checkpoint of a run directory to evaluate or start from (default: last)",
-                  "start from pretrained weights (default: False)"):
+    for shown in (
+        "--epochs EPOCHS (default: 300)",
+        "--lr-base LR_BASE (default: 0.0005)",
+        "--which {last,best} checkpoint of a run directory to evaluate or start from (default: last)",
+        "start from pretrained weights (default: False)",
+    ):
         assert shown in text, shown
 
 
@@ -205,16 +244,30 @@ def test_checkpoint_of_another_model_names_the_mismatched_keys(capsys, tmp_path,
     assert "does not fit this model" in err[0] and "missing keys: " in err[0] and "unexpected keys: " in err[0]
     assert "layer1.0.bn1" in err[0] and "pos_embed" in err[0]  # keys of both models named
 
-    wrong_width = timm.create_model("convit_tiny", patch_size=8, depth=2, local_up_to_layer=1, embed_dim=8,
-                                    img_size=32, in_chans=1, num_classes=10)
+    wrong_width = timm.create_model(
+        "convit_tiny", patch_size=8, depth=2, local_up_to_layer=1, embed_dim=8, img_size=32, in_chans=1, num_classes=10
+    )
     torch.save(wrong_width.state_dict(), tmp_path / "wide.pth")
     code, err = run_cli(capsys, SMALL + ["--eval-only", "--checkpoint", str(tmp_path / "wide.pth")])
     assert code == 2 and "mismatched shapes: " in err[0] and "vs model" in err[0]
 
 
 def test_real_cli_prints_no_traceback(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "--model", "convit_tiny", "--batch-size", "0",
-                             "--output", str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--model",
+            "convit_tiny",
+            "--batch-size",
+            "0",
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --batch-size must be a positive integer, got 0"
     assert not (tmp_path / "out").exists()
@@ -235,10 +288,34 @@ def test_unreadable_image_is_skipped_and_counted_in_the_log(tmp_path):
     (tmp_path / "data" / "train" / "class_0" / "broken.png").write_bytes(b"not a png")
     output = tmp_path / "run"
     with pytest.warns(UserWarning, match="broken.png"):
-        train.run(["--model", "convit_tiny", "--model-kwargs", "patch_size=8", "depth=2", "local_up_to_layer=1",
-                    "embed_dim=4", "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--img-size", "16",
-                    "--no-aug", "--repeated-aug", "1", "--batch-size", "4", "--workers", "0", "--epochs", "1",
-                    "--output", str(output)])
+        train.run(
+            [
+                "--model",
+                "convit_tiny",
+                "--model-kwargs",
+                "patch_size=8",
+                "depth=2",
+                "local_up_to_layer=1",
+                "embed_dim=4",
+                "--dataset",
+                "folder",
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--img-size",
+                "16",
+                "--no-aug",
+                "--repeated-aug",
+                "1",
+                "--batch-size",
+                "4",
+                "--workers",
+                "0",
+                "--epochs",
+                "1",
+                "--output",
+                str(output),
+            ]
+        )
     record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
     assert record["unreadable_images"] == 1
 
@@ -247,10 +324,27 @@ def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line
     """Workers ignore the scheduler's preemption signals but still obey the main process's shutdown:
     with workers, an error in one of them is one line and the process exits (no hang, no traceback)."""
     data = write_folder(tmp_path / "data", classes=2, broken=True)
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), *SMALL, *FOLDER, "--batch-size", "5",
-                             "--data-dir", str(data), "--workers", "2", "--no-skip-unreadable",
-                             "--output", str(tmp_path / "run")],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            *SMALL,
+            *FOLDER,
+            "--batch-size",
+            "5",
+            "--data-dir",
+            str(data),
+            "--workers",
+            "2",
+            "--no-skip-unreadable",
+            "--output",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     lines = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.strip() and "it/s" not in line]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert re.search(r"^error: unreadable image .*0broken.png", lines[0])

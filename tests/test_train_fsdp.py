@@ -12,6 +12,7 @@ diagnostics on (both read FullCopy) and a resume point every 4 steps:
 
 GPU kernels need not be bitwise deterministic run to run, so metrics are compared to 1e-4 (relative).
 """
+
 import json
 import math
 import os
@@ -31,22 +32,72 @@ from convbias.engine.checkpoint import STATE_FILE, load_training_state
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate enables FSDP only on GPUs")
 
 REPO = Path(__file__).resolve().parents[1]
-ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=8",
-        "--img-size", "8", "--crop-pct", "1", "--train-fraction", "0.3", "--batch-size", "16", "--workers", "2",
-        "--epochs", "2", "--warmup-epochs", "1", "--checkpoint-interval", "4", "--diagnostics-images", "4",
-        "--model-ema", "--model-ema-decay", "0.9", "--lr", "5e-3",
-        "--save-epochs", "0"]
+ARGS = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=2",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=8",
+    "--img-size",
+    "8",
+    "--crop-pct",
+    "1",
+    "--train-fraction",
+    "0.3",
+    "--batch-size",
+    "16",
+    "--workers",
+    "2",
+    "--epochs",
+    "2",
+    "--warmup-epochs",
+    "1",
+    "--checkpoint-interval",
+    "4",
+    "--diagnostics-images",
+    "4",
+    "--model-ema",
+    "--model-ema-decay",
+    "0.9",
+    "--lr",
+    "5e-3",
+    "--save-epochs",
+    "0",
+]
 TIMINGS = ("epoch_seconds", "images_per_sec")  # the only entries of log.jsonl that may differ between runs
 
 
 def launch(output: Path, *extra: str, fsdp_version: int | None = 2) -> subprocess.Popen:
-    launcher = [] if fsdp_version is None else [
-        "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1", "--use_fsdp",
-        "--fsdp_version", str(fsdp_version), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher = (
+        []
+        if fsdp_version is None
+        else [
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--use_fsdp",
+            "--fsdp_version",
+            str(fsdp_version),
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+        ]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, *launcher, str(REPO / "train.py"), *ARGS, "--output", str(output),
-                             *extra], env=env, cwd=output.parent, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, *launcher, str(REPO / "train.py"), *ARGS, "--output", str(output), *extra],
+        env=env,
+        cwd=output.parent,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def finish(process: subprocess.Popen) -> tuple[int, str, str]:
@@ -114,7 +165,9 @@ def test_sigterm_under_fsdp2_then_resume_gives_the_uninterrupted_run(tmp_path):
     assert code == 0, err[-3000:]
     assert f"resumed from {last} after epoch 0 and {state['step']} steps of epoch 1" in out
     assert_same_metrics(stopped, reference)
-    code, out, err = finish(launch(tmp_path / "unused", "--eval-only", str(stopped), "--which", "last"))  # no sharding needed there
+    code, out, err = finish(
+        launch(tmp_path / "unused", "--eval-only", str(stopped), "--which", "last")
+    )  # no sharding needed there
     assert code == 0 and f"top1 {metrics(stopped)[-1]['eval_top1']:.2f}" in out, err[-3000:]
 
     code, out, err = finish(launch(without_fsdp, "--resume", "auto", fsdp_version=None))
@@ -122,10 +175,17 @@ def test_sigterm_under_fsdp2_then_resume_gives_the_uninterrupted_run(tmp_path):
     assert_same_metrics(without_fsdp, reference)
 
 
-@pytest.mark.parametrize("fsdp_version, extra, expected", [
-    (1, [], "FSDP1 (fsdp_version 1) is not supported"),
-    (2, ["--reparametrize", "tcnn", "--reparametrize-at-epoch", "1"], "--reparametrize-at-epoch changes the model's"),
-])
+@pytest.mark.parametrize(
+    "fsdp_version, extra, expected",
+    [
+        (1, [], "FSDP1 (fsdp_version 1) is not supported"),
+        (
+            2,
+            ["--reparametrize", "tcnn", "--reparametrize-at-epoch", "1"],
+            "--reparametrize-at-epoch changes the model's",
+        ),
+    ],
+)
 def test_unsupported_fsdp_set_ups_are_one_line(tmp_path, fsdp_version, extra, expected):
     output = tmp_path / "run"
     code, _, err = finish(launch(output, *extra, fsdp_version=fsdp_version))

@@ -6,6 +6,7 @@ to the whole group, as a scheduler sends it to every process of a job. The run m
 write a mid-epoch resume point and exit with the requeue status; the resumed run must continue from that
 step and end with exactly the uninterrupted run's per-epoch metrics.
 """
+
 import csv
 import os
 import shutil
@@ -23,16 +24,47 @@ from convbias.engine.preemption import REQUEUE_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
-ARGS = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=8",
-        "--img-size", "8", "--crop-pct", "1", "--train-fraction", "0.3", "--batch-size", "16", "--workers", "2",
-        "--epochs", "2", "--warmup-epochs", "1", "--checkpoint-interval", "4", "--diagnostics-images", "4"]
+ARGS = [
+    "--model",
+    "convit_tiny",
+    "--model-kwargs",
+    "patch_size=2",
+    "depth=2",
+    "local_up_to_layer=1",
+    "embed_dim=8",
+    "--img-size",
+    "8",
+    "--crop-pct",
+    "1",
+    "--train-fraction",
+    "0.3",
+    "--batch-size",
+    "16",
+    "--workers",
+    "2",
+    "--epochs",
+    "2",
+    "--warmup-epochs",
+    "1",
+    "--checkpoint-interval",
+    "4",
+    "--diagnostics-images",
+    "4",
+]
 
 
 def train(output: Path, *extra: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *ARGS, "--output", str(output), *extra],
-                            env=env, cwd=output.parent, start_new_session=True, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *ARGS, "--output", str(output), *extra],
+        env=env,
+        cwd=output.parent,
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **popen,
+    )
 
 
 def summary(output: Path) -> list[tuple[str, ...]]:
@@ -87,13 +119,16 @@ def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path,
     assert summary(stopped) == summary(reference)
 
 
-@pytest.mark.parametrize("option, expected", [
-    (["--preempt-signals", "SIGFOO"], "--preempt-signals: unknown signal 'SIGFOO'"),
-    (["--preempt-signals", "SIGKILL"], "--preempt-signals: SIGKILL cannot be used"),
-    (["--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),
-    (["--compile", "--compile-mode", "fast"], "unknown --compile-mode 'fast'"),
-    (["--compile", "--compile-backend", "nope"], "unknown --compile-backend 'nope'"),
-])
+@pytest.mark.parametrize(
+    "option, expected",
+    [
+        (["--preempt-signals", "SIGFOO"], "--preempt-signals: unknown signal 'SIGFOO'"),
+        (["--preempt-signals", "SIGKILL"], "--preempt-signals: SIGKILL cannot be used"),
+        (["--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),
+        (["--compile", "--compile-mode", "fast"], "unknown --compile-mode 'fast'"),
+        (["--compile", "--compile-backend", "nope"], "unknown --compile-backend 'nope'"),
+    ],
+)
 def test_bad_scale_out_options_are_one_line(tmp_path, capsys, option, expected):
     from convbias.cli import train as cli
 

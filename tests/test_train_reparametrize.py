@@ -1,5 +1,6 @@
 """--reparametrize-at-epoch: a ResNet (timm's 0.47M-parameter test_resnet) trains, becomes a T-CNN (transformed_cnn.transform) at the start of
 epoch 1, and keeps the optimizer state of every parameter that survives."""
+
 import json
 
 import pytest
@@ -11,11 +12,42 @@ from convbias.engine.checkpoint import load_training_state
 
 pytest.importorskip("transformed_cnn.transform")
 
-ARGS = ["--model", "test_resnet", "--dataset", "digits", "--img-size", "32", "--crop-pct", "1", "--no-aug",
-        "--repeated-aug", "1", "--train-fraction", "0.2", "--batch-size", "16", "--lr", "1e-3",
-        "--warmup-epochs", "0", "--workers", "0", "--epochs", "2", "--drop-path", "0",
-        "--reparametrize", "tcnn", "--reparametrize-at-epoch", "1", "--reparametrize-kwargs", "init=paper", "--no-diagnostics",
-        "--param-group-lr", "gating_param=0.1"]
+ARGS = [
+    "--model",
+    "test_resnet",
+    "--dataset",
+    "digits",
+    "--img-size",
+    "32",
+    "--crop-pct",
+    "1",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--train-fraction",
+    "0.2",
+    "--batch-size",
+    "16",
+    "--lr",
+    "1e-3",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--epochs",
+    "2",
+    "--drop-path",
+    "0",
+    "--reparametrize",
+    "tcnn",
+    "--reparametrize-at-epoch",
+    "1",
+    "--reparametrize-kwargs",
+    "init=paper",
+    "--no-diagnostics",
+    "--param-group-lr",
+    "gating_param=0.1",
+]
 
 
 def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, capsys):
@@ -41,7 +73,11 @@ def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, c
     assert steps["conv1.0.weight"] == steps["layer1.0.conv1.weight"] == 2 * per_epoch  # kept across the change
 
     # the checkpoint is a T-CNN: eval-only rebuilds the transformed architecture before loading it
-    eval_args = ARGS[:ARGS.index("--reparametrize-at-epoch")] + ["--reparametrize-kwargs", "init=paper", "--no-diagnostics"]
+    eval_args = ARGS[: ARGS.index("--reparametrize-at-epoch")] + [
+        "--reparametrize-kwargs",
+        "init=paper",
+        "--no-diagnostics",
+    ]
     metrics = train.run(eval_args + ["--eval-only", "--checkpoint", str(output / "checkpoints" / "last")])
     assert metrics["eval_top1"] == pytest.approx(results["final_top1"])
     assert json.loads((output / "results.json").read_text())["epochs"] == 2

@@ -4,6 +4,7 @@ Every run is `accelerate launch --cpu --num_processes 1 train.py ...` in a subpr
 recipe defaults (RandAugment, mixup/cutmix, random erasing, repeated augmentation, drop path, 4 data
 workers): the resumed run only matches if every RNG stream and the schedule are restored.
 """
+
 import csv
 import json
 import os
@@ -29,15 +30,41 @@ def write_image_folder(root: Path, per_class: dict[str, int], size: int = 28) ->
             folder.mkdir(parents=True)
             for i in range(count):
                 image = rng.integers(0, 90, (size, size, 3), dtype=np.uint8)
-                image[:, label * size // 2:(label + 1) * size // 2] += 150
+                image[:, label * size // 2 : (label + 1) * size // 2] += 150
                 Image.fromarray(image).save(folder / f"{i}.png")
 
 
 def issue_command(data_dir: Path, output: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            str(REPO / "train.py"), "--model", "convit_tiny", "--dataset", "folder", "--data-dir", str(data_dir),
-            "--img-size", "28", "--model-kwargs", "patch_size=4", "--epochs", "2", "--output", str(output), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--cpu",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(REPO / "train.py"),
+        "--model",
+        "convit_tiny",
+        "--dataset",
+        "folder",
+        "--data-dir",
+        str(data_dir),
+        "--img-size",
+        "28",
+        "--model-kwargs",
+        "patch_size=4",
+        "--epochs",
+        "2",
+        "--output",
+        str(output),
+        *extra,
+    ]
 
 
 def summary(output: Path) -> list[tuple[str, ...]]:
@@ -58,8 +85,14 @@ def test_issue_command_and_resume_after_kill(tmp_path):
     assert [row[0] for row in reference] == ["1", "2"]
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen(issue_command(data, killed), env=env, cwd=tmp_path, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        issue_command(data, killed),
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     first_checkpoint = killed / "checkpoints" / "last" / "training_state.pt"
     deadline = time.monotonic() + 300
     while not first_checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -69,8 +102,9 @@ def test_issue_command_and_resume_after_kill(tmp_path):
     assert first_checkpoint.exists(), "the run ended before writing its first checkpoint"
     assert not (killed / "results.json").exists(), "the run finished before it could be killed"
 
-    resumed = subprocess.run(issue_command(data, killed, "--resume", "auto"), env=env, cwd=tmp_path,
-                             capture_output=True, text=True)
+    resumed = subprocess.run(
+        issue_command(data, killed, "--resume", "auto"), env=env, cwd=tmp_path, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert summary(killed) == reference

@@ -1,4 +1,5 @@
 """Engine pieces on their own: config precedence, parameter groups, optimizer rebuild, checkpoint files."""
+
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,19 @@ from convbias.engine.recipe import create_optimizer, create_scheduler, param_gro
 def test_yaml_base_and_command_line_precedence(tmp_path):
     (tmp_path / "base.yaml").write_text("epochs: 30\nlr: 0.01\nmodel_kwargs: {patch_size: 4, depth: 6}\n")
     (tmp_path / "run.yaml").write_text("_base_: base.yaml\nmodel: convit_tiny\nepochs: 40\nbatch_size: 8\n")
-    cfg = parse_config(["-c", str(tmp_path / "run.yaml"), "--epochs", "50", "--model-kwargs", "depth=2",
-                        "locality_strength=0.5", "--param-group-lr", "gating_param=0.1"])
+    cfg = parse_config(
+        [
+            "-c",
+            str(tmp_path / "run.yaml"),
+            "--epochs",
+            "50",
+            "--model-kwargs",
+            "depth=2",
+            "locality_strength=0.5",
+            "--param-group-lr",
+            "gating_param=0.1",
+        ]
+    )
     assert cfg.epochs == 50 and cfg.batch_size == 8 and cfg.lr == 0.01  # CLI > file > _base_ > defaults
     assert cfg.model_kwargs == {"patch_size": 4, "depth": 2, "locality_strength": 0.5}  # merged key by key
     assert cfg.param_group_lr == {"gating_param": 0.1}
@@ -123,28 +135,41 @@ def test_load_weights_reads_torch_files_without_unpickling_objects(tmp_path):
 
 def test_hard_distillation_loss_is_deit_average():
     from convbias.engine.recipe import HardDistillationLoss
+
     teacher = torch.nn.Linear(6, 4)
     images, targets = torch.randn(8, 6), torch.randint(0, 4, (8,))
     class_logits, distill_logits = torch.randn(8, 4), torch.randn(8, 4)
     loss = HardDistillationLoss(torch.nn.CrossEntropyLoss(), teacher)
     teacher_labels = teacher(images).argmax(-1)
-    expected = 0.5 * torch.nn.functional.cross_entropy(class_logits, targets) + \
-        0.5 * torch.nn.functional.cross_entropy(distill_logits, teacher_labels)
+    expected = 0.5 * torch.nn.functional.cross_entropy(class_logits, targets) + 0.5 * torch.nn.functional.cross_entropy(
+        distill_logits, teacher_labels
+    )
     assert torch.allclose(loss(images, (class_logits, distill_logits), targets), expected)
-    single = 0.5 * torch.nn.functional.cross_entropy(class_logits, targets) + \
-        0.5 * torch.nn.functional.cross_entropy(class_logits, teacher_labels)
+    single = 0.5 * torch.nn.functional.cross_entropy(class_logits, targets) + 0.5 * torch.nn.functional.cross_entropy(
+        class_logits, teacher_labels
+    )
     assert torch.allclose(loss(images, class_logits, targets), single)  # no distillation token
 
 
-@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(Path(__file__).parents[1])) for p in
-                                          Path(__file__).parents[1].glob("configs/train/convit/*/*.yaml")
-                                          if not p.name.startswith("_")) + ["configs/train/demo_digits.yaml"])
+@pytest.mark.parametrize(
+    "recipe",
+    sorted(
+        str(p.relative_to(Path(__file__).parents[1]))
+        for p in Path(__file__).parents[1].glob("configs/train/convit/*/*.yaml")
+        if not p.name.startswith("_")
+    )
+    + ["configs/train/demo_digits.yaml"],
+)
 def test_recipes_parse_and_name_registered_models(recipe):
     cfg = parse_config(["-c", str(Path(__file__).parents[1] / recipe)])
     assert timm.is_model(cfg.model), cfg.model
     if "imagenet" in recipe or "cifar100" in recipe:
         plus = cfg.model.endswith("_plus")
         assert (cfg.lr_base, cfg.batch_size) == ((4e-4, 64) if plus else (5e-4, 128))
-        assert (cfg.weight_decay, cfg.warmup_epochs, cfg.min_lr, cfg.repeated_aug) == \
-            (0.05, 50 if "cifar100" in recipe else 5, 1e-5, 3)
+        assert (cfg.weight_decay, cfg.warmup_epochs, cfg.min_lr, cfg.repeated_aug) == (
+            0.05,
+            50 if "cifar100" in recipe else 5,
+            1e-5,
+            3,
+        )
         assert cfg.img_size == 224 and cfg.epochs == (3000 if "cifar100" in recipe else 300)

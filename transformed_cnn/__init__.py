@@ -3,12 +3,19 @@
 Importing the package registers `tcnn_<resnet>` models (tcnn_resnet50, tcnn_resnet50d,
 tcnn_resnetrs50, ...) in timm's registry.
 """
+
+from . import models
+from .diagnostics import query_attention_maps, query_maps
 from .gpsa_conv import GPSAConv2d
 from .transform import INITS, gpsa_layers, remove_stage_stride, transform
-from .diagnostics import query_attention_maps, query_maps
-from . import models
 
 __all__ = [
-    "GPSAConv2d", "INITS", "gpsa_layers", "remove_stage_stride", "transform",
-    "query_attention_maps", "query_maps", "models",
+    "INITS",
+    "GPSAConv2d",
+    "gpsa_layers",
+    "models",
+    "query_attention_maps",
+    "query_maps",
+    "remove_stage_stride",
+    "transform",
 ]

@@ -4,19 +4,18 @@
 gating sigma(lambda_h) over training (Fig. 8.4) are logged with the other attention diagnostics
 (`convit.diagnostics.summary` reads `pos_proj` and `gating_param` of any gated layer).
 """
+
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .transform import gpsa_layers
 
 
 @torch.no_grad()
 def query_attention_maps(
-    model: nn.Module, images: torch.Tensor, query: Tuple[float, float] = (0.5, 0.5)
+    model: nn.Module, images: torch.Tensor, query: tuple[float, float] = (0.5, 0.5)
 ) -> dict[str, torch.Tensor]:
     """Attention of the query pixel at relative position `query` = (row, col) in [0, 1) of each
     layer's output grid (default: the center), over that layer's input map.
@@ -54,8 +53,8 @@ def query_attention_maps(
 
 
 def query_maps(
-    model: nn.Module, image: torch.Tensor, query: Tuple[float, float] = (0.5, 0.5)
-) -> Tuple[dict[str, torch.Tensor], dict[str, Tuple[float, float]], dict[str, list[float]]]:
+    model: nn.Module, image: torch.Tensor, query: tuple[float, float] = (0.5, 0.5)
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[float, float]], dict[str, list[float]]]:
     """What `convbias.evaluation.figures.plot_attention_maps` draws for one (C, H, W) image (Fig. 8.5):
     ({layer: (heads, H_in, W_in) maps}, {layer: query (row, col) on that map}, {layer: gates})."""
     maps = {name: attn[0] for name, attn in query_attention_maps(model, image.unsqueeze(0), query).items()}

@@ -30,28 +30,35 @@ GEMM; in early stages (C_in < N_q) the content term goes through SDPA and P @ V 
 axis with the batch folded into the columns, without a (B, heads, N_q, N_k) tensor. `fused = False`
 runs the explicit path: the normalized attention of `attention()`, then one product with the value.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple
+from typing import NamedTuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module, to_2tuple, trunc_normal_
+from torch import nn
 
 from convbias.gpsa import (
-    GatedPositionalAttention, GridSize, PositionalFactors, grid_positions, kernel_offsets, positional_attention,
-    positional_factors, relative_encodings,
+    GatedPositionalAttention,
+    GridSize,
+    PositionalFactors,
+    grid_positions,
+    kernel_offsets,
+    positional_attention,
+    positional_factors,
+    relative_encodings,
 )
 
 
 class Geometry(NamedTuple):
     """Token layout of a GPSAConv2d for one input size (a NamedTuple: TorchScript compiles it)."""
 
-    out_size: Tuple[int, int]  # the conv's output (height, width)
+    out_size: tuple[int, int]  # the conv's output (height, width)
     query_index: torch.Tensor  # the queries' indices among the padded grid's tokens, (N_q,)
     rel: torch.Tensor  # relative encodings (N_q, N_k, 3), for the dense positional attention
-    axes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # query rows, query cols, key rows, key cols
+    axes: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # query rows, query cols, key rows, key cols
 
 
 def _conv_output_length(size: int, kernel: int, padding: int, dilation: int, stride: int) -> int:
@@ -68,9 +75,9 @@ class GPSAConv2d(GatedPositionalAttention):
         in_channels: int,
         out_channels: int,
         kernel_size: int = 3,
-        stride: int | Tuple[int, int] = 1,
-        padding: int | Tuple[int, int] = 1,
-        dilation: int | Tuple[int, int] = 1,
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] = 1,
+        dilation: int | tuple[int, int] = 1,
         bias: bool = False,
         locality_strength: float = 1.0,
         gating: float = 1.0,
@@ -97,7 +104,7 @@ class GPSAConv2d(GatedPositionalAttention):
         self.reset_parameters(locality_strength, gating)
 
     @classmethod
-    def from_conv(cls, conv: nn.Conv2d, locality_strength: float, gating: float) -> "GPSAConv2d":
+    def from_conv(cls, conv: nn.Conv2d, locality_strength: float, gating: float) -> GPSAConv2d:
         """The GPSA layer computing `conv` in the convolutional configuration (Eq. 8.2)."""
         if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
             raise ValueError(
@@ -105,8 +112,15 @@ class GPSAConv2d(GatedPositionalAttention):
                 f"groups={conv.groups}, padding_mode={conv.padding_mode!r}, padding={conv.padding!r}"
             )
         layer = cls(
-            conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-            bias=conv.bias is not None, locality_strength=locality_strength, gating=gating,
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            bias=conv.bias is not None,
+            locality_strength=locality_strength,
+            gating=gating,
         ).to(device=conv.weight.device, dtype=conv.weight.dtype)
         with torch.no_grad():
             # W_out^h = W[:, :, ky, kx] for head h = ky * k + kx: columns ordered (head, input channel)
@@ -133,11 +147,13 @@ class GPSAConv2d(GatedPositionalAttention):
         return kernel_offsets(self.num_heads) * torch.tensor([self.dilation[1], self.dilation[0]], dtype=torch.float32)
 
     # -- geometry -------------------------------------------------------------------------------
-    def output_size(self, height: int, width: int) -> Tuple[int, int]:
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
         """Spatial output size, the same formula as `nn.Conv2d`."""
         k = self.kernel_size[0]
-        return (_conv_output_length(height, k, self.padding[0], self.dilation[0], self.stride[0]),
-                _conv_output_length(width, k, self.padding[1], self.dilation[1], self.stride[1]))
+        return (
+            _conv_output_length(height, k, self.padding[0], self.dilation[0], self.stride[0]),
+            _conv_output_length(width, k, self.padding[1], self.dilation[1], self.stride[1]),
+        )
 
     def _geometry(self, height: int, width: int, device: torch.device) -> Geometry:
         """The token layout for an input of this size, cached for the last size (not under TorchScript,
@@ -154,7 +170,9 @@ class GPSAConv2d(GatedPositionalAttention):
         and the axes' coordinates (query rows, query columns, key rows, key columns) for the factors."""
         out_h, out_w = self.output_size(height, width)
         if out_h < 1 or out_w < 1:
-            raise ValueError(f"input {height}x{width} is too small for kernel {self.kernel_size}, padding {self.padding}")
+            raise ValueError(
+                f"input {height}x{width} is too small for kernel {self.kernel_size}, padding {self.padding}"
+            )
         pad_h, pad_w = height + 2 * self.padding[0], width + 2 * self.padding[1]
         center = self.kernel_size[0] // 2
         # window centers on the padded grid: row s*i + d*(k//2), column s*j + d*(k//2)
@@ -166,8 +184,12 @@ class GPSAConv2d(GatedPositionalAttention):
             out_size=(out_h, out_w),
             query_index=query_index,
             rel=relative_encodings(key_pos[query_index], key_pos),
-            axes=(rows.float(), cols.float(), torch.arange(pad_h, device=device, dtype=torch.float32),
-                  torch.arange(pad_w, device=device, dtype=torch.float32)),
+            axes=(
+                rows.float(),
+                cols.float(),
+                torch.arange(pad_h, device=device, dtype=torch.float32),
+                torch.arange(pad_w, device=device, dtype=torch.float32),
+            ),
         )
 
     # -- pieces ---------------------------------------------------------------------------------
@@ -182,7 +204,7 @@ class GPSAConv2d(GatedPositionalAttention):
 
     def _qkv(self, x: torch.Tensor):
         """Queries (B, heads, N_q, d), keys (B, heads, N_k, d), value shared by the heads (B, 1, N_k, C_in)."""
-        b, c, h, w = x.shape
+        b, _c, h, w = x.shape
         geometry = self._geometry(h, w, x.device)
         pad_h, pad_w = self.padding
         tokens = F.pad(x, (pad_w, pad_w, pad_h, pad_h)).flatten(2).transpose(1, 2)  # (B, N_k, C_in)

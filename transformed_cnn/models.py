@@ -10,17 +10,24 @@ offline from `pretrained_cfg_overlay=dict(file=PATH)`), including its classifier
 (`num_classes`, `drop_path_rate`, ...). The model keeps the CNN's `pretrained_cfg` (mean, std,
 input size of the weights it was loaded from).
 """
+
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
 
-import dataclasses
-
 import timm
-import torch.nn as nn
-from timm.models import FeatureDictNet, FeatureHookNet, FeatureListNet, generate_default_cfgs, get_pretrained_cfg, register_model
+from timm.models import (
+    FeatureDictNet,
+    FeatureHookNet,
+    FeatureListNet,
+    generate_default_cfgs,
+    get_pretrained_cfg,
+    register_model,
+)
+from torch import nn
 
 from convbias.weights import check_compatible, read_state_dict
 

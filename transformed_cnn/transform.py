@@ -5,12 +5,13 @@ stages becomes a `GPSAConv2d` with 9 heads loaded from the filter; BatchNorm, sh
 other module stay the same objects, so an optimizer can keep their state (reparametrization during
 training, Table 8.2).
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
-import torch.nn as nn
 from timm.models.resnet import ResNet
+from torch import nn
 
 from .gpsa_conv import GPSAConv2d
 
@@ -31,7 +32,7 @@ def _stage_names(cnn: ResNet) -> list[str]:
     return names
 
 
-def _resolve_stages(cnn: ResNet, stages: Optional[int | str | Iterable[int]]) -> list[int]:
+def _resolve_stages(cnn: ResNet, stages: int | str | Iterable[int] | None) -> list[int]:
     count = len(_stage_names(cnn))
     if stages is None:
         return [count]
@@ -43,12 +44,18 @@ def _resolve_stages(cnn: ResNet, stages: Optional[int | str | Iterable[int]]) ->
     stages = [stages] if isinstance(stages, int) else list(stages)
     for stage in stages:
         if isinstance(stage, bool) or not isinstance(stage, int) or not 1 <= stage <= count:
-            raise ValueError(f"stage {stage!r} is out of range: this ResNet has stages 1-{count} (layer1..layer{count})")
+            raise ValueError(
+                f"stage {stage!r} is out of range: this ResNet has stages 1-{count} (layer1..layer{count})"
+            )
     return sorted(set(stages))
 
 
 def _strided_blocks(cnn: ResNet, stage: int):
-    return [(name, block) for name, block in getattr(cnn, f"layer{stage}").named_children() if getattr(block, "stride", 1) != 1]
+    return [
+        (name, block)
+        for name, block in getattr(cnn, f"layer{stage}").named_children()
+        if getattr(block, "stride", 1) != 1
+    ]
 
 
 def _check_strides_removable(cnn: ResNet, stage: int) -> None:
@@ -56,12 +63,18 @@ def _check_strides_removable(cnn: ResNet, stage: int) -> None:
     for block_name, block in _strided_blocks(cnn, stage):
         where = f"layer{stage}.{block_name}"
         if not isinstance(getattr(block, "aa", nn.Identity()), nn.Identity):
-            raise ValueError(f"{where} downsamples with an anti-aliasing layer ({type(block.aa).__name__}); "
-                             "keep_stride=False supports only strided convolutions: use keep_stride=True")
+            raise ValueError(
+                f"{where} downsamples with an anti-aliasing layer ({type(block.aa).__name__}); "
+                "keep_stride=False supports only strided convolutions: use keep_stride=True"
+            )
         for index, module in enumerate(block.downsample or []):
-            if not isinstance(module, (nn.AvgPool2d, nn.Conv2d, nn.Identity, nn.modules.batchnorm._NormBase, nn.GroupNorm)):
-                raise ValueError(f"{where}.downsample[{index}] is a {type(module).__name__}: cannot remove its "
-                                 "stride (expected AvgPool2d, Conv2d or a norm layer)")
+            if not isinstance(
+                module, (nn.AvgPool2d, nn.Conv2d, nn.Identity, nn.modules.batchnorm._NormBase, nn.GroupNorm)
+            ):
+                raise ValueError(
+                    f"{where}.downsample[{index}] is a {type(module).__name__}: cannot remove its "
+                    "stride (expected AvgPool2d, Conv2d or a norm layer)"
+                )
 
 
 def remove_stage_stride(cnn: ResNet, stage: int) -> None:
@@ -87,16 +100,16 @@ def remove_stage_stride(cnn: ResNet, stage: int) -> None:
 def _stage_of(module_name: str) -> int:
     """The stage number of a `layerN` feature module; 0 for the stem."""
     head = module_name.split(".")[0]
-    return int(head[len("layer"):]) if head.startswith("layer") and head[len("layer"):].isdigit() else 0
+    return int(head[len("layer") :]) if head.startswith("layer") and head[len("layer") :].isdigit() else 0
 
 
 def transform(
     cnn: nn.Module,
-    stages: Optional[int | str | Iterable[int]] = None,
+    stages: int | str | Iterable[int] | None = None,
     init: str = "paper",
     keep_stride: bool = False,
-    locality_strength: Optional[float] = None,
-    gating: Optional[float] = None,
+    locality_strength: float | None = None,
+    gating: float | None = None,
 ) -> nn.Module:
     """Replace every 3x3 convolution of the chosen stages of a timm ResNet by a 9-head GPSA layer.
 
@@ -121,13 +134,19 @@ def transform(
     plan = {}  # checked for every stage before the model is touched
     for stage in _resolve_stages(cnn, stages):
         name = f"layer{stage}"
-        convs = [(n, m) for n, m in getattr(cnn, name).named_modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+        convs = [
+            (n, m)
+            for n, m in getattr(cnn, name).named_modules()
+            if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)
+        ]
         if not convs:
             raise ValueError(f"{name} has no 3x3 convolution left to transform (already transformed?)")
         for conv_name, conv in convs:
             if conv.groups != 1:
-                raise ValueError(f"{name}.{conv_name} is a grouped convolution (groups={conv.groups}); "
-                                 "a GPSA layer replaces only groups=1 convolutions")
+                raise ValueError(
+                    f"{name}.{conv_name} is a grouped convolution (groups={conv.groups}); "
+                    "a GPSA layer replaces only groups=1 convolutions"
+                )
         if not keep_stride:
             _check_strides_removable(cnn, stage)
         plan[stage] = convs

@@ -12,12 +12,12 @@ Attention maps of one image (Fig. 7.8), from a model and optionally its trained 
 A run dir as --checkpoint is enough: its config.yaml and checkpoint give the model, its kwargs, image
 size, channels and classes (options given override them); --which last|best picks the checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import timm
 import torch
@@ -32,18 +32,27 @@ from convbias.families import load_families
 from convbias.weights import load_weights
 
 
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", nargs="+", default=[], metavar="DIR", help="output dirs of train.py runs (with log.jsonl)")
+    parser.add_argument(
+        "--run", nargs="+", default=[], metavar="DIR", help="output dirs of train.py runs (with log.jsonl)"
+    )
     parser.add_argument("--model", help="timm model name, to draw the attention maps of --image")
-    parser.add_argument("--checkpoint", help="weights file or run dir written by train.py (or any state dict); default: the model's init")
+    parser.add_argument(
+        "--checkpoint",
+        help="weights file or run dir written by train.py (or any state dict); default: the model's init",
+    )
     parser.add_argument("--which", choices=WHICH, default=DEFAULT_WHICH, help="checkpoint of a run dir (default: last)")
     parser.add_argument("--image", help="image file for the attention maps")
     parser.add_argument("--img-size", type=int, help="input size the model was trained at (default: the model's)")
     parser.add_argument("--num-classes", type=int, help="classifier size of the checkpoint (default: the model's)")
     parser.add_argument("--in-chans", type=int, help="input channels of the model (default: the run dir's, else 3)")
-    parser.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V", help="extra model kwargs")
-    parser.add_argument("--query", nargs=2, type=int, metavar=("ROW", "COL"), help="query patch on the grid (default: center)")
+    parser.add_argument(
+        "--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V", help="extra model kwargs"
+    )
+    parser.add_argument(
+        "--query", nargs=2, type=int, metavar=("ROW", "COL"), help="query patch on the grid (default: center)"
+    )
     parser.add_argument("--layers", nargs="+", type=int, help="1-based attention layers to draw (default: all)")
     parser.add_argument("--out", help="directory for the PNG files (default: <first run>/figures, else ./figures)")
     args = parser.parse_args(argv)
@@ -92,7 +101,7 @@ def _take_run_options(args: argparse.Namespace) -> None:
     print(f"{args.model}: {spec['checkpoint'].describe()}", file=sys.stderr)
 
 
-def draw_histories(runs: List[str], out: Path) -> List[Path]:
+def draw_histories(runs: list[str], out: Path) -> list[Path]:
     logs = {Path(run).resolve().name: read_log(Path(run) / "log.jsonl") for run in runs}
     written = [plot_nonlocality(logs, out / "nonlocality.png")]
     for name, records in logs.items():
@@ -102,7 +111,7 @@ def draw_histories(runs: List[str], out: Path) -> List[Path]:
     return written
 
 
-def load_image(path: str, model: torch.nn.Module, in_chans: int, img_size: Optional[int]) -> torch.Tensor:
+def load_image(path: str, model: torch.nn.Module, in_chans: int, img_size: int | None) -> torch.Tensor:
     """The image as the model sees it at evaluation (timm's eval transform for the model's config)."""
     overrides = {"input_size": (in_chans, img_size, img_size)} if img_size else {}
     config = resolve_data_config(overrides, model=model)
@@ -124,8 +133,11 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
         kwargs["num_classes"] = args.num_classes
     try:
         if args.num_classes:  # the engine's builder: CNNs (T-CNNs) take no img_size
-            model = create_model(dict(model=args.model, model_kwargs=args.model_kwargs, img_size=args.img_size),
-                                 args.num_classes, args.in_chans)
+            model = create_model(
+                dict(model=args.model, model_kwargs=args.model_kwargs, img_size=args.img_size),
+                args.num_classes,
+                args.in_chans,
+            )
         else:
             model = timm.create_model(args.model, **kwargs)
     except TypeError as err:  # timm's own models reject unknown kwargs with a TypeError
@@ -144,7 +156,7 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
     return plot_attention_maps(image, maps, queries, out / "attention_maps.png", gates=gates)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     try:

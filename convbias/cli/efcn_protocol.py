@@ -1,8 +1,9 @@
 """`convbias-efcn-protocol`: the eFCN relax-time protocol (Sec. 6.2.2); see convbias.experiments.efcn_protocol.
 
-    convbias-efcn-protocol -c configs/efcn_protocol/efcn_cpu.yaml --output results/efcn
-    accelerate launch -m convbias.cli.efcn_protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
+convbias-efcn-protocol -c configs/efcn_protocol/efcn_cpu.yaml --output results/efcn
+accelerate launch -m convbias.cli.efcn_protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         args = parser.parse_args(argv)
-        cfg = load_config(args.config, {k: getattr(args, k) for k in ("cnn_epochs", "efcn_epochs", "snapshots",
-                                                                      "workers", "seed", "optimizer", "data_dir")})
+        cfg = load_config(
+            args.config,
+            {
+                k: getattr(args, k)
+                for k in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed", "optimizer", "data_dir")
+            },
+        )
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         (out / "protocol_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -7,6 +7,7 @@ Prints each member's validation error, the error of the averaged logits (or prob
 --output FILE.json also writes them. Members of different architectures, class counts, datasets or
 output scales are refused with one `error: ...` line (exit status 2) before any model is built.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for run, error in zip(args.runs, result.member_errors):
         print(f"{run}: error {error:.2f}%")
-    print(f"ensemble of {result.members} ({args.average} averaged): error {result.ensemble_error:.2f}% "
-          f"(members: {result.mean_member_error:.2f}% on average), fluctuation {result.fluctuation:.4g}")
+    print(
+        f"ensemble of {result.members} ({args.average} averaged): error {result.ensemble_error:.2f}% "
+        f"(members: {result.mean_member_error:.2f}% on average), fluctuation {result.fluctuation:.4g}"
+    )
     if args.output:
-        Path(args.output).write_text(json.dumps({"runs": args.runs, "average": args.average, **result.as_dict()}, indent=2))
+        Path(args.output).write_text(
+            json.dumps({"runs": args.runs, "average": args.average, **result.as_dict()}, indent=2)
+        )
     return 0
 
 

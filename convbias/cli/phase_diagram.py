@@ -1,9 +1,10 @@
 """`convbias-phase-diagram`: the (width, alpha~) phase diagram; see convbias.experiments.phase_diagram.
 
-    convbias-phase-diagram -c configs/phase_diagram/digits_pca10.yaml --output results/phase_diagram
-    convbias-phase-diagram --output results/phase_diagram --plot-only     # figures and report CSVs again
-    convbias-sweep report --csv results/phase_diagram/runs.csv           # the sweep report of the grid
+convbias-phase-diagram -c configs/phase_diagram/digits_pca10.yaml --output results/phase_diagram
+convbias-phase-diagram --output results/phase_diagram --plot-only     # figures and report CSVs again
+convbias-sweep report --csv results/phase_diagram/runs.csv           # the sweep report of the grid
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,10 @@ from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, pl
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OptionParser(prog="convbias-phase-diagram", description="The (width, alpha~) phase diagram of FC nets on odd/even digits (source Sec. 3, Figs. 4-5).")
+    p = OptionParser(
+        prog="convbias-phase-diagram",
+        description="The (width, alpha~) phase diagram of FC nets on odd/even digits (source Sec. 3, Figs. 4-5).",
+    )
     p.add_argument("-c", "--config", help="YAML with any PhaseDiagramConfig field (widths, alpha_tildes, seeds, ...)")
     p.add_argument("--output", required=True, help="directory for config.yaml, the CSVs and the figures")
     p.add_argument("--plot-only", action="store_true", help="redraw the figures and report CSVs from OUTPUT/cells.csv")

@@ -12,6 +12,7 @@ rf_vs_delta.png, rf_per_layer.png, rf_vs_error.png (log-log, with the eps = 0.2 
 Petrini et al. 2021) and deformed_examples.png. Runs that differ only by seed are averaged
 geometrically in the plots, as in the paper. Bad input prints one `error: ...` line and exits 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,21 @@ EXAMPLE_TEMPERATURES = 3  # rows of deformed_examples.png: T_min, their geometri
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OptionParser(prog="convbias-stability", description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OptionParser(
+        prog="convbias-stability",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("runs", nargs="+", metavar="RUN", help="train.py output folders (config.yaml + checkpoints/)")
     p.add_argument("--checkpoints", nargs="+", default=["init", "last"], metavar="NAME", help=CHECKPOINT_FORMS)
     p.add_argument("--images", type=int, default=500, help="test images R_f is measured on (the first N)")
-    p.add_argument("--deltas", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5], help="typical displacements, pixels")
+    p.add_argument(
+        "--deltas", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5], help="typical displacements, pixels"
+    )
     p.add_argument("--cuts", type=int, nargs="+", default=[3, 5], help="high-frequency cut-offs c")
-    p.add_argument("--main-delta", type=float, default=1.0, help="delta of the table, the per-layer curve and the error plot")
+    p.add_argument(
+        "--main-delta", type=float, default=1.0, help="delta of the table, the per-layer curve and the error plot"
+    )
     p.add_argument("--statistic", default="median", choices=STATISTICS)
     p.add_argument("--normalize", action="store_true", help="divide D_f and G_f by <||f(x) - f(z)||^2> over test pairs")
     p.add_argument("--interpolation", default="bilinear", choices=diffeo.INTERPOLATIONS)
@@ -139,21 +147,39 @@ def measure(runs: list[Run], args) -> tuple[list[dict], list[dict]]:
     for run in runs:
         for name, model in run.models.items():
             error = test_error(model, run.test, args.device, args.chunk_size)
-            base = dict(run=str(run.path), group=run.group, model=run.cfg["model"], seed=run.cfg.get("seed"),
-                        train_fraction=run.cfg.get("train_fraction"), checkpoint=name, test_error=error)
+            base = dict(
+                run=str(run.path),
+                group=run.group,
+                model=run.cfg["model"],
+                seed=run.cfg.get("seed"),
+                train_fraction=run.cfg.get("train_fraction"),
+                checkpoint=name,
+                test_error=error,
+            )
             for cut in args.cuts:
                 for delta in sorted(set(args.deltas) | {args.main_delta}):
                     main = delta == args.main_delta and cut == main_cut
                     result: Stability = relative_stability(
-                        model, run.images, delta=delta, cut=cut, statistic=args.statistic, normalize=args.normalize,
-                        per_layer=main, chunk_size=args.chunk_size, seed=args.seed, interpolation=args.interpolation)
+                        model,
+                        run.images,
+                        delta=delta,
+                        cut=cut,
+                        statistic=args.statistic,
+                        normalize=args.normalize,
+                        per_layer=main,
+                        chunk_size=args.chunk_size,
+                        seed=args.seed,
+                        interpolation=args.interpolation,
+                    )
                     rows.append(dict(base, delta=delta, cut=cut, T=result.T, D=result.D, G=result.G, R=result.R))
                     if main:
                         depth = len(result.layers) + 1
                         for i, (d, g, r) in enumerate(result.layers + [(result.D, result.G, result.R)]):
                             layer_rows.append(dict(base, depth=i, relative_depth=(i + 1) / depth, D=d, G=g, R=r))
-            print(f"{run.path} [{name}]: test error {error:.2f}%, R_f(delta={args.main_delta}, c={main_cut}) = "
-                  f"{next(r['R'] for r in reversed(rows) if r['delta'] == args.main_delta and r['cut'] == main_cut):.3g}")
+            print(
+                f"{run.path} [{name}]: test error {error:.2f}%, R_f(delta={args.main_delta}, c={main_cut}) = "
+                f"{next(r['R'] for r in reversed(rows) if r['delta'] == args.main_delta and r['cut'] == main_cut):.3g}"
+            )
     return rows, layer_rows
 
 
@@ -181,9 +207,13 @@ def markdown(rows: list[dict], args) -> str:
         by_run[r["run"]][r["checkpoint"]] = r
     names = list(args.checkpoints)
     head = ["run", "model", "P", "seed"] + [f"{k} {n}" for n in names for k in ("error %", "R_f", "D_f", "G_f")]
-    lines = [f"R_f at delta = {args.main_delta}, c = {args.cuts[0]} ({args.statistic}, {args.images} test images"
-             f"{', normalized' if args.normalize else ''})", "", "| " + " | ".join(head) + " |",
-             "|" + "---|" * len(head)]
+    lines = [
+        f"R_f at delta = {args.main_delta}, c = {args.cuts[0]} ({args.statistic}, {args.images} test images"
+        f"{', normalized' if args.normalize else ''})",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for run, per in by_run.items():
         first = next(iter(per.values()))
         cells = [Path(run).name, first["model"], f"{first['train_fraction']:g}", str(first["seed"])]
@@ -196,6 +226,7 @@ def markdown(rows: list[dict], args) -> str:
 
 def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, output: Path) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -213,8 +244,15 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, outpu
                     if r["group"] == g and r["checkpoint"] == name and r["cut"] == cut:
                         points[r["delta"]].append(r["R"])
                 deltas = sorted(points)
-                ax.plot(deltas, [_geomean(points[d]) for d in deltas], styles[name], color=colors[g], marker="o",
-                        ms=3, label=_label(g, name, args))
+                ax.plot(
+                    deltas,
+                    [_geomean(points[d]) for d in deltas],
+                    styles[name],
+                    color=colors[g],
+                    marker="o",
+                    ms=3,
+                    label=_label(g, name, args),
+                )
         ax.set(xlabel="delta (pixels)", ylabel="R_f", yscale="log", title=f"c = {cut}")
         ax.axhline(1.0, color="gray", lw=0.5)
     _legend(axes[0][-1], args)
@@ -228,37 +266,66 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, outpu
                 if r["group"] == g and r["checkpoint"] == name:
                     points[r["relative_depth"]].append(r["R"])
             depths = sorted(points)
-            ax.plot(depths, [_geomean(points[d]) for d in depths], styles[name], color=colors[g], marker="o", ms=3,
-                    label=_label(g, name, args))
+            ax.plot(
+                depths,
+                [_geomean(points[d]) for d in depths],
+                styles[name],
+                color=colors[g],
+                marker="o",
+                ms=3,
+                label=_label(g, name, args),
+            )
     ax.axhline(1.0, color="gray", lw=0.5)
-    ax.set(xlabel="relative depth (block / number of blocks; 1 = logits)", ylabel="R_f", yscale="log",
-           title=f"R_f per layer, delta = {args.main_delta}, c = {args.cuts[0]}")
+    ax.set(
+        xlabel="relative depth (block / number of blocks; 1 = logits)",
+        ylabel="R_f",
+        yscale="log",
+        title=f"R_f per layer, delta = {args.main_delta}, c = {args.cuts[0]}",
+    )
     _legend(ax, args)
     files.append(_save(fig, output / "rf_per_layer.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    main = [r for r in rows if r["delta"] == args.main_delta and r["cut"] == args.cuts[0]
-            and r["R"] > 0 and r["test_error"] > 0]
+    main = [
+        r
+        for r in rows
+        if r["delta"] == args.main_delta and r["cut"] == args.cuts[0] and r["R"] > 0 and r["test_error"] > 0
+    ]
     markers = dict(zip(sorted({r["train_fraction"] for r in main}), "os^Dv<>"))
     for g in groups:
         for name in args.checkpoints:
             pts = [r for r in main if r["group"] == g and r["checkpoint"] == name]
             if pts:
-                ax.scatter([p["R"] for p in pts], [p["test_error"] / 100 for p in pts], color=colors[g],
-                           marker=markers[pts[0]["train_fraction"]], facecolors="none" if name == "init" else None,
-                           label=_label(g, name, args), s=25)
+                ax.scatter(
+                    [p["R"] for p in pts],
+                    [p["test_error"] / 100 for p in pts],
+                    color=colors[g],
+                    marker=markers[pts[0]["train_fraction"]],
+                    facecolors="none" if name == "init" else None,
+                    label=_label(g, name, args),
+                    s=25,
+                )
     if main:
         lo, hi = min(r["R"] for r in main), max(r["R"] for r in main)
         grid = [lo * (hi / lo) ** (i / 20) for i in range(21)] if hi > lo else [lo]
         ax.plot(grid, [ERROR_LAW * math.sqrt(x) for x in grid], "k--", lw=0.8, label="0.2 sqrt(R_f) (CIFAR-10, paper)")
-    ax.set(xscale="log", yscale="log", xlabel=f"R_f (delta = {args.main_delta}, c = {args.cuts[0]})",
-           ylabel="test error", title="test error vs relative stability")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel=f"R_f (delta = {args.main_delta}, c = {args.cuts[0]})",
+        ylabel="test error",
+        title="test error vs relative stability",
+    )
     _legend(ax, args)
     files.append(_save(fig, output / "rf_vs_error.png"))
 
     image = runs[0].images[0]
-    fig, axes = plt.subplots(EXAMPLE_TEMPERATURES, len(args.cuts) + 1, figsize=(2 * (len(args.cuts) + 1),
-                                                                              2 * EXAMPLE_TEMPERATURES), squeeze=False)
+    fig, axes = plt.subplots(
+        EXAMPLE_TEMPERATURES,
+        len(args.cuts) + 1,
+        figsize=(2 * (len(args.cuts) + 1), 2 * EXAMPLE_TEMPERATURES),
+        squeeze=False,
+    )
     generator = torch.Generator().manual_seed(args.seed)
     for row in range(EXAMPLE_TEMPERATURES):
         _show(axes[row][0], image, "original" if row == 0 else "")
@@ -266,8 +333,11 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], args, outpu
             t_min, t_max = diffeo.temperature_range(cut, image.shape[-2:])
             T = t_min * (t_max / t_min) ** (row / (EXAMPLE_TEMPERATURES - 1))
             delta = diffeo.typical_displacement(T, cut, image.shape[-2:])
-            _show(axes[row][col], diffeo.deform(image, T, cut, generator=generator, interpolation=args.interpolation),
-                  f"c={cut} T={T:.2g}\ndelta={delta:.2f}")
+            _show(
+                axes[row][col],
+                diffeo.deform(image, T, cut, generator=generator, interpolation=args.interpolation),
+                f"c={cut} T={T:.2g}\ndelta={delta:.2f}",
+            )
     files.append(_save(fig, output / "deformed_examples.png"))
     return files
 
@@ -294,6 +364,7 @@ def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path
 
@@ -315,8 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     (output / "stability.md").write_text(table)
     files = plots(rows, layer_rows, runs, args, output)
     print(table, end="")
-    print("wrote " + ", ".join(str(p) for p in [output / "stability.csv", output / "stability_layers.csv",
-                                                  output / "stability.md", *files]))
+    print(
+        "wrote "
+        + ", ".join(
+            str(p) for p in [output / "stability.csv", output / "stability_layers.csv", output / "stability.md", *files]
+        )
+    )
     return 0
 
 

@@ -25,117 +25,140 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from convbias.experiments.sweep import Sweep
 
 DEFAULT_GRID = {
-    'model': ['convit_tiny', 'deit_tiny_patch16_224'],
-    'train_fraction': [0.05, 0.1, 0.3, 0.5, 1.0],
-    'seed': [0],
+    "model": ["convit_tiny", "deit_tiny_patch16_224"],
+    "train_fraction": [0.05, 0.1, 0.3, 0.5, 1.0],
+    "seed": [0],
 }
 
 
 def _key_value(text: str) -> tuple[str, str]:
     """--set and --grid items: KEY=TEXT with the text kept raw (a grid splits it at commas first)."""
-    key, sep, value = text.partition('=')
+    key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{text}'")
-    return key.replace('-', '_') if not key.startswith('model_kwargs.') else key, value
+    return key.replace("-", "_") if not key.startswith("model_kwargs.") else key, value
 
 
 def _parse_value(text: str) -> Any:
     """One value as train.py's K=V options read it (YAML scalars; 'none' is None)."""
     from convbias.engine.config import yaml_scalar
-    return yaml_scalar(text) if text != '' else ''
+
+    return yaml_scalar(text) if text != "" else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest='command', required=True)
+    commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser('run', help='run (or print) every incomplete run of a grid, then report')
-    run.add_argument('sweep', nargs='?', help='sweep YAML (configs/sweeps/*.yaml); default: ConViT vs DeiT grid')
-    run.add_argument('--output', required=True, help='sweep directory (runs/, logs/, sweep.yaml, runs.csv, report)')
-    run.add_argument('--models', nargs='+', help='grid axis: model names')
-    run.add_argument('--fractions', nargs='+', type=float, help='grid axis: train fractions in (0, 1]')
-    run.add_argument('--seeds', nargs='+', type=int, help='grid axis: seeds')
-    run.add_argument('--grid', nargs='+', type=_key_value, default=[], metavar='KEY=V1,V2',
-                     help='grid axis for any train.py option or model_kwargs.NAME')
-    run.add_argument('--set', nargs='+', type=_key_value, default=[], metavar='KEY=VALUE',
-                     help='train.py option shared by every run (model_kwargs.NAME for a model argument)')
-    run.add_argument('--dataset', help='shorthand for --set dataset=NAME')
-    run.add_argument('--data-dir', help='shorthand for --set data_dir=PATH')
-    run.add_argument('--config', help='base train.py recipe YAML passed to every run (-c)')
-    run.add_argument('--no-scale-epochs', action='store_true', help='keep the epochs fixed across fractions')
-    run.add_argument('--launcher', default=None,
-                     help='command that launches train.py, e.g. "accelerate launch --num_processes 8" '
-                          '(default: this python)')
-    run.add_argument('--print-commands', action='store_true',
-                     help='print the train.py command of every incomplete run instead of running it')
+    run = commands.add_parser("run", help="run (or print) every incomplete run of a grid, then report")
+    run.add_argument("sweep", nargs="?", help="sweep YAML (configs/sweeps/*.yaml); default: ConViT vs DeiT grid")
+    run.add_argument("--output", required=True, help="sweep directory (runs/, logs/, sweep.yaml, runs.csv, report)")
+    run.add_argument("--models", nargs="+", help="grid axis: model names")
+    run.add_argument("--fractions", nargs="+", type=float, help="grid axis: train fractions in (0, 1]")
+    run.add_argument("--seeds", nargs="+", type=int, help="grid axis: seeds")
+    run.add_argument(
+        "--grid",
+        nargs="+",
+        type=_key_value,
+        default=[],
+        metavar="KEY=V1,V2",
+        help="grid axis for any train.py option or model_kwargs.NAME",
+    )
+    run.add_argument(
+        "--set",
+        nargs="+",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="train.py option shared by every run (model_kwargs.NAME for a model argument)",
+    )
+    run.add_argument("--dataset", help="shorthand for --set dataset=NAME")
+    run.add_argument("--data-dir", help="shorthand for --set data_dir=PATH")
+    run.add_argument("--config", help="base train.py recipe YAML passed to every run (-c)")
+    run.add_argument("--no-scale-epochs", action="store_true", help="keep the epochs fixed across fractions")
+    run.add_argument(
+        "--launcher",
+        default=None,
+        help='command that launches train.py, e.g. "accelerate launch --num_processes 8" (default: this python)',
+    )
+    run.add_argument(
+        "--print-commands",
+        action="store_true",
+        help="print the train.py command of every incomplete run instead of running it",
+    )
     _add_report_options(run)
 
-    collect = commands.add_parser('collect', help='write runs.csv and the report from the complete runs')
-    collect.add_argument('--output', required=True, help='sweep directory (holding sweep.yaml)')
+    collect = commands.add_parser("collect", help="write runs.csv and the report from the complete runs")
+    collect.add_argument("--output", required=True, help="sweep directory (holding sweep.yaml)")
     _add_report_options(collect)
 
-    report = commands.add_parser('report', help='regenerate the tables and plots from a runs CSV')
-    report.add_argument('--csv', required=True, help='runs.csv written by run/collect')
-    report.add_argument('--output', help='directory for report.md and PNGs (default: next to the CSV)')
+    report = commands.add_parser("report", help="regenerate the tables and plots from a runs CSV")
+    report.add_argument("--csv", required=True, help="runs.csv written by run/collect")
+    report.add_argument("--output", help="directory for report.md and PNGs (default: next to the CSV)")
     _add_report_options(report)
     return parser
 
 
 def _add_report_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('--baseline', help="model (or variant) the gaps are relative to (default: the sweep's "
-                                           "baseline, else the only name containing 'deit')")
-    parser.add_argument('--best', action='store_true', help='report the best epoch instead of the final one')
+    parser.add_argument(
+        "--baseline",
+        help="model (or variant) the gaps are relative to (default: the sweep's "
+        "baseline, else the only name containing 'deit')",
+    )
+    parser.add_argument("--best", action="store_true", help="report the best epoch instead of the final one")
 
 
 def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from convbias.experiments import sweep
 
-    spec = sweep.load_spec(args.sweep) if args.sweep else sweep.normalize_spec({'grid': DEFAULT_GRID})
-    grid = {key: [_parse_value(v) for v in value.split(',')] for key, value in args.grid}
-    for key, values in (('model', args.models), ('train_fraction', args.fractions), ('seed', args.seeds)):
+    spec = sweep.load_spec(args.sweep) if args.sweep else sweep.normalize_spec({"grid": DEFAULT_GRID})
+    grid = {key: [_parse_value(v) for v in value.split(",")] for key, value in args.grid}
+    for key, values in (("model", args.models), ("train_fraction", args.fractions), ("seed", args.seeds)):
         if values:
             grid[key] = values
     options = {key: _parse_value(value) for key, value in args.set}
     if args.dataset:
-        options['dataset'] = args.dataset
+        options["dataset"] = args.dataset
     if args.data_dir:
-        options['data_dir'] = args.data_dir
+        options["data_dir"] = args.data_dir
     spec = sweep.override_spec(spec, grid, options)
     if args.config:
-        spec['config'] = args.config
+        spec["config"] = args.config
     if args.no_scale_epochs:
-        spec['scale_epochs'] = False
+        spec["scale_epochs"] = False
     return spec
 
 
-def write_outputs(prepared: 'sweep.Sweep', args: argparse.Namespace) -> int:
+def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
     """runs.csv and the report from the complete runs; 1 if some runs are missing."""
     from convbias.experiments import report, sweep
 
     rows, missing = prepared.collect()
     if missing:
-        print(f'{len(missing)} of {len(prepared.runs)} runs are not complete: {", ".join(missing)}')
+        print(f"{len(missing)} of {len(prepared.runs)} runs are not complete: {', '.join(missing)}")
     if not rows:
         return 1
     csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
     written = [csv_path]
-    if len({row['seed'] for row in rows}) > 1:  # several seeds: ensemble columns in the report
+    if len({row["seed"] for row in rows}) > 1:  # several seeds: ensemble columns in the report
         from convbias.families import load_families
 
         ensembles = prepared.collect_ensembles(rows, load_families())
         if ensembles:
             written.append(sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME))
-    paths = report.write_report(csv_path, baseline=args.baseline or prepared.spec['baseline'], best=args.best)
+    paths = report.write_report(csv_path, baseline=args.baseline or prepared.spec["baseline"], best=args.best)
     _print_written(written + paths)
     return 1 if missing else 0
 
 
 def _print_written(paths: list[Path]) -> None:
-    print('wrote ' + ', '.join(str(p) for p in paths))
+    print("wrote " + ", ".join(str(p) for p in paths))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     from convbias.experiments import report, sweep
 
     try:
-        if args.command == 'report':
+        if args.command == "report":
             _print_written(report.write_report(args.csv, args.output, baseline=args.baseline, best=args.best))
             return 0
-        if args.command == 'collect':
+        if args.command == "collect":
             record = Path(args.output) / sweep.RECORD_NAME
             if not record.is_file():
-                raise ValueError(f'{record} not found: is {args.output} a sweep directory?')
+                raise ValueError(f"{record} not found: is {args.output} a sweep directory?")
             prepared = sweep.Sweep.prepare(sweep.load_spec(record), args.output)
             return write_outputs(prepared, args)
         prepared = sweep.Sweep.prepare(spec_from_args(args), args.output)
@@ -165,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
         status = write_outputs(prepared, args)
         if failed:
-            print(f'{len(failed)} run(s) failed: {", ".join(failed)}', file=sys.stderr)
+            print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1 if failed else status
     except ValueError as error:
-        print(f'error: {error}', file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print('interrupted: rerun the same command to resume (complete runs are kept)', file=sys.stderr)
+        print("interrupted: rerun the same command to resume (complete runs are kept)", file=sys.stderr)
         return 130
 
 
@@ -179,5 +202,5 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -3,6 +3,7 @@
 The entry point composes the pieces: the families register their models and contribute their
 diagnostics and reparametrizations (`convbias.families`); the generic engine runs.
 """
+
 from __future__ import annotations
 
 import sys

@@ -6,6 +6,7 @@ prints one ``interrupted: ...`` line saying what was kept and exits 130). The
 models come from timm's registry and the family-specific pieces from ``extensions``
 (``convbias.families`` builds both; ``train.py`` composes them).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from .errors import ConfigError, Interrupted, NonFiniteLossError
 from .extensions import Extensions
 from .preemption import REQUEUE_EXIT_CODE, Preempted
 
-__all__ = ["run", "main", "ConfigError", "Extensions", "NonFiniteLossError"]
+__all__ = ["ConfigError", "Extensions", "NonFiniteLossError", "main", "run"]
 
 
 def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:

@@ -19,9 +19,11 @@ Every op computes exactly what the eager module does (tests/test_aten_kernels.py
 LayerNorm (with weight and bias), nn.ReLU and nn.MaxPool2d (without return_indices) to the subclasses
 at the bottom (AtenGELU, ...); parameters, buffers, state_dict keys and isinstance checks are unchanged.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Sequence, Tuple, Type
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,7 @@ def _gelu_backward(grad: Tensor, x: Tensor, approximate: str) -> Tensor:
 gelu, gelu_backward = _aten_op("gelu", _gelu), _aten_op("gelu_backward", _gelu_backward)
 
 
-def _gelu_context(ctx, inputs: Tuple, output: Tensor) -> None:
+def _gelu_context(ctx, inputs: tuple, output: Tensor) -> None:
     ctx.save_for_backward(inputs[0])
     ctx.approximate = inputs[1]
 
@@ -66,24 +68,27 @@ gelu.register_autograd(_gelu_grad, setup_context=_gelu_context)
 # ------------------------------------------------------------------ LayerNorm
 
 
-def _layer_norm(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias: Tensor,
-                eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+def _layer_norm(
+    x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     return torch.ops.aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
 
 
-def _layer_norm_backward(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], mean: Tensor, rstd: Tensor,
-                         weight: Tensor, bias: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def _layer_norm_backward(
+    grad: Tensor, x: Tensor, normalized_shape: Sequence[int], mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     # contiguous inputs (what the CPU kernel makes of them anyway): for a non-contiguous x, ATen's meta
     # function and its CPU kernel disagree on grad_x's strides (torch 2.14)
-    return torch.ops.aten.native_layer_norm_backward(grad.contiguous(), x.contiguous(), normalized_shape, mean, rstd,
-                                                     weight, bias, [True, True, True])
+    return torch.ops.aten.native_layer_norm_backward(
+        grad.contiguous(), x.contiguous(), normalized_shape, mean, rstd, weight, bias, [True, True, True]
+    )
 
 
 layer_norm = _aten_op("layer_norm", _layer_norm)
 layer_norm_backward = _aten_op("layer_norm_backward", _layer_norm_backward)
 
 
-def _layer_norm_context(ctx, inputs: Tuple, output: Tuple) -> None:
+def _layer_norm_context(ctx, inputs: tuple, output: tuple) -> None:
     x, normalized_shape, weight, bias, _ = inputs
     ctx.save_for_backward(x, output[1], output[2], weight, bias)
     ctx.normalized_shape = normalized_shape
@@ -127,22 +132,37 @@ class _ReLU(torch.autograd.Function):
 # ------------------------------------------------------------------ max-pool (with autograd)
 
 
-def _max_pool2d(x: Tensor, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
-                dilation: Sequence[int], ceil_mode: bool) -> Tuple[Tensor, Tensor]:
+def _max_pool2d(
+    x: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+) -> tuple[Tensor, Tensor]:
     return torch.ops.aten.max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
 
 
-def _max_pool2d_backward(grad: Tensor, x: Tensor, kernel_size: Sequence[int], stride: Sequence[int],
-                         padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool, indices: Tensor) -> Tensor:
-    return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
-                                                           ceil_mode, indices)
+def _max_pool2d_backward(
+    grad: Tensor,
+    x: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    indices: Tensor,
+) -> Tensor:
+    return torch.ops.aten.max_pool2d_with_indices_backward(
+        grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices
+    )
 
 
 max_pool2d = _aten_op("max_pool2d", _max_pool2d)
 max_pool2d_backward = _aten_op("max_pool2d_backward", _max_pool2d_backward)
 
 
-def _max_pool2d_context(ctx, inputs: Tuple, output: Tuple) -> None:
+def _max_pool2d_context(ctx, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(inputs[0], output[1])
     ctx.args = inputs[1:]
 
@@ -209,8 +229,11 @@ class AtenMaxPool2d(nn.MaxPool2d):
 
 
 # exact classes only: a subclass may compute something else (timm's LayerNorm2d permutes first)
-ATEN_CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {
-    nn.GELU: AtenGELU, nn.LayerNorm: AtenLayerNorm, TimmLayerNorm: AtenTimmLayerNorm, nn.ReLU: AtenReLU,
+ATEN_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    nn.GELU: AtenGELU,
+    nn.LayerNorm: AtenLayerNorm,
+    TimmLayerNorm: AtenTimmLayerNorm,
+    nn.ReLU: AtenReLU,
     nn.MaxPool2d: AtenMaxPool2d,
 }
 

@@ -20,20 +20,27 @@ neither ``last`` nor ``best`` points to are deleted after the swap.
 Loading never unpickles arbitrary objects: weights come from safetensors, and ``.pt`` files are read
 with ``torch.load(weights_only=True)`` (tensors and plain containers only).
 """
+
 from __future__ import annotations
 
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from convbias.weights import (  # noqa: F401  (the engine's loading API is the shared one)
-    WEIGHTS_FILE, check_compatible, load_weights, read_state_dict, resolve_weights_path, weights_metadata,
+    WEIGHTS_FILE,
+    check_compatible,
+    load_weights,
+    read_state_dict,
+    resolve_weights_path,
+    weights_metadata,
 )
 
 EMA_FILE = "ema.safetensors"
@@ -64,8 +71,13 @@ def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]),
-                  float(np_state[4])),
+        "numpy": (
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -114,20 +126,33 @@ class CheckpointDir:
         tmp.mkdir(parents=True)
         return tmp
 
-    def save(self, epoch: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
-             ema_weights: dict[str, torch.Tensor] | None, metadata: dict[str, str], is_best: bool,
-             step: int = 0) -> Path:
+    def save(
+        self,
+        epoch: int,
+        weights: dict[str, torch.Tensor],
+        state: dict[str, Any],
+        ema_weights: dict[str, torch.Tensor] | None,
+        metadata: dict[str, str],
+        is_best: bool,
+        step: int = 0,
+    ) -> Path:
         """Complete the resume point that ``stage(epoch, step)`` started (after ``epoch`` completed epochs and
         ``step`` steps of the next one), rename it into place and point ``last`` (and ``best``) at it."""
         name = self.point_name(epoch, step)
         final, tmp = self.root / name, self._staging(name)
         if not tmp.is_dir():
             raise FileNotFoundError(f"{tmp}: stage({epoch}, {step}) first")
-        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
-                  str(tmp / WEIGHTS_FILE), metadata=metadata)
+        save_file(
+            {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
+            str(tmp / WEIGHTS_FILE),
+            metadata=metadata,
+        )
         if ema_weights is not None:
-            save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in ema_weights.items()},
-                      str(tmp / EMA_FILE), metadata=metadata)
+            save_file(
+                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in ema_weights.items()},
+                str(tmp / EMA_FILE),
+                metadata=metadata,
+            )
         torch.save(state, tmp / STATE_FILE)
         if final.exists():  # left over from a run killed after the rename but before the link swap
             shutil.rmtree(final)
@@ -170,8 +195,10 @@ def find_resume_point(resume: str, output: str | Path) -> Path | None:
     for candidate in (path, path / "last", path / "checkpoints" / "last"):
         if (candidate / STATE_FILE).is_file() and (candidate / WEIGHTS_FILE).is_file():
             return candidate.resolve()
-    raise ValueError(f"--resume {resume}: no checkpoint there (expected a run dir with checkpoints/last/, "
-                     f"or a checkpoint dir holding {WEIGHTS_FILE} and {STATE_FILE})")
+    raise ValueError(
+        f"--resume {resume}: no checkpoint there (expected a run dir with checkpoints/last/, "
+        f"or a checkpoint dir holding {WEIGHTS_FILE} and {STATE_FILE})"
+    )
 
 
 def load_training_state(point: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ channels-last, where oneDNN ran them 2x slower. So on a CPU the engine compiles 
 through `aten_kernels.use_aten_kernels`, which keeps eager's numerics for them. On a GPU
 ``torch.compile`` runs as PyTorch ships it.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,8 +33,14 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 CPU_INDUCTOR_OPTIONS = {"layout_optimization": False}  # see the module docstring
 
 
-def compile_model(module: Any, device_type: str, backend: str = "inductor", mode: str = "default",
-                  aten_kernels: bool = True, fullgraph: bool = False) -> Any:
+def compile_model(
+    module: Any,
+    device_type: str,
+    backend: str = "inductor",
+    mode: str = "default",
+    aten_kernels: bool = True,
+    fullgraph: bool = False,
+) -> Any:
     """``torch.compile(module)`` as the engine runs it on `device_type` ('cpu', 'cuda'); on a CPU with
     inductor, `aten_kernels` (the default) gives the CPU treatment of the module docstring, and False
     plain ``torch.compile`` (what benchmarks/compile_speedup.py compares it with). `fullgraph` as in
@@ -55,8 +62,9 @@ def compiled(module: Any, cfg: Any, device_type: str) -> Any:
     """`compile_model` with the run's --compile-backend and --compile-mode; module itself without --compile."""
     if not cfg.get("compile"):
         return module
-    return compile_model(module, device_type, cfg.get("compile_backend") or "inductor",
-                         cfg.get("compile_mode") or "default")
+    return compile_model(
+        module, device_type, cfg.get("compile_backend") or "inductor", cfg.get("compile_mode") or "default"
+    )
 
 
 def compile_counters() -> dict[str, int]:
@@ -64,5 +72,7 @@ def compile_counters() -> dict[str, int]:
     recompilation in a later epoch shows up in log.jsonl)."""
     from torch._dynamo.utils import counters
 
-    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    return {
+        "compiled_graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }

@@ -8,6 +8,7 @@ loaded first and the file's own keys override them.
 Everything here runs before any work starts: a user mistake raises ``ConfigError`` with a one-line
 message naming the option and the expected form; ``engine.main`` prints it as ``error: ...`` and exits 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ import yaml
 
 from .compile import COMPILE_MODES
 from .errors import ConfigError
-from .run_dir import DEFAULT_WHICH, RUN_KEYS, WHICH, is_run_dir, read_run_config
 from .preemption import DEFAULT_SIGNALS, REQUEUE_EXIT_CODE, parse_signals
+from .run_dir import DEFAULT_WHICH, RUN_KEYS, WHICH, is_run_dir, read_run_config
 from .streams import is_factory_source
 
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
@@ -50,9 +51,12 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     """--help shows every option's default (argparse's own formatter skips options without a help text)."""
 
     def _format_action(self, action: argparse.Action) -> str:
-        shown = action.option_strings and action.default not in (None, [], argparse.SUPPRESS) \
-            and "%(default)" not in (action.help or "") \
+        shown = (
+            action.option_strings
+            and action.default not in (None, [], argparse.SUPPRESS)
+            and "%(default)" not in (action.help or "")
             and (action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction))
+        )
         if shown:
             action = copy.copy(action)
             action.help = f"{action.help or ''} (default: %(default)s)".strip()
@@ -87,30 +91,48 @@ def key_value(text: str) -> tuple[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """All options. Defaults are the DeiT recipe (Touvron et al. 2021) that the ConViT keeps unchanged."""
-    p = OptionParser(prog="train.py", description=__doc__.split("\n")[0], allow_abbrev=False,
-                     formatter_class=DefaultsHelpFormatter)
+    p = OptionParser(
+        prog="train.py", description=__doc__.split("\n")[0], allow_abbrev=False, formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("-c", "--config", default=None, help="YAML recipe; command-line options override it")
     flag = argparse.BooleanOptionalAction
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="any model in timm's registry (train.py registers this project's families)")
+    g.add_argument(
+        "--model", default=None, help="any model in timm's registry (train.py registers this project's families)"
+    )
     g.add_argument("--pretrained", action=flag, default=False, help="start from pretrained weights")
     g.add_argument("--pretrained-file", default=None, help="local weights file for --pretrained (no download)")
-    g.add_argument("--model-kwargs", nargs="*", type=key_value, default=None, metavar="K=V",
-                   help="extra model constructor arguments, values parsed as YAML scalars (patch_size=4)")
+    g.add_argument(
+        "--model-kwargs",
+        nargs="*",
+        type=key_value,
+        default=None,
+        metavar="K=V",
+        help="extra model constructor arguments, values parsed as YAML scalars (patch_size=4)",
+    )
     g.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
     g.add_argument("--num-classes", type=int, default=None, help="keep only the first K classes")
     g.add_argument("--img-size", type=int, default=None, help="default: the dataset's (224 for ImageNet)")
-    g.add_argument("--output-scale", type=float, default=None, metavar="ALPHA",
-                   help="train alpha (f_w - f_w0) with the loss / alpha^2 (the alpha-trick: large alpha = lazy, "
-                        "small = feature learning; the lr is not rescaled: see convbias.engine.output_scale for Adam)")
+    g.add_argument(
+        "--output-scale",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="train alpha (f_w - f_w0) with the loss / alpha^2 (the alpha-trick: large alpha = lazy, "
+        "small = feature learning; the lr is not rescaled: see convbias.engine.output_scale for Adam)",
+    )
 
     g = p.add_argument_group("data and augmentation")
     g.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}, wds/NAME, hfids/NAME, hfds/NAME")
     g.add_argument("--data-dir", default=None)
     g.add_argument("--train-fraction", type=float, default=1.0, help="keep this fraction of each class, in (0, 1]")
-    g.add_argument("--scale-epochs", action=flag, default=False,
-                   help="multiply epochs and warmup by 1/train-fraction (same number of images seen)")
+    g.add_argument(
+        "--scale-epochs",
+        action=flag,
+        default=False,
+        help="multiply epochs and warmup by 1/train-fraction (same number of images seen)",
+    )
     g.add_argument("--workers", type=int, default=4, help="data loader processes per training process")
     g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy; none to disable")
     g.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
@@ -118,16 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--interpolation", default="bicubic")
     g.add_argument("--crop-pct", type=float, default=0.875, help="eval center-crop fraction")
     g.add_argument("--hflip", type=float, default=0.5)
-    g.add_argument("--scale", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help="random-resized-crop area range; default timm's (0.08, 1)")
-    g.add_argument("--skip-unreadable", action=flag, default=True,
-                   help="skip (and count) unreadable images instead of stopping")
+    g.add_argument(
+        "--scale",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="random-resized-crop area range; default timm's (0.08, 1)",
+    )
+    g.add_argument(
+        "--skip-unreadable", action=flag, default=True, help="skip (and count) unreadable images instead of stopping"
+    )
     g.add_argument("--repeated-aug", type=int, default=3, help="repeated augmentation: copies of each image")
     g.add_argument("--mixup", type=float, default=0.8, help="mixup alpha; 0 disables")
     g.add_argument("--cutmix", type=float, default=1.0, help="cutmix alpha; 0 disables")
     g.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
-    g.add_argument("--no-aug", action="store_true", default=False,
-                   help="no augmentation at all (crop/flip, aa, mixup, cutmix, erasing, smoothing)")
+    g.add_argument(
+        "--no-aug",
+        action="store_true",
+        default=False,
+        help="no augmentation at all (crop/flip, aa, mixup, cutmix, erasing, smoothing)",
+    )
 
     g = p.add_argument_group("optimization")
     g.add_argument("--opt", default="adamw", help="timm optimizer name")
@@ -138,8 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--momentum", type=float, default=0.9)
     g.add_argument("--opt-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=None, help="clip the gradient norm to this value")
-    g.add_argument("--param-group-lr", nargs="*", type=key_value, default=None, metavar="REGEX=LR",
-                   help="absolute lr for parameters whose name matches REGEX (gating_param=0.1)")
+    g.add_argument(
+        "--param-group-lr",
+        nargs="*",
+        type=key_value,
+        default=None,
+        metavar="REGEX=LR",
+        help="absolute lr for parameters whose name matches REGEX (gating_param=0.1)",
+    )
     g.add_argument("--sched", default="cosine", help=f"one of {', '.join(SCHEDULES)}")
     g.add_argument("--epochs", type=int, default=300)
     g.add_argument("--warmup-epochs", type=int, default=5)
@@ -158,35 +197,80 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-ema-decay", type=float, default=0.99996)
     g.add_argument("--distill-teacher", default=None, help="timm name of a CNN teacher (hard distillation)")
     g.add_argument("--distill-teacher-file", default=None, help="local weights of the teacher")
-    g.add_argument("--reparametrize", default=None, metavar="NAME",
-                   help="a change of architecture registered by the entry point (train.py registers tcnn)")
-    g.add_argument("--reparametrize-at-epoch", type=int, default=None,
-                   help="apply --reparametrize NAME with --reparametrize-kwargs at the start of this epoch (0-based)")
+    g.add_argument(
+        "--reparametrize",
+        default=None,
+        metavar="NAME",
+        help="a change of architecture registered by the entry point (train.py registers tcnn)",
+    )
+    g.add_argument(
+        "--reparametrize-at-epoch",
+        type=int,
+        default=None,
+        help="apply --reparametrize NAME with --reparametrize-kwargs at the start of this epoch (0-based)",
+    )
     g.add_argument("--reparametrize-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
-    g.add_argument("--compile", action=flag, default=False,
-                   help="torch.compile the training and evaluation forwards (checkpoints keep the model's own keys)")
+    g.add_argument(
+        "--compile",
+        action=flag,
+        default=False,
+        help="torch.compile the training and evaluation forwards (checkpoints keep the model's own keys)",
+    )
     g.add_argument("--compile-mode", default="default", help=f"one of {', '.join(COMPILE_MODES)}")
-    g.add_argument("--compile-backend", default="inductor",
-                   help="torch.compile backend (aot_eager: dynamo's graphs and autograd without code generation)")
-    g.add_argument("--grad-checkpointing", action=flag, default=False,
-                   help="recompute block activations in backward (timm's set_grad_checkpointing): less memory")
+    g.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend (aot_eager: dynamo's graphs and autograd without code generation)",
+    )
+    g.add_argument(
+        "--grad-checkpointing",
+        action=flag,
+        default=False,
+        help="recompute block activations in backward (timm's set_grad_checkpointing): less memory",
+    )
 
     g = p.add_argument_group("run, checkpoints and logging")
     g.add_argument("--output", default=None, help="output dir; default runs/<model>-<dataset>")
     g.add_argument("--resume", default=None, help="'auto' (the output dir's latest checkpoint) or a path")
-    g.add_argument("--eval-only", nargs="?", const=True, default=False, metavar="RUN_OR_WEIGHTS",
-                   help="evaluate a run directory (its config.yaml gives the model and data; options given "
-                        "override them) or --checkpoint, and print top-1/top-5")
-    g.add_argument("--which", default=None, choices=WHICH,
-                   help=f"checkpoint of a run directory to evaluate or start from (default: {DEFAULT_WHICH})")
+    g.add_argument(
+        "--eval-only",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN_OR_WEIGHTS",
+        help="evaluate a run directory (its config.yaml gives the model and data; options given "
+        "override them) or --checkpoint, and print top-1/top-5",
+    )
+    g.add_argument(
+        "--which",
+        default=None,
+        choices=WHICH,
+        help=f"checkpoint of a run directory to evaluate or start from (default: {DEFAULT_WHICH})",
+    )
     g.add_argument("--checkpoint", default=None, help="weights to evaluate or start from (a file or a run dir)")
-    g.add_argument("--save-epochs", nargs="*", type=int, default=[], metavar="E",
-                   help="also keep checkpoints/epoch_E.safetensors after E epochs (0 = the initial weights)")
-    g.add_argument("--checkpoint-interval", type=int, default=0, metavar="STEPS",
-                   help="also write a mid-epoch resume point every STEPS optimizer updates (0: at epoch ends only)")
-    g.add_argument("--preempt-signals", nargs="*", default=list(DEFAULT_SIGNALS), metavar="SIG",
-                   help="signals that stop the run after the current step with a resume point, exit code "
-                        f"{REQUEUE_EXIT_CODE} (none: off)")
+    g.add_argument(
+        "--save-epochs",
+        nargs="*",
+        type=int,
+        default=[],
+        metavar="E",
+        help="also keep checkpoints/epoch_E.safetensors after E epochs (0 = the initial weights)",
+    )
+    g.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also write a mid-epoch resume point every STEPS optimizer updates (0: at epoch ends only)",
+    )
+    g.add_argument(
+        "--preempt-signals",
+        nargs="*",
+        default=list(DEFAULT_SIGNALS),
+        metavar="SIG",
+        help="signals that stop the run after the current step with a resume point, exit code "
+        f"{REQUEUE_EXIT_CODE} (none: off)",
+    )
     g.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs (and after the last)")
     g.add_argument("--diagnostics", action=flag, default=True, help="log model diagnostics every evaluation")
     g.add_argument("--diagnostics-images", type=int, default=16, help="fixed eval images used by diagnostics")
@@ -296,8 +380,10 @@ def _check_type(cfg: Config, key: str, kind: type | tuple) -> None:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         cfg[key] = float(value)
         return
-    _check(isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)),
-           f"--{key.replace('_', '-')} expects {getattr(kind, '__name__', kind)}, got {value!r}")
+    _check(
+        isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)),
+        f"--{key.replace('_', '-')} expects {getattr(kind, '__name__', kind)}, got {value!r}",
+    )
 
 
 def _option_name(key: str) -> str:
@@ -340,7 +426,9 @@ def check_output_dir(output: str | Path) -> None:
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     _check(ancestor.is_dir(), f"--output {path}: {ancestor} is a file, not a directory")
-    _check(os.access(ancestor, os.W_OK | os.X_OK), f"--output {path}: {ancestor} is not writable; choose another --output")
+    _check(
+        os.access(ancestor, os.W_OK | os.X_OK), f"--output {path}: {ancestor} is not writable; choose another --output"
+    )
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -348,16 +436,20 @@ def config_warnings(cfg: Config) -> list[str]:
     warnings = []
     epochs, warmup = effective_epochs(cfg)
     if not cfg.eval_only and warmup >= epochs:
-        warnings.append(f"--warmup-epochs {warmup} covers the whole run of {epochs} epoch(s): the lr only ramps up "
-                        f"from --warmup-lr and never reaches its peak; lower --warmup-epochs")
+        warnings.append(
+            f"--warmup-epochs {warmup} covers the whole run of {epochs} epoch(s): the lr only ramps up "
+            f"from --warmup-lr and never reaches its peak; lower --warmup-epochs"
+        )
     return warnings
 
 
 def validate(cfg: Config) -> None:
     """Checks that need no model and no data: names, ranges, paths. Raises ConfigError."""
     if isinstance(cfg.eval_only, str):  # --eval-only RUN_OR_WEIGHTS is --eval-only --checkpoint RUN_OR_WEIGHTS
-        _check(cfg.checkpoint in (None, cfg.eval_only),
-               f"--eval-only {cfg.eval_only} and --checkpoint {cfg.checkpoint} name different weights; give one")
+        _check(
+            cfg.checkpoint in (None, cfg.eval_only),
+            f"--eval-only {cfg.eval_only} and --checkpoint {cfg.checkpoint} name different weights; give one",
+        )
         cfg.checkpoint, cfg.eval_only = cfg.eval_only, True
     _check(cfg.get("which") in (None, *WHICH), f"--which must be one of {', '.join(WHICH)}, got {cfg.get('which')!r}")
     _check_option_types(cfg, build_parser())
@@ -371,14 +463,20 @@ def validate(cfg: Config) -> None:
         _check_type(cfg, key, int)
 
     _check(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
-    _check(isinstance(cfg.save_epochs, list) and all(isinstance(e, int) for e in cfg.save_epochs),
-           f"--save-epochs expects integers, got {cfg.save_epochs!r}")
-    _check(cfg.dataset in DATASETS or is_factory_source(cfg.dataset),
-           f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}, wds/NAME (tar shards), "
-           f"hfids/NAME (Hugging Face datasets, streamed) or hfds/NAME (Hugging Face datasets)")
+    _check(
+        isinstance(cfg.save_epochs, list) and all(isinstance(e, int) for e in cfg.save_epochs),
+        f"--save-epochs expects integers, got {cfg.save_epochs!r}",
+    )
+    _check(
+        cfg.dataset in DATASETS or is_factory_source(cfg.dataset),
+        f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}, wds/NAME (tar shards), "
+        f"hfids/NAME (Hugging Face datasets, streamed) or hfds/NAME (Hugging Face datasets)",
+    )
     _check(cfg.sched in SCHEDULES, f"unknown --sched '{cfg.sched}'; choices: {', '.join(SCHEDULES)}")
-    _check(cfg.mixed_precision in PRECISIONS,
-           f"unknown --mixed-precision '{cfg.mixed_precision}'; choices: {', '.join(PRECISIONS)}")
+    _check(
+        cfg.mixed_precision in PRECISIONS,
+        f"unknown --mixed-precision '{cfg.mixed_precision}'; choices: {', '.join(PRECISIONS)}",
+    )
     _check(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
     _check(cfg.warmup_epochs >= 0, f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}")
     _check(cfg.lr is None or cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
@@ -396,18 +494,27 @@ def validate(cfg: Config) -> None:
     _check(0 < cfg.crop_pct <= 1, f"--crop-pct must be in (0, 1], got {cfg.crop_pct}")
     _check(0 <= cfg.drop_path < 1, f"--drop-path must be in [0, 1), got {cfg.drop_path}")
     _check(cfg.clip_grad is None or cfg.clip_grad > 0, "--clip-grad must be positive")
-    _check(cfg.output_scale is None or 0 < cfg.output_scale < math.inf,
-           f"--output-scale must be a positive finite number (the output scale alpha), got {cfg.output_scale}")
-    _check(cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
-           "--output-scale cannot be combined with --reparametrize or hard distillation")
+    _check(
+        cfg.output_scale is None or 0 < cfg.output_scale < math.inf,
+        f"--output-scale must be a positive finite number (the output scale alpha), got {cfg.output_scale}",
+    )
+    _check(
+        cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
+        "--output-scale cannot be combined with --reparametrize or hard distillation",
+    )
     _check(0 <= cfg.model_ema_decay < 1, "--model-ema-decay must be in [0, 1)")
-    _check(cfg.compile_mode in COMPILE_MODES, f"unknown --compile-mode '{cfg.compile_mode}'; choices: {', '.join(COMPILE_MODES)}")
+    _check(
+        cfg.compile_mode in COMPILE_MODES,
+        f"unknown --compile-mode '{cfg.compile_mode}'; choices: {', '.join(COMPILE_MODES)}",
+    )
     if cfg.compile:
         import torch  # only with --compile: `train.py --help` loads no torch
 
         backends = torch.compiler.list_backends(exclude_tags=())
-        _check(cfg.compile_backend in backends,
-               f"unknown --compile-backend '{cfg.compile_backend}'; choices: {', '.join(backends)}")
+        _check(
+            cfg.compile_backend in backends,
+            f"unknown --compile-backend '{cfg.compile_backend}'; choices: {', '.join(backends)}",
+        )
     _check(cfg.checkpoint_interval >= 0, f"--checkpoint-interval must be >= 0 (0: off), got {cfg.checkpoint_interval}")
     signals = cfg.preempt_signals
     if isinstance(signals, str):
@@ -423,18 +530,23 @@ def validate(cfg: Config) -> None:
         cfg.update(aa=None, reprob=0.0, color_jitter=0.0, hflip=0.0, mixup=0.0, cutmix=0.0, smoothing=0.0)
     if isinstance(cfg.aa, str) and cfg.aa.lower() in ("none", ""):
         cfg.aa = None
-    _check((cfg.mixup == 0 and cfg.cutmix == 0) or cfg.batch_size % 2 == 0,
-           f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}")
+    _check(
+        (cfg.mixup == 0 and cfg.cutmix == 0) or cfg.batch_size % 2 == 0,
+        f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}",
+    )
 
     from timm.optim import list_optimizers
+
     _check(cfg.opt.lower() in list_optimizers(), f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers()")
     for pattern, lr in cfg.param_group_lr.items():
         try:
             re.compile(pattern)
         except re.error as e:
             raise ConfigError(f"--param-group-lr: '{pattern}' is not a regular expression ({e})") from None
-        _check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
-               f"--param-group-lr {pattern}=... needs a positive number, got {lr!r}")
+        _check(
+            isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
+            f"--param-group-lr {pattern}=... needs a positive number, got {lr!r}",
+        )
 
     for key in ("pretrained_file", "checkpoint", "distill_teacher_file"):  # data_dir: engine.data names the layout
         if cfg[key] is not None:
@@ -442,13 +554,19 @@ def validate(cfg: Config) -> None:
     if cfg.pretrained_file:
         cfg.pretrained = True
     _check(not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH (a weights file or run dir)")
-    _check(bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),
-           "hard distillation needs both --distill-teacher NAME and --distill-teacher-file PATH")
+    _check(
+        bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),
+        "hard distillation needs both --distill-teacher NAME and --distill-teacher-file PATH",
+    )
     for epoch in cfg.save_epochs:
-        _check(0 <= epoch <= effective_epochs(cfg)[0], f"--save-epochs {epoch} is outside 0..{effective_epochs(cfg)[0]}")
+        _check(
+            0 <= epoch <= effective_epochs(cfg)[0], f"--save-epochs {epoch} is outside 0..{effective_epochs(cfg)[0]}"
+        )
     if cfg.reparametrize_at_epoch is not None:
-        _check(0 <= cfg.reparametrize_at_epoch < effective_epochs(cfg)[0],
-               f"--reparametrize-at-epoch must be in 0..{effective_epochs(cfg)[0] - 1}, got {cfg.reparametrize_at_epoch}")
+        _check(
+            0 <= cfg.reparametrize_at_epoch < effective_epochs(cfg)[0],
+            f"--reparametrize-at-epoch must be in 0..{effective_epochs(cfg)[0] - 1}, got {cfg.reparametrize_at_epoch}",
+        )
     if cfg.output is None:
         cfg.output = str(Path("runs") / f"{cfg.model}-{cfg.dataset}")
     if not cfg.eval_only:

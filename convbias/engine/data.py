@@ -9,15 +9,16 @@
 
 Sources and their on-disk layouts are in engine/datasets.py (`DATASETS`).
 """
+
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from itertools import islice
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,22 +29,41 @@ from timm.data.auto_augment import posterize as timm_posterize
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .config import check_data_option
-from .streams import check_stream, create_streams, factory_layout, is_factory_source, is_hfds, is_stream, load_hfds
 from .datasets import (
-    DATASETS, EMBEDDED_SOURCES, DatasetInfo, fraction_per_class, load_cifar, load_image_folders, select_classes,
+    DATASETS,
+    EMBEDDED_SOURCES,
+    DatasetInfo,
+    fraction_per_class,
+    load_cifar,
+    load_image_folders,
+    select_classes,
 )
+from .streams import check_stream, create_streams, factory_layout, is_factory_source, is_hfds, is_stream, load_hfds
 
 # `wds/`, `hfids/` and `hfds/` sources (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
-FACTORY_INFO = DatasetInfo(3, DATASETS['imagenet'].mean, DATASETS['imagenet'].std, 224, layout="")
+FACTORY_INFO = DatasetInfo(3, DATASETS["imagenet"].mean, DATASETS["imagenet"].std, 224, layout="")
 
 # Values used when the config does not set a key (the DeiT recipe; img_size None = the dataset's
 # default, num_classes None = all classes, scale None = timm's (0.08, 1)).
 DATA_DEFAULTS: dict[str, Any] = dict(
-    dataset='digits', data_dir=None, num_classes=None, img_size=None, train_fraction=1.0, seed=0,
-    aa='rand-m9-mstd0.5-inc1', reprob=0.25, color_jitter=0.3, interpolation='bicubic',
-    crop_pct=0.875, hflip=0.5, scale=None, no_aug=False, skip_unreadable=True, workers=0,
+    dataset="digits",
+    data_dir=None,
+    num_classes=None,
+    img_size=None,
+    train_fraction=1.0,
+    seed=0,
+    aa="rand-m9-mstd0.5-inc1",
+    reprob=0.25,
+    color_jitter=0.3,
+    interpolation="bicubic",
+    crop_pct=0.875,
+    hflip=0.5,
+    scale=None,
+    no_aug=False,
+    skip_unreadable=True,
+    workers=0,
 )
-RANDOM_ERASING_MODE = 'pixel'  # DeiT: per-pixel normal noise in the erased box
+RANDOM_ERASING_MODE = "pixel"  # DeiT: per-pixel normal noise in the erased box
 
 
 @dataclass
@@ -58,8 +78,7 @@ class DataBundle:
 
     def unreadable_files(self) -> list[str]:
         """Image files skipped so far because they could not be decoded (folder datasets only)."""
-        return [path for split in (self.train, self.val)
-                for path in getattr(split, 'unreadable_files', list)()]
+        return [path for split in (self.train, self.val) for path in getattr(split, "unreadable_files", list)()]
 
 
 def _option(cfg: Any, name: str) -> Any:
@@ -69,8 +88,9 @@ def _option(cfg: Any, name: str) -> Any:
     return getattr(cfg, name, DATA_DEFAULTS[name])
 
 
-def _check_data_options(dataset: str, data_dir: Optional[str], train_fraction: float,
-                        num_classes: Optional[int], img_size: Optional[int]) -> Optional[Path]:
+def _check_data_options(
+    dataset: str, data_dir: str | None, train_fraction: float, num_classes: int | None, img_size: int | None
+) -> Path | None:
     """Cheap checks made before any file is read; returns the data dir as a Path."""
     if dataset not in DATASETS and not is_hfds(dataset):
         raise ValueError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}, hfds/NAME")
@@ -103,11 +123,11 @@ def _posterize_zero_bits(img: Image.Image, bits_to_keep: int, **kwargs) -> Image
 
 def _patch_posterize(transform: Callable) -> None:
     """Routes the posterize ops of timm's RandAugment/AugMix/AutoAugment inside `transform`."""
-    for step in getattr(transform, 'transforms', []):
-        ops = list(getattr(step, 'ops', []))
-        ops += [op for sub_policy in getattr(step, 'policy', []) for op in sub_policy]
+    for step in getattr(transform, "transforms", []):
+        ops = list(getattr(step, "ops", []))
+        ops += [op for sub_policy in getattr(step, "policy", []) for op in sub_policy]
         for op in ops:
-            if op.name.startswith('Posterize'):
+            if op.name.startswith("Posterize"):
                 op.aug_fn = _posterize_zero_bits
 
 
@@ -116,17 +136,31 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Any) -> tuple
     transform (resize to img_size / crop_pct, center crop), normalized with the dataset's mean/std.
     Works for any source size: 8x8 digits are upsampled to img_size."""
     input_size = (in_chans, img_size, img_size)
-    interpolation = _option(cfg, 'interpolation')
-    scale = _option(cfg, 'scale')
+    interpolation = _option(cfg, "interpolation")
+    scale = _option(cfg, "scale")
     train = create_transform(
-        input_size, is_training=True, no_aug=bool(_option(cfg, 'no_aug')),
-        scale=tuple(scale) if scale is not None else None, hflip=_option(cfg, 'hflip'),
-        color_jitter=_option(cfg, 'color_jitter'), auto_augment=_option(cfg, 'aa') or None,
-        interpolation=interpolation, mean=mean, std=std, re_prob=_option(cfg, 'reprob'),
-        re_mode=RANDOM_ERASING_MODE)
+        input_size,
+        is_training=True,
+        no_aug=bool(_option(cfg, "no_aug")),
+        scale=tuple(scale) if scale is not None else None,
+        hflip=_option(cfg, "hflip"),
+        color_jitter=_option(cfg, "color_jitter"),
+        auto_augment=_option(cfg, "aa") or None,
+        interpolation=interpolation,
+        mean=mean,
+        std=std,
+        re_prob=_option(cfg, "reprob"),
+        re_mode=RANDOM_ERASING_MODE,
+    )
     _patch_posterize(train)
-    val = create_transform(input_size, is_training=False, interpolation=interpolation,
-                           crop_pct=_option(cfg, 'crop_pct'), mean=mean, std=std)
+    val = create_transform(
+        input_size,
+        is_training=False,
+        interpolation=interpolation,
+        crop_pct=_option(cfg, "crop_pct"),
+        mean=mean,
+        std=std,
+    )
     return train, val
 
 
@@ -143,48 +177,57 @@ def _world_size() -> int:
 def build_streams(cfg: Any) -> DataBundle:
     """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.streams), with the engine's
     transforms."""
-    name, data_dir = _option(cfg, 'dataset'), _option(cfg, 'data_dir')
-    info = check_stream(name, data_dir, _option(cfg, 'train_fraction'), _option(cfg, 'num_classes'),
-                        int(_option(cfg, 'workers')), _world_size())
-    train, val = create_streams(name, data_dir, int(_option(cfg, 'seed')), batch_size=1, splits=info['splits'])
-    img_size = _option(cfg, 'img_size') or FACTORY_INFO.default_img_size
+    name, data_dir = _option(cfg, "dataset"), _option(cfg, "data_dir")
+    info = check_stream(
+        name,
+        data_dir,
+        _option(cfg, "train_fraction"),
+        _option(cfg, "num_classes"),
+        int(_option(cfg, "workers")),
+        _world_size(),
+    )
+    train, val = create_streams(name, data_dir, int(_option(cfg, "seed")), batch_size=1, splits=info["splits"])
+    img_size = _option(cfg, "img_size") or FACTORY_INFO.default_img_size
     train.transform, val.transform = build_transforms(int(img_size), 3, FACTORY_INFO.mean, FACTORY_INFO.std, cfg)
-    return DataBundle(train, val, info['num_classes'], 3, info['classes'], FACTORY_INFO.mean, FACTORY_INFO.std)
+    return DataBundle(train, val, info["num_classes"], 3, info["classes"], FACTORY_INFO.mean, FACTORY_INFO.std)
 
 
 def build_datasets(cfg: Any) -> DataBundle:
     """Train and val datasets of cfg.dataset with transforms, after the class subset (train and
     val) and the per-class train fraction (train only: validation is never subsampled)."""
-    name = _option(cfg, 'dataset')
+    name = _option(cfg, "dataset")
     if is_stream(name):
         return build_streams(cfg)
-    num_classes, img_size = _option(cfg, 'num_classes'), _option(cfg, 'img_size')
-    fraction = _option(cfg, 'train_fraction')
-    data_dir = _check_data_options(name, _option(cfg, 'data_dir'), fraction, num_classes, img_size)
+    num_classes, img_size = _option(cfg, "num_classes"), _option(cfg, "img_size")
+    fraction = _option(cfg, "train_fraction")
+    data_dir = _check_data_options(name, _option(cfg, "data_dir"), fraction, num_classes, img_size)
 
     if name in EMBEDDED_SOURCES:
         train, val = EMBEDDED_SOURCES[name]()
     elif is_hfds(name):
         train, val = load_hfds(name, str(data_dir))
-    elif name in ('cifar10', 'cifar100'):
+    elif name in ("cifar10", "cifar100"):
         train, val = load_cifar(name, data_dir)
     else:
-        train, val = load_image_folders(name, data_dir, bool(_option(cfg, 'skip_unreadable')))
+        train, val = load_image_folders(name, data_dir, bool(_option(cfg, "skip_unreadable")))
 
     if num_classes is not None:
         if int(num_classes) > len(train.classes):
             raise ValueError(f"--num-classes {num_classes}: --dataset {name} has only {len(train.classes)} classes")
         train, val = select_classes(train, int(num_classes)), select_classes(val, int(num_classes))
     if len(train.classes) < 2:  # one class trains to a meaningless 100%
-        raise ValueError(f"--dataset {name}{f' at {data_dir}' if data_dir else ''} has {len(train.classes)} class "
-                         f"({', '.join(map(str, train.classes)) or 'none'}); classification needs at least 2; "
-                         f"expected layout: {dataset_info(name).layout}")
+        raise ValueError(
+            f"--dataset {name}{f' at {data_dir}' if data_dir else ''} has {len(train.classes)} class "
+            f"({', '.join(map(str, train.classes)) or 'none'}); classification needs at least 2; "
+            f"expected layout: {dataset_info(name).layout}"
+        )
     if float(fraction) < 1.0:
-        train = train.subset(fraction_per_class(train.targets, float(fraction), int(_option(cfg, 'seed'))))
+        train = train.subset(fraction_per_class(train.targets, float(fraction), int(_option(cfg, "seed"))))
 
     info = dataset_info(name)
     train.transform, val.transform = build_transforms(
-        int(img_size or info.default_img_size), info.in_chans, info.mean, info.std, cfg)
+        int(img_size or info.default_img_size), info.in_chans, info.mean, info.std, cfg
+    )
     return DataBundle(train, val, len(train.classes), info.in_chans, list(train.classes), info.mean, info.std)
 
 
@@ -211,8 +254,16 @@ class ShardedSampler(Sampler[int]):
     augmentations of the uninterrupted run. The training loader uses this.
     """
 
-    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
-                 repeats: int = 1, shuffle: bool = True, per_sample_seeds: bool = False):
+    def __init__(
+        self,
+        num_samples: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        repeats: int = 1,
+        shuffle: bool = True,
+        per_sample_seeds: bool = False,
+    ):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
         if repeats < 1:
@@ -238,11 +289,14 @@ class ShardedSampler(Sampler[int]):
 
     def __iter__(self):
         per_rank = self.num_samples // self.num_replicas
-        mine = self.global_order()[self.rank::self.num_replicas][:per_rank][self.start:].tolist()
+        mine = self.global_order()[self.rank :: self.num_replicas][:per_rank][self.start :].tolist()
         if not self.per_sample_seeds:
             return iter(mine)
-        seeds = np.random.default_rng([self.seed, self.epoch, SAMPLE_SEED_STREAM]).integers(
-            0, 2**31, size=self.num_samples)[self.rank::self.num_replicas][:per_rank][self.start:].tolist()
+        seeds = (
+            np.random.default_rng([self.seed, self.epoch, SAMPLE_SEED_STREAM])
+            .integers(0, 2**31, size=self.num_samples)[self.rank :: self.num_replicas][:per_rank][self.start :]
+            .tolist()
+        )
         return iter(zip(mine, seeds))
 
     def __len__(self) -> int:
@@ -288,9 +342,16 @@ def _check_loader_args(batch_size: int, workers: int) -> None:
     check_data_option("workers", workers)
 
 
-def build_train_loader(dataset, batch_size: int, workers: int, repeated_aug: int = 1, seed: int = 0,
-                       num_replicas: int = 1, rank: int = 0,
-                       worker_init_fn: Optional[Callable[[int], None]] = None) -> DataLoader:
+def build_train_loader(
+    dataset,
+    batch_size: int,
+    workers: int,
+    repeated_aug: int = 1,
+    seed: int = 0,
+    num_replicas: int = 1,
+    rank: int = 0,
+    worker_init_fn: Callable[[int], None] | None = None,
+) -> DataLoader:
     """Loader over this rank's shard (not to be passed through accelerator.prepare), dropping the
     last partial batch. repeated_aug N > 1 repeats each drawn image N times (DeiT uses 3); 1 is a
     plain seeded shuffle. Call `loader.sampler.set_epoch(epoch)` (or `set_epoch(epoch, start)` to
@@ -298,24 +359,39 @@ def build_train_loader(dataset, batch_size: int, workers: int, repeated_aug: int
     ShardedSampler), so they are the same for any number of workers and after a mid-epoch resume."""
     _check_loader_args(batch_size, workers)
     check_data_option("repeated_aug", repeated_aug)
-    sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, repeats=int(repeated_aug),
-                             per_sample_seeds=True)
+    sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, repeats=int(repeated_aug), per_sample_seeds=True)
     if len(sampler) < batch_size:
-        raise ValueError(f"the training set has {len(dataset)} images, fewer than one global batch of "
-                         f"{batch_size} x {num_replicas} process(es); lower --batch-size")
-    return DataLoader(SeededSamples(dataset), batch_size=batch_size, sampler=sampler, num_workers=workers,
-                      drop_last=True, pin_memory=torch.cuda.is_available(), generator=sampler.worker_seed_generator,
-                      worker_init_fn=worker_init_fn)
+        raise ValueError(
+            f"the training set has {len(dataset)} images, fewer than one global batch of "
+            f"{batch_size} x {num_replicas} process(es); lower --batch-size"
+        )
+    return DataLoader(
+        SeededSamples(dataset),
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        drop_last=True,
+        pin_memory=torch.cuda.is_available(),
+        generator=sampler.worker_seed_generator,
+        worker_init_fn=worker_init_fn,
+    )
 
 
-def build_stream_loader(dataset, batch_size: int, workers: int, drop_last: bool,
-                        worker_init_fn: Optional[Callable[[int], None]] = None) -> DataLoader:
+def build_stream_loader(
+    dataset, batch_size: int, workers: int, drop_last: bool, worker_init_fn: Callable[[int], None] | None = None
+) -> DataLoader:
     """Loader of a stream (timm's reader splits the shards between processes and workers itself). Its
     generator (the workers' base seed, hence the sample shuffle) is reseeded per epoch by `epoch_batches`."""
     _check_loader_args(batch_size, workers)
-    return DataLoader(dataset, batch_size=batch_size, num_workers=workers, drop_last=drop_last,
-                      pin_memory=torch.cuda.is_available(), worker_init_fn=worker_init_fn,
-                      generator=torch.Generator().manual_seed(0))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=workers,
+        drop_last=drop_last,
+        pin_memory=torch.cuda.is_available(),
+        worker_init_fn=worker_init_fn,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def epoch_batches(loader: DataLoader, epoch: int, first: int, count: int, seed: int = 0, rank: int = 0):
@@ -343,9 +419,16 @@ def first_images(dataset, count: int) -> torch.Tensor:
     return torch.stack([image for image, _ in islice(iter(dataset), count)])
 
 
-def build_eval_loader(dataset, batch_size: int, workers: int,
-                      worker_init_fn: Optional[Callable[[int], None]] = None) -> DataLoader:
+def build_eval_loader(
+    dataset, batch_size: int, workers: int, worker_init_fn: Callable[[int], None] | None = None
+) -> DataLoader:
     """Sequential loader over the whole dataset (the engine shards it with accelerator.prepare)."""
     _check_loader_args(batch_size, workers)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                      pin_memory=torch.cuda.is_available(), worker_init_fn=worker_init_fn)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        worker_init_fn=worker_init_fn,
+    )

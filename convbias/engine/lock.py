@@ -8,8 +8,10 @@ with one line naming its pid and host. (flock is per host: on a network file sys
 several machines, a lock file written by another host is trusted while it exists: a run that ends,
 fails or is interrupted removes it; only a killed one leaves it behind.)
 """
+
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -49,7 +51,7 @@ class RunLock:
         self._fd: int | None = None
         self._created_dir = False
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock or raise RunLockedError naming the live holder's pid and host."""
         if self._fd is not None:
             return self
@@ -77,8 +79,7 @@ class RunLock:
             self._cleanup_dir()
             raise RunLockedError(self._refusal(previous) + f" (if that run is dead, delete {self.path})")
         self.stale = previous if previous.get("pid") else None
-        holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd
@@ -93,10 +94,8 @@ class RunLock:
         """Drop the lock (and the directory, when acquire made it and nothing else was written)."""
         if self._fd is None:
             return
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        except FileNotFoundError:
-            pass
         os.close(self._fd)  # closing drops the flock
         self._fd = None
         self._cleanup_dir()
@@ -113,7 +112,7 @@ class RunLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -2,11 +2,13 @@
 
 The registry must already hold the model: the composition root imports the families first.
 """
+
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import timm
 import torch
@@ -28,8 +30,12 @@ def create_model(cfg: Mapping[str, Any], num_classes: int, in_chans: int) -> tor
     """timm.create_model with the run's options; pretrained weights come from a local file only.
 
     cfg keys: model, model_kwargs, img_size, drop_path, pretrained, pretrained_file (as in config.yaml)."""
-    kwargs: dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=cfg.get("drop_path") or None,
-                                  in_chans=None if in_chans == 3 else in_chans, pretrained=bool(cfg.get("pretrained")))
+    kwargs: dict[str, Any] = dict(
+        num_classes=num_classes,
+        drop_path_rate=cfg.get("drop_path") or None,
+        in_chans=None if in_chans == 3 else in_chans,
+        pretrained=bool(cfg.get("pretrained")),
+    )
     if cfg.get("pretrained_file"):
         try:
             check_weights_file(cfg["pretrained_file"])
@@ -48,5 +54,6 @@ def create_model(cfg: Mapping[str, Any], num_classes: int, in_chans: int) -> tor
             kwargs.pop("img_size")
             return timm.create_model(cfg["model"], **kwargs)
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
-        raise ConfigError(f"cannot build {cfg['model']} with {model_kwargs or 'default arguments'}: "
-                          f"{str(e).splitlines()[0]}") from None
+        raise ConfigError(
+            f"cannot build {cfg['model']} with {model_kwargs or 'default arguments'}: {str(e).splitlines()[0]}"
+        ) from None

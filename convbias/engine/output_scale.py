@@ -19,12 +19,13 @@ Weight decay pulls w towards 0, not w0; regime studies use ``--weight-decay 0``.
 Model-agnostic: any module whose output is a tensor. f_w0 always runs in eval mode, so a model with
 dropout, drop-path or batch-norm is only exactly zero at initialization in eval mode.
 """
+
 from __future__ import annotations
 
 import copy
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 def check_alpha(alpha: float, option: str = "--output-scale") -> float:
@@ -42,7 +43,7 @@ class OutputScale(nn.Module):
         self.model = model
         self.initial = copy.deepcopy(model).requires_grad_(False).eval()
 
-    def train(self, mode: bool = True) -> "OutputScale":
+    def train(self, mode: bool = True) -> OutputScale:
         super().train(mode)
         self.initial.eval()  # f_w0 is a fixed function
         return self
@@ -66,4 +67,4 @@ class ScaledLoss(nn.Module):
         self.alpha = check_alpha(alpha)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.loss(*args, **kwargs) / self.alpha ** 2
+        return self.loss(*args, **kwargs) / self.alpha**2

@@ -11,13 +11,15 @@ DataLoader workers ignore these signals when the scheduler sends them (``ignore_
 scheduler signals every process of the job, and a worker killed by it would end the run before its
 resume point is written. A SIGTERM from the main process (the DataLoader's shutdown) still ends them.
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 REQUEUE_EXIT_CODE = getattr(os, "EX_TEMPFAIL", 75)  # sysexits.h: temporary failure, the user is invited to retry
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -28,8 +30,10 @@ class Preempted(Exception):
 
     def __init__(self, signal_name: str, point: Path | None, epoch: int, step: int):
         self.signal_name, self.point, self.epoch, self.step = signal_name, point, epoch, step
-        super().__init__(f"stopped by {signal_name} after step {step} of epoch {epoch + 1}; resume point {point} "
-                         f"(continue with --resume auto; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue)")
+        super().__init__(
+            f"stopped by {signal_name} after step {step} of epoch {epoch + 1}; resume point {point} "
+            f"(continue with --resume auto; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue)"
+        )
 
 
 def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
@@ -38,11 +42,16 @@ def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
     for name in names:
         text = str(name).upper()
         try:
-            parsed.append(signal.Signals(int(text)) if text.isdigit() else signal.Signals[
-                text if text.startswith("SIG") else "SIG" + text])
+            parsed.append(
+                signal.Signals(int(text))
+                if text.isdigit()
+                else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+            )
         except (KeyError, ValueError):
-            raise ValueError(f"--preempt-signals: unknown signal {name!r}; expected names such as SIGTERM SIGUSR1 "
-                             f"(or none to disable)") from None
+            raise ValueError(
+                f"--preempt-signals: unknown signal {name!r}; expected names such as SIGTERM SIGUSR1 "
+                f"(or none to disable)"
+            ) from None
         if parsed[-1] in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
             raise ValueError(f"--preempt-signals: {parsed[-1].name} cannot be used (it cannot be caught, or is Ctrl-C)")
     return parsed
@@ -56,7 +65,7 @@ class PreemptionSignals:
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
 
-    def install(self) -> "PreemptionSignals":
+    def install(self) -> PreemptionSignals:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

@@ -8,25 +8,26 @@ The lr schedule is stepped per optimizer update (timm ``step_update``), not per 
 are smooth even for runs of a few epochs, and a resumed run lands on exactly the same lr because the
 schedule is a pure function of the update count.
 """
+
 from __future__ import annotations
 
 import re
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
+from torch import nn
 
 from .config import Config
 
 
-
-def param_groups(model: nn.Module, weight_decay: float, group_lr: dict[str, float],
-                 require_all_patterns: bool = True) -> list[dict[str, Any]]:
+def param_groups(
+    model: nn.Module, weight_decay: float, group_lr: dict[str, float], require_all_patterns: bool = True
+) -> list[dict[str, Any]]:
     """Parameter groups keyed by (weight decay on/off, lr override).
 
     ``group_lr`` maps a regex to an absolute lr (``{'gating_param': 0.1}``); the first matching regex
@@ -45,8 +46,9 @@ def param_groups(model: nn.Module, weight_decay: float, group_lr: dict[str, floa
             continue
         pattern = next((p for p in group_lr if re.search(p, name)), None)
         decay = 0.0 if id(param) in no_decay else weight_decay
-        group = groups.setdefault((decay, pattern), {"params": [], "param_names": [], "weight_decay": decay,
-                                                     "lr_pattern": pattern})
+        group = groups.setdefault(
+            (decay, pattern), {"params": [], "param_names": [], "weight_decay": decay, "lr_pattern": pattern}
+        )
         if pattern is not None:
             group["lr"] = float(group_lr[pattern])
         group["params"].append(param)
@@ -57,13 +59,20 @@ def param_groups(model: nn.Module, weight_decay: float, group_lr: dict[str, floa
     return list(groups.values())
 
 
-def create_optimizer(cfg: Config, model: nn.Module, lr: float, require_all_patterns: bool = True) -> torch.optim.Optimizer:
+def create_optimizer(
+    cfg: Config, model: nn.Module, lr: float, require_all_patterns: bool = True
+) -> torch.optim.Optimizer:
     """timm's optimizer factory on our parameter groups."""
     kwargs = {"eps": cfg.opt_eps} if cfg.opt.lower().startswith(("adam", "nadam", "radam")) else {}
     return create_optimizer_v2(
-        model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+        model,
+        opt=cfg.opt,
+        lr=lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.momentum,
         param_group_fn=lambda m: param_groups(m, cfg.weight_decay, cfg.param_group_lr, require_all_patterns),
-        **kwargs)
+        **kwargs,
+    )
 
 
 def rebuild_optimizer(cfg: Config, model: nn.Module, lr: float, old: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -81,27 +90,36 @@ def rebuild_optimizer(cfg: Config, model: nn.Module, lr: float, old: torch.optim
     for group in new.param_groups:
         for name, param in zip(group["param_names"], group["params"]):
             if name in old_state and old_state[name][0] == param.shape:
-                new.state[param] = {k: v.to(param.device) if torch.is_tensor(v) and v.ndim else v
-                                    for k, v in old_state[name][1].items()}
+                new.state[param] = {
+                    k: v.to(param.device) if torch.is_tensor(v) and v.ndim else v for k, v in old_state[name][1].items()
+                }
     return new
 
 
-def create_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, epochs: int, warmup_epochs: int,
-                     updates_per_epoch: int):
+def create_scheduler(
+    cfg: Config, optimizer: torch.optim.Optimizer, epochs: int, warmup_epochs: int, updates_per_epoch: int
+):
     """timm scheduler stepped per update. 'constant' is a step schedule whose decay factor is 1."""
     sched, decay_rate = ("step", 1.0) if cfg.sched == "constant" else (cfg.sched, cfg.decay_rate)
     scheduler, _ = create_scheduler_v2(
-        optimizer, sched=sched, num_epochs=epochs, decay_epochs=cfg.decay_epochs, decay_rate=decay_rate,
-        min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr, warmup_epochs=warmup_epochs,
-        step_on_epochs=False, updates_per_epoch=updates_per_epoch)
+        optimizer,
+        sched=sched,
+        num_epochs=epochs,
+        decay_epochs=cfg.decay_epochs,
+        decay_rate=decay_rate,
+        min_lr=cfg.min_lr,
+        warmup_lr=cfg.warmup_lr,
+        warmup_epochs=warmup_epochs,
+        step_on_epochs=False,
+        updates_per_epoch=updates_per_epoch,
+    )
     return scheduler
 
 
 def create_mixup(cfg: Config, num_classes: int) -> Mixup | None:
     if cfg.mixup <= 0 and cfg.cutmix <= 0:
         return None
-    return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.smoothing,
-                 num_classes=num_classes)
+    return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.smoothing, num_classes=num_classes)
 
 
 def create_train_loss(cfg: Config, mixup: Mixup | None) -> nn.Module:

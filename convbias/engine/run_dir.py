@@ -7,6 +7,7 @@ stability, ensembles) reads it here, so they agree on which options come from th
 (``RunCheckpoint.describe``: ``RUN/checkpoints/last (epoch 15)``). Options given explicitly override
 the run's. Light to import (no torch): ``train.py --help`` reads nothing else.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,19 @@ WEIGHTS_FILE = "model.safetensors"  # as convbias.weights.WEIGHTS_FILE (not impo
 WHICH = ("last", "best")
 DEFAULT_WHICH = "last"  # the run's final weights: what its final top-1 measured
 # What a run's config.yaml contributes to a command that reuses the run: the model and how its data is read.
-RUN_KEYS = ("model", "model_kwargs", "img_size", "num_classes", "dataset", "data_dir", "crop_pct", "interpolation",
-            "reparametrize", "reparametrize_kwargs", "output_scale")
+RUN_KEYS = (
+    "model",
+    "model_kwargs",
+    "img_size",
+    "num_classes",
+    "dataset",
+    "data_dir",
+    "crop_pct",
+    "interpolation",
+    "reparametrize",
+    "reparametrize_kwargs",
+    "output_scale",
+)
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -59,6 +71,7 @@ def check_which(which: str) -> str:
 @dataclass(frozen=True)
 class RunCheckpoint:
     """One checkpoint of a run: its weights file, which link named it, and the epoch it was written after."""
+
     run: Path
     which: str
     weights: Path
@@ -75,8 +88,10 @@ def choose_checkpoint(run: str | Path, which: str = DEFAULT_WHICH) -> RunCheckpo
     weights = run / "checkpoints" / check_which(which) / WEIGHTS_FILE
     if not weights.is_file():
         held = sorted(p.name for p in (run / "checkpoints").glob("*")) if (run / "checkpoints").is_dir() else []
-        raise ValueError(f"{run} has no checkpoints/{which}/{WEIGHTS_FILE} (it holds "
-                         f"{', '.join(held) or 'no checkpoint'}: did the run finish an epoch?)")
+        raise ValueError(
+            f"{run} has no checkpoints/{which}/{WEIGHTS_FILE} (it holds "
+            f"{', '.join(held) or 'no checkpoint'}: did the run finish an epoch?)"
+        )
     from convbias.weights import weights_metadata  # torch: only once a checkpoint is needed
 
     epoch = weights_metadata(weights).get("epoch")
@@ -97,9 +112,16 @@ def model_spec(run: str | Path, which: str = DEFAULT_WHICH) -> dict[str, Any]:
     num_classes = metadata.get("num_classes") or options.get("num_classes")
     in_chans = metadata.get("in_chans") or (dataset.in_chans if dataset else None)
     if num_classes is None or in_chans is None:
-        raise ValueError(f"{checkpoint.describe()} does not record its number of classes and channels "
-                         f"(written by an older train.py): pass the model options explicitly")
+        raise ValueError(
+            f"{checkpoint.describe()} does not record its number of classes and channels "
+            f"(written by an older train.py): pass the model options explicitly"
+        )
     img_size = options.get("img_size") or (dataset.default_img_size if dataset else None)
-    return {"model": options["model"], "model_kwargs": dict(options.get("model_kwargs") or {}),
-            "img_size": img_size, "in_chans": int(in_chans), "num_classes": int(num_classes),
-            "checkpoint": checkpoint}
+    return {
+        "model": options["model"],
+        "model_kwargs": dict(options.get("model_kwargs") or {}),
+        "img_size": img_size,
+        "in_chans": int(in_chans),
+        "num_classes": int(num_classes),
+        "checkpoint": checkpoint,
+    }

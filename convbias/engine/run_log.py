@@ -5,6 +5,7 @@ completed epochs, from 1). ``log.jsonl`` holds the same fields plus diagnostics 
 When a run resumes from epoch E, rows after E (written before a kill, for an epoch that is now
 redone) are dropped, so the files read as if the run had never stopped. Only the main process writes.
 """
+
 from __future__ import annotations
 
 import csv
@@ -14,8 +15,7 @@ from typing import Any
 
 from .checkpoint import atomic_write
 
-SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec",
-                  "epoch_seconds")
+SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
 
 
 def _csv_value(value: Any) -> str:

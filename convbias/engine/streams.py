@@ -35,6 +35,7 @@ it takes the engine's sampled loaders (exact resume) and ``--train-fraction`` / 
 (``HfdsImages``: labels read without decoding images). Any failure to load (no ``datasets`` package, an
 unknown or unreachable NAME, a corrupt file) is one ValueError line, quoting the file the library logged.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,10 +44,11 @@ import logging.handlers
 import os
 import sys
 import tarfile
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
@@ -55,17 +57,23 @@ from torch.utils.data import Dataset
 WDS_PREFIX, HFIDS_PREFIX, HFDS_PREFIX = "wds/", "hfids/", "hfds/"
 STREAM_PREFIXES = (WDS_PREFIX, HFIDS_PREFIX)
 HFDS_VAL_SPLITS = ("validation", "test")  # evaluated on the first of these the dataset has
-HFDS_LAYOUT = ("NAME: a Hugging Face Hub dataset id or a local dataset directory that datasets.load_dataset "
-               "reads (parquet, imagefolder, ...), with 'image' and 'label' columns and 'train' and 'validation' "
-               "(or 'test') splits; DIR: the datasets cache it is downloaded and prepared into")
-HFIDS_LAYOUT = ("NAME: a Hugging Face Hub dataset id or a local dataset directory that datasets streams, whose "
-                "card gives the 'train' and 'validation' (or 'test') splits' num_examples and an 'image' column "
-                "and a ClassLabel 'label' column; DIR: the datasets cache")
+HFDS_LAYOUT = (
+    "NAME: a Hugging Face Hub dataset id or a local dataset directory that datasets.load_dataset "
+    "reads (parquet, imagefolder, ...), with 'image' and 'label' columns and 'train' and 'validation' "
+    "(or 'test') splits; DIR: the datasets cache it is downloaded and prepared into"
+)
+HFIDS_LAYOUT = (
+    "NAME: a Hugging Face Hub dataset id or a local dataset directory that datasets streams, whose "
+    "card gives the 'train' and 'validation' (or 'test') splits' num_examples and an 'image' column "
+    "and a ClassLabel 'label' column; DIR: the datasets cache"
+)
 INFO_FILES = ("_info.json", "info.json")
 SPLITS = ("train", "validation")
-STREAM_LAYOUT = ("DIR/_info.json ({'num_classes': K, 'splits': {'train': {'num_samples', 'filenames', "
-                 "'shard_lengths', 'name'}, 'validation': {...}}}) and the tar shards it lists "
-                 "(samples <key>.jpg|png|webp + <key>.cls)")
+STREAM_LAYOUT = (
+    "DIR/_info.json ({'num_classes': K, 'splits': {'train': {'num_samples', 'filenames', "
+    "'shard_lengths', 'name'}, 'validation': {...}}}) and the tar shards it lists "
+    "(samples <key>.jpg|png|webp + <key>.cls)"
+)
 
 
 def is_stream(name: str) -> bool:
@@ -86,21 +94,31 @@ def factory_layout(name: str) -> str:
     return HFIDS_LAYOUT if name.startswith(HFIDS_PREFIX) else HFDS_LAYOUT if is_hfds(name) else STREAM_LAYOUT
 
 
-def check_stream(name: str, data_dir: str | None, train_fraction: float, num_classes: int | None,
-                 workers: int = 0, processes: int = 1) -> dict[str, Any]:
+def check_stream(
+    name: str,
+    data_dir: str | None,
+    train_fraction: float,
+    num_classes: int | None,
+    workers: int = 0,
+    processes: int = 1,
+) -> dict[str, Any]:
     """What a wds/ or hfids/ stream holds (num_classes, classes, num_samples and split names per split) after
     cheap checks (ValueError, one line): package, layout, split sizes, every local shard, and enough training
     shards for `processes` x `workers` loader workers."""
     if not is_stream(name) or not name.partition("/")[2]:
         raise ValueError(f"--dataset {name}: expected wds/NAME (NAME: any label for the shard set) or hfids/NAME")
-    package, pip_name = ("datasets", "datasets") if name.startswith(HFIDS_PREFIX) else ("webdataset", "'webdataset>=0.2'")
+    package, pip_name = (
+        ("datasets", "datasets") if name.startswith(HFIDS_PREFIX) else ("webdataset", "'webdataset>=0.2'")
+    )
     try:
         __import__(package)
     except ImportError:
         raise ValueError(f"--dataset {name} needs the {package} package: pip install {pip_name}") from None
     if float(train_fraction) < 1.0 or num_classes is not None:
-        raise ValueError(f"--dataset {name}: --train-fraction and --num-classes need an index of labels, which a "
-                         f"stream has not; write the subset's shards instead")
+        raise ValueError(
+            f"--dataset {name}: --train-fraction and --num-classes need an index of labels, which a "
+            f"stream has not; write the subset's shards instead"
+        )
     if not data_dir or not Path(data_dir).is_dir():
         raise ValueError(f"--dataset {name} needs --data-dir with {factory_layout(name)}")
     info = _check_hfids(name, data_dir) if name.startswith(HFIDS_PREFIX) else _check_wds(Path(data_dir))
@@ -119,9 +137,11 @@ def _check_shards_per_worker(name: str, shards: int, workers: int, processes: in
         fits = shards // processes
     if fits < max(1, workers):
         hint = f"use --workers {fits} or fewer" if fits else f"write at least {processes} shards, one per process"
-        raise ValueError(f"--workers {workers}: the training stream of --dataset {name} has {shards} shard(s) for "
-                         f"{processes} process(es) x {max(1, workers)} loader worker(s), and a worker without a "
-                         f"shard reads nothing; {hint}")
+        raise ValueError(
+            f"--workers {workers}: the training stream of --dataset {name} has {shards} shard(s) for "
+            f"{processes} process(es) x {max(1, workers)} loader worker(s), and a worker without a "
+            f"shard reads nothing; {hint}"
+        )
 
 
 def _check_wds(root: Path) -> dict[str, Any]:
@@ -130,7 +150,9 @@ def _check_wds(root: Path) -> dict[str, Any]:
     if info_file is None:
         raise ValueError(f"--data-dir {root}: no {' or '.join(INFO_FILES)}; expected {STREAM_LAYOUT}")
     try:
-        info = json.loads(info_file.read_text()) if info_file.suffix == ".json" else yaml.safe_load(info_file.read_text())
+        info = (
+            json.loads(info_file.read_text()) if info_file.suffix == ".json" else yaml.safe_load(info_file.read_text())
+        )
         splits = {split: info["splits"][split] for split in SPLITS}
         counts = {split: int(splits[split]["num_samples"]) for split in SPLITS}
         files = {split: [root / f for f in splits[split]["filenames"]] for split in SPLITS}
@@ -140,8 +162,13 @@ def _check_wds(root: Path) -> dict[str, Any]:
     for split in SPLITS:
         for shard in files[split]:
             _check_shard(shard)
-    return {"num_classes": num_classes, "classes": [str(k) for k in range(num_classes)], "num_samples": counts,
-            "splits": {split: split for split in SPLITS}, "train_shards": len(files["train"])}
+    return {
+        "num_classes": num_classes,
+        "classes": [str(k) for k in range(num_classes)],
+        "num_samples": counts,
+        "splits": {split: split for split in SPLITS},
+        "train_shards": len(files["train"]),
+    }
 
 
 def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
@@ -157,14 +184,23 @@ def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
     sizes = {split: getattr(splits.get(split), "num_examples", 0) or 0 for split in ("train", val_split)}
     unknown = [split for split, size in sizes.items() if not size]
     if unknown:
-        raise ValueError(f"--dataset {name}: its card gives no num_examples for split {' and '.join(map(repr, unknown))} "
-                         f"(a stream's length is needed before it is read); expected {HFIDS_LAYOUT}")
+        raise ValueError(
+            f"--dataset {name}: its card gives no num_examples for split {' and '.join(map(repr, unknown))} "
+            f"(a stream's length is needed before it is read); expected {HFIDS_LAYOUT}"
+        )
     classes = getattr(features.get("label"), "names", None)
     if "image" not in features or not classes:
-        raise ValueError(f"--dataset {name}: its card has no 'image' column or no ClassLabel 'label' column "
-                         f"(columns: {', '.join(features) or 'none'}); expected {HFIDS_LAYOUT}")
-    return {"num_classes": len(classes), "classes": list(classes), "num_samples": dict(zip(SPLITS, sizes.values())),
-            "splits": dict(zip(SPLITS, sizes)), "train_shards": train_shards}
+        raise ValueError(
+            f"--dataset {name}: its card has no 'image' column or no ClassLabel 'label' column "
+            f"(columns: {', '.join(features) or 'none'}); expected {HFIDS_LAYOUT}"
+        )
+    return {
+        "num_classes": len(classes),
+        "classes": list(classes),
+        "num_samples": dict(zip(SPLITS, sizes.values())),
+        "splits": dict(zip(SPLITS, sizes)),
+        "train_shards": train_shards,
+    }
 
 
 def _check_shard(path: Path) -> None:
@@ -177,11 +213,14 @@ def _check_shard(path: Path) -> None:
         with tarfile.open(path) as tar:
             tar.getmembers()
     except (tarfile.TarError, EOFError, OSError) as e:
-        raise ValueError(f"shard {path} is corrupt or partial ({e}); rewrite or remove it (and its info entry)") from None
+        raise ValueError(
+            f"shard {path} is corrupt or partial ({e}); rewrite or remove it (and its info entry)"
+        ) from None
 
 
-def create_streams(name: str, data_dir: str, seed: int, batch_size: int,
-                   splits: dict[str, str] | None = None) -> tuple[Any, Any]:
+def create_streams(
+    name: str, data_dir: str, seed: int, batch_size: int, splits: dict[str, str] | None = None
+) -> tuple[Any, Any]:
     """(train, val) IterableImageDatasets from timm's factory (`splits`: the dataset's name of each of SPLITS,
     as `check_stream` found them); transforms are set by the caller."""
     from timm.data import create_dataset
@@ -198,7 +237,7 @@ class HfdsImages(Dataset):
     interface of engine.datasets (`targets`, `classes`, settable `transform`, `subset`), so that the class
     subset and per-class fraction code applies unchanged."""
 
-    def __init__(self, images: Dataset, classes: Sequence[str], indices: Optional[np.ndarray] = None):
+    def __init__(self, images: Dataset, classes: Sequence[str], indices: np.ndarray | None = None):
         self.images = images  # timm's ImageDataset (transform None: this wrapper applies its own)
         self.classes = list(classes)
         self.indices = np.arange(len(images)) if indices is None else indices
@@ -216,10 +255,11 @@ class HfdsImages(Dataset):
         image, target = self.images[int(self.indices[index])]
         return (self.transform(image) if self.transform is not None else image), target
 
-    def subset(self, indices: Sequence[int], num_classes: Optional[int] = None) -> 'HfdsImages':
+    def subset(self, indices: Sequence[int], num_classes: int | None = None) -> HfdsImages:
         indices = np.asarray(indices, dtype=np.int64)
-        subset = HfdsImages(self.images, self.classes[:num_classes] if num_classes else self.classes,
-                            self.indices[indices])
+        subset = HfdsImages(
+            self.images, self.classes[:num_classes] if num_classes else self.classes, self.indices[indices]
+        )
         subset.transform, subset.targets = self.transform, [self.targets[i] for i in indices]
         return subset
 
@@ -250,7 +290,7 @@ def _one_line_errors(name: str, data_dir: str, layout: str) -> Iterator[None]:
     with _held_logs("datasets", "huggingface_hub") as logged:
         try:
             yield
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             reason = f"{type(error).__name__}: {error}"
             errors = [record.getMessage() for record in logged if record.levelno >= logging.ERROR]
             reason = errors[-1] if errors and str(error) in errors[-1] else reason  # the logged one names the file

@@ -17,12 +17,12 @@ stream between processes) and each process's sums are reduced once after evaluat
 accumulation uses ``accelerator.accumulate``; each epoch runs a multiple of ``--grad-accum-steps``
 batches (the few left over are skipped) so every optimizer step sees the same number of batches.
 """
+
 from __future__ import annotations
 
 import math
 import time
 from functools import partial
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +35,29 @@ from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from . import recipe
+from .checkpoint import (
+    EMA_FILE,
+    WEIGHTS_FILE,
+    CheckpointDir,
+    find_resume_point,
+    load_training_state,
+    load_weights,
+    rng_state,
+    set_rng_state,
+    weights_metadata,
+)
 from .compile import compile_counters, compiled
-from .checkpoint import (CheckpointDir, find_resume_point, load_training_state, load_weights,
-                         rng_state, set_rng_state, weights_metadata, EMA_FILE, WEIGHTS_FILE)
 from .config import Config, effective_epochs, write_config
 from .data import epoch_batches, first_images
 from .diagnostics import ModelDiagnostics
 from .errors import ConfigError, NonFiniteLossError
 from .extensions import Extensions
 from .fsdp import FullCopy, load_sharded, save_sharded
+from .lock import RunLock, RunLockedError
+from .lock import describe as describe_holder
 from .modeling import check_model_name, create_model
 from .output_scale import OutputScale, ScaledLoss
 from .preemption import Preempted, PreemptionSignals, ignore_in_worker, parse_signals
-from .lock import RunLock, RunLockedError, describe as describe_holder
 from .run_dir import DEFAULT_WHICH, choose_checkpoint, is_run_dir
 from .run_log import RunLog
 
@@ -56,8 +66,9 @@ LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness
 
 def _check_which_target(which: str | None, checkpoint: Path | None) -> None:
     if which is not None:
-        raise ConfigError(f"--which {which} picks a checkpoint of a run directory; --checkpoint "
-                          f"{checkpoint or '(none)'} is not one")
+        raise ConfigError(
+            f"--which {which} picks a checkpoint of a run directory; --checkpoint {checkpoint or '(none)'} is not one"
+        )
 
 
 class Trainer:
@@ -67,8 +78,10 @@ class Trainer:
         self.cfg = cfg
         self.extensions = extensions or Extensions()
         self.accelerator = acc = Accelerator(
-            mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps,
-            log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None)
+            mixed_precision=cfg.mixed_precision,
+            gradient_accumulation_steps=cfg.grad_accum_steps,
+            log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None,
+        )
         self.sharded = acc.is_fsdp2
         self.full_copy: FullCopy | None = None  # under FSDP, what whole_model() returns (made with the optimizer)
         self._check_fsdp()
@@ -87,8 +100,10 @@ class Trainer:
         self.resume_point = self._check_output_dir()
         self.resume_state = load_training_state(self.resume_point) if self.resume_point else None
         if self.resume_state and self.resume_state.get("model") != cfg.model:
-            raise ConfigError(f"--resume {self.resume_point} is a checkpoint of {self.resume_state.get('model')}, "
-                              f"not of --model {cfg.model}")
+            raise ConfigError(
+                f"--resume {self.resume_point} is a checkpoint of {self.resume_state.get('model')}, "
+                f"not of --model {cfg.model}"
+            )
         self.finished = self._finished_message()
         if self.finished:  # --resume of a finished run: nothing to set up, nothing to write
             return
@@ -97,6 +112,7 @@ class Trainer:
 
         from .data import build_datasets, build_eval_loader, build_stream_loader, dataset_info
         from .streams import is_stream
+
         cfg.img_size = cfg.img_size or dataset_info(cfg.dataset).default_img_size  # data and model agree
         self.data = build_datasets(cfg)
         model = self._build_model()
@@ -105,11 +121,17 @@ class Trainer:
         self.worker_init_fn = partial(ignore_in_worker, self.preemption.signals) if self.preemption.signals else None
         self.streamed = is_stream(cfg.dataset)  # timm's reader shards a stream itself: its loaders are not prepared
         if self.streamed:
-            self.eval_loader = build_stream_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers,
-                                                   drop_last=False, worker_init_fn=self.worker_init_fn)
+            self.eval_loader = build_stream_loader(
+                self.data.val,
+                cfg.eval_batch_size or cfg.batch_size,
+                cfg.workers,
+                drop_last=False,
+                worker_init_fn=self.worker_init_fn,
+            )
         else:
-            self.eval_loader = build_eval_loader(self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers,
-                                                 self.worker_init_fn)
+            self.eval_loader = build_eval_loader(
+                self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.workers, self.worker_init_fn
+            )
         if cfg.eval_only:  # evaluation needs no sharding (and FSDP2 prepares a model only with its optimizer)
             self.model = model.to(acc.device) if self.sharded else acc.prepare(model)
             self.eval_loader = self.eval_loader if self.streamed else acc.prepare(self.eval_loader)
@@ -154,15 +176,18 @@ class Trainer:
         except ValueError as e:
             if "does not fit" not in str(e):
                 raise
-            raise ConfigError(f"{e}; give the model options the weights were trained with (--model, --model-kwargs, "
-                              f"--img-size, --num-classes), or pass the run directory, whose config.yaml has them"
-                              ) from None
+            raise ConfigError(
+                f"{e}; give the model options the weights were trained with (--model, --model-kwargs, "
+                f"--img-size, --num-classes), or pass the run directory, whose config.yaml has them"
+            ) from None
 
     def _set_grad_checkpointing(self, model: torch.nn.Module) -> None:
         """--grad-checkpointing: timm's own switch; the model must have one."""
         if not hasattr(model, "set_grad_checkpointing"):
-            raise ConfigError(f"--grad-checkpointing: {type(model).__name__} ({self.cfg.model}) has no "
-                              f"set_grad_checkpointing(); run without it")
+            raise ConfigError(
+                f"--grad-checkpointing: {type(model).__name__} ({self.cfg.model}) has no "
+                f"set_grad_checkpointing(); run without it"
+            )
         model.set_grad_checkpointing(True)
 
     def _set_up_training(self, model: torch.nn.Module) -> None:
@@ -172,16 +197,27 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         self.teacher = self._create_teacher() if cfg.distill_teacher else None
         if self.streamed:
-            self.train_loader = build_stream_loader(self.data.train, cfg.batch_size, cfg.workers, drop_last=True,
-                                                    worker_init_fn=self.worker_init_fn)
+            self.train_loader = build_stream_loader(
+                self.data.train, cfg.batch_size, cfg.workers, drop_last=True, worker_init_fn=self.worker_init_fn
+            )
         else:
-            self.train_loader = build_train_loader(self.data.train, cfg.batch_size, cfg.workers, cfg.repeated_aug,
-                                                   cfg.seed, acc.num_processes, acc.process_index, self.worker_init_fn)
+            self.train_loader = build_train_loader(
+                self.data.train,
+                cfg.batch_size,
+                cfg.workers,
+                cfg.repeated_aug,
+                cfg.seed,
+                acc.num_processes,
+                acc.process_index,
+                self.worker_init_fn,
+            )
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
         if self.steps_per_epoch == 0:
-            raise ConfigError(f"the training set ({len(self.data.train)} images) gives no full batch of "
-                              f"{cfg.batch_size} x {acc.num_processes} processes x {cfg.grad_accum_steps} "
-                              f"accumulation steps; lower --batch-size")
+            raise ConfigError(
+                f"the training set ({len(self.data.train)} images) gives no full batch of "
+                f"{cfg.batch_size} x {acc.num_processes} processes x {cfg.grad_accum_steps} "
+                f"accumulation steps; lower --batch-size"
+            )
         if hasattr(model, "set_distilled_training") and self.teacher is not None:
             model.set_distilled_training(True)
 
@@ -193,8 +229,9 @@ class Trainer:
         if self.sharded:  # every rank has built the whole model; accelerate's rank-0 loading (on by default)
             acc.state.fsdp_plugin.cpu_ram_efficient_loading = False  # serves transformers models only
         self.model, self.optimizer = acc.prepare(model, optimizer)
-        self.scheduler = recipe.create_scheduler(cfg, self.optimizer, self.epochs, self.warmup_epochs,
-                                                 self.steps_per_epoch // cfg.grad_accum_steps)
+        self.scheduler = recipe.create_scheduler(
+            cfg, self.optimizer, self.epochs, self.warmup_epochs, self.steps_per_epoch // cfg.grad_accum_steps
+        )
         self.mixup = recipe.create_mixup(cfg, self.data.num_classes)
         self.train_loss = recipe.create_train_loss(cfg, self.mixup)
         if self.teacher is not None:
@@ -262,26 +299,43 @@ class Trainer:
             return None
         point = find_resume_point(cfg.resume, self.output) if cfg.resume else None
         if point is None and self.output.is_dir():
-            earlier = [name for name, there in (("checkpoints/last", CheckpointDir(self.output).last is not None),
-                                                ("results.json", (self.output / "results.json").exists())) if there]
+            earlier = [
+                name
+                for name, there in (
+                    ("checkpoints/last", CheckpointDir(self.output).last is not None),
+                    ("results.json", (self.output / "results.json").exists()),
+                )
+                if there
+            ]
             if earlier and cfg.resume is None:
-                raise ConfigError(f"output dir {self.output} already holds a run ({', '.join(earlier)}); "
-                                  f"pass --resume auto to continue it, or choose another --output")
+                raise ConfigError(
+                    f"output dir {self.output} already holds a run ({', '.join(earlier)}); "
+                    f"pass --resume auto to continue it, or choose another --output"
+                )
             leftovers = [name for name in ("config.yaml", "summary.csv", "log.jsonl") if (self.output / name).exists()]
             if leftovers and not earlier:
-                self.notes.append(f"starting over: {self.output} holds no checkpoint of an earlier attempt "
-                                  f"(its {', '.join(leftovers)} are replaced)")
+                self.notes.append(
+                    f"starting over: {self.output} holds no checkpoint of an earlier attempt "
+                    f"(its {', '.join(leftovers)} are replaced)"
+                )
         return point
 
     def _finished_message(self) -> str | None:
         """What --resume of a run that already trained all its epochs says instead of training again."""
         state = self.resume_state
-        if not state or state.get("step") or state["epoch"] < self.epochs or not (self.output / "results.json").is_file():
+        if (
+            not state
+            or state.get("step")
+            or state["epoch"] < self.epochs
+            or not (self.output / "results.json").is_file()
+        ):
             return None
         final, best = state.get("final") or {}, state.get("best") or {}
-        return (f"{self.output} is already finished (epoch {state['epoch']}/{self.epochs}, final top-1 "
-                f"{final.get('eval_top1', float('nan')):.2f}, best top-1 {best.get('eval_top1', float('nan')):.2f} "
-                f"at epoch {best.get('epoch')}); nothing to do (a larger --epochs trains on)")
+        return (
+            f"{self.output} is already finished (epoch {state['epoch']}/{self.epochs}, final top-1 "
+            f"{final.get('eval_top1', float('nan')):.2f}, best top-1 {best.get('eval_top1', float('nan')):.2f} "
+            f"at epoch {best.get('epoch')}); nothing to do (a larger --epochs trains on)"
+        )
 
     def kept(self) -> str:
         """What an interrupted run leaves behind, in one sentence."""
@@ -302,7 +356,8 @@ class Trainer:
                 f"--resume {self.resume_point} is a mid-epoch resume point ({state['step']} steps into epoch "
                 f"{state['epoch'] + 1}) written by {len(state['rng'])} processes, and this run has {world}: its "
                 f"position in the epoch cannot be continued exactly; resume with {len(state['rng'])} processes, "
-                f"or keep its weights only with --checkpoint {self.resume_point / WEIGHTS_FILE} in a new --output")
+                f"or keep its weights only with --checkpoint {self.resume_point / WEIGHTS_FILE} in a new --output"
+            )
 
     def _compile(self) -> None:
         """The compiled views used by the training step and evaluation (engine.compile): checkpoints,
@@ -315,11 +370,15 @@ class Trainer:
         """FSDP through fsdp_version 2 only, and without a mid-run change of architecture."""
         acc, cfg = self.accelerator, self.cfg
         if acc.distributed_type == DistributedType.FSDP and not self.sharded:
-            raise ConfigError("FSDP1 (fsdp_version 1) is not supported: its resume points cannot be continued; set "
-                              "fsdp_version: 2 in the accelerate config (or --fsdp_version 2), or train with DDP")
+            raise ConfigError(
+                "FSDP1 (fsdp_version 1) is not supported: its resume points cannot be continued; set "
+                "fsdp_version: 2 in the accelerate config (or --fsdp_version 2), or train with DDP"
+            )
         if self.sharded and cfg.reparametrize_at_epoch is not None and not cfg.eval_only:
-            raise ConfigError("--reparametrize-at-epoch changes the model's architecture mid-run, which FSDP's "
-                              "sharded parameters cannot follow; run it with DDP")
+            raise ConfigError(
+                "--reparametrize-at-epoch changes the model's architecture mid-run, which FSDP's "
+                "sharded parameters cannot follow; run it with DDP"
+            )
 
     def whole_model(self) -> torch.nn.Module:
         """The model with whole (unsharded) weights, as the EMA update and the diagnostics read it: under FSDP
@@ -335,19 +394,26 @@ class Trainer:
         if name is not None and name not in known:
             raise ConfigError(f"unknown --reparametrize '{name}'; choices: {', '.join(known) or 'none registered'}")
         if self.cfg.reparametrize_at_epoch is not None and name is None:
-            raise ConfigError(f"--reparametrize-at-epoch needs --reparametrize NAME; choices: {', '.join(known) or 'none registered'}")
+            raise ConfigError(
+                f"--reparametrize-at-epoch needs --reparametrize NAME; choices: {', '.join(known) or 'none registered'}"
+            )
 
     def _reparametrized(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model after the run's reparametrization (--reparametrize with --reparametrize-kwargs)."""
         if self.cfg.reparametrize is None:
-            raise ConfigError("the weights to load were written after a reparametrization: pass the run's "
-                              "--reparametrize NAME and --reparametrize-kwargs to rebuild its architecture")
+            raise ConfigError(
+                "the weights to load were written after a reparametrization: pass the run's "
+                "--reparametrize NAME and --reparametrize-kwargs to rebuild its architecture"
+            )
         return self.extensions.reparametrizations[self.cfg.reparametrize](model, **self.cfg.reparametrize_kwargs)
 
     def _create_teacher(self) -> torch.nn.Module:
         cfg = self.cfg
-        teacher = timm.create_model(cfg.distill_teacher, num_classes=self.data.num_classes,
-                                    in_chans=None if self.data.in_chans == 3 else self.data.in_chans)
+        teacher = timm.create_model(
+            cfg.distill_teacher,
+            num_classes=self.data.num_classes,
+            in_chans=None if self.data.in_chans == 3 else self.data.in_chans,
+        )
         load_weights(teacher, cfg.distill_teacher_file)
         return teacher.to(self.accelerator.device).eval()
 
@@ -356,11 +422,15 @@ class Trainer:
         if state.get("sharded"):  # weights and optimizer state from every rank's shards, on any number of ranks
             load_sharded(self.resume_point, self.model, self.optimizer.optimizer)
         elif state["optimizer"] is None:
-            raise ConfigError(f"{self.resume_point} was written under FSDP1, whose sharded optimizer state was not "
-                              f"saved; start a new run from its weights with --checkpoint instead")
+            raise ConfigError(
+                f"{self.resume_point} was written under FSDP1, whose sharded optimizer state was not "
+                f"saved; start a new run from its weights with --checkpoint instead"
+            )
         elif self.sharded:
-            raise ConfigError(f"{self.resume_point} was written without FSDP: its optimizer state is not sharded; "
-                              f"continue it without FSDP, or start a new run from its weights with --checkpoint")
+            raise ConfigError(
+                f"{self.resume_point} was written without FSDP: its optimizer state is not sharded; "
+                f"continue it without FSDP, or start a new run from its weights with --checkpoint"
+            )
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -383,14 +453,23 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         for note in self.notes:
             acc.print(note)
-        derived = dict(num_processes=acc.num_processes, global_batch=self.global_batch, lr=self.lr,
-                       epochs=self.epochs, warmup_epochs=self.warmup_epochs, steps_per_epoch=self.steps_per_epoch)
+        derived = dict(
+            num_processes=acc.num_processes,
+            global_batch=self.global_batch,
+            lr=self.lr,
+            epochs=self.epochs,
+            warmup_epochs=self.warmup_epochs,
+            steps_per_epoch=self.steps_per_epoch,
+        )
         if acc.is_main_process:
             self.output.mkdir(parents=True, exist_ok=True)
             write_config(cfg, self.output / "config.yaml", derived)
         if cfg.log_wandb:
-            acc.init_trackers(cfg.wandb_project, config={**cfg, **derived},
-                              init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}})
+            acc.init_trackers(
+                cfg.wandb_project,
+                config={**cfg, **derived},
+                init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}},
+            )
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
         log.start(self.start_epoch)
         # every diagnostic at initialization too, logged with the first epoch as init_<key> (a resume point
@@ -426,11 +505,15 @@ class Trainer:
 
     def _summary_line(self, results: dict[str, Any]) -> str:
         """The last line of a run: its final and best top-1 and where its files are."""
+
         def top1(value: float | None) -> str:
             return "n/a" if value is None else f"{value:.2f}"
-        return (f"done: final top-1 {top1(results['final_top1'])} (epoch {self.final.get('epoch')}), best top-1 "
-                f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {self.output}: results.json, "
-                f"summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best")
+
+        return (
+            f"done: final top-1 {top1(results['final_top1'])} (epoch {self.final.get('epoch')}), best top-1 "
+            f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {self.output}: results.json, "
+            f"summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best"
+        )
 
     def _train_epochs(self, log: RunLog) -> None:
         cfg, acc = self.cfg, self.accelerator
@@ -460,20 +543,32 @@ class Trainer:
             self._save(epoch + 1, is_best)
             if epoch + 1 in cfg.save_epochs:
                 self._save_snapshot(epoch + 1)
-            acc.print(f"epoch {epoch + 1}/{self.epochs}  train_loss {train['train_loss']:.4f}  " +
-                      (f"eval_top1 {metrics['eval_top1']:.2f}  eval_top5 {metrics['eval_top5']:.2f}" if evaluated else ""))
+            acc.print(
+                f"epoch {epoch + 1}/{self.epochs}  train_loss {train['train_loss']:.4f}  "
+                + (f"eval_top1 {metrics['eval_top1']:.2f}  eval_top5 {metrics['eval_top5']:.2f}" if evaluated else "")
+            )
 
     def _results(self) -> dict[str, Any]:
         cfg = self.cfg
-        return {"model": cfg.model, "dataset": cfg.dataset, "train_fraction": cfg.train_fraction, "seed": cfg.seed,
-                "epochs": self.epochs, "final_top1": self.final.get("eval_top1"),
-                "final_top5": self.final.get("eval_top5"), "best_top1": self.best.get("eval_top1"),
-                "best_top5": self.best.get("eval_top5"), "best_epoch": self.best.get("epoch")}
+        return {
+            "model": cfg.model,
+            "dataset": cfg.dataset,
+            "train_fraction": cfg.train_fraction,
+            "seed": cfg.seed,
+            "epochs": self.epochs,
+            "final_top1": self.final.get("eval_top1"),
+            "final_top5": self.final.get("eval_top5"),
+            "best_top1": self.best.get("eval_top1"),
+            "best_top5": self.best.get("eval_top5"),
+            "best_epoch": self.best.get("epoch"),
+        }
 
     def evaluate_only(self) -> dict[str, float]:
         metrics = self.evaluate(self.forward)
-        self.accelerator.print(f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "
-                               f"loss {metrics['eval_loss']:.4f}  ({self.checkpoint_name})")
+        self.accelerator.print(
+            f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "
+            f"loss {metrics['eval_loss']:.4f}  ({self.checkpoint_name})"
+        )
         return metrics
 
     # ---------------------------------------------------------------------------------------- epochs
@@ -485,11 +580,18 @@ class Trainer:
         first = self.start_step if epoch == self.start_epoch else 0
 
         loss_sum = torch.full((), self.start_loss_sum if first else 0.0, device=acc.device, dtype=torch.float64)
-        progress = tqdm(total=self.steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{self.epochs}",
-                        disable=not acc.is_main_process, leave=False, dynamic_ncols=True)
+        progress = tqdm(
+            total=self.steps_per_epoch,
+            initial=first,
+            desc=f"epoch {epoch + 1}/{self.epochs}",
+            disable=not acc.is_main_process,
+            leave=False,
+            dynamic_ncols=True,
+        )
         started = time.perf_counter()
-        batches = epoch_batches(self.train_loader, epoch, first, self.steps_per_epoch - first, cfg.seed,
-                                acc.process_index)
+        batches = epoch_batches(
+            self.train_loader, epoch, first, self.steps_per_epoch - first, cfg.seed, acc.process_index
+        )
         for step, (images, targets) in enumerate(batches, start=first):
             images = images.to(acc.device, non_blocking=True)
             targets = targets.to(acc.device, non_blocking=True)
@@ -522,8 +624,11 @@ class Trainer:
         progress.close()
         seconds = time.perf_counter() - started
         images_seen = (self.steps_per_epoch - first) * cfg.batch_size * acc.num_processes
-        return {"train_loss": self._mean_loss(loss_sum, self.steps_per_epoch, epoch), "lr": self._lr(),
-                "images_per_sec": images_seen / seconds}
+        return {
+            "train_loss": self._mean_loss(loss_sum, self.steps_per_epoch, epoch),
+            "lr": self._lr(),
+            "images_per_sec": images_seen / seconds,
+        }
 
     def _maybe_stop_mid_epoch(self, epoch: int, steps: int, loss_sum: torch.Tensor) -> None:
         """After an optimizer update: a resume point every --checkpoint-interval updates, and on a
@@ -542,8 +647,10 @@ class Trainer:
         if not math.isfinite(mean):
             last = self.checkpoints.last
             kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-            raise NonFiniteLossError(f"non-finite training loss ({mean}) in epoch {epoch + 1} by step {steps}; "
-                                     f"stopping; {kept} (try a lower --lr or --clip-grad)")
+            raise NonFiniteLossError(
+                f"non-finite training loss ({mean}) in epoch {epoch + 1} by step {steps}; "
+                f"stopping; {kept} (try a lower --lr or --clip-grad)"
+            )
         return mean
 
     def _lr(self) -> float:
@@ -568,8 +675,14 @@ class Trainer:
             correct5 = (top == targets[:, None]).any(dim=1)
             if not self.streamed:  # the prepared loader pads the last batches alike; gather_for_metrics drops that
                 loss, correct1, correct5 = acc.gather_for_metrics((loss, correct1, correct5))
-            totals += torch.stack([loss.double().sum(), correct1.double().sum(), correct5.double().sum(),
-                                   torch.tensor(loss.numel(), dtype=torch.float64, device=acc.device)])
+            totals += torch.stack(
+                [
+                    loss.double().sum(),
+                    correct1.double().sum(),
+                    correct5.double().sum(),
+                    torch.tensor(loss.numel(), dtype=torch.float64, device=acc.device),
+                ]
+            )
         if self.streamed:  # each process read its own part of the stream, in batches of its own number and sizes
             totals = acc.reduce(totals, reduction="sum")
         model.train(was_training)
@@ -591,14 +704,21 @@ class Trainer:
         point = None
         if acc.is_main_process:
             state = {
-                "model": self.cfg.model, "epoch": epoch, "step": step, "loss_sums": loss_sums,
+                "model": self.cfg.model,
+                "epoch": epoch,
+                "step": step,
+                "loss_sums": loss_sums,
                 "initial_diagnostics": self.initial if epoch == 0 and step else {},
                 "num_updates": self.num_updates,
-                "best": self.best, "final": self.final, "reparametrized": self.reparametrized,
+                "best": self.best,
+                "final": self.final,
+                "reparametrized": self.reparametrized,
                 # under FSDP the optimizer state is in the shards only
-                "sharded": self.sharded, "optimizer": None if self.sharded else self.optimizer.state_dict(),
+                "sharded": self.sharded,
+                "optimizer": None if self.sharded else self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "scaler": acc.scaler.state_dict() if acc.scaler is not None else None, "rng": rng,
+                "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+                "rng": rng,
             }
             ema = self.ema.module.state_dict() if self.ema is not None else None
             point = self.checkpoints.save(epoch, weights, state, ema, self._metadata(epoch), is_best, step)
@@ -612,9 +732,15 @@ class Trainer:
         self.accelerator.wait_for_everyone()
 
     def _metadata(self, epoch: int) -> dict[str, str]:
-        return {"model": self.cfg.model, "epoch": str(epoch), "reparametrized": str(self.reparametrized),
-                "num_classes": str(self.data.num_classes), "in_chans": str(self.data.in_chans),
-                "reparametrization": self.cfg.reparametrize or "", "output_scale": str(self.cfg.output_scale or "")}
+        return {
+            "model": self.cfg.model,
+            "epoch": str(epoch),
+            "reparametrized": str(self.reparametrized),
+            "num_classes": str(self.data.num_classes),
+            "in_chans": str(self.data.in_chans),
+            "reparametrization": self.cfg.reparametrize or "",
+            "output_scale": str(self.cfg.output_scale or ""),
+        }
 
     # ------------------------------------------------------------------------------ reparametrization
     def _reparametrize(self) -> None:
@@ -626,8 +752,9 @@ class Trainer:
             self.ema.module = self._reparametrized(self.ema.module).to(acc.device)
         acc.free_memory()  # drop accelerate's references to the old model and optimizer
         self.model, self.optimizer = acc.prepare(new_model, optimizer)  # the eval loader stays prepared
-        self.scheduler = recipe.create_scheduler(cfg, self.optimizer, self.epochs, self.warmup_epochs,
-                                                 self.steps_per_epoch // cfg.grad_accum_steps)
+        self.scheduler = recipe.create_scheduler(
+            cfg, self.optimizer, self.epochs, self.warmup_epochs, self.steps_per_epoch // cfg.grad_accum_steps
+        )
         self.scheduler.step_update(self.num_updates)
         self._compile()
         self.reparametrized = True

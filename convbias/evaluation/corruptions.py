@@ -34,11 +34,12 @@ At 224x224 the corruptions follow the published recipes, with these differences:
 - elastic transform: the published table is not monotonic in damage (severities 1-2 are large
   smooth warps, 3-5 small local jitter); we keep it as published.
 """
+
 from __future__ import annotations
 
 import io
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -49,10 +50,10 @@ REFERENCE_SIZE = 224
 FFT_KERNEL_SIZE = 121  # kernels with more taps are applied through the FFT
 
 CATEGORIES: dict[str, tuple[str, ...]] = {
-    'noise': ('gaussian_noise', 'shot_noise', 'impulse_noise'),
-    'blur': ('defocus_blur', 'glass_blur', 'motion_blur', 'zoom_blur'),
-    'weather': ('snow', 'frost', 'fog', 'brightness'),
-    'digital': ('contrast', 'elastic_transform', 'pixelate', 'jpeg_compression'),
+    "noise": ("gaussian_noise", "shot_noise", "impulse_noise"),
+    "blur": ("defocus_blur", "glass_blur", "motion_blur", "zoom_blur"),
+    "weather": ("snow", "frost", "fog", "brightness"),
+    "digital": ("contrast", "elastic_transform", "pixelate", "jpeg_compression"),
 }
 
 SEVERITIES = (1, 2, 3, 4, 5)
@@ -60,57 +61,65 @@ SEVERITIES = (1, 2, 3, 4, 5)
 # ImageNet-C parameters, one entry per severity 1..5 (pixel sizes are for 224x224 images).
 SEVERITY_PARAMS: dict[str, tuple] = {
     # standard deviation of additive Gaussian noise on [0, 1] pixels
-    'gaussian_noise': (0.08, 0.12, 0.18, 0.26, 0.38),
+    "gaussian_noise": (0.08, 0.12, 0.18, 0.26, 0.38),
     # photon count per unit intensity: Poisson(x * c) / c
-    'shot_noise': (60, 25, 12, 5, 3),
+    "shot_noise": (60, 25, 12, 5, 3),
     # fraction of values replaced by 0 or 1 (salt and pepper, half each)
-    'impulse_noise': (0.03, 0.06, 0.09, 0.17, 0.27),
+    "impulse_noise": (0.03, 0.06, 0.09, 0.17, 0.27),
     # (disk radius px, anti-aliasing Gaussian sigma px)
-    'defocus_blur': ((3, 0.1), (4, 0.5), (6, 0.5), (8, 0.5), (10, 0.5)),
+    "defocus_blur": ((3, 0.1), (4, 0.5), (6, 0.5), (8, 0.5), (10, 0.5)),
     # (Gaussian sigma px, max pixel displacement px, shuffle iterations)
-    'glass_blur': ((0.7, 1, 2), (0.9, 2, 1), (1, 2, 3), (1.1, 3, 2), (1.5, 4, 2)),
+    "glass_blur": ((0.7, 1, 2), (0.9, 2, 1), (1, 2, 3), (1.1, 3, 2), (1.5, 4, 2)),
     # (kernel radius px, Gaussian sigma px); the angle is uniform in [-45, 45] degrees
-    'motion_blur': ((10, 3), (15, 5), (15, 8), (15, 12), (20, 15)),
+    "motion_blur": ((10, 3), (15, 5), (15, 8), (15, 12), (20, 15)),
     # zoom factors: numpy.arange(start, stop, step), averaged with the image itself
-    'zoom_blur': ((1, 1.11, 0.01), (1, 1.16, 0.01), (1, 1.21, 0.02), (1, 1.26, 0.02), (1, 1.31, 0.03)),
+    "zoom_blur": ((1, 1.11, 0.01), (1, 1.16, 0.01), (1, 1.21, 0.02), (1, 1.26, 0.02), (1, 1.31, 0.03)),
     # (flake mean, flake std, flake zoom, threshold, blur radius px, blur sigma px, image weight)
-    'snow': ((0.1, 0.3, 3, 0.5, 10, 4, 0.8), (0.2, 0.3, 2, 0.5, 12, 4, 0.7),
-             (0.55, 0.3, 4, 0.9, 12, 8, 0.7), (0.55, 0.3, 4.5, 0.85, 12, 8, 0.65),
-             (0.55, 0.3, 2.5, 0.85, 12, 12, 0.55)),
+    "snow": (
+        (0.1, 0.3, 3, 0.5, 10, 4, 0.8),
+        (0.2, 0.3, 2, 0.5, 12, 4, 0.7),
+        (0.55, 0.3, 4, 0.9, 12, 8, 0.7),
+        (0.55, 0.3, 4.5, 0.85, 12, 8, 0.65),
+        (0.55, 0.3, 2.5, 0.85, 12, 12, 0.55),
+    ),
     # (image weight, frost weight)
-    'frost': ((1, 0.4), (0.8, 0.6), (0.7, 0.7), (0.65, 0.7), (0.6, 0.75)),
+    "frost": ((1, 0.4), (0.8, 0.6), (0.7, 0.7), (0.65, 0.7), (0.6, 0.75)),
     # (fog strength, plasma fractal decay)
-    'fog': ((1.5, 2), (2, 2), (2.5, 1.7), (2.5, 1.5), (3, 1.4)),
+    "fog": ((1.5, 2), (2, 2), (2.5, 1.7), (2.5, 1.5), (3, 1.4)),
     # added to the HSV value channel
-    'brightness': (0.1, 0.2, 0.3, 0.4, 0.5),
+    "brightness": (0.1, 0.2, 0.3, 0.4, 0.5),
     # factor on the deviation from the per-channel mean
-    'contrast': (0.4, 0.3, 0.2, 0.1, 0.05),
+    "contrast": (0.4, 0.3, 0.2, 0.1, 0.05),
     # (displacement scale px, displacement smoothing sigma px, random affine shift px), published
     # as multiples of 244 (a typo for 224 in the original, kept as is)
-    'elastic_transform': ((244 * 2, 244 * 0.7, 244 * 0.1), (244 * 2, 244 * 0.08, 244 * 0.2),
-                          (244 * 0.05, 244 * 0.01, 244 * 0.02), (244 * 0.07, 244 * 0.01, 244 * 0.02),
-                          (244 * 0.12, 244 * 0.01, 244 * 0.02)),
+    "elastic_transform": (
+        (244 * 2, 244 * 0.7, 244 * 0.1),
+        (244 * 2, 244 * 0.08, 244 * 0.2),
+        (244 * 0.05, 244 * 0.01, 244 * 0.02),
+        (244 * 0.07, 244 * 0.01, 244 * 0.02),
+        (244 * 0.12, 244 * 0.01, 244 * 0.02),
+    ),
     # side of the low-resolution image, as a fraction of the side
-    'pixelate': (0.6, 0.5, 0.4, 0.3, 0.25),
+    "pixelate": (0.6, 0.5, 0.4, 0.3, 0.25),
     # JPEG quality
-    'jpeg_compression': (25, 18, 15, 10, 7),
+    "jpeg_compression": (25, 18, 15, 10, 7),
 }
 
 # Procedural frost (replaces the six photographs of ImageNet-C; see the module docstring).
 FROST_TEXTURE = dict(
-    needle_orientations=6,    # needle directions, evenly spread over 180 degrees
-    needle_density=0.004,     # needle seeds per pixel and per orientation
-    needle_length=(6, 24),    # px at the reference scale, uniform per orientation
-    background=0.12,          # base brightness of the ice
-    needle_gain=0.6,          # brightness of saturated needles
-    haze_gain=0.25,           # low-frequency haze from a plasma fractal
-    tint=(0.85, 0.93, 1.0),   # RGB multipliers: bluish white
+    needle_orientations=6,  # needle directions, evenly spread over 180 degrees
+    needle_density=0.004,  # needle seeds per pixel and per orientation
+    needle_length=(6, 24),  # px at the reference scale, uniform per orientation
+    background=0.12,  # base brightness of the ice
+    needle_gain=0.6,  # brightness of saturated needles
+    haze_gain=0.25,  # low-frequency haze from a plasma fractal
+    tint=(0.85, 0.93, 1.0),  # RGB multipliers: bluish white
 )
 
 
 def _param(name: str, severity: int):
     if severity not in SEVERITIES:
-        raise ValueError(f'severity must be one of {SEVERITIES}, got {severity!r}')
+        raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
     return SEVERITY_PARAMS[name][severity - 1]
 
 
@@ -131,7 +140,7 @@ def _reference_shape(x: torch.Tensor) -> tuple[int, int]:
 def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     if tuple(x.shape[-2:]) == tuple(size):
         return x
-    return F.interpolate(x, size=size, mode='bilinear', align_corners=False, antialias=True)
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +154,7 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Filtering helpers (mirrored borders of any width)
 # ---------------------------------------------------------------------------------------------
+
 
 def _mirror_index(n: int, pad: int, device) -> torch.Tensor:
     """Indices of a length-n axis padded by `pad` on both sides by half-sample mirroring
@@ -174,8 +184,9 @@ def _filter2d(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         return out.view(b, c, h, w)
     # correlation theorem: no wrap-around for the h x w outputs kept, as the input is padded
     size, precision = padded.shape[-2:], torch.promote_types(x.dtype, torch.float32)
-    spectrum = (torch.fft.rfft2(padded.to(precision), s=size)
-                * torch.fft.rfft2(kernel.to(precision), s=size).conj().unsqueeze(1))
+    spectrum = torch.fft.rfft2(padded.to(precision), s=size) * torch.fft.rfft2(
+        kernel.to(precision), s=size
+    ).conj().unsqueeze(1)
     return torch.fft.irfft2(spectrum, s=size)[..., :h, :w].to(x.dtype)
 
 
@@ -202,7 +213,7 @@ def _line_kernels(weights: torch.Tensor, spacing: float, angles_deg: torch.Tenso
     size = 2 * reach + 1
     angles = torch.deg2rad(angles_deg.double()).view(-1, 1)
     steps = torch.arange(len(weights), dtype=torch.float64) * spacing
-    xs = reach + steps * torch.cos(angles)                  # (A, taps)
+    xs = reach + steps * torch.cos(angles)  # (A, taps)
     ys = reach + steps * torch.sin(angles)
     x0, y0 = xs.floor(), ys.floor()
     kernels = torch.zeros(len(angles), size * size, dtype=torch.float64)
@@ -219,14 +230,14 @@ def _motion_kernels(radius: float, sigma: float, angles_deg: torch.Tensor, scale
     """ImageMagick-style motion blur: 2 * ceil(radius) + 1 taps on one side of the pixel with
     weights exp(-i^2 / (2 sigma^2)), taps spaced `scale` px apart."""
     taps = torch.arange(2 * math.ceil(radius) + 1, dtype=torch.float64)
-    return _line_kernels(torch.exp(-taps ** 2 / (2 * sigma ** 2)), scale, angles_deg)
+    return _line_kernels(torch.exp(-(taps**2) / (2 * sigma**2)), scale, angles_deg)
 
 
 def _zoom(x: torch.Tensor, factor: float) -> torch.Tensor:
     """Zoom into the center by `factor`, keeping the size (bilinear)."""
     theta = x.new_tensor([[1 / factor, 0, 0], [0, 1 / factor, 0]]).expand(x.shape[0], 2, 3)
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, mode='bilinear', padding_mode='border', align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 def plasma_fractal(batch: int, size: int, decay: float, generator: torch.Generator) -> torch.Tensor:
@@ -234,7 +245,7 @@ def plasma_fractal(batch: int, size: int, decay: float, generator: torch.Generat
     ImageNet-C's fog: the random perturbation at each level is wibble * U(-wibble, wibble) with
     wibble starting at 100 and divided by `decay` at each level."""
     if size & (size - 1):
-        raise ValueError(f'plasma_fractal size must be a power of two, got {size}')
+        raise ValueError(f"plasma_fractal size must be a power of two, got {size}")
     height = torch.zeros(batch, size, size, dtype=torch.float64)
     step, wibble = size, 100.0
 
@@ -274,20 +285,21 @@ def _fractal_layer(x: torch.Tensor, decay: float, generator: torch.Generator) ->
 # Noise
 # ---------------------------------------------------------------------------------------------
 
+
 def gaussian_noise(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    std = _param('gaussian_noise', severity)
+    std = _param("gaussian_noise", severity)
     noise = torch.randn(x.shape, generator=generator).to(x)
     return (x + std * noise).clamp(0, 1)
 
 
 def shot_noise(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    photons = _param('shot_noise', severity)
+    photons = _param("shot_noise", severity)
     counts = torch.poisson((x * photons).float().cpu(), generator=generator).to(x)
     return (counts / photons).clamp(0, 1)
 
 
 def impulse_noise(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    amount = _param('impulse_noise', severity)
+    amount = _param("impulse_noise", severity)
     flipped = _uniform(x.shape, 0, 1, generator, x.device) < amount
     salt = (_uniform(x.shape, 0, 1, generator, x.device) < 0.5).to(x)
     return torch.where(flipped, salt, x)
@@ -297,14 +309,15 @@ def impulse_noise(x: torch.Tensor, severity: int, generator: torch.Generator) ->
 # Blur
 # ---------------------------------------------------------------------------------------------
 
+
 def _disk_kernel(radius: float, supersample: int = 8) -> torch.Tensor:
     """Normalized disk of the given radius, each pixel weighted by the fraction of its area
     inside the disk (so that radii below a pixel still give distinct kernels)."""
     reach = math.ceil(radius + 0.5)
     sub = (torch.arange(supersample, dtype=torch.float64) + 0.5) / supersample - 0.5
     centers = torch.arange(-reach, reach + 1, dtype=torch.float64)
-    coords = (centers.view(-1, 1) + sub.view(1, -1)).flatten()         # sub-pixel coordinates
-    inside = (coords.view(-1, 1) ** 2 + coords.view(1, -1) ** 2) <= radius ** 2
+    coords = (centers.view(-1, 1) + sub.view(1, -1)).flatten()  # sub-pixel coordinates
+    inside = (coords.view(-1, 1) ** 2 + coords.view(1, -1) ** 2) <= radius**2
     size = 2 * reach + 1
     coverage = inside.view(size, supersample, size, supersample).double().mean((1, 3))
     coverage[reach, reach] = max(coverage[reach, reach].item(), 1e-6)  # radius 0: identity
@@ -312,21 +325,20 @@ def _disk_kernel(radius: float, supersample: int = 8) -> torch.Tensor:
 
 
 def defocus_blur(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    radius, alias_sigma = _param('defocus_blur', severity)
+    radius, alias_sigma = _param("defocus_blur", severity)
     s = _scale(x)
     blurred = _filter2d(x, _disk_kernel(radius * s))
     return gaussian_blur(blurred, alias_sigma * s).clamp(0, 1)
 
 
-def _glass_permutation(h: int, w: int, max_delta: int, iterations: int,
-                       generator: torch.Generator) -> torch.Tensor:
+def _glass_permutation(h: int, w: int, max_delta: int, iterations: int, generator: torch.Generator) -> torch.Tensor:
     """ImageNet-C's local shuffle as a permutation of the h * w pixel indices: scanning from the
     bottom-right corner, each interior pixel is swapped with the pixel at a random offset in
     [-max_delta, max_delta - 1]^2 (a pixel can move several times). It does not depend on the
     image, so one permutation serves a whole batch."""
     rows = torch.arange(h - max_delta, max_delta, -1).view(-1, 1)
     cols = torch.arange(w - max_delta, max_delta, -1).view(1, -1)
-    here = (rows * w + cols).flatten()                      # scan order of the swaps
+    here = (rows * w + cols).flatten()  # scan order of the swaps
     order = list(range(h * w))
     for _ in range(iterations):
         offsets = torch.randint(-max_delta, max_delta, (here.numel(), 2), generator=generator)
@@ -339,7 +351,7 @@ def _glass_permutation(h: int, w: int, max_delta: int, iterations: int,
 def glass_blur(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
     """Blur, shuffle pixels locally, blur again; at the reference scale (see module docstring).
     The pixels of all the images of a batch move the same way."""
-    sigma, max_delta, iterations = _param('glass_blur', severity)
+    sigma, max_delta, iterations = _param("glass_blur", severity)
     size = x.shape[-2:]
     image = gaussian_blur(_resize(x, _reference_shape(x)), sigma)
     h, w = image.shape[-2:]
@@ -350,14 +362,14 @@ def glass_blur(x: torch.Tensor, severity: int, generator: torch.Generator) -> to
 
 
 def motion_blur(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    radius, sigma = _param('motion_blur', severity)
-    angles = _uniform((x.shape[0],), -45, 45, generator, 'cpu')
+    radius, sigma = _param("motion_blur", severity)
+    angles = _uniform((x.shape[0],), -45, 45, generator, "cpu")
     kernels = _motion_kernels(radius, sigma, angles, _scale(x))
     return _filter2d(x, kernels).clamp(0, 1)
 
 
 def zoom_blur(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    start, stop, step = _param('zoom_blur', severity)
+    start, stop, step = _param("zoom_blur", severity)
     factors = np.arange(start, stop, step)
     total = x.clone()
     for factor in factors:
@@ -369,14 +381,15 @@ def zoom_blur(x: torch.Tensor, severity: int, generator: torch.Generator) -> tor
 # Weather
 # ---------------------------------------------------------------------------------------------
 
+
 def snow(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    mean, std, zoom, threshold, radius, sigma, image_weight = _param('snow', severity)
+    mean, std, zoom, threshold, radius, sigma, image_weight = _param("snow", severity)
     b = x.shape[0]
     ref_h, ref_w = _reference_shape(x)
     flakes = torch.randn((b, 1, ref_h, ref_w), generator=generator) * std + mean
     flakes = _zoom(flakes, zoom)
     flakes = torch.where(flakes < threshold, torch.zeros_like(flakes), flakes).clamp(0, 1)
-    angles = _uniform((b,), -135, -45, generator, 'cpu')
+    angles = _uniform((b,), -135, -45, generator, "cpu")
     flakes = _filter2d(flakes, _motion_kernels(radius, sigma, angles, 1.0))
     flakes = _resize(flakes.to(x), x.shape[-2:])
     whitened = torch.maximum(x, _gray(x) * 1.5 + 0.5)
@@ -384,8 +397,7 @@ def snow(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Te
     return (x + flakes + flakes.flip(-2, -1)).clamp(0, 1)
 
 
-def frost_texture(batch: int, height: int, width: int, channels: int,
-                  generator: torch.Generator) -> torch.Tensor:
+def frost_texture(batch: int, height: int, width: int, channels: int, generator: torch.Generator) -> torch.Tensor:
     """Procedural frost at the reference scale: (batch, channels, height, width) in [0, 1].
 
     Ice needles (random seeds smeared along a few directions) whose density is modulated by a
@@ -393,29 +405,29 @@ def frost_texture(batch: int, height: int, width: int, channels: int,
     """
     p = FROST_TEXTURE
     needles = torch.zeros(batch, 1, height, width)
-    for k in range(p['needle_orientations']):
-        seeds = (torch.rand((batch, 1, height, width), generator=generator) < p['needle_density']).float()
-        low, high = p['needle_length']
+    for k in range(p["needle_orientations"]):
+        seeds = (torch.rand((batch, 1, height, width), generator=generator) < p["needle_density"]).float()
+        low, high = p["needle_length"]
         length = int(torch.randint(low, high + 1, (1,), generator=generator))
-        base_angle = 180.0 * k / p['needle_orientations']
-        angles = base_angle + _uniform((batch,), -15, 15, generator, 'cpu')
+        base_angle = 180.0 * k / p["needle_orientations"]
+        angles = base_angle + _uniform((batch,), -15, 15, generator, "cpu")
         kernels = _line_kernels(torch.ones(length), 1.0, angles) * length  # unnormalized streaks
         needles += _filter2d(seeds, kernels)
     size = max(256, 1 << (max(height, width) - 1).bit_length())
     patches = plasma_fractal(batch, size, 2.0, generator)[:, None, :height, :width]
     haze = plasma_fractal(batch, size, 1.5, generator)[:, None, :height, :width]
-    ice = 1 - torch.exp(-needles)                                        # saturating needles
+    ice = 1 - torch.exp(-needles)  # saturating needles
     ice = gaussian_blur(ice, 0.7) * (0.3 + 0.7 * patches)
-    gray = p['background'] + p['needle_gain'] * ice + p['haze_gain'] * haze
+    gray = p["background"] + p["needle_gain"] * ice + p["haze_gain"] * haze
     if channels == 1:
-        tint = torch.tensor(p['tint']).mean().view(1, 1, 1, 1)
+        tint = torch.tensor(p["tint"]).mean().view(1, 1, 1, 1)
     else:
-        tint = torch.tensor(p['tint']).view(1, 3, 1, 1)
+        tint = torch.tensor(p["tint"]).view(1, 3, 1, 1)
     return (gray * tint).clamp(0, 1)
 
 
 def frost(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    image_weight, frost_weight = _param('frost', severity)
+    image_weight, frost_weight = _param("frost", severity)
     ref_h, ref_w = _reference_shape(x)
     texture = frost_texture(x.shape[0], ref_h, ref_w, x.shape[1], generator)
     texture = _resize(texture.to(x), x.shape[-2:])
@@ -423,7 +435,7 @@ def frost(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.T
 
 
 def fog(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    strength, decay = _param('fog', severity)
+    strength, decay = _param("fog", severity)
     peak = x.amax((1, 2, 3), keepdim=True)
     fogged = x + strength * _fractal_layer(x, decay, generator)
     return (fogged * peak / (peak + strength)).clamp(0, 1)
@@ -432,7 +444,7 @@ def fog(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Ten
 def brightness(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
     """Add c to the HSV value. Hue and saturation are unchanged, so RGB scales by (v + c) / v
     (a black pixel, whose saturation is 0, becomes gray c)."""
-    shift = _param('brightness', severity)
+    shift = _param("brightness", severity)
     value = x.amax(1, keepdim=True)
     new_value = (value + shift).clamp(max=1)
     scaled = x * new_value / value.clamp(min=1e-12)
@@ -443,8 +455,9 @@ def brightness(x: torch.Tensor, severity: int, generator: torch.Generator) -> to
 # Digital
 # ---------------------------------------------------------------------------------------------
 
+
 def contrast(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    factor = _param('contrast', severity)
+    factor = _param("contrast", severity)
     means = x.mean((2, 3), keepdim=True)
     return ((x - means) * factor + means).clamp(0, 1)
 
@@ -453,80 +466,92 @@ def elastic_transform(x: torch.Tensor, severity: int, generator: torch.Generator
     """Random affine warp (three control points moved by up to `shift` px) followed by a smooth
     random displacement field (uniform noise, Gaussian-smoothed, times `alpha`); bilinear
     sampling with mirrored borders."""
-    alpha, sigma, shift = (value * _scale(x) for value in _param('elastic_transform', severity))
+    alpha, sigma, shift = (value * _scale(x) for value in _param("elastic_transform", severity))
     b, _, h, w = x.shape
     center = torch.tensor([w // 2, h // 2], dtype=torch.float64)
     half = min(h, w) // 3
     source = torch.stack([center + half, center + torch.tensor([half, -half]), center - half])
-    moved = source + _uniform((b, 3, 2), -shift, shift, generator, 'cpu').double()
+    moved = source + _uniform((b, 3, 2), -shift, shift, generator, "cpu").double()
     # forward affine: [source, 1] @ forward^T = moved; sampling needs its inverse
     homogeneous = torch.cat([source, torch.ones(3, 1, dtype=torch.float64)], 1)
-    forward = torch.linalg.solve(homogeneous, moved).transpose(1, 2)                  # (b, 2, 3)
+    forward = torch.linalg.solve(homogeneous, moved).transpose(1, 2)  # (b, 2, 3)
     inverse_linear = torch.linalg.inv(forward[:, :, :2])
-    field = _uniform((b, 2, h, w), -1, 1, generator, 'cpu')
-    field = gaussian_blur(field, sigma, truncate=3.0) * alpha                            # (dx, dy)
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64),
-                            indexing='ij')
+    field = _uniform((b, 2, h, w), -1, 1, generator, "cpu")
+    field = gaussian_blur(field, sigma, truncate=3.0) * alpha  # (dx, dy)
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
     points = torch.stack([xs, ys], -1).expand(b, h, w, 2) + field.permute(0, 2, 3, 1).double()
-    sampled = torch.einsum('bij,bhwj->bhwi', inverse_linear, points - forward[:, None, None, :, 2])
+    sampled = torch.einsum("bij,bhwj->bhwi", inverse_linear, points - forward[:, None, None, :, 2])
     grid = 2 * sampled / torch.tensor([max(w - 1, 1), max(h - 1, 1)], dtype=torch.float64) - 1
-    warped = F.grid_sample(x, grid.to(x), mode='bilinear', padding_mode='reflection', align_corners=True)
+    warped = F.grid_sample(x, grid.to(x), mode="bilinear", padding_mode="reflection", align_corners=True)
     return warped.clamp(0, 1)
 
 
 def _pil_channels(x: torch.Tensor, apply: Callable[[Image.Image], Image.Image]) -> torch.Tensor:
     """Apply a PIL operation to every channel of every image, as 32-bit float ('F') images."""
-    planes = [torch.from_numpy(np.asarray(apply(Image.fromarray(plane, 'F')), dtype=np.float32).copy())
-              for plane in x.detach().float().cpu().flatten(0, 1).numpy()]
+    planes = [
+        torch.from_numpy(np.asarray(apply(Image.fromarray(plane, "F")), dtype=np.float32).copy())
+        for plane in x.detach().float().cpu().flatten(0, 1).numpy()
+    ]
     return torch.stack(planes).view(*x.shape[:2], *planes[0].shape).to(x)
 
 
 def pixelate(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
     """PIL BOX resize to a fraction of the size and back, as ImageNet-C."""
-    fraction = _param('pixelate', severity)
+    fraction = _param("pixelate", severity)
     h, w = x.shape[-2:]
     small = (max(int(w * fraction), 1), max(int(h * fraction), 1))
     return _pil_channels(x, lambda image: image.resize(small, Image.BOX).resize((w, h), Image.BOX)).clamp(0, 1)
 
 
 def jpeg_compression(x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
-    quality = _param('jpeg_compression', severity)
+    quality = _param("jpeg_compression", severity)
     pixels = (x.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
-    mode = 'L' if x.shape[1] == 1 else 'RGB'
+    mode = "L" if x.shape[1] == 1 else "RGB"
     out = []
     for image in pixels.permute(0, 2, 3, 1).numpy():
         buffer = io.BytesIO()
-        Image.fromarray(image.squeeze(-1) if mode == 'L' else image, mode).save(buffer, 'JPEG', quality=quality)
+        Image.fromarray(image.squeeze(-1) if mode == "L" else image, mode).save(buffer, "JPEG", quality=quality)
         decoded = np.asarray(Image.open(buffer).convert(mode), dtype=np.uint8)
         out.append(torch.from_numpy(decoded.reshape(image.shape).copy()))
     return (torch.stack(out).permute(0, 3, 1, 2).to(x) / 255).clamp(0, 1)
 
 
 CORRUPTIONS: dict[str, Callable[[torch.Tensor, int, torch.Generator], torch.Tensor]] = {
-    fn.__name__: fn for fn in (
-        gaussian_noise, shot_noise, impulse_noise,
-        defocus_blur, glass_blur, motion_blur, zoom_blur,
-        snow, frost, fog, brightness,
-        contrast, elastic_transform, pixelate, jpeg_compression,
+    fn.__name__: fn
+    for fn in (
+        gaussian_noise,
+        shot_noise,
+        impulse_noise,
+        defocus_blur,
+        glass_blur,
+        motion_blur,
+        zoom_blur,
+        snow,
+        frost,
+        fog,
+        brightness,
+        contrast,
+        elastic_transform,
+        pixelate,
+        jpeg_compression,
     )
 }
 
 CATEGORY_OF: dict[str, str] = {name: category for category, names in CATEGORIES.items() for name in names}
 
 
-def corrupt(images: torch.Tensor, name: str, severity: int,
-            generator: torch.Generator | None = None) -> torch.Tensor:
+def corrupt(images: torch.Tensor, name: str, severity: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """Apply corruption `name` at `severity` (1-5) to a float batch (B, C, H, W) in [0, 1].
 
     Returns a new batch of the same shape, dtype and device with values in [0, 1]. Randomness
     comes from `generator` (a CPU torch.Generator; a fresh unseeded one if None).
     """
     if name not in CORRUPTIONS:
-        raise ValueError(f'unknown corruption {name!r}; expected one of {", ".join(CORRUPTIONS)}')
+        raise ValueError(f"unknown corruption {name!r}; expected one of {', '.join(CORRUPTIONS)}")
     if severity not in SEVERITIES:
-        raise ValueError(f'severity must be one of {SEVERITIES}, got {severity!r}')
+        raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
     if images.dim() != 4 or images.shape[1] not in (1, 3) or not images.is_floating_point():
-        raise ValueError(f'expected a float batch (B, 1 or 3, H, W), got {tuple(images.shape)} {images.dtype}')
+        raise ValueError(f"expected a float batch (B, 1 or 3, H, W), got {tuple(images.shape)} {images.dtype}")
     if generator is None:
         generator = torch.Generator()
         generator.seed()

@@ -18,24 +18,33 @@ The user asks for (delta, c); `temperature(delta, c, size)` turns it into T, ins
 acceptable diffeomorphisms `temperature_range(c, size)`: from T_min (delta = 1/2 pixel, below which the
 result depends on the interpolation) to T_max = 4 / (pi^3 c^2 ln c) (beyond which the map folds).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "INTERPOLATIONS", "typical_displacement", "temperature", "temperature_range", "displacement_range",
-    "check_cut", "displacement_field", "sample_fields", "deform", "Diffeo",
+    "INTERPOLATIONS",
+    "Diffeo",
+    "check_cut",
+    "deform",
+    "displacement_field",
+    "displacement_range",
+    "sample_fields",
+    "temperature",
+    "temperature_range",
+    "typical_displacement",
 ]
 
 INTERPOLATIONS = ("bilinear", "gaussian")
 GAUSSIAN_SIGMA = 0.4715  # app. C: the width (in pixels) of the Gaussian interpolation kernel
 _GAUSSIAN_WINDOW = (-1, 0, 1, 2)  # offsets from floor(source): the next pixel out is >= 2 px away (weight < 1.2e-4)
 
-Size = Union[int, Sequence[int]]
+Size = int | Sequence[int]
 
 
 def _hw(size: Size) -> tuple[int, int]:
@@ -49,15 +58,17 @@ def _hw(size: Size) -> tuple[int, int]:
 def _side2(size: Size) -> float:
     """n^2 of the square formulas: (H^2 + W^2) / 2."""
     height, width = _hw(size)
-    return (height ** 2 + width ** 2) / 2
+    return (height**2 + width**2) / 2
 
 
 def check_cut(cut: int, size: Size) -> None:
     """The cut-off must be an integer in [2, min(H, W)] (ln c > 0; no mode finer than the pixels)."""
     height, width = _hw(size)
     if isinstance(cut, bool) or not isinstance(cut, int) or not 2 <= cut <= min(height, width):
-        raise ValueError(f"cut={cut!r} must be an integer in [2, {min(height, width)}] for a {height}x{width} image "
-                         f"(c >= 2 so that ln c > 0; c <= the smaller side)")
+        raise ValueError(
+            f"cut={cut!r} must be an integer in [2, {min(height, width)}] for a {height}x{width} image "
+            f"(c >= 2 so that ln c > 0; c <= the smaller side)"
+        )
 
 
 def typical_displacement(T: float, cut: int, size: Size) -> float:
@@ -71,9 +82,11 @@ def temperature(delta: float, cut: int, size: Size) -> float:
     region of this image size."""
     low, high = displacement_range(cut, size)
     if not (isinstance(delta, (int, float)) and low <= delta <= high):
-        raise ValueError(f"delta={delta!r} is outside the diffeomorphism region [{low:.3g}, {high:.3g}] pixels for "
-                         f"cut={cut} on a {'x'.join(map(str, _hw(size)))} image (delta >= 1/2, T <= 4 / (pi^3 c^2 ln c))")
-    return delta ** 2 / (math.pi / 4 * _side2(size) * math.log(cut))
+        raise ValueError(
+            f"delta={delta!r} is outside the diffeomorphism region [{low:.3g}, {high:.3g}] pixels for "
+            f"cut={cut} on a {'x'.join(map(str, _hw(size)))} image (delta >= 1/2, T <= 4 / (pi^3 c^2 ln c))"
+        )
+    return delta**2 / (math.pi / 4 * _side2(size) * math.log(cut))
 
 
 def temperature_range(cut: int, size: Size) -> tuple[float, float]:
@@ -81,11 +94,13 @@ def temperature_range(cut: int, size: Size) -> tuple[float, float]:
     check_cut(cut, size)
     log = math.log(cut)
     t_min = 1 / (math.pi * _side2(size) * log)
-    t_max = 4 / (math.pi ** 3 * cut ** 2 * log)
+    t_max = 4 / (math.pi**3 * cut**2 * log)
     if t_min > t_max:
         height, width = _hw(size)
-        raise ValueError(f"cut={cut} is too large for a {height}x{width} image: no temperature gives a displacement "
-                         f">= 1/2 pixel without folding (needs c <= {2 * math.sqrt(_side2(size)) / math.pi:.1f})")
+        raise ValueError(
+            f"cut={cut} is too large for a {height}x{width} image: no temperature gives a displacement "
+            f">= 1/2 pixel without folding (needs c <= {2 * math.sqrt(_side2(size)) / math.pi:.1f})"
+        )
     return t_min, t_max
 
 
@@ -98,16 +113,18 @@ def displacement_range(cut: int, size: Size) -> tuple[float, float]:
 def _check_temperature(T: float, cut: int, size: Size) -> None:
     t_min, t_max = temperature_range(cut, size)
     if not (isinstance(T, (int, float)) and t_min <= T <= t_max):
-        raise ValueError(f"T={T!r} is outside the diffeomorphism region [{t_min:.3g}, {t_max:.3g}] for cut={cut} on a "
-                         f"{'x'.join(map(str, _hw(size)))} image")
+        raise ValueError(
+            f"T={T!r} is outside the diffeomorphism region [{t_min:.3g}, {t_max:.3g}] for cut={cut} on a "
+            f"{'x'.join(map(str, _hw(size)))} image"
+        )
 
 
-def sample_fields(count: int, cut: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_fields(count: int, cut: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """(count, 2, c, c) coefficients C_ij / sqrt(T) of tau_u and tau_v: N(0, 1 / (i^2 + j^2)), zero outside
     the disc i^2 + j^2 <= c^2. Drawn on the CPU so that a seed gives the same fields on any device."""
     k = torch.arange(1, cut + 1, dtype=torch.float64)
     r2 = k[:, None] ** 2 + k[None, :] ** 2
-    scale = torch.where(r2 <= cut ** 2, r2.rsqrt(), torch.zeros_like(r2)).float()
+    scale = torch.where(r2 <= cut**2, r2.rsqrt(), torch.zeros_like(r2)).float()
     return torch.randn(count, 2, cut, cut, generator=generator) * scale
 
 
@@ -150,7 +167,7 @@ def _gaussian_resample(images: torch.Tensor, source: torch.Tensor) -> torch.Tens
         for dx in _GAUSSIAN_WINDOW:
             px, py = base[..., 0] + dx, base[..., 1] + dy
             inside = (px >= 0) & (px <= width - 1) & (py >= 0) & (py <= height - 1)
-            weight = torch.exp(-((source[..., 0] - px) ** 2 + (source[..., 1] - py) ** 2) / (2 * GAUSSIAN_SIGMA ** 2))
+            weight = torch.exp(-((source[..., 0] - px) ** 2 + (source[..., 1] - py) ** 2) / (2 * GAUSSIAN_SIGMA**2))
             weight = (weight * inside).reshape(count, 1, -1).to(images.dtype)
             index = (py.clamp(0, height - 1) * width + px.clamp(0, width - 1)).long().reshape(count, 1, -1)
             total += weight * flat.gather(2, index.expand(-1, channels, -1))
@@ -158,15 +175,23 @@ def _gaussian_resample(images: torch.Tensor, source: torch.Tensor) -> torch.Tens
     return (total / norm).reshape(images.shape)
 
 
-def deform(images: torch.Tensor, T: float, cut: int, coefficients: Optional[torch.Tensor] = None,
-           generator: Optional[torch.Generator] = None, interpolation: str = "bilinear") -> torch.Tensor:
+def deform(
+    images: torch.Tensor,
+    T: float,
+    cut: int,
+    coefficients: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    interpolation: str = "bilinear",
+) -> torch.Tensor:
     """tau x for a batch (B, C, H, W) (or one (C, H, W) image): one field per image, drawn from `generator`
     unless `coefficients` (from `sample_fields`) are given."""
     if interpolation not in INTERPOLATIONS:
         raise ValueError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
     if not isinstance(images, torch.Tensor) or images.dim() not in (3, 4) or images.shape[0] == 0:
-        raise ValueError(f"images must be a non-empty (B, C, H, W) or (C, H, W) tensor, got "
-                         f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
+        raise ValueError(
+            f"images must be a non-empty (B, C, H, W) or (C, H, W) tensor, got "
+            f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}"
+        )
     single = images.dim() == 3
     batch = images[None] if single else images
     size = batch.shape[-2:]
@@ -174,7 +199,9 @@ def deform(images: torch.Tensor, T: float, cut: int, coefficients: Optional[torc
     if coefficients is None:
         coefficients = sample_fields(batch.shape[0], cut, generator)
     elif coefficients.shape != (batch.shape[0], 2, cut, cut):
-        raise ValueError(f"coefficients must have shape {(batch.shape[0], 2, cut, cut)}, got {tuple(coefficients.shape)}")
+        raise ValueError(
+            f"coefficients must have shape {(batch.shape[0], 2, cut, cut)}, got {tuple(coefficients.shape)}"
+        )
     source = _source_positions(coefficients.to(batch.device), T, size)
     if interpolation == "gaussian":
         out = _gaussian_resample(batch, source)
@@ -191,8 +218,13 @@ class Diffeo(torch.nn.Module):
     a max-entropy diffeomorphism of cut-off c drawn uniformly in [cut_min, cut_max] and typical displacement
     delta drawn uniformly in [delta_min, delta_max] (clipped to what that c allows on the image)."""
 
-    def __init__(self, delta: tuple[float, float] = (0.5, 1.0), cut: tuple[int, int] = (2, 5), p: float = 1.0,
-                 interpolation: str = "bilinear"):
+    def __init__(
+        self,
+        delta: tuple[float, float] = (0.5, 1.0),
+        cut: tuple[int, int] = (2, 5),
+        p: float = 1.0,
+        interpolation: str = "bilinear",
+    ):
         super().__init__()
         delta_min, delta_max = delta
         cut_min, cut_max = cut

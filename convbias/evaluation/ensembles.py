@@ -12,11 +12,12 @@ which decays as width^(-1/2) and is what ensembling removes (the double-descent 
 Outputs are (M, n, K) logits with integer labels, or (M, n) scalar outputs of a binary classifier with
 labels +-1 (error = sign(f) != y, a zero output counting as an error).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -26,10 +27,10 @@ AVERAGES = ("logits", "probabilities")
 @dataclass
 class EnsembleResult:
     members: int
-    member_errors: list[float]   # in %, one per member
-    mean_member_error: float     # in %
-    ensemble_error: float        # in %, of the averaged output
-    fluctuation: float           # RMS distance of a member's output to the average
+    member_errors: list[float]  # in %, one per member
+    mean_member_error: float  # in %
+    ensemble_error: float  # in %, of the averaged output
+    fluctuation: float  # RMS distance of a member's output to the average
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,9 +65,12 @@ def evaluate_ensemble(outputs: torch.Tensor, labels: torch.Tensor, average: str 
     if deviation.ndim == 3:
         deviation = deviation.sum(dim=-1)
     return EnsembleResult(
-        members=len(outputs), member_errors=member_errors,
+        members=len(outputs),
+        member_errors=member_errors,
         mean_member_error=sum(member_errors) / len(member_errors),
-        ensemble_error=error_rate(mean, labels), fluctuation=deviation.mean().sqrt().item())
+        ensemble_error=error_rate(mean, labels),
+        fluctuation=deviation.mean().sqrt().item(),
+    )
 
 
 def check_same_architecture(descriptions: Sequence[dict], sources: Sequence[str]) -> None:
@@ -81,13 +85,23 @@ def check_same_architecture(descriptions: Sequence[dict], sources: Sequence[str]
         differ = sorted(key for key in set(reference) | set(description) if reference.get(key) != description.get(key))
         if differ:
             details = ", ".join(f"{key}: {reference.get(key)!r} vs {description.get(key)!r}" for key in differ)
-            raise ValueError(f"ensemble members must share the architecture and class count: {source} differs "
-                             f"from {sources[0]} in {details}")
+            raise ValueError(
+                f"ensemble members must share the architecture and class count: {source} differs "
+                f"from {sources[0]} in {details}"
+            )
 
 
 # ------------------------------------------------------------------------------ train.py run directories
-ARCHITECTURE_KEYS = ("model", "model_kwargs", "num_classes", "dataset", "img_size", "output_scale",
-                     "reparametrize", "reparametrize_kwargs")
+ARCHITECTURE_KEYS = (
+    "model",
+    "model_kwargs",
+    "num_classes",
+    "dataset",
+    "img_size",
+    "output_scale",
+    "reparametrize",
+    "reparametrize_kwargs",
+)
 
 
 def _run_config(run_dir: Path) -> dict:
@@ -122,8 +136,9 @@ def load_run(run_dir: str | Path, extensions=None, data=None):
     return model.eval(), cfg, data
 
 
-def evaluate_runs(run_dirs: Sequence[str | Path], extensions=None, average: str = "logits",
-                  batch_size: int = 256) -> EnsembleResult:
+def evaluate_runs(
+    run_dirs: Sequence[str | Path], extensions=None, average: str = "logits", batch_size: int = 256
+) -> EnsembleResult:
     """The ensemble of train.py runs (their best checkpoint, else the last) on their validation set.
 
     Every member must have been trained with the same architecture, class count, dataset, input

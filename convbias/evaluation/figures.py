@@ -13,13 +13,14 @@ pyplot: nothing here changes the caller's matplotlib backend or leaves figures o
 The history plots read the engine's `log.jsonl` (one JSON object per epoch, with `epoch` and keys
 `<metric>/layer<l>[/head<h>]`, as `convit.diagnostics.summary` logs them).
 """
+
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["read_log", "metric_history", "plot_nonlocality", "plot_per_head", "plot_attention_maps"]
+__all__ = ["metric_history", "plot_attention_maps", "plot_nonlocality", "plot_per_head", "read_log"]
 
 METRICS = ("nonlocality", "gating", "span")
 LOG_SCALE_RANGE = 1e-4  # attention maps show at most four decades below their maximum
@@ -40,12 +41,15 @@ _METRIC_LABELS = {  # the quantity and its unit (token positions are in patches,
     "gating": r"gating $\sigma(\lambda_h)$ (0-1)",
     "span": r"attention span $1/\alpha_h$ (patches$^2$)",
 }
-_METRIC_TITLES = {"nonlocality": "nonlocality per layer", "gating": "gating per head (weight on position)",
-                  "span": "attention span per head"}
+_METRIC_TITLES = {
+    "nonlocality": "nonlocality per layer",
+    "gating": "gating per head (weight on position)",
+    "span": "attention span per head",
+}
 
 
 # -- reading the training log -------------------------------------------------------------------
-def read_log(path: str | Path) -> List[dict]:
+def read_log(path: str | Path) -> list[dict]:
     """The records of a `log.jsonl` file, in file order; blank lines are skipped."""
     path = Path(path)
     if not path.is_file():
@@ -64,7 +68,7 @@ def read_log(path: str | Path) -> List[dict]:
     return records
 
 
-History = Dict[int, Dict[Optional[int], Tuple[List[float], List[float]]]]
+History = dict[int, dict[int | None, tuple[list[float], list[float]]]]
 
 
 def metric_history(records: Sequence[dict], metric: str) -> History:
@@ -97,7 +101,7 @@ def _save(fig: Figure, path: str | Path) -> Path:
     return path
 
 
-def _grid(count: int) -> Tuple[int, int]:
+def _grid(count: int) -> tuple[int, int]:
     cols = min(count, 5)
     return math.ceil(count / cols), cols
 
@@ -148,7 +152,7 @@ def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if metric == "gating":
             ax.set_ylim(-0.03, 1.03)
-    for ax in axes[len(layers):]:
+    for ax in axes[len(layers) :]:
         ax.set_visible(False)
     fig.supxlabel("epoch")
     fig.supylabel(_METRIC_LABELS[metric])
@@ -168,15 +172,17 @@ def _displayable(image: torch.Tensor) -> np.ndarray:
 
 
 def _box(ax, row: int, col: int, height: float, width: float) -> None:
-    ax.add_patch(Rectangle((col * width - 0.5, row * height - 0.5), width, height, fill=False, edgecolor="red", linewidth=1.5))
+    ax.add_patch(
+        Rectangle((col * width - 0.5, row * height - 0.5), width, height, fill=False, edgecolor="red", linewidth=1.5)
+    )
 
 
 def plot_attention_maps(
     image: torch.Tensor,
     maps: Mapping[str, torch.Tensor],
-    queries: Mapping[str, Tuple[float, float]],
+    queries: Mapping[str, tuple[float, float]],
     path: str | Path,
-    gates: Optional[Mapping[str, Sequence[float]]] = None,
+    gates: Mapping[str, Sequence[float]] | None = None,
 ) -> Path:
     """Figs. 7.8 and 8.5: the attention of one query position, one row per layer, one panel per head.
 
@@ -223,6 +229,9 @@ def plot_attention_maps(
             ax.set_xticks([])
             ax.set_yticks([])
         fig.colorbar(shown_map, ax=list(row_axes[1:]), shrink=0.9, label="attention weight\n(log scale)")
-    fig.suptitle(r"attention of the boxed query, per head ($\sigma$: gating, weight on position)" if gates
-                 else "attention of the boxed query, per head")
+    fig.suptitle(
+        r"attention of the boxed query, per head ($\sigma$: gating, weight on position)"
+        if gates
+        else "attention of the boxed query, per head"
+    )
     return _save(fig, path)

@@ -6,15 +6,17 @@ batches, so the numbers are those of the full loss on that subset (no sampling n
 evaluated in eval mode (dropout off). Parameters are handled as {name: tensor} dicts and applied
 with torch.func.functional_call, so a path of many points needs no model copies.
 """
+
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call
 
 Params = dict[str, torch.Tensor]
@@ -23,6 +25,7 @@ Params = dict[str, torch.Tensor]
 @dataclass
 class Batches:
     """A fixed labelled subset, iterated in batches."""
+
     images: torch.Tensor
     labels: torch.Tensor
     batch_size: int = 250
@@ -68,8 +71,9 @@ def gradient_norm(model: nn.Module, data: Batches) -> float:
     return torch.sqrt(sum(g.double().square().sum() for g in grads)).item()
 
 
-def top_hessian_eigenvalue(model: nn.Module, data: Batches, iterations: int = 20, seed: int = 0,
-                           tolerance: float = 1e-3) -> float:
+def top_hessian_eigenvalue(
+    model: nn.Module, data: Batches, iterations: int = 20, seed: int = 0, tolerance: float = 1e-3
+) -> float:
     """Largest-magnitude eigenvalue of the Hessian of the mean loss, by power iteration on
     Hessian-vector products (double backward through each batch)."""
     model.eval()
@@ -99,8 +103,16 @@ def linear_path(start: Params, end: Params, alphas: list[float]) -> list[Params]
     return [{k: torch.lerp(start[k], end[k], alpha) for k in start} for alpha in alphas]
 
 
-def string_path(model: nn.Module, start: Params, end: Params, alphas: list[float], data: Batches,
-                stiffness: float, steps: int, lr: float) -> list[Params]:
+def string_path(
+    model: nn.Module,
+    start: Params,
+    end: Params,
+    alphas: list[float],
+    data: Batches,
+    stiffness: float,
+    steps: int,
+    lr: float,
+) -> list[Params]:
     """The string method of App. E.3: start from the linear path, then let the interior points
     descend sum_i L(x_i) + (k/2) sum_i ||x_{i+1} - x_i||^2 (Eq. E.1) by gradient descent, the
     endpoints fixed. One step = one pass over `data` (batches accumulated)."""
@@ -111,8 +123,9 @@ def string_path(model: nn.Module, start: Params, end: Params, alphas: list[float
     for _ in range(steps):
         optimizer.zero_grad()
         path = [points[0], *interior, points[-1]]
-        elastic = 0.5 * stiffness * sum(
-            sum((b[k] - a[k]).square().sum() for k in a) for a, b in zip(path[:-1], path[1:]))
+        elastic = (
+            0.5 * stiffness * sum(sum((b[k] - a[k]).square().sum() for k in a) for a, b in itertools.pairwise(path))
+        )
         elastic.backward()
         for images, labels, weight in data:
             loss = sum(F.cross_entropy(functional_call(model, p, (images,)), labels) for p in interior) * weight
@@ -135,8 +148,9 @@ def evaluate_output_mixture(model_a: nn.Module, model_b: nn.Module, alpha: float
 
 
 @torch.no_grad()
-def local_energy(model: nn.Module, data: Batches, sigmas: Sequence[float], draws: int = 10,
-                 seed: int = 0) -> list[tuple[float, float, float]]:
+def local_energy(
+    model: nn.Module, data: Batches, sigmas: Sequence[float], draws: int = 10, seed: int = 0
+) -> list[tuple[float, float, float]]:
     """The local-energy curve around the solution `model` (Baldassi et al., source Sec. 5): training
     error (%) after multiplicative Gaussian weight noise w -> w (1 + sigma eps), eps ~ N(0, 1) drawn
     independently per weight, averaged over `draws` draws, for each sigma: [(sigma, mean, std)].

@@ -15,14 +15,15 @@ module, including custom autograd Functions that torch.func's vmap cannot batch 
 The relative change ||Theta_t - Theta_0||_F / ||Theta_0||_F (Frobenius norm over the batch, as in the
 source's Sec. 5) is small (<< 1) in the lazy regime and of order one or larger in the feature regime.
 """
+
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 BYTES_PER_VALUE = 4  # per-sample gradients are kept in float32
 
@@ -51,8 +52,9 @@ def _differentiable(params: list[torch.Tensor]) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-def empirical_ntk(model: nn.Module, images: torch.Tensor, names: Sequence[str] | None = None,
-                  max_memory_gb: float | None = None) -> torch.Tensor:
+def empirical_ntk(
+    model: nn.Module, images: torch.Tensor, names: Sequence[str] | None = None, max_memory_gb: float | None = None
+) -> torch.Tensor:
     """Theta on `images` as an (n, n) float64 tensor, trace-contracted over the output's logits.
 
     names: the parameters to differentiate (default: the trainable ones); max_memory_gb: refuse, before
@@ -66,10 +68,12 @@ def empirical_ntk(model: nn.Module, images: torch.Tensor, names: Sequence[str] |
         raise ValueError(f"NTK parameters not in the model: {missing[:3] or 'none selected'}")
     n = len(images)
     need = buffer_bytes(model, n, names)
-    if max_memory_gb is not None and need > max_memory_gb * 2 ** 30:
-        raise ValueError(f"NTK of {n} samples over {need // (n * BYTES_PER_VALUE)} parameters needs "
-                         f"{need / 2 ** 30:.2f} GiB of per-sample gradients, over max_memory_gb={max_memory_gb}; "
-                         f"use at most {int(max_memory_gb * 2 ** 30 // (need // n))} samples")
+    if max_memory_gb is not None and need > max_memory_gb * 2**30:
+        raise ValueError(
+            f"NTK of {n} samples over {need // (n * BYTES_PER_VALUE)} parameters needs "
+            f"{need / 2**30:.2f} GiB of per-sample gradients, over max_memory_gb={max_memory_gb}; "
+            f"use at most {int(max_memory_gb * 2**30 // (need // n))} samples"
+        )
     params = [named[name] for name in names]
     was_training = model.training
     model.eval()
@@ -80,10 +84,15 @@ def empirical_ntk(model: nn.Module, images: torch.Tensor, names: Sequence[str] |
             logits = model(images[:1]).reshape(-1).numel()
             for k in range(logits):
                 for i in range(n):
-                    output = model(images[i:i + 1]).reshape(-1)[k]
+                    output = model(images[i : i + 1]).reshape(-1)[k]
                     grads = torch.autograd.grad(output, params, allow_unused=True)
-                    torch.cat([torch.zeros(p.numel(), device=p.device) if g is None else g.reshape(-1)
-                               for p, g in zip(params, grads)], out=rows[i])
+                    torch.cat(
+                        [
+                            torch.zeros(p.numel(), device=p.device) if g is None else g.reshape(-1)
+                            for p, g in zip(params, grads)
+                        ],
+                        out=rows[i],
+                    )
                 theta += (rows @ rows.T).double()
     finally:
         model.train(was_training)

@@ -14,18 +14,18 @@ Attack definitions (x: clean pixels, y: true labels, L: cross-entropy, clamp to 
   of radius eps around x. With `random_start` (on by default, as in foolbox's LinfPGD, the toolkit
   the paper used) x_0 is uniform in the ball; otherwise x_0 = x. The paper: eps = 1, 5 steps of 0.5.
 """
+
 from __future__ import annotations
 
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from convbias import tables
 
@@ -33,8 +33,8 @@ from .corruptions import CATEGORIES, CATEGORY_OF, CORRUPTIONS, SEVERITIES, corru
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
-TABLE_COLUMNS = ('model', 'checkpoint', 'img_size', 'params_m', 'clean', 'C', 'A', 'R', 'FGSM', 'PGD')
-PERCENT_COLUMNS = ('clean', 'C', 'A', 'R', 'FGSM', 'PGD')
+TABLE_COLUMNS = ("model", "checkpoint", "img_size", "params_m", "clean", "C", "A", "R", "FGSM", "PGD")
+PERCENT_COLUMNS = ("clean", "C", "A", "R", "FGSM", "PGD")
 PAPER_ATTACK = dict(eps=1.0, pgd_steps=5, pgd_step_size=0.5)  # Sec. 8.3.3, 0-255 scale
 
 
@@ -44,17 +44,18 @@ class PixelModel(nn.Module):
     def __init__(self, model: nn.Module, mean: Sequence[float], std: Sequence[float]):
         super().__init__()
         self.model = model
-        self.register_buffer('mean', torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer('std', torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
 
     @classmethod
-    def from_data_config(cls, model: nn.Module) -> 'PixelModel':
+    def from_data_config(cls, model: nn.Module) -> PixelModel:
         """Wrap a timm model with the mean/std of its pretrained cfg (timm's data config), for
         models evaluated as timm ships them. Checkpoints from train.py were trained with the
         dataset's mean/std (engine.data.DataBundle.mean/std): pass those to the constructor."""
         from timm.data import resolve_model_data_config
+
         config = resolve_model_data_config(model)
-        return cls(model, config['mean'], config['std'])
+        return cls(model, config["mean"], config["std"])
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.model((pixels - self.mean) / self.std)
@@ -78,6 +79,7 @@ class Denormalized:
 # Attacks (budgets in [0, 1] pixel units here; the evaluation functions take the 0-255 scale)
 # ---------------------------------------------------------------------------------------------
 
+
 def _input_gradient(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     with torch.enable_grad():
         pixels = pixels.detach().requires_grad_(True)
@@ -91,8 +93,16 @@ def fgsm(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor, eps: floa
     return (pixels + step).clamp(0, 1).detach()
 
 
-def pgd(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor, eps: float, step_size: float,
-        steps: int, random_start: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
+def pgd(
+    model: nn.Module,
+    pixels: torch.Tensor,
+    labels: torch.Tensor,
+    eps: float,
+    step_size: float,
+    steps: int,
+    random_start: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """L-inf projected gradient descent (Madry et al., 2018), eps and step_size in [0, 1] units."""
     low, high = (pixels - eps).clamp(min=0), (pixels + eps).clamp(max=1)
     adversarial = pixels.detach().clone()
@@ -108,6 +118,7 @@ def pgd(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor, eps: float
 # ---------------------------------------------------------------------------------------------
 # Accuracy
 # ---------------------------------------------------------------------------------------------
+
 
 def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
@@ -132,28 +143,34 @@ def accuracy(model: nn.Module, batches: Batches, class_index: Sequence[int] | No
     return 100.0 * hits / max(total, 1)
 
 
-def adversarial_accuracy(model: nn.Module, batches: Batches, eps: float = PAPER_ATTACK['eps'],
-                         pgd_steps: int = PAPER_ATTACK['pgd_steps'],
-                         pgd_step_size: float = PAPER_ATTACK['pgd_step_size'], random_start: bool = True,
-                         attacks: Sequence[str] = ('fgsm', 'pgd'), seed: int = 0) -> dict[str, float]:
+def adversarial_accuracy(
+    model: nn.Module,
+    batches: Batches,
+    eps: float = PAPER_ATTACK["eps"],
+    pgd_steps: int = PAPER_ATTACK["pgd_steps"],
+    pgd_step_size: float = PAPER_ATTACK["pgd_step_size"],
+    random_start: bool = True,
+    attacks: Sequence[str] = ("fgsm", "pgd"),
+    seed: int = 0,
+) -> dict[str, float]:
     """Top-1 accuracy (percent) on white-box adversarial examples of every image.
 
     eps and pgd_step_size are on the 0-255 pixel scale (Sec. 8.3.3: eps 1, 5 steps of 0.5).
     Returns {'FGSM': ..., 'PGD': ...} for the requested attacks.
     """
-    unknown = set(attacks) - {'fgsm', 'pgd'}
+    unknown = set(attacks) - {"fgsm", "pgd"}
     if unknown:
-        raise ValueError(f'unknown attacks {sorted(unknown)}; expected fgsm and/or pgd')
+        raise ValueError(f"unknown attacks {sorted(unknown)}; expected fgsm and/or pgd")
     if eps < 0 or pgd_step_size < 0 or pgd_steps < 0:
-        raise ValueError(f'eps, PGD step size and steps must be >= 0, got {eps}, {pgd_step_size}, {pgd_steps}')
+        raise ValueError(f"eps, PGD step size and steps must be >= 0, got {eps}, {pgd_step_size}, {pgd_steps}")
     model.eval()
     device = _model_device(model)
     generator = torch.Generator().manual_seed(seed)
     run: dict[str, Callable] = {}
-    if 'fgsm' in attacks:
-        run['FGSM'] = lambda x, y: fgsm(model, x, y, eps / 255)
-    if 'pgd' in attacks:
-        run['PGD'] = lambda x, y: pgd(model, x, y, eps / 255, pgd_step_size / 255, pgd_steps, random_start, generator)
+    if "fgsm" in attacks:
+        run["FGSM"] = lambda x, y: fgsm(model, x, y, eps / 255)
+    if "pgd" in attacks:
+        run["PGD"] = lambda x, y: pgd(model, x, y, eps / 255, pgd_step_size / 255, pgd_steps, random_start, generator)
     hits, total = dict.fromkeys(run, 0), 0
     for pixels, labels in batches:
         pixels, labels = pixels.to(device), labels.to(device)
@@ -164,9 +181,13 @@ def adversarial_accuracy(model: nn.Module, batches: Batches, eps: float = PAPER_
     return {name: 100.0 * count / max(total, 1) for name, count in hits.items()}
 
 
-def corruption_accuracy(models: Mapping[str, nn.Module], batches: Batches,
-                        corruptions: Sequence[str] = tuple(CORRUPTIONS), severities: Sequence[int] = SEVERITIES,
-                        seed: int = 0) -> list[dict]:
+def corruption_accuracy(
+    models: Mapping[str, nn.Module],
+    batches: Batches,
+    corruptions: Sequence[str] = tuple(CORRUPTIONS),
+    severities: Sequence[int] = SEVERITIES,
+    seed: int = 0,
+) -> list[dict]:
     """Top-1 accuracy (percent) of each model on every corruption and severity of the batches.
 
     Every model sees the same corrupted images (each batch is corrupted once, with a generator
@@ -175,10 +196,10 @@ def corruption_accuracy(models: Mapping[str, nn.Module], batches: Batches,
     """
     for name in corruptions:
         if name not in CORRUPTIONS:
-            raise ValueError(f'unknown corruption {name!r}; expected some of {", ".join(CORRUPTIONS)}')
+            raise ValueError(f"unknown corruption {name!r}; expected some of {', '.join(CORRUPTIONS)}")
     for severity in severities:
         if severity not in SEVERITIES:
-            raise ValueError(f'severity must be in {SEVERITIES}, got {severity}')
+            raise ValueError(f"severity must be in {SEVERITIES}, got {severity}")
     for model in models.values():
         model.eval()
     hits: dict[tuple, int] = defaultdict(int)
@@ -194,14 +215,25 @@ def corruption_accuracy(models: Mapping[str, nn.Module], batches: Batches,
                         logits = model(corrupted.to(_model_device(model)))
                         hits[label, name, severity] += int(correct(logits, labels).sum())
             total += len(labels)
-    return [dict(model=label, source='generated', corruption=name, category=CATEGORY_OF[name],
-                 severity=severity, top1=100.0 * hits[label, name, severity] / max(total, 1))
-            for label in models for name in corruptions for severity in severities]
+    return [
+        dict(
+            model=label,
+            source="generated",
+            corruption=name,
+            category=CATEGORY_OF[name],
+            severity=severity,
+            top1=100.0 * hits[label, name, severity] / max(total, 1),
+        )
+        for label in models
+        for name in corruptions
+        for severity in severities
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # Benchmark folders and class mapping
 # ---------------------------------------------------------------------------------------------
+
 
 def read_class_list(path: str | os.PathLike) -> list[str]:
     """Class names in logit order: the sorted sub-folder names of a folder (an ImageNet train
@@ -213,9 +245,9 @@ def read_class_list(path: str | os.PathLike) -> list[str]:
     elif path.is_file():
         classes = [line.split()[0] for line in path.read_text().splitlines() if line.strip()]
     else:
-        raise ValueError(f'class list {path} is neither a folder of class folders nor a text file')
+        raise ValueError(f"class list {path} is neither a folder of class folders nor a text file")
     if not classes:
-        raise ValueError(f'class list {path} names no classes')
+        raise ValueError(f"class list {path} names no classes")
     return classes
 
 
@@ -223,10 +255,10 @@ def folder_classes(folder: str | os.PathLike) -> list[str]:
     """Sorted class folder names of an ImageFolder-style directory (torchvision's label order)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f'{folder} is not a directory')
+        raise ValueError(f"{folder} is not a directory")
     classes = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
     if not classes:
-        raise ValueError(f'{folder} holds no class folders (expected {folder}/<class>/<image>)')
+        raise ValueError(f"{folder} holds no class folders (expected {folder}/<class>/<image>)")
     return classes
 
 
@@ -236,35 +268,46 @@ def class_index(folder: str | os.PathLike, classes: Sequence[str], model_classes
     position = {name: i for i, name in enumerate(model_classes)}
     unmatched = [name for name in classes if name not in position]
     if unmatched:
-        shown = ', '.join(unmatched[:10]) + (f' (+{len(unmatched) - 10} more)' if len(unmatched) > 10 else '')
-        raise ValueError(f'{folder}: {len(unmatched)} of {len(classes)} class folders are not classes of the '
-                         f'model ({len(model_classes)} classes, e.g. {", ".join(model_classes[:3])}): {shown}')
+        shown = ", ".join(unmatched[:10]) + (f" (+{len(unmatched) - 10} more)" if len(unmatched) > 10 else "")
+        raise ValueError(
+            f"{folder}: {len(unmatched)} of {len(classes)} class folders are not classes of the "
+            f"model ({len(model_classes)} classes, e.g. {', '.join(model_classes[:3])}): {shown}"
+        )
     return [position[name] for name in classes]
 
 
-def imagenet_c_folders(root: str | os.PathLike, corruptions: Sequence[str],
-                       severities: Sequence[int]) -> dict[tuple[str, int], Path]:
+def imagenet_c_folders(
+    root: str | os.PathLike, corruptions: Sequence[str], severities: Sequence[int]
+) -> dict[tuple[str, int], Path]:
     """The ROOT/<corruption>/<severity> folders of an ImageNet-C copy (also accepted: the
     corruption folders inside their category folder, ROOT/noise/gaussian_noise/...); ValueError
     naming the missing ones."""
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f'ImageNet-C folder {root} is not a directory (expected {root}/<corruption>/<severity>/<class>/<image>)')
+        raise ValueError(
+            f"ImageNet-C folder {root} is not a directory (expected {root}/<corruption>/<severity>/<class>/<image>)"
+        )
 
     def corruption_dir(name: str) -> Path:
-        nested = root / CATEGORY_OF.get(name, '') / name
+        nested = root / CATEGORY_OF.get(name, "") / name
         return nested if not (root / name).is_dir() and nested.is_dir() else root / name
 
-    folders = {(name, severity): corruption_dir(name) / str(severity) for name in corruptions for severity in severities}
+    folders = {
+        (name, severity): corruption_dir(name) / str(severity) for name in corruptions for severity in severities
+    }
     missing = [str(path) for path in folders.values() if not path.is_dir()]
     if missing:
-        shown = ', '.join(missing[:5]) + (f' (+{len(missing) - 5} more)' if len(missing) > 5 else '')
-        raise ValueError(f'ImageNet-C folder {root} lacks {shown}; expected {root}/<corruption>/<severity>/<class>/<image> '
-                         f'(choose others with --corruptions/--severities)')
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ValueError(
+            f"ImageNet-C folder {root} lacks {shown}; expected {root}/<corruption>/<severity>/<class>/<image> "
+            f"(choose others with --corruptions/--severities)"
+        )
     return folders
 
 
-def folder_corruption_accuracy(models: Mapping[str, nn.Module], datasets: Mapping[tuple[str, int], tuple[Batches, Sequence[int]]]) -> list[dict]:
+def folder_corruption_accuracy(
+    models: Mapping[str, nn.Module], datasets: Mapping[tuple[str, int], tuple[Batches, Sequence[int]]]
+) -> list[dict]:
     """Rows like `corruption_accuracy` for stored corrupted images: `datasets` maps
     (corruption, severity) to (batches, class_index)."""
     rows = []
@@ -276,8 +319,17 @@ def folder_corruption_accuracy(models: Mapping[str, nn.Module], datasets: Mappin
                     model.eval()
                     hits[label] += int(correct(model(pixels.to(_model_device(model))), labels, index).sum())
                 total += len(labels)
-        rows += [dict(model=label, source='imagenet-c', corruption=name, category=CATEGORY_OF.get(name, 'other'),
-                      severity=severity, top1=100.0 * hits[label] / max(total, 1)) for label in models]
+        rows += [
+            dict(
+                model=label,
+                source="imagenet-c",
+                corruption=name,
+                category=CATEGORY_OF.get(name, "other"),
+                severity=severity,
+                top1=100.0 * hits[label] / max(total, 1),
+            )
+            for label in models
+        ]
     return rows
 
 
@@ -285,14 +337,15 @@ def folder_corruption_accuracy(models: Mapping[str, nn.Module], datasets: Mappin
 # Summaries, tables and the Fig. 8.3 plot
 # ---------------------------------------------------------------------------------------------
 
+
 def _mean(values: Iterable[float]) -> float:
     values = list(values)
-    return sum(values) / len(values) if values else float('nan')
+    return sum(values) / len(values) if values else float("nan")
 
 
 def corruption_summary(rows: Sequence[dict], model: str) -> float:
     """The 'C' column: mean top-1 (percent) over all corruptions and severities of `model`."""
-    return _mean(row['top1'] for row in rows if row['model'] == model)
+    return _mean(row["top1"] for row in rows if row["model"] == model)
 
 
 def corruption_errors(rows: Sequence[dict], baseline: str | None = None) -> list[dict]:
@@ -302,20 +355,24 @@ def corruption_errors(rows: Sequence[dict], baseline: str | None = None) -> list
     baseline's, averaged the same way (their mCE with the baseline in place of AlexNet), x100."""
     errors: dict[tuple[str, str], list[float]] = defaultdict(list)
     for row in rows:
-        errors[row['model'], row['corruption']].append(100.0 - row['top1'])
-    models = list(dict.fromkeys(row['model'] for row in rows))
-    corruptions = list(dict.fromkeys(row['corruption'] for row in rows))
-    groups = {category: [c for c in corruptions if CATEGORY_OF.get(c, 'other') == category]
-              for category in (*CATEGORIES, 'other')}
+        errors[row["model"], row["corruption"]].append(100.0 - row["top1"])
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    corruptions = list(dict.fromkeys(row["corruption"] for row in rows))
+    groups = {
+        category: [c for c in corruptions if CATEGORY_OF.get(c, "other") == category]
+        for category in (*CATEGORIES, "other")
+    }
     groups = {category: names for category, names in groups.items() if names}
-    groups['all'] = corruptions
+    groups["all"] = corruptions
     out = []
     for model in models:
         for category, names in groups.items():
             row = dict(model=model, category=category, ce=_mean(_mean(errors[model, c]) for c in names))
             if baseline is not None:
-                ratios = [sum(errors[model, c]) / sum(errors[baseline, c]) if sum(errors[baseline, c]) else float('nan')
-                          for c in names]
+                ratios = [
+                    sum(errors[model, c]) / sum(errors[baseline, c]) if sum(errors[baseline, c]) else float("nan")
+                    for c in names
+                ]
                 row.update(baseline=baseline, relative_ce=100.0 * _mean(ratios))
             out.append(row)
     return out
@@ -325,35 +382,39 @@ def relative_improvement(rows: Sequence[dict], model: str, baseline: str) -> tup
     """Fig. 8.3: relative top-1 improvement (percent) of `model` over `baseline`,
     100 * (acc_model - acc_baseline) / acc_baseline, per corruption category and per severity
     (accuracies first averaged over the other axis)."""
+
     def mean_top1(name: str, keep: Callable[[dict], bool]) -> float:
-        return _mean(row['top1'] for row in rows if row['model'] == name and keep(row))
+        return _mean(row["top1"] for row in rows if row["model"] == name and keep(row))
 
     def gain(keep: Callable[[dict], bool]) -> float:
         base = mean_top1(baseline, keep)
-        return 100.0 * (mean_top1(model, keep) - base) / base if base else float('nan')
+        return 100.0 * (mean_top1(model, keep) - base) / base if base else float("nan")
 
-    categories = [c for c in (*CATEGORIES, 'other') if any(row['category'] == c for row in rows)]
-    severities = sorted({row['severity'] for row in rows})
-    return ({c: gain(lambda row, c=c: row['category'] == c) for c in categories},
-            {s: gain(lambda row, s=s: row['severity'] == s) for s in severities})
+    categories = [c for c in (*CATEGORIES, "other") if any(row["category"] == c for row in rows)]
+    severities = sorted({row["severity"] for row in rows})
+    return (
+        {c: gain(lambda row, c=c: row["category"] == c) for c in categories},
+        {s: gain(lambda row, s=s: row["severity"] == s) for s in severities},
+    )
 
 
 def plot_improvement(rows: Sequence[dict], model: str, baseline: str, path: str | os.PathLike) -> Path:
     """Save the two panels of Fig. 8.3 (per category, per severity) as a PNG."""
     import matplotlib
-    matplotlib.use('Agg')
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     per_category, per_severity = relative_improvement(rows, model, baseline)
     fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3), sharey=True)
-    left.bar(list(per_category), list(per_category.values()), color='tab:blue')
-    left.set_xlabel('corruption category')
-    left.set_ylabel('relative improvement (%)')
-    right.bar([str(s) for s in per_severity], list(per_severity.values()), color='tab:orange')
-    right.set_xlabel('corruption severity')
+    left.bar(list(per_category), list(per_category.values()), color="tab:blue")
+    left.set_xlabel("corruption category")
+    left.set_ylabel("relative improvement (%)")
+    right.bar([str(s) for s in per_severity], list(per_severity.values()), color="tab:orange")
+    right.set_xlabel("corruption severity")
     for axis in (left, right):
-        axis.axhline(0, color='black', linewidth=0.8)
-    fig.suptitle(f'top-1 of {model} relative to {baseline}', fontsize=10)
+        axis.axhline(0, color="black", linewidth=0.8)
+    fig.suptitle(f"top-1 of {model} relative to {baseline}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=150)
@@ -363,8 +424,8 @@ def plot_improvement(rows: Sequence[dict], model: str, baseline: str, path: str 
 
 def _cell(value) -> str:
     if isinstance(value, float):
-        return '' if math.isnan(value) else f'{value:.2f}'
-    return '' if value is None else str(value)
+        return "" if math.isnan(value) else f"{value:.2f}"
+    return "" if value is None else str(value)
 
 
 def _cells(rows: Sequence[dict], columns: Sequence[str]) -> list[dict]:
@@ -372,29 +433,32 @@ def _cells(rows: Sequence[dict], columns: Sequence[str]) -> list[dict]:
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    return tables.markdown_table(columns, ([_cell(row.get(c)) or '-' for c in columns] for row in rows))
+    return tables.markdown_table(columns, ([_cell(row.get(c)) or "-" for c in columns] for row in rows))
 
 
-def write_report(table: Sequence[dict], corruption_rows: Sequence[dict], output: str | os.PathLike,
-                 baseline: str | None = None) -> dict[str, Path]:
+def write_report(
+    table: Sequence[dict], corruption_rows: Sequence[dict], output: str | os.PathLike, baseline: str | None = None
+) -> dict[str, Path]:
     """Write the Table G.1-style table (robustness.csv / .md), the per-corruption accuracies
     (corruptions.csv), the corruption errors per category (corruption_errors.csv) and, with a
     baseline among the models, the Fig. 8.3 plot (improvement.png) of the first other model."""
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    files = dict(table_csv=tables.write_csv(_cells(table, TABLE_COLUMNS), output / 'robustness.csv'))
-    notes = ('\nAccuracies are top-1 in percent. C: mean over the corruptions and severities evaluated; '
-             'A, R: ImageNet-A/-R with the logits restricted to their 200 classes; FGSM, PGD: white-box '
-             'attacks on the clean evaluation images.\n')
-    (output / 'robustness.md').write_text(markdown_table(table, TABLE_COLUMNS) + notes)
-    files['table_md'] = output / 'robustness.md'
+    files = dict(table_csv=tables.write_csv(_cells(table, TABLE_COLUMNS), output / "robustness.csv"))
+    notes = (
+        "\nAccuracies are top-1 in percent. C: mean over the corruptions and severities evaluated; "
+        "A, R: ImageNet-A/-R with the logits restricted to their 200 classes; FGSM, PGD: white-box "
+        "attacks on the clean evaluation images.\n"
+    )
+    (output / "robustness.md").write_text(markdown_table(table, TABLE_COLUMNS) + notes)
+    files["table_md"] = output / "robustness.md"
     if corruption_rows:
-        columns = ('model', 'source', 'corruption', 'category', 'severity', 'top1')
-        files['corruptions_csv'] = tables.write_csv(_cells(corruption_rows, columns), output / 'corruptions.csv')
+        columns = ("model", "source", "corruption", "category", "severity", "top1")
+        files["corruptions_csv"] = tables.write_csv(_cells(corruption_rows, columns), output / "corruptions.csv")
         errors = corruption_errors(corruption_rows, baseline)
-        columns = ('model', 'category', 'ce') + (('baseline', 'relative_ce') if baseline else ())
-        files['errors_csv'] = tables.write_csv(_cells(errors, columns), output / 'corruption_errors.csv')
-        others = [row['model'] for row in table if row['model'] != baseline]
+        columns = ("model", "category", "ce") + (("baseline", "relative_ce") if baseline else ())
+        files["errors_csv"] = tables.write_csv(_cells(errors, columns), output / "corruption_errors.csv")
+        others = [row["model"] for row in table if row["model"] != baseline]
         if baseline is not None and others:
-            files['plot'] = plot_improvement(corruption_rows, others[0], baseline, output / 'improvement.png')
+            files["plot"] = plot_improvement(corruption_rows, others[0], baseline, output / "improvement.png")
     return files

@@ -13,19 +13,18 @@ Images are processed `chunk_size` at a time: memory does not grow with their num
 themselves and a few floats per image. Fields and noise are drawn image by image from one seeded CPU
 generator, so the result does not depend on the chunk size or the device.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
-import torch.nn as nn
+from torch import nn
 
-from .diffeo import (INTERPOLATIONS, check_cut, deform, displacement_range, sample_fields, temperature,
-                     temperature_range)
+from .diffeo import INTERPOLATIONS, check_cut, deform, displacement_range, sample_fields, temperature, temperature_range
 
-__all__ = ["STATISTICS", "Stability", "relative_stability", "representations", "has_layers", "diagnostic"]
+__all__ = ["STATISTICS", "Stability", "diagnostic", "has_layers", "relative_stability", "representations"]
 
 STATISTICS = ("median", "mean")
 DIAGNOSTIC_DELTA = 1.0  # R_f of the paper: delta = 1 pixel, cut-off c = 3
@@ -36,6 +35,7 @@ _ACTIVATIONS = (nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Tanh, nn.Sig
 @dataclass
 class Stability:
     """D_f, G_f, R_f of the logits, and per depth (`layers`: one (D, G, R) per block, input side first)."""
+
     D: float
     G: float
     R: float
@@ -68,7 +68,8 @@ def _statistic(values: torch.Tensor, statistic: str) -> float:
 def has_layers(model: nn.Module) -> bool:
     """Whether per-layer R_f applies: timm's feature API, or at least one activation module to hook."""
     return (hasattr(model, "forward_intermediates") and hasattr(model, "forward_head")) or any(
-        isinstance(m, _ACTIVATIONS) for m in model.modules())
+        isinstance(m, _ACTIVATIONS) for m in model.modules()
+    )
 
 
 def representations(model: nn.Module, x: torch.Tensor, per_layer: bool) -> list[torch.Tensor]:
@@ -79,8 +80,11 @@ def representations(model: nn.Module, x: torch.Tensor, per_layer: bool) -> list[
         final, intermediates = model.forward_intermediates(x)
         return [t.flatten(1) for t in intermediates] + [model.forward_head(final).flatten(1)]
     captured: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: captured.append(out.detach().flatten(1).clone()))
-             for m in model.modules() if isinstance(m, _ACTIVATIONS)]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: captured.append(out.detach().flatten(1).clone()))
+        for m in model.modules()
+        if isinstance(m, _ACTIVATIONS)
+    ]
     try:
         logits = model(x)
     finally:
@@ -96,8 +100,10 @@ def _squared_distances(outputs: list[torch.Tensor], reference: list[torch.Tensor
 
 def _check_inputs(images, statistic: str, chunk_size: int, interpolation: str, cut: int) -> None:
     if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[0] == 0:
-        raise ValueError(f"images must be a non-empty (N, C, H, W) tensor, got "
-                         f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
+        raise ValueError(
+            f"images must be a non-empty (N, C, H, W) tensor, got "
+            f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}"
+        )
     if statistic not in STATISTICS:
         raise ValueError(f"statistic={statistic!r} must be one of {STATISTICS}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -108,16 +114,27 @@ def _check_inputs(images, statistic: str, chunk_size: int, interpolation: str, c
 
 
 @torch.no_grad()
-def relative_stability(model: nn.Module, images: torch.Tensor, delta: Optional[float] = DIAGNOSTIC_DELTA,
-                       cut: int = DIAGNOSTIC_CUT, T: Optional[float] = None, statistic: str = "median",
-                       normalize: bool = False, per_layer: bool = False, chunk_size: int = 64, seed: int = 0,
-                       interpolation: str = "bilinear") -> Stability:
+def relative_stability(
+    model: nn.Module,
+    images: torch.Tensor,
+    delta: float | None = DIAGNOSTIC_DELTA,
+    cut: int = DIAGNOSTIC_CUT,
+    T: float | None = None,
+    statistic: str = "median",
+    normalize: bool = False,
+    per_layer: bool = False,
+    chunk_size: int = 64,
+    seed: int = 0,
+    interpolation: str = "bilinear",
+) -> Stability:
     """R_f of `model` on `images` (N, C, H, W), as the model sees them (normalized), at typical displacement
     `delta` pixels (or temperature `T`) and cut-off `cut`. One diffeomorphism and one noise per image."""
     _check_inputs(images, statistic, chunk_size, interpolation, cut)
     if per_layer and not has_layers(model):
-        raise ValueError(f"per-layer R_f needs a model with forward_intermediates or activation modules; "
-                         f"{type(model).__name__} has neither")
+        raise ValueError(
+            f"per-layer R_f needs a model with forward_intermediates or activation modules; "
+            f"{type(model).__name__} has neither"
+        )
     if normalize and images.shape[0] < 2:
         raise ValueError(f"normalize=True needs at least 2 images (pairs of test images), got {images.shape[0]}")
     size = images.shape[-2:]
@@ -128,8 +145,10 @@ def relative_stability(model: nn.Module, images: torch.Tensor, delta: Optional[f
     else:
         t_min, t_max = temperature_range(cut, size)
         if not t_min <= T <= t_max:
-            raise ValueError(f"T={T!r} is outside the diffeomorphism region [{t_min:.3g}, {t_max:.3g}] for "
-                             f"cut={cut} on a {size[0]}x{size[1]} image")
+            raise ValueError(
+                f"T={T!r} is outside the diffeomorphism region [{t_min:.3g}, {t_max:.3g}] for "
+                f"cut={cut} on a {size[0]}x{size[1]} image"
+            )
     count = images.shape[0]
     generator = torch.Generator().manual_seed(seed)
     fields = sample_fields(count, cut, generator)
@@ -141,15 +160,19 @@ def relative_stability(model: nn.Module, images: torch.Tensor, delta: Optional[f
         return deform(x, T, cut, coefficients=fields[part], interpolation=interpolation)
 
     # pass 1: the noise radius < ||tau x - x|| >, before any noise is drawn
-    moved = torch.cat([deformed(part, x).sub_(x).flatten(1).norm(dim=1).double().cpu()
-                       for part, x in ((part, images[part].to(device)) for part in chunks)])
+    moved = torch.cat(
+        [
+            deformed(part, x).sub_(x).flatten(1).norm(dim=1).double().cpu()
+            for part, x in ((part, images[part].to(device)) for part in chunks)
+        ]
+    )
     radius = _statistic(moved, statistic)
 
     # pass 2: f(x), f(tau x), f(x + eta), one at a time: beyond evaluating a chunk, one perturbed copy of it
     was_training = model.training
     model.eval()
     diffeo, noise, pairs = [], [], []
-    previous: Optional[list[torch.Tensor]] = None
+    previous: list[torch.Tensor] | None = None
     try:
         for part in chunks:
             x = images[part].to(device)
@@ -179,8 +202,17 @@ def relative_stability(model: nn.Module, images: torch.Tensor, delta: Optional[f
         d, g = _statistic(row_d, statistic), _statistic(row_g, statistic)
         d, g = (_ratio(d, s), _ratio(g, s)) if normalize else (d, g)
         values.append((d, g, _ratio(d, g)))
-    return Stability(*values[-1], layers=values[:-1], delta=delta if delta is not None else float("nan"), cut=cut,
-                     T=T, noise_radius=radius, statistic=statistic, normalized=normalize, count=count)
+    return Stability(
+        *values[-1],
+        layers=values[:-1],
+        delta=delta if delta is not None else float("nan"),
+        cut=cut,
+        T=T,
+        noise_radius=radius,
+        statistic=statistic,
+        normalized=normalize,
+        count=count,
+    )
 
 
 def diagnostic(model: nn.Module, images: torch.Tensor) -> dict[str, float]:

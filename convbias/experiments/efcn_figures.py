@@ -3,6 +3,7 @@
 Every function takes plain rows (lists of dicts, as written to the CSVs) and a path, so the
 figures can be redrawn from the committed CSVs without retraining.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +11,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 
 def _colors(n: int):
@@ -35,7 +36,8 @@ def training_curves(curves: list[dict], relax_times: list[int], path: Path) -> N
     """Fig. 6.2: train loss and test accuracy vs epoch; CNN black, FCN red, eFCNs by relax time."""
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     runs = [("cnn", "CNN", "black"), ("fcn", "FCN", "red")] + [
-        (f"efcn_tw{t}", f"eFCN t_w={t}", c) for t, c in zip(relax_times, _colors(len(relax_times)))]
+        (f"efcn_tw{t}", f"eFCN t_w={t}", c) for t, c in zip(relax_times, _colors(len(relax_times)))
+    ]
     for run, label, color in runs:
         rows = [r for r in curves if r["run"] == run]
         epochs = [r["epoch"] for r in rows]
@@ -79,12 +81,22 @@ def deviation(rows: list[dict], baselines: dict, path: Path) -> None:
     _symlog_epochs(axes[0])
     axes[0].set_xlabel("relax time t_w (epochs, symlog)")
     axes[1].scatter([r["initial_train_loss"] for r in rows], delta, c=_colors(len(rows)), label="eFCN")
-    axes[1].scatter([baselines["fcn_initial_train_loss"]], [baselines["fcn_deviation_total"]], color="blue",
-                    marker="s", label="standard FCN")
+    axes[1].scatter(
+        [baselines["fcn_initial_train_loss"]],
+        [baselines["fcn_deviation_total"]],
+        color="blue",
+        marker="s",
+        label="standard FCN",
+    )
     axes[1].set_xlabel("initial train loss")
     axes[2].scatter([r["final_test_acc"] for r in rows], delta, c=_colors(len(rows)), label="eFCN")
-    axes[2].scatter([baselines["fcn_final_test_acc"]], [baselines["fcn_deviation_total"]], color="blue",
-                    marker="s", label="standard FCN")
+    axes[2].scatter(
+        [baselines["fcn_final_test_acc"]],
+        [baselines["fcn_deviation_total"]],
+        color="blue",
+        marker="s",
+        label="standard FCN",
+    )
     axes[2].set_xlabel("final test accuracy (%)")
     for ax in axes:
         ax.set_ylabel("delta = |W_off-local| / |W|")

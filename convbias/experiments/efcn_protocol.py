@@ -18,6 +18,7 @@ All training goes through the engine (`convbias.engine.run`), so the train stage
 
 Finished runs (with results.json) are not retrained, so an interrupted protocol resumes.
 """
+
 from __future__ import annotations
 
 import csv
@@ -42,22 +43,32 @@ from convbias.weights import load_weights
 from . import efcn_figures as plots
 
 DEFAULTS = dict(
-    model="vanilla_cnn",            # the CNN; efcn_<model> and fcn_<model> must be registered
+    model="vanilla_cnn",  # the CNN; efcn_<model> and fcn_<model> must be registered
     model_kwargs={},
-    dataset="digits", data_dir=None, img_size=None, num_classes=None,
-    batch_size=250, workers=2, seed=0,
-    cnn_epochs=150, cnn_lr=0.1,
-    snapshots=8,                    # k relax times, log-spaced in [0, cnn_epochs], 0 and cnn_epochs included
-    efcn_epochs=100, efcn_lr=0.01,
-    optimizer="sgd",                # sgd (no momentum) or adam (App. E)
-    adam_lr=1e-4,                   # lr of CNN, eFCNs and FCN when optimizer is adam
-    max_params=None,                # refuse eFCNs above this many parameters
-    measure_train_samples=1000,     # train images for losses, |grad L|, lambda_max and the string method
-    measure_test_samples=None,      # test images for accuracies (None = all)
+    dataset="digits",
+    data_dir=None,
+    img_size=None,
+    num_classes=None,
+    batch_size=250,
+    workers=2,
+    seed=0,
+    cnn_epochs=150,
+    cnn_lr=0.1,
+    snapshots=8,  # k relax times, log-spaced in [0, cnn_epochs], 0 and cnn_epochs included
+    efcn_epochs=100,
+    efcn_lr=0.01,
+    optimizer="sgd",  # sgd (no momentum) or adam (App. E)
+    adam_lr=1e-4,  # lr of CNN, eFCNs and FCN when optimizer is adam
+    max_params=None,  # refuse eFCNs above this many parameters
+    measure_train_samples=1000,  # train images for losses, |grad L|, lambda_max and the string method
+    measure_test_samples=None,  # test images for accuracies (None = all)
     power_iterations=20,
-    interpolate_relax_times=3,      # how many relax times (spread over the k) get the App. E.3 interpolations
+    interpolate_relax_times=3,  # how many relax times (spread over the k) get the App. E.3 interpolations
     interpolation_points=11,
-    string_points=7, string_steps=30, string_lr=0.01, string_stiffness=1.0,
+    string_points=7,
+    string_steps=30,
+    string_lr=0.01,
+    string_stiffness=1.0,
 )
 
 
@@ -83,16 +94,18 @@ def load_config(path: str | None, overrides: dict) -> dict:
     load_families()
     for family in ("efcn_", "fcn_", ""):
         if not timm.is_model(family + cfg["model"]):
-            raise ConfigError(f"model {family + cfg['model']} is not registered (import efcn registers "
-                             f"vanilla_cnn, alexnet_cifar and their efcn_/fcn_ variants)")
+            raise ConfigError(
+                f"model {family + cfg['model']} is not registered (import efcn registers "
+                f"vanilla_cnn, alexnet_cifar and their efcn_/fcn_ variants)"
+            )
     return cfg
 
 
 def relax_times(epochs: int, k: int) -> list[int]:
     """0 and k-1 log-spaced epochs in [1, epochs] (rounded, duplicates moved up by one)."""
     times = [0]
-    for t in (np.geomspace(1, epochs, k - 1) if k > 2 else [epochs]):
-        times.append(min(epochs, max(int(round(t)), times[-1] + 1)))
+    for t in np.geomspace(1, epochs, k - 1) if k > 2 else [epochs]:
+        times.append(min(epochs, max(round(t), times[-1] + 1)))
     return sorted(set(times))
 
 
@@ -101,19 +114,43 @@ def write_recipe(cfg: dict, out: Path) -> Path:
 
     Plain SGD is timm's "momentum" optimizer with momentum 0 (timm's "sgd" is Nesterov SGD, which
     refuses momentum 0)."""
-    recipe = dict(dataset=cfg["dataset"], batch_size=cfg["batch_size"], seed=cfg["seed"], workers=cfg["workers"],
-                  opt="momentum" if cfg["optimizer"] == "sgd" else "adam", momentum=0.0, weight_decay=0.0,
-                  sched="constant", warmup_epochs=0, no_aug=True, repeated_aug=1, drop_path=0.0)
+    recipe = dict(
+        dataset=cfg["dataset"],
+        batch_size=cfg["batch_size"],
+        seed=cfg["seed"],
+        workers=cfg["workers"],
+        opt="momentum" if cfg["optimizer"] == "sgd" else "adam",
+        momentum=0.0,
+        weight_decay=0.0,
+        sched="constant",
+        warmup_epochs=0,
+        no_aug=True,
+        repeated_aug=1,
+        drop_path=0.0,
+    )
     recipe.update({k: cfg[k] for k in ("data_dir", "img_size", "num_classes") if cfg[k] is not None})
     path = out / "train_recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
 
-def _train_options(recipe: Path, model: str, epochs: int, lr: float, output: Path, save_epochs: list[int],
-                   model_kwargs: dict) -> list[str]:
-    args = ["-c", str(recipe), "--model", model, "--epochs", str(epochs), "--lr", str(lr), "--output", str(output),
-            "--save-epochs", *map(str, save_epochs)]
+def _train_options(
+    recipe: Path, model: str, epochs: int, lr: float, output: Path, save_epochs: list[int], model_kwargs: dict
+) -> list[str]:
+    args = [
+        "-c",
+        str(recipe),
+        "--model",
+        model,
+        "--epochs",
+        str(epochs),
+        "--lr",
+        str(lr),
+        "--output",
+        str(output),
+        "--save-epochs",
+        *map(str, save_epochs),
+    ]
     if model_kwargs:
         args += ["--model-kwargs", *[f"{k}={v}" for k, v in model_kwargs.items()]]
     return args
@@ -142,16 +179,45 @@ def _run_once(args: list[str], output: Path) -> dict:
 def train_stage(cfg: dict, out: Path) -> None:
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
     recipe = write_recipe(cfg, out)
-    _run_once(_train_options(recipe, cfg["model"], cfg["cnn_epochs"], _lr(cfg, cfg["cnn_lr"]), out / "cnn",
-                             sorted(set(times) | {cfg["cnn_epochs"]}), cfg["model_kwargs"]), out / "cnn")
+    _run_once(
+        _train_options(
+            recipe,
+            cfg["model"],
+            cfg["cnn_epochs"],
+            _lr(cfg, cfg["cnn_lr"]),
+            out / "cnn",
+            sorted(set(times) | {cfg["cnn_epochs"]}),
+            cfg["model_kwargs"],
+        ),
+        out / "cnn",
+    )
     middle = cfg["efcn_epochs"] // 2
     for t in times:
         snapshot = (out / "cnn" / "checkpoints" / f"epoch_{t}.safetensors").resolve()
-        _run_once(_train_options(recipe, "efcn_" + cfg["model"], cfg["efcn_epochs"], _lr(cfg, cfg["efcn_lr"]),
-                                 out / f"efcn_tw{t}", sorted({0, middle, cfg["efcn_epochs"]}),
-                                 _efcn_kwargs(cfg, cnn_checkpoint=snapshot)), out / f"efcn_tw{t}")
-    _run_once(_train_options(recipe, "fcn_" + cfg["model"], cfg["efcn_epochs"], _lr(cfg, cfg["efcn_lr"]), out / "fcn",
-                             sorted({0, middle, cfg["efcn_epochs"]}), _efcn_kwargs(cfg)), out / "fcn")
+        _run_once(
+            _train_options(
+                recipe,
+                "efcn_" + cfg["model"],
+                cfg["efcn_epochs"],
+                _lr(cfg, cfg["efcn_lr"]),
+                out / f"efcn_tw{t}",
+                sorted({0, middle, cfg["efcn_epochs"]}),
+                _efcn_kwargs(cfg, cnn_checkpoint=snapshot),
+            ),
+            out / f"efcn_tw{t}",
+        )
+    _run_once(
+        _train_options(
+            recipe,
+            "fcn_" + cfg["model"],
+            cfg["efcn_epochs"],
+            _lr(cfg, cfg["efcn_lr"]),
+            out / "fcn",
+            sorted({0, middle, cfg["efcn_epochs"]}),
+            _efcn_kwargs(cfg),
+        ),
+        out / "fcn",
+    )
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -176,8 +242,9 @@ def _read_summary(run: Path, name: str, initial: tuple[float, float] | None) -> 
     rows = [] if initial is None else [dict(run=name, epoch=0, train_loss=initial[0], test_acc=initial[1])]
     with open(run / "summary.csv") as f:
         for r in csv.DictReader(f):
-            rows.append(dict(run=name, epoch=int(r["epoch"]), train_loss=float(r["train_loss"]),
-                             test_acc=float(r["eval_top1"])))
+            rows.append(
+                dict(run=name, epoch=int(r["epoch"]), train_loss=float(r["train_loss"]), test_acc=float(r["eval_top1"]))
+            )
     return rows
 
 
@@ -191,8 +258,16 @@ def analyze_stage(cfg: dict, out: Path) -> None:
     torch.manual_seed(cfg["seed"])
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
     E = cfg["efcn_epochs"]
-    bundle = build_datasets(dict(dataset=cfg["dataset"], data_dir=cfg["data_dir"], img_size=cfg["img_size"],
-                                 num_classes=cfg["num_classes"], seed=cfg["seed"], no_aug=True))
+    bundle = build_datasets(
+        dict(
+            dataset=cfg["dataset"],
+            data_dir=cfg["data_dir"],
+            img_size=cfg["img_size"],
+            num_classes=cfg["num_classes"],
+            seed=cfg["seed"],
+            no_aug=True,
+        )
+    )
     train = landscape.Batches(*_tensors(bundle.train, cfg["measure_train_samples"]), cfg["batch_size"])
     test = landscape.Batches(*_tensors(bundle.val, cfg["measure_test_samples"]), cfg["batch_size"])
     cnn_kwargs = dict(num_classes=bundle.num_classes, in_chans=bundle.in_chans, **cfg["model_kwargs"])
@@ -205,13 +280,16 @@ def analyze_stage(cfg: dict, out: Path) -> None:
         return load_weights(model, path).eval()
 
     def landscape_at(model) -> dict:
-        return dict(grad_norm=landscape.gradient_norm(model, train),
-                    hessian_top=landscape.top_hessian_eigenvalue(model, train, cfg["power_iterations"], cfg["seed"]))
+        return dict(
+            grad_norm=landscape.gradient_norm(model, train),
+            hessian_top=landscape.top_hessian_eigenvalue(model, train, cfg["power_iterations"], cfg["seed"]),
+        )
 
     cnn_results = json.loads((out / "cnn" / "results.json").read_text())
     cnn_init = build("", out / "cnn" / "checkpoints" / "epoch_0.safetensors")
-    curves = _read_summary(out / "cnn", "cnn", (landscape.evaluate(cnn_init, train)[0],
-                                                landscape.evaluate(cnn_init, test)[1]))
+    curves = _read_summary(
+        out / "cnn", "cnn", (landscape.evaluate(cnn_init, train)[0], landscape.evaluate(cnn_init, test)[1])
+    )
     rows, filters = [], {}
     for t in times:
         run = out / f"efcn_tw{t}"
@@ -242,8 +320,11 @@ def analyze_stage(cfg: dict, out: Path) -> None:
         row.update({f"{k}_end": v for k, v in end.items()})
         rows.append(row)
         curves += _read_summary(run, f"efcn_tw{t}", (row["initial_train_loss"], row["initial_test_acc"]))
-        print(f"[efcn_protocol] t_w={t}: final test acc {row['final_test_acc']:.2f}%, delta "
-              f"{row['deviation_total']:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
+        print(
+            f"[efcn_protocol] t_w={t}: final test acc {row['final_test_acc']:.2f}%, delta "
+            f"{row['deviation_total']:.4f} ({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
 
     fcn = build("fcn_", out / "fcn" / "checkpoints" / "epoch_0.safetensors")
     fcn_initial = landscape.evaluate(fcn, train)[0], landscape.evaluate(fcn, test)[1]
@@ -257,11 +338,15 @@ def analyze_stage(cfg: dict, out: Path) -> None:
         with efcn.masked(fcn, keep):
             fcn_local[keep] = landscape.evaluate(fcn, test)[1]
     baselines = dict(
-        cnn_final_test_acc=cnn_results["final_top1"], cnn_best_test_acc=cnn_results["best_top1"],
+        cnn_final_test_acc=cnn_results["final_top1"],
+        cnn_best_test_acc=cnn_results["best_top1"],
         fcn_final_test_acc=landscape.evaluate(fcn, test)[1],
         fcn_best_test_acc=json.loads((out / "fcn" / "results.json").read_text())["best_top1"],
-        fcn_initial_train_loss=fcn_initial[0], fcn_deviation_total=efcn.deviation(fcn)["total"],
-        fcn_local_only_test_acc=fcn_local["local"], fcn_off_local_only_test_acc=fcn_local["off_local"])
+        fcn_initial_train_loss=fcn_initial[0],
+        fcn_deviation_total=efcn.deviation(fcn)["total"],
+        fcn_local_only_test_acc=fcn_local["local"],
+        fcn_off_local_only_test_acc=fcn_local["off_local"],
+    )
 
     interpolation_rows = []
     cnn_final = (out / "cnn" / "checkpoints" / f"epoch_{cfg['cnn_epochs']}.safetensors").resolve()
@@ -273,21 +358,46 @@ def analyze_stage(cfg: dict, out: Path) -> None:
         end_params = landscape.parameters_of(trained)
         alphas = np.linspace(0, 1, cfg["interpolation_points"]).tolist()
         for alpha, params in zip(alphas, landscape.linear_path(start_params, end_params, alphas)):
-            interpolation_rows.append(dict(relax_time=t, method="linear", alpha=alpha,
-                                           train_loss=landscape.evaluate(trained, train, params)[0],
-                                           test_acc=landscape.evaluate(trained, test, params)[1]))
+            interpolation_rows.append(
+                dict(
+                    relax_time=t,
+                    method="linear",
+                    alpha=alpha,
+                    train_loss=landscape.evaluate(trained, train, params)[0],
+                    test_acc=landscape.evaluate(trained, test, params)[1],
+                )
+            )
         string_alphas = np.linspace(0, 1, cfg["string_points"]).tolist()
-        path = landscape.string_path(trained, start_params, end_params, string_alphas, train,
-                                     cfg["string_stiffness"], cfg["string_steps"], cfg["string_lr"])
+        path = landscape.string_path(
+            trained,
+            start_params,
+            end_params,
+            string_alphas,
+            train,
+            cfg["string_stiffness"],
+            cfg["string_steps"],
+            cfg["string_lr"],
+        )
         for alpha, params in zip(string_alphas, path):
-            interpolation_rows.append(dict(relax_time=t, method="string", alpha=alpha,
-                                           train_loss=landscape.evaluate(trained, train, params)[0],
-                                           test_acc=landscape.evaluate(trained, test, params)[1]))
+            interpolation_rows.append(
+                dict(
+                    relax_time=t,
+                    method="string",
+                    alpha=alpha,
+                    train_loss=landscape.evaluate(trained, train, params)[0],
+                    test_acc=landscape.evaluate(trained, test, params)[1],
+                )
+            )
         for alpha in alphas:
-            interpolation_rows.append(dict(
-                relax_time=t, method="output", alpha=alpha,
-                train_loss=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, train)[0],
-                test_acc=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, test)[1]))
+            interpolation_rows.append(
+                dict(
+                    relax_time=t,
+                    method="output",
+                    alpha=alpha,
+                    train_loss=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, train)[0],
+                    test_acc=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, test)[1],
+                )
+            )
         print(f"[efcn_protocol] interpolation t_w={t} ({time.perf_counter() - started:.0f} s)", flush=True)
 
     write_csv(rows, out / "relax_times.csv")

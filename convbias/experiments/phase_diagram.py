@@ -25,6 +25,7 @@ runs.csv and ensembles.csv, which `convbias-sweep report` turns into tables and 
 Files in OUTPUT: config.yaml, nets.csv (every net), cells.csv (every cell), runs.csv and ensembles.csv
 (the sweep report's schemas), phase_diagram.png (Fig. 4), double_descent.png (Fig. 5).
 """
+
 from __future__ import annotations
 
 import csv
@@ -32,20 +33,19 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import yaml
+from torch import nn
 
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.ntk import empirical_ntk, relative_change
 
-NETS_CSV = "nets.csv"            # one row per net, every measurement
-CELLS_CSV = "cells.csv"          # one row per (width, alpha~): the figures' data
-RUNS_CSV = "runs.csv"            # the sweep report's schema (convbias-sweep report --csv ...)
+NETS_CSV = "nets.csv"  # one row per net, every measurement
+CELLS_CSV = "cells.csv"  # one row per (width, alpha~): the figures' data
+RUNS_CSV = "runs.csv"  # the sweep report's schema (convbias-sweep report --csv ...)
 ENSEMBLES_CSV = "ensembles.csv"  # the sweep report's ensemble schema
 REPORT_COLUMNS = ("model", "width", "alpha_tilde", "seed", "top1", "train_seconds")
 
@@ -53,21 +53,22 @@ REPORT_COLUMNS = ("model", "width", "alpha_tilde", "seed", "top1", "train_second
 @dataclass
 class PhaseDiagramConfig:
     """The grid and the training protocol (defaults: the committed reproduction)."""
+
     widths: list[int] = field(default_factory=lambda: [4, 6, 8, 12, 16, 24, 32, 48])
     alpha_tildes: list[float] = field(default_factory=lambda: [0.1, 1.0, 10.0, 100.0, 1000.0])
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
-    train_size: int = 1000          # the rest of the 1,797 digits is the test set
+    train_size: int = 1000  # the rest of the 1,797 digits is the test set
     pca_components: int = 10
     data_seed: int = 0
-    activation_beta: float = 5.0    # softplus sharpness of the hidden units (source: 5)
-    loss_beta: float = 20.0         # soft-hinge sharpness (source: 20)
+    activation_beta: float = 5.0  # softplus sharpness of the hidden units (source: 5)
+    loss_beta: float = 20.0  # soft-hinge sharpness (source: 20)
     max_output_change: float = 0.1  # adaptive step: max |F_new - F_old| over the training set
     initial_dt: float = 1.0
     max_steps: int = 2000
-    ntk_samples: int = 100          # test points on which the kernel change is measured
+    ntk_samples: int = 100  # test points on which the kernel change is measured
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "PhaseDiagramConfig":
+    def from_yaml(cls, path: str | Path) -> PhaseDiagramConfig:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"phase-diagram config not found: {path}")
@@ -78,11 +79,13 @@ class PhaseDiagramConfig:
             raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
         return cls(**data).validated()
 
-    def validated(self) -> "PhaseDiagramConfig":
+    def validated(self) -> PhaseDiagramConfig:
         if not self.widths or any(not isinstance(h, int) or h < 1 for h in self.widths):
             raise ValueError(f"widths must be positive integers, got {self.widths}")
         if not self.alpha_tildes or any(not isinstance(a, (int, float)) or not a > 0 for a in self.alpha_tildes):
-            raise ValueError(f"alpha_tildes must be positive numbers (the rescaled output scale), got {self.alpha_tildes}")
+            raise ValueError(
+                f"alpha_tildes must be positive numbers (the rescaled output scale), got {self.alpha_tildes}"
+            )
         if len(self.seeds) < 2:
             raise ValueError(f"seeds: an ensemble needs at least 2 seeds, got {self.seeds}")
         if not 10 <= self.train_size <= 1700:
@@ -120,11 +123,15 @@ class FullyConnected(nn.Module):
         super().__init__()
         self.w0, self.w1, self.w2 = (nn.Parameter(w) for w in weights)  # (B, h, d), (B, h, h), (B, h)
         self.beta = beta
-        self.gain = float(F.softplus(torch.randn(200_000, generator=torch.Generator().manual_seed(0),
-                                                 dtype=torch.float64), beta=beta).pow(2).mean().rsqrt())
+        self.gain = float(
+            F.softplus(torch.randn(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64), beta=beta)
+            .pow(2)
+            .mean()
+            .rsqrt()
+        )
 
     @classmethod
-    def initialize(cls, seeds: list[int], d: int, h: int, beta: float) -> "FullyConnected":
+    def initialize(cls, seeds: list[int], d: int, h: int, beta: float) -> FullyConnected:
         """Standard Gaussian weights; member i is drawn from seeds[i] (same seed, same init)."""
         draws = []
         for seed in seeds:
@@ -132,9 +139,9 @@ class FullyConnected(nn.Module):
             draws.append([torch.randn(h, d, generator=g), torch.randn(h, h, generator=g), torch.randn(h, generator=g)])
         return cls([torch.stack(ws) for ws in zip(*draws)], beta)
 
-    def member(self, index: int) -> "FullyConnected":
+    def member(self, index: int) -> FullyConnected:
         """A detached copy of one member, as a one-member module (for the kernel)."""
-        return FullyConnected([w[index:index + 1].detach().clone() for w in (self.w0, self.w1, self.w2)], self.beta)
+        return FullyConnected([w[index : index + 1].detach().clone() for w in (self.w0, self.w1, self.w2)], self.beta)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         return self.gain * F.softplus(x, beta=self.beta)
@@ -150,7 +157,7 @@ class FullyConnected(nn.Module):
 
 def soft_hinge(scaled_outputs: torch.Tensor, labels: torch.Tensor, alpha: torch.Tensor, beta: float) -> torch.Tensor:
     """Per-member loss  mean_mu softplus_beta(1 - F y) / alpha^2, F = alpha (f - f0): shape (members,)."""
-    return F.softplus(1 - scaled_outputs * labels, beta=beta).mean(dim=1) / alpha ** 2
+    return F.softplus(1 - scaled_outputs * labels, beta=beta).mean(dim=1) / alpha**2
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -199,40 +206,54 @@ def train_width(cfg: PhaseDiagramConfig, width: int, data: tuple[torch.Tensor, .
 
     with torch.no_grad():
         test_scaled = alpha[:, None] * (model(x_test) - f0_test)
-    kernel_points = x_test[:cfg.ntk_samples]
+    kernel_points = x_test[: cfg.ntk_samples]
     rows = []
     for i, (alpha_tilde, seed) in enumerate(pairs):
         theta0 = empirical_ntk(initial[i], kernel_points)
         theta = empirical_ntk(model.member(i), kernel_points)
-        rows.append({
-            "model": "fc2", "width": width, "alpha_tilde": alpha_tilde, "seed": seed,
-            "params": sum(p[i].numel() for p in params),
-            "train_error": 100.0 * (scaled[i] * y_train <= 0).double().mean().item(),
-            "unfit": int((scaled[i] * y_train < 1).sum()),
-            "converged": int(bool(done[i])), "steps": int(steps[i]),
-            "test_error": 100.0 * (test_scaled[i] * y_test <= 0).double().mean().item(),
-            "top1": 100.0 - 100.0 * (test_scaled[i] * y_test <= 0).double().mean().item(),
-            "ntk_change": relative_change(theta, theta0), "train_seconds": seconds / len(pairs),
-        })
+        rows.append(
+            {
+                "model": "fc2",
+                "width": width,
+                "alpha_tilde": alpha_tilde,
+                "seed": seed,
+                "params": sum(p[i].numel() for p in params),
+                "train_error": 100.0 * (scaled[i] * y_train <= 0).double().mean().item(),
+                "unfit": int((scaled[i] * y_train < 1).sum()),
+                "converged": int(bool(done[i])),
+                "steps": int(steps[i]),
+                "test_error": 100.0 * (test_scaled[i] * y_test <= 0).double().mean().item(),
+                "top1": 100.0 - 100.0 * (test_scaled[i] * y_test <= 0).double().mean().item(),
+                "ntk_change": relative_change(theta, theta0),
+                "train_seconds": seconds / len(pairs),
+            }
+        )
     return rows, test_scaled.view(len(cfg.alpha_tildes), len(cfg.seeds), -1)
 
 
-def cell_rows(cfg: PhaseDiagramConfig, width: int, rows: list[dict], test_outputs: torch.Tensor,
-              y_test: torch.Tensor) -> list[dict]:
+def cell_rows(
+    cfg: PhaseDiagramConfig, width: int, rows: list[dict], test_outputs: torch.Tensor, y_test: torch.Tensor
+) -> list[dict]:
     """One row per (width, alpha~): ensemble over seeds, jamming and kernel-change summaries."""
     cells = []
     for a, alpha_tilde in enumerate(cfg.alpha_tildes):
         members = [r for r in rows if r["alpha_tilde"] == alpha_tilde]
         ensemble = evaluate_ensemble(test_outputs[a], y_test)
-        cells.append({
-            "width": width, "alpha_tilde": alpha_tilde, "params": members[0]["params"], "seeds": len(members),
-            "ensemble_test_error": ensemble.ensemble_error, "mean_test_error": ensemble.mean_member_error,
-            "fluctuation": ensemble.fluctuation,
-            "converged_fraction": sum(r["converged"] for r in members) / len(members),
-            "mean_train_error": float(np.mean([r["train_error"] for r in members])),
-            "ntk_change": float(np.exp(np.mean(np.log([r["ntk_change"] for r in members])))),  # geometric mean
-            "mean_steps": float(np.mean([r["steps"] for r in members])),
-        })
+        cells.append(
+            {
+                "width": width,
+                "alpha_tilde": alpha_tilde,
+                "params": members[0]["params"],
+                "seeds": len(members),
+                "ensemble_test_error": ensemble.ensemble_error,
+                "mean_test_error": ensemble.mean_member_error,
+                "fluctuation": ensemble.fluctuation,
+                "converged_fraction": sum(r["converged"] for r in members) / len(members),
+                "mean_train_error": float(np.mean([r["train_error"] for r in members])),
+                "ntk_change": float(np.exp(np.mean(np.log([r["ntk_change"] for r in members])))),  # geometric mean
+                "mean_steps": float(np.mean([r["steps"] for r in members])),
+            }
+        )
     return cells
 
 
@@ -258,9 +279,14 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
         all_cells += cells
         write_csv(output / NETS_CSV, all_rows)  # after every width: a partial grid is readable
         write_csv(output / CELLS_CSV, all_cells)
-        log(f"h={width:4d}  {time.perf_counter() - started:6.1f}s  " + "  ".join(
-            f"a~={c['alpha_tilde']:g}: ens {c['ensemble_test_error']:.1f}% single {c['mean_test_error']:.1f}% "
-            f"fit {c['converged_fraction']:.1f} dTheta {c['ntk_change']:.2g}" for c in cells))
+        log(
+            f"h={width:4d}  {time.perf_counter() - started:6.1f}s  "
+            + "  ".join(
+                f"a~={c['alpha_tilde']:g}: ens {c['ensemble_test_error']:.1f}% single {c['mean_test_error']:.1f}% "
+                f"fit {c['converged_fraction']:.1f} dTheta {c['ntk_change']:.2g}"
+                for c in cells
+            )
+        )
     return all_cells
 
 
@@ -269,12 +295,31 @@ def write_report_csvs(output: Path) -> list[Path]:
     `convbias-sweep report --csv OUTPUT/runs.csv` tabulates and plots this grid like any sweep."""
     with open(output / NETS_CSV, newline="") as f:
         nets = list(csv.DictReader(f))
-    write_csv(output / RUNS_CSV, [{"run": f"fc2__h{r['width']}__a{float(r['alpha_tilde']):g}__seed{r['seed']}",
-                                   **{k: r[k] for k in REPORT_COLUMNS}} for r in nets])
-    write_csv(output / ENSEMBLES_CSV, [
-        {"model": "fc2", "width": int(c["width"]), "alpha_tilde": c["alpha_tilde"], "members": int(c["seeds"]),
-         "ensemble_top1": 100 - c["ensemble_test_error"], "member_top1": 100 - c["mean_test_error"],
-         "fluctuation": c["fluctuation"]} for c in read_cells(output / CELLS_CSV)])
+    write_csv(
+        output / RUNS_CSV,
+        [
+            {
+                "run": f"fc2__h{r['width']}__a{float(r['alpha_tilde']):g}__seed{r['seed']}",
+                **{k: r[k] for k in REPORT_COLUMNS},
+            }
+            for r in nets
+        ],
+    )
+    write_csv(
+        output / ENSEMBLES_CSV,
+        [
+            {
+                "model": "fc2",
+                "width": int(c["width"]),
+                "alpha_tilde": c["alpha_tilde"],
+                "members": int(c["seeds"]),
+                "ensemble_top1": 100 - c["ensemble_test_error"],
+                "member_top1": 100 - c["mean_test_error"],
+                "fluctuation": c["fluctuation"],
+            }
+            for c in read_cells(output / CELLS_CSV)
+        ],
+    )
     return [output / RUNS_CSV, output / ENSEMBLES_CSV]
 
 
@@ -287,6 +332,7 @@ def read_cells(path: Path) -> list[dict]:
 def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = None) -> list[Path]:
     """phase_diagram.png (Fig. 4) and double_descent.png (Fig. 5) from cells.csv's rows."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -309,15 +355,25 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     centers_x, centers_y = np.arange(len(widths)) + 0.5, np.arange(len(alphas)) + 0.5
     for level, style in ((1.0, "-"), (0.3, "--"), (3.0, "--")):
         if change.min() < level < change.max():
-            contour = ax.contour(centers_x, centers_y, np.log10(change), levels=[np.log10(level)],
-                                 colors="white", linestyles=style, linewidths=2 if level == 1 else 1)
+            contour = ax.contour(
+                centers_x,
+                centers_y,
+                np.log10(change),
+                levels=[np.log10(level)],
+                colors="white",
+                linestyles=style,
+                linewidths=2 if level == 1 else 1,
+            )
             ax.clabel(contour, fmt={np.log10(level): f"|dTheta|/|Theta0|={level:g}"}, fontsize=7)
     ax.set_xticks(centers_x, [f"{int(h)}" for h in widths])
     ax.set_yticks(centers_y, [f"{a:g}" for a in alphas])
     ax.set_xlabel("width h")
     ax.set_ylabel(r"$\tilde\alpha = \sqrt{h}\,\alpha$")
-    ax.set_title("odd/even digits, 10 PCA, FC L=2. Hatched: not every net reached zero training loss\n"
-                 "(% that did); red: jamming line (every wider net fits); white: lazy/feature cross-over", fontsize=8)
+    ax.set_title(
+        "odd/even digits, 10 PCA, FC L=2. Hatched: not every net reached zero training loss\n"
+        "(% that did); red: jamming line (every wider net fits); white: lazy/feature cross-over",
+        fontsize=8,
+    )
     fig.tight_layout()
     paths = [output / "phase_diagram.png"]
     fig.savefig(paths[0], dpi=130)

@@ -8,6 +8,7 @@ Writes regimes.csv and regimes.png (top-1, kernel change and local energy agains
 
     python -m convbias.experiments.regimes results/regimes
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,14 +53,23 @@ def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
         labels = torch.tensor([train[i][1] for i in range(len(train))])
         curve = local_energy(model, Batches(images, labels, batch_size=500), SIGMAS, draws=DRAWS)
         last = last_evaluation(run_dir)
-        rows.append({"run": run["run"], "model": cfg.model, "alpha": cfg.output_scale, "lr": cfg.lr,
-                     "top1": last["eval_top1"], "ntk_change": last.get("ntk_relative_change"),
-                     **{f"train_error_sigma{s:g}": mean for s, mean, _ in curve}})
+        rows.append(
+            {
+                "run": run["run"],
+                "model": cfg.model,
+                "alpha": cfg.output_scale,
+                "lr": cfg.lr,
+                "top1": last["eval_top1"],
+                "ntk_change": last.get("ntk_relative_change"),
+                **{f"train_error_sigma{s:g}": mean for s, mean, _ in curve},
+            }
+        )
     return rows
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -70,8 +80,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         axes[0].plot(alphas, [r["top1"] for r in mine], "o-", label=model)
         axes[1].plot(alphas, [r["ntk_change"] for r in mine], "o-", label=model)
         for r in mine:
-            axes[2].plot(SIGMAS, [r[f"train_error_sigma{s:g}"] for s in SIGMAS], "o-",
-                         label=f"{model}, alpha={r['alpha']:g}")
+            axes[2].plot(
+                SIGMAS, [r[f"train_error_sigma{s:g}"] for s in SIGMAS], "o-", label=f"{model}, alpha={r['alpha']:g}"
+            )
     axes[0].set_ylabel("final top-1 (%)")
     axes[1].set_ylabel("||Theta_end - Theta_0|| / ||Theta_0||")
     axes[1].set_yscale("log")

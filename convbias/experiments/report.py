@@ -17,9 +17,10 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,8 +29,8 @@ from convbias.tables import markdown_table
 from .sweep import ENSEMBLES_CSV_NAME, RESULT_COLUMNS, TIME_COLUMN
 
 METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
-ID_COLUMNS = ('run', 'seed')
-REPORT_NAME = 'report.md'
+ID_COLUMNS = ("run", "seed")
+REPORT_NAME = "report.md"
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Stat:
     n: int
 
     def __str__(self) -> str:
-        return f'{self.mean:.1f} ± {self.std:.1f}' if self.n > 1 else f'{self.mean:.1f}'
+        return f"{self.mean:.1f} ± {self.std:.1f}" if self.n > 1 else f"{self.mean:.1f}"
 
 
 def _parse(value: str) -> Any:
@@ -57,25 +58,25 @@ def read_runs(path: str | Path) -> list[dict[str, Any]]:
     """Read a sweep CSV; numbers become int/float, empty cells are dropped."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f'CSV not found: {path}')
-    with open(path, newline='') as f:
-        rows = [{k: _parse(v) for k, v in row.items() if v != ''} for row in csv.DictReader(f)]
+        raise ValueError(f"CSV not found: {path}")
+    with open(path, newline="") as f:
+        rows = [{k: _parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
     if not rows:
-        raise ValueError(f'{path} holds no runs')
-    for column in ('model', 'top1'):
+        raise ValueError(f"{path} holds no runs")
+    for column in ("model", "top1"):
         if column not in rows[0]:
-            raise ValueError(f'{path} has no {column!r} column; expected a CSV written by convbias-sweep')
+            raise ValueError(f"{path} has no {column!r} column; expected a CSV written by convbias-sweep")
     return rows
 
 
 def compared_column(rows: list[dict[str, Any]]) -> str:
     """The column that names the compared models: ``variant`` if the sweep had variants."""
-    return 'variant' if 'variant' in rows[0] else 'model'
+    return "variant" if "variant" in rows[0] else "model"
 
 
 def parameter_columns(rows: list[dict[str, Any]]) -> list[str]:
     """Swept factors other than the compared model and the train fraction."""
-    skip = set(METRIC_COLUMNS) | set(ID_COLUMNS) | {'model', 'variant', 'train_fraction'}
+    skip = set(METRIC_COLUMNS) | set(ID_COLUMNS) | {"model", "variant", "train_fraction"}
     return [column for column in rows[0] if column not in skip]
 
 
@@ -102,79 +103,86 @@ def choose_baseline(rows: list[dict[str, Any]], baseline: str | None = None) -> 
         if baseline not in names:
             raise ValueError(f"baseline '{baseline}' is not in the CSV's {column} column {names}")
         return baseline
-    deits = [name for name in names if 'deit' in str(name).lower()]
+    deits = [name for name in names if "deit" in str(name).lower()]
     if len(deits) != 1:
-        raise ValueError(f'cannot tell the baseline among {names}; pass --baseline NAME')
+        raise ValueError(f"cannot tell the baseline among {names}; pass --baseline NAME")
     return deits[0]
 
 
 def _gap(value: Stat | None, base: Stat | None) -> str:
     if value is None or base is None or base.mean == 0:
-        return '–'
+        return "–"
     percent = round(100 * (value.mean - base.mean) / base.mean)
-    return f'{percent:+d}%' if percent else '0%'
+    return f"{percent:+d}%" if percent else "0%"
 
 
 def _fraction(value: float) -> str:
-    return f'{100 * value:g}%'
+    return f"{100 * value:g}%"
 
 
 def _label(metric: str) -> str:
     """'best_top1' -> 'best top-1'."""
-    return metric.replace('top1', 'top-1').replace('_', ' ')
+    return metric.replace("top1", "top-1").replace("_", " ")
 
 
 def _fractions(rows: list[dict[str, Any]]) -> list[float]:
-    return sorted(_values(rows, 'train_fraction'))
+    return sorted(_values(rows, "train_fraction"))
 
 
 def _markdown(header: Sequence[str], body: list[Sequence[Any]]) -> str:
-    return markdown_table(header, body).rstrip('\n')
+    return markdown_table(header, body).rstrip("\n")
 
 
-def comparison_table(rows: list[dict[str, Any]], baseline: str, metric: str = 'top1') -> str:
+def comparison_table(rows: list[dict[str, Any]], baseline: str, metric: str = "top1") -> str:
     """Table 7.2 (two models: rows are fractions) or Table 7.3 (more: rows are models)."""
     column = compared_column(rows)
     others = [name for name in _values(rows, column) if name != baseline]
     fractions = _fractions(rows)
-    top5 = metric.replace('top1', 'top5')
+    top5 = metric.replace("top1", "top5")
     if len(others) == 1:
         other = others[0]
-        header = ['Train size', f'{baseline} top-1', f'{other} top-1', 'Gap',
-                  f'{baseline} top-5', f'{other} top-5', 'Gap']
+        header = [
+            "Train size",
+            f"{baseline} top-1",
+            f"{other} top-1",
+            "Gap",
+            f"{baseline} top-5",
+            f"{other} top-5",
+            "Gap",
+        ]
         body = []
         for f in fractions:
             cells = []
             for m in (metric, top5):
-                base = stat(_select(rows, **{column: baseline, 'train_fraction': f}), m)
-                value = stat(_select(rows, **{column: other, 'train_fraction': f}), m)
-                cells += [base or '–', value or '–', _gap(value, base)]
+                base = stat(_select(rows, **{column: baseline, "train_fraction": f}), m)
+                value = stat(_select(rows, **{column: other, "train_fraction": f}), m)
+                cells += [base or "–", value or "–", _gap(value, base)]
             body.append([_fraction(f)] + cells)
         return _markdown(header, body)
-    header = [column] + [f'{_fraction(f)} top-{k} (gap)' for f in fractions for k in (1, 5)]
+    header = [column] + [f"{_fraction(f)} top-{k} (gap)" for f in fractions for k in (1, 5)]
     body = []
     for name in _values(rows, column):
         cells = []
         for f in fractions:
             for m in (metric, top5):
-                base = stat(_select(rows, **{column: baseline, 'train_fraction': f}), m)
-                value = stat(_select(rows, **{column: name, 'train_fraction': f}), m)
-                cells.append('–' if value is None else
-                             str(value) if name == baseline else f'{value} ({_gap(value, base)})')
+                base = stat(_select(rows, **{column: baseline, "train_fraction": f}), m)
+                value = stat(_select(rows, **{column: name, "train_fraction": f}), m)
+                cells.append(
+                    "–" if value is None else str(value) if name == baseline else f"{value} ({_gap(value, base)})"
+                )
         body.append([name] + cells)
     return _markdown(header, body)
 
 
-def parameter_table(rows: list[dict[str, Any]], metric: str = 'top1') -> str:
+def parameter_table(rows: list[dict[str, Any]], metric: str = "top1") -> str:
     """One row per setting of the swept factors, top-1 and top-5 as mean ± std over seeds."""
-    factors = [compared_column(rows), 'train_fraction'] + parameter_columns(rows)
-    top5 = metric.replace('top1', 'top5')
+    factors = [compared_column(rows), "train_fraction"] + parameter_columns(rows)
+    top5 = metric.replace("top1", "top5")
     body = []
     for setting in dict.fromkeys(tuple(row.get(f) for f in factors) for row in rows):
         selected = _select(rows, **dict(zip(factors, setting)))
-        body.append(list(setting) + [stat(selected, metric) or '–', stat(selected, top5) or '–',
-                                     len(selected)])
-    return _markdown(factors + ['top-1', 'top-5', 'seeds'], body)
+        body.append(list(setting) + [stat(selected, metric) or "–", stat(selected, top5) or "–", len(selected)])
+    return _markdown(factors + ["top-1", "top-5", "seeds"], body)
 
 
 def _groups(rows: list[dict[str, Any]], columns: list[str]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -191,43 +199,52 @@ def _groups(rows: list[dict[str, Any]], columns: list[str]) -> list[tuple[dict[s
 
 
 def _title(where: dict[str, Any]) -> str:
-    return ', '.join(f'{k}={v}' for k, v in where.items())
+    return ", ".join(f"{k}={v}" for k, v in where.items())
 
 
-def plot_sample_efficiency(rows: list[dict[str, Any]], baseline: str, path: Path, metric: str = 'top1',
-                           title: str = '') -> Path:
+def plot_sample_efficiency(
+    rows: list[dict[str, Any]], baseline: str, path: Path, metric: str = "top1", title: str = ""
+) -> Path:
     """Fig. 7.2 (left): accuracy against train fraction per model, and the relative improvement."""
     import matplotlib
-    matplotlib.use('Agg')
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     column = compared_column(rows)
     fractions = _fractions(rows)
     fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
     for name in _values(rows, column):
-        stats = [stat(_select(rows, **{column: name, 'train_fraction': f}), metric) for f in fractions]
+        stats = [stat(_select(rows, **{column: name, "train_fraction": f}), metric) for f in fractions]
         xs = [f for f, s in zip(fractions, stats) if s is not None]
-        ax.errorbar(xs, [s.mean for s in stats if s], yerr=[s.std for s in stats if s], marker='o',
-                    capsize=3, label=str(name), linestyle='--' if name == baseline else '-')
+        ax.errorbar(
+            xs,
+            [s.mean for s in stats if s],
+            yerr=[s.std for s in stats if s],
+            marker="o",
+            capsize=3,
+            label=str(name),
+            linestyle="--" if name == baseline else "-",
+        )
         if name == baseline:
             continue
         gaps = []
         for f in xs:
-            value = stat(_select(rows, **{column: name, 'train_fraction': f}), metric)
-            base = stat(_select(rows, **{column: baseline, 'train_fraction': f}), metric)
+            value = stat(_select(rows, **{column: name, "train_fraction": f}), metric)
+            base = stat(_select(rows, **{column: baseline, "train_fraction": f}), metric)
             gaps.append(math.nan if base is None or base.mean == 0 else 100 * (value.mean - base.mean) / base.mean)
-        gap_ax.plot(xs, gaps, marker='o', label=f'{name} vs {baseline}')
+        gap_ax.plot(xs, gaps, marker="o", label=f"{name} vs {baseline}")
     for axis in (ax, gap_ax):
-        axis.set_xscale('log')
+        axis.set_xscale("log")
         axis.set_xticks(fractions, [_fraction(f) for f in fractions])
         axis.minorticks_off()
-        axis.set_xlabel('fraction of the training set')
+        axis.set_xlabel("fraction of the training set")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    ax.set_ylabel(f'{_label(metric)} accuracy (%)')
-    gap_ax.axhline(0, color='black', linewidth=0.8)
-    gap_ax.set_ylabel('relative improvement (%)')
-    fig.suptitle(title or 'Sample efficiency', fontsize=10)
+    ax.set_ylabel(f"{_label(metric)} accuracy (%)")
+    gap_ax.axhline(0, color="black", linewidth=0.8)
+    gap_ax.set_ylabel("relative improvement (%)")
+    fig.suptitle(title or "Sample efficiency", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -238,14 +255,15 @@ def _is_numeric(values: list[Any]) -> bool:
     return all(isinstance(v, (int, float)) for v in values)
 
 
-def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = 'top1') -> Path:
+def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "top1") -> Path:
     """Fig. 7.9 (left): a heatmap of mean accuracy over two swept factors, else accuracy lines."""
     import matplotlib
-    matplotlib.use('Agg')
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     params = parameter_columns(rows)
-    panels = _groups(rows, [compared_column(rows), 'train_fraction'])
+    panels = _groups(rows, [compared_column(rows), "train_fraction"])
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
     for ax, (where, selected) in zip(axes[0], panels):
         ax.set_title(_title(where), fontsize=9)
@@ -258,26 +276,32 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = '
                     cell = stat(_select(selected, **{x_col: x, y_col: y}), metric)
                     if cell is not None:
                         grid[i, j] = cell.mean
-            image = ax.imshow(grid, origin='lower', cmap='viridis', aspect='auto')
+            image = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
             for i, j in zip(*np.nonzero(~np.isnan(grid))):
-                ax.text(j, i, f'{grid[i, j]:.1f}', ha='center', va='center', color='white', fontsize=8)
-            ax.set_xticks(range(len(xs)), [f'{x:g}' if isinstance(x, float) else x for x in xs])
-            ax.set_yticks(range(len(ys)), [f'{y:g}' if isinstance(y, float) else y for y in ys])
+                ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", color="white", fontsize=8)
+            ax.set_xticks(range(len(xs)), [f"{x:g}" if isinstance(x, float) else x for x in xs])
+            ax.set_yticks(range(len(ys)), [f"{y:g}" if isinstance(y, float) else y for y in ys])
             ax.set_xlabel(x_col)
             ax.set_ylabel(y_col)
-            fig.colorbar(image, ax=ax, label=f'{_label(metric)} accuracy (%)')
+            fig.colorbar(image, ax=ax, label=f"{_label(metric)} accuracy (%)")
         else:
             x_col, rest = params[0], params[1:]
             for line, line_rows in _groups(selected, rest):
                 xs = sorted(_values(line_rows, x_col))
                 stats = [stat(_select(line_rows, **{x_col: x}), metric) for x in xs]
                 positions = xs if _is_numeric(xs) else list(range(len(xs)))
-                ax.errorbar(positions, [s.mean for s in stats], yerr=[s.std for s in stats],
-                            marker='o', capsize=3, label=_title(line) or None)
+                ax.errorbar(
+                    positions,
+                    [s.mean for s in stats],
+                    yerr=[s.std for s in stats],
+                    marker="o",
+                    capsize=3,
+                    label=_title(line) or None,
+                )
                 if not _is_numeric(xs):
                     ax.set_xticks(positions, [str(x) for x in xs])
             ax.set_xlabel(x_col)
-            ax.set_ylabel(f'{_label(metric)} accuracy (%)')
+            ax.set_ylabel(f"{_label(metric)} accuracy (%)")
             ax.grid(alpha=0.3)
             if rest:
                 ax.legend(fontsize=7)
@@ -287,15 +311,15 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = '
     return path
 
 
-ENSEMBLE_METRICS = ('members', 'ensemble_top1', 'member_top1', 'fluctuation')
+ENSEMBLE_METRICS = ("members", "ensemble_top1", "member_top1", "fluctuation")
 
 
 def read_ensembles(path: str | Path) -> list[dict[str, Any]]:
     """ensembles.csv (written by the sweep when a grid has several seeds): one row per group of runs."""
-    with open(path, newline='') as f:
-        rows = [{k: _parse(v) for k, v in row.items() if v != ''} for row in csv.DictReader(f)]
+    with open(path, newline="") as f:
+        rows = [{k: _parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
     if not rows or any(metric not in rows[0] for metric in ENSEMBLE_METRICS):
-        raise ValueError(f'{path} holds no ensembles (expected columns {", ".join(ENSEMBLE_METRICS)})')
+        raise ValueError(f"{path} holds no ensembles (expected columns {', '.join(ENSEMBLE_METRICS)})")
     return rows
 
 
@@ -303,52 +327,63 @@ def ensemble_table(rows: list[dict[str, Any]]) -> str:
     """One row per group: its factors, the top-1 of the averaged logits, the members' mean top-1, the
     gain of ensembling (points of top-1) and the fluctuation of the members around their average."""
     factors = [column for column in rows[0] if column not in ENSEMBLE_METRICS]
-    body = [[row.get(f, '–') for f in factors] + [
-        f"{row['ensemble_top1']:.1f}", f"{row['member_top1']:.1f}",
-        f"{row['ensemble_top1'] - row['member_top1']:+.1f}", f"{row['fluctuation']:.3g}", row['members']]
-        for row in rows]
-    return _markdown(factors + ['ensemble top-1', 'members top-1 (mean)', 'gain', 'fluctuation', 'members'], body)
+    body = [
+        [row.get(f, "–") for f in factors]
+        + [
+            f"{row['ensemble_top1']:.1f}",
+            f"{row['member_top1']:.1f}",
+            f"{row['ensemble_top1'] - row['member_top1']:+.1f}",
+            f"{row['fluctuation']:.3g}",
+            row["members"],
+        ]
+        for row in rows
+    ]
+    return _markdown(factors + ["ensemble top-1", "members top-1 (mean)", "gain", "fluctuation", "members"], body)
 
 
-def write_report(csv_path: str | Path, out_dir: str | Path | None = None, baseline: str | None = None,
-                 best: bool = False) -> list[Path]:
+def write_report(
+    csv_path: str | Path, out_dir: str | Path | None = None, baseline: str | None = None, best: bool = False
+) -> list[Path]:
     """Write ``report.md`` and the PNGs next to the CSV (or in ``out_dir``); return the paths."""
     rows = read_runs(csv_path)
     out_dir = Path(out_dir) if out_dir is not None else Path(csv_path).parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    metric = 'best_top1' if best else 'top1'
+    metric = "best_top1" if best else "top1"
     if best and metric not in rows[0]:
-        raise ValueError(f'{csv_path} has no best_top1 column')
+        raise ValueError(f"{csv_path} has no best_top1 column")
     column = compared_column(rows)
     params = parameter_columns(rows)
     written = []
-    which = 'best' if best else 'final'
-    sections = [f'# Sweep report\n\nFrom `{Path(csv_path).name}`: {len(rows)} runs, {which} accuracy, '
-                'mean ± std over seeds.']
+    which = "best" if best else "final"
+    sections = [
+        f"# Sweep report\n\nFrom `{Path(csv_path).name}`: {len(rows)} runs, {which} accuracy, mean ± std over seeds."
+    ]
     compared = len(_values(rows, column)) > 1
     if compared:
         base = choose_baseline(rows, baseline)
         for where, selected in _groups(rows, params):
-            suffix = '' if not where else '_' + '_'.join(f'{k}-{v}' for k, v in where.items())
-            heading = f'## Sample efficiency{" (" + _title(where) + ")" if where else ""}'
-            sections.append(f'{heading}\n\nGap: relative improvement over {base}, '
-                            f'(model - {base}) / {base}, from the means.\n\n'
-                            + comparison_table(selected, base, metric))
+            suffix = "" if not where else "_" + "_".join(f"{k}-{v}" for k, v in where.items())
+            heading = f"## Sample efficiency{' (' + _title(where) + ')' if where else ''}"
+            sections.append(
+                f"{heading}\n\nGap: relative improvement over {base}, "
+                f"(model - {base}) / {base}, from the means.\n\n" + comparison_table(selected, base, metric)
+            )
             if len(_fractions(selected)) > 1:
-                png = plot_sample_efficiency(selected, base, out_dir / f'sample_efficiency{suffix}.png',
-                                             metric, _title(where))
-                sections.append(f'![sample efficiency]({png.name})')
+                png = plot_sample_efficiency(
+                    selected, base, out_dir / f"sample_efficiency{suffix}.png", metric, _title(where)
+                )
+                sections.append(f"![sample efficiency]({png.name})")
                 written.append(png)
     if not compared and not params:  # one model: its accuracy per fraction
-        sections.append('## Results\n\n' + parameter_table(rows, metric))
+        sections.append("## Results\n\n" + parameter_table(rows, metric))
     if params:
-        sections.append('## Parameter sweep\n\n' + parameter_table(rows, metric))
-        png = plot_parameter_sweep(rows, out_dir / 'parameter_sweep.png', metric)
-        sections.append(f'![parameter sweep]({png.name})')
+        sections.append("## Parameter sweep\n\n" + parameter_table(rows, metric))
+        png = plot_parameter_sweep(rows, out_dir / "parameter_sweep.png", metric)
+        sections.append(f"![parameter sweep]({png.name})")
         written.append(png)
     ensembles = Path(csv_path).parent / ENSEMBLES_CSV_NAME
     if ensembles.is_file():
-        sections.append('## Ensembles over seeds\n\n' + ensemble_table(read_ensembles(ensembles)))
+        sections.append("## Ensembles over seeds\n\n" + ensemble_table(read_ensembles(ensembles)))
     report = out_dir / REPORT_NAME
-    report.write_text('\n\n'.join(sections) + '\n')
+    report.write_text("\n\n".join(sections) + "\n")
     return [report] + written

@@ -43,34 +43,35 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
 from convbias.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
 
-SWEEP_KEYS = ('config', 'set', 'grid', 'variants', 'scale_epochs', 'baseline')
-MODEL_KWARG_PREFIX = 'model_kwargs.'
+SWEEP_KEYS = ("config", "set", "grid", "variants", "scale_epochs", "baseline")
+MODEL_KWARG_PREFIX = "model_kwargs."
 # Options the sweep itself decides for every run: a sweep file must not set them.
-RESERVED_OPTIONS = ('output', 'resume', 'config', 'scale_epochs', 'eval_only', 'checkpoint')
-RECORD_NAME = 'sweep.yaml'
+RESERVED_OPTIONS = ("output", "resume", "config", "scale_epochs", "eval_only", "checkpoint")
+RECORD_NAME = "sweep.yaml"
 BAD_INPUT_EXIT = 2  # train.py's exit code for a user mistake (engine.main)
-CSV_NAME = 'runs.csv'
-ENSEMBLES_CSV_NAME = 'ensembles.csv'  # one row per group of runs that differ only by seed
-TRAIN_MODULE = 'convbias.cli.train'  # train.py's body, importable from an installed package
+CSV_NAME = "runs.csv"
+ENSEMBLES_CSV_NAME = "ensembles.csv"  # one row per group of runs that differ only by seed
+TRAIN_MODULE = "convbias.cli.train"  # train.py's body, importable from an installed package
 # results.json field -> CSV column. The CSV keeps names that cannot collide with a swept option.
 RESULT_COLUMNS = {
-    'final_top1': 'top1',
-    'final_top5': 'top5',
-    'best_top1': 'best_top1',
-    'best_top5': 'best_top5',
-    'best_epoch': 'best_epoch',
-    'epochs': 'epochs_trained',
+    "final_top1": "top1",
+    "final_top5": "top5",
+    "best_top1": "best_top1",
+    "best_top5": "best_top5",
+    "best_epoch": "best_epoch",
+    "epochs": "epochs_trained",
 }
 # Sum of summary.csv's epoch_seconds: the training time of a run, resumed parts included.
-TIME_COLUMN = 'train_seconds'
+TIME_COLUMN = "train_seconds"
 
 
 @dataclass(frozen=True)
@@ -89,53 +90,53 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     """Read a sweep file and return its normalized spec (see the module docstring)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f'sweep file not found: {path}')
+        raise ValueError(f"sweep file not found: {path}")
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
-        raise ValueError(f'{path}: expected a mapping with keys {", ".join(SWEEP_KEYS)}')
+        raise ValueError(f"{path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
     return normalize_spec(raw, source=str(path))
 
 
-def normalize_spec(raw: dict[str, Any], source: str = 'sweep') -> dict[str, Any]:
+def normalize_spec(raw: dict[str, Any], source: str = "sweep") -> dict[str, Any]:
     """Check the shape of a sweep spec and fill its defaults; grid values become lists."""
     unknown = sorted(set(raw) - set(SWEEP_KEYS))
     if unknown:
-        raise ValueError(f'{source}: unknown sweep key(s) {unknown}; expected {list(SWEEP_KEYS)}')
+        raise ValueError(f"{source}: unknown sweep key(s) {unknown}; expected {list(SWEEP_KEYS)}")
     spec = {
-        'config': raw.get('config'),
-        'set': dict(raw.get('set') or {}),
-        'grid': {},
-        'variants': dict(raw.get('variants') or {}),
-        'scale_epochs': bool(raw.get('scale_epochs', True)),
-        'baseline': raw.get('baseline'),
+        "config": raw.get("config"),
+        "set": dict(raw.get("set") or {}),
+        "grid": {},
+        "variants": dict(raw.get("variants") or {}),
+        "scale_epochs": bool(raw.get("scale_epochs", True)),
+        "baseline": raw.get("baseline"),
     }
-    for key, values in (raw.get('grid') or {}).items():
+    for key, values in (raw.get("grid") or {}).items():
         values = list(values) if isinstance(values, (list, tuple)) else [values]
         if not values:
-            raise ValueError(f'{source}: grid.{key} is empty')
+            raise ValueError(f"{source}: grid.{key} is empty")
         if len(set(map(repr, values))) != len(values):
-            raise ValueError(f'{source}: grid.{key} repeats a value: {values}')
-        spec['grid'][key] = values
-    for name, options in spec['variants'].items():
+            raise ValueError(f"{source}: grid.{key} repeats a value: {values}")
+        spec["grid"][key] = values
+    for name, options in spec["variants"].items():
         if not isinstance(options, dict):
-            raise ValueError(f'{source}: variants.{name} must be a mapping of train.py options')
-    if spec['variants'] and 'model' in spec['grid']:
-        raise ValueError(f'{source}: use either variants or grid.model, not both '
-                         '(put the model inside each variant)')
+            raise ValueError(f"{source}: variants.{name} must be a mapping of train.py options")
+    if spec["variants"] and "model" in spec["grid"]:
+        raise ValueError(f"{source}: use either variants or grid.model, not both (put the model inside each variant)")
     return spec
 
 
-def override_spec(spec: dict[str, Any], grid: dict[str, list] | None = None,
-                  options: dict[str, Any] | None = None) -> dict[str, Any]:
+def override_spec(
+    spec: dict[str, Any], grid: dict[str, list] | None = None, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Return a copy of ``spec`` with grid axes and shared options replaced (the CLI overrides)."""
     spec = copy.deepcopy(spec)
     for key, values in (grid or {}).items():
-        spec['grid'][key] = list(values)
+        spec["grid"][key] = list(values)
     for key, value in (options or {}).items():
         if key.startswith(MODEL_KWARG_PREFIX):
-            spec['set'].setdefault('model_kwargs', {})[key[len(MODEL_KWARG_PREFIX):]] = value
+            spec["set"].setdefault("model_kwargs", {})[key[len(MODEL_KWARG_PREFIX) :]] = value
         else:
-            spec['set'][key] = value
+            spec["set"][key] = value
     return normalize_spec(spec)
 
 
@@ -144,62 +145,63 @@ def override_spec(spec: dict[str, Any], grid: dict[str, list] | None = None,
 
 def _format_value(value: Any) -> str:
     if isinstance(value, float):
-        return f'{value:g}'
-    return str(value).replace('/', '-').replace(' ', '')
+        return f"{value:g}"
+    return str(value).replace("/", "-").replace(" ", "")
 
 
 def run_name(point: dict[str, Any]) -> str:
     """Directory name of a grid point: ``convit_tiny__f0.05__seed0__locality_strength-2``."""
     parts = []
     for key, value in point.items():
-        if key in ('variant', 'model'):
+        if key in ("variant", "model"):
             parts.append(_format_value(value))
-        elif key == 'train_fraction':
-            parts.append(f'f{_format_value(value)}')
-        elif key == 'seed':
-            parts.append(f'seed{value}')
+        elif key == "train_fraction":
+            parts.append(f"f{_format_value(value)}")
+        elif key == "seed":
+            parts.append(f"seed{value}")
         else:
-            parts.append(f'{column_name(key)}-{_format_value(value)}')
-    return '__'.join(parts)
+            parts.append(f"{column_name(key)}-{_format_value(value)}")
+    return "__".join(parts)
 
 
 def column_name(axis: str) -> str:
     """CSV column of a grid axis (``model_kwargs.locality_strength`` -> ``locality_strength``)."""
-    return axis[len(MODEL_KWARG_PREFIX):] if axis.startswith(MODEL_KWARG_PREFIX) else axis
+    return axis[len(MODEL_KWARG_PREFIX) :] if axis.startswith(MODEL_KWARG_PREFIX) else axis
 
 
 def _apply(options: dict[str, Any], key: str, value: Any) -> None:
     if key.startswith(MODEL_KWARG_PREFIX):
-        options.setdefault('model_kwargs', {})[key[len(MODEL_KWARG_PREFIX):]] = value
-    elif key == 'model_kwargs':
-        options.setdefault('model_kwargs', {}).update(value)
+        options.setdefault("model_kwargs", {})[key[len(MODEL_KWARG_PREFIX) :]] = value
+    elif key == "model_kwargs":
+        options.setdefault("model_kwargs", {}).update(value)
     else:
         options[key] = value
 
 
 def expand_grid(spec: dict[str, Any]) -> list[Run]:
     """All runs of a sweep, in grid order (variants outermost, then the grid axes as written)."""
-    axes = dict(spec['grid'])
-    if spec['variants']:
-        axes = {'variant': list(spec['variants']), **axes}
+    axes = dict(spec["grid"])
+    if spec["variants"]:
+        axes = {"variant": list(spec["variants"]), **axes}
     columns = [column_name(axis) for axis in axes]
     if len(set(columns)) != len(columns):
-        raise ValueError(f'two grid axes map to the same CSV column: {list(axes)}')
+        raise ValueError(f"two grid axes map to the same CSV column: {list(axes)}")
     runs = []
     for values in itertools.product(*axes.values()):
         point = dict(zip(axes, values))
-        options = copy.deepcopy(spec['set'])
+        options = copy.deepcopy(spec["set"])
         for key, value in point.items():
-            if key == 'variant':
-                for vkey, vvalue in spec['variants'][value].items():
+            if key == "variant":
+                for vkey, vvalue in spec["variants"][value].items():
                     _apply(options, vkey, copy.deepcopy(vvalue))
             else:
                 _apply(options, key, value)
         runs.append(Run(run_name(point), point, options))
     names = [run.name for run in runs]
     if len(set(names)) != len(names):
-        raise ValueError('two grid points give the same run directory name; '
-                         'make the grid values distinct after formatting')
+        raise ValueError(
+            "two grid points give the same run directory name; make the grid values distinct after formatting"
+        )
     return runs
 
 
@@ -209,6 +211,7 @@ def expand_grid(spec: dict[str, Any]) -> list[Run]:
 def train_parser() -> argparse.ArgumentParser:
     """The argument parser of train.py (the engine's), used to check keys and render options."""
     from convbias.engine.config import build_parser
+
     return build_parser()
 
 
@@ -224,39 +227,40 @@ def _check_option_keys(keys: Iterable[str], where: str, known: dict[str, argpars
             raise ValueError(f"{where}: '{key}' is set by the sweep for every run; remove it")
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=3)
-            hint = f'; did you mean {", ".join(close)}?' if close else ''
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"{where}: '{key}' is not a train.py option (config key){hint}")
 
 
 def _check_model(run: Run, cfg: dict[str, Any]) -> None:
     """Build the run's model as train.py would, on the meta device (no memory, no init cost)."""
     import torch
+
     from convbias.engine.config import Config
     from convbias.engine.datasets import DATASETS
     from convbias.engine.modeling import create_model
 
     cfg = Config(cfg, pretrained=False, pretrained_file=None)  # no weights are read here
     try:
-        with torch.device('meta'):
-            create_model(cfg, num_classes=cfg['num_classes'] or 1000, in_chans=DATASETS[cfg['dataset']].in_chans)
+        with torch.device("meta"):
+            create_model(cfg, num_classes=cfg["num_classes"] or 1000, in_chans=DATASETS[cfg["dataset"]].in_chans)
     except ValueError as error:
-        raise ValueError(f'run {run.name}: {error}') from None
+        raise ValueError(f"run {run.name}: {error}") from None
 
 
 def _check_fraction(run: Run) -> None:
-    fraction = run.options.get('train_fraction', 1.0)
+    fraction = run.options.get("train_fraction", 1.0)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f'train_fraction must be a number in (0, 1], got {fraction!r} (run {run.name})')
+        raise ValueError(f"train_fraction must be a number in (0, 1], got {fraction!r} (run {run.name})")
 
 
 def _check_model_name(run: Run) -> None:
     from convbias.engine.modeling import check_model_name
     from convbias.families import load_families
 
-    if run.options.get('model') is None:
-        raise ValueError(f'run {run.name}: no model (add grid.model, set.model or variants)')
+    if run.options.get("model") is None:
+        raise ValueError(f"run {run.name}: no model (add grid.model, set.model or variants)")
     load_families()
-    check_model_name(run.options['model'], option=f'run {run.name}')
+    check_model_name(run.options["model"], option=f"run {run.name}")
 
 
 def validate(spec: dict[str, Any], runs: list[Run], known: dict[str, argparse.Action]) -> None:
@@ -264,23 +268,23 @@ def validate(spec: dict[str, Any], runs: list[Run], known: dict[str, argparse.Ac
     every run's full train.py options (checked by the engine's own parser and validation)."""
     from convbias.engine.config import parse_config
 
-    if spec['config'] is not None:
-        resolve_config(spec['config'])
-    _check_option_keys(spec['set'], 'set', known)
-    _check_option_keys(spec['grid'], 'grid', known)
-    for name, options in spec['variants'].items():
-        _check_option_keys(options, f'variants.{name}', known)
+    if spec["config"] is not None:
+        resolve_config(spec["config"])
+    _check_option_keys(spec["set"], "set", known)
+    _check_option_keys(spec["grid"], "grid", known)
+    for name, options in spec["variants"].items():
+        _check_option_keys(options, f"variants.{name}", known)
     if not runs:
-        raise ValueError('the grid is empty')
+        raise ValueError("the grid is empty")
     checked = set()
     for run in runs:
         _check_model_name(run)
         _check_fraction(run)
         try:
-            cfg = parse_config(train_args(run, Path('unused'), spec, known))
+            cfg = parse_config(train_args(run, Path("unused"), spec, known))
         except ValueError as error:
-            raise ValueError(f'run {run.name}: {error}') from None
-        key = (cfg['model'], repr(sorted(cfg['model_kwargs'].items())), cfg['img_size'], cfg['dataset'])
+            raise ValueError(f"run {run.name}: {error}") from None
+        key = (cfg["model"], repr(sorted(cfg["model_kwargs"].items())), cfg["img_size"], cfg["dataset"])
         if key not in checked:
             _check_model(run, cfg)
             checked.add(key)
@@ -289,19 +293,19 @@ def validate(spec: dict[str, Any], runs: list[Run], known: dict[str, argparse.Ac
 # ----------------------------------------------------------------------------- grid record
 
 
-def _diff(old: Any, new: Any, prefix: str = '') -> list[str]:
+def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         lines = []
         for key in list(old) + [k for k in new if k not in old]:
-            where = f'{prefix}.{key}' if prefix else str(key)
+            where = f"{prefix}.{key}" if prefix else str(key)
             if key not in new:
-                lines.append(f'{where}: {old[key]!r} -> (absent)')
+                lines.append(f"{where}: {old[key]!r} -> (absent)")
             elif key not in old:
-                lines.append(f'{where}: (absent) -> {new[key]!r}')
+                lines.append(f"{where}: (absent) -> {new[key]!r}")
             else:
                 lines.extend(_diff(old[key], new[key], where))
         return lines
-    return [] if old == new else [f'{prefix}: {old!r} -> {new!r}']
+    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
 def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
@@ -310,15 +314,18 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
     if record.exists():
         old = yaml.safe_load(record.read_text())
         # The baseline only changes the report, not the runs.
-        differences = _diff({k: v for k, v in old.items() if k != 'baseline'},
-                            {k: v for k, v in spec.items() if k != 'baseline'})
+        differences = _diff(
+            {k: v for k, v in old.items() if k != "baseline"}, {k: v for k, v in spec.items() if k != "baseline"}
+        )
         if differences:
-            raise ValueError(f'{sweep_dir} holds a different sweep ({record}); differences '
-                             f'(recorded -> requested): {"; ".join(differences)}. '
-                             'Use another output directory, or rerun with the recorded grid.')
+            raise ValueError(
+                f"{sweep_dir} holds a different sweep ({record}); differences "
+                f"(recorded -> requested): {'; '.join(differences)}. "
+                "Use another output directory, or rerun with the recorded grid."
+            )
         return
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_suffix('.tmp')
+    tmp = record.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
     tmp.replace(record)
 
@@ -329,7 +336,7 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
 def resolve_config(path: str) -> Path:
     """A base recipe path, relative to the current directory."""
     if not Path(path).is_file():
-        raise ValueError(f'base config not found: {path} (relative to {Path.cwd()})')
+        raise ValueError(f"base config not found: {path} (relative to {Path.cwd()})")
     return Path(path).resolve()
 
 
@@ -341,14 +348,14 @@ def option_args(key: str, value: Any, known: dict[str, argparse.Action]) -> list
     """The train.py arguments that set config key ``key`` to ``value``."""
     action = known[key]
     if isinstance(action, argparse.BooleanOptionalAction):
-        positive = next(s for s in action.option_strings if s.startswith('--'))  # as declared
-        return [positive if value else f'--no-{positive[2:]}']
+        positive = next(s for s in action.option_strings if s.startswith("--"))  # as declared
+        return [positive if value else f"--no-{positive[2:]}"]
     if action.nargs == 0:  # store_true / store_false
         return [_flag(action)] if bool(value) != bool(action.default) else []
     if value is None:
         return []
     if isinstance(value, dict):
-        return [_flag(action)] + [f'{k}={v}' for k, v in value.items()] if value else []
+        return [_flag(action)] + [f"{k}={v}" for k, v in value.items()] if value else []
     if isinstance(value, (list, tuple)):
         return [_flag(action)] + [str(v) for v in value]
     return [_flag(action), str(value)]
@@ -361,23 +368,23 @@ def train_args(run: Run, run_dir: Path, spec: dict[str, Any], known: dict[str, a
     scheduler can relaunch a preempted job as it is.
     """
     options = dict(run.options)
-    if spec['scale_epochs'] and options.get('eval_interval'):
-        fraction = options.get('train_fraction', 1.0)
-        options['eval_interval'] = max(1, round(options['eval_interval'] / fraction))
-    args = ['-c', str(resolve_config(spec['config']))] if spec['config'] else []
-    args += ['--model', str(options.pop('model'))]
+    if spec["scale_epochs"] and options.get("eval_interval"):
+        fraction = options.get("train_fraction", 1.0)
+        options["eval_interval"] = max(1, round(options["eval_interval"] / fraction))
+    args = ["-c", str(resolve_config(spec["config"]))] if spec["config"] else []
+    args += ["--model", str(options.pop("model"))]
     for key, value in options.items():
         args += option_args(key, value, known)
-    if spec['scale_epochs']:
-        args.append('--scale-epochs')
-    return args + ['--output', str(run_dir), '--resume', 'auto']
+    if spec["scale_epochs"]:
+        args.append("--scale-epochs")
+    return args + ["--output", str(run_dir), "--resume", "auto"]
 
 
 def command(train_arguments: list[str], launcher: list[str] | None = None) -> list[str]:
     """``python -m convbias.cli.train ARGS`` (train.py's body), or ``LAUNCHER -m convbias.cli.train ARGS``
     (e.g. ``accelerate launch --num_processes 8``)."""
     prefix = list(launcher) if launcher else [sys.executable]
-    return prefix + ['-m', TRAIN_MODULE] + train_arguments
+    return prefix + ["-m", TRAIN_MODULE] + train_arguments
 
 
 # ----------------------------------------------------------------------------- run state
@@ -387,16 +394,16 @@ def run_state(run_dir: Path) -> str:
     """``'done'`` (results.json), ``'interrupted'`` (a resume point, no results) or ``'new'``."""
     from convbias.engine.checkpoint import CheckpointDir
 
-    if (run_dir / 'results.json').is_file():
-        return 'done'
+    if (run_dir / "results.json").is_file():
+        return "done"
     if CheckpointDir(run_dir).last is not None:
-        return 'interrupted'
-    return 'new'
+        return "interrupted"
+    return "new"
 
 
 def clear_unresumable(run_dir: Path) -> bool:
     """Remove what a run killed before its first checkpoint left (train.py would refuse the dir)."""
-    if run_dir.is_dir() and run_state(run_dir) == 'new' and any(run_dir.iterdir()):
+    if run_dir.is_dir() and run_state(run_dir) == "new" and any(run_dir.iterdir()):
         shutil.rmtree(run_dir)
         return True
     return False
@@ -404,11 +411,11 @@ def clear_unresumable(run_dir: Path) -> bool:
 
 def train_seconds(run_dir: Path) -> float | None:
     """Total training time from summary.csv (every epoch once, interrupted runs included)."""
-    summary = run_dir / 'summary.csv'
+    summary = run_dir / "summary.csv"
     if not summary.is_file():
         return None
-    with open(summary, newline='') as f:
-        return round(sum(float(row['epoch_seconds']) for row in csv.DictReader(f) if row.get('epoch_seconds')), 1)
+    with open(summary, newline="") as f:
+        return round(sum(float(row["epoch_seconds"]) for row in csv.DictReader(f) if row.get("epoch_seconds")), 1)
 
 
 @dataclass
@@ -421,7 +428,7 @@ class Sweep:
     known: dict[str, argparse.Action]
 
     @classmethod
-    def prepare(cls, spec: dict[str, Any], sweep_dir: str | Path) -> 'Sweep':
+    def prepare(cls, spec: dict[str, Any], sweep_dir: str | Path) -> Sweep:
         """Expand and validate the grid and record it in ``sweep_dir``; nothing runs yet."""
         runs = expand_grid(spec)
         known = _options_by_key(train_parser())
@@ -431,14 +438,14 @@ class Sweep:
         return cls(spec, sweep_dir, runs, known)
 
     def run_dir(self, run: Run) -> Path:
-        return self.sweep_dir / 'runs' / run.name
+        return self.sweep_dir / "runs" / run.name
 
     def commands(self, launcher: list[str] | None = None) -> list[list[str]]:
         """The command of every run that is not complete."""
         out = []
         for run in self.runs:
             state = run_state(self.run_dir(run))
-            if state != 'done':
+            if state != "done":
                 out.append(command(train_args(run, self.run_dir(run), self.spec, self.known), launcher))
         return out
 
@@ -454,23 +461,23 @@ class Sweep:
         finds it interrupted and resumes it from its last checkpoint.
         """
         failed = []
-        log_dir = self.sweep_dir / 'logs'
+        log_dir = self.sweep_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         for index, run in enumerate(self.runs, 1):
             run_dir = self.run_dir(run)
             state = run_state(run_dir)
-            prefix = f'[{index}/{len(self.runs)}] {run.name}'
-            if state == 'done':
-                log(f'{prefix}: complete, skipped')
+            prefix = f"[{index}/{len(self.runs)}] {run.name}"
+            if state == "done":
+                log(f"{prefix}: complete, skipped")
                 continue
             if clear_unresumable(run_dir):
-                log(f'{prefix}: removed a partial run with no checkpoint')
+                log(f"{prefix}: removed a partial run with no checkpoint")
             cmd = command(train_args(run, run_dir, self.spec, self.known), launcher)
-            log(f'{prefix}: {"resuming" if state == "interrupted" else "starting"}')
-            log_path = log_dir / f'{run.name}.log'
+            log(f"{prefix}: {'resuming' if state == 'interrupted' else 'starting'}")
+            log_path = log_dir / f"{run.name}.log"
             start = time.time()
-            with open(log_path, 'a') as log_file:
-                log_file.write(f'$ {shlex.join(cmd)}\n')
+            with open(log_path, "a") as log_file:
+                log_file.write(f"$ {shlex.join(cmd)}\n")
                 log_file.flush()
                 child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
                 try:
@@ -484,30 +491,30 @@ class Sweep:
                     raise
             seconds = time.time() - start
             if returncode == BAD_INPUT_EXIT:  # the same mistake would stop every other run too
-                last = log_path.read_text().strip().splitlines()[-1].removeprefix('error: ')
-                raise ValueError(f'train.py refused run {run.name} ({log_path}): {last}')
-            if returncode != 0 or run_state(run_dir) != 'done':
-                tail = ''.join(log_path.read_text().splitlines(keepends=True)[-5:])
-                log(f'{prefix}: FAILED (exit {returncode}, {seconds:.0f}s), see {log_path}:\n{tail}')
+                last = log_path.read_text().strip().splitlines()[-1].removeprefix("error: ")
+                raise ValueError(f"train.py refused run {run.name} ({log_path}): {last}")
+            if returncode != 0 or run_state(run_dir) != "done":
+                tail = "".join(log_path.read_text().splitlines(keepends=True)[-5:])
+                log(f"{prefix}: FAILED (exit {returncode}, {seconds:.0f}s), see {log_path}:\n{tail}")
                 failed.append(run.name)
                 continue
-            result = json.loads((run_dir / 'results.json').read_text())
-            log(f'{prefix}: top-1 {result["final_top1"]:.2f} ({seconds:.0f}s)')
+            result = json.loads((run_dir / "results.json").read_text())
+            log(f"{prefix}: top-1 {result['final_top1']:.2f} ({seconds:.0f}s)")
         return failed
 
     def collect(self) -> tuple[list[dict[str, Any]], list[str]]:
         """One CSV row per complete run (grid values + results.json) and the incomplete run names."""
         rows, missing = [], []
         for run in self.runs:
-            results_path = self.run_dir(run) / 'results.json'
+            results_path = self.run_dir(run) / "results.json"
             if not results_path.is_file():
                 missing.append(run.name)
                 continue
             results = json.loads(results_path.read_text())
-            row = {'run': run.name}
-            if 'variant' in run.point:
-                row['variant'] = run.point['variant']
-            row.update(model=results['model'], train_fraction=results['train_fraction'], seed=results['seed'])
+            row = {"run": run.name}
+            if "variant" in run.point:
+                row["variant"] = run.point["variant"]
+            row.update(model=results["model"], train_fraction=results["train_fraction"], seed=results["seed"])
             for axis, value in run.point.items():
                 row.setdefault(column_name(axis), value)
             for field, column in RESULT_COLUMNS.items():
@@ -525,7 +532,7 @@ class Sweep:
         top-1 of the averaged logits, mean top-1 of the members and the members' fluctuation."""
         from convbias.evaluation.ensembles import evaluate_runs
 
-        skip = {'run', 'seed', TIME_COLUMN, *RESULT_COLUMNS.values()}
+        skip = {"run", "seed", TIME_COLUMN, *RESULT_COLUMNS.values()}
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for row in rows:
             key = tuple((k, v) for k, v in row.items() if k not in skip)
@@ -534,7 +541,14 @@ class Sweep:
         for key, members in groups.items():
             if len(members) < 2:
                 continue
-            result = evaluate_runs([self.sweep_dir / 'runs' / m['run'] for m in members], extensions)
-            ensembles.append({**dict(key), 'members': result.members, 'ensemble_top1': 100 - result.ensemble_error,
-                              'member_top1': 100 - result.mean_member_error, 'fluctuation': result.fluctuation})
+            result = evaluate_runs([self.sweep_dir / "runs" / m["run"] for m in members], extensions)
+            ensembles.append(
+                {
+                    **dict(key),
+                    "members": result.members,
+                    "ensemble_top1": 100 - result.ensemble_error,
+                    "member_top1": 100 - result.mean_member_error,
+                    "fluctuation": result.fluctuation,
+                }
+            )
         return ensembles

@@ -3,6 +3,7 @@ epoch, as train.py's --diagnostics wrote them to log.jsonl. Writes trajectories.
 
     python results/relative_stability/trajectories.py RUNS_DIR OUTPUT_DIR
 """
+
 import csv
 import json
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main(runs: Path, output: Path) -> None:
@@ -35,11 +36,22 @@ def main(runs: Path, output: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for name, points in runs_by_name.items():
         family = name.split("_P")[0]
-        ax.plot([p["epoch"] for p in points], [p["rf"] for p in points], "-" if "P1.0" in name else ":",
-                color=colors[family], marker="o", ms=2.5, label=family if "P1.0_seed0" in name else None)
+        ax.plot(
+            [p["epoch"] for p in points],
+            [p["rf"] for p in points],
+            "-" if "P1.0" in name else ":",
+            color=colors[family],
+            marker="o",
+            ms=2.5,
+            label=family if "P1.0_seed0" in name else None,
+        )
     ax.axhline(1.0, color="gray", lw=0.5)
-    ax.set(yscale="log", xlabel="epoch (0 = initialization; eFCNs: epochs after the lift)", ylabel="R_f",
-           title="R_f during training (delta = 1, c = 3, 100 test images)\nsolid: P = 4000, dotted: P = 1000")
+    ax.set(
+        yscale="log",
+        xlabel="epoch (0 = initialization; eFCNs: epochs after the lift)",
+        ylabel="R_f",
+        title="R_f during training (delta = 1, c = 3, 100 test images)\nsolid: P = 4000, dotted: P = 1000",
+    )
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(output / "trajectories.png", dpi=120, bbox_inches="tight")
