@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) of whole models (issue 10): inductor on CPU, forward and backward,
+"""torch.compile(fullgraph=True) of whole models: inductor on CPU, forward and backward,
 no graph break (fullgraph raises on the first one, the GPSA hot path's autograd Function included),
 compiled outputs and gradients equal to eager's; both as plain torch.compile and as the engine's
 --compile does it on a CPU (convbias.engine.compile.compile_model: ATen's kernels for some modules)."""
@@ -22,7 +22,7 @@ CASES = {
 }
 # (model, compiled as the engine does on a CPU?): the engine's way where it swaps modules in a new way
 # (GELU and LayerNorm; ReLU, BatchNorm and ATen's max-pool; the tiled max-pool), plain torch.compile for
-# the others (each model's compile costs 5-45 s of the suite, so not every model both ways)
+# the others (compiling is the slowest part of the suite, so not every model both ways)
 VARIANTS = [
     ("convit_tiny", False),
     ("convit_tiny", True),

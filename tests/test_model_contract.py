@@ -1,4 +1,4 @@
-"""The timm model contract (issue 10) for every model this project registers: parametrized over the
+"""The timm model contract for every model this project registers: parametrized over the
 registry, so registering a model puts it under these checks. Tiny sizes; the oracle is the model's
 own full forward (forward_head(forward_features(x)) == forward(x)) and timm's own behavior."""
 
@@ -141,7 +141,7 @@ def test_alexnet_refuses_to_drop_the_flatten_its_mlp_reads():
         _build("alexnet_cifar").reset_classifier(0, "")
 
 
-# T-CNN: one ResNet with basic blocks, one with bottlenecks (scripting a ResNet-50 takes ~5 s; what else
+# T-CNN: one ResNet with basic blocks, one with bottlenecks (scripting every depth would be slow; what else
 # differs among the depths is timm's own scriptable code)
 SCRIPTED = [n for n in CHECKED if not n.startswith("tcnn_") or n in ("tcnn_resnet18", "tcnn_resnet50")]
 

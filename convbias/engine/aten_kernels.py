@@ -1,11 +1,8 @@
 """Eager's kernels inside a CPU inductor graph, for the ops where inductor's own CPU code loses to eager.
 
-Measured on the CPU this package is tested on (benchmarks/compile_speedup.py; README), for inductor's
-generated C++ against ATen: GELU forward 2.3 vs 1.2 ms and backward 3.7 vs 3.0 ms at DeiT-Ti/32px
-shapes; LayerNorm 0.9 vs 0.7 ms; max-pool with indices a scalar loop, 3x ATen's, and its backward 12
-vs 1.5 ms; and the bool mask inductor saves for ReLU's backward, stored 20x slower than eager computes
-it (11 vs 0.6 ms for 2M elements). Together they made plain `torch.compile` train the ViTs 2-4% and a small
-CNN 40% slower than eager. Here:
+Inductor's generated C++ is slower than ATen's kernels for GELU, LayerNorm, max-pool with indices (a
+scalar loop) and the bool mask it saves for ReLU's backward (docs/benchmarks.md has the per-op timings
+and docs/hot-path.md the design). Here:
 
 - GELU, LayerNorm: `torch.library.custom_op`s whose forward and backward call ATen's kernels, so
   inductor keeps each as one opaque call inside the graph (no graph break) and fuses what is around it;
@@ -178,8 +175,8 @@ max_pool2d.register_autograd(_max_pool2d_grad, setup_context=_max_pool2d_context
 def _tiled_max_pool2d(x: Tensor, kh: int, kw: int) -> Tensor:
     """Max-pool over non-overlapping kh x kw windows as a max over the last axis of a view. Its autograd
     (the gradient goes to the first maximum of each window, as in ATen's max-pool) and the ReLU before
-    it are pointwise for inductor: one fused, vectorized kernel each way, where ATen's max-pool with
-    indices took 2 ms per call on this CPU."""
+    it are pointwise for inductor: one fused, vectorized kernel each way, cheaper than ATen's max-pool with
+    indices."""
     n, c, h, w = x.shape
     ho, wo = h // kh, w // kw
     windows = x[..., : ho * kh, : wo * kw].reshape(n, c, ho, kh, wo, kw).permute(0, 1, 2, 4, 3, 5)

@@ -14,10 +14,9 @@ only the training step and ``evaluate`` call. Hence
 DDP is compiled from the outside (``torch.compile(ddp_model)``), as PyTorch recommends, so dynamo's
 DDP optimizer splits the graph at bucket boundaries and gradient all-reduce still overlaps backward.
 
-On a CPU, inductor's own code loses to eager in two places (measured: benchmarks/compile_speedup.py,
-README): its generated kernels for GELU, LayerNorm, max-pool and ReLU's saved mask are up to 20x slower
-than ATen's (`aten_kernels`), and its layout optimization moved the small CNN's convolutions to
-channels-last, where oneDNN ran them 2x slower. So on a CPU the engine compiles with inductor's
+On a CPU, inductor's own code loses to eager in two places (docs/benchmarks.md): its generated kernels
+for GELU, LayerNorm, max-pool and ReLU's saved mask are slower than ATen's (`aten_kernels`), and its
+layout optimization moves a small CNN's convolutions to channels-last, where oneDNN runs them slower. So on a CPU the engine compiles with inductor's
 ``layout_optimization`` option off (a documented ``torch.compile`` option) and routes those modules
 through `aten_kernels.use_aten_kernels`, which keeps eager's numerics for them. On a GPU
 ``torch.compile`` runs as PyTorch ships it.

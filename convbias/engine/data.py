@@ -313,7 +313,7 @@ def seeded_rngs(seed: int):
     random.seed(seed)
     np.random.seed(seed)
     torch.default_generator.manual_seed(seed)  # the CPU generator the transforms draw from (torch.manual_seed
-    # would also seed every accelerator's generators: 0.14 ms per image instead of 1 us)
+    # would also seed every accelerator's generators, at a cost per image far above the transform's)
     try:
         yield
     finally:
