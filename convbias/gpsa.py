@@ -193,7 +193,7 @@ def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> to
 
     The backward's products for the factors' gradients have a 14 x 14 output per head and K = B * dv *
     14 terms. A GPU's GEMM gives each output tile one thread block, so there only G blocks walk the
-    whole K (measured: 0.56 ms each at batch 256 on an H100, 11 ms of a 50 ms step). Cutting K into
+    whole K, a large share of the step (docs/benchmarks.md). Cutting K into
     `splits` chunks gives G * splits blocks (split-K), at the price of a copy of each operand and
     a sum of the partial products (in fp32). The CPU's GEMM needs no help: one chunk there."""
     groups, m, length = a.shape
