@@ -7,6 +7,7 @@ ValueError whose one-line message names the file and what is wrong with it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -68,7 +69,13 @@ def _shown(keys: list[str]) -> str:
 
 def check_compatible(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
     """Raise ValueError naming missing, unexpected and shape-mismatched keys."""
-    expected = model.state_dict()
+    check_keys(model.state_dict(), state_dict, source, type(model).__name__)
+
+
+def check_keys(
+    expected: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], source: str, model_name: str
+) -> None:
+    """check_compatible against the tensors `expected` (a model's state dict, or part of it)."""
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     mismatched = [
@@ -86,7 +93,7 @@ def check_compatible(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
         if keys
     ]
     if problems:
-        raise ValueError(f"{source} does not fit this model ({type(model).__name__}): " + "; ".join(problems))
+        raise ValueError(f"{source} does not fit this model ({model_name}): " + "; ".join(problems))
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:

@@ -32,7 +32,7 @@ def _stage_names(cnn: ResNet) -> list[str]:
     return names
 
 
-def _resolve_stages(cnn: ResNet, stages: int | str | Iterable[int] | None) -> list[int]:
+def resolve_stages(cnn: ResNet, stages: int | str | Iterable[int] | None) -> list[int]:
     count = len(_stage_names(cnn))
     if stages is None:
         return [count]
@@ -132,7 +132,7 @@ def transform(
     lam = default_lambda if gating is None else float(gating)
 
     plan = {}  # checked for every stage before the model is touched
-    for stage in _resolve_stages(cnn, stages):
+    for stage in resolve_stages(cnn, stages):
         name = f"layer{stage}"
         convs = [
             (n, m)
