@@ -19,10 +19,13 @@ from convbias.gpsa import (
     PositionalFactors,
     grid_positions,
     kernel_offsets,
+    paper_kernel_offsets,
     positional_attention,
     positional_factors,
     relative_encodings,
 )
+
+CONV_INITS = ("paper", "integer")  # the kernels of `GPSA.local_init`
 
 
 def _grid_encodings(grid_size: GridSize, device: torch.device) -> torch.Tensor:
@@ -103,11 +106,23 @@ class GPSA(GatedPositionalAttention):
         return self.proj_drop(self.proj(x))
 
     @torch.no_grad()
-    def local_init(self, locality_strength: float | None = None) -> None:
-        """Convolutional initialization (Eq. 7.5): W_val = I, heads on a k x k kernel of offsets."""
+    def local_init(self, locality_strength: float | None = None, offsets: str = "paper") -> None:
+        """Convolutional initialization (Eq. 7.5): W_val = I, heads on a k x k kernel of offsets.
+
+        offsets: "paper" (`paper_kernel_offsets`: the official code's and timm's, the same values as
+        timm's `GPSA.local_init`: a head count that is not a square keeps its extra heads' random
+        v_pos, scaled by alpha as theirs) or "integer" (`kernel_offsets`: one target pixel per head)."""
+        if offsets not in CONV_INITS:
+            raise ValueError(f"offsets={offsets!r} must be one of {CONV_INITS}")
         self.v.weight.copy_(torch.eye(self.dim))
         alpha = self.locality_strength if locality_strength is None else locality_strength
-        self.set_conv_init(kernel_offsets(self.num_heads), alpha)
+        if offsets == "integer":
+            self.set_conv_init(kernel_offsets(self.num_heads), alpha)
+            return
+        centers = paper_kernel_offsets(self.num_heads)
+        weight = self.pos_proj.weight
+        weight[: len(centers)] = torch.cat([2 * centers, -torch.ones(len(centers), 1)], dim=1)
+        weight.mul_(float(alpha))
 
 
 class MHSA(nn.Module):

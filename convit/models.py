@@ -11,6 +11,11 @@ head, 48 for ConViT-Ti: width 48 x 4 = 192). Unlike timm's `ConVit`, the model r
 whose sides are multiples of the patch size (rectangular grids too): GPSA rebuilds its relative encodings for the token grid and the absolute
 position embedding is resampled.
 
+The initialization is the official code's and timm's: for the same seed a `ConViT` starts from the
+same parameters as timm's `ConVit` with the same kwargs (the order of random draws is theirs). The
+convolutional init centers an even kernel's heads on half-integers (`conv_init="paper"`, the default);
+`conv_init="integer"` gives each head one target pixel instead (`convbias.gpsa.kernel_offsets`).
+
 Ablations of Table 7.3 are constructor kwargs (`conv_init`, `train_gating`, `train_gpsa`,
 `local_up_to_layer`); the test-time masks of App. F.6 (Tables F.2, F.3) are `set_test_masks` (also
 reachable as kwargs for evaluation runs).
@@ -39,7 +44,7 @@ from torch import nn
 
 from convbias.timm_compat import feature_take_indices
 
-from .attention import GPSA, MHSA, GridSize
+from .attention import CONV_INITS, GPSA, MHSA, GridSize
 
 __all__ = ["Block", "ConViT", "PoolError", "checkpoint_filter_fn"]
 
@@ -106,6 +111,15 @@ def pos_embed_for_grid(
     )
 
 
+def _conv_init_name(conv_init: bool | str) -> str:
+    """`conv_init` as one of CONV_INITS or "none" (True is "paper", False "none")."""
+    if isinstance(conv_init, bool):
+        return "paper" if conv_init else "none"
+    if conv_init not in (*CONV_INITS, "none"):
+        raise ValueError(f"conv_init={conv_init!r} must be one of {(*CONV_INITS, 'none')} (or True / False)")
+    return conv_init
+
+
 def _check_config(
     img_size: tuple[int, int],
     patch_size: tuple[int, int],
@@ -144,8 +158,10 @@ def _check_config(
 class ConViT(nn.Module):
     """Vision transformer with `local_up_to_layer` GPSA blocks, then SA blocks with the class token.
 
-    Ablation switches (Table 7.3): `local_up_to_layer=0` (no GPSA: a DeiT), `conv_init=False`
-    (random GPSA init instead of Eq. 7.5), `train_gating=False` (lambda frozen at 0, so content and
+    `conv_init`: "paper" (Eq. 7.5 with the official code's kernel: half-integer centers for an even
+    kernel, as timm), "integer" (integer centers, one target pixel per head: `kernel_offsets`), or
+    "none" / False (random GPSA init instead of Eq. 7.5); True means "paper".
+    Ablation switches (Table 7.3): `local_up_to_layer=0` (no GPSA: a DeiT), `conv_init=False`, `train_gating=False` (lambda frozen at 0, so content and
     position get equal weight: footnote 4), `train_gpsa=False` (the GPSA attention modules are frozen,
     only their blocks' norms and MLPs train). Test-time masks (App. F.6): `mask_pos_embed`,
     `mask_content_layers`, `mask_position_layers`; see `set_test_masks`.
@@ -171,7 +187,7 @@ class ConViT(nn.Module):
         local_up_to_layer: int = 10,
         locality_strength: float = 1.0,
         use_pos_embed: bool = True,
-        conv_init: bool = True,
+        conv_init: bool | str = "paper",
         train_gating: bool = True,
         train_gpsa: bool = True,
         mask_pos_embed: bool = False,
@@ -181,6 +197,7 @@ class ConViT(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        conv_init = _conv_init_name(conv_init)
         img_size, patch_size = to_2tuple(img_size), to_2tuple(patch_size)
         _check_config(
             img_size, patch_size, embed_dim, depth, num_heads, global_pool, local_up_to_layer, locality_strength
@@ -202,6 +219,8 @@ class ConViT(nn.Module):
         self.pos_embed = (
             nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim)) if use_pos_embed else None
         )
+        if self.pos_embed is not None:  # drawn here, before the blocks exist: timm's order of random draws
+            trunc_normal_(self.pos_embed, std=0.02)
         self.pos_drop = nn.Dropout(pos_drop_rate)
         drop_path_rates = calculate_drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.ModuleList(
@@ -236,9 +255,9 @@ class ConViT(nn.Module):
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
-    def _init_weights(self, conv_init: bool) -> None:
-        if self.pos_embed is not None:
-            trunc_normal_(self.pos_embed, std=0.02)
+    def _init_weights(self, conv_init: str) -> None:
+        """timm's `ConVit` init, in its order: class token, every Linear (the patch embedding's conv keeps
+        PyTorch's default init, as theirs), then the convolutional init of the GPSA layers."""
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=0.02)
         for module in self.modules():
@@ -249,9 +268,9 @@ class ConViT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
-        if conv_init:
+        if conv_init != "none":
             for layer in self.gpsa_layers():
-                layer.local_init()
+                layer.local_init(offsets=conv_init)
 
     # -- switches -------------------------------------------------------------------------------
     def gpsa_layers(self) -> list[GPSA]:

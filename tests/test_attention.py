@@ -1,12 +1,21 @@
 """GPSA / MHSA layers: hot path vs reference path, timm's layers as oracle, convolutional init, grids."""
 
+import math
+
 import pytest
 import torch
 from timm.models import convit as timm_convit
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from convbias import gpsa
-from convbias.gpsa import PositionalFactors, gated_attention, grid_positions, kernel_offsets, relative_encodings
+from convbias.gpsa import (
+    PositionalFactors,
+    gated_attention,
+    grid_positions,
+    kernel_offsets,
+    paper_kernel_offsets,
+    relative_encodings,
+)
 from convit import GPSA, MHSA
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -193,7 +202,7 @@ def test_relative_encodings_of_a_rectangular_grid():
 def test_conv_init_with_large_alpha_attends_to_the_kernel_offset(heads, kernel):
     grid = (9, 8)  # rectangular on purpose: catches swapped x / y
     layer = GPSA(heads * 4, heads)
-    layer.local_init(locality_strength=10.0)
+    layer.local_init(locality_strength=10.0, offsets="integer")
     offsets = kernel_offsets(heads).long()
     assert len({tuple(o) for o in offsets.tolist()}) == heads == kernel * kernel
     assert torch.equal(layer.v.weight, torch.eye(heads * 4))
@@ -207,12 +216,39 @@ def test_conv_init_with_large_alpha_attends_to_the_kernel_offset(heads, kernel):
                 assert pos_attn[h, query, target] > 0.99, (h, qx, qy)
 
 
+@pytest.mark.parametrize("heads,kernel", [(4, 2), (9, 3), (16, 4)])
+def test_paper_conv_init_centers_each_head_as_timm(heads, kernel):
+    """The paper's kernel (timm's `local_init`, head = col * k + row): at large alpha an odd kernel's head
+    attends to one pixel, an even kernel's head splits evenly over the four pixels around its
+    half-integer center."""
+    grid = (9, 8)
+    layer = GPSA(heads * 4, heads)
+    layer.local_init(locality_strength=10.0)
+    theirs = timm_convit.GPSA(heads * 4, heads, locality_strength=10.0)
+    theirs.local_init()
+    torch.testing.assert_close(layer.pos_proj.weight, theirs.pos_proj.weight)
+    pos_attn = layer.positional_attention(grid)
+    margin = kernel
+    for h, (cx, cy) in enumerate(paper_kernel_offsets(heads).tolist()):
+        assert (h % kernel, h // kernel) == (cy + (kernel - 1) / 2, cx + (kernel - 1) / 2)
+        xs = sorted({math.floor(cx), math.ceil(cx)})
+        ys = sorted({math.floor(cy), math.ceil(cy)})
+        share = 1.0 / (len(xs) * len(ys))
+        for qy in range(margin, grid[0] - margin):
+            for qx in range(margin, grid[1] - margin):
+                query = qy * grid[1] + qx
+                for dy in ys:
+                    for dx in xs:
+                        target = (qy + dy) * grid[1] + (qx + dx)
+                        assert abs(pos_attn[h, query, target] - share) < 0.01, (h, qx, qy)
+
+
 def test_position_only_conv_init_shifts_the_values_by_each_offset():
     """With gate 1, identity value and output maps, head h copies its channels from query + Delta^h."""
     heads, per_head, grid = 9, 2, (5, 6)
     dim, n = heads * per_head, grid[0] * grid[1]
     layer = GPSA(dim, heads)
-    layer.local_init(locality_strength=30.0)
+    layer.local_init(locality_strength=30.0, offsets="integer")
     layer.gate_override = 1.0
     with torch.no_grad():
         layer.proj.weight.copy_(torch.eye(dim))

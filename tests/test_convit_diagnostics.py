@@ -37,7 +37,7 @@ class OneLayer(nn.Module):
 
 def position_only_gpsa(dim: int, heads: int, alpha: float = 50.0) -> GPSA:
     layer = GPSA(dim, heads)
-    layer.local_init(alpha)
+    layer.local_init(alpha, offsets="integer")  # one target pixel per head
     layer.gate_override = 1.0
     return layer
 
@@ -339,7 +339,7 @@ def test_convit_summary_covers_every_layer_and_head():
 
 def test_convit_position_only_layers_have_the_nonlocality_of_their_offsets():
     # locality strength 50 and content masked in every GPSA layer: each head is a sharp shift
-    model = small_convit(locality_strength=50.0)
+    model = small_convit(locality_strength=50.0, conv_init="integer")  # one target pixel per head
     model.set_test_masks(content_layers=model.local_up_to_layer)
     per_layer = diagnostics.nonlocality(model, torch.randn(2, 3, 32, 32))
     expected = torch.tensor([clamped_offset_nonlocality(o, (8, 8)) for o in kernel_offsets(4).tolist()])

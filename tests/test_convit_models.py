@@ -14,7 +14,7 @@ from timm.models import convit as timm_convit
 from timm.optim import create_optimizer_v2
 
 import convit
-from convbias.gpsa import kernel_offsets
+from convbias.gpsa import kernel_offsets, paper_kernel_offsets
 from convit import ConViT
 
 # name: (heads, width, GPSA blocks, millions of parameters in Table 7.1)
@@ -263,19 +263,44 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 # -- ablation switches (Table 7.3) ----------------------------------------------------------------
+@pytest.mark.parametrize("name,heads", [("convit_tiny", 4), ("convit_base", 16), ("convit_small", 9)])
+def test_initial_parameters_equal_timms_convit_for_the_same_seed(name, heads):
+    """The paper's init: timm's ConVit built with the same seed and kwargs starts from the same tensors,
+    position embedding and half-integer kernel included (2x2 and 4x4 for 4 and 16 heads)."""
+    kwargs = dict(img_size=32, patch_size=8, num_classes=10, depth=3, local_up_to_layer=2)
+    torch.manual_seed(7)
+    ours = timm.create_model(name, **kwargs)
+    torch.manual_seed(7)
+    theirs = timm_convit.ConVit(embed_dim=48, num_heads=heads, locality_strength=1.0, **kwargs)
+    expected = theirs.state_dict()
+    assert list(ours.state_dict()) == list(expected)
+    for key, value in ours.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    k = {4: 2, 9: 3, 16: 4}[heads]
+    centers = (ours.blocks[0].attn.pos_proj.weight[:, :2] / 2).unique()
+    torch.testing.assert_close(centers, torch.arange(k) - (k - 1) / 2)  # 2x2: -0.5, 0.5
+
+
 def test_conv_init_switch():
-    with_init = timm.create_model("convit_tiny", locality_strength=3.0, **SMALL)
+    paper = timm.create_model("convit_tiny", locality_strength=3.0, **SMALL)
+    integer = timm.create_model("convit_tiny", locality_strength=3.0, conv_init="integer", **SMALL)
     without = timm.create_model("convit_tiny", conv_init=False, **SMALL)
-    offsets = kernel_offsets(4)
-    expected = 3.0 * torch.cat([2 * offsets, -torch.ones(4, 1)], dim=1)
-    for layer in with_init.gpsa_layers():
-        torch.testing.assert_close(layer.pos_proj.weight, expected)
-        assert torch.equal(layer.v.weight, torch.eye(192))
+    assert torch.equal(
+        paper.blocks[0].attn.pos_proj.weight,
+        timm.create_model("convit_tiny", locality_strength=3.0, conv_init=True, **SMALL).blocks[0].attn.pos_proj.weight,
+    )
+    for model, offsets in ((paper, paper_kernel_offsets(4)), (integer, kernel_offsets(4))):
+        expected = 3.0 * torch.cat([2 * offsets, -torch.ones(4, 1)], dim=1)
+        for layer in model.gpsa_layers():
+            torch.testing.assert_close(layer.pos_proj.weight, expected)
+            assert torch.equal(layer.v.weight, torch.eye(192))
     for layer in without.gpsa_layers():
         assert layer.pos_proj.weight.abs().max() < 0.1  # trunc_normal(std=0.02), like every Linear
         assert not torch.allclose(layer.v.weight, torch.eye(192), atol=0.5)
         # no head is local: positional attention close to uniform over the 16 tokens
         assert layer.positional_attention((4, 4)).max() < 0.2
+    with pytest.raises(ValueError, match="conv_init='half'"):
+        timm.create_model("convit_tiny", conv_init="half", **SMALL)
 
 
 def test_gating_frozen_at_zero_stays_there_while_the_rest_trains():
