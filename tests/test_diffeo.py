@@ -124,3 +124,28 @@ def test_temperature_range_formulas():
     assert t_min == pytest.approx(1 / (math.pi * 64**2 * math.log(5)))
     assert t_max == pytest.approx(4 / (math.pi**3 * 25 * math.log(5)))
     assert diffeo.displacement_range(5, 64) == pytest.approx((0.5, 64 / (math.pi * 5)))
+
+
+def test_mode_sets_count_the_published_and_disc_modes():
+    """The authors' library keeps sqrt(i^2 + j^2) < c + 1/2: 6 and 19 modes at c = 3 and 5; the disc 4 and 15."""
+    assert [int(diffeo.mode_mask(c).sum()) for c in (3, 5)] == [6, 19]
+    assert [int(diffeo.mode_mask(c, "disc").sum()) for c in (3, 5)] == [4, 15]
+    coefficients = diffeo.sample_fields(4, 3, torch.Generator().manual_seed(0))
+    assert torch.equal(coefficients[0, 0] != 0, diffeo.mode_mask(3))
+
+
+@pytest.mark.parametrize("modes", diffeo.MODE_SETS)
+def test_mean_squared_displacement_matches_its_closed_form(modes):
+    """Pixel-averaged E|tau|^2 of 4,000 fields against (W^2 + H^2) T (H-1)(W-1) / (4HW) sum_{M_c} 1/(i^2+j^2)
+    (0.660 px^2 published, 0.552 disc at delta = 1, c = 3 on 28x28), and the centre value against its sum."""
+    size, cut = (28, 28), 3
+    T = diffeo.temperature(1.0, cut, size)
+    generator = torch.Generator().manual_seed(7)
+    fields = diffeo.displacement_field(diffeo.sample_fields(4000, cut, generator, modes), T, size).double()
+    closed = diffeo.mean_squared_displacement(T, cut, size, modes)
+    assert closed == pytest.approx({"published": 0.660, "disc": 0.552}[modes], abs=1e-3)
+    assert fields.pow(2).sum(1).mean().item() == pytest.approx(closed, rel=0.03)
+    center = fields[:, :, 13:15, 13:15].mean((-1, -2))  # the continuous centre lies between pixels 13 and 14
+    assert center.pow(2).sum(1).mean().sqrt().item() == pytest.approx(
+        diffeo.center_displacement(T, cut, size, modes), rel=0.06
+    )

@@ -1,5 +1,7 @@
-"""R_f = D_f / G_f against closed forms (identity, a linear filter through its spectrum, a constant model) and
-explicit per-layer computations, for a timm model and for ours; seeds, chunking and bad input."""
+"""R_f = D_f / G_f against an independent implementation of the published definitions (the authors' mode set,
+mean over images, per-image noise radius) and of the robust variant, closed forms (identity, a linear filter
+through its spectrum, a constant model) and explicit per-layer computations, for a timm model and for ours;
+draws and their standard errors, seeds, chunking and bad input."""
 
 import json
 import math
@@ -16,13 +18,120 @@ from convbias.families import load_families
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _draws(images, cut, T, seed):
-    """The perturbations relative_stability draws: every field first, then one noise direction per image."""
-    generator = torch.Generator().manual_seed(seed)
-    fields = diffeo.sample_fields(len(images), cut, generator)
-    moved = diffeo.deform(images, T, cut, coefficients=fields) - images
-    noise = torch.stack([torch.randn(images.shape[1:], generator=generator) for _ in images])
-    return moved, noise / noise.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+def _draws(images, cut, T, seed, draws=1, modes="published"):
+    """The perturbations relative_stability draws, per draw: (tau x - x, unit noise directions). Each draw has
+    its generator, seeded from `seed`, that draws every field first, then one noise direction per image."""
+    seeds = torch.randint(0, 2**62, (draws,), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = []
+    for s in seeds:
+        generator = torch.Generator().manual_seed(s)
+        fields = diffeo.sample_fields(len(images), cut, generator, modes)
+        moved = diffeo.deform(images, T, cut, coefficients=fields) - images
+        noise = torch.stack([torch.randn(images.shape[1:], generator=generator) for _ in images])
+        out.append((moved, noise / noise.flatten(1).norm(dim=1).view(-1, 1, 1, 1)))
+    return out[0] if draws == 1 else out
+
+
+def _published_draws(images, cut, T, seed, draws):
+    """The same random numbers turned into perturbations by the authors' formulas, not by the package: modes
+    sqrt(i^2 + j^2) < c + 1/2 with std 1 / sqrt(i^2 + j^2) (pcsl-epfl/diffeomorphism, scalar_field_modes),
+    tau = sqrt(T) n sum C_ij sin(i pi x) sin(j pi y), and their floor/ceil bilinear remap."""
+    n = images.shape[-1]
+    k = torch.arange(1, cut + 1, dtype=torch.float64)
+    r = (k[:, None] ** 2 + k[None, :] ** 2).sqrt()
+    e = (r < cut + 0.5) / r
+    s = torch.sin(math.pi * torch.linspace(0, 1, n, dtype=torch.float64)[:, None] * k[None, :])
+    seeds = torch.randint(0, 2**62, (draws,), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = []
+    for seed_k in seeds:
+        generator = torch.Generator().manual_seed(seed_k)
+        c = torch.randn(len(images), 2, cut, cut, generator=generator).double() * e
+        deformed = []
+        for image, (cu, cv) in zip(images, c):
+            dx = T**0.5 * n * torch.einsum("ij,xi,yj->yx", cu, s, s)
+            dy = T**0.5 * n * torch.einsum("ij,xi,yj->yx", cv, s, s)
+            deformed.append(_remap(image.double(), dx, dy))
+        noise = torch.stack([torch.randn(images.shape[1:], generator=generator) for _ in images]).double()
+        out.append((torch.stack(deformed), noise / noise.pow(2).sum([1, 2, 3], keepdim=True).sqrt()))
+    return out
+
+
+def _remap(a, dx, dy):
+    n, m = a.shape[-2:]
+    y, x = torch.meshgrid(torch.arange(n, dtype=dx.dtype), torch.arange(m, dtype=dx.dtype), indexing="ij")
+    xn, yn = (x - dx).clamp(0, m - 1), (y - dy).clamp(0, n - 1)
+    xf, yf, xc, yc = xn.floor().long(), yn.floor().long(), xn.ceil().long(), yn.ceil().long()
+    xv, yv = xn - xf, yn - yf
+    return (
+        (1 - yv) * (1 - xv) * a[..., yf, xf]
+        + (1 - yv) * xv * a[..., yf, xc]
+        + yv * (1 - xv) * a[..., yc, xf]
+        + yv * xv * a[..., yc, xc]
+    )
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(6 * 64, 10)
+        )
+
+    def forward(self, x):
+        return self.net(x.float())
+
+
+def test_default_is_the_published_definition():
+    """Published: D_k = mean_x ||f(tau x) - f(x)||^2, G_k the same with ||eta|| = ||tau x - x|| per image,
+    normalized by the mean of ||f(x) - f(z)||^2 over all pairs (torch.cdist, as the authors' code), over 3
+    draws: D, G their means, R = D / G, standard errors over draws."""
+    images, model, cut, seed, draws = _digits(12), SmallCNN().eval(), 3, 5, 3
+    result = relative_stability(model, images, delta=1.0, cut=cut, seed=seed, draws=draws, normalize=True, chunk_size=5)
+    assert (result.convention, result.modes, result.draws) == ("published", "published", 3)
+    with torch.no_grad():
+        f0 = model(images).double()
+        deno = torch.cdist(f0, f0).pow(2).mean()
+        per_draw = []
+        for deformed, directions in _published_draws(images, cut, result.T, seed, draws):
+            sigma = (deformed - images.double()).pow(2).sum([1, 2, 3], keepdim=True).sqrt()
+            fd, fq = model(deformed).double(), model(images.double() + directions * sigma).double()
+            per_draw.append(((fd - f0).pow(2).mean(0).sum() / deno, (fq - f0).pow(2).mean(0).sum() / deno))
+    d, g = (torch.stack([p[i] for p in per_draw]) for i in (0, 1))
+    assert pytest.approx(d.mean().item(), rel=1e-4) == result.D
+    assert pytest.approx(g.mean().item(), rel=1e-4) == result.G
+    assert pytest.approx((d.mean() / g.mean()).item(), rel=1e-4) == result.R
+    assert result.D_se == pytest.approx((d.std() / math.sqrt(draws)).item(), rel=1e-3)
+    assert result.R_se == pytest.approx(((d / g).std() / math.sqrt(draws)).item(), rel=1e-3)
+
+
+def test_robust_variant_is_medians_with_a_shared_radius():
+    """Robust: medians over images; one radius, the median of ||tau x - x||; disc modes when asked."""
+    images, model, cut, seed, draws = _digits(13), SmallCNN().eval(), 3, 2, 2
+    result = relative_stability(model, images, cut=cut, seed=seed, draws=draws, convention="robust", modes="disc")
+    assert (result.convention, result.modes) == ("robust", "disc")
+    per_draw = []
+    with torch.no_grad():
+        f0 = model(images)
+        for moved, directions in _draws(images, cut, result.T, seed, draws, modes="disc"):
+            radius = moved.flatten(1).norm(dim=1).median()
+            d = (model(images + moved) - f0).pow(2).sum(1).median()
+            g = (model(images + directions * radius) - f0).pow(2).sum(1).median()
+            per_draw.append((d.item(), g.item()))
+    d, g = (sum(p[i] for p in per_draw) / draws for i in (0, 1))
+    assert pytest.approx(d, rel=1e-4) == result.D
+    assert pytest.approx(g, rel=1e-4) == result.G
+    assert pytest.approx(d / g, rel=1e-4) == result.R
+
+
+def test_draws_do_not_depend_on_chunks_and_reduce_the_error():
+    images, model = _digits(10), SmallCNN().eval()
+    one = relative_stability(model, images, draws=1)
+    assert math.isnan(one.R_se) and math.isnan(one.D_se)
+    many = relative_stability(model, images, draws=4, chunk_size=3)
+    again = relative_stability(model, images, draws=4, chunk_size=10)
+    assert (many.D, many.G, many.R, many.R_se) == pytest.approx((again.D, again.G, again.R, again.R_se), rel=1e-5)
+    assert 0 < many.R_se < many.R
 
 
 def _digits(count, size=16):
@@ -33,11 +142,14 @@ def _digits(count, size=16):
     return nn.functional.interpolate(images, size=size, mode="bilinear", align_corners=False)
 
 
-def test_identity_has_unit_relative_stability():
-    """With the median, ||eta|| = median ||tau x - x|| makes D_f = G_f exactly for f = identity."""
-    result = relative_stability(nn.Identity(), _digits(33), delta=1.0, cut=3, chunk_size=10)
+@pytest.mark.parametrize("convention", ["published", "robust"])
+def test_identity_has_unit_relative_stability(convention):
+    """||eta|| = ||tau x - x|| per image (published), or the median radius with the median (robust, odd
+    number of images), makes D_f = G_f exactly for f = identity."""
+    result = relative_stability(nn.Identity(), _digits(33), delta=1.0, cut=3, chunk_size=10, convention=convention)
     assert pytest.approx(1.0, abs=1e-5) == result.R
-    assert pytest.approx(result.noise_radius**2, rel=1e-5) == result.D
+    if convention == "robust":
+        assert pytest.approx(result.noise_radius**2, rel=1e-5) == result.D
 
 
 class CircularFilter(nn.Module):
@@ -62,21 +174,21 @@ class CircularFilter(nn.Module):
 
 def test_linear_filter_follows_from_the_spectra():
     """||K * v||^2 = sum_k |K(k)|^2 |v(k)|^2 / n^2: D_f from tau x - x, G_f from the noise, and G_f's
-    expectation r^2 <|K|^2> over the sphere."""
+    expectation <r^2> <|K|^2> over the sphere."""
     size, cut, seed = 16, 3, 4
     images, model = _digits(48, size), CircularFilter()
-    result = relative_stability(model, images, delta=1.0, cut=cut, statistic="mean", seed=seed, chunk_size=20)
+    result = relative_stability(model, images, delta=1.0, cut=cut, seed=seed, chunk_size=20)
     moved, directions = _draws(images, cut, result.T, seed)
     spectrum = model.power_spectrum(size)
 
     def energy(v):
         return (spectrum * torch.fft.fft2(v[:, 0].double()).abs() ** 2).sum((-1, -2)) / size**2
 
-    radius = moved.flatten(1).norm(dim=1).double().mean()
-    assert result.noise_radius == pytest.approx(radius.item(), rel=1e-6)
+    radius = moved.flatten(1).norm(dim=1).double().view(-1, 1, 1, 1)
+    assert result.noise_radius == pytest.approx(radius.mean().item(), rel=1e-6)
     assert pytest.approx(energy(moved).mean().item(), rel=1e-4) == result.D
     assert pytest.approx(energy(directions * radius).mean().item(), rel=1e-4) == result.G
-    assert pytest.approx((radius**2 * spectrum.mean()).item(), rel=0.1) == result.G
+    assert pytest.approx((radius.pow(2).mean() * spectrum.mean()).item(), rel=0.1) == result.G
     assert result.R > 2  # a blur keeps the smooth tau x - x and removes most of the white noise: R_f > 1
 
 
@@ -96,9 +208,10 @@ def test_constant_model_is_undefined_not_divided_by_zero():
 
 
 def test_normalization_divides_by_pairs_of_test_images():
+    """Robust: the median over consecutive pairs (the published mean over all pairs is checked above)."""
     images = _digits(21)
-    plain = relative_stability(nn.Identity(), images, chunk_size=6)
-    normalized = relative_stability(nn.Identity(), images, chunk_size=6, normalize=True)
+    plain = relative_stability(nn.Identity(), images, chunk_size=6, convention="robust")
+    normalized = relative_stability(nn.Identity(), images, chunk_size=6, normalize=True, convention="robust")
     pairs = (images[1:] - images[:-1]).flatten(1).pow(2).sum(1).double().quantile(0.5).item()
     assert pytest.approx(plain.D / pairs, rel=1e-5) == normalized.D
     assert pytest.approx(plain.G / pairs, rel=1e-5) == normalized.G
@@ -120,7 +233,7 @@ def test_per_layer_values_of_a_timm_model_match_an_explicit_computation():
     ]
     with torch.no_grad():
         outputs = []
-        for x in (images, images + moved, images + directions * result.noise_radius):
+        for x in (images, images + moved, images + directions * moved.flatten(1).norm(dim=1).view(-1, 1, 1, 1)):
             captured.clear()
             model(x)
             outputs.append(list(captured))
@@ -128,8 +241,8 @@ def test_per_layer_values_of_a_timm_model_match_an_explicit_computation():
         hook.remove()
     for depth, (d, g, r) in enumerate(result.layers + [(result.D, result.G, result.R)]):
         ref, deformed, noisy = (o[depth] for o in outputs)
-        expected_d = (deformed - ref).double().pow(2).sum(1).quantile(0.5).item()
-        expected_g = (noisy - ref).double().pow(2).sum(1).quantile(0.5).item()
+        expected_d = (deformed - ref).double().pow(2).sum(1).mean().item()
+        expected_g = (noisy - ref).double().pow(2).sum(1).mean().item()
         assert d == pytest.approx(expected_d, rel=1e-3)
         assert g == pytest.approx(expected_g, rel=1e-3)
         assert r == pytest.approx(expected_d / expected_g, rel=2e-3)
@@ -189,7 +302,9 @@ class Untouchable(nn.Module):
         (dict(delta=4.0), r"delta=4.0 is outside the diffeomorphism region \[0.5, 2.97\] pixels for cut=3 on a 28x28"),
         (dict(cut=40), r"cut=40 must be an integer in \[2, 28\]"),
         (dict(T=1.0), r"T=1.0 is outside the diffeomorphism region"),
-        (dict(statistic="mode"), r"statistic='mode' must be one of \('median', 'mean'\)"),
+        (dict(convention="mode"), r"convention='mode' must be one of \('published', 'robust'\)"),
+        (dict(modes="square"), r"modes='square' must be one of \('published', 'disc'\)"),
+        (dict(draws=0), r"draws=0 must be a positive integer"),
         (dict(chunk_size=0), r"chunk_size=0 must be a positive integer"),
         (dict(per_layer=True), r"per-layer R_f needs a model with forward_intermediates or activation modules"),
         (dict(images=torch.rand(1, 1, 28, 28), normalize=True), r"normalize=True needs at least 2 images"),
@@ -294,6 +409,8 @@ def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
                 "--cuts",
                 "3",
                 "4",
+                "--draws",
+                "2",
                 "--output",
                 str(out),
             ]
@@ -303,8 +420,13 @@ def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
     rows = list(csv.DictReader((out / "stability.csv").read_text().splitlines()))
     assert len(rows) == 2 * 2 * 2  # checkpoints x cuts x deltas
     init = next(r for r in rows if r["checkpoint"] == "init" and float(r["delta"]) == 1 and r["cut"] == "3")
-    expected = relative_stability(_snapshot_model(run, "epoch_0"), _val_images(24), delta=1.0, cut=3)
+    expected = relative_stability(_snapshot_model(run, "epoch_0"), _val_images(24), delta=1.0, cut=3, draws=2)
     assert float(init["R"]) == pytest.approx(expected.R, rel=1e-5)
+    assert float(init["R_se"]) == pytest.approx(expected.R_se, rel=1e-4)
+    assert (init["convention"], init["modes"], init["images"], init["draws"]) == ("published", "published", "24", "2")
+    summary = list(csv.DictReader((out / "summary.csv").read_text().splitlines()))
+    assert len(summary) == 2 * 2 * 2 and {s["n"] for s in summary} == {"1"}  # one seed: no interval
+    assert "convention published, modes published, 24 test images, 2 draws" in (out / "summary.md").read_text()
     final = next(r for r in rows if r["checkpoint"] == "last")  # through the engine's run_dir
     assert float(final["test_error"]) == pytest.approx(100 - results["final_top1"], abs=1e-6)
     layers = list(csv.DictReader((out / "stability_layers.csv").read_text().splitlines()))
@@ -327,6 +449,7 @@ def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys)
         ([str(run), "--checkpoints", "epoch_7"], "has no checkpoint 'epoch_7'"),
         ([str(other)], "does not fit this model"),
         ([str(run), "--images", "0"], "--images must be >= 1, got 0"),
+        ([str(run), "--draws", "0"], "--draws must be >= 1, got 0"),
         ([str(tmp_path)], "is not a run directory: no config.yaml"),
         ([str(run), "--checkpoints", "last", "bestest"], "--checkpoints bestest: expected best, last, init"),
     ]

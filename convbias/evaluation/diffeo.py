@@ -2,10 +2,15 @@
 
 A displacement field tau = (tau_u, tau_v) on the unit square, with tau_u, tau_v independent and
 
-    tau_u(u, v) = sum_{i, j >= 1, i^2 + j^2 <= c^2} C_ij sin(i pi u) sin(j pi v),  C_ij ~ N(0, T / (i^2 + j^2)),
+    tau_u(u, v) = sum_{(i, j) in M_c} C_ij sin(i pi u) sin(j pi v),  C_ij ~ N(0, T / (i^2 + j^2)),
 
-so tau vanishes on the frame. The deformed image is [tau x](s) = x(s - tau(s)), resampled bilinearly
-(`grid_sample`, the paper's default) or with the Gaussian interpolation of app. C.
+so tau vanishes on the frame. The modes M_c kept under the cut-off c (`MODE_SETS`): "published" (default),
+i, j >= 1 with sqrt(i^2 + j^2) < c + 1/2, as the authors' library (pcsl-epfl/diffeomorphism,
+`scalar_field_modes`) draws them; "disc", i^2 + j^2 <= c^2, the paper's wording (sec. 2.1), which drops the
+modes on the rim (6 vs 4 modes per component at c = 3, 19 vs 15 at c = 5).
+
+The deformed image is [tau x](s) = x(s - tau(s)), resampled bilinearly (`grid_sample`, the paper's default)
+or with the Gaussian interpolation of app. C.
 
 Rectangular images: the unit square is stretched onto the H x W image, pixel k of an axis of n pixels
 sitting at k / (n - 1) (so the frame pixels never move), and a displacement along an axis is measured in
@@ -29,11 +34,16 @@ import torch.nn.functional as F
 
 __all__ = [
     "INTERPOLATIONS",
+    "MODE_SETS",
     "Diffeo",
+    "center_displacement",
     "check_cut",
+    "check_modes",
     "deform",
     "displacement_field",
     "displacement_range",
+    "mean_squared_displacement",
+    "mode_mask",
     "sample_fields",
     "temperature",
     "temperature_range",
@@ -41,6 +51,7 @@ __all__ = [
 ]
 
 INTERPOLATIONS = ("bilinear", "gaussian")
+MODE_SETS = ("published", "disc")  # sqrt(i^2 + j^2) < c + 1/2 (the authors' library), i^2 + j^2 <= c^2
 GAUSSIAN_SIGMA = 0.4715  # app. C: the width (in pixels) of the Gaussian interpolation kernel
 _GAUSSIAN_WINDOW = (-1, 0, 1, 2)  # offsets from floor(source): the next pixel out is >= 2 px away (weight < 1.2e-4)
 
@@ -72,8 +83,10 @@ def check_cut(cut: int, size: Size) -> None:
 
 
 def typical_displacement(T: float, cut: int, size: Size) -> float:
-    """delta, in pixels: delta^2 = (pi / 4) n^2 T ln c (large-c asymptote; the exact sum at the center is
-    about 4-8% larger for c in 3..100)."""
+    """delta, in pixels: delta^2 = (pi / 4) n^2 T ln c, the paper's (and the authors' library's) definition.
+    It is the large-c asymptote of the root-mean-square displacement at the centre; the exact value
+    (`center_displacement`) is larger for small c: by 27% at c = 3, 15% at c = 5 and 4% at c = 100 with the
+    published mode set (8%, 9%, 4% with the disc)."""
     return math.sqrt(math.pi / 4 * _side2(size) * T * math.log(cut))
 
 
@@ -119,13 +132,49 @@ def _check_temperature(T: float, cut: int, size: Size) -> None:
         )
 
 
-def sample_fields(count: int, cut: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(count, 2, c, c) coefficients C_ij / sqrt(T) of tau_u and tau_v: N(0, 1 / (i^2 + j^2)), zero outside
-    the disc i^2 + j^2 <= c^2. Drawn on the CPU so that a seed gives the same fields on any device."""
+def check_modes(modes: str) -> None:
+    if modes not in MODE_SETS:
+        raise ValueError(f"modes={modes!r} must be one of {MODE_SETS}")
+
+
+def mode_mask(cut: int, modes: str = "published") -> torch.Tensor:
+    """(c, c) booleans: which (i, j), 1 <= i, j <= c, the cut-off keeps."""
+    check_modes(modes)
     k = torch.arange(1, cut + 1, dtype=torch.float64)
     r2 = k[:, None] ** 2 + k[None, :] ** 2
-    scale = torch.where(r2 <= cut**2, r2.rsqrt(), torch.zeros_like(r2)).float()
+    return r2.sqrt() < cut + 0.5 if modes == "published" else r2 <= cut**2
+
+
+def sample_fields(
+    count: int, cut: int, generator: torch.Generator | None = None, modes: str = "published"
+) -> torch.Tensor:
+    """(count, 2, c, c) coefficients C_ij / sqrt(T) of tau_u and tau_v: N(0, 1 / (i^2 + j^2)) on the mode set
+    `modes`, zero elsewhere. Drawn on the CPU so that a seed gives the same fields on any device."""
+    k = torch.arange(1, cut + 1, dtype=torch.float64)
+    r2 = k[:, None] ** 2 + k[None, :] ** 2
+    scale = torch.where(mode_mask(cut, modes), r2.rsqrt(), torch.zeros_like(r2)).float()
     return torch.randn(count, 2, cut, cut, generator=generator) * scale
+
+
+def mean_squared_displacement(T: float, cut: int, size: Size, modes: str = "published") -> float:
+    """E |tau(s)|^2 in pixels^2, averaged over the H x W pixel grid, in closed form: each coefficient has
+    variance T / (i^2 + j^2), and sin^2(i pi k / (n - 1)) averages to (n - 1) / (2 n) over the n pixels of an
+    axis (every mode but i = n - 1), so E|tau|^2 = (W^2 + H^2) T (H - 1)(W - 1) / (4 H W) sum_{M_c} 1 / (i^2 + j^2)."""
+    height, width = _hw(size)
+    k = torch.arange(1, cut + 1, dtype=torch.float64)
+    r2 = k[:, None] ** 2 + k[None, :] ** 2
+    total = float((mode_mask(cut, modes) / r2).sum())
+    return (width**2 + height**2) * T * (height - 1) * (width - 1) / (4 * height * width) * total
+
+
+def center_displacement(T: float, cut: int, size: Size, modes: str = "published") -> float:
+    """The exact root-mean-square displacement (pixels) at the centre of the continuous square: only odd
+    modes are nonzero there, E|tau|^2 = (W^2 + H^2) T sum_{M_c, i, j odd} 1 / (i^2 + j^2)."""
+    height, width = _hw(size)
+    k = torch.arange(1, cut + 1, dtype=torch.float64)
+    r2 = k[:, None] ** 2 + k[None, :] ** 2
+    odd = (k % 2 == 1)[:, None] & (k % 2 == 1)[None, :]
+    return math.sqrt((width**2 + height**2) * T * float(((mode_mask(cut, modes) & odd) / r2).sum()))
 
 
 def _field(coefficients: torch.Tensor, T: float, size: Size) -> torch.Tensor:
@@ -182,11 +231,13 @@ def deform(
     coefficients: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     interpolation: str = "bilinear",
+    modes: str = "published",
 ) -> torch.Tensor:
     """tau x for a batch (B, C, H, W) (or one (C, H, W) image): one field per image, drawn from `generator`
-    unless `coefficients` (from `sample_fields`) are given."""
+    on the mode set `modes` unless `coefficients` (from `sample_fields`) are given."""
     if interpolation not in INTERPOLATIONS:
         raise ValueError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
+    check_modes(modes)
     if not isinstance(images, torch.Tensor) or images.dim() not in (3, 4) or images.shape[0] == 0:
         raise ValueError(
             f"images must be a non-empty (B, C, H, W) or (C, H, W) tensor, got "
@@ -197,7 +248,7 @@ def deform(
     size = batch.shape[-2:]
     _check_temperature(T, cut, size)
     if coefficients is None:
-        coefficients = sample_fields(batch.shape[0], cut, generator)
+        coefficients = sample_fields(batch.shape[0], cut, generator, modes)
     elif coefficients.shape != (batch.shape[0], 2, cut, cut):
         raise ValueError(
             f"coefficients must have shape {(batch.shape[0], 2, cut, cut)}, got {tuple(coefficients.shape)}"
@@ -216,7 +267,8 @@ def deform(
 class Diffeo(torch.nn.Module):
     """Training augmentation (a torchvision/timm tensor transform): with probability `p`, deform the image by
     a max-entropy diffeomorphism of cut-off c drawn uniformly in [cut_min, cut_max] and typical displacement
-    delta drawn uniformly in [delta_min, delta_max] (clipped to what that c allows on the image)."""
+    delta drawn uniformly in [delta_min, delta_max] (clipped to what that c allows on the image), on the mode
+    set `modes`."""
 
     def __init__(
         self,
@@ -224,6 +276,7 @@ class Diffeo(torch.nn.Module):
         cut: tuple[int, int] = (2, 5),
         p: float = 1.0,
         interpolation: str = "bilinear",
+        modes: str = "published",
     ):
         super().__init__()
         delta_min, delta_max = delta
@@ -236,7 +289,9 @@ class Diffeo(torch.nn.Module):
             raise ValueError(f"p={p!r} must be a probability in [0, 1]")
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
+        check_modes(modes)
         self.delta, self.cut, self.p, self.interpolation = (delta_min, delta_max), (cut_min, cut_max), p, interpolation
+        self.modes = modes
 
     def forward(self, img: torch.Tensor) -> torch.Tensor:
         if self.p < 1.0 and torch.rand(()) >= self.p:
@@ -248,7 +303,10 @@ class Diffeo(torch.nn.Module):
         if low > high:  # this c cannot reach the requested displacements on this image: leave it as is
             return img
         delta = low + (high - low) * float(torch.rand(()))
-        return deform(img, temperature(delta, cut, size), cut, interpolation=self.interpolation)
+        return deform(img, temperature(delta, cut, size), cut, interpolation=self.interpolation, modes=self.modes)
 
     def extra_repr(self) -> str:
-        return f"delta={self.delta}, cut={self.cut}, p={self.p}, interpolation={self.interpolation!r}"
+        return (
+            f"delta={self.delta}, cut={self.cut}, p={self.p}, interpolation={self.interpolation!r}, "
+            f"modes={self.modes!r}"
+        )

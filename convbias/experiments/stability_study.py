@@ -1,0 +1,311 @@
+"""Relative stability R_f of trained runs: measurement, per-run tables and the summary over seeds.
+
+Each run is a train.py output folder: its config.yaml rebuilds the model and the test (validation) set, its
+checkpoints give the weights (`best`, `last`, `epoch_N` from --save-epochs, `init` = epoch_0). For every run
+and checkpoint: R_f, D_f, G_f and their standard errors over `draws` diffeomorphism-and-noise draws at every
+(delta, c) of the grid, R_f of every block at (main delta, first cut), and the test error on the whole test
+set. Every row carries the convention, the mode set, the number of images and of draws it was measured with.
+
+Runs that differ only by seed form a group; `seed_summary` gives per group, checkpoint and grid point the
+number of runs n, the geometric mean of R_f (D_f, G_f) over seeds with its 95% Student-t interval (on log
+R_f), and the mean test error with its 95% interval: the seeds' spread, which includes the draws' spread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from convbias.engine.data import build_datasets
+from convbias.engine.modeling import check_model_name, create_model
+from convbias.engine.run_dir import WHICH, choose_checkpoint, read_run_config
+from convbias.evaluation import diffeo
+from convbias.evaluation.stability import relative_stability
+from convbias.tables import markdown_table
+from convbias.weights import load_weights
+
+CHECKPOINT_FORMS = "best, last, init (= epoch_0) or epoch_N (a --save-epochs snapshot)"
+CONFIDENCE = 0.95
+
+
+@dataclass
+class Settings:
+    """What a measurement is: the grid, the convention and the sample sizes (images, draws)."""
+
+    checkpoints: list[str]
+    images: int
+    deltas: list[float]
+    cuts: list[int]
+    main_delta: float
+    convention: str
+    modes: str
+    draws: int
+    normalize: bool
+    interpolation: str
+    chunk_size: int
+    seed: int
+    device: str
+
+    @property
+    def grid(self) -> list[tuple[float, int]]:
+        return [(delta, cut) for cut in self.cuts for delta in sorted(set(self.deltas) | {self.main_delta})]
+
+    def describe(self) -> str:
+        return (
+            f"convention {self.convention}, modes {self.modes}, {self.images} test images, {self.draws} draws"
+            f"{', normalized' if self.normalize else ''}"
+        )
+
+
+@dataclass
+class Run:
+    path: Path
+    cfg: dict
+    images: torch.Tensor
+    test: Any
+    models: dict[str, torch.nn.Module]  # checkpoint name -> model with its weights
+
+    @property
+    def group(self) -> str:
+        """What runs averaged over seeds share: the model (an eFCN with the name of the CNN snapshot it was
+        lifted from, epoch_E, not its run) and the training fraction; the other kwargs are in the CSV."""
+        checkpoint = (self.cfg.get("model_kwargs") or {}).get("cnn_checkpoint")
+        lifted = f" @{Path(checkpoint).stem}" if checkpoint else ""
+        return f"{self.cfg['model']}{lifted} f={self.cfg.get('train_fraction', 1.0):g}"
+
+
+def checkpoint_path(run: Path, name: str) -> Path:
+    """last / best through the engine's run_dir (as every command that reuses a run), else a snapshot."""
+    if name in WHICH:
+        return choose_checkpoint(run, name).weights
+    path = run / "checkpoints" / f"epoch_{0 if name == 'init' else int(name[6:])}.safetensors"
+    if not path.is_file():
+        hint = " (train with --save-epochs 0)" if name == "init" else ""
+        raise ValueError(f"run {run} has no checkpoint {name!r}: {path} not found{hint}")
+    return path
+
+
+def load_run(path: Path, settings: Settings) -> Run:
+    """The run's test images and one model per checkpoint; raises before any measurement on bad input."""
+    cfg = read_run_config(path)
+    check_model_name(cfg["model"], f"{path}/config.yaml: model")
+    bundle = build_datasets(dict(cfg, no_aug=True))
+    if len(bundle.val) == 0:
+        raise ValueError(f"run {path}: its test set ({cfg['dataset']}) is empty")
+    count = min(settings.images, len(bundle.val))
+    images = torch.stack([bundle.val[i][0] for i in range(count)])
+    for delta, cut in settings.grid:
+        diffeo.temperature(delta, cut, images.shape[-2:])  # the whole grid is checked before any work
+    models = {}
+    for name in settings.checkpoints:
+        model = create_model(cfg, bundle.num_classes, bundle.in_chans)
+        models[name] = load_weights(model, checkpoint_path(path, name)).to(settings.device).eval()
+    return Run(path, cfg, images, bundle.val, models)
+
+
+@torch.no_grad()
+def test_error(model: torch.nn.Module, dataset, device: str, batch_size: int) -> float:
+    """Top-1 error (%) on the whole test set."""
+    wrong = total = 0
+    for start in range(0, len(dataset), batch_size):
+        batch = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        images = torch.stack([b[0] for b in batch]).to(device)
+        labels = torch.tensor([b[1] for b in batch], device=device)
+        wrong += int((model(images).argmax(1) != labels).sum())
+        total += len(batch)
+    return 100.0 * wrong / total
+
+
+def measure(runs: list[Run], settings: Settings) -> tuple[list[dict], list[dict]]:
+    """Rows of (run, checkpoint, delta, c) and, at the main point, of (run, checkpoint, depth)."""
+    rows, layer_rows = [], []
+    main_cut = settings.cuts[0]
+    for run in runs:
+        for name, model in run.models.items():
+            base = dict(
+                run=str(run.path),
+                group=run.group,
+                model=run.cfg["model"],
+                seed=run.cfg.get("seed"),
+                train_fraction=run.cfg.get("train_fraction"),
+                checkpoint=name,
+                test_error=test_error(model, run.test, settings.device, settings.chunk_size),
+                convention=settings.convention,
+                modes=settings.modes,
+                images=run.images.shape[0],
+                draws=settings.draws,
+            )
+            for delta, cut in settings.grid:
+                main = delta == settings.main_delta and cut == main_cut
+                result = relative_stability(
+                    model,
+                    run.images,
+                    delta=delta,
+                    cut=cut,
+                    convention=settings.convention,
+                    modes=settings.modes,
+                    draws=settings.draws,
+                    normalize=settings.normalize,
+                    per_layer=main,
+                    chunk_size=settings.chunk_size,
+                    seed=settings.seed,
+                    interpolation=settings.interpolation,
+                )
+                rows.append(
+                    dict(
+                        base,
+                        delta=delta,
+                        cut=cut,
+                        T=result.T,
+                        D=result.D,
+                        D_se=result.D_se,
+                        G=result.G,
+                        G_se=result.G_se,
+                        R=result.R,
+                        R_se=result.R_se,
+                    )
+                )
+                if main:
+                    depth = len(result.layers) + 1
+                    values = result.layers + [(result.D, result.G, result.R)]
+                    errors = result.layers_se + [(result.D_se, result.G_se, result.R_se)]
+                    for i, ((d, g, r), (d_se, g_se, r_se)) in enumerate(zip(values, errors)):
+                        layer_rows.append(
+                            dict(
+                                base,
+                                depth=i,
+                                relative_depth=(i + 1) / depth,
+                                D=d,
+                                D_se=d_se,
+                                G=g,
+                                G_se=g_se,
+                                R=r,
+                                R_se=r_se,
+                            )
+                        )
+                    print(
+                        f"{run.path} [{name}]: test error {base['test_error']:.2f}%, R_f(delta={delta}, c={cut}) = "
+                        f"{result.R:.3g} +/- {result.R_se:.2g} ({settings.describe()})"
+                    )
+    return rows, layer_rows
+
+
+def _fmt(value: float) -> str:
+    return "undefined" if value != value else f"{value:.3g}"
+
+
+def _pm(value: float, se: float) -> str:
+    return _fmt(value) if se != se else f"{_fmt(value)} ± {se:.2g}"
+
+
+def run_table(rows: list[dict], settings: Settings) -> str:
+    """One line per run: test error and R_f, D_f, G_f (mean ± standard error over draws) at the main point."""
+    main = [r for r in rows if r["delta"] == settings.main_delta and r["cut"] == settings.cuts[0]]
+    by_run: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in main:
+        by_run[r["run"]][r["checkpoint"]] = r
+    names = list(settings.checkpoints)
+    head = ["run", "model", "P", "seed"] + [f"{k} {n}" for n in names for k in ("error %", "R_f", "D_f", "G_f")]
+    body = []
+    for run, per in by_run.items():
+        first = next(iter(per.values()))
+        cells = [Path(run).name, first["model"], f"{first['train_fraction']:g}", str(first["seed"])]
+        for n in names:
+            r = per[n]
+            cells += [f"{r['test_error']:.1f}", _pm(r["R"], r["R_se"]), _pm(r["D"], r["D_se"]), _pm(r["G"], r["G_se"])]
+        body.append(cells)
+    title = (
+        f"R_f at delta = {settings.main_delta}, c = {settings.cuts[0]}, per run ({settings.describe()}; "
+        f"mean ± standard error over the draws; test error on the whole test set)\n\n"
+    )
+    return title + markdown_table(head, body)
+
+
+def t_quantile(df: int) -> float:
+    """The two-sided 95% Student-t quantile."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.5 + CONFIDENCE / 2, df))
+
+
+def interval(values: list[float], log: bool = False) -> tuple[int, float, float, float]:
+    """(n, centre, low, high): mean with its 95% t-interval, or with `log` the geometric mean and the interval
+    of exp(mean log). Non-finite or (with `log`) non-positive values are left out; NaN when n < 2."""
+    kept = [v for v in values if math.isfinite(v) and (v > 0 or not log)]
+    n = len(kept)
+    if n == 0:
+        return 0, float("nan"), float("nan"), float("nan")
+    x = torch.tensor([math.log(v) if log else v for v in kept], dtype=torch.float64)
+    centre = float(x.mean())
+    half = t_quantile(n - 1) * float(x.std()) / math.sqrt(n) if n > 1 else float("nan")
+    values = (centre, centre - half, centre + half)
+    return (n, *(math.exp(v) for v in values)) if log else (n, *values)
+
+
+def seed_summary(rows: list[dict]) -> list[dict]:
+    """Per group, checkpoint and (delta, c): n runs, geometric means of R_f, D_f, G_f with their 95% intervals
+    over seeds, the mean test error with its interval, and the mean standard error of R_f over draws."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["group"], r["checkpoint"], r["delta"], r["cut"])].append(r)
+    out = []
+    for (group, checkpoint, delta, cut), members in groups.items():
+        first = members[0]
+        row = dict(
+            group=group,
+            model=first["model"],
+            train_fraction=first["train_fraction"],
+            checkpoint=checkpoint,
+            delta=delta,
+            cut=cut,
+            convention=first["convention"],
+            modes=first["modes"],
+            images=first["images"],
+            draws=first["draws"],
+            seeds=" ".join(str(m["seed"]) for m in members),
+        )
+        n, err, err_lo, err_hi = interval([m["test_error"] for m in members])
+        row.update(n=n, test_error=err, test_error_low=err_lo, test_error_high=err_hi)
+        for key in ("R", "D", "G"):
+            _, centre, low, high = interval([m[key] for m in members], log=True)
+            row.update({key: centre, f"{key}_low": low, f"{key}_high": high})
+        draws_se = [m["R_se"] / m["R"] for m in members if m["R"] > 0 and math.isfinite(m["R_se"])]
+        row["R_draw_rel_se"] = sum(draws_se) / len(draws_se) if draws_se else float("nan")
+        out.append(row)
+    return out
+
+
+def _ci(row: dict, key: str, digits: str = ".3g") -> str:
+    low, high = row[f"{key}_low"], row[f"{key}_high"]
+    if row[key] != row[key]:
+        return "undefined"
+    spread = f" [{low:{digits}}, {high:{digits}}]" if low == low else " (n = 1, no interval)"
+    return f"{row[key]:{digits}}{spread}"
+
+
+def summary_table(summary: list[dict], delta: float, cut: int, checkpoints: list[str]) -> str:
+    """Markdown: per group, n and, per checkpoint, R_f (geometric mean [95% interval]) and the test error."""
+    point = [s for s in summary if s["delta"] == delta and s["cut"] == cut]
+    by_group: dict[str, dict[str, dict]] = defaultdict(dict)
+    for s in point:
+        by_group[s["group"]][s["checkpoint"]] = s
+    head = ["group", "n"] + [f"{k} {c}" for c in checkpoints for k in ("test error %", "R_f")]
+    body = []
+    for group, per in by_group.items():
+        cells = [group, str(next(iter(per.values()))["n"])]
+        for c in checkpoints:
+            s = per.get(c)
+            cells += [_ci(s, "test_error", ".1f"), _ci(s, "R")] if s else ["", ""]
+        body.append(cells)
+    first = point[0] if point else {}
+    title = (
+        f"R_f at delta = {delta}, c = {cut}: geometric mean over n seeds [95% t-interval on log R_f]; test error: "
+        f"mean [95% t-interval] (convention {first.get('convention')}, modes {first.get('modes')}, "
+        f"{first.get('images')} test images, {first.get('draws')} draws per image)\n\n"
+    )
+    return title + markdown_table(head, body)
