@@ -535,7 +535,7 @@ def validate(cfg: Config) -> None:
         f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}",
     )
 
-    from timm.optim import list_optimizers
+    from timm.optim import list_optimizers  # timm loads torch: only after parsing (`train.py --help` loads none)
 
     _check(cfg.opt.lower() in list_optimizers(), f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers()")
     for pattern, lr in cfg.param_group_lr.items():

@@ -83,7 +83,7 @@ class PreemptionSignals:
         local = self.received is not None
         if accelerator.num_processes == 1:
             return local
-        import torch
+        import torch  # only with several processes: engine/__init__ imports this module without torch
 
         flag = torch.tensor([float(local)], device=accelerator.device)
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)

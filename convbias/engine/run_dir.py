@@ -102,7 +102,7 @@ def model_spec(run: str | Path, which: str = DEFAULT_WHICH) -> dict[str, Any]:
     """What rebuilding the run's model needs: model, model_kwargs, img_size, in_chans, num_classes, and
     the checkpoint (a RunCheckpoint). Classes and channels come from the checkpoint's metadata, else
     from config.yaml and the dataset's description."""
-    from convbias.weights import weights_metadata
+    from convbias.weights import weights_metadata  # torch and the data sets: only once a model is rebuilt
 
     from .datasets import DATASETS
 
