@@ -88,3 +88,44 @@ def test_protocol_rejects_bad_config(tmp_path, capsys):
     assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
     assert "error: model efcn_resnet18 is not registered" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def _fake_seed(directory: Path, seed: int, acc: list[float], cnn: float, fcn: float) -> Path:
+    from convbias.experiments.efcn_protocol import BASELINE_METRICS, SUMMARY_METRICS
+    from convbias.tables import write_csv
+
+    directory.mkdir(parents=True)
+    (directory / "protocol_config.yaml").write_text(yaml.safe_dump({"seed": seed}))
+    rows = [{"relax_time": t, **{k: a + i for i, k in enumerate(SUMMARY_METRICS)}} for t, a in zip((0, 5), acc)]
+    write_csv(rows, directory / "relax_times.csv")
+    write_csv([dict(zip(BASELINE_METRICS, (cnn, fcn, 0.9)))], directory / "baselines.csv")
+    return directory
+
+
+def test_seed_summary_gives_means_intervals_and_paired_gaps(tmp_path):
+    """Three seeds: the mean and the 95% t-interval (t_{0.975, 2} = 4.303) of the final accuracy and of the
+    per-seed gap eFCN - CNN, computed by hand."""
+    accs, cnns = [[95.0, 96.0], [96.0, 96.5], [97.0, 97.5]], [95.5, 95.5, 96.5]
+    dirs = [_fake_seed(tmp_path / f"s{i}", i, a, c, 96.0) for i, (a, c) in enumerate(zip(accs, cnns))]
+    out = tmp_path / "summary"
+    assert efcn_protocol.main(["--stage", "summarize", "--seed-dirs", *map(str, dirs), "--output", str(out)]) == 0
+    rows = {r["relax_time"]: r for r in csv.DictReader((out / "relax_times_seeds.csv").open())}
+    gaps = [a[1] - c for a, c in zip(accs, cnns)]  # t_w = 5
+    mean = sum(gaps) / 3
+    half = 4.302653 * (sum((g - mean) ** 2 for g in gaps) / 2) ** 0.5 / 3**0.5
+    assert float(rows["5"]["gap_vs_cnn"]) == pytest.approx(mean)
+    assert float(rows["5"]["gap_vs_cnn_low"]) == pytest.approx(mean - half, rel=1e-5)
+    assert float(rows["0"]["final_test_acc"]) == pytest.approx(96.0)
+    assert rows["0"]["n"] == "3" and rows["0"]["seeds"] == "0 1 2"
+    assert "over n = 3 seeds" in (out / "seeds.md").read_text()
+
+
+def test_seed_summary_refuses_missing_runs_before_writing(tmp_path, capsys):
+    good = _fake_seed(tmp_path / "s0", 0, [95.0, 96.0], 95.0, 96.0)
+    out = tmp_path / "summary"
+    argv = ["--stage", "summarize", "--seed-dirs", str(good), str(tmp_path / "missing"), "--output", str(out)]
+    assert efcn_protocol.main(argv) == 2
+    assert re.fullmatch(r"error: \S*missing/relax_times.csv not found: run the protocol .*\n", capsys.readouterr().err)
+    assert efcn_protocol.main(["--stage", "summarize", "--seed-dirs", str(good), "--output", str(out)]) == 2
+    assert "needs --seed-dirs with at least 2 directories" in capsys.readouterr().err
+    assert not out.exists()

@@ -2,6 +2,7 @@
 
 convbias-efcn-protocol -c configs/efcn_protocol/efcn_cpu.yaml --output results/efcn
 accelerate launch -m convbias.cli.efcn_protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
+convbias-efcn-protocol --stage summarize --seed-dirs runs/efcn/seed0 runs/efcn/seed1 ... --output results/efcn
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import yaml
 
 from convbias.engine.config import OptionParser
 from convbias.engine.errors import ConfigError
-from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
+from convbias.experiments.efcn_protocol import analyze_stage, load_config, summarize_seeds, train_stage
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = OptionParser(prog="convbias-efcn-protocol", description=__doc__.split("\n")[0])
     parser.add_argument("-c", "--config", help="protocol YAML (configs/efcn_protocol/*.yaml)")
     parser.add_argument("--output", required=True, help="directory for the runs, CSVs and figures")
-    parser.add_argument("--stage", choices=("all", "train", "analyze"), default="all")
+    parser.add_argument("--stage", choices=("all", "train", "analyze", "summarize"), default="all")
+    parser.add_argument(
+        "--seed-dirs", nargs="+", default=[], metavar="DIR", help="summarize: protocol outputs, one per seed"
+    )
     for key in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, dest=key)
     parser.add_argument("--optimizer", choices=("sgd", "adam"))
@@ -30,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         args = parser.parse_args(argv)
+        if args.stage == "summarize":
+            if len(args.seed_dirs) < 2:
+                raise ValueError(
+                    f"--stage summarize needs --seed-dirs with at least 2 directories, got {args.seed_dirs}"
+                )
+            files = summarize_seeds([Path(d) for d in args.seed_dirs], Path(args.output))
+            print(f"[efcn_protocol] wrote {', '.join(map(str, files))}")
+            return 0
         cfg = load_config(
             args.config,
             {

@@ -29,8 +29,9 @@ from convbias.evaluation.stability import relative_stability
 from convbias.tables import markdown_table
 from convbias.weights import load_weights
 
+from .intervals import cell, interval
+
 CHECKPOINT_FORMS = "best, last, init (= epoch_0) or epoch_N (a --save-epochs snapshot)"
-CONFIDENCE = 0.95
 
 
 @dataclass
@@ -226,27 +227,6 @@ def run_table(rows: list[dict], settings: Settings) -> str:
     return title + markdown_table(head, body)
 
 
-def t_quantile(df: int) -> float:
-    """The two-sided 95% Student-t quantile."""
-    from scipy.stats import t
-
-    return float(t.ppf(0.5 + CONFIDENCE / 2, df))
-
-
-def interval(values: list[float], log: bool = False) -> tuple[int, float, float, float]:
-    """(n, centre, low, high): mean with its 95% t-interval, or with `log` the geometric mean and the interval
-    of exp(mean log). Non-finite or (with `log`) non-positive values are left out; NaN when n < 2."""
-    kept = [v for v in values if math.isfinite(v) and (v > 0 or not log)]
-    n = len(kept)
-    if n == 0:
-        return 0, float("nan"), float("nan"), float("nan")
-    x = torch.tensor([math.log(v) if log else v for v in kept], dtype=torch.float64)
-    centre = float(x.mean())
-    half = t_quantile(n - 1) * float(x.std()) / math.sqrt(n) if n > 1 else float("nan")
-    values = (centre, centre - half, centre + half)
-    return (n, *(math.exp(v) for v in values)) if log else (n, *values)
-
-
 def seed_summary(rows: list[dict]) -> list[dict]:
     """Per group, checkpoint and (delta, c): n runs, geometric means of R_f, D_f, G_f with their 95% intervals
     over seeds, the mean test error with its interval, and the mean standard error of R_f over draws."""
@@ -281,11 +261,7 @@ def seed_summary(rows: list[dict]) -> list[dict]:
 
 
 def _ci(row: dict, key: str, digits: str = ".3g") -> str:
-    low, high = row[f"{key}_low"], row[f"{key}_high"]
-    if row[key] != row[key]:
-        return "undefined"
-    spread = f" [{low:{digits}}, {high:{digits}}]" if low == low else " (n = 1, no interval)"
-    return f"{row[key]:{digits}}{spread}"
+    return cell(row[key], row[f"{key}_low"], row[f"{key}_high"], digits)
 
 
 def summary_table(summary: list[dict], delta: float, cut: int, checkpoints: list[str]) -> str:

@@ -1,33 +1,38 @@
-"""R_f during training, from the runs' own logs: init_rf and rf (delta = 1, c = 3, 100 test images) per
-epoch, as train.py's --diagnostics wrote them to log.jsonl. Writes trajectories.csv and trajectories.png.
+"""R_f during training, from the runs' own logs: init_rf and rf (delta = 1, c = 3, one draw on the run's
+diagnostics images) per epoch, as train.py's --diagnostics wrote them to log.jsonl. Writes trajectories.csv
+(with the convention and mode set the training code measured in, given on the command line, since the logs
+do not record them) and trajectories.png.
 
-    python results/relative_stability/trajectories.py RUNS_DIR OUTPUT_DIR
+    python results/relative_stability/trajectories.py RUNS_DIR OUTPUT_DIR CONVENTION MODES
 """
 
-import csv
 import json
 import sys
 from pathlib import Path
 
 import matplotlib
 
+from convbias.tables import write_csv
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def main(runs: Path, output: Path) -> None:
+def main(runs: Path, output: Path, convention: str, modes: str) -> None:
     rows = []
     for log in sorted(runs.glob("*/log.jsonl")):
         records = [json.loads(line) for line in log.read_text().splitlines()]
         if not records or "init_rf" not in records[0]:
             continue
         name = log.parent.name
-        rows.append(dict(run=name, epoch=0, rf=records[0]["init_rf"], eval_top1=""))
-        rows += [dict(run=name, epoch=r["epoch"], rf=r.get("rf"), eval_top1=r.get("eval_top1")) for r in records]
-    with open(output / "trajectories.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["run", "epoch", "rf", "eval_top1"])
-        writer.writeheader()
-        writer.writerows(rows)
+        config = (log.parent / "config.yaml").read_text()
+        images = next((line.split(":")[1].strip() for line in config.splitlines() if "diagnostics_images" in line), "")
+        label = dict(convention=convention, modes=modes, images=images, draws=1)
+        rows.append(dict(run=name, epoch=0, rf=records[0]["init_rf"], eval_top1="", **label))
+        rows += [
+            dict(run=name, epoch=r["epoch"], rf=r.get("rf"), eval_top1=r.get("eval_top1"), **label) for r in records
+        ]
+    write_csv(rows, output / "trajectories.csv")
     runs_by_name = {}
     for r in rows:
         runs_by_name.setdefault(r["run"], []).append(r)
@@ -50,7 +55,8 @@ def main(runs: Path, output: Path) -> None:
         yscale="log",
         xlabel="epoch (0 = initialization; eFCNs: epochs after the lift)",
         ylabel="R_f",
-        title="R_f during training (delta = 1, c = 3, 100 test images)\nsolid: P = 4000, dotted: P = 1000",
+        title=f"R_f during training (delta = 1, c = 3, {convention} convention, {modes} modes, one draw)\n"
+        "solid: P = 4000, dotted: P = 1000",
     )
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -58,4 +64,4 @@ def main(runs: Path, output: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4])

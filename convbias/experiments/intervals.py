@@ -1,0 +1,39 @@
+"""Confidence intervals of study summaries over seeds: the mean (or geometric mean) with its 95% Student-t
+interval, and a cell renderer that always shows n and the interval."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CONFIDENCE = 0.95
+
+
+def t_quantile(df: int) -> float:
+    """The two-sided 95% Student-t quantile with `df` degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.5 + CONFIDENCE / 2, df))
+
+
+def interval(values: list[float], log: bool = False) -> tuple[int, float, float, float]:
+    """(n, centre, low, high): the mean with its 95% t-interval, or with `log` the geometric mean and the
+    interval exp(mean log +/- t s / sqrt(n)). Non-finite (with `log`, non-positive) values are left out;
+    the bounds are NaN when n < 2."""
+    kept = [float(v) for v in values if math.isfinite(float(v)) and (float(v) > 0 or not log)]
+    n = len(kept)
+    if n == 0:
+        return 0, float("nan"), float("nan"), float("nan")
+    x = torch.tensor([math.log(v) if log else v for v in kept], dtype=torch.float64)
+    centre = float(x.mean())
+    half = t_quantile(n - 1) * float(x.std()) / math.sqrt(n) if n > 1 else float("nan")
+    bounds = (centre, centre - half, centre + half)
+    return (n, *(math.exp(v) for v in bounds)) if log else (n, *bounds)
+
+
+def cell(centre: float, low: float, high: float, digits: str = ".3g") -> str:
+    """'centre [low, high]', or 'centre (n = 1, no interval)'; 'undefined' for NaN."""
+    if centre != centre:
+        return "undefined"
+    return f"{centre:{digits}} [{low:{digits}}, {high:{digits}}]" if low == low else f"{centre:{digits}} (no interval)"
