@@ -1,12 +1,36 @@
-"""Shared pytest fixtures and helpers (import helpers with `from conftest import ...`)."""
+"""Shared pytest fixtures: the repository root, the installed console scripts, test data builders."""
 
 import io
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    """The repository root (configs/, train.py)."""
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def console_script():
+    """`console_script("convbias-train")`: the path of an installed console script, the one next to the
+    interpreter running the tests (the venv's bin/), as a user runs it."""
+
+    def find(name: str) -> str:
+        path = Path(sys.executable).parent / name
+        if not path.is_file():
+            pytest.fail(f"console script {name} not found next to {sys.executable}: pip install -e . first")
+        return str(path)
+
+    return find
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,10 @@
 divided by alpha^2 (autograd of the explicit formula, and a linear model's closed form), bad alpha."""
 
 import copy
+import csv
 import json
 import math
+import subprocess
 
 import pytest
 import timm
@@ -12,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from convbias.engine.output_scale import OutputScale, ScaledLoss, check_alpha
+from convbias.evaluation.ensembles import load_run
+from convbias.families import load_families
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -152,3 +156,41 @@ def test_train_refuses_a_non_positive_output_scale(tmp_path, capsys, value):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --output-scale must be a") and "finite number" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, console_script):
+    """convbias-regimes on a one-run sweep directory: the run's own final top-1 and logged kernel change,
+    and the local-energy curve, whose sigma = 0 point is the run's training error."""
+    from convbias.cli import train
+
+    sweep = tmp_path / "sweep"
+    run = sweep / "runs" / "a10"
+    results = train.run(TINY + ["--epochs", "1", "--output-scale", "10", "--output", str(run)])
+    (sweep / "runs.csv").write_text("run,model\na10,convit_tiny\n")
+    done = subprocess.run([console_script("convbias-regimes"), str(sweep)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    with open(sweep / "regimes.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    last = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()][-1]
+    assert float(row["alpha"]) == 10 and float(row["top1"]) == pytest.approx(results["final_top1"])
+    assert float(row["ntk_change"]) == pytest.approx(last["ntk_relative_change"])
+    curve = [float(row[f"train_error_sigma{s:g}"]) for s in (0.0, 0.05, 0.1, 0.2, 0.3)]
+    assert all(0 <= error <= 100 for error in curve)
+    model, _, data = load_run(run, load_families())
+    data.train.transform = data.val.transform
+    images = torch.stack([data.train[i][0] for i in range(len(data.train))])
+    labels = torch.tensor([data.train[i][1] for i in range(len(data.train))])
+    with torch.no_grad():
+        error = 100 * (model(images).argmax(1) != labels).double().mean().item()
+    assert curve[0] == pytest.approx(error, abs=1e-6)  # no noise: the training error itself
+    assert (sweep / "regimes.png").stat().st_size > 0
+
+
+def test_regimes_without_a_sweep_is_one_error_line(tmp_path, capsys):
+    from convbias.cli import regimes
+
+    assert regimes.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tmp_path / 'runs.csv'} not found; run the sweep first (convbias-sweep run ...)"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -42,6 +42,7 @@ from torch import nn
 
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.ntk import empirical_ntk, relative_change
+from convbias.tables import write_csv
 
 NETS_CSV = "nets.csv"  # one row per net, every measurement
 CELLS_CSV = "cells.csv"  # one row per (width, alpha~): the figures' data
@@ -257,13 +258,6 @@ def cell_rows(
     return cells
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
     """Train the whole grid, write nets.csv (one row per net) and cells.csv; return the cells."""
     torch.manual_seed(0)
@@ -277,8 +271,8 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
         cells = cell_rows(cfg, width, rows, test_outputs, data[3])
         all_rows += rows
         all_cells += cells
-        write_csv(output / NETS_CSV, all_rows)  # after every width: a partial grid is readable
-        write_csv(output / CELLS_CSV, all_cells)
+        write_csv(all_rows, output / NETS_CSV)  # after every width: a partial grid is readable
+        write_csv(all_cells, output / CELLS_CSV)
         log(
             f"h={width:4d}  {time.perf_counter() - started:6.1f}s  "
             + "  ".join(
@@ -296,7 +290,6 @@ def write_report_csvs(output: Path) -> list[Path]:
     with open(output / NETS_CSV, newline="") as f:
         nets = list(csv.DictReader(f))
     write_csv(
-        output / RUNS_CSV,
         [
             {
                 "run": f"fc2__h{r['width']}__a{float(r['alpha_tilde']):g}__seed{r['seed']}",
@@ -304,9 +297,9 @@ def write_report_csvs(output: Path) -> list[Path]:
             }
             for r in nets
         ],
+        output / RUNS_CSV,
     )
     write_csv(
-        output / ENSEMBLES_CSV,
         [
             {
                 "model": "fc2",
@@ -319,6 +312,7 @@ def write_report_csvs(output: Path) -> list[Path]:
             }
             for c in read_cells(output / CELLS_CSV)
         ],
+        output / ENSEMBLES_CSV,
     )
     return [output / RUNS_CSV, output / ENSEMBLES_CSV]
 

@@ -1,20 +1,18 @@
-"""Lazy or feature training? The summary of a sweep over ``--output-scale`` (issue 13, source Sec. 2).
+"""Lazy or feature training? The summary of a sweep over ``--output-scale`` (Geiger, Petrini & Wyart,
+*Landscape and training regimes in deep learning*, Physics Reports 2021, Sec. 2).
 
 For every complete run of a sweep directory (its runs.csv): the output scale alpha, the final top-1,
 the tangent kernel's relative change ||Theta_end - Theta_0|| / ||Theta_0|| logged by the engine's
 ``ntk`` diagnostic at the last evaluation, and the local-energy curve of the final weights on the
 training set (``convbias.evaluation.landscape.local_energy``: error under multiplicative weight noise).
-Writes regimes.csv and regimes.png (top-1, kernel change and local energy against alpha, per model).
-
-    python -m convbias.experiments.regimes results/regimes
+`write` saves regimes.csv and regimes.png (top-1, kernel change and local energy against alpha, per
+model); the console script is ``convbias-regimes SWEEP_DIR`` (`convbias.cli.regimes`).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +20,12 @@ import torch
 
 from convbias.evaluation.ensembles import load_run
 from convbias.evaluation.landscape import Batches, local_energy
+from convbias.tables import write_csv
 
 SIGMAS = (0.0, 0.05, 0.1, 0.2, 0.3)
 DRAWS = 5
 CSV_NAME = "regimes.csv"
+PNG_NAME = "regimes.png"
 
 
 def last_evaluation(run_dir: Path) -> dict[str, Any]:
@@ -102,24 +102,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("sweep_dir", help="a convbias-sweep output directory (runs.csv, runs/)")
-    args = parser.parse_args(argv)
-    sweep_dir = Path(args.sweep_dir)
-    if not (sweep_dir / "runs.csv").is_file():
-        print(f"error: {sweep_dir / 'runs.csv'} not found; run the sweep first", file=sys.stderr)
-        return 2
-    from convbias.families import load_families
-
-    rows = summarize(sweep_dir, load_families())
-    with open(sweep_dir / CSV_NAME, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {sweep_dir / CSV_NAME}, {plot(rows, sweep_dir / 'regimes.png')}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def write(sweep_dir: Path, extensions=None) -> list[Path]:
+    """Summarize the sweep in `sweep_dir` and write regimes.csv and regimes.png there."""
+    rows = summarize(sweep_dir, extensions)
+    return [write_csv(rows, sweep_dir / CSV_NAME), plot(rows, sweep_dir / PNG_NAME)]

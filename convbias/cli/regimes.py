@@ -1,0 +1,45 @@
+"""`convbias-regimes`: lazy or feature training, summarized over a sweep of ``--output-scale`` runs.
+
+    convbias-sweep run configs/sweeps/digits_regimes.yaml --output runs/regimes
+    convbias-regimes runs/regimes        # regimes.csv, regimes.png in the sweep directory
+
+What is measured: convbias.experiments.regimes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from convbias.experiments.regimes import write
+from convbias.families import load_families
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="convbias-regimes",
+        description="Top-1, tangent-kernel change and local energy per output scale alpha of a convbias-sweep run.",
+    )
+    parser.add_argument("sweep_dir", help="a convbias-sweep output directory (runs.csv, runs/)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    sweep_dir = Path(build_parser().parse_args(argv).sweep_dir)
+    if not (sweep_dir / "runs.csv").is_file():
+        print(
+            f"error: {sweep_dir / 'runs.csv'} not found; run the sweep first (convbias-sweep run ...)", file=sys.stderr
+        )
+        return 2
+    try:
+        written = write(sweep_dir, load_families())
+    except ValueError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
