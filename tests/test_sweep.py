@@ -20,6 +20,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 import yaml
+from scipy import stats as scipy_stats
 
 from convbias.engine.config import effective_epochs, parse_config
 from convbias.experiments import report, sweep
@@ -468,6 +469,24 @@ def write_fixture(path: Path) -> dict:
     return top1
 
 
+def _cell(values) -> str:
+    """mean ± std [95% t interval of the mean], computed here with scipy's t distribution."""
+    mean, std = np.mean(values), np.std(values, ddof=1)
+    if std == 0:
+        return f"{mean:.1f} ± 0.0 [{mean:.1f}, {mean:.1f}]"
+    low, high = scipy_stats.t.interval(0.95, len(values) - 1, loc=mean, scale=std / np.sqrt(len(values)))
+    return f"{mean:.1f} ± {std:.1f} [{low:.1f}, {high:.1f}]"
+
+
+def _paired(ours, base) -> str:
+    """The paired 95% interval of ours - base, from scipy's paired t test (an independent implementation)."""
+    diff = np.subtract(ours, base)
+    if diff.std() == 0:
+        return f"{diff.mean():+.1f} [{diff.mean():+.1f}, {diff.mean():+.1f}]"
+    low, high = scipy_stats.ttest_rel(ours, base).confidence_interval(0.95)
+    return f"{diff.mean():+.1f} [{low:+.1f}, {high:+.1f}]"
+
+
 def test_report_from_csv_fixture(tmp_path):
     top1 = write_fixture(tmp_path / "runs.csv")
     done = sweep_cli("report", "--csv", str(tmp_path / "runs.csv"))
@@ -475,24 +494,56 @@ def test_report_from_csv_fixture(tmp_path):
     text = (tmp_path / "report.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[0] == (
-        "| Train size | deit_tiny_plus top-1 | convit_tiny top-1 | Gap | "
-        "deit_tiny_plus top-5 | convit_tiny top-5 | Gap |"
+        "| Train size | n | deit_tiny_plus top-1 | convit_tiny top-1 | gap top-1 (points) | relative | "
+        "deit_tiny_plus top-5 | convit_tiny top-5 | gap top-5 (points) | relative |"
     )
     rows = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ") for line in table[1:]}
     assert list(rows) == ["10%", "50%", "100%"]
     for fraction, label in ((0.1, "10%"), (0.5, "50%"), (1.0, "100%")):
         base, ours = top1[("deit_tiny_plus", fraction)], top1[("convit_tiny", fraction)]
-        assert rows[label][1] == f"{np.mean(base):.1f} ± {np.std(base, ddof=1):.1f}"
-        assert rows[label][2] == f"{np.mean(ours):.1f} ± {np.std(ours, ddof=1):.1f}"
-        assert rows[label][4] == "95.5 ± 0.7" and rows[label][6] == "0%"
-    # gaps: (52 - 42) / 42, (71 - 63) / 63, (80 - 80) / 80
-    assert [rows[label][3] for label in rows] == ["+24%", "+13%", "0%"]
+        assert rows[label][1] == "2"
+        assert rows[label][2] == _cell(base) and rows[label][3] == _cell(ours)
+        assert rows[label][4] == _paired(ours, base)
+        assert rows[label][6] == _cell([95.0, 96.0]) and rows[label][8] == "+0.0 [+0.0, +0.0]"
+        assert rows[label][9] == "0%"
+    # relative gaps of the means: (52 - 42) / 42, (71 - 63) / 63, (80 - 80) / 80
+    assert [rows[label][5] for label in rows] == ["+24%", "+13%", "0%"]
+    # the gap's change from 100% to 10%: Welch's interval, as scipy computes it
+    small, large = np.subtract([50.0, 54.0], [40.0, 44.0]), np.subtract([80.0, 80.0], [78.0, 82.0])
+    low, high = scipy_stats.ttest_ind(small, large, equal_var=False).confidence_interval(0.95)
+    change = f"Gap at 10% minus gap at 100%: {small.mean() - large.mean():+.1f} [{low:+.1f}, {high:+.1f}]"
+    assert change + " (no change of the gap is supported)." in text
+    assert "10%: +10.0 [+10.0, +10.0] (interval excludes 0)" in text
+    assert "100%: +0.0 [" in text and "100%: +0.0 [+0.0" not in text
     image = matplotlib.image.imread(tmp_path / "sample_efficiency.png")
     assert image.shape[0] > 200 and image.shape[1] > 400 and image[..., :3].std() > 0.05
 
     # --best switches to the best-epoch columns
     report.write_report(tmp_path / "runs.csv", tmp_path / "best", best=True)
-    assert "| 10% | 43.0 ± 2.8 | 53.0 ± 2.8 | +23% |" in (tmp_path / "best" / "report.md").read_text()
+    best = (tmp_path / "best" / "report.md").read_text()
+    assert f"| 10% | 2 | {_cell([41.0, 45.0])} | {_cell([51.0, 55.0])} | +10.0 [+10.0, +10.0] | +23% |" in best
+
+
+def test_report_states_a_gap_change_only_where_its_interval_excludes_zero(tmp_path):
+    """Five seeds: a gap of about 20 points at 10% and about 2 at 100% is a supported change; one seed
+    has no interval and the report says so instead of a verdict."""
+    noise = [0.0, 1.0, -1.0, 0.5, -0.5]
+    rows = []
+    for seed, e in enumerate(noise):
+        for fraction, gap in ((0.1, 20.0), (1.0, 2.0)):
+            rows.append(dict(model="deit_tiny_plus", train_fraction=fraction, seed=seed, top1=60 + 30 * fraction + e))
+            rows.append(
+                dict(model="convit_tiny", train_fraction=fraction, seed=seed, top1=60 + 30 * fraction + gap - e)
+            )
+    sweep.write_csv(rows, tmp_path / "runs.csv")
+    text = report.write_report(tmp_path / "runs.csv")[0].read_text()
+    assert "(the gap differs between the two fractions)" in text
+    assert "| 10% | 5 |" in text and "| 100% | 5 |" in text
+    (tmp_path / "one").mkdir()
+    sweep.write_csv([row for row in rows if row["seed"] == 0], tmp_path / "one" / "runs.csv")
+    text = report.write_report(tmp_path / "one" / "runs.csv")[0].read_text()
+    assert "(n = 1, no interval)" in text and "too few runs for an interval" in text
+    assert "excludes 0" not in text and "differs" not in text
 
 
 def test_parameter_sweep_report_and_heatmap(tmp_path):
@@ -515,7 +566,7 @@ def test_parameter_sweep_report_and_heatmap(tmp_path):
     paths = report.write_report(tmp_path / "runs.csv")
     assert [p.name for p in paths] == ["report.md", "parameter_sweep.png"]
     text = paths[0].read_text()
-    assert "| convit_tiny | 1.0 | 2.0 | 3 | 110.5 ± 0.7 | 90.0 ± 0.0 | 2 |" in text
+    assert f"| convit_tiny | 1.0 | 2.0 | 3 | {_cell([110.0, 111.0])} | 90.0 ± 0.0 [90.0, 90.0] | 2 |" in text
     assert "Sample efficiency" not in text  # one model: nothing to compare
     assert matplotlib.image.imread(paths[1]).ndim == 3
 
@@ -529,7 +580,8 @@ def test_report_of_a_single_model_lists_its_accuracy_per_fraction(tmp_path):
     sweep.write_csv(rows, tmp_path / "runs.csv")
     assert [p.name for p in report.write_report(tmp_path / "runs.csv")] == ["report.md"]
     text = (tmp_path / "report.md").read_text()
-    assert "| convit_tiny | 0.5 | 5.5 ± 0.7 | 50.0 ± 0.0 | 2 |" in text and "| convit_tiny | 1.0 | 10.5 ± 0.7 |" in text
+    assert f"| convit_tiny | 0.5 | {_cell([5.0, 6.0])} | 50.0 ± 0.0 [50.0, 50.0] | 2 |" in text
+    assert f"| convit_tiny | 1.0 | {_cell([10.0, 11.0])} |" in text
 
 
 def test_report_bad_input(tmp_path):

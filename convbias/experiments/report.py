@@ -3,11 +3,15 @@
 The CSV has one row per run (written by ``convbias.experiments.sweep``). Its columns are the grid factors
 (``variant`` or ``model``, ``train_fraction``, any swept option such as ``locality_strength``), the
 replicate ``seed`` and the results (``top1``, ``top5``, ``best_top1``, ...). Runs that differ only by
-seed are aggregated as mean +- std (sample std, n-1; 0 for one seed).
+seed are aggregated as mean ± std [95% confidence interval of the mean] and their number n (sample std,
+n-1; Student's t interval; one run has no interval and says so).
 
-- Two or more compared models (``variant``, else ``model``) over train fractions: the relative gap of
-  each model over the baseline per fraction, (mean - baseline mean) / baseline mean, as in
-  Table 7.2 (two models) or Table 7.3 (more), and the plot of Fig. 7.2 (left).
+- Two or more compared models (``variant``, else ``model``) over train fractions: per fraction, the gap
+  of each model over the baseline in points, paired by seed (a seed fixes the init and the training
+  subset): the mean of the per-seed differences with its 95% t interval; the relative gap of the means,
+  (mean - baseline mean) / baseline mean, as in Table 7.2 (two models) or Table 7.3 (more); whether the
+  gap changes between the smallest and the largest fraction (difference of the gaps, Welch interval);
+  and the plot of Fig. 7.2 (left).
 - Other swept factors (parameter sweeps): one row per setting, and a heatmap (two numeric factors,
   like Fig. 7.9 left) or a line plot (one factor).
 """
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy import stats as scipy_stats
 
 from convbias.tables import markdown_table
 
@@ -33,16 +38,63 @@ ID_COLUMNS = ("run", "seed")
 REPORT_NAME = "report.md"
 
 
+CONFIDENCE = 0.95  # of every interval in a report
+
+
+def t_half_width(std: float, n: int, dof: float | None = None) -> float:
+    """Half-width of the CONFIDENCE Student's t interval of a mean of n values with sample std `std`
+    (nan for n < 2); `dof` overrides n - 1 (Welch)."""
+    if n < 2:
+        return math.nan
+    return float(scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1 if dof is None else dof)) * std / math.sqrt(n)
+
+
 @dataclass(frozen=True)
 class Stat:
-    """Mean and sample std of one metric over seeds."""
+    """Mean, sample std and count of one metric over seeds; str: mean ± std [95% interval of the mean]."""
 
     mean: float
     std: float
     n: int
 
+    @property
+    def half_width(self) -> float:
+        return t_half_width(self.std, self.n)
+
     def __str__(self) -> str:
-        return f"{self.mean:.1f} ± {self.std:.1f}" if self.n > 1 else f"{self.mean:.1f}"
+        if self.n < 2:
+            return f"{self.mean:.1f} (n = 1, no interval)"
+        return (
+            f"{self.mean:.1f} ± {self.std:.1f} [{self.mean - self.half_width:.1f}, {self.mean + self.half_width:.1f}]"
+        )
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A difference in points with its interval: the mean of per-seed differences (paired), or a
+    difference of two such means (Welch). str: +mean [low, high]."""
+
+    mean: float
+    half_width: float
+    n: int
+
+    @property
+    def low(self) -> float:
+        return self.mean - self.half_width
+
+    @property
+    def high(self) -> float:
+        return self.mean + self.half_width
+
+    @property
+    def excludes_zero(self) -> bool:
+        """The interval lies on one side of 0 (False without an interval)."""
+        return not math.isnan(self.half_width) and (self.low > 0 or self.high < 0)
+
+    def __str__(self) -> str:
+        if math.isnan(self.half_width):
+            return f"{self.mean:+.1f} (n = {self.n}, no interval)"
+        return f"{self.mean:+.1f} [{self.low:+.1f}, {self.high:+.1f}]"
 
 
 def _parse(value: str) -> Any:
@@ -91,6 +143,38 @@ def stat(rows: list[dict[str, Any]], metric: str) -> Stat | None:
     return Stat(float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0, len(values))
 
 
+def paired_gap(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], metric: str) -> Gap | None:
+    """Model minus baseline over the seeds both have (a seed fixes the init and the data subset): the
+    mean of the per-seed differences and its t interval; None without a common seed."""
+    return _mean_gap(_per_seed_gaps(rows, base_rows, metric))
+
+
+def _mean_gap(diffs: list[float]) -> Gap | None:
+    if not diffs:
+        return None
+    std = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0
+    return Gap(float(np.mean(diffs)), t_half_width(std, len(diffs)), len(diffs))
+
+
+def gap_change(first: list[float], second: list[float]) -> Gap | None:
+    """mean(second) - mean(first) of two independent samples (per-seed gaps at two fractions: different
+    subsets), with Welch's t interval; None if either has fewer than 2 values."""
+    if len(first) < 2 or len(second) < 2:
+        return None
+    v1, v2 = np.var(first, ddof=1) / len(first), np.var(second, ddof=1) / len(second)
+    se = math.sqrt(v1 + v2)
+    if se == 0:
+        return Gap(float(np.mean(second) - np.mean(first)), 0.0, min(len(first), len(second)))
+    dof = (v1 + v2) ** 2 / (v1**2 / (len(first) - 1) + v2**2 / (len(second) - 1))
+    half = float(scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, dof)) * se
+    return Gap(float(np.mean(second) - np.mean(first)), half, min(len(first), len(second)))
+
+
+def _per_seed_gaps(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], metric: str) -> list[float]:
+    base = {row["seed"]: row[metric] for row in base_rows if metric in row and "seed" in row}
+    return [row[metric] - base[row["seed"]] for row in rows if metric in row and row.get("seed") in base]
+
+
 def _select(rows: list[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:
     return [row for row in rows if all(row.get(k) == v for k, v in where.items())]
 
@@ -133,56 +217,103 @@ def _markdown(header: Sequence[str], body: list[Sequence[Any]]) -> str:
     return markdown_table(header, body).rstrip("\n")
 
 
+def _count(rows: list[dict[str, Any]], metric: str) -> int:
+    return sum(metric in row for row in rows)
+
+
+def _counts(counts: list[int]) -> str:
+    """'5', or '2-5' when cells have different numbers of runs."""
+    low, high = min(counts, default=0), max(counts, default=0)
+    return str(low) if low == high else f"{low}-{high}"
+
+
 def comparison_table(rows: list[dict[str, Any]], baseline: str, metric: str = "top1") -> str:
-    """Table 7.2 (two models: rows are fractions) or Table 7.3 (more: rows are models)."""
+    """Table 7.2 (two models: rows are fractions) or Table 7.3 (more: rows are models).
+
+    Cells: mean ± std [95% interval of the mean]; gaps: model - baseline in points, paired by seed,
+    [95% interval]; relative gaps from the means; n: runs per cell."""
     column = compared_column(rows)
     others = [name for name in _values(rows, column) if name != baseline]
     fractions = _fractions(rows)
     top5 = metric.replace("top1", "top5")
     if len(others) == 1:
         other = others[0]
-        header = [
-            "Train size",
-            f"{baseline} top-1",
-            f"{other} top-1",
-            "Gap",
-            f"{baseline} top-5",
-            f"{other} top-5",
-            "Gap",
-        ]
+        header = ["Train size", "n"]
+        for k in ("top-1", "top-5"):
+            header += [f"{baseline} {k}", f"{other} {k}", f"gap {k} (points)", "relative"]
         body = []
         for f in fractions:
-            cells = []
+            base_rows = _select(rows, **{column: baseline, "train_fraction": f})
+            other_rows = _select(rows, **{column: other, "train_fraction": f})
+            cells = [_fraction(f), _counts([_count(base_rows, metric), _count(other_rows, metric)])]
             for m in (metric, top5):
-                base = stat(_select(rows, **{column: baseline, "train_fraction": f}), m)
-                value = stat(_select(rows, **{column: other, "train_fraction": f}), m)
-                cells += [base or "–", value or "–", _gap(value, base)]
-            body.append([_fraction(f)] + cells)
+                base, value = stat(base_rows, m), stat(other_rows, m)
+                cells += [base or "–", value or "–", paired_gap(other_rows, base_rows, m) or "–", _gap(value, base)]
+            body.append(cells)
         return _markdown(header, body)
-    header = [column] + [f"{_fraction(f)} top-{k} (gap)" for f in fractions for k in (1, 5)]
+    header = [column, "n"] + [f"{_fraction(f)} top-{k} (gap, points)" for f in fractions for k in (1, 5)]
     body = []
     for name in _values(rows, column):
-        cells = []
+        cells, counts = [], []
         for f in fractions:
+            base_rows = _select(rows, **{column: baseline, "train_fraction": f})
+            name_rows = _select(rows, **{column: name, "train_fraction": f})
+            counts.append(_count(name_rows, metric))
             for m in (metric, top5):
-                base = stat(_select(rows, **{column: baseline, "train_fraction": f}), m)
-                value = stat(_select(rows, **{column: name, "train_fraction": f}), m)
-                cells.append(
-                    "–" if value is None else str(value) if name == baseline else f"{value} ({_gap(value, base)})"
-                )
-        body.append([name] + cells)
+                value = stat(name_rows, m)
+                gap = paired_gap(name_rows, base_rows, m)
+                cells.append("–" if value is None else str(value) if name == baseline else f"{value} ({gap or '–'})")
+        body.append([name, _counts(counts)] + cells)
     return _markdown(header, body)
 
 
+def trend_lines(rows: list[dict[str, Any]], baseline: str, metric: str = "top1") -> list[str]:
+    """Per compared model: its paired gap at each fraction, whether each interval excludes 0, and whether
+    the gap differs between the smallest and the largest fraction (Welch interval of the difference)."""
+    column = compared_column(rows)
+    fractions = _fractions(rows)
+    lines = []
+    for name in _values(rows, column):
+        if name == baseline:
+            continue
+        gaps = {}
+        for f in fractions:
+            base_rows = _select(rows, **{column: baseline, "train_fraction": f})
+            gaps[f] = _per_seed_gaps(_select(rows, **{column: name, "train_fraction": f}), base_rows, metric)
+        per_fraction = []
+        for f, diffs in gaps.items():
+            gap = _mean_gap(diffs)
+            if gap is not None and math.isnan(gap.half_width):
+                per_fraction.append(f"{_fraction(f)}: {gap}")
+            elif gap is not None:
+                verdict = "interval excludes 0" if gap.excludes_zero else "interval includes 0"
+                per_fraction.append(f"{_fraction(f)}: {gap} ({verdict})")
+        line = f"- {name} - {baseline}, {_label(metric)} in points: " + "; ".join(per_fraction) + "."
+        if len(fractions) > 1:
+            small, large = fractions[0], fractions[-1]
+            change = gap_change(gaps[large], gaps[small])
+            if change is None:
+                line += f" Gap at {_fraction(small)} minus gap at {_fraction(large)}: too few runs for an interval."
+            else:
+                verdict = (
+                    "the gap differs between the two fractions"
+                    if change.excludes_zero
+                    else "no change of the gap is supported"
+                )
+                line += f" Gap at {_fraction(small)} minus gap at {_fraction(large)}: {change} ({verdict})."
+        lines.append(line)
+    return lines
+
+
 def parameter_table(rows: list[dict[str, Any]], metric: str = "top1") -> str:
-    """One row per setting of the swept factors, top-1 and top-5 as mean ± std over seeds."""
+    """One row per setting of the swept factors: top-1 and top-5 as mean ± std [95% interval], n runs."""
     factors = [compared_column(rows), "train_fraction"] + parameter_columns(rows)
     top5 = metric.replace("top1", "top5")
     body = []
     for setting in dict.fromkeys(tuple(row.get(f) for f in factors) for row in rows):
         selected = _select(rows, **dict(zip(factors, setting)))
         body.append(list(setting) + [stat(selected, metric) or "–", stat(selected, top5) or "–", len(selected)])
-    return _markdown(factors + ["top-1", "top-5", "seeds"], body)
+    return _markdown(factors + ["top-1", "top-5", "n"], body)
 
 
 def _groups(rows: list[dict[str, Any]], columns: list[str]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -205,7 +336,8 @@ def _title(where: dict[str, Any]) -> str:
 def plot_sample_efficiency(
     rows: list[dict[str, Any]], baseline: str, path: Path, metric: str = "top1", title: str = ""
 ) -> Path:
-    """Fig. 7.2 (left): accuracy against train fraction per model, and the relative improvement."""
+    """Fig. 7.2 (left): accuracy against train fraction per model, and the paired gap over the baseline
+    in points; error bars are 95% t intervals of the means (none for a single run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -220,7 +352,7 @@ def plot_sample_efficiency(
         ax.errorbar(
             xs,
             [s.mean for s in stats if s],
-            yerr=[s.std for s in stats if s],
+            yerr=[_bar(s.half_width) for s in stats if s],
             marker="o",
             capsize=3,
             label=str(name),
@@ -228,12 +360,22 @@ def plot_sample_efficiency(
         )
         if name == baseline:
             continue
-        gaps = []
-        for f in xs:
-            value = stat(_select(rows, **{column: name, "train_fraction": f}), metric)
-            base = stat(_select(rows, **{column: baseline, "train_fraction": f}), metric)
-            gaps.append(math.nan if base is None or base.mean == 0 else 100 * (value.mean - base.mean) / base.mean)
-        gap_ax.plot(xs, gaps, marker="o", label=f"{name} vs {baseline}")
+        gaps = [
+            paired_gap(
+                _select(rows, **{column: name, "train_fraction": f}),
+                _select(rows, **{column: baseline, "train_fraction": f}),
+                metric,
+            )
+            for f in xs
+        ]
+        gap_ax.errorbar(
+            [f for f, g in zip(xs, gaps) if g is not None],
+            [g.mean for g in gaps if g is not None],
+            yerr=[_bar(g.half_width) for g in gaps if g is not None],
+            marker="o",
+            capsize=3,
+            label=f"{name} - {baseline}",
+        )
     for axis in (ax, gap_ax):
         axis.set_xscale("log")
         axis.set_xticks(fractions, [_fraction(f) for f in fractions])
@@ -243,12 +385,17 @@ def plot_sample_efficiency(
         axis.legend(fontsize=8)
     ax.set_ylabel(f"{_label(metric)} accuracy (%)")
     gap_ax.axhline(0, color="black", linewidth=0.8)
-    gap_ax.set_ylabel("relative improvement (%)")
+    gap_ax.set_ylabel("gap, paired by seed (points)")
     fig.suptitle(title or "Sample efficiency", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _bar(half_width: float) -> float:
+    """An error bar's half-length: the interval's, 0 where there is none (one run)."""
+    return 0.0 if math.isnan(half_width) else half_width
 
 
 def _is_numeric(values: list[Any]) -> bool:
@@ -293,7 +440,7 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "
                 ax.errorbar(
                     positions,
                     [s.mean for s in stats],
-                    yerr=[s.std for s in stats],
+                    yerr=[_bar(s.half_width) for s in stats],
                     marker="o",
                     capsize=3,
                     label=_title(line) or None,
@@ -356,7 +503,8 @@ def write_report(
     written = []
     which = "best" if best else "final"
     sections = [
-        f"# Sweep report\n\nFrom `{Path(csv_path).name}`: {len(rows)} runs, {which} accuracy, mean ± std over seeds."
+        f"# Sweep report\n\nFrom `{Path(csv_path).name}`: {len(rows)} runs, {which} accuracy. A cell is "
+        f"mean ± std [{CONFIDENCE:.0%} t interval of the mean] over its n runs (seeds)."
     ]
     compared = len(_values(rows, column)) > 1
     if compared:
@@ -365,8 +513,12 @@ def write_report(
             suffix = "" if not where else "_" + "_".join(f"{k}-{v}" for k, v in where.items())
             heading = f"## Sample efficiency{' (' + _title(where) + ')' if where else ''}"
             sections.append(
-                f"{heading}\n\nGap: relative improvement over {base}, "
-                f"(model - {base}) / {base}, from the means.\n\n" + comparison_table(selected, base, metric)
+                f"{heading}\n\nGap: model - {base} in points, the mean of the per-seed differences (a seed fixes "
+                f"the init and the training subset) [{CONFIDENCE:.0%} paired t interval]; relative: "
+                f"(mean - {base} mean) / {base} mean.\n\n"
+                + comparison_table(selected, base, metric)
+                + "\n\n"
+                + "\n".join(trend_lines(selected, base, metric))
             )
             if len(_fractions(selected)) > 1:
                 png = plot_sample_efficiency(
