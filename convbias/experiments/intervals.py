@@ -37,3 +37,15 @@ def cell(centre: float, low: float, high: float, digits: str = ".3g") -> str:
     if centre != centre:
         return "undefined"
     return f"{centre:{digits}} [{low:{digits}}, {high:{digits}}]" if low == low else f"{centre:{digits}} (no interval)"
+
+
+def wilson(accuracy_percent: float, count: int) -> tuple[float, float]:
+    """The 95% Wilson score interval (percent) of an accuracy measured on `count` test images: the test-set
+    sampling uncertainty of one network, which says nothing of the spread between seeds."""
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + CONFIDENCE / 2))
+    p = accuracy_percent / 100
+    centre = (p + z * z / (2 * count)) / (1 + z * z / count)
+    half = z / (1 + z * z / count) * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count))
+    return 100 * (centre - half), 100 * (centre + half)
