@@ -1,0 +1,64 @@
+"""`convbias-export RUN_DIR --output DIR`: a train.py run as a folder timm loads, with a model card.
+
+    convbias-export runs/tcnn_resnet18-digits --output exported/tcnn_resnet18-digits --which best
+    python -c "import timm, transformed_cnn; timm.create_model('local-dir:exported/tcnn_resnet18-digits', pretrained=True)"
+
+Writes timm's Hub format (model.safetensors, config.json with the model's arguments and the run's
+preprocessing), a README.md model card (front matter, architecture, recipe, results, usage, version),
+the run's config.yaml and results.json. --onnx adds model.onnx (the `onnx` extra) and --pt2 a
+torch.export program, each checked against the PyTorch model; --push-to USER/REPO uploads the folder
+with huggingface_hub. Bad input is refused with one `error: ...` line (exit status 2) before anything
+is written; a failed upload leaves the folder in place.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from convbias.engine.config import OptionParser
+from convbias.engine.errors import ConfigError
+from convbias.engine.run_dir import WHICH
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OptionParser(prog="convbias-export", description=__doc__.split("\n")[0])
+    parser.add_argument("run", metavar="RUN_DIR", help="a train.py output directory")
+    parser.add_argument("--output", required=True, help="new folder to write (must not exist, or be empty)")
+    parser.add_argument("--which", choices=WHICH, default="last", help="the checkpoint to export")
+    parser.add_argument("--onnx", action="store_true", help="also write model.onnx (needs the onnx extra)")
+    parser.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export)")
+    parser.add_argument("--img-size", type=int, help="input side of model.onnx / model.pt2 (default: the run's)")
+    parser.add_argument("--license", default="apache-2.0", help="license of the weights, in the card")
+    parser.add_argument("--push-to", metavar="REPO_ID", help="upload the folder to this Hub repository")
+    parser.add_argument("--private", action="store_true", help="with --push-to: create a private repository")
+    try:
+        args = parser.parse_args(argv)
+        from convbias.families import load_families
+        from convbias.hub import export_run, push_folder
+
+        load_families()
+        deploy = tuple(name for name, wanted in (("onnx", args.onnx), ("pt2", args.pt2)) if wanted)
+        done = export_run(args.run, args.output, args.which, deploy, args.img_size, args.license, args.push_to)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    top1 = done["metrics"].get("top1")
+    print(
+        f"{done['checkpoint']} -> {done['output']} ({done['model']}"
+        + (f", top-1 {top1:.2f}" if top1 is not None else "")
+        + ")"
+    )
+    for name, error in done["checks"].items():
+        print(f"model.{name}: relative error against PyTorch {error:.1e}")
+    if args.push_to:
+        try:
+            url = push_folder(done["output"], args.push_to, private=args.private)
+        except ValueError as error:
+            print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+            return 1
+        print(f"uploaded to {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

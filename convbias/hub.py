@@ -1,0 +1,495 @@
+"""A run directory as a model anyone can load: timm's Hub folder, a model card, deployment exports, upload.
+
+`export_run(RUN, OUT)` writes what `timm.save_for_hf` writes (`model.safetensors`, `config.json` with the
+model's reconstruction arguments in `model_args` and the run's preprocessing in `pretrained_cfg`), a
+`README.md` model card in the Hub's format (YAML front matter, then architecture, recipe, results, usage),
+and the run's own `config.yaml` and `results.json` beside them. The folder loads with
+`timm.create_model('local-dir:OUT', pretrained=True)` once the family is imported (`import transformed_cnn`);
+pushed to the Hub, with `'hf-hub:USER/REPO'`.
+
+A run reparametrized during training (`--reparametrize tcnn`) is exported as the `tcnn_<resnet>` entry its
+weights belong to, with the reparametrization's options as transform options. An `--output-scale` run is
+refused: its model is a wrapper (alpha (f - f_0)) that timm's registry does not build.
+
+Every refusal is a ValueError with one line, raised before anything is written; the folder is written
+under a temporary name and renamed into place, so an interrupted export leaves no half folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from convbias.tables import markdown_table
+
+PACKAGE = "convolutional-inductive-biases"
+DEFAULT_LICENSE = "apache-2.0"
+FAMILY_TAGS = {"convit": "convit", "transformed_cnn": "transformed-cnn", "efcn": "efcn"}
+# The recipe fields a model card lists (the whole config.yaml is in the folder too).
+RECIPE_KEYS = (
+    "model",
+    "model_kwargs",
+    "pretrained",
+    "dataset",
+    "train_fraction",
+    "img_size",
+    "epochs",
+    "batch_size",
+    "opt",
+    "lr",
+    "weight_decay",
+    "sched",
+    "warmup_epochs",
+    "drop_path",
+    "smoothing",
+    "mixup",
+    "cutmix",
+    "aa",
+    "reprob",
+    "param_group_lr",
+    "reparametrize",
+    "reparametrize_at_epoch",
+    "reparametrize_kwargs",
+    "model_ema",
+    "seed",
+)
+RUN_FILES = ("config.yaml", "results.json")
+# pretrained_cfg fields that describe timm's published weights of the architecture, not a run's
+SOURCE_FIELDS = (
+    "tag",
+    "url",
+    "hf_hub_id",
+    "file",
+    "source",
+    "license",
+    "origin_url",
+    "paper_ids",
+    "paper_name",
+    "notes",
+)
+DEPLOY_FORMATS = ("onnx", "pt2")
+ONNX_TOLERANCE = 1e-4  # relative: ONNX Runtime's kernels against PyTorch's, fp32
+ONNX_SINGLE_FILE_BYTES = 2**30  # protobuf's 2 GB limit, with room: larger weights go to model.onnx.data
+
+
+def _family(model_name: str) -> str:
+    from timm.models import model_entrypoint
+
+    return model_entrypoint(model_name).__module__.split(".")[0]
+
+
+def run_model(run: str | Path, which: str = "last") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The run's model (eval mode, the checkpoint's weights) built through timm's registry, and what was
+    used to build it: name, kwargs, checkpoint, config, data options. ValueError (one line) otherwise."""
+    from convbias.engine.config import Config
+    from convbias.engine.errors import ConfigError
+    from convbias.engine.modeling import check_model_name, create_model
+    from convbias.engine.run_dir import model_spec, read_run_config
+    from convbias.weights import load_weights, weights_metadata
+
+    config = read_run_config(run)
+    spec = model_spec(run, which)  # refuses a run without checkpoints/<which>
+    if config.get("output_scale") is not None:
+        raise ValueError(
+            f"{run} was trained with --output-scale {config['output_scale']}: its model is a wrapper "
+            "(alpha (f - f_0)) that timm's registry cannot rebuild; export a run without it"
+        )
+    name, model_kwargs = spec["model"], dict(spec["model_kwargs"])
+    try:
+        check_model_name(name, option=f"{run}/config.yaml model")
+    except ConfigError as error:
+        raise ValueError(f"{error} (is its family imported? convbias.families.load_families())") from None
+    if weights_metadata(spec["checkpoint"].weights).get("reparametrized") == "True":
+        tcnn = f"tcnn_{name}"
+        if config.get("reparametrize") != "tcnn" or not _is_model(tcnn):
+            raise ValueError(
+                f"{spec['checkpoint'].describe()} holds {name} reparametrized with "
+                f"{config.get('reparametrize')!r}, which no registered model builds"
+            )
+        name, model_kwargs = tcnn, {**model_kwargs, **(config.get("reparametrize_kwargs") or {})}
+    build = Config(
+        {
+            **config,
+            "model": name,
+            "model_kwargs": model_kwargs,
+            "pretrained": False,  # the checkpoint holds every weight; a pretrained file may be gone
+            "pretrained_file": None,
+        }
+    )
+    try:
+        model = create_model(build, spec["num_classes"], spec["in_chans"])
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+    load_weights(model, spec["checkpoint"].weights)
+    return model.eval(), {**spec, "model": name, "model_kwargs": model_kwargs, "config": config}
+
+
+def _is_model(name: str) -> bool:
+    import timm
+
+    return timm.is_model(name)
+
+
+def data_config(config: dict[str, Any], in_chans: int, img_size: int | None) -> dict[str, Any]:
+    """The run's evaluation preprocessing, as timm's pretrained_cfg holds it."""
+    from convbias.engine.data import dataset_info
+
+    info = dataset_info(config["dataset"])
+    size = int(img_size or info.default_img_size)
+    return dict(
+        input_size=(in_chans, size, size),
+        mean=tuple(info.mean),
+        std=tuple(info.std),
+        crop_pct=config.get("crop_pct"),
+        interpolation=config.get("interpolation"),
+    )
+
+
+def _class_names(config: dict[str, Any]) -> list[str] | None:
+    """The dataset's class names when it can be read here (None otherwise: the card says so)."""
+    from convbias.engine.config import Config
+    from convbias.engine.data import build_datasets
+
+    try:
+        return [str(name) for name in build_datasets(Config(config)).class_names]
+    except (ValueError, OSError):
+        return None
+
+
+def run_metrics(run: str | Path, which: str, epoch: int | None) -> dict[str, float]:
+    """top-1/top-5 of the exported checkpoint: results.json (best_* or final_*), else its epoch's log line."""
+    run = Path(run)
+    results_file = run / "results.json"
+    if results_file.is_file():
+        results = json.loads(results_file.read_text())
+        prefix = "best" if which == "best" else "final"
+        values = {"top1": results.get(f"{prefix}_top1"), "top5": results.get(f"{prefix}_top5")}
+        return {k: float(v) for k, v in values.items() if v is not None}
+    log = run / "log.jsonl"
+    for line in reversed(log.read_text().splitlines() if log.is_file() else []):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("epoch") == epoch and record.get("eval_top1") is not None:
+            return {"top1": float(record["eval_top1"]), "top5": float(record["eval_top5"])}
+    return {}
+
+
+def _provenance() -> dict[str, str]:
+    """Package version and the commit of its source tree (when it is a git checkout)."""
+    try:
+        version = metadata.version(PACKAGE)
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    source = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        commit += " (with uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown (not a git checkout)"
+    import timm
+
+    return {"version": version, "commit": commit, "timm": timm.__version__, "torch": torch.__version__}
+
+
+def model_card(
+    model: torch.nn.Module,
+    info: dict[str, Any],
+    metrics: dict[str, float],
+    exported: dict[str, Any],
+    license: str = DEFAULT_LICENSE,
+    repo_id: str | None = None,
+) -> str:
+    """README.md in the Hub's format: YAML front matter (library, license, tags, datasets, metrics as a
+    model-index with the run's top-1), then the architecture, the recipe, the results and how to load it."""
+    config, name, checkpoint = info["config"], info["model"], info["checkpoint"]
+    family = _family(name)
+    dataset = str(config["dataset"])
+    front = {
+        "library_name": "timm",
+        "license": license,
+        "tags": ["image-classification", "timm", FAMILY_TAGS.get(family, family)],
+        "datasets": [dataset],
+        "metrics": ["accuracy"],
+        "pipeline_tag": "image-classification",
+    }
+    if metrics:
+        front["model-index"] = [
+            {
+                "name": name,
+                "results": [
+                    {
+                        "task": {"type": "image-classification", "name": "Image Classification"},
+                        "dataset": {"name": dataset, "type": dataset, "split": "validation"},
+                        "metrics": [
+                            {"type": "accuracy", "name": f"top-{k[3:]}", "value": round(v, 4)}
+                            for k, v in metrics.items()
+                        ],
+                    }
+                ],
+            }
+        ]
+    args = exported["model_args"]
+    params = sum(p.numel() for p in model.parameters())
+    cfg = exported["pretrained_cfg"]
+    recipe = [(key, json.dumps(config[key])) for key in RECIPE_KEYS if key in config and config[key] not in (None, {})]
+    results = markdown_table(
+        ["checkpoint", "epoch", "dataset (validation)", "top-1 (%)", "top-5 (%)"],
+        [
+            [
+                checkpoint.which,
+                checkpoint.epoch if checkpoint.epoch is not None else "?",
+                dataset,
+                f"{metrics['top1']:.2f}" if "top1" in metrics else "not recorded",
+                f"{metrics['top5']:.2f}" if "top5" in metrics else "not recorded",
+            ]
+        ],
+    )
+    provenance = exported["provenance"]
+    imports = {"convit": "convit", "transformed_cnn": "transformed_cnn", "efcn": "efcn"}.get(family, family)
+    size = cfg["input_size"]
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).rstrip(),
+        "---",
+        f"# Model card for {name}",
+        "",
+        f"`{name}` ({family}) trained by `{PACKAGE}` `train.py` on `{dataset}`; exported from the run's "
+        f"`checkpoints/{checkpoint.which}`.",
+        "",
+        "## Model details",
+        f"- **Architecture:** `{name}`, {params / 1e6:.3f}M parameters",
+        f"- **Constructor arguments (`model_args`):** `{json.dumps(args, sort_keys=True)}`",
+        f"- **Input:** {size[0]} x {size[1]} x {size[2]}, mean {list(cfg['mean'])}, std {list(cfg['std'])}, "
+        f"crop_pct {cfg.get('crop_pct')}, interpolation {cfg.get('interpolation')}",
+        f"- **Classes:** {cfg['num_classes']}"
+        + (f" ({', '.join(map(str, exported['label_names']))})" if exported.get("label_names") else ""),
+        f"- **Dataset:** {dataset}",
+        "",
+        "## Training recipe",
+        markdown_table(["option", "value"], recipe).rstrip(),
+        "",
+        "The complete resolved options are in `config.yaml` beside this card (`train.py -c config.yaml` reruns it).",
+        "",
+        "## Results",
+        results.rstrip(),
+        "",
+        "## How to load it",
+        "```python",
+        "import timm",
+        f"import {imports}  # registers {name} in timm",
+        "",
+        f"model = timm.create_model('hf-hub:{repo_id or 'USER/REPO'}', pretrained=True).eval()  # or 'local-dir:PATH'",
+        "data_config = timm.data.resolve_model_data_config(model)",
+        "transform = timm.data.create_transform(**data_config, is_training=False)",
+        "```",
+        "",
+        "## Software",
+        f"- {PACKAGE} {provenance['version']}, commit {provenance['commit']}",
+        f"- timm {provenance['timm']}, torch {provenance['torch']}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ValueError(f"--output {output} already exists and is not empty: choose a new folder")
+    if not output.parent.is_dir():
+        raise ValueError(f"--output {output}: its parent folder {output.parent} does not exist")
+
+
+def export_run(
+    run: str | Path,
+    output: str | Path,
+    which: str = "last",
+    deploy: tuple[str, ...] = (),
+    img_size: int | None = None,
+    license: str = DEFAULT_LICENSE,
+    repo_id: str | None = None,
+) -> dict[str, Any]:
+    """Write the Hub folder of `run`'s checkpoint `which` to `output` (a new folder); `deploy` adds
+    `model.onnx` and/or `model.pt2` checked against the PyTorch model. Returns what was written."""
+    from timm.models import save_for_hf
+
+    from convbias.engine.run_dir import check_which
+
+    run, output = Path(run), Path(output)
+    check_which(which)
+    unknown = [f for f in deploy if f not in DEPLOY_FORMATS]
+    if unknown:
+        raise ValueError(f"unknown deployment format {unknown[0]!r}; choices: {', '.join(DEPLOY_FORMATS)}")
+    if not run.is_dir():
+        raise ValueError(f"run directory not found: {run}")
+    _check_output(output)
+    if "onnx" in deploy:
+        check_onnx_installed()
+    model, info = run_model(run, which)
+    preprocessing = data_config(info["config"], info["in_chans"], info["img_size"])
+    example = deploy_input(model, preprocessing, img_size) if deploy else None
+    labels = _class_names(info["config"])
+    model_config = {"label_names": labels} if labels and len(labels) == info["num_classes"] else {}
+    metrics = run_metrics(run, which, info["checkpoint"].epoch)
+
+    # the weights are the run's: drop what the registered cfg says about timm's pretrained weights
+    model.pretrained_cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in SOURCE_FIELDS}
+    model.pretrained_cfg["license"] = license
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        save_for_hf(model, tmp, model_config=model_config, safe_serialization=True, data_config=preprocessing)
+        hf_config = json.loads((tmp / "config.json").read_text())
+        exported = {
+            "model_args": hf_config.get("model_args", {}),
+            "pretrained_cfg": hf_config["pretrained_cfg"],
+            "label_names": hf_config.get("label_names"),
+            "provenance": _provenance(),
+        }
+        (tmp / "README.md").write_text(model_card(model, info, metrics, exported, license, repo_id))
+        for name in RUN_FILES:
+            if (run / name).is_file():
+                shutil.copyfile(run / name, tmp / name)
+        checks = {}
+        if "onnx" in deploy:
+            checks["onnx"] = export_onnx(model, example, tmp / "model.onnx")
+        if "pt2" in deploy:
+            checks["pt2"] = export_program(model, example, tmp / "model.pt2")
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in [tmp, *tmp.iterdir()]:  # mkdtemp's private mode, and safetensors', made the usual ones
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        if output.exists():
+            output.rmdir()  # empty (checked above)
+        os.replace(tmp, output)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return {
+        "output": output,
+        "model": info["model"],
+        "checkpoint": info["checkpoint"].describe(),
+        "metrics": metrics,
+        "checks": checks,
+    }
+
+
+# ------------------------------------------------------------------------------------ deployment exports
+def deploy_input(model: torch.nn.Module, preprocessing: dict[str, Any], img_size: int | None) -> torch.Tensor:
+    """An example batch at the run's input size (or `img_size`); ValueError when the model takes only
+    another size (an eFCN's fully connected layers fix its input)."""
+    from timm.models import get_model_input_config
+
+    channels, height, width = preprocessing["input_size"]
+    if img_size is not None and (img_size, img_size) != (height, width):
+        if get_model_input_config(model)["fixed_input_size"]:
+            raise ValueError(
+                f"{model.pretrained_cfg.get('architecture')} takes only {height}x{width} inputs "
+                f"(fixed_input_size): it cannot be exported at {img_size}x{img_size}"
+            )
+        height = width = img_size
+    return torch.randn(2, channels, height, width, generator=torch.Generator().manual_seed(0))
+
+
+def _batch_dims():
+    return ({0: torch.export.Dim("batch", min=1, max=4096)},)
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+def export_program(model: torch.nn.Module, example: torch.Tensor, path: Path) -> float:
+    """torch.export with a dynamic batch, saved as .pt2; returns its relative error against eager on a
+    batch of another size. ValueError with torch.export's first line when the model does not export."""
+    try:
+        program = torch.export.export(model, (example,), dynamic_shapes=_batch_dims())
+    except Exception as error:  # torch.export raises many types (Unsupported, UserError, ...)
+        raise ValueError(f"torch.export cannot export this model: {str(error).strip().splitlines()[0]}") from None
+    torch.export.save(program, str(path))
+    check = torch.cat([example, example[:1]])
+    with torch.no_grad():
+        return _relative_error(torch.export.load(str(path)).module()(check), model(check))
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def check_onnx_installed() -> None:
+    """ValueError naming the extra when ONNX export's packages are missing."""
+    import importlib.util
+
+    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            f"--onnx needs {', '.join(missing)}: pip install '{PACKAGE}[onnx]' (onnx, onnxscript, onnxruntime)"
+        )
+
+
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> float:
+    """model.onnx through torch.onnx's dynamo exporter (dynamic batch), run with ONNX Runtime on a batch of
+    another size and compared with PyTorch; ValueError when it does not export or does not match."""
+    import onnxruntime
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress
+            torch.onnx.export(
+                model,
+                (example,),
+                str(path),
+                dynamo=True,
+                dynamic_shapes=_batch_dims(),
+                external_data=_parameter_bytes(model) > ONNX_SINGLE_FILE_BYTES,
+                verbose=False,
+            )
+    except Exception as error:  # the exporter wraps torch.export's and its own failures
+        raise ValueError(f"ONNX export failed: {str(error).strip().splitlines()[0]}") from None
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    check = torch.cat([example, example[:1]])
+    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: check.numpy()})[0])
+    with torch.no_grad():
+        error = _relative_error(got, model(check))
+    if error > ONNX_TOLERANCE:
+        raise ValueError(f"model.onnx differs from the PyTorch model: relative error {error:.2e} > {ONNX_TOLERANCE}")
+    return error
+
+
+# ----------------------------------------------------------------------------------------------- upload
+def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
+    """Upload an exported folder to the Hub (huggingface_hub: create the repo if needed, then one commit);
+    returns the commit URL. ValueError with one line when the Hub cannot be reached or refuses."""
+    import httpx  # huggingface_hub's HTTP client: its connection errors are not OSErrors
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    api = HfApi(token=token, library_name="timm")
+    try:
+        repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(
+            repo_id=repo.repo_id, folder_path=str(folder), commit_message=f"Upload {Path(folder).name}"
+        )
+    except OfflineModeIsEnabled:
+        raise ValueError(f"--push-to {repo_id}: HF_HUB_OFFLINE is set; the folder stays in {folder}") from None
+    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--push-to {repo_id}: cannot upload ({first}); the folder stays in {folder}") from None
+    return str(getattr(commit, "commit_url", commit))
