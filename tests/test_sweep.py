@@ -25,8 +25,6 @@ from scipy import stats as scipy_stats
 from convbias.engine.config import effective_epochs, parse_config
 from convbias.experiments import report, sweep
 
-REPO = Path(__file__).resolve().parent.parent
-
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
 TINY_MODEL_KWARGS = {"patch_size": 2, "embed_dim": 4, "depth": 2, "num_heads": 4, "local_up_to_layer": 1}
 TINY_SET = {
@@ -207,7 +205,7 @@ def test_launcher_prefix_and_no_scale_epochs(tmp_path):
     assert argv[4:6] == ["-m", "convbias.cli.train"] and "--scale-epochs" not in argv
 
 
-def test_the_digits_study_runs_on_an_image_folder(tmp_path):
+def test_the_digits_study_runs_on_an_image_folder(tmp_path, repo):
     """The committed study's grid, pointed at a user's ImageFolder, gives valid train.py commands."""
     from PIL import Image
 
@@ -220,7 +218,7 @@ def test_the_digits_study_runs_on_an_image_folder(tmp_path):
                 Image.fromarray(pixels).save(tmp_path / "data" / split / name / f"{i}.png")
     done = sweep_cli(
         "run",
-        str(REPO / "configs" / "sweeps" / "digits_sample_efficiency.yaml"),
+        str(repo / "configs" / "sweeps" / "digits_sample_efficiency.yaml"),
         "--output",
         str(tmp_path / "sweep"),
         "--dataset",
@@ -244,12 +242,12 @@ def test_the_digits_study_runs_on_an_image_folder(tmp_path):
 @pytest.mark.parametrize(
     "name, runs", [("imagenet_sample_efficiency", 10), ("imagenet100_locality", 20), ("imagenet_ablations", 14)]
 )
-def test_the_paper_sweeps_give_valid_commands(tmp_path, name, runs):
+def test_the_paper_sweeps_give_valid_commands(tmp_path, repo, name, runs):
     for split in ("train", "val"):
         (tmp_path / "imagenet" / split).mkdir(parents=True)
     done = sweep_cli(
         "run",
-        str(REPO / "configs" / "sweeps" / f"{name}.yaml"),
+        str(repo / "configs" / "sweeps" / f"{name}.yaml"),
         "--output",
         str(tmp_path / "sweep"),
         "--data-dir",
@@ -369,7 +367,7 @@ def _epochs(summary: Path) -> list[int]:
         return [int(row["epoch"]) for row in csv.DictReader(f)]
 
 
-def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path):
+def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path, console_script):
     """Kill the sweep (and its train.py) inside its second run, rerun: the first run is kept as it is,
     the second resumes from its checkpoint, and the CSV holds both. Also checks epochs x 1/f."""
     sweep_file = tmp_path / "tiny.yaml"
@@ -386,8 +384,8 @@ def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path):
     first, second = out / "runs" / "convit_tiny__f1__seed0", out / "runs" / "convit_tiny__f0.25__seed0"
     with open(tmp_path / "killed.log", "w") as console:
         process = subprocess.Popen(
-            [sys.executable, "-m", "convbias.cli.sweep", "run", str(sweep_file), "--output", str(out)],
-            cwd=REPO,
+            [console_script("convbias-sweep"), "run", str(sweep_file), "--output", str(out)],
+            cwd=tmp_path,
             stdout=console,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -592,3 +590,27 @@ def test_report_bad_input(tmp_path):
         report.write_report(tmp_path / "runs.csv", baseline="deit_small")
     done = sweep_cli("report", "--csv", str(tmp_path / "nope.csv"))
     assert done.returncode == 2 and done.stderr.strip() == f"error: CSV not found: {tmp_path / 'nope.csv'}"
+
+
+def test_phase_diagram_tables_give_every_cell_an_interval(tmp_path):
+    """Single-net error: t interval over seeds (scipy's); ensemble error: Clopper-Pearson over the test
+    images (closed form at 0 errors: upper = 1 - 0.025^(1/n)); zero-loss nets k / n likewise."""
+    nets, cells = [], []
+    for width in (4, 8):
+        for alpha in (0.1, 10.0):
+            errors = [5.0 + width / 4, 6.0 + width / 4, 8.0 + width / 4]
+            for seed, error in enumerate(errors):
+                nets.append(
+                    dict(width=width, alpha_tilde=alpha, seed=seed, test_error=error, ntk_change=alpha * (seed + 1))
+                    | dict(converged=int(seed < 2))
+                )
+            cells.append(dict(width=width, alpha_tilde=alpha, ensemble_test_error=0.0 if width == 4 else 10.0))
+    sweep.write_csv(nets, tmp_path / "nets.csv")
+    sweep.write_csv(cells, tmp_path / "cells.csv")
+    text = report.phase_diagram_tables(tmp_path, test_size=100)
+    low, high = scipy_stats.t.interval(0.95, 2, loc=np.mean([6.0, 7.0, 9.0]), scale=scipy_stats.sem([6.0, 7.0, 9.0]))
+    assert f"| 10 | {np.mean([6.0, 7.0, 9.0]):.1f} [{low:.1f}, {high:.1f}] |" in text
+    assert f"0.0 [0.0, {100 * (1 - 0.025 ** (1 / 100)):.1f}]" in text  # no error among 100 test images
+    assert "| 0.1 | 2/3 [" in text and "n = 3 seeds" in text
+    geometric = np.exp(np.mean(np.log([10.0, 20.0, 30.0])))
+    assert f"| 10 | {geometric:.2g} [" in text.split("Kernel change")[1]
