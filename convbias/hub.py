@@ -477,9 +477,8 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> fl
 def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
     """Upload an exported folder to the Hub (huggingface_hub: create the repo if needed, then one commit);
     returns the commit URL. ValueError with one line when the Hub cannot be reached or refuses."""
-    import httpx  # huggingface_hub's HTTP client: its connection errors are not OSErrors
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    from huggingface_hub.errors import OfflineModeIsEnabled
 
     api = HfApi(token=token, library_name="timm")
     try:
@@ -489,7 +488,8 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: 
         )
     except OfflineModeIsEnabled:
         raise ValueError(f"--push-to {repo_id}: HF_HUB_OFFLINE is set; the folder stays in {folder}") from None
-    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as error:
+    except Exception as error:  # HTTP errors, a missing token, and the transport's own (requests, httpx, httpx2
+        # by huggingface_hub version): whatever stops the upload is reported in one line
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"--push-to {repo_id}: cannot upload ({first}); the folder stays in {folder}") from None
     return str(getattr(commit, "commit_url", commit))
