@@ -540,7 +540,7 @@ def test_report_states_a_gap_change_only_where_its_interval_excludes_zero(tmp_pa
     (tmp_path / "one").mkdir()
     sweep.write_csv([row for row in rows if row["seed"] == 0], tmp_path / "one" / "runs.csv")
     text = report.write_report(tmp_path / "one" / "runs.csv")[0].read_text()
-    assert "(n = 1, no interval)" in text and "too few runs for an interval" in text
+    assert "(no interval)" in text and "(n = 1: no interval)" in text and "too few runs for an interval" in text
     assert "excludes 0" not in text and "differs" not in text
 
 

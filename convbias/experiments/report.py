@@ -63,7 +63,7 @@ class Stat:
 
     def __str__(self) -> str:
         if self.n < 2:
-            return f"{self.mean:.1f} (n = 1, no interval)"
+            return f"{self.mean:.1f} (no interval)"
         return (
             f"{self.mean:.1f} ± {self.std:.1f} [{self.mean - self.half_width:.1f}, {self.mean + self.half_width:.1f}]"
         )
@@ -93,7 +93,7 @@ class Gap:
 
     def __str__(self) -> str:
         if math.isnan(self.half_width):
-            return f"{self.mean:+.1f} (n = {self.n}, no interval)"
+            return f"{self.mean:+.1f} (n = {self.n}: no interval)"
         return f"{self.mean:+.1f} [{self.low:+.1f}, {self.high:+.1f}]"
 
 
