@@ -9,11 +9,13 @@ stability to diffeomorphisms R_f of any model, per layer) and the T-CNN reparame
 
 from __future__ import annotations
 
-from convbias.engine.extensions import Extensions
+from convbias.engine import Extensions
 
 
 def load_families() -> Extensions:
     """Register every family's models in timm and collect their engine extensions."""
+    # Imported here, not at the top: importing a family registers its models, which happens when a command
+    # asks for it (`train.py --help` registers nothing and loads no model code).
     import convit.diagnostics
     import efcn.diagnostics
     import transformed_cnn

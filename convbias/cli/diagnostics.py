@@ -24,9 +24,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
-from convbias.engine.config import key_value
-from convbias.engine.modeling import create_model
-from convbias.engine.run_dir import DEFAULT_WHICH, WHICH, is_run_dir, model_spec
+import convit.diagnostics
+import transformed_cnn
+from convbias.engine import DEFAULT_WHICH, WHICH, create_model, is_run_dir, key_value, model_spec
 from convbias.evaluation.figures import plot_attention_maps, plot_nonlocality, plot_per_head, read_log
 from convbias.families import load_families
 from convbias.weights import load_weights
@@ -145,9 +145,6 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
     if args.checkpoint:
         load_weights(model, args.checkpoint)
     image = load_image(args.image, model, args.in_chans, args.img_size)
-    import convit.diagnostics
-    import transformed_cnn
-
     query = tuple(args.query) if args.query else None
     if transformed_cnn.gpsa_layers(model):  # a T-CNN: the center pixel's maps over each layer's input map
         maps, queries, gates = transformed_cnn.query_maps(model, image)

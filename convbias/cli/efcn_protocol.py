@@ -14,8 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from convbias.engine.config import OptionParser
-from convbias.engine.errors import ConfigError
+from convbias.engine import ConfigError, OptionParser
 from convbias.experiments.efcn_protocol import analyze_stage, load_config, summarize_seeds, train_stage
 
 

@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from convbias.engine.config import OptionParser
-from convbias.engine.errors import ConfigError
+from convbias.engine import ConfigError, OptionParser
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
+from convbias.families import load_families
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +30,6 @@ def main(argv: list[str] | None = None) -> int:
         for run in args.runs:
             if not Path(run).is_dir():
                 raise ValueError(f"run directory not found: {run}")
-        from convbias.families import load_families
-
         result = evaluate_runs(args.runs, load_families(), args.average, args.batch_size)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)

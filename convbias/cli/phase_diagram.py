@@ -11,15 +11,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from convbias.engine.config import OptionParser
-from convbias.engine.errors import ConfigError
+from convbias.engine import ConfigError, OptionParser
 from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OptionParser(
         prog="convbias-phase-diagram",
-        description="The (width, alpha~) phase diagram of FC nets on odd/even digits (source Sec. 3, Figs. 4-5).",
+        description="The (width, alpha~) phase diagram of FC nets on odd/even digits (Geiger, Petrini & Wyart 2021, Figs. 4-5).",
     )
     p.add_argument("-c", "--config", help="YAML with any PhaseDiagramConfig field (widths, alpha_tildes, seeds, ...)")
     p.add_argument("--output", required=True, help="directory for config.yaml, the CSVs and the figures")

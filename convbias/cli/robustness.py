@@ -25,12 +25,22 @@ import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from convbias.engine.config import OptionParser, key_value
-from convbias.engine.data import build_datasets, build_eval_loader
-from convbias.engine.datasets import DATASETS, ImageFolderDataset
-from convbias.engine.errors import ConfigError
-from convbias.engine.modeling import check_model_name, create_model
-from convbias.engine.run_dir import DEFAULT_WHICH, WHICH, choose_checkpoint, is_run_dir, run_options
+from convbias.engine import (
+    DATASETS,
+    DEFAULT_WHICH,
+    WHICH,
+    ConfigError,
+    ImageFolderDataset,
+    OptionParser,
+    build_datasets,
+    build_eval_loader,
+    check_model_name,
+    choose_checkpoint,
+    create_model,
+    is_run_dir,
+    key_value,
+    run_options,
+)
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
 from convbias.evaluation.robustness import (
     PAPER_ATTACK,

@@ -9,6 +9,7 @@ models come from timm's registry and the family-specific pieces from ``extension
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -19,7 +20,31 @@ from .errors import ConfigError, Interrupted, NonFiniteLossError
 from .extensions import Extensions
 from .preemption import REQUEUE_EXIT_CODE, Preempted
 
-__all__ = ["ConfigError", "Extensions", "NonFiniteLossError", "main", "run"]
+# The engine's public API: what the console scripts, experiments and evaluation import. Beyond run and
+# main, names are loaded from their submodule on first use (PEP 562 `__getattr__`), to keep start-up time
+# low: the model, data and checkpoint modules import timm and accelerate, which `--help` does not need.
+_SUBMODULE_OF = {
+    **dict.fromkeys(("Config", "OptionParser", "build_parser", "key_value", "parse_config", "yaml_scalar"), "config"),
+    **dict.fromkeys(("build_datasets", "build_eval_loader"), "data"),
+    **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "datasets"),
+    **dict.fromkeys(("check_model_name", "create_model"), "modeling"),
+    **dict.fromkeys(("OutputScale",), "output_scale"),
+    **dict.fromkeys(
+        ("DEFAULT_WHICH", "WHICH", "choose_checkpoint", "is_run_dir", "model_spec", "read_run_config", "run_options"),
+        "run_dir",
+    ),
+    **dict.fromkeys(("CheckpointDir",), "checkpoint"),
+    **dict.fromkeys(("COMPILE_MODES", "compile_model"), "compile"),
+}
+__all__ = ["ConfigError", "Extensions", "NonFiniteLossError", "main", "run", *_SUBMODULE_OF]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUBMODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_SUBMODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value
 
 
 def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:

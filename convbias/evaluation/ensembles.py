@@ -1,10 +1,11 @@
-"""Ensembles of networks that differ only by their random initialization (Geiger et al. 2020, Sec. 4).
+"""Ensembles of networks that differ only by their random initialization (Geiger, Petrini &
+Wyart, *Landscape and training regimes in deep learning*, Physics Reports 2021, Sec. 4).
 
 Given the outputs of M members on the same test points, this reports each member's error, the error of
 the ensemble average <f> (of the logits, or of the softmax probabilities), and the fluctuation of the
 members around it,
 
-    fluctuation = sqrt( mean_{i, mu} ||f_i(x_mu) - <f>(x_mu)||^2 )      (Eq. 16 of the source; the
+    fluctuation = sqrt( mean_{i, mu} ||f_i(x_mu) - <f>(x_mu)||^2 )      (their Eq. 16; the
                                                                        norm runs over the logits)
 
 which decays as width^(-1/2) and is what ensembling removes (the double-descent peak).
@@ -20,6 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from convbias.engine import Config, OutputScale, build_datasets, build_eval_loader, create_model, read_run_config
+from convbias.weights import load_weights, resolve_weights_path, weights_metadata
 
 AVERAGES = ("logits", "probabilities")
 
@@ -104,27 +108,12 @@ ARCHITECTURE_KEYS = (
 )
 
 
-def _run_config(run_dir: Path) -> dict:
-    import yaml
-
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ValueError(f"{run_dir} is not a train.py run directory (no config.yaml)")
-    return yaml.safe_load(path.read_text())
-
-
 def load_run(run_dir: str | Path, extensions=None, data=None):
     """(model in eval mode with the run's best weights, else its last; the run's config; its datasets).
 
     The model is rebuilt as train.py built it: timm's registry, the reparametrization the weights were
     written after (from `extensions`), the output-scale wrapper of a ``--output-scale`` run."""
-    from convbias.engine.config import Config
-    from convbias.engine.data import build_datasets
-    from convbias.engine.modeling import create_model
-    from convbias.engine.output_scale import OutputScale
-    from convbias.weights import load_weights, resolve_weights_path, weights_metadata
-
-    cfg = Config(_run_config(Path(run_dir)))
+    cfg = Config(read_run_config(run_dir))
     path = resolve_weights_path(run_dir)
     data = data or build_datasets(cfg)
     model = create_model(cfg, data.num_classes, data.in_chans)
@@ -143,12 +132,9 @@ def evaluate_runs(
 
     Every member must have been trained with the same architecture, class count, dataset, input
     size and output scale (checked before any model is built); typically runs that differ by seed."""
-    from convbias.engine.data import build_eval_loader
-    from convbias.weights import resolve_weights_path
-
     if average not in AVERAGES:
         raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
-    configs = [_run_config(Path(d)) for d in run_dirs]
+    configs = [read_run_config(d) for d in run_dirs]
     check_same_architecture([{k: c.get(k) for k in ARCHITECTURE_KEYS} for c in configs], [str(d) for d in run_dirs])
     for d in run_dirs:
         resolve_weights_path(d)  # every member has weights, before any model is built

@@ -2,9 +2,10 @@
 
     Theta(x, x') = sum_k  grad_w f_k(x) . grad_w f_k(x')        (contraction over logits: the trace)
 
-over the trainable parameters w; for a scalar output it is the usual NTK (Jacot et al. 2018, Eq. 5 of
-the lazy/feature paper). The trace is the contraction the source uses for multi-class outputs; it is
-basis-independent over logits and gives a kernel with the same units as the scalar one.
+over the trainable parameters w; for a scalar output it is the usual NTK (Jacot et al. 2018). The trace
+is the contraction Geiger, Petrini & Wyart (*Landscape and training regimes in deep learning*, Physics
+Reports 2021) use for multi-class outputs; it is basis-independent over logits and gives a kernel with
+the same units as the scalar one.
 
 Memory: the per-sample gradients are computed one logit at a time into an (n, params) buffer, whose
 Gram product is added to Theta; no (n * K, params) Jacobian is ever held. The buffer is the peak:
@@ -12,8 +13,8 @@ n * params * 4 bytes (64 samples of ConViT-Ti: 1.4 GB), checked against ``max_me
 work. Gradients come from ``torch.autograd.grad`` per sample (model in eval mode): this works for any
 module, including custom autograd Functions that torch.func's vmap cannot batch (the GPSA hot path).
 
-The relative change ||Theta_t - Theta_0||_F / ||Theta_0||_F (Frobenius norm over the batch, as in the
-source's Sec. 5) is small (<< 1) in the lazy regime and of order one or larger in the feature regime.
+The relative change ||Theta_t - Theta_0||_F / ||Theta_0||_F (Frobenius norm over the batch, as in their
+Sec. 5) is small (<< 1) in the lazy regime and of order one or larger in the feature regime.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
+
+from convbias.engine import OutputScale
 
 BYTES_PER_VALUE = 4  # per-sample gradients are kept in float32
 
@@ -125,8 +128,6 @@ class NTKChange:
         self._initial: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, model: nn.Module, images: torch.Tensor) -> dict[str, float]:
-        from convbias.engine.output_scale import OutputScale
-
         if not isinstance(model, OutputScale):
             return {}
         names = trainable_names(model.model)
