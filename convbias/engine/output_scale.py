@@ -1,4 +1,5 @@
-"""The alpha-trick (Chizat & Bach 2019; Geiger et al. 2020): train F(x) = alpha (f_w(x) - f_w0(x)).
+"""The alpha-trick (Chizat & Bach 2019; Geiger, Petrini & Wyart,
+*Landscape and training regimes in deep learning*, Physics Reports 2021): train F(x) = alpha (f_w(x) - f_w0(x)).
 
 f_w0 is a frozen copy of the network at initialization, so F = 0 at initialization for every alpha,
 and the loss is divided by alpha^2:
@@ -8,7 +9,7 @@ and the loss is divided by alpha^2:
 alpha -> infinity is the lazy (kernel) regime: the weights move by O(1/alpha) and the tangent kernel
 stays frozen; alpha -> 0 (alpha ~ 1/sqrt(width) and below) is the feature-learning regime.
 
-Learning-rate convention (the source's): the learning rate is *not* rescaled with alpha. With the
+Learning-rate convention (Geiger, Petrini & Wyart's): the learning rate is *not* rescaled with alpha. With the
 1/alpha^2 prefactor, gradient descent on L has an alpha-independent time scale as alpha -> infinity
 (alpha dF/dt = O(1)), so one lr serves every alpha. This holds for optimizers linear in the gradient
 (SGD, with or without momentum). Adam-type optimizers normalize the gradient, so for them the
@@ -59,7 +60,7 @@ class OutputScale(nn.Module):
 
 
 class ScaledLoss(nn.Module):
-    """The run's loss divided by alpha^2 (the source's prefactor, see the module docstring)."""
+    """The run's loss divided by alpha^2 (Geiger, Petrini & Wyart's prefactor, see the module docstring)."""
 
     def __init__(self, loss: nn.Module, alpha: float):
         super().__init__()

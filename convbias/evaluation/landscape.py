@@ -151,7 +151,7 @@ def evaluate_output_mixture(model_a: nn.Module, model_b: nn.Module, alpha: float
 def local_energy(
     model: nn.Module, data: Batches, sigmas: Sequence[float], draws: int = 10, seed: int = 0
 ) -> list[tuple[float, float, float]]:
-    """The local-energy curve around the solution `model` (Baldassi et al., source Sec. 5): training
+    """The local-energy curve around the solution `model` (Baldassi et al.; Geiger, Petrini & Wyart 2021, Sec. 5): training
     error (%) after multiplicative Gaussian weight noise w -> w (1 + sigma eps), eps ~ N(0, 1) drawn
     independently per weight, averaged over `draws` draws, for each sigma: [(sigma, mean, std)].
 
