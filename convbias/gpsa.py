@@ -19,9 +19,12 @@ dx and one of dy, and so is each row's normalizer (a sum over a rectangular grid
 computed once per forward, without a batch dimension (`PositionalFactors`), and P_h @ V_h is two
 small GEMMs along the grid's two axes with the batch folded into the columns: (Hp + Wp) / (Hp * Wp)
 of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
-backward, nor an (H, N, N) one. (When each head's value is wider than the query count, as in a
-Transformed CNN's late stages, forming the mixed attention once stores less: `gated_attention` then
-does that instead.) The explicit path (`GatedPositionalAttention.explicit_attention`) materializes the
+backward, nor an (H, N, N) one. That is the CPU's form; on an accelerator, where contractions 14 terms
+long starve the matrix units, the hot path takes the dense P (H, N, N) instead (input-independent and
+small) in one GEMM per head with the batch folded into the columns (`positional_product`, chosen per
+device by `resolve_positional_product`, the same function either way). (When each head's value is
+wider than the query count, as in a Transformed CNN's late stages, forming the mixed attention once
+stores less: `gated_attention` then does that instead.) The explicit path (`GatedPositionalAttention.explicit_attention`) materializes the
 normalized A from the dense encodings r for attention maps, diagnostics and attention dropout, and is
 the tests' reference for the hot path. It is also what a TorchScript-compiled model runs: TorchScript
 has no custom autograd Function, and under `torch.jit.is_scripting()` `attend` takes the explicit path
@@ -193,7 +196,7 @@ def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> to
 
     The backward's products for the factors' gradients have a 14 x 14 output per head and K = B * dv *
     14 terms. A GPU's GEMM gives each output tile one thread block, so there only G blocks walk the
-    whole K (measured: 0.56 ms each at batch 256 on an H100, 11 ms of a 50 ms step). Cutting K into
+    whole K, a large share of the step (docs/benchmarks.md). Cutting K into
     `splits` chunks gives G * splits blocks (split-K), at the price of a copy of each operand and
     a sum of the partial products (in fp32). The CPU's GEMM needs no help: one chunk there."""
     groups, m, length = a.shape
@@ -205,6 +208,28 @@ def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> to
     b = b.view(groups, -1, splits, chunk).transpose(1, 2).reshape(groups * splits, -1, chunk)
     partial = torch.bmm(a, b.transpose(1, 2)).view(groups, splits, m, -1)
     return partial.sum(dim=1, dtype=torch.promote_types(partial.dtype, torch.float32)).to(partial.dtype)
+
+
+def _mix(content: torch.Tensor, positional: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """lerp(content, P @ V, gate) from P @ V folded as (H, Nq, B*dv): (B, H, Nq, dv), laid out as
+    (B, Nq, H, dv) so that merging the heads afterwards is a view, not a copy."""
+    batch, heads, nq, dv = content.shape
+    weight = gate.to(content.dtype).view(1, -1, 1, 1)
+    if torch.compiler.is_compiling():  # Dynamo refuses a non-contiguous out=; inductor picks the layout
+        return torch.lerp(content, _unfold(positional, batch), weight)
+    out = content.new_empty(batch, nq, heads, dv).transpose(1, 2)
+    return torch.lerp(content, _unfold(positional, batch), weight, out=out)
+
+
+def _gate_grad(
+    grad: torch.Tensor, content: torch.Tensor, attention: torch.Tensor, grad_scores: torch.Tensor, gate: torch.Tensor
+) -> torch.Tensor:
+    """dL/dgate_h = sum G (P V - content) = sum_h attention * dL/d(unweighted attention) - sum G content,
+    reduced in fp32 when the gradients are bf16 (attention: P or one of its factors, linear in it)."""
+    accumulate = torch.promote_types(grad.dtype, torch.float32)
+    positional_part = (attention * grad_scores).sum(dim=(1, 2), dtype=accumulate)
+    content_part = (grad * content).sum(dim=(0, 2, 3), dtype=accumulate)
+    return (positional_part - content_part).to(gate.dtype)
 
 
 class _PositionalMix(torch.autograd.Function):
@@ -225,14 +250,8 @@ class _PositionalMix(torch.autograd.Function):
         width = batch * dv
         folded = _fold(v).reshape(heads * key_rows, key_cols, width)
         positional = torch.bmm(rows, _along_cols(cols, folded)).view(heads, nq, width)
-        weight = gate.to(content.dtype).view(1, -1, 1, 1)
-        if torch.compiler.is_compiling():  # Dynamo refuses a non-contiguous out=; inductor picks the layout
-            out = torch.lerp(content, _unfold(positional, batch), weight)
-        else:
-            out = content.new_empty(batch, nq, heads, dv).transpose(1, 2)
-            torch.lerp(content, _unfold(positional, batch), weight, out=out)
         ctx.save_for_backward(content, rows, cols, folded, gate)
-        return out
+        return _mix(content, positional, gate)
 
     @staticmethod
     def backward(ctx, grad):
@@ -261,26 +280,91 @@ class _PositionalMix(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_rows = grad_scores * weight
             if ctx.needs_input_grad[4]:
-                accumulate = torch.promote_types(grad.dtype, torch.float32)  # reduce bf16 in fp32
-                positional_part = (rows * grad_scores).sum(dim=(1, 2), dtype=accumulate)
-                content_part = (grad * content).sum(dim=(0, 2, 3), dtype=accumulate)
-                grad_gate = (positional_part - content_part).to(gate.dtype)
+                grad_gate = _gate_grad(grad, content, rows, grad_scores, gate)
         return grad_content, grad_rows, grad_cols, grad_v, grad_gate
 
 
+class _DensePositionalMix(torch.autograd.Function):
+    """lerp(content, P @ V, gate) with the dense P (H, Nq, Nk) in one GEMM per head, V folded as (H, Nk, B*dv).
+
+    The same function as `_PositionalMix`, as GEMMs shaped for tensor cores: Nk terms per output instead
+    of Ky and Kx, Nk / (Ky + Kx) times the work. Only the folded V and P are saved. Backward: dV = (s P)^T G
+    (one GEMM), dL/dP = s G V^T (one GEMM with K = B*dv terms, split along K on a GPU by `_contract`); the
+    gate's gradient is sum P * G V^T, the positional term being linear in P."""
+
+    @staticmethod
+    def forward(ctx, content, attention, v, gate):
+        folded = _fold(v)
+        positional = torch.bmm(attention, folded)
+        ctx.save_for_backward(content, attention, folded, gate)
+        return _mix(content, positional, gate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        content, attention, folded, gate = ctx.saved_tensors
+        heads, nq, _ = attention.shape
+        weight = gate.to(grad.dtype).view(-1, 1, 1)
+        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, nq, folded.shape[-1])  # unweighted
+        grad_content = grad_attention = grad_v = grad_gate = None
+        if ctx.needs_input_grad[0]:
+            grad_content = grad * (1 - weight).view(1, -1, 1, 1)
+        if ctx.needs_input_grad[2]:
+            grad_v = _unfold(torch.bmm((attention * weight).transpose(1, 2), grad_folded), grad.shape[0])
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
+            grad_scores = _contract(grad_folded, folded)  # (H, Nq, Nk), unweighted
+            if ctx.needs_input_grad[1]:
+                grad_attention = grad_scores * weight
+            if ctx.needs_input_grad[3]:
+                grad_gate = _gate_grad(grad, content, attention, grad_scores, gate)
+        return grad_content, grad_attention, grad_v, grad_gate
+
+
+# How the hot path applies P to V: "kronecker" (rows, then columns: Ky + Kx terms per output) or "dense"
+# (the (H, Nq, Nk) matrix in one GEMM: Ky * Kx terms, tensor-core shapes); "auto" picks per device type.
+POSITIONAL_PRODUCTS = ("auto", "kronecker", "dense")
+AUTO_POSITIONAL_PRODUCT = {"cpu": "kronecker"}  # every other device type: "dense"
+
+
+def resolve_positional_product(product: str, device: torch.device) -> str:
+    """The product the hot path runs ("kronecker" or "dense") for a `POSITIONAL_PRODUCTS` choice on a
+    device: "auto" keeps the factored product on a CPU, where its short contractions are cheapest, and
+    takes the dense one on an accelerator, whose GEMMs starve on contractions 14 terms long."""
+    if product == "auto":
+        return AUTO_POSITIONAL_PRODUCT.get(device.type, "dense")
+    if product not in POSITIONAL_PRODUCTS:
+        raise ValueError(f"positional_product={product!r}: expected one of {', '.join(POSITIONAL_PRODUCTS)}")
+    return product
+
+
+def set_positional_product(model: nn.Module, product: str) -> int:
+    """Set how every GPSA layer of `model` applies P to V (one of `POSITIONAL_PRODUCTS`); returns how many
+    layers it set. The same function whichever is chosen: a speed choice, not a model change."""
+    resolve_positional_product(product, torch.device("cpu"))  # validates before any layer changes
+    layers = [m for m in model.modules() if isinstance(m, GatedPositionalAttention)]
+    for layer in layers:
+        layer.positional_product = product
+    return len(layers)
+
+
 def gated_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positional: PositionalFactors, gate: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positional: PositionalFactors,
+    gate: torch.Tensor,
+    product: str = "kronecker",
 ) -> torch.Tensor:
     """(1 - gate_h) softmax(Q K^T / sqrt(d)) V + gate_h P_h V: the GPSA hot path.
 
     q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by
-    all heads; positional: P in factored form; gate: (H,) weights in [0, 1]. Returns (B, H, Nq, dv).
+    all heads; positional: P in factored form; gate: (H,) weights in [0, 1]; product: "kronecker" or
+    "dense", how P is applied to V (see `resolve_positional_product`). Returns (B, H, Nq, dv).
 
     Two schedules give the same result; the one that stores less is picked from the shapes:
     - values narrower than the query count (dv < Nq: a ViT's patch tokens): content through the fused
-      SDPA kernel plus P @ V applied axis by axis with the batch folded into the columns. Its largest
-      extra tensor is the folded V, (H, Nk, B*dv) (a value shared by the heads is expanded to that);
-      no (B, H, Nq, Nk) tensor exists at all.
+      SDPA kernel plus P @ V with the batch folded into the columns, axis by axis (`product` "kronecker")
+      or as the dense (H, Nq, Nk) P in one GEMM ("dense"). Its largest extra tensor is the folded V,
+      (H, Nk, B*dv) (a value shared by the heads is expanded to that); no (B, H, Nq, Nk) tensor exists.
     - values at least as wide as the query count (dv >= Nq: a Transformed CNN's late stages, where
       each head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is then no larger than
       that folded V, so it is formed once and applied in one GEMM."""
@@ -288,6 +372,10 @@ def gated_attention(
     if v.shape[-1] < q.shape[-2]:
         v = v.expand(-1, heads, -1, -1)
         content = F.scaled_dot_product_attention(q, k, v)
+        if product == "dense":  # P formed at the factors' precision at least (fp32 under bf16), rounded once
+            wide = torch.promote_types(positional.rows.dtype, v.dtype)
+            dense = PositionalFactors(*(factor.to(wide) for factor in positional)).dense()
+            return _DensePositionalMix.apply(content, dense.to(v.dtype), v, gate)
         rows, cols = (factor.to(v.dtype) for factor in positional)
         return _PositionalMix.apply(content, rows, cols, v, gate)
     content = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)
@@ -338,6 +426,7 @@ class GatedPositionalAttention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fused = True  # False forces the explicit path (for tests and diagnostics)
+        self.positional_product = "auto"  # how the hot path applies P to V: one of POSITIONAL_PRODUCTS
         self.gate_override: float | None = None  # test-time mask: 0 = content only, 1 = position only
 
     def gate(self) -> torch.Tensor:
@@ -374,7 +463,8 @@ class GatedPositionalAttention(nn.Module):
             if dropout:
                 attn = F.dropout(attn, p=attn_drop)
             return attn @ v
-        return gated_attention(q, k, v, self.positional_factors(grid), self.gate())
+        product = resolve_positional_product(self.positional_product, q.device)
+        return gated_attention(q, k, v, self.positional_factors(grid), self.gate(), product)
 
     def positional_factors(self, grid: GridSize) -> PositionalFactors:
         """Factored positional attention for an input grid (height, width); the subclass's geometry."""

@@ -16,7 +16,8 @@ from convbias.gpsa import (
     paper_kernel_offsets,
     relative_encodings,
 )
-from convit import GPSA, MHSA
+from convit import GPSA, MHSA, ConViT
+from transformed_cnn import GPSAConv2d
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -32,8 +33,9 @@ def _randomized_gpsa(dim: int, heads: int, seed: int = 0) -> GPSA:
     return layer
 
 
-def _output_and_grads(layer: GPSA, x: torch.Tensor, grid_size, fused: bool):
+def _output_and_grads(layer: GPSA, x: torch.Tensor, grid_size, fused: bool, product: str = "auto"):
     layer.fused = fused
+    layer.positional_product = product
     layer.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
     out = layer(x, grid_size)
@@ -42,11 +44,12 @@ def _output_and_grads(layer: GPSA, x: torch.Tensor, grid_size, fused: bool):
     return out.detach(), x.grad, grads
 
 
+@pytest.mark.parametrize("product", ["kronecker", "dense"])
 @pytest.mark.parametrize("grid_size", [(4, 4), (3, 5)])
-def test_hot_path_matches_reference_path_in_outputs_and_gradients(grid_size):
+def test_hot_path_matches_reference_path_in_outputs_and_gradients(grid_size, product):
     layer = _randomized_gpsa(dim=24, heads=4).double()
     x = torch.randn(3, grid_size[0] * grid_size[1], 24, dtype=torch.float64)
-    out_fused, dx_fused, grads_fused = _output_and_grads(layer, x, grid_size, fused=True)
+    out_fused, dx_fused, grads_fused = _output_and_grads(layer, x, grid_size, fused=True, product=product)
     out_ref, dx_ref, grads_ref = _output_and_grads(layer, x, grid_size, fused=False)
     torch.testing.assert_close(out_fused, out_ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(dx_fused, dx_ref, rtol=0, atol=1e-5)
@@ -84,12 +87,19 @@ def test_shared_value_path_matches_per_head_values():
     torch.testing.assert_close(shared, explicit)
 
 
-@pytest.mark.parametrize("value_heads", [3, 1])
-@pytest.mark.parametrize("split_k", [False, True], ids=["cpu-schedule", "gpu-split-k"])
-def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads, split_k, monkeypatch):
+@pytest.mark.parametrize(
+    "value_heads, split_k, product",
+    [(3, False, "kronecker"), (1, False, "kronecker"), (3, True, "kronecker"), (1, True, "kronecker")]
+    + [(3, False, "dense"), (1, True, "dense")],  # each product with both values and both contractions
+    ids=lambda value: (
+        {False: "cpu-schedule", True: "gpu-split-k"}.get(value, value) if isinstance(value, bool) else None
+    ),
+)
+def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads, split_k, product, monkeypatch):
     """The custom backward against finite differences, for every input, on a T-CNN-like geometry:
-    fewer query rows/columns than key rows/columns, per-head or shared value (dv < Nq). With split_k the
-    factors' gradients take the GPU's split-K contraction (forced here on the CPU, smallest split)."""
+    fewer query rows/columns than key rows/columns, per-head or shared value (dv < Nq), P applied in
+    factors or dense. With split_k the gradients of P (or its factors) take the GPU's split-K contraction
+    (forced here on the CPU, smallest split)."""
     if split_k:
         monkeypatch.setattr(
             gpsa, "_split_count", lambda length, device: next(n for n in range(2, length + 1) if length % n == 0)
@@ -106,7 +116,7 @@ def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads, split_
     assert dv < qy * qx  # the factored schedule, not the mixed one
 
     def attention(q, k, v, rows, cols, gate):
-        return gated_attention(q, k, v, PositionalFactors(rows, cols), gate)
+        return gated_attention(q, k, v, PositionalFactors(rows, cols), gate, product)
 
     assert torch.autograd.gradcheck(attention, (q, k, v, rows, cols, gate))
 
@@ -154,6 +164,94 @@ def test_hot_path_never_builds_a_batched_attention_matrix():
     assert (h, n, n) in explicit.shapes
     assert not {(b, h, n, n), (h, n, n)} & fused.shapes  # not even the batch-free (H, N, N) matrix
     assert {(h, grid[0], grid[0]), (h, grid[1], grid[1])} <= fused.shapes  # P's two factors
+
+
+def test_dense_product_builds_one_batch_free_positional_matrix():
+    """The dense form holds P as (H, N, N) and its gradient likewise, never a (B, H, N, N) tensor."""
+    b, h, grid = 3, 4, (5, 7)
+    n = grid[0] * grid[1]
+    layer = _randomized_gpsa(dim=32, heads=h)
+    layer.positional_product = "dense"
+    x = torch.randn(b, n, 32, requires_grad=True)
+    with _ShapeRecorder() as dense:
+        layer(x, grid).sum().backward()
+    assert (h, n, n) in dense.shapes and (b, h, n, n) not in dense.shapes
+
+
+def test_positional_product_is_chosen_per_device_and_validated():
+    assert gpsa.resolve_positional_product("auto", torch.device("cpu")) == "kronecker"  # the CPU's default
+    assert gpsa.resolve_positional_product("auto", torch.device("cuda")) == "dense"
+    assert gpsa.resolve_positional_product("dense", torch.device("cpu")) == "dense"
+    assert gpsa.resolve_positional_product("kronecker", torch.device("cuda")) == "kronecker"
+    model = ConViT(img_size=16, patch_size=4, embed_dim=8, depth=3, num_heads=4, local_up_to_layer=2)
+    assert all(layer.positional_product == "auto" for layer in model.modules() if isinstance(layer, GPSA))
+    assert gpsa.set_positional_product(model, "dense") == 2
+    with pytest.raises(ValueError, match="positional_product='tiled'.*auto, kronecker, dense"):
+        gpsa.set_positional_product(model, "tiled")
+    assert [m.positional_product for m in model.modules() if isinstance(m, GPSA)] == ["dense", "dense"]
+    model.blocks[0].attn.positional_product = "tiled"
+    with pytest.raises(ValueError, match="positional_product='tiled'"):
+        model(torch.randn(1, 3, 16, 16))
+
+
+def test_dense_product_on_a_transformed_cnn_layer_matches_the_factored_one():
+    """GPSAConv2d (value shared by the 9 heads, strided queries) in float64: the same outputs and gradients."""
+    torch.manual_seed(0)
+    layer = GPSAConv2d(20, 12, stride=2).double()
+    with torch.no_grad():
+        layer.qk.weight.normal_(0, 0.5)
+        layer.gating_param.uniform_(-2, 2)
+    x = torch.randn(2, 20, 9, 11, dtype=torch.float64)
+    results = {}
+    for product in ("kronecker", "dense"):
+        layer.positional_product = product
+        layer.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_()
+        out = layer(inputs)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        results[product] = [out.detach(), inputs.grad] + [p.grad for p in layer.parameters()]
+    for dense, factored in zip(results["dense"], results["kronecker"]):
+        torch.testing.assert_close(dense, factored, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("product", ["kronecker", "dense"])
+def test_both_products_compile_to_one_graph_and_match_eager(product):
+    """torch.compile(fullgraph=True) raises on any graph break, the autograd Functions' included. The
+    aot_eager backend traces forward and backward as inductor receives them, without inductor's minute
+    of code generation (tests/test_compile.py runs inductor on whole models)."""
+    layer = _randomized_gpsa(dim=24, heads=4)
+    layer.positional_product = product
+    x = torch.randn(2, 20, 24)
+    eager_out, eager_dx, eager_grads = _output_and_grads(layer, x, (4, 5), fused=True, product=product)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    layer.zero_grad(set_to_none=True)
+    inputs = x.clone().requires_grad_(True)
+    out = compiled(inputs, (4, 5))
+    out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inputs.grad, eager_dx, rtol=1e-5, atol=1e-5)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_products_in_bf16_on_cuda_match_the_fp32_explicit_path():
+    """ConViT-Ti's layer shape (192 wide, 4 heads, 14 x 14 tokens) under bf16 autocast on a GPU, both
+    products against the explicit path in fp32. Stated tolerance: outputs and gradients within 2e-2 of
+    each tensor's largest magnitude (bf16 keeps 8 bits: 4e-3 relative per rounding, a few roundings deep)."""
+    torch.manual_seed(0)
+    layer = _randomized_gpsa(dim=192, heads=4).cuda()
+    x = torch.randn(16, 196, 192, device="cuda")
+    reference = _output_and_grads(layer, x, (14, 14), fused=False)
+    for product in ("kronecker", "dense"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, dx, grads = _output_and_grads(layer, x, (14, 14), fused=True, product=product)
+        for got, want, name in [(out, reference[0], "out"), (dx, reference[1], "x")] + [
+            (grads[k], reference[2][k], k) for k in grads
+        ]:
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * scale, msg=f"{product}: {name}")
 
 
 @pytest.mark.parametrize("gate_override", [0.0, 1.0])
