@@ -427,6 +427,10 @@ def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
     summary = list(csv.DictReader((out / "summary.csv").read_text().splitlines()))
     assert len(summary) == 2 * 2 * 2 and {s["n"] for s in summary} == {"1"}  # one seed: no interval
     assert "convention published, modes published, 24 test images, 2 draws" in (out / "summary.md").read_text()
+    grid = ["--checkpoints", "init", "last", "--deltas", "0.5", "1", "--cuts", "3", "4"]
+    assert stability.main(["--combine", str(out), *grid, "--output", str(tmp_path / "again")]) == 0
+    for name in ("summary.csv", "stability.md", "summary.md"):  # the same tables from the rows alone
+        assert (tmp_path / "again" / name).read_text() == (out / name).read_text()
     final = next(r for r in rows if r["checkpoint"] == "last")  # through the engine's run_dir
     assert float(final["test_error"]) == pytest.approx(100 - results["final_top1"], abs=1e-6)
     layers = list(csv.DictReader((out / "stability_layers.csv").read_text().splitlines()))
@@ -450,6 +454,8 @@ def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys)
         ([str(other)], "does not fit this model"),
         ([str(run), "--images", "0"], "--images must be >= 1, got 0"),
         ([str(run), "--draws", "0"], "--draws must be >= 1, got 0"),
+        ([str(run), "--combine", str(tmp_path)], "give either RUN folders to measure or --combine DIR"),
+        (["--combine", str(tmp_path)], "stability.csv not found: measure the runs with convbias-stability first"),
         ([str(tmp_path)], "is not a run directory: no config.yaml"),
         ([str(run), "--checkpoints", "last", "bestest"], "--checkpoints bestest: expected best, last, init"),
     ]

@@ -9,7 +9,9 @@ draws), stability_layers.csv, stability.md (per run, at --main-delta and the fir
 summary.md (per group of runs that differ by seed: n, geometric mean of R_f over seeds and its 95% interval),
 rf_vs_delta.png, rf_per_layer.png, rf_vs_error.png (with the eps = 0.2 sqrt(R_f) line of Petrini et al. 2021)
 and deformed_examples.png. Every table names its convention (--convention, --modes), images and draws.
-Bad input prints one `error: ...` line and exits 2, before any output is written.
+With --combine DIR..., nothing is measured: the rows of earlier outputs (runs measured apart, in parallel or
+as they finished training) are summarized together, and written with the same tables and figures (but
+deformed_examples.png). Bad input prints one `error: ...` line and exits 2, before any output is written.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="train.py output folders (config.yaml + checkpoints/)")
+    p.add_argument("runs", nargs="*", metavar="RUN", help="train.py output folders (config.yaml + checkpoints/)")
+    p.add_argument(
+        "--combine", nargs="+", default=[], metavar="DIR", help="summarize earlier outputs instead of measuring RUNs"
+    )
     p.add_argument("--checkpoints", nargs="+", default=["init", "last"], metavar="NAME", help=study.CHECKPOINT_FORMS)
     p.add_argument("--images", type=int, default=500, help="test images R_f is measured on (the first N)")
     p.add_argument(
@@ -68,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None) -> tuple[study.Settings, list[str], Path]:
+def parse_args(argv: list[str] | None) -> tuple[study.Settings, list[str], list[Path], Path]:
     args = build_parser().parse_args(argv)
     for name in ("images", "chunk_size", "draws"):
         if getattr(args, name) < 1:
@@ -76,22 +81,36 @@ def parse_args(argv: list[str] | None) -> tuple[study.Settings, list[str], Path]
     for name in args.checkpoints:
         if name not in (*WHICH, "init") and not re.fullmatch(r"epoch_\d+", name):
             raise ValueError(f"--checkpoints {name}: expected {study.CHECKPOINT_FORMS}")
+    if bool(args.runs) == bool(args.combine):
+        raise ValueError("give either RUN folders to measure or --combine DIR... (earlier outputs), not both")
     fields = {k: getattr(args, k) for k in study.Settings.__dataclass_fields__}
-    return study.Settings(**fields), args.runs, Path(args.output)
+    return study.Settings(**fields), args.runs, [Path(d) for d in args.combine], Path(args.output)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings, paths, output = parse_args(argv)
+        settings, paths, combine, output = parse_args(argv)
         load_families()
         runs = [study.load_run(Path(path), settings) for path in paths]
+        if combine:
+            rows = [r for d in combine for r in study.read_rows(d / "stability.csv")]
+            layer_rows = [r for d in combine for r in study.read_rows(d / "stability_layers.csv")]
+            study.check_combinable(rows)
+            first = rows[0]
+            settings.convention, settings.modes, settings.images, settings.draws = (
+                first["convention"],
+                first["modes"],
+                first["images"],
+                first["draws"],
+            )
     except (ValueError, FileNotFoundError) as error:  # options, run configs, data, weights, (delta, c) grid
         print("error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
     from convbias.experiments.stability_figures import plots
 
     output.mkdir(parents=True, exist_ok=True)
-    rows, layer_rows = study.measure(runs, settings)
+    if not combine:
+        rows, layer_rows = study.measure(runs, settings)
     summary = study.seed_summary(rows)
     tables = [
         write_csv(rows, output / "stability.csv"),

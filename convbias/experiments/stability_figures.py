@@ -117,6 +117,8 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], settings: S
     _legend(ax, settings)
     files.append(_save(fig, output / "rf_vs_error.png"))
 
+    if not runs:  # summarizing earlier measurements: no images at hand
+        return files
     image = runs[0].images[0]
     fig, axes = plt.subplots(
         EXAMPLE_TEMPERATURES,

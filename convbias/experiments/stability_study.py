@@ -196,6 +196,35 @@ def measure(runs: list[Run], settings: Settings) -> tuple[list[dict], list[dict]
     return rows, layer_rows
 
 
+NUMERIC = {"seed", "train_fraction", "test_error", "images", "draws", "delta", "cut", "T", "depth", "relative_depth"}
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a stability.csv / stability_layers.csv written by `measure`, with their numbers as numbers."""
+    import csv
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: measure the runs with convbias-stability first")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key, value in row.items():
+            if key in NUMERIC or key[0] in "DGR":
+                row[key] = float(value) if value not in ("", "None") else float("nan")
+        for key in ("seed", "cut", "images", "draws", "depth"):
+            if key in row and row[key] == row[key]:
+                row[key] = int(row[key])
+    return rows
+
+
+def check_combinable(rows: list[dict]) -> None:
+    """Rows measured apart can be summarized together only if they were measured the same way."""
+    for key in ("convention", "modes", "images", "draws"):
+        values = sorted({str(r[key]) for r in rows})
+        if len(values) > 1:
+            raise ValueError(f"the measurements differ in {key} ({', '.join(values)}): summarize them apart")
+
+
 def _fmt(value: float) -> str:
     return "undefined" if value != value else f"{value:.3g}"
 
