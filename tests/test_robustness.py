@@ -30,7 +30,6 @@ from convbias.evaluation.robustness import (
     relative_improvement,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "test_resnet"  # timm's 0.37M-parameter ResNet
 IMG_SIZE = 16
 EPOCHS = 3
@@ -178,14 +177,14 @@ def test_filters_match_scipy_with_mirrored_borders():
     direct and the FFT path, with kernels wider than the image."""
     from scipy import ndimage
 
-    from convbias.evaluation.corruptions import _filter2d, gaussian_blur
+    from convbias.evaluation.filters import filter2d, gaussian_blur
 
     generator = torch.Generator().manual_seed(0)
     image = torch.rand(1, 1, 20, 23, generator=generator, dtype=torch.float64)
     for shape in ((5, 7), (15, 13), (3, 61)):
         kernel = torch.rand(shape, generator=generator, dtype=torch.float64)
         expected = ndimage.correlate(image[0, 0].numpy(), kernel.numpy(), mode="reflect")
-        np.testing.assert_allclose(_filter2d(image, kernel)[0, 0].numpy(), expected, atol=1e-5)
+        np.testing.assert_allclose(filter2d(image, kernel)[0, 0].numpy(), expected, atol=1e-5)
     for sigma in (0.7, 3.0, 30.0):
         expected = ndimage.gaussian_filter(image[0, 0].numpy(), sigma, mode="reflect", truncate=4.0)
         np.testing.assert_allclose(gaussian_blur(image, sigma)[0, 0].numpy(), expected, atol=1e-5)

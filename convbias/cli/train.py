@@ -14,7 +14,7 @@ from convbias import engine
 
 def run(argv: list[str]) -> dict[str, Any]:
     """train.py from Python: returns the content of results.json (raises ConfigError on bad input)."""
-    from convbias.families import load_families
+    from convbias.families import load_families  # not at the top: `--help` loads no model code (see main)
 
     return engine.run(argv, load_families())
 

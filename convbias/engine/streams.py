@@ -173,7 +173,7 @@ def _check_wds(root: Path) -> dict[str, Any]:
 
 def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
     """The card of a streamed Hugging Face dataset (read, not the data): split sizes, image and label columns."""
-    import datasets
+    import datasets  # an optional dependency (the streams extra)
 
     with _one_line_errors(name, data_dir, HFIDS_LAYOUT):
         builder = datasets.load_dataset_builder(name.partition("/")[2], cache_dir=str(data_dir))
@@ -223,7 +223,7 @@ def create_streams(
 ) -> tuple[Any, Any]:
     """(train, val) IterableImageDatasets from timm's factory (`splits`: the dataset's name of each of SPLITS,
     as `check_stream` found them); transforms are set by the caller."""
-    from timm.data import create_dataset
+    from timm.data import create_dataset  # not at the top: config.py imports this module, `--help` needs no timm
 
     splits = splits or {split: split for split in SPLITS}
     common = dict(root=str(data_dir), batch_size=batch_size, seed=seed)
@@ -315,10 +315,10 @@ def load_hfds(name: str, data_dir: str) -> tuple[HfdsImages, HfdsImages]:
     if not is_hfds(name) or not name.partition("/")[2]:
         raise ValueError(f"--dataset {name}: expected hfds/NAME; {HFDS_LAYOUT}")
     try:
-        import datasets  # noqa: F401
+        import datasets  # noqa: F401  (an optional dependency: the streams extra)
     except ImportError:
         raise ValueError(f"--dataset {name} needs the datasets package: pip install datasets") from None
-    from timm.data import create_dataset
+    from timm.data import create_dataset  # not at the top: see create_streams
 
     with _one_line_errors(name, data_dir, HFDS_LAYOUT):
         train = create_dataset(name, root=str(data_dir), split="train")

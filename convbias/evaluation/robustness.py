@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from matplotlib.figure import Figure
+from timm.data import resolve_model_data_config
 from torch import nn
 
 from convbias import tables
@@ -52,8 +54,6 @@ class PixelModel(nn.Module):
         """Wrap a timm model with the mean/std of its pretrained cfg (timm's data config), for
         models evaluated as timm ships them. Checkpoints from train.py were trained with the
         dataset's mean/std (engine.data.DataBundle.mean/std): pass those to the constructor."""
-        from timm.data import resolve_model_data_config
-
         config = resolve_model_data_config(model)
         return cls(model, config["mean"], config["std"])
 
@@ -400,13 +400,9 @@ def relative_improvement(rows: Sequence[dict], model: str, baseline: str) -> tup
 
 def plot_improvement(rows: Sequence[dict], model: str, baseline: str, path: str | os.PathLike) -> Path:
     """Save the two panels of Fig. 8.3 (per category, per severity) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     per_category, per_severity = relative_improvement(rows, model, baseline)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3), sharey=True)
+    fig = Figure(figsize=(8, 3))
+    left, right = fig.subplots(1, 2, sharey=True)
     left.bar(list(per_category), list(per_category.values()), color="tab:blue")
     left.set_xlabel("corruption category")
     left.set_ylabel("relative improvement (%)")
@@ -418,7 +414,6 @@ def plot_improvement(rows: Sequence[dict], model: str, baseline: str, path: str 
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=150)
-    plt.close(fig)
     return path
 
 

@@ -1,11 +1,12 @@
-"""The (width, alpha~) phase diagram of Geiger, Petrini & Wyart (source Sec. 3, Figs. 4-5) at CPU scale.
+"""The (width, alpha~) phase diagram of Geiger, Petrini & Wyart, *Landscape and training regimes in deep learning* (Physics
+Reports, 2021; Sec. 3, Figs. 4-5), at CPU scale.
 
-Fully connected nets with two hidden layers in the NTK parametrization of the source (no biases,
+Fully connected nets with two hidden layers in the paper's NTK parametrization (no biases,
 N(0, 1) weights, z1 = s(W0 x / sqrt(d)), z2 = s(W1 z1 / sqrt(h)), f = W2 z2 / sqrt(h), s = a softplus
 of sharpness 5 scaled to unit second moment) learn odd/even on scikit-learn's digits projected on their
 first 10 principal components (inputs normalized to |x|^2 = d). Each net trains
 F = alpha (f_w - f_w0) with alpha = alpha~ / sqrt(h), on the soft hinge loss softplus_20(1 - F y) / alpha^2,
-by full-batch gradient descent with the source's adaptive step (a step is accepted when no training
+by full-batch gradient descent with the paper's adaptive step (a step is accepted when no training
 output moves by more than 0.1, then dt grows by 10%; otherwise it is undone and dt halves) until every
 training point has margin F y > 1 (zero hinge loss) or `max_steps` is reached.
 
@@ -38,6 +39,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import yaml
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from sklearn.datasets import load_digits
+from sklearn.decomposition import PCA
 from torch import nn
 
 from convbias.evaluation.ensembles import evaluate_ensemble
@@ -61,8 +66,8 @@ class PhaseDiagramConfig:
     train_size: int = 1000  # the rest of the 1,797 digits is the test set
     pca_components: int = 10
     data_seed: int = 0
-    activation_beta: float = 5.0  # softplus sharpness of the hidden units (source: 5)
-    loss_beta: float = 20.0  # soft-hinge sharpness (source: 20)
+    activation_beta: float = 5.0  # softplus sharpness of the hidden units (paper: 5)
+    loss_beta: float = 20.0  # soft-hinge sharpness (paper: 20)
     max_output_change: float = 0.1  # adaptive step: max |F_new - F_old| over the training set
     initial_dt: float = 1.0
     max_steps: int = 2000
@@ -102,9 +107,6 @@ class PhaseDiagramConfig:
 def odd_even_digits(train_size: int, components: int, seed: int) -> tuple[torch.Tensor, ...]:
     """(x_train, y_train, x_test, y_test): digits projected on the train set's first principal
     components, each input rescaled to |x|^2 = d, labels +1 (even) / -1 (odd)."""
-    from sklearn.datasets import load_digits
-    from sklearn.decomposition import PCA
-
     digits = load_digits()
     order = np.random.default_rng(seed).permutation(len(digits.target))
     train, test = order[:train_size], order[train_size:]
@@ -325,22 +327,18 @@ def read_cells(path: Path) -> list[dict]:
 
 def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = None) -> list[Path]:
     """phase_diagram.png (Fig. 4) and double_descent.png (Fig. 5) from cells.csv's rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     widths = sorted({c["width"] for c in cells})
     alphas = sorted({c["alpha_tilde"] for c in cells})
     cell = {(c["width"], c["alpha_tilde"]): c for c in cells}
     grid = lambda key: np.array([[cell[(h, a)][key] for h in widths] for a in alphas])  # noqa: E731
     error, fitted, change = grid("ensemble_test_error"), grid("converged_fraction"), grid("ntk_change")
 
-    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    fig = Figure(figsize=(7.2, 4.8))
+    ax = fig.subplots()
     mesh = ax.pcolormesh(np.arange(len(widths) + 1), np.arange(len(alphas) + 1), error, cmap="viridis", shading="flat")
     fig.colorbar(mesh, ax=ax, label="ensemble test error (%)")
     for i, j in zip(*np.nonzero(fitted < 1)):  # some net of the cell did not reach zero training loss
-        ax.add_patch(plt.Rectangle((j, i), 1, 1, fill=False, hatch="//", edgecolor="black", linewidth=0))
+        ax.add_patch(Rectangle((j, i), 1, 1, fill=False, hatch="//", edgecolor="black", linewidth=0))
         ax.text(j + 0.5, i + 0.5, f"{fitted[i, j]:.0%}", ha="center", va="center", fontsize=7, color="white")
     for i in range(len(alphas)):  # jamming line: from this width on, every net of every wider cell fits
         fits = [all(fitted[i, k:] == 1) for k in range(len(widths))]
@@ -371,10 +369,10 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     fig.tight_layout()
     paths = [output / "phase_diagram.png"]
     fig.savefig(paths[0], dpi=130)
-    plt.close(fig)
 
     curves = curves or tuple(alphas[i] for i in sorted({0, len(alphas) // 2, len(alphas) - 1}))
-    fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4), sharey=True)
+    fig = Figure(figsize=(4 * len(curves), 3.4))
+    axes = fig.subplots(1, len(curves), sharey=True)
     for ax, a in zip(np.atleast_1d(axes), curves):
         params = [cell[(h, a)]["params"] for h in widths]
         ax.plot(params, [cell[(h, a)]["mean_test_error"] for h in widths], "o-", label="single net (mean)")
@@ -390,5 +388,4 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     fig.tight_layout()
     paths.append(output / "double_descent.png")
     fig.savefig(paths[1], dpi=130)
-    plt.close(fig)
     return paths

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.figure import Figure
 
 from convbias.evaluation.ensembles import load_run
 from convbias.evaluation.landscape import Batches, local_energy
@@ -68,12 +69,8 @@ def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig = Figure(figsize=(13, 3.6))
+    axes = fig.subplots(1, 3)
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["alpha"])
         alphas = [r["alpha"] for r in mine]
@@ -98,7 +95,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
