@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from convbias.engine.checkpoint import STATE_FILE, load_training_state
+from convbias.engine.checkpoint import STATE_FILE, load_training_state, write_manifest
 from convbias.engine.preemption import REQUEUE_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +106,7 @@ def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path,
     point = (other_world / "checkpoints" / "last").resolve()
     changed = dict(state, rng=state["rng"] * 2)  # as if written by 2 processes
     torch.save(changed, point / STATE_FILE)
+    write_manifest(point, state["epoch"], state["step"])  # an edit that keeps the point intact
     before = sorted((p, p.stat().st_mtime_ns) for p in other_world.rglob("*"))
     code, _, err = finish(train(other_world, "--resume", "auto"))
     assert code == 2 and err.count("\n") == 1, err[-3000:]

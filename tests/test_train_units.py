@@ -86,7 +86,7 @@ def test_rebuild_optimizer_keeps_state_of_surviving_parameters():
 
 def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkeypatch):
     model = torch.nn.Linear(3, 2)
-    ckpt = CheckpointDir(tmp_path)
+    ckpt = CheckpointDir(tmp_path, keep=1)  # the newest point and best
     ckpt.stage(1)
     ckpt.save(1, model.state_dict(), {"model": "m", "epoch": 1}, None, {"epoch": "1"}, is_best=True)
     first = {k: v.clone() for k, v in model.state_dict().items()}

@@ -16,7 +16,19 @@ import sys
 from typing import Any
 
 from .config import config_warnings, parse_config
-from .errors import ConfigError, Interrupted, NonFiniteLossError
+from .errors import (
+    EXIT_DAMAGED,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    ConfigError,
+    DamagedCheckpointError,
+    Interrupted,
+    NonFiniteLossError,
+    StorageError,
+    storage_reason,
+)
 from .extensions import Extensions
 from .preemption import REQUEUE_EXIT_CODE, Preempted
 
@@ -61,6 +73,9 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
             trainer = Trainer(cfg, extensions, lock)
         except (ValueError, FileNotFoundError) as e:  # data, model and checkpoint checks; ConfigError included
             raise ConfigError(str(e)) from None
+        except OSError as e:  # the lock or the output dir cannot be written: disk full, read-only
+            where = e.filename or cfg.output
+            raise StorageError(f"starting the run failed: {where}: {storage_reason(e)}; nothing was written") from None
         except KeyboardInterrupt:
             raise Interrupted("during set-up; nothing was written") from None
         if trainer.finished:
@@ -70,6 +85,13 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
             return trainer.evaluate_only() if cfg.eval_only else trainer.fit()
         except KeyboardInterrupt:
             raise Interrupted(trainer.kept()) from None
+        except (OSError, StorageError) as e:  # writing into the output failed: what failed, what is kept
+            what = (
+                str(e)
+                if isinstance(e, StorageError)
+                else f"writing {e.filename or cfg.output} failed ({storage_reason(e)})"
+            )
+            raise StorageError(f"{what}; {trainer.kept()}") from None
     finally:
         if lock is not None:
             lock.release()
@@ -89,8 +111,8 @@ def _print_error(message: str, prefix: str = "error") -> None:
 
 
 def main(argv: list[str] | None = None, extensions: Extensions | None = None) -> int:
-    """Command-line entry point: exit code 0 on success, 2 for bad input, 1 when training diverges,
-    REQUEUE_EXIT_CODE (75) when a preemption signal stopped the run after writing a resume point."""
+    """Command-line entry point: exit code 0 on success, else the code of engine.errors for each way a run
+    stops (2 bad input, 1 diverged, 65 damaged checkpoint, 74 output not writable, 75 preempted, 130 Ctrl-C)."""
     try:
         run(argv, extensions)
     except Preempted as e:
@@ -98,11 +120,17 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
         return REQUEUE_EXIT_CODE
     except ConfigError as e:
         _print_error(str(e))
-        return 2
+        return EXIT_USAGE
+    except DamagedCheckpointError as e:
+        _print_error(str(e))
+        return EXIT_DAMAGED
+    except StorageError as e:
+        _print_error(str(e))
+        return EXIT_STORAGE
     except NonFiniteLossError as e:
         _print_error(str(e))
-        return 1
+        return EXIT_DIVERGED
     except Interrupted as e:
         _print_error(str(e), prefix="interrupted")
-        return 130
+        return EXIT_INTERRUPTED
     return 0

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes, safetensors weights, resumable training state, safe loading.
+"""Checkpoints: atomic writes, safetensors weights, resumable training state, checksums, safe loading.
 
 Layout of ``<output>/checkpoints``::
 
@@ -9,13 +9,17 @@ Layout of ``<output>/checkpoints``::
         model.safetensors   model weights (metadata: model name, epoch)
         ema.safetensors     EMA weights, with --model-ema
         training_state.pt   optimizer, scheduler, grad scaler, counters, RNG states of every rank
+        sharded/            under FSDP: every rank's shards (torch distributed checkpoint)
+        manifest.json       the size and sha256 of every file above, written last
     last -> epoch_0007      symlinks, swapped atomically (os.replace)
     best -> epoch_0005
     epoch_5.safetensors     --save-epochs snapshots (weights only)
 
-A kill at any moment leaves ``last`` pointing at a complete directory: the new directory is only
-renamed into place once fully written, and the symlink swap is a single rename. Directories that
-neither ``last`` nor ``best`` points to are deleted after the swap.
+A resume point is complete when its manifest is there and every file matches it: a kill at any moment
+leaves the newest complete point intact (a point is renamed into place only once its manifest is
+written, and a link swap is a single rename), and a damaged file is found before it is loaded. The
+newest ``keep`` points (and ``best``) are kept; an older one is deleted only when its manifest lists
+every file in it, i.e. the engine wrote all of it. Nothing else in the folder is ever deleted.
 
 Loading never unpickles arbitrary objects: weights come from safetensors, and ``.pt`` files are read
 with ``torch.load(weights_only=True)`` (tensors and plain containers only).
@@ -23,15 +27,20 @@ with ``torch.load(weights_only=True)`` (tensors and plain containers only).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import random
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from convbias.weights import (  # noqa: F401  (the engine's loading API is the shared one)
@@ -43,8 +52,15 @@ from convbias.weights import (  # noqa: F401  (the engine's loading API is the s
     weights_metadata,
 )
 
+from .errors import DamagedCheckpointError, StorageError, storage_reason
+from .run_dir import DEFAULT_KEEP_CHECKPOINTS
+
 EMA_FILE = "ema.safetensors"
 STATE_FILE = "training_state.pt"
+MANIFEST_FILE = "manifest.json"
+POINT_NAME = re.compile(r"epoch_(\d{4,})(?:_step_(\d{7,}))?")
+_HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
@@ -55,8 +71,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
         write(tmp)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        with contextlib.suppress(OSError):  # on a read-only or removed output there is nothing to clean
+            tmp.unlink(missing_ok=True)
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
@@ -94,12 +110,75 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ------------------------------------------------------------------------------------------ manifests
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(point: Path) -> list[str]:
+    """Every file under ``point`` but its manifest, as relative POSIX paths."""
+    return sorted(p.relative_to(point).as_posix() for p in point.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def write_manifest(point: Path, epoch: int, step: int) -> None:
+    """The size and sha256 of every file of the resume point, written last (atomically)."""
+    files = {
+        name: {"bytes": (point / name).stat().st_size, "sha256": file_sha256(point / name)} for name in _files(point)
+    }
+    text = json.dumps({"epoch": epoch, "step": step, "files": files}, indent=1) + "\n"
+    atomic_write(point / MANIFEST_FILE, lambda tmp: tmp.write_text(text))
+
+
+def read_manifest(point: Path) -> dict[str, Any] | None:
+    """The manifest's ``files`` entry; None when the point has none or it cannot be read."""
+    try:
+        files = json.loads((point / MANIFEST_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return files if isinstance(files, dict) else None
+
+
+def check_point(point: Path, names: Iterable[str] | None = None) -> str | None:
+    """None when the files ``names`` (default: all) of ``point`` match its manifest, else why not."""
+    if not (point / MANIFEST_FILE).is_file():
+        return f"no {MANIFEST_FILE}: the save did not complete"
+    listed = read_manifest(point)
+    if listed is None:
+        return f"its {MANIFEST_FILE} is unreadable"
+    for name in listed if names is None else names:
+        entry, path = listed.get(name), point / name
+        if entry is None:
+            return f"{name} is not in its {MANIFEST_FILE}"
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry.get("bytes"):
+            return f"{name} has {path.stat().st_size} bytes, its manifest says {entry.get('bytes')}"
+        if file_sha256(path) != entry.get("sha256"):
+            return f"{name} does not match its sha256 (damaged)"
+    return None
+
+
+def verify_file(path: str | Path) -> None:
+    """DamagedCheckpointError when ``path`` lies in a resume point whose manifest it does not match
+    (a file without a manifest beside it is loaded as it is)."""
+    path = Path(path)
+    if path.is_file() and (path.parent / MANIFEST_FILE).is_file():
+        problem = check_point(path.parent, [path.name])
+        if problem:
+            raise DamagedCheckpointError(f"{path} is damaged: {problem}; it was not loaded")
+
+
 # ------------------------------------------------------------------------------ resume points on disk
 class CheckpointDir:
     """The ``checkpoints/`` folder of a run: write resume points, keep last and best, find them again."""
 
-    def __init__(self, output: str | Path):
+    def __init__(self, output: str | Path, keep: int = DEFAULT_KEEP_CHECKPOINTS):
         self.root = Path(output) / "checkpoints"
+        self.keep = keep
 
     @property
     def last(self) -> Path | None:
@@ -114,6 +193,57 @@ class CheckpointDir:
     @staticmethod
     def point_name(epoch: int, step: int = 0) -> str:
         return f"epoch_{epoch:04d}" + (f"_step_{step:07d}" if step else "")
+
+    def points(self) -> list[Path]:
+        """The resume-point folders (named as ``point_name`` writes them), newest first."""
+        found = []
+        for path in self.root.glob("epoch_*") if self.root.is_dir() else ():
+            match = POINT_NAME.fullmatch(path.name)
+            if match and path.is_dir() and not path.is_symlink():
+                found.append(((int(match[1]), int(match[2] or 0)), path))
+        return [path for _, path in sorted(found, reverse=True)]
+
+    def held(self) -> list[str]:
+        """What in ``checkpoints/`` may hold weights: every entry but the links and a killed save's staging."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            p.name
+            for p in self.root.iterdir()
+            if not p.is_symlink() and not (p.name.startswith(".") and p.name.endswith(".tmp"))
+        )
+
+    def select(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest intact resume point, and the newer ones skipped with the reason of each."""
+        skipped = []
+        for point in self.points():
+            problem = check_point(point)
+            if problem is None:
+                return point.resolve(), skipped
+            skipped.append((point, problem))
+        return None, skipped
+
+    def set_aside(self, point: Path) -> Path:
+        """Rename a damaged point out of the way (``<name>.damaged``, numbered when taken); nothing is deleted."""
+        target, n = point.with_name(point.name + ".damaged"), 1
+        while target.exists() or target.is_symlink():
+            n += 1
+            target = point.with_name(f"{point.name}.damaged{n}")
+        os.rename(point, target)
+        return target
+
+    def remove_staging(self) -> None:
+        """A killed save's staging folders and link files: only the engine writes names of this form."""
+        for path in self.root.glob(".*.tmp") if self.root.is_dir() else ():
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+    def _owned(self, point: Path) -> bool:
+        """The engine wrote every file of ``point``: its manifest lists them all (a user's file stops this)."""
+        listed = read_manifest(point)
+        return listed is not None and set(_files(point)) <= set(listed)
 
     def _staging(self, name: str) -> Path:
         return self.root / f".{name}.tmp"
@@ -142,25 +272,38 @@ class CheckpointDir:
         final, tmp = self.root / name, self._staging(name)
         if not tmp.is_dir():
             raise FileNotFoundError(f"{tmp}: stage({epoch}, {step}) first")
-        save_file(
-            {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
-            str(tmp / WEIGHTS_FILE),
-            metadata=metadata,
-        )
-        if ema_weights is not None:
+        try:
             save_file(
-                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in ema_weights.items()},
-                str(tmp / EMA_FILE),
+                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
+                str(tmp / WEIGHTS_FILE),
                 metadata=metadata,
             )
-        torch.save(state, tmp / STATE_FILE)
-        if final.exists():  # left over from a run killed after the rename but before the link swap
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        self._point("last", name)
-        if is_best:
-            self._point("best", name)
-        self._remove_unreferenced()
+            if ema_weights is not None:
+                save_file(
+                    {k: v.detach().to("cpu", copy=True).contiguous() for k, v in ema_weights.items()},
+                    str(tmp / EMA_FILE),
+                    metadata=metadata,
+                )
+            torch.save(state, tmp / STATE_FILE)
+            write_manifest(tmp, epoch, step)
+            if final.exists():  # an earlier attempt's point of the same name, which this one supersedes
+                if self._owned(final):
+                    shutil.rmtree(final)
+                else:
+                    self.set_aside(final)
+            os.rename(tmp, final)
+        except BaseException as e:  # a kill leaves the staging folder, removed at the next start
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, _WRITE_ERRORS):
+                raise StorageError(f"writing the resume point {name} failed ({storage_reason(e, self.root)})") from None
+            raise
+        try:
+            self._point("last", name)
+            if is_best:
+                self._point("best", name)
+            self._remove_superseded()
+        except OSError as e:  # the point itself is complete: --resume auto finds it by its name
+            raise StorageError(f"updating checkpoints/last after writing {name} failed ({storage_reason(e)})") from None
         return final
 
     def _point(self, link_name: str, target: str) -> None:
@@ -170,10 +313,12 @@ class CheckpointDir:
         os.symlink(target, tmp)
         os.replace(tmp, self.root / link_name)
 
-    def _remove_unreferenced(self) -> None:
-        keep = {p.name for p in (self.last, self.best) if p is not None}
-        for path in self.root.glob("epoch_*"):
-            if path.is_dir() and path.name not in keep:
+    def _remove_superseded(self) -> None:
+        """Delete the engine's own points beyond the newest ``keep`` (``last`` and ``best`` stay)."""
+        linked = {p.name for p in (self.last, self.best) if p is not None}
+        owned = [p for p in self.points() if self._owned(p)]
+        for path in owned[self.keep :]:
+            if path.name not in linked:
                 shutil.rmtree(path, ignore_errors=True)
 
     def save_snapshot(self, epoch: int, weights: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
@@ -185,15 +330,20 @@ class CheckpointDir:
 
 
 def find_resume_point(resume: str, output: str | Path) -> Path | None:
-    """The checkpoint directory ``--resume`` names; None for 'auto' in a run dir without checkpoints.
+    """The checkpoint directory ``--resume`` names, checked against its manifest; for 'auto' the newest
+    intact point of the run dir (None when it has none).
 
-    Raises ValueError for an explicit path that holds no resume point.
+    Raises ValueError for an explicit path that holds no resume point, DamagedCheckpointError for one
+    whose files do not match its manifest (a point without one, written before checksums, is taken as is).
     """
     if resume == "auto":
-        return CheckpointDir(output).last
+        return CheckpointDir(output).select()[0]
     path = Path(resume)
     for candidate in (path, path / "last", path / "checkpoints" / "last"):
         if (candidate / STATE_FILE).is_file() and (candidate / WEIGHTS_FILE).is_file():
+            problem = check_point(candidate) if (candidate / MANIFEST_FILE).is_file() else None
+            if problem:
+                raise DamagedCheckpointError(f"--resume {resume}: {candidate} is damaged: {problem}")
             return candidate.resolve()
     raise ValueError(
         f"--resume {resume}: no checkpoint there (expected a run dir with checkpoints/last/, "
@@ -205,5 +355,7 @@ def load_training_state(point: Path) -> dict[str, Any]:
     """The training state of a resume point, loaded with weights_only=True."""
     try:
         return torch.load(point / STATE_FILE, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read {point / STATE_FILE} ({str(e).splitlines()[0]})") from None
+    except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
+        raise DamagedCheckpointError(
+            f"{point / STATE_FILE} is not a training state this engine wrote (damaged or foreign); it was not loaded"
+        ) from None

@@ -25,7 +25,7 @@ import yaml
 from .compile import COMPILE_MODES
 from .errors import ConfigError
 from .preemption import DEFAULT_SIGNALS, REQUEUE_EXIT_CODE, parse_signals
-from .run_dir import DEFAULT_WHICH, RUN_KEYS, WHICH, is_run_dir, read_run_config
+from .run_dir import DEFAULT_KEEP_CHECKPOINTS, DEFAULT_WHICH, RUN_KEYS, WHICH, is_run_dir, read_run_config
 from .streams import is_factory_source
 
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
@@ -262,6 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="STEPS",
         help="also write a mid-epoch resume point every STEPS optimizer updates (0: at epoch ends only)",
+    )
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=DEFAULT_KEEP_CHECKPOINTS,
+        metavar="K",
+        help="resume points kept (the newest K, and best); --resume auto falls back to an older one when the "
+        "newest is damaged",
+    )
+    g.add_argument(
+        "--accept-resume-changes",
+        action=flag,
+        default=False,
+        help="continue a mid-epoch resume point with another batch size, seed, data set or model options "
+        "(not exact; recorded in log.jsonl)",
     )
     g.add_argument(
         "--preempt-signals",
@@ -515,6 +530,7 @@ def validate(cfg: Config) -> None:
             cfg.compile_backend in backends,
             f"unknown --compile-backend '{cfg.compile_backend}'; choices: {', '.join(backends)}",
         )
+    _check(cfg.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     _check(cfg.checkpoint_interval >= 0, f"--checkpoint-interval must be >= 0 (0: off), got {cfg.checkpoint_interval}")
     signals = cfg.preempt_signals
     if isinstance(signals, str):

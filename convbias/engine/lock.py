@@ -80,8 +80,15 @@ class RunLock:
             raise RunLockedError(self._refusal(previous) + f" (if that run is dead, delete {self.path})")
         self.stale = previous if previous.get("pid") else None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except OSError:  # a full or read-only disk: leave no empty lock file behind
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(fd)
+            self._cleanup_dir()
+            raise
         self._fd = fd
         return self
 
@@ -94,8 +101,8 @@ class RunLock:
         """Drop the lock (and the directory, when acquire made it and nothing else was written)."""
         if self._fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        with contextlib.suppress(OSError):  # removed or read-only output: the file stays, recognizably stale
+            os.unlink(self.path)
         os.close(self._fd)  # closing drops the flock
         self._fd = None
         self._cleanup_dir()

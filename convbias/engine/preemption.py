@@ -1,6 +1,7 @@
 """Preemption: a scheduler's signal ends the run after the current optimizer step, with a resume point.
 
-Clusters that preempt jobs signal them first (SLURM: SIGTERM, or the signal of ``--signal=USR1@120``).
+Clusters that preempt jobs signal them first (SLURM: SIGTERM, or the signal of ``--signal=USR1@120``); a
+closed terminal or ssh session sends SIGHUP, handled the same way.
 ``PreemptionSignals`` records the signal in a handler that only sets a flag; the training loop asks
 ``requested()`` after every optimizer step (one tiny all-reduce when there are several processes, so
 that every rank stops at the same step even when the signal reached them at different steps), writes a
@@ -21,8 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REQUEUE_EXIT_CODE = getattr(os, "EX_TEMPFAIL", 75)  # sysexits.h: temporary failure, the user is invited to retry
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+from .errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGHUP")  # SIGHUP: the terminal or ssh session closed
 
 
 class Preempted(Exception):

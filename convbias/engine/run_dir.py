@@ -20,6 +20,7 @@ CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"  # as convbias.weights.WEIGHTS_FILE (not imported: it loads torch)
 WHICH = ("last", "best")
 DEFAULT_WHICH = "last"  # the run's final weights: what its final top-1 measured
+DEFAULT_KEEP_CHECKPOINTS = 2  # resume points kept: one to fall back to when the newest is damaged
 # What a run's config.yaml contributes to a command that reuses the run: the model and how its data is read.
 RUN_KEYS = (
     "model",

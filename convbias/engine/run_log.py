@@ -3,13 +3,16 @@
 ``summary.csv`` has exactly the columns of ``SUMMARY_FIELDS``, one row per epoch (``epoch`` counts
 completed epochs, from 1). ``log.jsonl`` holds the same fields plus diagnostics and counters.
 When a run resumes from epoch E, rows after E (written before a kill, for an epoch that is now
-redone) are dropped, so the files read as if the run had never stopped. Only the main process writes.
+redone) are dropped, and so is a line cut short by a kill or a full disk, so the files read as if the run
+had never stopped. Only the main process writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,19 @@ def _csv_value(value: Any) -> str:
     if value is None:
         return ""
     return repr(value) if isinstance(value, float) else str(value)
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append one whole line: a write that fails (disk full) is cut back, so no half line is left when the
+    disk allows it (``start`` drops one that stays, when the run resumes)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "a", newline="") as f:
+            f.write(line)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise
 
 
 class RunLog:
@@ -73,10 +89,8 @@ class RunLog:
             self.tracker.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["epoch"])
         if not self.enabled:
             return
-        with open(self.summary, "a", newline="") as f:
-            f.write(",".join(_csv_value(record.get(k)) for k in SUMMARY_FIELDS) + "\n")
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        _append_line(self.summary, ",".join(_csv_value(record.get(k)) for k in SUMMARY_FIELDS) + "\n")
+        _append_line(self.jsonl, json.dumps(record) + "\n")
 
     def write_results(self, results: dict[str, Any]) -> None:
         """results.json, atomically: its presence marks the run as complete."""

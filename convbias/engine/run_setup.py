@@ -23,7 +23,15 @@ from accelerate.utils import DistributedType, set_seed
 from timm.utils import ModelEmaV3
 
 from . import recipe
-from .checkpoint import EMA_FILE, WEIGHTS_FILE, CheckpointDir, load_training_state, load_weights, weights_metadata
+from .checkpoint import (
+    EMA_FILE,
+    WEIGHTS_FILE,
+    CheckpointDir,
+    load_training_state,
+    load_weights,
+    verify_file,
+    weights_metadata,
+)
 from .compile import compiled
 from .config import Config, effective_epochs
 from .data import build_datasets, build_eval_loader, build_stream_loader, build_train_loader, dataset_info, first_images
@@ -35,7 +43,14 @@ from .lock import RunLock
 from .modeling import check_model_name, create_model
 from .output_scale import OutputScale, ScaledLoss
 from .preemption import PreemptionSignals, ignore_in_worker, parse_signals
-from .run_start import check_output_dir, check_resume_world_size, finished_message, resolve_checkpoint, take_lock
+from .run_start import (
+    check_exact_continuation,
+    check_resume_world_size,
+    find_start,
+    finished_message,
+    resolve_checkpoint,
+    take_lock,
+)
 from .streams import is_stream
 
 
@@ -63,9 +78,12 @@ class RunSetup:
         if cfg.distill_teacher:
             check_model_name(cfg.distill_teacher, "--distill-teacher")
         self.checkpoint_name = resolve_checkpoint(cfg)
+        for weights in (cfg.pretrained_file, cfg.distill_teacher_file):  # files of a resume point: checksummed
+            if weights:
+                verify_file(weights)
         self.notes: list[str] = []  # said when training starts (stale lock taken over, restart)
         take_lock(acc, lock, self.notes)
-        self.resume_point = check_output_dir(cfg, self.output, self.notes)
+        self.resume_point = find_start(acc, cfg, self.output, self.notes)
         self.resume_state = load_training_state(self.resume_point) if self.resume_point else None
         if self.resume_state and self.resume_state.get("model") != cfg.model:
             raise ConfigError(
@@ -77,6 +95,9 @@ class RunSetup:
             return
 
         check_resume_world_size(self.resume_state, self.resume_point, acc.num_processes)
+        self.accepted_changes = check_exact_continuation(cfg, self.resume_state, self.resume_point)
+        if self.accepted_changes:
+            self.notes.append(f"--accept-resume-changes: continuing {self.resume_point} with {self.accepted_changes}")
 
         cfg.img_size = cfg.img_size or dataset_info(cfg.dataset).default_img_size  # data and model agree
         self.data = build_datasets(cfg)
@@ -211,7 +232,7 @@ class RunSetup:
         self.final: dict[str, Any] = {}  # the latest evaluation
         if self.resume_state:
             self._restore_training_state(self.resume_state)
-        self.checkpoints = CheckpointDir(self.output)
+        self.checkpoints = CheckpointDir(self.output, cfg.keep_checkpoints)
         self.diagnostics = None
         if cfg.diagnostics:
             images = first_images(self.data.val, min(cfg.diagnostics_images, len(self.data.val))).to(acc.device)

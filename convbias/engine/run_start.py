@@ -3,18 +3,31 @@ what a run that stops says it kept. Every check here runs before the run writes 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from .checkpoint import WEIGHTS_FILE, CheckpointDir, find_resume_point, weights_metadata
+from .checkpoint import (
+    MANIFEST_FILE,
+    POINT_NAME,
+    WEIGHTS_FILE,
+    CheckpointDir,
+    find_resume_point,
+    verify_file,
+    weights_metadata,
+)
 from .config import Config
-from .errors import ConfigError
+from .errors import ConfigError, DamagedCheckpointError
 from .lock import RunLock, RunLockedError
 from .lock import describe as describe_holder
 from .run_dir import DEFAULT_WHICH, choose_checkpoint, is_run_dir
+
+# What a mid-epoch resume point must be continued with to give the uninterrupted run's numbers (its
+# training state records them); the process count is checked on its own (check_resume_world_size).
+EXACT_KEYS = ("model", "model_kwargs", "dataset", "train_fraction", "seed", "batch_size", "grad_accum_steps")
 
 
 def _check_which_target(which: str | None, checkpoint: Path | None) -> None:
@@ -32,10 +45,12 @@ def resolve_checkpoint(cfg: Config) -> str | None:
         return None
     run = Path(cfg.checkpoint)
     if (run / "checkpoints").is_dir() or is_run_dir(run):
+        verify_file(run / "checkpoints" / (cfg.which or DEFAULT_WHICH) / WEIGHTS_FILE)
         chosen = choose_checkpoint(run, cfg.which or DEFAULT_WHICH)
         cfg.checkpoint = str(chosen.weights)
         return chosen.describe()
     _check_which_target(cfg.which, run)
+    verify_file(run)
     epoch = weights_metadata(run).get("epoch")
     return f"{run}, epoch {epoch}" if epoch else str(run)
 
@@ -60,33 +75,70 @@ def take_lock(accelerator: Accelerator, lock: RunLock | None, notes: list[str]) 
 
 
 def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None:
-    """The resume point, or None for a fresh run; refuses to overwrite an earlier run's results.
+    """The resume point, or None for a fresh run. A directory that holds anything that may be weights is
+    never started over: a plain run refuses it, ``--resume auto`` continues from its newest intact point
+    (a damaged newer one is renamed ``<name>.damaged`` and named in ``notes``) or stops naming what it found.
 
-    A directory without a resume point or results.json holds only the start of a run that failed
-    before its first checkpoint (config.yaml, summary.csv...): the run starts over there."""
+    A directory without any checkpoint or results.json holds only the start of a run that failed before its
+    first checkpoint (config.yaml, summary.csv...): the run starts over there."""
     if cfg.eval_only:
         return None
-    point = find_resume_point(cfg.resume, output) if cfg.resume else None
-    if point is None and output.is_dir():
-        earlier = [
-            name
-            for name, there in (
-                ("checkpoints/last", CheckpointDir(output).last is not None),
-                ("results.json", (output / "results.json").exists()),
-            )
-            if there
-        ]
-        if earlier and cfg.resume is None:
+    checkpoints = CheckpointDir(output, cfg.keep_checkpoints)
+    if cfg.resume and cfg.resume != "auto":
+        return find_resume_point(cfg.resume, output)
+    held = [f"checkpoints/{name}" for name in checkpoints.held()]
+    if cfg.resume is None:
+        earlier = held + (["results.json"] if (output / "results.json").exists() else [])
+        if earlier:
             raise ConfigError(
-                f"output dir {output} already holds a run ({', '.join(earlier)}); "
+                f"output dir {output} already holds a run ({_listing(earlier)}); "
                 f"pass --resume auto to continue it, or choose another --output"
             )
-        leftovers = [name for name in ("config.yaml", "summary.csv", "log.jsonl") if (output / name).exists()]
-        if leftovers and not earlier:
-            notes.append(
-                f"starting over: {output} holds no checkpoint of an earlier attempt "
-                f"(its {', '.join(leftovers)} are replaced)"
+    else:
+        point, skipped = checkpoints.select()
+        if point is not None or skipped:
+            checkpoints.remove_staging()  # a killed save's staging folder: ours, and never a resume point
+        for damaged, problem in skipped if point is not None else ():
+            aside = checkpoints.set_aside(damaged)
+            notes.append(f"skipped {damaged} ({problem}); kept it as {aside.name}; resuming from {point.name}")
+        if point is not None:
+            return point
+        if held:
+            found = "; ".join(f"{p.name}: {problem}" for p, problem in skipped) or "no resume point by its name"
+            raise DamagedCheckpointError(
+                f"--resume auto: {output}/checkpoints holds {_listing(held)} but no intact resume point ({found}); "
+                f"nothing was changed. Continue from one folder with --resume {output}/checkpoints/NAME (checked "
+                f"against its manifest), take its weights only with --checkpoint "
+                f"{output}/checkpoints/NAME/{WEIGHTS_FILE} in another --output, or choose another --output"
             )
+    leftovers = [name for name in ("config.yaml", "summary.csv", "log.jsonl") if (output / name).exists()]
+    if leftovers and not (output / "results.json").exists():
+        checkpoints.remove_staging()
+        notes.append(
+            f"starting over: {output} holds no checkpoint of an earlier attempt "
+            f"(its {', '.join(leftovers)} are replaced)"
+        )
+    return None
+
+
+def _listing(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def find_start(accelerator: Accelerator, cfg: Config, output: Path, notes: list[str]) -> Path | None:
+    """``check_output_dir`` on the main process only (it hashes the point's files and may rename a damaged
+    one), its answer and its refusal on every process."""
+    if accelerator.num_processes == 1:
+        return check_output_dir(cfg, output, notes)
+    answer: list[Any] = [None, notes, None]
+    if accelerator.is_main_process:
+        try:
+            answer[0] = check_output_dir(cfg, output, notes)
+        except (ValueError, DamagedCheckpointError) as e:  # ConfigError included
+            answer[2] = e
+    point, notes[:], error = broadcast_object_list(answer)
+    if error is not None:
+        raise error
     return point
 
 
@@ -106,11 +158,43 @@ def kept(cfg: Config, output: Path) -> str:
     """What an interrupted run leaves behind, in one sentence."""
     if cfg.eval_only:
         return "nothing was written"
-    last = CheckpointDir(output).last
-    if last is None:
+    checkpoints = CheckpointDir(output)
+    try:  # the newest point its manifest completed (not re-hashed here); the output may be gone
+        point = next((p for p in checkpoints.points() if (p / MANIFEST_FILE).is_file()), None)
+    except OSError:
+        point = None
+    if point is None:
         return f"no checkpoint was written yet in {output}; rerun the same command to start over"
-    epoch = weights_metadata(last / WEIGHTS_FILE).get("epoch", "?")
-    return f"kept {output}/checkpoints/last (epoch {epoch}); continue with --resume auto"
+    name = "last" if checkpoints.last == point.resolve() else point.name
+    epoch = int(POINT_NAME.fullmatch(point.name)[1])
+    return f"kept {output}/checkpoints/{name} (epoch {epoch}); continue with --resume auto"
+
+
+def check_exact_continuation(cfg: Config, state: dict[str, Any] | None, point: Path | None) -> str | None:
+    """A mid-epoch resume point continues exactly only with the options that shaped its epoch (the batches,
+    their order, the model): a change is refused, or with --accept-resume-changes returned as a sentence
+    for the run log. An end-of-epoch point, or one written without its options, is not checked."""
+    if not state or not state.get("step") or not isinstance(state.get("options"), dict):
+        return None
+    written = state["options"]
+    changes = [
+        f"--{key.replace('_', '-')} {_shown(written[key])} -> {_shown(cfg[key])}"
+        for key in EXACT_KEYS
+        if key in written and _shown(written[key]) != _shown(cfg[key])
+    ]
+    if not changes:
+        return None
+    if not cfg.accept_resume_changes:
+        raise ConfigError(
+            f"--resume {point} is a mid-epoch resume point ({state['step']} steps into epoch {state['epoch'] + 1}) "
+            f"and these options differ from the run that wrote it: {'; '.join(changes)}; the epoch would not "
+            f"continue exactly: give the run's values, or pass --accept-resume-changes (recorded in log.jsonl)"
+        )
+    return "; ".join(changes)
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def check_resume_world_size(state: dict[str, Any] | None, point: Path | None, world: int) -> None:

@@ -36,7 +36,7 @@ from .metrics import evaluate
 from .preemption import Preempted
 from .run_log import RunLog
 from .run_setup import RunSetup
-from .run_start import kept
+from .run_start import EXACT_KEYS, kept
 
 __all__ = ["NonFiniteLossError", "Trainer"]
 
@@ -125,6 +125,8 @@ class Trainer(RunSetup):
                 self._reparametrize()
             train = self._train_one_epoch(epoch)
             record: dict[str, Any] = {"epoch": epoch + 1, **train, **(self.initial if epoch == 0 else {})}
+            if epoch == self.start_epoch and self.accepted_changes:
+                record["resume_changes_accepted"] = self.accepted_changes
             evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.epochs
             if evaluated:
                 metrics = self.evaluate(self.forward)
@@ -280,6 +282,7 @@ class Trainer(RunSetup):
         if acc.is_main_process:
             state = {
                 "model": self.cfg.model,
+                "options": {key: self.cfg[key] for key in EXACT_KEYS},  # what exact continuation needs
                 "epoch": epoch,
                 "step": step,
                 "loss_sums": loss_sums,
