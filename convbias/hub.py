@@ -315,8 +315,9 @@ def model_card(
 def _check_output(output: Path) -> None:
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ValueError(f"--output {output} already exists and is not empty: choose a new folder")
-    if not output.parent.is_dir():
-        raise ValueError(f"--output {output}: its parent folder {output.parent} does not exist")
+    for parent in output.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"--output {output}: {parent} is a file, not a folder")
 
 
 def export_run(
@@ -354,6 +355,7 @@ def export_run(
     # the weights are the run's: drop what the registered cfg says about timm's pretrained weights
     model.pretrained_cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in SOURCE_FIELDS}
     model.pretrained_cfg["license"] = license
+    output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         save_for_hf(model, tmp, model_config=model_config, safe_serialization=True, data_config=preprocessing)
