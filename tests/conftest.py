@@ -45,58 +45,84 @@ def single_thread():
 
 
 # -- Transformed CNN exactness: a CNN and its T-CNN on the same images ---------------------------------
-IMAGES = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+@pytest.fixture(scope="session")
+def tcnn_images() -> torch.Tensor:
+    """Two fixed 64x64 RGB images (large enough for every ResNet stage to keep a spatial map)."""
+    return torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm()).item()
+@pytest.fixture(scope="session")
+def relative_error():
+    """`relative_error(actual, expected)`: ||actual - expected|| / ||expected||."""
+
+    def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+        return ((actual - expected).norm() / expected.norm()).item()
+
+    return relative
 
 
-@torch.no_grad()
-def randomize_norms(model: nn.Module) -> nn.Module:
-    """Random BatchNorm statistics and affine parameters: timm zero-inits the last BN of each
-    residual branch, which would hide the converted convolutions from the output."""
-    generator = torch.Generator().manual_seed(1)
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
-            module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
-            module.running_mean.copy_(0.1 * torch.randn(module.running_mean.shape, generator=generator))
-            module.running_var.copy_(torch.rand(module.running_var.shape, generator=generator) + 0.5)
-    return model.eval()
+@pytest.fixture(scope="session")
+def randomize_norms():
+    """`randomize_norms(model)`: random BatchNorm statistics and affine parameters, model in eval mode.
+    timm zero-inits the last BN of each residual branch, which would hide the converted convolutions
+    from the output."""
+
+    @torch.no_grad()
+    def randomize(model: nn.Module) -> nn.Module:
+        generator = torch.Generator().manual_seed(1)
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
+                module.running_mean.copy_(0.1 * torch.randn(module.running_mean.shape, generator=generator))
+                module.running_var.copy_(torch.rand(module.running_var.shape, generator=generator) + 0.5)
+        return model.eval()
+
+    return randomize
 
 
 # -- A Hugging Face dataset in the Hub's layout, local (hfds/ and hfids/ sources) -------------------------
-HF_TOY_SIZE, HF_TOY_CLASSES = 8, ("left", "middle", "right")
-
-
-def write_hf_parquet_dataset(root, per_split: dict[str, int]) -> None:
+class HFToyDataset:
     """Three classes of 8x8 RGB PNGs (a bright left, middle or right band) as the Hub stores a dataset:
-    root/data/<split>-00000-of-00001.parquet with 'image' and ClassLabel 'label' columns."""
-    import datasets
+    root/data/<split>-00000-of-00001.parquet with 'image' and ClassLabel 'label' columns, and optionally
+    the README.md card that gives each split's size (what a stream needs)."""
 
-    rng = np.random.default_rng(0)
-    features = datasets.Features(image=datasets.Image(), label=datasets.ClassLabel(names=list(HF_TOY_CLASSES)))
-    for split, count in per_split.items():
-        labels, images = [i % len(HF_TOY_CLASSES) for i in range(count)], []
-        for label in labels:
-            pixels = rng.integers(0, 90, (HF_TOY_SIZE, HF_TOY_SIZE, 3), dtype=np.uint8)
-            pixels[:, 3 * label : 3 * label + 2] += 150
-            png = io.BytesIO()
-            Image.fromarray(pixels).save(png, format="PNG")
-            images.append({"bytes": png.getvalue(), "path": None})
-        split_set = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
-        split_set.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+    size = 8
+    classes = ("left", "middle", "right")
+
+    def write(self, root: Path, per_split: dict[str, int], card: bool = False) -> Path:
+        import datasets  # an optional dependency: the tests that use it skip without it
+
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(0)
+        features = datasets.Features(image=datasets.Image(), label=datasets.ClassLabel(names=list(self.classes)))
+        for split, count in per_split.items():
+            labels, images = [i % len(self.classes) for i in range(count)], []
+            for label in labels:
+                pixels = rng.integers(0, 90, (self.size, self.size, 3), dtype=np.uint8)
+                pixels[:, 3 * label : 3 * label + 2] += 150
+                png = io.BytesIO()
+                Image.fromarray(pixels).save(png, format="PNG")
+                images.append({"bytes": png.getvalue(), "path": None})
+            split_set = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
+            split_set.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+        if card:
+            self.write_card(root, per_split)
+        return root
+
+    def write_card(self, root: Path, per_split: dict[str, int]) -> None:
+        names = "".join(f"          '{index}': {name}\n" for index, name in enumerate(self.classes))
+        splits = "".join(
+            f"  - name: {split}\n    num_bytes: 0\n    num_examples: {count}\n" for split, count in per_split.items()
+        )
+        (root / "README.md").write_text(
+            "---\ndataset_info:\n  features:\n  - name: image\n    dtype: image\n"
+            "  - name: label\n    dtype:\n      class_label:\n        names:\n"
+            f"{names}  splits:\n{splits}---\n"
+        )
 
 
-def write_hf_card(root, per_split: dict[str, int]) -> None:
-    """The README.md a Hub dataset carries: its features and each split's size (what a stream needs)."""
-    names = "".join(f"          '{index}': {name}\n" for index, name in enumerate(HF_TOY_CLASSES))
-    splits = "".join(
-        f"  - name: {split}\n    num_bytes: 0\n    num_examples: {count}\n" for split, count in per_split.items()
-    )
-    (root / "README.md").write_text(
-        "---\ndataset_info:\n  features:\n  - name: image\n    dtype: image\n"
-        "  - name: label\n    dtype:\n      class_label:\n        names:\n"
-        f"{names}  splits:\n{splits}---\n"
-    )
+@pytest.fixture(scope="session")
+def hf_toy() -> HFToyDataset:
+    """Writes the toy Hugging Face dataset: `hf_toy.write(root, {"train": 48, "validation": 12}, card=True)`."""
+    return HFToyDataset()

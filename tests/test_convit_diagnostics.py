@@ -17,7 +17,6 @@ from convbias.gpsa import kernel_offsets
 from convit import diagnostics
 from convit.attention import GPSA, MHSA
 
-REPO = Path(__file__).resolve().parents[1]
 GRID = (5, 7)  # non-square on purpose
 
 

@@ -14,14 +14,13 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import HF_TOY_CLASSES, HF_TOY_SIZE, write_hf_card, write_hf_parquet_dataset
 
 from convbias.cli import train
 from convbias.engine.data import build_datasets
 
 datasets = pytest.importorskip("datasets")
 
-SIZE = HF_TOY_SIZE
+SIZE = 8  # --img-size: the toy images' own side (conftest's HFToyDataset.size)
 ARGS = [
     "--model",
     "convit_tiny",
@@ -52,18 +51,15 @@ ARGS = [
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hfds") / "toy"
-    (root / "data").mkdir(parents=True)
-    write_hf_parquet_dataset(root, {"train": 48, "validation": 12})
-    return root
+def toy(tmp_path_factory, hf_toy):
+    return hf_toy.write(tmp_path_factory.mktemp("hfds") / "toy", {"train": 48, "validation": 12})
 
 
 @pytest.fixture(scope="module")
-def carded(toy, tmp_path_factory):
+def carded(toy, tmp_path_factory, hf_toy):
     """The toy dataset with its card (hfids/ needs the split sizes; hfds/ reads the files without one)."""
     root = shutil.copytree(toy, tmp_path_factory.mktemp("hfids") / "toy")
-    write_hf_card(root, {"train": 48, "validation": 12})
+    hf_toy.write_card(root, {"train": 48, "validation": 12})
     return root
 
 
@@ -190,7 +186,7 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     ],
 )
 def test_bad_hfids_input_is_one_line_and_writes_nothing(
-    carded, cache, tmp_path, capsys, monkeypatch, mistake, expected
+    carded, cache, tmp_path, capsys, monkeypatch, hf_toy, mistake, expected
 ):
     toy, extra = carded, []
     if mistake in ("no_sizes", "no_classes"):
@@ -202,7 +198,7 @@ def test_bad_hfids_input_is_one_line_and_writes_nothing(
             card.write_text(
                 card.read_text()
                 .replace("dtype:\n      class_label:\n        names:\n", "dtype: int64\n")
-                .replace("".join(f"          '{k}': {c}\n" for k, c in enumerate(HF_TOY_CLASSES)), "")
+                .replace("".join(f"          '{k}': {c}\n" for k, c in enumerate(hf_toy.classes)), "")
             )
     elif mistake == "fraction":
         extra = ["--train-fraction", "0.5"]

@@ -2,7 +2,9 @@
 registry, so registering a model puts it under these checks. Tiny sizes; the oracle is the model's
 own full forward (forward_head(forward_features(x)) == forward(x)) and timm's own behavior."""
 
+import json
 import math
+import re
 import subprocess
 import sys
 
@@ -220,18 +222,47 @@ def test_feature_take_indices_is_timms_contract():
     assert feature_take_indices(4, [0, -1]) == ([0, 3], 3)
 
 
-def test_importing_a_family_registers_only_its_names():
-    """transformed_cnn and efcn leave timm's convit_* alone; convit replaces them (and says so in its docs)."""
-    code = (
-        "import timm\nfrom timm.models import model_entrypoint as e\n"
-        "import transformed_cnn, efcn\n"
-        "assert e('convit_tiny').__module__ == 'timm.models.convit', e('convit_tiny').__module__\n"
-        "assert not [n for n in timm.list_models() if e(n).__module__.startswith('convit')]\n"
-        "import convit\n"
-        "assert e('convit_tiny').__module__ == 'convit.models'\n"
+REGISTERS_PROBE = """
+import json, timm
+from timm.models import model_entrypoint
+
+def registry():
+    return {name: model_entrypoint(name) for name in timm.list_models()}
+
+added, before = {}, registry()
+timm_convits = timm.list_models("convit_*")
+for family in ("efcn", "transformed_cnn", "convit"):
+    __import__(family)
+    after = registry()
+    added[family] = sorted(n for n, entry in after.items() if before.get(n) is not entry)
+    before = after
+print(json.dumps({"added": added, "resnets": timm.list_models(module="resnet"), "timm_convits": timm_convits}))
+"""
+
+
+def test_importing_a_family_registers_exactly_its_names():
+    """Each family's import adds (or, for convit, replaces) exactly its documented names in timm's registry:
+    efcn the paper's two CNNs and their eFCN/FCN, transformed_cnn a tcnn_ for every ResNet of timm's resnet
+    module (resnet<depth>[variant], resnetrs<depth>), convit ConViT-Ti/S/B (replacing timm's), their '+'
+    sizes and the DeiT+ baselines. Imported one after the other in a fresh process, with warnings as errors."""
+    result = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", REGISTERS_PROBE], capture_output=True, text=True
     )
-    result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+    probe = json.loads(result.stdout)
+    added = {family: set(names) for family, names in probe["added"].items()}
+    cnns = {"vanilla_cnn", "alexnet_cifar"}
+    assert added["efcn"] == cnns | {f"{kind}_{cnn}" for kind in ("efcn", "fcn") for cnn in cnns}
+    resnets = {n for n in probe["resnets"] if re.fullmatch(r"resnet\d+[a-z]?|resnetrs\d+", n)}
+    assert {"resnet18", "resnet26d", "resnet50", "resnetrs50"} <= resnets
+    assert added["transformed_cnn"] == {f"tcnn_{n}" for n in resnets}
+    sizes = ("tiny", "small", "base")
+    assert set(probe["timm_convits"]) == {f"convit_{size}" for size in sizes}  # the names replaced
+    assert added["convit"] == {
+        f"{kind}_{size}{plus}"
+        for size in sizes
+        for kind, plus in (("convit", ""), ("convit", "_plus"), ("deit", "_plus"))
+    }
 
 
 @pytest.mark.parametrize("name", [n for n in CHECKED if n.startswith(("efcn_", "fcn_"))])

@@ -6,7 +6,6 @@ import sys
 import pytest
 import timm
 import torch
-from conftest import IMAGES, randomize_norms, relative_error
 from safetensors.torch import save_file
 
 import transformed_cnn  # noqa: F401  (registers the models)
@@ -31,7 +30,7 @@ def test_model_kwargs_go_to_the_transform_and_to_the_cnn():
 
 
 @pytest.fixture(scope="module")
-def resnet18_file(tmp_path_factory):
+def resnet18_file(tmp_path_factory, randomize_norms):
     torch.manual_seed(0)
     cnn = randomize_norms(timm.create_model("resnet18"))
     path = tmp_path_factory.mktemp("weights") / "resnet18.safetensors"
@@ -40,12 +39,12 @@ def resnet18_file(tmp_path_factory):
 
 
 @torch.no_grad()
-def test_pretrained_loads_the_cnn_weights_offline_from_a_local_file(resnet18_file):
+def test_pretrained_loads_the_cnn_weights_offline_from_a_local_file(resnet18_file, tcnn_images, relative_error):
     cnn, path = resnet18_file
     tcnn = timm.create_model(
         "tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), init="exact", keep_stride=True
     ).eval()
-    assert relative_error(tcnn(IMAGES), cnn(IMAGES)) < 1e-4
+    assert relative_error(tcnn(tcnn_images), cnn(tcnn_images)) < 1e-4
     # another number of classes: timm drops the checkpoint's classifier, the trunk still loads
     finetune = timm.create_model(
         "tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), num_classes=10

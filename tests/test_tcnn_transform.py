@@ -5,7 +5,6 @@ import copy
 import pytest
 import timm
 import torch
-from conftest import IMAGES, randomize_norms, relative_error
 from sklearn.datasets import load_digits
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from torch import nn
@@ -14,45 +13,45 @@ from transformed_cnn import GPSAConv2d, gpsa_layers, query_attention_maps, remov
 
 
 @pytest.fixture(scope="module", params=["resnet18", "resnet50"])
-def cnn(request):
+def cnn(request, randomize_norms):
     torch.manual_seed(0)
     return randomize_norms(timm.create_model(request.param))
 
 
 @torch.no_grad()
-def test_exact_init_with_kept_stride_reproduces_the_cnn(cnn):
+def test_exact_init_with_kept_stride_reproduces_the_cnn(cnn, tcnn_images, relative_error):
     tcnn = transform(copy.deepcopy(cnn), init="exact", keep_stride=True).eval()
-    assert relative_error(tcnn.forward_features(IMAGES), cnn.forward_features(IMAGES)) < 1e-4
-    assert relative_error(tcnn(IMAGES), cnn(IMAGES)) < 1e-4
+    assert relative_error(tcnn.forward_features(tcnn_images), cnn.forward_features(tcnn_images)) < 1e-4
+    assert relative_error(tcnn(tcnn_images), cnn(tcnn_images)) < 1e-4
 
 
 @torch.no_grad()
-def test_exact_init_without_stride_reproduces_the_cnn_with_the_same_stride_change(cnn):
+def test_exact_init_without_stride_reproduces_the_cnn_with_the_same_stride_change(cnn, tcnn_images, relative_error):
     unstrided = copy.deepcopy(cnn)
     remove_stage_stride(unstrided, 4)
-    expected = unstrided.forward_features(IMAGES)
-    assert expected.shape[-1] == 2 * cnn.forward_features(IMAGES).shape[-1]  # the stride change is real
+    expected = unstrided.forward_features(tcnn_images)
+    assert expected.shape[-1] == 2 * cnn.forward_features(tcnn_images).shape[-1]  # the stride change is real
     tcnn = transform(copy.deepcopy(cnn), init="exact").eval()
-    assert relative_error(tcnn.forward_features(IMAGES), expected) < 1e-4
+    assert relative_error(tcnn.forward_features(tcnn_images), expected) < 1e-4
 
 
 @torch.no_grad()
-def test_exact_init_of_every_stage_reproduces_the_cnn():
+def test_exact_init_of_every_stage_reproduces_the_cnn(tcnn_images, randomize_norms, relative_error):
     cnn = randomize_norms(timm.create_model("resnet18"))
     tcnn = transform(copy.deepcopy(cnn), stages=[1, 2, 3, 4], init="exact", keep_stride=True).eval()
     assert len(gpsa_layers(tcnn)) == 16
-    assert relative_error(tcnn(IMAGES), cnn(IMAGES)) < 1e-4
+    assert relative_error(tcnn(tcnn_images), cnn(tcnn_images)) < 1e-4
 
 
 @torch.no_grad()
-def test_average_pool_shortcut_loses_its_stride_too():
+def test_average_pool_shortcut_loses_its_stride_too(tcnn_images, randomize_norms, relative_error):
     """ResNet-D / ResNet-RS shortcut: avg-pool + 1x1 conv; keep_stride=False drops the pool."""
     cnn = randomize_norms(timm.create_model("resnet26d"))
     tcnn = transform(copy.deepcopy(cnn), init="exact").eval()
     assert isinstance(tcnn.layer4[0].downsample[0], nn.Identity)
     unstrided = copy.deepcopy(cnn)
     remove_stage_stride(unstrided, 4)
-    assert relative_error(tcnn(IMAGES), unstrided(IMAGES)) < 1e-4
+    assert relative_error(tcnn(tcnn_images), unstrided(tcnn_images)) < 1e-4
 
 
 def test_surviving_parameters_are_the_same_objects_and_the_count_matches(cnn):
@@ -107,7 +106,9 @@ def test_fused_and_explicit_paths_agree_in_outputs_and_gradients(channels, size,
         torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_paper_init_puts_about_a_third_of_the_mass_on_the_tap_and_differs_from_the_cnn():
+def test_paper_init_puts_about_a_third_of_the_mass_on_the_tap_and_differs_from_the_cnn(
+    tcnn_images, randomize_norms, relative_error
+):
     layer = GPSAConv2d(16, 16)
     attn = layer.positional_attention((9, 9))  # (9 heads, 81 queries, 121 keys)
     center_query, padded_width = 4 * 9 + 4, 11
@@ -116,8 +117,8 @@ def test_paper_init_puts_about_a_third_of_the_mass_on_the_tap_and_differs_from_t
         assert 0.25 < attn[head, center_query, tap] < 0.4
     cnn = randomize_norms(timm.create_model("resnet18"))
     with torch.no_grad():
-        paper = transform(copy.deepcopy(cnn), keep_stride=True).eval()(IMAGES)
-        assert relative_error(paper, cnn(IMAGES)) > 1e-2
+        paper = transform(copy.deepcopy(cnn), keep_stride=True).eval()(tcnn_images)
+        assert relative_error(paper, cnn(tcnn_images)) > 1e-2
 
 
 def test_paper_init_trains():
@@ -142,9 +143,9 @@ def test_paper_init_trains():
 
 
 @torch.no_grad()
-def test_exact_attention_map_of_a_query_selects_the_tap_pixel():
+def test_exact_attention_map_of_a_query_selects_the_tap_pixel(tcnn_images):
     tcnn = transform(timm.create_model("resnet18"), init="exact", keep_stride=True)
-    maps = query_attention_maps(tcnn, IMAGES, query=(0.5, 0.5))
+    maps = query_attention_maps(tcnn, tcnn_images, query=(0.5, 0.5))
     assert list(maps) == ["layer4.0.conv1", "layer4.0.conv2", "layer4.1.conv1", "layer4.1.conv2"]
     attn = maps["layer4.0.conv2"]  # stride 1 on a 2x2 map: query (1, 1)
     assert attn.shape == (2, 9, 2, 2)
@@ -200,7 +201,7 @@ def test_parameter_counts_match_table_g1():
         assert (round(cnn_count / 1e6), round(tcnn_count / 1e6)) == (cnn_millions, tcnn_millions), name
 
 
-def test_attention_map_figure_has_one_row_per_layer_and_one_column_per_head(tmp_path):
+def test_attention_map_figure_has_one_row_per_layer_and_one_column_per_head(tmp_path, tcnn_images):
     from PIL import Image
 
     from convbias.evaluation.figures import plot_attention_maps
@@ -209,9 +210,11 @@ def test_attention_map_figure_has_one_row_per_layer_and_one_column_per_head(tmp_
     tcnn = transform(timm.create_model("resnet18"))
     with torch.no_grad():
         tcnn.layer4[0].conv1.gating_param.copy_(torch.linspace(-2, 2, 9))
-    maps, queries, gates = query_maps(tcnn, IMAGES[0])
+    maps, queries, gates = query_maps(tcnn, tcnn_images[0])
     assert list(maps) == ["layer4.0.conv1", "layer4.0.conv2", "layer4.1.conv1", "layer4.1.conv2"]
     assert all(m.shape[0] == 9 for m in maps.values())
     torch.testing.assert_close(torch.tensor(gates["layer4.0.conv1"]), torch.linspace(-2, 2, 9).sigmoid())
-    width, height = Image.open(plot_attention_maps(IMAGES[0], maps, queries, tmp_path / "maps.png", gates=gates)).size
+    width, height = Image.open(
+        plot_attention_maps(tcnn_images[0], maps, queries, tmp_path / "maps.png", gates=gates)
+    ).size
     assert width > 2 * height  # 10 panels a row (the image and 9 heads), 4 rows

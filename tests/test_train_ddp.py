@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_hf_card, write_hf_parquet_dataset
 from safetensors.torch import load_file
 
 from convbias.cli import train
 
-REPO = Path(__file__).resolve().parents[1]
 DUMP_WEIGHTS = """
 import sys
 from safetensors.torch import save_file
@@ -95,7 +93,7 @@ def launch(tmp_path: Path, name: str, processes: int, batch_size: int, train_arg
         "--output",
         str(dump / "run"),
     ]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     return dump
@@ -128,17 +126,15 @@ def test_two_processes_train_the_same_model_as_one(tmp_path):
     assert abs(float(row_two.split(",")[eval_loss]) - float(row_one.split(",")[eval_loss])) < 1e-3
 
 
-def test_two_processes_stream_a_dataset_and_evaluate_all_of_it(tmp_path):
+def test_two_processes_stream_a_dataset_and_evaluate_all_of_it(tmp_path, hf_toy):
     """hfids/ under 2 processes: timm's reader gives each rank its own part of the stream (one parquet shard:
     every other example), the ranks stay identical, and the 13 validation images, split 7/6 between the
     ranks and read in batches of 2 (4 batches against 3), are evaluated whole: the final metrics are those
     of one process evaluating the final weights."""
     pytest.importorskip("datasets")
     root, cache = tmp_path / "toy", tmp_path / "cache"
-    (root / "data").mkdir(parents=True)
     cache.mkdir()
-    write_hf_parquet_dataset(root, {"train": 48, "validation": 13})
-    write_hf_card(root, {"train": 48, "validation": 13})
+    hf_toy.write(root, {"train": 48, "validation": 13}, card=True)
     stream_args = [arg for arg in TRAIN_ARGS if arg not in ("--train-fraction", "0.3")]
     stream_args += ["--dataset", f"hfids/{root}", "--data-dir", str(cache), "--eval-batch-size", "2"]
     two = launch(tmp_path, "two", processes=2, batch_size=8, train_args=stream_args)

@@ -3,8 +3,6 @@
 import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import timm
@@ -13,7 +11,6 @@ import torch
 from convbias.cli import train
 from convbias.engine.checkpoint import save_weights
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = [
     "--model",
     "convit_tiny",
@@ -252,11 +249,10 @@ def test_checkpoint_of_another_model_names_the_mismatched_keys(capsys, tmp_path,
     assert code == 2 and "mismatched shapes: " in err[0] and "vs model" in err[0]
 
 
-def test_real_cli_prints_no_traceback(tmp_path):
+def test_real_cli_prints_no_traceback(tmp_path, console_script):
     result = subprocess.run(
         [
-            sys.executable,
-            str(REPO / "train.py"),
+            console_script("convbias-train"),
             "--model",
             "convit_tiny",
             "--batch-size",
@@ -320,14 +316,13 @@ def test_unreadable_image_is_skipped_and_counted_in_the_log(tmp_path):
     assert record["unreadable_images"] == 1
 
 
-def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line(tmp_path):
+def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line(tmp_path, console_script):
     """Workers ignore the scheduler's preemption signals but still obey the main process's shutdown:
     with workers, an error in one of them is one line and the process exits (no hang, no traceback)."""
     data = write_folder(tmp_path / "data", classes=2, broken=True)
     result = subprocess.run(
         [
-            sys.executable,
-            str(REPO / "train.py"),
+            console_script("convbias-train"),
             *SMALL,
             *FOLDER,
             "--batch-size",
@@ -345,6 +340,9 @@ def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line
         cwd=tmp_path,
         timeout=300,
     )
-    lines = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.strip() and "it/s" not in line]
+    progress = re.compile(r"epoch \d+/\d+: +\d+%\|")  # tqdm's bar (its rate reads it/s or s/it)
+    lines = [
+        line for line in result.stderr.replace("\r", "\n").splitlines() if line.strip() and not progress.match(line)
+    ]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert re.search(r"^error: unreadable image .*0broken.png", lines[0])
