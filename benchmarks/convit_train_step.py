@@ -1,12 +1,14 @@
-"""Throughput and peak memory of one training step (or inference forward): our ConViT-Ti vs timm's
-ConViT-Ti vs timm's DeiT-Ti.
+"""Throughput and peak memory of one training step (or inference forward): our ConViT vs timm's
+ConViT vs timm's DeiT, at one size (Ti, S or B: `--size`).
 
 A training step is forward + cross-entropy + backward + AdamW step (timm's optimizer factory); an
 inference step is a forward in eval mode under no_grad. fp32 or bf16 (autocast), eager or compiled, on
 the CPU or a GPU (`--device cuda`). Each model lives in its own process and the three run in lockstep,
 a step each in turn; speed ratios are paired by round (see `lockstep.py` for the protocol and the memory
 measurement). timm's ConViT gets exactly our weights (loaded strictly), so both ConViTs compute the
-same function.
+same function. Ours runs once per `--positional-product` given (how GPSA applies its positional
+attention, `convbias.gpsa.POSITIONAL_PRODUCTS`), each in its own worker, so both forms are compared
+in one run.
 
     python benchmarks/convit_train_step.py            # full run, ~6 minutes on 2 cores
     python benchmarks/convit_train_step.py --compile  # the same, every model torch.compile'd
@@ -14,6 +16,8 @@ same function.
     python benchmarks/convit_train_step.py --quick    # smoke run, small batches, 2 steps
     python benchmarks/convit_train_step.py --device cuda --precision bf16 --compile --compile-mode reduce-overhead \
         --models ours --settings 224px --batch-size 256    # CUDA graphs (ours against DeiT-Ti)
+    python benchmarks/convit_train_step.py --device cuda --precision bf16 --compile --settings 224px \
+        --batch-size 256 --positional-product kronecker dense --size small   # both products, ConViT-S vs DeiT-S
 """
 
 from __future__ import annotations
@@ -25,12 +29,21 @@ import time
 
 import lockstep
 
+from convbias.gpsa import POSITIONAL_PRODUCTS
+from convbias.tables import markdown_table
+
 MODELS = {
-    "ours": "ConViT-Ti (ours)",
-    "timm_convit": "ConViT-Ti (timm)",
-    "deit": "DeiT-Ti (timm)",
+    "ours": "ConViT-{size} (ours)",
+    "timm_convit": "ConViT-{size} (timm)",
+    "deit": "DeiT-{size} (timm)",
 }
 REFERENCE = "deit"
+# size: (our model, heads of timm's ConVit (48 wide each), timm's DeiT, label)
+SIZES = {
+    "tiny": ("convit_tiny", 4, "deit_tiny_patch16_224", "Ti"),
+    "small": ("convit_small", 9, "deit_small_patch16_224", "S"),
+    "base": ("convit_base", 16, "deit_base_patch16_224", "B"),
+}
 # name: (img_size, patch_size, batch_size); the quick run divides the batch by QUICK_BATCH_DIVISOR
 SETTINGS = {
     "224px": (224, 16, 32),
@@ -41,30 +54,44 @@ MODES = ("training", "inference")
 NUM_CLASSES = 1000
 
 
-def build_model(name: str, img_size: int, patch_size: int):
+def build_model(name: str, model_size: str, img_size: int, patch_size: int, positional_product: str = "auto"):
     import timm
     import torch
     from timm.models.convit import ConVit
 
-    import convit  # noqa: F401  (registers our convit_tiny)
+    import convit  # noqa: F401  (registers our convit_*)
+    from convbias.gpsa import set_positional_product
 
     torch.manual_seed(0)
+    ours_name, heads, deit_name, _ = SIZES[model_size]
     size = dict(img_size=img_size, patch_size=patch_size, num_classes=NUM_CLASSES)
     if name == "deit":
-        return timm.create_model("deit_tiny_patch16_224", **size)
-    ours = timm.create_model("convit_tiny", **size)
+        return timm.create_model(deit_name, **size)
+    ours = timm.create_model(ours_name, **size)
     if name == "ours":
+        set_positional_product(ours, positional_product)
         return ours
-    reference = ConVit(embed_dim=48, num_heads=4, local_up_to_layer=10, **size)  # timm's embed_dim is per head
+    reference = ConVit(embed_dim=48, num_heads=heads, local_up_to_layer=10, **size)  # timm's embed_dim is per head
     reference.load_state_dict(ours.state_dict(), strict=True)
     return reference
+
+
+def worker_keys(args) -> list[tuple[str, str]]:
+    """(model, positional product) per worker: ours once per product, the others once ("-")."""
+    return [(name, product) for name in args.models for product in (args.positional_product if name == "ours" else "-")]
+
+
+def label(key: tuple[str, str], args) -> str:
+    name, product = key
+    text = MODELS[name].format(size=SIZES[args.size][3])
+    return f"{text} [{product}]" if name == "ours" and len(args.positional_product) > 1 else text
 
 
 def run_worker(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    model = build_model(args.worker, args.img_size, args.patch_size)
+    model = build_model(args.worker, args.size, args.img_size, args.patch_size, args.positional_product[0])
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=generator)
     labels = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=generator)
@@ -74,10 +101,14 @@ def run_worker(args) -> None:
 def measure(setting: str, batch_size: int, mode: str, args) -> dict[str, dict]:
     img_size, patch_size, _ = SETTINGS[setting]
     workers = {
-        name: [
+        (name, product): [
             __file__,
             "--worker",
             name,
+            "--size",
+            args.size,
+            "--positional-product",
+            product if name == "ours" else "auto",
             "--img-size",
             str(img_size),
             "--patch-size",
@@ -90,24 +121,30 @@ def measure(setting: str, batch_size: int, mode: str, args) -> dict[str, dict]:
             mode,
             *lockstep.step_argv(args),
         ]
-        for name in args.models
+        for name, product in worker_keys(args)
     }
     results = lockstep.run(workers, args.warmup, args.steps)
-    return {name: lockstep.summary(result, results[REFERENCE], batch_size) for name, result in results.items()}
+    reference = results[(REFERENCE, "-")]
+    return {key: lockstep.summary(result, reference, batch_size) for key, result in results.items()}
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (
-        f"{'setting':<16} {'mode':<10} {'model':<18} {'img/s':>8} {'x DeiT':>7} {'img/CPU-s':>10} {'x DeiT':>7} "
-        f"{'peak MB':>8} {'x DeiT':>7}"
-    )
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row['setting']:<16} {row['mode']:<10} {MODELS[row['model']]:<18} {row['images_per_sec']:8.1f} {row['speed_ratio']:7.2f} "
-            f"{row['images_per_cpu_sec']:10.1f} {row['cpu_speed_ratio']:7.2f} {row['peak_mb']:8.0f} {row['memory_ratio']:7.2f}"
-        )
+def print_table(rows: list[dict], args) -> None:
+    header = ["setting", "mode", "model", "img/s", "x DeiT", "img/CPU-s", "x DeiT", "peak MB", "x DeiT"]
+    body = [
+        [
+            row["setting"],
+            row["mode"],
+            label(row["model"], args),
+            f"{row['images_per_sec']:.1f}",
+            f"{row['speed_ratio']:.2f}",
+            f"{row['images_per_cpu_sec']:.1f}",
+            f"{row['cpu_speed_ratio']:.2f}",
+            f"{row['peak_mb']:.0f}",
+            f"{row['memory_ratio']:.2f}",
+        ]
+        for row in rows
+    ]
+    print(markdown_table(header, body), end="")
 
 
 def main(argv=None) -> int:
@@ -119,6 +156,16 @@ def main(argv=None) -> int:
         "--threads", type=int, default=None, help="torch threads per worker (default: all cores, quick: 1)"
     )
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument(
+        "--size", default="tiny", choices=list(SIZES), help="ConViT-Ti/S/B against DeiT-Ti/S/B (default tiny)"
+    )
+    parser.add_argument(
+        "--positional-product",
+        nargs="+",
+        default=["auto"],
+        choices=POSITIONAL_PRODUCTS,
+        help="how our GPSA applies P to V (auto: kronecker on a CPU, dense on a GPU); several: one worker each",
+    )
     parser.add_argument("--modes", nargs="+", default=["training"], choices=MODES)
     parser.add_argument(
         "--models",
@@ -157,6 +204,7 @@ def main(argv=None) -> int:
         return 0
     lockstep.check_step_arguments(parser, args)
     args.models = [name for name in MODELS if name in args.models or name == REFERENCE]
+    args.positional_product = list(dict.fromkeys(args.positional_product))
 
     load_before = os.getloadavg()[0]
     rows = []
@@ -173,10 +221,11 @@ def main(argv=None) -> int:
             print(f"measured {setting} {mode} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     print(
         f"training step (forward, backward, AdamW) or inference forward, {lockstep.describe(args)}, {args.threads} threads, models in lockstep, "
+        f"positional product of ours: {', '.join(args.positional_product)}, "
         f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
         f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after"
     )
-    print_table(rows)
+    print_table(rows, args)
     return 0
 
 
