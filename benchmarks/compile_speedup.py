@@ -1,6 +1,6 @@
 """Is torch.compile slower than eager? Every model family, training and inference, compiled vs eager.
 
-The claim to check: on this CPU, `train.py --compile` is not slower than eager for any family. For each
+Whether `train.py --compile` is slower than eager for any family (results: docs/benchmarks.md). For each
 case (a registered timm model at one resolution and batch size) three workers, built alike (seed 0, same
 weights, same random batch), run in lockstep (see `lockstep.py`): the model eager, the model under plain
 `torch.compile` (inductor, `--compile-mode`, default mode by default), and the model compiled as the
