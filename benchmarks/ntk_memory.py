@@ -15,6 +15,8 @@ import json
 import subprocess
 import sys
 
+from convbias.tables import markdown_table
+
 WORKER = r"""
 import json, resource, sys, time
 import torch, timm
@@ -50,10 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model} at {args.img_size}x{args.img_size}, patch {args.patch_size}, {args.classes} logits "
         f"(trace contraction), float32, 1 thread"
     )
-    print(
-        "| samples | params | full Jacobian (GB) | gradient buffer (GB) | peak RSS (GB) | peak / Jacobian | time (s) |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    header = ("samples", "params", "full Jacobian (GB)", "gradient buffer (GB)", "peak RSS (GB)", "peak / Jacobian")
+    rows = []
     for samples in args.samples:
         out = subprocess.run(
             [
@@ -73,10 +73,18 @@ def main(argv: list[str] | None = None) -> int:
             print(out.stderr.strip().splitlines()[-1], file=sys.stderr)
             return 1
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(
-            f"| {samples} | {r['params']:,} | {r['jacobian_gb']:.2f} | {r['buffer_gb']:.2f} | {r['peak_gb']:.2f} | "
-            f"{r['peak_gb'] / r['jacobian_gb']:.2f}x | {r['seconds']:.0f} |"
+        rows.append(
+            (
+                samples,
+                f"{r['params']:,}",
+                f"{r['jacobian_gb']:.2f}",
+                f"{r['buffer_gb']:.2f}",
+                f"{r['peak_gb']:.2f}",
+                f"{r['peak_gb'] / r['jacobian_gb']:.2f}x",
+                f"{r['seconds']:.0f}",
+            )
         )
+    print(markdown_table((*header, "time (s)"), rows), end="")
     return 0
 
 

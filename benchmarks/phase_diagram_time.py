@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from convbias.tables import markdown_table
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -51,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = usage.ru_utime + usage.ru_stime
     print(f"phase diagram, {Path(args.config).name}, OMP_NUM_THREADS=1")
-    print("| wall (min) | CPU (min) | CPU share | target (min) | wall / target |")
-    print("|---:|---:|---:|---:|---:|")
-    print(
-        f"| {wall / 60:.1f} | {cpu / 60:.1f} | {cpu / wall:.0%} | {args.target_min:g} | {wall / 60 / args.target_min:.2f} |"
+    header = ("wall (min)", "CPU (min)", "CPU share", "target (min)", "wall / target")
+    row = (
+        f"{wall / 60:.1f}",
+        f"{cpu / 60:.1f}",
+        f"{cpu / wall:.0%}",
+        f"{args.target_min:g}",
+        f"{wall / 60 / args.target_min:.2f}",
     )
+    print(markdown_table(header, [row]), end="")
     return 0
 
 
