@@ -393,6 +393,13 @@ def test_a_failed_write_is_a_storage_error_and_leaves_no_staging(tmp_path, monke
     assert sorted(p.name for p in points.root.iterdir()) == ["epoch_0001", "last"]
 
 
+def test_a_failed_snapshot_write_is_a_storage_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "save_file", no_space)
+    with pytest.raises(StorageError, match=r"writing the snapshot epoch_5.safetensors failed \(no space left"):
+        CheckpointDir(tmp_path).save_snapshot(5, torch.nn.Linear(3, 2).state_dict(), {})
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no temporary file left
+
+
 def test_only_the_engines_own_superseded_points_are_deleted(tmp_path):
     points = CheckpointDir(tmp_path, keep=2)
     save_point(points, 1, is_best=True)

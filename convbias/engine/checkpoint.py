@@ -325,7 +325,10 @@ class CheckpointDir:
         """``--save-epochs``: a weights-only copy that the last/best rotation never deletes."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"epoch_{epoch}.safetensors"
-        save_weights(weights, path, metadata)
+        try:
+            save_weights(weights, path, metadata)
+        except _WRITE_ERRORS as e:
+            raise StorageError(f"writing the snapshot {path.name} failed ({storage_reason(e, self.root)})") from None
         return path
 
 

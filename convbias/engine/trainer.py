@@ -17,12 +17,14 @@ batches (the few left over are skipped) so every optimizer step sees the same nu
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
 from . import recipe
@@ -30,7 +32,7 @@ from .checkpoint import rng_state, set_rng_state
 from .compile import compile_counters
 from .config import write_config
 from .data import epoch_batches
-from .errors import NonFiniteLossError
+from .errors import NonFiniteLossError, StorageError, storage_reason
 from .fsdp import save_sharded
 from .metrics import evaluate
 from .preemption import Preempted
@@ -276,7 +278,14 @@ class Trainer(RunSetup):
         loss_sums = gather_object([loss_sum.item() if loss_sum is not None else 0.0])
         staging = self.checkpoints.stage(epoch, step) if acc.is_main_process else None
         if self.sharded:  # every rank writes its shards into the staged directory (on a shared file system)
-            save_sharded(broadcast_object_list([staging])[0], self.model, self.optimizer.optimizer)
+            try:
+                save_sharded(broadcast_object_list([staging])[0], self.model, self.optimizer.optimizer)
+            except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports every rank's failure
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise StorageError(
+                    f"writing the shards of {staging} failed ({storage_reason(e, self.output)})"
+                ) from None
             acc.wait_for_everyone()
         point = None
         if acc.is_main_process:
