@@ -92,8 +92,9 @@ def _family(model_name: str) -> str:
 def run_model(run: str | Path, which: str = "last") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The run's model (eval mode, the checkpoint's weights) built through timm's registry, and what was
     used to build it: name, kwargs, checkpoint, config, data options. ValueError (one line) otherwise."""
+    from convbias.engine.checkpoint import verify_file
     from convbias.engine.config import Config
-    from convbias.engine.errors import ConfigError
+    from convbias.engine.errors import ConfigError, DamagedCheckpointError
     from convbias.engine.modeling import check_model_name, create_model
     from convbias.engine.run_dir import model_spec, read_run_config
     from convbias.weights import load_weights, weights_metadata
@@ -130,6 +131,10 @@ def run_model(run: str | Path, which: str = "last") -> tuple[torch.nn.Module, di
     try:
         model = create_model(build, spec["num_classes"], spec["in_chans"])
     except ConfigError as error:
+        raise ValueError(str(error)) from None
+    try:
+        verify_file(spec["checkpoint"].weights)  # against its resume point's manifest
+    except DamagedCheckpointError as error:
         raise ValueError(str(error)) from None
     load_weights(model, spec["checkpoint"].weights)
     return model.eval(), {**spec, "model": name, "model_kwargs": model_kwargs, "config": config}

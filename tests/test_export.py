@@ -1,7 +1,7 @@
 """convbias-export: a T-CNN fine-tuned by train.py exports and reloads with timm.create_model to the run's own
 top-1 on its validation set; the model card's front matter; ONNX and torch.export files checked against
-PyTorch; the refused cases (no checkpoint, unknown architecture, a fixed-size model at another size, an
-unreachable Hub) with one line; the upload through huggingface_hub's API, replaced at its boundary."""
+PyTorch; the refused cases (no checkpoint, unknown architecture, a damaged checkpoint, a fixed-size model at
+another size, an unreachable Hub) with one line; the upload through huggingface_hub's API, replaced at its boundary."""
 
 import json
 import shutil
@@ -148,6 +148,13 @@ def test_refused_with_one_line_before_writing(efcn_run, tmp_path, capsys):
     assert _error_line(capsys) == (
         "error: efcn_vanilla_cnn takes only 8x8 inputs (fixed_input_size): it cannot be exported at 16x16"
     )
+    damaged = tmp_path / "damaged_run"
+    shutil.copytree(efcn_run, damaged, symlinks=True)
+    weights = damaged / "checkpoints" / "last" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
+    assert export.main([str(damaged), "--output", str(out)]) == 2
+    assert "model.safetensors is damaged: model.safetensors does not match its sha256" in _error_line(capsys)
+
     assert export.main([str(tmp_path / "nowhere"), "--output", str(out)]) == 2
     assert "run directory not found" in _error_line(capsys)
     assert not out.exists() and not list(tmp_path.glob(".out.*"))  # nothing written, no temporary folder left
