@@ -7,7 +7,7 @@ For each timm ResNet, three models at the same resolution:
 cnn-s1 separates the cost of the stride change (4x the last stage's positions) from that of the
 attention. Inference = forward in eval mode under no_grad; training = forward + cross-entropy +
 backward + AdamW step (timm's optimizer factory); fp32 or bf16 (autocast), eager or compiled, on the
-CPU or a GPU (`--device cuda`). For each (ResNet, mode) the three run
+CPU or a GPU (`--device cuda`). For each (ResNet, mode) the variants run
 in their own processes, in lockstep, a step each in turn; ratios are relative to the plain CNN, speed
 ratios paired by round (see `lockstep.py` for the protocol and the memory measurement).
 
@@ -16,6 +16,8 @@ ratios paired by round (see `lockstep.py` for the protocol and the memory measur
     python benchmarks/tcnn_throughput.py --compile             # every variant torch.compile'd
     python benchmarks/tcnn_throughput.py --device cuda --precision bf16 --batch-size 64
     python benchmarks/tcnn_throughput.py --quick               # smoke run: resnet18 at 64, batch 4
+    python benchmarks/tcnn_throughput.py --device cuda --precision bf16 --compile --batch-size 128 \
+        --positional-product kronecker dense   # the T-CNN once per positional product (convbias.gpsa)
 """
 
 from __future__ import annotations
@@ -26,20 +28,26 @@ import time
 
 import lockstep
 
+from convbias.gpsa import POSITIONAL_PRODUCTS
+from convbias.tables import markdown_table
+
 VARIANTS = ("cnn", "cnn-s1", "tcnn")
 MODES = ("inference", "training")
 NUM_CLASSES = 1000
 
 
-def build_model(cnn_name: str, variant: str):
+def build_model(cnn_name: str, variant: str, positional_product: str = "auto"):
     import timm
     import torch
 
     import transformed_cnn
+    from convbias.gpsa import set_positional_product
 
     torch.manual_seed(0)
     if variant == "tcnn":
-        return timm.create_model(f"tcnn_{cnn_name}", num_classes=NUM_CLASSES)
+        model = timm.create_model(f"tcnn_{cnn_name}", num_classes=NUM_CLASSES)
+        set_positional_product(model, positional_product)
+        return model
     model = timm.create_model(cnn_name, num_classes=NUM_CLASSES)
     if variant == "cnn-s1":
         transformed_cnn.remove_stage_stride(model, len(model.feature_info) - 1)  # stem + one entry per stage
@@ -50,7 +58,7 @@ def run_worker(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    model = build_model(args.model, args.variant)
+    model = build_model(args.model, args.variant, args.positional_product[0])
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=generator)
     labels = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=generator)
@@ -58,9 +66,11 @@ def run_worker(args) -> None:
 
 
 def measure(model: str, mode: str, args) -> dict:
-    """The three variants of one ResNet in one mode, in lockstep; summaries relative to the CNN."""
+    """The variants of one ResNet in one mode (the T-CNN once per positional product), in lockstep;
+    summaries relative to the CNN."""
+    keys = [(v, p) for v in args.variants for p in (args.positional_product if v == "tcnn" else ["auto"])]
     workers = {
-        variant: [
+        (variant, product): [
             __file__,
             "--worker",
             "--model",
@@ -75,12 +85,15 @@ def measure(model: str, mode: str, args) -> dict:
             str(args.batch_size),
             "--threads",
             str(args.threads),
+            "--positional-product",
+            product,
             *lockstep.step_argv(args),
         ]
-        for variant in VARIANTS
+        for variant, product in keys
     }
     results = lockstep.run(workers, args.warmup, args.steps)
-    return {variant: lockstep.summary(result, results["cnn"], args.batch_size) for variant, result in results.items()}
+    reference = results[("cnn", "auto")]
+    return {key: lockstep.summary(result, reference, args.batch_size) for key, result in results.items()}
 
 
 def main(argv=None) -> int:
@@ -94,6 +107,16 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per model (default 12, quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per worker")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="which variants (cnn always runs)"
+    )
+    parser.add_argument(
+        "--positional-product",
+        nargs="+",
+        default=["auto"],
+        choices=POSITIONAL_PRODUCTS,
+        help="how the T-CNN's GPSA applies P to V (auto: kronecker on a CPU, dense on a GPU); several: one worker each",
+    )
     lockstep.add_step_arguments(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -115,6 +138,8 @@ def main(argv=None) -> int:
         run_worker(args)
         return 0
     lockstep.check_step_arguments(parser, args)
+    args.variants = [v for v in VARIANTS if v in args.variants or v == "cnn"]
+    args.positional_product = list(dict.fromkeys(args.positional_product))
 
     import timm
 
@@ -129,19 +154,27 @@ def main(argv=None) -> int:
     results = {(model, mode): measure(model, mode, args) for model in args.models for mode in MODES}
     print(
         f"{args.img_size}x{args.img_size}, batch {args.batch_size}, {lockstep.describe(args)}, {args.threads} threads, variants in lockstep, "
+        f"positional product of the T-CNN: {', '.join(args.positional_product)}, "
         f"{args.steps} timed steps each after {args.warmup} warmup, speed ratios paired by round; "
         f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after"
     )
-    header = f"{'model':<24} {'mode':<10} {'img/s':>8} {'x CNN':>6} {'peak MB':>8} {'x CNN':>6}"
-    print(header)
-    print("-" * len(header))
+    several = len(args.positional_product) > 1
+    body = []
     for (model, mode), variants in results.items():
-        for variant, row in variants.items():
+        for (variant, product), row in variants.items():
             name = {"cnn": model, "cnn-s1": f"{model} (stride 1)", "tcnn": f"tcnn_{model}"}[variant]
-            print(
-                f"{name:<24} {mode:<10} {row['images_per_sec']:8.1f} {row['speed_ratio']:6.2f} "
-                f"{row['peak_mb']:8.0f} {row['memory_ratio']:6.2f}"
+            name += f" [{product}]" if variant == "tcnn" and several else ""
+            body.append(
+                [
+                    name,
+                    mode,
+                    f"{row['images_per_sec']:.1f}",
+                    f"{row['speed_ratio']:.2f}",
+                    f"{row['peak_mb']:.0f}",
+                    f"{row['memory_ratio']:.2f}",
+                ]
             )
+    print(markdown_table(["model", "mode", "img/s", "x CNN", "peak MB", "x CNN"], body), end="")
     return 0
 
 
