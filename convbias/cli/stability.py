@@ -6,7 +6,9 @@
 Each RUN is a train.py output folder (see convbias.experiments.stability_study). Writes OUTPUT/stability.csv
 (one row per run, checkpoint, delta, c: test error, D_f, G_f, R_f with their standard errors over --draws
 draws), stability_layers.csv, stability.md (per run, at --main-delta and the first cut), summary.csv and
-summary.md (per group of runs that differ by seed: n, geometric mean of R_f over seeds and its 95% interval),
+summary.md (per group of runs that differ by seed: n, geometric mean of R_f over seeds and its 95% interval,
+per layer in summary_layers.csv; contrasts.csv: R_f trained / first checkpoint per group, and against the
+vanilla CNN group),
 rf_vs_delta.png, rf_per_layer.png, rf_vs_error.png (with the eps = 0.2 sqrt(R_f) line of Petrini et al. 2021)
 and deformed_examples.png. Every table names its convention (--convention, --modes), images and draws.
 With --combine DIR..., nothing is measured: the rows of earlier outputs (runs measured apart, in parallel or
@@ -30,6 +32,8 @@ from convbias.evaluation.stability import CONVENTIONS
 from convbias.experiments import stability_study as study
 from convbias.families import load_families
 from convbias.tables import write_csv
+
+CONTRAST_REFERENCE = "vanilla_cnn"  # the group every other is compared with, at the same training fraction
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,15 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     output.mkdir(parents=True, exist_ok=True)
     if not combine:
         rows, layer_rows = study.measure(runs, settings)
-    summary = study.seed_summary(rows)
+    summary, layers = study.seed_summary(rows), study.layer_summary(layer_rows)
+    main_point = (settings.main_delta, settings.cuts[0])
+    before, after = settings.checkpoints[0], settings.checkpoints[-1]
+    contrasts = study.contrasts(rows, *main_point, before, after, reference=CONTRAST_REFERENCE)
     tables = [
         write_csv(rows, output / "stability.csv"),
         write_csv(layer_rows, output / "stability_layers.csv"),
         write_csv(summary, output / "summary.csv"),
+        write_csv(layers, output / "summary_layers.csv"),
+        write_csv(contrasts, output / "contrasts.csv"),
     ]
     per_run = study.run_table(rows, settings)
     over_seeds = "\n\n".join(
-        study.summary_table(summary, delta, cut, settings.checkpoints) for delta, cut in settings.grid
+        [study.summary_table(summary, delta, cut, settings.checkpoints) for delta, cut in settings.grid]
+        + [study.layer_table(layers), study.contrast_table(contrasts)]
     )
     (output / "stability.md").write_text(per_run)
     (output / "summary.md").write_text(over_seeds)

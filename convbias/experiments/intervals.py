@@ -49,3 +49,17 @@ def wilson(accuracy_percent: float, count: int) -> tuple[float, float]:
     centre = (p + z * z / (2 * count)) / (1 + z * z / count)
     half = z / (1 + z * z / count) * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count))
     return 100 * (centre - half), 100 * (centre + half)
+
+
+def ratio_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """(ratio, low, high): the ratio of the geometric means of two independent samples of positive values,
+    with the 95% Welch interval on the difference of their mean logs (NaN with fewer than 2 values a side)."""
+    la = torch.tensor([math.log(v) for v in a if math.isfinite(v) and v > 0], dtype=torch.float64)
+    lb = torch.tensor([math.log(v) for v in b if math.isfinite(v) and v > 0], dtype=torch.float64)
+    if len(la) < 2 or len(lb) < 2:
+        nan = float("nan")
+        return (math.exp(float(la.mean() - lb.mean())) if len(la) and len(lb) else nan), nan, nan
+    va, vb = float(la.var()) / len(la), float(lb.var()) / len(lb)
+    df = (va + vb) ** 2 / (va**2 / (len(la) - 1) + vb**2 / (len(lb) - 1)) if va + vb > 0 else len(la) + len(lb) - 2
+    diff, half = float(la.mean() - lb.mean()), t_quantile(df) * math.sqrt(va + vb)
+    return math.exp(diff), math.exp(diff - half), math.exp(diff + half)

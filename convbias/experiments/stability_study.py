@@ -29,7 +29,7 @@ from convbias.evaluation.stability import relative_stability
 from convbias.tables import markdown_table
 from convbias.weights import load_weights
 
-from .intervals import cell, interval
+from .intervals import cell, interval, ratio_interval
 
 CHECKPOINT_FORMS = "best, last, init (= epoch_0) or epoch_N (a --save-epochs snapshot)"
 
@@ -287,6 +287,72 @@ def seed_summary(rows: list[dict]) -> list[dict]:
         row["R_draw_rel_se"] = sum(draws_se) / len(draws_se) if draws_se else float("nan")
         out.append(row)
     return out
+
+
+def layer_summary(layer_rows: list[dict]) -> list[dict]:
+    """Per group, checkpoint and depth: n runs and the geometric mean of R_f over seeds with its 95% interval."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in layer_rows:
+        groups[(r["group"], r["checkpoint"], r["depth"])].append(r)
+    out = []
+    for (group, checkpoint, depth), members in groups.items():
+        n, centre, low, high = interval([m["R"] for m in members], log=True)
+        first = members[0]
+        out.append(
+            dict(group=group, checkpoint=checkpoint, depth=depth, relative_depth=first["relative_depth"], n=n)
+            | dict(R=centre, R_low=low, R_high=high, convention=first["convention"], modes=first["modes"])
+            | dict(images=first["images"], draws=first["draws"])
+        )
+    return out
+
+
+def contrasts(rows: list[dict], delta: float, cut: int, before: str, after: str, reference: str) -> list[dict]:
+    """Per group at (delta, c): R_f after / before training (paired by run: the geometric mean of the per-run
+    ratios with its t-interval), and R_f after training against the `reference` group of the same training
+    fraction (independent seeds: ratio of geometric means with its Welch interval)."""
+    point = [r for r in rows if r["delta"] == delta and r["cut"] == cut]
+    by_group: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in point:
+        by_group[r["group"]][r["checkpoint"]][r["run"]] = r["R"]
+    fraction = {r["group"]: r["train_fraction"] for r in point}
+    out = []
+    for group, per in by_group.items():
+        runs = sorted(set(per[before]) & set(per[after]))
+        n, ratio, low, high = interval([per[after][r] / per[before][r] for r in runs], log=True)
+        row = dict(group=group, delta=delta, cut=cut, n=n, trained_over_init=ratio)
+        row.update(trained_over_init_low=low, trained_over_init_high=high)
+        ref = next((g for g in by_group if g.startswith(reference + " ") and fraction[g] == fraction[group]), None)
+        versus = (
+            ratio_interval(list(per[after].values()), list(by_group[ref][after].values())) if ref else [math.nan] * 3
+        )
+        row.update(reference=ref, n_reference=len(by_group[ref][after]) if ref else 0)
+        row.update(dict(zip(("over_reference", "over_reference_low", "over_reference_high"), versus)))
+        out.append(row)
+    return out
+
+
+def contrast_table(rows: list[dict]) -> str:
+    body = [
+        [r["group"], r["n"], _ci(r, "trained_over_init"), r["reference"], r["n_reference"], _ci(r, "over_reference")]
+        for r in rows
+    ]
+    head = ["group", "n", "R_f trained / init [95%]", "reference", "n ref", "R_f trained / reference [95% Welch]"]
+    return "Contrasts at the main point (ratios of geometric means; an interval excluding 1 is a supported gap)\n\n" + (
+        markdown_table(head, body)
+    )
+
+
+def layer_table(summary: list[dict]) -> str:
+    by_key: dict[tuple, list[dict]] = defaultdict(list)
+    for s in summary:
+        by_key[(s["group"], s["checkpoint"])].append(s)
+    body = [
+        [group, checkpoint, members[0]["n"], "; ".join(_ci(m, "R") for m in sorted(members, key=lambda m: m["depth"]))]
+        for (group, checkpoint), members in by_key.items()
+    ]
+    return "R_f per layer, input side first, logits last: geometric mean over n seeds [95% interval]\n\n" + (
+        markdown_table(["group", "checkpoint", "n", "R_f per depth"], body)
+    )
 
 
 def _ci(row: dict, key: str, digits: str = ".3g") -> str:
