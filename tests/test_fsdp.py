@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = r"""
 import sys
 from pathlib import Path
@@ -101,7 +100,7 @@ dist.destroy_process_group()
 def launch(tmp_path: Path, mode: str, processes: int) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable,
         "-m",

@@ -13,6 +13,7 @@ diagnostics on (both read FullCopy) and a resume point every 4 steps:
 GPU kernels need not be bitwise deterministic run to run, so metrics are compared to 1e-4 (relative).
 """
 
+import functools
 import json
 import math
 import os
@@ -31,7 +32,6 @@ from convbias.engine.checkpoint import STATE_FILE, load_training_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate enables FSDP only on GPUs")
 
-REPO = Path(__file__).resolve().parents[1]
 ARGS = [
     "--model",
     "convit_tiny",
@@ -69,7 +69,7 @@ ARGS = [
 TIMINGS = ("epoch_seconds", "images_per_sec")  # the only entries of log.jsonl that may differ between runs
 
 
-def launch(output: Path, *extra: str, fsdp_version: int | None = 2) -> subprocess.Popen:
+def _launch(train_script: str, output: Path, *extra: str, fsdp_version: int | None = 2) -> subprocess.Popen:
     launcher = (
         []
         if fsdp_version is None
@@ -89,9 +89,9 @@ def launch(output: Path, *extra: str, fsdp_version: int | None = 2) -> subproces
             "no",
         ]
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, *launcher, str(REPO / "train.py"), *ARGS, "--output", str(output), *extra],
+        [sys.executable, *launcher, train_script, *ARGS, "--output", str(output), *extra],
         env=env,
         cwd=output.parent,
         text=True,
@@ -125,20 +125,26 @@ def assert_same_metrics(run: Path, reference: Path) -> None:
     assert moved > 1e-2 and gap < 1e-4 * moved, (gap, moved)
 
 
+@pytest.fixture
+def launch(console_script):
+    """`launch(output, *extra, fsdp_version=2)`: the installed convbias-train under accelerate's FSDP (or alone)."""
+    return functools.partial(_launch, console_script("convbias-train"))
+
+
 def training_process(launcher: subprocess.Popen) -> int:
-    """The pid of train.py under torchrun (SIGTERM goes to it, as srun sends it to every task)."""
+    """The pid of convbias-train under torchrun (SIGTERM goes to it, as srun sends it to every task)."""
     import psutil
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for child in psutil.Process(launcher.pid).children():  # the worker (its loader workers are its children)
-            if str(REPO / "train.py") in child.cmdline():
+            if any(arg.endswith("convbias-train") for arg in child.cmdline()):
                 return child.pid
         time.sleep(0.1)
-    raise AssertionError("train.py did not start under accelerate launch")
+    raise AssertionError("convbias-train did not start under accelerate launch")
 
 
-def test_sigterm_under_fsdp2_then_resume_gives_the_uninterrupted_run(tmp_path):
+def test_sigterm_under_fsdp2_then_resume_gives_the_uninterrupted_run(tmp_path, launch):
     reference = tmp_path / "reference"
     code, _, err = finish(launch(reference))
     assert code == 0, err[-3000:]
@@ -186,7 +192,7 @@ def test_sigterm_under_fsdp2_then_resume_gives_the_uninterrupted_run(tmp_path):
         ),
     ],
 )
-def test_unsupported_fsdp_set_ups_are_one_line(tmp_path, fsdp_version, extra, expected):
+def test_unsupported_fsdp_set_ups_are_one_line(tmp_path, launch, fsdp_version, extra, expected):
     output = tmp_path / "run"
     code, _, err = finish(launch(output, *extra, fsdp_version=fsdp_version))
     assert code != 0 and f"error: {expected}" in err, err[-3000:]

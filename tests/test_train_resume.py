@@ -1,6 +1,7 @@
-"""The issue's command on an ImageFolder, and resume after SIGKILL giving the same metrics.
+"""`accelerate launch convbias-train` on an ImageFolder, and resume after SIGKILL giving the same metrics.
 
-Every run is `accelerate launch --cpu --num_processes 1 train.py ...` in a subprocess, with the DeiT
+Every run is `accelerate launch --cpu --num_processes 1 convbias-train ...` (the installed console
+scripts) in a subprocess, with the DeiT
 recipe defaults (RandAugment, mixup/cutmix, random erasing, repeated augmentation, drop path, 4 data
 workers): the resumed run only matches if every RNG stream and the schedule are restored.
 """
@@ -10,14 +11,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
 DETERMINISTIC_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
 
 
@@ -34,11 +33,10 @@ def write_image_folder(root: Path, per_class: dict[str, int], size: int = 28) ->
                 Image.fromarray(image).save(folder / f"{i}.png")
 
 
-def issue_command(data_dir: Path, output: Path, *extra: str) -> list[str]:
+def launch_command(console_script, data_dir: Path, output: Path, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
+        console_script("accelerate"),
+        "launch",
         "--cpu",
         "--num_processes",
         "1",
@@ -48,7 +46,7 @@ def issue_command(data_dir: Path, output: Path, *extra: str) -> list[str]:
         "no",
         "--dynamo_backend",
         "no",
-        str(REPO / "train.py"),
+        console_script("convbias-train"),
         "--model",
         "convit_tiny",
         "--dataset",
@@ -72,13 +70,15 @@ def summary(output: Path) -> list[tuple[str, ...]]:
         return [tuple(row[k] for k in DETERMINISTIC_FIELDS) for row in csv.DictReader(f)]
 
 
-def test_issue_command_and_resume_after_kill(tmp_path):
+def test_launched_run_and_resume_after_kill(tmp_path, console_script):
     data = tmp_path / "data"
     write_image_folder(data, {"train": 32, "val": 4})  # 64 training images: one batch of the default 64
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     uninterrupted = tmp_path / "uninterrupted"
-    done = subprocess.run(issue_command(data, uninterrupted), env=env, cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        launch_command(console_script, data, uninterrupted), env=env, cwd=tmp_path, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (uninterrupted / "results.json").is_file()
     reference = summary(uninterrupted)
@@ -86,7 +86,7 @@ def test_issue_command_and_resume_after_kill(tmp_path):
 
     killed = tmp_path / "killed"
     process = subprocess.Popen(
-        issue_command(data, killed),
+        launch_command(console_script, data, killed),
         env=env,
         cwd=tmp_path,
         start_new_session=True,
@@ -103,7 +103,11 @@ def test_issue_command_and_resume_after_kill(tmp_path):
     assert not (killed / "results.json").exists(), "the run finished before it could be killed"
 
     resumed = subprocess.run(
-        issue_command(data, killed, "--resume", "auto"), env=env, cwd=tmp_path, capture_output=True, text=True
+        launch_command(console_script, data, killed, "--resume", "auto"),
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
