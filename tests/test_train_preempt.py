@@ -1,6 +1,6 @@
 """Preemption: SIGTERM in the middle of an epoch, then `--resume auto`, gives the uninterrupted run.
 
-`python train.py` runs in its own process group, with the DeiT recipe's randomness on (RandAugment,
+`convbias-train` (the installed console script) runs in its own process group, with the DeiT recipe's randomness on (RandAugment,
 mixup/cutmix, random erasing, repeated augmentation, drop path) and 2 data-loader workers; the signal goes
 to the whole group, as a scheduler sends it to every process of a job. The run must finish its step,
 write a mid-epoch resume point and exit with the requeue status; the resumed run must continue from that
@@ -8,11 +8,11 @@ step and end with exactly the uninterrupted run's per-epoch metrics.
 """
 
 import csv
+import functools
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +22,6 @@ import torch
 from convbias.engine.checkpoint import STATE_FILE, load_training_state, write_manifest
 from convbias.engine.preemption import REQUEUE_EXIT_CODE
 
-REPO = Path(__file__).resolve().parents[1]
 FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
 ARGS = [
     "--model",
@@ -53,10 +52,10 @@ ARGS = [
 ]
 
 
-def train(output: Path, *extra: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def _train(script: str, output: Path, *extra: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), *ARGS, "--output", str(output), *extra],
+        [script, *ARGS, "--output", str(output), *extra],
         env=env,
         cwd=output.parent,
         start_new_session=True,
@@ -65,6 +64,12 @@ def train(output: Path, *extra: str, **popen) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         **popen,
     )
+
+
+@pytest.fixture
+def train(console_script):
+    """`train(output, *extra)`: convbias-train in a subprocess of its own process group."""
+    return functools.partial(_train, console_script("convbias-train"))
 
 
 def summary(output: Path) -> list[tuple[str, ...]]:
@@ -78,7 +83,7 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM"])
-def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path, signal_name):
+def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path, train, signal_name):
     reference = tmp_path / "reference"
     code, _, err = finish(train(reference))
     assert code == 0, err[-3000:]
