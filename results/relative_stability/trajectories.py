@@ -39,6 +39,7 @@ def main(runs: Path, output: Path, convention: str, modes: str) -> None:
     families = sorted({name.split("_P")[0] for name in runs_by_name})
     colors = {f: plt.cm.tab10(i) for i, f in enumerate(families)}
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    labelled: set[str] = set()  # one legend entry per family
     for name, points in runs_by_name.items():
         family = name.split("_P")[0]
         ax.plot(
@@ -48,7 +49,7 @@ def main(runs: Path, output: Path, convention: str, modes: str) -> None:
             color=colors[family],
             marker="o",
             ms=2.5,
-            label=family if "P1.0_seed0" in name else None,
+            label=family if family not in labelled and not labelled.add(family) else None,
         )
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set(
