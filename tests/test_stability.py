@@ -9,6 +9,7 @@ import math
 import pytest
 import timm
 import torch
+from test_diffeo import _explicit_bilinear  # the authors' floor/ceil remap
 from torch import nn
 
 from convbias.evaluation import diffeo
@@ -50,24 +51,10 @@ def _published_draws(images, cut, T, seed, draws):
         for image, (cu, cv) in zip(images, c):
             dx = T**0.5 * n * torch.einsum("ij,xi,yj->yx", cu, s, s)
             dy = T**0.5 * n * torch.einsum("ij,xi,yj->yx", cv, s, s)
-            deformed.append(_remap(image.double(), dx, dy))
+            deformed.append(_explicit_bilinear(image.double(), torch.stack([dx, dy])))
         noise = torch.stack([torch.randn(images.shape[1:], generator=generator) for _ in images]).double()
         out.append((torch.stack(deformed), noise / noise.pow(2).sum([1, 2, 3], keepdim=True).sqrt()))
     return out
-
-
-def _remap(a, dx, dy):
-    n, m = a.shape[-2:]
-    y, x = torch.meshgrid(torch.arange(n, dtype=dx.dtype), torch.arange(m, dtype=dx.dtype), indexing="ij")
-    xn, yn = (x - dx).clamp(0, m - 1), (y - dy).clamp(0, n - 1)
-    xf, yf, xc, yc = xn.floor().long(), yn.floor().long(), xn.ceil().long(), yn.ceil().long()
-    xv, yv = xn - xf, yn - yf
-    return (
-        (1 - yv) * (1 - xv) * a[..., yf, xf]
-        + (1 - yv) * xv * a[..., yf, xc]
-        + yv * (1 - xv) * a[..., yc, xf]
-        + yv * xv * a[..., yc, xc]
-    )
 
 
 class SmallCNN(nn.Module):
