@@ -126,3 +126,27 @@ class HFToyDataset:
 def hf_toy() -> HFToyDataset:
     """Writes the toy Hugging Face dataset: `hf_toy.write(root, {"train": 48, "validation": 12}, card=True)`."""
     return HFToyDataset()
+
+
+@pytest.fixture(scope="session")
+def authors_remap():
+    """`authors_remap(image, field)`: the bilinear remap of the diffeomorphism authors' library
+    (pcsl-epfl/diffeomorphism): floor/ceil corners of the clamped source point s - field(s), field (2, H, W)
+    in pixels (channel 0 along the width)."""
+
+    def remap(image: torch.Tensor, field: torch.Tensor) -> torch.Tensor:
+        height, width = image.shape[-2:]
+        y, x = torch.meshgrid(
+            torch.arange(height, dtype=torch.float32), torch.arange(width, dtype=torch.float32), indexing="ij"
+        )
+        xn, yn = (x - field[0]).clamp(0, width - 1), (y - field[1]).clamp(0, height - 1)
+        xf, yf, xc, yc = xn.floor().long(), yn.floor().long(), xn.ceil().long(), yn.ceil().long()
+        xv, yv = xn - xf, yn - yf
+        return (
+            (1 - yv) * (1 - xv) * image[..., yf, xf]
+            + (1 - yv) * xv * image[..., yf, xc]
+            + yv * (1 - xv) * image[..., yc, xf]
+            + yv * xv * image[..., yc, xc]
+        )
+
+    return remap

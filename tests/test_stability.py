@@ -9,7 +9,6 @@ import math
 import pytest
 import timm
 import torch
-from test_diffeo import _explicit_bilinear  # the authors' floor/ceil remap
 from torch import nn
 
 from convbias.evaluation import diffeo
@@ -33,7 +32,7 @@ def _draws(images, cut, T, seed, draws=1, modes="published"):
     return out[0] if draws == 1 else out
 
 
-def _published_draws(images, cut, T, seed, draws):
+def _published_draws(images, cut, T, seed, draws, remap):
     """The same random numbers turned into perturbations by the authors' formulas, not by the package: modes
     sqrt(i^2 + j^2) < c + 1/2 with std 1 / sqrt(i^2 + j^2) (pcsl-epfl/diffeomorphism, scalar_field_modes),
     tau = sqrt(T) n sum C_ij sin(i pi x) sin(j pi y), and their floor/ceil bilinear remap."""
@@ -51,7 +50,7 @@ def _published_draws(images, cut, T, seed, draws):
         for image, (cu, cv) in zip(images, c):
             dx = T**0.5 * n * torch.einsum("ij,xi,yj->yx", cu, s, s)
             dy = T**0.5 * n * torch.einsum("ij,xi,yj->yx", cv, s, s)
-            deformed.append(_explicit_bilinear(image.double(), torch.stack([dx, dy])))
+            deformed.append(remap(image.double(), torch.stack([dx, dy])))
         noise = torch.stack([torch.randn(images.shape[1:], generator=generator) for _ in images]).double()
         out.append((torch.stack(deformed), noise / noise.pow(2).sum([1, 2, 3], keepdim=True).sqrt()))
     return out
@@ -69,7 +68,7 @@ class SmallCNN(nn.Module):
         return self.net(x.float())
 
 
-def test_default_is_the_published_definition():
+def test_default_is_the_published_definition(authors_remap):
     """Published: D_k = mean_x ||f(tau x) - f(x)||^2, G_k the same with ||eta|| = ||tau x - x|| per image,
     normalized by the mean of ||f(x) - f(z)||^2 over all pairs (torch.cdist, as the authors' code), over 3
     draws: D, G their means, R = D / G, standard errors over draws."""
@@ -80,7 +79,7 @@ def test_default_is_the_published_definition():
         f0 = model(images).double()
         deno = torch.cdist(f0, f0).pow(2).mean()
         per_draw = []
-        for deformed, directions in _published_draws(images, cut, result.T, seed, draws):
+        for deformed, directions in _published_draws(images, cut, result.T, seed, draws, authors_remap):
             sigma = (deformed - images.double()).pow(2).sum([1, 2, 3], keepdim=True).sqrt()
             fd, fq = model(deformed).double(), model(images.double() + directions * sigma).double()
             per_draw.append(((fd - f0).pow(2).mean(0).sum() / deno, (fq - f0).pow(2).mean(0).sum() / deno))
