@@ -6,7 +6,7 @@ Three kinds of work on the same N images, each in its own process, in lockstep (
              convention: one diffeomorphism and one noise draw per image (3 forwards per image, 1 deformation
              pass; the robust convention adds a second pass for its shared noise radius);
   deform     the deformation work inside rf alone: drawing the fields and resampling, once over N images.
-Targets (issue 12): rf of 500 images for ConViT-Ti at 224 under 2 minutes on this CPU, peak memory under
+Targets: rf of 500 images for ConViT-Ti at 224 under 2 minutes on a 2-core CPU, peak memory under
 1.5x that of `evaluate`, the deformation under 10% of rf's time. Peak = resident peak minus the resident
 size once model and images are loaded.
 

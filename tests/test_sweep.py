@@ -232,7 +232,8 @@ def test_the_digits_study_runs_on_an_image_folder(tmp_path, repo):
     )
     assert done.returncode == 0, done.stderr
     configs = [parse_config(shlex.split(line)[3:]) for line in done.stdout.strip().splitlines()]
-    assert len(configs) == 12
+    spec = yaml.safe_load((repo / "configs" / "sweeps" / "digits_sample_efficiency.yaml").read_text())
+    assert len(configs) == len(spec["variants"]) * len(spec["grid"]["train_fraction"]) * len(spec["grid"]["seed"])
     assert {(c.dataset, c.data_dir, c.img_size, c.model_kwargs["patch_size"]) for c in configs} == {
         ("folder", str(tmp_path / "data"), 16, 4)
     }
