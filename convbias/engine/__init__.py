@@ -37,18 +37,36 @@ from .preemption import REQUEUE_EXIT_CODE, Preempted
 # low: the model, data and checkpoint modules import timm and accelerate, which `--help` does not need.
 _SUBMODULE_OF = {
     **dict.fromkeys(("Config", "OptionParser", "build_parser", "key_value", "parse_config", "yaml_scalar"), "config"),
-    **dict.fromkeys(("build_datasets", "build_eval_loader"), "data"),
+    **dict.fromkeys(("build_datasets", "build_eval_loader", "dataset_info"), "data"),
     **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "datasets"),
     **dict.fromkeys(("check_model_name", "create_model"), "modeling"),
     **dict.fromkeys(("OutputScale",), "output_scale"),
     **dict.fromkeys(
-        ("DEFAULT_WHICH", "WHICH", "choose_checkpoint", "is_run_dir", "model_spec", "read_run_config", "run_options"),
+        (
+            "DEFAULT_WHICH",
+            "WHICH",
+            "check_which",
+            "choose_checkpoint",
+            "is_run_dir",
+            "model_spec",
+            "read_run_config",
+            "run_options",
+        ),
         "run_dir",
     ),
-    **dict.fromkeys(("CheckpointDir",), "checkpoint"),
+    **dict.fromkeys(("CheckpointDir", "rng_state", "verify_file"), "checkpoint"),
     **dict.fromkeys(("COMPILE_MODES", "compile_model"), "compile"),
 }
-__all__ = ["ConfigError", "Extensions", "NonFiniteLossError", "main", "run", *_SUBMODULE_OF]
+__all__ = [
+    "ConfigError",
+    "DamagedCheckpointError",
+    "Extensions",
+    "NonFiniteLossError",
+    "StorageError",
+    "main",
+    "run",
+    *_SUBMODULE_OF,
+]
 
 
 def __getattr__(name: str) -> Any:
