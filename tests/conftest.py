@@ -1,6 +1,7 @@
 """Shared pytest fixtures: the repository root, the installed console scripts, test data builders."""
 
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,16 @@ from PIL import Image
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`-n N`) each worker gets its share of the cores: N workers each running torch
+    on every core oversubscribe them, and torch's thread pool then spins instead of working."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for the subprocesses (convbias-train, accelerate launch)
 
 
 @pytest.fixture(scope="session")
