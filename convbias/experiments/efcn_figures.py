@@ -1,6 +1,7 @@
 """Figures 6.2-6.7 and E.6 of the relax-time protocol, drawn from the protocol's tables.
 
-Every function takes plain rows (lists of dicts, as written to the CSVs) and a path, so the
+Figures are `matplotlib.figure.Figure` objects saved with the Agg canvas, without pyplot (as in
+`convbias.evaluation.figures`). Every function takes plain rows (lists of dicts, as written to the CSVs) and a path, so the
 figures can be redrawn from the committed CSVs without retraining.
 """
 
@@ -8,21 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure
 
 
 def _colors(n: int):
-    return plt.cm.viridis(np.linspace(0.0, 0.9, max(n, 1)))
+    return colormaps["viridis"](np.linspace(0.0, 0.9, max(n, 1)))
 
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _symlog_epochs(ax) -> None:
@@ -34,7 +32,8 @@ def _symlog_epochs(ax) -> None:
 
 def training_curves(curves: list[dict], relax_times: list[int], path: Path) -> None:
     """Fig. 6.2: train loss and test accuracy vs epoch; CNN black, FCN red, eFCNs by relax time."""
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    (ax_loss, ax_acc) = fig.subplots(1, 2)
     runs = [("cnn", "CNN", "black"), ("fcn", "FCN", "red")] + [
         (f"efcn_tw{t}", f"eFCN t_w={t}", c) for t, c in zip(relax_times, _colors(len(relax_times)))
     ]
@@ -54,7 +53,8 @@ def training_curves(curves: list[dict], relax_times: list[int], path: Path) -> N
 def accuracy_and_landscape(rows: list[dict], baselines: dict, path: Path) -> None:
     """Fig. 6.3: final eFCN accuracy vs t_w (CNN and FCN lines), |grad L| and lambda_max at start/end."""
     tw = [r["relax_time"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig = Figure(figsize=(13, 4))
+    axes = fig.subplots(1, 3)
     axes[0].plot(tw, [r["final_test_acc"] for r in rows], "rx", markersize=9, label="eFCN (final)")
     axes[0].axhline(baselines["cnn_best_test_acc"], color="black", label="CNN (best)")
     axes[0].axhline(baselines["fcn_best_test_acc"], color="black", linestyle="--", label="FCN (best)")
@@ -75,7 +75,8 @@ def accuracy_and_landscape(rows: list[dict], baselines: dict, path: Path) -> Non
 
 def deviation(rows: list[dict], baselines: dict, path: Path) -> None:
     """Fig. 6.4: delta vs t_w, vs the initial loss, vs the final accuracy (standard FCN in blue)."""
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig = Figure(figsize=(13, 4))
+    axes = fig.subplots(1, 3)
     delta = [r["deviation_total"] for r in rows]
     axes[0].plot([r["relax_time"] for r in rows], delta, "o-")
     _symlog_epochs(axes[0])
@@ -108,7 +109,8 @@ def deviation(rows: list[dict], baselines: dict, path: Path) -> None:
 def local_contributions(rows: list[dict], path: Path) -> None:
     """Fig. 6.5: test accuracy with local blocks only, off-local blocks only, and both."""
     tw = [r["relax_time"] for r in rows]
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig = Figure(figsize=(5.5, 4))
+    ax = fig.subplots()
     ax.plot(tw, [r["local_only_test_acc"] for r in rows], "o-", color="tab:orange", label="local blocks only")
     ax.plot(tw, [r["off_local_only_test_acc"] for r in rows], "o-", color="tab:blue", label="off-local blocks only")
     ax.plot(tw, [r["final_test_acc"] for r in rows], "o-", color="tab:green", label="both (eFCN)")
@@ -124,7 +126,8 @@ def filter_heatmaps(filters: dict[str, list[tuple[str, np.ndarray]]], path: Path
     input image (channels averaged). One row of panels per model."""
     names = list(filters)
     columns = max(len(v) for v in filters.values())
-    fig, axes = plt.subplots(len(names), columns, figsize=(3 * columns, 2.8 * len(names)), squeeze=False)
+    fig = Figure(figsize=(3 * columns, 2.8 * len(names)))
+    axes = fig.subplots(len(names), columns, squeeze=False)
     for i, name in enumerate(names):
         for j in range(columns):
             ax = axes[i][j]
@@ -142,7 +145,8 @@ def filter_heatmaps(filters: dict[str, list[tuple[str, np.ndarray]]], path: Path
 def interpolation(rows: list[dict], path: Path) -> None:
     """Fig. E.6: train loss and test accuracy along the CNN (alpha=0) -> eFCN (alpha=1) paths."""
     relax_times = sorted({r["relax_time"] for r in rows})
-    fig, axes = plt.subplots(2, len(relax_times), figsize=(3.6 * len(relax_times), 6.5), squeeze=False)
+    fig = Figure(figsize=(3.6 * len(relax_times), 6.5))
+    axes = fig.subplots(2, len(relax_times), squeeze=False)
     styles = {"linear": "tab:orange", "string": "tab:blue", "output": "tab:green"}
     for j, tw in enumerate(relax_times):
         for method, color in styles.items():

@@ -8,6 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from matplotlib import colormaps
+from matplotlib.figure import Figure
 
 from convbias.evaluation import diffeo
 
@@ -23,17 +25,13 @@ def _geomean(values: list[float]) -> float:
 
 
 def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], settings: Settings, output: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = list(dict.fromkeys(r["group"] for r in rows))
-    colors = {g: plt.cm.tab20(i % 20) for i, g in enumerate(groups)}
+    colors = {g: colormaps["tab20"](i % 20) for i, g in enumerate(groups)}
     styles = {name: ("--" if name == "init" else "-") for name in settings.checkpoints}
     files = []
 
-    fig, axes = plt.subplots(1, len(settings.cuts), figsize=(5 * len(settings.cuts), 4), squeeze=False)
+    fig = Figure(figsize=(5 * len(settings.cuts), 4))
+    axes = fig.subplots(1, len(settings.cuts), squeeze=False)
     for ax, cut in zip(axes[0], settings.cuts):
         for g in groups:
             for name in settings.checkpoints:
@@ -56,7 +54,8 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], settings: S
     _legend(axes[0][-1], settings)
     files.append(_save(fig, output / "rf_vs_delta.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for g in groups:
         for name in settings.checkpoints:
             points = defaultdict(list)
@@ -83,7 +82,8 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], settings: S
     _legend(ax, settings)
     files.append(_save(fig, output / "rf_per_layer.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig = Figure(figsize=(6, 4.5))
+    ax = fig.subplots()
     main = [
         r
         for r in rows
@@ -120,12 +120,8 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], settings: S
     if not runs:  # summarizing earlier measurements: no images at hand
         return files
     image = runs[0].images[0]
-    fig, axes = plt.subplots(
-        EXAMPLE_TEMPERATURES,
-        len(settings.cuts) + 1,
-        figsize=(2 * (len(settings.cuts) + 1), 2 * EXAMPLE_TEMPERATURES),
-        squeeze=False,
-    )
+    fig = Figure(figsize=(2 * (len(settings.cuts) + 1), 2 * EXAMPLE_TEMPERATURES))
+    axes = fig.subplots(EXAMPLE_TEMPERATURES, len(settings.cuts) + 1, squeeze=False)
     generator = torch.Generator().manual_seed(settings.seed)
     for row in range(EXAMPLE_TEMPERATURES):
         _show(axes[row][0], image, "original" if row == 0 else "")
@@ -165,7 +161,4 @@ def _show(ax, image: torch.Tensor, title: str) -> None:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     return path
