@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help") for arg in argv):
         return engine.main(argv)  # the options alone: no torch, no registry
-    from convbias.families import load_families
+    from convbias.families import load_families  # not at the top: see run
 
     return engine.main(argv, load_families())
 

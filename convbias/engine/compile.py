@@ -51,7 +51,7 @@ def compile_model(
     if device_type == "cpu" and backend == "inductor" and aten_kernels:
         from torch._inductor import list_mode_options  # named in torch.compile's documentation of `mode`
 
-        from .aten_kernels import use_aten_kernels
+        from .aten_kernels import use_aten_kernels  # imports torch: see above
 
         use_aten_kernels(module)
         options = {**list_mode_options(mode), **CPU_INDUCTOR_OPTIONS}
@@ -71,7 +71,7 @@ def compiled(module: Any, cfg: Any, device_type: str) -> Any:
 def compile_counters() -> dict[str, int]:
     """dynamo's process-wide counters: graphs compiled so far and graph breaks (logged each epoch, so a
     recompilation in a later epoch shows up in log.jsonl)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # here, not at the top: see compile_model
 
     return {
         "compiled_graphs": int(counters["stats"]["unique_graphs"]),
