@@ -15,56 +15,35 @@ Bad input prints one `error: ...` line and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from functools import partial
+from dataclasses import fields
 from pathlib import Path
 
 import torch
-import torchvision.transforms as T
-from PIL import Image
-from torch.utils.data import DataLoader
 
 from convbias.engine import (
-    DATASETS,
     DEFAULT_WHICH,
     WHICH,
     ConfigError,
-    ImageFolderDataset,
     OptionParser,
-    build_datasets,
-    build_eval_loader,
     check_model_name,
     choose_checkpoint,
-    create_model,
     is_run_dir,
     key_value,
     run_options,
 )
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
-from convbias.evaluation.robustness import (
-    PAPER_ATTACK,
-    TABLE_COLUMNS,
-    Denormalized,
-    PixelModel,
-    accuracy,
-    adversarial_accuracy,
-    class_index,
-    corruption_accuracy,
-    corruption_summary,
-    folder_classes,
-    folder_corruption_accuracy,
-    imagenet_c_folders,
-    markdown_table,
-    read_class_list,
-    write_report,
+from convbias.evaluation.robustness import PAPER_ATTACK, TABLE_COLUMNS, markdown_table
+from convbias.experiments.robustness_study import (
+    IMAGENET_C_LAYOUT,
+    SUBSET_LAYOUT,
+    RobustnessOptions,
+    RobustnessStudy,
+    evaluate,
 )
 from convbias.families import load_families
-from convbias.weights import load_weights
 
 DATASET_CHOICES = ("digits", "cifar10", "cifar100", "imagenet", "folder")
-IMAGENET_C_LAYOUT = "DIR/<corruption>/<severity>/<class>/<image>"
-SUBSET_LAYOUT = "DIR/<wnid>/<image> (ImageNet-A/-R: 200 ImageNet class folders)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,156 +184,23 @@ def _take_run_options(args: argparse.Namespace) -> None:
         print(f"{getattr(args, model_key)}: {chosen.describe()}", file=sys.stderr)
 
 
-def _stage(message: str) -> None:
-    """Progress of a long evaluation, one line per stage on stderr."""
-    print(message, file=sys.stderr, flush=True)
-
-
-def _subset(dataset, max_images: int | None, seed: int):
-    """A fixed random subset (folders are sorted by class, so the first N would be a few classes)."""
-    if max_images is None or max_images >= len(dataset):
-        return dataset
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_images]
-    return dataset.subset(sorted(order.tolist()))
-
-
-def _labels(args) -> tuple[str, str | None]:
-    main, other = args.model, args.compare_model
-    if other == main:
-        main, other = f"{main} ({Path(args.checkpoint).stem})", f"{other} ({Path(args.compare_checkpoint).stem})"
-    if other == main:
-        main, other = f"{args.model} ({args.checkpoint})", f"{args.compare_model} ({args.compare_checkpoint})"
-    return main, other
-
-
-class Setup:
-    """Everything checked before the evaluation starts: options, data, class maps, models."""
-
-    def __init__(self, argv: list[str] | None):
-        args = self.args = parse_args(argv)
-        args.img_size = args.img_size or DATASETS[args.dataset].default_img_size
-        self.bundle = bundle = build_datasets(
-            dict(
-                dataset=args.dataset,
-                data_dir=args.data_dir,
-                num_classes=args.num_classes,
-                img_size=args.img_size,
-                seed=args.seed,
-                no_aug=True,
-                **getattr(args, "eval_transform", {}),
-            )
-        )
-        model_classes = read_class_list(args.imagenet_classes) if args.imagenet_classes else bundle.class_names
-        if len(model_classes) != bundle.num_classes:
-            raise ConfigError(
-                f"--imagenet-classes {args.imagenet_classes} names {len(model_classes)} classes, "
-                f"the model has {bundle.num_classes} (--dataset {args.dataset})"
-            )
-        self.subsets = {
-            column: (Path(root), class_index(root, folder_classes(root), model_classes))
-            for column, root in (("A", args.imagenet_a), ("R", args.imagenet_r))
-            if root
-        }
-        self.c_folders = {}
-        if args.imagenet_c:
-            for key, folder in imagenet_c_folders(args.imagenet_c, args.corruptions, args.severities).items():
-                self.c_folders[key] = (folder, class_index(folder, folder_classes(folder), model_classes))
-        label, self.baseline = _labels(args)
-        self.models = {label: self._model(args.model, args.checkpoint, args.model_kwargs)}
-        self.checkpoints = {label: args.checkpoint}
-        if args.compare_model:
-            self.models[self.baseline] = self._model(
-                args.compare_model, args.compare_checkpoint, args.compare_model_kwargs
-            )
-            self.checkpoints[self.baseline] = args.compare_checkpoint
-
-    def _model(self, name: str, checkpoint: str, kwargs: dict) -> torch.nn.Module:
-        cfg = dict(model=name, model_kwargs=kwargs, img_size=self.args.img_size)
-        model = create_model(cfg, self.bundle.num_classes, self.bundle.in_chans)
-        load_weights(model, checkpoint)
-        return PixelModel(model, self.bundle.mean, self.bundle.std).to(self.args.device).eval()
-
-    def folder(self, root: Path, layout: str, transform) -> DataLoader:
-        dataset = _subset(ImageFolderDataset.scan(root, layout), self.args.max_images, self.args.seed)
-        dataset.transform = transform
-        return build_eval_loader(dataset, self.args.batch_size, self.args.workers)
-
-
-def evaluate(setup: Setup) -> dict:
-    """Run every evaluation, write the report; returns {'table', 'corruptions', 'files'}."""
-    args, bundle, models = setup.args, setup.bundle, setup.models
-    val = _subset(bundle.val, args.max_images, args.seed)
-    clean = Denormalized(build_eval_loader(val, args.batch_size, args.workers), bundle.mean, bundle.std)
-    table = []
-    for name, model in models.items():
-        _stage(
-            f"{name}: clean accuracy"
-            + (f" and {', '.join(args.attacks).upper()}" if args.attacks else "")
-            + f" on {len(val)} images"
-        )
-        row = dict(
-            model=name,
-            checkpoint=setup.checkpoints[name],
-            img_size=args.img_size,
-            params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-            clean=accuracy(model, clean),
-        )
-        if args.attacks:
-            row.update(
-                adversarial_accuracy(
-                    model,
-                    clean,
-                    args.eps,
-                    args.pgd_steps,
-                    args.pgd_step_size,
-                    args.pgd_random_start,
-                    args.attacks,
-                    args.seed,
-                )
-            )
-        table.append(row)
-
-    # a partial (not a lambda) pickles into DataLoader workers under any start method
-    to_mode = partial(Image.Image.convert, mode="L" if bundle.in_chans == 1 else "RGB")
-    corruption_rows = []
-    if setup.c_folders:  # used at their stored resolution (224 for ImageNet-C), as in the paper
-        stored = T.Compose([to_mode, T.ToTensor()])
-        corruption_rows = folder_corruption_accuracy(
-            models,
-            {
-                key: (setup.folder(folder, IMAGENET_C_LAYOUT, stored), index)
-                for key, (folder, index) in setup.c_folders.items()
-            },
-        )
-    elif args.corruptions:
-        _stage(f"{len(args.corruptions)} corruptions x {len(args.severities)} severities on {len(val)} images")
-        corruption_rows = corruption_accuracy(models, clean, args.corruptions, args.severities, args.seed)
-    for column, (root, index) in setup.subsets.items():
-        loader = setup.folder(root, SUBSET_LAYOUT, T.Compose([to_mode, bundle.val.transform]))
-        pixels = Denormalized(loader, bundle.mean, bundle.std)
-        for row in table:
-            row[column] = accuracy(models[row["model"]], pixels, index)
-    for row in table:
-        if corruption_rows:
-            row["C"] = corruption_summary(corruption_rows, row["model"])
-
-    files = write_report(table, corruption_rows, args.output, baseline=setup.baseline)
-    settings = dict(vars(args), c_source="imagenet-c" if setup.c_folders else "generated")
-    (Path(args.output) / "robustness.json").write_text(
-        json.dumps(dict(settings=settings, table=table, corruptions=corruption_rows), indent=1, default=str)
+def _options(args: argparse.Namespace) -> RobustnessOptions:
+    """The study's options from the parsed command line (eval_transform only for a run folder)."""
+    return RobustnessOptions(
+        **{f.name: getattr(args, f.name) for f in fields(RobustnessOptions) if hasattr(args, f.name)}
     )
-    print(markdown_table(table, TABLE_COLUMNS), end="")
-    print("wrote " + ", ".join(str(path) for path in files.values()))
-    return dict(table=table, corruptions=corruption_rows, files=files)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        setup = Setup(argv)
+        args = parse_args(argv)
+        study = RobustnessStudy(_options(args))
     except (ValueError, FileNotFoundError) as error:  # options, engine ConfigError, data, class maps, weights
         print("error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
-    evaluate(setup)
+    result = evaluate(study, settings=vars(args))
+    print(markdown_table(result["table"], TABLE_COLUMNS), end="")
+    print("wrote " + ", ".join(str(path) for path in result["files"].values()))
     return 0
 
 
