@@ -5,7 +5,8 @@ model's reconstruction arguments in `model_args` and the run's preprocessing in 
 `README.md` model card in the Hub's format (YAML front matter, then architecture, recipe, results, usage),
 and the run's own `config.yaml` and `results.json` beside them. The folder loads with
 `timm.create_model('local-dir:OUT', pretrained=True)` once the family is imported (`import transformed_cnn`);
-pushed to the Hub, with `'hf-hub:USER/REPO'`.
+pushed to the Hub, with `'hf-hub:USER/REPO'`. The deployment exports (`model.onnx`, `model.pt2`) are
+`convbias.deploy`'s.
 
 A run reparametrized during training (`--reparametrize tcnn`) is exported as the `tcnn_<resnet>` entry its
 weights belong to, with the reparametrization's options as transform options. An `--output-scale` run is
@@ -17,8 +18,6 @@ under a temporary name and renamed into place, so an interrupted export leaves n
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -28,12 +27,37 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import timm
 import torch
 import yaml
+from huggingface_hub import HfApi
+from huggingface_hub.errors import OfflineModeIsEnabled
+from timm.models import model_entrypoint, save_for_hf
 
+from convbias.deploy import (
+    DEPLOY_FORMATS,
+    PACKAGE,
+    check_onnx_installed,
+    deploy_input,
+    export_onnx,
+    export_program,
+)
+from convbias.engine import (
+    Config,
+    ConfigError,
+    DamagedCheckpointError,
+    build_datasets,
+    check_model_name,
+    check_which,
+    create_model,
+    dataset_info,
+    model_spec,
+    read_run_config,
+    verify_file,
+)
 from convbias.tables import markdown_table
+from convbias.weights import load_weights, weights_metadata
 
-PACKAGE = "convolutional-inductive-biases"
 DEFAULT_LICENSE = "apache-2.0"
 FAMILY_TAGS = {"convit": "convit", "transformed_cnn": "transformed-cnn", "efcn": "efcn"}
 # The recipe fields a model card lists (the whole config.yaml is in the folder too).
@@ -78,27 +102,15 @@ SOURCE_FIELDS = (
     "paper_name",
     "notes",
 )
-DEPLOY_FORMATS = ("onnx", "pt2")
-ONNX_TOLERANCE = 1e-4  # relative: ONNX Runtime's kernels against PyTorch's, fp32
-ONNX_SINGLE_FILE_BYTES = 2**30  # protobuf's 2 GB limit, with room: larger weights go to model.onnx.data
 
 
 def _family(model_name: str) -> str:
-    from timm.models import model_entrypoint
-
     return model_entrypoint(model_name).__module__.split(".")[0]
 
 
 def run_model(run: str | Path, which: str = "last") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The run's model (eval mode, the checkpoint's weights) built through timm's registry, and what was
     used to build it: name, kwargs, checkpoint, config, data options. ValueError (one line) otherwise."""
-    from convbias.engine.checkpoint import verify_file
-    from convbias.engine.config import Config
-    from convbias.engine.errors import ConfigError, DamagedCheckpointError
-    from convbias.engine.modeling import check_model_name, create_model
-    from convbias.engine.run_dir import model_spec, read_run_config
-    from convbias.weights import load_weights, weights_metadata
-
     config = read_run_config(run)
     spec = model_spec(run, which)  # refuses a run without checkpoints/<which>
     if config.get("output_scale") is not None:
@@ -113,7 +125,7 @@ def run_model(run: str | Path, which: str = "last") -> tuple[torch.nn.Module, di
         raise ValueError(f"{error} (is its family imported? convbias.families.load_families())") from None
     if weights_metadata(spec["checkpoint"].weights).get("reparametrized") == "True":
         tcnn = f"tcnn_{name}"
-        if config.get("reparametrize") != "tcnn" or not _is_model(tcnn):
+        if config.get("reparametrize") != "tcnn" or not timm.is_model(tcnn):
             raise ValueError(
                 f"{spec['checkpoint'].describe()} holds {name} reparametrized with "
                 f"{config.get('reparametrize')!r}, which no registered model builds"
@@ -140,16 +152,8 @@ def run_model(run: str | Path, which: str = "last") -> tuple[torch.nn.Module, di
     return model.eval(), {**spec, "model": name, "model_kwargs": model_kwargs, "config": config}
 
 
-def _is_model(name: str) -> bool:
-    import timm
-
-    return timm.is_model(name)
-
-
 def data_config(config: dict[str, Any], in_chans: int, img_size: int | None) -> dict[str, Any]:
     """The run's evaluation preprocessing, as timm's pretrained_cfg holds it."""
-    from convbias.engine.data import dataset_info
-
     info = dataset_info(config["dataset"])
     size = int(img_size or info.default_img_size)
     return dict(
@@ -163,9 +167,6 @@ def data_config(config: dict[str, Any], in_chans: int, img_size: int | None) -> 
 
 def _class_names(config: dict[str, Any]) -> list[str] | None:
     """The dataset's class names when it can be read here (None otherwise: the card says so)."""
-    from convbias.engine.config import Config
-    from convbias.engine.data import build_datasets
-
     try:
         return [str(name) for name in build_datasets(Config(config)).class_names]
     except (ValueError, OSError):
@@ -212,8 +213,6 @@ def _provenance() -> dict[str, str]:
         commit += " (with uncommitted changes)" if dirty else ""
     except (OSError, subprocess.SubprocessError):
         commit = "unknown (not a git checkout)"
-    import timm
-
     return {"version": version, "commit": commit, "timm": timm.__version__, "torch": torch.__version__}
 
 
@@ -336,10 +335,6 @@ def export_run(
 ) -> dict[str, Any]:
     """Write the Hub folder of `run`'s checkpoint `which` to `output` (a new folder); `deploy` adds
     `model.onnx` and/or `model.pt2` checked against the PyTorch model. Returns what was written."""
-    from timm.models import save_for_hf
-
-    from convbias.engine.run_dir import check_which
-
     run, output = Path(run), Path(output)
     check_which(which)
     unknown = [f for f in deploy if f not in DEPLOY_FORMATS]
@@ -399,94 +394,10 @@ def export_run(
     }
 
 
-# ------------------------------------------------------------------------------------ deployment exports
-def deploy_input(model: torch.nn.Module, preprocessing: dict[str, Any], img_size: int | None) -> torch.Tensor:
-    """An example batch at the run's input size (or `img_size`); ValueError when the model takes only
-    another size (an eFCN's fully connected layers fix its input)."""
-    from timm.models import get_model_input_config
-
-    channels, height, width = preprocessing["input_size"]
-    if img_size is not None and (img_size, img_size) != (height, width):
-        if get_model_input_config(model)["fixed_input_size"]:
-            raise ValueError(
-                f"{model.pretrained_cfg.get('architecture')} takes only {height}x{width} inputs "
-                f"(fixed_input_size): it cannot be exported at {img_size}x{img_size}"
-            )
-        height = width = img_size
-    return torch.randn(2, channels, height, width, generator=torch.Generator().manual_seed(0))
-
-
-def _batch_dims():
-    return ({0: torch.export.Dim("batch", min=1, max=4096)},)
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
-
-
-def export_program(model: torch.nn.Module, example: torch.Tensor, path: Path) -> float:
-    """torch.export with a dynamic batch, saved as .pt2; returns its relative error against eager on a
-    batch of another size. ValueError with torch.export's first line when the model does not export."""
-    try:
-        program = torch.export.export(model, (example,), dynamic_shapes=_batch_dims())
-    except Exception as error:  # torch.export raises many types (Unsupported, UserError, ...)
-        raise ValueError(f"torch.export cannot export this model: {str(error).strip().splitlines()[0]}") from None
-    torch.export.save(program, str(path))
-    check = torch.cat([example, example[:1]])
-    with torch.no_grad():
-        return _relative_error(torch.export.load(str(path)).module()(check), model(check))
-
-
-def _parameter_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
-def check_onnx_installed() -> None:
-    """ValueError naming the extra when ONNX export's packages are missing."""
-    import importlib.util
-
-    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ValueError(
-            f"--onnx needs {', '.join(missing)}: pip install '{PACKAGE}[onnx]' (onnx, onnxscript, onnxruntime)"
-        )
-
-
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> float:
-    """model.onnx through torch.onnx's dynamo exporter (dynamic batch), run with ONNX Runtime on a batch of
-    another size and compared with PyTorch; ValueError when it does not export or does not match."""
-    import onnxruntime
-
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress
-            torch.onnx.export(
-                model,
-                (example,),
-                str(path),
-                dynamo=True,
-                dynamic_shapes=_batch_dims(),
-                external_data=_parameter_bytes(model) > ONNX_SINGLE_FILE_BYTES,
-                verbose=False,
-            )
-    except Exception as error:  # the exporter wraps torch.export's and its own failures
-        raise ValueError(f"ONNX export failed: {str(error).strip().splitlines()[0]}") from None
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    check = torch.cat([example, example[:1]])
-    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: check.numpy()})[0])
-    with torch.no_grad():
-        error = _relative_error(got, model(check))
-    if error > ONNX_TOLERANCE:
-        raise ValueError(f"model.onnx differs from the PyTorch model: relative error {error:.2e} > {ONNX_TOLERANCE}")
-    return error
-
-
 # ----------------------------------------------------------------------------------------------- upload
 def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
     """Upload an exported folder to the Hub (huggingface_hub: create the repo if needed, then one commit);
     returns the commit URL. ValueError with one line when the Hub cannot be reached or refuses."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
     api = HfApi(token=token, library_name="timm")
     try:
         repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")

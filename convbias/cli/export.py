@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from convbias.engine.config import OptionParser
-from convbias.engine.errors import ConfigError
-from convbias.engine.run_dir import WHICH
+from convbias.engine import WHICH, ConfigError, OptionParser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--private", action="store_true", help="with --push-to: create a private repository")
     try:
         args = parser.parse_args(argv)
+        # imported after parsing: `convbias-export --help` loads no timm, Hub client or model family
         from convbias.families import load_families
         from convbias.hub import export_run, push_folder
 
