@@ -91,7 +91,7 @@ def test_protocol_rejects_bad_config(tmp_path, capsys):
 
 
 def _fake_seed(directory: Path, seed: int, acc: list[float], cnn: float, fcn: float) -> Path:
-    from convbias.experiments.efcn_protocol import BASELINE_METRICS, SUMMARY_METRICS
+    from convbias.experiments.efcn_seeds import BASELINE_METRICS, SUMMARY_METRICS
     from convbias.tables import write_csv
 
     directory.mkdir(parents=True)

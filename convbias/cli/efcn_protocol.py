@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from convbias.engine import ConfigError, OptionParser
-from convbias.experiments.efcn_protocol import analyze_stage, load_config, summarize_seeds, train_stage
+from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
+from convbias.experiments.efcn_seeds import summarize_seeds
 
 
 def main(argv: list[str] | None = None) -> int:

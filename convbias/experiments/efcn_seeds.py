@@ -1,0 +1,103 @@
+"""The eFCN relax-time protocol over seeds: per relax time, each metric's mean with its 95% t-interval over
+the protocol outputs of several seeds (`convbias-efcn-protocol --stage summarize --seed-dirs ...`), and the
+gaps final eFCN accuracy - CNN and - FCN paired by seed.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import yaml
+
+from convbias.tables import markdown_table, write_csv
+
+from .intervals import cell, interval
+
+SUMMARY_METRICS = (  # per relax time: mean [95% t-interval] over seeds
+    "final_test_acc",
+    "best_test_acc",
+    "deviation_total",
+    "weight_sharing_total",
+    "local_only_test_acc",
+    "off_local_only_test_acc",
+    "grad_norm_start",
+    "hessian_top_start",
+    "grad_norm_end",
+    "hessian_top_end",
+)
+BASELINE_METRICS = ("cnn_final_test_acc", "fcn_final_test_acc", "fcn_deviation_total")
+
+
+def _read_csv(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run the protocol (--stage all) in that directory first")
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:
+    """Per relax time, over the protocols in `seed_dirs` (one per seed): n and each metric's mean with its 95%
+    t-interval, and the per-seed paired differences final eFCN accuracy - CNN and - FCN (the gaps the paper
+    claims). Writes relax_times_seeds.csv, baselines_seeds.csv and seeds.md into `out`."""
+    per_seed = [(_read_csv(d / "relax_times.csv"), _read_csv(d / "baselines.csv")[0]) for d in seed_dirs]
+    seeds = [yaml.safe_load((d / "protocol_config.yaml").read_text())["seed"] for d in seed_dirs]
+    times = sorted({r["relax_time"] for rows, _ in per_seed for r in rows})
+    out.mkdir(parents=True, exist_ok=True)
+    rows, baselines = [], {}
+    for key in BASELINE_METRICS:
+        n, mean, low, high = interval([b[key] for _, b in per_seed])
+        baselines.update({"n": n, key: mean, f"{key}_low": low, f"{key}_high": high})
+    for t in times:
+        at = [(next(r for r in rows_ if r["relax_time"] == t), b) for rows_, b in per_seed]
+        row = {"relax_time": int(t), "n": len(at), "seeds": " ".join(map(str, seeds))}
+        for key in SUMMARY_METRICS:
+            _, mean, low, high = interval([r[key] for r, _ in at])
+            row.update({key: mean, f"{key}_low": low, f"{key}_high": high})
+        for base in ("cnn", "fcn"):
+            _, mean, low, high = interval([r["final_test_acc"] - b[f"{base}_final_test_acc"] for r, b in at])
+            key = f"gap_vs_{base}"
+            row.update({key: mean, f"{key}_low": low, f"{key}_high": high})
+        rows.append(row)
+    files = [write_csv(rows, out / "relax_times_seeds.csv"), write_csv([baselines], out / "baselines_seeds.csv")]
+
+    def c(row: dict, key: str, digits: str) -> str:
+        return cell(row[key], row[f"{key}_low"], row[f"{key}_high"], digits)
+
+    n = len(per_seed)
+    text = (
+        f"eFCN relax-time protocol over n = {n} seeds ({', '.join(map(str, seeds))}): mean [95% t-interval]\n\n"
+        + markdown_table(
+            ["model", "n", "final test acc %", "deviation delta"],
+            [
+                ["CNN", n, c(baselines, "cnn_final_test_acc", ".2f"), "0"],
+                [
+                    "standard FCN",
+                    n,
+                    c(baselines, "fcn_final_test_acc", ".2f"),
+                    c(baselines, "fcn_deviation_total", ".3g"),
+                ],
+            ],
+        )
+        + "\n"
+        + markdown_table(
+            ["t_w", "n", "final test acc %", "eFCN - CNN (points)", "eFCN - FCN (points)", "deviation delta"]
+            + ["off-local only acc %", "lambda_max start", "lambda_max end"],
+            [
+                [
+                    r["relax_time"],
+                    r["n"],
+                    c(r, "final_test_acc", ".2f"),
+                    c(r, "gap_vs_cnn", ".2f"),
+                    c(r, "gap_vs_fcn", ".2f"),
+                    c(r, "deviation_total", ".2g"),
+                    c(r, "off_local_only_test_acc", ".1f"),
+                    c(r, "hessian_top_start", ".3g"),
+                    c(r, "hessian_top_end", ".3g"),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    (out / "seeds.md").write_text(text)
+    return [*files, out / "seeds.md"]
