@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from convbias.engine.config import OptionParser
-from convbias.engine.run_dir import WHICH
+from convbias.engine import WHICH, OptionParser
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
 from convbias.experiments import stability_study as study
+from convbias.experiments.stability_figures import plots
 from convbias.families import load_families
 from convbias.tables import write_csv
 
@@ -110,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:  # options, run configs, data, weights, (delta, c) grid
         print("error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
-    from convbias.experiments.stability_figures import plots
-
     output.mkdir(parents=True, exist_ok=True)
     if not combine:
         rows, layer_rows = study.measure(runs, settings)

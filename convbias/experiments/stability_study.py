@@ -13,6 +13,7 @@ R_f), and the mean test error with its 95% interval: the seeds' spread, which in
 
 from __future__ import annotations
 
+import csv
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -21,9 +22,7 @@ from typing import Any
 
 import torch
 
-from convbias.engine.data import build_datasets
-from convbias.engine.modeling import check_model_name, create_model
-from convbias.engine.run_dir import WHICH, choose_checkpoint, read_run_config
+from convbias.engine import WHICH, build_datasets, check_model_name, choose_checkpoint, create_model, read_run_config
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
 from convbias.tables import markdown_table
@@ -201,8 +200,6 @@ NUMERIC = {"seed", "train_fraction", "test_error", "images", "draws", "delta", "
 
 def read_rows(path: Path) -> list[dict]:
     """Rows of a stability.csv / stability_layers.csv written by `measure`, with their numbers as numbers."""
-    import csv
-
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: measure the runs with convbias-stability first")
     with open(path) as f:
