@@ -55,6 +55,48 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
+# -- Command lines of the console scripts (convbias-train, convbias-robustness) --------------------------
+class CliArgv:
+    """`cli_argv(*bases, **options)`: the argv a test passes to a command, from keyword options.
+
+    `img_size=8` gives `--img-size 8`; True a bare flag (`no_aug=True`: `--no-aug`); None or False leave the
+    option out (to drop one from a base); a dict the flag's `key=value` items (`model_kwargs`); a list or
+    tuple several values (`save_epochs=[0, 2]`). Each base is a dict of such options, merged in order,
+    `options` last; `cli_argv.TINY_CONVIT` is the 2-block ConViT of width 8 on 8x8 images, 16 tokens of 2x2
+    pixels, and `cli_argv.PLAIN_DIGITS` the embedded digits without augmentation, warm-up or loader workers."""
+
+    TINY_CONVIT = dict(
+        model="convit_tiny",
+        model_kwargs=dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8),
+        img_size=8,
+        crop_pct=1,
+    )
+    PLAIN_DIGITS = dict(dataset="digits", crop_pct=1, no_aug=True, repeated_aug=1, warmup_epochs=0, workers=0)
+
+    def __call__(self, *bases: dict, **options) -> list[str]:
+        merged = {}
+        for base in (*bases, options):
+            merged.update(base)
+        argv = []
+        for name, value in merged.items():
+            if value is None or value is False:
+                continue
+            argv.append("--" + name.replace("_", "-"))
+            if isinstance(value, dict):
+                argv += [f"{key}={item}" for key, item in value.items()]
+            elif isinstance(value, list | tuple):
+                argv += [str(item) for item in value]
+            elif value is not True:
+                argv.append(str(value))
+        return argv
+
+
+@pytest.fixture(scope="session")
+def cli_argv() -> CliArgv:
+    """Builds command lines from keyword options: `cli_argv(cli_argv.TINY_CONVIT, epochs=2, no_aug=True)`."""
+    return CliArgv()
+
+
 # -- Transformed CNN exactness: a CNN and its T-CNN on the same images ---------------------------------
 @pytest.fixture(scope="session")
 def tcnn_images() -> torch.Tensor:

@@ -15,118 +15,24 @@ from safetensors.torch import load_file
 
 from convbias.cli import train
 
-CONVIT = [
-    "--model",
-    "convit_tiny",
-    "--model-kwargs",
-    "patch_size=2",
-    "depth=2",
-    "local_up_to_layer=1",
-    "embed_dim=8",
-    "--dataset",
-    "digits",
-    "--img-size",
-    "8",
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--train-fraction",
-    "0.2",
-    "--batch-size",
-    "16",
-    "--eval-batch-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--epochs",
-    "2",
-    "--drop-path",
-    "0.1",
-    "--model-ema",
-    "--model-ema-decay",
-    "0.9",
-    "--diagnostics-images",
-    "4",
-]
-TCNN = [
-    "--model",
-    "test_resnet",
-    "--dataset",
-    "digits",
-    "--img-size",
-    "16",
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--train-fraction",
-    "0.1",
-    "--batch-size",
-    "16",
-    "--eval-batch-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--epochs",
-    "2",
-    "--drop-path",
-    "0",
-    "--reparametrize",
-    "tcnn",
-    "--reparametrize-at-epoch",
-    "1",
-    "--reparametrize-kwargs",
-    "init=paper",
-    "--diagnostics-images",
-    "4",
-]
-SMALL_CNN = [
-    "--model",
-    "vanilla_cnn",
-    "--model-kwargs",
-    "channels=4",
-    "--dataset",
-    "digits",
-    "--img-size",
-    "8",
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--train-fraction",
-    "0.2",
-    "--batch-size",
-    "16",
-    "--eval-batch-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--epochs",
-    "2",
-    "--drop-path",
-    "0",
-    "--model-ema",
-    "--model-ema-decay",
-    "0.9",
-    "--diagnostics-images",
-    "4",
-]
+SHORT = dict(train_fraction=0.2, batch_size=16, eval_batch_size=128, lr=1e-3, epochs=2, diagnostics_images=4)
+EMA = dict(model_ema=True, model_ema_decay=0.9)
+TCNN = dict(
+    model="test_resnet",
+    img_size=16,
+    train_fraction=0.1,
+    drop_path=0,
+    reparametrize="tcnn",
+    reparametrize_at_epoch=1,
+    reparametrize_kwargs=dict(init="paper"),
+)
+SMALL_CNN = dict(model="vanilla_cnn", model_kwargs=dict(channels=4), img_size=8, drop_path=0)
+
+
+@pytest.fixture(scope="module")
+def convit(cli_argv) -> list[str]:
+    """The tiny ConViT with drop path, EMA and diagnostics."""
+    return cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, SHORT, EMA, drop_path=0.1)
 
 
 def run(args, output, *extra):
@@ -145,14 +51,14 @@ def assert_same_training(eager_log, compiled_log, loss_tol):
 
 
 @pytest.fixture(scope="module")
-def convit_runs(tmp_path_factory):
+def convit_runs(tmp_path_factory, convit):
     root = tmp_path_factory.mktemp("compile")
-    _, eager_log, _ = run(CONVIT, root / "eager")
-    results, log, breaks = run(CONVIT, root / "compiled", "--compile", "--compile-backend", "aot_eager")
+    _, eager_log, _ = run(convit, root / "eager")
+    results, log, breaks = run(convit, root / "compiled", "--compile", "--compile-backend", "aot_eager")
     return root, eager_log, results, log, breaks
 
 
-def test_compiled_convit_matches_eager_and_writes_plain_checkpoints(convit_runs):
+def test_compiled_convit_matches_eager_and_writes_plain_checkpoints(convit_runs, convit):
     root, eager_log, results, log, _ = convit_runs
     assert log[1]["compiled_graphs"] == log[0]["compiled_graphs"]  # epoch 2 compiled nothing new
     assert_same_training(eager_log, log, loss_tol=1e-3)
@@ -162,7 +68,7 @@ def test_compiled_convit_matches_eager_and_writes_plain_checkpoints(convit_runs)
     for name in ("model.safetensors", "ema.safetensors"):
         assert load_file(last / name).keys() == load_file(eager_last / name).keys()
     # eager evaluation of the compiled run's checkpoint
-    metrics = train.run(CONVIT + ["--eval-only", "--checkpoint", str(last / "model.safetensors"), "--no-model-ema"])
+    metrics = train.run(convit + ["--eval-only", "--checkpoint", str(last / "model.safetensors"), "--no-model-ema"])
     assert metrics["eval_top1"] == pytest.approx(results["final_top1"])
 
 
@@ -171,15 +77,18 @@ def test_compiled_convit_has_no_graph_break(convit_runs):
     assert breaks == {} and log[-1]["graph_breaks"] == 0
 
 
-def test_compiled_tcnn_reparametrization_matches_eager(tmp_path):
-    _, eager_log, _ = run(TCNN, tmp_path / "eager")
-    _, log, breaks = run(TCNN, tmp_path / "compiled", "--compile", "--compile-backend", "eager")  # dynamo's graphs
+def test_compiled_tcnn_reparametrization_matches_eager(tmp_path, cli_argv):
+    tcnn = cli_argv(cli_argv.PLAIN_DIGITS, SHORT, TCNN)
+    _, eager_log, _ = run(tcnn, tmp_path / "eager")
+    _, log, breaks = run(tcnn, tmp_path / "compiled", "--compile", "--compile-backend", "eager")  # dynamo's graphs
     assert breaks == {}
     assert_same_training(eager_log, log, loss_tol=1e-3)
 
 
-def test_grad_checkpointing_trains_the_same_model(tmp_path):
-    args = CONVIT[: CONVIT.index("--epochs")] + ["--epochs", "1", "--no-diagnostics"]
+def test_grad_checkpointing_trains_the_same_model(tmp_path, cli_argv):
+    args = cli_argv(
+        cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, SHORT, epochs=1, diagnostics_images=None, no_diagnostics=True
+    )
     plain = train.run(args + ["--output", str(tmp_path / "plain")])
     checkpointed = train.run(args + ["--output", str(tmp_path / "checkpointed"), "--grad-checkpointing"])
     a = load_file(tmp_path / "plain" / "checkpoints" / "last" / "model.safetensors")
@@ -188,11 +97,12 @@ def test_grad_checkpointing_trains_the_same_model(tmp_path):
     assert checkpointed["final_top1"] == plain["final_top1"]
 
 
-def test_inductor_compiled_run_on_cpu_matches_eager(tmp_path):
+def test_inductor_compiled_run_on_cpu_matches_eager(tmp_path, cli_argv):
     """The default backend, as users run it: on a CPU, inductor with engine.aten_kernels (here the CNN's
     ReLUs and max-pools, in the model and in its EMA copy); epoch 2 compiles nothing new."""
-    _, eager_log, _ = run(SMALL_CNN, tmp_path / "eager")
-    _, log, breaks = run(SMALL_CNN, tmp_path / "compiled", "--compile")
+    small_cnn = cli_argv(cli_argv.PLAIN_DIGITS, SHORT, EMA, SMALL_CNN)
+    _, eager_log, _ = run(small_cnn, tmp_path / "eager")
+    _, log, breaks = run(small_cnn, tmp_path / "compiled", "--compile")
     assert breaks == {} and log[-1]["graph_breaks"] == 0
     assert log[1]["compiled_graphs"] == log[0]["compiled_graphs"]
     assert_same_training(eager_log, log, loss_tol=1e-3)
