@@ -47,7 +47,7 @@ def _key_value(text: str) -> tuple[str, str]:
 
 def _parse_value(text: str) -> Any:
     """One value as train.py's K=V options read it (YAML scalars; 'none' is None)."""
-    from convbias.engine.config import yaml_scalar
+    from convbias.engine.options import yaml_scalar
 
     return yaml_scalar(text) if text != "" else ""
 

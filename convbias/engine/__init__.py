@@ -36,7 +36,8 @@ from .preemption import REQUEUE_EXIT_CODE, Preempted
 # main, names are loaded from their submodule on first use (PEP 562 `__getattr__`), to keep start-up time
 # low: the model, data and checkpoint modules import timm and accelerate, which `--help` does not need.
 _SUBMODULE_OF = {
-    **dict.fromkeys(("Config", "OptionParser", "build_parser", "key_value", "parse_config", "yaml_scalar"), "config"),
+    **dict.fromkeys(("Config", "parse_config"), "config"),
+    **dict.fromkeys(("OptionParser", "build_parser", "key_value", "yaml_scalar"), "options"),
     **dict.fromkeys(("build_datasets", "build_eval_loader", "dataset_info"), "data"),
     **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "datasets"),
     **dict.fromkeys(("check_model_name", "create_model"), "modeling"),

@@ -210,7 +210,7 @@ def expand_grid(spec: dict[str, Any]) -> list[Run]:
 
 def train_parser() -> argparse.ArgumentParser:
     """The argument parser of train.py (the engine's), used to check keys and render options."""
-    from convbias.engine.config import build_parser
+    from convbias.engine.options import build_parser
 
     return build_parser()
 
