@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from convbias import engine
+from convbias.engine import parse_config
 from convbias.engine.lock import RunLock, RunLockedError
 from convbias.families import load_families
 
@@ -150,6 +151,12 @@ def test_eval_only_run_dir_alone_gives_the_runs_final_top1(finished_run, capsys)
     assert "checkpoints/last (epoch 2)" in out
     top1 = float(re.search(r"top1 ([\d.]+)", out).group(1))
     assert top1 == pytest.approx(results["final_top1"], abs=0.01)
+
+
+def test_eval_only_run_dir_takes_the_runs_loader_workers_unless_given(finished_run):
+    output, _results, _ = finished_run  # trained with --workers 0: evaluating it starts no loader process
+    assert parse_config(["--eval-only", str(output)]).workers == 0
+    assert parse_config(["--eval-only", str(output), "--workers", "2"]).workers == 2
 
 
 def test_which_best_evaluates_the_best_checkpoint(finished_run, capsys):

@@ -60,8 +60,13 @@ def load_yaml(path: str | Path) -> dict:
     return merged
 
 
+# What --eval-only RUN_DIR takes from the run: its model and data (RUN_KEYS), and its loader processes (the
+# parser's default would start workers where the run had none, as on a small machine or data set).
+EVALUATED_RUN_KEYS = (*RUN_KEYS, "workers")
+
+
 def _evaluated_run_options(known: argparse.Namespace) -> dict:
-    """With --eval-only RUN_DIR (or --eval-only --checkpoint RUN_DIR): the run's model and data options,
+    """With --eval-only RUN_DIR (or --eval-only --checkpoint RUN_DIR): the run's EVALUATED_RUN_KEYS options,
     below the -c recipe and the command line."""
     target = known.eval_only if isinstance(known.eval_only, str) else known.checkpoint if known.eval_only else None
     if target is None or not is_run_dir(target):
@@ -70,7 +75,7 @@ def _evaluated_run_options(known: argparse.Namespace) -> dict:
         options = read_run_config(target)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return {key: options[key] for key in RUN_KEYS if key in options}
+    return {key: options[key] for key in EVALUATED_RUN_KEYS if key in options}
 
 
 def _as_dict(value: Any, key: str) -> dict:

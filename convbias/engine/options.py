@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         default=False,
         metavar="RUN_OR_WEIGHTS",
-        help="evaluate a run directory (its config.yaml gives the model and data; options given "
+        help="evaluate a run directory (its config.yaml gives the model, data and --workers; options given "
         "override them) or --checkpoint, and print top-1/top-5",
     )
     g.add_argument(
