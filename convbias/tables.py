@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -17,11 +18,20 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike, columns: 
     columns = list(columns) if columns is not None else list(dict.fromkeys(key for row in rows for key in row))
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
+        f.write(csv_text(rows, columns))
     tmp.replace(path)
     return path
+
+
+def csv_text(rows: Iterable[dict[str, Any]], columns: Sequence[str], header: bool = True) -> str:
+    """Rows as CSV text in the given columns (missing cells empty, other keys ignored; floats as repr, None
+    empty); LF line endings. Without the header: the lines that append rows to a file of these columns."""
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    if header:
+        writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue()
 
 
 def markdown_table(header: Sequence[str], body: Iterable[Sequence[Any]]) -> str:

@@ -16,15 +16,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..tables import csv_text
 from .checkpoint import atomic_write
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
-
-
-def _csv_value(value: Any) -> str:
-    if value is None:
-        return ""
-    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _append_line(path: Path, line: str) -> None:
@@ -57,13 +52,7 @@ class RunLog:
         lines = self._read_jsonl() if completed_epochs else []
         lines = [r for r in lines if int(r.get("epoch", 0)) <= completed_epochs]
 
-        def write_summary(tmp: Path) -> None:
-            with open(tmp, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS, lineterminator="\n")  # one line ending
-                writer.writeheader()
-                writer.writerows(rows)
-
-        atomic_write(self.summary, write_summary)
+        atomic_write(self.summary, lambda tmp: tmp.write_text(csv_text(rows, SUMMARY_FIELDS), newline=""))
         atomic_write(self.jsonl, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in lines)))
 
     def _read_summary(self) -> list[dict[str, str]]:
@@ -89,7 +78,7 @@ class RunLog:
             self.tracker.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["epoch"])
         if not self.enabled:
             return
-        _append_line(self.summary, ",".join(_csv_value(record.get(k)) for k in SUMMARY_FIELDS) + "\n")
+        _append_line(self.summary, csv_text([record], SUMMARY_FIELDS, header=False))
         _append_line(self.jsonl, json.dumps(record) + "\n")
 
     def write_results(self, results: dict[str, Any]) -> None:
