@@ -23,7 +23,7 @@ import yaml
 from scipy import stats as scipy_stats
 
 from convbias.engine.config import effective_epochs, parse_config
-from convbias.experiments import report, sweep
+from convbias.experiments import phase_diagram_tables, report, sweep
 
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
 TINY_MODEL_KWARGS = {"patch_size": 2, "embed_dim": 4, "depth": 2, "num_heads": 4, "local_up_to_layer": 1}
@@ -608,7 +608,7 @@ def test_phase_diagram_tables_give_every_cell_an_interval(tmp_path):
             cells.append(dict(width=width, alpha_tilde=alpha, ensemble_test_error=0.0 if width == 4 else 10.0))
     sweep.write_csv(nets, tmp_path / "nets.csv")
     sweep.write_csv(cells, tmp_path / "cells.csv")
-    text = report.phase_diagram_tables(tmp_path, test_size=100)
+    text = phase_diagram_tables.phase_diagram_tables(tmp_path, test_size=100)
     low, high = scipy_stats.t.interval(0.95, 2, loc=np.mean([6.0, 7.0, 9.0]), scale=scipy_stats.sem([6.0, 7.0, 9.0]))
     assert f"| 10 | {np.mean([6.0, 7.0, 9.0]):.1f} [{low:.1f}, {high:.1f}] |" in text
     assert f"0.0 [0.0, {100 * (1 - 0.025 ** (1 / 100)):.1f}]" in text  # no error among 100 test images

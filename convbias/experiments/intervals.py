@@ -1,20 +1,24 @@
-"""Confidence intervals of study summaries over seeds: the mean (or geometric mean) with its 95% Student-t
-interval, and a cell renderer that always shows n and the interval."""
+"""Confidence intervals of study summaries: the mean (or geometric mean) over seeds with its 95% Student-t
+interval, gaps between models paired by seed, Welch intervals of a change between two samples, and the
+test-set sampling intervals of one network (Wilson, Clopper-Pearson); a cell renderer that always shows
+n and the interval."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+from scipy import stats as scipy_stats
 
-CONFIDENCE = 0.95
+CONFIDENCE = 0.95  # of every interval in a report
 
 
-def t_quantile(df: int) -> float:
+def t_quantile(df: float) -> float:
     """The two-sided 95% Student-t quantile with `df` degrees of freedom."""
-    from scipy.stats import t
-
-    return float(t.ppf(0.5 + CONFIDENCE / 2, df))
+    return float(scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, df))
 
 
 def interval(values: list[float], log: bool = False) -> tuple[int, float, float, float]:
@@ -42,9 +46,7 @@ def cell(centre: float, low: float, high: float, digits: str = ".3g") -> str:
 def wilson(accuracy_percent: float, count: int) -> tuple[float, float]:
     """The 95% Wilson score interval (percent) of an accuracy measured on `count` test images: the test-set
     sampling uncertainty of one network, which says nothing of the spread between seeds."""
-    from scipy.stats import norm
-
-    z = float(norm.ppf(0.5 + CONFIDENCE / 2))
+    z = float(scipy_stats.norm.ppf(0.5 + CONFIDENCE / 2))
     p = accuracy_percent / 100
     centre = (p + z * z / (2 * count)) / (1 + z * z / count)
     half = z / (1 + z * z / count) * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count))
@@ -63,3 +65,105 @@ def ratio_interval(a: list[float], b: list[float]) -> tuple[float, float, float]
     df = (va + vb) ** 2 / (va**2 / (len(la) - 1) + vb**2 / (len(lb) - 1)) if va + vb > 0 else len(la) + len(lb) - 2
     diff, half = float(la.mean() - lb.mean()), t_quantile(df) * math.sqrt(va + vb)
     return math.exp(diff), math.exp(diff - half), math.exp(diff + half)
+
+
+# -- runs over seeds: a metric's mean and spread, and gaps between models paired by seed ----------
+def t_half_width(std: float, n: int, dof: float | None = None) -> float:
+    """Half-width of the CONFIDENCE Student's t interval of a mean of n values with sample std `std`
+    (nan for n < 2); `dof` overrides n - 1 (Welch)."""
+    if n < 2:
+        return math.nan
+    return t_quantile(n - 1 if dof is None else dof) * std / math.sqrt(n)
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean, sample std and count of one metric over seeds; str: mean ± std [95% interval of the mean]."""
+
+    mean: float
+    std: float
+    n: int
+
+    @property
+    def half_width(self) -> float:
+        return t_half_width(self.std, self.n)
+
+    def __str__(self) -> str:
+        if self.n < 2:
+            return f"{self.mean:.1f} (no interval)"
+        return (
+            f"{self.mean:.1f} ± {self.std:.1f} [{self.mean - self.half_width:.1f}, {self.mean + self.half_width:.1f}]"
+        )
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A difference in points with its interval: the mean of per-seed differences (paired), or a
+    difference of two such means (Welch). str: +mean [low, high]."""
+
+    mean: float
+    half_width: float
+    n: int
+
+    @property
+    def low(self) -> float:
+        return self.mean - self.half_width
+
+    @property
+    def high(self) -> float:
+        return self.mean + self.half_width
+
+    @property
+    def excludes_zero(self) -> bool:
+        """The interval lies on one side of 0 (False without an interval)."""
+        return not math.isnan(self.half_width) and (self.low > 0 or self.high < 0)
+
+    def __str__(self) -> str:
+        if math.isnan(self.half_width):
+            return f"{self.mean:+.1f} (n = {self.n}: no interval)"
+        return f"{self.mean:+.1f} [{self.low:+.1f}, {self.high:+.1f}]"
+
+
+def stat(rows: list[dict[str, Any]], metric: str) -> Stat | None:
+    values = [row[metric] for row in rows if metric in row]
+    if not values:
+        return None
+    return Stat(float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0, len(values))
+
+
+def paired_gap(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], metric: str) -> Gap | None:
+    """Model minus baseline over the seeds both have (a seed fixes the init and the data subset): the
+    mean of the per-seed differences and its t interval; None without a common seed."""
+    return mean_gap(per_seed_gaps(rows, base_rows, metric))
+
+
+def mean_gap(diffs: list[float]) -> Gap | None:
+    if not diffs:
+        return None
+    std = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0
+    return Gap(float(np.mean(diffs)), t_half_width(std, len(diffs)), len(diffs))
+
+
+def gap_change(first: list[float], second: list[float]) -> Gap | None:
+    """mean(second) - mean(first) of two independent samples (per-seed gaps at two fractions: different
+    subsets), with Welch's t interval; None if either has fewer than 2 values."""
+    if len(first) < 2 or len(second) < 2:
+        return None
+    v1, v2 = np.var(first, ddof=1) / len(first), np.var(second, ddof=1) / len(second)
+    se = math.sqrt(v1 + v2)
+    if se == 0:
+        return Gap(float(np.mean(second) - np.mean(first)), 0.0, min(len(first), len(second)))
+    dof = (v1 + v2) ** 2 / (v1**2 / (len(first) - 1) + v2**2 / (len(second) - 1))
+    half = t_quantile(dof) * se
+    return Gap(float(np.mean(second) - np.mean(first)), half, min(len(first), len(second)))
+
+
+def per_seed_gaps(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], metric: str) -> list[float]:
+    base = {row["seed"]: row[metric] for row in base_rows if metric in row and "seed" in row}
+    return [row[metric] - base[row["seed"]] for row in rows if metric in row and row.get("seed") in base]
+
+
+def proportion_interval(successes: int, total: int) -> tuple[float, float]:
+    """Clopper-Pearson (exact) 95% interval of a proportion, in percent."""
+    interval = scipy_stats.binomtest(int(successes), int(total)).proportion_ci(CONFIDENCE, method="exact")
+    return 100 * interval.low, 100 * interval.high

@@ -22,79 +22,19 @@ import csv
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 from convbias.tables import markdown_table
 
+from .intervals import CONFIDENCE, Stat, gap_change, mean_gap, paired_gap, per_seed_gaps, stat
 from .sweep import ENSEMBLES_CSV_NAME, RESULT_COLUMNS, TIME_COLUMN
 
 METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
 ID_COLUMNS = ("run", "seed")
 REPORT_NAME = "report.md"
-
-
-CONFIDENCE = 0.95  # of every interval in a report
-
-
-def t_half_width(std: float, n: int, dof: float | None = None) -> float:
-    """Half-width of the CONFIDENCE Student's t interval of a mean of n values with sample std `std`
-    (nan for n < 2); `dof` overrides n - 1 (Welch)."""
-    if n < 2:
-        return math.nan
-    return float(scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1 if dof is None else dof)) * std / math.sqrt(n)
-
-
-@dataclass(frozen=True)
-class Stat:
-    """Mean, sample std and count of one metric over seeds; str: mean ± std [95% interval of the mean]."""
-
-    mean: float
-    std: float
-    n: int
-
-    @property
-    def half_width(self) -> float:
-        return t_half_width(self.std, self.n)
-
-    def __str__(self) -> str:
-        if self.n < 2:
-            return f"{self.mean:.1f} (no interval)"
-        return (
-            f"{self.mean:.1f} ± {self.std:.1f} [{self.mean - self.half_width:.1f}, {self.mean + self.half_width:.1f}]"
-        )
-
-
-@dataclass(frozen=True)
-class Gap:
-    """A difference in points with its interval: the mean of per-seed differences (paired), or a
-    difference of two such means (Welch). str: +mean [low, high]."""
-
-    mean: float
-    half_width: float
-    n: int
-
-    @property
-    def low(self) -> float:
-        return self.mean - self.half_width
-
-    @property
-    def high(self) -> float:
-        return self.mean + self.half_width
-
-    @property
-    def excludes_zero(self) -> bool:
-        """The interval lies on one side of 0 (False without an interval)."""
-        return not math.isnan(self.half_width) and (self.low > 0 or self.high < 0)
-
-    def __str__(self) -> str:
-        if math.isnan(self.half_width):
-            return f"{self.mean:+.1f} (n = {self.n}: no interval)"
-        return f"{self.mean:+.1f} [{self.low:+.1f}, {self.high:+.1f}]"
 
 
 def _parse(value: str) -> Any:
@@ -134,45 +74,6 @@ def parameter_columns(rows: list[dict[str, Any]]) -> list[str]:
 
 def _values(rows: list[dict[str, Any]], column: str) -> list[Any]:
     return list(dict.fromkeys(row.get(column) for row in rows))
-
-
-def stat(rows: list[dict[str, Any]], metric: str) -> Stat | None:
-    values = [row[metric] for row in rows if metric in row]
-    if not values:
-        return None
-    return Stat(float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0, len(values))
-
-
-def paired_gap(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], metric: str) -> Gap | None:
-    """Model minus baseline over the seeds both have (a seed fixes the init and the data subset): the
-    mean of the per-seed differences and its t interval; None without a common seed."""
-    return _mean_gap(_per_seed_gaps(rows, base_rows, metric))
-
-
-def _mean_gap(diffs: list[float]) -> Gap | None:
-    if not diffs:
-        return None
-    std = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0
-    return Gap(float(np.mean(diffs)), t_half_width(std, len(diffs)), len(diffs))
-
-
-def gap_change(first: list[float], second: list[float]) -> Gap | None:
-    """mean(second) - mean(first) of two independent samples (per-seed gaps at two fractions: different
-    subsets), with Welch's t interval; None if either has fewer than 2 values."""
-    if len(first) < 2 or len(second) < 2:
-        return None
-    v1, v2 = np.var(first, ddof=1) / len(first), np.var(second, ddof=1) / len(second)
-    se = math.sqrt(v1 + v2)
-    if se == 0:
-        return Gap(float(np.mean(second) - np.mean(first)), 0.0, min(len(first), len(second)))
-    dof = (v1 + v2) ** 2 / (v1**2 / (len(first) - 1) + v2**2 / (len(second) - 1))
-    half = float(scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, dof)) * se
-    return Gap(float(np.mean(second) - np.mean(first)), half, min(len(first), len(second)))
-
-
-def _per_seed_gaps(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], metric: str) -> list[float]:
-    base = {row["seed"]: row[metric] for row in base_rows if metric in row and "seed" in row}
-    return [row[metric] - base[row["seed"]] for row in rows if metric in row and row.get("seed") in base]
 
 
 def _select(rows: list[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:
@@ -279,10 +180,10 @@ def trend_lines(rows: list[dict[str, Any]], baseline: str, metric: str = "top1")
         gaps = {}
         for f in fractions:
             base_rows = _select(rows, **{column: baseline, "train_fraction": f})
-            gaps[f] = _per_seed_gaps(_select(rows, **{column: name, "train_fraction": f}), base_rows, metric)
+            gaps[f] = per_seed_gaps(_select(rows, **{column: name, "train_fraction": f}), base_rows, metric)
         per_fraction = []
         for f, diffs in gaps.items():
-            gap = _mean_gap(diffs)
+            gap = mean_gap(diffs)
             if gap is not None and math.isnan(gap.half_width):
                 per_fraction.append(f"{_fraction(f)}: {gap}")
             elif gap is not None:
@@ -543,87 +444,6 @@ def write_report(
     report = out_dir / REPORT_NAME
     report.write_text("\n\n".join(sections) + "\n")
     return [report] + written
-
-
-# -- grids of cells with intervals (the phase diagram's tables) -----------------------------------
-def mean_interval(values: Sequence[float]) -> str:
-    """mean [95% t interval] of replicate values; one value has no interval."""
-    values = [float(v) for v in values]
-    mean = float(np.mean(values))
-    if len(values) < 2:
-        return f"{mean:.2g} (n = 1)"
-    half = t_half_width(float(np.std(values, ddof=1)), len(values))
-    return f"{mean:.1f} [{mean - half:.1f}, {mean + half:.1f}]"
-
-
-def geometric_interval(values: Sequence[float]) -> str:
-    """Geometric mean [95% t interval on the log scale, mapped back] of positive replicate values."""
-    logs = np.log([float(v) for v in values])
-    centre = float(np.mean(logs))
-    half = t_half_width(float(np.std(logs, ddof=1)), len(logs)) if len(logs) > 1 else 0.0
-    low, mid, high = (_short(math.exp(centre + k * half)) for k in (-1, 0, 1))
-    return f"{mid} [{low}, {high}]"
-
-
-def _short(value: float) -> str:
-    """Two significant digits without an exponent for the kernel-change range (0.001 to 10^4)."""
-    return f"{value:.0f}" if value >= 100 else f"{value:.2g}"
-
-
-def proportion_interval(successes: int, total: int) -> tuple[float, float]:
-    """Clopper-Pearson (exact) 95% interval of a proportion, in percent."""
-    interval = scipy_stats.binomtest(int(successes), int(total)).proportion_ci(CONFIDENCE, method="exact")
-    return 100 * interval.low, 100 * interval.high
-
-
-def pivot_table(cells: dict[tuple[Any, Any], str], rows: Sequence[Any], columns: Sequence[Any], corner: str) -> str:
-    """Markdown table of `cells[(row, column)]`, one row per `rows` value."""
-    body = [
-        [f"{row:g}" if isinstance(row, float) else row] + [cells.get((row, c), "–") for c in columns] for row in rows
-    ]
-    return _markdown([corner] + [str(c) for c in columns], body)
-
-
-def phase_diagram_tables(directory: str | Path, test_size: int) -> str:
-    """The phase diagram's tables with an interval per cell, from its nets.csv (every net) and cells.csv.
-
-    Mean single-net test error: mean [t interval] over the cell's nets (seeds); ensemble test error:
-    Clopper-Pearson interval over the `test_size` test images (the test set's sampling only, one
-    ensemble per cell); kernel change: geometric mean [t interval of the logs]; nets at zero loss:
-    k / n [Clopper-Pearson]."""
-    directory = Path(directory)
-    nets = read_runs_like(directory / "nets.csv")
-    cells = {(c["alpha_tilde"], c["width"]): c for c in read_runs_like(directory / "cells.csv")}
-    widths = sorted({n["width"] for n in nets})
-    alphas = sorted({n["alpha_tilde"] for n in nets}, reverse=True)
-    by_cell: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-    for net in nets:
-        by_cell.setdefault((net["alpha_tilde"], net["width"]), []).append(net)
-    counts = sorted({len(v) for v in by_cell.values()})
-    single = {k: mean_interval([n["test_error"] for n in v]) for k, v in by_cell.items()}
-    change = {k: geometric_interval([n["ntk_change"] for n in v]) for k, v in by_cell.items()}
-    fitted, ensemble = {}, {}
-    for key, members in by_cell.items():
-        k = sum(int(n["converged"]) for n in members)
-        low, high = proportion_interval(k, len(members))
-        fitted[key] = f"{k}/{len(members)} [{low:.0f}, {high:.0f}]%"
-        error = cells[key]["ensemble_test_error"]
-        low, high = proportion_interval(round(error * test_size / 100), test_size)
-        ensemble[key] = f"{error:.1f} [{low:.1f}, {high:.1f}]"
-    corner = "alpha~ \\ h"
-    n = "-".join(str(c) for c in counts[:: max(1, len(counts) - 1)])
-    return "\n\n".join(
-        [
-            f"Mean single-net test error (%), mean [95% t interval] over n = {n} seeds:\n\n"
-            + pivot_table(single, alphas, widths, corner),
-            f"Ensemble test error (%) of the n = {n} nets, [95% Clopper-Pearson interval over the {test_size} "
-            "test images]:\n\n" + pivot_table(ensemble, alphas, widths, corner),
-            f"Kernel change ||dTheta|| / ||Theta_0||, geometric mean [95% t interval of the logs], n = {n}:\n\n"
-            + pivot_table(change, alphas, widths, corner),
-            "Nets that reached zero training loss, k / n [95% Clopper-Pearson interval]:\n\n"
-            + pivot_table(fitted, alphas, widths, corner),
-        ]
-    )
 
 
 def read_runs_like(path: str | Path) -> list[dict[str, Any]]:
