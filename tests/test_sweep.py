@@ -23,7 +23,7 @@ import yaml
 from scipy import stats as scipy_stats
 
 from convbias.engine.config import effective_epochs, parse_config
-from convbias.experiments import phase_diagram_tables, report, sweep
+from convbias.experiments import phase_diagram_tables, report, sweep, sweep_spec
 
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
 TINY_MODEL_KWARGS = {"patch_size": 2, "embed_dim": 4, "depth": 2, "num_heads": 4, "local_up_to_layer": 1}
@@ -43,7 +43,7 @@ TINY_SET = {
 
 def tiny_spec(**grid) -> dict:
     grid = grid or {"model": ["convit_tiny", "deit_tiny_plus"], "train_fraction": [0.5, 1.0], "seed": [0, 1]}
-    return sweep.normalize_spec({"set": TINY_SET, "grid": grid})
+    return sweep_spec.normalize_spec({"set": TINY_SET, "grid": grid})
 
 
 from convbias.cli import sweep as SWEEP_CLI  # noqa: E402
@@ -68,7 +68,7 @@ def sweep_cli(*args: str) -> Done:
 
 
 def test_grid_expansion_is_the_cartesian_product_in_order():
-    spec = sweep.normalize_spec(
+    spec = sweep_spec.normalize_spec(
         {
             "set": {"dataset": "digits", "model_kwargs": {"patch_size": 2}},
             "grid": {
@@ -79,7 +79,7 @@ def test_grid_expansion_is_the_cartesian_product_in_order():
             },
         }
     )
-    runs = sweep.expand_grid(spec)
+    runs = sweep_spec.expand_grid(spec)
     assert len(runs) == 2 * 2 * 3 * 2
     assert [run.name for run in runs[:3]] == [
         "convit_tiny__f0.05__seed0__locality_strength-0.5",
@@ -100,7 +100,7 @@ def test_grid_expansion_is_the_cartesian_product_in_order():
 
 
 def test_variants_are_crossed_with_the_grid():
-    spec = sweep.normalize_spec(
+    spec = sweep_spec.normalize_spec(
         {
             "set": {"model_kwargs": {"patch_size": 2}},
             "variants": {
@@ -111,7 +111,7 @@ def test_variants_are_crossed_with_the_grid():
             "grid": {"train_fraction": [0.1, 1.0], "seed": [0]},
         }
     )
-    runs = sweep.expand_grid(spec)
+    runs = sweep_spec.expand_grid(spec)
     assert [run.name for run in runs] == [
         "convit__f0.1__seed0",
         "convit__f1__seed0",
@@ -125,7 +125,7 @@ def test_variants_are_crossed_with_the_grid():
 
 
 def test_cli_overrides_replace_axes_and_shared_options():
-    spec = sweep.override_spec(tiny_spec(), grid={"seed": [3]}, options={"epochs": 7, "model_kwargs.depth": 3})
+    spec = sweep_spec.override_spec(tiny_spec(), grid={"seed": [3]}, options={"epochs": 7, "model_kwargs.depth": 3})
     assert spec["grid"]["seed"] == [3]
     assert spec["set"]["epochs"] == 7
     assert spec["set"]["model_kwargs"] == {**TINY_MODEL_KWARGS, "depth": 3}
@@ -351,12 +351,13 @@ def test_a_different_grid_in_the_output_dir_is_refused_with_the_difference(tmp_p
 
 def test_spec_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match=r"unknown sweep key\(s\) \['grids'\]"):
-        sweep.normalize_spec({"grids": {}})
+        sweep_spec.normalize_spec({"grids": {}})
     with pytest.raises(ValueError, match="grid.seed is empty"):
-        sweep.normalize_spec({"grid": {"seed": []}})
+        sweep_spec.normalize_spec({"grid": {"seed": []}})
     with pytest.raises(ValueError, match="'output' is set by the sweep"):
         sweep.Sweep.prepare(
-            sweep.normalize_spec({"set": {**TINY_SET, "output": "x"}, "grid": {"model": ["convit_tiny"]}}), tmp_path
+            sweep_spec.normalize_spec({"set": {**TINY_SET, "output": "x"}, "grid": {"model": ["convit_tiny"]}}),
+            tmp_path,
         )
 
 

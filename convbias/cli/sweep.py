@@ -27,6 +27,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from convbias.engine import yaml_scalar
+from convbias.experiments import sweep_spec
+
 if TYPE_CHECKING:
     from convbias.experiments.sweep import Sweep
 
@@ -47,8 +50,6 @@ def _key_value(text: str) -> tuple[str, str]:
 
 def _parse_value(text: str) -> Any:
     """One value as train.py's K=V options read it (YAML scalars; 'none' is None)."""
-    from convbias.engine.options import yaml_scalar
-
     return yaml_scalar(text) if text != "" else ""
 
 
@@ -115,9 +116,7 @@ def _add_report_options(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from convbias.experiments import sweep
-
-    spec = sweep.load_spec(args.sweep) if args.sweep else sweep.normalize_spec({"grid": DEFAULT_GRID})
+    spec = sweep_spec.load_spec(args.sweep) if args.sweep else sweep_spec.normalize_spec({"grid": DEFAULT_GRID})
     grid = {key: [_parse_value(v) for v in value.split(",")] for key, value in args.grid}
     for key, values in (("model", args.models), ("train_fraction", args.fractions), ("seed", args.seeds)):
         if values:
@@ -127,7 +126,7 @@ def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
         options["dataset"] = args.dataset
     if args.data_dir:
         options["data_dir"] = args.data_dir
-    spec = sweep.override_spec(spec, grid, options)
+    spec = sweep_spec.override_spec(spec, grid, options)
     if args.config:
         spec["config"] = args.config
     if args.no_scale_epochs:
@@ -137,7 +136,7 @@ def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
     """runs.csv and the report from the complete runs; 1 if some runs are missing."""
-    from convbias.experiments import report, sweep
+    from convbias.experiments import report, sweep  # not at the top: `--help` loads no torch or timm
 
     rows, missing = prepared.collect()
     if missing:
@@ -147,7 +146,7 @@ def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
     csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
     written = [csv_path]
     if len({row["seed"] for row in rows}) > 1:  # several seeds: ensemble columns in the report
-        from convbias.families import load_families
+        from convbias.families import load_families  # registers the models: only when ensembles are built
 
         ensembles = prepared.collect_ensembles(rows, load_families())
         if ensembles:
@@ -163,7 +162,7 @@ def _print_written(paths: list[Path]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from convbias.experiments import report, sweep
+    from convbias.experiments import report, sweep  # not at the top: `--help` loads no torch or timm
 
     try:
         if args.command == "report":
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             record = Path(args.output) / sweep.RECORD_NAME
             if not record.is_file():
                 raise ValueError(f"{record} not found: is {args.output} a sweep directory?")
-            prepared = sweep.Sweep.prepare(sweep.load_spec(record), args.output)
+            prepared = sweep.Sweep.prepare(sweep_spec.load_spec(record), args.output)
             return write_outputs(prepared, args)
         prepared = sweep.Sweep.prepare(spec_from_args(args), args.output)
         launcher = shlex.split(args.launcher) if args.launcher else None

@@ -1,0 +1,147 @@
+"""A sweep file and its grid: read and check the spec (see `convbias.experiments.sweep` for the file's
+format), apply command-line overrides, and expand the grid into runs, each with its directory name and
+the train.py options it resolves to."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SWEEP_KEYS = ("config", "set", "grid", "variants", "scale_epochs", "baseline")
+MODEL_KWARG_PREFIX = "model_kwargs."
+
+
+@dataclass(frozen=True)
+class Run:
+    """One grid point: its directory name, its axis values and the train.py options it resolves to."""
+
+    name: str
+    point: dict[str, Any]
+    options: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- sweep spec
+
+
+def load_spec(path: str | Path) -> dict[str, Any]:
+    """Read a sweep file and return its normalized spec (see the module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"sweep file not found: {path}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
+    return normalize_spec(raw, source=str(path))
+
+
+def normalize_spec(raw: dict[str, Any], source: str = "sweep") -> dict[str, Any]:
+    """Check the shape of a sweep spec and fill its defaults; grid values become lists."""
+    unknown = sorted(set(raw) - set(SWEEP_KEYS))
+    if unknown:
+        raise ValueError(f"{source}: unknown sweep key(s) {unknown}; expected {list(SWEEP_KEYS)}")
+    spec = {
+        "config": raw.get("config"),
+        "set": dict(raw.get("set") or {}),
+        "grid": {},
+        "variants": dict(raw.get("variants") or {}),
+        "scale_epochs": bool(raw.get("scale_epochs", True)),
+        "baseline": raw.get("baseline"),
+    }
+    for key, values in (raw.get("grid") or {}).items():
+        values = list(values) if isinstance(values, (list, tuple)) else [values]
+        if not values:
+            raise ValueError(f"{source}: grid.{key} is empty")
+        if len(set(map(repr, values))) != len(values):
+            raise ValueError(f"{source}: grid.{key} repeats a value: {values}")
+        spec["grid"][key] = values
+    for name, options in spec["variants"].items():
+        if not isinstance(options, dict):
+            raise ValueError(f"{source}: variants.{name} must be a mapping of train.py options")
+    if spec["variants"] and "model" in spec["grid"]:
+        raise ValueError(f"{source}: use either variants or grid.model, not both (put the model inside each variant)")
+    return spec
+
+
+def override_spec(
+    spec: dict[str, Any], grid: dict[str, list] | None = None, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Return a copy of ``spec`` with grid axes and shared options replaced (the CLI overrides)."""
+    spec = copy.deepcopy(spec)
+    for key, values in (grid or {}).items():
+        spec["grid"][key] = list(values)
+    for key, value in (options or {}).items():
+        if key.startswith(MODEL_KWARG_PREFIX):
+            spec["set"].setdefault("model_kwargs", {})[key[len(MODEL_KWARG_PREFIX) :]] = value
+        else:
+            spec["set"][key] = value
+    return normalize_spec(spec)
+
+
+# ----------------------------------------------------------------------------- grid expansion
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value).replace("/", "-").replace(" ", "")
+
+
+def run_name(point: dict[str, Any]) -> str:
+    """Directory name of a grid point: ``convit_tiny__f0.05__seed0__locality_strength-2``."""
+    parts = []
+    for key, value in point.items():
+        if key in ("variant", "model"):
+            parts.append(_format_value(value))
+        elif key == "train_fraction":
+            parts.append(f"f{_format_value(value)}")
+        elif key == "seed":
+            parts.append(f"seed{value}")
+        else:
+            parts.append(f"{column_name(key)}-{_format_value(value)}")
+    return "__".join(parts)
+
+
+def column_name(axis: str) -> str:
+    """CSV column of a grid axis (``model_kwargs.locality_strength`` -> ``locality_strength``)."""
+    return axis[len(MODEL_KWARG_PREFIX) :] if axis.startswith(MODEL_KWARG_PREFIX) else axis
+
+
+def _apply(options: dict[str, Any], key: str, value: Any) -> None:
+    if key.startswith(MODEL_KWARG_PREFIX):
+        options.setdefault("model_kwargs", {})[key[len(MODEL_KWARG_PREFIX) :]] = value
+    elif key == "model_kwargs":
+        options.setdefault("model_kwargs", {}).update(value)
+    else:
+        options[key] = value
+
+
+def expand_grid(spec: dict[str, Any]) -> list[Run]:
+    """All runs of a sweep, in grid order (variants outermost, then the grid axes as written)."""
+    axes = dict(spec["grid"])
+    if spec["variants"]:
+        axes = {"variant": list(spec["variants"]), **axes}
+    columns = [column_name(axis) for axis in axes]
+    if len(set(columns)) != len(columns):
+        raise ValueError(f"two grid axes map to the same CSV column: {list(axes)}")
+    runs = []
+    for values in itertools.product(*axes.values()):
+        point = dict(zip(axes, values))
+        options = copy.deepcopy(spec["set"])
+        for key, value in point.items():
+            if key == "variant":
+                for vkey, vvalue in spec["variants"][value].items():
+                    _apply(options, vkey, copy.deepcopy(vvalue))
+            else:
+                _apply(options, key, value)
+        runs.append(Run(run_name(point), point, options))
+    names = [run.name for run in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(
+            "two grid points give the same run directory name; make the grid values distinct after formatting"
+        )
+    return runs
