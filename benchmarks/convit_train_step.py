@@ -193,11 +193,7 @@ def main(argv=None) -> int:
     for flag, value in defaults.items():
         if getattr(args, flag) is None:
             setattr(args, flag, value)
-    for flag in ("steps", "threads") + (("batch_size",) if args.batch_size is not None else ()):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    lockstep.check_counts(parser, args, ("steps", "threads") + (("batch_size",) if args.batch_size is not None else ()))
 
     if args.worker:
         run_worker(args)

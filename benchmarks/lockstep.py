@@ -118,6 +118,15 @@ def check_step_arguments(parser, args) -> None:
         parser.error(f"--device {args.device}: expected cpu or cuda[:N]")
 
 
+def check_counts(parser, args, positive: tuple[str, ...]) -> None:
+    """Too small a count stops the parent with one line: each of `positive` must be >= 1, --warmup >= 0."""
+    for flag in positive:
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+
+
 def step_argv(args) -> list[str]:
     """The parent's step options, forwarded to each worker."""
     argv = [

@@ -128,11 +128,7 @@ def main(argv=None) -> int:
     args.batch_size = args.batch_size or (4 if args.quick else 16)
     args.steps = args.steps or (2 if args.quick else 12)
     args.warmup = (1 if args.quick else 3) if args.warmup is None else args.warmup
-    for flag in ("img_size", "batch_size", "steps", "threads"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    lockstep.check_counts(parser, args, ("img_size", "batch_size", "steps", "threads"))
 
     if args.worker:
         run_worker(args)

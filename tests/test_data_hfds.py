@@ -8,6 +8,7 @@ hfids/ a card without split sizes or class names, each stop the run before any w
 2, writing nothing.
 """
 
+import functools
 import json
 import shutil
 import sys
@@ -21,33 +22,13 @@ from convbias.engine.data import build_datasets
 datasets = pytest.importorskip("datasets")
 
 SIZE = 8  # --img-size: the toy images' own side (conftest's HFToyDataset.size)
-ARGS = [
-    "--model",
-    "convit_tiny",
-    "--model-kwargs",
-    "patch_size=2",
-    "depth=2",
-    "local_up_to_layer=1",
-    "embed_dim=8",
-    "--img-size",
-    str(SIZE),
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--batch-size",
-    "8",
-    "--lr",
-    "2e-3",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--epochs",
-    "1",
-    "--no-diagnostics",
-]
+RUN = dict(batch_size=8, lr=2e-3, epochs=1, no_diagnostics=True)
+
+
+@pytest.fixture(scope="module")
+def run_argv(cli_argv):
+    """`run_argv(dataset=..., **options)`: a tiny ConViT for an epoch on SIZE x SIZE images, no augmentation."""
+    return functools.partial(cli_argv, cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, RUN, img_size=SIZE)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +50,9 @@ def cache(tmp_path):
     return tmp_path / "cache"
 
 
-def test_a_local_hf_dataset_trains(toy, cache, tmp_path):
+def test_a_local_hf_dataset_trains(toy, cache, tmp_path, run_argv):
     output = tmp_path / "run"
-    results = train.run(ARGS + ["--dataset", f"hfds/{toy}", "--data-dir", str(cache), "--output", str(output)])
+    results = train.run(run_argv(dataset=f"hfds/{toy}", data_dir=cache, output=output))
     log = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
     assert [record["epoch"] for record in log] == [1]
     assert results["final_top1"] * 12 / 100 == pytest.approx(round(results["final_top1"] * 12 / 100))  # all 12
@@ -99,7 +80,9 @@ def test_subsampling_an_hf_dataset(toy, cache):
         ("no_package", "needs the datasets package: pip install datasets"),
     ],
 )
-def test_bad_hfds_input_is_one_line_and_writes_nothing(toy, cache, tmp_path, capsys, monkeypatch, mistake, expected):
+def test_bad_hfds_input_is_one_line_and_writes_nothing(
+    toy, cache, tmp_path, capsys, monkeypatch, mistake, expected, run_argv
+):
     name = f"hfds/{toy}"
     if mistake == "corrupt":
         toy = shutil.copytree(toy, tmp_path / "toy")
@@ -116,13 +99,13 @@ def test_bad_hfds_input_is_one_line_and_writes_nothing(toy, cache, tmp_path, cap
     else:
         monkeypatch.setitem(sys.modules, "datasets", None)
     output = tmp_path / "run"
-    code = train.main(ARGS + ["--dataset", name, "--data-dir", str(cache), "--output", str(output)])
+    code = train.main(run_argv(dataset=name, data_dir=cache, output=output))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected.format(toy=toy) in err[0], err
     assert not output.exists()
 
 
-def test_an_unreachable_hub_is_one_line_with_the_offline_hint(cache, tmp_path, capsys, caplog, monkeypatch):
+def test_an_unreachable_hub_is_one_line_with_the_offline_hint(cache, tmp_path, capsys, caplog, monkeypatch, run_argv):
     """With no network, huggingface_hub logs a warning per retry before datasets gives up: held back, so the
     user reads one line, which names HF_HUB_OFFLINE (the retries' way out)."""
     import logging
@@ -139,22 +122,20 @@ def test_an_unreachable_hub_is_one_line_with_the_offline_hint(cache, tmp_path, c
     monkeypatch.setattr(timm.data, "create_dataset", unreachable)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     output = tmp_path / "run"
-    code = train.main(
-        ARGS + ["--dataset", "hfds/nobody/no-such-dataset", "--data-dir", str(cache), "--output", str(output)]
-    )
+    code = train.main(run_argv(dataset="hfds/nobody/no-such-dataset", data_dir=cache, output=output))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no network? HF_HUB_OFFLINE=1" in err[0], err
     assert not [record for record in caplog.records if "Retrying" in record.getMessage()]  # held, then dropped
     assert not output.exists()
 
 
-def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cache, tmp_path, monkeypatch):
+def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cache, tmp_path, monkeypatch, run_argv):
     """hfids/: 2 epochs of 6 steps; a stop after step 4 of epoch 1, then --resume auto (the stream replayed from
     the epoch's start, its first 4 batches dropped) ends with the uninterrupted run's metrics, all 12
     validation images evaluated."""
     from convbias.engine.preemption import REQUEUE_EXIT_CODE, PreemptionSignals
 
-    args = ARGS + ["--dataset", f"hfids/{carded}", "--data-dir", str(cache), "--epochs", "2"]
+    args = run_argv(dataset=f"hfids/{carded}", data_dir=cache, epochs=2)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     results = train.run(args + ["--output", str(reference)])
     assert results["final_top1"] * 12 / 100 == pytest.approx(round(results["final_top1"] * 12 / 100))  # all 12
@@ -186,7 +167,7 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     ],
 )
 def test_bad_hfids_input_is_one_line_and_writes_nothing(
-    carded, cache, tmp_path, capsys, monkeypatch, hf_toy, mistake, expected
+    carded, cache, tmp_path, capsys, monkeypatch, hf_toy, mistake, expected, run_argv
 ):
     toy, extra = carded, []
     if mistake in ("no_sizes", "no_classes"):
@@ -209,7 +190,7 @@ def test_bad_hfids_input_is_one_line_and_writes_nothing(
     else:
         monkeypatch.setitem(sys.modules, "datasets", None)
     output = tmp_path / "run"
-    code = train.main(ARGS + ["--dataset", f"hfids/{toy}", "--data-dir", str(cache), "--output", str(output), *extra])
+    code = train.main(run_argv(dataset=f"hfids/{toy}", data_dir=cache, output=output) + extra)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected.format(toy=toy) in err[0], err
     assert not output.exists()

@@ -4,6 +4,7 @@ A shard set trains and is evaluated whole; a corrupt (truncated) shard, a missin
 subsampling of a stream each stop the run before any work with one line and exit 2, writing nothing.
 """
 
+import functools
 import io
 import json
 import tarfile
@@ -18,34 +19,7 @@ from convbias.cli import train
 pytest.importorskip("webdataset")
 
 SIZE = 16
-ARGS = [
-    "--model",
-    "convit_tiny",
-    "--model-kwargs",
-    "patch_size=4",
-    "depth=2",
-    "local_up_to_layer=1",
-    "embed_dim=8",
-    "--img-size",
-    str(SIZE),
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--batch-size",
-    "8",
-    "--lr",
-    "2e-3",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--epochs",
-    "2",
-    "--diagnostics-images",
-    "4",
-]
+RUN = dict(img_size=SIZE, batch_size=8, lr=2e-3, epochs=2, diagnostics_images=4, dataset="wds/toy")
 
 
 def write_shards(root: Path, per_split: dict[str, int], shards: int = 2) -> None:
@@ -82,9 +56,18 @@ def shards(tmp_path):
     return root
 
 
-def test_a_wds_shard_set_trains(shards, tmp_path):
+@pytest.fixture()
+def run_argv(cli_argv, shards):
+    """`run_argv(**options)`: a tiny ConViT of 4x4 patches on the shards, without augmentation."""
+    model_kwargs = dict(cli_argv.TINY_CONVIT["model_kwargs"], patch_size=4)
+    return functools.partial(
+        cli_argv, cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, RUN, model_kwargs=model_kwargs, data_dir=shards
+    )
+
+
+def test_a_wds_shard_set_trains(run_argv, tmp_path):
     output = tmp_path / "run"
-    results = train.run(ARGS + ["--dataset", "wds/toy", "--data-dir", str(shards), "--output", str(output)])
+    results = train.run(run_argv(output=output))
     log = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
     assert [record["epoch"] for record in log] == [1, 2]
     assert log[-1]["train_loss"] < log[0]["train_loss"]
@@ -105,7 +88,7 @@ def test_a_wds_shard_set_trains(shards, tmp_path):
         ),
     ],
 )
-def test_bad_stream_input_is_one_line_and_writes_nothing(shards, tmp_path, capsys, mistake, expected):
+def test_bad_stream_input_is_one_line_and_writes_nothing(shards, run_argv, tmp_path, capsys, mistake, expected):
     """(--workers 3 over 2 shards: the third worker would read nothing and the epoch end after 64 of 96 images.)"""
     extra = []
     if mistake == "truncate":
@@ -118,19 +101,19 @@ def test_bad_stream_input_is_one_line_and_writes_nothing(shards, tmp_path, capsy
     else:
         extra = ["--workers", "3"]
     output = tmp_path / "run"
-    code = train.main(ARGS + ["--dataset", "wds/toy", "--data-dir", str(shards), "--output", str(output), *extra])
+    code = train.main(run_argv(output=output) + extra)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
     assert not output.exists()
 
 
-def test_a_stream_resumes_mid_epoch_exactly(shards, tmp_path, monkeypatch):
+def test_a_stream_resumes_mid_epoch_exactly(run_argv, tmp_path, monkeypatch):
     """A stop after step 5 of epoch 1 (the preemption check answers yes on its 5th call), then --resume auto:
     the stream is replayed from the epoch's start and its first 5 batches dropped; the metrics are those of
     the uninterrupted run."""
     from convbias.engine.preemption import REQUEUE_EXIT_CODE, PreemptionSignals
 
-    args = ARGS + ["--dataset", "wds/toy", "--data-dir", str(shards), "--no-diagnostics"]
+    args = run_argv(no_diagnostics=True)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     assert train.main(args + ["--output", str(reference)]) == 0
     calls = []

@@ -86,10 +86,10 @@ TINY_RUN_OPTIONS = dict(
 def seed_runs(tmp_path_factory):
     """A two-seed sweep of a tiny DeiT on digits, its train.py runs executed in this process."""
     from convbias.cli import train
-    from convbias.experiments import sweep
+    from convbias.experiments import sweep, sweep_spec
 
     root = tmp_path_factory.mktemp("ensemble")
-    spec = sweep.normalize_spec({"set": TINY_RUN_OPTIONS, "grid": {"seed": [0, 1]}, "scale_epochs": False})
+    spec = sweep_spec.normalize_spec({"set": TINY_RUN_OPTIONS, "grid": {"seed": [0, 1]}, "scale_epochs": False})
     prepared = sweep.Sweep.prepare(spec, root)
     results = [train.run(cmd[3:]) for cmd in prepared.commands()]  # python -m convbias.cli.train ARGS
     return prepared, results

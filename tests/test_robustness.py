@@ -355,42 +355,26 @@ def _read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_cli_writes_the_table_and_the_comparison_plot(trained, tmp_path, capsys):
+def test_cli_writes_the_table_and_the_comparison_plot(trained, tmp_path, capsys, cli_argv):
     cli = _load_cli()
     _write_digit_folder(tmp_path / "A", trained["bundle"], ["3", "7"])
     out = tmp_path / "out"
     code = cli.main(
-        [
-            "--model",
-            MODEL,
-            "--checkpoint",
-            str(trained["weights"] / "trained.safetensors"),
-            "--compare-model",
-            MODEL,
-            "--compare-checkpoint",
-            str(trained["weights"] / "untrained.safetensors"),
-            "--img-size",
-            str(IMG_SIZE),
-            "--max-images",
-            "64",
-            "--eps",
-            "8",
-            "--pgd-step-size",
-            "4",
-            "--corruptions",
-            "gaussian_noise",
-            "contrast",
-            "zoom_blur",
-            "--severities",
-            "1",
-            "5",
-            "--imagenet-a",
-            str(tmp_path / "A"),
-            "--workers",
-            "0",
-            "--output",
-            str(out),
-        ]
+        cli_argv(
+            model=MODEL,
+            checkpoint=trained["weights"] / "trained.safetensors",
+            compare_model=MODEL,
+            compare_checkpoint=trained["weights"] / "untrained.safetensors",
+            img_size=IMG_SIZE,
+            max_images=64,
+            eps=8,
+            pgd_step_size=4,
+            corruptions=["gaussian_noise", "contrast", "zoom_blur"],
+            severities=[1, 5],
+            imagenet_a=tmp_path / "A",
+            workers=0,
+            output=out,
+        )
     )
     assert code == 0
     table = _read_csv(out / "robustness.csv")
@@ -416,7 +400,7 @@ def test_cli_writes_the_table_and_the_comparison_plot(trained, tmp_path, capsys)
     assert "wrote" in capsys.readouterr().out
 
 
-def test_cli_reads_an_imagenet_c_folder(trained, tmp_path):
+def test_cli_reads_an_imagenet_c_folder(trained, tmp_path, cli_argv):
     """Stored corrupted images are evaluated as they are: a folder made of gaussian_noise at
     severity 5 gives the accuracy of the model on exactly those images."""
     cli = _load_cli()
@@ -433,28 +417,18 @@ def test_cli_reads_an_imagenet_c_folder(trained, tmp_path):
         (tmp_path / "C" / "gaussian_noise" / "5" / name).mkdir(parents=True, exist_ok=True)
     out = tmp_path / "out"
     code = cli.main(
-        [
-            "--model",
-            MODEL,
-            "--checkpoint",
-            str(trained["weights"] / "trained.safetensors"),
-            "--img-size",
-            str(IMG_SIZE),
-            "--max-images",
-            "64",
-            "--attacks",
-            "none",
-            "--imagenet-c",
-            str(tmp_path / "C"),
-            "--corruptions",
-            "gaussian_noise",
-            "--severities",
-            "5",
-            "--workers",
-            "0",
-            "--output",
-            str(out),
-        ]
+        cli_argv(
+            model=MODEL,
+            checkpoint=trained["weights"] / "trained.safetensors",
+            img_size=IMG_SIZE,
+            max_images=64,
+            attacks="none",
+            imagenet_c=tmp_path / "C",
+            corruptions="gaussian_noise",
+            severities=5,
+            workers=0,
+            output=out,
+        )
     )
     assert code == 0
     expected = accuracy(trained["pixel_model"], [(stored.float() / 255, labels)])
@@ -475,7 +449,7 @@ def test_cli_reads_an_imagenet_c_folder(trained, tmp_path):
         (["--imagenet-a", "UNMAPPED_A"], "x_not_a_digit"),
     ],
 )
-def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, extra, message):
+def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, cli_argv, extra, message):
     cli = _load_cli()
     extra = [str(tmp_path / "C") if arg == "MISSING_C" else arg for arg in extra]
     if "UNMAPPED_A" in extra:
@@ -484,19 +458,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, extra, 
     if "--imagenet-c" in extra:
         (tmp_path / "C" / "gaussian_noise" / "1").mkdir(parents=True)
         extra += ["--corruptions", "gaussian_noise", "contrast", "--severities", "1"]
-    code = cli.main(
-        [
-            "--model",
-            MODEL,
-            "--checkpoint",
-            str(trained["weights"] / "trained.safetensors"),
-            "--img-size",
-            str(IMG_SIZE),
-            "--output",
-            str(tmp_path / "out"),
-            *extra,
-        ]
-    )
+    weights = trained["weights"] / "trained.safetensors"
+    code = cli.main(cli_argv(model=MODEL, checkpoint=weights, img_size=IMG_SIZE, output=tmp_path / "out") + extra)
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
@@ -505,20 +468,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, extra, 
         assert str(tmp_path / "A") in err and "'3'" not in err
 
 
-def test_cli_rejects_weights_of_another_model(trained, tmp_path, capsys):
+def test_cli_rejects_weights_of_another_model(trained, tmp_path, capsys, cli_argv):
     cli = _load_cli()
-    code = cli.main(
-        [
-            "--model",
-            "resnet10t",
-            "--checkpoint",
-            str(trained["weights"] / "trained.safetensors"),
-            "--img-size",
-            str(IMG_SIZE),
-            "--output",
-            str(tmp_path / "out"),
-        ]
-    )
+    weights = trained["weights"] / "trained.safetensors"
+    code = cli.main(cli_argv(model="resnet10t", checkpoint=weights, img_size=IMG_SIZE, output=tmp_path / "out"))
     err = capsys.readouterr().err
     assert code == 2 and "does not fit this model" in err and "trained.safetensors" in err, err
     assert err.count("\n") == 1

@@ -303,46 +303,25 @@ def test_bad_input_is_refused_before_any_work(kwargs, message):
 
 
 # ------------------------------------------------------------------ a short training run and the command
-RUN_ARGS = [
-    "--model",
-    "vanilla_cnn",
-    "--model-kwargs",
-    "channels=4",
-    "--dataset",
-    "digits",
-    "--img-size",
-    "16",
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--batch-size",
-    "32",
-    "--lr",
-    "3e-3",
-    "--warmup-epochs",
-    "0",
-    "--drop-path",
-    "0",
-    "--workers",
-    "0",
-    "--epochs",
-    "2",
-    "--diagnostics-images",
-    "24",
-    "--save-epochs",
-    "0",
-    "2",
-]
+RUN = dict(
+    model="vanilla_cnn",
+    model_kwargs=dict(channels=4),
+    img_size=16,
+    batch_size=32,
+    lr=3e-3,
+    drop_path=0,
+    epochs=2,
+    diagnostics_images=24,
+    save_epochs=[0, 2],
+)
 
 
 @pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
+def digits_run(tmp_path_factory, cli_argv):
     from convbias.cli import train
 
     output = tmp_path_factory.mktemp("stability") / "run"
-    return output, train.run(RUN_ARGS + ["--output", str(output)])
+    return output, train.run(cli_argv(cli_argv.PLAIN_DIGITS, RUN, output=output))
 
 
 def _val_images(count):

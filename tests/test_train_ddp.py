@@ -6,6 +6,7 @@ rounding differences at rounding size (Adam divides near-zero gradients by their
 torchrun launcher (`--multi_gpu`) with ACCELERATE_USE_CPU=1, which is accelerate's multi-CPU mode.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -32,41 +33,17 @@ weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
 save_file({k: v.detach().contiguous() for k, v in weights.items()}, f"{dump_dir}/rank{rank}.safetensors")
 """
 LAUNCH_TIMEOUT_S = 300  # a collective that one rank never joins hangs: fail instead
-TRAIN_ARGS = [
-    "--model",
-    "convit_tiny",
-    "--model-kwargs",
-    "patch_size=2",
-    "depth=2",
-    "local_up_to_layer=1",
-    "embed_dim=16",
-    "--img-size",
-    "8",
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--drop-path",
-    "0",
-    "--opt",
-    "sgd",
-    "--lr",
-    "0.05",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--epochs",
-    "1",
-    "--train-fraction",
-    "0.3",
-    "--save-epochs",
-    "0",
-]
+SGD = dict(drop_path=0, opt="sgd", lr=0.05, epochs=1, save_epochs=0)
 
 
-def launch(tmp_path: Path, name: str, processes: int, batch_size: int, train_args: list[str] = TRAIN_ARGS) -> Path:
+@pytest.fixture(scope="module")
+def run_argv(cli_argv):
+    """`run_argv(**options)`: a tiny ConViT of width 16 trained by SGD, no augmentation, no drop path."""
+    model_kwargs = dict(cli_argv.TINY_CONVIT["model_kwargs"], embed_dim=16)
+    return functools.partial(cli_argv, cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, SGD, model_kwargs=model_kwargs)
+
+
+def launch(tmp_path: Path, name: str, processes: int, batch_size: int, train_args: list[str]) -> Path:
     dump = tmp_path / name
     dump.mkdir()
     script = tmp_path / "dump_weights.py"
@@ -99,9 +76,10 @@ def launch(tmp_path: Path, name: str, processes: int, batch_size: int, train_arg
     return dump
 
 
-def test_two_processes_train_the_same_model_as_one(tmp_path):
-    two = launch(tmp_path, "two", processes=2, batch_size=8)
-    one = launch(tmp_path, "one", processes=1, batch_size=16)
+def test_two_processes_train_the_same_model_as_one(tmp_path, run_argv):
+    train_args = run_argv(train_fraction=0.3)
+    two = launch(tmp_path, "two", processes=2, batch_size=8, train_args=train_args)
+    one = launch(tmp_path, "one", processes=1, batch_size=16, train_args=train_args)
 
     rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "DDP ranks diverged"
@@ -126,7 +104,7 @@ def test_two_processes_train_the_same_model_as_one(tmp_path):
     assert abs(float(row_two.split(",")[eval_loss]) - float(row_one.split(",")[eval_loss])) < 1e-3
 
 
-def test_two_processes_stream_a_dataset_and_evaluate_all_of_it(tmp_path, hf_toy):
+def test_two_processes_stream_a_dataset_and_evaluate_all_of_it(tmp_path, hf_toy, run_argv):
     """hfids/ under 2 processes: timm's reader gives each rank its own part of the stream (one parquet shard:
     every other example), the ranks stay identical, and the 13 validation images, split 7/6 between the
     ranks and read in batches of 2 (4 batches against 3), are evaluated whole: the final metrics are those
@@ -135,8 +113,7 @@ def test_two_processes_stream_a_dataset_and_evaluate_all_of_it(tmp_path, hf_toy)
     root, cache = tmp_path / "toy", tmp_path / "cache"
     cache.mkdir()
     hf_toy.write(root, {"train": 48, "validation": 13}, card=True)
-    stream_args = [arg for arg in TRAIN_ARGS if arg not in ("--train-fraction", "0.3")]
-    stream_args += ["--dataset", f"hfids/{root}", "--data-dir", str(cache), "--eval-batch-size", "2"]
+    stream_args = run_argv(dataset=f"hfids/{root}", data_dir=cache, eval_batch_size=2)
     two = launch(tmp_path, "two", processes=2, batch_size=8, train_args=stream_args)
 
     rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")

@@ -1,6 +1,7 @@
 """A real (short) training run on scikit-learn's digits, its output directory, eval-only, wandb offline."""
 
 import csv
+import functools
 import json
 import re
 
@@ -13,45 +14,27 @@ from convbias.engine.checkpoint import load_weights, save_weights
 from convbias.engine.config import parse_config
 from convbias.engine.run_log import SUMMARY_FIELDS
 
-# A 2-block ConViT (one GPSA block, one SA block) of width 64 on the 8x8 digits: 16 tokens of 2x2 pixels.
-MODEL_ARGS = [
-    "--model",
-    "convit_tiny",
-    "--model-kwargs",
-    "patch_size=2",
-    "depth=2",
-    "local_up_to_layer=1",
-    "embed_dim=16",
-    "--dataset",
-    "digits",
-    "--img-size",
-    "8",
-    "--crop-pct",
-    "1",
-]
-TRAIN_ARGS = MODEL_ARGS + [
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--batch-size",
-    "16",
-    "--lr",
-    "1e-3",
-    "--warmup-epochs",
-    "0",
-    "--weight-decay",
-    "0",
-    "--workers",
-    "0",
-    "--seed",
-    "0",
-]
+TRAIN = dict(batch_size=16, lr=1e-3, weight_decay=0, seed=0)
 
 
 @pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
+def model_argv(cli_argv):
+    """`model_argv(**options)`: a 2-block ConViT (one GPSA block, one SA block) of width 16 on the 8x8 digits,
+    16 tokens of 2x2 pixels."""
+    model_kwargs = dict(cli_argv.TINY_CONVIT["model_kwargs"], embed_dim=16)
+    return functools.partial(cli_argv, cli_argv.TINY_CONVIT, model_kwargs=model_kwargs, dataset="digits")
+
+
+@pytest.fixture(scope="module")
+def train_argv(cli_argv, model_argv):
+    """`train_argv(**options)`: that ConViT trained without augmentation, weight decay or warm-up."""
+    return functools.partial(model_argv, cli_argv.PLAIN_DIGITS, TRAIN)
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory, train_argv):
     output = tmp_path_factory.mktemp("digits") / "run"
-    results = train.run(TRAIN_ARGS + ["--epochs", "3", "--output", str(output)])
+    results = train.run(train_argv(epochs=3, output=output))
     return output, results
 
 
@@ -90,24 +73,20 @@ def test_output_dir_holds_log_config_and_checkpoints(digits_run):
     load_weights(model, best)
 
 
-def test_eval_only_prints_top1_and_top5(digits_run, capsys):
+def test_eval_only_prints_top1_and_top5(digits_run, capsys, model_argv):
     output, results = digits_run
-    assert (
-        train.main(MODEL_ARGS + ["--eval-only", "--checkpoint", str(output), "--which", "best", "--workers", "0"]) == 0
-    )
+    assert train.main(model_argv(eval_only=True, checkpoint=output, which="best", workers=0)) == 0
     printed = re.search(r"top1 ([\d.]+)\s+top5 ([\d.]+)", capsys.readouterr().out)
     assert printed, "eval-only printed no top1/top5"
     assert float(printed.group(1)) == pytest.approx(results["best_top1"], abs=0.01)
     assert float(printed.group(2)) == pytest.approx(results["best_top5"], abs=0.01)
 
 
-def test_wandb_offline_run_records_the_run(tmp_path, monkeypatch):
+def test_wandb_offline_run_records_the_run(tmp_path, monkeypatch, train_argv):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     output = tmp_path / "run"
-    results = train.run(
-        TRAIN_ARGS + ["--epochs", "1", "--train-fraction", "0.2", "--log-wandb", "--output", str(output)]
-    )
+    results = train.run(train_argv(epochs=1, train_fraction=0.2, log_wandb=True, output=output))
     runs = list((output / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((output / "wandb").iterdir())
     console = (runs[0] / "files" / "output.log").read_text()  # wandb's capture of the run's console
@@ -129,7 +108,7 @@ def test_every_epoch_record_reaches_the_tracker(tmp_path):
     assert Tracker.logged == [(1, {"epoch": 1, "train_loss": 2.0, "eval_top1": 50.0})]
 
 
-def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path):
+def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path, train_argv):
     """The engine's training loss is DeiT's hard distillation against the teacher read from the file."""
     from convbias.engine.trainer import Trainer
     from convbias.families import load_families
@@ -141,17 +120,12 @@ def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path):
     save_weights(teacher.state_dict(), tmp_path / "teacher.safetensors")
     trainer = Trainer(
         parse_config(
-            TRAIN_ARGS
-            + [
-                "--epochs",
-                "1",
-                "--distill-teacher",
-                "test_resnet",
-                "--distill-teacher-file",
-                str(tmp_path / "teacher.safetensors"),
-                "--output",
-                str(tmp_path / "run"),
-            ]
+            train_argv(
+                epochs=1,
+                distill_teacher="test_resnet",
+                distill_teacher_file=tmp_path / "teacher.safetensors",
+                output=tmp_path / "run",
+            )
         ),
         load_families(),
     )
@@ -162,38 +136,25 @@ def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path):
     torch.testing.assert_close(trainer.train_loss(images, logits, targets), expected)
 
 
-def test_ema_is_evaluated_and_saved(tmp_path):
+def test_ema_is_evaluated_and_saved(tmp_path, model_argv, train_argv):
     output = tmp_path / "run"
-    train.run(
-        TRAIN_ARGS
-        + [
-            "--epochs",
-            "1",
-            "--train-fraction",
-            "0.2",
-            "--model-ema",
-            "--model-ema-decay",
-            "0.9",
-            "--output",
-            str(output),
-        ]
-    )
+    train.run(train_argv(epochs=1, train_fraction=0.2, model_ema=True, model_ema_decay=0.9, output=output))
     record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
     ema_file = output / "checkpoints" / "last" / "ema.safetensors"
-    evaluated = train.run(MODEL_ARGS + ["--eval-only", "--checkpoint", str(ema_file), "--workers", "0"])
+    evaluated = train.run(model_argv(eval_only=True, checkpoint=ema_file, workers=0))
     assert evaluated["eval_top1"] == pytest.approx(record["ema_eval_top1"])
     assert evaluated["eval_loss"] == pytest.approx(record["ema_eval_loss"])
     assert record["ema_eval_loss"] != pytest.approx(record["eval_loss"])  # the EMA is not the model itself
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, train_argv):
     from convbias.engine.config import parse_config
     from convbias.engine.trainer import NonFiniteLossError, Trainer
     from convbias.families import load_families
 
     output = tmp_path / "run"
     trainer = Trainer(
-        parse_config(TRAIN_ARGS + ["--epochs", "2", "--train-fraction", "0.2", "--output", str(output)]),
+        parse_config(train_argv(epochs=2, train_fraction=0.2, output=output)),
         load_families(),
     )
     real_loss = trainer.train_loss
@@ -221,37 +182,27 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
     )
 
 
-def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path):
+def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path, cli_argv):
     from safetensors.torch import load_file
 
     source = timm.create_model("resnet18", num_classes=1000)  # ImageNet-shaped: 3 channels, 1000 classes
     save_weights(source.state_dict(), tmp_path / "resnet18.safetensors")
     output = tmp_path / "run"
     train.run(
-        [
-            "--model",
-            "resnet18",
-            "--pretrained-file",
-            str(tmp_path / "resnet18.safetensors"),
-            "--img-size",
-            "32",
-            "--no-aug",
-            "--repeated-aug",
-            "1",
-            "--train-fraction",
-            "0.1",
-            "--batch-size",
-            "16",
-            "--workers",
-            "0",
-            "--epochs",
-            "1",
-            "--save-epochs",
-            "0",
-            "--no-diagnostics",
-            "--output",
-            str(output),
-        ]
+        cli_argv(
+            model="resnet18",
+            pretrained_file=tmp_path / "resnet18.safetensors",
+            img_size=32,
+            no_aug=True,
+            repeated_aug=1,
+            train_fraction=0.1,
+            batch_size=16,
+            workers=0,
+            epochs=1,
+            save_epochs=0,
+            no_diagnostics=True,
+            output=output,
+        )
     )
     start = load_file(output / "checkpoints" / "epoch_0.safetensors")
     assert torch.equal(start["layer1.0.conv1.weight"], source.state_dict()["layer1.0.conv1.weight"])

@@ -32,44 +32,25 @@ from convbias.engine.checkpoint import STATE_FILE, load_training_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate enables FSDP only on GPUs")
 
-ARGS = [
-    "--model",
-    "convit_tiny",
-    "--model-kwargs",
-    "patch_size=2",
-    "depth=2",
-    "local_up_to_layer=1",
-    "embed_dim=8",
-    "--img-size",
-    "8",
-    "--crop-pct",
-    "1",
-    "--train-fraction",
-    "0.3",
-    "--batch-size",
-    "16",
-    "--workers",
-    "2",
-    "--epochs",
-    "2",
-    "--warmup-epochs",
-    "1",
-    "--checkpoint-interval",
-    "4",
-    "--diagnostics-images",
-    "4",
-    "--model-ema",
-    "--model-ema-decay",
-    "0.9",
-    "--lr",
-    "5e-3",
-    "--save-epochs",
-    "0",
-]
+RUN = dict(
+    train_fraction=0.3,
+    batch_size=16,
+    workers=2,
+    epochs=2,
+    warmup_epochs=1,
+    checkpoint_interval=4,
+    diagnostics_images=4,
+    model_ema=True,
+    model_ema_decay=0.9,
+    lr=5e-3,
+    save_epochs=0,
+)
 TIMINGS = ("epoch_seconds", "images_per_sec")  # the only entries of log.jsonl that may differ between runs
 
 
-def _launch(train_script: str, output: Path, *extra: str, fsdp_version: int | None = 2) -> subprocess.Popen:
+def _launch(
+    train_script: str, args: list[str], output: Path, *extra: str, fsdp_version: int | None = 2
+) -> subprocess.Popen:
     launcher = (
         []
         if fsdp_version is None
@@ -91,7 +72,7 @@ def _launch(train_script: str, output: Path, *extra: str, fsdp_version: int | No
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, *launcher, train_script, *ARGS, "--output", str(output), *extra],
+        [sys.executable, *launcher, train_script, *args, "--output", str(output), *extra],
         env=env,
         cwd=output.parent,
         text=True,
@@ -126,9 +107,9 @@ def assert_same_metrics(run: Path, reference: Path) -> None:
 
 
 @pytest.fixture
-def launch(console_script):
+def launch(console_script, cli_argv):
     """`launch(output, *extra, fsdp_version=2)`: the installed convbias-train under accelerate's FSDP (or alone)."""
-    return functools.partial(_launch, console_script("convbias-train"))
+    return functools.partial(_launch, console_script("convbias-train"), cli_argv(cli_argv.TINY_CONVIT, RUN))
 
 
 def training_process(launcher: subprocess.Popen) -> int:

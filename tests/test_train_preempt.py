@@ -23,39 +23,27 @@ from convbias.engine.checkpoint import STATE_FILE, load_training_state, write_ma
 from convbias.engine.preemption import REQUEUE_EXIT_CODE
 
 FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
-ARGS = [
-    "--model",
-    "convit_tiny",
-    "--model-kwargs",
-    "patch_size=2",
-    "depth=2",
-    "local_up_to_layer=1",
-    "embed_dim=8",
-    "--img-size",
-    "8",
-    "--crop-pct",
-    "1",
-    "--train-fraction",
-    "0.3",
-    "--batch-size",
-    "16",
-    "--workers",
-    "2",
-    "--epochs",
-    "2",
-    "--warmup-epochs",
-    "1",
-    "--checkpoint-interval",
-    "4",
-    "--diagnostics-images",
-    "4",
-]
+# a tiny ConViT on the digits with the recipe's augmentation, 2 loader workers and a resume point every 4 steps
+RUN = dict(
+    train_fraction=0.3,
+    batch_size=16,
+    workers=2,
+    epochs=2,
+    warmup_epochs=1,
+    checkpoint_interval=4,
+    diagnostics_images=4,
+)
 
 
-def _train(script: str, output: Path, *extra: str, **popen) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def args(cli_argv) -> list[str]:
+    return cli_argv(cli_argv.TINY_CONVIT, RUN)
+
+
+def _train(script: str, args: list[str], output: Path, *extra: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [script, *ARGS, "--output", str(output), *extra],
+        [script, *args, "--output", str(output), *extra],
         env=env,
         cwd=output.parent,
         start_new_session=True,
@@ -67,9 +55,9 @@ def _train(script: str, output: Path, *extra: str, **popen) -> subprocess.Popen:
 
 
 @pytest.fixture
-def train(console_script):
+def train(console_script, args):
     """`train(output, *extra)`: convbias-train in a subprocess of its own process group."""
-    return functools.partial(_train, console_script("convbias-train"))
+    return functools.partial(_train, console_script("convbias-train"), args)
 
 
 def summary(output: Path) -> list[tuple[str, ...]]:
@@ -135,11 +123,11 @@ def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path,
         (["--compile", "--compile-backend", "nope"], "unknown --compile-backend 'nope'"),
     ],
 )
-def test_bad_scale_out_options_are_one_line(tmp_path, capsys, option, expected):
+def test_bad_scale_out_options_are_one_line(tmp_path, capsys, args, option, expected):
     from convbias.cli import train as cli
 
     output = tmp_path / "run"
-    assert cli.main(ARGS + ["--output", str(output), *option]) == 2
+    assert cli.main(args + ["--output", str(output), *option]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
     assert not output.exists()

@@ -12,47 +12,26 @@ from convbias.engine.checkpoint import load_training_state
 
 pytest.importorskip("transformed_cnn.transform")
 
-ARGS = [
-    "--model",
-    "test_resnet",
-    "--dataset",
-    "digits",
-    "--img-size",
-    "32",
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--train-fraction",
-    "0.2",
-    "--batch-size",
-    "16",
-    "--lr",
-    "1e-3",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--epochs",
-    "2",
-    "--drop-path",
-    "0",
-    "--reparametrize",
-    "tcnn",
-    "--reparametrize-at-epoch",
-    "1",
-    "--reparametrize-kwargs",
-    "init=paper",
-    "--no-diagnostics",
-    "--param-group-lr",
-    "gating_param=0.1",
-]
+TCNN_AT_EPOCH_1 = dict(
+    model="test_resnet",
+    img_size=32,
+    train_fraction=0.2,
+    batch_size=16,
+    lr=1e-3,
+    epochs=2,
+    drop_path=0,
+    reparametrize="tcnn",
+    reparametrize_at_epoch=1,
+    reparametrize_kwargs=dict(init="paper"),
+    no_diagnostics=True,
+)
 
 
-def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, capsys):
+def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, capsys, cli_argv):
     output = tmp_path / "run"
-    results = train.run(ARGS + ["--output", str(output)])
+    results = train.run(
+        cli_argv(cli_argv.PLAIN_DIGITS, TCNN_AT_EPOCH_1, param_group_lr=dict(gating_param=0.1), output=output)
+    )
     assert "reparametrized the model" in capsys.readouterr().out
     names = load_file(str(output / "checkpoints" / "last" / "model.safetensors")).keys()
     assert {"layer4.0.conv1.gating_param", "layer4.0.conv2.pos_proj.weight"} <= names
@@ -73,11 +52,7 @@ def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, c
     assert steps["conv1.0.weight"] == steps["layer1.0.conv1.weight"] == 2 * per_epoch  # kept across the change
 
     # the checkpoint is a T-CNN: eval-only rebuilds the transformed architecture before loading it
-    eval_args = ARGS[: ARGS.index("--reparametrize-at-epoch")] + [
-        "--reparametrize-kwargs",
-        "init=paper",
-        "--no-diagnostics",
-    ]
+    eval_args = cli_argv(cli_argv.PLAIN_DIGITS, TCNN_AT_EPOCH_1, reparametrize_at_epoch=None)
     metrics = train.run(eval_args + ["--eval-only", "--checkpoint", str(output / "checkpoints" / "last")])
     assert metrics["eval_top1"] == pytest.approx(results["final_top1"])
     assert json.loads((output / "results.json").read_text())["epochs"] == 2
