@@ -3,6 +3,7 @@ divided by alpha^2 (autograd of the explicit formula, and a linear model's close
 
 import copy
 import csv
+import functools
 import json
 import math
 import subprocess
@@ -92,48 +93,31 @@ def test_non_positive_alpha_is_refused(bad):
 
 
 # ------------------------------------------------------------------------------ the engine's --output-scale
-TINY = [
-    "--model",
-    "deit_tiny_patch16_224",
-    "--model-kwargs",
-    "patch_size=2",
-    "embed_dim=32",
-    "depth=1",
-    "num_heads=2",
-    "--dataset",
-    "digits",
-    "--img-size",
-    "8",
-    "--crop-pct",
-    "1",
-    "--no-aug",
-    "--repeated-aug",
-    "1",
-    "--batch-size",
-    "128",
-    "--opt",
-    "sgd",
-    "--lr",
-    "0.05",
-    "--weight-decay",
-    "0",
-    "--drop-path",
-    "0",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--diagnostics-images",
-    "2",
-]
+TINY_DEIT = dict(
+    model="deit_tiny_patch16_224",
+    model_kwargs=dict(patch_size=2, embed_dim=32, depth=1, num_heads=2),
+    img_size=8,
+    batch_size=128,
+    opt="sgd",
+    lr=0.05,
+    weight_decay=0,
+    drop_path=0,
+    diagnostics_images=2,
+)
 
 
-def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path):
+@pytest.fixture(scope="module")
+def deit_argv(cli_argv):
+    """`deit_argv(**options)`: a one-block DeiT on the digits, trained with SGD."""
+    return functools.partial(cli_argv, cli_argv.PLAIN_DIGITS, TINY_DEIT)
+
+
+def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path, deit_argv):
     from convbias.cli import train
     from convbias.weights import read_state_dict, weights_metadata
 
     output = tmp_path / "run"
-    results = train.run(TINY + ["--epochs", "2", "--output-scale", "100", "--output", str(output)])
+    results = train.run(deit_argv(epochs=2, output_scale=100, output=output))
     records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
     changes = [r["ntk_relative_change"] for r in records]
     assert 0 < changes[0] <= changes[1] < 0.2  # large alpha: the kernel barely moves (lazy)
@@ -142,30 +126,28 @@ def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path):
     assert weights_metadata(weights)["output_scale"] == "100.0"
     state = read_state_dict(weights)
     assert any(key.startswith("initial.") for key in state) and any(key.startswith("model.") for key in state)
-    evaluated = train.run(
-        TINY + ["--eval-only", "--checkpoint", str(output), "--which", "best", "--output", str(tmp_path / "eval")]
-    )
+    evaluated = train.run(deit_argv(eval_only=True, checkpoint=output, which="best", output=tmp_path / "eval"))
     assert evaluated["eval_top1"] == pytest.approx(results["best_top1"])  # the wrapper is rebuilt from metadata
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "inf"])
-def test_train_refuses_a_non_positive_output_scale(tmp_path, capsys, value):
+def test_train_refuses_a_non_positive_output_scale(tmp_path, capsys, deit_argv, value):
     from convbias.cli import train
 
-    assert train.main(TINY + ["--output-scale", value, "--output", str(tmp_path / "run")]) == 2
+    assert train.main(deit_argv(output_scale=value, output=tmp_path / "run")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --output-scale must be a") and "finite number" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
 
 
-def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, console_script):
+def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, console_script, deit_argv):
     """convbias-regimes on a one-run sweep directory: the run's own final top-1 and logged kernel change,
     and the local-energy curve, whose sigma = 0 point is the run's training error."""
     from convbias.cli import train
 
     sweep = tmp_path / "sweep"
     run = sweep / "runs" / "a10"
-    results = train.run(TINY + ["--epochs", "1", "--output-scale", "10", "--output", str(run)])
+    results = train.run(deit_argv(epochs=1, output_scale=10, output=run))
     (sweep / "runs.csv").write_text("run,model\na10,convit_tiny\n")
     done = subprocess.run([console_script("convbias-regimes"), str(sweep)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -194,3 +176,48 @@ def test_regimes_without_a_sweep_is_one_error_line(tmp_path, capsys):
         f"error: {tmp_path / 'runs.csv'} not found; run the sweep first (convbias-sweep run ...)"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_regimes_over_seeds_matches_student_t_intervals():
+    """Each (model, alpha) over seeds: the mean and scipy's 95% t interval of top-1 and training error,
+    the kernel change's geometric mean (t interval of the logs), and top-1 minus the same model at
+    alpha = 1 paired by seed."""
+    from scipy import stats
+
+    from convbias.experiments.regimes import markdown, over_seeds
+
+    top1 = {1.0: [90.0, 92.0, 95.0], 10.0: [80.0, 85.0, 83.0]}
+    ntk = {1.0: [1.0, 2.0, 4.0], 10.0: [0.1, 0.2, 0.3]}
+    rows = [
+        {
+            "run": f"a{alpha:g}__seed{seed}",
+            "seed": seed,
+            "model": "convit_tiny",
+            "alpha": alpha,
+            "top1": top1[alpha][seed],
+            "ntk_change": ntk[alpha][seed],
+            "train_error_sigma0": 100 - top1[alpha][seed],
+            "train_error_sigma0.1": 50.0 + seed,
+        }
+        for alpha in (10.0, 1.0)
+        for seed in (2, 0, 1)  # order-free: pairs are formed by seed
+    ]
+    summary = {row["alpha"]: row for row in over_seeds(rows)}
+
+    def t_interval(values):
+        values = torch.tensor(values, dtype=torch.float64)
+        sem = values.std() / math.sqrt(len(values))
+        return stats.t.interval(0.95, len(values) - 1, loc=values.mean().item(), scale=sem.item())
+
+    lazy = summary[10.0]
+    assert lazy["n"] == 3 and lazy["top1"] == pytest.approx(sum(top1[10.0]) / 3)
+    assert (lazy["top1_low"], lazy["top1_high"]) == pytest.approx(t_interval(top1[10.0]))
+    gaps = [a - b for a, b in zip(top1[10.0], top1[1.0])]
+    assert lazy["top1_gap"] == pytest.approx(sum(gaps) / 3)
+    assert (lazy["top1_gap_low"], lazy["top1_gap_high"]) == pytest.approx(t_interval(gaps))
+    low, high = t_interval([math.log(v) for v in ntk[10.0]])
+    assert lazy["ntk_change"] == pytest.approx((0.1 * 0.2 * 0.3) ** (1 / 3))
+    assert (lazy["ntk_change_low"], lazy["ntk_change_high"]) == pytest.approx((math.exp(low), math.exp(high)))
+    assert summary[1.0]["top1_gap"] == 0  # the reference point against itself
+    table = markdown(list(summary.values()))
+    assert f"| convit_tiny | 10 | 3 | {lazy['top1']:.1f} [{lazy['top1_low']:.1f}, {lazy['top1_high']:.1f}] |" in table

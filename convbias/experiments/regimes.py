@@ -5,14 +5,19 @@ For every complete run of a sweep directory (its runs.csv): the output scale alp
 the tangent kernel's relative change ||Theta_end - Theta_0|| / ||Theta_0|| logged by the engine's
 ``ntk`` diagnostic at the last evaluation, and the local-energy curve of the final weights on the
 training set (``convbias.evaluation.landscape.local_energy``: error under multiplicative weight noise).
-`write` saves regimes.csv and regimes.png (top-1, kernel change and local energy against alpha, per
-model); the console script is ``convbias-regimes SWEEP_DIR`` (`convbias.cli.regimes`).
+With several seeds per point, `over_seeds` gives each (model, alpha) its n and 95% t intervals: top-1,
+its gap to the same model at alpha = 1 paired by seed (a seed fixes the initial weights and the data order),
+the kernel change as a geometric mean (it spans orders of magnitude) and the training error with and
+without weight noise. `write` saves regimes.csv (one row per run), regimes_seeds.csv and regimes.md (per
+point over seeds) and regimes.png (the means with their intervals against alpha, per model); the console
+script is ``convbias-regimes SWEEP_DIR`` (`convbias.cli.regimes`).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +26,24 @@ from matplotlib.figure import Figure
 
 from convbias.evaluation.ensembles import load_run
 from convbias.evaluation.landscape import Batches, local_energy
-from convbias.tables import write_csv
+from convbias.tables import markdown_table, write_csv
+
+from .intervals import cell, interval, per_seed_gaps
 
 SIGMAS = (0.0, 0.05, 0.1, 0.2, 0.3)
 DRAWS = 5
 CSV_NAME = "regimes.csv"
+SEEDS_CSV_NAME = "regimes_seeds.csv"
+MARKDOWN_NAME = "regimes.md"
 PNG_NAME = "regimes.png"
+REFERENCE_ALPHA = 1.0  # the standard network: each alpha's top-1 gap is taken against it
+# Per-run columns summarized over seeds: (column, geometric mean?)
+SUMMARIZED = (
+    ("top1", False),
+    ("ntk_change", True),
+    ("train_error_sigma0", False),
+    ("train_error_sigma0.1", False),
+)
 
 
 def last_evaluation(run_dir: Path) -> dict[str, Any]:
@@ -57,6 +74,7 @@ def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
         rows.append(
             {
                 "run": run["run"],
+                "seed": int(run["seed"]) if run.get("seed") not in (None, "") else None,
                 "model": cfg.model,
                 "alpha": cfg.output_scale,
                 "lr": cfg.lr,
@@ -68,18 +86,85 @@ def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
     return rows
 
 
+def over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, alpha): n, and for each SUMMARIZED column its mean (geometric for the kernel
+    change) with the 95% t interval over seeds; `top1_gap` is top-1 minus the same model's at alpha = 1,
+    paired by seed. Bounds are NaN below 2 seeds."""
+    points: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in rows:
+        points.setdefault((row["model"], float(row["alpha"])), []).append(row)
+    summary = []
+    for (model, alpha), runs in sorted(points.items()):
+        out: dict[str, Any] = {"model": model, "alpha": alpha, "n": len(runs)}
+        for column, log in SUMMARIZED:
+            values = [r[column] for r in runs if r[column] is not None]
+            _, out[column], out[f"{column}_low"], out[f"{column}_high"] = interval(values, log)
+        reference = points.get((model, REFERENCE_ALPHA), [])
+        n_pairs, out["top1_gap"], out["top1_gap_low"], out["top1_gap_high"] = interval(
+            per_seed_gaps(runs, reference, "top1") if all(r["seed"] is not None for r in runs) else []
+        )
+        out["n_pairs"] = n_pairs
+        summary.append(out)
+    return summary
+
+
+def markdown(summary: list[dict[str, Any]]) -> str:
+    """The over-seeds table: every cell 'mean [95% low, high]' with the point's n."""
+    header = [
+        "model",
+        "alpha",
+        "n",
+        "final top-1 %",
+        f"top-1 minus alpha = {REFERENCE_ALPHA:g} (paired)",
+        "||Theta_end - Theta_0|| / ||Theta_0|| (geo. mean)",
+        "training error %",
+        "training error % at sigma = 0.1",
+    ]
+
+    def values(row: dict[str, Any], column: str, digits: str) -> str:
+        return cell(row[column], row[f"{column}_low"], row[f"{column}_high"], digits)
+
+    body = [
+        [
+            row["model"],
+            f"{row['alpha']:g}",
+            row["n"],
+            values(row, "top1", ".1f"),
+            "" if row["alpha"] == REFERENCE_ALPHA else values(row, "top1_gap", "+.1f"),
+            values(row, "ntk_change", ".3g"),
+            values(row, "train_error_sigma0", ".1f"),
+            values(row, "train_error_sigma0.1", ".1f"),
+        ]
+        for row in summary
+    ]
+    return markdown_table(header, body)
+
+
+def _finite(value: float) -> float:
+    """An error bar's length, 0 where there is no interval (one seed)."""
+    return value if math.isfinite(value) else 0.0
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Top-1 and kernel change against alpha (mean and 95% interval over seeds), and each point's mean
+    local-energy curve."""
+    summary = over_seeds(rows)
     fig = Figure(figsize=(13, 3.6))
     axes = fig.subplots(1, 3)
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["alpha"])
+    for model in dict.fromkeys(r["model"] for r in summary):
+        mine = [r for r in summary if r["model"] == model]
         alphas = [r["alpha"] for r in mine]
-        axes[0].plot(alphas, [r["top1"] for r in mine], "o-", label=model)
-        axes[1].plot(alphas, [r["ntk_change"] for r in mine], "o-", label=model)
-        for r in mine:
-            axes[2].plot(
-                SIGMAS, [r[f"train_error_sigma{s:g}"] for s in SIGMAS], "o-", label=f"{model}, alpha={r['alpha']:g}"
-            )
+        for ax, column in zip(axes[:2], ("top1", "ntk_change")):
+            centre = [r[column] for r in mine]
+            spread = [
+                [_finite(r[column] - r[f"{column}_low"]) for r in mine],
+                [_finite(r[f"{column}_high"] - r[column]) for r in mine],
+            ]
+            ax.errorbar(alphas, centre, yerr=spread, fmt="o-", capsize=3, label=f"{model} (n = {mine[0]['n']})")
+        for point in mine:
+            runs = [r for r in rows if r["model"] == model and float(r["alpha"]) == point["alpha"]]
+            curve = [sum(r[f"train_error_sigma{s:g}"] for r in runs) / len(runs) for s in SIGMAS]
+            axes[2].plot(SIGMAS, curve, "o-", label=f"{model}, alpha={point['alpha']:g}")
     axes[0].set_ylabel("final top-1 (%)")
     axes[1].set_ylabel("||Theta_end - Theta_0|| / ||Theta_0||")
     axes[1].set_yscale("log")
@@ -99,6 +184,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def write(sweep_dir: Path, extensions=None) -> list[Path]:
-    """Summarize the sweep in `sweep_dir` and write regimes.csv and regimes.png there."""
+    """Summarize the sweep in `sweep_dir`: regimes.csv, regimes_seeds.csv, regimes.md and regimes.png there."""
     rows = summarize(sweep_dir, extensions)
-    return [write_csv(rows, sweep_dir / CSV_NAME), plot(rows, sweep_dir / PNG_NAME)]
+    summary = over_seeds(rows)
+    markdown_path = sweep_dir / MARKDOWN_NAME
+    markdown_path.write_text(markdown(summary))
+    return [
+        write_csv(rows, sweep_dir / CSV_NAME),
+        write_csv(summary, sweep_dir / SEEDS_CSV_NAME),
+        markdown_path,
+        plot(rows, sweep_dir / PNG_NAME),
+    ]
