@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from convbias.tables import markdown_table
 
@@ -239,14 +240,10 @@ def plot_sample_efficiency(
 ) -> Path:
     """Fig. 7.2 (left): accuracy against train fraction per model, and the paired gap over the baseline
     in points; error bars are 95% t intervals of the means (none for a single run)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     column = compared_column(rows)
     fractions = _fractions(rows)
-    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig = Figure(figsize=(9, 3.6))
+    ax, gap_ax = fig.subplots(1, 2)
     for name in _values(rows, column):
         stats = [stat(_select(rows, **{column: name, "train_fraction": f}), metric) for f in fractions]
         xs = [f for f, s in zip(fractions, stats) if s is not None]
@@ -290,7 +287,6 @@ def plot_sample_efficiency(
     fig.suptitle(title or "Sample efficiency", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -305,14 +301,10 @@ def _is_numeric(values: list[Any]) -> bool:
 
 def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "top1") -> Path:
     """Fig. 7.9 (left): a heatmap of mean accuracy over two swept factors, else accuracy lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     params = parameter_columns(rows)
     panels = _groups(rows, [compared_column(rows), "train_fraction"])
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    fig = Figure(figsize=(4.6 * len(panels), 3.8))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (where, selected) in zip(axes[0], panels):
         ax.set_title(_title(where), fontsize=9)
         if len(params) == 2:
@@ -355,7 +347,6 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "
                 ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
