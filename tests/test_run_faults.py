@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_digits import TRAIN_ARGS
 from test_train_errors import messages
 
 from convbias.cli import train
@@ -41,15 +40,38 @@ from convbias.engine.errors import (
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# 3 epochs of 9 steps on a tenth of digits: 3 resume points, a fallback has one to go back to
-ARGS = TRAIN_ARGS + ["--train-fraction", "0.1", "--epochs", "3", "--no-diagnostics"]
 FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
 
 
-def main(capsys, output: Path, *extra: str) -> tuple[int, str, list[str]]:
-    code = train.main(ARGS + ["--output", str(output), *extra])
-    out, err = capsys.readouterr()
-    return code, out, messages(err)
+@pytest.fixture(scope="module")
+def args(cli_argv) -> list[str]:
+    """A ConViT of width 16 for 3 epochs of 9 steps on a tenth of digits: 3 resume points, so a fallback has
+    one to go back to."""
+    model_kwargs = dict(cli_argv.TINY_CONVIT["model_kwargs"], embed_dim=16)
+    return cli_argv(
+        cli_argv.TINY_CONVIT,
+        cli_argv.PLAIN_DIGITS,
+        model_kwargs=model_kwargs,
+        batch_size=16,
+        lr=1e-3,
+        weight_decay=0,
+        seed=0,
+        train_fraction=0.1,
+        epochs=3,
+        no_diagnostics=True,
+    )
+
+
+@pytest.fixture
+def main(capsys, args):
+    """`main(output, *extra)`: train.py's exit code, stdout and stderr lines for that run."""
+
+    def run(output: Path, *extra: str) -> tuple[int, str, list[str]]:
+        code = train.main(args + ["--output", str(output), *extra])
+        out, err = capsys.readouterr()
+        return code, out, messages(err)
+
+    return run
 
 
 def summary(output: Path) -> list[tuple[str, ...]]:
@@ -67,14 +89,14 @@ def no_space(*args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, args):
     output = tmp_path_factory.mktemp("faults") / "reference"
-    train.run(ARGS + ["--output", str(output)])
+    train.run(args + ["--output", str(output)])
     return summary(output)
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
+def stopped(tmp_path_factory, args):
     """A run whose third resume point met a full disk (safetensors' write): epochs 1 and 2 are kept."""
     output = tmp_path_factory.mktemp("faults") / "stopped"
     real, calls = checkpoint.save_file, []
@@ -87,7 +109,7 @@ def stopped(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(checkpoint, "save_file", full_at_the_third)
-        code = train.main(ARGS + ["--output", str(output)])
+        code = train.main(args + ["--output", str(output)])
     return output, code
 
 
@@ -105,7 +127,7 @@ def flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_disk_full_during_a_save_is_one_line_and_resume_auto_finishes_the_run(stopped, reference, tmp_path, capsys):
+def test_disk_full_during_a_save_is_one_line_and_resume_auto_finishes_the_run(main, stopped, reference, tmp_path):
     output, code = stopped
     points = output / "checkpoints"
     assert code == EXIT_STORAGE
@@ -114,13 +136,13 @@ def test_disk_full_during_a_save_is_one_line_and_resume_auto_finishes_the_run(st
     assert not (output / ".lock").exists()
 
     run = copy(stopped, tmp_path)
-    code, out, err = main(capsys, run, "--resume", "auto")
+    code, out, err = main(run, "--resume", "auto")
     assert code == 0 and err == [], err
     assert f"resumed from {(run / 'checkpoints' / 'epoch_0002').resolve()} after epoch 2" in out
     assert summary(run) == reference
 
 
-def test_disk_full_message(tmp_path, capsys):
+def test_disk_full_message(main, tmp_path):
     """The one line names the point, the reason, what is kept and how to resume."""
     real, calls = checkpoint.save_file, []
 
@@ -131,7 +153,7 @@ def test_disk_full_message(tmp_path, capsys):
     output = tmp_path / "run"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(checkpoint, "save_file", full_at_the_second)
-        code, _, err = main(capsys, output, "--epochs", "2")
+        code, _, err = main(output, "--epochs", "2")
     assert code == EXIT_STORAGE and err == [
         "error: writing the resume point epoch_0002 failed (no space left on the device); "
         f"kept {output}/checkpoints/last (epoch 1); continue with --resume auto"
@@ -139,26 +161,26 @@ def test_disk_full_message(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("damage", ["flip model.safetensors", "flip training_state.pt", "remove training_state.pt"])
-def test_a_damaged_newest_point_is_skipped_named_and_kept(stopped, reference, tmp_path, capsys, damage):
+def test_a_damaged_newest_point_is_skipped_named_and_kept(main, stopped, reference, tmp_path, damage):
     run = copy(stopped, tmp_path)
     action, name = damage.split()
     newest = run / "checkpoints" / "epoch_0002"
     flip(newest / name) if action == "flip" else (newest / name).unlink()
     before = snapshot(run)
 
-    code, _, err = main(capsys, run)  # a plain rerun never starts over
+    code, _, err = main(run)  # a plain rerun never starts over
     assert code == EXIT_USAGE and len(err) == 1, err
     assert "already holds a run (checkpoints/epoch_0001, checkpoints/epoch_0002)" in err[0]
     assert snapshot(run) == before
 
     if action == "flip" and name == WEIGHTS_FILE:
-        code, _, err = main(capsys, run, "--eval-only", "--checkpoint", str(run))
+        code, _, err = main(run, "--eval-only", "--checkpoint", str(run))
         assert code == EXIT_DAMAGED and err == [
             f"error: {run}/checkpoints/last/{name} is damaged: {name} does not match its sha256 (damaged); "
             "it was not loaded"
         ]
 
-    code, out, err = main(capsys, run, "--resume", "auto")
+    code, out, err = main(run, "--resume", "auto")
     assert code == 0 and err == [], err
     why = "is missing" if action == "remove" else "does not match its sha256 (damaged)"
     assert f"skipped {newest} ({name} {why}); kept it as epoch_0002.damaged; resuming from epoch_0001" in out
@@ -166,34 +188,34 @@ def test_a_damaged_newest_point_is_skipped_named_and_kept(stopped, reference, tm
     assert (run / "checkpoints" / "epoch_0002.damaged" / WEIGHTS_FILE).is_file()  # kept, not deleted
 
 
-def test_renamed_points_are_never_deleted_and_resume_from_a_named_one(stopped, reference, tmp_path, capsys):
+def test_renamed_points_are_never_deleted_and_resume_from_a_named_one(main, stopped, reference, tmp_path):
     run = copy(stopped, tmp_path)
     points = run / "checkpoints"
     for name in ("epoch_0001", "epoch_0002"):
         (points / name).rename(points / f"{name}.bak")  # last and best now dangle
     before = snapshot(run)
 
-    code, _, err = main(capsys, run)
+    code, _, err = main(run)
     assert code == EXIT_USAGE and len(err) == 1 and "checkpoints/epoch_0001.bak, checkpoints/epoch_0002.bak" in err[0]
-    code, _, err = main(capsys, run, "--resume", "auto")
+    code, _, err = main(run, "--resume", "auto")
     assert code == EXIT_DAMAGED and len(err) == 1, err
     assert "holds checkpoints/epoch_0001.bak, checkpoints/epoch_0002.bak but no intact resume point" in err[0]
     assert f"--resume {run}/checkpoints/NAME" in err[0] and "nothing was changed" in err[0]
     assert snapshot(run) == before
 
-    code, _, err = main(capsys, run, "--resume", str(points / "epoch_0002.bak"))
+    code, _, err = main(run, "--resume", str(points / "epoch_0002.bak"))
     assert code == 0 and err == [], err
     assert summary(run) == reference
     assert (points / "epoch_0001.bak" / STATE_FILE).is_file() and (points / "epoch_0002.bak" / STATE_FILE).is_file()
 
 
-def test_a_foreign_training_state_is_one_line_never_advice_to_unpickle(tmp_path, capsys):
+def test_a_foreign_training_state_is_one_line_never_advice_to_unpickle(main, tmp_path):
     point = tmp_path / "foreign"
     point.mkdir()
     (point / STATE_FILE).write_bytes(os.urandom(2048))
     torch.save({}, tmp_path / "x.pt")
     shutil.copy(tmp_path / "x.pt", point / WEIGHTS_FILE)  # not looked at: the state is read first
-    code, _, err = main(capsys, tmp_path / "run", "--resume", str(point))
+    code, _, err = main(tmp_path / "run", "--resume", str(point))
     assert code == EXIT_DAMAGED and err == [
         f"error: {point.resolve()}/{STATE_FILE} is not a training state this engine wrote (damaged or foreign); "
         "it was not loaded"
@@ -231,21 +253,21 @@ def half_line_then(code: int, log_name: str = "log.jsonl", at_epoch: int = 2):
     return failing_open
 
 
-def test_disk_full_while_logging_leaves_no_half_line_and_resumes(reference, tmp_path, capsys, monkeypatch):
+def test_disk_full_while_logging_leaves_no_half_line_and_resumes(main, reference, tmp_path, monkeypatch):
     output = tmp_path / "run"
     monkeypatch.setattr(run_log, "open", half_line_then(errno.ENOSPC), raising=False)
-    code, _, err = main(capsys, output)
+    code, _, err = main(output)
     monkeypatch.undo()
     assert code == EXIT_STORAGE and err == [
         f"error: writing {output}/log.jsonl failed (no space left on the device); "
         f"kept {output}/checkpoints/last (epoch 1); continue with --resume auto"
     ]
     assert (output / "log.jsonl").read_text().endswith("}\n") and not (output / ".lock").exists()
-    code, _, err = main(capsys, output, "--resume", "auto")
+    code, _, err = main(output, "--resume", "auto")
     assert code == 0 and err == [] and summary(output) == reference
 
 
-def test_read_only_output_mid_run_is_one_line_and_the_lock_is_stale_not_live(tmp_path, capsys, monkeypatch):
+def test_read_only_output_mid_run_is_one_line_and_the_lock_is_stale_not_live(main, tmp_path, monkeypatch):
     output = tmp_path / "run"
     monkeypatch.setattr(run_log, "open", half_line_then(errno.EROFS, "summary.csv", at_epoch=1), raising=False)
     real_unlink = os.unlink
@@ -256,18 +278,18 @@ def test_read_only_output_mid_run_is_one_line_and_the_lock_is_stale_not_live(tmp
         return real_unlink(path, *args, **kwargs)
 
     monkeypatch.setattr(lock.os, "unlink", read_only_unlink)
-    code, _, err = main(capsys, output)
+    code, _, err = main(output)
     monkeypatch.undo()
     assert code == EXIT_STORAGE and err == [
         f"error: writing {output}/summary.csv failed (the file system is read-only); no checkpoint was written yet "
         f"in {output}; rerun the same command to start over"
     ]
     assert (output / ".lock").exists()  # left by the read-only disk: the next run takes it over as stale
-    code, out, err = main(capsys, output, "--epochs", "1")
+    code, out, err = main(output, "--epochs", "1")
     assert code == 0 and "took over the stale lock" in out and not (output / ".lock").exists()
 
 
-def test_output_removed_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
+def test_output_removed_mid_run_is_one_line(main, tmp_path, monkeypatch):
     output = tmp_path / "run"
     real = run_log.RunLog.log_epoch
 
@@ -276,17 +298,17 @@ def test_output_removed_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
         return real(self, record)
 
     monkeypatch.setattr(run_log.RunLog, "log_epoch", removed_first)
-    code, _, err = main(capsys, output)
+    code, _, err = main(output)
     assert code == EXIT_STORAGE and err == [
         f"error: writing {output}/summary.csv failed (the output directory or a file in it was removed); "
         f"no checkpoint was written yet in {output}; rerun the same command to start over"
     ]
 
 
-def test_starting_on_a_full_disk_is_one_line_and_leaves_no_lock(tmp_path, capsys, monkeypatch):
+def test_starting_on_a_full_disk_is_one_line_and_leaves_no_lock(main, tmp_path, monkeypatch):
     output = tmp_path / "run"
     monkeypatch.setattr(lock.os, "pwrite", no_space)
-    code, _, err = main(capsys, output)
+    code, _, err = main(output)
     assert code == EXIT_STORAGE and err == [
         f"error: starting the run failed: {output}: no space left on the device; nothing was written"
     ]
@@ -307,11 +329,11 @@ def sighup_after(steps: int):
 
 
 def test_sighup_stops_with_a_resume_point_and_changes_that_break_exactness_are_refused(
-    reference, tmp_path, capsys, monkeypatch
+    main, reference, tmp_path, monkeypatch
 ):
     output = tmp_path / "run"
     monkeypatch.setattr(trainer, "epoch_batches", sighup_after(4))
-    code, _, err = main(capsys, output)
+    code, _, err = main(output)
     monkeypatch.undo()
     point = output / "checkpoints" / "epoch_0000_step_0000005"
     assert code == EXIT_REQUEUE and len(err) == 1 and err[0].startswith("preempted: stopped by SIGHUP after step 5")
@@ -324,20 +346,18 @@ def test_sighup_stops_with_a_resume_point_and_changes_that_break_exactness_are_r
         (["--train-fraction", "0.2"], "--train-fraction 0.1 -> 0.2"),
         (["--model-kwargs", "patch_size=2", "depth=3", "local_up_to_layer=1", "embed_dim=16"], "--model-kwargs"),
     ]:
-        code, _, err = main(capsys, output, "--resume", "auto", *change)
+        code, _, err = main(output, "--resume", "auto", *change)
         assert code == EXIT_USAGE and len(err) == 1 and "is a mid-epoch resume point (5 steps into epoch 1)" in err[0]
         assert shown in err[0] and "--accept-resume-changes" in err[0], err
     assert snapshot(output) == before
 
     accepted = tmp_path / "accepted"
     shutil.copytree(output, accepted, symlinks=True)
-    code, out, err = main(
-        capsys, accepted, "--resume", "auto", "--seed", "3", "--accept-resume-changes", "--epochs", "1"
-    )
+    code, out, err = main(accepted, "--resume", "auto", "--seed", "3", "--accept-resume-changes", "--epochs", "1")
     assert code == 0 and "--accept-resume-changes: continuing" in out
     assert '"resume_changes_accepted": "--seed 0 -> 3"' in (accepted / "log.jsonl").read_text().splitlines()[0]
 
-    code, _, err = main(capsys, output, "--resume", "auto")
+    code, _, err = main(output, "--resume", "auto")
     assert code == 0 and err == [] and summary(output) == reference
 
 
