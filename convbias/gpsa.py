@@ -22,7 +22,8 @@ of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created i
 backward, nor an (H, N, N) one. That is the CPU's form; on an accelerator, where contractions 14 terms
 long starve the matrix units, the hot path takes the dense P (H, N, N) instead (input-independent and
 small) in one GEMM per head with the batch folded into the columns (`positional_product`, chosen per
-device by `resolve_positional_product`, the same function either way). (When each head's value is
+device by `resolve_positional_product`, the same function either way; the autograd Functions of both
+forms are in `convbias.positional_mix`). (When each head's value is
 wider than the query count, as in a Transformed CNN's late stages, forming the mixed attention once
 stores less: `gated_attention` then does that instead.) The explicit path (`GatedPositionalAttention.explicit_attention`) materializes the
 normalized A from the dense encodings r for attention maps, diagnostics and attention dropout, and is
@@ -38,13 +39,14 @@ Importing this module registers no model.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .positional_mix import DensePositionalMix, PositionalMix
 
 GridSize = tuple[int, int]
 # Cut-off of the positional attention's tiny weights: it is computed in float32. A default argument,
@@ -142,183 +144,6 @@ def positional_factors(
     )
 
 
-def _fold(v: torch.Tensor) -> torch.Tensor:
-    """(B, H, N, dv) -> (H, N, B*dv): the batch folded into the columns (a copy)."""
-    b, h, n, dv = v.shape
-    return v.permute(1, 2, 0, 3).reshape(h, n, b * dv)
-
-
-def _unfold(folded: torch.Tensor, batch: int) -> torch.Tensor:
-    """(H, N, B*dv) -> (B, H, N, dv), a view."""
-    h, n, bd = folded.shape
-    return folded.view(h, n, batch, bd // batch).permute(2, 0, 1, 3)
-
-
-def _per_row(cols: torch.Tensor, rows: int) -> torch.Tensor:
-    """(H, Q, K) -> (H*rows, Q, K): the columns factor once per grid row, to batch the GEMMs over rows."""
-    heads, q, k = cols.shape
-    return cols[:, None].expand(heads, rows, q, k).reshape(heads * rows, q, k)
-
-
-def _along_cols(cols: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
-    """cols applied to every key row of V folded as (H*Ky, Kx, B*dv): (H, Ky, Qx*B*dv)."""
-    heads = cols.shape[0]
-    key_rows = folded.shape[0] // heads
-    return torch.bmm(_per_row(cols, key_rows), folded).view(heads, key_rows, -1)
-
-
-# Split-K for `_contract`: chunks of at least this many terms per product (GPU only, see there)
-SPLIT_K_MIN_CHUNK = 1024
-SPLIT_K_MAX_SPLITS = 256
-
-
-def _scan_split_count(length: int, device: torch.device) -> int:
-    """How many chunks `_contract` cuts a contraction of this length into: 1 (no split) off the GPU."""
-    if device.type != "cuda":
-        return 1
-    divisors = [d for d in range(2, SPLIT_K_MAX_SPLITS + 1) if length % d == 0 and length // d >= SPLIT_K_MIN_CHUNK]
-    return max(divisors, default=1)
-
-
-_cached_split_count = functools.lru_cache(maxsize=None)(_scan_split_count)  # a few distinct shapes per model
-
-
-def _split_count(length: int, device: torch.device) -> int:
-    """`_scan_split_count`, cached in eager mode (called twice per GPSA layer's backward); Dynamo traces the
-    scan itself once per graph (it warns about a cache wrapper it would ignore)."""
-    if torch.compiler.is_compiling():
-        return _scan_split_count(length, device)
-    return _cached_split_count(length, device)
-
-
-def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """a @ b^T for a (G, M, K) and b (G, L, K) with a long K and a small M x L output: (G, M, L).
-
-    The backward's products for the factors' gradients have a 14 x 14 output per head and K = B * dv *
-    14 terms. A GPU's GEMM gives each output tile one thread block, so there only G blocks walk the
-    whole K, a large share of the step (docs/benchmarks.md). Cutting K into
-    `splits` chunks gives G * splits blocks (split-K), at the price of a copy of each operand and
-    a sum of the partial products (in fp32). The CPU's GEMM needs no help: one chunk there."""
-    groups, m, length = a.shape
-    splits = _split_count(length, a.device) if splits is None else splits
-    if splits == 1:
-        return torch.bmm(a, b.transpose(1, 2))
-    chunk = length // splits
-    a = a.view(groups, m, splits, chunk).transpose(1, 2).reshape(groups * splits, m, chunk)
-    b = b.view(groups, -1, splits, chunk).transpose(1, 2).reshape(groups * splits, -1, chunk)
-    partial = torch.bmm(a, b.transpose(1, 2)).view(groups, splits, m, -1)
-    return partial.sum(dim=1, dtype=torch.promote_types(partial.dtype, torch.float32)).to(partial.dtype)
-
-
-def _mix(content: torch.Tensor, positional: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """lerp(content, P @ V, gate) from P @ V folded as (H, Nq, B*dv): (B, H, Nq, dv), laid out as
-    (B, Nq, H, dv) so that merging the heads afterwards is a view, not a copy."""
-    batch, heads, nq, dv = content.shape
-    weight = gate.to(content.dtype).view(1, -1, 1, 1)
-    if torch.compiler.is_compiling():  # Dynamo refuses a non-contiguous out=; inductor picks the layout
-        return torch.lerp(content, _unfold(positional, batch), weight)
-    out = content.new_empty(batch, nq, heads, dv).transpose(1, 2)
-    return torch.lerp(content, _unfold(positional, batch), weight, out=out)
-
-
-def _gate_grad(
-    grad: torch.Tensor, content: torch.Tensor, attention: torch.Tensor, grad_scores: torch.Tensor, gate: torch.Tensor
-) -> torch.Tensor:
-    """dL/dgate_h = sum G (P V - content) = sum_h attention * dL/d(unweighted attention) - sum G content,
-    reduced in fp32 when the gradients are bf16 (attention: P or one of its factors, linear in it)."""
-    accumulate = torch.promote_types(grad.dtype, torch.float32)
-    positional_part = (attention * grad_scores).sum(dim=(1, 2), dtype=accumulate)
-    content_part = (grad * content).sum(dim=(0, 2, 3), dtype=accumulate)
-    return (positional_part - content_part).to(gate.dtype)
-
-
-class _PositionalMix(torch.autograd.Function):
-    """lerp(content, P @ V, gate) with P = rows (x) cols applied axis by axis, V folded as (H, Ky, Kx, B*dv).
-
-    Forward: along_cols = cols @ V (per key row), then P @ V = rows @ along_cols. Only the folded V
-    is saved (one B*N*C tensor per layer); nothing of size N x N exists. Backward: S = (s * rows)^T G
-    gives dV = cols^T S (per key row) and dL/dcols = sum_ky S V^T; dL/drows = G along_cols^T, with
-    along_cols recomputed (a GEMM with only Kx terms per output: cheaper than keeping it in memory).
-    The gate's gradient needs no P @ V: sum G * (P V) = sum rows * dL/drows, the positional term being
-    linear in rows. The output is laid out as (B, Nq, H, dv) so that merging the
-    heads afterwards is a view, not a copy."""
-
-    @staticmethod
-    def forward(ctx, content, rows, cols, v, gate):
-        batch, heads, nq, dv = content.shape
-        key_rows, key_cols = rows.shape[-1], cols.shape[-1]
-        width = batch * dv
-        folded = _fold(v).reshape(heads * key_rows, key_cols, width)
-        positional = torch.bmm(rows, _along_cols(cols, folded)).view(heads, nq, width)
-        ctx.save_for_backward(content, rows, cols, folded, gate)
-        return _mix(content, positional, gate)
-
-    @staticmethod
-    def backward(ctx, grad):
-        content, rows, cols, folded, gate = ctx.saved_tensors
-        heads, query_rows, key_rows = rows.shape
-        _, query_cols, key_cols = cols.shape
-        batch, width = grad.shape[0], folded.shape[-1]
-        weight = gate.to(grad.dtype).view(-1, 1, 1)
-        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, query_rows, query_cols * width)  # unweighted
-        grad_content = grad_rows = grad_cols = grad_v = grad_gate = None
-        if ctx.needs_input_grad[0]:
-            grad_content = grad * (1 - weight).view(1, -1, 1, 1)
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            # S: (H*Ky, Qx, B*dv), the gradient reaching along_cols, with the gate's weight
-            through_rows = torch.bmm((rows * weight).transpose(1, 2), grad_folded).view(
-                heads * key_rows, query_cols, width
-            )
-            if ctx.needs_input_grad[2]:
-                per_row = _contract(through_rows, folded)  # (H*Ky, Qx, Kx)
-                grad_cols = per_row.view(heads, key_rows, query_cols, key_cols).sum(dim=1)
-            if ctx.needs_input_grad[3]:
-                grad_folded_v = torch.bmm(_per_row(cols, key_rows).transpose(1, 2), through_rows)  # (H*Ky, Kx, B*dv)
-                grad_v = _unfold(grad_folded_v.view(heads, key_rows * key_cols, width), batch)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[4]:
-            grad_scores = _contract(grad_folded, _along_cols(cols, folded))  # (H, Qy, Ky), unweighted
-            if ctx.needs_input_grad[1]:
-                grad_rows = grad_scores * weight
-            if ctx.needs_input_grad[4]:
-                grad_gate = _gate_grad(grad, content, rows, grad_scores, gate)
-        return grad_content, grad_rows, grad_cols, grad_v, grad_gate
-
-
-class _DensePositionalMix(torch.autograd.Function):
-    """lerp(content, P @ V, gate) with the dense P (H, Nq, Nk) in one GEMM per head, V folded as (H, Nk, B*dv).
-
-    The same function as `_PositionalMix`, as GEMMs shaped for tensor cores: Nk terms per output instead
-    of Ky and Kx, Nk / (Ky + Kx) times the work. Only the folded V and P are saved. Backward: dV = (s P)^T G
-    (one GEMM), dL/dP = s G V^T (one GEMM with K = B*dv terms, split along K on a GPU by `_contract`); the
-    gate's gradient is sum P * G V^T, the positional term being linear in P."""
-
-    @staticmethod
-    def forward(ctx, content, attention, v, gate):
-        folded = _fold(v)
-        positional = torch.bmm(attention, folded)
-        ctx.save_for_backward(content, attention, folded, gate)
-        return _mix(content, positional, gate)
-
-    @staticmethod
-    def backward(ctx, grad):
-        content, attention, folded, gate = ctx.saved_tensors
-        heads, nq, _ = attention.shape
-        weight = gate.to(grad.dtype).view(-1, 1, 1)
-        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, nq, folded.shape[-1])  # unweighted
-        grad_content = grad_attention = grad_v = grad_gate = None
-        if ctx.needs_input_grad[0]:
-            grad_content = grad * (1 - weight).view(1, -1, 1, 1)
-        if ctx.needs_input_grad[2]:
-            grad_v = _unfold(torch.bmm((attention * weight).transpose(1, 2), grad_folded), grad.shape[0])
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
-            grad_scores = _contract(grad_folded, folded)  # (H, Nq, Nk), unweighted
-            if ctx.needs_input_grad[1]:
-                grad_attention = grad_scores * weight
-            if ctx.needs_input_grad[3]:
-                grad_gate = _gate_grad(grad, content, attention, grad_scores, gate)
-        return grad_content, grad_attention, grad_v, grad_gate
-
-
 # How the hot path applies P to V: "kronecker" (rows, then columns: Ky + Kx terms per output) or "dense"
 # (the (H, Nq, Nk) matrix in one GEMM: Ky * Kx terms, tensor-core shapes); "auto" picks per device type.
 POSITIONAL_PRODUCTS = ("auto", "kronecker", "dense")
@@ -375,9 +200,9 @@ def gated_attention(
         if product == "dense":  # P formed at the factors' precision at least (fp32 under bf16), rounded once
             wide = torch.promote_types(positional.rows.dtype, v.dtype)
             dense = PositionalFactors(*(factor.to(wide) for factor in positional)).dense()
-            return _DensePositionalMix.apply(content, dense.to(v.dtype), v, gate)
+            return DensePositionalMix.apply(content, dense.to(v.dtype), v, gate)
         rows, cols = (factor.to(v.dtype) for factor in positional)
-        return _PositionalMix.apply(content, rows, cols, v, gate)
+        return PositionalMix.apply(content, rows, cols, v, gate)
     content = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)
     attn = torch.lerp(content, positional.dense().to(content.dtype), gate.to(content.dtype).view(1, heads, 1, 1))
     if v.shape[1] == 1:  # shared value: one GEMM per image over all heads' queries
