@@ -158,7 +158,7 @@ def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, console_scrip
     assert float(row["ntk_change"]) == pytest.approx(last["ntk_relative_change"])
     curve = [float(row[f"train_error_sigma{s:g}"]) for s in (0.0, 0.05, 0.1, 0.2, 0.3)]
     assert all(0 <= error <= 100 for error in curve)
-    model, _, data = load_run(run, load_families())
+    model, _, data = load_run(run, load_families(), which="last")
     data.train.transform = data.val.transform
     images = torch.stack([data.train[i][0] for i in range(len(data.train))])
     labels = torch.tensor([data.train[i][1] for i in range(len(data.train))])

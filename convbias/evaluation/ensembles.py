@@ -108,13 +108,14 @@ ARCHITECTURE_KEYS = (
 )
 
 
-def load_run(run_dir: str | Path, extensions=None, data=None):
-    """(model in eval mode with the run's best weights, else its last; the run's config; its datasets).
+def load_run(run_dir: str | Path, extensions=None, data=None, which: str | None = None):
+    """(model in eval mode with the run's best weights, else its last, or with `which` that checkpoint
+    ("last", "best"); the run's config; its datasets).
 
     The model is rebuilt as train.py built it: timm's registry, the reparametrization the weights were
     written after (from `extensions`), the output-scale wrapper of a ``--output-scale`` run."""
     cfg = Config(read_run_config(run_dir))
-    path = resolve_weights_path(run_dir)
+    path = resolve_weights_path(Path(run_dir) / "checkpoints" / which if which else run_dir)
     data = data or build_datasets(cfg)
     model = create_model(cfg, data.num_classes, data.in_chans)
     if weights_metadata(path).get("reparametrized") == "True":
