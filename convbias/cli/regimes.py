@@ -1,7 +1,7 @@
 """`convbias-regimes`: lazy or feature training, summarized over a sweep of ``--output-scale`` runs.
 
     convbias-sweep run configs/sweeps/digits_regimes.yaml --output runs/regimes
-    convbias-regimes runs/regimes        # regimes.csv, regimes.png in the sweep directory
+    convbias-regimes runs/regimes        # regimes.csv, regimes_seeds.csv, regimes.md, regimes.png there
 
 What is measured: convbias.experiments.regimes.
 """
