@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from scipy import stats
 
 from convbias.evaluation.ensembles import check_same_architecture, error_rate, evaluate_ensemble
 
@@ -103,12 +104,23 @@ def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs):
     rows, missing = prepared.collect()
     ensembles = prepared.collect_ensembles(rows, load_families())
     assert not missing and len(ensembles) == 1 and ensembles[0]["members"] == 2
-    assert ensembles[0]["member_top1"] == pytest.approx(sum(r["best_top1"] for r in results) / 2)
+    members = [r["best_top1"] for r in results]
+    ensemble = ensembles[0]
+    assert ensemble["member_top1"] == pytest.approx(sum(members) / 2)
+    assert ensemble["member_top1_std"] == pytest.approx(abs(members[0] - members[1]) / 2**0.5)
+    assert ensemble["images"] == 359  # the digits' validation split
     csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
     sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME)
     text = report.write_report(csv_path)[0].read_text()
     table = text.split("## Ensembles over seeds")[1]
-    assert f"| {ensembles[0]['ensemble_top1']:.1f} | {ensembles[0]['member_top1']:.1f} |" in table
+    correct = round(ensemble["ensemble_top1"] * 359 / 100)
+    low, high = stats.binomtest(correct, 359).proportion_ci(0.95, method="exact")
+    half = stats.t.ppf(0.975, 1) * ensemble["member_top1_std"] / 2**0.5
+    mean = ensemble["member_top1"]
+    assert (
+        f"| {ensemble['ensemble_top1']:.1f} [{100 * low:.1f}, {100 * high:.1f}] "
+        f"| {mean:.1f} ± {ensemble['member_top1_std']:.1f} [{mean - half:.1f}, {mean + half:.1f}] |"
+    ) in table
 
 
 def test_ensemble_command_on_runs_that_differ_by_seed(seed_runs, tmp_path, capsys):

@@ -47,7 +47,7 @@ def assert_same_training(eager_log, compiled_log, loss_tol):
     for eager, compiled in zip(eager_log, compiled_log, strict=True):
         assert compiled["train_loss"] == pytest.approx(eager["train_loss"], rel=loss_tol)
         assert compiled["eval_loss"] == pytest.approx(eager["eval_loss"], rel=loss_tol)
-        assert abs(compiled["eval_top1"] - eager["eval_top1"]) <= 100 / 360 + 1e-9  # at most 1 of 360 images flips
+        assert abs(compiled["eval_top1"] - eager["eval_top1"]) <= 100 / 359 + 1e-9  # at most 1 of 359 images flips
 
 
 @pytest.fixture(scope="module")
@@ -106,4 +106,4 @@ def test_inductor_compiled_run_on_cpu_matches_eager(tmp_path, cli_argv):
     assert breaks == {} and log[-1]["graph_breaks"] == 0
     assert log[1]["compiled_graphs"] == log[0]["compiled_graphs"]
     assert_same_training(eager_log, log, loss_tol=1e-3)
-    assert log[-1]["ema_eval_top1"] == pytest.approx(eager_log[-1]["ema_eval_top1"], abs=100 / 360 + 1e-9)
+    assert log[-1]["ema_eval_top1"] == pytest.approx(eager_log[-1]["ema_eval_top1"], abs=100 / 359 + 1e-9)

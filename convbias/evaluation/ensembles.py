@@ -35,6 +35,7 @@ class EnsembleResult:
     mean_member_error: float  # in %
     ensemble_error: float  # in %, of the averaged output
     fluctuation: float  # RMS distance of a member's output to the average
+    images: int  # how many samples the errors are measured on
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +75,7 @@ def evaluate_ensemble(outputs: torch.Tensor, labels: torch.Tensor, average: str 
         mean_member_error=sum(member_errors) / len(member_errors),
         ensemble_error=error_rate(mean, labels),
         fluctuation=deviation.mean().sqrt().item(),
+        images=len(labels),
     )
 
 

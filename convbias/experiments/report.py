@@ -30,7 +30,16 @@ from matplotlib.figure import Figure
 
 from convbias.tables import markdown_table
 
-from .intervals import CONFIDENCE, Stat, gap_change, mean_gap, paired_gap, per_seed_gaps, stat
+from .intervals import (
+    CONFIDENCE,
+    Stat,
+    gap_change,
+    mean_gap,
+    paired_gap,
+    per_seed_gaps,
+    proportion_interval,
+    stat,
+)
 from .sweep import ENSEMBLES_CSV_NAME, RESULT_COLUMNS, TIME_COLUMN
 
 METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
@@ -351,6 +360,7 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "
 
 
 ENSEMBLE_METRICS = ("members", "ensemble_top1", "member_top1", "fluctuation")
+ENSEMBLE_SPREAD = ("member_top1_std", "images")  # the intervals' inputs, in sweeps that recorded them
 
 
 def read_ensembles(path: str | Path) -> list[dict[str, Any]]:
@@ -363,14 +373,29 @@ def read_ensembles(path: str | Path) -> list[dict[str, Any]]:
 
 
 def ensemble_table(rows: list[dict[str, Any]]) -> str:
-    """One row per group: its factors, the top-1 of the averaged logits, the members' mean top-1, the
-    gain of ensembling (points of top-1) and the fluctuation of the members around their average."""
-    factors = [column for column in rows[0] if column not in ENSEMBLE_METRICS]
+    """One row per group: its factors, the top-1 of the averaged logits with its Clopper-Pearson interval
+    over the validation images, the members' mean top-1 ± std [t interval over the members], the gain of
+    ensembling (points of top-1) and the fluctuation of the members around their average. Rows without
+    the spread columns (older sweeps) say "no interval"."""
+    factors = [column for column in rows[0] if column not in (*ENSEMBLE_METRICS, *ENSEMBLE_SPREAD)]
+
+    def ensemble_cell(row: dict[str, Any]) -> str:
+        if "images" not in row:
+            return f"{row['ensemble_top1']:.1f} (no interval)"
+        images = int(row["images"])
+        low, high = proportion_interval(round(row["ensemble_top1"] * images / 100), images)
+        return f"{row['ensemble_top1']:.1f} [{low:.1f}, {high:.1f}]"
+
+    def member_cell(row: dict[str, Any]) -> str:
+        if "member_top1_std" not in row:
+            return f"{row['member_top1']:.1f} (no interval)"
+        return str(Stat(row["member_top1"], row["member_top1_std"], int(row["members"])))
+
     body = [
         [row.get(f, "–") for f in factors]
         + [
-            f"{row['ensemble_top1']:.1f}",
-            f"{row['member_top1']:.1f}",
+            ensemble_cell(row),
+            member_cell(row),
             f"{row['ensemble_top1'] - row['member_top1']:+.1f}",
             f"{row['fluctuation']:.3g}",
             row["members"],
@@ -428,8 +453,10 @@ def write_report(
     ensembles = Path(csv_path).parent / ENSEMBLES_CSV_NAME
     if ensembles.is_file():
         sections.append(
-            "## Ensembles over seeds\n\nOne ensemble per group (its members are the group's n runs): the "
-            "ensemble's top-1 has no replicate, hence no interval over seeds here.\n\n"
+            "## Ensembles over seeds\n\nOne ensemble per group (its members are the group's n runs, each at "
+            "its best checkpoint): the ensemble's top-1 has no replicate over seeds, so its interval is the "
+            f"{CONFIDENCE:.0%} Clopper-Pearson interval over the validation images (test-set sampling only); "
+            f"the members' top-1 is mean ± std [{CONFIDENCE:.0%} t interval over the members].\n\n"
             + ensemble_table(read_ensembles(ensembles))
         )
     report = out_dir / REPORT_NAME

@@ -38,6 +38,7 @@ import difflib
 import json
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -394,7 +395,8 @@ class Sweep:
     def collect_ensembles(self, rows: list[dict[str, Any]], extensions: Any = None) -> list[dict[str, Any]]:
         """For every group of complete runs that differ only by their seed (2 or more): the ensemble of
         their checkpoints on the validation set (``convbias.evaluation.ensembles.evaluate_runs``) as
-        top-1 of the averaged logits, mean top-1 of the members and the members' fluctuation."""
+        top-1 of the averaged logits, mean and std of the members' top-1, the members' fluctuation and the
+        number of validation images."""
         skip = {"run", "seed", TIME_COLUMN, *RESULT_COLUMNS.values()}
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for row in rows:
@@ -411,7 +413,9 @@ class Sweep:
                     "members": result.members,
                     "ensemble_top1": 100 - result.ensemble_error,
                     "member_top1": 100 - result.mean_member_error,
+                    "member_top1_std": statistics.stdev(100 - error for error in result.member_errors),
                     "fluctuation": result.fluctuation,
+                    "images": result.images,
                 }
             )
         return ensembles
