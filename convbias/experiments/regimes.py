@@ -145,10 +145,9 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else 0.0
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) -> Path:
     """Top-1 and kernel change against alpha (mean and 95% interval over seeds), and each point's mean
-    local-energy curve."""
-    summary = over_seeds(rows)
+    local-energy curve (`rows`: one per run; `summary`: their `over_seeds`)."""
     fig = Figure(figsize=(13, 3.6))
     axes = fig.subplots(1, 3)
     for model in dict.fromkeys(r["model"] for r in summary):
@@ -193,5 +192,5 @@ def write(sweep_dir: Path, extensions=None) -> list[Path]:
         write_csv(rows, sweep_dir / CSV_NAME),
         write_csv(summary, sweep_dir / SEEDS_CSV_NAME),
         markdown_path,
-        plot(rows, sweep_dir / PNG_NAME),
+        plot(rows, summary, sweep_dir / PNG_NAME),
     ]
