@@ -43,6 +43,11 @@ def cell(centre: float, low: float, high: float, digits: str = ".3g") -> str:
     return f"{centre:{digits}} [{low:{digits}}, {high:{digits}}]" if low == low else f"{centre:{digits}} (no interval)"
 
 
+def error_bar(length: float) -> float:
+    """An error bar's length for a plot: 0 where there is no interval (NaN: a single run)."""
+    return 0.0 if math.isnan(length) else length
+
+
 def wilson(accuracy_percent: float, count: int) -> tuple[float, float]:
     """The 95% Wilson score interval (percent) of an accuracy measured on `count` test images: the test-set
     sampling uncertainty of one network, which says nothing of the spread between seeds."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from convbias.evaluation.ensembles import load_run
 from convbias.evaluation.landscape import Batches, local_energy
 from convbias.tables import markdown_table, write_csv
 
-from .intervals import cell, interval, per_seed_gaps
+from .intervals import cell, error_bar, interval, per_seed_gaps
 
 SIGMAS = (0.0, 0.05, 0.1, 0.2, 0.3)
 DRAWS = 5
@@ -140,11 +139,6 @@ def markdown(summary: list[dict[str, Any]]) -> str:
     return markdown_table(header, body)
 
 
-def _finite(value: float) -> float:
-    """An error bar's length, 0 where there is no interval (one seed)."""
-    return value if math.isfinite(value) else 0.0
-
-
 def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) -> Path:
     """Top-1 and kernel change against alpha (mean and 95% interval over seeds), and each point's mean
     local-energy curve (`rows`: one per run; `summary`: their `over_seeds`)."""
@@ -156,8 +150,8 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
         for ax, column in zip(axes[:2], ("top1", "ntk_change")):
             centre = [r[column] for r in mine]
             spread = [
-                [_finite(r[column] - r[f"{column}_low"]) for r in mine],
-                [_finite(r[f"{column}_high"] - r[column]) for r in mine],
+                [error_bar(r[column] - r[f"{column}_low"]) for r in mine],
+                [error_bar(r[f"{column}_high"] - r[column]) for r in mine],
             ]
             ax.errorbar(alphas, centre, yerr=spread, fmt="o-", capsize=3, label=f"{model} (n = {mine[0]['n']})")
         for point in mine:

@@ -33,6 +33,7 @@ from convbias.tables import markdown_table
 from .intervals import (
     CONFIDENCE,
     Stat,
+    error_bar,
     gap_change,
     mean_gap,
     paired_gap,
@@ -259,7 +260,7 @@ def plot_sample_efficiency(
         ax.errorbar(
             xs,
             [s.mean for s in stats if s],
-            yerr=[_bar(s.half_width) for s in stats if s],
+            yerr=[error_bar(s.half_width) for s in stats if s],
             marker="o",
             capsize=3,
             label=str(name),
@@ -278,7 +279,7 @@ def plot_sample_efficiency(
         gap_ax.errorbar(
             [f for f, g in zip(xs, gaps) if g is not None],
             [g.mean for g in gaps if g is not None],
-            yerr=[_bar(g.half_width) for g in gaps if g is not None],
+            yerr=[error_bar(g.half_width) for g in gaps if g is not None],
             marker="o",
             capsize=3,
             label=f"{name} - {baseline}",
@@ -297,11 +298,6 @@ def plot_sample_efficiency(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
-
-
-def _bar(half_width: float) -> float:
-    """An error bar's half-length: the interval's, 0 where there is none (one run)."""
-    return 0.0 if math.isnan(half_width) else half_width
 
 
 def _is_numeric(values: list[Any]) -> bool:
@@ -342,7 +338,7 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "
                 ax.errorbar(
                     positions,
                     [s.mean for s in stats],
-                    yerr=[_bar(s.half_width) for s in stats],
+                    yerr=[error_bar(s.half_width) for s in stats],
                     marker="o",
                     capsize=3,
                     label=_title(line) or None,
