@@ -240,6 +240,25 @@ def test_the_digits_study_runs_on_an_image_folder(tmp_path, repo):
     assert sorted({c.model for c in configs}) == ["convit_tiny", "deit_tiny_plus"]
 
 
+def test_the_mnist_sample_efficiency_sweep_sees_as_many_images_in_every_run(tmp_path, repo):
+    """Each run sees ceil(10 / f) epochs of 4,000 f images: 40,000 (40,800 at f = 0.3, the epochs rounded
+    up), about the digits study's 30 x 1,438."""
+    done = sweep_cli(
+        "run",
+        str(repo / "configs" / "sweeps" / "mnist_sample_efficiency.yaml"),
+        "--output",
+        str(tmp_path / "sweep"),
+        "--print-commands",
+    )
+    assert done.returncode == 0, done.stderr
+    configs = [parse_config(shlex.split(line)[3:]) for line in done.stdout.strip().splitlines()]
+    assert len(configs) == 30 and sorted({c.model for c in configs}) == ["convit_tiny", "deit_tiny_plus"]
+    assert {(c.dataset, c.img_size, c.model_kwargs["patch_size"]) for c in configs} == {("mnist", 28, 4)}
+    seen = {c.train_fraction: round(effective_epochs(c)[0] * c.train_fraction * 4000) for c in configs}
+    assert seen == {0.1: 40_000, 0.3: 40_800, 1.0: 40_000}
+    assert 40_000 == pytest.approx(30 * 1438, rel=0.1)
+
+
 @pytest.mark.parametrize(
     "name, runs", [("imagenet_sample_efficiency", 10), ("imagenet100_locality", 20), ("imagenet_ablations", 14)]
 )
