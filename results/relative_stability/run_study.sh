@@ -4,7 +4,8 @@
 #
 #   OMP_NUM_THREADS=1 nice -n 10 bash results/relative_stability/run_study.sh [SEEDS...]   # default: 0 1 2 3 4
 #
-# Training-set size P = 1,000 (--train-fraction 0.25), one run per model and seed:
+# Training-set sizes P = 1,000 and 4,000 (FRACTIONS, default "0.25 1.0": --train-fraction), one run per
+# model, size and seed:
 #   cnn       vanilla_cnn, 8 channels (3 conv-ReLU-maxpool stages); snapshots after 1 and 2 epochs
 #   efcn_r1   its eFCN lifted from the epoch-1 snapshot, trained the remaining 3 epochs
 #   efcn_r2   its eFCN lifted from the epoch-2 snapshot, trained the remaining 2 epochs
@@ -21,10 +22,13 @@ set -euo pipefail
 OUT=results/relative_stability
 RUNS=${RUNS:-runs/relative_stability}  # checkpoints stay out of git; the tables and plots are committed
 MEASURED=${MEASURED:-runs/rs_measure}
+GRID_MEASURED=${GRID_MEASURED:-runs/rs_grid}
 SEEDS=${*:-0 1 2 3 4}
+FRACTIONS=${FRACTIONS:-0.25 1.0}
 TRAIN="python train.py -c configs/train/stability_mnist.yaml"
 VIT="patch_size=4 embed_dim=12 num_heads=4 depth=4"
 MEASURE="--checkpoints init best --images 300 --deltas 1 --cuts 3 --draws 5"
+GRID="--checkpoints init best --images 100 --deltas 0.5 1 1.5 --cuts 3 5 --draws 5"  # P = 1,000 only
 
 train() {  # NAME ARGS...: one train.py run into $RUNS/NAME unless it completed already
   local name=$1; shift
@@ -32,9 +36,9 @@ train() {  # NAME ARGS...: one train.py run into $RUNS/NAME unless it completed 
   [ -f "$MEASURED/$name/stability.csv" ] || python -m convbias.cli.stability "$RUNS/$name" $MEASURE --output "$MEASURED/$name"
 }
 
-for seed in $SEEDS; do
-  tag=P0.25_seed${seed}
-  common=(--train-fraction 0.25 --seed "$seed")
+for fraction in $FRACTIONS; do for seed in $SEEDS; do
+  tag=P${fraction}_seed${seed}
+  common=(--train-fraction "$fraction" --seed "$seed")
   train cnn_$tag --model vanilla_cnn --model-kwargs channels=8 --save-epochs 0 1 2 "${common[@]}"
   for relax in 1 2; do
     train efcn_r${relax}_$tag --model efcn_vanilla_cnn --epochs $((4 - relax)) "${common[@]}" \
@@ -44,9 +48,17 @@ for seed in $SEEDS; do
   TRAIN="python train.py -c configs/train/stability_mnist_tcnn.yaml" train tcnn_$tag "${common[@]}"
   train convit_$tag --model convit_tiny --model-kwargs $VIT local_up_to_layer=3 "${common[@]}"
   train deit_$tag --model deit_tiny_plus --model-kwargs $VIT "${common[@]}"
-done
+done; done
 
 python -m convbias.cli.stability --combine "$MEASURED"/*/ $MEASURE --output $OUT
 # the runs' own R_f logs were written by the training code of the run (see README: convention and modes)
 python results/relative_stability/trajectories.py "$RUNS" $OUT "${TRAJECTORY_CONVENTION:-published}" \
   "${TRAJECTORY_MODES:-published}"
+python results/relative_stability/pairs.py $OUT
+
+# The (delta, c) grid: every P = 1,000 run measured again at delta = 0.5, 1, 1.5 and c = 3, 5, on 100 images
+for run in "$RUNS"/*_P0.25_seed*/; do
+  name=$(basename "$run")
+  [ -f "$GRID_MEASURED/$name/stability.csv" ] || python -m convbias.cli.stability "$run" $GRID --output "$GRID_MEASURED/$name"
+done
+python -m convbias.cli.stability --combine "$GRID_MEASURED"/*/ $GRID --output $OUT/grid
