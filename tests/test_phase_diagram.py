@@ -61,3 +61,25 @@ def test_bad_grid_is_refused_before_any_work(tmp_path, capsys):
     config.write_text("widths: [4]\nsteps: 3\n")
     assert phase_cli.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
     assert "unknown key(s) ['steps']" in capsys.readouterr().err
+
+
+def test_report_csvs_give_the_ensembles_their_test_set_and_member_spread(tmp_path, repo):
+    """From the committed grid: each ensemble row carries the size of the test split the nets were scored on
+    and the sample std of its members' top-1 (nets.csv), the inputs of the sweep report's intervals."""
+    import csv
+    import shutil
+    import statistics
+
+    for name in ("nets.csv", "cells.csv", "config.yaml"):
+        shutil.copy(repo / "results" / "phase_diagram" / name, tmp_path / name)
+    pd.write_report_csvs(tmp_path)
+    with open(tmp_path / "ensembles.csv") as f:
+        ensembles = list(csv.DictReader(f))
+    with open(tmp_path / "nets.csv") as f:
+        nets = list(csv.DictReader(f))
+    test_split = pd.odd_even_digits(pd.PhaseDiagramConfig.from_yaml(tmp_path / "config.yaml").train_size, 10, 0)[2]
+    assert len(ensembles) == 40 and {int(e["images"]) for e in ensembles} == {len(test_split)}
+    for e in ensembles:
+        members = [float(n["top1"]) for n in nets if (n["width"], n["alpha_tilde"]) == (e["width"], e["alpha_tilde"])]
+        assert float(e["member_top1_std"]) == pytest.approx(statistics.stdev(members), rel=1e-9)
+        assert float(e["member_top1"]) == pytest.approx(statistics.mean(members), rel=1e-9)

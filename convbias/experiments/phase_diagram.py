@@ -54,6 +54,7 @@ CELLS_CSV = "cells.csv"  # one row per (width, alpha~): the figures' data
 RUNS_CSV = "runs.csv"  # the sweep report's schema (convbias-sweep report --csv ...)
 ENSEMBLES_CSV = "ensembles.csv"  # the sweep report's ensemble schema
 REPORT_COLUMNS = ("model", "width", "alpha_tilde", "seed", "top1", "train_seconds")
+DIGITS_IMAGES = 1797  # scikit-learn's digits: train_size of them train, the rest test
 
 
 @dataclass
@@ -63,7 +64,7 @@ class PhaseDiagramConfig:
     widths: list[int] = field(default_factory=lambda: [4, 6, 8, 12, 16, 24, 32, 48])
     alpha_tildes: list[float] = field(default_factory=lambda: [0.1, 1.0, 10.0, 100.0, 1000.0])
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
-    train_size: int = 1000  # the rest of the 1,797 digits is the test set
+    train_size: int = 1000  # the rest of the digits is the test set
     pca_components: int = 10
     data_seed: int = 0
     activation_beta: float = 5.0  # softplus sharpness of the hidden units (paper: 5)
@@ -95,7 +96,9 @@ class PhaseDiagramConfig:
         if len(self.seeds) < 2:
             raise ValueError(f"seeds: an ensemble needs at least 2 seeds, got {self.seeds}")
         if not 10 <= self.train_size <= 1700:
-            raise ValueError(f"train_size must be in 10..1700 (digits has 1,797 images), got {self.train_size}")
+            raise ValueError(
+                f"train_size must be in 10..1700 (digits has {DIGITS_IMAGES:,} images), got {self.train_size}"
+            )
         if not 1 <= self.pca_components <= 64:
             raise ValueError(f"pca_components must be in 1..64, got {self.pca_components}")
         if self.max_steps < 1 or self.ntk_samples < 2:
@@ -287,10 +290,15 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
 
 
 def write_report_csvs(output: Path) -> list[Path]:
-    """runs.csv and ensembles.csv in the sweep report's schemas, from nets.csv and cells.csv, so that
-    `convbias-sweep report --csv OUTPUT/runs.csv` tabulates and plots this grid like any sweep."""
+    """runs.csv and ensembles.csv in the sweep report's schemas, from nets.csv, cells.csv and config.yaml,
+    so that `convbias-sweep report --csv OUTPUT/runs.csv` tabulates and plots this grid like any sweep
+    (an ensemble with its test-set interval, its members with their spread)."""
     with open(output / NETS_CSV, newline="") as f:
         nets = list(csv.DictReader(f))
+    test_images = DIGITS_IMAGES - PhaseDiagramConfig.from_yaml(output / "config.yaml").train_size
+    member_top1: dict[tuple[int, float], list[float]] = {}
+    for r in nets:
+        member_top1.setdefault((int(r["width"]), float(r["alpha_tilde"])), []).append(float(r["top1"]))
     write_csv(
         [
             {
@@ -310,7 +318,9 @@ def write_report_csvs(output: Path) -> list[Path]:
                 "members": int(c["seeds"]),
                 "ensemble_top1": 100 - c["ensemble_test_error"],
                 "member_top1": 100 - c["mean_test_error"],
+                "member_top1_std": float(np.std(member_top1[(int(c["width"]), c["alpha_tilde"])], ddof=1)),
                 "fluctuation": c["fluctuation"],
+                "images": test_images,
             }
             for c in read_cells(output / CELLS_CSV)
         ],

@@ -450,7 +450,8 @@ def write_report(
     if ensembles.is_file():
         sections.append(
             "## Ensembles over seeds\n\nOne ensemble per group (its members are the group's n runs, each at "
-            "its best checkpoint): the ensemble's top-1 has no replicate over seeds, so its interval is the "
+            "the checkpoint its study evaluates: a sweep's best, a phase diagram's last): the ensemble's top-1 "
+            "has no replicate over seeds, so its interval is the "
             f"{CONFIDENCE:.0%} Clopper-Pearson interval over the validation images (test-set sampling only); "
             f"the members' top-1 is mean ± std [{CONFIDENCE:.0%} t interval over the members].\n\n"
             + ensemble_table(read_ensembles(ensembles))
