@@ -16,22 +16,23 @@ from scipy import stats as scipy_stats
 CONFIDENCE = 0.95  # of every interval in a report
 
 
-def t_quantile(df: float) -> float:
-    """The two-sided 95% Student-t quantile with `df` degrees of freedom."""
-    return float(scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, df))
+def t_quantile(df: float, confidence: float = CONFIDENCE) -> float:
+    """The two-sided Student-t quantile (95% by default) with `df` degrees of freedom."""
+    return float(scipy_stats.t.ppf(0.5 + confidence / 2, df))
 
 
-def interval(values: list[float], log: bool = False) -> tuple[int, float, float, float]:
-    """(n, centre, low, high): the mean with its 95% t-interval, or with `log` the geometric mean and the
-    interval exp(mean log +/- t s / sqrt(n)). Non-finite (with `log`, non-positive) values are left out;
-    the bounds are NaN when n < 2."""
+def interval(values: list[float], log: bool = False, confidence: float = CONFIDENCE) -> tuple[int, float, float, float]:
+    """(n, centre, low, high): the mean with its t-interval (95% by default; a Bonferroni interval over k
+    comparisons is confidence 1 - 0.05 / k), or with `log` the geometric mean and the interval
+    exp(mean log +/- t s / sqrt(n)). Non-finite (with `log`, non-positive) values are left out; the bounds
+    are NaN when n < 2."""
     kept = [float(v) for v in values if math.isfinite(float(v)) and (float(v) > 0 or not log)]
     n = len(kept)
     if n == 0:
         return 0, float("nan"), float("nan"), float("nan")
     x = torch.tensor([math.log(v) if log else v for v in kept], dtype=torch.float64)
     centre = float(x.mean())
-    half = t_quantile(n - 1) * float(x.std()) / math.sqrt(n) if n > 1 else float("nan")
+    half = t_quantile(n - 1, confidence) * float(x.std()) / math.sqrt(n) if n > 1 else float("nan")
     bounds = (centre, centre - half, centre + half)
     return (n, *(math.exp(v) for v in bounds)) if log else (n, *bounds)
 

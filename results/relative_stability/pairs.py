@@ -8,13 +8,10 @@ stability.csv.
     python results/relative_stability/pairs.py results/relative_stability
 """
 
-import math
 import sys
 from pathlib import Path
 
-from scipy import stats
-
-from convbias.experiments.intervals import cell, interval
+from convbias.experiments.intervals import CONFIDENCE, cell, interval
 from convbias.experiments.stability_study import read_rows
 from convbias.tables import markdown_table, write_csv
 
@@ -38,12 +35,8 @@ def by_name(rows: list[dict]) -> dict[tuple[str, float, int], dict]:
 def mean_with_intervals(values: list[float], comparisons: int, log: bool) -> dict:
     """n, the (geometric) mean, its 95% t-interval and its Bonferroni interval over `comparisons` tests."""
     n, centre, low, high = interval(values, log=log)
-    x = [math.log(v) if log else v for v in values]
-    sd = stats.tstd(x) if n > 1 else math.nan
-    half = stats.t.ppf(1 - 0.025 / comparisons, n - 1) * sd / math.sqrt(n) if n > 1 else math.nan
-    mid = math.log(centre) if log else centre
-    wide = [math.exp(v) if log else v for v in (mid - half, mid + half)]
-    return dict(n=n, mean=centre, low=low, high=high, bonferroni_low=wide[0], bonferroni_high=wide[1])
+    *_, wide_low, wide_high = interval(values, log=log, confidence=1 - (1 - CONFIDENCE) / comparisons)
+    return dict(n=n, mean=centre, low=low, high=high, bonferroni_low=wide_low, bonferroni_high=wide_high)
 
 
 def shared_seeds(runs: dict, group: tuple[str, float], reference: tuple[str, float]) -> list[int]:
