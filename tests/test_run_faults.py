@@ -154,10 +154,13 @@ def test_disk_full_message(main, tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(checkpoint, "save_file", full_at_the_second)
         code, _, err = main(output, "--epochs", "2")
-    assert code == EXIT_STORAGE and err == [
-        "error: writing the resume point epoch_0002 failed (no space left on the device); "
-        f"kept {output}/checkpoints/last (epoch 1); continue with --resume auto"
-    ]
+    assert code == EXIT_STORAGE and len(err) == 1
+    assert re.fullmatch(
+        r"error: writing the resume point epoch_0002 failed \(no space left on the device: the disk at \S+ has "
+        rf"[\d.]+ \w+ free; this write needs about [\d.]+ \w+\); kept {re.escape(str(output))}/checkpoints/last "
+        r"\(epoch 1\); continue with --resume auto",
+        err[0],
+    ), err
 
 
 @pytest.mark.parametrize("damage", ["flip model.safetensors", "flip training_state.pt", "remove training_state.pt"])
@@ -176,7 +179,7 @@ def test_a_damaged_newest_point_is_skipped_named_and_kept(main, stopped, referen
     if action == "flip" and name == WEIGHTS_FILE:
         code, _, err = main(run, "--eval-only", "--checkpoint", str(run))
         assert code == EXIT_DAMAGED and err == [
-            f"error: {run}/checkpoints/last/{name} is damaged: {name} does not match its sha256 (damaged); "
+            f"error: {run}/checkpoints/epoch_0002/{name} is damaged: {name} does not match its sha256 (damaged); "
             "it was not loaded"
         ]
 
@@ -365,7 +368,8 @@ def test_sighup_stops_with_a_resume_point_and_changes_that_break_exactness_are_r
 def save_point(points: CheckpointDir, epoch: int, step: int = 0, is_best: bool = False) -> Path:
     model = torch.nn.Linear(3, 2)
     points.stage(epoch, step)
-    return points.save(epoch, model.state_dict(), {"model": "m", "epoch": epoch}, None, {}, is_best, step)
+    best = {"epoch": 1}  # the training state records the best point (epoch 1 in these tests)
+    return points.save(epoch, model.state_dict(), {"model": "m", "epoch": epoch, "best": best}, None, {}, is_best, step)
 
 
 @pytest.mark.parametrize("where", ["save_file", "torch.save", "write_manifest", "rename", "link"])
@@ -381,7 +385,7 @@ def test_a_kill_during_each_stage_of_a_save_keeps_an_intact_newest_point(tmp_pat
         "torch.save": (torch, "save"),
         "write_manifest": (checkpoint, "write_manifest"),
         "rename": (checkpoint.os, "rename"),
-        "link": (CheckpointDir, "_point"),
+        "link": (CheckpointDir, "link"),
     }[where]
     monkeypatch.setattr(*target, killed)
     with pytest.raises(KeyboardInterrupt):

@@ -1,5 +1,6 @@
 """Engine pieces on their own: config precedence, parameter groups, optimizer rebuild, checkpoint files."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,9 @@ def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkey
     model = torch.nn.Linear(3, 2)
     ckpt = CheckpointDir(tmp_path, keep=1)  # the newest point and best
     ckpt.stage(1)
-    ckpt.save(1, model.state_dict(), {"model": "m", "epoch": 1}, None, {"epoch": "1"}, is_best=True)
+    ckpt.save(
+        1, model.state_dict(), {"model": "m", "epoch": 1, "best": {"epoch": 1}}, None, {"epoch": "1"}, is_best=True
+    )
     first = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model.weight.add_(1.0)
@@ -99,7 +102,9 @@ def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkey
     monkeypatch.setattr(torch, "save", killed)
     ckpt.stage(2)
     with pytest.raises(KeyboardInterrupt):
-        ckpt.save(2, model.state_dict(), {"model": "m", "epoch": 2}, None, {"epoch": "2"}, is_best=False)
+        ckpt.save(
+            2, model.state_dict(), {"model": "m", "epoch": 2, "best": {"epoch": 1}}, None, {"epoch": "2"}, is_best=False
+        )
     monkeypatch.undo()
     point = find_resume_point("auto", tmp_path)
     assert point.name == "epoch_0001" and load_training_state(point)["epoch"] == 1
@@ -107,15 +112,21 @@ def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkey
     assert torch.equal(restored.weight, first["weight"])
 
     ckpt.stage(2)
-    ckpt.save(2, model.state_dict(), {"model": "m", "epoch": 2}, None, {"epoch": "2"}, is_best=False)
-    assert ckpt.last.name == "epoch_0002" and ckpt.best.name == "epoch_0001"
+    ckpt.save(
+        2, model.state_dict(), {"model": "m", "epoch": 2, "best": {"epoch": 1}}, None, {"epoch": "2"}, is_best=False
+    )
+    assert os.readlink(ckpt.root / "last") == "epoch_0002" and os.readlink(ckpt.root / "best") == "epoch_0001"
     staged = ckpt.stage(3)
     (staged / "sharded").mkdir()
     (staged / "sharded" / "__5_0.distcp").write_bytes(b"left by a killed save")
     assert ckpt.stage(3) == staged and not any(staged.iterdir())  # a fresh start: no stale shard survives
-    ckpt.save(3, model.state_dict(), {"model": "m", "epoch": 3}, None, {"epoch": "3"}, is_best=False)
+    ckpt.save(
+        3, model.state_dict(), {"model": "m", "epoch": 3, "best": {"epoch": 1}}, None, {"epoch": "3"}, is_best=False
+    )
     with pytest.raises(FileNotFoundError, match=r"stage\(4, 0\) first"):
-        ckpt.save(4, model.state_dict(), {"model": "m", "epoch": 4}, None, {"epoch": "4"}, is_best=False)
+        ckpt.save(
+            4, model.state_dict(), {"model": "m", "epoch": 4, "best": {"epoch": 1}}, None, {"epoch": "4"}, is_best=False
+        )
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch_*")) == ["epoch_0001", "epoch_0003"]
 
     with pytest.raises(ValueError, match=r"missing keys: 1\.weight.*unexpected keys: bias, weight"):

@@ -1,1 +1,33 @@
-"""Console scripts (see pyproject's [project.scripts]); each module's `main(argv) -> exit code`."""
+"""Console scripts (see pyproject's [project.scripts]); each module's `main(argv) -> exit code`.
+
+Every command reports what stops it the same way (``run_command``): one ``error: ...`` line (``interrupted:``
+for Ctrl-C) and the engine's exit code of ``convbias.engine.errors``: 2 bad input, 65 a damaged or foreign
+checkpoint or run file, 74 an output that cannot be written (disk full, read-only), 130 Ctrl-C. Anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+def report(error: BaseException) -> int:
+    """Print ``error`` as one line on stderr and return its exit code; re-raise what is not a reported error."""
+    from convbias.engine.errors import Interrupted, exit_code
+
+    code = exit_code(error)
+    if code is None:
+        raise error
+    prefix = "interrupted" if isinstance(error, (Interrupted, KeyboardInterrupt)) else "error"
+    message = " ".join(str(error).split()) or "stopped; nothing more was written"
+    print(f"{prefix}: {message}", file=sys.stderr)
+    return code
+
+
+def run_command(body: Callable[[], int | None]) -> int:
+    """``body()``'s exit code (None is 0), or the one line and exit code of what stopped it (``report``)."""
+    try:
+        return body() or 0
+    except (Exception, KeyboardInterrupt) as error:
+        return report(error)

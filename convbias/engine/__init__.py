@@ -10,11 +10,11 @@ models come from timm's registry and the family-specific pieces from ``extension
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 from typing import Any
 
+from ..storage import storage_reason
 from .config import config_warnings, parse_config
 from .errors import (
     EXIT_DAMAGED,
@@ -27,7 +27,6 @@ from .errors import (
     Interrupted,
     NonFiniteLossError,
     StorageError,
-    storage_reason,
 )
 from .extensions import Extensions
 from .preemption import REQUEUE_EXIT_CODE, Preempted
@@ -46,16 +45,17 @@ _SUBMODULE_OF = {
         (
             "DEFAULT_WHICH",
             "WHICH",
+            "RunCheckpoint",
+            "RunDir",
             "check_which",
-            "choose_checkpoint",
             "is_run_dir",
-            "model_spec",
             "read_run_config",
             "run_options",
         ),
         "run_dir",
     ),
     **dict.fromkeys(("CheckpointDir", "rng_state", "verify_file"), "checkpoint"),
+    **dict.fromkeys(("read_log", "read_summary"), "run_log"),
     **dict.fromkeys(("COMPILE_MODES", "compile_model"), "compile"),
 }
 __all__ = [
@@ -84,6 +84,7 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
     for warning in config_warnings(cfg):
         _print_error(warning, prefix="warning")
     from .lock import RunLock
+    from .run_dir import RunDir
     from .trainer import Trainer  # imported after parsing: `train.py --help` loads no torch
 
     lock = None if cfg.eval_only else RunLock(cfg.output)  # held for the life of the run (engine.lock)
@@ -99,7 +100,7 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
             raise Interrupted("during set-up; nothing was written") from None
         if trainer.finished:
             trainer.accelerator.print(trainer.finished)
-            return json.loads((trainer.output / "results.json").read_text())
+            return RunDir(trainer.output).results()
         try:
             return trainer.evaluate_only() if cfg.eval_only else trainer.fit()
         except KeyboardInterrupt:

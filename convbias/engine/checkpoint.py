@@ -32,9 +32,8 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,27 +51,23 @@ from convbias.weights import (  # noqa: F401  (the engine's loading API is the s
     weights_metadata,
 )
 
-from .errors import DamagedCheckpointError, StorageError, storage_reason
-from .run_dir import DEFAULT_KEEP_CHECKPOINTS
+from ..storage import atomic_write, storage_reason
+from .errors import DamagedCheckpointError, StorageError
+from .run_dir import (  # noqa: F401  (the layout's names, for the engine's writers and the tests)
+    DEFAULT_KEEP_CHECKPOINTS,
+    MANIFEST_FILE,
+    POINT_NAME,
+    STATE_FILE,
+    held_entries,
+    list_points,
+    point_name,
+)
 
 EMA_FILE = "ema.safetensors"
-STATE_FILE = "training_state.pt"
-MANIFEST_FILE = "manifest.json"
-POINT_NAME = re.compile(r"epoch_(\d{4,})(?:_step_(\d{7,}))?")
+SNAPSHOTS_FILE = "snapshots.json"  # size and sha256 of every --save-epochs snapshot
+LINKS = ("last", "best")
 _HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
 _WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_path)``, then rename tmp_path over ``path``: readers see the old or the new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):  # on a read-only or removed output there is nothing to clean
-            tmp.unlink(missing_ok=True)
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
@@ -126,9 +121,7 @@ def _files(point: Path) -> list[str]:
 
 def write_manifest(point: Path, epoch: int, step: int) -> None:
     """The size and sha256 of every file of the resume point, written last (atomically)."""
-    files = {
-        name: {"bytes": (point / name).stat().st_size, "sha256": file_sha256(point / name)} for name in _files(point)
-    }
+    files = {name: _manifest_entry(point / name) for name in _files(point)}
     text = json.dumps({"epoch": epoch, "step": step, "files": files}, indent=1) + "\n"
     atomic_write(point / MANIFEST_FILE, lambda tmp: tmp.write_text(text))
 
@@ -172,46 +165,60 @@ def verify_file(path: str | Path) -> None:
             raise DamagedCheckpointError(f"{path} is damaged: {problem}; it was not loaded")
 
 
+def _manifest_entry(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def verify_snapshot(path: Path) -> None:
+    """DamagedCheckpointError unless a ``--save-epochs`` snapshot matches its entry in ``snapshots.json``
+    (one written before that file existed must at least read as safetensors)."""
+    try:
+        listed = json.loads((path.parent / SNAPSHOTS_FILE).read_bytes()).get(path.name)
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if listed is None:
+        try:
+            weights_metadata(path)
+        except ValueError as e:
+            raise DamagedCheckpointError(f"{e}; it was not loaded") from None
+        return
+    if path.stat().st_size != listed.get("bytes") or file_sha256(path) != listed.get("sha256"):
+        raise DamagedCheckpointError(
+            f"{path} is damaged: it does not match its entry in {SNAPSHOTS_FILE}; it was not loaded"
+        )
+
+
+def payload_bytes(obj: Any) -> int:
+    """The bytes of every tensor in a (nested) state: about what writing it takes on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    return 0
+
+
 # ------------------------------------------------------------------------------ resume points on disk
 class CheckpointDir:
-    """The ``checkpoints/`` folder of a run: write resume points, keep last and best, find them again."""
+    """The ``checkpoints/`` folder of a run as the training loop writes it: resume points, their rotation,
+    the ``last``/``best`` links and snapshots. Reading a run is ``engine.run_dir.RunDir``'s."""
 
     def __init__(self, output: str | Path, keep: int = DEFAULT_KEEP_CHECKPOINTS):
         self.root = Path(output) / "checkpoints"
         self.keep = keep
 
-    @property
-    def last(self) -> Path | None:
-        link = self.root / "last"
-        return link.resolve() if (link / STATE_FILE).is_file() else None
-
-    @property
-    def best(self) -> Path | None:
-        link = self.root / "best"
-        return link.resolve() if (link / WEIGHTS_FILE).is_file() else None
-
     @staticmethod
     def point_name(epoch: int, step: int = 0) -> str:
-        return f"epoch_{epoch:04d}" + (f"_step_{step:07d}" if step else "")
+        return point_name(epoch, step)
 
     def points(self) -> list[Path]:
         """The resume-point folders (named as ``point_name`` writes them), newest first."""
-        found = []
-        for path in self.root.glob("epoch_*") if self.root.is_dir() else ():
-            match = POINT_NAME.fullmatch(path.name)
-            if match and path.is_dir() and not path.is_symlink():
-                found.append(((int(match[1]), int(match[2] or 0)), path))
-        return [path for _, path in sorted(found, reverse=True)]
+        return list_points(self.root)
 
     def held(self) -> list[str]:
         """What in ``checkpoints/`` may hold weights: every entry but the links and a killed save's staging."""
-        if not self.root.is_dir():
-            return []
-        return sorted(
-            p.name
-            for p in self.root.iterdir()
-            if not p.is_symlink() and not (p.name.startswith(".") and p.name.endswith(".tmp"))
-        )
+        return held_entries(self.root)
 
     def select(self) -> tuple[Path | None, list[tuple[Path, str]]]:
         """The newest intact resume point, and the newer ones skipped with the reason of each."""
@@ -223,13 +230,13 @@ class CheckpointDir:
             skipped.append((point, problem))
         return None, skipped
 
-    def set_aside(self, point: Path) -> Path:
-        """Rename a damaged point out of the way (``<name>.damaged``, numbered when taken); nothing is deleted."""
-        target, n = point.with_name(point.name + ".damaged"), 1
+    def set_aside(self, path: Path, suffix: str = ".damaged") -> Path:
+        """Rename ``path`` out of the way (``<name><suffix>``, numbered when taken); nothing is deleted."""
+        target, n = path.with_name(path.name + suffix), 1
         while target.exists() or target.is_symlink():
             n += 1
-            target = point.with_name(f"{point.name}.damaged{n}")
-        os.rename(point, target)
+            target = path.with_name(f"{path.name}{suffix}{n}")
+        os.rename(path, target)
         return target
 
     def remove_staging(self) -> None:
@@ -267,7 +274,8 @@ class CheckpointDir:
         step: int = 0,
     ) -> Path:
         """Complete the resume point that ``stage(epoch, step)`` started (after ``epoch`` completed epochs and
-        ``step`` steps of the next one), rename it into place and point ``last`` (and ``best``) at it."""
+        ``step`` steps of the next one), rename it into place and point ``last`` (and ``best``) at it. The
+        best point that ``state["best"]`` records is never rotated away."""
         name = self.point_name(epoch, step)
         final, tmp = self.root / name, self._staging(name)
         if not tmp.is_dir():
@@ -293,42 +301,88 @@ class CheckpointDir:
                     self.set_aside(final)
             os.rename(tmp, final)
         except BaseException as e:  # a kill leaves the staging folder, removed at the next start
+            if isinstance(e, _WRITE_ERRORS):  # why, before the staging folder's space is given back
+                needed = payload_bytes((weights, ema_weights, state))
+                reason = storage_reason(e, self.root, needed)
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, _WRITE_ERRORS):
-                raise StorageError(f"writing the resume point {name} failed ({storage_reason(e, self.root)})") from None
+                raise StorageError(f"writing the resume point {name} failed ({reason})") from None
             raise
+        best = (state.get("best") or {}).get("epoch")
         try:
-            self._point("last", name)
+            self.link("last", name)
             if is_best:
-                self._point("best", name)
-            self._remove_superseded()
+                self.link("best", name)
+            self._remove_superseded(keep={name} | ({self.point_name(best)} if best is not None else set()))
         except OSError as e:  # the point itself is complete: --resume auto finds it by its name
             raise StorageError(f"updating checkpoints/last after writing {name} failed ({storage_reason(e)})") from None
         return final
 
-    def _point(self, link_name: str, target: str) -> None:
-        tmp = self.root / f".{link_name}.tmp"
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
-        os.symlink(target, tmp)
-        os.replace(tmp, self.root / link_name)
+    def link(self, link_name: str, target: str) -> Path | None:
+        """Point ``checkpoints/<link_name>`` at ``target`` (a single rename). Something else in the link's
+        place (a copied folder, as ``cp -rL`` makes) is renamed ``<link_name>.copy`` and returned."""
+        path, tmp = self.root / link_name, self.root / f".{link_name}.tmp"
+        moved = None
+        if path.is_symlink() and os.readlink(path) == target:
+            return None
+        if path.exists() and not path.is_symlink():
+            moved = self.set_aside(path, ".copy")
+        try:
+            if tmp.is_symlink() or tmp.exists():
+                tmp.unlink()
+            os.symlink(target, tmp)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        return moved
 
-    def _remove_superseded(self) -> None:
-        """Delete the engine's own points beyond the newest ``keep`` (``last`` and ``best`` stay)."""
-        linked = {p.name for p in (self.last, self.best) if p is not None}
+    def relink(self, last: str, best: str | None) -> list[str]:
+        """Regenerate the links from the training state (on resume): notes for what was not as it should be."""
+        notes = []
+        for link_name, target in (("last", last), ("best", best)):
+            path = self.root / link_name
+            if (
+                target is None
+                or not (self.root / target).is_dir()
+                or (path.is_symlink() and os.readlink(path) == target)
+            ):
+                continue
+            if path.is_symlink():
+                state = f"pointing at {os.readlink(path)}"
+            else:
+                state = "not a link" if path.exists() else "missing"
+            moved = self.link(link_name, target)
+            kept = f"; kept what was there as {moved.name}" if moved else ""
+            notes.append(
+                f"checkpoints/{link_name} was {state}: pointed it at {target}, as the training state records{kept}"
+            )
+        return notes
+
+    def _remove_superseded(self, keep: set[str]) -> None:
+        """Delete the engine's own points beyond the newest ``keep`` (``keep`` names stay: the newest point
+        and the recorded best)."""
         owned = [p for p in self.points() if self._owned(p)]
         for path in owned[self.keep :]:
-            if path.name not in linked:
+            if path.name not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
     def save_snapshot(self, epoch: int, weights: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
-        """``--save-epochs``: a weights-only copy that the last/best rotation never deletes."""
+        """``--save-epochs``: a weights-only copy that the rotation never deletes, listed with its size and
+        sha256 in ``snapshots.json`` (what ``verify_snapshot`` checks)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / f"epoch_{epoch}.safetensors"
+        path, listing = self.root / f"epoch_{epoch}.safetensors", self.root / SNAPSHOTS_FILE
         try:
             save_weights(weights, path, metadata)
+            try:
+                entries = json.loads(listing.read_bytes())
+            except (OSError, ValueError):
+                entries = {}
+            entries = {**(entries if isinstance(entries, dict) else {}), path.name: _manifest_entry(path)}
+            atomic_write(listing, lambda tmp: tmp.write_text(json.dumps(entries, indent=1) + "\n"))
         except _WRITE_ERRORS as e:
-            raise StorageError(f"writing the snapshot {path.name} failed ({storage_reason(e, self.root)})") from None
+            reason = storage_reason(e, self.root, payload_bytes(weights))
+            raise StorageError(f"writing the snapshot {path.name} failed ({reason})") from None
         return path
 
 

@@ -3,7 +3,6 @@ torch). The codes above 2 follow sysexits.h, so a job script can tell them apart
 
 from __future__ import annotations
 
-import errno
 import os
 
 EXIT_DIVERGED = 1  # NonFiniteLossError
@@ -39,7 +38,8 @@ class UnreadableImageError(ConfigError):
 
 
 class DamagedCheckpointError(Exception):
-    """A checkpoint that fails its manifest's checksums, or a file this engine did not write (exit code 65)."""
+    """A checkpoint that fails its manifest's checksums, a file this engine did not write, or a run's
+    bookkeeping file (results.json) that cannot be read (exit code 65)."""
 
 
 class StorageError(Exception):
@@ -47,32 +47,15 @@ class StorageError(Exception):
     failed, what is kept and how to resume."""
 
 
-_REASONS = {
-    errno.ENOSPC: "no space left on the device",
-    errno.EDQUOT: "the disk quota is exhausted",
-    errno.EROFS: "the file system is read-only",
-    errno.ENOENT: "the output directory or a file in it was removed",
-    errno.EACCES: "permission denied",
-    errno.EIO: "an I/O error of the device",
-}
-
-
-def storage_reason(error: BaseException, directory: str | os.PathLike | None = None) -> str:
-    """Why a write failed, in a few words: from the errno of an OSError, else (torch's and safetensors' own
-    write errors carry none) from the state of ``directory``'s file system."""
-    code = getattr(error, "errno", None)
-    if code is None and directory is not None:
-        try:
-            stat = os.statvfs(directory)
-            if stat.f_flag & os.ST_RDONLY:
-                code = errno.EROFS
-            elif stat.f_bavail * stat.f_frsize < 1 << 20:
-                code = errno.ENOSPC
-        except FileNotFoundError:
-            code = errno.ENOENT
-        except OSError:
-            pass
-    if code in _REASONS:
-        return _REASONS[code]
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+def exit_code(error: BaseException) -> int | None:
+    """The exit code of an error that a command reports as one line (None: a bug, shown with its traceback).
+    ValueError and FileNotFoundError are the commands' own checks of their options and inputs."""
+    if isinstance(error, DamagedCheckpointError):
+        return EXIT_DAMAGED
+    if isinstance(error, StorageError):
+        return EXIT_STORAGE
+    if isinstance(error, (ConfigError, ValueError, FileNotFoundError)):
+        return EXIT_USAGE
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        return EXIT_INTERRUPTED
+    return None

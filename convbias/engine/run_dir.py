@@ -1,26 +1,44 @@
-"""A run directory is enough to reuse a run: its ``config.yaml`` says how to rebuild the model and its
-data, ``checkpoints/last`` and ``checkpoints/best`` hold the weights.
+"""The run directory's one owner: every command that reads a train.py run reads it through ``RunDir``.
 
-Every command that takes a run (``train.py --eval-only RUN``, diagnostics, robustness, relative
-stability, ensembles) reads it here, so they agree on which options come from the run
-(``RUN_KEYS``), on which checkpoint ``--which last|best`` picks, and on how they name it
-(``RunCheckpoint.describe``: ``RUN/checkpoints/last (epoch 15)``). Options given explicitly override
-the run's. Light to import (no torch): ``train.py --help`` reads nothing else.
+A run's resume points are the folders ``checkpoints/epoch_NNNN[_step_NNNNNNN]`` (found by their names and
+checked against their manifests, never through the ``last``/``best`` links, which are conveniences
+regenerated from the training state). Which point is which:
+
+- ``last``: the newest point by name (the run's latest weights);
+- ``best``: the point of the best evaluation, as the newest point's training state records it;
+- ``init`` / ``epoch_N``: the ``--save-epochs`` snapshots ``checkpoints/epoch_N.safetensors``.
+
+Every weights file is checked against its manifest before it is read; a damaged one is a
+DamagedCheckpointError (exit 65) naming it, the same for train.py --eval-only, ensembles, robustness,
+stability, diagnostics, export and the sweep. ``RunDir.results()`` reads results.json and
+``RunDir.status()`` says whether it still matches the newest point. Light to import (no torch until a
+checkpoint is read): ``train.py --help`` reads this module.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .errors import ConfigError, DamagedCheckpointError
+
 CONFIG_FILE = "config.yaml"
+RESULTS_FILE = "results.json"
 WEIGHTS_FILE = "model.safetensors"  # as convbias.weights.WEIGHTS_FILE (not imported: it loads torch)
+STATE_FILE = "training_state.pt"
+MANIFEST_FILE = "manifest.json"
+POINT_NAME = re.compile(r"epoch_(\d{4,})(?:_step_(\d{7,}))?")
+SNAPSHOT_NAME = re.compile(r"init|epoch_(\d+)")
 WHICH = ("last", "best")
 DEFAULT_WHICH = "last"  # the run's final weights: what its final top-1 measured
 DEFAULT_KEEP_CHECKPOINTS = 2  # resume points kept: one to fall back to when the newest is damaged
+RESULT_KEYS = ("model", "epochs", "final_top1", "best_top1", "best_epoch")  # what makes results.json readable
 # What a run's config.yaml contributes to a command that reuses the run: the model and how its data is read.
 RUN_KEYS = (
     "model",
@@ -37,6 +55,37 @@ RUN_KEYS = (
 )
 
 
+def point_name(epoch: int, step: int = 0) -> str:
+    """The folder name of the resume point after ``epoch`` epochs and ``step`` steps of the next one."""
+    return f"epoch_{epoch:04d}" + (f"_step_{step:07d}" if step else "")
+
+
+def point_position(path: Path) -> tuple[int, int] | None:
+    """(epoch, step) of a resume point folder by its name; None for any other name."""
+    match = POINT_NAME.fullmatch(path.name)
+    return (int(match[1]), int(match[2] or 0)) if match else None
+
+
+def list_points(root: Path) -> list[Path]:
+    """The resume-point folders of a ``checkpoints/`` folder by name, newest first (not yet verified)."""
+    found = []
+    for path in root.glob("epoch_*") if root.is_dir() else ():
+        position = point_position(path)
+        if position and path.is_dir() and not path.is_symlink():
+            found.append((position, path))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def held_entries(root: Path) -> list[str]:
+    """What in a ``checkpoints/`` folder may hold weights: every entry but the links and a killed save's
+    staging (hidden ``.NAME.tmp`` names, which only the engine writes)."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        p.name for p in root.iterdir() if not p.is_symlink() and not (p.name.startswith(".") and ".tmp" in p.name)
+    )
+
+
 def is_run_dir(path: str | Path) -> bool:
     """A directory written by train.py: it holds config.yaml (and, once an epoch is done, checkpoints/)."""
     path = Path(path)
@@ -44,16 +93,16 @@ def is_run_dir(path: str | Path) -> bool:
 
 
 def read_run_config(run: str | Path) -> dict[str, Any]:
-    """The run's resolved options (its config.yaml); ValueError naming the file when it cannot be read."""
+    """The run's resolved options (its config.yaml); ConfigError naming the file when it cannot be read."""
     path = Path(run) / CONFIG_FILE
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes())
     except FileNotFoundError:
-        raise ValueError(f"{run} is not a run directory: no {CONFIG_FILE} in it") from None
+        raise ConfigError(f"{run} is not a run directory: no {CONFIG_FILE} in it") from None
     except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"{path} is not a readable run config ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is not a run config (expected a mapping of option: value)")
+        raise ConfigError(f"{path} is not a readable run config ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or "model" not in data:
+        raise ConfigError(f"{path} is not a run config (expected a mapping of option: value with a model)")
     return data
 
 
@@ -65,64 +114,204 @@ def run_options(run: str | Path) -> dict[str, Any]:
 
 def check_which(which: str) -> str:
     if which not in WHICH:
-        raise ValueError(f"--which must be one of {', '.join(WHICH)}, got {which!r}")
+        raise ConfigError(f"--which must be one of {', '.join(WHICH)}, got {which!r}")
     return which
 
 
 @dataclass(frozen=True)
 class RunCheckpoint:
-    """One checkpoint of a run: its weights file, which link named it, and the epoch it was written after."""
+    """One checkpoint of a run: its verified weights file, which was asked for, and its position."""
 
     run: Path
     which: str
     weights: Path
     epoch: int | None
+    step: int = 0
 
     def describe(self) -> str:
-        epoch = f" (epoch {self.epoch})" if self.epoch is not None else ""
-        return f"{self.run / 'checkpoints' / self.which}{epoch}"
+        where = f"epoch {self.epoch}" + (f", step {self.step}" if self.step else "")
+        return f"{self.run / 'checkpoints' / self.which} ({where})" if self.epoch is not None else str(self.weights)
 
 
-def choose_checkpoint(run: str | Path, which: str = DEFAULT_WHICH) -> RunCheckpoint:
-    """``checkpoints/<which>`` of a run; ValueError saying what the run holds when it has no such checkpoint."""
-    run = Path(run)
-    weights = run / "checkpoints" / check_which(which) / WEIGHTS_FILE
-    if not weights.is_file():
-        held = sorted(p.name for p in (run / "checkpoints").glob("*")) if (run / "checkpoints").is_dir() else []
-        raise ValueError(
-            f"{run} has no checkpoints/{which}/{WEIGHTS_FILE} (it holds "
-            f"{', '.join(held) or 'no checkpoint'}: did the run finish an epoch?)"
-        )
-    from convbias.weights import weights_metadata  # torch: only once a checkpoint is needed
+class RunDir:
+    """A train.py output directory: its config, resume points, verified checkpoints, model and results."""
 
-    epoch = weights_metadata(weights).get("epoch")
-    return RunCheckpoint(run, which, weights, int(epoch) if epoch and epoch.isdigit() else None)
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConfigError(f"run directory not found: {path}")
+        self.root = self.path / "checkpoints"
 
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
 
-def model_spec(run: str | Path, which: str = DEFAULT_WHICH) -> dict[str, Any]:
-    """What rebuilding the run's model needs: model, model_kwargs, img_size, in_chans, num_classes, and
-    the checkpoint (a RunCheckpoint). Classes and channels come from the checkpoint's metadata, else
-    from config.yaml and the dataset's description."""
-    from convbias.weights import weights_metadata  # torch and the data sets: only once a model is rebuilt
+    # -------------------------------------------------------------------------------------- config
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        return read_run_config(self.path)
 
-    from .datasets import DATASETS
+    def options(self) -> dict[str, Any]:
+        """The ``RUN_KEYS`` of the run's config: what a command reusing the run takes as its defaults."""
+        return {key: self.config[key] for key in RUN_KEYS if key in self.config}
 
-    options, checkpoint = run_options(run), choose_checkpoint(run, which)
-    metadata = weights_metadata(checkpoint.weights)
-    dataset = DATASETS.get(options.get("dataset", ""))
-    num_classes = metadata.get("num_classes") or options.get("num_classes")
-    in_chans = metadata.get("in_chans") or (dataset.in_chans if dataset else None)
-    if num_classes is None or in_chans is None:
-        raise ValueError(
-            f"{checkpoint.describe()} does not record its number of classes and channels "
-            f"(written by an older train.py): pass the model options explicitly"
-        )
-    img_size = options.get("img_size") or (dataset.default_img_size if dataset else None)
-    return {
-        "model": options["model"],
-        "model_kwargs": dict(options.get("model_kwargs") or {}),
-        "img_size": img_size,
-        "in_chans": int(in_chans),
-        "num_classes": int(num_classes),
-        "checkpoint": checkpoint,
-    }
+    # ---------------------------------------------------------------------------------- resume points
+    def points(self) -> list[Path]:
+        """The resume-point folders by name, newest first (not yet checked against their manifests)."""
+        return list_points(self.root)
+
+    def held(self) -> list[str]:
+        """What in ``checkpoints/`` may hold weights (``held_entries``)."""
+        return held_entries(self.root)
+
+    def newest_point(self) -> Path:
+        """The newest resume point by name; ConfigError saying what the run holds when it has none."""
+        points = self.points()
+        if not points:
+            held = ", ".join(self.held()) or "no checkpoint"
+            raise ConfigError(
+                f"{self.path} has no resume point (checkpoints/ holds {held}): did the run finish an epoch?"
+            )
+        return points[0]
+
+    def verify(self, point: Path, name: str) -> Path:
+        """``point/name`` once it matches the point's manifest; DamagedCheckpointError naming it otherwise."""
+        from .checkpoint import check_point  # hashes: only once a file is to be read
+
+        problem = check_point(point, [name])
+        if problem:
+            raise DamagedCheckpointError(f"{point / name} is damaged: {problem}; it was not loaded")
+        return point / name
+
+    def training_state(self, point: Path | None = None) -> dict[str, Any]:
+        """The training state of ``point`` (default: the newest), verified, loaded with weights_only=True."""
+        from .checkpoint import load_training_state
+
+        point = point or self.newest_point()
+        self.verify(point, STATE_FILE)
+        return load_training_state(point)
+
+    def best_point(self) -> Path:
+        """The point of the best evaluation, as the newest point's training state records it."""
+        best = self.training_state().get("best") or {}
+        if best.get("epoch") is None:
+            raise ConfigError(f"{self.path} has no best checkpoint: no evaluation is recorded yet")
+        point = self.root / point_name(int(best["epoch"]))
+        if not point.is_dir():
+            raise DamagedCheckpointError(
+                f"{point} is missing: the training state records it as the best point (epoch {best['epoch']}, "
+                f"top-1 {best.get('eval_top1')}); it was moved or deleted"
+            )
+        return point
+
+    def checkpoint(self, which: str = DEFAULT_WHICH) -> RunCheckpoint:
+        """The weights of ``which`` (last, best, init or epoch_N), checked against the manifest before use."""
+        if which in WHICH:
+            point = self.newest_point() if which == "last" else self.best_point()
+            epoch, step = point_position(point)
+            return RunCheckpoint(self.path, which, self.verify(point, WEIGHTS_FILE), epoch, step)
+        if not SNAPSHOT_NAME.fullmatch(which):
+            raise ConfigError(f"checkpoint {which!r}: expected last, best, init or epoch_N")
+        epoch = 0 if which == "init" else int(which[6:])
+        weights = self.root / f"epoch_{epoch}.safetensors"
+        if not weights.is_file():
+            hint = " (train with --save-epochs 0)" if epoch == 0 else f" (train with --save-epochs {epoch})"
+            raise ConfigError(f"{self.path} has no checkpoint {which!r}: {weights} not found{hint}")
+        from .checkpoint import verify_snapshot
+
+        verify_snapshot(weights)
+        return RunCheckpoint(self.path, which, weights, epoch)
+
+    # ---------------------------------------------------------------------------------------- model
+    def model_spec(self, which: str = DEFAULT_WHICH) -> dict[str, Any]:
+        """What rebuilding the run's model needs: model, model_kwargs, img_size, in_chans, num_classes, and
+        the checkpoint (a verified RunCheckpoint). Classes and channels come from the checkpoint's metadata,
+        else from config.yaml and the dataset's description."""
+        from convbias.weights import weights_metadata  # torch and the data sets: only once a model is rebuilt
+
+        from .datasets import DATASETS
+
+        options, checkpoint = self.options(), self.checkpoint(which)
+        metadata = weights_metadata(checkpoint.weights)
+        dataset = DATASETS.get(options.get("dataset", ""))
+        num_classes = metadata.get("num_classes") or options.get("num_classes")
+        in_chans = metadata.get("in_chans") or (dataset.in_chans if dataset else None)
+        if num_classes is None or in_chans is None:
+            raise ConfigError(
+                f"{checkpoint.describe()} does not record its number of classes and channels "
+                f"(written by an older train.py): pass the model options explicitly"
+            )
+        return {
+            "model": options["model"],
+            "model_kwargs": dict(options.get("model_kwargs") or {}),
+            "img_size": options.get("img_size") or (dataset.default_img_size if dataset else None),
+            "in_chans": int(in_chans),
+            "num_classes": int(num_classes),
+            "checkpoint": checkpoint,
+            "reparametrized": metadata.get("reparametrized") == "True",
+        }
+
+    def build_model(self, which: str = DEFAULT_WHICH, extensions: Any = None) -> tuple[Any, RunCheckpoint]:
+        """The run's model as train.py built it, in eval mode with the verified weights of ``which``: timm's
+        registry, the reparametrization the weights were written after (from ``extensions``), the
+        output-scale wrapper of an ``--output-scale`` run."""
+        from convbias.weights import load_weights
+
+        from .config import Config
+        from .modeling import create_model
+        from .output_scale import OutputScale
+
+        spec = self.model_spec(which)
+        cfg = Config({**self.config, "img_size": spec["img_size"], "pretrained": False, "pretrained_file": None})
+        model = create_model(cfg, spec["num_classes"], spec["in_chans"])
+        if spec["reparametrized"]:
+            known = getattr(extensions, "reparametrizations", {}) or {}
+            if cfg.get("reparametrize") not in known:
+                raise ConfigError(
+                    f"{spec['checkpoint'].describe()} was written after the reparametrization "
+                    f"{cfg.get('reparametrize')!r}, which is not registered here (convbias.families.load_families())"
+                )
+            model = known[cfg.reparametrize](model, **(cfg.get("reparametrize_kwargs") or {}))
+        if cfg.get("output_scale") is not None:
+            model = OutputScale(model, cfg.output_scale)
+        load_weights(model, spec["checkpoint"].weights)
+        return model.eval(), spec["checkpoint"]
+
+    # ---------------------------------------------------------------------------------- bookkeeping
+    def results(self) -> dict[str, Any] | None:
+        """results.json (None when the run has not written it); DamagedCheckpointError naming it when it
+        cannot be read."""
+        path = self.path / RESULTS_FILE
+        try:
+            data = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise DamagedCheckpointError(
+                f"{path} is not readable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                f"train.py --resume auto rewrites it from the newest checkpoint"
+            ) from None
+        if not isinstance(data, dict) or any(key not in data for key in RESULT_KEYS):
+            raise DamagedCheckpointError(
+                f"{path} is not a results file (expected an object with {', '.join(RESULT_KEYS)}); "
+                f"train.py --resume auto rewrites it from the newest checkpoint"
+            )
+        return data
+
+    def current_results(self) -> dict[str, Any] | None:
+        """results.json when it describes the newest point (its epochs are that point's), else None: absent,
+        damaged, or older than a point written after it (a run extended with a larger --epochs)."""
+        try:
+            results = self.results()
+        except DamagedCheckpointError:
+            return None
+        points = self.points()
+        if results is None or not points:
+            return results
+        return results if point_position(points[0]) == (results["epochs"], 0) else None
+
+    def status(self) -> str:
+        """'done' (results.json matches the newest point), 'interrupted' (something that may hold weights
+        is there: train.py --resume auto continues it) or 'new' (nothing that holds weights)."""
+        if self.current_results() is not None:
+            return "done"
+        return "interrupted" if self.held() else "new"

@@ -11,15 +11,67 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from ..storage import atomic_write
 from ..tables import csv_text
-from .checkpoint import atomic_write
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
+
+
+def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a log.jsonl (JSON objects with an integer epoch) and how many lines were dropped
+    as damaged: cut short by a kill, not UTF-8, not an object. A missing file has none."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        return [], 0
+    records, dropped = [], 0
+    for line in lines:
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("epoch"), int):
+            records.append(record)
+        elif line.strip():
+            dropped += 1
+    return records, dropped
+
+
+def read_summary(path: Path) -> tuple[list[dict[str, str]], int]:
+    """The rows of a summary.csv with an integer epoch and every column, and how many were dropped."""
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], 0
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    kept = [
+        r
+        for r in rows
+        if r.get("epoch", "").isdigit() and None not in r.values() and "\ufffd" not in "".join(r.values())
+    ]
+    return kept, len(rows) - len(kept)
+
+
+def results_record(options: dict[str, Any], epochs: int, final: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
+    """The content of results.json: the run's identity, its final and best evaluations."""
+    return {
+        "model": options["model"],
+        "dataset": options.get("dataset"),
+        "train_fraction": options.get("train_fraction"),
+        "seed": options.get("seed"),
+        "epochs": epochs,
+        "final_top1": final.get("eval_top1"),
+        "final_top5": final.get("eval_top5"),
+        "best_top1": best.get("eval_top1"),
+        "best_top5": best.get("eval_top5"),
+        "best_epoch": best.get("epoch"),
+    }
 
 
 def _append_line(path: Path, line: str) -> None:
@@ -43,34 +95,22 @@ class RunLog:
         self.summary = self.output / "summary.csv"
         self.jsonl = self.output / "log.jsonl"
 
-    def start(self, completed_epochs: int) -> None:
-        """Fresh files, or the existing ones cut back to ``completed_epochs`` rows when resuming."""
+    def start(self, completed_epochs: int) -> list[str]:
+        """Fresh files, or the existing ones cut back to ``completed_epochs`` rows when resuming; damaged
+        lines are dropped. Returns a note for each file that was repaired."""
         if not self.enabled:
-            return
-        rows = self._read_summary() if completed_epochs else []
+            return []
+        rows, bad_rows = read_summary(self.summary) if completed_epochs else ([], 0)
+        lines, bad_lines = read_log(self.jsonl) if completed_epochs else ([], 0)
         rows = [r for r in rows if int(r["epoch"]) <= completed_epochs]
-        lines = self._read_jsonl() if completed_epochs else []
-        lines = [r for r in lines if int(r.get("epoch", 0)) <= completed_epochs]
-
+        lines = [r for r in lines if r["epoch"] <= completed_epochs]
         atomic_write(self.summary, lambda tmp: tmp.write_text(csv_text(rows, SUMMARY_FIELDS), newline=""))
         atomic_write(self.jsonl, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in lines)))
-
-    def _read_summary(self) -> list[dict[str, str]]:
-        if not self.summary.is_file():
-            return []
-        with open(self.summary, newline="") as f:
-            return [r for r in csv.DictReader(f) if r.get("epoch", "").isdigit() and None not in r.values()]
-
-    def _read_jsonl(self) -> list[dict[str, Any]]:
-        if not self.jsonl.is_file():
-            return []
-        records = []
-        for line in self.jsonl.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by a kill
-                continue
-        return records
+        return [
+            f"dropped {count} damaged line{'s' if count > 1 else ''} of {path} (kept {kept} epochs)"
+            for path, count, kept in ((self.summary, bad_rows, len(rows)), (self.jsonl, bad_lines, len(lines)))
+            if count
+        ]
 
     def log_epoch(self, record: dict[str, Any]) -> None:
         """Append one epoch: the summary fields to summary.csv, everything to log.jsonl and the trackers."""

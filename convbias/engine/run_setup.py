@@ -43,6 +43,7 @@ from .lock import RunLock
 from .modeling import check_model_name, create_model
 from .output_scale import OutputScale, ScaledLoss
 from .preemption import PreemptionSignals, ignore_in_worker, parse_signals
+from .run_dir import point_name
 from .run_start import (
     check_exact_continuation,
     check_resume_world_size,
@@ -90,8 +91,14 @@ class RunSetup:
                 f"--resume {self.resume_point} is a checkpoint of {self.resume_state.get('model')}, "
                 f"not of --model {cfg.model}"
             )
-        self.finished = finished_message(self.resume_state, self.output, self.epochs)
-        if self.finished:  # --resume of a finished run: nothing to set up, nothing to write
+        checkpoints = CheckpointDir(self.output)
+        if self.resume_point is not None and self.resume_point.parent == checkpoints.root.resolve():
+            best = (self.resume_state.get("best") or {}).get("epoch")
+            if acc.is_main_process:  # the links follow the training state (a copy may have dropped them)
+                self.notes += checkpoints.relink(self.resume_point.name, None if best is None else point_name(best))
+        self.finished = finished_message(self.resume_state, self.output, self.epochs, acc.is_main_process)
+        if self.finished:  # --resume of a finished run: nothing to set up, nothing more to write
+            self.finished = "; ".join(self.notes + [self.finished])
             return
 
         check_resume_world_size(self.resume_state, self.resume_point, acc.num_processes)

@@ -23,7 +23,8 @@ from .config import Config
 from .errors import ConfigError, DamagedCheckpointError
 from .lock import RunLock, RunLockedError
 from .lock import describe as describe_holder
-from .run_dir import DEFAULT_WHICH, choose_checkpoint, is_run_dir
+from .run_dir import DEFAULT_WHICH, RESULTS_FILE, RunDir, is_run_dir
+from .run_log import RunLog, results_record
 
 # What a mid-epoch resume point must be continued with to give the uninterrupted run's numbers (its
 # training state records them); the process count is checked on its own (check_resume_world_size).
@@ -45,8 +46,7 @@ def resolve_checkpoint(cfg: Config) -> str | None:
         return None
     run = Path(cfg.checkpoint)
     if (run / "checkpoints").is_dir() or is_run_dir(run):
-        verify_file(run / "checkpoints" / (cfg.which or DEFAULT_WHICH) / WEIGHTS_FILE)
-        chosen = choose_checkpoint(run, cfg.which or DEFAULT_WHICH)
+        chosen = RunDir(run).checkpoint(cfg.which or DEFAULT_WHICH)
         cfg.checkpoint = str(chosen.weights)
         return chosen.describe()
     _check_which_target(cfg.which, run)
@@ -142,13 +142,28 @@ def find_start(accelerator: Accelerator, cfg: Config, output: Path, notes: list[
     return point
 
 
-def finished_message(state: dict[str, Any] | None, output: Path, epochs: int) -> str | None:
-    """What --resume of a run that already trained all its epochs says instead of training again."""
-    if not state or state.get("step") or state["epoch"] < epochs or not (output / "results.json").is_file():
+def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, write: bool) -> str | None:
+    """What --resume of a run that already trained all its epochs says instead of training again. Its
+    results.json follows the point: missing, unreadable or older than the point (a run extended with a larger
+    --epochs, killed before it rewrote the file), it is rewritten from the training state (by the main
+    process, ``write``) and the message says so."""
+    if not state or state.get("step") or state["epoch"] < epochs:
         return None
     final, best = state.get("final") or {}, state.get("best") or {}
+    expected = results_record(state.get("options") or {"model": state["model"]}, state["epoch"], final, best)
+    try:
+        results = RunDir(output).results()
+        problem = None if results == {**results, **expected} else f"stale (epoch {results.get('epochs')})"
+    except DamagedCheckpointError:
+        results, problem = None, "unreadable"
+    if results is None or problem:
+        if write:
+            RunLog(output, enabled=True).write_results({**(results or {}), **expected})
+        problem = (
+            f"{RESULTS_FILE} was {problem or 'missing'}; rewrote it from epoch {state['epoch']}'s training state; "
+        )
     return (
-        f"{output} is already finished (epoch {state['epoch']}/{epochs}, final top-1 "
+        f"{problem or ''}{output} is already finished (epoch {state['epoch']}/{epochs}, final top-1 "
         f"{final.get('eval_top1', float('nan')):.2f}, best top-1 {best.get('eval_top1', float('nan')):.2f} "
         f"at epoch {best.get('epoch')}); nothing to do (a larger --epochs trains on)"
     )
@@ -165,7 +180,7 @@ def kept(cfg: Config, output: Path) -> str:
         point = None
     if point is None:
         return f"no checkpoint was written yet in {output}; rerun the same command to start over"
-    name = "last" if checkpoints.last == point.resolve() else point.name
+    name = "last" if point == checkpoints.points()[0] else point.name
     epoch = int(POINT_NAME.fullmatch(point.name)[1])
     return f"kept {output}/checkpoints/{name} (epoch {epoch}); continue with --resume auto"
 

@@ -27,16 +27,17 @@ from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
+from ..storage import storage_reason
 from . import recipe
 from .checkpoint import rng_state, set_rng_state
 from .compile import compile_counters
 from .config import write_config
 from .data import epoch_batches
-from .errors import NonFiniteLossError, StorageError, storage_reason
+from .errors import NonFiniteLossError, StorageError
 from .fsdp import save_sharded
 from .metrics import evaluate
 from .preemption import Preempted
-from .run_log import RunLog
+from .run_log import RunLog, results_record
 from .run_setup import RunSetup
 from .run_start import EXACT_KEYS, kept
 
@@ -75,7 +76,8 @@ class Trainer(RunSetup):
                 init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}},
             )
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
-        log.start(self.start_epoch)
+        for note in log.start(self.start_epoch):
+            acc.print(note)
         # every diagnostic at initialization too, logged with the first epoch as init_<key> (a resume point
         # inside the first epoch carries them)
         self.initial = self.resume_state.get("initial_diagnostics", {}) if self.resume_state else {}
@@ -155,19 +157,7 @@ class Trainer(RunSetup):
             )
 
     def _results(self) -> dict[str, Any]:
-        cfg = self.cfg
-        return {
-            "model": cfg.model,
-            "dataset": cfg.dataset,
-            "train_fraction": cfg.train_fraction,
-            "seed": cfg.seed,
-            "epochs": self.epochs,
-            "final_top1": self.final.get("eval_top1"),
-            "final_top5": self.final.get("eval_top5"),
-            "best_top1": self.best.get("eval_top1"),
-            "best_top5": self.best.get("eval_top5"),
-            "best_epoch": self.best.get("epoch"),
-        }
+        return results_record(self.cfg, self.epochs, self.final, self.best)
 
     def evaluate_only(self) -> dict[str, float]:
         metrics = self.evaluate(self.forward)
@@ -251,8 +241,8 @@ class Trainer(RunSetup):
         total = self.accelerator.reduce(loss_sum.clone(), reduction="sum").item()
         mean = total / (steps * self.accelerator.num_processes)
         if not math.isfinite(mean):
-            last = self.checkpoints.last
-            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+            points = self.checkpoints.points()
+            kept = f"the last good checkpoint is {points[0]}" if points else "no checkpoint was written yet"
             raise NonFiniteLossError(
                 f"non-finite training loss ({mean}) in epoch {epoch + 1} by step {steps}; "
                 f"stopping; {kept} (try a lower --lr or --clip-grad)"

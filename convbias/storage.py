@@ -1,0 +1,150 @@
+"""Writing files so that a kill or a fault leaves the old version or the new one, never half of either.
+
+Every command that writes results (train.py's bookkeeping, the sweep's CSVs, an export's folder) writes
+through ``atomic_write`` (a file) or ``staged_directory`` (a folder): the new content goes under a hidden
+temporary name, ``.<name>.tmp<pid>``, and is renamed into place only once complete. A write that fails
+removes its temporary; one that is killed leaves it, and the next write of the same name removes it once
+its process is gone (``remove_stale_temporaries``). ``storage_reason`` says in a few words why a write
+failed, naming the disk and the space it needs when it is full. Light to import: no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+_REASONS = {
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOENT: "the output directory or a file in it was removed",
+    errno.EACCES: "permission denied",
+    errno.EIO: "an I/O error of the device",
+}
+_MIN_FREE = 1 << 20  # below this a write without an errno (torch's, safetensors') is taken as a full disk
+
+
+def temporary_name(path: Path) -> Path:
+    """Where ``path``'s new version is written before it is renamed into place."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Remove the temporaries of ``path`` that killed writers left (their process is gone); returns them."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.tmp(\d+)")
+    removed = []
+    for candidate in path.parent.glob(f".{path.name}.tmp*") if path.parent.is_dir() else ():
+        match = pattern.fullmatch(candidate.name)
+        if not match or int(match[1]) == os.getpid() or _alive(int(match[1])):
+            continue
+        with contextlib.suppress(OSError):
+            if candidate.is_dir() and not candidate.is_symlink():
+                shutil.rmtree(candidate)
+            else:
+                candidate.unlink()
+            removed.append(candidate)
+    return removed
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp_path)``, then rename tmp_path over ``path``: readers see the old or the new file."""
+    path = Path(path)
+    remove_stale_temporaries(path)
+    tmp = temporary_name(path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):  # on a read-only or removed output there is nothing to clean
+            tmp.unlink(missing_ok=True)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """``atomic_write`` of a text file (LF line endings as given)."""
+    atomic_write(path, lambda tmp: tmp.write_text(text, newline=""))
+
+
+@contextlib.contextmanager
+def staged_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """``with staged_directory(out) as tmp:`` fill ``tmp``; it becomes ``out`` (absent or empty) on success
+    and is removed on any failure, so ``out`` never holds half of what was written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
+    tmp = temporary_name(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            path.rmdir()  # empty: a non-empty one is the caller's to refuse
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def disk_of(path: str | os.PathLike) -> Path:
+    """The mount point of the file system that holds ``path`` (or would hold it)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    try:
+        stat = os.statvfs(disk_of(path))
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def size_text(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def storage_reason(error: BaseException, directory: str | os.PathLike | None = None, needed: int | None = None) -> str:
+    """Why a write into ``directory`` failed, in a few words: from the errno of an OSError, else (torch's and
+    safetensors' own write errors carry none) from the state of the directory's file system. A full disk is
+    named with its free space and, when known, the ``needed`` bytes."""
+    code = getattr(error, "errno", None)
+    if code is None and directory is not None:
+        try:
+            stat = os.statvfs(disk_of(directory))
+            if stat.f_flag & os.ST_RDONLY:
+                code = errno.EROFS
+            elif stat.f_bavail * stat.f_frsize < max(needed or 0, _MIN_FREE):
+                code = errno.ENOSPC
+        except OSError:
+            pass
+    if code == errno.ENOSPC:
+        if directory is None:
+            return "no space left on the device"
+        free = free_bytes(directory)
+        room = f"{size_text(free)} free" if free is not None else "its free space unknown"
+        need = f"; this write needs about {size_text(needed)}" if needed else ""
+        return f"no space left on the device: the disk at {disk_of(directory)} has {room}{need}"
+    if code in _REASONS:
+        return _REASONS[code]
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
