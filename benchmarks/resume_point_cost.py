@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             started = time.perf_counter()
             save(index)
             saves.append(time.perf_counter() - started)
-        size_mb = sum(f.stat().st_size for f in checkpoints.last.iterdir()) / 2**20
+        size_mb = sum(f.stat().st_size for f in checkpoints.points()[0].iterdir()) / 2**20
 
     step_s, save_s = statistics.median(steps), statistics.median(saves)
     print(

@@ -49,9 +49,10 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
         raise ValueError(
-            f"{path} is not a weights file loadable with weights_only=True ({str(e).splitlines()[0]})"
+            f"{path} cannot be read as weights with weights_only=True (it is damaged, or holds Python objects "
+            f"besides tensors); it was not unpickled"
         ) from None
     for key in ("model", "state_dict", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):

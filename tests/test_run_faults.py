@@ -8,6 +8,7 @@ lock's pwrite) with the errno a full or read-only disk gives: the tests run as r
 
 import csv
 import errno
+import json
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from convbias.engine.checkpoint import (
     CheckpointDir,
     find_resume_point,
     load_training_state,
+    load_weights,
     write_manifest,
 )
 from convbias.engine.errors import (
@@ -37,9 +39,13 @@ from convbias.engine.errors import (
     DamagedCheckpointError,
     StorageError,
 )
+from convbias.engine.run_dir import RunDir
+from convbias.engine.run_log import read_log
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+# what a full disk is called in a message: the disk (its mount point) and its free space
+DISK_FULL = r"no space left on the device: the disk at \S+ has [\d.]+ \w+ free"
 FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
 
 
@@ -89,10 +95,16 @@ def no_space(*args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, args):
+def finished(tmp_path_factory, args) -> Path:
+    """The uninterrupted 3-epoch run."""
     output = tmp_path_factory.mktemp("faults") / "reference"
     train.run(args + ["--output", str(output)])
-    return summary(output)
+    return output
+
+
+@pytest.fixture(scope="module")
+def reference(finished):
+    return summary(finished)
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +126,9 @@ def stopped(tmp_path_factory, args):
 
 
 def copy(stopped, tmp_path) -> Path:
+    """A copy of a run (``stopped``, or a run dir) with its links as links."""
     output = tmp_path / "run"
-    shutil.copytree(stopped[0], output, symlinks=True)
+    shutil.copytree(stopped[0] if isinstance(stopped, tuple) else stopped, output, symlinks=True)
     return output
 
 
@@ -156,9 +169,8 @@ def test_disk_full_message(main, tmp_path):
         code, _, err = main(output, "--epochs", "2")
     assert code == EXIT_STORAGE and len(err) == 1
     assert re.fullmatch(
-        r"error: writing the resume point epoch_0002 failed \(no space left on the device: the disk at \S+ has "
-        rf"[\d.]+ \w+ free; this write needs about [\d.]+ \w+\); kept {re.escape(str(output))}/checkpoints/last "
-        r"\(epoch 1\); continue with --resume auto",
+        rf"error: writing the resume point epoch_0002 failed \({DISK_FULL}; this write needs about [\d.]+ \w+\); "
+        rf"kept {re.escape(str(output))}/checkpoints/last \(epoch 1\); continue with --resume auto",
         err[0],
     ), err
 
@@ -261,10 +273,12 @@ def test_disk_full_while_logging_leaves_no_half_line_and_resumes(main, reference
     monkeypatch.setattr(run_log, "open", half_line_then(errno.ENOSPC), raising=False)
     code, _, err = main(output)
     monkeypatch.undo()
-    assert code == EXIT_STORAGE and err == [
-        f"error: writing {output}/log.jsonl failed (no space left on the device); "
-        f"kept {output}/checkpoints/last (epoch 1); continue with --resume auto"
-    ]
+    assert code == EXIT_STORAGE and len(err) == 1
+    assert re.fullmatch(
+        rf"error: writing {re.escape(str(output))}/log.jsonl failed \({DISK_FULL}\); "
+        rf"kept {re.escape(str(output))}/checkpoints/last \(epoch 1\); continue with --resume auto",
+        err[0],
+    ), err
     assert (output / "log.jsonl").read_text().endswith("}\n") and not (output / ".lock").exists()
     code, _, err = main(output, "--resume", "auto")
     assert code == 0 and err == [] and summary(output) == reference
@@ -312,9 +326,10 @@ def test_starting_on_a_full_disk_is_one_line_and_leaves_no_lock(main, tmp_path, 
     output = tmp_path / "run"
     monkeypatch.setattr(lock.os, "pwrite", no_space)
     code, _, err = main(output)
-    assert code == EXIT_STORAGE and err == [
-        f"error: starting the run failed: {output}: no space left on the device; nothing was written"
-    ]
+    assert code == EXIT_STORAGE and len(err) == 1
+    assert re.fullmatch(
+        rf"error: starting the run failed: {re.escape(str(output))}: {DISK_FULL}; nothing was written", err[0]
+    ), err
     assert not output.exists()
 
 
@@ -460,3 +475,143 @@ def test_a_foreign_manifest_or_damaged_point_named_explicitly_is_refused(tmp_pat
     (point / MANIFEST_FILE).write_text("not json")
     with pytest.raises(DamagedCheckpointError, match="manifest.json is unreadable"):
         find_resume_point(str(point), tmp_path)
+
+
+# ------------------------------------------------------------------ links and bookkeeping follow the points
+def test_deleting_the_best_link_never_deletes_the_best_point(tmp_path):
+    points = CheckpointDir(tmp_path, keep=1)
+    save_point(points, 1, is_best=True)  # every state records epoch 1 as the best
+    (points.root / "best").unlink()
+    for epoch in (2, 3, 4):
+        save_point(points, epoch)
+    assert sorted(p.name for p in points.points()) == ["epoch_0001", "epoch_0004"]
+    assert RunDir(tmp_path).checkpoint("best").weights == points.root / "epoch_0001" / WEIGHTS_FILE
+    assert RunDir(tmp_path).checkpoint("last").weights == points.root / "epoch_0004" / WEIGHTS_FILE
+
+
+@pytest.mark.parametrize("link", ["removed", "dangling", "copied folder"])
+def test_a_missing_dangling_or_copied_last_link_resumes_by_name_and_is_regenerated(
+    main, stopped, reference, tmp_path, link
+):
+    run = copy(stopped, tmp_path)
+    points = run / "checkpoints"
+    (points / "last").unlink()
+    if link == "dangling":
+        (points / "last").symlink_to("epoch_0007")
+    elif link == "copied folder":  # what `cp -rL` makes of a link
+        shutil.copytree(points / "epoch_0002", points / "last")
+    assert RunDir(run).checkpoint("last").epoch == 2  # by name, whatever the link
+
+    code, out, err = main(run, "--resume", "auto")
+    assert code == 0 and err == [], err
+    state = {"removed": "missing", "dangling": "pointing at epoch_0007", "copied folder": "not a link"}[link]
+    assert f"checkpoints/last was {state}: pointed it at epoch_0002, as the training state records" in out
+    assert summary(run) == reference and os.readlink(points / "last") == "epoch_0003"
+    assert not list(points.glob(".*"))  # no .last.tmp
+    if link == "copied folder":
+        assert "kept what was there as last.copy" in out and (points / "last.copy" / WEIGHTS_FILE).is_file()
+
+
+def test_a_run_extended_and_killed_before_its_results_rewrites_them_from_the_point(
+    main, finished, tmp_path, monkeypatch
+):
+    run = copy(finished, tmp_path)
+    three = json.loads((run / "results.json").read_text())
+
+    def killed(self, results):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_log.RunLog, "write_results", killed)
+    code, _, _ = main(run, "--resume", "auto", "--epochs", "4")
+    monkeypatch.undo()
+    assert code == 130 and json.loads((run / "results.json").read_text()) == three
+    assert (run / "checkpoints" / "epoch_0004").is_dir()
+    assert RunDir(run).status() == "interrupted" and RunDir(run).current_results() is None  # never "done"
+
+    code, out, err = main(run, "--resume", "auto", "--epochs", "4")
+    assert code == 0 and err == [], err
+    assert "results.json was stale (epoch 3); rewrote it from epoch 4's training state" in out
+    results = RunDir(run).results()
+    last = summary(run)[-1]
+    assert results["epochs"] == 4 and results["final_top1"] == float(last[FIELDS.index("eval_top1")])
+    assert RunDir(run).status() == "done"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not json", "removed"])
+def test_a_damaged_results_file_is_named_then_rewritten_from_the_point(main, finished, tmp_path, damage):
+    run = copy(finished, tmp_path)
+    results = run / "results.json"
+    original = json.loads(results.read_text())
+    if damage == "removed":
+        results.unlink()
+    else:
+        results.write_bytes(results.read_bytes()[:40] if damage == "truncated" else b"\xff7\n")
+        with pytest.raises(DamagedCheckpointError, match=re.escape(f"{results} is not readable")):
+            RunDir(run).results()
+    code, out, err = main(run, "--resume", "auto")
+    assert code == 0 and err == [], err
+    why = "missing" if damage == "removed" else "unreadable"
+    assert f"results.json was {why}; rewrote it from epoch 3's training state" in out and "already finished" in out
+    assert json.loads(results.read_text()) == original
+
+
+def test_damaged_log_lines_are_dropped_with_a_note_and_the_run_resumes(main, stopped, reference, tmp_path):
+    run = copy(stopped, tmp_path)
+    with open(run / "log.jsonl", "ab") as f:
+        f.write(b"\xff\xfe not utf-8\n7\n")
+    with open(run / "summary.csv", "ab") as f:
+        f.write(b"2,\xff\xfe,,,,,,\n")
+    code, out, err = main(run, "--resume", "auto")
+    assert code == 0 and err == [], err
+    assert f"dropped 2 damaged lines of {run}/log.jsonl (kept 2 epochs)" in out
+    assert f"dropped 1 damaged line of {run}/summary.csv (kept 2 epochs)" in out
+    assert summary(run) == reference
+    records, dropped = read_log(run / "log.jsonl")
+    assert dropped == 0 and [r["epoch"] for r in records] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("where", ["results.json", "config.yaml"])
+def test_disk_full_at_the_bookkeeping_writes_is_one_line_and_resume_auto_finishes(
+    main, reference, tmp_path, where, monkeypatch
+):
+    output = tmp_path / "run"
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):  # the disk fills while the file's temporary is being written
+        if self.name.startswith(f".{where}.tmp"):
+            real(self, "half")
+            no_space()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    code, _, err = main(output)
+    monkeypatch.undo()
+    assert code == EXIT_STORAGE and len(err) == 1 and re.search(DISK_FULL, err[0]), err
+    assert not [p for p in output.rglob(".*") if p.name != ".lock"]  # no temporary left
+    code, _, err = main(output, "--resume", "auto") if where == "results.json" else main(output)
+    assert code == 0 and err == [], err
+    assert summary(output) == reference and RunDir(output).status() == "done"
+
+
+def test_a_pickled_object_is_one_line_never_advice_to_unpickle(tmp_path):
+    path = tmp_path / "weights.pt"
+    torch.save({"weight": torch.zeros(2, 3), "why": Path("a Python object")}, path)
+    with pytest.raises(ValueError) as error:
+        load_weights(torch.nn.Linear(3, 2), path)
+    message = str(error.value)
+    assert message.startswith(f"{path} cannot be read as weights with weights_only=True") and "\n" not in message
+    assert "weights_only=False" not in message and "\x1b" not in message
+
+
+def test_a_damaged_snapshot_is_refused_before_it_is_read(tmp_path):
+    points = CheckpointDir(tmp_path)
+    weights = torch.nn.Linear(64, 2).state_dict()
+    path = points.save_snapshot(0, weights, {"epoch": "0"})
+    assert RunDir(tmp_path).checkpoint("init").weights == path
+    flip(path)
+    with pytest.raises(DamagedCheckpointError, match=re.escape(f"{path} is damaged: it does not match its entry")):
+        RunDir(tmp_path).checkpoint("init")
+    (points.root / "snapshots.json").unlink()  # a snapshot written before the listing: it must at least read
+    path.write_bytes(b"\x00" * 16)
+    with pytest.raises(DamagedCheckpointError, match=re.escape(f"{path} is not a readable safetensors file")):
+        RunDir(tmp_path).checkpoint("epoch_0")

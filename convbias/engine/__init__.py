@@ -95,7 +95,8 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
             raise ConfigError(str(e)) from None
         except OSError as e:  # the lock or the output dir cannot be written: disk full, read-only
             where = e.filename or cfg.output
-            raise StorageError(f"starting the run failed: {where}: {storage_reason(e)}; nothing was written") from None
+            reason = storage_reason(e, cfg.output)
+            raise StorageError(f"starting the run failed: {where}: {reason}; nothing was written") from None
         except KeyboardInterrupt:
             raise Interrupted("during set-up; nothing was written") from None
         if trainer.finished:
@@ -109,7 +110,7 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
             what = (
                 str(e)
                 if isinstance(e, StorageError)
-                else f"writing {e.filename or cfg.output} failed ({storage_reason(e)})"
+                else f"writing {e.filename or cfg.output} failed ({storage_reason(e, cfg.output)})"
             )
             raise StorageError(f"{what}; {trainer.kept()}") from None
     finally:

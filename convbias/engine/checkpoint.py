@@ -57,6 +57,7 @@ from .run_dir import (  # noqa: F401  (the layout's names, for the engine's writ
     DEFAULT_KEEP_CHECKPOINTS,
     MANIFEST_FILE,
     POINT_NAME,
+    SNAPSHOTS_FILE,
     STATE_FILE,
     held_entries,
     list_points,
@@ -64,7 +65,6 @@ from .run_dir import (  # noqa: F401  (the layout's names, for the engine's writ
 )
 
 EMA_FILE = "ema.safetensors"
-SNAPSHOTS_FILE = "snapshots.json"  # size and sha256 of every --save-epochs snapshot
 LINKS = ("last", "best")
 _HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
 _WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way

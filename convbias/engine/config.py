@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ..storage import write_text
 from .compile import COMPILE_MODES
 from .errors import ConfigError
 from .options import DATASETS, KEY_VALUE_OPTIONS, PRECISIONS, SCHEDULES, OptionParser, build_parser
@@ -355,4 +356,4 @@ def write_config(cfg: Config, path: Path, derived: dict) -> None:
     """The resolved options as a reloadable recipe; derived values (lr, global batch...) as comments."""
     header = "".join(f"# {key}: {value}\n" for key, value in derived.items())
     body = yaml.safe_dump(dict(cfg), sort_keys=False)
-    path.write_text("# resolved config of this run; reload with -c\n" + header + body)
+    write_text(path, "# resolved config of this run; reload with -c\n" + header + body)

@@ -33,6 +33,7 @@ RESULTS_FILE = "results.json"
 WEIGHTS_FILE = "model.safetensors"  # as convbias.weights.WEIGHTS_FILE (not imported: it loads torch)
 STATE_FILE = "training_state.pt"
 MANIFEST_FILE = "manifest.json"
+SNAPSHOTS_FILE = "snapshots.json"  # size and sha256 of every --save-epochs snapshot
 POINT_NAME = re.compile(r"epoch_(\d{4,})(?:_step_(\d{7,}))?")
 SNAPSHOT_NAME = re.compile(r"init|epoch_(\d+)")
 WHICH = ("last", "best")

@@ -153,17 +153,20 @@ def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, wr
     expected = results_record(state.get("options") or {"model": state["model"]}, state["epoch"], final, best)
     try:
         results = RunDir(output).results()
-        problem = None if results == {**results, **expected} else f"stale (epoch {results.get('epochs')})"
     except DamagedCheckpointError:
-        results, problem = None, "unreadable"
-    if results is None or problem:
+        results, problem = {}, "unreadable"
+    else:
+        if results is None:
+            results, problem = {}, "missing"
+        else:
+            problem = None if results == {**results, **expected} else f"stale (epoch {results.get('epochs')})"
+    repaired = ""
+    if problem:
         if write:
-            RunLog(output, enabled=True).write_results({**(results or {}), **expected})
-        problem = (
-            f"{RESULTS_FILE} was {problem or 'missing'}; rewrote it from epoch {state['epoch']}'s training state; "
-        )
+            RunLog(output, enabled=True).write_results({**results, **expected})
+        repaired = f"{RESULTS_FILE} was {problem}; rewrote it from epoch {state['epoch']}'s training state; "
     return (
-        f"{problem or ''}{output} is already finished (epoch {state['epoch']}/{epochs}, final top-1 "
+        f"{repaired}{output} is already finished (epoch {state['epoch']}/{epochs}, final top-1 "
         f"{final.get('eval_top1', float('nan')):.2f}, best top-1 {best.get('eval_top1', float('nan')):.2f} "
         f"at epoch {best.get('epoch')}); nothing to do (a larger --epochs trains on)"
     )
