@@ -119,10 +119,11 @@ def _files(point: Path) -> list[str]:
     return sorted(p.relative_to(point).as_posix() for p in point.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
-def write_manifest(point: Path, epoch: int, step: int) -> None:
-    """The size and sha256 of every file of the resume point, written last (atomically)."""
+def write_manifest(point: Path, epoch: int, step: int, best_epoch: int | None = None) -> None:
+    """The size and sha256 of every file of the resume point, written last (atomically), with the epoch of
+    the run's best point so far (what ``RunDir`` reads to find it without loading the training state)."""
     files = {name: _manifest_entry(point / name) for name in _files(point)}
-    text = json.dumps({"epoch": epoch, "step": step, "files": files}, indent=1) + "\n"
+    text = json.dumps({"epoch": epoch, "step": step, "best_epoch": best_epoch, "files": files}, indent=1) + "\n"
     atomic_write(point / MANIFEST_FILE, lambda tmp: tmp.write_text(text))
 
 
@@ -293,7 +294,7 @@ class CheckpointDir:
                     metadata=metadata,
                 )
             torch.save(state, tmp / STATE_FILE)
-            write_manifest(tmp, epoch, step)
+            write_manifest(tmp, epoch, step, (state.get("best") or {}).get("epoch"))
             if final.exists():  # an earlier attempt's point of the same name, which this one supersedes
                 if self._owned(final):
                     shutil.rmtree(final)

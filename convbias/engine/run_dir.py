@@ -191,16 +191,27 @@ class RunDir:
         self.verify(point, STATE_FILE)
         return load_training_state(point)
 
+    def best_epoch(self) -> int | None:
+        """The epoch of the best evaluation so far, as the newest point records it: in its manifest, else
+        (a point written before manifests carried it) in its verified training state."""
+        point = self.newest_point()
+        try:
+            manifest = json.loads((point / MANIFEST_FILE).read_bytes())
+        except (OSError, ValueError):
+            manifest = {}
+        if isinstance(manifest, dict) and "best_epoch" in manifest:
+            return manifest["best_epoch"]
+        return (self.training_state(point).get("best") or {}).get("epoch")
+
     def best_point(self) -> Path:
-        """The point of the best evaluation, as the newest point's training state records it."""
-        best = self.training_state().get("best") or {}
-        if best.get("epoch") is None:
+        """The point of the best evaluation (``best_epoch``), whatever the ``best`` link says."""
+        epoch = self.best_epoch()
+        if epoch is None:
             raise ConfigError(f"{self.path} has no best checkpoint: no evaluation is recorded yet")
-        point = self.root / point_name(int(best["epoch"]))
+        point = self.root / point_name(int(epoch))
         if not point.is_dir():
             raise DamagedCheckpointError(
-                f"{point} is missing: the training state records it as the best point (epoch {best['epoch']}, "
-                f"top-1 {best.get('eval_top1')}); it was moved or deleted"
+                f"{point} is missing: the run records it as its best point (epoch {epoch}); it was moved or deleted"
             )
         return point
 
