@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
+
+from convbias.storage import storage_reason
 
 
 def report(error: BaseException) -> int:
@@ -20,7 +23,11 @@ def report(error: BaseException) -> int:
     if code is None:
         raise error
     prefix = "interrupted" if isinstance(error, (Interrupted, KeyboardInterrupt)) else "error"
-    message = " ".join(str(error).split()) or "stopped; nothing more was written"
+    message = " ".join(str(error).split()) or "stopped"
+    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+        where = Path(error.filename) if error.filename else None
+        reason = storage_reason(error, where.parent if where else Path.cwd())
+        message = f"writing {where} failed ({reason})" if where else f"a write failed ({reason})"
     print(f"{prefix}: {message}", file=sys.stderr)
     return code
 

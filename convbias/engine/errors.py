@@ -49,13 +49,14 @@ class StorageError(Exception):
 
 def exit_code(error: BaseException) -> int | None:
     """The exit code of an error that a command reports as one line (None: a bug, shown with its traceback).
-    ValueError and FileNotFoundError are the commands' own checks of their options and inputs."""
+    ValueError and FileNotFoundError are the commands' own checks of their options and inputs; any other
+    OSError is a write that failed (disk full, read-only, removed)."""
     if isinstance(error, DamagedCheckpointError):
         return EXIT_DAMAGED
-    if isinstance(error, StorageError):
-        return EXIT_STORAGE
     if isinstance(error, (ConfigError, ValueError, FileNotFoundError)):
         return EXIT_USAGE
+    if isinstance(error, (StorageError, OSError)):  # an OSError that reaches a command is a failed write
+        return EXIT_STORAGE
     if isinstance(error, (Interrupted, KeyboardInterrupt)):
         return EXIT_INTERRUPTED
     return None

@@ -1,0 +1,63 @@
+"""Every console script reports what stops it the same way: one line and the engine's exit code."""
+
+import errno
+import re
+
+import pytest
+
+from convbias.cli import run_command
+from convbias.engine.errors import (
+    EXIT_DAMAGED,
+    EXIT_INTERRUPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    ConfigError,
+    DamagedCheckpointError,
+    StorageError,
+)
+
+
+def raising(error: BaseException):
+    def body():
+        raise error
+
+    return body
+
+
+@pytest.mark.parametrize(
+    "error, code, line",
+    [
+        (ConfigError("--which must be one of last, best"), EXIT_USAGE, "error: --which must be one of last, best"),
+        (ValueError("a\n  two-line   message"), EXIT_USAGE, "error: a two-line message"),
+        (FileNotFoundError("run directory not found: x"), EXIT_USAGE, "error: run directory not found: x"),
+        (
+            DamagedCheckpointError("RUN/model.safetensors is damaged"),
+            EXIT_DAMAGED,
+            "error: RUN/model.safetensors is damaged",
+        ),
+        (StorageError("writing X failed (the file system is read-only)"), EXIT_STORAGE, None),
+        (KeyboardInterrupt(), EXIT_INTERRUPTED, "interrupted: stopped"),
+    ],
+)
+def test_each_reported_error_is_one_line_and_its_exit_code(capsys, error, code, line):
+    assert run_command(raising(error)) == code
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err.strip() == (line or f"error: {error}")
+
+
+def test_a_failed_write_names_the_file_and_the_disk(capsys, tmp_path):
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "figure.png"))
+    assert run_command(raising(full)) == EXIT_STORAGE
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(
+        rf"error: writing {re.escape(str(tmp_path))}/figure.png failed \(no space left on the device: the disk at "
+        r"\S+ has [\d.]+ \w+ free\)",
+        err,
+    ), err
+
+
+def test_a_bug_keeps_its_traceback():
+    with pytest.raises(ZeroDivisionError):
+        run_command(lambda: 1 / 0)
+    assert run_command(lambda: None) == 0 and run_command(lambda: 3) == 3
