@@ -56,8 +56,8 @@ class Trainer(RunSetup):
     # ------------------------------------------------------------------------------------- main entry
     def fit(self) -> dict[str, Any]:
         cfg, acc = self.cfg, self.accelerator
-        for note in self.notes:
-            acc.print(note)
+        for line in self._startup_block() + self.notes:
+            acc.print(line)
         derived = dict(
             num_processes=acc.num_processes,
             global_batch=self.global_batch,
@@ -108,6 +108,31 @@ class Trainer(RunSetup):
             acc.end_training()
         acc.print(self._summary_line(results))
         return results
+
+    def _startup_block(self) -> list[str]:
+        """What this launch will do, before its first step: where, on what, with which batch, lr and length."""
+        cfg, acc = self.cfg, self.accelerator
+        start = f"resuming from {self.resume_point}" if self.resume_point else "a new run"
+        params = sum(p.numel() for p in acc.unwrap_model(self.model).parameters())
+        try:
+            sizes = f"{len(self.data.train):,} train / {len(self.data.val):,} val images"
+        except TypeError:  # a stream without a known length
+            sizes = "streamed"
+        if cfg.lr is not None:
+            rule = "--lr"
+        else:
+            rule = f"--lr-base {cfg.lr_base:g} x {self.global_batch} / --lr-base-size {cfg.lr_base_size}"
+        precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
+        return [
+            f"output: {self.output} ({start})",
+            f"processes: {acc.num_processes} ({torch.get_num_threads()} threads each) on {acc.device.type}, {precision}",
+            f"model: {cfg.model}, {params / 1e6:.2f}M parameters",
+            f"data: {cfg.dataset}, {sizes}, {self.data.num_classes} classes",
+            f"batch: {self.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
+            f"{cfg.grad_accum_steps} accumulation; lr {self.lr:.3g} ({rule})",
+            f"schedule: {self.epochs} epoch{'s' if self.epochs != 1 else ''}, {self.warmup_epochs} of warm-up, "
+            f"{self.steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
+        ]
 
     def _summary_line(self, results: dict[str, Any]) -> str:
         """The last line of a run: its final and best top-1 and where its files are."""

@@ -1,0 +1,35 @@
+"""A launch says at start what it will do: output, processes and threads, device and precision, model size,
+data, global batch with the effective lr and the rule that gave it, epochs and warm-up."""
+
+import pytest
+import timm
+import torch
+from test_train_errors import messages
+
+import convit  # noqa: F401  (registers the project's models)
+from convbias.cli import train
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsys):
+    args = cli_argv(
+        cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, batch_size=16, train_fraction=0.5, epochs=1, no_diagnostics=True
+    )
+    output = tmp_path / "run"
+    assert train.main(args + ["--output", str(output)]) == 0
+    out, err = capsys.readouterr()
+    assert messages(err) == []
+    model = timm.create_model(
+        "convit_tiny", **cli_argv.TINY_CONVIT["model_kwargs"], img_size=8, in_chans=1, num_classes=10
+    )
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    updates = 719 // 16  # half of the 1,438 training digits, in full batches of 16
+    assert out.splitlines()[:6] == [
+        f"output: {output} (a new run)",
+        f"processes: 1 ({torch.get_num_threads()} threads each) on cpu, fp32",
+        f"model: convit_tiny, {params:.2f}M parameters",
+        "data: digits, 719 train / 359 val images, 10 classes",
+        "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 1.56e-05 (--lr-base 0.0005 x 16 / --lr-base-size 512)",
+        f"schedule: 1 epoch, 0 of warm-up, {updates} updates per epoch",
+    ]
