@@ -33,3 +33,23 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
         "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 1.56e-05 (--lr-base 0.0005 x 16 / --lr-base-size 512)",
         f"schedule: 1 epoch, 0 of warm-up, {updates} updates per epoch",
     ]
+
+
+def test_likely_unintended_settings_are_warned_before_training(cli_argv, tmp_path, capsys, monkeypatch):
+    """The bare recipe on 8-px digits: the DeiT augmentation, an lr scaled to 7.8e-6 by a batch of 8, and more
+    loader workers than the node's cores (one core here)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    args = cli_argv(
+        cli_argv.TINY_CONVIT, dataset="digits", batch_size=8, train_fraction=0.05, epochs=1, warmup_epochs=0, workers=2
+    )
+    assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
+    warnings = [line for line in messages(capsys.readouterr().err) if line.startswith("warning: ")]
+    assert warnings == [
+        "warning: the lr scaled to the global batch is 7.81e-06 (--lr-base 0.0005 x 8 / --lr-base-size 512), below "
+        "1e-05: the run may barely learn; set --lr, or raise --lr-base or the batch",
+        "warning: heavy augmentation (--aa rand-m9-mstd0.5-inc1, --mixup 0.8, --cutmix 1, --reprob 0.25, "
+        "--repeated-aug 3) on 8-px images: the DeiT recipe is made for 224 px and leaves little of a small image; "
+        "use a light recipe (configs/train/demo_digits.yaml) or --no-aug",
+        "warning: --workers 2 x 1 process on this node start 2 loader processes for 1 core: they compete with "
+        "training; lower --workers",
+    ]

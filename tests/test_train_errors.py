@@ -162,7 +162,19 @@ def write_folder(root, classes, broken=False):
     return root
 
 
-FOLDER = ["--dataset", "folder", "--img-size", "16", "--no-aug", "--repeated-aug", "1", "--batch-size", "4"]
+FOLDER = [
+    "--dataset",
+    "folder",
+    "--img-size",
+    "16",
+    "--no-aug",
+    "--repeated-aug",
+    "1",
+    "--batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+]
 
 
 def test_a_one_class_dataset_is_refused(capsys, tmp_path, output):

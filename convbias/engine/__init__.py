@@ -99,6 +99,8 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
             raise StorageError(f"starting the run failed: {where}: {reason}; nothing was written") from None
         except KeyboardInterrupt:
             raise Interrupted("during set-up; nothing was written") from None
+        for warning in trainer.warnings:
+            _print_error(warning, prefix="warning")
         if trainer.finished:
             trainer.accelerator.print(trainer.finished)
             return RunDir(trainer.output).results()

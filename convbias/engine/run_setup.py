@@ -12,6 +12,7 @@ stream's loaders are not (timm's reader splits the stream between processes).
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ class RunSetup:
             if weights:
                 verify_file(weights)
         self.notes: list[str] = []  # said when training starts (stale lock taken over, restart)
+        self.warnings: list[str] = []  # settings that are likely unintended, said before anything runs
         take_lock(acc, lock, self.notes)
         self.resume_point = find_start(acc, cfg, self.output, self.notes)
         self.resume_state = load_training_state(self.resume_point) if self.resume_point else None
@@ -107,6 +109,8 @@ class RunSetup:
             self.notes.append(f"--accept-resume-changes: continuing {self.resume_point} with {self.accepted_changes}")
 
         cfg.img_size = cfg.img_size or dataset_info(cfg.dataset).default_img_size  # data and model agree
+        if not cfg.eval_only:
+            self.warnings = setup_warnings(cfg, self.lr, self.global_batch)
         self.data = build_datasets(cfg)
         model = self._build_model()
         self.preemption = PreemptionSignals(parse_signals(cfg.preempt_signals))
@@ -333,3 +337,44 @@ class RunSetup:
             self.start_loss_sum = state["loss_sums"][acc.process_index]
         self.best, self.final = state["best"], state["final"]
         self.scheduler.step_update(self.num_updates)
+
+
+LOW_LR = 1e-5  # a scaled lr below this barely moves a model in a short run
+SMALL_IMAGES = 64  # px: below this the DeiT recipe's augmentation destroys most of an image
+
+
+def setup_warnings(cfg: Config, lr: float, global_batch: int) -> list[str]:
+    """Valid settings that are likely unintended once the world size is known: an lr scaled very low, heavy
+    augmentation on small images, more loader workers than the node has cores."""
+    warnings = []
+    if cfg.lr is None and lr < LOW_LR:
+        warnings.append(
+            f"the lr scaled to the global batch is {lr:.3g} (--lr-base {cfg.lr_base:g} x {global_batch} / "
+            f"--lr-base-size {cfg.lr_base_size}), below {LOW_LR:g}: the run may barely learn; set --lr, or raise "
+            f"--lr-base or the batch"
+        )
+    heavy = [
+        name
+        for name, active in (
+            (f"--aa {cfg.aa}", cfg.aa not in (None, "none")),
+            (f"--mixup {cfg.mixup:g}", cfg.mixup > 0),
+            (f"--cutmix {cfg.cutmix:g}", cfg.cutmix > 0),
+            (f"--reprob {cfg.reprob:g}", cfg.reprob > 0),
+            (f"--repeated-aug {cfg.repeated_aug}", cfg.repeated_aug > 1),
+        )
+        if active
+    ]
+    if heavy and not cfg.no_aug and cfg.img_size < SMALL_IMAGES:
+        warnings.append(
+            f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: the DeiT recipe is made for 224 px "
+            f"and leaves little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
+        )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this node (torchrun and accelerate set it)
+    if cfg.workers * local > cores:
+        warnings.append(
+            f"--workers {cfg.workers} x {local} process{'es' if local > 1 else ''} on this node start "
+            f"{cfg.workers * local} loader processes for {cores} core{'s' if cores > 1 else ''}: they compete with "
+            f"training; lower --workers"
+        )
+    return warnings
