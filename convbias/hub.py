@@ -12,17 +12,22 @@ A run reparametrized during training (`--reparametrize tcnn`) is exported as the
 weights belong to, with the reparametrization's options as transform options. An `--output-scale` run is
 refused: its model is a wrapper (alpha (f - f_0)) that timm's registry does not build.
 
-Every refusal is a ValueError with one line, raised before anything is written; the folder is written
-under a temporary name and renamed into place, so an interrupted export leaves no half folder.
+The run is read through ``RunDir``: its weights are checked against their manifest before use (a damaged
+file is a DamagedCheckpointError naming it, exit 65). Every refusal is a ValueError with one line, raised
+before anything is written. The folder is written under a hidden temporary name (``staged_directory``) and
+renamed into place, so an interrupted export leaves no half folder (a killed one's is removed by the next
+export to the same path); a write that fails (disk full, read-only) is one StorageError line naming the file
+(exit 74), with nothing left at --output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
-import tempfile
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,7 @@ import torch
 import yaml
 from huggingface_hub import HfApi
 from huggingface_hub.errors import OfflineModeIsEnabled
+from safetensors import SafetensorError
 from timm.models import model_entrypoint, save_for_hf
 
 from convbias.deploy import (
@@ -45,18 +51,19 @@ from convbias.deploy import (
 from convbias.engine import (
     Config,
     ConfigError,
-    DamagedCheckpointError,
+    RunCheckpoint,
+    RunDir,
+    StorageError,
     build_datasets,
     check_model_name,
     check_which,
     create_model,
     dataset_info,
-    model_spec,
-    read_run_config,
-    verify_file,
+    read_log,
 )
+from convbias.storage import staged_directory, storage_reason
 from convbias.tables import markdown_table
-from convbias.weights import load_weights, weights_metadata
+from convbias.weights import load_weights
 
 DEFAULT_LICENSE = "apache-2.0"
 FAMILY_TAGS = {"convit": "convit", "transformed_cnn": "transformed-cnn", "efcn": "efcn"}
@@ -89,6 +96,8 @@ RECIPE_KEYS = (
     "seed",
 )
 RUN_FILES = ("config.yaml", "results.json")
+# what a failed write raises: torch's and safetensors' own errors carry no errno
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 # pretrained_cfg fields that describe timm's published weights of the architecture, not a run's
 SOURCE_FIELDS = (
     "tag",
@@ -108,22 +117,24 @@ def _family(model_name: str) -> str:
     return model_entrypoint(model_name).__module__.split(".")[0]
 
 
-def run_model(run: str | Path, which: str = "last") -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The run's model (eval mode, the checkpoint's weights) built through timm's registry, and what was
-    used to build it: name, kwargs, checkpoint, config, data options. ValueError (one line) otherwise."""
-    config = read_run_config(run)
-    spec = model_spec(run, which)  # refuses a run without checkpoints/<which>
+def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The run's model (eval mode, the checkpoint's verified weights) built through timm's registry, and
+    what was used to build it: name, kwargs, checkpoint, config, data options. ValueError (one line) for
+    what cannot be exported, DamagedCheckpointError naming a weights file that fails its manifest."""
+    run = run if isinstance(run, RunDir) else RunDir(run)
+    config = run.config
     if config.get("output_scale") is not None:
         raise ValueError(
-            f"{run} was trained with --output-scale {config['output_scale']}: its model is a wrapper "
+            f"{run.path} was trained with --output-scale {config['output_scale']}: its model is a wrapper "
             "(alpha (f - f_0)) that timm's registry cannot rebuild; export a run without it"
         )
+    spec = run.model_spec(which)  # refuses a run without that checkpoint; verifies its weights
     name, model_kwargs = spec["model"], dict(spec["model_kwargs"])
     try:
-        check_model_name(name, option=f"{run}/config.yaml model")
+        check_model_name(name, option=f"{run.path}/config.yaml model")
     except ConfigError as error:
         raise ValueError(f"{error} (is its family imported? convbias.families.load_families())") from None
-    if weights_metadata(spec["checkpoint"].weights).get("reparametrized") == "True":
+    if spec["reparametrized"]:
         tcnn = f"tcnn_{name}"
         if config.get("reparametrize") != "tcnn" or not timm.is_model(tcnn):
             raise ValueError(
@@ -143,10 +154,6 @@ def run_model(run: str | Path, which: str = "last") -> tuple[torch.nn.Module, di
     try:
         model = create_model(build, spec["num_classes"], spec["in_chans"])
     except ConfigError as error:
-        raise ValueError(str(error)) from None
-    try:
-        verify_file(spec["checkpoint"].weights)  # against its resume point's manifest
-    except DamagedCheckpointError as error:
         raise ValueError(str(error)) from None
     load_weights(model, spec["checkpoint"].weights)
     return model.eval(), {**spec, "model": name, "model_kwargs": model_kwargs, "config": config}
@@ -173,23 +180,27 @@ def _class_names(config: dict[str, Any]) -> list[str] | None:
         return None
 
 
-def run_metrics(run: str | Path, which: str, epoch: int | None) -> dict[str, float]:
-    """top-1/top-5 of the exported checkpoint: results.json (best_* or final_*), else its epoch's log line."""
-    run = Path(run)
-    results_file = run / "results.json"
-    if results_file.is_file():
-        results = json.loads(results_file.read_text())
-        prefix = "best" if which == "best" else "final"
-        values = {"top1": results.get(f"{prefix}_top1"), "top5": results.get(f"{prefix}_top5")}
-        return {k: float(v) for k, v in values.items() if v is not None}
-    log = run / "log.jsonl"
-    for line in reversed(log.read_text().splitlines() if log.is_file() else []):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("epoch") == epoch and record.get("eval_top1") is not None:
-            return {"top1": float(record["eval_top1"]), "top5": float(record["eval_top5"])}
+def _top(record: dict[str, Any], prefix: str) -> dict[str, float]:
+    values = {"top1": record.get(f"{prefix}_top1"), "top5": record.get(f"{prefix}_top5")}
+    return {key: float(value) for key, value in values.items() if value is not None}
+
+
+def run_metrics(run: RunDir, checkpoint: RunCheckpoint) -> dict[str, float]:
+    """top-1/top-5 of the exported checkpoint. results.json holds them when it describes that point: its
+    best_* for the best point, its final_* only while it matches the newest point (a run extended after it
+    was written has newer weights); otherwise the evaluation logged at the checkpoint's epoch (none for a
+    mid-epoch point). DamagedCheckpointError naming results.json when it cannot be read."""
+    results = run.results()
+    if results is not None and checkpoint.which == "best" and results.get("best_epoch") == checkpoint.epoch:
+        return _top(results, "best")
+    if checkpoint.which == "last" and run.current_results() is not None:
+        return _top(results, "final")
+    if checkpoint.step:
+        return {}
+    records, _dropped = read_log(run.path / "log.jsonl")
+    for record in reversed(records):
+        if record["epoch"] == checkpoint.epoch and record.get("eval_top1") is not None:
+            return _top(record, "eval")
     return {}
 
 
@@ -324,6 +335,27 @@ def _check_output(output: Path) -> None:
             raise ValueError(f"--output {output}: {parent} is a file, not a folder")
 
 
+@contextlib.contextmanager
+def _writing(output: Path, name: str) -> Iterator[None]:
+    """Report a failed write of ``name`` (disk full, read-only, removed) as one StorageError line naming it
+    and why; the staging folder is removed, so nothing is left at ``output``."""
+    try:
+        yield
+    except WRITE_ERRORS as error:
+        raise StorageError(
+            f"writing {output / name} failed ({storage_reason(error, output.parent)}); "
+            f"nothing was written to --output {output}"
+        ) from None
+
+
+def _usual_modes(folder: Path) -> None:
+    """safetensors writes its files private (0600): give the folder and its files the umask's modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.iterdir()]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def export_run(
     run: str | Path,
     output: str | Path,
@@ -335,13 +367,12 @@ def export_run(
 ) -> dict[str, Any]:
     """Write the Hub folder of `run`'s checkpoint `which` to `output` (a new folder); `deploy` adds
     `model.onnx` and/or `model.pt2` checked against the PyTorch model. Returns what was written."""
-    run, output = Path(run), Path(output)
+    output = Path(output)
     check_which(which)
     unknown = [f for f in deploy if f not in DEPLOY_FORMATS]
     if unknown:
         raise ValueError(f"unknown deployment format {unknown[0]!r}; choices: {', '.join(DEPLOY_FORMATS)}")
-    if not run.is_dir():
-        raise ValueError(f"run directory not found: {run}")
+    run = RunDir(run)
     _check_output(output)
     if "onnx" in deploy:
         check_onnx_installed()
@@ -350,15 +381,15 @@ def export_run(
     example = deploy_input(model, preprocessing, img_size) if deploy else None
     labels = _class_names(info["config"])
     model_config = {"label_names": labels} if labels and len(labels) == info["num_classes"] else {}
-    metrics = run_metrics(run, which, info["checkpoint"].epoch)
+    metrics = run_metrics(run, info["checkpoint"])
 
     # the weights are the run's: drop what the registered cfg says about timm's pretrained weights
     model.pretrained_cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in SOURCE_FIELDS}
     model.pretrained_cfg["license"] = license
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        save_for_hf(model, tmp, model_config=model_config, safe_serialization=True, data_config=preprocessing)
+    checks = {}
+    with _writing(output, ""), staged_directory(output) as tmp:
+        with _writing(output, "model.safetensors"):
+            save_for_hf(model, tmp, model_config=model_config, safe_serialization=True, data_config=preprocessing)
         hf_config = json.loads((tmp / "config.json").read_text())
         exported = {
             "model_args": hf_config.get("model_args", {}),
@@ -366,25 +397,17 @@ def export_run(
             "label_names": hf_config.get("label_names"),
             "provenance": _provenance(),
         }
-        (tmp / "README.md").write_text(model_card(model, info, metrics, exported, license, repo_id))
+        with _writing(output, "README.md"):
+            (tmp / "README.md").write_text(model_card(model, info, metrics, exported, license, repo_id))
         for name in RUN_FILES:
-            if (run / name).is_file():
-                shutil.copyfile(run / name, tmp / name)
-        checks = {}
-        if "onnx" in deploy:
-            checks["onnx"] = export_onnx(model, example, tmp / "model.onnx")
-        if "pt2" in deploy:
-            checks["pt2"] = export_program(model, example, tmp / "model.pt2")
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in [tmp, *tmp.iterdir()]:  # mkdtemp's private mode, and safetensors', made the usual ones
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-        if output.exists():
-            output.rmdir()  # empty (checked above)
-        os.replace(tmp, output)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+            if (run.path / name).is_file():
+                with _writing(output, name):
+                    shutil.copyfile(run.path / name, tmp / name)
+        for name, export in (("onnx", export_onnx), ("pt2", export_program)):
+            if name in deploy:
+                with _writing(output, f"model.{name}"):
+                    checks[name] = export(model, example, tmp / f"model.{name}")
+        _usual_modes(tmp)
     return {
         "output": output,
         "model": info["model"],

@@ -1,10 +1,16 @@
 """convbias-export: a T-CNN fine-tuned by train.py exports and reloads with timm.create_model to the run's own
 top-1 on its validation set; the model card's front matter; ONNX and torch.export files checked against
-PyTorch; the refused cases (no checkpoint, unknown architecture, a damaged checkpoint, a fixed-size model at
-another size, an unreachable Hub) with one line; the upload through huggingface_hub's API, replaced at its boundary."""
+PyTorch; the refused cases (no checkpoint, unknown architecture, a fixed-size model at another size, an
+unreachable Hub) with one line; the upload through huggingface_hub's API, replaced at its boundary. Faults: a
+damaged weights file or results.json (one line, exit 65), a full disk while writing (one line, exit 74, nothing
+left), a killed export's staging folder (removed by the next export), results.json older than the newest point."""
 
+import errno
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +22,7 @@ from test_tcnn_recipes import SMALL_RUN
 from convbias.cli import export, train
 from convbias.engine.config import Config
 from convbias.engine.data import build_datasets, build_eval_loader
+from convbias.engine.errors import EXIT_DAMAGED, EXIT_STORAGE
 from convbias.engine.run_dir import read_run_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -135,7 +142,7 @@ def test_refused_with_one_line_before_writing(efcn_run, tmp_path, capsys):
     empty.mkdir()
     (empty / "config.yaml").write_text((efcn_run / "config.yaml").read_text())
     assert export.main([str(empty), "--output", str(out)]) == 2
-    assert "has no checkpoints/last/model.safetensors (it holds no checkpoint" in _error_line(capsys)
+    assert "has no resume point (checkpoints/ holds no checkpoint)" in _error_line(capsys)
 
     unknown = tmp_path / "unknown_run"
     shutil.copytree(efcn_run, unknown, symlinks=True)
@@ -148,13 +155,6 @@ def test_refused_with_one_line_before_writing(efcn_run, tmp_path, capsys):
     assert _error_line(capsys) == (
         "error: efcn_vanilla_cnn takes only 8x8 inputs (fixed_input_size): it cannot be exported at 16x16"
     )
-    damaged = tmp_path / "damaged_run"
-    shutil.copytree(efcn_run, damaged, symlinks=True)
-    weights = damaged / "checkpoints" / "last" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
-    assert export.main([str(damaged), "--output", str(out)]) == 2
-    assert "model.safetensors is damaged: model.safetensors does not match its sha256" in _error_line(capsys)
-
     assert export.main([str(tmp_path / "nowhere"), "--output", str(out)]) == 2
     assert "run directory not found" in _error_line(capsys)
     assert not out.exists() and not list(tmp_path.glob(".out.*"))  # nothing written, no temporary folder left
@@ -205,3 +205,139 @@ def test_push_without_network_is_one_line_and_keeps_the_folder(efcn_run, tmp_pat
     err = _error_line(capsys)
     assert err.startswith("error: --push-to user/efcn-digits: cannot upload (") and err.endswith(f"stays in {out}")
     assert (out / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ faults
+def _copy(run: Path, tmp_path: Path) -> Path:
+    """A copy of the run to damage (its last/best links copied as links)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, symlinks=True)
+    return copy
+
+
+def _newest_weights(run: Path) -> Path:
+    return max((run / "checkpoints").glob("epoch_*[0-9]")) / "model.safetensors"
+
+
+def _card_metrics(out: Path) -> dict:
+    front = _front_matter((out / "README.md").read_text())
+    return {m["name"]: m["value"] for m in front["model-index"][0]["results"][0]["metrics"]}
+
+
+def _nothing_written(out: Path) -> bool:
+    """--output absent and no staging folder left beside it."""
+    return not out.exists() and not list(out.parent.glob(f".{out.name}.tmp*"))
+
+
+def test_damaged_weights_of_the_newest_point_are_one_line_naming_them_exit_65(efcn_run, tmp_path, capsys):
+    run = _copy(efcn_run, tmp_path)
+    weights = _newest_weights(run)
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    weights.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert export.main([str(run), "--output", str(out)]) == EXIT_DAMAGED
+    assert _error_line(capsys) == (
+        f"error: {weights} is damaged: model.safetensors does not match its sha256 (damaged); it was not loaded"
+    )
+    assert _nothing_written(out)
+
+
+def test_truncated_results_json_is_one_line_naming_it_exit_65(efcn_run, tmp_path, capsys):
+    run = _copy(efcn_run, tmp_path)
+    results = run / "results.json"
+    results.write_bytes(results.read_bytes()[:20])
+    out = tmp_path / "out"
+    assert export.main([str(run), "--output", str(out)]) == EXIT_DAMAGED
+    err = _error_line(capsys)
+    assert err.startswith(f"error: {results} is not readable (JSONDecodeError: "), err
+    assert _nothing_written(out)
+
+
+def test_results_older_than_the_newest_point_give_way_to_its_logged_evaluation(efcn_run, tmp_path):
+    """results.json of epoch 1 (a run extended and killed before rewriting it) does not describe the last
+    weights (epoch 2): the card takes epoch 2's evaluation from log.jsonl, whose damaged lines are skipped."""
+    run = _copy(efcn_run, tmp_path)
+    results = json.loads((run / "results.json").read_text())
+    (run / "results.json").write_text(json.dumps({**results, "epochs": 1, "final_top1": 0.0, "final_top5": 0.0}))
+    logged = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
+    assert logged["epoch"] == 2
+    with (run / "log.jsonl").open("ab") as log:
+        log.write(b'\xff\xfe not utf-8\n[1, 2]\n{"epoch": 2, "eval_t')
+    out = tmp_path / "out"
+    assert export.main([str(run), "--output", str(out)]) == 0
+    assert _card_metrics(out) == {"top-1": round(logged["eval_top1"], 4), "top-5": round(logged["eval_top5"], 4)}
+
+
+def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(efcn_run, tmp_path, capsys):
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    out = tmp_path / "out"
+    stale = [tmp_path / f".out.tmp{pid}" for pid in (int(finished.stdout), 999999)]
+    for folder in stale:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half a file")
+    assert export.main([str(efcn_run), "--output", str(out)]) == 0
+    assert "->" in capsys.readouterr().out
+    assert not any(folder.exists() for folder in stale) and not list(tmp_path.glob(".out.tmp*"))
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "config.yaml",
+        "model.safetensors",
+        "results.json",
+    ]
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by others, not safetensors' 0600
+
+
+def _full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _safetensors_fails(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: IoError")
+
+
+def _torch_fails(*args, **kwargs):
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+
+
+@pytest.mark.parametrize(
+    "target, fault, written, reason",
+    [
+        ("convbias.hub.save_for_hf", _full_disk, "model.safetensors", r"no space left on the device: the disk at \S+ "),
+        ("convbias.hub.save_for_hf", _safetensors_fails, "model.safetensors", r"SafetensorError: Error while "),
+        ("convbias.hub.save_for_hf", _torch_fails, "model.safetensors", r"RuntimeError: \[enforce fail "),
+        ("convbias.hub.shutil.copyfile", _full_disk, "config.yaml", r"no space left on the device: the disk at \S+ "),
+    ],
+    ids=["enospc", "safetensors", "torch", "run-files"],
+)
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "empty-output"])
+def test_a_failed_write_is_one_line_exit_74_and_leaves_nothing(
+    efcn_run, tmp_path, capsys, monkeypatch, target, fault, written, reason, existing
+):
+    def partly(save):
+        """The fault after a partial write into the staging folder, as a full disk leaves it."""
+
+        def write(*args, **kwargs):
+            folder = Path(args[1]) if Path(args[1]).is_dir() else Path(args[1]).parent  # save_for_hf's, copyfile's
+            (folder / "partial").write_bytes(b"half")
+            save(*args, **kwargs)
+
+        return write
+
+    monkeypatch.setattr(target, partly(fault))
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    assert export.main([str(efcn_run), "--output", str(out)]) == EXIT_STORAGE
+    err = _error_line(capsys)
+    assert re.fullmatch(
+        rf"error: writing {re.escape(str(out / written))} failed \({reason}.*\); "
+        rf"nothing was written to --output {re.escape(str(out))}",
+        err,
+    ), err
+    assert not list(tmp_path.glob(".out.tmp*"))
+    assert (list(out.iterdir()) == []) if existing else not out.exists()

@@ -249,3 +249,40 @@ def test_diagnostics_reads_the_run_dir_and_unreadable_weights_are_one_line(finis
         * 2
     )
     assert not (tmp_path / "figures2").exists() and not (tmp_path / "r").exists()
+
+
+def test_damaged_run_weights_are_one_line_exit_65_for_diagnostics_and_robustness(finished_run, tmp_path, capsys):
+    """The newest point's weights with bytes flipped in their middle: refused before any model is built,
+    naming the file; a run without a resume point is one line and exit 2 (no usage text)."""
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+
+    from convbias.cli import diagnostics, robustness
+    from convbias.engine.errors import EXIT_DAMAGED, EXIT_USAGE
+
+    output, _results, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(output, run, symlinks=True)
+    weights = run / "checkpoints" / "epoch_0002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    weights.write_bytes(bytes(data))
+    image = tmp_path / "digit.png"
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(image)
+    figures, tables = tmp_path / "figures", tmp_path / "robustness"
+
+    draw = ["--model", "convit_tiny", "--image", str(image), "--out", str(figures)]
+    assert diagnostics.main(["--checkpoint", str(run), *draw]) == EXIT_DAMAGED
+    assert robustness.main(["--checkpoint", str(run), "--workers", "0", "--output", str(tables)]) == EXIT_DAMAGED
+    damaged = f"error: {weights} is damaged: model.safetensors does not match its sha256 (damaged); it was not loaded"
+    assert capsys.readouterr().err.splitlines() == [damaged] * 2
+    assert not figures.exists() and not tables.exists()
+
+    shutil.rmtree(run / "checkpoints")
+    assert diagnostics.main(["--checkpoint", str(run), *draw]) == EXIT_USAGE
+    assert robustness.main(["--checkpoint", str(run), "--output", str(tables)]) == EXIT_USAGE
+    no_point = f"error: {run} has no resume point (checkpoints/ holds no checkpoint): did the run finish an epoch?"
+    assert capsys.readouterr().err.splitlines() == [no_point] * 2

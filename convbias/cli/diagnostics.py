@@ -10,7 +10,9 @@ Attention maps of one image (Fig. 7.8), from a model and optionally its trained 
         --image cat.jpg --layers 2 10 --out figures
   -> attention_maps.png
 A run dir as --checkpoint is enough: its config.yaml and checkpoint give the model, its kwargs, image
-size, channels and classes (options given override them); --which last|best picks the checkpoint.
+size, channels and classes (options given override them); --which last|best picks the checkpoint, whose
+weights are checked against their manifest first. What stops it is one `error: ...` line: bad input or a
+run without that checkpoint (exit status 2), a damaged weights file (65), a figure that cannot be written (74).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from timm.data import create_transform, resolve_data_config
 
 import convit.diagnostics
 import transformed_cnn
-from convbias.engine import DEFAULT_WHICH, WHICH, create_model, is_run_dir, key_value, model_spec
+from convbias.cli import run_command
+from convbias.engine import DEFAULT_WHICH, WHICH, RunDir, create_model, is_run_dir, key_value
 from convbias.evaluation.figures import plot_attention_maps, plot_nonlocality, plot_per_head, read_log
 from convbias.families import load_families
 from convbias.weights import load_weights
@@ -58,10 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.model_kwargs = dict(args.model_kwargs)
     if args.checkpoint and is_run_dir(args.checkpoint):
-        try:
-            _take_run_options(args)
-        except ValueError as err:
-            parser.error(str(err))
+        _take_run_options(args)  # its faults are one line (main): no checkpoint 2, damaged weights 65
     args.in_chans = args.in_chans or 3
     load_families()
     if not args.run and not args.model:
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _take_run_options(args: argparse.Namespace) -> None:
     """--checkpoint RUN: the run's model, kwargs, image size, channels and classes for the options not given."""
-    spec = model_spec(args.checkpoint, args.which)
+    spec = RunDir(args.checkpoint).model_spec(args.which)
     args.model = args.model or spec["model"]
     args.model_kwargs = {**spec["model_kwargs"], **args.model_kwargs}
     args.img_size = args.img_size or spec["img_size"]
@@ -154,18 +154,17 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(lambda: _draw(argv))
+
+
+def _draw(argv: list[str] | None) -> None:
     args = parse_args(argv)
     out = Path(args.out)
-    try:
-        written = draw_histories(args.run, out) if args.run else []
-        if args.model:
-            written.append(draw_attention_maps(args, out))
-    except ValueError as err:  # bad data: a log without diagnostics, a query off the grid, ...
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    written = draw_histories(args.run, out) if args.run else []
+    if args.model:
+        written.append(draw_attention_maps(args, out))
     for path in written:
         print(path)
-    return 0
 
 
 if __name__ == "__main__":

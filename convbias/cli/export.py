@@ -7,18 +7,24 @@ Writes timm's Hub format (model.safetensors, config.json with the model's argume
 preprocessing), a README.md model card (front matter, architecture, recipe, results, usage, version),
 the run's config.yaml and results.json. --onnx adds model.onnx (the `onnx` extra) and --pt2 a
 torch.export program, each checked against the PyTorch model; --push-to USER/REPO uploads the folder
-with huggingface_hub. Bad input is refused with one `error: ...` line (exit status 2) before anything
-is written; a failed upload leaves the folder in place.
+with huggingface_hub. What stops it is one `error: ...` line: bad input (exit status 2) and a damaged
+checkpoint or results.json of the run (65) before anything is written, a write that fails (disk full, 74)
+with nothing left at --output; a failed upload (1) leaves the folder in place.
 """
 
 from __future__ import annotations
 
 import sys
 
-from convbias.engine import WHICH, ConfigError, OptionParser
+from convbias.cli import run_command
+from convbias.engine import WHICH, OptionParser
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(lambda: _export(argv))
+
+
+def _export(argv: list[str] | None) -> int:
     parser = OptionParser(prog="convbias-export", description=__doc__.split("\n")[0])
     parser.add_argument("run", metavar="RUN_DIR", help="a train.py output directory")
     parser.add_argument("--output", required=True, help="new folder to write (must not exist, or be empty)")
@@ -29,18 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--license", default="apache-2.0", help="license of the weights, in the card")
     parser.add_argument("--push-to", metavar="REPO_ID", help="upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true", help="with --push-to: create a private repository")
-    try:
-        args = parser.parse_args(argv)
-        # imported after parsing: `convbias-export --help` loads no timm, Hub client or model family
-        from convbias.families import load_families
-        from convbias.hub import export_run, push_folder
+    args = parser.parse_args(argv)
+    # imported after parsing: `convbias-export --help` loads no timm, Hub client or model family
+    from convbias.families import load_families
+    from convbias.hub import export_run, push_folder
 
-        load_families()
-        deploy = tuple(name for name, wanted in (("onnx", args.onnx), ("pt2", args.pt2)) if wanted)
-        done = export_run(args.run, args.output, args.which, deploy, args.img_size, args.license, args.push_to)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
+    load_families()
+    deploy = tuple(name for name, wanted in (("onnx", args.onnx), ("pt2", args.pt2)) if wanted)
+    done = export_run(args.run, args.output, args.which, deploy, args.img_size, args.license, args.push_to)
     top1 = done["metrics"].get("top1")
     print(
         f"{done['checkpoint']} -> {done['output']} ({done['model']}"
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.push_to:
         try:
             url = push_folder(done["output"], args.push_to, private=args.private)
-        except ValueError as error:
+        except ValueError as error:  # the folder is written: exit 1, not a refusal's 2
             print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
             return 1
         print(f"uploaded to {url}")

@@ -9,7 +9,8 @@ accuracy, common corruptions (generated on the fly, or an ImageNet-C folder), Im
 Writes OUTPUT/robustness.csv and .md (one row per model: clean, C, A, R, FGSM, PGD),
 corruptions.csv (top-1 per corruption and severity), corruption_errors.csv (CE per category) and,
 with --compare-model, improvement.png (Fig. 8.3: gain of --model over the compared model).
-Bad input prints one `error: ...` line and exits with status 2.
+What stops it is one `error: ...` line: bad input or a run without that checkpoint (exit status 2), a
+damaged weights file of a run (65), an output that cannot be written (74).
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ from pathlib import Path
 
 import torch
 
+from convbias.cli import run_command
 from convbias.engine import (
     DEFAULT_WHICH,
     WHICH,
     ConfigError,
     OptionParser,
+    RunDir,
     check_model_name,
-    choose_checkpoint,
     is_run_dir,
     key_value,
-    run_options,
 )
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
 from convbias.evaluation.robustness import PAPER_ATTACK, TABLE_COLUMNS, markdown_table
@@ -168,7 +169,8 @@ def _take_run_options(args: argparse.Namespace) -> None:
         run = getattr(args, option)
         if not run or not is_run_dir(run):
             continue
-        options = run_options(run)
+        run_dir = RunDir(run)
+        options = run_dir.options()
         kwargs_key = f"{model_key}_kwargs"
         setattr(args, kwargs_key, {**(options.get("model_kwargs") or {}), **getattr(args, kwargs_key)})
         if getattr(args, model_key) is None:
@@ -179,7 +181,7 @@ def _take_run_options(args: argparse.Namespace) -> None:
                     setattr(args, key, options.get(key))
             # the run's evaluation transform, so that clean accuracy is the run's own top-1
             args.eval_transform = {key: options[key] for key in ("crop_pct", "interpolation") if key in options}
-        chosen = choose_checkpoint(run, args.which)
+        chosen = run_dir.checkpoint(args.which)  # verified against its manifest
         setattr(args, option, str(chosen.weights))
         print(f"{getattr(args, model_key)}: {chosen.describe()}", file=sys.stderr)
 
@@ -192,16 +194,15 @@ def _options(args: argparse.Namespace) -> RobustnessOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-        study = RobustnessStudy(_options(args))
-    except (ValueError, FileNotFoundError) as error:  # options, engine ConfigError, data, class maps, weights
-        print("error: " + " ".join(str(error).split()), file=sys.stderr)
-        return 2
+    return run_command(lambda: _evaluate(argv))
+
+
+def _evaluate(argv: list[str] | None) -> None:
+    args = parse_args(argv)
+    study = RobustnessStudy(_options(args))
     result = evaluate(study, settings=vars(args))
     print(markdown_table(result["table"], TABLE_COLUMNS), end="")
     print("wrote " + ", ".join(str(path) for path in result["files"].values()))
-    return 0
 
 
 if __name__ == "__main__":
