@@ -1,10 +1,14 @@
 """A launch says at start what it will do: output, processes and threads, device and precision, model size,
 data, global batch with the effective lr and the rule that gave it, epochs and warm-up."""
 
+import os
+import re
+import subprocess
+
 import pytest
 import timm
 import torch
-from test_train_errors import messages
+from test_train_errors import PROGRESS, messages
 
 import convit  # noqa: F401  (registers the project's models)
 from convbias.cli import train
@@ -53,3 +57,15 @@ def test_likely_unintended_settings_are_warned_before_training(cli_argv, tmp_pat
         "warning: --workers 2 x 1 process on this node start 2 loader processes for 1 core: they compete with "
         "training; lower --workers",
     ]
+
+
+def test_output_that_is_not_a_terminal_gets_one_line_per_epoch_and_no_progress_bar(cli_argv, tmp_path, console_script):
+    """A job log (stdout and stderr to files) holds the epoch lines, not hundreds of progress-bar redraws."""
+    args = cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, lr=1e-3, train_fraction=0.1, epochs=2)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [console_script("convbias-train"), *args, "--no-diagnostics", "--output", str(tmp_path / "run")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and not any(PROGRESS.match(line) for line in done.stderr.splitlines()), done.stderr
+    epochs = [line for line in done.stdout.splitlines() if re.match(r"epoch \d/2  train_loss", line)]
+    assert [line.split()[1] for line in epochs] == ["1/2", "2/2"]

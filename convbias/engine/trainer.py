@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,7 @@ class Trainer(RunSetup):
             total=self.steps_per_epoch,
             initial=first,
             desc=f"epoch {epoch + 1}/{self.epochs}",
-            disable=not acc.is_main_process,
+            disable=not acc.is_main_process or not sys.stderr.isatty(),  # a job log gets the epoch line only
             leave=False,
             dynamic_ncols=True,
         )
