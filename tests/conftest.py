@@ -49,10 +49,15 @@ def single_thread():
     """For modules of tiny models: a second thread costs more than it saves (far more on a busy machine).
 
     Use with `pytestmark = pytest.mark.usefixtures("single_thread")`."""
-    previous = torch.get_num_threads()
+    previous, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # as a user would set it: the engine then keeps the threads as they are
     yield
     torch.set_num_threads(previous)
+    if variable is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = variable
 
 
 # -- Command lines of the console scripts (convbias-train, convbias-robustness) --------------------------

@@ -12,6 +12,7 @@ from test_train_errors import PROGRESS, messages
 
 import convit  # noqa: F401  (registers the project's models)
 from convbias.cli import train
+from convbias.engine.run_setup import set_threads
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -69,3 +70,19 @@ def test_output_that_is_not_a_terminal_gets_one_line_per_epoch_and_no_progress_b
     assert "\r" not in done.stderr and not any(PROGRESS.match(line) for line in done.stderr.splitlines()), done.stderr
     epochs = [line for line in done.stdout.splitlines() if re.match(r"epoch \d/2  train_loss", line)]
     assert [line.split()[1] for line in epochs] == ["1/2", "2/2"]
+
+
+def test_each_process_takes_its_share_of_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    before = torch.get_num_threads()
+    try:
+        set_threads()
+        assert torch.get_num_threads() == 2  # 8 cores, 4 processes on the node
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(3)
+        set_threads()
+        assert torch.get_num_threads() == 3  # the user's choice stands
+    finally:
+        torch.set_num_threads(before)

@@ -62,6 +62,7 @@ class RunSetup:
     def __init__(self, cfg: Config, extensions: Extensions | None = None, lock: RunLock | None = None):
         self.cfg = cfg
         self.extensions = extensions or Extensions()
+        set_threads()
         self.accelerator = acc = Accelerator(
             mixed_precision=cfg.mixed_precision,
             gradient_accumulation_steps=cfg.grad_accum_steps,
@@ -339,6 +340,23 @@ class RunSetup:
         self.scheduler.step_update(self.num_updates)
 
 
+def node_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def local_processes() -> int:
+    """The processes of this launch on this node (torchrun and accelerate's launcher set LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def set_threads() -> None:
+    """Intra-op threads per process: the node's cores shared among its processes, unless OMP_NUM_THREADS
+    says otherwise (accelerate's --num_cpu_threads_per_process sets it)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, node_cores() // local_processes()))
+
+
 LOW_LR = 1e-5  # a scaled lr below this barely moves a model in a short run
 SMALL_IMAGES = 64  # px: below this the DeiT recipe's augmentation destroys most of an image
 
@@ -369,8 +387,7 @@ def setup_warnings(cfg: Config, lr: float, global_batch: int) -> list[str]:
             f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: the DeiT recipe is made for 224 px "
             f"and leaves little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
         )
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this node (torchrun and accelerate set it)
+    cores, local = node_cores(), local_processes()
     if cfg.workers * local > cores:
         warnings.append(
             f"--workers {cfg.workers} x {local} process{'es' if local > 1 else ''} on this node start "
