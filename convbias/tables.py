@@ -9,17 +9,24 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from convbias.engine.errors import StorageError
+from convbias.storage import atomic_write, storage_reason
+
 
 def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike, columns: Sequence[str] | None = None) -> Path:
-    """Write rows as CSV atomically (a reader sees the old file or the new one); LF line endings.
+    """Write rows as CSV atomically (a reader sees the old file or the new one); LF line endings. A write that
+    fails (disk full, read-only) leaves no temporary file and is one StorageError (exit 74) naming ``path``.
 
     columns: the header (missing cells are empty); default the union of the rows' keys, in first-seen order."""
     path = Path(path)
     columns = list(columns) if columns is not None else list(dict.fromkeys(key for row in rows for key in row))
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
-        f.write(csv_text(rows, columns))
-    tmp.replace(path)
+    text = csv_text(rows, columns)
+    try:
+        atomic_write(path, lambda tmp: tmp.write_text(text, newline=""))
+    except OSError as error:
+        raise StorageError(
+            f"writing {path} failed ({storage_reason(error, path.parent)}); any earlier version of it is unchanged"
+        ) from None
     return path
 
 

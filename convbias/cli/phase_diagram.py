@@ -8,10 +8,10 @@ convbias-sweep report --csv results/phase_diagram/runs.csv           # the sweep
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from convbias.engine import ConfigError, OptionParser
+from convbias.cli import run_command
+from convbias.engine import OptionParser
 from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
 
 
@@ -27,17 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        output = Path(args.output)
-        cfg = PhaseDiagramConfig.from_yaml(args.config) if args.config else PhaseDiagramConfig().validated()
-        if args.plot_only and not (output / CELLS_CSV).is_file():
-            raise ValueError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")
-        if not args.plot_only and (output / CELLS_CSV).exists():
-            raise ValueError(f"{output} already holds a phase diagram ({CELLS_CSV}); choose another --output")
-    except (ConfigError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return run_command(lambda: _phase_diagram(argv))
+
+
+def _phase_diagram(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    output = Path(args.output)
+    cfg = PhaseDiagramConfig.from_yaml(args.config) if args.config else PhaseDiagramConfig().validated()
+    if args.plot_only and not (output / CELLS_CSV).is_file():
+        raise ValueError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")
+    if not args.plot_only and (output / CELLS_CSV).exists():
+        raise ValueError(f"{output} already holds a phase diagram ({CELLS_CSV}); choose another --output")
     cells = read_cells(output / CELLS_CSV) if args.plot_only else run(cfg, output)
     for path in plot(cells, output) + write_report_csvs(output):
         print(f"wrote {path}")

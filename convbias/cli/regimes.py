@@ -9,9 +9,9 @@ What is measured: convbias.experiments.regimes.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from convbias.cli import run_command
 from convbias.experiments.regimes import write
 from convbias.families import load_families
 
@@ -26,17 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sweep_dir = Path(build_parser().parse_args(argv).sweep_dir)
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: _regimes(Path(args.sweep_dir)))
+
+
+def _regimes(sweep_dir: Path) -> int:
     if not (sweep_dir / "runs.csv").is_file():
-        print(
-            f"error: {sweep_dir / 'runs.csv'} not found; run the sweep first (convbias-sweep run ...)", file=sys.stderr
-        )
-        return 2
-    try:
-        written = write(sweep_dir, load_families())
-    except ValueError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        raise ValueError(f"{sweep_dir / 'runs.csv'} not found; run the sweep first (convbias-sweep run ...)")
+    written = write(sweep_dir, load_families())
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from convbias.engine import yaml_scalar
+from convbias.cli import run_command
+from convbias.engine import Interrupted, yaml_scalar
 from convbias.experiments import sweep_spec
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
 
     rows, missing = prepared.collect()
     if missing:
-        print(f"{len(missing)} of {len(prepared.runs)} runs are not complete: {', '.join(missing)}")
+        print(f"{len(missing)} of {len(prepared.runs)} runs are not complete: {'; '.join(missing)}")
     if not rows:
         return 1
     csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
@@ -162,39 +163,38 @@ def _print_written(paths: list[Path]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_command(lambda: _sweep(args))
+
+
+def _sweep(args: argparse.Namespace) -> int:
     from convbias.experiments import report, sweep  # not at the top: `--help` loads no torch or timm
 
+    if args.command == "report":
+        _print_written(report.write_report(args.csv, args.output, baseline=args.baseline, best=args.best))
+        return 0
+    if args.command == "collect":
+        record = Path(args.output) / sweep.RECORD_NAME
+        if not record.is_file():
+            raise ValueError(f"{record} not found: is {args.output} a sweep directory?")
+        prepared = sweep.Sweep.prepare(sweep_spec.load_spec(record), args.output)
+        return write_outputs(prepared, args)
+    prepared = sweep.Sweep.prepare(spec_from_args(args), args.output)
+    launcher = shlex.split(args.launcher) if args.launcher else None
+    if args.print_commands:
+        for cmd in prepared.commands(launcher):
+            print(shlex.join(cmd))
+        return 0
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the child too
     try:
-        if args.command == "report":
-            _print_written(report.write_report(args.csv, args.output, baseline=args.baseline, best=args.best))
-            return 0
-        if args.command == "collect":
-            record = Path(args.output) / sweep.RECORD_NAME
-            if not record.is_file():
-                raise ValueError(f"{record} not found: is {args.output} a sweep directory?")
-            prepared = sweep.Sweep.prepare(sweep_spec.load_spec(record), args.output)
-            return write_outputs(prepared, args)
-        prepared = sweep.Sweep.prepare(spec_from_args(args), args.output)
-        launcher = shlex.split(args.launcher) if args.launcher else None
-        if args.print_commands:
-            for cmd in prepared.commands(launcher):
-                print(shlex.join(cmd))
-            return 0
-        previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the child too
-        try:
-            failed = prepared.execute(launcher)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        status = write_outputs(prepared, args)
-        if failed:
-            print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1 if failed else status
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        failed = prepared.execute(launcher)
     except KeyboardInterrupt:
-        print("interrupted: rerun the same command to resume (complete runs are kept)", file=sys.stderr)
-        return 130
+        raise Interrupted("rerun the same command to resume (complete runs are kept)") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    status = write_outputs(prepared, args)
+    if failed:
+        print(f"{len(failed)} run(s) failed, left as they are: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else status
 
 
 def _interrupt(signum, frame):

@@ -16,14 +16,15 @@ script is ``convbias-regimes SWEEP_DIR`` (`convbias.cli.regimes`).
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from matplotlib.figure import Figure
 
+from convbias.engine import read_log
 from convbias.evaluation.ensembles import load_run
+from convbias.evaluation.figures import error_bar_note, log_ticks
 from convbias.evaluation.landscape import Batches, local_energy
 from convbias.tables import markdown_table, write_csv
 
@@ -46,11 +47,13 @@ SUMMARIZED = (
 
 
 def last_evaluation(run_dir: Path) -> dict[str, Any]:
-    """The last log.jsonl record that holds an evaluation (eval_top1)."""
-    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    """The last log.jsonl record that holds an evaluation (eval_top1); lines a kill or a foreign writer
+    damaged are skipped (``read_log``), so a damaged log names the run instead of failing to parse."""
+    records, dropped = read_log(run_dir / "log.jsonl")
     evaluated = [r for r in records if "eval_top1" in r]
     if not evaluated:
-        raise ValueError(f"{run_dir} has no evaluation in log.jsonl")
+        skipped = f" ({dropped} damaged line{'s' if dropped != 1 else ''} skipped)" if dropped else ""
+        raise ValueError(f"{run_dir / 'log.jsonl'} holds no evaluation (no record with eval_top1){skipped}")
     return evaluated[-1]
 
 
@@ -142,7 +145,7 @@ def markdown(summary: list[dict[str, Any]]) -> str:
 def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) -> Path:
     """Top-1 and kernel change against alpha (mean and 95% interval over seeds), and each point's mean
     local-energy curve (`rows`: one per run; `summary`: their `over_seeds`)."""
-    fig = Figure(figsize=(13, 3.6))
+    fig = Figure(figsize=(13, 3.9))
     axes = fig.subplots(1, 3)
     for model in dict.fromkeys(r["model"] for r in summary):
         mine = [r for r in summary if r["model"] == model]
@@ -167,10 +170,14 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
         ax.set_xlabel("output scale alpha")
     axes[2].set_xlabel("relative weight noise sigma")
     axes[2].set_ylabel("training error (%)")
-    axes[2].set_title("local energy", fontsize=9)
+    axes[2].set_title("local energy: mean over seeds, no error bars", fontsize=9)
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
+    for axis in (axes[0].xaxis, axes[1].xaxis, axes[1].yaxis):
+        log_ticks(axis)
+    note = error_bar_note((r["n"] for r in summary), "95% t interval") + " (kernel change: of its geometric mean)"
+    fig.suptitle(note, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path

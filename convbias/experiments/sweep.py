@@ -24,20 +24,20 @@ ablations that change several options at once (Table 7.3)::
       frozen_gate: {model: convit_small_plus, model_kwargs: {train_gating: false}}
 
 Every run is a plain ``train.py`` invocation with its own output directory, named from its grid
-point, under ``<sweep dir>/runs/``. A run is complete iff its ``results.json`` exists. Every command
-carries ``--resume auto``: run again after an interruption, it continues from the run's last
-checkpoint. The sweep directory records its grid in ``sweep.yaml``, and rerunning a different grid
-into it is refused.
+point, under ``<sweep dir>/runs/``, read through ``convbias.engine.RunDir``: a run is complete when its
+``results.json`` matches its newest resume point. Every command carries ``--resume auto``: run again after
+an interruption, it continues from the run's newest intact checkpoint. The sweep never removes anything
+from a run: one that train.py cannot resume (no intact resume point) is left as it is and reported with
+the command that resumes it. The sweep directory records its grid in ``sweep.yaml``, and rerunning a
+different grid into it is refused.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import contextlib
 import difflib
-import json
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -52,12 +52,14 @@ import yaml
 
 from convbias.engine import (
     DATASETS,
-    CheckpointDir,
     Config,
+    DamagedCheckpointError,
+    RunDir,
     build_parser,
     check_model_name,
     create_model,
     parse_config,
+    read_summary,
 )
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
@@ -258,30 +260,49 @@ def command(train_arguments: list[str], launcher: list[str] | None = None) -> li
 
 
 def run_state(run_dir: Path) -> str:
-    """``'done'`` (results.json), ``'interrupted'`` (a resume point, no results) or ``'new'``."""
-
-    if (run_dir / "results.json").is_file():
-        return "done"
-    if CheckpointDir(run_dir).last is not None:
-        return "interrupted"
-    return "new"
+    """``RunDir.status()``: 'done', 'interrupted' (train.py --resume auto continues it) or 'new' (also a run
+    directory that does not exist yet)."""
+    return RunDir(run_dir).status() if run_dir.is_dir() else "new"
 
 
-def clear_unresumable(run_dir: Path) -> bool:
-    """Remove what a run killed before its first checkpoint left (train.py would refuse the dir)."""
-    if run_dir.is_dir() and run_state(run_dir) == "new" and any(run_dir.iterdir()):
-        shutil.rmtree(run_dir)
-        return True
-    return False
+def final_results(run_dir: Path) -> dict[str, Any] | None:
+    """The run's results.json while it matches its newest resume point (``RunDir.current_results``), else None."""
+    return RunDir(run_dir).current_results() if run_dir.is_dir() else None
+
+
+def incomplete_reason(run_dir: Path) -> str | None:
+    """Why a run's results cannot be collected, when it has a results.json that is not the run's final one
+    (unreadable, or older than a resume point written after it); None otherwise."""
+    if not run_dir.is_dir():
+        return None
+    run = RunDir(run_dir)
+    try:
+        results = run.results()
+    except DamagedCheckpointError as error:
+        return str(error)
+    if results is None or run.current_results() is not None:
+        return None
+    return (
+        f"{run.path / 'results.json'} is older than the run's newest resume point {run.points()[0].name} "
+        f"(epoch {results['epochs']} of a run extended since); rerun the sweep to finish it"
+    )
 
 
 def train_seconds(run_dir: Path) -> float | None:
-    """Total training time from summary.csv (every epoch once, interrupted runs included)."""
-    summary = run_dir / "summary.csv"
-    if not summary.is_file():
-        return None
-    with open(summary, newline="") as f:
-        return round(sum(float(row["epoch_seconds"]) for row in csv.DictReader(f) if row.get("epoch_seconds")), 1)
+    """Total training time from summary.csv (every epoch once, interrupted runs included; damaged lines
+    skipped); None without any epoch."""
+    rows, _ = read_summary(run_dir / "summary.csv")
+    seconds = []
+    for row in rows:
+        with contextlib.suppress(ValueError):
+            seconds.append(float(row["epoch_seconds"]))
+    return round(sum(seconds), 1) if seconds else None
+
+
+def last_line(log_path: Path) -> str:
+    """The last non-empty line of a run's console log (any bytes), for a one-line report."""
+    lines = log_path.read_bytes().decode("utf-8", errors="replace").strip().splitlines()
+    return lines[-1].strip() if lines else "(empty log)"
 
 
 @dataclass
@@ -319,8 +340,9 @@ class Sweep:
         """Run every incomplete run, one subprocess at a time; return the names of failed runs.
 
         A run that train.py refuses as bad input (exit code 2, e.g. an empty data dir) stops the
-        sweep with that message; a run that fails otherwise (diverged, crashed) is reported and
-        the sweep goes on.
+        sweep with that message; a run that fails otherwise (diverged, crashed, no intact resume point:
+        exit 65) is left as it is, reported with the last line of its log and the command that resumes
+        it, and the sweep goes on.
 
         Each run's console output goes to ``<sweep dir>/logs/<run>.log``. On KeyboardInterrupt
         (or SIGTERM turned into one by the CLI) the running child is terminated first, so a rerun
@@ -336,8 +358,6 @@ class Sweep:
             if state == "done":
                 log(f"{prefix}: complete, skipped")
                 continue
-            if clear_unresumable(run_dir):
-                log(f"{prefix}: removed a partial run with no checkpoint")
             cmd = command(train_args(run, run_dir, self.spec, self.known), launcher)
             log(f"{prefix}: {'resuming' if state == 'interrupted' else 'starting'}")
             log_path = log_dir / f"{run.name}.log"
@@ -357,36 +377,41 @@ class Sweep:
                     raise
             seconds = time.time() - start
             if returncode == BAD_INPUT_EXIT:  # the same mistake would stop every other run too
-                last = log_path.read_text().strip().splitlines()[-1].removeprefix("error: ")
+                last = last_line(log_path).removeprefix("error: ")
                 raise ValueError(f"train.py refused run {run.name} ({log_path}): {last}")
-            if returncode != 0 or run_state(run_dir) != "done":
-                tail = "".join(log_path.read_text().splitlines(keepends=True)[-5:])
-                log(f"{prefix}: FAILED (exit {returncode}, {seconds:.0f}s), see {log_path}:\n{tail}")
+            results = final_results(run_dir) if returncode == 0 else None
+            if results is None:
+                log(
+                    f"{prefix}: FAILED (exit {returncode}, {seconds:.0f}s): {last_line(log_path)} -- "
+                    f"left as it is in {run_dir}; resume it with: {shlex.join(cmd)} (log: {log_path})"
+                )
                 failed.append(run.name)
                 continue
-            result = json.loads((run_dir / "results.json").read_text())
-            log(f"{prefix}: top-1 {result['final_top1']:.2f} ({seconds:.0f}s)")
+            top1 = results.get("final_top1")
+            log(f"{prefix}: " + (f"top-1 {top1:.2f}" if top1 is not None else "no evaluation") + f" ({seconds:.0f}s)")
         return failed
 
     def collect(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """One CSV row per complete run (grid values + results.json) and the incomplete run names."""
+        """One CSV row per complete run (grid values + results.json) and the incomplete runs: each by its
+        name, followed by why in parentheses when its results.json is there but not its final one."""
         rows, missing = [], []
         for run in self.runs:
-            results_path = self.run_dir(run) / "results.json"
-            if not results_path.is_file():
-                missing.append(run.name)
+            run_dir = self.run_dir(run)
+            results = final_results(run_dir)
+            if results is None:
+                reason = incomplete_reason(run_dir)
+                missing.append(f"{run.name} ({reason})" if reason else run.name)
                 continue
-            results = json.loads(results_path.read_text())
             row = {"run": run.name}
             if "variant" in run.point:
                 row["variant"] = run.point["variant"]
-            row.update(model=results["model"], train_fraction=results["train_fraction"], seed=results["seed"])
+            row.update(model=results["model"], train_fraction=results.get("train_fraction"), seed=results.get("seed"))
             for axis, value in run.point.items():
                 row.setdefault(column_name(axis), value)
             for field, column in RESULT_COLUMNS.items():
                 if results.get(field) is not None:
                     row[column] = results[field]
-            seconds = train_seconds(self.run_dir(run))
+            seconds = train_seconds(run_dir)
             if seconds is not None:
                 row[TIME_COLUMN] = seconds
             rows.append(row)
