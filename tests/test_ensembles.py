@@ -133,7 +133,10 @@ def test_ensemble_command_on_runs_that_differ_by_seed(seed_runs, tmp_path, capsy
     record = json.loads(out.read_text())
     # the members' errors are those the engine measured on the same validation set
     assert record["member_errors"] == pytest.approx([100 - r["best_top1"] for r in results], abs=1e-9)
-    assert record["fluctuation"] > 0 and "ensemble of 2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert record["fluctuation"] > 0 and "ensemble of 2" in printed
+    for run, error in zip(runs, record["member_errors"]):  # the point each run records as its best
+        assert f"{run}: error {error:.2f}% ({run}/checkpoints/best (epoch 1))" in printed
     assert ensemble.main([runs[0], runs[0], "--output", str(out)]) == 0  # a run with itself: one member
     same = json.loads(out.read_text())
     assert same["ensemble_error"] == same["member_errors"][0] and same["fluctuation"] == 0.0
@@ -154,3 +157,38 @@ def test_ensemble_command_refuses_other_class_counts(seed_runs, tmp_path, capsys
     assert f"{other} differs from {first} in num_classes: None vs 5" in err
     assert ensemble.main([str(first), str(tmp_path / "missing")]) == 2
     assert "run directory not found" in capsys.readouterr().err
+
+
+def test_ensemble_command_scores_the_last_point_and_refuses_damaged_weights(seed_runs, tmp_path, capsys):
+    """--which last scores the members' final weights (their final top-1); a member whose weights have 8
+    bytes flipped in their middle is one line naming the file, exit 65, before anything is printed."""
+    from convbias.cli import ensemble
+    from convbias.engine import RunDir
+    from convbias.engine.errors import EXIT_DAMAGED
+
+    prepared, results = seed_runs
+    runs = [str(prepared.run_dir(run)) for run in prepared.runs]
+    out = tmp_path / "last.json"
+    assert ensemble.main([*runs, "--which", "last", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["member_errors"] == pytest.approx([100 - r["final_top1"] for r in results], abs=1e-6)
+    assert record["which"] == "last"
+    assert record["checkpoints"] == [f"{run}/checkpoints/last (epoch 1)" for run in runs]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == [
+        f"{run}: error {e:.2f}% ({run}/checkpoints/last (epoch 1))" for run, e in zip(runs, record["member_errors"])
+    ]
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(runs[1], damaged, symlinks=True)
+    weights = RunDir(damaged).checkpoint("best").weights  # the newest point, also the best
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    weights.write_bytes(bytes(data))
+    assert ensemble.main([runs[0], str(damaged), "--output", str(out)]) == EXIT_DAMAGED
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"error: {weights} is damaged: model.safetensors does not match its sha256 (damaged); it was not loaded"
+    ]
+    assert captured.out == "" and json.loads(out.read_text())["which"] == "last"  # nothing scored or written

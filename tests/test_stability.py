@@ -403,6 +403,8 @@ def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
     assert "| run | model | P | seed |" in (out / "stability.md").read_text()
     for name in ("rf_vs_delta", "rf_per_layer", "rf_vs_error", "deformed_examples"):
         assert (out / f"{name}.png").stat().st_size > 5000
+    contrasts = list(csv.DictReader((out / "contrasts.csv").read_text().splitlines()))
+    assert [(c["group"], c["n_reference"]) for c in contrasts] == [("vanilla_cnn f=1", "0")]  # not with itself
 
 
 def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys):
@@ -431,3 +433,24 @@ def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys)
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
         assert not out.exists()
+
+
+def test_command_refuses_a_damaged_checkpoint_before_any_output(digits_run, tmp_path, capsys):
+    """A truncated --save-epochs snapshot: one line naming it, exit 65, and no output folder."""
+    import shutil
+
+    from convbias.cli import stability
+    from convbias.engine.errors import EXIT_DAMAGED
+
+    run, _ = digits_run
+    damaged = tmp_path / "run"
+    shutil.copytree(run, damaged, symlinks=True)
+    snapshot = damaged / "checkpoints" / "epoch_0.safetensors"
+    snapshot.write_bytes(snapshot.read_bytes()[:-8])
+    out = tmp_path / "out"
+    argv = [str(damaged), "--checkpoints", "init", "last", "--cuts", "3", "--deltas", "1", "--output", str(out)]
+    assert stability.main(argv) == EXIT_DAMAGED
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {snapshot} is damaged: it does not match its entry in snapshots.json; it was not loaded"
+    ]
+    assert not out.exists()

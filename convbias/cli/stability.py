@@ -8,23 +8,25 @@ Each RUN is a train.py output folder (see convbias.experiments.stability_study).
 draws), stability_layers.csv, stability.md (per run, at --main-delta and the first cut), summary.csv and
 summary.md (per group of runs that differ by seed: n, geometric mean of R_f over seeds and its 95% interval,
 per layer in summary_layers.csv; contrasts.csv: R_f trained / first checkpoint per group, and against the
-vanilla CNN group),
+vanilla CNN group, which is not compared with itself),
 rf_vs_delta.png, rf_per_layer.png, rf_vs_error.png (with the eps = 0.2 sqrt(R_f) line of Petrini et al. 2021)
 and deformed_examples.png. Every table names its convention (--convention, --modes), images and draws.
 With --combine DIR..., nothing is measured: the rows of earlier outputs (runs measured apart, in parallel or
 as they finished training) are summarized together, and written with the same tables and figures (but
-deformed_examples.png). Bad input prints one `error: ...` line and exits 2, before any output is written.
+deformed_examples.png). What stops it is one `error: ...` line, before anything is written to OUTPUT: bad input
+or a run without the checkpoint asked for (exit status 2), a damaged checkpoint (65); a failed write of
+OUTPUT is one line too (74).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
 import torch
 
+from convbias.cli import run_command
 from convbias.engine import WHICH, OptionParser
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
@@ -92,25 +94,27 @@ def parse_args(argv: list[str] | None) -> tuple[study.Settings, list[str], list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        settings, paths, combine, output = parse_args(argv)
-        load_families()
-        runs = [study.load_run(Path(path), settings) for path in paths]
-        if combine:
-            rows = [r for d in combine for r in study.read_rows(d / "stability.csv")]
-            layer_rows = [r for d in combine for r in study.read_rows(d / "stability_layers.csv")]
-            study.check_combinable(rows)
-            first = rows[0]
-            settings.convention, settings.modes, settings.images, settings.draws = (
-                first["convention"],
-                first["modes"],
-                first["images"],
-                first["draws"],
-            )
-    except (ValueError, FileNotFoundError) as error:  # options, run configs, data, weights, (delta, c) grid
-        print("error: " + " ".join(str(error).split()), file=sys.stderr)
-        return 2
-    output.mkdir(parents=True, exist_ok=True)
+    return run_command(lambda: study_command(argv))
+
+
+def study_command(argv: list[str] | None) -> int:
+    """The study: everything is read and checked (options, runs, datasets, weights, grid) before OUTPUT is
+    created: bad input or a damaged checkpoint leaves no output behind."""
+    settings, paths, combine, output = parse_args(argv)
+    extensions = load_families()
+    runs = [study.load_run(Path(path), settings, extensions) for path in paths]
+    if combine:
+        rows = [r for d in combine for r in study.read_rows(d / "stability.csv")]
+        layer_rows = [r for d in combine for r in study.read_rows(d / "stability_layers.csv")]
+        study.check_combinable(rows)
+        first = rows[0]
+        settings.convention, settings.modes, settings.images, settings.draws = (
+            first["convention"],
+            first["modes"],
+            first["images"],
+            first["draws"],
+        )
+    output.mkdir(parents=True, exist_ok=True)  # before measuring: an output that cannot be made stops it first
     if not combine:
         rows, layer_rows = study.measure(runs, settings)
     summary, layers = study.seed_summary(rows), study.layer_summary(layer_rows)

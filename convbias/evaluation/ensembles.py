@@ -17,13 +17,13 @@ labels +-1 (error = sign(f) != y, a zero output counting as an error).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from convbias.engine import Config, OutputScale, build_datasets, build_eval_loader, create_model, read_run_config
-from convbias.weights import load_weights, resolve_weights_path, weights_metadata
+from convbias.engine import Config, RunCheckpoint, RunDir, build_datasets, build_eval_loader
 
 AVERAGES = ("logits", "probabilities")
 
@@ -36,9 +36,12 @@ class EnsembleResult:
     ensemble_error: float  # in %, of the averaged output
     fluctuation: float  # RMS distance of a member's output to the average
     images: int  # how many samples the errors are measured on
+    checkpoints: list[RunCheckpoint] = field(default_factory=list)  # per member, of train.py runs
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The result as JSON values: a checkpoint is its description (path and epoch)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return values | {"checkpoints": [c.describe() for c in self.checkpoints]}
 
 
 def error_rate(outputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -110,42 +113,48 @@ ARCHITECTURE_KEYS = (
 )
 
 
-def load_run(run_dir: str | Path, extensions=None, data=None, which: str | None = None):
-    """(model in eval mode with the run's best weights, else its last, or with `which` that checkpoint
-    ("last", "best"); the run's config; its datasets).
+def load_run(
+    run_dir: str | Path, extensions: Any = None, data: Any = None, which: str = "best"
+) -> tuple[torch.nn.Module, Config, Any]:
+    """(model in eval mode with the verified weights of `which`, the run's Config, its datasets).
 
-    The model is rebuilt as train.py built it: timm's registry, the reparametrization the weights were
-    written after (from `extensions`), the output-scale wrapper of a ``--output-scale`` run."""
-    cfg = Config(read_run_config(run_dir))
-    path = resolve_weights_path(Path(run_dir) / "checkpoints" / which if which else run_dir)
-    data = data or build_datasets(cfg)
-    model = create_model(cfg, data.num_classes, data.in_chans)
-    if weights_metadata(path).get("reparametrized") == "True":
-        model = extensions.reparametrizations[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
-    if cfg.get("output_scale") is not None:
-        model = OutputScale(model, cfg.output_scale)
-    load_weights(model, path)
-    return model.eval(), cfg, data
+    `which` is best (the point the run records as its best evaluation) by default, or last, init, epoch_N;
+    the model is rebuilt as train.py built it (``RunDir.build_model``). `data`, when given, is reused: the
+    members of an ensemble share their datasets."""
+    run = RunDir(run_dir)
+    model, _ = run.build_model(which, extensions)
+    cfg = Config(run.config)
+    return model, cfg, data if data is not None else build_datasets(cfg)
 
 
 def evaluate_runs(
-    run_dirs: Sequence[str | Path], extensions=None, average: str = "logits", batch_size: int = 256
+    run_dirs: Sequence[str | Path],
+    extensions: Any = None,
+    average: str = "logits",
+    batch_size: int = 256,
+    which: str = "best",
 ) -> EnsembleResult:
-    """The ensemble of train.py runs (their best checkpoint, else the last) on their validation set.
+    """The ensemble of train.py runs (checkpoint `which` of each) on their validation set; the result's
+    `checkpoints` say which checkpoint each member was scored with.
 
-    Every member must have been trained with the same architecture, class count, dataset, input
-    size and output scale (checked before any model is built); typically runs that differ by seed."""
+    Every member must have been trained with the same architecture, class count, dataset, input size and
+    output scale, and every member's weights must match their manifest (both checked before any model is
+    built); typically runs that differ by seed."""
     if average not in AVERAGES:
         raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
-    configs = [read_run_config(d) for d in run_dirs]
-    check_same_architecture([{k: c.get(k) for k in ARCHITECTURE_KEYS} for c in configs], [str(d) for d in run_dirs])
-    for d in run_dirs:
-        resolve_weights_path(d)  # every member has weights, before any model is built
-    data, outputs, labels = None, [], None
-    for run_dir in run_dirs:
-        model, _, data = load_run(run_dir, extensions, data)
-        loader = build_eval_loader(data.val, batch_size, 0)
+    runs = [RunDir(d) for d in run_dirs]
+    check_same_architecture([{k: r.config.get(k) for k in ARCHITECTURE_KEYS} for r in runs], [str(d) for d in run_dirs])
+    for run in runs:
+        run.checkpoint(which)  # every member's weights are verified before any model is built
+    loader = build_eval_loader(build_datasets(Config(runs[0].config)).val, batch_size, 0)
+    outputs, checkpoints, labels = [], [], []
+    for run in runs:
+        model, checkpoint = run.build_model(which, extensions)
         with torch.no_grad():
-            outputs.append(torch.cat([model(images) for images, _ in loader]))
-        labels = torch.cat([targets for _, targets in loader])
-    return evaluate_ensemble(torch.stack(outputs), labels, average)
+            batches = [(model(images), targets) for images, targets in loader]
+        outputs.append(torch.cat([output for output, _ in batches]))
+        labels = torch.cat([targets for _, targets in batches])
+        checkpoints.append(checkpoint)
+    result = evaluate_ensemble(torch.stack(outputs), labels, average)
+    result.checkpoints = checkpoints
+    return result

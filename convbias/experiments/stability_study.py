@@ -1,7 +1,8 @@
 """Relative stability R_f of trained runs: measurement, per-run tables and the summary over seeds.
 
-Each run is a train.py output folder: its config.yaml rebuilds the model and the test (validation) set, its
-checkpoints give the weights (`best`, `last`, `epoch_N` from --save-epochs, `init` = epoch_0). For every run
+Each run is a train.py output folder read through ``RunDir``: its config.yaml rebuilds the model (reparametrized,
+output-scaled, as train.py built it) and the test (validation) set, its checkpoints give the weights (`best`,
+`last`, `epoch_N` from --save-epochs, `init` = epoch_0), each verified before it is read. For every run
 and checkpoint: R_f, D_f, G_f and their standard errors over `draws` diffeomorphism-and-noise draws at every
 (delta, c) of the grid, R_f of every block at (main delta, first cut), and the test error on the whole test
 set. Every row carries the convention, the mode set, the number of images and of draws it was measured with.
@@ -22,11 +23,10 @@ from typing import Any
 
 import torch
 
-from convbias.engine import WHICH, build_datasets, check_model_name, choose_checkpoint, create_model, read_run_config
+from convbias.engine import RunDir, build_datasets, check_model_name
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
 from convbias.tables import markdown_table
-from convbias.weights import load_weights
 
 from .intervals import cell, interval, ratio_interval
 
@@ -79,20 +79,12 @@ class Run:
         return f"{self.cfg['model']}{lifted} f={self.cfg.get('train_fraction', 1.0):g}"
 
 
-def checkpoint_path(run: Path, name: str) -> Path:
-    """last / best through the engine's run_dir (as every command that reuses a run), else a snapshot."""
-    if name in WHICH:
-        return choose_checkpoint(run, name).weights
-    path = run / "checkpoints" / f"epoch_{0 if name == 'init' else int(name[6:])}.safetensors"
-    if not path.is_file():
-        hint = " (train with --save-epochs 0)" if name == "init" else ""
-        raise ValueError(f"run {run} has no checkpoint {name!r}: {path} not found{hint}")
-    return path
-
-
-def load_run(path: Path, settings: Settings) -> Run:
-    """The run's test images and one model per checkpoint; raises before any measurement on bad input."""
-    cfg = read_run_config(path)
+def load_run(path: Path, settings: Settings, extensions: Any = None) -> Run:
+    """The run's test images and one model per checkpoint, each rebuilt as train.py built it (reparametrized,
+    output-scaled) with weights verified against their manifest: bad input and damaged files stop the study
+    before any measurement."""
+    run = RunDir(path)
+    cfg = run.config
     check_model_name(cfg["model"], f"{path}/config.yaml: model")
     bundle = build_datasets(dict(cfg, no_aug=True))
     if len(bundle.val) == 0:
@@ -101,10 +93,7 @@ def load_run(path: Path, settings: Settings) -> Run:
     images = torch.stack([bundle.val[i][0] for i in range(count)])
     for delta, cut in settings.grid:
         diffeo.temperature(delta, cut, images.shape[-2:])  # the whole grid is checked before any work
-    models = {}
-    for name in settings.checkpoints:
-        model = create_model(cfg, bundle.num_classes, bundle.in_chans)
-        models[name] = load_weights(model, checkpoint_path(path, name)).to(settings.device).eval()
+    models = {name: run.build_model(name, extensions)[0].to(settings.device) for name in settings.checkpoints}
     return Run(path, cfg, images, bundle.val, models)
 
 
@@ -306,7 +295,8 @@ def layer_summary(layer_rows: list[dict]) -> list[dict]:
 def contrasts(rows: list[dict], delta: float, cut: int, before: str, after: str, reference: str) -> list[dict]:
     """Per group at (delta, c): R_f after / before training (paired by run: the geometric mean of the per-run
     ratios with its t-interval), and R_f after training against the `reference` group of the same training
-    fraction (independent seeds: ratio of geometric means with its Welch interval)."""
+    fraction (independent seeds: ratio of geometric means with its Welch interval); the reference group has
+    no such contrast (with itself it would be 1 by construction, not a measurement)."""
     point = [r for r in rows if r["delta"] == delta and r["cut"] == cut]
     by_group: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in point:
@@ -318,7 +308,10 @@ def contrasts(rows: list[dict], delta: float, cut: int, before: str, after: str,
         n, ratio, low, high = interval([per[after][r] / per[before][r] for r in runs], log=True)
         row = dict(group=group, delta=delta, cut=cut, n=n, trained_over_init=ratio)
         row.update(trained_over_init_low=low, trained_over_init_high=high)
-        ref = next((g for g in by_group if g.startswith(reference + " ") and fraction[g] == fraction[group]), None)
+        ref = next(
+            (g for g in by_group if g != group and g.startswith(reference + " ") and fraction[g] == fraction[group]),
+            None,
+        )
         versus = (
             ratio_interval(list(per[after].values()), list(by_group[ref][after].values())) if ref else [math.nan] * 3
         )
@@ -330,7 +323,8 @@ def contrasts(rows: list[dict], delta: float, cut: int, before: str, after: str,
 
 def contrast_table(rows: list[dict]) -> str:
     body = [
-        [r["group"], r["n"], _ci(r, "trained_over_init"), r["reference"], r["n_reference"], _ci(r, "over_reference")]
+        [r["group"], r["n"], _ci(r, "trained_over_init")]
+        + ([r["reference"], r["n_reference"], _ci(r, "over_reference")] if r["reference"] else ["", "", ""])
         for r in rows
     ]
     head = ["group", "n", "R_f trained / init [95%]", "reference", "n ref", "R_f trained / reference [95% Welch]"]
