@@ -19,17 +19,18 @@ MAX_KEYS_SHOWN = 5
 
 
 def resolve_weights_path(path: str | Path) -> Path:
-    """A weights file, a checkpoint dir (its model.safetensors) or a run dir (checkpoints/best, else last)."""
+    """A weights file, or a checkpoint dir (its model.safetensors). A train.py run directory is read through
+    ``convbias.engine.RunDir``, which picks a verified point: here it is named as such."""
     path = Path(path)
     if path.is_dir():
-        for candidate in (
-            path / WEIGHTS_FILE,
-            path / "checkpoints" / "best" / WEIGHTS_FILE,
-            path / "checkpoints" / "last" / WEIGHTS_FILE,
-        ):
-            if candidate.is_file():
-                return candidate
-        raise ValueError(f"no weights in {path} (expected {WEIGHTS_FILE} or checkpoints/best/{WEIGHTS_FILE})")
+        if (path / WEIGHTS_FILE).is_file():
+            return path / WEIGHTS_FILE
+        if (path / "checkpoints").is_dir():
+            raise ValueError(
+                f"{path} is a run directory: give one of its checkpoints ({path}/checkpoints/epoch_NNNN/"
+                f"{WEIGHTS_FILE}), or the run itself where a command takes a run (--checkpoint RUN, --eval-only RUN)"
+            )
+        raise ValueError(f"no weights in {path} (expected {WEIGHTS_FILE} in it)")
     if not path.is_file():
         raise ValueError(f"weights file not found: {path}")
     return path
