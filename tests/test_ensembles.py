@@ -96,7 +96,7 @@ def seed_runs(tmp_path_factory):
     return prepared, results
 
 
-def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs):
+def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs, capsys):
     from convbias.experiments import report, sweep
     from convbias.families import load_families
 
@@ -111,7 +111,7 @@ def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs):
     assert ensemble["images"] == 359  # the digits' validation split
     csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
     sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME)
-    text = report.write_report(csv_path)[0].read_text()
+    text = report.write_report(csv_path, ensembles=report.ensembles_beside(csv_path))[0].read_text()
     table = text.split("## Ensembles over seeds")[1]
     correct = round(ensemble["ensemble_top1"] * 359 / 100)
     low, high = stats.binomtest(correct, 359).proportion_ci(0.95, method="exact")
@@ -121,6 +121,16 @@ def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs):
         f"| {ensemble['ensemble_top1']:.1f} [{100 * low:.1f}, {100 * high:.1f}] "
         f"| {mean:.1f} ± {ensemble['member_top1_std']:.1f} [{mean - half:.1f}, {mean + half:.1f}] |"
     ) in table
+
+    from convbias.cli import sweep as sweep_cli
+
+    code = sweep_cli.main(["report", "--csv", str(csv_path), "--output", str(prepared.sweep_dir / "plain")])
+    assert code == 0 and "## Ensembles over seeds" in (prepared.sweep_dir / "plain" / "report.md").read_text()
+    assert f"ensembles over seeds: {prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME}" in capsys.readouterr().out
+    code = sweep_cli.main(
+        ["report", "--csv", str(csv_path), "--output", str(prepared.sweep_dir / "no"), "--ensembles", "none"]
+    )
+    assert code == 0 and "Ensembles" not in (prepared.sweep_dir / "no" / "report.md").read_text()
 
 
 def test_ensemble_command_on_runs_that_differ_by_seed(seed_runs, tmp_path, capsys):

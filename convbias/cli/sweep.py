@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="regenerate the tables and plots from a runs CSV")
     report.add_argument("--csv", required=True, help="runs.csv written by run/collect")
     report.add_argument("--output", help="directory for report.md and PNGs (default: next to the CSV)")
+    report.add_argument(
+        "--ensembles",
+        metavar="CSV",
+        help="ensembles.csv whose table the report adds (default: the one beside --csv, if any; none: no table)",
+    )
     _add_report_options(report)
     return parser
 
@@ -152,7 +157,10 @@ def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
         ensembles = prepared.collect_ensembles(rows, load_families())
         if ensembles:
             written.append(sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME))
-    paths = report.write_report(csv_path, baseline=args.baseline or prepared.spec["baseline"], best=args.best)
+    ensembles = report.ensembles_beside(csv_path)
+    paths = report.write_report(
+        csv_path, baseline=args.baseline or prepared.spec["baseline"], best=args.best, ensembles=ensembles
+    )
     _print_written(written + paths)
     return 1 if missing else 0
 
@@ -170,7 +178,10 @@ def _sweep(args: argparse.Namespace) -> int:
     from convbias.experiments import report, sweep  # not at the top: `--help` loads no torch or timm
 
     if args.command == "report":
-        _print_written(report.write_report(args.csv, args.output, baseline=args.baseline, best=args.best))
+        ensembles = None if args.ensembles == "none" else args.ensembles or report.ensembles_beside(args.csv)
+        if ensembles is not None:
+            print(f"ensembles over seeds: {ensembles}")  # a file the CSV does not name: say which one
+        _print_written(report.write_report(args.csv, args.output, args.baseline, args.best, ensembles))
         return 0
     if args.command == "collect":
         record = Path(args.output) / sweep.RECORD_NAME

@@ -12,6 +12,11 @@ pyplot: nothing here changes the caller's matplotlib backend or leaves figures o
   `convit.diagnostics.query_maps` (ViT layers) or `transformed_cnn.diagnostics.query_maps` (T-CNN layers).
 The history plots read the engine's `log.jsonl` (one JSON object per epoch, with `epoch` and keys
 `<metric>/layer<l>[/head<h>]`, as `convit.diagnostics.summary` logs them).
+
+Every module of the package that draws uses the helpers below, so that all its figures read alike:
+`qualitative_colors` (series that must be told apart), `log_ticks` (plain, non-overlapping labels on log
+axes), `shared_legend` (one legend for panels drawing the same series) and `error_bar_note` (what the
+error bars are, said in a legend or title).
 """
 
 from __future__ import annotations
@@ -19,22 +24,38 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+import textwrap
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.axis import Axis
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.legend import Legend
 from matplotlib.patches import Rectangle
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-__all__ = ["metric_history", "plot_attention_maps", "plot_nonlocality", "plot_per_head", "read_log"]
+__all__ = [
+    "displayable",
+    "error_bar_note",
+    "log_ticks",
+    "metric_history",
+    "plot_attention_maps",
+    "plot_nonlocality",
+    "plot_per_head",
+    "qualitative_colors",
+    "read_log",
+    "shared_legend",
+]
 
 METRICS = ("nonlocality", "gating", "span")
 LOG_SCALE_RANGE = 1e-4  # attention maps show at most four decades below their maximum
+LEGEND_TITLE_WIDTH = 44  # characters per line of a shared legend's title
 _KEY = re.compile(r"^(?P<metric>\w+)/layer(?P<layer>\d+)(?:/head(?P<head>\d+))?$")
 _METRIC_LABELS = {  # the quantity and its unit (token positions are in patches, or pixels of a T-CNN layer's map)
     "nonlocality": "nonlocality: mean attention distance (patches)",
@@ -46,6 +67,62 @@ _METRIC_TITLES = {
     "gating": "gating per head (weight on position)",
     "span": "attention span per head",
 }
+
+
+# -- shared by every figure of the package ------------------------------------------------------
+def qualitative_colors(count: int) -> list[tuple[float, float, float, float]]:
+    """`count` colors told apart at a glance: tab10 up to ten; beyond, tab20 with its dark shades first
+    (tab20 in order pairs a dark and a light shade of one hue, which read as one color side by side)."""
+    if count <= 10:
+        return [colormaps["tab10"](i) for i in range(count)]
+    order = [*range(0, 20, 2), *range(1, 20, 2)]
+    return [colormaps["tab20"](order[i % 20]) for i in range(count)]
+
+
+def _number(value: float, _position: float | None = None) -> str:
+    """A tick label as a plain number (0.3, 1, 20), in powers of ten only far from 1."""
+    if value == 0 or 1e-3 <= abs(value) < 1e4:
+        return f"{value:g}"
+    exponent = math.floor(math.log10(abs(value)))
+    mantissa = value / 10**exponent
+    return rf"$10^{{{exponent}}}$" if round(mantissa, 6) == 1 else rf"${mantissa:.2g}\times10^{{{exponent}}}$"
+
+
+def log_ticks(axis: Axis) -> None:
+    """Label a log (or symlog) axis with plain numbers, call after plotting: decades when the view spans two or
+    more, 1-2-5 when it spans less, every integer multiple under 0.6 decade. Matplotlib's default labels
+    the minor ticks of an axis spanning about a decade as '3x10^-1', '4x10^-1', and they overlap."""
+    axis.set_major_formatter(FuncFormatter(_number))
+    axis.set_minor_formatter(NullFormatter())
+    if axis.get_scale() != "log":
+        return
+    low, high = sorted(axis.get_view_interval())
+    span = math.log10(high / low) if low > 0 else math.inf
+    axis.set_major_locator(LogLocator(subs=(1.0,) if span >= 2 else (1.0, 2.0, 5.0) if span >= 0.6 else range(1, 10)))
+
+
+def shared_legend(fig: Figure, axes: Iterable[Axes], title: str = "", **kwargs) -> Legend:
+    """One figure legend, outside on the right, for panels drawing the same series: each label once, under
+    a title wrapped to the legend's width (the error bar note goes there). The figure needs
+    layout="constrained" to make room for it."""
+    entries: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    title = "\n".join(textwrap.fill(line, LEGEND_TITLE_WIDTH) for line in title.splitlines())
+    options = dict(loc="outside right center", fontsize="x-small", title_fontsize="x-small", alignment="left")
+    return fig.legend(list(entries.values()), list(entries), title=title or None, **(options | kwargs))
+
+
+def error_bar_note(counts: Iterable[int], interval: str = "95% t interval of the mean", over: str = "seeds") -> str:
+    """What the error bars of a figure are, with the number of runs behind each, e.g. 'error bars: 95% t
+    interval of the mean over 5 seeds' (or 'over 2-5 seeds'); a single run has none, and the note says so."""
+    counts = sorted(set(counts))
+    if not counts or counts[-1] < 2:
+        return f"error bars: none (one run per point, no {interval})"
+    many = [n for n in counts if n > 1]
+    number = str(many[0]) if len(many) == 1 else f"{many[0]}-{many[-1]}"
+    return f"error bars: {interval} over {number} {over}" + (" (none for a single run)" if counts[0] < 2 else "")
 
 
 # -- reading the training log -------------------------------------------------------------------
@@ -133,8 +210,9 @@ def plot_nonlocality(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Pa
 
 
 def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title: str = "") -> Path:
-    """Fig. 7.7 (metric="gating") or Fig. 8.4B (metric="span"): one panel per layer, one colored
-    line per head, the mean over heads in black; one legend (head colors) for all panels."""
+    """Fig. 7.7 (metric="gating") or Fig. 8.4B (metric="span"): one panel per layer, one line per head in
+    colors told apart, drawn over the mean over heads (thin, dashed, black) so that no head hides under it;
+    one legend for all panels."""
     history = metric_history(records, metric)
     _require(history, metric, "the log")
     layers = sorted(history)
@@ -143,11 +221,10 @@ def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title:
     axes = fig.subplots(rows, cols, sharex=True, sharey=metric == "gating", squeeze=False).flatten()
     for ax, layer in zip(axes, layers):
         heads = sorted(h for h in history[layer] if h is not None)
-        colors = colormaps["tab20"](np.arange(len(heads)) % 20)
-        for color, head in zip(colors, heads):
-            ax.plot(*history[layer][head], color=color, linewidth=0.9, label=f"head {head}")
+        for color, head in zip(qualitative_colors(len(heads)), heads):
+            ax.plot(*history[layer][head], color=color, linewidth=1.3, zorder=3, label=f"head {head}")
         if None in history[layer]:
-            ax.plot(*history[layer][None], color="black", linewidth=2, label="mean over heads")
+            ax.plot(*history[layer][None], "k--", linewidth=1.0, zorder=2, label="mean over heads")
         ax.set_title(f"layer {layer}", fontsize="small")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if metric == "gating":
@@ -157,14 +234,12 @@ def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title:
     fig.supxlabel("epoch")
     fig.supylabel(_METRIC_LABELS[metric])
     fig.suptitle(f"{title}: {_METRIC_TITLES[metric]}" if title else _METRIC_TITLES[metric])
-    widest = max(layers, key=lambda layer: len(history[layer]))  # the panel with every head
-    handles, labels = axes[layers.index(widest)].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", fontsize="x-small")
+    shared_legend(fig, axes[: len(layers)])
     return _save(fig, path)
 
 
 # -- attention maps -----------------------------------------------------------------------------
-def _displayable(image: torch.Tensor) -> np.ndarray:
+def displayable(image: torch.Tensor) -> np.ndarray:
     """(C, H, W) normalized image -> (H, W) or (H, W, 3) array in [0, 1] (min-max per image)."""
     image = image.detach().float().cpu()
     image = (image - image.min()) / (image.max() - image.min()).clamp_min(1e-12)
@@ -199,7 +274,7 @@ def plot_attention_maps(
     heads = max(layer_maps.shape[0] for layer_maps in maps.values())
     fig = Figure(figsize=(1.9 * (heads + 1), 2.0 * len(maps) + 0.3), layout="constrained")
     axes = fig.subplots(len(maps), heads + 1, squeeze=False)
-    shown = _displayable(image)
+    shown = displayable(image)
     reds = colormaps["Reds"]
     for row_axes, (label, layer_maps) in zip(axes, maps.items()):
         layer_maps = layer_maps.detach().float().cpu().numpy()

@@ -2,7 +2,8 @@
 
 Figures are `matplotlib.figure.Figure` objects saved with the Agg canvas, without pyplot (as in
 `convbias.evaluation.figures`). Every function takes plain rows (lists of dicts, as written to the CSVs) and a path, so the
-figures can be redrawn from the committed CSVs without retraining.
+figures can be redrawn from the committed CSVs without retraining. They show one protocol run (one seed), so
+they have no error bars; the spread over seeds is in the protocol's seed tables.
 """
 
 from __future__ import annotations
@@ -13,13 +14,23 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from convbias.evaluation.figures import log_ticks, shared_legend
+
 
 def _colors(n: int):
     return colormaps["viridis"](np.linspace(0.0, 0.9, max(n, 1)))
 
 
+def _figure(width: float, height: float) -> Figure:
+    """Constrained layout: it makes room for the legends drawn outside the panels."""
+    return Figure(figsize=(width, height), layout="constrained")
+
+
 def _save(fig, path: Path) -> None:
-    fig.tight_layout()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() in ("log", "symlog"):
+                log_ticks(axis)
     fig.savefig(path, dpi=110)
 
 
@@ -32,7 +43,7 @@ def _symlog_epochs(ax) -> None:
 
 def training_curves(curves: list[dict], relax_times: list[int], path: Path) -> None:
     """Fig. 6.2: train loss and test accuracy vs epoch; CNN black, FCN red, eFCNs by relax time."""
-    fig = Figure(figsize=(10, 4))
+    fig = _figure(11, 4)
     (ax_loss, ax_acc) = fig.subplots(1, 2)
     runs = [("cnn", "CNN", "black"), ("fcn", "FCN", "red")] + [
         (f"efcn_tw{t}", f"eFCN t_w={t}", c) for t, c in zip(relax_times, _colors(len(relax_times)))
@@ -46,14 +57,14 @@ def training_curves(curves: list[dict], relax_times: list[int], path: Path) -> N
         _symlog_epochs(ax)
         ax.set_ylabel(name)
     ax_loss.set_yscale("log")
-    ax_acc.legend(fontsize=7)
+    shared_legend(fig, (ax_loss, ax_acc))
     _save(fig, path)
 
 
 def accuracy_and_landscape(rows: list[dict], baselines: dict, path: Path) -> None:
     """Fig. 6.3: final eFCN accuracy vs t_w (CNN and FCN lines), |grad L| and lambda_max at start/end."""
     tw = [r["relax_time"] for r in rows]
-    fig = Figure(figsize=(13, 4))
+    fig = _figure(13, 4)
     axes = fig.subplots(1, 3)
     axes[0].plot(tw, [r["final_test_acc"] for r in rows], "rx", markersize=9, label="eFCN (final)")
     axes[0].axhline(baselines["cnn_best_test_acc"], color="black", label="CNN (best)")
@@ -75,7 +86,7 @@ def accuracy_and_landscape(rows: list[dict], baselines: dict, path: Path) -> Non
 
 def deviation(rows: list[dict], baselines: dict, path: Path) -> None:
     """Fig. 6.4: delta vs t_w, vs the initial loss, vs the final accuracy (standard FCN in blue)."""
-    fig = Figure(figsize=(13, 4))
+    fig = _figure(13, 4)
     axes = fig.subplots(1, 3)
     delta = [r["deviation_total"] for r in rows]
     axes[0].plot([r["relax_time"] for r in rows], delta, "o-")
@@ -102,14 +113,15 @@ def deviation(rows: list[dict], baselines: dict, path: Path) -> None:
     for ax in axes:
         ax.set_ylabel("delta = |W_off-local| / |W|")
         ax.set_yscale("log")
-    axes[2].legend(fontsize=8)
+    for ax in axes[1:]:
+        ax.legend(fontsize=8)
     _save(fig, path)
 
 
 def local_contributions(rows: list[dict], path: Path) -> None:
     """Fig. 6.5: test accuracy with local blocks only, off-local blocks only, and both."""
     tw = [r["relax_time"] for r in rows]
-    fig = Figure(figsize=(5.5, 4))
+    fig = _figure(5.5, 4)
     ax = fig.subplots()
     ax.plot(tw, [r["local_only_test_acc"] for r in rows], "o-", color="tab:orange", label="local blocks only")
     ax.plot(tw, [r["off_local_only_test_acc"] for r in rows], "o-", color="tab:blue", label="off-local blocks only")
@@ -126,7 +138,7 @@ def filter_heatmaps(filters: dict[str, list[tuple[str, np.ndarray]]], path: Path
     input image (channels averaged). One row of panels per model."""
     names = list(filters)
     columns = max(len(v) for v in filters.values())
-    fig = Figure(figsize=(3 * columns, 2.8 * len(names)))
+    fig = _figure(3 * columns, 2.8 * len(names))
     axes = fig.subplots(len(names), columns, squeeze=False)
     for i, name in enumerate(names):
         for j in range(columns):
@@ -145,7 +157,7 @@ def filter_heatmaps(filters: dict[str, list[tuple[str, np.ndarray]]], path: Path
 def interpolation(rows: list[dict], path: Path) -> None:
     """Fig. E.6: train loss and test accuracy along the CNN (alpha=0) -> eFCN (alpha=1) paths."""
     relax_times = sorted({r["relax_time"] for r in rows})
-    fig = Figure(figsize=(3.6 * len(relax_times), 6.5))
+    fig = _figure(3.6 * len(relax_times) + 1.2, 6.5)
     axes = fig.subplots(2, len(relax_times), squeeze=False)
     styles = {"linear": "tab:orange", "string": "tab:blue", "output": "tab:green"}
     for j, tw in enumerate(relax_times):
@@ -158,5 +170,5 @@ def interpolation(rows: list[dict], path: Path) -> None:
         axes[1][j].set_xlabel("alpha (0 = CNN, 1 = eFCN)")
     axes[0][0].set_ylabel("train loss")
     axes[1][0].set_ylabel("test accuracy (%)")
-    axes[0][0].legend(fontsize=8)
+    shared_legend(fig, axes.flat, title="path")
     _save(fig, path)

@@ -46,6 +46,7 @@ from sklearn.decomposition import PCA
 from torch import nn
 
 from convbias.evaluation.ensembles import evaluate_ensemble
+from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change
 from convbias.tables import write_csv
 
@@ -381,9 +382,9 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     fig.savefig(paths[0], dpi=130)
 
     curves = curves or tuple(alphas[i] for i in sorted({0, len(alphas) // 2, len(alphas) - 1}))
-    fig = Figure(figsize=(4 * len(curves), 3.4))
-    axes = fig.subplots(1, len(curves), sharey=True)
-    for ax, a in zip(np.atleast_1d(axes), curves):
+    fig = Figure(figsize=(4 * len(curves) + 1.6, 3.4), layout="constrained")
+    axes = fig.subplots(1, len(curves), sharey=True, squeeze=False)[0]
+    for ax, a in zip(axes, curves):
         params = [cell[(h, a)]["params"] for h in widths]
         ax.plot(params, [cell[(h, a)]["mean_test_error"] for h in widths], "o-", label="single net (mean)")
         ax.plot(params, [cell[(h, a)]["ensemble_test_error"] for h in widths], "s-", label="ensemble average")
@@ -393,9 +394,10 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
         ax.set_xscale("log")
         ax.set_xlabel("parameters N")
         ax.set_title(rf"$\tilde\alpha$ = {a:g}")
-    np.atleast_1d(axes)[0].set_ylabel("test error (%)")
-    np.atleast_1d(axes)[0].legend(fontsize=7)
-    fig.tight_layout()
+        log_ticks(ax.xaxis)
+    axes[0].set_ylabel("test error (%)")
+    nets = "-".join(f"{n:g}" for n in sorted({min(c["seeds"] for c in cells), max(c["seeds"] for c in cells)}))
+    shared_legend(fig, axes, title=f"single net: mean over {nets} seeds; ensemble: their average output; no error bars")
     paths.append(output / "double_descent.png")
     fig.savefig(paths[1], dpi=130)
     return paths

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from convbias.evaluation.figures import error_bar_note
 from convbias.tables import markdown_table
 
 from .intervals import (
@@ -252,11 +253,13 @@ def plot_sample_efficiency(
     in points; error bars are 95% t intervals of the means (none for a single run)."""
     column = compared_column(rows)
     fractions = _fractions(rows)
-    fig = Figure(figsize=(9, 3.6))
+    fig = Figure(figsize=(9, 3.9))
     ax, gap_ax = fig.subplots(1, 2)
+    counts = []
     for name in _values(rows, column):
         stats = [stat(_select(rows, **{column: name, "train_fraction": f}), metric) for f in fractions]
         xs = [f for f, s in zip(fractions, stats) if s is not None]
+        counts += [s.n for s in stats if s]
         ax.errorbar(
             xs,
             [s.mean for s in stats if s],
@@ -294,7 +297,8 @@ def plot_sample_efficiency(
     ax.set_ylabel(f"{_label(metric)} accuracy (%)")
     gap_ax.axhline(0, color="black", linewidth=0.8)
     gap_ax.set_ylabel("gap, paired by seed (points)")
-    fig.suptitle(title or "Sample efficiency", fontsize=10)
+    note = error_bar_note(counts) + " (gap: of the per-seed differences)"
+    fig.suptitle(f"{title or 'Sample efficiency'}\n{note}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
@@ -310,8 +314,10 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "
     panels = _groups(rows, [compared_column(rows), "train_fraction"])
     fig = Figure(figsize=(4.6 * len(panels), 3.8))
     axes = fig.subplots(1, len(panels), squeeze=False)
+    counts = []  # runs behind each error bar
     for ax, (where, selected) in zip(axes[0], panels):
-        ax.set_title(_title(where), fontsize=9)
+        shown = {k: v for k, v in where.items() if v is not None}  # None: a column the CSV lacks
+        ax.set_title(_title(shown), fontsize=9)
         if len(params) == 2:
             x_col, y_col = params
             xs, ys = sorted(_values(selected, x_col)), sorted(_values(selected, y_col))
@@ -334,6 +340,7 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "
             for line, line_rows in _groups(selected, rest):
                 xs = sorted(_values(line_rows, x_col))
                 stats = [stat(_select(line_rows, **{x_col: x}), metric) for x in xs]
+                counts += [s.n for s in stats]
                 positions = xs if _is_numeric(xs) else list(range(len(xs)))
                 ax.errorbar(
                     positions,
@@ -350,6 +357,8 @@ def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "
             ax.grid(alpha=0.3)
             if rest:
                 ax.legend(fontsize=7)
+    if counts:
+        fig.suptitle(error_bar_note(counts), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
@@ -401,10 +410,21 @@ def ensemble_table(rows: list[dict[str, Any]]) -> str:
     return _markdown(factors + ["ensemble top-1", "members top-1 (mean)", "gain", "fluctuation", "members"], body)
 
 
+def ensembles_beside(csv_path: str | Path) -> Path | None:
+    """The sweep's ensembles.csv beside its runs CSV, when there is one: what a report includes by default."""
+    path = Path(csv_path).parent / ENSEMBLES_CSV_NAME
+    return path if path.is_file() else None
+
+
 def write_report(
-    csv_path: str | Path, out_dir: str | Path | None = None, baseline: str | None = None, best: bool = False
+    csv_path: str | Path,
+    out_dir: str | Path | None = None,
+    baseline: str | None = None,
+    best: bool = False,
+    ensembles: str | Path | None = None,
 ) -> list[Path]:
-    """Write ``report.md`` and the PNGs next to the CSV (or in ``out_dir``); return the paths."""
+    """Write ``report.md`` and the PNGs next to the CSV (or in ``out_dir``); return the paths. ``ensembles``
+    (an ensembles.csv, e.g. ``ensembles_beside(csv_path)``) adds the table of ensembles over seeds."""
     rows = read_runs(csv_path)
     out_dir = Path(out_dir) if out_dir is not None else Path(csv_path).parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -446,8 +466,7 @@ def write_report(
         png = plot_parameter_sweep(rows, out_dir / "parameter_sweep.png", metric)
         sections.append(f"![parameter sweep]({png.name})")
         written.append(png)
-    ensembles = Path(csv_path).parent / ENSEMBLES_CSV_NAME
-    if ensembles.is_file():
+    if ensembles is not None:
         sections.append(
             "## Ensembles over seeds\n\nOne ensemble per group (its members are the group's n runs, each at "
             "the checkpoint its study evaluates: a sweep's best, a phase diagram's last): the ensemble's top-1 "

@@ -1,108 +1,96 @@
 """Figures of `convbias-stability`: R_f against delta, per layer, against the test error, and deformed examples.
-Runs that differ only by seed are averaged geometrically, as in Petrini et al. 2021."""
+Runs that differ only by seed are averaged geometrically, as in Petrini et al. 2021; the error bars are the
+95% intervals of the summary tables (`seed_summary`, `layer_summary`), so a figure and its table agree."""
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import defaultdict
 from pathlib import Path
 
 import torch
-from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from convbias.evaluation import diffeo
+from convbias.evaluation.figures import displayable, error_bar_note, log_ticks, qualitative_colors, shared_legend
 
-from .stability_study import Run, Settings
+from .intervals import error_bar
+from .stability_study import Run, Settings, layer_summary, seed_summary
 
 ERROR_LAW = 0.2  # Petrini et al. 2021, CIFAR-10 across 15 architectures: test error ~ 0.2 sqrt(R_f)
-EXAMPLE_TEMPERATURES = 3  # rows of deformed_examples.png: T_min, their geometric middle, T_max
-
-
-def _geomean(values: list[float]) -> float:
-    finite = [v for v in values if v > 0 and math.isfinite(v)]
-    return math.exp(sum(map(math.log, finite)) / len(finite)) if finite else float("nan")
+R_INTERVAL = "95% t interval of the geometric mean"  # on log R_f, as in the summary tables
+DODGE = 0.3  # series at one grid point spread over this fraction of the grid's step
 
 
 def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], settings: Settings, output: Path) -> list[Path]:
-    groups = list(dict.fromkeys(r["group"] for r in rows))
-    colors = {g: colormaps["tab20"](i % 20) for i, g in enumerate(groups)}
-    styles = {name: ("--" if name == "init" else "-") for name in settings.checkpoints}
-    files = []
+    """rf_vs_delta.png, rf_per_layer.png, rf_vs_error.png and, with runs at hand, deformed_examples.png."""
+    summary = seed_summary(rows)
+    style = _Style(list(dict.fromkeys(r["group"] for r in rows)), settings)
+    files = [
+        rf_vs_delta(summary, style, settings, output / "rf_vs_delta.png"),
+        rf_per_layer(layer_summary(layer_rows), style, settings, output / "rf_per_layer.png"),
+        rf_vs_error(rows, summary, style, settings, output / "rf_vs_error.png"),
+    ]
+    if runs:  # summarizing earlier measurements (--combine) has no images at hand
+        files.append(deformed_examples(runs[0].images[0], settings, output / "deformed_examples.png"))
+    return files
 
-    fig = Figure(figsize=(5 * len(settings.cuts), 4))
-    axes = fig.subplots(1, len(settings.cuts), squeeze=False)
-    for ax, cut in zip(axes[0], settings.cuts):
-        for g in groups:
-            for name in settings.checkpoints:
-                points = defaultdict(list)
-                for r in rows:
-                    if r["group"] == g and r["checkpoint"] == name and r["cut"] == cut:
-                        points[r["delta"]].append(r["R"])
-                deltas = sorted(points)
-                ax.plot(
-                    deltas,
-                    [_geomean(points[d]) for d in deltas],
-                    styles[name],
-                    color=colors[g],
-                    marker="o",
-                    ms=3,
-                    label=_label(g, name, settings),
-                )
-        ax.set(xlabel="delta (pixels)", ylabel="R_f", yscale="log", title=f"c = {cut} ({settings.convention})")
+
+def rf_vs_delta(summary: list[dict], style: _Style, settings: Settings, path: Path) -> Path:
+    """R_f against delta, a panel per cut (Fig. 3 left of Petrini et al. 2021)."""
+    fig = Figure(figsize=(4.5 * len(settings.cuts) + 2.5, 4), layout="constrained")
+    axes = fig.subplots(1, len(settings.cuts), squeeze=False, sharey=True)[0]
+    for ax, cut in zip(axes, settings.cuts):
+        _curves(ax, style, [s for s in summary if s["cut"] == cut], "delta")
         ax.axhline(1.0, color="gray", lw=0.5)
-    _legend(axes[0][-1], settings)
-    files.append(_save(fig, output / "rf_vs_delta.png"))
+        ax.set(xlabel="delta (pixels; series shifted apart)", yscale="log", title=f"c = {cut} ({settings.convention})")
+        ax.set_xticks(sorted({s["delta"] for s in summary if s["cut"] == cut}))
+        log_ticks(ax.yaxis)
+    axes[0].set_ylabel("R_f")
+    shared_legend(fig, axes, title=style.legend_title(summary))
+    return _save(fig, path)
 
-    fig = Figure(figsize=(6, 4))
+
+def rf_per_layer(layers: list[dict], style: _Style, settings: Settings, path: Path) -> Path:
+    """R_f of every block against its relative depth, at the main point (Fig. 14 of Petrini et al. 2021)."""
+    fig = Figure(figsize=(8.5, 4), layout="constrained")
     ax = fig.subplots()
-    for g in groups:
-        for name in settings.checkpoints:
-            points = defaultdict(list)
-            for r in layer_rows:
-                if r["group"] == g and r["checkpoint"] == name:
-                    points[r["relative_depth"]].append(r["R"])
-            depths = sorted(points)
-            ax.plot(
-                depths,
-                [_geomean(points[d]) for d in depths],
-                styles[name],
-                color=colors[g],
-                marker="o",
-                ms=3,
-                label=_label(g, name, settings),
-            )
+    _curves(ax, style, layers, "relative_depth")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set(
-        xlabel="relative depth (block / number of blocks; 1 = logits)",
+        xlabel="relative depth (block / number of blocks; 1 = logits; series shifted apart)",
         ylabel="R_f",
         yscale="log",
         title=f"R_f per layer, delta = {settings.main_delta}, c = {settings.cuts[0]} ({settings.convention})",
     )
-    _legend(ax, settings)
-    files.append(_save(fig, output / "rf_per_layer.png"))
+    log_ticks(ax.yaxis)
+    shared_legend(fig, [ax], title=style.legend_title(layers))
+    return _save(fig, path)
 
-    fig = Figure(figsize=(6, 4.5))
+
+def rf_vs_error(rows: list[dict], summary: list[dict], style: _Style, settings: Settings, path: Path) -> Path:
+    """Test error against R_f at the main point: each run as a faint dot, each group and checkpoint as its
+    means with their intervals on both axes, and the paper's 0.2 sqrt(R_f) line (Fig. 5)."""
+    main_point = (settings.main_delta, settings.cuts[0])
+    main = [r for r in rows if (r["delta"], r["cut"]) == main_point and r["R"] > 0 and r["test_error"] > 0]
+    means = [s for s in summary if (s["delta"], s["cut"]) == main_point and s["R"] > 0 and s["test_error"] > 0]
+    fig = Figure(figsize=(8.5, 4.5), layout="constrained")
     ax = fig.subplots()
-    main = [
-        r
-        for r in rows
-        if r["delta"] == settings.main_delta and r["cut"] == settings.cuts[0] and r["R"] > 0 and r["test_error"] > 0
-    ]
-    markers = dict(zip(sorted({r["train_fraction"] for r in main}), "os^Dv<>"))
-    for g in groups:
-        for name in settings.checkpoints:
-            pts = [r for r in main if r["group"] == g and r["checkpoint"] == name]
-            if pts:
-                ax.scatter(
-                    [p["R"] for p in pts],
-                    [p["test_error"] / 100 for p in pts],
-                    color=colors[g],
-                    marker=markers[pts[0]["train_fraction"]],
-                    facecolors="none" if name == "init" else None,
-                    label=_label(g, name, settings),
-                    s=25,
-                )
+    for group, checkpoint in style.series():
+        mine = [r for r in main if (r["group"], r["checkpoint"]) == (group, checkpoint)]
+        ax.scatter(
+            [r["R"] for r in mine],
+            [r["test_error"] / 100 for r in mine],
+            s=9,
+            alpha=0.4,
+            color=style.colors[group],
+            facecolors=style.face(group, checkpoint),
+            label="_single runs",
+        )
+        point = [s for s in means if (s["group"], s["checkpoint"]) == (group, checkpoint)]
+        (R, R_spread), (error, error_spread) = _bars(point, "R"), _bars(point, "test_error", scale=0.01)
+        style.errorbar(ax, group, checkpoint, R, error, xerr=R_spread, yerr=error_spread, linestyle="none")
     if main:
         lo, hi = min(r["R"] for r in main), max(r["R"] for r in main)
         grid = [lo * (hi / lo) ** (i / 20) for i in range(21)] if hi > lo else [lo]
@@ -114,51 +102,107 @@ def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], settings: S
         ylabel="test error",
         title="test error vs relative stability",
     )
-    _legend(ax, settings)
-    files.append(_save(fig, output / "rf_vs_error.png"))
+    log_ticks(ax.xaxis)
+    log_ticks(ax.yaxis)
+    note = style.legend_title(means, extra=" (R_f) and of the mean (test error); small dots: single runs")
+    shared_legend(fig, [ax], title=note)
+    return _save(fig, path)
 
-    if not runs:  # summarizing earlier measurements: no images at hand
-        return files
-    image = runs[0].images[0]
-    fig = Figure(figsize=(2 * (len(settings.cuts) + 1), 2 * EXAMPLE_TEMPERATURES))
-    axes = fig.subplots(EXAMPLE_TEMPERATURES, len(settings.cuts) + 1, squeeze=False)
+
+def deformed_examples(image: torch.Tensor, settings: Settings, path: Path) -> Path:
+    """One row per delta measured (the grid's: --deltas and --main-delta), one column per cut: the image
+    under one diffeomorphism of the temperature that gives that typical displacement."""
+    deltas = sorted({delta for delta, _ in settings.grid})
+    fig = Figure(figsize=(2 * (len(settings.cuts) + 1), 2 * len(deltas)), layout="constrained")
+    axes = fig.subplots(len(deltas), len(settings.cuts) + 1, squeeze=False)
     generator = torch.Generator().manual_seed(settings.seed)
-    for row in range(EXAMPLE_TEMPERATURES):
-        _show(axes[row][0], image, "original" if row == 0 else "")
-        for col, cut in enumerate(settings.cuts, start=1):
-            t_min, t_max = diffeo.temperature_range(cut, image.shape[-2:])
-            T = t_min * (t_max / t_min) ** (row / (EXAMPLE_TEMPERATURES - 1))
-            delta = diffeo.typical_displacement(T, cut, image.shape[-2:])
-            _show(
-                axes[row][col],
-                diffeo.deform(
-                    image, T, cut, generator=generator, interpolation=settings.interpolation, modes=settings.modes
-                ),
-                f"c={cut} T={T:.2g}\ndelta={delta:.2f}",
+    size = image.shape[-2:]
+    for row, delta in zip(axes, deltas):
+        _show(row[0], image, "original")
+        for ax, cut in zip(row[1:], settings.cuts):
+            T = diffeo.temperature(delta, cut, size)
+            deformed = diffeo.deform(
+                image, T, cut, generator=generator, interpolation=settings.interpolation, modes=settings.modes
             )
-    files.append(_save(fig, output / "deformed_examples.png"))
-    return files
+            _show(ax, deformed, f"delta={delta:g}, c={cut}\nT={T:.2g}")
+    return _save(fig, path)
 
 
-def _label(group: str, checkpoint: str, settings: Settings) -> str | None:
-    """One legend entry per group (its last checkpoint); the others differ by line style / open markers."""
-    return group if checkpoint == settings.checkpoints[-1] else None
+class _Style:
+    """One color per group (distinct colors), and per checkpoint: the first one dashed with open markers."""
+
+    def __init__(self, groups: list[str], settings: Settings):
+        self.colors = dict(zip(groups, qualitative_colors(len(groups))))
+        self.checkpoints = settings.checkpoints
+        self.first = settings.checkpoints[0] if len(settings.checkpoints) > 1 else None
+
+    def series(self) -> list[tuple[str, str]]:
+        return [(group, checkpoint) for group in self.colors for checkpoint in self.checkpoints]
+
+    def face(self, group: str, checkpoint: str) -> str | tuple:
+        return "none" if checkpoint == self.first else self.colors[group]
+
+    def errorbar(
+        self,
+        ax: Axes,
+        group: str,
+        checkpoint: str,
+        x: list[float],
+        y: list[float],
+        xerr: list[list[float]] | None = None,
+        yerr: list[list[float]] | None = None,
+        linestyle: str | None = None,
+    ) -> None:
+        """One series with its error bars, labelled 'group, checkpoint'."""
+        if x:
+            ax.errorbar(
+                x,
+                y,
+                xerr=xerr,
+                yerr=yerr,
+                color=self.colors[group],
+                linestyle=linestyle or ("--" if checkpoint == self.first else "-"),
+                marker="o",
+                ms=4,
+                mfc=self.face(group, checkpoint),
+                capsize=2,
+                elinewidth=0.8,
+                label=f"{group}, {checkpoint}",
+            )
+
+    def legend_title(self, points: list[dict], extra: str = "") -> str:
+        styles = "" if self.first is None else f"{self.first}: dashed / open, others: solid\n"
+        return f"{styles}{error_bar_note((p['n'] for p in points), R_INTERVAL)}{extra}"
 
 
-def _legend(ax, settings: Settings) -> None:
-    others = ", ".join(f"{name}: {'dashed / open' if name == 'init' else 'solid'}" for name in settings.checkpoints)
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5), title=others, title_fontsize=6)
+def _curves(ax: Axes, style: _Style, points: list[dict], x: str) -> None:
+    """R_f of summary rows against `x`, a series per group and checkpoint, each shifted by a part of the grid's
+    step (DODGE in all) so that the error bars of series at the same point stay apart."""
+    grid = sorted({p[x] for p in points})
+    step = min((b - a for a, b in itertools.pairwise(grid)), default=1.0)
+    series = style.series()
+    for i, (group, checkpoint) in enumerate(series):
+        mine = sorted((p for p in points if (p["group"], p["checkpoint"]) == (group, checkpoint)), key=lambda p: p[x])
+        shift = DODGE * step * (i / (len(series) - 1) - 0.5) if len(series) > 1 else 0.0
+        R, spread = _bars(mine, "R")
+        style.errorbar(ax, group, checkpoint, [p[x] + shift for p in mine], R, yerr=spread)
 
 
-def _show(ax, image: torch.Tensor, title: str) -> None:
-    pixels = image.float().cpu()
-    pixels = (pixels - pixels.min()) / (pixels.max() - pixels.min()).clamp_min(1e-12)
-    ax.imshow(pixels[0] if pixels.shape[0] == 1 else pixels.permute(1, 2, 0), cmap="gray")
+def _bars(points: list[dict], key: str, scale: float = 1.0) -> tuple[list[float], list[list[float]]]:
+    """The centres of `key` and their intervals as [below, above] the centre, from a summary table's rows
+    (`key`, `key_low`, `key_high`; no bar where n = 1), times `scale`."""
+    centre = [scale * p[key] for p in points]
+    below = [error_bar(c - scale * p[f"{key}_low"]) for c, p in zip(centre, points)]
+    above = [error_bar(scale * p[f"{key}_high"] - c) for c, p in zip(centre, points)]
+    return centre, [below, above]
+
+
+def _show(ax: Axes, image: torch.Tensor, title: str) -> None:
+    ax.imshow(displayable(image), cmap="gray")
     ax.set_title(title, fontsize=7)
     ax.axis("off")
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=120)
     return path
