@@ -2,16 +2,20 @@
 
 ``run(argv, extensions)`` trains (or evaluates) one run; ``main(argv, extensions)`` wraps it for the
 command line (user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1; Ctrl-C
-prints one ``interrupted: ...`` line saying what was kept and exits 130). The
+prints one ``interrupted: ...`` line saying what was kept and exits 130; under ``convbias-launch`` each rank
+also leaves its exit code for the launcher, which accelerate's launchers do not pass on). The
 models come from timm's registry and the family-specific pieces from ``extensions``
 (``convbias.families`` builds both; ``train.py`` composes them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..storage import storage_reason
@@ -30,6 +34,13 @@ from .errors import (
 )
 from .extensions import Extensions
 from .preemption import REQUEUE_EXIT_CODE, Preempted
+
+# What convbias-launch tells the engine: the process count it was asked for (accelerate's launcher puts none in
+# the environment), and the folder where each rank leaves its exit code and its one line (file rank<RANK>).
+LAUNCH_PROCESSES = "CONVBIAS_LAUNCH_PROCESSES"
+LAUNCH_EXIT_DIR = "CONVBIAS_LAUNCH_EXIT_DIR"
+# the variables accelerate reads the number of processes from (torchrun's, then MPI's)
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 # The engine's public API: what the console scripts, experiments and evaluation import. Beyond run and
 # main, names are loaded from their submodule on first use (PEP 562 `__getattr__`), to keep start-up time
@@ -59,6 +70,8 @@ _SUBMODULE_OF = {
     **dict.fromkeys(("COMPILE_MODES", "compile_model"), "compile"),
 }
 __all__ = [
+    "LAUNCH_EXIT_DIR",
+    "LAUNCH_PROCESSES",
     "ConfigError",
     "DamagedCheckpointError",
     "Extensions",
@@ -81,7 +94,7 @@ def __getattr__(name: str) -> Any:
 def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:
     """Parse, validate, then train (or evaluate with --eval-only). Returns the content of results.json."""
     cfg = parse_config(argv)
-    for warning in config_warnings(cfg):
+    for warning in [*_launch_warnings(), *config_warnings(cfg)]:
         _print_error(warning, prefix="warning")
     from .lock import RunLock
     from .run_dir import RunDir
@@ -120,6 +133,45 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
             lock.release()
 
 
+def _launch_warnings() -> list[str]:
+    """A launch that started fewer processes than --num_processes asked for: accelerate's launcher runs one
+    process unless --multi_gpu is given (`--cpu --num_processes 2` included) and says nothing."""
+    asked = _processes_asked()
+    started = next((int(os.environ[name]) for name in _WORLD_SIZE_VARIABLES if os.environ.get(name)), 1)
+    if asked is None or asked <= started:
+        return []
+    return [
+        f"this launch started {started} of the {asked} processes that --num_processes asks for (accelerate launch "
+        f"runs one unless --multi_gpu is given, --cpu included); on CPUs run `convbias-launch --cpu --num_processes "
+        f"{asked} ...` or `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {asked} ...`"
+    ]
+
+
+def _processes_asked() -> int | None:
+    """The --num_processes of this launch, or None where it is not known: convbias-launch passes it on; under
+    `accelerate launch` it is read, with accelerate's own parser, from the command line of the launcher (this
+    process's parent; Linux's /proc)."""
+    if os.environ.get(LAUNCH_PROCESSES):
+        return int(os.environ[LAUNCH_PROCESSES])
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except (OSError, UnicodeDecodeError):
+        return None
+    for index, arg in enumerate(parent):
+        if os.path.basename(arg) == "accelerate" and parent[index + 1 : index + 2] == ["launch"]:
+            options = parent[index + 2 :]
+        elif arg.endswith(("accelerate-launch", "accelerate.commands.launch", "accelerate/commands/launch.py")):
+            options = parent[index + 1 :]
+        else:
+            continue
+        from accelerate.commands.launch import launch_command_parser
+
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):  # it parsed them before
+            return launch_command_parser().parse_args(options).num_processes
+        return None
+    return None
+
+
 def _close_progress_bars() -> None:
     """A run stopped mid-epoch leaves its progress bar open: clear it, so the message gets a line of its own."""
     tqdm = sys.modules.get("tqdm")
@@ -127,10 +179,33 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
-def _print_error(message: str, prefix: str = "error") -> None:
+def _print_error(message: str, prefix: str = "error") -> str:
+    """Prints the message as one line (on rank 0 only: one line for the user, not one per process); returns it."""
     _close_progress_bars()
-    if os.environ.get("RANK", "0") == "0":  # one line for the user, not one per process
-        print(f"{prefix}: " + " ".join(message.split()), file=sys.stderr)
+    line = f"{prefix}: " + " ".join(message.split())
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    return line
+
+
+def _leave_exit_code(code: int, line: str = "") -> None:
+    """Under convbias-launch: this rank's exit code and line, for the launcher to exit with (accelerate's
+    launchers exit 1 whatever the code; torchrun may stop rank 0 before it prints when another rank fails)."""
+    folder = os.environ.get(LAUNCH_EXIT_DIR)
+    if folder:
+        with contextlib.suppress(OSError):  # the launcher then reports the process's own exit status
+            (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n{line}\n")
+
+
+# how main ends on each way a run stops: exit code and the prefix of its one line
+_STOPS: tuple[tuple[type[Exception], int, str], ...] = (
+    (Preempted, REQUEUE_EXIT_CODE, "preempted"),
+    (ConfigError, EXIT_USAGE, "error"),
+    (DamagedCheckpointError, EXIT_DAMAGED, "error"),
+    (StorageError, EXIT_STORAGE, "error"),
+    (NonFiniteLossError, EXIT_DIVERGED, "error"),
+    (Interrupted, EXIT_INTERRUPTED, "interrupted"),
+)
 
 
 def main(argv: list[str] | None = None, extensions: Extensions | None = None) -> int:
@@ -138,22 +213,9 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
     stops (2 bad input, 1 diverged, 65 damaged checkpoint, 74 output not writable, 75 preempted, 130 Ctrl-C)."""
     try:
         run(argv, extensions)
-    except Preempted as e:
-        _print_error(str(e), prefix="preempted")
-        return REQUEUE_EXIT_CODE
-    except ConfigError as e:
-        _print_error(str(e))
-        return EXIT_USAGE
-    except DamagedCheckpointError as e:
-        _print_error(str(e))
-        return EXIT_DAMAGED
-    except StorageError as e:
-        _print_error(str(e))
-        return EXIT_STORAGE
-    except NonFiniteLossError as e:
-        _print_error(str(e))
-        return EXIT_DIVERGED
-    except Interrupted as e:
-        _print_error(str(e), prefix="interrupted")
-        return EXIT_INTERRUPTED
+    except tuple(kind for kind, _, _ in _STOPS) as e:
+        code, prefix = next((code, prefix) for kind, code, prefix in _STOPS if isinstance(e, kind))
+        _leave_exit_code(code, _print_error(str(e), prefix=prefix))
+        return code
+    _leave_exit_code(0)
     return 0

@@ -1,0 +1,153 @@
+"""Launching with the real launchers on CPU: `convbias-launch` ends with the engine's one line and exits with
+its code (2, 75, 130, not accelerate's 1) and starts the processes `--cpu --num_processes 2` asks for;
+plain `accelerate launch --cpu --num_processes 2` starts one, and the engine says so.
+
+Every command runs in a process group of its own, as a terminal's job; a tiny ConViT on 5% of the digits.
+"""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from convbias.cli import launch
+from convbias.engine import LAUNCH_PROCESSES, _launch_warnings
+from convbias.engine.checkpoint import STATE_FILE, load_training_state
+
+TIMEOUT_S = 240  # a collective that one rank never joins hangs: fail instead
+TINY = dict(train_fraction=0.05, batch_size=4, no_diagnostics=True)
+# torchrun's gloo processes: a free port each (--main_process_port 0), so parallel tests do not collide
+TWO = ["--num_processes", "2", "--main_process_port", "0"]
+needs_two_processes = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="accelerate's CPU processes need gloo"
+)
+
+
+@pytest.fixture(scope="module")
+def train_args(cli_argv, repo) -> list[str]:
+    """train.py and the options of a tiny run, without --epochs and --output."""
+    return [str(repo / "train.py"), *cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, TINY)]
+
+
+def start(command: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command, env=env, cwd=cwd, start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process.returncode, out, err
+
+
+def lines(err: str, prefix: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(prefix)]
+
+
+def stop_mid_epoch(process: subprocess.Popen, output: Path, send) -> tuple[int, str, str]:
+    """`send()` once the run wrote its first resume point (after 2 steps: it is training), then finish."""
+    last = output / "checkpoints" / "last"  # the newest point (the next one replaces the first)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not last.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert last.exists(), finish(process)[2][-3000:]
+    send()
+    return finish(process)
+
+
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=needs_two_processes)])
+def test_sigterm_to_the_launcher_writes_a_resume_point_and_exits_75(tmp_path, console_script, train_args, processes):
+    output = tmp_path / "run"
+    options = ["--cpu"] + (TWO if processes > 1 else [])
+    command = [console_script("convbias-launch"), *options, *train_args, "--epochs", "5", "--checkpoint-interval", "2"]
+    process = start(command + ["--output", str(output)], tmp_path)
+    code, _, err = stop_mid_epoch(process, output, lambda: os.kill(process.pid, signal.SIGTERM))
+
+    assert code == 75, err[-3000:]
+    last = (output / "checkpoints" / "last").resolve()
+    assert len(lines(err, "preempted:")) == 1 and str(last) in err, err[-3000:]
+    assert "Traceback" not in err and not lines(err, "error:"), err[-3000:]
+    assert (last / STATE_FILE).exists() and load_training_state(last)["step"] >= 1  # inside an epoch
+    assert f"# num_processes: {processes}" in (output / "config.yaml").read_text()
+    notes = lines(err, "note: --cpu --num_processes 2 runs as ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu")
+    assert len(notes) == (processes > 1), err[-3000:]
+
+
+def test_ctrl_c_to_the_job_is_one_line_and_exit_130(tmp_path, console_script, train_args):
+    output = tmp_path / "run"
+    command = [console_script("convbias-launch"), "--cpu", *train_args, "--epochs", "5", "--checkpoint-interval", "2"]
+    process = start(command + ["--output", str(output)], tmp_path)
+    code, _, err = stop_mid_epoch(process, output, lambda: os.killpg(process.pid, signal.SIGINT))
+
+    assert code == 130, err[-3000:]
+    assert len(lines(err, "interrupted:")) == 1 and "continue with --resume auto" in err, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize(
+    "processes, mistake, expected",
+    [
+        (1, "existing_output", "already holds a run"),
+        pytest.param(2, "misspelt_model", "unknown model 'convit_tny'", marks=needs_two_processes),
+    ],
+)
+def test_a_user_error_is_one_line_and_exit_2(tmp_path, console_script, train_args, processes, mistake, expected):
+    output = tmp_path / "run"
+    args = train_args + ["--epochs", "1", "--output", str(output)]
+    if mistake == "existing_output":
+        output.mkdir()
+        (output / "results.json").write_text("{}")
+    else:
+        args[args.index("convit_tiny")] = "convit_tny"
+    options = ["--cpu"] + (TWO if processes > 1 else [])
+    code, _, err = finish(start([console_script("convbias-launch"), *options, *args], tmp_path))
+
+    assert code == 2, err[-3000:]
+    assert len(lines(err, "error:")) == 1 and expected in lines(err, "error:")[0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_accelerate_cpu_launch_warns_that_it_started_one_process(tmp_path, console_script, train_args):
+    """accelerate's own launcher puts no process count in the environment: the engine reads it from the
+    launcher's command line. (The run then stops on a misspelt model, to be quick.)"""
+    args = [arg if arg != "convit_tiny" else "convit_tny" for arg in train_args]
+    command = [console_script("accelerate"), "launch", "--cpu", "--num_processes", "2", *args]
+    code, _, err = finish(start(command + ["--output", str(tmp_path / "run")], tmp_path))
+
+    assert code != 0
+    warning = lines(err, "warning: this launch started 1 of the 2 processes that --num_processes asks for")
+    assert len(warning) == 1 and "`convbias-launch --cpu --num_processes 2 ...`" in warning[0], err[-3000:]
+
+
+def test_the_launch_warning_needs_fewer_processes_than_asked(monkeypatch):
+    monkeypatch.setenv(LAUNCH_PROCESSES, "2")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert len(_launch_warnings()) == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _launch_warnings() == []
+
+
+def test_the_launcher_exits_with_the_lowest_rank_code_and_its_line(tmp_path, capsys):
+    """torchrun stops the other ranks when one fails, maybe before rank 0 printed its line: the launcher
+    prints the line of the lowest rank that left one; a process that left none is one line with its status."""
+    (tmp_path / "rank1").write_text("2\nerror: unknown model\n")
+    (tmp_path / "rank2").write_text("2\nerror: unknown model\n")
+    assert launch._exit_code(tmp_path, {0: -15, 1: 2, 2: 2}) == 2
+    assert capsys.readouterr().err == "error: unknown model\n"
+
+    (tmp_path / "rank0").write_text("75\npreempted: stopped by SIGTERM\n")
+    assert launch._exit_code(tmp_path, {}) == 75
+    assert capsys.readouterr().err == ""  # rank 0 printed it
+
+    assert launch._exit_code(tmp_path / "none", {0: -9}) == 137
+    assert capsys.readouterr().err.startswith("error: training process 0 stopped on SIGKILL")
+    assert launch._exit_code(tmp_path / "none", {}) == 0
