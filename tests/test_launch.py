@@ -70,9 +70,11 @@ def test_sigterm_to_the_launcher_writes_a_resume_point_and_exits_75(tmp_path, co
     options = ["--cpu"] + (TWO if processes > 1 else [])
     command = [console_script("convbias-launch"), *options, *train_args, "--epochs", "5", "--checkpoint-interval", "2"]
     process = start(command + ["--output", str(output)], tmp_path)
-    code, _, err = stop_mid_epoch(process, output, lambda: os.kill(process.pid, signal.SIGTERM))
+    code, out, err = stop_mid_epoch(process, output, lambda: os.kill(process.pid, signal.SIGTERM))
 
     assert code == 75, err[-3000:]
+    assert out.count(f"output: {output} (a new run)") == 1, out  # the start-up block, from rank 0 only
+    assert f"processes: {processes} (1 thread each) on cpu, fp32" in out, out
     last = (output / "checkpoints" / "last").resolve()
     assert len(lines(err, "preempted:")) == 1 and str(last) in err, err[-3000:]
     assert "Traceback" not in err and not lines(err, "error:"), err[-3000:]

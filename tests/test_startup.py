@@ -32,7 +32,7 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
     updates = 719 // 16  # half of the 1,438 training digits, in full batches of 16
     assert out.splitlines()[:6] == [
         f"output: {output} (a new run)",
-        f"processes: 1 ({torch.get_num_threads()} threads each) on cpu, fp32",
+        "processes: 1 (1 thread each) on cpu, fp32",  # the module's single_thread fixture
         f"model: convit_tiny, {params:.2f}M parameters",
         "data: digits, 719 train / 359 val images, 10 classes",
         "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 1.56e-05 (--lr-base 0.0005 x 16 / --lr-base-size 512)",

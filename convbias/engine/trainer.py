@@ -126,12 +126,13 @@ class Trainer(RunSetup):
         precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
         return [
             f"output: {self.output} ({start})",
-            f"processes: {acc.num_processes} ({torch.get_num_threads()} threads each) on {acc.device.type}, {precision}",
+            f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each) on {acc.device.type}, "
+            f"{precision}",
             f"model: {cfg.model}, {params / 1e6:.2f}M parameters",
             f"data: {cfg.dataset}, {sizes}, {self.data.num_classes} classes",
             f"batch: {self.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
             f"{cfg.grad_accum_steps} accumulation; lr {self.lr:.3g} ({rule})",
-            f"schedule: {self.epochs} epoch{'s' if self.epochs != 1 else ''}, {self.warmup_epochs} of warm-up, "
+            f"schedule: {plural(self.epochs, 'epoch')}, {self.warmup_epochs} of warm-up, "
             f"{self.steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
         ]
 
@@ -362,3 +363,7 @@ class Trainer(RunSetup):
         self._compile()
         self.reparametrized = True
         acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
