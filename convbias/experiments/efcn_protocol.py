@@ -22,8 +22,6 @@ seeds are summarized by `convbias.experiments.efcn_seeds`.
 
 from __future__ import annotations
 
-import csv
-import json
 import time
 from pathlib import Path
 
@@ -34,7 +32,7 @@ import yaml
 
 import efcn
 from convbias import engine
-from convbias.engine import ConfigError, build_datasets
+from convbias.engine import ConfigError, RunDir, build_datasets, read_summary
 from convbias.evaluation import landscape
 from convbias.families import load_families
 from convbias.tables import write_csv
@@ -169,9 +167,9 @@ def _efcn_kwargs(cfg: dict, **extra) -> dict:
 
 # ------------------------------------------------------------------------------------------ training
 def _run_once(args: list[str], output: Path) -> dict:
-    if (output / "results.json").exists():
+    if output.is_dir() and RunDir(output).status() == "done":
         print(f"[efcn_protocol] {output} already complete, kept")
-        return json.loads((output / "results.json").read_text())
+        return RunDir(output).results()
     print(f"[efcn_protocol] train.py {' '.join(args)}", flush=True)
     return engine.run(args, load_families())
 
@@ -193,7 +191,7 @@ def train_stage(cfg: dict, out: Path) -> None:
     )
     middle = cfg["efcn_epochs"] // 2
     for t in times:
-        snapshot = (out / "cnn" / "checkpoints" / f"epoch_{t}.safetensors").resolve()
+        snapshot = _snapshot(out / "cnn", t).resolve()
         _run_once(
             _train_options(
                 recipe,
@@ -240,12 +238,16 @@ def _first_filter(model: torch.nn.Module) -> np.ndarray:
 
 def _read_summary(run: Path, name: str, initial: tuple[float, float] | None) -> list[dict]:
     rows = [] if initial is None else [dict(run=name, epoch=0, train_loss=initial[0], test_acc=initial[1])]
-    with open(run / "summary.csv") as f:
-        for r in csv.DictReader(f):
-            rows.append(
-                dict(run=name, epoch=int(r["epoch"]), train_loss=float(r["train_loss"]), test_acc=float(r["eval_top1"]))
-            )
+    for r in read_summary(run / "summary.csv")[0]:
+        rows.append(
+            dict(run=name, epoch=int(r["epoch"]), train_loss=float(r["train_loss"]), test_acc=float(r["eval_top1"]))
+        )
     return rows
+
+
+def _snapshot(run: Path, epoch: int) -> Path:
+    """The run's --save-epochs snapshot after ``epoch`` epochs, verified against its listing."""
+    return RunDir(run).checkpoint(f"epoch_{epoch}").weights
 
 
 def _pick(items: list, n: int) -> list:
@@ -285,8 +287,8 @@ def analyze_stage(cfg: dict, out: Path) -> None:
             hessian_top=landscape.top_hessian_eigenvalue(model, train, cfg["power_iterations"], cfg["seed"]),
         )
 
-    cnn_results = json.loads((out / "cnn" / "results.json").read_text())
-    cnn_init = build("", out / "cnn" / "checkpoints" / "epoch_0.safetensors")
+    cnn_results = RunDir(out / "cnn").results()
+    cnn_init = build("", _snapshot(out / "cnn", 0))
     curves = _read_summary(
         out / "cnn", "cnn", (landscape.evaluate(cnn_init, train)[0], landscape.evaluate(cnn_init, test)[1])
     )
@@ -294,9 +296,9 @@ def analyze_stage(cfg: dict, out: Path) -> None:
     for t in times:
         run = out / f"efcn_tw{t}"
         started = time.perf_counter()
-        model = build("efcn_", run / "checkpoints" / "epoch_0.safetensors")
+        model = build("efcn_", _snapshot(run, 0))
         row = dict(relax_time=t)
-        snapshot = build("", out / "cnn" / "checkpoints" / f"epoch_{t}.safetensors")
+        snapshot = build("", _snapshot(out / "cnn", t))
         row["cnn_train_loss_at_relax_time"] = landscape.evaluate(snapshot, train)[0]
         row["cnn_test_acc_at_relax_time"] = landscape.evaluate(snapshot, test)[1]
         row["initial_train_loss"], row["initial_train_acc"] = landscape.evaluate(model, train)
@@ -304,11 +306,11 @@ def analyze_stage(cfg: dict, out: Path) -> None:
         start = landscape_at(model)
         filters[f"eFCN t_w={t}"] = [("at relax time", _first_filter(model))]
         for epoch in sorted({E // 2, E} - {0}):
-            load_weights(model, run / "checkpoints" / f"epoch_{epoch}.safetensors").eval()
+            load_weights(model, _snapshot(run, epoch)).eval()
             filters[f"eFCN t_w={t}"].append((f"after {epoch} epochs", _first_filter(model)))
         row["final_train_loss"], row["final_train_acc"] = landscape.evaluate(model, train)
         row["final_test_acc"] = landscape.evaluate(model, test)[1]
-        row["best_test_acc"] = json.loads((run / "results.json").read_text())["best_top1"]
+        row["best_test_acc"] = RunDir(run).results()["best_top1"]
         for key, value in efcn.deviation(model).items():
             row[f"deviation_{key}"] = value
         row["weight_sharing_total"] = efcn.weight_sharing_violation(model)["total"]
@@ -326,10 +328,10 @@ def analyze_stage(cfg: dict, out: Path) -> None:
             flush=True,
         )
 
-    fcn = build("fcn_", out / "fcn" / "checkpoints" / "epoch_0.safetensors")
+    fcn = build("fcn_", _snapshot(out / "fcn", 0))
     fcn_initial = landscape.evaluate(fcn, train)[0], landscape.evaluate(fcn, test)[1]
     filters["FCN"] = [("initialization", _first_filter(fcn))]
-    load_weights(fcn, out / "fcn" / "checkpoints" / f"epoch_{E}.safetensors").eval()
+    load_weights(fcn, _snapshot(out / "fcn", E)).eval()
     filters["FCN"].append((f"after {E} epochs", _first_filter(fcn)))
     filters["FCN"].append(("difference", filters["FCN"][1][1] - filters["FCN"][0][1]))
     curves += _read_summary(out / "fcn", "fcn", fcn_initial)
@@ -341,7 +343,7 @@ def analyze_stage(cfg: dict, out: Path) -> None:
         cnn_final_test_acc=cnn_results["final_top1"],
         cnn_best_test_acc=cnn_results["best_top1"],
         fcn_final_test_acc=landscape.evaluate(fcn, test)[1],
-        fcn_best_test_acc=json.loads((out / "fcn" / "results.json").read_text())["best_top1"],
+        fcn_best_test_acc=RunDir(out / "fcn").results()["best_top1"],
         fcn_initial_train_loss=fcn_initial[0],
         fcn_deviation_total=efcn.deviation(fcn)["total"],
         fcn_local_only_test_acc=fcn_local["local"],
@@ -349,12 +351,12 @@ def analyze_stage(cfg: dict, out: Path) -> None:
     )
 
     interpolation_rows = []
-    cnn_final = (out / "cnn" / "checkpoints" / f"epoch_{cfg['cnn_epochs']}.safetensors").resolve()
+    cnn_final = _snapshot(out / "cnn", cfg["cnn_epochs"]).resolve()
     lifted_cnn = timm.create_model("efcn_" + cfg["model"], **build_kwargs, cnn_checkpoint=str(cnn_final)).eval()
     start_params = landscape.parameters_of(lifted_cnn)
     for t in _pick(times, cfg["interpolate_relax_times"]):
         started = time.perf_counter()
-        trained = build("efcn_", out / f"efcn_tw{t}" / "checkpoints" / f"epoch_{E}.safetensors")
+        trained = build("efcn_", _snapshot(out / f"efcn_tw{t}", E))
         end_params = landscape.parameters_of(trained)
         alphas = np.linspace(0, 1, cfg["interpolation_points"]).tolist()
         for alpha, params in zip(alphas, landscape.linear_path(start_params, end_params, alphas)):
