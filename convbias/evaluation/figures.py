@@ -132,11 +132,13 @@ def read_log(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"log file not found: {path}")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}, line {number}: not UTF-8 text (damaged)") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}, line {number}: not a JSON object ({err.msg})") from None
         if not isinstance(record, dict) or "epoch" not in record:
