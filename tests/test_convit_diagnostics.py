@@ -274,7 +274,7 @@ def test_cli_draws_histories_and_attention_maps(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     write_log(run / "log.jsonl", TwoLayers(), torch.randn(2, 36, *GRID), epochs=2)
-    assert cli.main(["--run", str(run)]) == 0
+    assert cli.main([str(run)]) == 0
     for name in ("nonlocality.png", "gating_run.png", "span_run.png"):
         assert_png(run / "figures" / name)
 
@@ -298,7 +298,7 @@ def test_cli_draws_histories_and_attention_maps(tmp_path, capsys):
         "--model-kwargs",
         "patch_size=8",
         "depth=3",
-        "--out",
+        "--output",
         str(tmp_path / "maps"),
     ]
     assert cli.main(argv) == 0
@@ -307,12 +307,19 @@ def test_cli_draws_histories_and_attention_maps(tmp_path, capsys):
 
 def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys):
     cli = load_cli()
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["--run", str(tmp_path / "nowhere")])
-    assert exit_info.value.code == 2 and "no log.jsonl" in capsys.readouterr().err
+    assert cli.main([str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'nowhere'}: not a run directory (a timm model's weights: --model NAME --checkpoint FILE)\n"
+    )
+    assert cli.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}: no log.jsonl in this directory\n"
     (tmp_path / "log.jsonl").write_text('{"epoch": 0, "train_loss": 1.0}\n')
-    assert cli.main(["--run", str(tmp_path)]) == 2
-    assert "error: no 'nonlocality/layer*' values" in capsys.readouterr().err
+    assert cli.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: no 'nonlocality/layer*' values")
+    assert cli.main([str(tmp_path), "--image", str(tmp_path / "log.jsonl")]) == 2  # a log, but no model
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}: no config.yaml, so no model for the attention maps: give --model\n"
+    )
 
 
 # -- the ConViT models of this package ----------------------------------------------------------

@@ -359,10 +359,11 @@ def test_cli_writes_the_table_and_the_comparison_plot(trained, tmp_path, capsys,
     cli = _load_cli()
     _write_digit_folder(tmp_path / "A", trained["bundle"], ["3", "7"])
     out = tmp_path / "out"
+    weights = trained["weights"] / "trained.safetensors"
     code = cli.main(
-        cli_argv(
+        [str(weights)]
+        + cli_argv(
             model=MODEL,
-            checkpoint=trained["weights"] / "trained.safetensors",
             compare_model=MODEL,
             compare_checkpoint=trained["weights"] / "untrained.safetensors",
             img_size=IMG_SIZE,
@@ -380,14 +381,22 @@ def test_cli_writes_the_table_and_the_comparison_plot(trained, tmp_path, capsys,
     table = _read_csv(out / "robustness.csv")
     assert [row["model"] for row in table] == [f"{MODEL} (trained)", f"{MODEL} (untrained)"]
     trained_row, untrained_row = table
-    assert set(table[0]) == {"model", "checkpoint", "img_size", "params_m", "clean", "C", "A", "R", "FGSM", "PGD"}
+    assert list(table[0]) == [
+        *("model", "checkpoint", "img_size", "params_m", "clean", "C", "A", "R", "FGSM", "PGD"),
+        *("eps_255", "eps_fraction", "pgd_steps", "pgd_step_255", "pgd_random_start"),
+    ]
+    assert trained_row["checkpoint"] == str(weights)  # a weights file, not a run: its path
     assert trained_row["R"] == "" and float(trained_row["params_m"]) == pytest.approx(0.37, abs=0.01)
     assert float(trained_row["clean"]) > 80 > float(untrained_row["clean"])
     assert float(trained_row["PGD"]) <= float(trained_row["FGSM"]) < float(trained_row["clean"])
     # A: the 12 images of classes 3 and 7, predicted among logits 3 and 7 only
     assert float(trained_row["A"]) >= 90
     markdown = (out / "robustness.md").read_text()
-    assert markdown.startswith("| model | checkpoint | img_size | params_m | clean | C | A | R | FGSM | PGD |")
+    assert markdown.startswith(
+        "| model | checkpoint | img_size | params_m | clean | C | A | R "
+        "| FGSM eps 8/255 (0.03137) | PGD eps 8/255 (0.03137), 5 steps |"
+    )
+    assert f"| {MODEL} (trained) | {weights} | 16 |" in markdown
     assert "| - |" in markdown  # R not evaluated
     corruptions = _read_csv(out / "corruptions.csv")
     assert len(corruptions) == 2 * 3 * 2
@@ -417,9 +426,9 @@ def test_cli_reads_an_imagenet_c_folder(trained, tmp_path, cli_argv):
         (tmp_path / "C" / "gaussian_noise" / "5" / name).mkdir(parents=True, exist_ok=True)
     out = tmp_path / "out"
     code = cli.main(
-        cli_argv(
+        [str(trained["weights"] / "trained.safetensors")]
+        + cli_argv(
             model=MODEL,
-            checkpoint=trained["weights"] / "trained.safetensors",
             img_size=IMG_SIZE,
             max_images=64,
             attacks="none",
@@ -436,6 +445,39 @@ def test_cli_reads_an_imagenet_c_folder(trained, tmp_path, cli_argv):
     assert [(r["source"], r["corruption"], r["severity"]) for r in rows] == [("imagenet-c", "gaussian_noise", "5")]
     assert float(rows[0]["top1"]) == pytest.approx(expected, abs=0.01)
     assert float(_read_csv(out / "robustness.csv")[0]["C"]) == pytest.approx(expected, abs=0.01)
+    assert "| R | FGSM | PGD |" in (out / "robustness.md").read_text()  # no attack: no eps to state
+
+
+def test_cli_deprecated_checkpoint_option_is_one_note_and_the_same_table(trained, tmp_path, capsys, cli_argv):
+    """--checkpoint WEIGHTS, the former spelling of the first argument: one note line, the same table; the table
+    says what FGSM measured (eps in grey levels and as a fraction) and that PGD did not run."""
+    cli = _load_cli()
+    weights = str(trained["weights"] / "trained.safetensors")
+    options = dict(model=MODEL, img_size=IMG_SIZE, max_images=32, attacks="fgsm", corruptions="none", workers=0)
+    assert cli.main([weights, *cli_argv(options, output=tmp_path / "new")]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert cli.main(cli_argv(options, checkpoint=weights, output=tmp_path / "old")) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: --checkpoint is deprecated; give the run or weights as the first argument: "
+        f"convbias-robustness {weights} ..."
+    ]
+    for name in ("robustness.csv", "robustness.md"):
+        assert (tmp_path / "old" / name).read_text() == (tmp_path / "new" / name).read_text(), name
+    row = _read_csv(tmp_path / "new" / "robustness.csv")[0]
+    assert (row["eps_255"], row["eps_fraction"], row["pgd_steps"], row["PGD"]) == ("1", "0.00392157", "", "")
+    markdown = (tmp_path / "new" / "robustness.md").read_text()
+    assert "| FGSM eps 1/255 (0.003922) | PGD |" in markdown
+    assert "white-box L-inf attacks on the clean evaluation images, eps 1/255 (0.003922)." in markdown
+
+    assert cli.main([weights, *cli_argv(options, checkpoint=weights, output=tmp_path / "both")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: {weights} and --checkpoint {weights}: give the run or weights once"
+    )
+    assert cli.main(cli_argv(options, output=tmp_path / "none")) == 2
+    assert capsys.readouterr().err == (
+        "error: give the run or weights to evaluate as the first argument: convbias-robustness RUN ...\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -459,7 +501,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, cli_arg
         (tmp_path / "C" / "gaussian_noise" / "1").mkdir(parents=True)
         extra += ["--corruptions", "gaussian_noise", "contrast", "--severities", "1"]
     weights = trained["weights"] / "trained.safetensors"
-    code = cli.main(cli_argv(model=MODEL, checkpoint=weights, img_size=IMG_SIZE, output=tmp_path / "out") + extra)
+    code = cli.main([str(weights), *cli_argv(model=MODEL, img_size=IMG_SIZE, output=tmp_path / "out"), *extra])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
@@ -471,7 +513,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, cli_arg
 def test_cli_rejects_weights_of_another_model(trained, tmp_path, capsys, cli_argv):
     cli = _load_cli()
     weights = trained["weights"] / "trained.safetensors"
-    code = cli.main(cli_argv(model="resnet10t", checkpoint=weights, img_size=IMG_SIZE, output=tmp_path / "out"))
+    code = cli.main([str(weights), *cli_argv(model="resnet10t", img_size=IMG_SIZE, output=tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and "does not fit this model" in err and "trained.safetensors" in err, err
     assert err.count("\n") == 1

@@ -1,5 +1,6 @@
 """A run directory is the unit: its lock, its reuse by path (--eval-only RUN_DIR, --which) and its restarts."""
 
+import csv
 import json
 import os
 import re
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -181,26 +183,103 @@ def test_robustness_reads_the_run_dir_and_its_clean_accuracy_is_the_runs_final_t
     from convbias.cli import robustness
 
     output, results, _ = finished_run
-    assert (
-        robustness.main(
-            [
-                "--checkpoint",
-                str(output),
-                "--attacks",
-                "none",
-                "--corruptions",
-                "none",
-                "--workers",
-                "0",
-                "--output",
-                str(tmp_path / "robustness"),
-            ]
-        )
-        == 0
-    )
-    assert "convit_tiny: " + str(output / "checkpoints" / "last") + " (epoch 2)" in capsys.readouterr().err
+    argv = [str(output), "--attacks", "none", "--corruptions", "none", "--workers", "0"]
+    assert robustness.main([*argv, "--output", str(tmp_path / "robustness")]) == 0
+    described = str(output / "checkpoints" / "last") + " (epoch 2)"
+    assert capsys.readouterr().err.splitlines()[0] == f"convit_tiny: {described}"
     table = json.loads((tmp_path / "robustness" / "robustness.json").read_text())["table"]
     assert table[0]["clean"] == pytest.approx(results["final_top1"], abs=0.01)
+    assert table[0]["checkpoint"] == described  # which of the run's checkpoints the numbers are of
+    assert f"| convit_tiny | {described} | 8 |" in (tmp_path / "robustness" / "robustness.md").read_text()
+
+
+def test_robustness_run_as_first_argument_is_the_deprecated_checkpoint_option(finished_run, tmp_path, capsys):
+    """`convbias-robustness RUN` and its former spelling `--checkpoint RUN` (one note line) write the same tables,
+    which name the run's checkpoint and the attacks' eps and steps."""
+    from convbias.cli import robustness
+
+    output, _results, _ = finished_run
+    argv = ["--which", "best", "--pgd-steps", "2", "--corruptions", "none", "--max-images", "32", "--workers", "0"]
+    assert robustness.main([str(output), *argv, "--output", str(tmp_path / "new")]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert robustness.main(["--checkpoint", str(output), *argv, "--output", str(tmp_path / "old")]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: --checkpoint is deprecated; give the run or weights as the first argument: convbias-robustness "
+        f"{output} ..."
+    ]
+    for name in ("robustness.csv", "robustness.md"):
+        assert (tmp_path / "old" / name).read_text() == (tmp_path / "new" / name).read_text(), name
+    described = str(output / "checkpoints" / "best") + " (epoch "
+    markdown = (tmp_path / "new" / "robustness.md").read_text()
+    assert "| FGSM eps 1/255 (0.003922) | PGD eps 1/255 (0.003922), 2 steps |" in markdown
+    assert f"| convit_tiny | {described}" in markdown
+    with (tmp_path / "new" / "robustness.csv").open() as f:
+        row = next(csv.DictReader(f))
+    assert row["checkpoint"].startswith(described) and (row["eps_255"], row["pgd_steps"]) == ("1", "2")
+    assert row["eps_fraction"] == "0.00392157"
+
+
+@pytest.mark.parametrize(
+    "old, new, note",
+    [
+        (
+            ["--run", "RUN", "--output", "OUT"],
+            ["RUN", "--output", "OUT"],
+            "--run is deprecated; give the runs as the first arguments: convbias-diagnostics RUN ...",
+        ),
+        (
+            ["--checkpoint", "RUN", "--which", "best", "--image", "IMAGE", "--output", "OUT"],
+            ["RUN", "--which", "best", "--image", "IMAGE", "--output", "OUT"],
+            "--checkpoint is deprecated; give the run as the first argument: convbias-diagnostics RUN --image IMAGE ...",
+        ),
+        (["RUN", "--out", "OUT"], ["RUN", "--output", "OUT"], "--out is deprecated; use --output OUT"),
+    ],
+)
+def test_diagnostics_runs_as_first_arguments_are_the_deprecated_options(finished_run, tmp_path, capsys, old, new, note):
+    """Each former spelling still draws the same figures, with one note line naming what replaces it."""
+    import numpy as np
+    from PIL import Image
+
+    from convbias.cli import diagnostics
+
+    output, _results, _ = finished_run
+    image = tmp_path / "digit.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8), dtype=np.uint8)).save(image)
+
+    def draw(argv: list[str], out: str) -> tuple[list[str], list[str]]:
+        """The figures written and the note lines of the command line with RUN, IMAGE and OUT filled in."""
+        names = {"RUN": str(output), "IMAGE": str(image), "OUT": str(tmp_path / out)}
+        assert diagnostics.main([names.get(arg, arg) for arg in argv]) == 0
+        captured = capsys.readouterr()
+        return captured.out.split(), [line for line in captured.err.splitlines() if line.startswith("note:")]
+
+    new_figures, new_notes = draw(new, "new")
+    old_figures, old_notes = draw(old, "old")
+    filled = note.replace("RUN", str(output)).replace("OUT", str(tmp_path / "old"))  # IMAGE: the note's placeholder
+    assert new_notes == [] and old_notes == [f"note: {filled}"]
+    assert old_figures and {Path(path).name for path in old_figures} <= {Path(path).name for path in new_figures}
+    for path in old_figures:
+        assert Path(path).read_bytes() == (tmp_path / "new" / Path(path).name).read_bytes(), path
+
+
+@pytest.mark.parametrize("command", ["diagnostics", "robustness"])
+def test_help_gives_the_run_first_and_examples_that_parse(command, capsys):
+    """--help shows the grammar (the run first), names only files a run has, and each example parses."""
+    import importlib
+    import shlex
+
+    module = importlib.import_module(f"convbias.cli.{command}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: convbias-{command} ") and "RUN" in out.splitlines()[0]
+    assert "best.safetensors" not in out and "checkpoints/epoch_NNNN/model.safetensors" in out
+    examples = re.findall(rf"^ +(convbias-{command} (?:.*\\\n)*.*)$", module.__doc__, re.MULTILINE)
+    assert len(examples) >= 2
+    for example in examples:
+        module.build_parser().parse_args(shlex.split(example.replace("\\\n", " "))[1:])
 
 
 def test_diagnostics_reads_the_run_dir_and_unreadable_weights_are_one_line(finished_run, tmp_path, capsys):
@@ -212,36 +291,19 @@ def test_diagnostics_reads_the_run_dir_and_unreadable_weights_are_one_line(finis
     output, results, _ = finished_run
     image = tmp_path / "digit.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8), dtype=np.uint8)).save(image)
-    assert (
-        diagnostics.main(
-            ["--checkpoint", str(output), "--which", "best", "--image", str(image), "--out", str(tmp_path / "figures")]
-        )
-        == 0
-    )
+    figures = tmp_path / "figures"
+    assert diagnostics.main([str(output), "--which", "best", "--image", str(image), "--output", str(figures)]) == 0
     captured = capsys.readouterr()
     assert f"checkpoints/best (epoch {results['best_epoch']})" in captured.err
-    assert captured.out.strip() == str(tmp_path / "figures" / "attention_maps.png")
+    assert captured.out.split() == [
+        str(figures / name) for name in ("nonlocality.png", "gating_run.png", "span_run.png", "attention_maps.png")
+    ]
 
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(bytes(range(256)))
-    assert (
-        diagnostics.main(
-            [
-                "--model",
-                "convit_tiny",
-                "--checkpoint",
-                str(garbage),
-                "--image",
-                str(image),
-                "--out",
-                str(tmp_path / "figures2"),
-            ]
-        )
-        == 2
-    )
-    assert (
-        robustness.main(["--model", "convit_tiny", "--checkpoint", str(garbage), "--output", str(tmp_path / "r")]) == 2
-    )
+    draw = ["--model", "convit_tiny", "--checkpoint", str(garbage), "--image", str(image)]
+    assert diagnostics.main([*draw, "--output", str(tmp_path / "figures2")]) == 2
+    assert robustness.main([str(garbage), "--model", "convit_tiny", "--output", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert (
         err
@@ -274,15 +336,15 @@ def test_damaged_run_weights_are_one_line_exit_65_for_diagnostics_and_robustness
     Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(image)
     figures, tables = tmp_path / "figures", tmp_path / "robustness"
 
-    draw = ["--model", "convit_tiny", "--image", str(image), "--out", str(figures)]
-    assert diagnostics.main(["--checkpoint", str(run), *draw]) == EXIT_DAMAGED
-    assert robustness.main(["--checkpoint", str(run), "--workers", "0", "--output", str(tables)]) == EXIT_DAMAGED
+    draw = ["--image", str(image), "--output", str(figures)]
+    assert diagnostics.main([str(run), *draw]) == EXIT_DAMAGED
+    assert robustness.main([str(run), "--workers", "0", "--output", str(tables)]) == EXIT_DAMAGED
     damaged = f"error: {weights} is damaged: model.safetensors does not match its sha256 (damaged); it was not loaded"
     assert capsys.readouterr().err.splitlines() == [damaged] * 2
     assert not figures.exists() and not tables.exists()
 
     shutil.rmtree(run / "checkpoints")
-    assert diagnostics.main(["--checkpoint", str(run), *draw]) == EXIT_USAGE
-    assert robustness.main(["--checkpoint", str(run), "--output", str(tables)]) == EXIT_USAGE
+    assert diagnostics.main([str(run), *draw]) == EXIT_USAGE
+    assert robustness.main([str(run), "--output", str(tables)]) == EXIT_USAGE
     no_point = f"error: {run} has no resume point (checkpoints/ holds no checkpoint): did the run finish an epoch?"
     assert capsys.readouterr().err.splitlines() == [no_point] * 2

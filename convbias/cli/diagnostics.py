@@ -1,18 +1,22 @@
 """Draw the locality diagnostics of ConViT / DeiT / T-CNN runs as PNG files.
 
-From training runs (the `log.jsonl` that train.py writes with diagnostics on):
-    convbias-diagnostics --run output/deit_small output/convit_small --out figures
+History figures of train.py runs (from their log.jsonl, which train.py writes with --diagnostics, the default):
+    convbias-diagnostics runs/demo runs/demo_seed1 --output figures
   -> nonlocality.png (Fig. 7.6, one panel per run), gating_<run>.png (Fig. 7.7) and span_<run>.png
-     (Fig. 8.4B) for each run with gated layers.
+     (Fig. 8.4B) for each run with gated layers; the default --output is <first run>/figures.
 
-Attention maps of one image (Fig. 7.8), from a model and optionally its trained weights:
-    convbias-diagnostics --model convit_tiny --checkpoint output/convit_tiny/checkpoints/best.safetensors \
-        --image cat.jpg --layers 2 10 --out figures
-  -> attention_maps.png
-A run dir as --checkpoint is enough: its config.yaml and checkpoint give the model, its kwargs, image
-size, channels and classes (options given override them); --which last|best picks the checkpoint, whose
-weights are checked against their manifest first. What stops it is one `error: ...` line: bad input or a
-run without that checkpoint (exit status 2), a damaged weights file (65), a figure that cannot be written (74).
+Attention maps of one image (Fig. 7.8), with the first run's model and weights (and its history figures):
+    python -c "from sklearn.datasets import load_digits; from PIL import Image; \\
+        Image.fromarray((load_digits().images[0] * 15).astype('uint8')).save('digit.png')"
+    convbias-diagnostics runs/demo --which best --image digit.png --layers 1 6
+  -> attention_maps.png. The run's config.yaml and checkpoint give the model, its kwargs, image size,
+     channels and classes (options given override them); --which last|best picks the checkpoint
+     (RUN/checkpoints/epoch_NNNN/model.safetensors), whose weights are checked against their manifest first.
+Or of any timm model, at its initialization or with a weights file (--checkpoint):
+    convbias-diagnostics --model convit_tiny --image digit.png --output figures
+
+What stops it is one `error: ...` line: bad input or a run without that checkpoint (exit status 2), a
+damaged weights file (65), a figure that cannot be written (74).
 """
 
 from __future__ import annotations
@@ -29,27 +33,48 @@ from timm.data import create_transform, resolve_data_config
 import convit.diagnostics
 import transformed_cnn
 from convbias.cli import run_command
-from convbias.engine import DEFAULT_WHICH, WHICH, RunDir, create_model, is_run_dir, key_value
-from convbias.evaluation.figures import plot_attention_maps, plot_nonlocality, plot_per_head, read_log
+from convbias.cli.deprecation import Deprecated, announce
+from convbias.engine import DEFAULT_WHICH, WHICH, OptionParser, RunDir, create_model, is_run_dir, key_value
+from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head, read_log
 from convbias.families import load_families
 from convbias.weights import load_weights
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = OptionParser(
+        prog="convbias-diagnostics",
+        usage="%(prog)s [RUN ...] [--image IMAGE] [options]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
-        "--run", nargs="+", default=[], metavar="DIR", help="output dirs of train.py runs (with log.jsonl)"
+        "runs",
+        nargs="*",
+        metavar="RUN",
+        help="train.py run directories: history figures from their log.jsonl; with --image the first one "
+        "gives the model and its weights, unless --model or --checkpoint is given",
+    )
+    parser.add_argument(
+        "--run",
+        nargs="+",
+        default=[],
+        action=Deprecated,
+        help=argparse.SUPPRESS,
+        note="give the runs as the first arguments: convbias-diagnostics {} ...",
     )
     parser.add_argument("--model", help="timm model name, to draw the attention maps of --image")
     parser.add_argument(
         "--checkpoint",
-        help="weights file or run dir written by train.py (or any state dict); default: the model's init",
+        action=Deprecated,
+        when=is_run_dir,
+        note="give the run as the first argument: convbias-diagnostics {} --image IMAGE ...",
+        help="weights of --model (safetensors or any state dict); default: the model's initialization",
     )
-    parser.add_argument("--which", choices=WHICH, default=DEFAULT_WHICH, help="checkpoint of a run dir (default: last)")
+    parser.add_argument("--which", choices=WHICH, default=DEFAULT_WHICH, help="checkpoint of the run (default: last)")
     parser.add_argument("--image", help="image file for the attention maps")
     parser.add_argument("--img-size", type=int, help="input size the model was trained at (default: the model's)")
     parser.add_argument("--num-classes", type=int, help="classifier size of the checkpoint (default: the model's)")
-    parser.add_argument("--in-chans", type=int, help="input channels of the model (default: the run dir's, else 3)")
+    parser.add_argument("--in-chans", type=int, help="input channels of the model (default: the run's, else 3)")
     parser.add_argument(
         "--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V", help="extra model kwargs"
     )
@@ -57,25 +82,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--query", nargs=2, type=int, metavar=("ROW", "COL"), help="query patch on the grid (default: center)"
     )
     parser.add_argument("--layers", nargs="+", type=int, help="1-based attention layers to draw (default: all)")
-    parser.add_argument("--out", help="directory for the PNG files (default: <first run>/figures, else ./figures)")
+    parser.add_argument("--output", help="directory for the PNG files (default: <first run>/figures, else ./figures)")
+    parser.add_argument("--out", dest="output", action=Deprecated, help=argparse.SUPPRESS, note="use --output {}")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse and check everything that needs no model; a run's model options are read here."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    announce(args)
+    args.runs = [*args.runs, *args.run]
+    del args.run
     args.model_kwargs = dict(args.model_kwargs)
+    for run in args.runs:
+        if not Path(run).is_dir():
+            parser.error(f"{run}: not a run directory (a timm model's weights: --model NAME --checkpoint FILE)")
+        if not args.image and not (Path(run) / "log.jsonl").is_file():
+            parser.error(f"{run}: no log.jsonl in this directory")
+    if args.image and args.runs and not (args.model or args.checkpoint):
+        if not is_run_dir(args.runs[0]):
+            parser.error(f"{args.runs[0]}: no config.yaml, so no model for the attention maps: give --model")
+        args.checkpoint = args.runs[0]  # the first run gives the model and its weights
     if args.checkpoint and is_run_dir(args.checkpoint):
         _take_run_options(args)  # its faults are one line (main): no checkpoint 2, damaged weights 65
     args.in_chans = args.in_chans or 3
     load_families()
-    if not args.run and not args.model:
-        parser.error("give --run DIR ... (history figures) and/or --model with --image (attention maps)")
-    for run in args.run:
-        if not (Path(run) / "log.jsonl").is_file():
-            parser.error(f"--run {run}: no log.jsonl in this directory")
+    if not args.runs and not args.model:
+        parser.error("give run directories (history figures) and/or --image with a run or --model (attention maps)")
     if args.model:
         if not timm.is_model(args.model):
             parser.error(f"--model {args.model}: not a registered timm model")
         if not args.image:
             parser.error("--model needs --image")
     if args.image and not args.model:
-        parser.error("--image needs --model")
+        parser.error("--image needs a run directory or --model")
     if args.image and not Path(args.image).is_file():
         parser.error(f"--image {args.image}: file not found")
     if args.checkpoint and not Path(args.checkpoint).exists():
@@ -84,13 +125,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--query {args.query[0]} {args.query[1]}: row and column must be >= 0")
     if args.layers and min(args.layers) < 1:
         parser.error("--layers: layers are numbered from 1")
-    if args.out is None:
-        args.out = str(Path(args.run[0]) / "figures") if args.run else "figures"
+    if args.output is None:
+        args.output = str(Path(args.runs[0]) / "figures") if args.runs else "figures"
     return args
 
 
 def _take_run_options(args: argparse.Namespace) -> None:
-    """--checkpoint RUN: the run's model, kwargs, image size, channels and classes for the options not given."""
+    """The maps' run: its model, kwargs, image size, channels and classes for the options not given."""
     spec = RunDir(args.checkpoint).model_spec(args.which)
     args.model = args.model or spec["model"]
     args.model_kwargs = {**spec["model_kwargs"], **args.model_kwargs}
@@ -101,8 +142,20 @@ def _take_run_options(args: argparse.Namespace) -> None:
     print(f"{args.model}: {spec['checkpoint'].describe()}", file=sys.stderr)
 
 
-def draw_histories(runs: list[str], out: Path) -> list[Path]:
-    logs = {Path(run).resolve().name: read_log(Path(run) / "log.jsonl") for run in runs}
+def read_histories(runs: list[str], maps_too: bool) -> dict[str, list[dict]]:
+    """{run name: log records} of the runs to draw. With attention maps to draw as well, a run whose log holds
+    no locality values (trained with --no-diagnostics) is named in a note instead of stopping the command."""
+    logs = {}
+    for run in runs:
+        log = Path(run) / "log.jsonl"
+        if maps_too and (not log.is_file() or not metric_history(read_log(log), "nonlocality")):
+            print(f"note: {run}: no locality values in its log.jsonl, so no history figures", file=sys.stderr)
+            continue
+        logs[Path(run).resolve().name] = read_log(log)
+    return logs
+
+
+def draw_histories(logs: dict[str, list[dict]], out: Path) -> list[Path]:
     written = [plot_nonlocality(logs, out / "nonlocality.png")]
     for name, records in logs.items():
         for metric in ("gating", "span"):
@@ -159,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _draw(argv: list[str] | None) -> None:
     args = parse_args(argv)
-    out = Path(args.out)
-    written = draw_histories(args.run, out) if args.run else []
+    out = Path(args.output)
+    logs = read_histories(args.runs, maps_too=bool(args.image))
+    written = draw_histories(logs, out) if logs else []
     if args.model:
         written.append(draw_attention_maps(args, out))
     for path in written:

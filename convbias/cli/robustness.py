@@ -1,16 +1,19 @@
 """Robustness of a trained model (Sec. 8.3.3, Table G.1, Fig. 8.3): clean top-1, FGSM and PGD
 accuracy, common corruptions (generated on the fly, or an ImageNet-C folder), ImageNet-A/-R.
 
-    convbias-robustness --model tcnn_resnet50 --checkpoint RUN/checkpoints/best.safetensors \\
-        --dataset imagenet --data-dir /data/imagenet \\
+    convbias-robustness runs/demo --max-images 200 --output runs/demo/robustness
+    convbias-robustness runs/tcnn_resnetrs50 --which best \\
         --imagenet-c /data/imagenet-c --imagenet-a /data/imagenet-a --imagenet-r /data/imagenet-r \\
-        --compare-model resnet50 --compare-checkpoint CNN.safetensors --output robustness/
+        --compare-model resnetrs50 --compare-checkpoint resnetrs50.safetensors \\
+        --output runs/tcnn_resnetrs50/robustness
 
-Writes OUTPUT/robustness.csv and .md (one row per model: clean, C, A, R, FGSM, PGD),
-corruptions.csv (top-1 per corruption and severity), corruption_errors.csv (CE per category) and,
-with --compare-model, improvement.png (Fig. 8.3: gain of --model over the compared model).
-What stops it is one `error: ...` line: bad input or a run without that checkpoint (exit status 2), a
-damaged weights file of a run (65), an output that cannot be written (74).
+The first argument is a train.py run (its config.yaml gives the model, its kwargs and the data; --which
+last|best picks its checkpoint, RUN/checkpoints/epoch_NNNN/model.safetensors) or a weights file (with
+--model). Writes OUTPUT/robustness.csv and .md (one row per model: the checkpoint evaluated, clean, C, A,
+R, FGSM and PGD with their eps and PGD steps), corruptions.csv (top-1 per corruption and severity),
+corruption_errors.csv (CE per category) and, with --compare-model, improvement.png (Fig. 8.3: gain of the
+model over the compared one). What stops it is one `error: ...` line: bad input or a run without that
+checkpoint (exit status 2), a damaged weights file of a run (65), an output that cannot be written (74).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from convbias.cli import run_command
+from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import (
     DEFAULT_WHICH,
     WHICH,
@@ -34,7 +38,7 @@ from convbias.engine import (
     key_value,
 )
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
-from convbias.evaluation.robustness import PAPER_ATTACK, TABLE_COLUMNS, markdown_table
+from convbias.evaluation.robustness import PAPER_ATTACK, table_markdown
 from convbias.experiments.robustness_study import (
     IMAGENET_C_LAYOUT,
     SUBSET_LAYOUT,
@@ -47,14 +51,29 @@ from convbias.families import load_families
 DATASET_CHOICES = ("digits", "cifar10", "cifar100", "imagenet", "folder")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows the defaults and the module docstring's examples as written."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = OptionParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OptionParser(
+        prog="convbias-robustness",
+        usage="%(prog)s RUN_OR_WEIGHTS [options]",
+        description=__doc__,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "source",
+        nargs="?",
+        metavar="RUN_OR_WEIGHTS",
+        help="a train.py run folder (its config.yaml gives --model, --model-kwargs, --dataset, --data-dir, "
+        "--num-classes, --img-size unless given), a checkpoint folder or a safetensors / state-dict file",
+    )
     p.add_argument(
         "--checkpoint",
-        required=True,
-        help="weights: a train.py run folder (its config.yaml gives --model, "
-        "--model-kwargs, --dataset, --data-dir, --num-classes, --img-size unless given), a checkpoint "
-        "folder or a safetensors / state-dict file",
+        action=Deprecated,
+        help=argparse.SUPPRESS,
+        note="give the run or weights as the first argument: convbias-robustness {} ...",
     )
     p.add_argument("--which", choices=WHICH, default=DEFAULT_WHICH, help="checkpoint of a run folder")
     p.add_argument("--model", help="timm model name (any registered name); default: the run folder's")
@@ -62,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V", help="extra timm.create_model arguments"
     )
     p.add_argument("--compare-model", help="baseline model for the comparison (e.g. the CNN of a T-CNN)")
-    p.add_argument("--compare-checkpoint", help="weights of --compare-model (same forms as --checkpoint)")
+    p.add_argument("--compare-checkpoint", help="weights of --compare-model (same forms as RUN_OR_WEIGHTS)")
     p.add_argument("--compare-model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V")
     p.add_argument(
         "--dataset",
@@ -113,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse and check everything that needs no data or model."""
     args = build_parser().parse_args(argv)
+    announce(args)
+    if args.source and args.checkpoint:
+        raise ConfigError(f"{args.source} and --checkpoint {args.checkpoint}: give the run or weights once")
+    args.checkpoint = args.source or args.checkpoint
+    del args.source  # one name for the weights, as robustness.json records them
+    if not args.checkpoint:
+        raise ConfigError("give the run or weights to evaluate as the first argument: convbias-robustness RUN ...")
     if args.eps < 0 or args.pgd_step_size <= 0 or args.pgd_steps < 1:
         raise ConfigError(
             f"--eps must be >= 0, --pgd-step-size > 0 and --pgd-steps >= 1 "
@@ -139,7 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise ConfigError(f"--severities must be in {list(SEVERITIES)}, got {bad}")
     if bool(args.compare_model) != bool(args.compare_checkpoint):
         raise ConfigError("--compare-model and --compare-checkpoint go together")
-    for option, path in (("--checkpoint", args.checkpoint), ("--compare-checkpoint", args.compare_checkpoint)):
+    for option, path in (("run or weights", args.checkpoint), ("--compare-checkpoint", args.compare_checkpoint)):
         if path and not Path(path).exists():
             raise ConfigError(f"{option} {path} does not exist")
     for option, path in (("--imagenet-a", args.imagenet_a), ("--imagenet-r", args.imagenet_r)):
@@ -150,7 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.model_kwargs, args.compare_model_kwargs = dict(args.model_kwargs), dict(args.compare_model_kwargs)
     _take_run_options(args)
     if args.model is None:
-        raise ConfigError(f"--checkpoint {args.checkpoint} is not a run folder: pass --model NAME")
+        raise ConfigError(f"{args.checkpoint} is not a run folder: pass --model NAME")
     args.dataset = args.dataset or "digits"
     load_families()
     for option, name in (("--model", args.model), ("--compare-model", args.compare_model)):
@@ -163,8 +189,8 @@ RUN_OPTIONS = ("model", "dataset", "data_dir", "num_classes", "img_size")
 
 
 def _take_run_options(args: argparse.Namespace) -> None:
-    """--checkpoint / --compare-checkpoint naming train.py runs: their config.yaml fills the options not given,
-    and --which picks their checkpoint (named on stderr with its epoch)."""
+    """RUN_OR_WEIGHTS / --compare-checkpoint naming train.py runs: their config.yaml fills the options not given,
+    and --which picks their checkpoint, named on stderr and in the table with its epoch."""
     for option, model_key in (("checkpoint", "model"), ("compare_checkpoint", "compare_model")):
         run = getattr(args, option)
         if not run or not is_run_dir(run):
@@ -183,6 +209,7 @@ def _take_run_options(args: argparse.Namespace) -> None:
             args.eval_transform = {key: options[key] for key in ("crop_pct", "interpolation") if key in options}
         chosen = run_dir.checkpoint(args.which)  # verified against its manifest
         setattr(args, option, str(chosen.weights))
+        setattr(args, f"{option}_label", chosen.describe())
         print(f"{getattr(args, model_key)}: {chosen.describe()}", file=sys.stderr)
 
 
@@ -201,7 +228,7 @@ def _evaluate(argv: list[str] | None) -> None:
     args = parse_args(argv)
     study = RobustnessStudy(_options(args))
     result = evaluate(study, settings=vars(args))
-    print(markdown_table(result["table"], TABLE_COLUMNS), end="")
+    print(table_markdown(result["table"]), end="")
     print("wrote " + ", ".join(str(path) for path in result["files"].values()))
 
 

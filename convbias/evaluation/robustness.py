@@ -37,6 +37,8 @@ Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 TABLE_COLUMNS = ("model", "checkpoint", "img_size", "params_m", "clean", "C", "A", "R", "FGSM", "PGD")
 PERCENT_COLUMNS = ("clean", "C", "A", "R", "FGSM", "PGD")
+# what FGSM / PGD measured: eps on the 0-255 scale and as a fraction of the pixel range, PGD's steps
+ATTACK_COLUMNS = ("eps_255", "eps_fraction", "pgd_steps", "pgd_step_255", "pgd_random_start")
 PAPER_ATTACK = dict(eps=1.0, pgd_steps=5, pgd_step_size=0.5)  # Sec. 8.3.3, 0-255 scale
 
 
@@ -417,18 +419,59 @@ def plot_improvement(rows: Sequence[dict], model: str, baseline: str, path: str 
     return path
 
 
-def _cell(value) -> str:
+def attack_settings(
+    eps: float, attacks: Sequence[str], pgd_steps: int, pgd_step_size: float, random_start: bool = True
+) -> dict:
+    """A table row's record of what its FGSM / PGD accuracies measured (ATTACK_COLUMNS), so that an accuracy
+    is never read without its budget; eps and pgd_step_size on the 0-255 scale."""
+    settings = dict(eps_255=float(eps), eps_fraction=eps / 255)
+    if "pgd" in attacks:
+        settings.update(pgd_steps=pgd_steps, pgd_step_255=float(pgd_step_size), pgd_random_start=random_start)
+    return settings
+
+
+def _budget(eps_255: float) -> str:
+    """'1/255 (0.003922)': an L-inf budget in grey levels and as a fraction of the pixel range."""
+    return f"{eps_255:g}/255 ({eps_255 / 255:.4g})"
+
+
+def _attack_description(rows: Sequence[dict]) -> tuple[dict[str, str], str] | None:
+    """The FGSM / PGD headers and the sentence that say what the rows' attacks measured; None when the rows
+    were attacked differently (the settings then get columns of their own)."""
+    measured = {tuple(row.get(c) for c in ATTACK_COLUMNS) for row in rows if row.get("eps_255") is not None}
+    if len(measured) > 1:
+        return None
+    if not measured:
+        return {}, ""
+    setting = dict(zip(ATTACK_COLUMNS, measured.pop()))
+    eps = _budget(setting["eps_255"])
+    headers = {"FGSM": f"FGSM eps {eps}"} if any(row.get("FGSM") is not None for row in rows) else {}
+    sentence = f" FGSM, PGD: white-box L-inf attacks on the clean evaluation images, eps {eps}"
+    if setting["pgd_steps"] is not None:
+        headers["PGD"] = f"PGD eps {eps}, {setting['pgd_steps']} steps"
+        start = "a random point of the eps-ball" if setting["pgd_random_start"] else "the clean image"
+        sentence += f"; PGD takes {setting['pgd_steps']} steps of {setting['pgd_step_255']:g}/255 from {start}"
+    return headers, sentence + "."
+
+
+def _cell(value, column: str = "") -> str:
     if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.2f}"
+        return "" if math.isnan(value) else f"{value:.6g}" if column in ATTACK_COLUMNS else f"{value:.2f}"
     return "" if value is None else str(value)
 
 
 def _cells(rows: Sequence[dict], columns: Sequence[str]) -> list[dict]:
-    return [{column: _cell(row.get(column)) for column in columns} for row in rows]
+    return [{column: _cell(row.get(column), column) for column in columns} for row in rows]
 
 
-def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    return tables.markdown_table(columns, ([_cell(row.get(c)) or "-" for c in columns] for row in rows))
+def table_markdown(rows: Sequence[dict]) -> str:
+    """The Table G.1-style table in markdown: the checkpoint column names the weights evaluated, the FGSM and
+    PGD headers their eps and PGD's steps (columns of their own when the rows differ)."""
+    described = _attack_description(rows)
+    columns = TABLE_COLUMNS if described else TABLE_COLUMNS + ATTACK_COLUMNS
+    headers = described[0] if described else {}
+    body = ([_cell(row.get(c), c) or "-" for c in columns] for row in rows)
+    return tables.markdown_table([headers.get(c, c) for c in columns], body)
 
 
 def write_report(
@@ -439,13 +482,17 @@ def write_report(
     baseline among the models, the Fig. 8.3 plot (improvement.png) of the first other model."""
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    files = dict(table_csv=tables.write_csv(_cells(table, TABLE_COLUMNS), output / "robustness.csv"))
+    columns = TABLE_COLUMNS + ATTACK_COLUMNS
+    files = dict(table_csv=tables.write_csv(_cells(table, columns), output / "robustness.csv"))
+    described = _attack_description(table)
     notes = (
-        "\nAccuracies are top-1 in percent. C: mean over the corruptions and severities evaluated; "
-        "A, R: ImageNet-A/-R with the logits restricted to their 200 classes; FGSM, PGD: white-box "
-        "attacks on the clean evaluation images.\n"
+        "\nAccuracies are top-1 in percent. checkpoint: the weights evaluated (a run's checkpoint with its "
+        "epoch); C: mean over the corruptions and severities evaluated; A, R: ImageNet-A/-R with the logits "
+        "restricted to their 200 classes."
+        + (described[1] if described else " FGSM, PGD: white-box L-inf attacks, eps and steps in their columns.")
+        + "\n"
     )
-    (output / "robustness.md").write_text(markdown_table(table, TABLE_COLUMNS) + notes)
+    (output / "robustness.md").write_text(table_markdown(table) + notes)
     files["table_md"] = output / "robustness.md"
     if corruption_rows:
         columns = ("model", "source", "corruption", "category", "severity", "top1")

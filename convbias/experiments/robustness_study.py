@@ -35,6 +35,7 @@ from convbias.evaluation.robustness import (
     PixelModel,
     accuracy,
     adversarial_accuracy,
+    attack_settings,
     class_index,
     corruption_accuracy,
     corruption_summary,
@@ -53,13 +54,16 @@ SUBSET_LAYOUT = "DIR/<wnid>/<image> (ImageNet-A/-R: 200 ImageNet class folders)"
 @dataclass
 class RobustnessOptions:
     """What to evaluate: models and weights, the clean set (as train.py), attacks, corruptions and folders.
-    Attack budgets are on the 0-255 pixel scale; `eval_transform` holds a run's crop_pct / interpolation."""
+    Attack budgets are on the 0-255 pixel scale; `eval_transform` holds a run's crop_pct / interpolation;
+    a `*_label` names the weights in the table (a run's checkpoint with its epoch; default: the path)."""
 
     model: str
     checkpoint: str
+    checkpoint_label: str | None = None
     model_kwargs: dict = field(default_factory=dict)
     compare_model: str | None = None
     compare_checkpoint: str | None = None
+    compare_checkpoint_label: str | None = None
     compare_model_kwargs: dict = field(default_factory=dict)
     dataset: str = "digits"
     data_dir: str | None = None
@@ -142,12 +146,12 @@ class RobustnessStudy:
                 self.c_folders[key] = (folder, class_index(folder, folder_classes(folder), model_classes))
         label, self.baseline = _labels(options)
         self.models = {label: self._model(options.model, options.checkpoint, options.model_kwargs)}
-        self.checkpoints = {label: options.checkpoint}
+        self.checkpoints = {label: options.checkpoint_label or options.checkpoint}
         if options.compare_model:
             self.models[self.baseline] = self._model(
                 options.compare_model, options.compare_checkpoint, options.compare_model_kwargs
             )
-            self.checkpoints[self.baseline] = options.compare_checkpoint
+            self.checkpoints[self.baseline] = options.compare_checkpoint_label or options.compare_checkpoint
 
     def _model(self, name: str, checkpoint: str, kwargs: dict) -> torch.nn.Module:
         cfg = dict(model=name, model_kwargs=kwargs, img_size=self.img_size)
@@ -187,6 +191,11 @@ def evaluate(
             clean=accuracy(model, clean),
         )
         if options.attacks:
+            row.update(
+                attack_settings(
+                    options.eps, options.attacks, options.pgd_steps, options.pgd_step_size, options.pgd_random_start
+                )
+            )
             row.update(
                 adversarial_accuracy(
                     model,
