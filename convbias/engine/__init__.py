@@ -61,7 +61,6 @@ _SUBMODULE_OF = {
             "check_which",
             "is_run_dir",
             "read_run_config",
-            "run_options",
         ),
         "run_dir",
     ),

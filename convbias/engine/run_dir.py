@@ -107,12 +107,6 @@ def read_run_config(run: str | Path) -> dict[str, Any]:
     return data
 
 
-def run_options(run: str | Path) -> dict[str, Any]:
-    """The ``RUN_KEYS`` of the run's config.yaml: what a command reusing the run takes as its defaults."""
-    config = read_run_config(run)
-    return {key: config[key] for key in RUN_KEYS if key in config}
-
-
 def check_which(which: str) -> str:
     if which not in WHICH:
         raise ConfigError(f"--which must be one of {', '.join(WHICH)}, got {which!r}")
