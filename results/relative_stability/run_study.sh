@@ -51,10 +51,11 @@ for fraction in $FRACTIONS; do for seed in $SEEDS; do
 done; done
 
 python -m convbias.cli.stability --combine "$MEASURED"/*/ $MEASURE --output $OUT
-# the runs' own R_f logs were written by the training code of the run (see README: convention and modes)
-python results/relative_stability/trajectories.py "$RUNS" $OUT "${TRAJECTORY_CONVENTION:-published}" \
-  "${TRAJECTORY_MODES:-published}"
-python results/relative_stability/pairs.py $OUT
+# paired contrasts (pairs.csv, pairs.md) and R_f trajectories (trajectories*.csv, trajectories.png); the runs'
+# own R_f logs were written by the training code of the run (see README: convention and modes). Without
+# --runs the committed trajectories.csv is summarized again.
+python -m convbias.cli.stability_contrasts $OUT --runs "$RUNS" --convention "${TRAJECTORY_CONVENTION:-published}" \
+  --modes "${TRAJECTORY_MODES:-published}"
 
 # The (delta, c) grid: every P = 1,000 run measured again at delta = 0.5, 1, 1.5 and c = 3, 5, on 100 images
 for run in "$RUNS"/*_P0.25_seed*/; do
