@@ -61,3 +61,12 @@ def test_a_bug_keeps_its_traceback():
     with pytest.raises(ZeroDivisionError):
         run_command(lambda: 1 / 0)
     assert run_command(lambda: None) == 0 and run_command(lambda: 3) == 3
+
+
+def test_convbias_traceback_shows_what_is_behind_the_line(capsys, monkeypatch):
+    """A ValueError from a model constructor reads like a user's mistake; CONVBIAS_TRACEBACK=1 shows where it arose."""
+    monkeypatch.setenv("CONVBIAS_TRACEBACK", "1")
+    assert run_command(raising(ValueError("bad kernel size"))) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "error: bad kernel size" and "Traceback (most recent call last)" in err
+    assert "raise error" in err  # the frame that raised it

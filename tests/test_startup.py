@@ -86,3 +86,15 @@ def test_each_process_takes_its_share_of_the_cores_unless_omp_num_threads_is_set
         assert torch.get_num_threads() == 3  # the user's choice stands
     finally:
         torch.set_num_threads(before)
+
+
+def test_convbias_traceback_shows_the_error_behind_a_set_up_refusal(cli_argv, tmp_path, capsys, monkeypatch):
+    args = cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, epochs=1, output=str(tmp_path / "run"))
+    bad = [a if a != "local_up_to_layer=1" else "local_up_to_layer=7" for a in args]  # more GPSA blocks than blocks
+    assert train.main(bad) == 2
+    plain = messages(capsys.readouterr().err)
+    assert len(plain) == 1 and plain[0].startswith("error: ")
+    monkeypatch.setenv("CONVBIAS_TRACEBACK", "1")
+    assert train.main(bad) == 2
+    err = capsys.readouterr().err
+    assert plain[0] in err and "Traceback (most recent call last)" in err and "The above exception" in err

@@ -3,12 +3,13 @@
 Every command reports what stops it the same way (``run_command``): one ``error: ...`` line (``interrupted:``
 for Ctrl-C) and the engine's exit code of ``convbias.engine.errors``: 2 bad input, 65 a damaged or foreign
 checkpoint or run file, 74 an output that cannot be written (disk full, read-only), 130 Ctrl-C. Anything
-else is a bug and keeps its traceback.
+else is a bug and keeps its traceback; with ``CONVBIAS_TRACEBACK=1`` every error shows its traceback after the line.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from convbias.storage import storage_reason
 
 def report(error: BaseException) -> int:
     """Print ``error`` as one line on stderr and return its exit code; re-raise what is not a reported error."""
-    from convbias.engine.errors import Interrupted, exit_code
+    from convbias.engine.errors import Interrupted, exit_code, show_traceback
 
     code = exit_code(error)
     if code is None:
@@ -29,6 +30,8 @@ def report(error: BaseException) -> int:
         reason = storage_reason(error, where.parent if where else Path.cwd())
         message = f"writing {where} failed ({reason})" if where else f"a write failed ({reason})"
     print(f"{prefix}: {message}", file=sys.stderr)
+    if show_traceback():
+        traceback.print_exception(error)
     return code
 
 

@@ -15,6 +15,7 @@ import importlib
 import io
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from .errors import (
     Interrupted,
     NonFiniteLossError,
     StorageError,
+    show_traceback,
 )
 from .extensions import Extensions
 from .preemption import REQUEUE_EXIT_CODE, Preempted
@@ -104,7 +106,7 @@ def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> 
         try:
             trainer = Trainer(cfg, extensions, lock)
         except (ValueError, FileNotFoundError) as e:  # data, model and checkpoint checks; ConfigError included
-            raise ConfigError(str(e)) from None
+            raise ConfigError(str(e)) from (e if show_traceback() else None)
         except OSError as e:  # the lock or the output dir cannot be written: disk full, read-only
             where = e.filename or cfg.output
             reason = storage_reason(e, cfg.output)
@@ -215,6 +217,8 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
     except tuple(kind for kind, _, _ in _STOPS) as e:
         code, prefix = next((code, prefix) for kind, code, prefix in _STOPS if isinstance(e, kind))
         _leave_exit_code(code, _print_error(str(e), prefix=prefix))
+        if show_traceback():
+            traceback.print_exception(e)
         return code
     _leave_exit_code(0)
     return 0
