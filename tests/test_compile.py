@@ -12,6 +12,8 @@ import efcn  # noqa: F401
 import transformed_cnn  # noqa: F401
 from convbias.engine.compile import compile_model
 
+pytestmark = pytest.mark.slow
+
 # tiny configurations; (model kwargs, input side)
 CASES = {
     "convit_tiny": (dict(img_size=16, patch_size=4, depth=2, local_up_to_layer=1, embed_dim=8), 16),

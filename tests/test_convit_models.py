@@ -131,6 +131,8 @@ def test_pretrained_loads_offline_through_timm_from_a_local_file(tmp_path):
     assert resized.head.out_features == 10
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_registration_names_our_module_without_warnings():
     code = textwrap.dedent(
         f"""
@@ -146,7 +148,7 @@ def test_registration_names_our_module_without_warnings():
             print(w.category.__name__, w.message)
         """
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     first_line = done.stdout.splitlines()[0]
     assert first_line.startswith("0 ['convit.models'] convit.models"), done.stdout
     assert "['convit_base.fb_in1k', 'convit_small.fb_in1k', 'convit_tiny.fb_in1k']" in first_line

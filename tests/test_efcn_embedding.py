@@ -202,9 +202,13 @@ def test_max_params_is_checked_before_allocating():
         efcn.embed(cnn, (3, 32, 32), max_params=1_000_000)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_import_registers_models_without_warnings():
     code = "import efcn, timm; print(sorted(m for m in timm.list_models() if 'vanilla' in m or 'alexnet' in m))"
-    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stderr == ""
     assert out.stdout.strip() == str(
         sorted(

@@ -34,6 +34,8 @@ TINY = dict(
 )
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_protocol_end_to_end(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))

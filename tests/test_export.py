@@ -270,8 +270,11 @@ def test_results_older_than_the_newest_point_give_way_to_its_logged_evaluation(e
     assert _card_metrics(out) == {"top-1": round(logged["eval_top1"], 4), "top-5": round(logged["eval_top5"], 4)}
 
 
+@pytest.mark.integration
 def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(efcn_run, tmp_path, capsys):
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=120
+    )
     out = tmp_path / "out"
     stale = [tmp_path / f".out.tmp{pid}" for pid in (int(finished.stdout), 999999)]
     for folder in stale:

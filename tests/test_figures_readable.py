@@ -26,8 +26,10 @@ from matplotlib.lines import Line2D
 from matplotlib.text import Text
 
 from convbias.evaluation import figures, robustness
-from convbias.experiments import efcn_figures, phase_diagram, regimes, report, stability_figures
+from convbias.experiments import efcn_figures, phase_diagram, regimes, report, stability_contrasts, stability_figures
 from convbias.experiments.stability_study import Run, Settings, layer_summary
+
+pytestmark = pytest.mark.slow
 
 PACKAGE = Path(figures.__file__).resolve().parents[1]
 SEEDS = (0, 1, 2)
@@ -239,6 +241,12 @@ def _robustness(tmp_path: Path) -> None:
     robustness.plot_improvement(rows, "convit", "deit", tmp_path / "improvement.png")
 
 
+def _trajectories(tmp_path: Path) -> None:
+    """`convbias-stability-contrasts`: the committed study's R_f trajectories over training, summarized over seeds."""
+    rows = stability_contrasts.read_trajectories(PACKAGE.parent / "results" / "relative_stability" / "trajectories.csv")
+    stability_contrasts.trajectory_figure(stability_contrasts.trajectory_summary(rows), tmp_path / "trajectories.png")
+
+
 STABILITY_RANGES = {  # R_f spreads: matplotlib's default log ticks overlap on the middle one
     "stability, R_f within a decade": (2.0, 6.0),
     "stability, R_f around a decade": (0.3, 3.0),
@@ -252,6 +260,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "regimes": _regimes,
     "phase diagram": _phase_diagram,
     "robustness": _robustness,
+    "trajectories": _trajectories,
 }
 
 
@@ -370,6 +379,7 @@ FIGURES = [
         "regimes": ("regimes.png",),
         "phase diagram": ("phase_diagram.png", "double_descent.png"),
         "robustness": ("improvement.png",),
+        "trajectories": ("trajectories.png",),
     }.items()
     for name in names
 ]

@@ -18,8 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WORKER = r"""
 import sys

@@ -18,6 +18,8 @@ from convbias.cli import launch
 from convbias.engine import LAUNCH_PROCESSES, _launch_warnings
 from convbias.engine.checkpoint import STATE_FILE, load_training_state
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 TIMEOUT_S = 240  # a collective that one rank never joins hangs: fail instead
 TINY = dict(train_fraction=0.05, batch_size=4, no_diagnostics=True)
 # torchrun's gloo processes: a free port each (--main_process_port 0), so parallel tests do not collide

@@ -240,13 +240,15 @@ print(json.dumps({"added": added, "resnets": timm.list_models(module="resnet"), 
 """
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_importing_a_family_registers_exactly_its_names():
     """Each family's import adds (or, for convit, replaces) exactly its documented names in timm's registry:
     efcn the paper's two CNNs and their eFCN/FCN, transformed_cnn a tcnn_ for every ResNet of timm's resnet
     module (resnet<depth>[variant], resnetrs<depth>), convit ConViT-Ti/S/B (replacing timm's), their '+'
     sizes and the DeiT+ baselines. Imported one after the other in a fresh process, with warnings as errors."""
     result = subprocess.run(
-        [sys.executable, "-W", "error::UserWarning", "-c", REGISTERS_PROBE], capture_output=True, text=True
+        [sys.executable, "-W", "error::UserWarning", "-c", REGISTERS_PROBE], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
     probe = json.loads(result.stdout)

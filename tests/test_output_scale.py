@@ -140,6 +140,8 @@ def test_train_refuses_a_non_positive_output_scale(tmp_path, capsys, deit_argv, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, console_script, deit_argv):
     """convbias-regimes on a one-run sweep directory: the run's own final top-1 and logged kernel change,
     and the local-energy curve, whose sigma = 0 point is the run's training error."""
@@ -149,7 +151,7 @@ def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, console_scrip
     run = sweep / "runs" / "a10"
     results = train.run(deit_argv(epochs=1, output_scale=10, output=run))
     (sweep / "runs.csv").write_text("run,model\na10,convit_tiny\n")
-    done = subprocess.run([console_script("convbias-regimes"), str(sweep)], capture_output=True, text=True)
+    done = subprocess.run([console_script("convbias-regimes"), str(sweep)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     with open(sweep / "regimes.csv", newline="") as f:
         (row,) = list(csv.DictReader(f))

@@ -102,6 +102,7 @@ def test_a_live_run_holds_its_lock_and_releases_it(finished_run):
     assert not (output / ".lock").exists()
 
 
+@pytest.mark.integration
 def test_second_run_on_a_live_runs_dir_is_refused_naming_the_holder(tmp_path, capsys):
     output = tmp_path / "run"
     holder = hold_lock(output)
@@ -114,9 +115,10 @@ def test_second_run_on_a_live_runs_dir_is_refused_naming_the_holder(tmp_path, ca
         assert snapshot(output) == before
     finally:
         holder.kill()
-        holder.wait()
+        holder.wait(timeout=120)
 
 
+@pytest.mark.integration
 def test_restart_after_a_failure_before_the_first_checkpoint_takes_over_the_stale_lock(tmp_path, capsys):
     output = tmp_path / "run"
     # a diverging first attempt stops before its first checkpoint (exit 1), leaving config.yaml and summary.csv
@@ -124,7 +126,7 @@ def test_restart_after_a_failure_before_the_first_checkpoint_takes_over_the_stal
     assert (output / "summary.csv").is_file() and not (output / "checkpoints").exists()
     holder = hold_lock(output)  # ...and a later attempt killed with -9 leaves its lock file behind
     holder.send_signal(signal.SIGKILL)
-    holder.wait()
+    holder.wait(timeout=120)
     assert (output / ".lock").is_file()
     capsys.readouterr()
 

@@ -60,6 +60,8 @@ def test_likely_unintended_settings_are_warned_before_training(cli_argv, tmp_pat
     ]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_output_that_is_not_a_terminal_gets_one_line_per_epoch_and_no_progress_bar(cli_argv, tmp_path, console_script):
     """A job log (stdout and stderr to files) holds the epoch lines, not hundreds of progress-bar redraws."""
     args = cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, lr=1e-3, train_fraction=0.1, epochs=2)

@@ -318,6 +318,8 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, args, message):
     assert not out.exists()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_a_run_refused_by_train_py_stops_the_sweep(tmp_path):
     """Data problems are found by train.py (the sweep does not scan datasets): the first refusal
     stops the sweep with train.py's message instead of failing every run the same way."""
@@ -387,6 +389,8 @@ def _epochs(summary: Path) -> list[int]:
         return [int(row["epoch"]) for row in csv.DictReader(f)]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path, console_script):
     """Kill the sweep (and its train.py) inside its second run, rerun: the first run is kept as it is,
     the second resumes from its checkpoint, and the CSV holds both. Also checks epochs x 1/f."""
@@ -417,7 +421,7 @@ def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path, c
             assert time.time() < deadline, "the second run never wrote a checkpoint"
             time.sleep(0.02)
         os.killpg(process.pid, signal.SIGKILL)  # the sweep and its train.py child, as a lost node would
-        process.wait()
+        process.wait(timeout=120)
     assert (first / "results.json").is_file()
     assert not (second / "results.json").exists(), "the second run ended before the kill: nothing to resume"
     killed_at = int((second / "checkpoints" / "last").resolve().name.split("_")[1])

@@ -20,7 +20,7 @@ from convbias.engine.errors import StorageError
 from convbias.experiments import regimes, sweep, sweep_spec
 from convbias.tables import write_csv
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.integration, pytest.mark.slow]
 
 
 def trained_sweep(tmp_path: Path, epochs: int, seeds: list[int]) -> tuple[Path, sweep.Sweep]:

@@ -12,9 +12,13 @@ import transformed_cnn  # noqa: F401  (registers the models)
 from transformed_cnn import gpsa_layers
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_import_registers_the_resnets_without_warnings():
     code = "import transformed_cnn, timm; print(' '.join(timm.list_models('tcnn_*')))"
-    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert result.stderr == ""
     names = set(result.stdout.split())
     assert {"tcnn_resnet18", "tcnn_resnet50", "tcnn_resnet50d", "tcnn_resnetrs50", "tcnn_resnetrs350"} <= names

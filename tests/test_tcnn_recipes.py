@@ -12,6 +12,8 @@ from safetensors.torch import load_file, save_file
 from convbias.cli import train
 from convbias.engine.config import parse_config
 
+pytestmark = pytest.mark.integration
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 from convbias.cli import train
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 DUMP_WEIGHTS = """
 import sys
 from safetensors.torch import save_file

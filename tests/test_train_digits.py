@@ -14,6 +14,8 @@ from convbias.engine.checkpoint import load_weights, save_weights
 from convbias.engine.config import parse_config
 from convbias.engine.run_log import SUMMARY_FIELDS
 
+pytestmark = pytest.mark.integration
+
 TRAIN = dict(batch_size=16, lr=1e-3, weight_decay=0, seed=0)
 
 

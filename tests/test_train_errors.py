@@ -261,6 +261,8 @@ def test_checkpoint_of_another_model_names_the_mismatched_keys(capsys, tmp_path,
     assert code == 2 and "mismatched shapes: " in err[0] and "vs model" in err[0]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_real_cli_prints_no_traceback(tmp_path, console_script):
     result = subprocess.run(
         [
@@ -275,6 +277,7 @@ def test_real_cli_prints_no_traceback(tmp_path, console_script):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --batch-size must be a positive integer, got 0"
@@ -328,6 +331,8 @@ def test_unreadable_image_is_skipped_and_counted_in_the_log(tmp_path):
     assert record["unreadable_images"] == 1
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line(tmp_path, console_script):
     """Workers ignore the scheduler's preemption signals but still obey the main process's shutdown:
     with workers, an error in one of them is one line and the process exits (no hang, no traceback)."""

@@ -30,7 +30,11 @@ from safetensors.torch import load_file
 
 from convbias.engine.checkpoint import STATE_FILE, load_training_state
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate enables FSDP only on GPUs")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate enables FSDP only on GPUs"),
+    pytest.mark.integration,
+    pytest.mark.slow,
+]
 
 RUN = dict(
     train_fraction=0.3,

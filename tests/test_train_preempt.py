@@ -22,6 +22,8 @@ import torch
 from convbias.engine.checkpoint import STATE_FILE, load_training_state, write_manifest
 from convbias.engine.preemption import REQUEUE_EXIT_CODE
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
 # a tiny ConViT on the digits with the recipe's augmentation, 2 loader workers and a resume point every 4 steps
 RUN = dict(

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 from convbias.cli import train
 from convbias.engine.checkpoint import load_training_state
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("transformed_cnn.transform")
 
 TCNN_AT_EPOCH_1 = dict(

@@ -15,7 +15,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 DETERMINISTIC_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
 
@@ -77,7 +80,12 @@ def test_launched_run_and_resume_after_kill(tmp_path, console_script):
 
     uninterrupted = tmp_path / "uninterrupted"
     done = subprocess.run(
-        launch_command(console_script, data, uninterrupted), env=env, cwd=tmp_path, capture_output=True, text=True
+        launch_command(console_script, data, uninterrupted),
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (uninterrupted / "results.json").is_file()
@@ -98,7 +106,7 @@ def test_launched_run_and_resume_after_kill(tmp_path, console_script):
     while not first_checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    process.wait(timeout=120)
     assert first_checkpoint.exists(), "the run ended before writing its first checkpoint"
     assert not (killed / "results.json").exists(), "the run finished before it could be killed"
 
@@ -108,6 +116,7 @@ def test_launched_run_and_resume_after_kill(tmp_path, console_script):
         cwd=tmp_path,
         capture_output=True,
         text=True,
+        timeout=300,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
