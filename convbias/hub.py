@@ -37,7 +37,6 @@ import torch
 import yaml
 from huggingface_hub import HfApi
 from huggingface_hub.errors import OfflineModeIsEnabled
-from safetensors import SafetensorError
 from timm.models import model_entrypoint, save_for_hf
 
 from convbias.deploy import (
@@ -61,6 +60,7 @@ from convbias.engine import (
     dataset_info,
     read_log,
 )
+from convbias.engine.checkpoint import WRITE_ERRORS
 from convbias.storage import staged_directory, storage_reason
 from convbias.tables import markdown_table
 from convbias.weights import load_weights
@@ -96,8 +96,6 @@ RECIPE_KEYS = (
     "seed",
 )
 RUN_FILES = ("config.yaml", "results.json")
-# what a failed write raises: torch's and safetensors' own errors carry no errno
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 # pretrained_cfg fields that describe timm's published weights of the architecture, not a run's
 SOURCE_FIELDS = (
     "tag",

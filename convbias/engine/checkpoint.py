@@ -67,7 +67,7 @@ from .run_dir import (  # noqa: F401  (the layout's names, for the engine's writ
 EMA_FILE = "ema.safetensors"
 LINKS = ("last", "best")
 _HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
-_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
@@ -302,11 +302,11 @@ class CheckpointDir:
                     self.set_aside(final)
             os.rename(tmp, final)
         except BaseException as e:  # a kill leaves the staging folder, removed at the next start
-            if isinstance(e, _WRITE_ERRORS):  # why, before the staging folder's space is given back
+            if isinstance(e, WRITE_ERRORS):  # why, before the staging folder's space is given back
                 needed = payload_bytes((weights, ema_weights, state))
                 reason = storage_reason(e, self.root, needed)
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, _WRITE_ERRORS):
+            if isinstance(e, WRITE_ERRORS):
                 raise StorageError(f"writing the resume point {name} failed ({reason})") from None
             raise
         best = (state.get("best") or {}).get("epoch")
@@ -381,7 +381,7 @@ class CheckpointDir:
                 entries = {}
             entries = {**(entries if isinstance(entries, dict) else {}), path.name: _manifest_entry(path)}
             atomic_write(listing, lambda tmp: tmp.write_text(json.dumps(entries, indent=1) + "\n"))
-        except _WRITE_ERRORS as e:
+        except WRITE_ERRORS as e:
             reason = storage_reason(e, self.root, payload_bytes(weights))
             raise StorageError(f"writing the snapshot {path.name} failed ({reason})") from None
         return path

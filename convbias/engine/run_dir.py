@@ -136,6 +136,7 @@ class RunDir:
         if not self.path.is_dir():
             raise ConfigError(f"run directory not found: {path}")
         self.root = self.path / "checkpoints"
+        self._verified: dict[str, RunCheckpoint] = {}
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -210,7 +211,13 @@ class RunDir:
         return point
 
     def checkpoint(self, which: str = DEFAULT_WHICH) -> RunCheckpoint:
-        """The weights of ``which`` (last, best, init or epoch_N), checked against the manifest before use."""
+        """The weights of ``which`` (last, best, init or epoch_N), checked against the manifest before use;
+        each is hashed once per RunDir (an ensemble verifies every member before it builds any model)."""
+        if which not in self._verified:
+            self._verified[which] = self._find_checkpoint(which)
+        return self._verified[which]
+
+    def _find_checkpoint(self, which: str) -> RunCheckpoint:
         if which in WHICH:
             point = self.newest_point() if which == "last" else self.best_point()
             epoch, step = point_position(point)
