@@ -140,14 +140,11 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
                 f"{config.get('reparametrize')!r}, which no registered model builds"
             )
         name, model_kwargs = tcnn, {**model_kwargs, **(config.get("reparametrize_kwargs") or {})}
-    build = Config(
-        {
-            **config,
-            "model": name,
-            "model_kwargs": model_kwargs,
-            "pretrained": False,  # the checkpoint holds every weight; a pretrained file may be gone
-            "pretrained_file": None,
-        }
+    build = Config.from_dict(config).replace(
+        model=name,
+        model_kwargs=model_kwargs,
+        pretrained=False,  # the checkpoint holds every weight; a pretrained file may be gone
+        pretrained_file=None,
     )
     try:
         model = create_model(build, spec["num_classes"], spec["in_chans"])
@@ -173,7 +170,7 @@ def data_config(config: dict[str, Any], in_chans: int, img_size: int | None) -> 
 def _class_names(config: dict[str, Any]) -> list[str] | None:
     """The dataset's class names when it can be read here (None otherwise: the card says so)."""
     try:
-        return [str(name) for name in build_datasets(Config(config)).class_names]
+        return [str(name) for name in build_datasets(Config.from_dict(config)).class_names]
     except (ValueError, OSError):
         return None
 

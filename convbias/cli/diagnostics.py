@@ -32,9 +32,9 @@ from timm.data import create_transform, resolve_data_config
 
 import convit.diagnostics
 import transformed_cnn
-from convbias.cli import run_command
+from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
-from convbias.engine import DEFAULT_WHICH, WHICH, OptionParser, RunDir, create_model, is_run_dir, key_value
+from convbias.engine import DEFAULT_WHICH, WHICH, Config, RunDir, create_model, is_run_dir
 from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head, read_log
 from convbias.families import load_families
 from convbias.weights import load_weights
@@ -187,7 +187,7 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
     try:
         if args.num_classes:  # the engine's builder: CNNs (T-CNNs) take no img_size
             model = create_model(
-                dict(model=args.model, model_kwargs=args.model_kwargs, img_size=args.img_size),
+                Config(model=args.model, model_kwargs=args.model_kwargs, img_size=args.img_size),
                 args.num_classes,
                 args.in_chans,
             )

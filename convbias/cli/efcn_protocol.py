@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from convbias.engine import ConfigError, OptionParser
+from convbias.cli import OptionParser
+from convbias.engine import ConfigError
 from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
 from convbias.experiments.efcn_seeds import summarize_seeds
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 
-from convbias.cli import run_command
-from convbias.engine import WHICH, OptionParser
+from convbias.cli import OptionParser, run_command
+from convbias.engine import WHICH
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
 from convbias.families import load_families
 from convbias.storage import write_text

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import sys
 
-from convbias.cli import run_command
-from convbias.engine import WHICH, OptionParser
+from convbias.cli import OptionParser, run_command
+from convbias.engine import WHICH
 
 
 def main(argv: list[str] | None = None) -> int:

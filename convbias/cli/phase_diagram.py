@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from convbias.cli import run_command
-from convbias.engine import OptionParser
+from convbias.cli import OptionParser, run_command
 from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
 
 

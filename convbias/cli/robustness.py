@@ -25,18 +25,9 @@ from pathlib import Path
 
 import torch
 
-from convbias.cli import run_command
+from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
-from convbias.engine import (
-    DEFAULT_WHICH,
-    WHICH,
-    ConfigError,
-    OptionParser,
-    RunDir,
-    check_model_name,
-    is_run_dir,
-    key_value,
-)
+from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
 from convbias.evaluation.robustness import PAPER_ATTACK, table_markdown
 from convbias.experiments.robustness_study import (

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from convbias.cli import run_command
-from convbias.engine import WHICH, OptionParser
+from convbias.cli import OptionParser, run_command
+from convbias.engine import WHICH
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
 from convbias.experiments import stability_study as study

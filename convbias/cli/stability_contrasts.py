@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from convbias.cli import run_command
-from convbias.engine import OptionParser
+from convbias.cli import OptionParser, run_command
 from convbias.experiments import stability_contrasts as contrasts
 from convbias.experiments.stability_study import read_rows
 from convbias.tables import write_csv

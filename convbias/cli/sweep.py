@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from convbias.cli import run_command
-from convbias.engine import Interrupted, yaml_scalar
+from convbias.cli import run_command, yaml_scalar
+from convbias.engine import Interrupted
 from convbias.experiments import sweep_spec
 
 if TYPE_CHECKING:

@@ -48,8 +48,8 @@ _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_
 # main, names are loaded from their submodule on first use (PEP 562 `__getattr__`), to keep start-up time
 # low: the model, data and checkpoint modules import timm and accelerate, which `--help` does not need.
 _SUBMODULE_OF = {
-    **dict.fromkeys(("Config", "parse_config"), "config"),
-    **dict.fromkeys(("OptionParser", "build_parser", "key_value", "yaml_scalar"), "options"),
+    **dict.fromkeys(("parse_config", "validate"), "config"),
+    **dict.fromkeys(("Config",), "options"),
     **dict.fromkeys(("build_datasets", "build_eval_loader", "dataset_info"), "data"),
     **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "datasets"),
     **dict.fromkeys(("check_model_name", "create_model"), "modeling"),

@@ -61,11 +61,9 @@ def compile_model(
 
 def compiled(module: Any, cfg: Any, device_type: str) -> Any:
     """`compile_model` with the run's --compile-backend and --compile-mode; module itself without --compile."""
-    if not cfg.get("compile"):
+    if not cfg.compile:
         return module
-    return compile_model(
-        module, device_type, cfg.get("compile_backend") or "inductor", cfg.get("compile_mode") or "default"
-    )
+    return compile_model(module, device_type, cfg.compile_backend, cfg.compile_mode)
 
 
 def compile_counters() -> dict[str, int]:

@@ -12,34 +12,32 @@ message naming the option and the expected form; ``engine.main`` prints it as ``
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ..storage import write_text
-from .compile import COMPILE_MODES
 from .errors import ConfigError
-from .options import DATASETS, KEY_VALUE_OPTIONS, PRECISIONS, SCHEDULES, OptionParser, build_parser
+from .options import (
+    DATASETS,
+    Config,
+    OptionParser,
+    build_parser,
+    declaration,
+    did_you_mean,
+    flag_name,
+    key_value_options,
+    option_names,
+    option_types,
+)
 from .preemption import parse_signals
-from .run_dir import RUN_KEYS, WHICH, is_run_dir, read_run_config
-
-
-class Config(dict):
-    """The resolved options: a dict (for YAML and trackers) that also reads as attributes (``cfg.lr``)."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self[name] = value
+from .run_dir import RUN_KEYS, is_run_dir, read_run_config
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -100,40 +98,17 @@ def parse_config(argv: list[str] | None) -> Config:
     known, _ = config_only.parse_known_args(argv)
     file_cfg = load_yaml(known.config) if known.config else {}
     file_cfg = {**_evaluated_run_options(known), **file_cfg}
-
-    dests = {a.dest for a in parser._actions} - {"help"}
     for key in file_cfg:
-        if key not in dests:
-            close = difflib.get_close_matches(key, dests, n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(f"unknown option '{key}' in {known.config}{hint}")
-    plain = {k: v for k, v in file_cfg.items() if k not in KEY_VALUE_OPTIONS}
-    parser.set_defaults(**plain)
+        if key not in option_names():
+            raise ConfigError(f"unknown option '{key}' in {known.config}{did_you_mean(key)}")
+    merged = key_value_options()
+    parser.set_defaults(**{k: v for k, v in file_cfg.items() if k not in merged})
     args = vars(parser.parse_args(argv))
-    for key in KEY_VALUE_OPTIONS:  # merged key by key: the command line wins per key
-        args[key] = {**_as_dict(file_cfg.get(key), key), **_as_dict(args[key], f"--{key.replace('_', '-')}")}
-    cfg = Config(args)
+    for key in merged:  # merged key by key: the command line wins per key
+        args[key] = {**_as_dict(file_cfg.get(key), key), **_as_dict(args[key], flag_name(key))}
+    cfg = Config(**args)
     validate(cfg)
     return cfg
-
-
-# Data and loader options: checked here before any work, and by engine.data for callers that build data
-# without a config (robustness, protocols). One rule per option: (is the value valid?, what is expected).
-DATA_RULES = {
-    "train_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "num_classes": (lambda v: v is None or v >= 2, "at least 2"),
-    "img_size": (lambda v: v is None or v >= 1, "a positive integer"),
-    "batch_size": (lambda v: v >= 1, "a positive integer"),
-    "workers": (lambda v: v >= 0, ">= 0"),
-    "repeated_aug": (lambda v: v >= 1, ">= 1 (1: each image once)"),
-}
-
-
-def check_data_option(name: str, value: Any) -> None:
-    """ConfigError (a ValueError) naming the option when `value` breaks DATA_RULES[name]."""
-    valid, expected = DATA_RULES[name]
-    if not valid(value):
-        raise ConfigError(f"--{name.replace('_', '-')} must be {expected}, got {value}")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -141,49 +116,88 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _check_type(cfg: Config, key: str, kind: type | tuple) -> None:
-    value = cfg[key]
+def _describe(kind: Any, nargs: int | str | None) -> str:
+    """How an error names a declared type: 'float', 'a string', 'a list of 2 float values'."""
+    if kind is str:
+        return "a string"
+    if typing.get_origin(kind) is list:
+        count = f"{nargs} " if isinstance(nargs, int) else ""
+        return f"a list of {count}{typing.get_args(kind)[0].__name__} values"
+    if typing.get_origin(kind) is dict:
+        return "a mapping (YAML) or KEY=VALUE pairs"
+    return getattr(kind, "__name__", str(kind))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def coerce(name: str, value: Any) -> Any:
+    """``value`` as option ``name``'s declared type (a recipe's values skip argparse's conversion): ints to
+    floats, a string of items to a list, K=V pairs to a mapping; a ConfigError naming the option otherwise.
+    inf and nan make no sense for any option."""
+    kind, nargs = option_types()[name], declaration(name).metadata["nargs"]
+    candidates = (
+        [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind)
+        in (
+            typing.Union,
+            types.UnionType,
+        )
+        else [kind]
+    )
+    if value is None and len(candidates) < len(typing.get_args(kind) or (kind,)):
+        return None
+    for candidate in candidates:
+        converted = _converted(value, candidate, nargs)
+        if converted is not _INVALID:
+            finite = [v for v in (converted if isinstance(converted, list) else [converted]) if isinstance(v, float)]
+            bad = [v for v in finite if not math.isfinite(v)]
+            _check(not bad, f"{flag_name(name)} must be a finite number, got {bad[0] if bad else ''}")
+            return converted
+    raise ConfigError(f"{flag_name(name)} expects {_describe(candidates[0], nargs)}, got {value!r}")
+
+
+_INVALID = object()
+
+
+def _converted(value: Any, kind: Any, nargs: int | str | None) -> Any:
+    """``value`` converted to ``kind``, or _INVALID."""
+    origin = typing.get_origin(kind)
+    if kind is Any:
+        return value
+    if kind is float:
+        return float(value) if _is_number(value) else _INVALID
+    if kind is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _INVALID
+    if kind in (bool, str):
+        return value if isinstance(value, kind) else _INVALID
+    if origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        pairs = isinstance(value, list) and all(isinstance(v, tuple) and len(v) == 2 for v in value)
+        return dict(value) if pairs else _INVALID
+    if origin is list:
+        item = typing.get_args(kind)[0]
+        if isinstance(value, str) and item is str:  # a recipe's string of space-separated items
+            value = value.split()
+        if not isinstance(value, (list, tuple)) or (isinstance(nargs, int) and len(value) != nargs):
+            return _INVALID
+        items = [_converted(v, item, None) for v in value]
+        return _INVALID if _INVALID in items else items
+    return _INVALID
+
+
+def check_option(name: str, value: Any) -> None:
+    """ConfigError naming the option when ``value`` breaks its declared check or choices."""
+    meta = declaration(name).metadata
     if value is None:
         return
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        cfg[key] = float(value)
-        return
-    _check(
-        isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)),
-        f"--{key.replace('_', '-')} expects {getattr(kind, '__name__', kind)}, got {value!r}",
-    )
-
-
-def _option_name(key: str) -> str:
-    return f"--{key.replace('_', '-')}"
-
-
-def _check_option_types(cfg: Config, parser: argparse.ArgumentParser) -> None:
-    """Every value (a YAML recipe's included, which skip argparse's conversion) against its option: lists
-    of the option's item type and length, strings, and finite numbers (inf and nan make no sense here)."""
-    for action in parser._actions:
-        key, value = action.dest, cfg.get(action.dest)
-        if value is None or key in KEY_VALUE_OPTIONS or key == "eval_only":
-            continue
-        kind = action.type or str
-        if action.nargs == 0:  # flags: bools, checked with the other defaults' types
-            continue
-        if isinstance(action.nargs, int) or action.nargs in ("*", "+"):
-            count = f"{action.nargs} " if isinstance(action.nargs, int) else ""
-            expected = f"{_option_name(key)} expects a list of {count}{kind.__name__} values"
-            if isinstance(value, str) and kind is str:  # a YAML string of space-separated items
-                continue
-            _check(isinstance(value, list), f"{expected}, got {value!r}")
-            _check(not isinstance(action.nargs, int) or len(value) == action.nargs, f"{expected}, got {value!r}")
-            if kind is float:
-                value = cfg[key] = [float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
-            _check(all(isinstance(v, kind) and not isinstance(v, bool) for v in value), f"{expected}, got {value!r}")
-        elif kind is str and action.nargs is None and action.const is None and action.default is None:
-            _check(isinstance(value, str), f"{_option_name(key)} expects a string, got {value!r}")
-        values = value if isinstance(value, list) else [value]
-        if kind is float:
-            bad = [v for v in values if isinstance(v, float) and not math.isfinite(v)]
-            _check(not bad, f"{_option_name(key)} must be a finite number, got {bad[0] if bad else ''}")
+    if meta["choices"] is not None:
+        _check(value in meta["choices"], f"unknown {flag_name(name)} '{value}'; choices: {', '.join(meta['choices'])}")
+    rule = meta["check"]
+    if rule is not None:
+        _check(rule.valid(value), f"{flag_name(name)} must be {rule.expected}, got {value}")
 
 
 def check_output_dir(output: str | Path) -> None:
@@ -212,136 +226,117 @@ def config_warnings(cfg: Config) -> list[str]:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no model and no data: names, ranges, paths. Raises ConfigError."""
-    from .streams import is_factory_source  # streams loads torch: only after parsing (`train.py --help` loads none)
+    """Checks that need no model and no data: types, ranges, names, paths; then the derived defaults. A
+    Config built in Python goes through the same checks as one parsed from a command line. Raises ConfigError."""
+    _normalize_eval_only(cfg)
+    for name in option_names():
+        setattr(cfg, name, coerce(name, getattr(cfg, name)))
+        check_option(name, getattr(cfg, name))
+    _check(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
+    _check(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
+    _check_data_source(cfg)
+    _normalize(cfg)
+    _check_combinations(cfg)
+    _check_names(cfg)
+    _check_paths(cfg)
+    if cfg.output is None:
+        cfg.output = str(Path("runs") / f"{cfg.model}-{cfg.dataset}")
+    if not cfg.eval_only:
+        check_output_dir(cfg.output)
 
-    if isinstance(cfg.eval_only, str):  # --eval-only RUN_OR_WEIGHTS is --eval-only --checkpoint RUN_OR_WEIGHTS
+
+def _normalize_eval_only(cfg: Config) -> None:
+    """--eval-only RUN_OR_WEIGHTS is --eval-only --checkpoint RUN_OR_WEIGHTS."""
+    if isinstance(cfg.eval_only, str):
         _check(
             cfg.checkpoint in (None, cfg.eval_only),
             f"--eval-only {cfg.eval_only} and --checkpoint {cfg.checkpoint} name different weights; give one",
         )
         cfg.checkpoint, cfg.eval_only = cfg.eval_only, True
-    _check(cfg.get("which") in (None, *WHICH), f"--which must be one of {', '.join(WHICH)}, got {cfg.get('which')!r}")
-    _check_option_types(cfg, build_parser())
-    defaults = vars(build_parser().parse_args([]))
-    for key, default in defaults.items():  # YAML values skip argparse's type conversion
-        if isinstance(default, (bool, int, float, str)) and key in cfg:
-            _check_type(cfg, key, type(default))
-    for key in ("lr", "clip_grad", "output_scale"):
-        _check_type(cfg, key, float)
-    for key in ("num_classes", "eval_batch_size", "reparametrize_at_epoch", "img_size"):
-        _check_type(cfg, key, int)
 
-    _check(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
-    _check(
-        isinstance(cfg.save_epochs, list) and all(isinstance(e, int) for e in cfg.save_epochs),
-        f"--save-epochs expects integers, got {cfg.save_epochs!r}",
-    )
+
+def _check_data_source(cfg: Config) -> None:
+    from .streams import is_factory_source  # streams loads torch: only after parsing (`train.py --help` loads none)
+
     _check(
         cfg.dataset in DATASETS or is_factory_source(cfg.dataset),
         f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}, wds/NAME (tar shards), "
         f"hfids/NAME (Hugging Face datasets, streamed) or hfds/NAME (Hugging Face datasets)",
     )
-    _check(cfg.sched in SCHEDULES, f"unknown --sched '{cfg.sched}'; choices: {', '.join(SCHEDULES)}")
-    _check(
-        cfg.mixed_precision in PRECISIONS,
-        f"unknown --mixed-precision '{cfg.mixed_precision}'; choices: {', '.join(PRECISIONS)}",
-    )
-    _check(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
-    _check(cfg.warmup_epochs >= 0, f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}")
-    _check(cfg.lr is None or cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
-    _check(cfg.lr_base > 0 and cfg.lr_base_size > 0, "--lr-base and --lr-base-size must be positive")
-    _check(cfg.min_lr >= 0 and cfg.warmup_lr >= 0, "--min-lr and --warmup-lr must be >= 0")
-    _check(cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}")
-    _check(cfg.eval_batch_size is None or cfg.eval_batch_size >= 1, "--eval-batch-size must be positive")
-    _check(cfg.grad_accum_steps >= 1, f"--grad-accum-steps must be >= 1, got {cfg.grad_accum_steps}")
-    _check(cfg.eval_interval >= 1, f"--eval-interval must be >= 1, got {cfg.eval_interval}")
-    for name in DATA_RULES:  # the same rules engine.data applies to its own arguments
-        check_data_option(name, cfg[name])
-    _check(cfg.mixup >= 0 and cfg.cutmix >= 0, "--mixup and --cutmix must be >= 0")
-    _check(0 <= cfg.smoothing < 1, f"--smoothing must be in [0, 1), got {cfg.smoothing}")
-    _check(0 <= cfg.reprob <= 1, f"--reprob must be in [0, 1], got {cfg.reprob}")
-    _check(0 < cfg.crop_pct <= 1, f"--crop-pct must be in (0, 1], got {cfg.crop_pct}")
-    _check(0 <= cfg.drop_path < 1, f"--drop-path must be in [0, 1), got {cfg.drop_path}")
-    _check(cfg.clip_grad is None or cfg.clip_grad > 0, "--clip-grad must be positive")
-    _check(
-        cfg.output_scale is None or 0 < cfg.output_scale < math.inf,
-        f"--output-scale must be a positive finite number (the output scale alpha), got {cfg.output_scale}",
-    )
+
+
+def _normalize(cfg: Config) -> None:
+    """One switch for every augmentation (so the data layer and the loss agree), 'none' spellings, and the
+    options that imply others."""
+    if cfg.no_aug:
+        cfg.aa, cfg.reprob, cfg.color_jitter, cfg.hflip = None, 0.0, 0.0, 0.0
+        cfg.mixup, cfg.cutmix, cfg.smoothing = 0.0, 0.0, 0.0
+    if isinstance(cfg.aa, str) and cfg.aa.lower() in ("none", ""):
+        cfg.aa = None
+    if [s.lower() for s in cfg.preempt_signals] == ["none"]:
+        cfg.preempt_signals = []
+    if cfg.pretrained_file:
+        cfg.pretrained = True
+
+
+def _check_combinations(cfg: Config) -> None:
+    """Rules that tie options together."""
     _check(
         cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
         "--output-scale cannot be combined with --reparametrize or hard distillation",
     )
-    _check(0 <= cfg.model_ema_decay < 1, "--model-ema-decay must be in [0, 1)")
     _check(
-        cfg.compile_mode in COMPILE_MODES,
-        f"unknown --compile-mode '{cfg.compile_mode}'; choices: {', '.join(COMPILE_MODES)}",
+        (cfg.mixup == 0 and cfg.cutmix == 0) or cfg.batch_size % 2 == 0,
+        f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}",
     )
+    _check(not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH (a weights file or run dir)")
+    _check(
+        bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),
+        "hard distillation needs both --distill-teacher NAME and --distill-teacher-file PATH",
+    )
+    epochs = effective_epochs(cfg)[0]
+    for epoch in cfg.save_epochs:
+        _check(0 <= epoch <= epochs, f"--save-epochs {epoch} is outside 0..{epochs}")
+    if cfg.reparametrize_at_epoch is not None:
+        _check(
+            0 <= cfg.reparametrize_at_epoch < epochs,
+            f"--reparametrize-at-epoch must be in 0..{epochs - 1}, got {cfg.reparametrize_at_epoch}",
+        )
+
+
+def _check_names(cfg: Config) -> None:
+    """Names that other libraries define: signals, timm's optimizers, torch.compile's backends, lr patterns."""
+    try:
+        parse_signals(cfg.preempt_signals)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    from timm.optim import list_optimizers  # timm loads torch: only after parsing (`train.py --help` loads none)
+
+    _check(cfg.opt.lower() in list_optimizers(), f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers()")
     if cfg.compile:
-        import torch  # only with --compile: `train.py --help` loads no torch
+        import torch
 
         backends = torch.compiler.list_backends(exclude_tags=())
         _check(
             cfg.compile_backend in backends,
             f"unknown --compile-backend '{cfg.compile_backend}'; choices: {', '.join(backends)}",
         )
-    _check(cfg.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {cfg.keep_checkpoints}")
-    _check(cfg.checkpoint_interval >= 0, f"--checkpoint-interval must be >= 0 (0: off), got {cfg.checkpoint_interval}")
-    signals = cfg.preempt_signals
-    if isinstance(signals, str):
-        signals = signals.split()
-    _check(isinstance(signals, list), f"--preempt-signals expects signal names, got {signals!r}")
-    cfg.preempt_signals = [] if [str(s).lower() for s in signals] in (["none"], []) else [str(s) for s in signals]
-    try:
-        parse_signals(cfg.preempt_signals)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-    if cfg.no_aug:  # one switch for every augmentation, so the data layer and the loss agree
-        cfg.update(aa=None, reprob=0.0, color_jitter=0.0, hflip=0.0, mixup=0.0, cutmix=0.0, smoothing=0.0)
-    if isinstance(cfg.aa, str) and cfg.aa.lower() in ("none", ""):
-        cfg.aa = None
-    _check(
-        (cfg.mixup == 0 and cfg.cutmix == 0) or cfg.batch_size % 2 == 0,
-        f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}",
-    )
-
-    from timm.optim import list_optimizers  # timm loads torch: only after parsing (`train.py --help` loads none)
-
-    _check(cfg.opt.lower() in list_optimizers(), f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers()")
     for pattern, lr in cfg.param_group_lr.items():
         try:
             re.compile(pattern)
         except re.error as e:
             raise ConfigError(f"--param-group-lr: '{pattern}' is not a regular expression ({e})") from None
         _check(
-            isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
+            _is_number(lr) and 0 < lr < math.inf,
             f"--param-group-lr {pattern}=... needs a positive number, got {lr!r}",
         )
 
-    for key in ("pretrained_file", "checkpoint", "distill_teacher_file"):  # data_dir: engine.data names the layout
-        if cfg[key] is not None:
-            _check(Path(cfg[key]).exists(), f"--{key.replace('_', '-')}: path does not exist: {cfg[key]}")
-    if cfg.pretrained_file:
-        cfg.pretrained = True
-    _check(not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH (a weights file or run dir)")
-    _check(
-        bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),
-        "hard distillation needs both --distill-teacher NAME and --distill-teacher-file PATH",
-    )
-    for epoch in cfg.save_epochs:
-        _check(
-            0 <= epoch <= effective_epochs(cfg)[0], f"--save-epochs {epoch} is outside 0..{effective_epochs(cfg)[0]}"
-        )
-    if cfg.reparametrize_at_epoch is not None:
-        _check(
-            0 <= cfg.reparametrize_at_epoch < effective_epochs(cfg)[0],
-            f"--reparametrize-at-epoch must be in 0..{effective_epochs(cfg)[0] - 1}, got {cfg.reparametrize_at_epoch}",
-        )
-    if cfg.output is None:
-        cfg.output = str(Path("runs") / f"{cfg.model}-{cfg.dataset}")
-    if not cfg.eval_only:
-        check_output_dir(cfg.output)
+
+def _check_paths(cfg: Config) -> None:
+    """Files the options name exist (data_dir: engine.data names the expected layout)."""
+    for name in ("pretrained_file", "checkpoint", "distill_teacher_file"):
+        path = getattr(cfg, name)
+        _check(path is None or Path(path).exists(), f"{flag_name(name)}: path does not exist: {path}")
 
 
 def effective_epochs(cfg: Config) -> tuple[int, int]:
@@ -355,5 +350,5 @@ def effective_epochs(cfg: Config) -> tuple[int, int]:
 def write_config(cfg: Config, path: Path, derived: dict) -> None:
     """The resolved options as a reloadable recipe; derived values (lr, global batch...) as comments."""
     header = "".join(f"# {key}: {value}\n" for key, value in derived.items())
-    body = yaml.safe_dump(dict(cfg), sort_keys=False)
+    body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     write_text(path, "# resolved config of this run; reload with -c\n" + header + body)

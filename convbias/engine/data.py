@@ -28,7 +28,7 @@ from timm.data import create_transform
 from timm.data.auto_augment import posterize as timm_posterize
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .config import check_data_option
+from .config import check_option
 from .datasets import (
     DATASETS,
     EMBEDDED_SOURCES,
@@ -95,7 +95,7 @@ def _check_data_options(
     if dataset not in DATASETS and not is_hfds(dataset):
         raise ValueError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}, hfds/NAME")
     for name, value in (("train_fraction", train_fraction), ("num_classes", num_classes), ("img_size", img_size)):
-        check_data_option(name, value)
+        check_option(name, value)
     if dataset in EMBEDDED_SOURCES:
         return None  # embedded in an installed package, no files
     layout = dataset_info(dataset).layout
@@ -338,8 +338,8 @@ class SeededSamples(Dataset):
 
 
 def _check_loader_args(batch_size: int, workers: int) -> None:
-    check_data_option("batch_size", batch_size)
-    check_data_option("workers", workers)
+    check_option("batch_size", batch_size)
+    check_option("workers", workers)
 
 
 def build_train_loader(
@@ -358,7 +358,7 @@ def build_train_loader(
     resume after `start` samples) before each epoch. Augmentations use per-sample seeds (see
     ShardedSampler), so they are the same for any number of workers and after a mid-epoch resume."""
     _check_loader_args(batch_size, workers)
-    check_data_option("repeated_aug", repeated_aug)
+    check_option("repeated_aug", repeated_aug)
     sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, repeats=int(repeated_aug), per_sample_seeds=True)
     if len(sampler) < batch_size:
         raise ValueError(

@@ -6,7 +6,6 @@ The registry must already hold the model: the composition root imports the famil
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from convbias.weights import check_weights_file
 
 from .errors import ConfigError
+from .options import Config
 
 
 def check_model_name(name: str, option: str = "--model") -> None:
@@ -26,34 +26,33 @@ def check_model_name(name: str, option: str = "--model") -> None:
         raise ConfigError(f"unknown model '{name}' for {option}{hint}")
 
 
-def create_model(cfg: Mapping[str, Any], num_classes: int, in_chans: int) -> torch.nn.Module:
-    """timm.create_model with the run's options; pretrained weights come from a local file only.
-
-    cfg keys: model, model_kwargs, img_size, drop_path, pretrained, pretrained_file (as in config.yaml)."""
+def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
+    """timm.create_model with the run's model options (model, model_kwargs, img_size, drop_path, pretrained,
+    pretrained_file); pretrained weights come from a local file only."""
     kwargs: dict[str, Any] = dict(
         num_classes=num_classes,
-        drop_path_rate=cfg.get("drop_path") or None,
+        drop_path_rate=cfg.drop_path or None,
         in_chans=None if in_chans == 3 else in_chans,
-        pretrained=bool(cfg.get("pretrained")),
+        pretrained=bool(cfg.pretrained),
     )
-    if cfg.get("pretrained_file"):
+    if cfg.pretrained_file:
         try:
-            check_weights_file(cfg["pretrained_file"])
+            check_weights_file(cfg.pretrained_file)
         except ValueError as e:
             raise ConfigError(f"--pretrained-file: {e}") from None
-        kwargs["pretrained_cfg_overlay"] = dict(file=str(Path(cfg["pretrained_file"]).resolve()))
-    model_kwargs = dict(cfg.get("model_kwargs") or {})
+        kwargs["pretrained_cfg_overlay"] = dict(file=str(Path(cfg.pretrained_file).resolve()))
+    model_kwargs = dict(cfg.model_kwargs or {})
     kwargs.update(model_kwargs)
-    kwargs.setdefault("img_size", cfg.get("img_size"))
+    kwargs.setdefault("img_size", cfg.img_size)
     try:
         try:
-            return timm.create_model(cfg["model"], **kwargs)
+            return timm.create_model(cfg.model, **kwargs)
         except TypeError as e:  # CNNs take no img_size: they run at any resolution
             if "img_size" not in str(e) or "img_size" in model_kwargs:
                 raise
             kwargs.pop("img_size")
-            return timm.create_model(cfg["model"], **kwargs)
+            return timm.create_model(cfg.model, **kwargs)
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
         raise ConfigError(
-            f"cannot build {cfg['model']} with {model_kwargs or 'default arguments'}: {str(e).splitlines()[0]}"
+            f"cannot build {cfg.model} with {model_kwargs or 'default arguments'}: {str(e).splitlines()[0]}"
         ) from None

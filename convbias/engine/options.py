@@ -1,14 +1,25 @@
-"""The command-line options of ``train.py``: their parser, defaults and help, and the argparse pieces the
-project's other commands share (``OptionParser``, ``key_value``, ``yaml_scalar``).
+"""The run configuration, declared once: every option of ``train.py`` is one field below, with its type,
+default, help and check. The command line, YAML recipes, ``--help``, validation and ``engine.run(cfg)``
+from Python all derive from these declarations.
 
-Light to import: ``train.py --help`` builds this parser and nothing else.
+Options are grouped in sections (``ModelOptions``, ``DataOptions``, ...) that a reader can find; ``Config``
+holds them all as flat fields (``cfg.lr``), named as in timm's ``train.py``. A YAML key is the option name
+with ``_`` (``batch_size: 64``). Defaults are the DeiT recipe (Touvron et al. 2021), which the ConViT keeps.
+
+Light to import: ``train.py --help`` builds the parser from this module and loads no torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-from typing import Any
+import dataclasses
+import math
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -21,9 +32,275 @@ DESCRIPTION = "Run configuration: command-line options, YAML recipes (``-c``), a
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
 SCHEDULES = ("cosine", "step", "constant")
 PRECISIONS = ("no", "bf16", "fp16")
-KEY_VALUE_OPTIONS = ("model_kwargs", "reparametrize_kwargs", "param_group_lr")
 
 
+class Check(NamedTuple):
+    """A declared option's rule: ``valid(value)``, else ``--name must be {expected}, got {value}``."""
+
+    valid: Callable[[Any], bool]
+    expected: str
+
+
+POSITIVE = Check(lambda v: v > 0, "positive")
+POSITIVE_INT = Check(lambda v: v >= 1, "a positive integer")
+NON_NEGATIVE = Check(lambda v: v >= 0, ">= 0")
+AT_LEAST_ONE = Check(lambda v: v >= 1, ">= 1")
+PROBABILITY = Check(lambda v: 0 <= v <= 1, "in [0, 1]")
+FRACTION = Check(lambda v: 0 < v <= 1, "in (0, 1]")
+BELOW_ONE = Check(lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def option(
+    default: Any,
+    help: str = "",
+    *,
+    check: Check | None = None,
+    choices: tuple[str, ...] | None = None,
+    nargs: int | str | None = None,
+    metavar: str | tuple[str, ...] | None = None,
+) -> Any:
+    """One option's declaration: a dataclass field whose metadata gives the parser and the checks."""
+    metadata = dict(help=help, check=check, choices=choices, nargs=nargs, metavar=metavar)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelOptions:
+    model: str | None = option(None, "any model in timm's registry (train.py registers this project's families)")
+    pretrained: bool = option(False, "start from pretrained weights")
+    pretrained_file: str | None = option(None, "local weights file for --pretrained (no download)")
+    model_kwargs: dict[str, Any] = option(
+        {}, "extra model constructor arguments, values parsed as YAML scalars (patch_size=4)", metavar="K=V"
+    )
+    drop_path: float = option(0.1, "stochastic depth rate", check=BELOW_ONE)
+    num_classes: int | None = option(None, "keep only the first K classes", check=Check(lambda v: v >= 2, "at least 2"))
+    img_size: int | None = option(None, "default: the dataset's (224 for ImageNet)", check=POSITIVE_INT)
+    output_scale: float | None = option(
+        None,
+        "train alpha (f_w - f_w0) with the loss / alpha^2 (the alpha-trick: large alpha = lazy, small = feature "
+        "learning; the lr is not rescaled: see convbias.engine.output_scale for Adam)",
+        check=Check(lambda v: 0 < v < math.inf, "a positive finite number (the output scale alpha)"),
+        metavar="ALPHA",
+    )
+    reparametrize: str | None = option(
+        None, "a change of architecture registered by the entry point (train.py registers tcnn)", metavar="NAME"
+    )
+    reparametrize_at_epoch: int | None = option(
+        None, "apply --reparametrize NAME with --reparametrize-kwargs at the start of this epoch (0-based)"
+    )
+    reparametrize_kwargs: dict[str, Any] = option({}, metavar="K=V")
+    distill_teacher: str | None = option(None, "timm name of a CNN teacher (hard distillation)")
+    distill_teacher_file: str | None = option(None, "local weights of the teacher")
+    model_ema: bool = option(False, "keep and evaluate an EMA of the weights")
+    model_ema_decay: float = option(0.99996, check=BELOW_ONE)
+    grad_checkpointing: bool = option(
+        False, "recompute block activations in backward (timm's set_grad_checkpointing): less memory"
+    )
+
+
+@dataclass
+class DataOptions:
+    dataset: str = option("digits", f"one of {', '.join(DATASETS)}, wds/NAME, hfids/NAME, hfds/NAME")
+    data_dir: str | None = option(None)
+    train_fraction: float = option(1.0, "keep this fraction of each class, in (0, 1]", check=FRACTION)
+    workers: int = option(4, "data loader processes per training process", check=NON_NEGATIVE)
+    aa: str | None = option("rand-m9-mstd0.5-inc1", "timm auto-augment policy; none to disable")
+    reprob: float = option(0.25, "random erasing probability", check=PROBABILITY)
+    color_jitter: float = option(0.3)
+    interpolation: str = option("bicubic")
+    crop_pct: float = option(0.875, "eval center-crop fraction", check=FRACTION)
+    hflip: float = option(0.5)
+    scale: list[float] | None = option(
+        None, "random-resized-crop area range; default timm's (0.08, 1)", nargs=2, metavar=("MIN", "MAX")
+    )
+    skip_unreadable: bool = option(True, "skip (and count) unreadable images instead of stopping")
+    repeated_aug: int = option(
+        3, "repeated augmentation: copies of each image", check=Check(lambda v: v >= 1, ">= 1 (1: each image once)")
+    )
+    mixup: float = option(0.8, "mixup alpha; 0 disables", check=NON_NEGATIVE)
+    cutmix: float = option(1.0, "cutmix alpha; 0 disables", check=NON_NEGATIVE)
+    smoothing: float = option(0.1, "label smoothing", check=BELOW_ONE)
+    no_aug: bool = option(False, "no augmentation at all (crop/flip, aa, mixup, cutmix, erasing, smoothing)")
+
+
+@dataclass
+class OptimizationOptions:
+    opt: str = option("adamw", "timm optimizer name")
+    lr: float | None = option(None, "absolute lr; default lr-base x global batch / lr-base-size", check=POSITIVE)
+    lr_base: float = option(5e-4, check=POSITIVE)
+    lr_base_size: int = option(512, check=POSITIVE)
+    weight_decay: float = option(0.05, check=NON_NEGATIVE)
+    momentum: float = option(0.9)
+    opt_eps: float = option(1e-8)
+    clip_grad: float | None = option(None, "clip the gradient norm to this value", check=POSITIVE)
+    param_group_lr: dict[str, Any] = option(
+        {}, "absolute lr for parameters whose name matches REGEX (gating_param=0.1)", metavar="REGEX=LR"
+    )
+    batch_size: int = option(64, "per process", check=POSITIVE_INT)
+    eval_batch_size: int | None = option(None, "per process; default --batch-size", check=POSITIVE)
+    grad_accum_steps: int = option(1, check=AT_LEAST_ONE)
+    seed: int = option(0)
+
+
+@dataclass
+class ScheduleOptions:
+    sched: str = option("cosine", f"one of {', '.join(SCHEDULES)}", choices=SCHEDULES)
+    epochs: int = option(300)
+    scale_epochs: bool = option(False, "multiply epochs and warmup by 1/train-fraction (same number of images seen)")
+    warmup_epochs: int = option(5, check=NON_NEGATIVE)
+    warmup_lr: float = option(1e-6, check=NON_NEGATIVE)
+    min_lr: float = option(1e-5, check=NON_NEGATIVE)
+    decay_epochs: float = option(30, "step schedule: epochs between decays")
+    decay_rate: float = option(0.1, "step schedule: lr factor per decay")
+
+
+@dataclass
+class DistributionOptions:
+    mixed_precision: str = option("no", f"one of {', '.join(PRECISIONS)}", choices=PRECISIONS)
+    compile: bool = option(
+        False, "torch.compile the training and evaluation forwards (checkpoints keep the model's own keys)"
+    )
+    compile_mode: str = option("default", f"one of {', '.join(COMPILE_MODES)}", choices=COMPILE_MODES)
+    compile_backend: str = option(
+        "inductor", "torch.compile backend (aot_eager: dynamo's graphs and autograd without code generation)"
+    )
+    preempt_signals: list[str] = option(
+        list(DEFAULT_SIGNALS),
+        "signals that stop the run after the current step with a resume point, exit code "
+        f"{REQUEUE_EXIT_CODE} (none: off)",
+        metavar="SIG",
+    )
+
+
+@dataclass
+class CheckpointingOptions:
+    output: str | None = option(None, "output dir; default runs/<model>-<dataset>")
+    resume: str | None = option(None, "'auto' (the output dir's latest checkpoint) or a path")
+    eval_only: bool | str = option(
+        False,
+        "evaluate a run directory (its config.yaml gives the model, data and --workers; options given override "
+        "them) or --checkpoint, and print top-1/top-5",
+        metavar="RUN_OR_WEIGHTS",
+    )
+    which: str | None = option(
+        None,
+        f"checkpoint of a run directory to evaluate or start from (default: {DEFAULT_WHICH})",
+        choices=WHICH,
+        metavar="{" + ",".join(WHICH) + "}",
+    )
+    checkpoint: str | None = option(None, "weights to evaluate or start from (a file or a run dir)")
+    save_epochs: list[int] = option(
+        [], "also keep checkpoints/epoch_E.safetensors after E epochs (0 = the initial weights)", metavar="E"
+    )
+    checkpoint_interval: int = option(
+        0,
+        "also write a mid-epoch resume point every STEPS optimizer updates (0: at epoch ends only)",
+        check=Check(lambda v: v >= 0, ">= 0 (0: off)"),
+        metavar="STEPS",
+    )
+    keep_checkpoints: int = option(
+        DEFAULT_KEEP_CHECKPOINTS,
+        "resume points kept (the newest K, and best); --resume auto falls back to an older one when the newest is "
+        "damaged",
+        check=AT_LEAST_ONE,
+        metavar="K",
+    )
+    accept_resume_changes: bool = option(
+        False,
+        "continue a mid-epoch resume point with another batch size, seed, data set or model options (not exact; "
+        "recorded in log.jsonl)",
+    )
+
+
+@dataclass
+class LoggingOptions:
+    eval_interval: int = option(1, "evaluate every N epochs (and after the last)", check=AT_LEAST_ONE)
+    diagnostics: bool = option(True, "log model diagnostics every evaluation")
+    diagnostics_images: int = option(16, "fixed eval images used by diagnostics", check=POSITIVE_INT)
+    log_wandb: bool = option(False, "log to wandb (honors WANDB_MODE)")
+    wandb_project: str = option("convolutional-inductive-biases")
+
+
+# (section title in --help, its options), in the order --help and config.yaml show them
+SECTIONS: tuple[tuple[str, type], ...] = (
+    ("model", ModelOptions),
+    ("data and augmentation", DataOptions),
+    ("optimization", OptimizationOptions),
+    ("schedule", ScheduleOptions),
+    ("distribution and speed", DistributionOptions),
+    ("checkpointing", CheckpointingOptions),
+    ("logging", LoggingOptions),
+)
+
+
+@dataclass
+class Config(
+    LoggingOptions,
+    CheckpointingOptions,
+    DistributionOptions,
+    ScheduleOptions,
+    OptimizationOptions,
+    DataOptions,
+    ModelOptions,
+):
+    """A run's options, every section's fields flat (the dataclass order lists the model section first).
+    ``Config(model=..., epochs=...)`` from Python, ``parse_config(argv)`` from the command line; both are
+    checked by ``config.validate`` before a run starts."""
+
+    config: str | None = option(None, "YAML recipe; command-line options override it")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as config.yaml and the trackers record them (plain values, declaration order)."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "the options") -> Config:
+        """A Config from a mapping such as a run's config.yaml; an unknown key is a ConfigError naming it."""
+        unknown = sorted(set(values) - set(option_names()))
+        if unknown:
+            raise ConfigError(f"unknown option '{unknown[0]}' in {source}{did_you_mean(unknown[0])}")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with some options changed (the original is left as it is)."""
+        return dataclasses.replace(copy.deepcopy(self), **changes)
+
+
+@cache
+def option_types() -> dict[str, Any]:
+    """Every option's declared type (the annotations resolved)."""
+    return typing.get_type_hints(Config)
+
+
+@cache
+def option_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Config))
+
+
+def declaration(name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(Config) if f.name == name)
+
+
+def flag_name(name: str) -> str:
+    """'batch_size' -> '--batch-size'."""
+    return f"--{name.replace('_', '-')}"
+
+
+def did_you_mean(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, option_names(), n=3)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def key_value_options() -> tuple[str, ...]:
+    """The K=V options (mappings): a recipe and the command line merge them key by key."""
+    return tuple(name for name, kind in option_types().items() if typing.get_origin(kind) is dict)
+
+
+# ------------------------------------------------------------------------------------- the command line
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """--help shows every option's default (argparse's own formatter skips options without a help text)."""
 
@@ -66,206 +343,37 @@ def key_value(text: str) -> tuple[str, Any]:
     return key, yaml_scalar(value)
 
 
+def _argument(spec: dataclasses.Field, kind: Any) -> dict[str, Any]:
+    """argparse's keyword arguments for one declared option, from its type and metadata."""
+    meta = spec.metadata
+    default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+    argument: dict[str, Any] = dict(default=default, help=meta["help"] or None, metavar=meta["metavar"])
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    origin = typing.get_origin(kind)
+    if kind is bool and spec.name.startswith("no_"):  # --no-aug: a switch, not --no-no-aug
+        argument.update(action="store_true")
+    elif kind is bool:
+        argument.update(action=argparse.BooleanOptionalAction)
+    elif set(args) == {bool, str}:  # --eval-only [RUN_OR_WEIGHTS]
+        argument.update(nargs="?", const=True)
+    elif origin is dict:  # K=V pairs, merged with the recipe's mapping key by key
+        argument.update(nargs="*", type=key_value, default=None)
+    elif origin is list or (args and typing.get_origin(args[0]) is list):
+        item = typing.get_args(args[0] if origin is not list else kind)[0]
+        argument.update(nargs=meta["nargs"] or "*", type=None if item is str else item)
+    elif (args and args[0] is not str) or kind in (int, float):
+        argument.update(type=args[0] if args else kind)
+    return {key: value for key, value in argument.items() if value is not None or key == "default"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """All options. Defaults are the DeiT recipe (Touvron et al. 2021) that the ConViT keeps unchanged."""
-    p = OptionParser(
+    """train.py's parser, one argument per declared option, grouped by section."""
+    parser = OptionParser(
         prog="train.py", description=DESCRIPTION, allow_abbrev=False, formatter_class=DefaultsHelpFormatter
     )
-    p.add_argument("-c", "--config", default=None, help="YAML recipe; command-line options override it")
-    flag = argparse.BooleanOptionalAction
-
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model", default=None, help="any model in timm's registry (train.py registers this project's families)"
-    )
-    g.add_argument("--pretrained", action=flag, default=False, help="start from pretrained weights")
-    g.add_argument("--pretrained-file", default=None, help="local weights file for --pretrained (no download)")
-    g.add_argument(
-        "--model-kwargs",
-        nargs="*",
-        type=key_value,
-        default=None,
-        metavar="K=V",
-        help="extra model constructor arguments, values parsed as YAML scalars (patch_size=4)",
-    )
-    g.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
-    g.add_argument("--num-classes", type=int, default=None, help="keep only the first K classes")
-    g.add_argument("--img-size", type=int, default=None, help="default: the dataset's (224 for ImageNet)")
-    g.add_argument(
-        "--output-scale",
-        type=float,
-        default=None,
-        metavar="ALPHA",
-        help="train alpha (f_w - f_w0) with the loss / alpha^2 (the alpha-trick: large alpha = lazy, "
-        "small = feature learning; the lr is not rescaled: see convbias.engine.output_scale for Adam)",
-    )
-
-    g = p.add_argument_group("data and augmentation")
-    g.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}, wds/NAME, hfids/NAME, hfds/NAME")
-    g.add_argument("--data-dir", default=None)
-    g.add_argument("--train-fraction", type=float, default=1.0, help="keep this fraction of each class, in (0, 1]")
-    g.add_argument(
-        "--scale-epochs",
-        action=flag,
-        default=False,
-        help="multiply epochs and warmup by 1/train-fraction (same number of images seen)",
-    )
-    g.add_argument("--workers", type=int, default=4, help="data loader processes per training process")
-    g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy; none to disable")
-    g.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
-    g.add_argument("--color-jitter", type=float, default=0.3)
-    g.add_argument("--interpolation", default="bicubic")
-    g.add_argument("--crop-pct", type=float, default=0.875, help="eval center-crop fraction")
-    g.add_argument("--hflip", type=float, default=0.5)
-    g.add_argument(
-        "--scale",
-        type=float,
-        nargs=2,
-        default=None,
-        metavar=("MIN", "MAX"),
-        help="random-resized-crop area range; default timm's (0.08, 1)",
-    )
-    g.add_argument(
-        "--skip-unreadable", action=flag, default=True, help="skip (and count) unreadable images instead of stopping"
-    )
-    g.add_argument("--repeated-aug", type=int, default=3, help="repeated augmentation: copies of each image")
-    g.add_argument("--mixup", type=float, default=0.8, help="mixup alpha; 0 disables")
-    g.add_argument("--cutmix", type=float, default=1.0, help="cutmix alpha; 0 disables")
-    g.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
-    g.add_argument(
-        "--no-aug",
-        action="store_true",
-        default=False,
-        help="no augmentation at all (crop/flip, aa, mixup, cutmix, erasing, smoothing)",
-    )
-
-    g = p.add_argument_group("optimization")
-    g.add_argument("--opt", default="adamw", help="timm optimizer name")
-    g.add_argument("--lr", type=float, default=None, help="absolute lr; default lr-base x global batch / lr-base-size")
-    g.add_argument("--lr-base", type=float, default=5e-4)
-    g.add_argument("--lr-base-size", type=int, default=512)
-    g.add_argument("--weight-decay", type=float, default=0.05)
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--opt-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=None, help="clip the gradient norm to this value")
-    g.add_argument(
-        "--param-group-lr",
-        nargs="*",
-        type=key_value,
-        default=None,
-        metavar="REGEX=LR",
-        help="absolute lr for parameters whose name matches REGEX (gating_param=0.1)",
-    )
-    g.add_argument("--sched", default="cosine", help=f"one of {', '.join(SCHEDULES)}")
-    g.add_argument("--epochs", type=int, default=300)
-    g.add_argument("--warmup-epochs", type=int, default=5)
-    g.add_argument("--warmup-lr", type=float, default=1e-6)
-    g.add_argument("--min-lr", type=float, default=1e-5)
-    g.add_argument("--decay-epochs", type=float, default=30, help="step schedule: epochs between decays")
-    g.add_argument("--decay-rate", type=float, default=0.1, help="step schedule: lr factor per decay")
-
-    g = p.add_argument_group("training")
-    g.add_argument("--batch-size", type=int, default=64, help="per process")
-    g.add_argument("--eval-batch-size", type=int, default=None, help="per process; default --batch-size")
-    g.add_argument("--grad-accum-steps", type=int, default=1)
-    g.add_argument("--mixed-precision", default="no", help=f"one of {', '.join(PRECISIONS)}")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--model-ema", action=flag, default=False, help="keep and evaluate an EMA of the weights")
-    g.add_argument("--model-ema-decay", type=float, default=0.99996)
-    g.add_argument("--distill-teacher", default=None, help="timm name of a CNN teacher (hard distillation)")
-    g.add_argument("--distill-teacher-file", default=None, help="local weights of the teacher")
-    g.add_argument(
-        "--reparametrize",
-        default=None,
-        metavar="NAME",
-        help="a change of architecture registered by the entry point (train.py registers tcnn)",
-    )
-    g.add_argument(
-        "--reparametrize-at-epoch",
-        type=int,
-        default=None,
-        help="apply --reparametrize NAME with --reparametrize-kwargs at the start of this epoch (0-based)",
-    )
-    g.add_argument("--reparametrize-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
-    g.add_argument(
-        "--compile",
-        action=flag,
-        default=False,
-        help="torch.compile the training and evaluation forwards (checkpoints keep the model's own keys)",
-    )
-    g.add_argument("--compile-mode", default="default", help=f"one of {', '.join(COMPILE_MODES)}")
-    g.add_argument(
-        "--compile-backend",
-        default="inductor",
-        help="torch.compile backend (aot_eager: dynamo's graphs and autograd without code generation)",
-    )
-    g.add_argument(
-        "--grad-checkpointing",
-        action=flag,
-        default=False,
-        help="recompute block activations in backward (timm's set_grad_checkpointing): less memory",
-    )
-
-    g = p.add_argument_group("run, checkpoints and logging")
-    g.add_argument("--output", default=None, help="output dir; default runs/<model>-<dataset>")
-    g.add_argument("--resume", default=None, help="'auto' (the output dir's latest checkpoint) or a path")
-    g.add_argument(
-        "--eval-only",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="RUN_OR_WEIGHTS",
-        help="evaluate a run directory (its config.yaml gives the model, data and --workers; options given "
-        "override them) or --checkpoint, and print top-1/top-5",
-    )
-    g.add_argument(
-        "--which",
-        default=None,
-        choices=WHICH,
-        help=f"checkpoint of a run directory to evaluate or start from (default: {DEFAULT_WHICH})",
-    )
-    g.add_argument("--checkpoint", default=None, help="weights to evaluate or start from (a file or a run dir)")
-    g.add_argument(
-        "--save-epochs",
-        nargs="*",
-        type=int,
-        default=[],
-        metavar="E",
-        help="also keep checkpoints/epoch_E.safetensors after E epochs (0 = the initial weights)",
-    )
-    g.add_argument(
-        "--checkpoint-interval",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="also write a mid-epoch resume point every STEPS optimizer updates (0: at epoch ends only)",
-    )
-    g.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=DEFAULT_KEEP_CHECKPOINTS,
-        metavar="K",
-        help="resume points kept (the newest K, and best); --resume auto falls back to an older one when the "
-        "newest is damaged",
-    )
-    g.add_argument(
-        "--accept-resume-changes",
-        action=flag,
-        default=False,
-        help="continue a mid-epoch resume point with another batch size, seed, data set or model options "
-        "(not exact; recorded in log.jsonl)",
-    )
-    g.add_argument(
-        "--preempt-signals",
-        nargs="*",
-        default=list(DEFAULT_SIGNALS),
-        metavar="SIG",
-        help="signals that stop the run after the current step with a resume point, exit code "
-        f"{REQUEUE_EXIT_CODE} (none: off)",
-    )
-    g.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs (and after the last)")
-    g.add_argument("--diagnostics", action=flag, default=True, help="log model diagnostics every evaluation")
-    g.add_argument("--diagnostics-images", type=int, default=16, help="fixed eval images used by diagnostics")
-    g.add_argument("--log-wandb", action=flag, default=False, help="log to wandb (honors WANDB_MODE)")
-    g.add_argument("--wandb-project", default="convolutional-inductive-biases")
-    return p
+    parser.add_argument("-c", "--config", **_argument(declaration("config"), option_types()["config"]))
+    for title, section in SECTIONS:
+        group = parser.add_argument_group(title)
+        for spec in dataclasses.fields(section):
+            group.add_argument(flag_name(spec.name), **_argument(spec, option_types()[spec.name]))
+    return parser

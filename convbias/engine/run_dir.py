@@ -146,6 +146,12 @@ class RunDir:
     def config(self) -> dict[str, Any]:
         return read_run_config(self.path)
 
+    def run_config(self) -> Any:
+        """The run's options as a typed ``engine.Config`` (an option config.yaml lacks takes its default)."""
+        from .options import Config
+
+        return Config.from_dict(self.config, source=str(self.path / CONFIG_FILE))
+
     def options(self) -> dict[str, Any]:
         """The ``RUN_KEYS`` of the run's config: what a command reusing the run takes as its defaults."""
         return {key: self.config[key] for key in RUN_KEYS if key in self.config}
@@ -269,22 +275,21 @@ class RunDir:
         output-scale wrapper of an ``--output-scale`` run."""
         from convbias.weights import load_weights
 
-        from .config import Config
         from .modeling import create_model
         from .output_scale import OutputScale
 
         spec = self.model_spec(which)
-        cfg = Config({**self.config, "img_size": spec["img_size"], "pretrained": False, "pretrained_file": None})
+        cfg = self.run_config().replace(img_size=spec["img_size"], pretrained=False, pretrained_file=None)
         model = create_model(cfg, spec["num_classes"], spec["in_chans"])
         if spec["reparametrized"]:
             known = getattr(extensions, "reparametrizations", {}) or {}
-            if cfg.get("reparametrize") not in known:
+            if cfg.reparametrize not in known:
                 raise ConfigError(
                     f"{spec['checkpoint'].describe()} was written after the reparametrization "
-                    f"{cfg.get('reparametrize')!r}, which is not registered here (convbias.families.load_families())"
+                    f"{cfg.reparametrize!r}, which is not registered here (convbias.families.load_families())"
                 )
-            model = known[cfg.reparametrize](model, **(cfg.get("reparametrize_kwargs") or {}))
-        if cfg.get("output_scale") is not None:
+            model = known[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
+        if cfg.output_scale is not None:
             model = OutputScale(model, cfg.output_scale)
         load_weights(model, spec["checkpoint"].weights)
         return model.eval(), spec["checkpoint"]

@@ -196,9 +196,9 @@ def check_exact_continuation(cfg: Config, state: dict[str, Any] | None, point: P
         return None
     written = state["options"]
     changes = [
-        f"--{key.replace('_', '-')} {_shown(written[key])} -> {_shown(cfg[key])}"
+        f"--{key.replace('_', '-')} {_shown(written[key])} -> {_shown(getattr(cfg, key))}"
         for key in EXACT_KEYS
-        if key in written and _shown(written[key]) != _shown(cfg[key])
+        if key in written and _shown(written[key]) != _shown(getattr(cfg, key))
     ]
     if not changes:
         return None

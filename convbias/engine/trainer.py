@@ -73,7 +73,7 @@ class Trainer(RunSetup):
         if cfg.log_wandb:
             acc.init_trackers(
                 cfg.wandb_project,
-                config={**cfg, **derived},
+                config={**cfg.to_dict(), **derived},
                 init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}},
             )
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
@@ -184,7 +184,7 @@ class Trainer(RunSetup):
             )
 
     def _results(self) -> dict[str, Any]:
-        return results_record(self.cfg, self.epochs, self.final, self.best)
+        return results_record(self.cfg.to_dict(), self.epochs, self.final, self.best)
 
     def evaluate_only(self) -> dict[str, float]:
         metrics = self.evaluate(self.forward)
@@ -308,7 +308,7 @@ class Trainer(RunSetup):
         if acc.is_main_process:
             state = {
                 "model": self.cfg.model,
-                "options": {key: self.cfg[key] for key in EXACT_KEYS},  # what exact continuation needs
+                "options": {key: getattr(self.cfg, key) for key in EXACT_KEYS},  # what exact continuation needs
                 "epoch": epoch,
                 "step": step,
                 "loss_sums": loss_sums,

@@ -123,7 +123,7 @@ def load_run(
     members of an ensemble share their datasets."""
     run = RunDir(run_dir)
     model, _ = run.build_model(which, extensions)
-    cfg = Config(run.config)
+    cfg = run.run_config()
     return model, cfg, data if data is not None else build_datasets(cfg)
 
 
@@ -146,7 +146,7 @@ def evaluate_runs(
     check_same_architecture([{k: r.config.get(k) for k in ARCHITECTURE_KEYS} for r in runs], [str(d) for d in run_dirs])
     for run in runs:
         run.checkpoint(which)  # every member's weights are verified before any model is built
-    loader = build_eval_loader(build_datasets(Config(runs[0].config)).val, batch_size, 0)
+    loader = build_eval_loader(build_datasets(runs[0].run_config()).val, batch_size, 0)
     outputs, checkpoints, labels = [], [], []
     for run in runs:
         model, checkpoint = run.build_model(which, extensions)

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from convbias.engine import (
     DATASETS,
+    Config,
     ConfigError,
     ImageFolderDataset,
     build_datasets,
@@ -119,7 +120,7 @@ class RobustnessStudy:
         self.options = options
         self.img_size = options.img_size or DATASETS[options.dataset].default_img_size
         self.bundle = bundle = build_datasets(
-            dict(
+            Config(
                 dataset=options.dataset,
                 data_dir=options.data_dir,
                 num_classes=options.num_classes,
@@ -154,7 +155,7 @@ class RobustnessStudy:
             self.checkpoints[self.baseline] = options.compare_checkpoint_label or options.compare_checkpoint
 
     def _model(self, name: str, checkpoint: str, kwargs: dict) -> torch.nn.Module:
-        cfg = dict(model=name, model_kwargs=kwargs, img_size=self.img_size)
+        cfg = Config(model=name, model_kwargs=kwargs, img_size=self.img_size)
         model = create_model(cfg, self.bundle.num_classes, self.bundle.in_chans)
         load_weights(model, checkpoint)
         return PixelModel(model, self.bundle.mean, self.bundle.std).to(self.options.device).eval()

@@ -55,12 +55,12 @@ from convbias.engine import (
     Config,
     DamagedCheckpointError,
     RunDir,
-    build_parser,
     check_model_name,
     create_model,
     parse_config,
     read_summary,
 )
+from convbias.engine.options import build_parser
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
 from convbias.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
@@ -111,12 +111,12 @@ def _check_option_keys(keys: Iterable[str], where: str, known: dict[str, argpars
             raise ValueError(f"{where}: '{key}' is not a train.py option (config key){hint}")
 
 
-def _check_model(run: Run, cfg: dict[str, Any]) -> None:
+def _check_model(run: Run, cfg: Config) -> None:
     """Build the run's model as train.py would, on the meta device (no memory, no init cost)."""
-    cfg = Config(cfg, pretrained=False, pretrained_file=None)  # no weights are read here
+    cfg = cfg.replace(pretrained=False, pretrained_file=None)  # no weights are read here
     try:
         with torch.device("meta"):
-            create_model(cfg, num_classes=cfg["num_classes"] or 1000, in_chans=DATASETS[cfg["dataset"]].in_chans)
+            create_model(cfg, num_classes=cfg.num_classes or 1000, in_chans=DATASETS[cfg.dataset].in_chans)
     except ValueError as error:
         raise ValueError(f"run {run.name}: {error}") from None
 
@@ -153,7 +153,7 @@ def validate(spec: dict[str, Any], runs: list[Run], known: dict[str, argparse.Ac
             cfg = parse_config(train_args(run, Path("unused"), spec, known))
         except ValueError as error:
             raise ValueError(f"run {run.name}: {error}") from None
-        key = (cfg["model"], repr(sorted(cfg["model_kwargs"].items())), cfg["img_size"], cfg["dataset"])
+        key = (cfg.model, repr(sorted(cfg.model_kwargs.items())), cfg.img_size, cfg.dataset)
         if key not in checked:
             _check_model(run, cfg)
             checked.add(key)
