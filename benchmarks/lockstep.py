@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from convbias.engine import COMPILE_MODES, compile_model
+from convbias.engine.compile import COMPILE_MODES, compile_model
 
 MALLOC_ENVIRONMENT = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's maximum: blocks below it come from the heap

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from timm.utils import ModelEmaV3
 
     import convbias.families
-    from convbias.engine import CheckpointDir, rng_state
+    from convbias.engine.checkpoint import CheckpointDir, rng_state
 
     convbias.families.load_families()
     torch.set_num_threads(args.threads)

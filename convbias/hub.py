@@ -55,12 +55,12 @@ from convbias.engine import (
     StorageError,
     build_datasets,
     check_model_name,
-    check_which,
     create_model,
-    dataset_info,
     read_log,
 )
 from convbias.engine.checkpoint import WRITE_ERRORS
+from convbias.engine.data import dataset_info
+from convbias.engine.run_dir import check_which
 from convbias.storage import staged_directory, storage_reason
 from convbias.tables import markdown_table
 from convbias.weights import load_weights
@@ -222,19 +222,9 @@ def _provenance() -> dict[str, str]:
     return {"version": version, "commit": commit, "timm": timm.__version__, "torch": torch.__version__}
 
 
-def model_card(
-    model: torch.nn.Module,
-    info: dict[str, Any],
-    metrics: dict[str, float],
-    exported: dict[str, Any],
-    license: str = DEFAULT_LICENSE,
-    repo_id: str | None = None,
-) -> str:
-    """README.md in the Hub's format: YAML front matter (library, license, tags, datasets, metrics as a
-    model-index with the run's top-1), then the architecture, the recipe, the results and how to load it."""
-    config, name, checkpoint = info["config"], info["model"], info["checkpoint"]
-    family = _family(name)
-    dataset = str(config["dataset"])
+def _front_matter(name: str, family: str, dataset: str, metrics: dict[str, float], license: str) -> dict[str, Any]:
+    """The card's YAML header: what the Hub indexes (library, license, tags, dataset) and the run's top-k as a
+    model-index, so the Hub shows the accuracy beside the model."""
     front = {
         "library_name": "timm",
         "license": license,
@@ -259,11 +249,12 @@ def model_card(
                 ],
             }
         ]
-    args = exported["model_args"]
-    params = sum(p.numel() for p in model.parameters())
-    cfg = exported["pretrained_cfg"]
-    recipe = [(key, json.dumps(config[key])) for key in RECIPE_KEYS if key in config and config[key] not in (None, {})]
-    results = markdown_table(
+    return front
+
+
+def _results_table(checkpoint: RunCheckpoint, dataset: str, metrics: dict[str, float]) -> str:
+    """The card's results: the exported checkpoint's top-1 and top-5, or "not recorded" for what the run lacks."""
+    return markdown_table(
         ["checkpoint", "epoch", "dataset (validation)", "top-1 (%)", "top-5 (%)"],
         [
             [
@@ -275,6 +266,27 @@ def model_card(
             ]
         ],
     )
+
+
+def model_card(
+    model: torch.nn.Module,
+    info: dict[str, Any],
+    metrics: dict[str, float],
+    exported: dict[str, Any],
+    license: str = DEFAULT_LICENSE,
+    repo_id: str | None = None,
+) -> str:
+    """README.md in the Hub's format: YAML front matter (library, license, tags, datasets, metrics as a
+    model-index with the run's top-1), then the architecture, the recipe, the results and how to load it."""
+    config, name, checkpoint = info["config"], info["model"], info["checkpoint"]
+    family = _family(name)
+    dataset = str(config["dataset"])
+    front = _front_matter(name, family, dataset, metrics, license)
+    args = exported["model_args"]
+    params = sum(p.numel() for p in model.parameters())
+    cfg = exported["pretrained_cfg"]
+    recipe = [(key, json.dumps(config[key])) for key in RECIPE_KEYS if key in config and config[key] not in (None, {})]
+    results = _results_table(checkpoint, dataset, metrics)
     provenance = exported["provenance"]
     imports = {"convit": "convit", "transformed_cnn": "transformed_cnn", "efcn": "efcn"}.get(family, family)
     size = cfg["input_size"]

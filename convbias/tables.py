@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from convbias.engine.errors import StorageError
+from convbias.errors import StorageError
 from convbias.storage import atomic_write, storage_reason
 
 

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from convbias.errors import ConfigError
+
 WEIGHTS_FILE = "model.safetensors"
 MAX_KEYS_SHOWN = 5
 
@@ -26,13 +28,13 @@ def resolve_weights_path(path: str | Path) -> Path:
         if (path / WEIGHTS_FILE).is_file():
             return path / WEIGHTS_FILE
         if (path / "checkpoints").is_dir():
-            raise ValueError(
+            raise ConfigError(
                 f"{path} is a run directory: give one of its checkpoints ({path}/checkpoints/epoch_NNNN/"
                 f"{WEIGHTS_FILE}), or the run itself where a command takes a run (--checkpoint RUN, --eval-only RUN)"
             )
-        raise ValueError(f"no weights in {path} (expected {WEIGHTS_FILE} in it)")
+        raise ConfigError(f"no weights in {path} (expected {WEIGHTS_FILE} in it)")
     if not path.is_file():
-        raise ValueError(f"weights file not found: {path}")
+        raise ConfigError(f"weights file not found: {path}")
     return path
 
 
@@ -47,11 +49,11 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+            raise ConfigError(f"{path} is not a readable safetensors file ({e})") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
-        raise ValueError(
+        raise ConfigError(
             f"{path} cannot be read as weights with weights_only=True (it is damaged, or holds Python objects "
             f"besides tensors); it was not unpickled"
         ) from None
@@ -60,7 +62,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path} does not hold a state dict of tensors")
+        raise ConfigError(f"{path} does not hold a state dict of tensors")
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
@@ -95,7 +97,7 @@ def check_keys(
         if keys
     ]
     if problems:
-        raise ValueError(f"{source} does not fit this model ({model_name}): " + "; ".join(problems))
+        raise ConfigError(f"{source} does not fit this model ({model_name}): " + "; ".join(problems))
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
@@ -119,7 +121,7 @@ def weights_metadata(path: str | Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
     except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+        raise ConfigError(f"{path} is not a readable safetensors file ({e})") from None
 
 
 def check_weights_file(path: str | Path) -> None:

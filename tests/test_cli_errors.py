@@ -6,7 +6,7 @@ import re
 import pytest
 
 from convbias.cli import run_command
-from convbias.engine.errors import (
+from convbias.errors import (
     EXIT_DAMAGED,
     EXIT_INTERRUPTED,
     EXIT_STORAGE,

@@ -174,7 +174,7 @@ def test_ensemble_command_scores_the_last_point_and_refuses_damaged_weights(seed
     bytes flipped in their middle is one line naming the file, exit 65, before anything is printed."""
     from convbias.cli import ensemble
     from convbias.engine import RunDir
-    from convbias.engine.errors import EXIT_DAMAGED
+    from convbias.errors import EXIT_DAMAGED
 
     prepared, results = seed_runs
     runs = [str(prepared.run_dir(run)) for run in prepared.runs]

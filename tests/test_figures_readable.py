@@ -25,8 +25,15 @@ from matplotlib.legend import Legend
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
 
-from convbias.evaluation import figures, robustness
-from convbias.experiments import efcn_figures, phase_diagram, regimes, report, stability_contrasts, stability_figures
+from convbias.evaluation import figures, robustness_report
+from convbias.experiments import (
+    efcn_figures,
+    phase_diagram,
+    regimes,
+    stability_contrasts,
+    stability_figures,
+    sweep_figures,
+)
 from convbias.experiments.stability_study import Run, Settings, layer_summary
 
 pytestmark = pytest.mark.slow
@@ -187,15 +194,15 @@ def _stability_plots(r_range: tuple[float, float]) -> Callable[[Path], None]:
 def _report(tmp_path: Path) -> None:
     """`convbias-sweep report`: sample efficiency (three models) and the three parameter-sweep forms."""
     fractions = [0.05, 0.1, 0.25, 0.5, 1.0]
-    report.plot_sample_efficiency(
+    sweep_figures.plot_sample_efficiency(
         _sweep_rows({"train_fraction": fractions}, ("convit", "deit", "tcnn")), "deit", tmp_path / "se.png"
     )
     grid = {"train_fraction": [1.0], "width": [4, 6, 8, 12, 16, 24, 32, 48], "alpha_tilde": [0.1, 1, 10, 100, 1000]}
-    report.plot_parameter_sweep(_sweep_rows(grid, ("fc2",)), tmp_path / "heatmap.png")
+    sweep_figures.plot_parameter_sweep(_sweep_rows(grid, ("fc2",)), tmp_path / "heatmap.png")
     lines = {"train_fraction": [0.1, 1.0], "locality_strength": [0.1, 0.3, 1, 3, 10], "local_up_to_layer": [0, 5, 10]}
-    report.plot_parameter_sweep(_sweep_rows(lines, ("convit",)), tmp_path / "lines.png")
+    sweep_figures.plot_parameter_sweep(_sweep_rows(lines, ("convit",)), tmp_path / "lines.png")
     named = {"train_fraction": [1.0], "init": ["convolutional", "random", "identity", "uniform"]}
-    report.plot_parameter_sweep(_sweep_rows(named, ("convit",)), tmp_path / "named.png")
+    sweep_figures.plot_parameter_sweep(_sweep_rows(named, ("convit",)), tmp_path / "named.png")
 
 
 def _regimes(tmp_path: Path) -> None:
@@ -227,7 +234,7 @@ def _phase_diagram(tmp_path: Path) -> None:
 
 
 def _robustness(tmp_path: Path) -> None:
-    """`robustness.plot_improvement`: ImageNet-C rows of two models, every category and severity."""
+    """`robustness_report.plot_improvement`: ImageNet-C rows of two models, every category and severity."""
     from convbias.evaluation.corruptions import CATEGORIES, SEVERITIES
 
     rows = [
@@ -238,7 +245,7 @@ def _robustness(tmp_path: Path) -> None:
         for name in names
         for severity in SEVERITIES
     ]
-    robustness.plot_improvement(rows, "convit", "deit", tmp_path / "improvement.png")
+    robustness_report.plot_improvement(rows, "convit", "deit", tmp_path / "improvement.png")
 
 
 def _trajectories(tmp_path: Path) -> None:

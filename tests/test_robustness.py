@@ -23,12 +23,11 @@ from convbias.evaluation.robustness import (
     accuracy,
     adversarial_accuracy,
     class_index,
-    corruption_errors,
     fgsm,
     pgd,
     read_class_list,
-    relative_improvement,
 )
+from convbias.evaluation.robustness_report import corruption_errors, relative_improvement
 
 MODEL = "test_resnet"  # timm's 0.37M-parameter ResNet
 IMG_SIZE = 16

@@ -324,7 +324,7 @@ def test_damaged_run_weights_are_one_line_exit_65_for_diagnostics_and_robustness
     from PIL import Image
 
     from convbias.cli import diagnostics, robustness
-    from convbias.engine.errors import EXIT_DAMAGED, EXIT_USAGE
+    from convbias.errors import EXIT_DAMAGED, EXIT_USAGE
 
     output, _results, _ = finished_run
     run = tmp_path / "run"

@@ -31,7 +31,7 @@ from convbias.engine.checkpoint import (
     load_weights,
     write_manifest,
 )
-from convbias.engine.errors import (
+from convbias.errors import (
     EXIT_DAMAGED,
     EXIT_REQUEUE,
     EXIT_STORAGE,

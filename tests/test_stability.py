@@ -440,7 +440,7 @@ def test_command_refuses_a_damaged_checkpoint_before_any_output(digits_run, tmp_
     import shutil
 
     from convbias.cli import stability
-    from convbias.engine.errors import EXIT_DAMAGED
+    from convbias.errors import EXIT_DAMAGED
 
     run, _ = digits_run
     damaged = tmp_path / "run"

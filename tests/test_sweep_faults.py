@@ -16,7 +16,7 @@ import pytest
 import yaml
 from test_sweep import TINY_SET, sweep_cli
 
-from convbias.engine.errors import StorageError
+from convbias.errors import StorageError
 from convbias.experiments import regimes, sweep, sweep_spec
 from convbias.tables import write_csv
 

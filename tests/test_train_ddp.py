@@ -25,13 +25,14 @@ DUMP_WEIGHTS = """
 import sys
 from safetensors.torch import save_file
 from convbias.engine.config import parse_config
-from convbias.engine.trainer import Trainer
+from convbias.engine.run_setup import start_run
+from convbias.engine.trainer import build_trainer
 from convbias.families import load_families
 dump_dir, args = sys.argv[1], sys.argv[2:]
-trainer = Trainer(parse_config(args), load_families())
+trainer = build_trainer(start_run(parse_config(args), load_families(), None))
 trainer.fit()
 rank = trainer.accelerator.process_index
-weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+weights = trainer.accelerator.unwrap_model(trainer.models.model).state_dict()
 save_file({k: v.detach().contiguous() for k, v in weights.items()}, f"{dump_dir}/rank{rank}.safetensors")
 """
 LAUNCH_TIMEOUT_S = 300  # a collective that one rank never joins hangs: fail instead

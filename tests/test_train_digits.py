@@ -112,7 +112,8 @@ def test_every_epoch_record_reaches_the_tracker(tmp_path):
 
 def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path, train_argv):
     """The engine's training loss is DeiT's hard distillation against the teacher read from the file."""
-    from convbias.engine.trainer import Trainer
+    from convbias.engine.run_setup import start_run
+    from convbias.engine.trainer import build_trainer
     from convbias.families import load_families
 
     teacher = timm.create_model("test_resnet", num_classes=10, in_chans=1)
@@ -120,22 +121,20 @@ def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path, train
         teacher.fc.weight.zero_()
         teacher.fc.bias.copy_(torch.nn.functional.one_hot(torch.tensor(3), 10).float())
     save_weights(teacher.state_dict(), tmp_path / "teacher.safetensors")
-    trainer = Trainer(
-        parse_config(
-            train_argv(
-                epochs=1,
-                distill_teacher="test_resnet",
-                distill_teacher_file=tmp_path / "teacher.safetensors",
-                output=tmp_path / "run",
-            )
-        ),
-        load_families(),
+    cfg = parse_config(
+        train_argv(
+            epochs=1,
+            distill_teacher="test_resnet",
+            distill_teacher_file=tmp_path / "teacher.safetensors",
+            output=tmp_path / "run",
+        )
     )
-    images, targets = next(iter(trainer.train_loader))
-    logits = trainer.model(images)
+    trainer = build_trainer(start_run(cfg, load_families(), None))
+    images, targets = next(iter(trainer.data.train_loader))
+    logits = trainer.models.model(images)
     cross_entropy = torch.nn.functional.cross_entropy
     expected = 0.5 * cross_entropy(logits, targets) + 0.5 * cross_entropy(logits, torch.full_like(targets, 3))
-    torch.testing.assert_close(trainer.train_loss(images, logits, targets), expected)
+    torch.testing.assert_close(trainer.optimization.train_loss(images, logits, targets), expected)
 
 
 def test_ema_is_evaluated_and_saved(tmp_path, model_argv, train_argv):
@@ -151,20 +150,20 @@ def test_ema_is_evaluated_and_saved(tmp_path, model_argv, train_argv):
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, train_argv):
     from convbias.engine.config import parse_config
-    from convbias.engine.trainer import NonFiniteLossError, Trainer
+    from convbias.engine.run_setup import start_run
+    from convbias.engine.trainer import NonFiniteLossError, build_trainer
     from convbias.families import load_families
 
     output = tmp_path / "run"
-    trainer = Trainer(
-        parse_config(train_argv(epochs=2, train_fraction=0.2, output=output)),
-        load_families(),
-    )
-    real_loss = trainer.train_loss
+    cfg = parse_config(train_argv(epochs=2, train_fraction=0.2, output=output))
+    trainer = build_trainer(start_run(cfg, load_families(), None))
+    real_loss = trainer.optimization.train_loss
 
     def diverging(outputs, targets):  # fine in epoch 1, NaN from epoch 2 on
-        return real_loss(outputs, targets) * (float("nan") if trainer.num_updates >= trainer.steps_per_epoch else 1.0)
+        updates, per_epoch = trainer.progress.num_updates, trainer.data.steps_per_epoch
+        return real_loss(outputs, targets) * (float("nan") if updates >= per_epoch else 1.0)
 
-    trainer.train_loss = diverging
+    trainer.optimization.train_loss = diverging
     with pytest.raises(NonFiniteLossError, match="non-finite training loss .* epoch 2.*last good checkpoint"):
         trainer.fit()
     last = output / "checkpoints" / "last"

@@ -1,7 +1,7 @@
 """Console scripts (see pyproject's [project.scripts]); each module's `main(argv) -> exit code`.
 
 Every command reports what stops it the same way (``run_command``): one ``error: ...`` line (``interrupted:``
-for Ctrl-C) and the engine's exit code of ``convbias.engine.errors``: 2 bad input, 65 a damaged or foreign
+for Ctrl-C) and the engine's exit code of ``convbias.errors``: 2 bad input, 65 a damaged or foreign
 checkpoint or run file, 74 an output that cannot be written (disk full, read-only), 130 Ctrl-C. Anything
 else is a bug and keeps its traceback; with ``CONVBIAS_TRACEBACK=1`` every error shows its traceback after the line.
 """
@@ -21,7 +21,7 @@ __all__ = ["OptionParser", "key_value", "report", "run_command", "yaml_scalar"]
 
 def report(error: BaseException) -> int:
     """Print ``error`` as one line on stderr and return its exit code; re-raise what is not a reported error."""
-    from convbias.engine.errors import Interrupted, exit_code, show_traceback
+    from convbias.errors import Interrupted, exit_code, show_traceback
 
     code = exit_code(error)
     if code is None:

@@ -46,7 +46,7 @@ from typing import Any, NoReturn
 
 from convbias.cli import run_command
 from convbias.engine import LAUNCH_EXIT_DIR, LAUNCH_PROCESSES
-from convbias.engine.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError
+from convbias.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError
 
 USAGE = "convbias-launch [accelerate launch options] train.py ARGS..."
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)  # the engine's default --preempt-signals

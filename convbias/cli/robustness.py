@@ -29,7 +29,8 @@ from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
-from convbias.evaluation.robustness import PAPER_ATTACK, table_markdown
+from convbias.evaluation.robustness import PAPER_ATTACK
+from convbias.evaluation.robustness_report import table_markdown
 from convbias.experiments.robustness_study import (
     IMAGENET_C_LAYOUT,
     SUBSET_LAYOUT,

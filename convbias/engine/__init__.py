@@ -1,6 +1,6 @@
 """The training engine: config, data, recipe, loop, checkpoints, logging. It names no model family.
 
-``run(argv, extensions)`` trains (or evaluates) one run; ``main(argv, extensions)`` wraps it for the
+``run(cfg_or_argv, extensions)`` trains (or evaluates) one run; ``main(argv, extensions)`` wraps it for the
 command line (user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1; Ctrl-C
 prints one ``interrupted: ...`` line saying what was kept and exits 130; under ``convbias-launch`` each rank
 also leaves its exit code for the launcher, which accelerate's launchers do not pass on). The
@@ -19,9 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..storage import storage_reason
-from .config import config_warnings, parse_config
-from .errors import (
+from ..errors import (
     EXIT_DAMAGED,
     EXIT_DIVERGED,
     EXIT_INTERRUPTED,
@@ -34,7 +32,10 @@ from .errors import (
     StorageError,
     show_traceback,
 )
+from ..storage import storage_reason
+from .config import config_warnings, parse_config, validate
 from .extensions import Extensions
+from .options import Config
 from .preemption import REQUEUE_EXIT_CODE, Preempted
 
 # What convbias-launch tells the engine: the process count it was asked for (accelerate's launcher puts none in
@@ -44,31 +45,20 @@ LAUNCH_EXIT_DIR = "CONVBIAS_LAUNCH_EXIT_DIR"
 # the variables accelerate reads the number of processes from (torchrun's, then MPI's)
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
-# The engine's public API: what the console scripts, experiments and evaluation import. Beyond run and
-# main, names are loaded from their submodule on first use (PEP 562 `__getattr__`), to keep start-up time
-# low: the model, data and checkpoint modules import timm and accelerate, which `--help` does not need.
+# The engine's public API, each name documented in docs/engine.md: what the console scripts, experiments and
+# evaluation import. Beyond run and main, names are loaded from their submodule on first use (PEP 562
+# `__getattr__`), to keep start-up time low: the model, data and checkpoint modules import timm and
+# accelerate, which `--help` does not need. Anything else is imported from its submodule.
 _SUBMODULE_OF = {
-    **dict.fromkeys(("parse_config", "validate"), "config"),
     **dict.fromkeys(("Config",), "options"),
-    **dict.fromkeys(("build_datasets", "build_eval_loader", "dataset_info"), "data"),
+    **dict.fromkeys(("parse_config",), "config"),
+    **dict.fromkeys(("DEFAULT_WHICH", "WHICH", "RunCheckpoint", "RunDir", "is_run_dir"), "run_dir"),
+    **dict.fromkeys(("build_datasets", "build_eval_loader"), "data"),
     **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "datasets"),
     **dict.fromkeys(("check_model_name", "create_model"), "modeling"),
     **dict.fromkeys(("OutputScale",), "output_scale"),
-    **dict.fromkeys(
-        (
-            "DEFAULT_WHICH",
-            "WHICH",
-            "RunCheckpoint",
-            "RunDir",
-            "check_which",
-            "is_run_dir",
-            "read_run_config",
-        ),
-        "run_dir",
-    ),
-    **dict.fromkeys(("CheckpointDir", "rng_state", "verify_file"), "checkpoint"),
     **dict.fromkeys(("read_log", "read_summary"), "run_log"),
-    **dict.fromkeys(("COMPILE_MODES", "compile_model"), "compile"),
+    **dict.fromkeys(("compile_model",), "compile"),
 }
 __all__ = [
     "LAUNCH_EXIT_DIR",
@@ -76,6 +66,7 @@ __all__ = [
     "ConfigError",
     "DamagedCheckpointError",
     "Extensions",
+    "Interrupted",
     "NonFiniteLossError",
     "StorageError",
     "main",
@@ -92,43 +83,55 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def run(argv: list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:
-    """Parse, validate, then train (or evaluate with --eval-only). Returns the content of results.json."""
-    cfg = parse_config(argv)
+def run(config: Config | list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:
+    """Train (or evaluate with --eval-only) one run; returns the content of results.json (the metrics with
+    --eval-only). ``config`` is a command line (parsed with its -c recipe) or a ``Config`` built in Python;
+    either is validated first (a Config is copied, not changed)."""
+    from .options import Config
+
+    if isinstance(config, Config):
+        cfg = config.replace()
+        validate(cfg)
+    else:
+        cfg = parse_config(config)
     for warning in [*_launch_warnings(), *config_warnings(cfg)]:
         _print_error(warning, prefix="warning")
-    from .lock import RunLock
+    from .lock import RunLock  # imported after parsing: `train.py --help` loads no torch
     from .run_dir import RunDir
-    from .trainer import Trainer  # imported after parsing: `train.py --help` loads no torch
+    from .run_setup import build_evaluator, start_run
+    from .trainer import build_trainer
 
     lock = None if cfg.eval_only else RunLock(cfg.output)  # held for the life of the run (engine.lock)
     try:
         try:
-            trainer = Trainer(cfg, extensions, lock)
-        except (ValueError, FileNotFoundError) as e:  # data, model and checkpoint checks; ConfigError included
-            raise ConfigError(str(e)) from (e if show_traceback() else None)
+            start = start_run(cfg, extensions, lock)
+            if start.finished:  # --resume of a finished run: nothing to build, nothing more to write
+                start.accelerator.print(start.finished)
+                return RunDir(start.output).results()
+            runner = build_evaluator(start) if cfg.eval_only else build_trainer(start)
+        except FileNotFoundError:  # the checks name missing inputs themselves (ConfigError): this is a bug
+            raise
         except OSError as e:  # the lock or the output dir cannot be written: disk full, read-only
             where = e.filename or cfg.output
             reason = storage_reason(e, cfg.output)
             raise StorageError(f"starting the run failed: {where}: {reason}; nothing was written") from None
         except KeyboardInterrupt:
             raise Interrupted("during set-up; nothing was written") from None
-        for warning in trainer.warnings:
+        for warning in runner.warnings:
             _print_error(warning, prefix="warning")
-        if trainer.finished:
-            trainer.accelerator.print(trainer.finished)
-            return RunDir(trainer.output).results()
+        if cfg.eval_only:
+            return runner.run()
         try:
-            return trainer.evaluate_only() if cfg.eval_only else trainer.fit()
+            return runner.fit()
         except KeyboardInterrupt:
-            raise Interrupted(trainer.kept()) from None
+            raise Interrupted(runner.kept()) from None
         except (OSError, StorageError) as e:  # writing into the output failed: what failed, what is kept
             what = (
                 str(e)
                 if isinstance(e, StorageError)
                 else f"writing {e.filename or cfg.output} failed ({storage_reason(e, cfg.output)})"
             )
-            raise StorageError(f"{what}; {trainer.kept()}") from None
+            raise StorageError(f"{what}; {runner.kept()}") from None
     finally:
         if lock is not None:
             lock.release()

@@ -51,8 +51,8 @@ from convbias.weights import (  # noqa: F401  (the engine's loading API is the s
     weights_metadata,
 )
 
+from ..errors import ConfigError, DamagedCheckpointError, StorageError
 from ..storage import atomic_write, storage_reason
-from .errors import DamagedCheckpointError, StorageError
 from .run_dir import (  # noqa: F401  (the layout's names, for the engine's writers and the tests)
     DEFAULT_KEEP_CHECKPOINTS,
     MANIFEST_FILE,
@@ -403,7 +403,7 @@ def find_resume_point(resume: str, output: str | Path) -> Path | None:
             if problem:
                 raise DamagedCheckpointError(f"--resume {resume}: {candidate} is damaged: {problem}")
             return candidate.resolve()
-    raise ValueError(
+    raise ConfigError(
         f"--resume {resume}: no checkpoint there (expected a run dir with checkpoints/last/, "
         f"or a checkpoint dir holding {WEIGHTS_FILE} and {STATE_FILE})"
     )

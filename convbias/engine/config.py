@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
+from ..errors import ConfigError
 from ..storage import write_text
-from .errors import ConfigError
 from .options import (
     DATASETS,
     Config,
@@ -38,6 +38,7 @@ from .options import (
 )
 from .preemption import parse_signals
 from .run_dir import RUN_KEYS, is_run_dir, read_run_config
+from .timm_recipe import is_timm_recipe, read_timm_keys
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -97,6 +98,8 @@ def parse_config(argv: list[str] | None) -> Config:
     config_only.add_argument("--checkpoint", default=None)
     known, _ = config_only.parse_known_args(argv)
     file_cfg = load_yaml(known.config) if known.config else {}
+    if is_timm_recipe(file_cfg):  # the args.yaml of timm's train.py
+        file_cfg = read_timm_keys(file_cfg, known.config)
     file_cfg = {**_evaluated_run_options(known), **file_cfg}
     for key in file_cfg:
         if key not in option_names():
@@ -352,3 +355,45 @@ def write_config(cfg: Config, path: Path, derived: dict) -> None:
     header = "".join(f"# {key}: {value}\n" for key, value in derived.items())
     body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     write_text(path, "# resolved config of this run; reload with -c\n" + header + body)
+
+
+LOW_LR = 1e-5  # a scaled lr below this barely moves a model in a short run
+SMALL_IMAGES = 64  # px: below this the DeiT recipe's augmentation destroys most of an image
+
+
+def setup_warnings(cfg: Config, lr: float, global_batch: int) -> list[str]:
+    """Valid settings that are likely unintended once the world size is known: an lr scaled very low, heavy
+    augmentation on small images, more loader workers than the node has cores."""
+    warnings = []
+    if cfg.lr is None and lr < LOW_LR:
+        warnings.append(
+            f"the lr scaled to the global batch is {lr:.3g} (--lr-base {cfg.lr_base:g} x {global_batch} / "
+            f"--lr-base-size {cfg.lr_base_size}), below {LOW_LR:g}: the run may barely learn; set --lr, or raise "
+            f"--lr-base or the batch"
+        )
+    heavy = [
+        name
+        for name, active in (
+            (f"--aa {cfg.aa}", cfg.aa not in (None, "none")),
+            (f"--mixup {cfg.mixup:g}", cfg.mixup > 0),
+            (f"--cutmix {cfg.cutmix:g}", cfg.cutmix > 0),
+            (f"--reprob {cfg.reprob:g}", cfg.reprob > 0),
+            (f"--repeated-aug {cfg.repeated_aug}", cfg.repeated_aug > 1),
+        )
+        if active
+    ]
+    if heavy and not cfg.no_aug and cfg.img_size < SMALL_IMAGES:
+        warnings.append(
+            f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: the DeiT recipe is made for 224 px "
+            f"and leaves little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
+        )
+    from .node import local_processes, node_cores  # light: os and torch's thread count only
+
+    cores, local = node_cores(), local_processes()
+    if cfg.workers * local > cores:
+        warnings.append(
+            f"--workers {cfg.workers} x {local} process{'es' if local > 1 else ''} on this node start "
+            f"{cfg.workers * local} loader processes for {cores} core{'s' if cores > 1 else ''}: they compete with "
+            f"training; lower --workers"
+        )
+    return warnings

@@ -2,6 +2,8 @@
 (plain shuffle or repeated augmentation) and the loaders.
 
     bundle = build_datasets(cfg)   # cfg: a mapping or an object with the DATA_DEFAULTS keys
+    # bundle.device_recipe not None: the train set yields uint8 crops (engine.input_pipeline's fast path);
+    # DeviceAugment(bundle.device_recipe, device, seed, rank) finishes them on the device
     train_loader = build_train_loader(bundle.train, batch_size, workers, repeated_aug, seed,
                                       num_replicas, rank)
     eval_loader = build_eval_loader(bundle.val, batch_size, workers)
@@ -28,16 +30,20 @@ from timm.data import create_transform
 from timm.data.auto_augment import posterize as timm_posterize
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..errors import ConfigError
 from .config import check_option
 from .datasets import (
     DATASETS,
     EMBEDDED_SOURCES,
     DatasetInfo,
+    ImageFolderDataset,
     fraction_per_class,
     load_cifar,
     load_image_folders,
     select_classes,
 )
+from .input_pipeline import AugmentRecipe
+from .input_pipeline import fast_path_reason as recipe_fast_path_reason
 from .streams import check_stream, create_streams, factory_layout, is_factory_source, is_hfds, is_stream, load_hfds
 
 # `wds/`, `hfids/` and `hfds/` sources (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
@@ -62,6 +68,10 @@ DATA_DEFAULTS: dict[str, Any] = dict(
     no_aug=False,
     skip_unreadable=True,
     workers=0,
+    # True keeps timm's PIL transforms in the loader workers. A caller that does not set the option cannot
+    # finish the fast path's uint8 batches on the device (DeviceAugment), so it gets the classic path;
+    # the engine's --no-prefetcher option (default False, as timm's) sets it.
+    no_prefetcher=True,
 )
 RANDOM_ERASING_MODE = "pixel"  # DeiT: per-pixel normal noise in the erased box
 
@@ -75,6 +85,9 @@ class DataBundle:
     class_names: list[str]
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    # the fast path's train augmentation: the train set yields uint8 crops to be finished on the device by
+    # engine.input_pipeline.DeviceAugment(device_recipe, ...); None: timm's transforms did everything
+    device_recipe: AugmentRecipe | None = None
 
     def unreadable_files(self) -> list[str]:
         """Image files skipped so far because they could not be decoded (folder datasets only)."""
@@ -93,19 +106,19 @@ def _check_data_options(
 ) -> Path | None:
     """Cheap checks made before any file is read; returns the data dir as a Path."""
     if dataset not in DATASETS and not is_hfds(dataset):
-        raise ValueError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}, hfds/NAME")
+        raise ConfigError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}, hfds/NAME")
     for name, value in (("train_fraction", train_fraction), ("num_classes", num_classes), ("img_size", img_size)):
         check_option(name, value)
     if dataset in EMBEDDED_SOURCES:
         return None  # embedded in an installed package, no files
     layout = dataset_info(dataset).layout
     if not data_dir:
-        raise ValueError(f"--dataset {dataset} needs --data-dir; expected layout: {layout}")
+        raise ConfigError(f"--dataset {dataset} needs --data-dir; expected layout: {layout}")
     path = Path(data_dir).expanduser()
     if not path.is_dir():
-        raise ValueError(f"--data-dir {path} is not a directory; expected layout for --dataset {dataset}: {layout}")
+        raise ConfigError(f"--data-dir {path} is not a directory; expected layout for --dataset {dataset}: {layout}")
     if not is_hfds(dataset) and not any(path.iterdir()):  # an hfds/ cache starts empty
-        raise ValueError(f"--data-dir {path} is empty; expected layout for --dataset {dataset}: {layout}")
+        raise ConfigError(f"--data-dir {path} is empty; expected layout for --dataset {dataset}: {layout}")
     return path
 
 
@@ -164,6 +177,48 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Any) -> tuple
     return train, val
 
 
+def train_recipe(cfg: Any) -> AugmentRecipe:
+    """cfg's train augmentation as the fast path reads it (the options build_transforms gives timm)."""
+    info = dataset_info(_option(cfg, "dataset"))
+    scale = _option(cfg, "scale")
+    return AugmentRecipe(
+        img_size=int(_option(cfg, "img_size") or info.default_img_size),
+        in_chans=info.in_chans,
+        mean=tuple(info.mean),
+        std=tuple(info.std),
+        scale=tuple(scale) if scale is not None else (0.08, 1.0),
+        hflip=float(_option(cfg, "hflip")),
+        interpolation=_option(cfg, "interpolation"),
+        auto_augment=_option(cfg, "aa") or None,
+        re_prob=float(_option(cfg, "reprob")),
+        re_mode=RANDOM_ERASING_MODE,
+    )
+
+
+def fast_path_reason(cfg: Any) -> str | None:
+    """Why cfg's training data keeps timm's PIL transforms in the loader workers; None: it takes the fast path
+    (uint8 crops from the workers, RandAugment, normalization and random erasing on the device)."""
+    return recipe_fast_path_reason(
+        train_recipe(cfg),
+        no_prefetcher=bool(_option(cfg, "no_prefetcher")),
+        no_aug=bool(_option(cfg, "no_aug")),
+        color_jitter=_option(cfg, "color_jitter"),
+    )
+
+
+def _fast_train_transform(cfg: Any, train: Any) -> AugmentRecipe | None:
+    """On the fast path, puts its worker half on the train set in place of timm's transform (an image folder
+    decodes files through it, at the crop's JPEG scale) and returns the device half's recipe; else None."""
+    if fast_path_reason(cfg) is not None:
+        return None
+    recipe = train_recipe(cfg)
+    if isinstance(train, ImageFolderDataset):
+        train.loader, train.transform = recipe.worker_transform(), None
+    else:
+        train.transform = recipe.worker_transform()
+    return recipe
+
+
 def dataset_info(name: str) -> DatasetInfo:
     """What the engine needs to know about a source before reading it (wds/, hfids/, hfds/: ImageNet's statistics)."""
     return replace(FACTORY_INFO, layout=factory_layout(name)) if is_factory_source(name) else DATASETS[name]
@@ -189,7 +244,8 @@ def build_streams(cfg: Any) -> DataBundle:
     train, val = create_streams(name, data_dir, int(_option(cfg, "seed")), batch_size=1, splits=info["splits"])
     img_size = _option(cfg, "img_size") or FACTORY_INFO.default_img_size
     train.transform, val.transform = build_transforms(int(img_size), 3, FACTORY_INFO.mean, FACTORY_INFO.std, cfg)
-    return DataBundle(train, val, info["num_classes"], 3, info["classes"], FACTORY_INFO.mean, FACTORY_INFO.std)
+    recipe = _fast_train_transform(cfg, train)  # a stream's reader decodes whole images: no JPEG draft
+    return DataBundle(train, val, info["num_classes"], 3, info["classes"], FACTORY_INFO.mean, FACTORY_INFO.std, recipe)
 
 
 def build_datasets(cfg: Any) -> DataBundle:
@@ -213,10 +269,10 @@ def build_datasets(cfg: Any) -> DataBundle:
 
     if num_classes is not None:
         if int(num_classes) > len(train.classes):
-            raise ValueError(f"--num-classes {num_classes}: --dataset {name} has only {len(train.classes)} classes")
+            raise ConfigError(f"--num-classes {num_classes}: --dataset {name} has only {len(train.classes)} classes")
         train, val = select_classes(train, int(num_classes)), select_classes(val, int(num_classes))
     if len(train.classes) < 2:  # one class trains to a meaningless 100%
-        raise ValueError(
+        raise ConfigError(
             f"--dataset {name}{f' at {data_dir}' if data_dir else ''} has {len(train.classes)} class "
             f"({', '.join(map(str, train.classes)) or 'none'}); classification needs at least 2; "
             f"expected layout: {dataset_info(name).layout}"
@@ -228,7 +284,8 @@ def build_datasets(cfg: Any) -> DataBundle:
     train.transform, val.transform = build_transforms(
         int(img_size or info.default_img_size), info.in_chans, info.mean, info.std, cfg
     )
-    return DataBundle(train, val, len(train.classes), info.in_chans, list(train.classes), info.mean, info.std)
+    recipe = _fast_train_transform(cfg, train)
+    return DataBundle(train, val, len(train.classes), info.in_chans, list(train.classes), info.mean, info.std, recipe)
 
 
 class ShardedSampler(Sampler[int]):
@@ -361,7 +418,7 @@ def build_train_loader(
     check_option("repeated_aug", repeated_aug)
     sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, repeats=int(repeated_aug), per_sample_seeds=True)
     if len(sampler) < batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"the training set has {len(dataset)} images, fewer than one global batch of "
             f"{batch_size} x {num_replicas} process(es); lower --batch-size"
         )

@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
 
-from .errors import UnreadableImageError
+from ..errors import ConfigError, UnreadableImageError
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ class ArrayImageDataset(Dataset):
 class ImageFolderDataset(Dataset):
     """An ImageFolder (torchvision's class scan and loader) that survives unreadable files.
 
-    Files are not decoded at start-up (that would take hours on ImageNet). A file that fails to decode
+    Files are not decoded at start-up (that would take hours on ImageNet); `loader` (path -> image, default
+    torchvision's RGB loader) reads one when it is served. A file that fails to decode
     when first loaded is recorded in `unreadable_mask`, reported with a warning, and replaced by the
     next readable sample of the list (deterministic, so resumed runs see the same data); it is never
     tried again. The mask lives in shared memory, so failures seen inside DataLoader workers are
@@ -145,6 +147,7 @@ class ImageFolderDataset(Dataset):
         classes: Sequence[str],
         transform: Callable | None = None,
         skip_unreadable: bool = True,
+        loader: Callable[[str], Any] = default_loader,
     ):
         self.root = Path(root)
         self.samples = samples
@@ -152,6 +155,7 @@ class ImageFolderDataset(Dataset):
         self.classes = list(classes)
         self.transform = transform
         self.skip_unreadable = skip_unreadable
+        self.loader = loader
         self.unreadable_mask = torch.zeros(len(samples), dtype=torch.bool).share_memory_()
 
     @classmethod
@@ -166,7 +170,7 @@ class ImageFolderDataset(Dataset):
             class_to_idx = {name: i for i, name in enumerate(classes)}
             samples = make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS)
         except FileNotFoundError as error:
-            raise ValueError(
+            raise ConfigError(
                 f"{root}: {error} Expected layout: {layout}; image extensions: {', '.join(IMG_EXTENSIONS)}"
             ) from None
         return cls(root, samples, classes, skip_unreadable=skip_unreadable)
@@ -189,7 +193,7 @@ class ImageFolderDataset(Dataset):
                 continue
             path, target = self.samples[i]
             try:
-                return default_loader(path), target
+                return self.loader(path), target
             except Exception as error:
                 if not self.skip_unreadable:
                     raise UnreadableImageError(
@@ -208,7 +212,7 @@ class ImageFolderDataset(Dataset):
     def subset(self, indices: Sequence[int], num_classes: int | None = None) -> ImageFolderDataset:
         classes = self.classes[:num_classes] if num_classes else self.classes
         return ImageFolderDataset(
-            self.root, [self.samples[i] for i in indices], classes, self.transform, self.skip_unreadable
+            self.root, [self.samples[i] for i in indices], classes, self.transform, self.skip_unreadable, self.loader
         )
 
 
@@ -304,7 +308,7 @@ def load_cifar(name: str, data_dir: Path):
     expected = [name for name, _ in reader.train_list + reader.test_list] + [reader.meta["filename"]]
     missing = [f for f in expected if not (root / reader.base_folder / f).is_file()]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"--dataset {name}: missing {', '.join(missing)} in {root / reader.base_folder}; "
             f"expected layout: {DATASETS[name].layout}"
         )
@@ -322,21 +326,21 @@ def load_image_folders(name: str, data_dir: Path, skip_unreadable: bool):
     train_dir, val_dir = data_dir / "train", data_dir / "val"
     if (name == "imagenet" or val_dir.is_dir()) and not (train_dir.is_dir() and val_dir.is_dir()):
         missing = " and ".join(str(d) for d in (train_dir, val_dir) if not d.is_dir())
-        raise ValueError(f"--dataset {name}: {missing} not found; expected layout: {layout}")
+        raise ConfigError(f"--dataset {name}: {missing} not found; expected layout: {layout}")
     if not train_dir.is_dir():
         train_dir = data_dir  # folder dataset given as DIR/<class>/<image>
     train = ImageFolderDataset.scan(train_dir, layout, skip_unreadable=skip_unreadable)
     if val_dir.is_dir():
         val_classes = sorted(entry.name for entry in val_dir.iterdir() if entry.is_dir())
         if not val_classes:
-            raise ValueError(
+            raise ConfigError(
                 f"{val_dir} has no class folders: sort the validation images into the class "
                 f"folders of {train_dir} (ImageNet's val/ ships flat); expected layout: {layout}"
             )
         if val_classes != train.classes:
             only_train = sorted(set(train.classes) - set(val_classes))[:5]
             only_val = sorted(set(val_classes) - set(train.classes))[:5]
-            raise ValueError(
+            raise ConfigError(
                 f"{val_dir}: class folders differ from {train_dir} (only in train: {only_train}, "
                 f"only in val: {only_val}); expected layout: {layout}"
             )

@@ -39,6 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..errors import ConfigError
+
 SHARDED_DIR = "sharded"
 
 
@@ -61,7 +63,7 @@ def load_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.opt
     """Load ``point/sharded`` into a model (and optimizer) sharded like the run's (a collective)."""
     directory = Path(point) / SHARDED_DIR
     if not (directory / ".metadata").is_file():
-        raise ValueError(
+        raise ConfigError(
             f"{directory}: no sharded checkpoint there (expected DCP's .metadata and one "
             f"__<rank>_0.distcp file per writing process)"
         )

@@ -14,7 +14,7 @@ import torch
 
 from convbias.weights import check_weights_file
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .options import Config
 
 
@@ -55,4 +55,4 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
         raise ConfigError(
             f"cannot build {cfg.model} with {model_kwargs or 'default arguments'}: {str(e).splitlines()[0]}"
-        ) from None
+        ) from e  # the constructor's traceback, shown with CONVBIAS_TRACEBACK=1

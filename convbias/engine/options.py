@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from ..errors import ConfigError
 from .compile import COMPILE_MODES
-from .errors import ConfigError
 from .preemption import DEFAULT_SIGNALS, REQUEUE_EXIT_CODE
 from .run_dir import DEFAULT_KEEP_CHECKPOINTS, DEFAULT_WHICH, WHICH
 

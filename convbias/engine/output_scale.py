@@ -28,10 +28,12 @@ import copy
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+
 
 def check_alpha(alpha: float, option: str = "--output-scale") -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0 or alpha == float("inf"):
-        raise ValueError(f"{option} must be a positive finite number (the output scale alpha), got {alpha!r}")
+        raise ConfigError(f"{option} must be a positive finite number (the output scale alpha), got {alpha!r}")
     return float(alpha)
 
 

@@ -22,6 +22,7 @@ from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
 from torch import nn
 
+from ..errors import ConfigError
 from .config import Config
 
 
@@ -55,7 +56,7 @@ def param_groups(
         group["param_names"].append(name)
     unused = [p for p in group_lr if not any(key[1] == p for key in groups)]
     if unused and require_all_patterns:
-        raise ValueError(f"--param-group-lr: no parameter name matches {', '.join(unused)}")
+        raise ConfigError(f"--param-group-lr: no parameter name matches {', '.join(unused)}")
     return list(groups.values())
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError, DamagedCheckpointError
+from ..errors import ConfigError, DamagedCheckpointError
 
 CONFIG_FILE = "config.yaml"
 RESULTS_FILE = "results.json"

@@ -10,6 +10,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
+from ..errors import ConfigError, DamagedCheckpointError
 from .checkpoint import (
     MANIFEST_FILE,
     POINT_NAME,
@@ -19,16 +20,11 @@ from .checkpoint import (
     verify_file,
     weights_metadata,
 )
-from .config import Config
-from .errors import ConfigError, DamagedCheckpointError
 from .lock import RunLock, RunLockedError
 from .lock import describe as describe_holder
+from .options import Config
 from .run_dir import DEFAULT_WHICH, RESULTS_FILE, RunDir, is_run_dir
 from .run_log import RunLog, results_record
-
-# What a mid-epoch resume point must be continued with to give the uninterrupted run's numbers (its
-# training state records them); the process count is checked on its own (check_resume_world_size).
-EXACT_KEYS = ("model", "model_kwargs", "dataset", "train_fraction", "seed", "batch_size", "grad_accum_steps")
 
 
 def _check_which_target(which: str | None, checkpoint: Path | None) -> None:
@@ -188,16 +184,19 @@ def kept(cfg: Config, output: Path) -> str:
     return f"kept {output}/checkpoints/{name} (epoch {epoch}); continue with --resume auto"
 
 
-def check_exact_continuation(cfg: Config, state: dict[str, Any] | None, point: Path | None) -> str | None:
-    """A mid-epoch resume point continues exactly only with the options that shaped its epoch (the batches,
-    their order, the model): a change is refused, or with --accept-resume-changes returned as a sentence
-    for the run log. An end-of-epoch point, or one written without its options, is not checked."""
+def check_exact_continuation(
+    cfg: Config, state: dict[str, Any] | None, point: Path | None, keys: tuple[str, ...]
+) -> str | None:
+    """A mid-epoch resume point continues exactly only with the options that shaped its epoch (``keys``, which
+    the resume point's parts declare: the batches, their order, the model): a change is refused, or with
+    --accept-resume-changes returned as a sentence for the run log. An end-of-epoch point, or one written
+    without its options, is not checked."""
     if not state or not state.get("step") or not isinstance(state.get("options"), dict):
         return None
     written = state["options"]
     changes = [
         f"--{key.replace('_', '-')} {_shown(written[key])} -> {_shown(getattr(cfg, key))}"
-        for key in EXACT_KEYS
+        for key in keys
         if key in written and _shown(written[key]) != _shown(getattr(cfg, key))
     ]
     if not changes:

@@ -54,6 +54,8 @@ import numpy as np
 import yaml
 from torch.utils.data import Dataset
 
+from ..errors import ConfigError
+
 WDS_PREFIX, HFIDS_PREFIX, HFDS_PREFIX = "wds/", "hfids/", "hfds/"
 STREAM_PREFIXES = (WDS_PREFIX, HFIDS_PREFIX)
 HFDS_VAL_SPLITS = ("validation", "test")  # evaluated on the first of these the dataset has
@@ -106,21 +108,21 @@ def check_stream(
     cheap checks (ValueError, one line): package, layout, split sizes, every local shard, and enough training
     shards for `processes` x `workers` loader workers."""
     if not is_stream(name) or not name.partition("/")[2]:
-        raise ValueError(f"--dataset {name}: expected wds/NAME (NAME: any label for the shard set) or hfids/NAME")
+        raise ConfigError(f"--dataset {name}: expected wds/NAME (NAME: any label for the shard set) or hfids/NAME")
     package, pip_name = (
         ("datasets", "datasets") if name.startswith(HFIDS_PREFIX) else ("webdataset", "'webdataset>=0.2'")
     )
     try:
         __import__(package)
     except ImportError:
-        raise ValueError(f"--dataset {name} needs the {package} package: pip install {pip_name}") from None
+        raise ConfigError(f"--dataset {name} needs the {package} package: pip install {pip_name}") from None
     if float(train_fraction) < 1.0 or num_classes is not None:
-        raise ValueError(
+        raise ConfigError(
             f"--dataset {name}: --train-fraction and --num-classes need an index of labels, which a "
             f"stream has not; write the subset's shards instead"
         )
     if not data_dir or not Path(data_dir).is_dir():
-        raise ValueError(f"--dataset {name} needs --data-dir with {factory_layout(name)}")
+        raise ConfigError(f"--dataset {name} needs --data-dir with {factory_layout(name)}")
     info = _check_hfids(name, data_dir) if name.startswith(HFIDS_PREFIX) else _check_wds(Path(data_dir))
     _check_shards_per_worker(name, info["train_shards"], workers, processes)
     return info
@@ -137,7 +139,7 @@ def _check_shards_per_worker(name: str, shards: int, workers: int, processes: in
         fits = shards // processes
     if fits < max(1, workers):
         hint = f"use --workers {fits} or fewer" if fits else f"write at least {processes} shards, one per process"
-        raise ValueError(
+        raise ConfigError(
             f"--workers {workers}: the training stream of --dataset {name} has {shards} shard(s) for "
             f"{processes} process(es) x {max(1, workers)} loader worker(s), and a worker without a "
             f"shard reads nothing; {hint}"
@@ -148,7 +150,7 @@ def _check_wds(root: Path) -> dict[str, Any]:
     """timm's info file of a shard set, and every local shard it lists."""
     info_file = next((root / n for n in INFO_FILES if (root / n).is_file()), None)
     if info_file is None:
-        raise ValueError(f"--data-dir {root}: no {' or '.join(INFO_FILES)}; expected {STREAM_LAYOUT}")
+        raise ConfigError(f"--data-dir {root}: no {' or '.join(INFO_FILES)}; expected {STREAM_LAYOUT}")
     try:
         info = (
             json.loads(info_file.read_text()) if info_file.suffix == ".json" else yaml.safe_load(info_file.read_text())
@@ -158,7 +160,7 @@ def _check_wds(root: Path) -> dict[str, Any]:
         files = {split: [root / f for f in splits[split]["filenames"]] for split in SPLITS}
         num_classes = int(info["num_classes"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{info_file}: missing or malformed {e}; expected {STREAM_LAYOUT}") from None
+        raise ConfigError(f"{info_file}: missing or malformed {e}; expected {STREAM_LAYOUT}") from None
     for split in SPLITS:
         for shard in files[split]:
             _check_shard(shard)
@@ -184,13 +186,13 @@ def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
     sizes = {split: getattr(splits.get(split), "num_examples", 0) or 0 for split in ("train", val_split)}
     unknown = [split for split, size in sizes.items() if not size]
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"--dataset {name}: its card gives no num_examples for split {' and '.join(map(repr, unknown))} "
             f"(a stream's length is needed before it is read); expected {HFIDS_LAYOUT}"
         )
     classes = getattr(features.get("label"), "names", None)
     if "image" not in features or not classes:
-        raise ValueError(
+        raise ConfigError(
             f"--dataset {name}: its card has no 'image' column or no ClassLabel 'label' column "
             f"(columns: {', '.join(features) or 'none'}); expected {HFIDS_LAYOUT}"
         )
@@ -208,12 +210,12 @@ def _check_shard(path: Path) -> None:
     if "://" in str(path):  # remote shards are checked by the reader as they stream
         return
     if not path.is_file():
-        raise ValueError(f"shard {path} listed in the info file does not exist")
+        raise ConfigError(f"shard {path} listed in the info file does not exist")
     try:
         with tarfile.open(path) as tar:
             tar.getmembers()
     except (tarfile.TarError, EOFError, OSError) as e:
-        raise ValueError(
+        raise ConfigError(
             f"shard {path} is corrupt or partial ({e}); rewrite or remove it (and its info entry)"
         ) from None
 
@@ -296,7 +298,7 @@ def _one_line_errors(name: str, data_dir: str, layout: str) -> Iterator[None]:
             reason = errors[-1] if errors and str(error) in errors[-1] else reason  # the logged one names the file
             if isinstance(error, ConnectionError) and not os.environ.get("HF_HUB_OFFLINE"):
                 reason += " (no network? HF_HUB_OFFLINE=1 reads the datasets cache in --data-dir without retries)"
-            raise ValueError(f"--dataset {name} (--data-dir {data_dir}): {reason}; expected {layout}") from None
+            raise ConfigError(f"--dataset {name} (--data-dir {data_dir}): {reason}; expected {layout}") from None
 
 
 def _check_columns(reader: Any) -> None:
@@ -306,18 +308,18 @@ def _check_columns(reader: Any) -> None:
     for key in (reader.image_key, reader.label_key):
         if row.get(key) is None:
             others = ", ".join(column for column in row if column != reader.image_key)
-            raise ValueError(f"split {reader.split!r} has no {key!r} column or an empty one (other columns: {others})")
+            raise ConfigError(f"split {reader.split!r} has no {key!r} column or an empty one (other columns: {others})")
 
 
 def load_hfds(name: str, data_dir: str) -> tuple[HfdsImages, HfdsImages]:
     """(train, validation or test) of a Hugging Face dataset through timm's factory (ReaderHfds: NAME is
     datasets.load_dataset's path, DIR its cache_dir); any failure is a ValueError of one line."""
     if not is_hfds(name) or not name.partition("/")[2]:
-        raise ValueError(f"--dataset {name}: expected hfds/NAME; {HFDS_LAYOUT}")
+        raise ConfigError(f"--dataset {name}: expected hfds/NAME; {HFDS_LAYOUT}")
     try:
         import datasets  # noqa: F401  (an optional dependency: the streams extra)
     except ImportError:
-        raise ValueError(f"--dataset {name} needs the datasets package: pip install datasets") from None
+        raise ConfigError(f"--dataset {name} needs the datasets package: pip install datasets") from None
     from timm.data import create_dataset  # not at the top: see create_streams
 
     with _one_line_errors(name, data_dir, HFDS_LAYOUT):

@@ -1,17 +1,18 @@
 """The training loop: one accelerate code path for CPU, one GPU, many GPUs and many nodes.
 
-``Trainer(cfg)`` does every check that can fail on user input (data, model, checkpoints, output dir)
-before it writes anything (engine.run_setup, engine.run_start); ``Trainer.fit()`` then trains, evaluates,
-logs and checkpoints each epoch; ``Trainer.evaluate_only()`` prints top-1/top-5 of a checkpoint.
+``build_trainer(start)`` composes a ``Trainer`` from the parts engine.run_setup builds (data, models,
+optimization) once ``start_run`` has done every check that can fail on user input, before anything is
+written; ``Trainer.fit()`` then trains, evaluates, logs and checkpoints each epoch. A resume point holds the
+``state_dict()`` of the parts ``Trainer.resume_parts`` names (engine.resume_state).
 
 Distribution: the model and its optimizer go through ``accelerator.prepare`` together: DDP, or FSDP2
 when the accelerate config asks for FSDP with ``fsdp_version: 2`` (FSDP1 is refused at set-up). Under
 FSDP a resume point also holds every rank's shards of the weights and the optimizer state (engine.fsdp,
 torch distributed checkpoint), from which ``--resume`` continues exactly; the EMA update and the
 diagnostics read an ordinary copy of the model refreshed from the shards (``FullCopy``).
-The train loader's sampler shards itself across
-ranks (engine.run_setup); evaluation is exact across processes (engine.metrics). Gradient accumulation uses ``accelerator.accumulate``; each epoch runs a multiple of ``--grad-accum-steps``
-batches (the few left over are skipped) so every optimizer step sees the same number of batches.
+The train loader's sampler shards itself across ranks (engine.run_setup); evaluation is exact across
+processes (engine.metrics). Gradient accumulation uses ``accelerator.accumulate``; each epoch runs a multiple
+of ``--grad-accum-steps`` batches (the few left over are skipped) so every optimizer step sees the same number of batches.
 """
 
 from __future__ import annotations
@@ -28,27 +29,105 @@ from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
+from ..errors import NonFiniteLossError, StorageError
 from ..storage import storage_reason
 from . import recipe
-from .checkpoint import rng_state, set_rng_state
+from .checkpoint import EMA_FILE, CheckpointDir, load_weights
 from .compile import compile_counters
-from .config import write_config
-from .data import epoch_batches
-from .errors import NonFiniteLossError, StorageError
-from .fsdp import save_sharded
+from .config import setup_warnings, write_config
+from .data import epoch_batches, first_images
+from .diagnostics import ModelDiagnostics
+from .fsdp import load_sharded, save_sharded
 from .metrics import evaluate
-from .preemption import Preempted
+from .preemption import Preempted, PreemptionSignals
+from .resume_state import (
+    OptimizerState,
+    RandomStreams,
+    RunIdentity,
+    SchedulerState,
+    Stateful,
+    TrainingProgress,
+    exact_options,
+    restore,
+    resume_state,
+)
 from .run_log import RunLog, results_record
-from .run_setup import RunSetup
-from .run_start import EXACT_KEYS, kept
+from .run_setup import (
+    Models,
+    Optimization,
+    RunStart,
+    TrainingData,
+    build_data,
+    build_models_and_optimization,
+    build_preemption,
+    reparametrized,
+)
+from .run_start import check_exact_continuation, kept
 
-__all__ = ["NonFiniteLossError", "Trainer"]
+__all__ = ["NonFiniteLossError", "Trainer", "build_trainer"]
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
 
 
-class Trainer(RunSetup):
-    """One run: set-up checks on construction (nothing is written yet), then ``fit()`` or ``evaluate_only()``."""
+def build_trainer(start: RunStart) -> Trainer:
+    """The Trainer of a run that has epochs left: its parts built whole, the resume point checked against them."""
+    cfg = start.cfg
+    preemption = build_preemption(cfg)
+    data = build_data(start, preemption, train=True)
+    warnings = setup_warnings(cfg, start.lr, start.global_batch)
+    models, optimization, was_reparametrized = build_models_and_optimization(start, data)
+    diagnostics = None
+    if cfg.diagnostics:
+        count = min(cfg.diagnostics_images, len(data.bundle.val))
+        images = first_images(data.bundle.val, count).to(start.accelerator.device)
+        diagnostics = ModelDiagnostics(images, start.extensions.diagnostics)
+    trainer = Trainer(start, data, models, optimization, preemption, diagnostics)
+    trainer.progress.reparametrized = was_reparametrized
+    trainer.warnings = warnings
+    if start.resume_state:
+        accepted = check_exact_continuation(
+            cfg, start.resume_state, start.resume_point, exact_options(trainer.resume_parts())
+        )
+        if accepted:
+            trainer.accepted_changes = accepted
+            start.notes.append(f"--accept-resume-changes: continuing {start.resume_point} with {accepted}")
+    return trainer
+
+
+class Trainer:
+    """One run's training, composed of its built parts; ``fit()`` trains, evaluates, logs and checkpoints."""
+
+    def __init__(
+        self,
+        start: RunStart,
+        data: TrainingData,
+        models: Models,
+        optimization: Optimization,
+        preemption: PreemptionSignals,
+        diagnostics: ModelDiagnostics | None,
+    ):
+        self.start, self.cfg, self.accelerator, self.output = start, start.cfg, start.accelerator, start.output
+        self.data, self.models, self.optimization = data, models, optimization
+        self.preemption, self.diagnostics = preemption, diagnostics
+        self.progress = TrainingProgress()
+        self.checkpoints = CheckpointDir(self.output, self.cfg.keep_checkpoints)
+        self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
+        self.warnings: list[str] = []  # likely unintended settings, said before anything runs
+
+    def resume_parts(self) -> dict[str, Stateful]:
+        """The named parts a resume point holds (engine.resume_state); the weights are files beside them."""
+        acc = self.accelerator
+        parts: dict[str, Stateful] = {
+            "identity": RunIdentity(self.cfg.model, {}, self.start.sharded),
+            "progress": self.progress,
+            "optimizer": OptimizerState(self.optimization, self.start.sharded),
+            "scheduler": SchedulerState(self.optimization, self.progress),
+            "scaler": acc.scaler,
+            "rng": RandomStreams(self.start, self.progress),
+        }
+        identity = parts["identity"]
+        identity.options = {key: getattr(self.cfg, key) for key in exact_options(parts)}
+        return {name: part for name, part in parts.items() if part is not None}
 
     def kept(self) -> str:
         """What an interrupted run leaves behind, in one sentence."""
@@ -56,16 +135,18 @@ class Trainer(RunSetup):
 
     # ------------------------------------------------------------------------------------- main entry
     def fit(self) -> dict[str, Any]:
-        cfg, acc = self.cfg, self.accelerator
-        for line in self._startup_block() + self.notes:
+        cfg, acc, progress = self.cfg, self.accelerator, self.progress
+        if self.start.resume_state:
+            self._restore()
+        for line in self._startup_block() + self.start.notes:
             acc.print(line)
         derived = dict(
             num_processes=acc.num_processes,
-            global_batch=self.global_batch,
-            lr=self.lr,
-            epochs=self.epochs,
-            warmup_epochs=self.warmup_epochs,
-            steps_per_epoch=self.steps_per_epoch,
+            global_batch=self.start.global_batch,
+            lr=self.start.lr,
+            epochs=self.start.epochs,
+            warmup_epochs=self.start.warmup_epochs,
+            steps_per_epoch=self.data.steps_per_epoch,
         )
         if acc.is_main_process:
             self.output.mkdir(parents=True, exist_ok=True)
@@ -77,63 +158,70 @@ class Trainer(RunSetup):
                 init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}},
             )
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
-        for note in log.start(self.start_epoch):
+        for note in log.start(progress.epoch):
             acc.print(note)
-        # every diagnostic at initialization too, logged with the first epoch as init_<key> (a resume point
-        # inside the first epoch carries them)
-        self.initial = self.resume_state.get("initial_diagnostics", {}) if self.resume_state else {}
-        if self.diagnostics is not None and not self.resume_state:
-            self.initial = {f"init_{k}": v for k, v in self.diagnostics(self.whole_model()).items()}
-        if self.resume_state:
-            world = self.resume_state["rng"]
-            if len(world) == acc.num_processes:
-                set_rng_state(world[acc.process_index])
-            else:  # a different world size cannot replay the same random streams; start fresh ones
-                set_seed(cfg.seed + 1000 * self.start_epoch + acc.process_index)
-            where = f" and {self.start_step} steps of epoch {self.start_epoch + 1}" if self.start_step else ""
-            acc.print(f"resumed from {self.resume_point} after epoch {self.start_epoch}{where}")
+        if self.start.resume_state:
+            where = f" and {progress.step} steps of epoch {progress.epoch + 1}" if progress.step else ""
+            acc.print(f"resumed from {self.start.resume_point} after epoch {progress.epoch}{where}")
         else:
-            set_seed(cfg.seed + acc.process_index)  # per-rank augmentation and drop-path streams
-            if 0 in cfg.save_epochs:
-                self._save_snapshot(0)
-
+            self._start_fresh()
         self.preemption.install()
         try:
             self._train_epochs(log)
         finally:
             self.preemption.restore()
 
-        results = self._results()
+        results = results_record(cfg.to_dict(), self.start.epochs, self.progress.final, self.progress.best)
         log.write_results(results)
         if cfg.log_wandb:
             acc.end_training()
         acc.print(self._summary_line(results))
         return results
 
+    def _restore(self) -> None:
+        """The resume point's state loaded into the parts: weights and optimizer state from every rank's shards
+        under FSDP (on any number of ranks), the EMA's weights, then each part of training_state.pt."""
+        point = self.start.resume_point
+        if self.start.sharded:
+            load_sharded(point, self.models.model, self.optimization.optimizer.optimizer)
+        if self.models.ema is not None and (point / EMA_FILE).is_file():
+            load_weights(self.models.ema.module, point / EMA_FILE)
+        restore(self.resume_parts(), self.start.resume_state)
+
+    def _start_fresh(self) -> None:
+        """Every diagnostic at initialization (logged with the first epoch as init_<key>; a resume point inside
+        the first epoch carries them), per-rank random streams, the --save-epochs 0 snapshot."""
+        if self.diagnostics is not None:
+            initial = self.diagnostics(self.models.whole_model())
+            self.progress.initial_diagnostics = {f"init_{k}": v for k, v in initial.items()}
+        set_seed(self.cfg.seed + self.accelerator.process_index)  # augmentation and drop-path streams
+        if 0 in self.cfg.save_epochs:
+            self._save_snapshot(0)
+
     def _startup_block(self) -> list[str]:
         """What this launch will do, before its first step: where, on what, with which batch, lr and length."""
-        cfg, acc = self.cfg, self.accelerator
-        start = f"resuming from {self.resume_point}" if self.resume_point else "a new run"
-        params = sum(p.numel() for p in acc.unwrap_model(self.model).parameters())
+        cfg, acc, start = self.cfg, self.accelerator, self.start
+        begin = f"resuming from {start.resume_point}" if start.resume_point else "a new run"
+        params = sum(p.numel() for p in acc.unwrap_model(self.models.model).parameters())
         try:
-            sizes = f"{len(self.data.train):,} train / {len(self.data.val):,} val images"
+            sizes = f"{len(self.data.bundle.train):,} train / {len(self.data.bundle.val):,} val images"
         except TypeError:  # a stream without a known length
             sizes = "streamed"
         if cfg.lr is not None:
             rule = "--lr"
         else:
-            rule = f"--lr-base {cfg.lr_base:g} x {self.global_batch} / --lr-base-size {cfg.lr_base_size}"
+            rule = f"--lr-base {cfg.lr_base:g} x {start.global_batch} / --lr-base-size {cfg.lr_base_size}"
         precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
         return [
-            f"output: {self.output} ({start})",
+            f"output: {self.output} ({begin})",
             f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each) on {acc.device.type}, "
             f"{precision}",
             f"model: {cfg.model}, {params / 1e6:.2f}M parameters",
-            f"data: {cfg.dataset}, {sizes}, {self.data.num_classes} classes",
-            f"batch: {self.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
-            f"{cfg.grad_accum_steps} accumulation; lr {self.lr:.3g} ({rule})",
-            f"schedule: {plural(self.epochs, 'epoch')}, {self.warmup_epochs} of warm-up, "
-            f"{self.steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
+            f"data: {cfg.dataset}, {sizes}, {self.data.bundle.num_classes} classes",
+            f"batch: {start.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
+            f"{cfg.grad_accum_steps} accumulation; lr {start.lr:.3g} ({rule})",
+            f"schedule: {plural(start.epochs, 'epoch')}, {start.warmup_epochs} of warm-up, "
+            f"{self.data.steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
         ]
 
     def _summary_line(self, results: dict[str, Any]) -> str:
@@ -143,112 +231,105 @@ class Trainer(RunSetup):
             return "n/a" if value is None else f"{value:.2f}"
 
         return (
-            f"done: final top-1 {top1(results['final_top1'])} (epoch {self.final.get('epoch')}), best top-1 "
+            f"done: final top-1 {top1(results['final_top1'])} (epoch {self.progress.final.get('epoch')}), best top-1 "
             f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {self.output}: results.json, "
             f"summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best"
         )
 
     def _train_epochs(self, log: RunLog) -> None:
-        cfg, acc = self.cfg, self.accelerator
-        for epoch in range(self.start_epoch, self.epochs):
+        cfg, acc, progress = self.cfg, self.accelerator, self.progress
+        first_epoch, initial = progress.epoch, progress.initial_diagnostics
+        for epoch in range(first_epoch, self.start.epochs):
             started = time.perf_counter()
-            if cfg.reparametrize_at_epoch == epoch and not self.reparametrized:
+            if cfg.reparametrize_at_epoch == epoch and not progress.reparametrized:
                 self._reparametrize()
-            train = self._train_one_epoch(epoch)
-            record: dict[str, Any] = {"epoch": epoch + 1, **train, **(self.initial if epoch == 0 else {})}
-            if epoch == self.start_epoch and self.accepted_changes:
+            train = self._train_one_epoch(epoch, progress.step if epoch == first_epoch else 0)
+            record: dict[str, Any] = {"epoch": epoch + 1, **train, **(initial if epoch == 0 else {})}
+            if epoch == first_epoch and self.accepted_changes:
                 record["resume_changes_accepted"] = self.accepted_changes
-            evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.epochs
+            evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.start.epochs
             if evaluated:
-                metrics = self.evaluate(self.forward)
-                record.update(metrics)
-                self.final = {"epoch": epoch + 1, **metrics}
-                if self.ema is not None:
-                    record.update({f"ema_{k}": v for k, v in self.evaluate(self.ema_forward).items()})
-                if self.diagnostics is not None:  # eagerly, on the module itself (never traced)
-                    record.update(self.diagnostics(self.whole_model()))
+                metrics = self.evaluate(self.models.forward)
+                progress.final = {"epoch": epoch + 1, **metrics}
+                record.update({**metrics, **self._ema_and_diagnostics()})
             if cfg.compile:
                 record.update(compile_counters())
             record["epoch_seconds"] = time.perf_counter() - started
-            record["unreadable_images"] = len(self.data.unreadable_files())
-            is_best = evaluated and metrics["eval_top1"] > self.best.get("eval_top1", -1.0)
+            record["unreadable_images"] = len(self.data.bundle.unreadable_files())
+            is_best = evaluated and progress.final["eval_top1"] > progress.best.get("eval_top1", -1.0)
             if is_best:
-                self.best = dict(self.final)
+                progress.best = dict(progress.final)
             log.log_epoch(record)
             self._save(epoch + 1, is_best)
             if epoch + 1 in cfg.save_epochs:
                 self._save_snapshot(epoch + 1)
             acc.print(
-                f"epoch {epoch + 1}/{self.epochs}  train_loss {train['train_loss']:.4f}  "
-                + (f"eval_top1 {metrics['eval_top1']:.2f}  eval_top5 {metrics['eval_top5']:.2f}" if evaluated else "")
+                f"epoch {epoch + 1}/{self.start.epochs}  train_loss {train['train_loss']:.4f}  "
+                + (f"eval_top1 {record['eval_top1']:.2f}  eval_top5 {record['eval_top5']:.2f}" if evaluated else "")
             )
 
-    def _results(self) -> dict[str, Any]:
-        return results_record(self.cfg.to_dict(), self.epochs, self.final, self.best)
-
-    def evaluate_only(self) -> dict[str, float]:
-        metrics = self.evaluate(self.forward)
-        self.accelerator.print(
-            f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "
-            f"loss {metrics['eval_loss']:.4f}  ({self.checkpoint_name})"
-        )
-        return metrics
+    def _ema_and_diagnostics(self) -> dict[str, float]:
+        """The EMA's metrics (ema_...) and the diagnostics (eagerly, on the module itself)."""
+        models, record = self.models, {}
+        if models.ema is not None:
+            record.update({f"ema_{k}": v for k, v in self.evaluate(models.ema_forward).items()})
+        if self.diagnostics is not None:
+            record.update(self.diagnostics(models.whole_model()))
+        return record
 
     # ---------------------------------------------------------------------------------------- epochs
-    def _train_one_epoch(self, epoch: int) -> dict[str, float]:
-        """One epoch, or its remainder after a mid-epoch resume point; stops with Preempted on a signal."""
-        cfg, acc = self.cfg, self.accelerator
-        model, optimizer = self.model, self.optimizer
+    def _train_one_epoch(self, epoch: int, first: int) -> dict[str, float]:
+        """One epoch from step ``first`` (the remainder after a mid-epoch resume point); stops with Preempted
+        on a signal."""
+        cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization
+        model, optimizer, steps = models.model, optimization.optimizer, self.data.steps_per_epoch
         model.train()
-        first = self.start_step if epoch == self.start_epoch else 0
-
-        loss_sum = torch.full((), self.start_loss_sum if first else 0.0, device=acc.device, dtype=torch.float64)
+        resumed_sum = self.progress.loss_sums[acc.process_index] if first else 0.0
+        loss_sum = torch.full((), resumed_sum, device=acc.device, dtype=torch.float64)
         progress = tqdm(
-            total=self.steps_per_epoch,
+            total=steps,
             initial=first,
-            desc=f"epoch {epoch + 1}/{self.epochs}",
+            desc=f"epoch {epoch + 1}/{self.start.epochs}",
             disable=not acc.is_main_process or not sys.stderr.isatty(),  # a job log gets the epoch line only
             leave=False,
             dynamic_ncols=True,
         )
         started = time.perf_counter()
-        batches = epoch_batches(
-            self.train_loader, epoch, first, self.steps_per_epoch - first, cfg.seed, acc.process_index
-        )
+        batches = epoch_batches(self.data.train_loader, epoch, first, steps - first, cfg.seed, acc.process_index)
         for step, (images, targets) in enumerate(batches, start=first):
             images = images.to(acc.device, non_blocking=True)
             targets = targets.to(acc.device, non_blocking=True)
-            if self.mixup is not None:
-                images, targets = self.mixup(images, targets)
+            if optimization.mixup is not None:
+                images, targets = optimization.mixup(images, targets)
             with acc.accumulate(model):
-                outputs = self.forward(images)
-                if self.teacher is not None:
+                outputs = models.forward(images)
+                if models.teacher is not None:
                     with acc.autocast():
-                        loss = self.train_loss(images, outputs, targets)
+                        loss = optimization.train_loss(images, outputs, targets)
                 else:
-                    loss = self.train_loss(outputs, targets)
+                    loss = optimization.train_loss(outputs, targets)
                 acc.backward(loss)
                 if cfg.clip_grad and acc.sync_gradients:
                     acc.clip_grad_norm_(model.parameters(), cfg.clip_grad)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             if acc.sync_gradients:
-                self.num_updates += 1
-                self.scheduler.step_update(self.num_updates)
-                if self.ema is not None:
-                    self.ema.update(self.whole_model(), step=self.num_updates)
+                self.progress.num_updates += 1
+                optimization.scheduler.step_update(self.progress.num_updates)
+                if models.ema is not None:
+                    models.ema.update(models.whole_model(), step=self.progress.num_updates)
             loss_sum += loss.detach().double()
-            if (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == self.steps_per_epoch:
+            if (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == steps:
                 mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
             progress.update(1)
-            if acc.sync_gradients and step + 1 < self.steps_per_epoch:
+            if acc.sync_gradients and step + 1 < steps:
                 self._maybe_stop_mid_epoch(epoch, step + 1, loss_sum)
         progress.close()
         seconds = time.perf_counter() - started
-        images_seen = (self.steps_per_epoch - first) * cfg.batch_size * acc.num_processes
+        images_seen = (steps - first) * cfg.batch_size * acc.num_processes
         return {
-            "train_loss": self._mean_loss(loss_sum, self.steps_per_epoch, epoch),
+            "train_loss": self._mean_loss(loss_sum, steps, epoch),
             "lr": self._lr(),
             "images_per_sec": images_seen / seconds,
         }
@@ -258,7 +339,7 @@ class Trainer(RunSetup):
         preemption signal a resume point then Preempted (every rank decides together)."""
         interval = self.cfg.checkpoint_interval
         preempted = self.preemption.requested(self.accelerator) if self.preemption.signals else False
-        if preempted or (interval and self.num_updates % interval == 0):
+        if preempted or (interval and self.progress.num_updates % interval == 0):
             point = self._save(epoch, is_best=False, step=steps, loss_sum=loss_sum)
             if preempted:
                 raise Preempted(self.preemption.name, point, epoch, steps)
@@ -278,59 +359,45 @@ class Trainer(RunSetup):
 
     def _lr(self) -> float:
         """The lr of the first group without a --param-group-lr override (the run's main lr)."""
-        groups = self.optimizer.param_groups
+        groups = self.optimization.optimizer.param_groups
         return next((g["lr"] for g in groups if g.get("lr_pattern") is None), groups[0]["lr"])
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Exact loss, top-1 and top-5 (in %) over the whole validation set, across all processes."""
-        return evaluate(self.accelerator, model, self.eval_loader, self.streamed)
+        return evaluate(self.accelerator, model, self.data.eval_loader, self.data.streamed)
 
     # ---------------------------------------------------------------------------------- checkpoints
     def _save(self, epoch: int, is_best: bool, step: int = 0, loss_sum: torch.Tensor | None = None) -> Path | None:
         """A resume point after ``epoch`` epochs, or ``step`` steps into the next one (with every rank's
         loss accumulator); returns its directory on the main process."""
-        acc = self.accelerator
-        weights = acc.get_state_dict(self.model)  # collective under FSDP: every rank calls it
-        rng = gather_object([rng_state()])
-        loss_sums = gather_object([loss_sum.item() if loss_sum is not None else 0.0])
+        acc, progress = self.accelerator, self.progress
+        weights = acc.get_state_dict(self.models.model)  # collective under FSDP: every rank calls it
+        progress.epoch, progress.step = epoch, step
+        progress.loss_sums = gather_object([loss_sum.item() if loss_sum is not None else 0.0])
+        if not (epoch == 0 and step):  # the initial diagnostics are logged with the first epoch
+            progress.initial_diagnostics = {}
+        state = resume_state(self.resume_parts())  # the RNG part gathers every rank's states
         staging = self.checkpoints.stage(epoch, step) if acc.is_main_process else None
-        if self.sharded:  # every rank writes its shards into the staged directory (on a shared file system)
-            try:
-                save_sharded(broadcast_object_list([staging])[0], self.model, self.optimizer.optimizer)
-            except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports every rank's failure
-                if staging is not None:
-                    shutil.rmtree(staging, ignore_errors=True)
-                raise StorageError(
-                    f"writing the shards of {staging} failed ({storage_reason(e, self.output)})"
-                ) from None
-            acc.wait_for_everyone()
+        if self.start.sharded:  # every rank writes its shards into the staged directory (on a shared file system)
+            self._save_shards(broadcast_object_list([staging])[0])
         point = None
         if acc.is_main_process:
-            state = {
-                "model": self.cfg.model,
-                "options": {key: getattr(self.cfg, key) for key in EXACT_KEYS},  # what exact continuation needs
-                "epoch": epoch,
-                "step": step,
-                "loss_sums": loss_sums,
-                "initial_diagnostics": self.initial if epoch == 0 and step else {},
-                "num_updates": self.num_updates,
-                "best": self.best,
-                "final": self.final,
-                "reparametrized": self.reparametrized,
-                # under FSDP the optimizer state is in the shards only
-                "sharded": self.sharded,
-                "optimizer": None if self.sharded else self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
-                "rng": rng,
-            }
-            ema = self.ema.module.state_dict() if self.ema is not None else None
+            ema = self.models.ema.module.state_dict() if self.models.ema is not None else None
             point = self.checkpoints.save(epoch, weights, state, ema, self._metadata(epoch), is_best, step)
         acc.wait_for_everyone()
         return point
 
+    def _save_shards(self, staging: Path) -> None:
+        try:
+            save_sharded(staging, self.models.model, self.optimization.optimizer.optimizer)
+        except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports every rank's failure
+            if self.accelerator.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise StorageError(f"writing the shards of {staging} failed ({storage_reason(e, self.output)})") from None
+        self.accelerator.wait_for_everyone()
+
     def _save_snapshot(self, epoch: int) -> None:
-        weights = self.accelerator.get_state_dict(self.model)
+        weights = self.accelerator.get_state_dict(self.models.model)
         if self.accelerator.is_main_process:
             self.checkpoints.save_snapshot(epoch, weights, self._metadata(epoch))
         self.accelerator.wait_for_everyone()
@@ -339,9 +406,9 @@ class Trainer(RunSetup):
         return {
             "model": self.cfg.model,
             "epoch": str(epoch),
-            "reparametrized": str(self.reparametrized),
-            "num_classes": str(self.data.num_classes),
-            "in_chans": str(self.data.in_chans),
+            "reparametrized": str(self.progress.reparametrized),
+            "num_classes": str(self.data.bundle.num_classes),
+            "in_chans": str(self.data.bundle.in_chans),
             "reparametrization": self.cfg.reparametrize or "",
             "output_scale": str(self.cfg.output_scale or ""),
         }
@@ -349,19 +416,24 @@ class Trainer(RunSetup):
     # ------------------------------------------------------------------------------ reparametrization
     def _reparametrize(self) -> None:
         """Change the model's architecture mid-run, keep the optimizer state of surviving parameters, re-prepare."""
-        cfg, acc = self.cfg, self.accelerator
-        new_model = self._reparametrized(acc.unwrap_model(self.model)).to(acc.device)
-        optimizer = recipe.rebuild_optimizer(cfg, new_model, self.lr, self.optimizer.optimizer)
-        if self.ema is not None:
-            self.ema.module = self._reparametrized(self.ema.module).to(acc.device)
+        cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization
+        extensions = self.start.extensions
+        new_model = reparametrized(acc.unwrap_model(models.model), cfg, extensions).to(acc.device)
+        optimizer = recipe.rebuild_optimizer(cfg, new_model, self.start.lr, optimization.optimizer.optimizer)
+        if models.ema is not None:
+            models.ema.module = reparametrized(models.ema.module, cfg, extensions).to(acc.device)
         acc.free_memory()  # drop accelerate's references to the old model and optimizer
-        self.model, self.optimizer = acc.prepare(new_model, optimizer)  # the eval loader stays prepared
-        self.scheduler = recipe.create_scheduler(
-            cfg, self.optimizer, self.epochs, self.warmup_epochs, self.steps_per_epoch // cfg.grad_accum_steps
+        models.model, optimization.optimizer = acc.prepare(new_model, optimizer)  # the eval loader stays prepared
+        optimization.scheduler = recipe.create_scheduler(
+            cfg,
+            optimization.optimizer,
+            self.start.epochs,
+            self.start.warmup_epochs,
+            self.data.steps_per_epoch // cfg.grad_accum_steps,
         )
-        self.scheduler.step_update(self.num_updates)
-        self._compile()
-        self.reparametrized = True
+        optimization.scheduler.step_update(self.progress.num_updates)
+        models.compile(cfg)
+        self.progress.reparametrized = True
         acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")
 
 

@@ -27,6 +27,7 @@ size or the device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,7 @@ __all__ = [
 DIAGNOSTIC_DELTA = 1.0  # R_f of the paper: delta = 1 pixel, cut-off c = 3
 DIAGNOSTIC_CUT = 3
 _ACTIVATIONS = (nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Mish)
+_Deform = Callable[[int, slice, torch.Tensor], torch.Tensor]  # (draw, chunk, images of the chunk) -> tau x
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,104 @@ class _PairScale:
         return [_statistic(row, "median") for row in torch.cat(self.consecutive, dim=1)]
 
 
+def _temperature(delta: float | None, T: float | None, cut: int, size: torch.Size) -> float:
+    """T of typical displacement `delta` pixels, or the given T once checked to give a diffeomorphism."""
+    if T is None:
+        if delta is None:
+            raise ValueError("give delta (pixels) or T")
+        return temperature(delta, cut, size)
+    t_min, t_max = temperature_range(cut, size)
+    if not t_min <= T <= t_max:
+        raise ValueError(
+            f"T={T!r} is outside the diffeomorphism region [{t_min:.3g}, {t_max:.3g}] for "
+            f"cut={cut} on a {size[0]}x{size[1]} image"
+        )
+    return T
+
+
+def _shared_radii(
+    images: torch.Tensor, chunks: list[slice], device: torch.device, deformed: _Deform, draws: int, statistic: str
+) -> list[float]:
+    """The shared noise radius of each draw, the statistic of ||tau x - x|| over the images: computed before any
+    noise is drawn, so that every image's noise has it."""
+    moved = [[] for _ in range(draws)]
+    for part in chunks:
+        x = images[part].to(device)
+        for k in range(draws):
+            moved[k].append(deformed(k, part, x).sub_(x).flatten(1).norm(dim=1).double().cpu())
+    return [_statistic(torch.cat(m), statistic) for m in moved]
+
+
+def _squared_changes(
+    model: nn.Module,
+    images: torch.Tensor,
+    chunks: list[slice],
+    device: torch.device,
+    deformed: _Deform,
+    generators: list[torch.Generator],
+    shared: list[float] | None,
+    per_layer: bool,
+    scale: _PairScale | None,
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Per draw, the chunks' (depth, B) ||f(tau x) - f(x)||^2 and ||f(x + eta) - f(x)||^2, and the noise radii.
+
+    f(x) once per chunk, then per draw f(tau x) and f(x + eta): beyond a chunk's evaluation, one perturbed copy
+    is held at a time. The model is measured in eval mode and left in the mode it had; `scale` (normalization)
+    accumulates the chunks' f(x)."""
+    draws = len(generators)
+    was_training = model.training
+    model.eval()
+    diffeo, noise = [[] for _ in range(draws)], [[] for _ in range(draws)]
+    radii = [[] for _ in range(draws)]
+    try:
+        for part in chunks:
+            x = images[part].to(device)
+            reference = representations(model, x, per_layer)
+            for k in range(draws):
+                deformed_x = deformed(k, part, x)
+                radius = deformed_x.sub(x).flatten(1).norm(dim=1)
+                diffeo[k].append(_squared_distances(representations(model, deformed_x, per_layer), reference))
+                del deformed_x
+                if shared is not None:
+                    radius = torch.full_like(radius, shared[k])
+                radii[k].append(radius.double().cpu())
+                noisy = _noise(x.shape[1:], x.shape[0], generators[k]).to(device)
+                noisy.mul_(radius.view(-1, *[1] * (x.dim() - 1)).to(noisy.dtype)).add_(x)
+                noise[k].append(_squared_distances(representations(model, noisy, per_layer), reference))
+                del noisy
+            if scale is not None:
+                scale.add(reference)
+    finally:
+        model.train(was_training)
+    return diffeo, noise, radii
+
+
+def _summarize(
+    diffeo: list[list[torch.Tensor]],
+    noise: list[list[torch.Tensor]],
+    norms: list[float],
+    statistic: str,
+    normalize: bool,
+) -> tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]]:
+    """Per depth, (D, G, R) of the draw-averaged D and G, and the standard errors over draws of D, G and R."""
+    per_draw = []  # per draw, per depth: (D, G, R)
+    for diffeo_k, noise_k in zip(diffeo, noise):
+        rows_d, rows_g = torch.cat(diffeo_k, dim=1), torch.cat(noise_k, dim=1)
+        values = []
+        for row_d, row_g, s in zip(rows_d, rows_g, norms):
+            d, g = _statistic(row_d, statistic), _statistic(row_g, statistic)
+            d, g = (_ratio(d, s), _ratio(g, s)) if normalize else (d, g)
+            values.append((d, g, _ratio(d, g)))
+        per_draw.append(values)
+    summary, errors = [], []
+    for i in range(len(norms)):
+        (d, d_se), (g, g_se) = (_mean_se([v[i][j] for v in per_draw]) for j in (0, 1))
+        _, r_se = _mean_se([v[i][2] for v in per_draw])
+        summary.append((d, g, _ratio(d, g)))
+        errors.append((d_se, g_se, r_se))
+    return summary, errors
+
+
 @torch.no_grad()
 def relative_stability(
     model: nn.Module,
@@ -246,18 +346,7 @@ def relative_stability(
         )
     if normalize and images.shape[0] < 2:
         raise ValueError(f"normalize=True needs at least 2 images (pairs of test images), got {images.shape[0]}")
-    size = images.shape[-2:]
-    if T is None:
-        if delta is None:
-            raise ValueError("give delta (pixels) or T")
-        T = temperature(delta, cut, size)
-    else:
-        t_min, t_max = temperature_range(cut, size)
-        if not t_min <= T <= t_max:
-            raise ValueError(
-                f"T={T!r} is outside the diffeomorphism region [{t_min:.3g}, {t_max:.3g}] for "
-                f"cut={cut} on a {size[0]}x{size[1]} image"
-            )
+    T = _temperature(delta, T, cut, images.shape[-2:])
     count = images.shape[0]
     draw_seeds = torch.randint(0, 2**62, (draws,), generator=torch.Generator().manual_seed(seed)).tolist()
     generators = [torch.Generator().manual_seed(s) for s in draw_seeds]
@@ -269,58 +358,16 @@ def relative_stability(
     def deformed(k: int, part: slice, x: torch.Tensor) -> torch.Tensor:
         return deform(x, T, cut, coefficients=fields[k][part], interpolation=interpolation)
 
-    shared = None  # the shared radius of each draw, before any noise is drawn
+    shared = None
     if rule.noise_radius == "shared":
-        moved = [[] for _ in range(draws)]
-        for part in chunks:
-            x = images[part].to(device)
-            for k in range(draws):
-                moved[k].append(deformed(k, part, x).sub_(x).flatten(1).norm(dim=1).double().cpu())
-        shared = [_statistic(torch.cat(m), rule.statistic) for m in moved]
-
-    # f(x) once per chunk, then per draw f(tau x) and f(x + eta): beyond a chunk's evaluation, one perturbed copy
-    was_training = model.training
-    model.eval()
-    diffeo, noise = [[] for _ in range(draws)], [[] for _ in range(draws)]
-    radii = [[] for _ in range(draws)]
-    scale = _PairScale(rule.pairs)
-    try:
-        for part in chunks:
-            x = images[part].to(device)
-            reference = representations(model, x, per_layer)
-            for k in range(draws):
-                deformed_x = deformed(k, part, x)
-                radius = deformed_x.sub(x).flatten(1).norm(dim=1)
-                diffeo[k].append(_squared_distances(representations(model, deformed_x, per_layer), reference))
-                del deformed_x
-                if shared is not None:
-                    radius = torch.full_like(radius, shared[k])
-                radii[k].append(radius.double().cpu())
-                noisy = _noise(x.shape[1:], x.shape[0], generators[k]).to(device)
-                noisy.mul_(radius.view(-1, *[1] * (x.dim() - 1)).to(noisy.dtype)).add_(x)
-                noise[k].append(_squared_distances(representations(model, noisy, per_layer), reference))
-                del noisy
-            if normalize:
-                scale.add(reference)
-    finally:
-        model.train(was_training)
+        shared = _shared_radii(images, chunks, device, deformed, draws, rule.statistic)
+    scale = _PairScale(rule.pairs) if normalize else None
+    diffeo, noise, radii = _squared_changes(
+        model, images, chunks, device, deformed, generators, shared, per_layer, scale
+    )
     depth = diffeo[0][0].shape[0]
     norms = scale.scales() if normalize else [1.0] * depth
-    per_draw = []  # per draw, per depth: (D, G, R)
-    for k in range(draws):
-        rows_d, rows_g = torch.cat(diffeo[k], dim=1), torch.cat(noise[k], dim=1)
-        values = []
-        for row_d, row_g, s in zip(rows_d, rows_g, norms):
-            d, g = _statistic(row_d, rule.statistic), _statistic(row_g, rule.statistic)
-            d, g = (_ratio(d, s), _ratio(g, s)) if normalize else (d, g)
-            values.append((d, g, _ratio(d, g)))
-        per_draw.append(values)
-    summary, errors = [], []
-    for i in range(depth):
-        (d, d_se), (g, g_se) = (_mean_se([v[i][j] for v in per_draw]) for j in (0, 1))
-        _, r_se = _mean_se([v[i][2] for v in per_draw])
-        summary.append((d, g, _ratio(d, g)))
-        errors.append((d_se, g_se, r_se))
+    summary, errors = _summarize(diffeo, noise, norms, rule.statistic, normalize)
     return Stability(
         *summary[-1],
         *errors[-1],

@@ -23,6 +23,9 @@ seeds are summarized by `convbias.experiments.efcn_seeds`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +35,7 @@ import yaml
 
 import efcn
 from convbias import engine
-from convbias.engine import ConfigError, RunDir, build_datasets, read_summary
+from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
 from convbias.evaluation import landscape
 from convbias.families import load_families
 from convbias.tables import write_csv
@@ -107,12 +110,13 @@ def relax_times(epochs: int, k: int) -> list[int]:
     return sorted(set(times))
 
 
-def write_recipe(cfg: dict, out: Path) -> Path:
-    """The train.py options shared by every run of the protocol (Sec. 6.2.2), as a YAML recipe.
+def train_recipe(cfg: dict) -> Config:
+    """The train.py options shared by every run of the protocol (Sec. 6.2.2); each run's config.yaml records
+    them with its own.
 
     Plain SGD is timm's "momentum" optimizer with momentum 0 (timm's "sgd" is Nesterov SGD, which
     refuses momentum 0)."""
-    recipe = dict(
+    return Config(
         dataset=cfg["dataset"],
         batch_size=cfg["batch_size"],
         seed=cfg["seed"],
@@ -125,33 +129,16 @@ def write_recipe(cfg: dict, out: Path) -> Path:
         no_aug=True,
         repeated_aug=1,
         drop_path=0.0,
+        **{k: cfg[k] for k in ("data_dir", "img_size", "num_classes") if cfg[k] is not None},
     )
-    recipe.update({k: cfg[k] for k in ("data_dir", "img_size", "num_classes") if cfg[k] is not None})
-    path = out / "train_recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path
 
 
-def _train_options(
-    recipe: Path, model: str, epochs: int, lr: float, output: Path, save_epochs: list[int], model_kwargs: dict
-) -> list[str]:
-    args = [
-        "-c",
-        str(recipe),
-        "--model",
-        model,
-        "--epochs",
-        str(epochs),
-        "--lr",
-        str(lr),
-        "--output",
-        str(output),
-        "--save-epochs",
-        *map(str, save_epochs),
-    ]
-    if model_kwargs:
-        args += ["--model-kwargs", *[f"{k}={v}" for k, v in model_kwargs.items()]]
-    return args
+def _train_config(
+    recipe: Config, model: str, epochs: int, lr: float, output: Path, save_epochs: list[int], model_kwargs: dict
+) -> Config:
+    return recipe.replace(
+        model=model, epochs=epochs, lr=lr, output=str(output), save_epochs=save_epochs, model_kwargs=dict(model_kwargs)
+    )
 
 
 def _lr(cfg: dict, sgd_lr: float) -> float:
@@ -166,19 +153,20 @@ def _efcn_kwargs(cfg: dict, **extra) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ training
-def _run_once(args: list[str], output: Path) -> dict:
+def _run_once(config: Config) -> dict:
+    output = Path(config.output)
     if output.is_dir() and RunDir(output).status() == "done":
         print(f"[efcn_protocol] {output} already complete, kept")
         return RunDir(output).results()
-    print(f"[efcn_protocol] train.py {' '.join(args)}", flush=True)
-    return engine.run(args, load_families())
+    print(f"[efcn_protocol] training {config.model} for {config.epochs} epochs into {output}", flush=True)
+    return engine.run(config, load_families())
 
 
 def train_stage(cfg: dict, out: Path) -> None:
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
-    recipe = write_recipe(cfg, out)
+    recipe = train_recipe(cfg)
     _run_once(
-        _train_options(
+        _train_config(
             recipe,
             cfg["model"],
             cfg["cnn_epochs"],
@@ -186,26 +174,24 @@ def train_stage(cfg: dict, out: Path) -> None:
             out / "cnn",
             sorted(set(times) | {cfg["cnn_epochs"]}),
             cfg["model_kwargs"],
-        ),
-        out / "cnn",
+        )
     )
     middle = cfg["efcn_epochs"] // 2
     for t in times:
         snapshot = _snapshot(out / "cnn", t).resolve()
         _run_once(
-            _train_options(
+            _train_config(
                 recipe,
                 "efcn_" + cfg["model"],
                 cfg["efcn_epochs"],
                 _lr(cfg, cfg["efcn_lr"]),
                 out / f"efcn_tw{t}",
                 sorted({0, middle, cfg["efcn_epochs"]}),
-                _efcn_kwargs(cfg, cnn_checkpoint=snapshot),
-            ),
-            out / f"efcn_tw{t}",
+                _efcn_kwargs(cfg, cnn_checkpoint=str(snapshot)),
+            )
         )
     _run_once(
-        _train_options(
+        _train_config(
             recipe,
             "fcn_" + cfg["model"],
             cfg["efcn_epochs"],
@@ -213,8 +199,7 @@ def train_stage(cfg: dict, out: Path) -> None:
             out / "fcn",
             sorted({0, middle, cfg["efcn_epochs"]}),
             _efcn_kwargs(cfg),
-        ),
-        out / "fcn",
+        )
     )
 
 
@@ -256,85 +241,117 @@ def _pick(items: list, n: int) -> list:
     return [items[i] for i in sorted({round(j * (len(items) - 1) / max(1, n - 1)) for j in range(n)})]
 
 
-def analyze_stage(cfg: dict, out: Path) -> None:
-    torch.manual_seed(cfg["seed"])
-    times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
-    E = cfg["efcn_epochs"]
-    bundle = build_datasets(
-        dict(
-            dataset=cfg["dataset"],
-            data_dir=cfg["data_dir"],
-            img_size=cfg["img_size"],
-            num_classes=cfg["num_classes"],
-            seed=cfg["seed"],
-            no_aug=True,
-        )
-    )
-    train = landscape.Batches(*_tensors(bundle.train, cfg["measure_train_samples"]), cfg["batch_size"])
-    test = landscape.Batches(*_tensors(bundle.val, cfg["measure_test_samples"]), cfg["batch_size"])
-    cnn_kwargs = dict(num_classes=bundle.num_classes, in_chans=bundle.in_chans, **cfg["model_kwargs"])
-    if cfg["img_size"] is not None:
-        cnn_kwargs["img_size"] = cfg["img_size"]
-    build_kwargs = _efcn_kwargs(cfg, **cnn_kwargs)
+@dataclass
+class _Analysis:
+    """What the analyze stage measures every model on (fixed train and test images) and how it rebuilds the
+    protocol's models from the snapshots in `out`."""
 
-    def build(family: str, path: Path) -> torch.nn.Module:
-        model = timm.create_model(family + cfg["model"], **(build_kwargs if family else cnn_kwargs))
+    cfg: dict
+    out: Path
+    train: landscape.Batches
+    test: landscape.Batches
+    cnn_kwargs: dict
+    build_kwargs: dict
+
+    @classmethod
+    def prepare(cls, cfg: dict, out: Path) -> _Analysis:
+        """The measurement images (the dataset as train.py builds it, unaugmented) and the models' arguments."""
+        bundle = build_datasets(
+            Config(
+                dataset=cfg["dataset"],
+                data_dir=cfg["data_dir"],
+                img_size=cfg["img_size"],
+                num_classes=cfg["num_classes"],
+                seed=cfg["seed"],
+                no_aug=True,
+            )
+        )
+        train = landscape.Batches(*_tensors(bundle.train, cfg["measure_train_samples"]), cfg["batch_size"])
+        test = landscape.Batches(*_tensors(bundle.val, cfg["measure_test_samples"]), cfg["batch_size"])
+        cnn_kwargs = dict(num_classes=bundle.num_classes, in_chans=bundle.in_chans, **cfg["model_kwargs"])
+        if cfg["img_size"] is not None:
+            cnn_kwargs["img_size"] = cfg["img_size"]
+        return cls(cfg, out, train, test, cnn_kwargs, _efcn_kwargs(cfg, **cnn_kwargs))
+
+    def build(self, family: str, path: Path) -> torch.nn.Module:
+        """The `family` ("", "efcn_" or "fcn_") model with the weights at `path`, in eval mode."""
+        model = timm.create_model(family + self.cfg["model"], **(self.build_kwargs if family else self.cnn_kwargs))
         return load_weights(model, path).eval()
 
-    def landscape_at(model) -> dict:
+    def point(self, t: int, method: str, alpha: float, evaluate: Callable[[landscape.Batches], tuple]) -> dict:
+        """A row of interpolation.csv: the train loss and test accuracy that `evaluate` gives (loss, accuracy)."""
         return dict(
-            grad_norm=landscape.gradient_norm(model, train),
-            hessian_top=landscape.top_hessian_eigenvalue(model, train, cfg["power_iterations"], cfg["seed"]),
+            relax_time=t,
+            method=method,
+            alpha=alpha,
+            train_loss=evaluate(self.train)[0],
+            test_acc=evaluate(self.test)[1],
         )
 
-    cnn_results = RunDir(out / "cnn").results()
-    cnn_init = build("", _snapshot(out / "cnn", 0))
-    curves = _read_summary(
-        out / "cnn", "cnn", (landscape.evaluate(cnn_init, train)[0], landscape.evaluate(cnn_init, test)[1])
+    def landscape_at(self, model: torch.nn.Module) -> dict:
+        """|grad L| and the top Hessian eigenvalue on the train images."""
+        return dict(
+            grad_norm=landscape.gradient_norm(model, self.train),
+            hessian_top=landscape.top_hessian_eigenvalue(
+                model, self.train, self.cfg["power_iterations"], self.cfg["seed"]
+            ),
+        )
+
+
+Filters = list[tuple[str, np.ndarray]]  # (when, first-layer filter) of one model
+
+
+def _relax_time(analysis: _Analysis, t: int) -> tuple[dict, Filters, list[dict]]:
+    """The eFCN lifted at relax time t: its row of relax_times.csv (the CNN snapshot it starts from, its start and
+    end of training, its distance to the CNN subspace and its local / off-local parts), its first-layer filters
+    through training and its training curve."""
+    out, train, test, E = analysis.out, analysis.train, analysis.test, analysis.cfg["efcn_epochs"]
+    run = out / f"efcn_tw{t}"
+    started = time.perf_counter()
+    model = analysis.build("efcn_", _snapshot(run, 0))
+    row = dict(relax_time=t)
+    snapshot = analysis.build("", _snapshot(out / "cnn", t))
+    row["cnn_train_loss_at_relax_time"] = landscape.evaluate(snapshot, train)[0]
+    row["cnn_test_acc_at_relax_time"] = landscape.evaluate(snapshot, test)[1]
+    row["initial_train_loss"], row["initial_train_acc"] = landscape.evaluate(model, train)
+    row["initial_test_acc"] = landscape.evaluate(model, test)[1]
+    start = analysis.landscape_at(model)
+    filters = [("at relax time", _first_filter(model))]
+    for epoch in sorted({E // 2, E} - {0}):
+        load_weights(model, _snapshot(run, epoch)).eval()
+        filters.append((f"after {epoch} epochs", _first_filter(model)))
+    row["final_train_loss"], row["final_train_acc"] = landscape.evaluate(model, train)
+    row["final_test_acc"] = landscape.evaluate(model, test)[1]
+    row["best_test_acc"] = RunDir(run).results()["best_top1"]
+    for key, value in efcn.deviation(model).items():
+        row[f"deviation_{key}"] = value
+    row["weight_sharing_total"] = efcn.weight_sharing_violation(model)["total"]
+    for keep in ("local", "off_local"):
+        with efcn.masked(model, keep):
+            row[f"{keep}_only_test_acc"] = landscape.evaluate(model, test)[1]
+    end = analysis.landscape_at(model)
+    row.update({f"{k}_start": v for k, v in start.items()})
+    row.update({f"{k}_end": v for k, v in end.items()})
+    curves = _read_summary(run, f"efcn_tw{t}", (row["initial_train_loss"], row["initial_test_acc"]))
+    print(
+        f"[efcn_protocol] t_w={t}: final test acc {row['final_test_acc']:.2f}%, delta "
+        f"{row['deviation_total']:.4f} ({time.perf_counter() - started:.0f} s)",
+        flush=True,
     )
-    rows, filters = [], {}
-    for t in times:
-        run = out / f"efcn_tw{t}"
-        started = time.perf_counter()
-        model = build("efcn_", _snapshot(run, 0))
-        row = dict(relax_time=t)
-        snapshot = build("", _snapshot(out / "cnn", t))
-        row["cnn_train_loss_at_relax_time"] = landscape.evaluate(snapshot, train)[0]
-        row["cnn_test_acc_at_relax_time"] = landscape.evaluate(snapshot, test)[1]
-        row["initial_train_loss"], row["initial_train_acc"] = landscape.evaluate(model, train)
-        row["initial_test_acc"] = landscape.evaluate(model, test)[1]
-        start = landscape_at(model)
-        filters[f"eFCN t_w={t}"] = [("at relax time", _first_filter(model))]
-        for epoch in sorted({E // 2, E} - {0}):
-            load_weights(model, _snapshot(run, epoch)).eval()
-            filters[f"eFCN t_w={t}"].append((f"after {epoch} epochs", _first_filter(model)))
-        row["final_train_loss"], row["final_train_acc"] = landscape.evaluate(model, train)
-        row["final_test_acc"] = landscape.evaluate(model, test)[1]
-        row["best_test_acc"] = RunDir(run).results()["best_top1"]
-        for key, value in efcn.deviation(model).items():
-            row[f"deviation_{key}"] = value
-        row["weight_sharing_total"] = efcn.weight_sharing_violation(model)["total"]
-        for keep in ("local", "off_local"):
-            with efcn.masked(model, keep):
-                row[f"{keep}_only_test_acc"] = landscape.evaluate(model, test)[1]
-        end = landscape_at(model)
-        row.update({f"{k}_start": v for k, v in start.items()})
-        row.update({f"{k}_end": v for k, v in end.items()})
-        rows.append(row)
-        curves += _read_summary(run, f"efcn_tw{t}", (row["initial_train_loss"], row["initial_test_acc"]))
-        print(
-            f"[efcn_protocol] t_w={t}: final test acc {row['final_test_acc']:.2f}%, delta "
-            f"{row['deviation_total']:.4f} ({time.perf_counter() - started:.0f} s)",
-            flush=True,
-        )
+    return row, filters, curves
 
-    fcn = build("fcn_", _snapshot(out / "fcn", 0))
+
+def _fcn_baselines(analysis: _Analysis, cnn_results: dict) -> tuple[dict, Filters, list[dict]]:
+    """baselines.csv's row (the trained CNN, and the standard FCN with its distance to the CNN subspace and its
+    local / off-local parts), the FCN's first-layer filters and its training curve."""
+    out, train, test, E = analysis.out, analysis.train, analysis.test, analysis.cfg["efcn_epochs"]
+    fcn = analysis.build("fcn_", _snapshot(out / "fcn", 0))
     fcn_initial = landscape.evaluate(fcn, train)[0], landscape.evaluate(fcn, test)[1]
-    filters["FCN"] = [("initialization", _first_filter(fcn))]
+    filters = [("initialization", _first_filter(fcn))]
     load_weights(fcn, _snapshot(out / "fcn", E)).eval()
-    filters["FCN"].append((f"after {E} epochs", _first_filter(fcn)))
-    filters["FCN"].append(("difference", filters["FCN"][1][1] - filters["FCN"][0][1]))
-    curves += _read_summary(out / "fcn", "fcn", fcn_initial)
+    filters.append((f"after {E} epochs", _first_filter(fcn)))
+    filters.append(("difference", filters[1][1] - filters[0][1]))
+    curves = _read_summary(out / "fcn", "fcn", fcn_initial)
     fcn_local = {}
     for keep in ("local", "off_local"):
         with efcn.masked(fcn, keep):
@@ -349,58 +366,55 @@ def analyze_stage(cfg: dict, out: Path) -> None:
         fcn_local_only_test_acc=fcn_local["local"],
         fcn_off_local_only_test_acc=fcn_local["off_local"],
     )
+    return baselines, filters, curves
 
-    interpolation_rows = []
-    cnn_final = _snapshot(out / "cnn", cfg["cnn_epochs"]).resolve()
-    lifted_cnn = timm.create_model("efcn_" + cfg["model"], **build_kwargs, cnn_checkpoint=str(cnn_final)).eval()
+
+def _interpolations(analysis: _Analysis, times: list[int]) -> list[dict]:
+    """App. E.3: from the lifted final CNN to the eFCNs trained from a few relax times, along the straight line
+    and the string method's path in parameter space, and by mixing the two models' outputs."""
+    cfg, train = analysis.cfg, analysis.train
+    rows = []
+    cnn_final = _snapshot(analysis.out / "cnn", cfg["cnn_epochs"]).resolve()
+    lifted_cnn = timm.create_model(
+        "efcn_" + cfg["model"], **analysis.build_kwargs, cnn_checkpoint=str(cnn_final)
+    ).eval()
     start_params = landscape.parameters_of(lifted_cnn)
     for t in _pick(times, cfg["interpolate_relax_times"]):
         started = time.perf_counter()
-        trained = build("efcn_", _snapshot(out / f"efcn_tw{t}", E))
+        trained = analysis.build("efcn_", _snapshot(analysis.out / f"efcn_tw{t}", cfg["efcn_epochs"]))
         end_params = landscape.parameters_of(trained)
         alphas = np.linspace(0, 1, cfg["interpolation_points"]).tolist()
         for alpha, params in zip(alphas, landscape.linear_path(start_params, end_params, alphas)):
-            interpolation_rows.append(
-                dict(
-                    relax_time=t,
-                    method="linear",
-                    alpha=alpha,
-                    train_loss=landscape.evaluate(trained, train, params)[0],
-                    test_acc=landscape.evaluate(trained, test, params)[1],
-                )
-            )
+            rows.append(analysis.point(t, "linear", alpha, partial(landscape.evaluate, trained, params=params)))
         string_alphas = np.linspace(0, 1, cfg["string_points"]).tolist()
-        path = landscape.string_path(
-            trained,
-            start_params,
-            end_params,
-            string_alphas,
-            train,
-            cfg["string_stiffness"],
-            cfg["string_steps"],
-            cfg["string_lr"],
-        )
+        string = (cfg["string_stiffness"], cfg["string_steps"], cfg["string_lr"])
+        path = landscape.string_path(trained, start_params, end_params, string_alphas, train, *string)
         for alpha, params in zip(string_alphas, path):
-            interpolation_rows.append(
-                dict(
-                    relax_time=t,
-                    method="string",
-                    alpha=alpha,
-                    train_loss=landscape.evaluate(trained, train, params)[0],
-                    test_acc=landscape.evaluate(trained, test, params)[1],
-                )
-            )
+            rows.append(analysis.point(t, "string", alpha, partial(landscape.evaluate, trained, params=params)))
         for alpha in alphas:
-            interpolation_rows.append(
-                dict(
-                    relax_time=t,
-                    method="output",
-                    alpha=alpha,
-                    train_loss=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, train)[0],
-                    test_acc=landscape.evaluate_output_mixture(lifted_cnn, trained, alpha, test)[1],
-                )
-            )
+            mixture = partial(landscape.evaluate_output_mixture, lifted_cnn, trained, alpha)
+            rows.append(analysis.point(t, "output", alpha, mixture))
         print(f"[efcn_protocol] interpolation t_w={t} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return rows
+
+
+def analyze_stage(cfg: dict, out: Path) -> None:
+    """Steps 4-5: measure the trained CNN, eFCNs and FCN in one process, then write the CSVs and figures."""
+    torch.manual_seed(cfg["seed"])
+    times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
+    analysis = _Analysis.prepare(cfg, out)
+    cnn_results = RunDir(out / "cnn").results()
+    cnn_init = analysis.build("", _snapshot(out / "cnn", 0))
+    initial = landscape.evaluate(cnn_init, analysis.train)[0], landscape.evaluate(cnn_init, analysis.test)[1]
+    curves = _read_summary(out / "cnn", "cnn", initial)
+    rows, filters = [], {}
+    for t in times:
+        row, filters[f"eFCN t_w={t}"], efcn_curves = _relax_time(analysis, t)
+        rows.append(row)
+        curves += efcn_curves
+    baselines, filters["FCN"], fcn_curves = _fcn_baselines(analysis, cnn_results)
+    curves += fcn_curves
+    interpolation_rows = _interpolations(analysis, times)
 
     write_csv(rows, out / "relax_times.csv")
     write_csv([baselines], out / "baselines.csv")

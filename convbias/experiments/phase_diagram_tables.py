@@ -14,7 +14,7 @@ import numpy as np
 from convbias.tables import markdown_table
 
 from .intervals import proportion_interval, t_half_width
-from .report import read_runs_like
+from .sweep_runs import read_runs_like
 
 
 def mean_interval(values: Sequence[float]) -> str:

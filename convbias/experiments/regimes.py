@@ -65,7 +65,7 @@ def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
     for run in runs:
         run_dir = sweep_dir / "runs" / run["run"]
         model, cfg, data = load_run(run_dir, extensions, data, which="last")  # the final weights
-        if cfg.get("output_scale") is None:
+        if cfg.output_scale is None:
             raise ValueError(f"{run_dir} was not trained with --output-scale")
         train = data.train
         train.transform = data.val.transform  # the training images as evaluated (no augmentation)

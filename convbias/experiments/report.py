@@ -14,27 +14,22 @@ n-1; Student's t interval; one run has no interval and says so).
   and the plot of Fig. 7.2 (left).
 - Other swept factors (parameter sweeps): one row per setting, and a heatmap (two numeric factors,
   like Fig. 7.9 left) or a line plot (one factor).
+
+The runs are read and grouped by ``sweep_runs``, the plots drawn by ``sweep_figures``.
 """
 
 from __future__ import annotations
 
-import csv
-import itertools
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from matplotlib.figure import Figure
-
-from convbias.evaluation.figures import error_bar_note
 from convbias.tables import markdown_table
 
 from .intervals import (
     CONFIDENCE,
     Stat,
-    error_bar,
     gap_change,
     mean_gap,
     paired_gap,
@@ -42,68 +37,25 @@ from .intervals import (
     proportion_interval,
     stat,
 )
-from .sweep import ENSEMBLES_CSV_NAME, RESULT_COLUMNS, TIME_COLUMN
+from .sweep import ENSEMBLES_CSV_NAME
+from .sweep_figures import plot_parameter_sweep, plot_sample_efficiency
+from .sweep_runs import (
+    Rows,
+    choose_baseline,
+    column_values,
+    compared_column,
+    fraction_label,
+    group_runs,
+    metric_label,
+    parameter_columns,
+    read_runs,
+    read_runs_like,
+    select_runs,
+    setting_title,
+    train_fractions,
+)
 
-METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
-ID_COLUMNS = ("run", "seed")
 REPORT_NAME = "report.md"
-
-
-def _parse(value: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
-
-
-def read_runs(path: str | Path) -> list[dict[str, Any]]:
-    """Read a sweep CSV; numbers become int/float, empty cells are dropped."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"CSV not found: {path}")
-    with open(path, newline="") as f:
-        rows = [{k: _parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-    if not rows:
-        raise ValueError(f"{path} holds no runs")
-    for column in ("model", "top1"):
-        if column not in rows[0]:
-            raise ValueError(f"{path} has no {column!r} column; expected a CSV written by convbias-sweep")
-    return rows
-
-
-def compared_column(rows: list[dict[str, Any]]) -> str:
-    """The column that names the compared models: ``variant`` if the sweep had variants."""
-    return "variant" if "variant" in rows[0] else "model"
-
-
-def parameter_columns(rows: list[dict[str, Any]]) -> list[str]:
-    """Swept factors other than the compared model and the train fraction."""
-    skip = set(METRIC_COLUMNS) | set(ID_COLUMNS) | {"model", "variant", "train_fraction"}
-    return [column for column in rows[0] if column not in skip]
-
-
-def _values(rows: list[dict[str, Any]], column: str) -> list[Any]:
-    return list(dict.fromkeys(row.get(column) for row in rows))
-
-
-def _select(rows: list[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:
-    return [row for row in rows if all(row.get(k) == v for k, v in where.items())]
-
-
-def choose_baseline(rows: list[dict[str, Any]], baseline: str | None = None) -> str:
-    """The baseline model: the one given, else the only compared name containing 'deit'."""
-    column = compared_column(rows)
-    names = _values(rows, column)
-    if baseline is not None:
-        if baseline not in names:
-            raise ValueError(f"baseline '{baseline}' is not in the CSV's {column} column {names}")
-        return baseline
-    deits = [name for name in names if "deit" in str(name).lower()]
-    if len(deits) != 1:
-        raise ValueError(f"cannot tell the baseline among {names}; pass --baseline NAME")
-    return deits[0]
 
 
 def _gap(value: Stat | None, base: Stat | None) -> str:
@@ -113,24 +65,11 @@ def _gap(value: Stat | None, base: Stat | None) -> str:
     return f"{percent:+d}%" if percent else "0%"
 
 
-def _fraction(value: float) -> str:
-    return f"{100 * value:g}%"
-
-
-def _label(metric: str) -> str:
-    """'best_top1' -> 'best top-1'."""
-    return metric.replace("top1", "top-1").replace("_", " ")
-
-
-def _fractions(rows: list[dict[str, Any]]) -> list[float]:
-    return sorted(_values(rows, "train_fraction"))
-
-
 def _markdown(header: Sequence[str], body: list[Sequence[Any]]) -> str:
     return markdown_table(header, body).rstrip("\n")
 
 
-def _count(rows: list[dict[str, Any]], metric: str) -> int:
+def _count(rows: Rows, metric: str) -> int:
     return sum(metric in row for row in rows)
 
 
@@ -140,14 +79,14 @@ def _counts(counts: list[int]) -> str:
     return str(low) if low == high else f"{low}-{high}"
 
 
-def comparison_table(rows: list[dict[str, Any]], baseline: str, metric: str = "top1") -> str:
+def comparison_table(rows: Rows, baseline: str, metric: str = "top1") -> str:
     """Table 7.2 (two models: rows are fractions) or Table 7.3 (more: rows are models).
 
     Cells: mean ± std [95% interval of the mean]; gaps: model - baseline in points, paired by seed,
     [95% interval]; relative gaps from the means; n: runs per cell."""
     column = compared_column(rows)
-    others = [name for name in _values(rows, column) if name != baseline]
-    fractions = _fractions(rows)
+    others = [name for name in column_values(rows, column) if name != baseline]
+    fractions = train_fractions(rows)
     top5 = metric.replace("top1", "top5")
     if len(others) == 1:
         other = others[0]
@@ -156,21 +95,21 @@ def comparison_table(rows: list[dict[str, Any]], baseline: str, metric: str = "t
             header += [f"{baseline} {k}", f"{other} {k}", f"gap {k} (points)", "relative"]
         body = []
         for f in fractions:
-            base_rows = _select(rows, **{column: baseline, "train_fraction": f})
-            other_rows = _select(rows, **{column: other, "train_fraction": f})
-            cells = [_fraction(f), _counts([_count(base_rows, metric), _count(other_rows, metric)])]
+            base_rows = select_runs(rows, **{column: baseline, "train_fraction": f})
+            other_rows = select_runs(rows, **{column: other, "train_fraction": f})
+            cells = [fraction_label(f), _counts([_count(base_rows, metric), _count(other_rows, metric)])]
             for m in (metric, top5):
                 base, value = stat(base_rows, m), stat(other_rows, m)
                 cells += [base or "–", value or "–", paired_gap(other_rows, base_rows, m) or "–", _gap(value, base)]
             body.append(cells)
         return _markdown(header, body)
-    header = [column, "n"] + [f"{_fraction(f)} top-{k} (gap, points)" for f in fractions for k in (1, 5)]
+    header = [column, "n"] + [f"{fraction_label(f)} top-{k} (gap, points)" for f in fractions for k in (1, 5)]
     body = []
-    for name in _values(rows, column):
+    for name in column_values(rows, column):
         cells, counts = [], []
         for f in fractions:
-            base_rows = _select(rows, **{column: baseline, "train_fraction": f})
-            name_rows = _select(rows, **{column: name, "train_fraction": f})
+            base_rows = select_runs(rows, **{column: baseline, "train_fraction": f})
+            name_rows = select_runs(rows, **{column: name, "train_fraction": f})
             counts.append(_count(name_rows, metric))
             for m in (metric, top5):
                 value = stat(name_rows, m)
@@ -180,204 +119,69 @@ def comparison_table(rows: list[dict[str, Any]], baseline: str, metric: str = "t
     return _markdown(header, body)
 
 
-def trend_lines(rows: list[dict[str, Any]], baseline: str, metric: str = "top1") -> list[str]:
+def trend_lines(rows: Rows, baseline: str, metric: str = "top1") -> list[str]:
     """Per compared model: its paired gap at each fraction, whether each interval excludes 0, and whether
     the gap differs between the smallest and the largest fraction (Welch interval of the difference)."""
     column = compared_column(rows)
-    fractions = _fractions(rows)
+    fractions = train_fractions(rows)
     lines = []
-    for name in _values(rows, column):
+    for name in column_values(rows, column):
         if name == baseline:
             continue
         gaps = {}
         for f in fractions:
-            base_rows = _select(rows, **{column: baseline, "train_fraction": f})
-            gaps[f] = per_seed_gaps(_select(rows, **{column: name, "train_fraction": f}), base_rows, metric)
+            base_rows = select_runs(rows, **{column: baseline, "train_fraction": f})
+            gaps[f] = per_seed_gaps(select_runs(rows, **{column: name, "train_fraction": f}), base_rows, metric)
         per_fraction = []
         for f, diffs in gaps.items():
             gap = mean_gap(diffs)
             if gap is not None and math.isnan(gap.half_width):
-                per_fraction.append(f"{_fraction(f)}: {gap}")
+                per_fraction.append(f"{fraction_label(f)}: {gap}")
             elif gap is not None:
                 verdict = "interval excludes 0" if gap.excludes_zero else "interval includes 0"
-                per_fraction.append(f"{_fraction(f)}: {gap} ({verdict})")
-        line = f"- {name} - {baseline}, {_label(metric)} in points: " + "; ".join(per_fraction) + "."
+                per_fraction.append(f"{fraction_label(f)}: {gap} ({verdict})")
+        line = f"- {name} - {baseline}, {metric_label(metric)} in points: " + "; ".join(per_fraction) + "."
         if len(fractions) > 1:
             small, large = fractions[0], fractions[-1]
             change = gap_change(gaps[large], gaps[small])
+            span = f" Gap at {fraction_label(small)} minus gap at {fraction_label(large)}"
             if change is None:
-                line += f" Gap at {_fraction(small)} minus gap at {_fraction(large)}: too few runs for an interval."
+                line += f"{span}: too few runs for an interval."
             else:
                 verdict = (
                     "the gap differs between the two fractions"
                     if change.excludes_zero
                     else "no change of the gap is supported"
                 )
-                line += f" Gap at {_fraction(small)} minus gap at {_fraction(large)}: {change} ({verdict})."
+                line += f"{span}: {change} ({verdict})."
         lines.append(line)
     return lines
 
 
-def parameter_table(rows: list[dict[str, Any]], metric: str = "top1") -> str:
+def parameter_table(rows: Rows, metric: str = "top1") -> str:
     """One row per setting of the swept factors: top-1 and top-5 as mean ± std [95% interval], n runs."""
     factors = [compared_column(rows), "train_fraction"] + parameter_columns(rows)
     top5 = metric.replace("top1", "top5")
     body = []
     for setting in dict.fromkeys(tuple(row.get(f) for f in factors) for row in rows):
-        selected = _select(rows, **dict(zip(factors, setting)))
+        selected = select_runs(rows, **dict(zip(factors, setting)))
         body.append(list(setting) + [stat(selected, metric) or "–", stat(selected, top5) or "–", len(selected)])
     return _markdown(factors + ["top-1", "top-5", "n"], body)
-
-
-def _groups(rows: list[dict[str, Any]], columns: list[str]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """Rows split by the values of ``columns`` (one group with everything if there are none)."""
-    if not columns:
-        return [({}, rows)]
-    out = []
-    for setting in itertools.product(*(_values(rows, c) for c in columns)):
-        where = dict(zip(columns, setting))
-        selected = _select(rows, **where)
-        if selected:
-            out.append((where, selected))
-    return out
-
-
-def _title(where: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in where.items())
-
-
-def plot_sample_efficiency(
-    rows: list[dict[str, Any]], baseline: str, path: Path, metric: str = "top1", title: str = ""
-) -> Path:
-    """Fig. 7.2 (left): accuracy against train fraction per model, and the paired gap over the baseline
-    in points; error bars are 95% t intervals of the means (none for a single run)."""
-    column = compared_column(rows)
-    fractions = _fractions(rows)
-    fig = Figure(figsize=(9, 3.9))
-    ax, gap_ax = fig.subplots(1, 2)
-    counts = []
-    for name in _values(rows, column):
-        stats = [stat(_select(rows, **{column: name, "train_fraction": f}), metric) for f in fractions]
-        xs = [f for f, s in zip(fractions, stats) if s is not None]
-        counts += [s.n for s in stats if s]
-        ax.errorbar(
-            xs,
-            [s.mean for s in stats if s],
-            yerr=[error_bar(s.half_width) for s in stats if s],
-            marker="o",
-            capsize=3,
-            label=str(name),
-            linestyle="--" if name == baseline else "-",
-        )
-        if name == baseline:
-            continue
-        gaps = [
-            paired_gap(
-                _select(rows, **{column: name, "train_fraction": f}),
-                _select(rows, **{column: baseline, "train_fraction": f}),
-                metric,
-            )
-            for f in xs
-        ]
-        gap_ax.errorbar(
-            [f for f, g in zip(xs, gaps) if g is not None],
-            [g.mean for g in gaps if g is not None],
-            yerr=[error_bar(g.half_width) for g in gaps if g is not None],
-            marker="o",
-            capsize=3,
-            label=f"{name} - {baseline}",
-        )
-    for axis in (ax, gap_ax):
-        axis.set_xscale("log")
-        axis.set_xticks(fractions, [_fraction(f) for f in fractions])
-        axis.minorticks_off()
-        axis.set_xlabel("fraction of the training set")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    ax.set_ylabel(f"{_label(metric)} accuracy (%)")
-    gap_ax.axhline(0, color="black", linewidth=0.8)
-    gap_ax.set_ylabel("gap, paired by seed (points)")
-    note = error_bar_note(counts) + " (gap: of the per-seed differences)"
-    fig.suptitle(f"{title or 'Sample efficiency'}\n{note}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
-
-
-def _is_numeric(values: list[Any]) -> bool:
-    return all(isinstance(v, (int, float)) for v in values)
-
-
-def plot_parameter_sweep(rows: list[dict[str, Any]], path: Path, metric: str = "top1") -> Path:
-    """Fig. 7.9 (left): a heatmap of mean accuracy over two swept factors, else accuracy lines."""
-    params = parameter_columns(rows)
-    panels = _groups(rows, [compared_column(rows), "train_fraction"])
-    fig = Figure(figsize=(4.6 * len(panels), 3.8))
-    axes = fig.subplots(1, len(panels), squeeze=False)
-    counts = []  # runs behind each error bar
-    for ax, (where, selected) in zip(axes[0], panels):
-        shown = {k: v for k, v in where.items() if v is not None}  # None: a column the CSV lacks
-        ax.set_title(_title(shown), fontsize=9)
-        if len(params) == 2:
-            x_col, y_col = params
-            xs, ys = sorted(_values(selected, x_col)), sorted(_values(selected, y_col))
-            grid = np.full((len(ys), len(xs)), np.nan)
-            for i, y in enumerate(ys):
-                for j, x in enumerate(xs):
-                    cell = stat(_select(selected, **{x_col: x, y_col: y}), metric)
-                    if cell is not None:
-                        grid[i, j] = cell.mean
-            image = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
-            for i, j in zip(*np.nonzero(~np.isnan(grid))):
-                ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", color="white", fontsize=8)
-            ax.set_xticks(range(len(xs)), [f"{x:g}" if isinstance(x, float) else x for x in xs])
-            ax.set_yticks(range(len(ys)), [f"{y:g}" if isinstance(y, float) else y for y in ys])
-            ax.set_xlabel(x_col)
-            ax.set_ylabel(y_col)
-            fig.colorbar(image, ax=ax, label=f"{_label(metric)} accuracy (%)")
-        else:
-            x_col, rest = params[0], params[1:]
-            for line, line_rows in _groups(selected, rest):
-                xs = sorted(_values(line_rows, x_col))
-                stats = [stat(_select(line_rows, **{x_col: x}), metric) for x in xs]
-                counts += [s.n for s in stats]
-                positions = xs if _is_numeric(xs) else list(range(len(xs)))
-                ax.errorbar(
-                    positions,
-                    [s.mean for s in stats],
-                    yerr=[error_bar(s.half_width) for s in stats],
-                    marker="o",
-                    capsize=3,
-                    label=_title(line) or None,
-                )
-                if not _is_numeric(xs):
-                    ax.set_xticks(positions, [str(x) for x in xs])
-            ax.set_xlabel(x_col)
-            ax.set_ylabel(f"{_label(metric)} accuracy (%)")
-            ax.grid(alpha=0.3)
-            if rest:
-                ax.legend(fontsize=7)
-    if counts:
-        fig.suptitle(error_bar_note(counts), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
 
 
 ENSEMBLE_METRICS = ("members", "ensemble_top1", "member_top1", "fluctuation")
 ENSEMBLE_SPREAD = ("member_top1_std", "images")  # the intervals' inputs, in sweeps that recorded them
 
 
-def read_ensembles(path: str | Path) -> list[dict[str, Any]]:
+def read_ensembles(path: str | Path) -> Rows:
     """ensembles.csv (written by the sweep when a grid has several seeds): one row per group of runs."""
-    with open(path, newline="") as f:
-        rows = [{k: _parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    rows = read_runs_like(path)
     if not rows or any(metric not in rows[0] for metric in ENSEMBLE_METRICS):
         raise ValueError(f"{path} holds no ensembles (expected columns {', '.join(ENSEMBLE_METRICS)})")
     return rows
 
 
-def ensemble_table(rows: list[dict[str, Any]]) -> str:
+def ensemble_table(rows: Rows) -> str:
     """One row per group: its factors, the top-1 of the averaged logits with its Clopper-Pearson interval
     over the validation images, the members' mean top-1 ± std [t interval over the members], the gain of
     ensembling (points of top-1) and the fluctuation of the members around their average. Rows without
@@ -439,12 +243,12 @@ def write_report(
         f"# Sweep report\n\nFrom `{Path(csv_path).name}`: {len(rows)} runs, {which} accuracy. A cell is "
         f"mean ± std [{CONFIDENCE:.0%} t interval of the mean] over its n runs (seeds)."
     ]
-    compared = len(_values(rows, column)) > 1
+    compared = len(column_values(rows, column)) > 1
     if compared:
         base = choose_baseline(rows, baseline)
-        for where, selected in _groups(rows, params):
+        for where, selected in group_runs(rows, params):
             suffix = "" if not where else "_" + "_".join(f"{k}-{v}" for k, v in where.items())
-            heading = f"## Sample efficiency{' (' + _title(where) + ')' if where else ''}"
+            heading = f"## Sample efficiency{' (' + setting_title(where) + ')' if where else ''}"
             sections.append(
                 f"{heading}\n\nGap: model - {base} in points, the mean of the per-seed differences (a seed fixes "
                 f"the init and the training subset) [{CONFIDENCE:.0%} paired t interval]; relative: "
@@ -453,9 +257,9 @@ def write_report(
                 + "\n\n"
                 + "\n".join(trend_lines(selected, base, metric))
             )
-            if len(_fractions(selected)) > 1:
+            if len(train_fractions(selected)) > 1:
                 png = plot_sample_efficiency(
-                    selected, base, out_dir / f"sample_efficiency{suffix}.png", metric, _title(where)
+                    selected, base, out_dir / f"sample_efficiency{suffix}.png", metric, setting_title(where)
                 )
                 sections.append(f"![sample efficiency]({png.name})")
                 written.append(png)
@@ -478,9 +282,3 @@ def write_report(
     report = out_dir / REPORT_NAME
     report.write_text("\n\n".join(sections) + "\n")
     return [report] + written
-
-
-def read_runs_like(path: str | Path) -> list[dict[str, Any]]:
-    """Any results CSV, numbers parsed (no column required)."""
-    with open(path, newline="") as f:
-        return [{k: _parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]

@@ -2,7 +2,7 @@
 class maps of ImageNet-C/-A/-R folders and the models with their weights (`RobustnessStudy`, which raises on
 bad input before anything is measured), then clean top-1, FGSM and PGD accuracy, common corruptions
 (generated on the fly, or an ImageNet-C folder) and ImageNet-A/-R accuracy, written as a report (`evaluate`).
-The measurements themselves are in convbias.evaluation.robustness.
+The measurements themselves are in convbias.evaluation.robustness, the tables in robustness_report.
 """
 
 from __future__ import annotations
@@ -36,16 +36,14 @@ from convbias.evaluation.robustness import (
     PixelModel,
     accuracy,
     adversarial_accuracy,
-    attack_settings,
     class_index,
     corruption_accuracy,
-    corruption_summary,
     folder_classes,
     folder_corruption_accuracy,
     imagenet_c_folders,
     read_class_list,
-    write_report,
 )
+from convbias.evaluation.robustness_report import attack_settings, corruption_summary, write_report
 from convbias.weights import load_weights
 
 IMAGENET_C_LAYOUT = "DIR/<corruption>/<severity>/<class>/<image>"

@@ -86,7 +86,7 @@ def load_run(path: Path, settings: Settings, extensions: Any = None) -> Run:
     run = RunDir(path)
     cfg = run.config
     check_model_name(cfg["model"], f"{path}/config.yaml: model")
-    bundle = build_datasets(dict(cfg, no_aug=True))
+    bundle = build_datasets(run.run_config().replace(no_aug=True))
     if len(bundle.val) == 0:
         raise ValueError(f"run {path}: its test set ({cfg['dataset']}) is empty")
     count = min(settings.images, len(bundle.val))

@@ -23,9 +23,9 @@ import torch
 from matplotlib.figure import Figure
 from sklearn.datasets import load_digits
 
-from convbias.evaluation import figures, robustness
+from convbias.evaluation import figures, robustness_report
 from convbias.evaluation.corruptions import CATEGORIES, SEVERITIES
-from convbias.experiments import efcn_figures, phase_diagram, regimes, report, stability_figures
+from convbias.experiments import efcn_figures, phase_diagram, regimes, stability_figures, sweep_figures, sweep_runs
 from convbias.experiments import stability_study as study
 from convit import diagnostics
 
@@ -87,8 +87,8 @@ def stability(scratch: Path) -> None:
 
 def efcn(scratch: Path) -> None:
     """results/efcn (one protocol run); the first-layer filters, which need the trained weights, are synthetic."""
-    tables = {name: report.read_runs_like(RESULTS / "efcn" / f"{name}.csv") for name in ("curves", "relax_times")}
-    baselines = report.read_runs_like(RESULTS / "efcn" / "baselines.csv")[0]
+    tables = {name: sweep_runs.read_runs_like(RESULTS / "efcn" / f"{name}.csv") for name in ("curves", "relax_times")}
+    baselines = sweep_runs.read_runs_like(RESULTS / "efcn" / "baselines.csv")[0]
     rows = tables["relax_times"]
     times = [r["relax_time"] for r in rows]
     efcn_figures.training_curves(tables["curves"], times, HERE / "efcn_training_curves.png")
@@ -96,7 +96,7 @@ def efcn(scratch: Path) -> None:
     efcn_figures.deviation(rows, baselines, HERE / "efcn_deviation.png")
     efcn_figures.local_contributions(rows, HERE / "efcn_local_offlocal.png")
     efcn_figures.interpolation(
-        report.read_runs_like(RESULTS / "efcn" / "interpolation.csv"), HERE / "efcn_interpolation.png"
+        sweep_runs.read_runs_like(RESULTS / "efcn" / "interpolation.csv"), HERE / "efcn_interpolation.png"
     )
     rng = np.random.default_rng(0)
     ys, xs = np.mgrid[:28, :28]
@@ -114,10 +114,12 @@ def efcn(scratch: Path) -> None:
 def sweeps(scratch: Path) -> None:
     """The sweep report of results/sample_efficiency_mnist and of the phase diagram's grid, regimes.png of
     results/regimes, and the phase diagram of results/phase_diagram."""
-    runs = report.read_runs(RESULTS / "sample_efficiency_mnist" / "runs.csv")
-    report.plot_sample_efficiency(runs, report.choose_baseline(runs), HERE / "sample_efficiency.png")
-    report.plot_parameter_sweep(report.read_runs(RESULTS / "phase_diagram" / "runs.csv"), HERE / "parameter_sweep.png")
-    rows = report.read_runs_like(RESULTS / "regimes" / "regimes.csv")
+    runs = sweep_runs.read_runs(RESULTS / "sample_efficiency_mnist" / "runs.csv")
+    sweep_figures.plot_sample_efficiency(runs, sweep_runs.choose_baseline(runs), HERE / "sample_efficiency.png")
+    sweep_figures.plot_parameter_sweep(
+        sweep_runs.read_runs(RESULTS / "phase_diagram" / "runs.csv"), HERE / "parameter_sweep.png"
+    )
+    rows = sweep_runs.read_runs_like(RESULTS / "regimes" / "regimes.csv")
     regimes.plot(rows, regimes.over_seeds(rows), HERE / "regimes.png")
     phase_diagram.plot(phase_diagram.read_cells(RESULTS / "phase_diagram" / "cells.csv"), scratch)
     _keep(scratch, {name: name for name in ("phase_diagram.png", "double_descent.png")})
@@ -169,7 +171,7 @@ def corruptions(scratch: Path) -> None:
         for name in names
         for severity in SEVERITIES
     ]
-    robustness.plot_improvement(rows, "convit_tiny", "deit_tiny", HERE / "improvement.png")
+    robustness_report.plot_improvement(rows, "convit_tiny", "deit_tiny", HERE / "improvement.png")
 
 
 PARTS: tuple[Callable[[Path], None], ...] = (stability, efcn, sweeps, locality, corruptions)

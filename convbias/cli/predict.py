@@ -1,0 +1,90 @@
+"""`convbias-predict RUN_OR_EXPORTED_DIR IMAGES...`: label your own images with a trained model.
+
+    convbias-predict runs/convit_tiny-digits photos/ extra/*.png --topk 3 --output preds.csv
+    convbias-predict exported/tcnn_resnet18-digits cat.jpg --output preds.json
+
+The model is a train.py run (--which last|best picks its checkpoint) or a convbias-export folder; images
+are preprocessed as the run's validation images (resize and center crop at its img_size and crop_pct, its
+interpolation, the dataset's mean and std and channels). IMAGES are files, folders (searched recursively
+for image files) or glob patterns. Writes, for each image, the top-k classes with their label, index and
+probability: CSV or JSON by the --output suffix (replaced atomically), CSV on standard output without
+--output. An image that cannot be decoded is named on stderr and skipped, and counted at the end. What
+stops it is one `error: ...` line: bad input (exit status 2), a damaged checkpoint of the run (65), an
+output that cannot be written (74).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from convbias.cli import OptionParser, run_command
+from convbias.engine import WHICH, ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(lambda: _predict(argv))
+
+
+def _predict(argv: list[str] | None) -> int:
+    parser = OptionParser(prog="convbias-predict", description=__doc__.split("\n")[0])
+    parser.add_argument("source", metavar="RUN_OR_EXPORTED_DIR", help="a train.py run or a convbias-export folder")
+    parser.add_argument("images", nargs="+", metavar="IMAGES", help="image files, folders or glob patterns")
+    parser.add_argument("--topk", type=int, default=5, help="classes reported per image")
+    parser.add_argument("--output", help="a .csv or .json file to write (default: CSV on standard output)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--which", choices=WHICH, help="checkpoint of a run directory (default: last)")
+    args = parser.parse_args(argv)
+    # imported after parsing: `convbias-predict --help` loads no torch or model family
+    import torch
+
+    from convbias.prediction import (
+        find_images,
+        format_predictions,
+        load_predictor,
+        output_format,
+        predict,
+        source_kind,
+        write_predictions,
+    )
+
+    source_kind(args.source, args.which)
+    suffix = output_format(args.output)
+    if args.topk < 1 or args.batch_size < 1:
+        raise ConfigError(f"--topk and --batch-size must be at least 1, got {args.topk} and {args.batch_size}")
+    device = _device(args.device, torch.cuda.is_available())
+    paths = find_images(args.images)
+    predictor = load_predictor(args.source, args.which)
+    for note in predictor.notes:
+        print(f"warning: {note}", file=sys.stderr)
+
+    def skipped(path: str, reason: str) -> None:
+        print(f"skipping unreadable image {path} ({reason})", file=sys.stderr)
+
+    result = predict(predictor, paths, args.topk, args.batch_size, device, on_skip=skipped)
+    if not result.predictions:
+        raise ConfigError(f"none of the {len(paths)} images could be read (skipped {len(paths)} unreadable images)")
+    if args.output:
+        write_predictions(result, predictor, args.topk, args.output)
+        print(f"{len(result.predictions)} images labelled by {predictor.source} -> {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(format_predictions(result, predictor, args.topk, suffix))
+    if result.skipped:
+        print(f"skipped {len(result.skipped)} unreadable images", file=sys.stderr)
+    return 0
+
+
+def _device(name: str | None, cuda_available: bool) -> str:
+    """The --device asked for, checked before any model is built; cuda when there is one otherwise."""
+    if name is None:
+        return "cuda" if cuda_available else "cpu"
+    kind = name.split(":")[0]
+    if kind not in ("cpu", "cuda") or (kind == "cuda" and name != "cuda" and not name[5:].isdigit()):
+        raise ConfigError(f"--device {name}: expected cpu, cuda or cuda:N")
+    if kind == "cuda" and not cuda_available:
+        raise ConfigError(f"--device {name}: no CUDA device is available here")
+    return name
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

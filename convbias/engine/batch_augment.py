@@ -1,0 +1,390 @@
+"""timm's RandAugment ops and random erasing as batched tensor ops with parameters per image.
+
+The fast input path (engine.input_pipeline) sends uint8 crops to the training device and augments them
+there. Images here are float32 (N, C, H, W) holding the integers 0..255 that timm's PIL ops see, and
+each op rounds or truncates where Pillow does, so that it matches timm's PIL op on the same image and
+parameter: exactly for the lookup-table and blend ops, within interpolation differences for the
+geometric ones (torch's bicubic is Keys' a=-0.75, Pillow's affine bicubic another cubic; PSNR in
+tests/test_input_pipeline.py).
+
+The random choices (op, whether it applies, magnitude, sign, erased box) are drawn on the host from a
+CPU generator, one set per image, with timm's distributions; the device gets them in one copy and never
+waits for the host, nor the host for the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from timm.data.auto_augment import rand_augment_transform
+from torchvision.transforms.v2.functional import equalize as tv_equalize
+
+LEVEL_DENOM = 10.0  # timm's _LEVEL_DENOM: magnitude M10 is an op's strongest level
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """What the geometric ops need besides the images: timm's fill color (img_mean) and interpolation."""
+
+    fill: torch.Tensor  # (1, C, 1, 1), float, on the images' device
+    interpolation: str  # 'bilinear' or 'bicubic' (grid_sample's names)
+
+
+def _blend(degenerate: torch.Tensor, images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """Pillow's Image.blend(degenerate, image, factor) in float32, clipped then truncated as its C code does."""
+    return torch.floor((degenerate + factor.view(-1, 1, 1, 1) * (images - degenerate)).clamp_(0, 255))
+
+
+def _gray(images: torch.Tensor) -> torch.Tensor:
+    """Pillow's RGB -> L, (19595 R + 38470 G + 7471 B + 2**15) >> 16: exact in float32 (every sum < 2**24)."""
+    if images.shape[1] == 1:
+        return images
+    weights = images.new_tensor([19595.0, 38470.0, 7471.0]).view(1, 3, 1, 1)
+    return torch.floor(((images * weights).sum(1, keepdim=True) + 32768.0) / 65536.0)
+
+
+def _apply_lut(images: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """A lookup table per image and channel, (N, C, 256), applied to (N, C, H, W)."""
+    indices = images.long().flatten(2)
+    return lut.to(images.dtype).gather(2, indices).view_as(images)
+
+
+def color(images, factor, ctx):
+    return _blend(_gray(images).expand_as(images), images, factor)
+
+
+def contrast(images, factor, ctx):
+    mean = torch.floor(_gray(images).double().mean((1, 2, 3)) + 0.5).float()  # int(ImageStat mean + 0.5)
+    return _blend(mean.view(-1, 1, 1, 1).expand_as(images), images, factor)
+
+
+def brightness(images, factor, ctx):
+    return _blend(torch.zeros_like(images), images, factor)
+
+
+def sharpness(images, factor, ctx):
+    """Blend with ImageFilter.SMOOTH (3x3, centre 5, /13, rounded; border pixels kept, as Pillow's filter).
+    The 3x3 sums are exact integers and (sum + 4 centre) / 13 is never within 1/26 of a half, so rounding it
+    gives Pillow's result without its float32 kernel."""
+    rows = images[..., :-2, :] + images[..., 1:-1, :] + images[..., 2:, :]
+    box = rows[..., :-2] + rows[..., 1:-1] + rows[..., 2:]
+    smooth = (box + 4.0 * images[..., 1:-1, 1:-1]) / 13.0
+    degenerate = images.clone()
+    degenerate[..., 1:-1, 1:-1] = torch.floor(smooth + 0.5).clamp_(0, 255)
+    return _blend(degenerate, images, factor)
+
+
+def auto_contrast(images, _arg, ctx):
+    """ImageOps.autocontrast (cutoff 0): per channel, int(x * 255 / (hi - lo) - lo * scale), in float64 as Pillow."""
+    low = images.amin((2, 3)).double()
+    high = images.amax((2, 3)).double()
+    scale = torch.full_like(high, 255.0) / (high - low).clamp(min=1.0)  # a true division (255 / t multiplies
+    # by the reciprocal, which gives int(50.99..) = 50 where Pillow's 43 * 255 / 215 gives 51)
+    levels = torch.arange(256, dtype=torch.float64, device=images.device)
+    lut = torch.trunc(levels * scale[..., None] - (low * scale)[..., None]).clamp_(0, 255)
+    lut = torch.where((high > low)[..., None], lut, levels)
+    return _apply_lut(images, lut)
+
+
+def equalize(images, _arg, ctx):
+    """torchvision's equalize, which gives exactly ImageOps.equalize."""
+    return tv_equalize(images.to(torch.uint8)).to(images.dtype)
+
+
+def invert(images, _arg, ctx):
+    return 255.0 - images
+
+
+def posterize(images, bits, ctx):
+    """Keeps the `bits` high bits; 0 bits gives black (the engine's posterize, see engine.data)."""
+    step = torch.exp2(8.0 - bits).view(-1, 1, 1, 1)
+    return images - torch.remainder(images, step)
+
+
+def solarize(images, threshold, ctx):
+    return torch.where(images < threshold.view(-1, 1, 1, 1), images, 255.0 - images)
+
+
+def solarize_add(images, add, ctx):
+    added = torch.clamp(images + add.view(-1, 1, 1, 1), max=255.0)
+    return torch.where(images < 128.0, added, images)
+
+
+def _warp(images: torch.Tensor, matrix: torch.Tensor, ctx: OpContext) -> torch.Tensor:
+    """Pillow's Image.transform(AFFINE): `matrix` (N, 2, 3) maps output to input pixel coordinates (pixel
+    centres at +0.5); input points outside the image take the fill color, inside ones clamp their taps at
+    the border; the result is rounded."""
+    n, channels, height, width = images.shape
+    to_unit = matrix.new_tensor([[2.0 / width, 0.0, -1.0], [0.0, 2.0 / height, -1.0], [0.0, 0.0, 1.0]])
+    from_unit = matrix.new_tensor([[width / 2.0, 0.0, width / 2.0], [0.0, height / 2.0, height / 2.0], [0, 0, 1.0]])
+    square = torch.cat([matrix, matrix.new_tensor([0.0, 0.0, 1.0]).expand(n, 1, 3)], 1)
+    theta = (to_unit @ square @ from_unit)[:, :2].float()
+    grid = F.affine_grid(theta, [n, channels, height, width], align_corners=False)
+    sampled = F.grid_sample(images, grid, mode=ctx.interpolation, padding_mode="border", align_corners=False)
+    inside = ((grid >= -1) & (grid < 1)).all(-1).unsqueeze(1)
+    return torch.where(inside, torch.floor(sampled + 0.5).clamp_(0, 255), ctx.fill)
+
+
+def _affine(rows: Callable[[torch.Tensor, int, int], list[torch.Tensor]]):
+    """An op from the six coefficients (a, b, c, d, e, f) of its Pillow affine transform."""
+
+    def op(images, arg, ctx):
+        height, width = images.shape[-2:]
+        coefficients = torch.stack(rows(arg.double(), width, height), 1)
+        return _warp(images, coefficients.view(-1, 2, 3), ctx)
+
+    return op
+
+
+def _rotation(degrees: torch.Tensor, width: int, height: int) -> list[torch.Tensor]:
+    """Image.rotate's matrix (about the centre (w/2, h/2), counter-clockwise)."""
+    angle = -torch.deg2rad(degrees)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    cx, cy = width / 2.0, height / 2.0
+    return [cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy]
+
+
+def _ones(arg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones_like(arg), torch.zeros_like(arg)
+
+
+def _shear_x(f, w, h):
+    one, zero = _ones(f)
+    return [one, f, zero, zero, one, zero]
+
+
+def _shear_y(f, w, h):
+    one, zero = _ones(f)
+    return [one, zero, zero, f, one, zero]
+
+
+def _translate_x(pixels, w, h):
+    one, zero = _ones(pixels)
+    return [one, zero, pixels, zero, one, zero]
+
+
+def _translate_y(pixels, w, h):
+    one, zero = _ones(pixels)
+    return [one, zero, zero, zero, one, pixels]
+
+
+OPS: dict[str, Callable[[torch.Tensor, torch.Tensor, OpContext], torch.Tensor]] = {
+    "AutoContrast": auto_contrast,
+    "Equalize": equalize,
+    "Invert": invert,
+    "Rotate": _affine(_rotation),
+    "Posterize": posterize,
+    "PosterizeIncreasing": posterize,
+    "PosterizeOriginal": posterize,
+    "Solarize": solarize,
+    "SolarizeIncreasing": solarize,
+    "SolarizeAdd": solarize_add,
+    "Color": color,
+    "ColorIncreasing": color,
+    "Contrast": contrast,
+    "ContrastIncreasing": contrast,
+    "Brightness": brightness,
+    "BrightnessIncreasing": brightness,
+    "Sharpness": sharpness,
+    "SharpnessIncreasing": sharpness,
+    "ShearX": _affine(_shear_x),
+    "ShearY": _affine(_shear_y),
+    "TranslateX": _affine(_translate_x),
+    "TranslateY": _affine(_translate_y),
+    # timm's relative translations are a fraction of the image's width/height: the level is converted
+    # to pixels here, as timm's translate_x_rel does
+    "TranslateXRel": _affine(lambda pct, w, h: _translate_x(pct * w, w, h)),
+    "TranslateYRel": _affine(lambda pct, w, h: _translate_y(pct * h, w, h)),
+}
+
+
+def _signed(value: np.ndarray, negate: np.ndarray) -> np.ndarray:
+    return np.where(negate, -value, value)
+
+
+def _enhance(m, negate, hp):
+    return (m / LEVEL_DENOM) * 1.8 + 0.1
+
+
+def _enhance_increasing(m, negate, hp):
+    return np.maximum(0.1, 1.0 + _signed((m / LEVEL_DENOM) * 0.9, negate))
+
+
+def _posterize_level(m, negate, hp):
+    return np.floor((m / LEVEL_DENOM) * 4)
+
+
+def _solarize_level(m, negate, hp):
+    return np.minimum(256, np.floor((m / LEVEL_DENOM) * 256))
+
+
+# timm's LEVEL_TO_ARG vectorized: magnitude (clipped, >= 0, so int() is floor) and the per-image sign draw
+# of timm's _randomly_negate -> the op's argument
+LEVELS: dict[str, Callable[[np.ndarray, np.ndarray, dict], np.ndarray]] = {
+    "AutoContrast": lambda m, negate, hp: np.zeros_like(m),
+    "Equalize": lambda m, negate, hp: np.zeros_like(m),
+    "Invert": lambda m, negate, hp: np.zeros_like(m),
+    "Rotate": lambda m, negate, hp: _signed((m / LEVEL_DENOM) * 30.0, negate),
+    "Posterize": _posterize_level,
+    "PosterizeIncreasing": lambda m, negate, hp: 4 - _posterize_level(m, negate, hp),
+    "PosterizeOriginal": lambda m, negate, hp: _posterize_level(m, negate, hp) + 4,
+    "Solarize": _solarize_level,
+    "SolarizeIncreasing": lambda m, negate, hp: 256 - _solarize_level(m, negate, hp),
+    "SolarizeAdd": lambda m, negate, hp: np.minimum(128, np.floor((m / LEVEL_DENOM) * 110)),
+    **{name: _enhance for name in ("Color", "Contrast", "Brightness", "Sharpness")},
+    **{f"{name}Increasing": _enhance_increasing for name in ("Color", "Contrast", "Brightness", "Sharpness")},
+    "ShearX": lambda m, negate, hp: _signed((m / LEVEL_DENOM) * 0.3, negate),
+    "ShearY": lambda m, negate, hp: _signed((m / LEVEL_DENOM) * 0.3, negate),
+    "TranslateX": lambda m, negate, hp: _signed((m / LEVEL_DENOM) * float(hp["translate_const"]), negate),
+    "TranslateY": lambda m, negate, hp: _signed((m / LEVEL_DENOM) * float(hp["translate_const"]), negate),
+    "TranslateXRel": lambda m, negate, hp: _signed((m / LEVEL_DENOM) * hp.get("translate_pct", 0.45), negate),
+    "TranslateYRel": lambda m, negate, hp: _signed((m / LEVEL_DENOM) * hp.get("translate_pct", 0.45), negate),
+}
+
+_INTERPOLATIONS = {Image.Resampling.BILINEAR: "bilinear", Image.Resampling.BICUBIC: "bicubic"}
+
+
+@dataclass(frozen=True)
+class RandAugmentSpec:
+    """A timm RandAugment configuration, as timm itself parses it (`from_timm`)."""
+
+    names: tuple[str, ...]
+    num_layers: int
+    prob: float
+    magnitude: float
+    magnitude_std: float
+    magnitude_max: float
+    choice_weights: tuple[float, ...] | None
+    fill: tuple[int, ...]
+    interpolation: str
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_timm(cls, config: str, hparams: dict[str, Any]) -> RandAugmentSpec:
+        """Built by timm's rand_augment_transform (same parsing, same op set); ValueError if an op or setting
+        has no batched form here."""
+        if not config.startswith("rand"):
+            raise ValueError(f"auto-augment {config!r}: only RandAugment ('rand-...') has a batched device form")
+        transform = rand_augment_transform(config, dict(hparams))
+        missing = sorted({op.name for op in transform.ops} - set(OPS))
+        if missing:
+            raise ValueError(f"auto-augment {config!r}: no batched form of {', '.join(missing)}")
+        op = transform.ops[0]
+        resample = op.kwargs["resample"]
+        if resample not in _INTERPOLATIONS:
+            raise ValueError(f"auto-augment {config!r}: interpolation {resample!r} has no batched form")
+        weights = transform.choice_weights
+        return cls(
+            names=tuple(o.name for o in transform.ops),
+            num_layers=transform.num_layers,
+            prob=op.prob,
+            magnitude=float(op.magnitude),
+            magnitude_std=float(op.magnitude_std),
+            magnitude_max=float(op.magnitude_max or LEVEL_DENOM),
+            choice_weights=None if weights is None else tuple(float(w) for w in weights),
+            fill=tuple(int(v) for v in np.atleast_1d(op.kwargs["fillcolor"])),
+            interpolation=_INTERPOLATIONS[resample],
+            hparams=dict(op.hparams),
+        )
+
+    def sample(self, batch: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(op index, op argument) per layer and image, each (num_layers, batch); index -1: not applied.
+        timm's draws per image: ops uniform with replacement (weighted without), apply with `prob`,
+        magnitude N(m, std) (uniform(0, m) for std inf) clipped to [0, max], sign negated with 1/2."""
+        count = len(self.names)
+        if self.choice_weights is None:
+            ops = torch.randint(count, (batch, self.num_layers), generator=generator)
+        else:
+            weights = torch.tensor(self.choice_weights, dtype=torch.float64).expand(batch, count)
+            ops = torch.multinomial(weights, self.num_layers, replacement=False, generator=generator)
+        shape = (batch, self.num_layers)
+        applies = torch.rand(shape, generator=generator, dtype=torch.float64) <= self.prob
+        magnitude = torch.full(shape, self.magnitude, dtype=torch.float64)
+        if math.isinf(self.magnitude_std):
+            magnitude = torch.rand(shape, generator=generator, dtype=torch.float64) * self.magnitude
+        elif self.magnitude_std > 0:
+            magnitude += self.magnitude_std * torch.randn(shape, generator=generator, dtype=torch.float64)
+        negate = (torch.rand(shape, generator=generator, dtype=torch.float64) > 0.5).numpy()
+        magnitude = magnitude.clamp(0.0, self.magnitude_max).numpy()
+        ops = ops.numpy()
+        args = np.zeros(shape)
+        for k in np.unique(ops):
+            chosen = ops == k
+            args[chosen] = LEVELS[self.names[k]](magnitude[chosen], negate[chosen], self.hparams)
+        return np.where(applies.numpy(), ops, -1).T, args.T
+
+
+def rand_augment_groups(ops: np.ndarray, args: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """The sampled plan as (op index, image rows, arguments) groups, layer by layer: each group is one
+    batched call on the images that drew that op in that layer."""
+    groups = []
+    for layer_ops, layer_args in zip(ops, args):
+        for k in np.unique(layer_ops[layer_ops >= 0]):
+            rows = np.flatnonzero(layer_ops == k)
+            groups.append((int(k), rows, layer_args[rows]))
+    return groups
+
+
+def apply_rand_augment(
+    images: torch.Tensor,
+    names: tuple[str, ...],
+    groups: list[tuple[int, torch.Tensor, torch.Tensor]],
+    ctx: OpContext,
+) -> torch.Tensor:
+    """Applies the (op index, rows, arguments) groups in order, rows and arguments already on the device."""
+    for k, rows, args in groups:
+        images.index_copy_(0, rows, OPS[names[k]](images.index_select(0, rows), args, ctx))
+    return images
+
+
+@dataclass(frozen=True)
+class ErasingSpec:
+    """timm's RandomErasing settings (one box per image, as the engine's recipe uses)."""
+
+    probability: float
+    mode: str = "pixel"  # 'pixel': per-pixel normal noise; 'rand': one normal color per box; 'const': 0
+    min_area: float = 0.02
+    max_area: float = 1 / 3
+    min_aspect: float = 0.3
+
+    def sample(self, batch: int, height: int, width: int, generator: torch.Generator) -> np.ndarray:
+        """(top, left, h, w) per image, h = w = 0 for none: erase with `probability`, then timm's 10
+        attempts at an area in [min_area, max_area] of the image and a log-uniform aspect ratio."""
+        draws = torch.rand((batch, 23), generator=generator, dtype=torch.float64).numpy()
+        erase = draws[:, 0] <= self.probability
+        area = (self.min_area + (self.max_area - self.min_area) * draws[:, 1:11]) * height * width
+        low, high = math.log(self.min_aspect), math.log(1 / self.min_aspect)
+        aspect = np.exp(low + (high - low) * draws[:, 11:21])
+        h = np.round(np.sqrt(area * aspect)).astype(np.int64)
+        w = np.round(np.sqrt(area / aspect)).astype(np.int64)
+        fits = (w < width) & (h < height)
+        first = fits.argmax(1)
+        h, w = h[np.arange(batch), first], w[np.arange(batch), first]
+        keep = erase & fits.any(1)
+        top = np.floor(draws[:, 21] * (height - h + 1)).astype(np.int64)
+        left = np.floor(draws[:, 22] * (width - w + 1)).astype(np.int64)
+        return np.stack([top, left, h, w], 1) * keep[:, None]
+
+
+def erase(images: torch.Tensor, boxes: torch.Tensor, spec: ErasingSpec, pixels: int, generator: torch.Generator):
+    """Fills each image's box ((N, 4) top, left, h, w on the device; `pixels` their total area x channels,
+    known on the host) as timm's RandomErasing does, noise drawn from `generator` (on the device)."""
+    n, channels, height, width = images.shape
+    rows = torch.arange(height, device=images.device).view(1, height, 1)
+    cols = torch.arange(width, device=images.device).view(1, 1, width)
+    top, left, h, w = (v.view(n, 1, 1) for v in boxes.unbind(1))
+    mask = ((rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)).unsqueeze(1)
+    if spec.mode == "pixel":
+        noise = torch.empty(pixels, dtype=images.dtype, device=images.device).normal_(generator=generator)
+        return images.masked_scatter_(mask.expand_as(images), noise)
+    if spec.mode == "rand":
+        colors = torch.empty((n, channels, 1, 1), dtype=images.dtype, device=images.device)
+        return torch.where(mask, colors.normal_(generator=generator), images)
+    return images.masked_fill_(mask, 0.0)

@@ -1,0 +1,147 @@
+"""What a resume point's ``training_state.pt`` holds: the ``state_dict()`` of each named part of a run.
+
+A part is anything with ``state_dict()`` / ``load_state_dict(state)`` (torch's optimizers and timm's
+schedulers as they are, and the parts below), and ``exact_options``: the options a *mid-epoch* point must be
+continued with to give the uninterrupted run's numbers (``run_start.check_exact_continuation`` reads them).
+
+The model's and the EMA's weights are safetensors files beside it (``CheckpointDir.save``); under FSDP the
+weights and the optimizer state are every rank's shards. The file's layout is the one resume points have
+always had: the ``progress`` and ``identity`` parts' keys at the top level, every other part under its name. So a point written before the parts existed loads unchanged. Adding a part
+is one entry in ``Trainer.resume_parts``; its ``exact_options`` join the check by themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from accelerate.utils import gather_object, set_seed
+
+from .checkpoint import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from .run_setup import Optimization, RunStart
+
+TOP_LEVEL = ("progress", "identity")  # the parts whose keys sit at the top level of the file
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class TrainingProgress:
+    """Where the loop is and what it has measured: epochs done, steps into the next one (a mid-epoch point),
+    optimizer updates, each rank's loss sum so far in the epoch, and the best and latest evaluations."""
+
+    epoch: int = 0
+    step: int = 0
+    num_updates: int = 0
+    loss_sums: list[float] = field(default_factory=list)  # one per rank, at `step`
+    best: dict[str, Any] = field(default_factory=dict)  # epoch, eval_top1, eval_top5 of the best evaluation
+    final: dict[str, Any] = field(default_factory=dict)  # the latest evaluation
+    initial_diagnostics: dict[str, Any] = field(default_factory=dict)  # kept by a point inside the first epoch
+    reparametrized: bool = False  # the model's architecture was changed (--reparametrize-at-epoch)
+
+    # the batches of a partly done epoch, and their order, follow from these
+    exact_options = ("dataset", "train_fraction", "seed", "batch_size", "grad_accum_steps")
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in asdict(self):
+            setattr(self, key, state.get(key, getattr(self, key)))
+
+
+@dataclass
+class RunIdentity:
+    """Which model the point belongs to and the options its exact continuation needs (as this run set them)."""
+
+    model: str
+    options: dict[str, Any]
+    sharded: bool  # written under FSDP: the optimizer state is in the shards, not in this file
+
+    exact_options = ("model", "model_kwargs")  # the architecture the weights fit
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "options": self.options, "sharded": self.sharded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The identity is checked at set-up (run_setup), never overwritten by a point."""
+
+
+class OptimizerState:
+    """The optimizer's part of a resume point: its state_dict, or None under FSDP, whose shards hold it."""
+
+    def __init__(self, optimization: Optimization, sharded: bool):
+        self.optimization, self.sharded = optimization, sharded
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None if self.sharded else self.optimization.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimization.optimizer.load_state_dict(state)
+
+
+class SchedulerState:
+    """The schedule's part: timm's scheduler state, replayed up to the point's number of updates."""
+
+    def __init__(self, optimization: Optimization, progress: TrainingProgress):
+        self.optimization, self.progress = optimization, progress
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimization.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimization.scheduler.load_state_dict(state)
+        self.optimization.scheduler.step_update(self.progress.num_updates)
+
+
+class RandomStreams:
+    """Every rank's RNG states (python, numpy, torch, cuda): a resumed epoch draws the same augmentations and
+    drop-path masks. Saving gathers them from every rank (a collective); a point written by another number
+    of processes cannot replay its streams, so fresh ones are seeded from the epoch."""
+
+    def __init__(self, start: RunStart, progress: TrainingProgress):
+        self.start, self.progress = start, progress
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return gather_object([rng_state()])
+
+    def load_state_dict(self, world: list[dict[str, Any]]) -> None:
+        acc = self.start.accelerator
+        if len(world) == acc.num_processes:
+            set_rng_state(world[acc.process_index])
+        else:
+            set_seed(self.start.cfg.seed + 1000 * self.progress.epoch + acc.process_index)
+
+
+def exact_options(parts: dict[str, Any]) -> tuple[str, ...]:
+    """Every option that the parts say a mid-epoch point must be continued with, in order."""
+    names: list[str] = []
+    for part in parts.values():
+        names += [name for name in getattr(part, "exact_options", ()) if name not in names]
+    return tuple(names)
+
+
+def resume_state(parts: dict[str, Stateful]) -> dict[str, Any]:
+    """The content of training_state.pt: the progress part's keys at the top, the others by name."""
+    state: dict[str, Any] = {}
+    for name, part in parts.items():
+        if name in TOP_LEVEL:
+            state.update(part.state_dict())
+        else:
+            state[name] = part.state_dict()
+    return state
+
+
+def restore(parts: dict[str, Stateful], state: dict[str, Any]) -> None:
+    """Load each part from a training state written by ``resume_state`` (or before the parts existed); a part
+    the point does not hold (a scaler first used on resume) keeps its fresh state."""
+    for name, part in parts.items():
+        value = state if name in TOP_LEVEL else state.get(name)
+        if value is not None:
+            part.load_state_dict(value)

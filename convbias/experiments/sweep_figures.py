@@ -1,0 +1,143 @@
+"""The sweep report's figures from the runs of a sweep CSV: sample efficiency against the train fraction (like
+Fig. 7.2, left) and the parameter sweep as a heatmap or accuracy lines (like Fig. 7.9, left). Error bars are
+95% t intervals of the means over seeds (none for a single run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from convbias.evaluation.figures import error_bar_note
+
+from .intervals import error_bar, paired_gap, stat
+from .sweep_runs import (
+    Rows,
+    column_values,
+    compared_column,
+    fraction_label,
+    group_runs,
+    metric_label,
+    parameter_columns,
+    select_runs,
+    setting_title,
+    train_fractions,
+)
+
+
+def plot_sample_efficiency(rows: Rows, baseline: str, path: Path, metric: str = "top1", title: str = "") -> Path:
+    """Fig. 7.2 (left): accuracy against train fraction per model, and the paired gap over the baseline
+    in points; error bars are 95% t intervals of the means (none for a single run)."""
+    column = compared_column(rows)
+    fractions = train_fractions(rows)
+    fig = Figure(figsize=(9, 3.9))
+    ax, gap_ax = fig.subplots(1, 2)
+    counts = []
+    for name in column_values(rows, column):
+        stats = [stat(select_runs(rows, **{column: name, "train_fraction": f}), metric) for f in fractions]
+        xs = [f for f, s in zip(fractions, stats) if s is not None]
+        counts += [s.n for s in stats if s]
+        ax.errorbar(
+            xs,
+            [s.mean for s in stats if s],
+            yerr=[error_bar(s.half_width) for s in stats if s],
+            marker="o",
+            capsize=3,
+            label=str(name),
+            linestyle="--" if name == baseline else "-",
+        )
+        if name == baseline:
+            continue
+        gaps = [
+            paired_gap(
+                select_runs(rows, **{column: name, "train_fraction": f}),
+                select_runs(rows, **{column: baseline, "train_fraction": f}),
+                metric,
+            )
+            for f in xs
+        ]
+        gap_ax.errorbar(
+            [f for f, g in zip(xs, gaps) if g is not None],
+            [g.mean for g in gaps if g is not None],
+            yerr=[error_bar(g.half_width) for g in gaps if g is not None],
+            marker="o",
+            capsize=3,
+            label=f"{name} - {baseline}",
+        )
+    for axis in (ax, gap_ax):
+        axis.set_xscale("log")
+        axis.set_xticks(fractions, [fraction_label(f) for f in fractions])
+        axis.minorticks_off()
+        axis.set_xlabel("fraction of the training set")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    ax.set_ylabel(f"{metric_label(metric)} accuracy (%)")
+    gap_ax.axhline(0, color="black", linewidth=0.8)
+    gap_ax.set_ylabel("gap, paired by seed (points)")
+    note = error_bar_note(counts) + " (gap: of the per-seed differences)"
+    fig.suptitle(f"{title or 'Sample efficiency'}\n{note}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _is_numeric(values: list[Any]) -> bool:
+    return all(isinstance(v, (int, float)) for v in values)
+
+
+def plot_parameter_sweep(rows: Rows, path: Path, metric: str = "top1") -> Path:
+    """Fig. 7.9 (left): a heatmap of mean accuracy over two swept factors, else accuracy lines."""
+    params = parameter_columns(rows)
+    panels = group_runs(rows, [compared_column(rows), "train_fraction"])
+    fig = Figure(figsize=(4.6 * len(panels), 3.8))
+    axes = fig.subplots(1, len(panels), squeeze=False)
+    counts = []  # runs behind each error bar
+    for ax, (where, selected) in zip(axes[0], panels):
+        shown = {k: v for k, v in where.items() if v is not None}  # None: a column the CSV lacks
+        ax.set_title(setting_title(shown), fontsize=9)
+        if len(params) == 2:
+            x_col, y_col = params
+            xs, ys = sorted(column_values(selected, x_col)), sorted(column_values(selected, y_col))
+            grid = np.full((len(ys), len(xs)), np.nan)
+            for i, y in enumerate(ys):
+                for j, x in enumerate(xs):
+                    cell = stat(select_runs(selected, **{x_col: x, y_col: y}), metric)
+                    if cell is not None:
+                        grid[i, j] = cell.mean
+            image = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
+            for i, j in zip(*np.nonzero(~np.isnan(grid))):
+                ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", color="white", fontsize=8)
+            ax.set_xticks(range(len(xs)), [f"{x:g}" if isinstance(x, float) else x for x in xs])
+            ax.set_yticks(range(len(ys)), [f"{y:g}" if isinstance(y, float) else y for y in ys])
+            ax.set_xlabel(x_col)
+            ax.set_ylabel(y_col)
+            fig.colorbar(image, ax=ax, label=f"{metric_label(metric)} accuracy (%)")
+        else:
+            x_col, rest = params[0], params[1:]
+            for line, line_rows in group_runs(selected, rest):
+                xs = sorted(column_values(line_rows, x_col))
+                stats = [stat(select_runs(line_rows, **{x_col: x}), metric) for x in xs]
+                counts += [s.n for s in stats]
+                positions = xs if _is_numeric(xs) else list(range(len(xs)))
+                ax.errorbar(
+                    positions,
+                    [s.mean for s in stats],
+                    yerr=[error_bar(s.half_width) for s in stats],
+                    marker="o",
+                    capsize=3,
+                    label=setting_title(line) or None,
+                )
+                if not _is_numeric(xs):
+                    ax.set_xticks(positions, [str(x) for x in xs])
+            ax.set_xlabel(x_col)
+            ax.set_ylabel(f"{metric_label(metric)} accuracy (%)")
+            ax.grid(alpha=0.3)
+            if rest:
+                ax.legend(fontsize=7)
+    if counts:
+        fig.suptitle(error_bar_note(counts), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path

@@ -1,0 +1,118 @@
+"""The runs of a sweep CSV as the report reads them: parsed rows, which columns are the compared models and the
+swept factors, the runs of one setting, and the labels that name settings in tables and figures.
+
+The CSV has one row per run (written by ``convbias.experiments.sweep``): the grid factors (``variant`` or
+``model``, ``train_fraction``, any swept option such as ``locality_strength``), the replicate ``seed`` and the
+results (``top1``, ``top5``, ``best_top1``, ...).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from pathlib import Path
+from typing import Any
+
+from .sweep import RESULT_COLUMNS, TIME_COLUMN
+
+METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
+ID_COLUMNS = ("run", "seed")
+
+Rows = list[dict[str, Any]]
+
+
+def _parse(value: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def read_runs_like(path: str | Path) -> Rows:
+    """Any results CSV, numbers parsed (no column required)."""
+    with open(path, newline="") as f:
+        return [{k: _parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def read_runs(path: str | Path) -> Rows:
+    """Read a sweep CSV; numbers become int/float, empty cells are dropped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"CSV not found: {path}")
+    rows = read_runs_like(path)
+    if not rows:
+        raise ValueError(f"{path} holds no runs")
+    for column in ("model", "top1"):
+        if column not in rows[0]:
+            raise ValueError(f"{path} has no {column!r} column; expected a CSV written by convbias-sweep")
+    return rows
+
+
+def compared_column(rows: Rows) -> str:
+    """The column that names the compared models: ``variant`` if the sweep had variants."""
+    return "variant" if "variant" in rows[0] else "model"
+
+
+def parameter_columns(rows: Rows) -> list[str]:
+    """Swept factors other than the compared model and the train fraction."""
+    skip = set(METRIC_COLUMNS) | set(ID_COLUMNS) | {"model", "variant", "train_fraction"}
+    return [column for column in rows[0] if column not in skip]
+
+
+def column_values(rows: Rows, column: str) -> list[Any]:
+    """The distinct values of a column, in the order the runs give them (None for a row without it)."""
+    return list(dict.fromkeys(row.get(column) for row in rows))
+
+
+def select_runs(rows: Rows, **where: Any) -> Rows:
+    """The runs whose columns have the given values."""
+    return [row for row in rows if all(row.get(k) == v for k, v in where.items())]
+
+
+def train_fractions(rows: Rows) -> list[float]:
+    """The train fractions of the runs, smallest first."""
+    return sorted(column_values(rows, "train_fraction"))
+
+
+def group_runs(rows: Rows, columns: list[str]) -> list[tuple[dict[str, Any], Rows]]:
+    """Rows split by the values of ``columns`` (one group with everything if there are none)."""
+    if not columns:
+        return [({}, rows)]
+    out = []
+    for setting in itertools.product(*(column_values(rows, c) for c in columns)):
+        where = dict(zip(columns, setting))
+        selected = select_runs(rows, **where)
+        if selected:
+            out.append((where, selected))
+    return out
+
+
+def choose_baseline(rows: Rows, baseline: str | None = None) -> str:
+    """The baseline model: the one given, else the only compared name containing 'deit'."""
+    column = compared_column(rows)
+    names = column_values(rows, column)
+    if baseline is not None:
+        if baseline not in names:
+            raise ValueError(f"baseline '{baseline}' is not in the CSV's {column} column {names}")
+        return baseline
+    deits = [name for name in names if "deit" in str(name).lower()]
+    if len(deits) != 1:
+        raise ValueError(f"cannot tell the baseline among {names}; pass --baseline NAME")
+    return deits[0]
+
+
+def fraction_label(value: float) -> str:
+    """0.05 -> '5%'."""
+    return f"{100 * value:g}%"
+
+
+def metric_label(metric: str) -> str:
+    """'best_top1' -> 'best top-1'."""
+    return metric.replace("top1", "top-1").replace("_", " ")
+
+
+def setting_title(where: dict[str, Any]) -> str:
+    """{'width': 8, 'alpha': 1} -> 'width=8, alpha=1'."""
+    return ", ".join(f"{k}={v}" for k, v in where.items())

@@ -1,0 +1,286 @@
+"""Label a user's own images with a trained model, as timm's inference.py does: top-k classes and probabilities.
+
+    predictor = load_predictor("runs/convit_tiny-digits", which="best")   # or an exported folder
+    result = predict(predictor, find_images(["photos/", "*.png"]), topk=3)
+    write_predictions(result, "preds.csv", topk=3)
+
+The model is either a train.py run (read through ``RunDir``: verified weights, the run's eval transform from
+the engine's ``build_transforms``, class names from its dataset) or a ``convbias-export`` folder (loaded by timm
+from ``local-dir:``, preprocessing from its pretrained_cfg, class names from its ``label_names``), so an image
+is preprocessed exactly as the run's validation images were. Images that cannot be decoded are skipped and
+reported, never fatal. Every refusal is a ConfigError with one line (exit 2 in the commands).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from PIL import Image
+from timm.data import create_transform, resolve_model_data_config
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
+from convbias.engine.data import build_transforms, dataset_info
+from convbias.families import load_families
+from convbias.storage import write_text
+
+OUTPUT_FORMATS = (".csv", ".json")
+EXPORTED_CONFIG = "config.json"  # what save_for_hf writes beside the weights: marks an exported folder
+GLOB_CHARACTERS = frozenset("*?[")
+
+
+@dataclass
+class Predictor:
+    """A model in eval mode with the preprocessing and class names it was trained with."""
+
+    model: torch.nn.Module
+    transform: Callable[[Image.Image], torch.Tensor]
+    num_classes: int
+    image_mode: str  # the PIL mode images are converted to: "L" for one channel, else "RGB"
+    source: str  # the checkpoint or folder, for the user
+    label_names: list[str] | None = None  # None: classes are named by their index
+    notes: list[str] = field(default_factory=list)  # what the user should know (why labels are indices)
+
+    def label(self, index: int) -> str:
+        return self.label_names[index] if self.label_names else str(index)
+
+
+@dataclass
+class Prediction:
+    path: str
+    top: list[tuple[int, float]]  # (class index, probability), most probable first
+
+
+@dataclass
+class Predictions:
+    predictions: list[Prediction]
+    skipped: list[tuple[str, str]]  # (path, why it could not be read)
+
+
+def image_mode(in_chans: int) -> str:
+    """The PIL mode a file is read in, as the run's images were served (timm's inference reads alike)."""
+    return "L" if in_chans == 1 else "RGB"
+
+
+def is_exported(path: str | Path) -> bool:
+    """A ``convbias-export`` folder (timm's Hub layout). It also holds the run's config.yaml, so it is told
+    apart from a run directory by its config.json."""
+    return (Path(path) / EXPORTED_CONFIG).is_file()
+
+
+def source_kind(source: str | Path, which: str | None = None) -> str:
+    """ "exported" or "run": what ``source`` is, checked before anything is loaded (ConfigError otherwise)."""
+    path = Path(source)
+    if is_exported(path):
+        if which is not None:
+            raise ConfigError(f"--which is for run directories; {path} is an exported folder (one checkpoint)")
+        return "exported"
+    if is_run_dir(path):
+        return "run"
+    if not path.exists():
+        raise ConfigError(f"{path} not found: expected a train.py run directory or a convbias-export folder")
+    raise ConfigError(
+        f"{path} is neither a train.py run directory (no config.yaml) nor a convbias-export folder (no {EXPORTED_CONFIG})"
+    )
+
+
+def load_predictor(source: str | Path, which: str | None = None) -> Predictor:
+    """The model of a train.py run (``which``: last or best, default last) or of an exported folder."""
+    if source_kind(source, which) == "exported":
+        return load_exported(source)
+    return load_run(source, which or "last")
+
+
+def load_run(path: str | Path, which: str = "last") -> Predictor:
+    """A run's checkpoint ``which`` as train.py evaluated it: its model and the engine's eval transform."""
+    run = RunDir(path)
+    config = run.run_config()
+    spec = run.model_spec(which)  # refuses a missing checkpoint, verifies the weights against their manifest
+    model, checkpoint = run.build_model(which, load_families())
+    info = dataset_info(config.dataset)
+    _, transform = build_transforms(int(spec["img_size"]), spec["in_chans"], info.mean, info.std, config)
+    labels, notes = run_class_names(config, spec["num_classes"])
+    return Predictor(
+        model, transform, spec["num_classes"], image_mode(spec["in_chans"]), checkpoint.describe(), labels, notes
+    )
+
+
+def run_class_names(config: Any, num_classes: int) -> tuple[list[str] | None, list[str]]:
+    """The class names of the run's dataset (``config``: its ``engine.Config``) when it can be read here,
+    else None and why (labels are then the class indices): a folder dataset whose data dir has moved, a
+    download that is not there."""
+    try:
+        names = [str(name) for name in build_datasets(config).class_names]
+    except (ValueError, OSError) as error:
+        reason = " ".join(str(error).split()) or type(error).__name__
+        return None, [f"the class names of --dataset {config.dataset} cannot be read ({reason}): labels are indices"]
+    if len(names) != num_classes:
+        return None, [f"the dataset has {len(names)} classes, the model {num_classes}: labels are class indices"]
+    return names, []
+
+
+def load_exported(path: str | Path) -> Predictor:
+    """A ``convbias-export`` folder through timm (``local-dir:``), with the preprocessing its pretrained_cfg
+    records and its ``label_names``."""
+    path = Path(path)
+    try:
+        config = json.loads((path / EXPORTED_CONFIG).read_bytes())
+        architecture = config["architecture"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DamagedCheckpointError(f"{path / EXPORTED_CONFIG} is not timm's model config ({error!r})") from None
+    load_families()  # registers the architectures of the families
+    if not timm.is_model(architecture):
+        raise ConfigError(f"{path}: architecture {architecture!r} is not a registered timm model")
+    try:
+        model = timm.create_model(f"local-dir:{path}", pretrained=True).eval()
+    except (OSError, RuntimeError, ValueError, KeyError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise DamagedCheckpointError(f"{path} does not load with timm ({first})") from None
+    data_config = resolve_model_data_config(model)
+    transform = create_transform(**data_config, is_training=False)
+    labels = model.pretrained_cfg.get("label_names")
+    notes = [] if labels else [f"{path / EXPORTED_CONFIG} has no label_names: labels are class indices"]
+    in_chans = data_config["input_size"][0]
+    return Predictor(model, transform, model.num_classes, image_mode(in_chans), str(path), labels, notes)
+
+
+def find_images(items: Sequence[str | Path]) -> list[Path]:
+    """The images named by files, folders (searched recursively for image extensions) and glob patterns,
+    in the order given, each once. A name that matches nothing, or no image at all, is a ConfigError."""
+    found: dict[Path, None] = {}
+    for item in items:
+        path = Path(item)
+        if path.is_dir():
+            matches = [p for p in sorted(path.rglob("*")) if p.suffix.lower() in IMG_EXTENSIONS and p.is_file()]
+            if not matches:
+                raise ConfigError(f"no image in folder {path} (extensions: {', '.join(IMG_EXTENSIONS)})")
+        elif path.is_file():
+            matches = [path]
+        elif GLOB_CHARACTERS & set(str(item)):
+            matches = [Path(p) for p in sorted(glob.glob(str(item), recursive=True)) if Path(p).is_file()]
+            if not matches:
+                raise ConfigError(f"no file matches {item}")
+        else:
+            raise ConfigError(f"image not found: {item}")
+        found.update(dict.fromkeys(matches))
+    if not found:
+        raise ConfigError("no images given")
+    return list(found)
+
+
+def _batches(paths: Sequence[Path], size: int) -> Iterator[list[Path]]:
+    iterator = iter(paths)
+    while batch := list(islice(iterator, size)):
+        yield batch
+
+
+def read_image(path: Path, mode: str) -> Image.Image:
+    """The decoded image in ``mode`` (PIL decodes lazily: converting reads the whole file)."""
+    with Image.open(path) as image:
+        return image.convert(mode)
+
+
+@torch.inference_mode()
+def predict(
+    predictor: Predictor,
+    paths: Sequence[Path],
+    topk: int = 5,
+    batch_size: int = 64,
+    device: str | torch.device = "cpu",
+    on_skip: Callable[[str, str], None] | None = None,
+) -> Predictions:
+    """The ``topk`` most probable classes (softmax over all of them) of every readable image, in batches.
+    An image that cannot be decoded is skipped and passed to ``on_skip(path, reason)``."""
+    check_topk(topk, predictor.num_classes)
+    model = predictor.model.to(device)
+    result = Predictions([], [])
+    for batch in _batches(paths, batch_size):
+        tensors, names = [], []
+        for path in batch:
+            try:
+                tensors.append(predictor.transform(read_image(path, predictor.image_mode)))
+            except Exception as error:  # PIL raises many kinds for a damaged file; the engine skips them alike
+                reason = " ".join(str(error).split()) or type(error).__name__
+                result.skipped.append((str(path), reason))
+                if on_skip:
+                    on_skip(str(path), reason)
+                continue
+            names.append(str(path))
+        if not tensors:
+            continue
+        probabilities = model(torch.stack(tensors).to(device)).float().softmax(-1)
+        values, indices = probabilities.topk(topk, dim=-1)
+        for name, value, index in zip(names, values.tolist(), indices.tolist()):
+            result.predictions.append(Prediction(name, list(zip(index, value))))
+    return result
+
+
+def check_topk(topk: int, num_classes: int) -> None:
+    if not 1 <= topk <= num_classes:
+        raise ConfigError(f"--topk {topk}: the model has {num_classes} classes (choose 1 to {num_classes})")
+
+
+def output_format(output: str | Path | None) -> str:
+    """The format of ``output`` by its suffix (csv without an output: standard output), checked with its
+    folder before any image is read."""
+    if output is None:
+        return ".csv"
+    output = Path(output)
+    suffix = output.suffix.lower()
+    if suffix not in OUTPUT_FORMATS:
+        raise ConfigError(f"--output {output}: unknown suffix {suffix or '(none)'!r}; choose .csv or .json")
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: folder {output.parent} not found")
+    return suffix
+
+
+def to_csv(result: Predictions, predictor: Predictor, topk: int) -> str:
+    """One row per image: path, then label, index and probability of each of the top-k classes."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(
+        ["path"] + [f"{column}_{k}" for k in range(1, topk + 1) for column in ("label", "index", "probability")]
+    )
+    for prediction in result.predictions:
+        cells = [cell for index, p in prediction.top for cell in (predictor.label(index), index, repr(p))]
+        writer.writerow([prediction.path, *cells])
+    return buffer.getvalue()
+
+
+def to_json(result: Predictions, predictor: Predictor, topk: int) -> str:
+    """The predictions with the model they came from and the images that were skipped."""
+    record = {
+        "model": predictor.source,
+        "topk": topk,
+        "labels": "names" if predictor.label_names else "class indices",
+        "predictions": [
+            {
+                "path": prediction.path,
+                "top": [
+                    {"label": predictor.label(index), "index": index, "probability": p} for index, p in prediction.top
+                ],
+            }
+            for prediction in result.predictions
+        ],
+        "skipped": [{"path": path, "reason": reason} for path, reason in result.skipped],
+    }
+    return json.dumps(record, indent=2) + "\n"
+
+
+def format_predictions(result: Predictions, predictor: Predictor, topk: int, suffix: str) -> str:
+    return (to_json if suffix == ".json" else to_csv)(result, predictor, topk)
+
+
+def write_predictions(result: Predictions, predictor: Predictor, topk: int, output: str | Path) -> None:
+    """Write the predictions to ``output`` (replaced atomically) in the format of its suffix."""
+    write_text(output, format_predictions(result, predictor, topk, output_format(output)))

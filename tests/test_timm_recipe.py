@@ -1,0 +1,76 @@
+"""timm's args.yaml (written by timm's own parser, tests/data/timm_train_args.yaml) as a train.py recipe."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from convbias.cli import train
+from convbias.engine import RunDir
+from convbias.engine.config import parse_config
+from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
+
+ARGS_YAML = Path(__file__).parent / "data" / "timm_train_args.yaml"
+
+
+def args_yaml(tmp_path: Path, **changes) -> Path:
+    values = {**yaml.safe_load(ARGS_YAML.read_text()), **changes}
+    path = tmp_path / "args.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_the_file_holds_every_key_timms_parser_writes():
+    assert set(yaml.safe_load(ARGS_YAML.read_text())) == set(TIMM_TRAIN_DEFAULTS) and len(TIMM_TRAIN_DEFAULTS) == 172
+
+
+def test_timms_defaults_become_its_recipe(tmp_path):
+    cfg = parse_config(["-c", str(ARGS_YAML), "--output", str(tmp_path / "run")])
+    # timm's values where both engines have the option (timm's defaults, not the DeiT recipe's)
+    assert (cfg.model, cfg.batch_size, cfg.opt, cfg.weight_decay, cfg.seed) == ("resnet50", 128, "sgd", 2e-5, 42)
+    assert (cfg.lr_base, cfg.lr_base_size, cfg.min_lr, cfg.warmup_lr) == (0.1, 256, 0.0, 1e-5)
+    assert cfg.aa is None and cfg.reprob == 0 and cfg.mixup == 0 and cfg.cutmix == 0
+    # timm's "unset": no stochastic depth, no repeated augmentation, fp32, no compile
+    assert (cfg.drop_path, cfg.repeated_aug, cfg.mixed_precision, cfg.compile) == (0.0, 1, "no", False)
+
+
+def test_an_args_yaml_trains(tmp_path, cli_argv):
+    """Every key of timm's args.yaml in the recipe; the command line picks a tiny model, data and length."""
+    argv = ["-c", str(ARGS_YAML), *cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, train_fraction=0.1)]
+    argv += ["--epochs", "1", "--batch-size", "16", "--output", str(tmp_path / "run")]
+    assert train.main(argv) == 0
+    results = RunDir(tmp_path / "run").results()
+    assert results["epochs"] == 1 and RunDir(tmp_path / "run").run_config().opt == "sgd"
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (dict(amp=True, amp_dtype="bfloat16"), dict(mixed_precision="bf16")),
+        (dict(amp=True), dict(mixed_precision="fp16")),
+        (dict(torchcompile="aot_eager"), dict(compile=True, compile_backend="aot_eager")),
+        (dict(aug_repeats=3), dict(repeated_aug=3)),
+        (dict(validation_batch_size=7), dict(eval_batch_size=7)),
+        (dict(val_interval=2), dict(eval_interval=2)),
+        (dict(experiment="exp1", output="out"), dict(output="out/exp1")),
+        (dict(drop_path=0.2, aa="rand-m9-mstd0.5"), dict(drop_path=0.2, aa="rand-m9-mstd0.5")),
+    ],
+)
+def test_timm_spellings_are_translated(tmp_path, changes, expected):
+    cfg = parse_config(["-c", str(args_yaml(tmp_path, **changes))])
+    assert {key: getattr(cfg, key) for key in expected} == expected
+
+
+def test_active_timm_options_this_engine_does_not_apply_are_all_named_in_one_line(tmp_path, capsys):
+    recipe = args_yaml(tmp_path, jsd_loss=True, torchscript=True, vflip=0.5, naflex_loader=True)
+    code = train.main(["-c", str(recipe), "--output", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and not (tmp_path / "run").exists()
+    for named in ("jsd_loss: True (JSD loss", "torchscript: True (TorchScript", "vflip: 0.5", "naflex_loader: True"):
+        assert named in err[0], named
+
+
+def test_a_key_of_neither_engine_is_unknown(tmp_path):
+    recipe = args_yaml(tmp_path, warmup_epoch=3)
+    with pytest.raises(ValueError, match=r"unknown option 'warmup_epoch' .*did you mean warmup_epochs"):
+        parse_config(["-c", str(recipe)])

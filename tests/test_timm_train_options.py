@@ -1,0 +1,25 @@
+"""The generated timm train.py data agree with each other: tests/data/timm_train_args.yaml (timm's args.yaml),
+convbias.timm_train_options.TIMM_TRAIN_DEFAULTS and the table of docs/timm-options.md hold the same keys and
+defaults (all three are written by tests/data/make_timm_train_args.py from timm's parser)."""
+
+import json
+import re
+
+import yaml
+
+from convbias.timm_train_options import TIMM_TRAIN_COMMIT, TIMM_TRAIN_DEFAULTS
+
+
+def test_args_yaml_is_timms_dump_of_the_defaults(repo):
+    text = (repo / "tests" / "data" / "timm_train_args.yaml").read_text()
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert any(TIMM_TRAIN_COMMIT in line for line in header)
+    body = "".join(line + "\n" for line in text.splitlines() if not line.startswith("#"))
+    assert body == yaml.safe_dump(TIMM_TRAIN_DEFAULTS, default_flow_style=False)  # as train.py writes it
+    assert yaml.safe_load(text) == TIMM_TRAIN_DEFAULTS and len(TIMM_TRAIN_DEFAULTS) == 172
+
+
+def test_the_options_table_lists_every_key_with_its_default(repo):
+    rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \|", (repo / "docs" / "timm-options.md").read_text(), re.MULTILINE)
+    assert [key for key, _ in rows] == sorted(TIMM_TRAIN_DEFAULTS)
+    assert all(json.loads(default.replace("\\|", "|")) == TIMM_TRAIN_DEFAULTS[key] for key, default in rows)
