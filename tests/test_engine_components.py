@@ -8,7 +8,7 @@ import yaml
 
 from convbias import engine
 from convbias.engine.config import coerce, parse_config, validate
-from convbias.engine.options import SECTIONS, Config, build_parser, declaration, flag_name
+from convbias.engine.options import SECTIONS, Config, build_parser, declaration, flag_name, key_value_options
 from convbias.engine.resume_state import RunIdentity, TrainingProgress, exact_options, restore, resume_state
 from convbias.errors import ConfigError
 from convbias.families import load_families
@@ -24,7 +24,7 @@ def test_every_declared_option_is_on_the_command_line_with_its_default_and_secti
             action = actions[spec.name]
             assert flag_name(spec.name) in action.option_strings
             default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
-            if spec.name not in ("model_kwargs", "reparametrize_kwargs", "param_group_lr"):  # merged per key
+            if spec.name not in key_value_options():  # K=V options are merged with the recipe's key by key
                 assert action.default == default, spec.name
     declared = {f.name for f in dataclasses.fields(Config)}
     assert set(actions) - {"help"} == declared
@@ -166,3 +166,18 @@ def test_a_training_state_written_before_the_parts_existed_loads():
     progress = TrainingProgress()
     restore({"progress": progress}, legacy)
     assert (progress.epoch, progress.num_updates, progress.best["eval_top1"]) == (3, 30, 50.0)
+
+
+def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path):
+    """RESUME_PART_TYPES (whose exact_options are checked before set-up) names every part a point holds."""
+    from convbias.engine.run_setup import start_run
+    from convbias.engine.trainer import RESUME_PART_TYPES, build_trainer
+
+    cfg = Config(model="convit_tiny", model_kwargs=dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8),
+                 img_size=8, no_aug=True, repeated_aug=1, epochs=1, batch_size=16, workers=0, diagnostics=False,
+                 output=str(tmp_path / "run"))  # fmt: skip
+    validate(cfg)
+    parts = build_trainer(start_run(cfg, load_families(), None)).resume_parts()
+    assert set(parts) == set(RESUME_PART_TYPES)  # fp32 on a CPU: no grad scaler
+    assert all(isinstance(parts[name], kind) for name, kind in RESUME_PART_TYPES.items())
+    assert parts["identity"].options == {key: getattr(cfg, key) for key in exact_options(RESUME_PART_TYPES)}

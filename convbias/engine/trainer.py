@@ -69,9 +69,28 @@ __all__ = ["NonFiniteLossError", "Trainer", "build_trainer"]
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
 
 
+# The parts a resume point holds, by name (engine.resume_state; the weights are files beside them). Each
+# class declares the options that a mid-epoch point must be continued with (its exact_options).
+RESUME_PART_TYPES = {
+    "identity": RunIdentity,
+    "progress": TrainingProgress,
+    "optimizer": OptimizerState,
+    "scheduler": SchedulerState,
+    "rng": RandomStreams,
+}
+
+
 def build_trainer(start: RunStart) -> Trainer:
-    """The Trainer of a run that has epochs left: its parts built whole, the resume point checked against them."""
+    """The Trainer of a run that has epochs left: a mid-epoch resume point checked against the options its
+    parts need, then the parts built whole."""
     cfg = start.cfg
+    if start.resume_state:
+        keys = exact_options(RESUME_PART_TYPES)
+        accepted = check_exact_continuation(cfg, start.resume_state, start.resume_point, keys)
+        if accepted:
+            start.notes.append(f"--accept-resume-changes: continuing {start.resume_point} with {accepted}")
+    else:
+        accepted = None
     preemption = build_preemption(cfg)
     data = build_data(start, preemption, train=True)
     warnings = setup_warnings(cfg, start.lr, start.global_batch)
@@ -83,14 +102,7 @@ def build_trainer(start: RunStart) -> Trainer:
         diagnostics = ModelDiagnostics(images, start.extensions.diagnostics)
     trainer = Trainer(start, data, models, optimization, preemption, diagnostics)
     trainer.progress.reparametrized = was_reparametrized
-    trainer.warnings = warnings
-    if start.resume_state:
-        accepted = check_exact_continuation(
-            cfg, start.resume_state, start.resume_point, exact_options(trainer.resume_parts())
-        )
-        if accepted:
-            trainer.accepted_changes = accepted
-            start.notes.append(f"--accept-resume-changes: continuing {start.resume_point} with {accepted}")
+    trainer.warnings, trainer.accepted_changes = warnings, accepted
     return trainer
 
 
@@ -116,18 +128,17 @@ class Trainer:
 
     def resume_parts(self) -> dict[str, Stateful]:
         """The named parts a resume point holds (engine.resume_state); the weights are files beside them."""
-        acc = self.accelerator
+        exact = {key: getattr(self.cfg, key) for key in exact_options(RESUME_PART_TYPES)}
         parts: dict[str, Stateful] = {
-            "identity": RunIdentity(self.cfg.model, {}, self.start.sharded),
+            "identity": RunIdentity(self.cfg.model, exact, self.start.sharded),
             "progress": self.progress,
             "optimizer": OptimizerState(self.optimization, self.start.sharded),
             "scheduler": SchedulerState(self.optimization, self.progress),
-            "scaler": acc.scaler,
             "rng": RandomStreams(self.start, self.progress),
         }
-        identity = parts["identity"]
-        identity.options = {key: getattr(self.cfg, key) for key in exact_options(parts)}
-        return {name: part for name, part in parts.items() if part is not None}
+        if self.accelerator.scaler is not None:  # fp16: torch's GradScaler is a part as it is
+            parts["scaler"] = self.accelerator.scaler
+        return parts
 
     def kept(self) -> str:
         """What an interrupted run leaves behind, in one sentence."""
