@@ -46,11 +46,13 @@ def run_argv(cli_argv):
     return functools.partial(cli_argv, cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, SGD, model_kwargs=model_kwargs)
 
 
-def launch(tmp_path: Path, name: str, processes: int, batch_size: int, train_args: list[str]) -> Path:
+def launch(
+    tmp_path: Path, name: str, processes: int, batch_size: int, train_args: list[str], program: str = DUMP_WEIGHTS
+) -> Path:
     dump = tmp_path / name
     dump.mkdir()
-    script = tmp_path / "dump_weights.py"
-    script.write_text(DUMP_WEIGHTS)
+    script = tmp_path / f"{name}.py"
+    script.write_text(program)
     mode = ["--multi_gpu"] if processes > 1 else ["--cpu"]
     command = [
         sys.executable,
@@ -129,3 +131,48 @@ def test_two_processes_stream_a_dataset_and_evaluate_all_of_it(tmp_path, hf_toy,
     assert final["eval_top1"] == pytest.approx(one["eval_top1"], abs=1e-9)
     assert final["eval_top1"] * 13 / 100 == pytest.approx(round(final["eval_top1"] * 13 / 100))  # out of 13
     assert final["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+
+
+# Records every rank's BatchNorm statistics just before and after the engine's --dist-bn step.
+RECORD_DIST_BN = """
+import sys
+import torch
+from safetensors.torch import save_file
+from convbias.engine import trainer as engine_trainer
+from convbias.families import load_families
+from convbias.engine.config import parse_config
+from convbias.engine.run_setup import start_run
+dump_dir, args = sys.argv[1], sys.argv[2:]
+real = engine_trainer.Trainer._distribute_batchnorm
+def recorded(self):
+    model = self.accelerator.unwrap_model(self.models.model)
+    stats = lambda: {k: v.detach().clone() for k, v in model.named_buffers() if k.endswith("running_mean")}
+    before = stats()
+    real(self)
+    rank = self.accelerator.process_index
+    save_file({**{"before." + k: v for k, v in before.items()}, **{"after." + k: v for k, v in stats().items()}},
+              f"{dump_dir}/rank{rank}.safetensors")
+engine_trainer.Trainer._distribute_batchnorm = recorded
+engine_trainer.build_trainer(start_run(parse_config(args), load_families(), None)).fit()
+"""
+
+
+@pytest.mark.parametrize("dist_bn", ["reduce", "broadcast", ""])
+def test_dist_bn_gives_every_rank_the_same_batchnorm_statistics(tmp_path, cli_argv, dist_bn):
+    """Each rank's last batches move its own BatchNorm statistics: before evaluating, --dist-bn reduce (timm's
+    default) averages them over the ranks, broadcast gives every rank rank 0's, '' leaves them apart."""
+    train_args = cli_argv(cli_argv.PLAIN_DIGITS, SGD, model="test_resnet", img_size=16, train_fraction=0.3)
+    train_args = [*train_args, "--dist-bn", dist_bn]
+    two = launch(tmp_path, "two", processes=2, batch_size=8, train_args=train_args, program=RECORD_DIST_BN)
+    rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
+    names = [k.removeprefix("before.") for k in rank0 if k.startswith("before.")]
+    assert names and max((rank0[f"before.{k}"] - rank1[f"before.{k}"]).abs().max().item() for k in names) > 1e-4
+    for k in names:
+        before0, before1, after0, after1 = (
+            rank0[f"before.{k}"],
+            rank1[f"before.{k}"],
+            rank0[f"after.{k}"],
+            rank1[f"after.{k}"],
+        )
+        expected = {"reduce": ((before0 + before1) / 2,) * 2, "broadcast": (before0, before0), "": (before0, before1)}
+        torch.testing.assert_close((after0, after1), expected[dist_bn], rtol=1e-6, atol=1e-7)

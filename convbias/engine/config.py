@@ -30,6 +30,7 @@ from .options import (
     OptionParser,
     build_parser,
     declaration,
+    default_value,
     did_you_mean,
     flag_name,
     key_value_options,
@@ -95,7 +96,7 @@ def parse_config(argv: list[str] | None) -> Config:
     config_only = OptionParser(add_help=False)
     config_only.add_argument("-c", "--config", default=None)
     config_only.add_argument("--eval-only", nargs="?", const=True, default=False)
-    config_only.add_argument("--checkpoint", default=None)
+    config_only.add_argument("--checkpoint", "--initial-checkpoint", default=None)
     known, _ = config_only.parse_known_args(argv)
     file_cfg = load_yaml(known.config) if known.config else {}
     if is_timm_recipe(file_cfg):  # the args.yaml of timm's train.py
@@ -220,7 +221,7 @@ def config_warnings(cfg: Config) -> list[str]:
     """Valid but probably unintended settings, printed as `warning: ...` lines before the run starts."""
     warnings = []
     epochs, warmup = effective_epochs(cfg)
-    if not cfg.eval_only and warmup >= epochs:
+    if not cfg.eval_only and not cfg.warmup_prefix and warmup >= epochs:
         warnings.append(
             f"--warmup-epochs {warmup} covers the whole run of {epochs} epoch(s): the lr only ramps up "
             f"from --warmup-lr and never reaches its peak; lower --warmup-epochs"
@@ -288,16 +289,36 @@ def _check_combinations(cfg: Config) -> None:
         cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
         "--output-scale cannot be combined with --reparametrize or hard distillation",
     )
+    mixing = cfg.mixup > 0 or cfg.cutmix > 0 or cfg.cutmix_minmax is not None
+    _check(not mixing or cfg.batch_size % 2 == 0, f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}")
     _check(
-        (cfg.mixup == 0 and cfg.cutmix == 0) or cfg.batch_size % 2 == 0,
-        f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}",
+        cfg.cutmix_minmax is None or not cfg.no_aug,
+        "--cutmix-minmax turns cutmix on and --no-aug turns it off; drop one",
     )
+    for name in option_names():  # an option that acts only with others (its declared `needs`), set without them
+        needs, value = declaration(name).metadata["needs"], getattr(cfg, name)
+        if needs is not None and value != default_value(name):
+            given = flag_name(name) if value is True else f"{flag_name(name)} {value}"
+            _check(needs.met(cfg), f"{given} has no effect without {needs.what}")
+    if cfg.opt_betas is not None:
+        from timm.optim import get_optimizer_info, list_optimizers  # timm loads torch: only after parsing
+
+        name = cfg.opt.lower().split("_")[-1]  # as timm's factory reads 'lookahead_adamw'
+        if name in list_optimizers():  # an unknown --opt is named by _check_names
+            info = get_optimizer_info(name)
+            takes = info.num_betas if info.has_betas else 0
+            _check(
+                len(cfg.opt_betas) == takes,
+                f"--opt-betas: --opt {cfg.opt} takes {takes or 'no'} betas, got {len(cfg.opt_betas)}",
+            )
     _check(not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH (a weights file or run dir)")
     _check(
         bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),
         "hard distillation needs both --distill-teacher NAME and --distill-teacher-file PATH",
     )
-    epochs = effective_epochs(cfg)[0]
+    from .recipe import scheduled_epochs  # timm's count (cooldown, cycles); loads torch: only after parsing
+
+    epochs = scheduled_epochs(cfg, *effective_epochs(cfg)) if cfg.epochs >= 1 else 0
     for epoch in cfg.save_epochs:
         _check(0 <= epoch <= epochs, f"--save-epochs {epoch} is outside 0..{epochs}")
     if cfg.reparametrize_at_epoch is not None:

@@ -16,13 +16,17 @@ from accelerate import Accelerator
 
 
 @torch.no_grad()
-def evaluate(acc: Accelerator, model: torch.nn.Module, loader: Iterable, streamed: bool) -> dict[str, float]:
+def evaluate(
+    acc: Accelerator, model: torch.nn.Module, loader: Iterable, streamed: bool, channels_last: bool = False
+) -> dict[str, float]:
     """Exact loss, top-1 and top-5 (in %) over the whole validation set, across all processes."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=acc.device)  # loss sum, top-1 and top-5 hits, images
     for images, targets in loader:
         images, targets = images.to(acc.device), targets.to(acc.device)  # a stream's loader is not prepared
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
         with acc.autocast():
             logits = model(images)
         loss = F.cross_entropy(logits.float(), targets, reduction="none")

@@ -27,10 +27,11 @@ def check_model_name(name: str, option: str = "--model") -> None:
 
 
 def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
-    """timm.create_model with the run's model options (model, model_kwargs, img_size, drop_path, pretrained,
-    pretrained_file); pretrained weights come from a local file only."""
+    """timm.create_model with the run's model options (model, model_kwargs, img_size, drop, drop_path, pretrained,
+    pretrained_file, head_init_scale); pretrained weights come from a local file only."""
     kwargs: dict[str, Any] = dict(
         num_classes=num_classes,
+        drop_rate=cfg.drop or None,  # None: not passed, for the models that take no dropout rate
         drop_path_rate=cfg.drop_path or None,
         in_chans=None if in_chans == 3 else in_chans,
         pretrained=bool(cfg.pretrained),
@@ -46,13 +47,34 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
     kwargs.setdefault("img_size", cfg.img_size)
     try:
         try:
-            return timm.create_model(cfg.model, **kwargs)
+            model = timm.create_model(cfg.model, **kwargs)
         except TypeError as e:  # CNNs take no img_size: they run at any resolution
             if "img_size" not in str(e) or "img_size" in model_kwargs:
                 raise
             kwargs.pop("img_size")
-            return timm.create_model(cfg.model, **kwargs)
+            model = timm.create_model(cfg.model, **kwargs)
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
+        given = {**({"drop_rate": cfg.drop} if cfg.drop else {}), **model_kwargs}
         raise ConfigError(
-            f"cannot build {cfg.model} with {model_kwargs or 'default arguments'}: {str(e).splitlines()[0]}"
+            f"cannot build {cfg.model} with {given or 'default arguments'}: {str(e).splitlines()[0]}"
         ) from e  # the constructor's traceback, shown with CONVBIAS_TRACEBACK=1
+    if cfg.head_init_scale is not None:
+        scale_classifier(model, cfg.head_init_scale, cfg.model)
+    return model
+
+
+def scale_classifier(model: torch.nn.Module, scale: float, name: str) -> None:
+    """--head-init-scale: the classifier's weight and bias (every head's, for a distilled model's pair) times
+    ``scale``, as timm's train.py does after creating the model (a small head starts fine-tuning near uniform
+    predictions)."""
+    if not hasattr(model, "get_classifier"):
+        raise ConfigError(f"--head-init-scale: {type(model).__name__} ({name}) has no get_classifier(); run without it")
+    heads = model.get_classifier()
+    heads = heads if isinstance(heads, (tuple, list)) else (heads,)
+    weights = [getattr(head, key, None) for head in heads for key in ("weight", "bias")]
+    weights = [w for w in weights if isinstance(w, torch.Tensor)]
+    if not weights:
+        raise ConfigError(f"--head-init-scale: the classifier of {name} ({heads[0]}) has no weight to scale")
+    with torch.no_grad():
+        for weight in weights:
+            weight.mul_(scale)

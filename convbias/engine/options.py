@@ -19,6 +19,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import yaml
@@ -30,8 +31,13 @@ from .run_dir import DEFAULT_KEEP_CHECKPOINTS, DEFAULT_WHICH, WHICH
 
 DESCRIPTION = "Run configuration: command-line options, YAML recipes (``-c``), and validation."  # first line of --help
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
-SCHEDULES = ("cosine", "step", "constant")
+SCHEDULES = ("cosine", "step", "constant", "multistep")
+MIXUP_MODES = ("batch", "pair", "elem")
+CLIP_MODES = ("norm", "value", "agc")
+# timm's optimizer arguments set by their own options (--opt, --lr, ..., --opt-eps): --opt-kwargs leaves them alone
+OWN_OPTIMIZER_ARGUMENTS = ("opt", "lr", "weight_decay", "momentum", "eps", "betas", "layer_decay")
 PRECISIONS = ("no", "bf16", "fp16")
+DIST_BN = ("reduce", "broadcast", "")
 
 
 class Check(NamedTuple):
@@ -40,6 +46,23 @@ class Check(NamedTuple):
     valid: Callable[[Any], bool]
     expected: str
 
+
+class Needs(NamedTuple):
+    """An option that acts only with others: set to anything but its default while ``met(cfg)`` is false, it is
+    ``--name VALUE has no effect without {what}``."""
+
+    met: Callable[[Any], bool]
+    what: str
+
+
+COSINE = Needs(lambda c: c.sched == "cosine", "--sched cosine")
+CYCLES = Needs(lambda c: c.sched == "cosine" and c.lr_cycle_limit > 1, "--sched cosine and --lr-cycle-limit above 1")
+# --no-aug turns the mixup options off silently, as it does --mixup and --cutmix
+MIXING = Needs(
+    lambda c: c.no_aug or c.mixup > 0 or c.cutmix > 0 or c.cutmix_minmax is not None,
+    "--mixup, --cutmix or --cutmix-minmax",
+)
+BCE = Needs(lambda c: c.bce_loss, "--bce-loss")
 
 POSITIVE = Check(lambda v: v > 0, "positive")
 POSITIVE_INT = Check(lambda v: v >= 1, "a positive integer")
@@ -58,9 +81,13 @@ def option(
     choices: tuple[str, ...] | None = None,
     nargs: int | str | None = None,
     metavar: str | tuple[str, ...] | None = None,
+    aliases: tuple[str, ...] = (),
+    needs: Needs | None = None,
 ) -> Any:
-    """One option's declaration: a dataclass field whose metadata gives the parser and the checks."""
-    metadata = dict(help=help, check=check, choices=choices, nargs=nargs, metavar=metavar)
+    """One option's declaration: a dataclass field whose metadata gives the parser and the checks. ``aliases``:
+    other names of the same option (timm's spelling), accepted as flags and as recipe keys; ``needs``: the
+    options without which it has no effect."""
+    metadata = dict(help=help, check=check, choices=choices, nargs=nargs, metavar=metavar, aliases=aliases, needs=needs)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -74,8 +101,17 @@ class ModelOptions:
     model_kwargs: dict[str, Any] = option(
         {}, "extra model constructor arguments, values parsed as YAML scalars (patch_size=4)", metavar="K=V"
     )
+    drop: float = option(
+        0.0, "dropout rate (timm's drop_rate: most models drop the classifier's input)", check=BELOW_ONE
+    )
     drop_path: float = option(0.1, "stochastic depth rate", check=BELOW_ONE)
     num_classes: int | None = option(None, "keep only the first K classes", check=Check(lambda v: v >= 2, "at least 2"))
+    head_init_scale: float | None = option(
+        None,
+        "multiply the classifier's initial weight and bias by this (timm's init or --pretrained weights; "
+        "--checkpoint weights load as they are)",
+        check=NON_NEGATIVE,
+    )
     img_size: int | None = option(None, "default: the dataset's (224 for ImageNet)", check=POSITIVE_INT)
     output_scale: float | None = option(
         None,
@@ -95,6 +131,12 @@ class ModelOptions:
     distill_teacher_file: str | None = option(None, "local weights of the teacher")
     model_ema: bool = option(False, "keep and evaluate an EMA of the weights")
     model_ema_decay: float = option(0.99996, check=BELOW_ONE)
+    model_ema_warmup: bool = option(
+        False,
+        "warm the EMA decay up from 0: 1 - (1 + update)^(-2/3), capped at --model-ema-decay (timm's ModelEmaV3 "
+        "use_warmup, counted in optimizer updates)",
+        needs=Needs(lambda c: c.model_ema, "--model-ema"),
+    )
     grad_checkpointing: bool = option(
         False, "recompute block activations in backward (timm's set_grad_checkpointing): less memory"
     )
@@ -121,7 +163,47 @@ class DataOptions:
     )
     mixup: float = option(0.8, "mixup alpha; 0 disables", check=NON_NEGATIVE)
     cutmix: float = option(1.0, "cutmix alpha; 0 disables", check=NON_NEGATIVE)
+    cutmix_minmax: list[float] | None = option(
+        None,
+        "cutmix box side range, as fractions of the image's; turns cutmix on (in place of --cutmix's alpha)",
+        check=Check(lambda v: 0 <= v[0] < v[1] <= 1, "two fractions 0 <= MIN < MAX <= 1"),
+        nargs=2,
+        metavar=("MIN", "MAX"),
+    )
+    mixup_prob: float = option(
+        1.0, "probability of mixing a batch (or pair, or image: --mixup-mode)", check=PROBABILITY, needs=MIXING
+    )
+    mixup_switch_prob: float = option(
+        0.5,
+        "probability of cutmix rather than mixup when both are on",
+        check=PROBABILITY,
+        needs=Needs(
+            lambda c: c.no_aug or (c.mixup > 0 and (c.cutmix > 0 or c.cutmix_minmax is not None)),
+            "both --mixup and --cutmix (or --cutmix-minmax)",
+        ),
+    )
+    mixup_mode: str = option(
+        "batch",
+        f"draw mixup/cutmix per batch, pair or element; one of {', '.join(MIXUP_MODES)}",
+        choices=MIXUP_MODES,
+        needs=MIXING,
+    )
+    mixup_off_epoch: int = option(
+        0, "no mixup/cutmix from this epoch on (0-based; 0: never off)", check=NON_NEGATIVE, needs=MIXING
+    )
     smoothing: float = option(0.1, "label smoothing", check=BELOW_ONE)
+    bce_loss: bool = option(
+        False,
+        "train with binary cross-entropy (timm's BinaryCrossEntropy) on mixup/cutmix's soft targets, or on "
+        "--smoothing's targets without them",
+    )
+    bce_target_thresh: float | None = option(
+        None, "binarize the BCE targets: 1 above this threshold, else 0", check=BELOW_ONE, needs=BCE
+    )
+    bce_sum: bool = option(False, "sum the BCE loss over classes before averaging over the batch", needs=BCE)
+    bce_pos_weight: float | None = option(
+        None, "weight of the positive targets in the BCE loss", check=POSITIVE, needs=BCE
+    )
     no_aug: bool = option(False, "no augmentation at all (crop/flip, aa, mixup, cutmix, erasing, smoothing)")
 
 
@@ -134,7 +216,36 @@ class OptimizationOptions:
     weight_decay: float = option(0.05, check=NON_NEGATIVE)
     momentum: float = option(0.9)
     opt_eps: float = option(1e-8)
-    clip_grad: float | None = option(None, "clip the gradient norm to this value", check=POSITIVE)
+    opt_betas: list[float] | None = option(
+        None,
+        "optimizer betas (default: the optimizer's own)",
+        check=Check(lambda v: len(v) >= 1 and all(0 <= b < 1 for b in v), "one or more numbers in [0, 1)"),
+        nargs="+",
+        metavar="BETA",
+    )
+    opt_kwargs: dict[str, Any] = option(
+        {},
+        "extra optimizer arguments, values parsed as YAML scalars (amsgrad=true)",
+        check=Check(
+            lambda v: not set(v) & set(OWN_OPTIMIZER_ARGUMENTS),
+            f"free of the arguments set by their own options ({', '.join(OWN_OPTIMIZER_ARGUMENTS)})",
+        ),
+        metavar="K=V",
+    )
+    layer_decay: float | None = option(
+        None,
+        "layer-wise lr decay: layer group g of the model's L (its group_matcher(); the classifier last) trains "
+        "at lr x LAYER_DECAY^(L-1-g)",
+        check=FRACTION,
+    )
+    clip_grad: float | None = option(None, "clip the gradients (--clip-mode) with this value", check=POSITIVE)
+    clip_mode: str = option(
+        "norm",
+        "how --clip-grad clips (timm's dispatch_clip_grad): norm (the total norm), value (each value) or agc "
+        "(adaptive, unit-wise relative to the weights; the classifier left out, as timm's train.py does)",
+        choices=CLIP_MODES,
+        needs=Needs(lambda c: c.clip_grad is not None, "--clip-grad"),
+    )
     param_group_lr: dict[str, Any] = option(
         {}, "absolute lr for parameters whose name matches REGEX (gating_param=0.1)", metavar="REGEX=LR"
     )
@@ -146,14 +257,50 @@ class OptimizationOptions:
 
 @dataclass
 class ScheduleOptions:
-    sched: str = option("cosine", f"one of {', '.join(SCHEDULES)}", choices=SCHEDULES)
+    sched: str = option(
+        "cosine",
+        f"one of {', '.join(SCHEDULES)} (timm's schedulers, stepped per optimizer update)",
+        choices=SCHEDULES,
+    )
     epochs: int = option(300)
     scale_epochs: bool = option(False, "multiply epochs and warmup by 1/train-fraction (same number of images seen)")
     warmup_epochs: int = option(5, check=NON_NEGATIVE)
     warmup_lr: float = option(1e-6, check=NON_NEGATIVE)
+    warmup_prefix: bool = option(
+        False, "warm up before the --epochs of schedule (the run trains --warmup-epochs more), not within them"
+    )
     min_lr: float = option(1e-5, check=NON_NEGATIVE)
     decay_epochs: float = option(30, "step schedule: epochs between decays")
-    decay_rate: float = option(0.1, "step schedule: lr factor per decay")
+    decay_rate: float = option(0.1, "step and multistep schedules: lr factor per decay")
+    decay_milestones: list[int] = option(
+        [90, 180, 270],
+        "multistep schedule: the lr decays at these epochs (timm's convention, per update: milestone M from the "
+        "last update of epoch M on)",
+        check=Check(
+            lambda v: len(v) >= 1 and v[0] > 0 and all(a < b for a, b in pairwise(v)), "increasing positive epochs"
+        ),
+        metavar="EPOCH",
+        needs=Needs(lambda c: c.sched == "multistep", "--sched multistep"),
+    )
+    cooldown_epochs: int = option(
+        0,
+        "cosine schedule: epochs at --min-lr after the last cycle, trained after --epochs",
+        check=NON_NEGATIVE,
+        needs=COSINE,
+    )
+    lr_cycle_limit: int = option(
+        1,
+        "cosine schedule: cycles (warm restarts, each trained in full after --epochs)",
+        check=AT_LEAST_ONE,
+        needs=COSINE,
+    )
+    lr_cycle_mul: float = option(
+        1.0, "cosine schedule: each cycle this many times as long as the one before", check=POSITIVE, needs=CYCLES
+    )
+    lr_cycle_decay: float = option(
+        0.5, "cosine schedule: each cycle's peak lr this many times the one before", check=POSITIVE, needs=CYCLES
+    )
+    lr_k_decay: float = option(1.0, "cosine schedule: k-decay exponent (1: plain cosine)", check=POSITIVE, needs=COSINE)
 
 
 @dataclass
@@ -171,6 +318,16 @@ class DistributionOptions:
         "signals that stop the run after the current step with a resume point, exit code "
         f"{REQUEUE_EXIT_CODE} (none: off)",
         metavar="SIG",
+    )
+    channels_last: bool = option(False, "model and batches in channels-last memory format (CNNs on GPUs)")
+    sync_bn: bool = option(
+        False, "synchronized BatchNorm across processes (torch's SyncBatchNorm; GPUs, more than one process)"
+    )
+    dist_bn: str = option(
+        "reduce",
+        "BatchNorm statistics before each evaluation with more than one process: 'reduce' (averaged across "
+        "processes), 'broadcast' (rank 0's), '' (each process its own), as timm's --dist-bn",
+        choices=DIST_BN,
     )
 
 
@@ -190,7 +347,11 @@ class CheckpointingOptions:
         choices=WHICH,
         metavar="{" + ",".join(WHICH) + "}",
     )
-    checkpoint: str | None = option(None, "weights to evaluate or start from (a file or a run dir)")
+    checkpoint: str | None = option(
+        None,
+        "weights to evaluate or start from (a file or a run dir); --initial-checkpoint is timm's name for it",
+        aliases=("initial_checkpoint",),
+    )
     save_epochs: list[int] = option(
         [], "also keep checkpoints/epoch_E.safetensors after E epochs (0 = the initial weights)", metavar="E"
     )
@@ -257,7 +418,9 @@ class Config(
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "the options") -> Config:
-        """A Config from a mapping such as a run's config.yaml; an unknown key is a ConfigError naming it."""
+        """A Config from a mapping such as a run's config.yaml (an alias names its option); an unknown key is a
+        ConfigError naming it."""
+        values = with_option_names(values, source)
         unknown = sorted(set(values) - set(option_names()))
         if unknown:
             raise ConfigError(f"unknown option '{unknown[0]}' in {source}{did_you_mean(unknown[0])}")
@@ -279,8 +442,29 @@ def option_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(Config))
 
 
+@cache
+def option_aliases() -> dict[str, str]:
+    """Every alias and the option it names (``initial_checkpoint`` -> ``checkpoint``)."""
+    return {alias: f.name for f in dataclasses.fields(Config) for alias in f.metadata["aliases"]}
+
+
+def with_option_names(values: dict[str, Any], source: str = "the options") -> dict[str, Any]:
+    """A recipe's mapping with each alias key renamed to its option; both names given is a ConfigError."""
+    renamed = {option_aliases().get(key, key): value for key, value in values.items()}
+    if len(renamed) < len(values):
+        both = next(key for key in values if key in option_aliases() and option_aliases()[key] in values)
+        raise ConfigError(f"{source}: {both} and {option_aliases()[both]} are two names of one option; keep one")
+    return renamed
+
+
 def declaration(name: str) -> dataclasses.Field:
     return next(f for f in dataclasses.fields(Config) if f.name == name)
+
+
+def default_value(name: str) -> Any:
+    """Option ``name``'s declared default (a fresh copy of a list or mapping)."""
+    spec = declaration(name)
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
 
 
 def flag_name(name: str) -> str:
@@ -346,8 +530,9 @@ def key_value(text: str) -> tuple[str, Any]:
 def _argument(spec: dataclasses.Field, kind: Any) -> dict[str, Any]:
     """argparse's keyword arguments for one declared option, from its type and metadata."""
     meta = spec.metadata
-    default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
-    argument: dict[str, Any] = dict(default=default, help=meta["help"] or None, metavar=meta["metavar"])
+    argument: dict[str, Any] = dict(
+        default=default_value(spec.name), help=meta["help"] or None, metavar=meta["metavar"]
+    )
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     origin = typing.get_origin(kind)
     if kind is bool and spec.name.startswith("no_"):  # --no-aug: a switch, not --no-no-aug
@@ -375,5 +560,6 @@ def build_parser() -> argparse.ArgumentParser:
     for title, section in SECTIONS:
         group = parser.add_argument_group(title)
         for spec in dataclasses.fields(section):
-            group.add_argument(flag_name(spec.name), **_argument(spec, option_types()[spec.name]))
+            flags = [flag_name(name) for name in (spec.name, *spec.metadata["aliases"])]
+            group.add_argument(*flags, **_argument(spec, option_types()[spec.name]))
     return parser

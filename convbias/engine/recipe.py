@@ -1,4 +1,5 @@
-"""The training recipe's pieces, built from timm: parameter groups, optimizer, schedule, losses, EMA.
+"""The training recipe's pieces, built from timm: parameter groups, optimizer, schedule, mixup/cutmix, losses,
+EMA, gradient clipping.
 
 Defaults follow DeiT: AdamW, lr 5e-4 x global batch / 512, weight decay 0.05 on weight matrices only
 (timm's rule: no decay on 1-D parameters (norms, GPSA gates), biases, and the names a model lists in
@@ -12,27 +13,37 @@ schedule is a pure function of the update count.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, param_groups_weight_decay
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
 from ..errors import ConfigError
 from .config import Config
+from .output_scale import OutputScale
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, group_lr: dict[str, float], require_all_patterns: bool = True
+    model: nn.Module,
+    weight_decay: float,
+    group_lr: dict[str, float],
+    require_all_patterns: bool = True,
+    layer_decay: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Parameter groups keyed by (weight decay on/off, lr override).
+    """Parameter groups keyed by (weight decay on/off, lr override, layer-decay scale).
 
     ``group_lr`` maps a regex to an absolute lr (``{'gating_param': 0.1}``); the first matching regex
-    wins. The schedule (warmup, cosine) applies to every group from its own base lr. Each group keeps
+    wins. The schedule (warmup, cosine) applies to every group from its own base lr, times the group's
+    ``lr_scale`` under ``layer_decay`` (timm's schedulers apply it). Each group keeps
     ``param_names`` so the optimizer state can be carried over when the model is reparametrized.
     A regex that matches no parameter is an error unless ``require_all_patterns`` is False (a CNN
     before ``--reparametrize-at-epoch`` has no gating parameters yet).
@@ -41,17 +52,21 @@ def param_groups(
     # timm's rule (1-D parameters, biases and the model's no_weight_decay() names), from timm itself
     timm_groups = param_groups_weight_decay(model, weight_decay or 1.0, no_weight_decay_list=model_no_decay)
     no_decay = {id(p) for group in timm_groups if group["weight_decay"] == 0 for p in group["params"]}
+    scales = layer_scales(model, layer_decay) if layer_decay is not None else {}
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         pattern = next((p for p in group_lr if re.search(p, name)), None)
         decay = 0.0 if id(param) in no_decay else weight_decay
+        scale = scales.get(id(param))
         group = groups.setdefault(
-            (decay, pattern), {"params": [], "param_names": [], "weight_decay": decay, "lr_pattern": pattern}
+            (decay, pattern, scale), {"params": [], "param_names": [], "weight_decay": decay, "lr_pattern": pattern}
         )
         if pattern is not None:
             group["lr"] = float(group_lr[pattern])
+        if scale is not None:
+            group["lr_scale"] = scale
         group["params"].append(param)
         group["param_names"].append(name)
     unused = [p for p in group_lr if not any(key[1] == p for key in groups)]
@@ -60,20 +75,36 @@ def param_groups(
     return list(groups.values())
 
 
+def layer_scales(model: nn.Module, layer_decay: float) -> dict[int, float]:
+    """id(parameter) -> its lr scale under ``--layer-decay``, from timm's param_groups_layer_decay over the
+    model's group_matcher() (the stem's group first, the classifier's last at scale 1). A model without one
+    has no layer order to follow (timm would guess it from the parameters' order): a ConfigError."""
+    layered = model.model if isinstance(model, OutputScale) else model  # f_w0 is not trained
+    if not hasattr(layered, "group_matcher"):
+        raise ConfigError(
+            f"--layer-decay: {type(layered).__name__} has no group_matcher() to number its layers; run without it"
+        )
+    groups = param_groups_layer_decay(layered, weight_decay=0.0, layer_decay=layer_decay)
+    return {id(param): group["lr_scale"] for group in groups for param in group["params"]}
+
+
 def create_optimizer(
     cfg: Config, model: nn.Module, lr: float, require_all_patterns: bool = True
 ) -> torch.optim.Optimizer:
-    """timm's optimizer factory on our parameter groups."""
-    kwargs = {"eps": cfg.opt_eps} if cfg.opt.lower().startswith(("adam", "nadam", "radam")) else {}
-    return create_optimizer_v2(
-        model,
-        opt=cfg.opt,
-        lr=lr,
-        weight_decay=cfg.weight_decay,
-        momentum=cfg.momentum,
-        param_group_fn=lambda m: param_groups(m, cfg.weight_decay, cfg.param_group_lr, require_all_patterns),
-        **kwargs,
-    )
+    """timm's optimizer factory on our parameter groups, with --opt-eps (Adam family), --opt-betas and
+    --opt-kwargs as timm's train.py passes them; an argument the optimizer does not take is a ConfigError."""
+    kwargs: dict[str, Any] = {"eps": cfg.opt_eps} if cfg.opt.lower().startswith(("adam", "nadam", "radam")) else {}
+    if cfg.opt_betas is not None:
+        kwargs["betas"] = tuple(cfg.opt_betas)
+    groups = param_groups(model, cfg.weight_decay, cfg.param_group_lr, require_all_patterns, cfg.layer_decay)
+    try:
+        return create_optimizer_v2(
+            groups, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **kwargs, **cfg.opt_kwargs
+        )
+    except (TypeError, ValueError) as e:  # the optimizer's own check of its arguments
+        if not cfg.opt_kwargs:
+            raise
+        raise ConfigError(f"--opt {cfg.opt} with --opt-kwargs {cfg.opt_kwargs}: {str(e).splitlines()[0]}") from e
 
 
 def rebuild_optimizer(cfg: Config, model: nn.Module, lr: float, old: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -97,39 +128,102 @@ def rebuild_optimizer(cfg: Config, model: nn.Module, lr: float, old: torch.optim
     return new
 
 
-def create_scheduler(
-    cfg: Config, optimizer: torch.optim.Optimizer, epochs: int, warmup_epochs: int, updates_per_epoch: int
-):
-    """timm scheduler stepped per update. 'constant' is a step schedule whose decay factor is 1."""
+def clip_gradients(cfg: Config, accelerator: Accelerator, model: nn.Module) -> None:
+    """--clip-grad by --clip-mode on the (unscaled) gradients: 'norm' through accelerate (the total norm across
+    ranks and shards), 'value' and 'agc' through timm's dispatch_clip_grad. agc leaves out the last two trained
+    parameters, the classifier's weight and bias, as timm's train.py does (timm's model_parameters(exclude_head=True);
+    frozen ones, such as --output-scale's initial copy, are not counted)."""
+    if cfg.clip_mode == "norm":
+        accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+        return
+    accelerator.unscale_gradients()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    dispatch_clip_grad(parameters[:-2] if cfg.clip_mode == "agc" else parameters, cfg.clip_grad, mode=cfg.clip_mode)
+
+
+def _schedule(cfg: Config, epochs: int, warmup_epochs: int) -> dict[str, Any]:
+    """create_scheduler_v2's arguments for a schedule of ``epochs``. 'constant' is a step schedule whose decay
+    factor is 1."""
     sched, decay_rate = ("step", 1.0) if cfg.sched == "constant" else (cfg.sched, cfg.decay_rate)
-    scheduler, _ = create_scheduler_v2(
-        optimizer,
+    return dict(
         sched=sched,
         num_epochs=epochs,
         decay_epochs=cfg.decay_epochs,
+        decay_milestones=cfg.decay_milestones,
         decay_rate=decay_rate,
         min_lr=cfg.min_lr,
         warmup_lr=cfg.warmup_lr,
         warmup_epochs=warmup_epochs,
-        step_on_epochs=False,
-        updates_per_epoch=updates_per_epoch,
+        warmup_prefix=cfg.warmup_prefix,
+        cooldown_epochs=cfg.cooldown_epochs,
+        cycle_mul=cfg.lr_cycle_mul,
+        cycle_decay=cfg.lr_cycle_decay,
+        cycle_limit=cfg.lr_cycle_limit,
+        k_decay=cfg.lr_k_decay,
     )
+
+
+def create_scheduler(
+    cfg: Config, optimizer: torch.optim.Optimizer, epochs: int, warmup_epochs: int, updates_per_epoch: int
+):
+    """timm scheduler over ``epochs`` (--epochs after --scale-epochs), stepped per update. Under --layer-decay
+    the groups' scales apply from the first update on (timm's schedulers apply them at their first step)."""
+    scheduler, _ = create_scheduler_v2(
+        optimizer, **_schedule(cfg, epochs, warmup_epochs), step_on_epochs=False, updates_per_epoch=updates_per_epoch
+    )
+    if cfg.layer_decay is not None:
+        scheduler.step_update(0)
     return scheduler
 
 
+def scheduled_epochs(cfg: Config, epochs: int, warmup_epochs: int) -> int:
+    """The epochs a run trains for a schedule of ``epochs``: those, --cooldown-epochs, the further cycles of
+    --lr-cycle-limit and a --warmup-prefix, as timm's create_scheduler_v2 counts them for train.py (per epoch:
+    the count per update is the same, rounded down)."""
+    probe = torch.optim.SGD([torch.zeros(1)], lr=1.0)
+    return create_scheduler_v2(probe, **_schedule(cfg, epochs, warmup_epochs))[1]
+
+
 def create_mixup(cfg: Config, num_classes: int) -> Mixup | None:
-    if cfg.mixup <= 0 and cfg.cutmix <= 0:
+    """timm's Mixup, as timm's train.py sets it up: on when --mixup, --cutmix or --cutmix-minmax is."""
+    if cfg.mixup <= 0 and cfg.cutmix <= 0 and cfg.cutmix_minmax is None:
         return None
-    return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.smoothing, num_classes=num_classes)
+    return Mixup(
+        mixup_alpha=cfg.mixup,
+        cutmix_alpha=cfg.cutmix,
+        cutmix_minmax=cfg.cutmix_minmax,
+        prob=cfg.mixup_prob,
+        switch_prob=cfg.mixup_switch_prob,
+        mode=cfg.mixup_mode,
+        label_smoothing=cfg.smoothing,
+        num_classes=num_classes,
+    )
 
 
 def create_train_loss(cfg: Config, mixup: Mixup | None) -> nn.Module:
-    """Soft-target CE with mixup/cutmix (smoothing is folded into the soft targets), else smoothed CE."""
+    """Soft-target CE (or BCE) with mixup/cutmix, whose soft targets carry the smoothing; else smoothed CE (or
+    BCE on smoothed one-hot targets), as timm's train.py combines them. One difference: --bce-loss without
+    mixup and smoothing is BCE here (timm's train.py falls back to plain CE)."""
+    if cfg.bce_loss:
+        return BinaryCrossEntropy(
+            smoothing=0.0 if mixup is not None else cfg.smoothing,
+            target_threshold=cfg.bce_target_thresh,
+            sum_classes=cfg.bce_sum,
+            pos_weight=cfg.bce_pos_weight,
+        )
     if mixup is not None:
         return SoftTargetCrossEntropy()
     if cfg.smoothing > 0:
         return LabelSmoothingCrossEntropy(smoothing=cfg.smoothing)
     return nn.CrossEntropyLoss()
+
+
+def create_ema(cfg: Config, model: nn.Module, device: torch.device) -> ModelEmaV3 | None:
+    """--model-ema: timm's ModelEmaV3 of the weights. Its decay (with --model-ema-warmup, its warm-up) follows the
+    update count it is given, so a resumed run continues it exactly from the saved EMA weights."""
+    if not cfg.model_ema:
+        return None
+    return ModelEmaV3(model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup, device=device)
 
 
 class HardDistillationLoss(nn.Module):

@@ -54,7 +54,7 @@ class RunStart:
     extensions: Extensions
     accelerator: Accelerator
     output: Path
-    epochs: int
+    epochs: int  # the epochs the run trains: its schedule's, and a cooldown, further lr cycles, a warmup prefix
     warmup_epochs: int
     global_batch: int
     lr: float
@@ -67,6 +67,11 @@ class RunStart:
     @property
     def sharded(self) -> bool:
         return self.accelerator.is_fsdp2
+
+    @property
+    def schedule_epochs(self) -> int:
+        """--epochs after --scale-epochs: the length recipe.create_scheduler is given."""
+        return effective_epochs(self.cfg)[0]
 
 
 def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) -> RunStart:
@@ -88,6 +93,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
         if weights:
             verify_file(weights)
     epochs, warmup = effective_epochs(cfg)
+    epochs = recipe.scheduled_epochs(cfg, epochs, warmup)
     global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
     lr = cfg.lr if cfg.lr is not None else cfg.lr_base * global_batch / cfg.lr_base_size
     output, notes = Path(cfg.output), []
@@ -134,6 +140,11 @@ def _check_fsdp(acc: Accelerator, cfg: Config) -> None:
         raise ConfigError(
             "FSDP1 (fsdp_version 1) is not supported: its resume points cannot be continued; set "
             "fsdp_version: 2 in the accelerate config (or --fsdp_version 2), or train with DDP"
+        )
+    if acc.is_fsdp2 and cfg.clip_grad is not None and cfg.clip_mode != "norm" and not cfg.eval_only:
+        raise ConfigError(
+            f"--clip-mode {cfg.clip_mode} is not supported under FSDP (its gradients are sharded); use --clip-mode "
+            f"norm, or train with DDP"
         )
     if acc.is_fsdp2 and cfg.reparametrize_at_epoch is not None and not cfg.eval_only:
         raise ConfigError(
@@ -296,6 +307,22 @@ class Models:
         return self.accelerator.unwrap_model(self.model)
 
 
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def sync_batchnorm(model: torch.nn.Module, name: str, acc: Accelerator) -> torch.nn.Module:
+    """--sync-bn: torch's SyncBatchNorm in place of every BatchNorm when more than one process trains (as
+    timm's train.py; one process has nothing to synchronize)."""
+    if not has_batchnorm(model):
+        raise ConfigError(f"--sync-bn: {name} has no BatchNorm layers; run without it")
+    if acc.num_processes == 1:
+        return model
+    if acc.device.type == "cpu":
+        raise ConfigError("--sync-bn needs GPUs (torch's SyncBatchNorm does not run on CPUs); use --dist-bn")
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
 def create_teacher(cfg: Config, data: TrainingData, device: torch.device) -> torch.nn.Module:
     in_chans = data.bundle.in_chans
     teacher = timm.create_model(
@@ -324,9 +351,9 @@ def build_optimization(start: RunStart, data: TrainingData, model: torch.nn.Modu
         acc.state.fsdp_plugin.cpu_ram_efficient_loading = False  # serves transformers models only
     model, optimizer = acc.prepare(model, optimizer)
     updates_per_epoch = data.steps_per_epoch // cfg.grad_accum_steps
-    scheduler = recipe.create_scheduler(cfg, optimizer, start.epochs, start.warmup_epochs, updates_per_epoch)
+    scheduler = recipe.create_scheduler(cfg, optimizer, start.schedule_epochs, start.warmup_epochs, updates_per_epoch)
     mixup = recipe.create_mixup(cfg, data.bundle.num_classes)
-    return model, Optimization(optimizer, scheduler, mixup, recipe.create_train_loss(cfg, mixup))
+    return model, Optimization(optimizer, scheduler, mixup, recipe.create_train_loss(cfg, mixup).to(acc.device))
 
 
 def build_models_and_optimization(start: RunStart, data: TrainingData) -> tuple[Models, Optimization, bool]:
@@ -334,10 +361,14 @@ def build_models_and_optimization(start: RunStart, data: TrainingData) -> tuple[
     before prepare() shards or wraps it, the teacher, the optimization, the compiled views."""
     cfg, acc = start.cfg, start.accelerator
     model, was_reparametrized = build_model(start, data)
+    if cfg.sync_bn:
+        model = sync_batchnorm(model, cfg.model, acc)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     teacher = create_teacher(cfg, data, acc.device) if cfg.distill_teacher else None
     if teacher is not None and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)
-    ema = ModelEmaV3(model, decay=cfg.model_ema_decay, device=acc.device) if cfg.model_ema else None
+    ema = recipe.create_ema(cfg, model, acc.device)
     full_copy = FullCopy(model, acc.device) if start.sharded else None
     before = cfg.reparametrize_at_epoch is not None and not was_reparametrized
     prepared, optimization = build_optimization(start, data, model, before)
@@ -368,7 +399,8 @@ class Evaluator:
 
     def run(self) -> dict[str, float]:
         """Top-1, top-5 and loss of the checkpoint over the whole validation set, printed and returned."""
-        metrics = evaluate(self.start.accelerator, self.forward, self.data.eval_loader, self.data.streamed)
+        start, data = self.start, self.data
+        metrics = evaluate(start.accelerator, self.forward, data.eval_loader, data.streamed, start.cfg.channels_last)
         self.start.accelerator.print(
             f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "
             f"loss {metrics['eval_loss']:.4f}  ({self.start.checkpoint_name})"
@@ -380,5 +412,7 @@ def build_evaluator(start: RunStart) -> Evaluator:
     acc = start.accelerator
     data = build_data(start, build_preemption(start.cfg), train=False)
     model, _ = build_model(start, data)
+    if start.cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     model = model.to(acc.device) if start.sharded else acc.prepare(model)
     return Evaluator(start, data, model, compiled(model, start.cfg, acc.device.type))

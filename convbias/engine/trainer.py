@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from timm.utils import distribute_bn
 from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
@@ -254,12 +255,15 @@ class Trainer:
             started = time.perf_counter()
             if cfg.reparametrize_at_epoch == epoch and not progress.reparametrized:
                 self._reparametrize()
+            if cfg.mixup_off_epoch and epoch >= cfg.mixup_off_epoch and self.optimization.mixup is not None:
+                self.optimization.mixup.mixup_enabled = False  # as timm's train.py: smoothed one-hot targets stay
             train = self._train_one_epoch(epoch, progress.step if epoch == first_epoch else 0)
             record: dict[str, Any] = {"epoch": epoch + 1, **train, **(initial if epoch == 0 else {})}
             if epoch == first_epoch and self.accepted_changes:
                 record["resume_changes_accepted"] = self.accepted_changes
             evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.start.epochs
             if evaluated:
+                self._distribute_batchnorm()
                 metrics = self.evaluate(self.models.forward)
                 progress.final = {"epoch": epoch + 1, **metrics}
                 record.update({**metrics, **self._ema_and_diagnostics()})
@@ -278,6 +282,17 @@ class Trainer:
                 f"epoch {epoch + 1}/{self.start.epochs}  train_loss {train['train_loss']:.4f}  "
                 + (f"eval_top1 {record['eval_top1']:.2f}  eval_top5 {record['eval_top5']:.2f}" if evaluated else "")
             )
+
+    def _distribute_batchnorm(self) -> None:
+        """--dist-bn: every process evaluates with the same BatchNorm statistics (averaged, or rank 0's), as
+        timm's train.py does before evaluating; the EMA's too."""
+        acc, models = self.accelerator, self.models
+        if acc.num_processes == 1 or not self.cfg.dist_bn:
+            return
+        reduce = self.cfg.dist_bn == "reduce"
+        distribute_bn(models.model, acc.num_processes, reduce=reduce)
+        if models.ema is not None:
+            distribute_bn(models.ema.module, acc.num_processes, reduce=reduce)
 
     def _ema_and_diagnostics(self) -> dict[str, float]:
         """The EMA's metrics (ema_...) and the diagnostics (eagerly, on the module itself)."""
@@ -310,6 +325,8 @@ class Trainer:
         for step, (images, targets) in enumerate(batches, start=first):
             images = images.to(acc.device, non_blocking=True)
             targets = targets.to(acc.device, non_blocking=True)
+            if cfg.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
             if optimization.mixup is not None:
                 images, targets = optimization.mixup(images, targets)
             with acc.accumulate(model):
@@ -321,7 +338,7 @@ class Trainer:
                     loss = optimization.train_loss(outputs, targets)
                 acc.backward(loss)
                 if cfg.clip_grad and acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+                    recipe.clip_gradients(cfg, acc, model)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             if acc.sync_gradients:
@@ -369,13 +386,15 @@ class Trainer:
         return mean
 
     def _lr(self) -> float:
-        """The lr of the first group without a --param-group-lr override (the run's main lr)."""
+        """The lr of the first group without a --param-group-lr override or a --layer-decay scale below 1 (the run's
+        main lr)."""
         groups = self.optimization.optimizer.param_groups
-        return next((g["lr"] for g in groups if g.get("lr_pattern") is None), groups[0]["lr"])
+        main = (g["lr"] for g in groups if g.get("lr_pattern") is None and g.get("lr_scale", 1.0) == 1.0)
+        return next(main, groups[0]["lr"])
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Exact loss, top-1 and top-5 (in %) over the whole validation set, across all processes."""
-        return evaluate(self.accelerator, model, self.data.eval_loader, self.data.streamed)
+        return evaluate(self.accelerator, model, self.data.eval_loader, self.data.streamed, self.cfg.channels_last)
 
     # ---------------------------------------------------------------------------------- checkpoints
     def _save(self, epoch: int, is_best: bool, step: int = 0, loss_sum: torch.Tensor | None = None) -> Path | None:
@@ -438,7 +457,7 @@ class Trainer:
         optimization.scheduler = recipe.create_scheduler(
             cfg,
             optimization.optimizer,
-            self.start.epochs,
+            self.start.schedule_epochs,
             self.start.warmup_epochs,
             self.data.steps_per_epoch // cfg.grad_accum_steps,
         )

@@ -1,0 +1,65 @@
+"""Training-loop options: --channels-last, --sync-bn and --mixup-off-epoch: what reaches the model, and where they
+cannot apply."""
+
+import torch
+
+from convbias.cli import train
+from convbias.engine.config import validate
+from convbias.engine.options import Config
+from convbias.engine.run_setup import start_run, sync_batchnorm
+from convbias.engine.trainer import build_trainer
+from convbias.families import load_families
+
+
+def small_cnn(tmp_path, **options) -> Config:
+    base = dict(model="test_resnet", img_size=16, dataset="digits", no_aug=True, repeated_aug=1, train_fraction=0.1,
+                epochs=1, warmup_epochs=0, batch_size=16, workers=0, diagnostics=False, lr=0.01)  # fmt: skip
+    cfg = Config(**{**base, **options, "output": str(tmp_path / "run")})
+    validate(cfg)
+    return cfg
+
+
+def test_channels_last_trains_and_evaluates_a_cnn_on_channels_last_batches(tmp_path):
+    trainer = build_trainer(start_run(small_cnn(tmp_path, channels_last=True), load_families(), None))
+    model = trainer.models.model
+    convs = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert any(not w.is_contiguous() for w in convs)  # (1x1 kernels and one channel are both formats at once)
+    seen = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    trainer.fit()
+    assert len(seen) > 2 and all(seen)  # every training step and evaluation batch
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)  # the optimizer kept the format
+
+
+def test_sync_bn_is_refused_on_a_model_without_batchnorm(tmp_path, capsys, cli_argv):
+    argv = cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, epochs=1, output=str(tmp_path / "run"))
+    assert train.main([*argv, "--sync-bn"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --sync-bn: convit_tiny has no BatchNorm layers; run without it"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_sync_bn_on_one_process_leaves_batchnorm_as_it_is(tmp_path):
+    from accelerate import Accelerator
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
+    assert sync_batchnorm(model, "cnn", Accelerator(cpu=True)) is model
+    assert isinstance(model[1], torch.nn.BatchNorm2d) and not isinstance(model[1], torch.nn.SyncBatchNorm)
+
+
+def test_mixup_off_epoch_trains_on_unmixed_targets_from_that_epoch(tmp_path):
+    cfg = small_cnn(tmp_path, epochs=2, no_aug=False, aa="none", reprob=0.0, mixup=0.8, cutmix=0.0, smoothing=0.1,
+                    mixup_off_epoch=1)  # fmt: skip
+    trainer = build_trainer(start_run(cfg, load_families(), None))
+    loss, mixed_per_epoch = trainer.optimization.train_loss, {}
+
+    def recording(outputs, targets):  # smoothed one-hot rows have one entry of 1 - 0.1 + 0.1 / 10
+        mixed = bool((targets.max(dim=1).values < 0.91 - 1e-6).any())
+        epoch = 0 if trainer.progress.num_updates < trainer.data.steps_per_epoch else 1
+        mixed_per_epoch.setdefault(epoch, set()).add(mixed)
+        return loss(outputs, targets)
+
+    trainer.optimization.train_loss = recording
+    trainer.fit()
+    assert mixed_per_epoch == {0: {True}, 1: {False}}
