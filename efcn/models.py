@@ -4,22 +4,29 @@
   `channels` channels and one Linear. Its eFCN at 64 channels on 32x32 RGB has ~0.49 B weights.
 - `alexnet_cifar`: the AlexNet-style CNN for CIFAR of App. E.2 (five convs, three max-pools, a
   three-layer classifier with dropout); its eFCN at 32x32 has ~0.13 B weights.
-- `efcn_<cnn>`: the eFCN of that CNN. `cnn_checkpoint=PATH` initializes it from the CNN's weights
-  (a train.py checkpoint or any state-dict file); without it, from the CNN's random init.
+- `efcn_<cnn>`: the eFCN of that CNN. `pretrained=True` reads weights through timm's loading code (a file
+  with `pretrained_cfg_overlay=dict(file=PATH)`, a local directory, the Hub): an eFCN's own load as they
+  are, a CNN's are loaded into the CNN and lifted (the filter decides from their keys).
+  `cnn_checkpoint=PATH` (a train.py checkpoint or any state-dict file of this model's CNN) is that
+  loading with the CNN's file; without either, the eFCN of the CNN's random init.
 - `fcn_<cnn>`: the same fully connected architecture with PyTorch's default Linear init.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 from torch import nn
 
-from convbias.weights import load_weights
+from convbias.weights import check_keys, resolve_weights_path
 
 from .embedding import EmbeddedFCN, embed, standard_fcn
 
@@ -205,18 +212,12 @@ class AlexNetCIFAR(_ClassifierCNN):
 
 
 def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN]) -> Callable[..., EmbeddedFCN]:
-    """A model constructor: build the CNN, load `cnn_checkpoint` if given, lift it with `lift`."""
+    """A model constructor: build the CNN (random init), lift it with `lift`."""
 
-    def build(
-        cnn_checkpoint: str | None = None, max_params: int | None = None, global_pool: str | None = None, **cnn_kwargs
-    ) -> EmbeddedFCN:
+    def build(max_params: int | None = None, global_pool: str | None = None, **cnn_kwargs) -> EmbeddedFCN:
         # the CNN keeps its classifier (the eFCN's head is found as its last Linear); removed after the lift
         remove_head = cnn_kwargs.get("num_classes") == 0
         cnn = cnn_cls(**{k: v for k, v in cnn_kwargs.items() if not (k == "num_classes" and remove_head)})
-        if cnn_checkpoint:
-            if lift is not embed:
-                raise ValueError("cnn_checkpoint only applies to efcn_* models; fcn_* models use the default init")
-            load_weights(cnn, cnn_checkpoint)
         model = lift(cnn.eval(), cnn.input_shape, max_params=max_params)
         model.source_cnn = cnn_cls.__name__
         if remove_head or global_pool == "":
@@ -224,6 +225,39 @@ def _efcn_builder(cnn_cls: type[_ClassifierCNN], lift: Callable[..., EmbeddedFCN
         return model
 
     return build
+
+
+# CNN arguments the filter does not take from the model's kwargs: the checkpoint's classes, the model's input; the
+# CNN it lifts is built on the CPU in float32 (timm copies the result into the model's device and dtype)
+FROM_CHECKPOINT_OR_MODEL = {"num_classes", "in_chans", "img_size", "global_pool", "device", "dtype"}
+
+
+def _lift_cnn_weights(
+    state_dict: dict[str, torch.Tensor], model: EmbeddedFCN, cnn_cls: type[_ClassifierCNN], cnn_kwargs: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """timm's `pretrained_filter_fn` of an eFCN: a CNN's weights (the keys of `cnn_cls`) are loaded into the CNN
+    and lifted, so pretrained weights may be the CNN's; an eFCN's own pass as they are. The CNN has the
+    checkpoint's classes (the pretrained cfg's): timm then resets the head of a model with other classes."""
+    cfg = model.pretrained_cfg
+    cnn = cnn_cls(**cnn_kwargs, num_classes=cfg["num_classes"], in_chans=model.in_chans, img_size=model.input_shape[1:])
+    if set(state_dict) != set(cnn.state_dict()):
+        return state_dict
+    source = str(cfg.get("file") or cfg.get("hf_hub_id") or cfg.get("url") or "the pretrained weights")
+    check_keys(cnn.state_dict(), state_dict, source, cnn_cls.__name__)
+    cnn.load_state_dict(state_dict)
+    return embed(cnn.eval(), cnn.input_shape).state_dict()
+
+
+def _cnn_checkpoint_overlay(variant: str, cnn_checkpoint: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The pretrained cfg of a file holding this model's CNN: its classes (unless the model has none) and
+    input, so that timm loads the whole CNN, head included, and adapts nothing."""
+    default = get_pretrained_cfg(variant)
+    img_size = _pair(kwargs.get("img_size", default.input_size[1:]))
+    overlay = dict(file=str(resolve_weights_path(cnn_checkpoint)))
+    overlay["input_size"] = (kwargs.get("in_chans", default.input_size[0]), *img_size)
+    if kwargs.get("num_classes"):
+        overlay["num_classes"] = kwargs["num_classes"]
+    return overlay
 
 
 def _cfg(num_classes: int, input_size: tuple[int, int, int], classifier: str, first_conv: str, pool_size=None) -> dict:
@@ -259,6 +293,11 @@ default_cfgs = generate_default_cfgs(
 def _create(variant: str, model_cls: Callable[..., nn.Module], pretrained: bool, **kwargs) -> nn.Module:
     if kwargs.pop("drop_path_rate", None):
         raise ValueError(f"{variant} has no residual branches to drop: drop_path_rate must be 0 (--drop-path 0)")
+    if "cnn_checkpoint" in kwargs:  # the efcn_ entries have taken theirs
+        raise ValueError(
+            f"{variant}: cnn_checkpoint only applies to efcn_* models (fcn_* models use the default init; a CNN "
+            "loads its own weights with pretrained=True, pretrained_cfg_overlay=dict(file=PATH))"
+        )
     if kwargs.get("features_only") and variant.startswith(("efcn_", "fcn_")):
         raise ValueError(
             f"{variant}: features_only is not supported: an eFCN is fully connected, it has no feature maps "
@@ -266,6 +305,20 @@ def _create(variant: str, model_cls: Callable[..., nn.Module], pretrained: bool,
         )
     feature_cfg = dict(out_indices=(0, 1, 2))  # the pooled maps (VanillaCNN's default depth, AlexNet's three pools)
     return build_model_with_cfg(model_cls, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
+
+
+def _create_efcn(
+    variant: str, cnn_cls: type[_ClassifierCNN], pretrained: bool, cnn_checkpoint: str | Path | None = None, **kwargs
+) -> EmbeddedFCN:
+    """`cnn_checkpoint=PATH` is timm's pretrained loading of that file (its weights replace every initial
+    value, so with `pretrained=True` the pretrained weights are loaded instead and the file is not read)."""
+    if cnn_checkpoint and not pretrained:
+        pretrained = True
+        overlay = _cnn_checkpoint_overlay(variant, cnn_checkpoint, kwargs)
+        kwargs["pretrained_cfg_overlay"] = {**(kwargs.get("pretrained_cfg_overlay") or {}), **overlay}
+    structure = set(inspect.signature(cnn_cls).parameters) - FROM_CHECKPOINT_OR_MODEL
+    filter_fn = partial(_lift_cnn_weights, cnn_cls=cnn_cls, cnn_kwargs={k: kwargs[k] for k in structure & set(kwargs)})
+    return _create(variant, _efcn_builder(cnn_cls, embed), pretrained, pretrained_filter_fn=filter_fn, **kwargs)
 
 
 @register_model
@@ -283,13 +336,13 @@ def alexnet_cifar(pretrained: bool = False, **kwargs) -> AlexNetCIFAR:
 @register_model
 def efcn_vanilla_cnn(pretrained: bool = False, **kwargs) -> EmbeddedFCN:
     """eFCN of vanilla_cnn; kwargs of vanilla_cnn plus cnn_checkpoint=PATH, max_params."""
-    return _create("efcn_vanilla_cnn", _efcn_builder(VanillaCNN, embed), pretrained, **kwargs)
+    return _create_efcn("efcn_vanilla_cnn", VanillaCNN, pretrained, **kwargs)
 
 
 @register_model
 def efcn_alexnet_cifar(pretrained: bool = False, **kwargs) -> EmbeddedFCN:
     """eFCN of alexnet_cifar; kwargs of alexnet_cifar plus cnn_checkpoint=PATH, max_params."""
-    return _create("efcn_alexnet_cifar", _efcn_builder(AlexNetCIFAR, embed), pretrained, **kwargs)
+    return _create_efcn("efcn_alexnet_cifar", AlexNetCIFAR, pretrained, **kwargs)
 
 
 @register_model

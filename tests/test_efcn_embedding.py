@@ -252,6 +252,60 @@ def test_efcn_model_from_a_cnn_checkpoint_and_from_its_own_weights_file(tmp_path
         timm.create_model("efcn_vanilla_cnn", channels=8, in_chans=1, img_size=8, cnn_checkpoint=str(cnn_file))
 
 
+@torch.no_grad()
+def test_cnn_checkpoint_is_timms_pretrained_loading_of_the_cnns_weights(tmp_path):
+    """cnn_checkpoint=PATH is pretrained=True with that file: timm reads it and the filter lifts the CNN (a
+    checkpoint directory too); with other classes timm resets the head and the rest is the CNN's."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cnn = timm.create_model("vanilla_cnn", channels=4, img_size=8).eval()
+    (tmp_path / "epoch_0001").mkdir()
+    save_file(cnn.state_dict(), str(tmp_path / "epoch_0001" / "model.safetensors"))
+    file = str(tmp_path / "epoch_0001" / "model.safetensors")
+    x = torch.randn(3, 3, 8, 8)
+    lifted = efcn.embed(cnn, cnn.input_shape).eval()
+    for model in (
+        timm.create_model("efcn_vanilla_cnn", channels=4, img_size=8, cnn_checkpoint=file),
+        timm.create_model("efcn_vanilla_cnn", channels=4, img_size=8, cnn_checkpoint=tmp_path / "epoch_0001"),
+        timm.create_model(
+            "efcn_vanilla_cnn", channels=4, img_size=8, pretrained=True, pretrained_cfg_overlay=dict(file=file)
+        ),
+    ):
+        assert model.pretrained_cfg["file"] == file
+        assert model.state_dict().keys() == lifted.state_dict().keys()
+        assert all(torch.equal(v, lifted.state_dict()[k]) for k, v in model.state_dict().items())
+        assert torch.equal(model.eval()(x), lifted(x))
+    other = timm.create_model(
+        "efcn_vanilla_cnn",
+        channels=4,
+        img_size=8,
+        num_classes=3,
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=file),
+    ).eval()
+    assert other(x).shape == (3, 3)
+    torch.testing.assert_close(other.forward_features(x), lifted.forward_features(x))
+
+
+@torch.no_grad()
+def test_an_exported_efcn_loads_without_the_cnn_it_was_lifted_from(tmp_path):
+    """cnn_checkpoint is among the recorded model_args; the exported weights replace it, so it is not read."""
+    from safetensors.torch import save_file
+    from timm.models import save_for_hf
+
+    cnn_file = tmp_path / "cnn.safetensors"
+    save_file(timm.create_model("vanilla_cnn", channels=4, img_size=8).state_dict(), str(cnn_file))
+    model = timm.create_model("efcn_vanilla_cnn", channels=4, img_size=8, cnn_checkpoint=str(cnn_file)).eval()
+    model.layers.conv1.weight.add_(0.01)  # trained after the lift
+    save_for_hf(model, tmp_path / "exported", safe_serialization=True)
+    cnn_file.unlink()
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'exported'}", pretrained=True).eval()
+    x = torch.randn(2, 3, 8, 8)
+    assert loaded.pretrained_model_args["cnn_checkpoint"] == str(cnn_file)
+    assert torch.equal(loaded(x), model(x))
+
+
 class ResidualCNN(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1,5 +1,7 @@
-"""tcnn_* registry entries: names, kwargs, offline pretrained loading through timm, bad checkpoints."""
+"""tcnn_* registry entries: names, kwargs, cfgs, offline pretrained loading and features_only through timm's
+builder, bad checkpoints."""
 
+import copy
 import subprocess
 import sys
 
@@ -7,9 +9,10 @@ import pytest
 import timm
 import torch
 from safetensors.torch import save_file
+from timm.models import FeatureListNet, get_pretrained_cfg
 
 import transformed_cnn  # noqa: F401  (registers the models)
-from transformed_cnn import gpsa_layers
+from transformed_cnn import gpsa_layers, transform
 
 
 @pytest.mark.integration
@@ -70,3 +73,72 @@ def test_a_checkpoint_of_another_cnn_or_a_missing_file_is_a_clear_error(tmp_path
     missing = tmp_path / "nothing.safetensors"
     with pytest.raises(ValueError, match=r"pretrained file .*nothing\.safetensors' does not exist"):
         timm.create_model("tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=dict(file=str(missing)))
+
+
+def test_state_dict_is_the_transformed_resnets():
+    """The keys and shapes of transform(timm's ResNet): weights saved by any version of the entries load."""
+    for name, kwargs in (("resnet18", {}), ("resnet26d", dict(stages="3,4", keep_stride=True))):
+        tcnn = timm.create_model(f"tcnn_{name}", num_classes=5, **kwargs).state_dict()
+        reference = transform(timm.create_model(name, num_classes=5), **kwargs).state_dict()
+        assert {k: v.shape for k, v in tcnn.items()} == {k: v.shape for k, v in reference.items()}
+
+
+def test_pretrained_cfgs_are_the_cnns_tag_for_tag():
+    """tcnn_<cnn>.<tag> reads the CNN's weights (hub id, URL) with its preprocessing; the pool size is the
+    default transform's, and follows the options given."""
+    for tag in ("", ".tv_in1k"):
+        cnn, tcnn = get_pretrained_cfg(f"resnet50{tag}"), get_pretrained_cfg(f"tcnn_resnet50{tag}")
+        assert (tcnn.hf_hub_id, tcnn.url, tcnn.tag, tcnn.mean, tcnn.input_size) == (
+            cnn.hf_hub_id,
+            cnn.url,
+            cnn.tag,
+            cnn.mean,
+            cnn.input_size,
+        )
+        assert tcnn.architecture == "tcnn_resnet50" and tcnn.pool_size == (14, 14) == tuple(
+            2 * p for p in cnn.pool_size
+        )
+    assert [n.split(".")[1] for n in timm.list_pretrained("tcnn_resnet18.*")] == [
+        n.split(".")[1] for n in timm.list_pretrained("resnet18.*")
+    ]
+    assert timm.create_model("tcnn_resnet18", keep_stride=True).pretrained_cfg["pool_size"] == (7, 7)
+
+
+@torch.no_grad()
+def test_pretrained_is_the_transform_of_the_resnet_with_those_weights(resnet18_file, tcnn_images):
+    """timm's pretrained path with the ResNet's file gives transform(that ResNet), bit for bit, with the default
+    options (the stride removed: another function than the CNN's) as with the exact ones (the CNN's function);
+    only the queries and keys of the content attention are random (ConViT's init), in both."""
+    cnn, path = resnet18_file
+    for kwargs in ({}, dict(stages="3,4", init="exact")):
+        tcnn = timm.create_model(
+            "tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **kwargs
+        ).eval()
+        reference = transform(copy.deepcopy(cnn), **kwargs).eval()
+        assert tcnn.pretrained_cfg["file"] == str(path) and tcnn.pretrained_cfg["architecture"] == "tcnn_resnet18"
+        state, expected = tcnn.state_dict(), reference.state_dict()
+        random = {k for k in expected if k.endswith(".qk.weight")}
+        assert random and all(torch.equal(state[k], v) for k, v in expected.items() if k not in random)
+        reference.load_state_dict({k: state[k] for k in random}, strict=False)
+        assert torch.equal(tcnn(tcnn_images), reference(tcnn_images))
+
+
+@torch.no_grad()
+def test_features_only_is_timms_wrapper_around_the_transformed_model(resnet18_file, tcnn_images):
+    """timm's builder wraps the transformed model: the reductions of the removed stride, the pretrained
+    weights loaded first (the maps are the pretrained T-CNN's forward_intermediates)."""
+    _, path = resnet18_file
+    overlay = dict(file=str(path))
+    torch.manual_seed(0)  # the same random init of the content attention as the T-CNN below
+    features = timm.create_model("tcnn_resnet18", features_only=True, pretrained=True, pretrained_cfg_overlay=overlay)
+    assert type(features) is FeatureListNet
+    assert features.feature_info.channels() == [64, 64, 128, 256, 512]
+    assert features.feature_info.reduction() == [2, 4, 8, 16, 16]
+    assert "num_classes" not in features.pretrained_cfg  # timm's cfg of a feature backbone
+    torch.manual_seed(0)
+    tcnn = timm.create_model("tcnn_resnet18", pretrained=True, pretrained_cfg_overlay=overlay).eval()
+    want = tcnn.forward_intermediates(tcnn_images, intermediates_only=True)
+    for got, expected in zip(features.eval()(tcnn_images), want, strict=True):
+        torch.testing.assert_close(got, expected)
+    kept = timm.create_model("tcnn_resnet18", features_only=True, out_indices=(3, 4), keep_stride=True, stages="3,4")
+    assert kept.feature_info.reduction() == [16, 32]  # strides kept: the CNN's

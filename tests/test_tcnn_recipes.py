@@ -40,8 +40,8 @@ def test_recipes_hold_the_paper_values(resnet18_file, tmp_path):
     assert (finetune.drop_path, finetune.mixup, finetune.cutmix, finetune.aa) == (0.1, 0.8, 1.0, "rand-m9-mstd0.5-inc1")
     baseline = parse_config(["-c", str(CONFIGS / "train" / "tcnn_finetune_without_sa.yaml"), *paths])
     assert baseline.model == "resnetrs50" and baseline.param_group_lr == {}
-    assert {k: v for k, v in baseline.items() if k not in ("model", "param_group_lr", "output", "config")} == {
-        k: v for k, v in finetune.items() if k not in ("model", "param_group_lr", "output", "config")
+    assert {k: v for k, v in baseline.to_dict().items() if k not in ("model", "param_group_lr", "output", "config")} == {
+        k: v for k, v in finetune.to_dict().items() if k not in ("model", "param_group_lr", "output", "config")
     }
     reparam = parse_config(["-c", str(CONFIGS / "train" / "tcnn_reparametrize.yaml"), "--data-dir", str(tmp_path)])
     assert (reparam.model, reparam.opt, reparam.epochs, reparam.reparametrize_at_epoch) == ("resnet50", "sgd", 400, 100)
