@@ -38,6 +38,10 @@ def test_recipes_hold_the_paper_values(resnet18_file, tmp_path):
     assert finetune.param_group_lr == {"gating_param": 0.1}
     assert finetune.img_size == 224 > timm.get_pretrained_cfg("resnetrs50").input_size[-1]  # above pretraining
     assert (finetune.drop_path, finetune.mixup, finetune.cutmix, finetune.aa) == (0.1, 0.8, 1.0, "rand-m9-mstd0.5-inc1")
+    # stated in the recipe, left at their plain setting: one lr (no layer decay), per-process BatchNorm, the
+    # running statistics averaged before evaluation (timm's default), the default memory layout
+    plain = {"layer_decay": None, "sync_bn": False, "dist_bn": "reduce", "channels_last": False}
+    assert {k: getattr(finetune, k) for k in plain} == plain
     baseline = parse_config(["-c", str(CONFIGS / "train" / "tcnn_finetune_without_sa.yaml"), *paths])
     assert baseline.model == "resnetrs50" and baseline.param_group_lr == {}
     assert {k: v for k, v in baseline.to_dict().items() if k not in ("model", "param_group_lr", "output", "config")} == {

@@ -63,3 +63,24 @@ def test_mixup_off_epoch_trains_on_unmixed_targets_from_that_epoch(tmp_path):
     trainer.optimization.train_loss = recording
     trainer.fit()
     assert mixed_per_epoch == {0: {True}, 1: {False}}
+
+
+def test_eval_metric_loss_picks_the_epoch_of_the_lowest_eval_loss(tmp_path):
+    from convbias.engine import RunDir, read_log
+
+    cfg = small_cnn(tmp_path, epochs=4, lr=0.05, eval_metric="loss")
+    results = build_trainer(start_run(cfg, load_families(), None)).fit()
+    records, _ = read_log(tmp_path / "run" / "log.jsonl")
+    losses = {r["epoch"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    top1 = {r["epoch"]: r["eval_top1"] for r in records if "eval_top1" in r}
+    assert results["best_epoch"] == min(losses, key=losses.get) == RunDir(tmp_path / "run").best_epoch()
+    assert results["best_top1"] == top1[results["best_epoch"]]
+
+
+def test_log_interval_prints_a_progress_line_every_n_steps_without_a_terminal(tmp_path, capsys):
+    trainer = build_trainer(start_run(small_cnn(tmp_path, train_fraction=0.5, log_interval=10), load_families(), None))
+    trainer.fit()
+    steps = trainer.data.steps_per_epoch
+    lines = [line for line in capsys.readouterr().out.splitlines() if " step " in line]
+    assert steps > 20 and [line.split()[3] for line in lines] == [f"{s}/{steps}" for s in range(10, steps, 10)]
+    assert all(line.startswith("epoch 1/1  step ") and "train_loss" in line and " lr " in line for line in lines)

@@ -38,6 +38,7 @@ CLIP_MODES = ("norm", "value", "agc")
 OWN_OPTIMIZER_ARGUMENTS = ("opt", "lr", "weight_decay", "momentum", "eps", "betas", "layer_decay")
 PRECISIONS = ("no", "bf16", "fp16")
 DIST_BN = ("reduce", "broadcast", "")
+EVAL_METRICS = ("top1", "top5", "loss")
 
 
 class Check(NamedTuple):
@@ -378,6 +379,14 @@ class CheckpointingOptions:
 @dataclass
 class LoggingOptions:
     eval_interval: int = option(1, "evaluate every N epochs (and after the last)", check=AT_LEAST_ONE)
+    eval_metric: str = option(
+        "top1",
+        "the evaluation that picks the best checkpoint: top1, top5 (highest) or loss (lowest)",
+        choices=EVAL_METRICS,
+    )
+    log_interval: int = option(
+        50, "without a terminal, a progress line every N steps (0: epoch lines only)", check=NON_NEGATIVE
+    )
     diagnostics: bool = option(True, "log model diagnostics every evaluation")
     diagnostics_images: int = option(16, "fixed eval images used by diagnostics", check=POSITIVE_INT)
     log_wandb: bool = option(False, "log to wandb (honors WANDB_MODE)")

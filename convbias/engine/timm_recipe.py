@@ -60,7 +60,6 @@ TIMM_REFUSALS: dict[str, str] = {
     "train_batches_per_epoch": "an epoch is one pass over the (repeated-augmentation) sampler",
     "save_images": "not implemented",
     "tta": "test-time augmentation is not implemented",
-    "eval_metric": "the best checkpoint is the one of the best eval top-1",
     "checkpoint_hist": "this engine keeps the newest --keep-checkpoints resume points and the best one",
     "wandb_tags": NOT_YET,
     "wandb_resume_id": NOT_YET,

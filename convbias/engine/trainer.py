@@ -271,7 +271,7 @@ class Trainer:
                 record.update(compile_counters())
             record["epoch_seconds"] = time.perf_counter() - started
             record["unreadable_images"] = len(self.data.bundle.unreadable_files())
-            is_best = evaluated and progress.final["eval_top1"] > progress.best.get("eval_top1", -1.0)
+            is_best = evaluated and self._better(progress.final, progress.best)
             if is_best:
                 progress.best = dict(progress.final)
             log.log_epoch(record)
@@ -282,6 +282,13 @@ class Trainer:
                 f"epoch {epoch + 1}/{self.start.epochs}  train_loss {train['train_loss']:.4f}  "
                 + (f"eval_top1 {record['eval_top1']:.2f}  eval_top5 {record['eval_top5']:.2f}" if evaluated else "")
             )
+
+    def _better(self, evaluation: dict[str, float], best: dict[str, float]) -> bool:
+        """Whether ``evaluation`` beats the best so far by --eval-metric (lower loss, higher accuracy)."""
+        key = f"eval_{self.cfg.eval_metric}"
+        if key not in best:
+            return True
+        return evaluation[key] < best[key] if self.cfg.eval_metric == "loss" else evaluation[key] > best[key]
 
     def _distribute_batchnorm(self) -> None:
         """--dist-bn: every process evaluates with the same BatchNorm statistics (averaged, or rank 0's), as
@@ -350,6 +357,13 @@ class Trainer:
             if (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == steps:
                 mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
+            if cfg.log_interval and (step + 1) % cfg.log_interval == 0 and step + 1 < steps:
+                mean_loss = self._mean_loss(loss_sum, step + 1, epoch)  # a collective: every rank, every time
+                if not sys.stderr.isatty():  # a terminal has the progress bar
+                    acc.print(
+                        f"epoch {epoch + 1}/{self.start.epochs}  step {step + 1}/{steps}  train_loss "
+                        f"{mean_loss:.4f}  lr {self._lr():.2e}"
+                    )
             progress.update(1)
             if acc.sync_gradients and step + 1 < steps:
                 self._maybe_stop_mid_epoch(epoch, step + 1, loss_sum)
