@@ -140,7 +140,8 @@ def test_a_resume_point_holds_each_parts_state_and_restores_it():
     restore({"progress": fresh, "counter": fresh_counter, "optimizer": fresh_optimizer}, state)
     assert fresh == progress and fresh_counter.count == 4
     assert torch.equal(
-        fresh_optimizer.state_dict()["state"][0]["momentum_buffer"], optimizer.state_dict()["state"][0]["momentum_buffer"]
+        fresh_optimizer.state_dict()["state"][0]["momentum_buffer"],
+        optimizer.state_dict()["state"][0]["momentum_buffer"],
     )
 
 
@@ -173,9 +174,17 @@ def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path):
     from convbias.engine.run_setup import start_run
     from convbias.engine.trainer import RESUME_PART_TYPES, build_trainer
 
-    cfg = Config(model="convit_tiny", model_kwargs=dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8),
-                 img_size=8, no_aug=True, repeated_aug=1, epochs=1, batch_size=16, workers=0, diagnostics=False,
-                 output=str(tmp_path / "run"))  # fmt: skip
+    cfg = Config(
+        model="convit_tiny",
+        model_kwargs=dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8),
+        img_size=8,
+        repeated_aug=1,
+        epochs=1,
+        batch_size=16,
+        workers=0,
+        diagnostics=False,
+        output=str(tmp_path / "run"),
+    )  # fmt: skip  (the DeiT recipe: device-side augmentation)
     validate(cfg)
     parts = build_trainer(start_run(cfg, load_families(), None)).resume_parts()
     assert set(parts) == set(RESUME_PART_TYPES)  # fp32 on a CPU: no grad scaler

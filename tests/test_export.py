@@ -22,8 +22,8 @@ from test_tcnn_recipes import SMALL_RUN
 from convbias.cli import export, train
 from convbias.engine.config import Config
 from convbias.engine.data import build_datasets, build_eval_loader
-from convbias.errors import EXIT_DAMAGED, EXIT_STORAGE
 from convbias.engine.run_dir import read_run_config
+from convbias.errors import EXIT_DAMAGED, EXIT_STORAGE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -3,7 +3,6 @@ each batched op on the same image and parameters, the distributions of the rando
 own samplers, JPEG draft decoding against a full decode, reproducibility and resume of the device half."""
 
 import importlib.util
-import io
 import json
 import math
 import random
@@ -37,6 +36,8 @@ RAND_OPS = sorted(
 # grid_sample's bicubic (Keys' a=-0.75) vs Pillow's affine bicubic (a cubic close to a=-1): measured 39.7 dB
 # (rotations of this small textured crop) to 51 dB, and exact for whole-pixel translations
 GEOMETRIC_MIN_PSNR = 38.0
+# torchvision 0.29 deprecates the JPEG decoder CropFlip uses (without it, engine.input_pipeline uses Pillow)
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
 
 def sample_image(size=(96, 72), offset=(180, 120)) -> Image.Image:
@@ -240,6 +241,22 @@ def test_draft_decode_agrees_with_full_decode_and_resize(tmp_path, box, reductio
     assert psnr(to_tensor(expected), got) >= 30.0, psnr(to_tensor(expected), got)
 
 
+def test_a_file_gives_what_its_lazily_opened_image_gives(tmp_path):
+    """CropFlip on a path (read into memory, then decoded) and on the lazily opened PIL image: same box, flip
+    and pixels for the same seed, over boxes decoded at full and at half DCT scale."""
+    path = jpeg_file(tmp_path, (1000, 750))
+    transform = CropFlip(224)
+    decoded_sizes = set()
+    for seed in range(24):
+        with seeded_rngs(seed):
+            from_file = transform(path)
+        with seeded_rngs(seed):
+            lazy = Image.open(path)
+            assert torch.equal(from_file, transform(lazy)), seed
+        decoded_sizes.add(lazy.size)
+    assert decoded_sizes == {(1000, 750), (500, 375)}
+
+
 def recipe(**changes) -> AugmentRecipe:
     return AugmentRecipe(**dict(dict(img_size=32, in_chans=3, mean=IMAGENET_MEAN, std=IMAGENET_STD), **changes))
 
@@ -257,6 +274,8 @@ def test_device_augment_is_reproducible_and_its_state_round_trips():
     assert torch.equal(resumed(batch), augment(batch))
     assert torch.equal(DeviceAugment(recipe(), "cpu", seed=3, rank=0)(batch), first)
     assert not torch.equal(DeviceAugment(recipe(), "cpu", seed=3, rank=1)(batch), first)
+    augment.reseed(3, 0)
+    assert torch.equal(augment(batch), first)
 
 
 def test_device_augment_without_augmentation_normalizes_as_timms_to_tensor():
@@ -295,7 +314,7 @@ def test_fast_path_reasons():
 
 def test_build_datasets_serves_uint8_crops_on_the_fast_path():
     bundle = build_datasets(dict(dataset="digits", img_size=16, no_prefetcher=False))
-    image, label = bundle.train[0]
+    image, _ = bundle.train[0]
     assert image.dtype == torch.uint8 and image.shape == (1, 16, 16) and bundle.device_recipe.in_chans == 1
     assert bundle.val[0][0].dtype == torch.float32  # evaluation keeps timm's transform
     classic = build_datasets(dict(dataset="digits", img_size=16, no_prefetcher=True))
@@ -315,27 +334,61 @@ def test_image_folder_decodes_through_the_worker_and_skips_unreadable_files(tmp_
     assert [Path(p).name for p in bundle.unreadable_files()] == ["1.jpg"]
 
 
+# timm's tiny test ResNet learns the 16-px digits to ~95% in 5 epochs under the full DeiT recipe
+# (RandAugment m9, random erasing; no flip: digits are not mirror-symmetric); one run takes ~6 s
+PAIRED_RUN = dict(
+    model="test_resnet",
+    dataset="digits",
+    img_size=16,
+    crop_pct=1,
+    hflip=0,
+    scale=[0.5, 1.0],
+    epochs=5,
+    eval_interval=5,
+    batch_size=32,
+    lr=5e-3,
+    weight_decay=0,
+    warmup_epochs=0,
+    mixup=0,
+    cutmix=0,
+    repeated_aug=1,
+    workers=0,
+)
+
+
 @pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.usefixtures("single_thread")
 def test_fast_path_trains_digits_as_well_as_the_classic_path(tmp_path, cli_argv):
-    """Paired by seed, the fast path's final top-1 on the digits (DeiT recipe: RandAugment, random erasing)
-    is within the classic path's: the 95% t-interval of the mean paired difference lies inside +-6 points."""
+    """Paired by seed (4 seeds), the fast path's final top-1 against the classic path's: the 95% t-interval of
+    the mean paired difference lies inside +-5 points (measured: differences -1.9, -0.3, +1.9, +2.2 points,
+    interval -2.6..+3.6). Every epoch logs its data-wait fraction."""
     from convbias.cli import train
-    from convbias.engine.options import Config
 
-    if "no_prefetcher" not in Config.__dataclass_fields__:
-        pytest.skip("the engine has no --no-prefetcher option yet (DeviceAugment not wired into the trainer)")
-    base = dict(cli_argv.TINY_CONVIT, img_size=16, model_kwargs=dict(cli_argv.TINY_CONVIT["model_kwargs"], patch_size=4))
-    base.update(dataset="digits", epochs=4, batch_size=32, lr=2e-3, warmup_epochs=0, workers=0, repeated_aug=1)
     differences = []
-    for seed in range(3):
+    for seed in range(4):
         tops = []
         for classic in (True, False):
             output = tmp_path / f"seed{seed}_{'classic' if classic else 'fast'}"
-            tops.append(train.run(cli_argv(base, seed=seed, no_prefetcher=classic, output=output))["final_top1"])
+            tops.append(train.run(cli_argv(PAIRED_RUN, seed=seed, no_prefetcher=classic, output=output))["final_top1"])
             records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
-            assert all(0 <= r["data_wait_fraction"] <= 1 for r in records)
+            assert all(0 <= record["data_wait_fraction"] <= 1 for record in records)
         differences.append(tops[1] - tops[0])
     mean, sem = np.mean(differences), np.std(differences, ddof=1) / math.sqrt(len(differences))
     half_width = stats.t.ppf(0.975, len(differences) - 1) * sem
-    assert -6.0 <= mean - half_width and mean + half_width <= 6.0, differences
+    assert mean - half_width >= -5.0 and mean + half_width <= 5.0, differences
+
+
+def test_a_webdataset_stream_takes_the_fast_path(tmp_path):
+    """timm's stream reader decodes whole images (no JPEG draft there); crop, flip and uint8 work the same."""
+    pytest.importorskip("webdataset")
+    from test_data_streams import write_shards
+
+    from convbias.engine.data import build_stream_loader
+
+    write_shards(tmp_path, {"train": 32, "validation": 8})
+    bundle = build_datasets(dict(dataset="wds/toy", data_dir=str(tmp_path), img_size=16, no_prefetcher=False))
+    images, targets = next(iter(build_stream_loader(bundle.train, 8, workers=0, drop_last=True)))
+    assert images.dtype == torch.uint8 and images.shape == (8, 3, 16, 16) and targets.shape == (8,)
+    out = DeviceAugment(bundle.device_recipe)(images)
+    assert out.dtype == torch.float32 and out.shape == (8, 3, 16, 16)

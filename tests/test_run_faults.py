@@ -31,6 +31,8 @@ from convbias.engine.checkpoint import (
     load_weights,
     write_manifest,
 )
+from convbias.engine.run_dir import RunDir
+from convbias.engine.run_log import read_log
 from convbias.errors import (
     EXIT_DAMAGED,
     EXIT_REQUEUE,
@@ -39,8 +41,6 @@ from convbias.errors import (
     DamagedCheckpointError,
     StorageError,
 )
-from convbias.engine.run_dir import RunDir
-from convbias.engine.run_log import read_log
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

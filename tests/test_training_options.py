@@ -26,7 +26,9 @@ def test_channels_last_trains_and_evaluates_a_cnn_on_channels_last_batches(tmp_p
     assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
     assert any(not w.is_contiguous() for w in convs)  # (1x1 kernels and one channel are both formats at once)
     seen = []
-    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    model.register_forward_pre_hook(
+        lambda _, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
     trainer.fit()
     assert len(seen) > 2 and all(seen)  # every training step and evaluation batch
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)  # the optimizer kept the format
@@ -84,3 +86,22 @@ def test_log_interval_prints_a_progress_line_every_n_steps_without_a_terminal(tm
     lines = [line for line in capsys.readouterr().out.splitlines() if " step " in line]
     assert steps > 20 and [line.split()[3] for line in lines] == [f"{s}/{steps}" for s in range(10, steps, 10)]
     assert all(line.startswith("epoch 1/1  step ") and "train_loss" in line and " lr " in line for line in lines)
+
+
+def test_a_resumed_run_draws_the_same_device_side_augmentations(tmp_path, cli_argv):
+    """The DeiT recipe's RandAugment and random erasing run on the device from their own streams, which a resume
+    point holds (engine.resume_state.AugmentStreams): 1 epoch, then --resume to 2, equals 2 epochs straight."""
+    from safetensors.torch import load_file
+
+    from convbias.engine import RunDir, read_log
+
+    recipe = cli_argv(cli_argv.TINY_CONVIT, dataset="digits", img_size=8, crop_pct=1, repeated_aug=1, mixup=0,
+                      cutmix=0, reprob=0.5, sched="constant", warmup_epochs=0, workers=0, train_fraction=0.2)  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train.main([*recipe, "--epochs", "2", "--output", str(straight)]) == 0
+    assert train.main([*recipe, "--epochs", "1", "--output", str(resumed)]) == 0
+    assert train.main([*recipe, "--epochs", "2", "--output", str(resumed), "--resume", "auto"]) == 0
+    losses = [[r["train_loss"] for r in read_log(run / "log.jsonl")[0]] for run in (straight, resumed)]
+    assert losses[0] == losses[1] and losses[0][0] != losses[0][1]
+    weights = [load_file(RunDir(run).checkpoint("last").weights) for run in (straight, resumed)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

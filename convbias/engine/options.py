@@ -206,6 +206,12 @@ class DataOptions:
         None, "weight of the positive targets in the BCE loss", check=POSITIVE, needs=BCE
     )
     no_aug: bool = option(False, "no augmentation at all (crop/flip, aa, mixup, cutmix, erasing, smoothing)")
+    no_prefetcher: bool = option(
+        False,
+        "the loader workers run timm's whole PIL transform; by default they decode (at reduced JPEG scale where the "
+        "crop allows), crop, resize and flip, and RandAugment, normalization and random erasing run batched on the "
+        "training device (docs/input-pipeline.md)",
+    )
 
 
 @dataclass

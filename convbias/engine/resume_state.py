@@ -119,6 +119,27 @@ class RandomStreams:
             set_seed(self.start.cfg.seed + 1000 * self.progress.epoch + acc.process_index)
 
 
+class AugmentStreams:
+    """Every rank's streams of the device-side augmentation (engine.input_pipeline.DeviceAugment): a resumed
+    epoch draws the same RandAugment ops and erasing boxes. Like RandomStreams, saving gathers them from every
+    rank, and a point written by another number of processes reseeds them from the epoch."""
+
+    exact_options = ("no_prefetcher", "aa", "reprob", "img_size", "interpolation")  # what the streams draw for
+
+    def __init__(self, start: RunStart, progress: TrainingProgress, augment: Any):
+        self.start, self.progress, self.augment = start, progress, augment
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return gather_object([self.augment.state_dict()])
+
+    def load_state_dict(self, world: list[dict[str, Any]]) -> None:
+        acc = self.start.accelerator
+        if len(world) == acc.num_processes:
+            self.augment.load_state_dict(world[acc.process_index])
+        else:
+            self.augment.reseed(self.start.cfg.seed, acc.process_index, self.progress.epoch)
+
+
 def exact_options(parts: dict[str, Any]) -> tuple[str, ...]:
     """Every option that the parts say a mid-epoch point must be continued with, in order."""
     names: list[str] = []

@@ -34,6 +34,7 @@ from .config import effective_epochs
 from .data import build_datasets, build_eval_loader, build_stream_loader, build_train_loader, dataset_info
 from .extensions import Extensions
 from .fsdp import FullCopy
+from .input_pipeline import DeviceAugment
 from .lock import RunLock
 from .metrics import evaluate
 from .modeling import check_model_name, create_model
@@ -186,6 +187,7 @@ class TrainingData:
     worker_init_fn: Any
     train_loader: Any = None
     steps_per_epoch: int = 0
+    augment: DeviceAugment | None = None  # the fast path's device half (engine.input_pipeline)
 
 
 def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> TrainingData:
@@ -215,6 +217,8 @@ def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> T
             acc.process_index,
             worker_init_fn,
         )
+    if bundle.device_recipe is not None:
+        data.augment = DeviceAugment(bundle.device_recipe, acc.device, seed=cfg.seed, rank=acc.process_index)
     data.steps_per_epoch = len(data.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
     if data.steps_per_epoch == 0:
         raise ConfigError(

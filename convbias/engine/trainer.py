@@ -39,9 +39,11 @@ from .config import setup_warnings, write_config
 from .data import epoch_batches, first_images
 from .diagnostics import ModelDiagnostics
 from .fsdp import load_sharded, save_sharded
+from .input_pipeline import DeviceBatches
 from .metrics import evaluate
 from .preemption import Preempted, PreemptionSignals
 from .resume_state import (
+    AugmentStreams,
     OptimizerState,
     RandomStreams,
     RunIdentity,
@@ -78,6 +80,7 @@ RESUME_PART_TYPES = {
     "optimizer": OptimizerState,
     "scheduler": SchedulerState,
     "rng": RandomStreams,
+    "augment": AugmentStreams,
 }
 
 
@@ -137,6 +140,8 @@ class Trainer:
             "scheduler": SchedulerState(self.optimization, self.progress),
             "rng": RandomStreams(self.start, self.progress),
         }
+        if self.data.augment is not None:  # the device half of the input pipeline
+            parts["augment"] = AugmentStreams(self.start, self.progress, self.data.augment)
         if self.accelerator.scaler is not None:  # fp16: torch's GradScaler is a part as it is
             parts["scaler"] = self.accelerator.scaler
         return parts
@@ -328,10 +333,9 @@ class Trainer:
             dynamic_ncols=True,
         )
         started = time.perf_counter()
-        batches = epoch_batches(self.data.train_loader, epoch, first, steps - first, cfg.seed, acc.process_index)
+        loader = epoch_batches(self.data.train_loader, epoch, first, steps - first, cfg.seed, acc.process_index)
+        batches = DeviceBatches(loader, acc.device, self.data.augment)
         for step, (images, targets) in enumerate(batches, start=first):
-            images = images.to(acc.device, non_blocking=True)
-            targets = targets.to(acc.device, non_blocking=True)
             if cfg.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             if optimization.mixup is not None:
@@ -374,6 +378,7 @@ class Trainer:
             "train_loss": self._mean_loss(loss_sum, steps, epoch),
             "lr": self._lr(),
             "images_per_sec": images_seen / seconds,
+            "data_wait_fraction": batches.wait_fraction(seconds),
         }
 
     def _maybe_stop_mid_epoch(self, epoch: int, steps: int, loss_sum: torch.Tensor) -> None:
