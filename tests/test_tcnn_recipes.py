@@ -44,9 +44,9 @@ def test_recipes_hold_the_paper_values(resnet18_file, tmp_path):
     assert {k: getattr(finetune, k) for k in plain} == plain
     baseline = parse_config(["-c", str(CONFIGS / "train" / "tcnn_finetune_without_sa.yaml"), *paths])
     assert baseline.model == "resnetrs50" and baseline.param_group_lr == {}
-    assert {k: v for k, v in baseline.to_dict().items() if k not in ("model", "param_group_lr", "output", "config")} == {
-        k: v for k, v in finetune.to_dict().items() if k not in ("model", "param_group_lr", "output", "config")
-    }
+    assert {
+        k: v for k, v in baseline.to_dict().items() if k not in ("model", "param_group_lr", "output", "config")
+    } == {k: v for k, v in finetune.to_dict().items() if k not in ("model", "param_group_lr", "output", "config")}
     reparam = parse_config(["-c", str(CONFIGS / "train" / "tcnn_reparametrize.yaml"), "--data-dir", str(tmp_path)])
     assert (reparam.model, reparam.opt, reparam.epochs, reparam.reparametrize_at_epoch) == ("resnet50", "sgd", 400, 100)
     assert reparam.reparametrize_kwargs == {"init": "paper", "keep_stride": False} and reparam.reparametrize == "tcnn"

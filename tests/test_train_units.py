@@ -184,3 +184,6 @@ def test_recipes_parse_and_name_registered_models(recipe):
             3,
         )
         assert cfg.img_size == 224 and cfg.epochs == (3000 if "cifar100" in recipe else 300)
+    if "cifar100" in recipe:  # App. F.3 trains from scratch: no fine-tuning option on, stated in the recipe
+        plain = {"layer_decay": None, "sync_bn": False, "dist_bn": "reduce", "channels_last": False}
+        assert {k: getattr(cfg, k) for k in plain} == plain
