@@ -23,3 +23,14 @@ def test_the_options_table_lists_every_key_with_its_default(repo):
     rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \|", (repo / "docs" / "timm-options.md").read_text(), re.MULTILINE)
     assert [key for key, _ in rows] == sorted(TIMM_TRAIN_DEFAULTS)
     assert all(json.loads(default.replace("\\|", "|")) == TIMM_TRAIN_DEFAULTS[key] for key, default in rows)
+
+
+def test_the_options_table_says_what_this_engine_does_with_each_key(repo):
+    """The table's last column is current: regenerate it (make_timm_train_args.py --docs) when an option
+    changes group."""
+    from convbias.engine.timm_recipe import timm_option_status
+
+    rows = re.findall(r"^\| `(\w+)` \|.*\| ([a-z ]+): (.*) \|$", (repo / "docs" / "timm-options.md").read_text(), re.M)
+    assert len(rows) == len(TIMM_TRAIN_DEFAULTS)
+    for key, group, what in rows:
+        assert (group, what.replace("\\|", "|")) == timm_option_status(key), key

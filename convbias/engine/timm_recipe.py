@@ -16,20 +16,29 @@ from typing import Any
 from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 from ..errors import ConfigError
-from .options import did_you_mean, option_names, option_types
+from .options import did_you_mean, flag_name, option_aliases, option_names, option_types
 
 NOT_YET = "not implemented by this engine yet"
 NO_DOWNLOAD = "this engine reads data and weights from local files only"
-# timm option -> why this engine refuses it when it is set (timm's default value is always accepted)
-TIMM_REFUSALS: dict[str, str] = {
+# timm options that this engine's design decides otherwise: refused when set, with the reason
+TIMM_NOT_APPLICABLE: dict[str, str] = {
     **dict.fromkeys(
         ("device", "device_modules", "local_rank"), "accelerate places processes and devices (launch options)"
     ),
     **dict.fromkeys(("no_ddp_bb", "synchronize_step"), "accelerate wraps the model in DDP"),
+    **dict.fromkeys(("dataset_download", "dataset_trust_remote_code"), NO_DOWNLOAD),
+    "model_ema_force_cpu": "the EMA lives on the training device",
+    "start_epoch": "a resume point sets the epoch (--resume)",
+    "no_resume_opt": "a resume point always restores the optimizer",
+    "worker_seeding": "each image's augmentation is seeded from (seed, epoch, index)",
+    "use_multi_epochs_loader": "the loaders are rebuilt per epoch by their samplers",
+    "sched_on_updates": "this engine steps the schedule per optimizer update (timm's default: per epoch)",
+    "save_images": "a debugging aid of timm's loop",
+}
+# timm options this engine does not implement: refused when set, with the reason
+TIMM_REFUSALS: dict[str, str] = {
     **dict.fromkeys(("torchscript", "fuser"), "TorchScript is not supported; --compile uses torch.compile"),
     "model_dtype": "use --mixed-precision",
-    "model_ema_force_cpu": "the EMA lives on the training device",
-    **dict.fromkeys(("dataset_download", "dataset_trust_remote_code"), NO_DOWNLOAD),
     **dict.fromkeys(
         ("jsd_loss", "aug_splits", "split_bn", "resplit"), "JSD loss and AugMix splits are not implemented"
     ),
@@ -49,20 +58,14 @@ TIMM_REFUSALS: dict[str, str] = {
     ),
     **dict.fromkeys(("gp", "drop_block", "drop_connect"), "pass it to the model with --model-kwargs"),
     "lr_base_scale": "this engine scales the lr linearly (--lr-base x global batch / --lr-base-size)",
-    "lr_noise": "lr noise is not implemented",
-    **dict.fromkeys(("lr_noise_pct", "lr_noise_std"), "lr noise is not implemented"),
-    "start_epoch": "a resume point sets the epoch (--resume)",
-    "no_resume_opt": "a resume point always restores the optimizer",
+    **dict.fromkeys(("lr_noise", "lr_noise_pct", "lr_noise_std"), "lr noise is not implemented"),
     "recovery_interval": "use --checkpoint-interval (in optimizer updates)",
-    "worker_seeding": "each image's augmentation is seeded from (seed, epoch, index)",
-    "use_multi_epochs_loader": "the loaders are rebuilt per epoch by their samplers",
-    "epoch_repeats": "an epoch is one pass over the (repeated-augmentation) sampler",
-    "train_batches_per_epoch": "an epoch is one pass over the (repeated-augmentation) sampler",
-    "save_images": "not implemented",
+    **dict.fromkeys(
+        ("epoch_repeats", "train_batches_per_epoch"), "an epoch is one pass over the (repeated-augmentation) sampler"
+    ),
     "tta": "test-time augmentation is not implemented",
     "checkpoint_hist": "this engine keeps the newest --keep-checkpoints resume points and the best one",
-    "wandb_tags": NOT_YET,
-    "wandb_resume_id": NOT_YET,
+    "patience_epochs": "the plateau schedule is not implemented (it needs a per-epoch metric step)",
     "ratio": "the random-resized-crop aspect ratios are timm's default (3/4, 4/3)",
 }
 
@@ -87,7 +90,18 @@ def _experiment(values: dict[str, Any]) -> dict[str, Any]:
     return {"output": str(Path(values.get("output") or "output/train") / name)} if name else {}
 
 
-# timm keys read together -> the options they set (empty: timm's default, nothing to set)
+# timm keys read together -> the options they set (empty: timm's default, nothing to set), and in words
+TRANSLATED_AS = {
+    ("amp", "amp_dtype"): "as `--mixed-precision fp16` or `bf16`",
+    ("torchcompile", "torchcompile_mode"): "as `--compile --compile-backend B --compile-mode M`",
+    ("experiment", "output"): "as `--output OUTPUT/EXPERIMENT`",
+    ("aug_repeats",): "as `--repeated-aug` (0: 1)",
+    ("validation_batch_size",): "as `--eval-batch-size`",
+    ("pretrained_path",): "as `--pretrained-file`",
+    ("initial_checkpoint",): "as `--checkpoint`",
+    ("val_interval",): "as `--eval-interval`",
+    ("data",): "as `--data-dir`",
+}
 TIMM_TRANSLATIONS: dict[tuple[str, ...], Callable[[dict[str, Any]], dict[str, Any]]] = {
     ("amp", "amp_dtype"): _amp,
     ("torchcompile", "torchcompile_mode"): _compile,
@@ -148,9 +162,25 @@ def read_timm_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
         if name not in TIMM_TRAIN_DEFAULTS:
             unknown.append(name)
         elif value != TIMM_TRAIN_DEFAULTS[name]:
-            refused.append(f"{name}: {value!r} ({TIMM_REFUSALS.get(name, NOT_YET)})")
+            refused.append(f"{name}: {value!r} ({timm_option_status(name)[1]})")
     if unknown:
         raise ConfigError(f"unknown option '{unknown[0]}' in {source}{did_you_mean(unknown[0])}")
     if refused:
         raise ConfigError(f"{source} sets timm options this engine does not apply: {'; '.join(refused)}")
     return options
+
+
+def timm_option_status(name: str) -> tuple[str, str]:
+    """(group, what this engine does with it) of a key of timm's args.yaml, for docs/timm-options.md and the
+    refusals: 'implemented' (an option of the same name, or the options it translates to), 'not applicable'
+    or 'refused', with the reason."""
+    if name in option_names():
+        return "implemented", f"`{flag_name(name)}`"
+    if name in option_aliases():
+        return "implemented", f"`{flag_name(name)}` (alias of `{flag_name(option_aliases()[name])}`)"
+    for keys, words in TRANSLATED_AS.items():
+        if name in keys:
+            return "implemented", words
+    if name in TIMM_NOT_APPLICABLE:
+        return "not applicable", TIMM_NOT_APPLICABLE[name]
+    return "refused", TIMM_REFUSALS.get(name, NOT_YET)
