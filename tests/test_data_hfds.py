@@ -18,6 +18,7 @@ import pytest
 
 from convbias.cli import train
 from convbias.engine.data import build_datasets
+from convbias.engine.options import Config
 
 datasets = pytest.importorskip("datasets")
 
@@ -62,7 +63,7 @@ def test_a_local_hf_dataset_trains(toy, cache, tmp_path, run_argv):
 def test_subsampling_an_hf_dataset(toy, cache):
     """--train-fraction keeps round(f n) of each class of train; --num-classes keeps the first classes of both."""
     bundle = build_datasets(
-        dict(dataset=f"hfds/{toy}", data_dir=str(cache), img_size=SIZE, train_fraction=0.25, num_classes=2)
+        Config(dataset=f"hfds/{toy}", data_dir=str(cache), img_size=SIZE, train_fraction=0.25, num_classes=2)
     )
     assert bundle.class_names == ["left", "middle"] and bundle.num_classes == 2
     assert np.bincount(bundle.train.targets).tolist() == [4, 4]

@@ -72,13 +72,8 @@ def test_a_fine_tuned_tcnn_exports_and_reloads_to_its_own_top1(tcnn_run, tmp_pat
     # the run's validation set, through the preprocessing the export recorded (not the run's own options)
     cfg = model.pretrained_cfg
     data = build_datasets(
-        Config(
-            {
-                **read_run_config(tcnn_run),
-                "img_size": cfg["input_size"][-1],
-                "crop_pct": cfg["crop_pct"],
-                "interpolation": cfg["interpolation"],
-            }
+        Config.from_dict(read_run_config(tcnn_run)).replace(
+            img_size=cfg["input_size"][-1], crop_pct=cfg["crop_pct"], interpolation=cfg["interpolation"]
         )
     )
     assert (tuple(data.mean), tuple(data.std)) == (tuple(cfg["mean"]), tuple(cfg["std"]))

@@ -16,6 +16,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from convbias.engine.data import build_datasets, build_eval_loader
+from convbias.engine.options import Config
 from convbias.evaluation.corruptions import CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
 from convbias.evaluation.robustness import (
     Denormalized,
@@ -45,7 +46,7 @@ def trained(tmp_path_factory):
     """test_resnet trained for a few epochs on digits (no augmentation), its weights before and
     after training as safetensors files, and the validation set as [0, 1] pixel batches."""
     torch.manual_seed(0)
-    bundle = build_datasets(dict(dataset="digits", img_size=IMG_SIZE, no_aug=True))
+    bundle = build_datasets(Config(dataset="digits", img_size=IMG_SIZE, no_aug=True))
     model = timm.create_model(MODEL, num_classes=bundle.num_classes, in_chans=bundle.in_chans)
     folder = tmp_path_factory.mktemp("weights")
     save_file(model.state_dict(), folder / "untrained.safetensors")

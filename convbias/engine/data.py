@@ -1,7 +1,7 @@
 """Data for the training engine: datasets with timm's transforms, a self-sharding train sampler
 (plain shuffle or repeated augmentation) and the loaders.
 
-    bundle = build_datasets(cfg)   # cfg: a mapping or an object with the DATA_DEFAULTS keys
+    bundle = build_datasets(cfg)   # cfg: an engine Config (its data options)
     # bundle.device_recipe not None: the train set yields uint8 crops (engine.input_pipeline's fast path);
     # DeviceAugment(bundle.device_recipe, device, seed, rank) finishes them on the device
     train_loader = build_train_loader(bundle.train, batch_size, workers, repeated_aug, seed,
@@ -15,7 +15,7 @@ Sources and their on-disk layouts are in engine/datasets.py (`DATASETS`).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import islice
@@ -44,35 +44,12 @@ from .datasets import (
 )
 from .input_pipeline import AugmentRecipe
 from .input_pipeline import fast_path_reason as recipe_fast_path_reason
+from .options import Config
 from .streams import check_stream, create_streams, factory_layout, is_factory_source, is_hfds, is_stream, load_hfds
 
 # `wds/`, `hfids/` and `hfds/` sources (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
 FACTORY_INFO = DatasetInfo(3, DATASETS["imagenet"].mean, DATASETS["imagenet"].std, 224, layout="")
 
-# Values used when the config does not set a key (the DeiT recipe; img_size None = the dataset's
-# default, num_classes None = all classes, scale None = timm's (0.08, 1)).
-DATA_DEFAULTS: dict[str, Any] = dict(
-    dataset="digits",
-    data_dir=None,
-    num_classes=None,
-    img_size=None,
-    train_fraction=1.0,
-    seed=0,
-    aa="rand-m9-mstd0.5-inc1",
-    reprob=0.25,
-    color_jitter=0.3,
-    interpolation="bicubic",
-    crop_pct=0.875,
-    hflip=0.5,
-    scale=None,
-    no_aug=False,
-    skip_unreadable=True,
-    workers=0,
-    # True keeps timm's PIL transforms in the loader workers. A caller that does not set the option cannot
-    # finish the fast path's uint8 batches on the device (DeviceAugment), so it gets the classic path;
-    # the engine's --no-prefetcher option (default False, as timm's) sets it.
-    no_prefetcher=True,
-)
 RANDOM_ERASING_MODE = "pixel"  # DeiT: per-pixel normal noise in the erased box
 
 
@@ -92,13 +69,6 @@ class DataBundle:
     def unreadable_files(self) -> list[str]:
         """Image files skipped so far because they could not be decoded (folder datasets only)."""
         return [path for split in (self.train, self.val) for path in getattr(split, "unreadable_files", list)()]
-
-
-def _option(cfg: Any, name: str) -> Any:
-    """cfg[name] or cfg.name, DATA_DEFAULTS[name] when the key is absent (an explicit None stays None)."""
-    if isinstance(cfg, Mapping):
-        return cfg[name] if name in cfg else DATA_DEFAULTS[name]
-    return getattr(cfg, name, DATA_DEFAULTS[name])
 
 
 def _check_data_options(
@@ -144,25 +114,25 @@ def _patch_posterize(transform: Callable) -> None:
                 op.aug_fn = _posterize_zero_bits
 
 
-def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Any) -> tuple[Callable, Callable]:
+def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Config) -> tuple[Callable, Callable]:
     """timm's train transform (random resized crop, flip, RandAugment, random erasing) and eval
     transform (resize to img_size / crop_pct, center crop), normalized with the dataset's mean/std.
     Works for any source size: 8x8 digits are upsampled to img_size."""
     input_size = (in_chans, img_size, img_size)
-    interpolation = _option(cfg, "interpolation")
-    scale = _option(cfg, "scale")
+    interpolation = cfg.interpolation
+    scale = cfg.scale
     train = create_transform(
         input_size,
         is_training=True,
-        no_aug=bool(_option(cfg, "no_aug")),
+        no_aug=bool(cfg.no_aug),
         scale=tuple(scale) if scale is not None else None,
-        hflip=_option(cfg, "hflip"),
-        color_jitter=_option(cfg, "color_jitter"),
-        auto_augment=_option(cfg, "aa") or None,
+        hflip=cfg.hflip,
+        color_jitter=cfg.color_jitter,
+        auto_augment=cfg.aa or None,
         interpolation=interpolation,
         mean=mean,
         std=std,
-        re_prob=_option(cfg, "reprob"),
+        re_prob=cfg.reprob,
         re_mode=RANDOM_ERASING_MODE,
     )
     _patch_posterize(train)
@@ -170,43 +140,43 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Any) -> tuple
         input_size,
         is_training=False,
         interpolation=interpolation,
-        crop_pct=_option(cfg, "crop_pct"),
+        crop_pct=cfg.crop_pct,
         mean=mean,
         std=std,
     )
     return train, val
 
 
-def train_recipe(cfg: Any) -> AugmentRecipe:
+def train_recipe(cfg: Config) -> AugmentRecipe:
     """cfg's train augmentation as the fast path reads it (the options build_transforms gives timm)."""
-    info = dataset_info(_option(cfg, "dataset"))
-    scale = _option(cfg, "scale")
+    info = dataset_info(cfg.dataset)
+    scale = cfg.scale
     return AugmentRecipe(
-        img_size=int(_option(cfg, "img_size") or info.default_img_size),
+        img_size=int(cfg.img_size or info.default_img_size),
         in_chans=info.in_chans,
         mean=tuple(info.mean),
         std=tuple(info.std),
         scale=tuple(scale) if scale is not None else (0.08, 1.0),
-        hflip=float(_option(cfg, "hflip")),
-        interpolation=_option(cfg, "interpolation"),
-        auto_augment=_option(cfg, "aa") or None,
-        re_prob=float(_option(cfg, "reprob")),
+        hflip=float(cfg.hflip),
+        interpolation=cfg.interpolation,
+        auto_augment=cfg.aa or None,
+        re_prob=float(cfg.reprob),
         re_mode=RANDOM_ERASING_MODE,
     )
 
 
-def fast_path_reason(cfg: Any) -> str | None:
+def fast_path_reason(cfg: Config) -> str | None:
     """Why cfg's training data keeps timm's PIL transforms in the loader workers; None: it takes the fast path
     (uint8 crops from the workers, RandAugment, normalization and random erasing on the device)."""
     return recipe_fast_path_reason(
         train_recipe(cfg),
-        no_prefetcher=bool(_option(cfg, "no_prefetcher")),
-        no_aug=bool(_option(cfg, "no_aug")),
-        color_jitter=_option(cfg, "color_jitter"),
+        no_prefetcher=bool(cfg.no_prefetcher),
+        no_aug=bool(cfg.no_aug),
+        color_jitter=cfg.color_jitter,
     )
 
 
-def _fast_train_transform(cfg: Any, train: Any) -> AugmentRecipe | None:
+def _fast_train_transform(cfg: Config, train: Any) -> AugmentRecipe | None:
     """On the fast path, puts its worker half on the train set in place of timm's transform (an image folder
     decodes files through it, at the crop's JPEG scale) and returns the device half's recipe; else None."""
     if fast_path_reason(cfg) is not None:
@@ -229,34 +199,34 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def build_streams(cfg: Any) -> DataBundle:
+def build_streams(cfg: Config) -> DataBundle:
     """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.streams), with the engine's
     transforms."""
-    name, data_dir = _option(cfg, "dataset"), _option(cfg, "data_dir")
+    name, data_dir = cfg.dataset, cfg.data_dir
     info = check_stream(
         name,
         data_dir,
-        _option(cfg, "train_fraction"),
-        _option(cfg, "num_classes"),
-        int(_option(cfg, "workers")),
+        cfg.train_fraction,
+        cfg.num_classes,
+        int(cfg.workers),
         _world_size(),
     )
-    train, val = create_streams(name, data_dir, int(_option(cfg, "seed")), batch_size=1, splits=info["splits"])
-    img_size = _option(cfg, "img_size") or FACTORY_INFO.default_img_size
+    train, val = create_streams(name, data_dir, int(cfg.seed), batch_size=1, splits=info["splits"])
+    img_size = cfg.img_size or FACTORY_INFO.default_img_size
     train.transform, val.transform = build_transforms(int(img_size), 3, FACTORY_INFO.mean, FACTORY_INFO.std, cfg)
     recipe = _fast_train_transform(cfg, train)  # a stream's reader decodes whole images: no JPEG draft
     return DataBundle(train, val, info["num_classes"], 3, info["classes"], FACTORY_INFO.mean, FACTORY_INFO.std, recipe)
 
 
-def build_datasets(cfg: Any) -> DataBundle:
+def build_datasets(cfg: Config) -> DataBundle:
     """Train and val datasets of cfg.dataset with transforms, after the class subset (train and
     val) and the per-class train fraction (train only: validation is never subsampled)."""
-    name = _option(cfg, "dataset")
+    name = cfg.dataset
     if is_stream(name):
         return build_streams(cfg)
-    num_classes, img_size = _option(cfg, "num_classes"), _option(cfg, "img_size")
-    fraction = _option(cfg, "train_fraction")
-    data_dir = _check_data_options(name, _option(cfg, "data_dir"), fraction, num_classes, img_size)
+    num_classes, img_size = cfg.num_classes, cfg.img_size
+    fraction = cfg.train_fraction
+    data_dir = _check_data_options(name, cfg.data_dir, fraction, num_classes, img_size)
 
     if name in EMBEDDED_SOURCES:
         train, val = EMBEDDED_SOURCES[name]()
@@ -265,7 +235,7 @@ def build_datasets(cfg: Any) -> DataBundle:
     elif name in ("cifar10", "cifar100"):
         train, val = load_cifar(name, data_dir)
     else:
-        train, val = load_image_folders(name, data_dir, bool(_option(cfg, "skip_unreadable")))
+        train, val = load_image_folders(name, data_dir, bool(cfg.skip_unreadable))
 
     if num_classes is not None:
         if int(num_classes) > len(train.classes):
@@ -278,7 +248,7 @@ def build_datasets(cfg: Any) -> DataBundle:
             f"expected layout: {dataset_info(name).layout}"
         )
     if float(fraction) < 1.0:
-        train = train.subset(fraction_per_class(train.targets, float(fraction), int(_option(cfg, "seed"))))
+        train = train.subset(fraction_per_class(train.targets, float(fraction), int(cfg.seed)))
 
     info = dataset_info(name)
     train.transform, val.transform = build_transforms(
