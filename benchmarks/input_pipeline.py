@@ -43,9 +43,10 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convbias.engine.data import _patch_posterize, build_train_loader, build_transforms
+from convbias.engine.data import _patch_posterize, build_transforms
 from convbias.engine.datasets import DATASETS, ImageFolderDataset
 from convbias.engine.input_pipeline import AugmentRecipe, DeviceAugment, DeviceBatches
+from convbias.engine.loaders import build_train_loader
 from convbias.engine.options import Config
 
 AA = "rand-m9-mstd0.5-inc1"

@@ -11,14 +11,7 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from convbias.engine.data import (
-    ShardedSampler,
-    _posterize_zero_bits,
-    build_datasets,
-    build_eval_loader,
-    build_train_loader,
-    build_transforms,
-)
+from convbias.engine.data import _posterize_zero_bits, build_datasets, build_transforms
 from convbias.engine.datasets import (
     DATASETS,
     DIGITS_MEAN,
@@ -32,6 +25,7 @@ from convbias.engine.datasets import (
     _stratified_split,
     fraction_per_class,
 )
+from convbias.engine.loaders import ShardedSampler, build_eval_loader, build_train_loader
 from convbias.engine.options import Config
 
 # Images of class k are filled with gray level GRAY_STEP * (k % GRAY_CODES + 1), so a loaded image tells

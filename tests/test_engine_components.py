@@ -7,8 +7,9 @@ import torch
 import yaml
 
 from convbias import engine
+from convbias.engine.command_line import build_parser
 from convbias.engine.config import coerce, parse_config, validate
-from convbias.engine.options import SECTIONS, Config, build_parser, declaration, flag_name, key_value_options
+from convbias.engine.options import SECTIONS, Config, declaration, flag_name, key_value_options
 from convbias.engine.resume_state import RunIdentity, TrainingProgress, exact_options, restore, resume_state
 from convbias.errors import ConfigError
 from convbias.families import load_families

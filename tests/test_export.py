@@ -21,7 +21,8 @@ from test_tcnn_recipes import SMALL_RUN
 
 from convbias.cli import export, train
 from convbias.engine.config import Config
-from convbias.engine.data import build_datasets, build_eval_loader
+from convbias.engine.data import build_datasets
+from convbias.engine.loaders import build_eval_loader
 from convbias.engine.run_dir import read_run_config
 from convbias.errors import EXIT_DAMAGED, EXIT_STORAGE
 

@@ -20,8 +20,9 @@ from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 
 from convbias.engine.batch_augment import LEVELS, OPS, ErasingSpec, OpContext, RandAugmentSpec, erase
-from convbias.engine.data import _posterize_zero_bits, build_datasets, fast_path_reason, seeded_rngs
+from convbias.engine.data import _posterize_zero_bits, build_datasets, fast_path_reason
 from convbias.engine.input_pipeline import AugmentRecipe, CropFlip, DeviceAugment, DeviceBatches
+from convbias.engine.loaders import seeded_rngs
 from convbias.engine.options import Config
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -384,7 +385,7 @@ def test_a_webdataset_stream_takes_the_fast_path(tmp_path):
     pytest.importorskip("webdataset")
     from test_data_streams import write_shards
 
-    from convbias.engine.data import build_stream_loader
+    from convbias.engine.loaders import build_stream_loader
 
     write_shards(tmp_path, {"train": 32, "validation": 8})
     bundle = build_datasets(Config(dataset="wds/toy", data_dir=str(tmp_path), img_size=16, workers=0))

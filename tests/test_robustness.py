@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
 
-from convbias.engine.data import build_datasets, build_eval_loader
+from convbias.engine.data import build_datasets
+from convbias.engine.loaders import build_eval_loader
 from convbias.engine.options import Config
 from convbias.evaluation.corruptions import CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
 from convbias.evaluation.robustness import (

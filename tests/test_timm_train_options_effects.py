@@ -20,8 +20,9 @@ from timm.utils import adaptive_clip_grad
 from torch import nn
 
 from convbias.engine import modeling, recipe
+from convbias.engine.command_line import build_parser
 from convbias.engine.config import parse_config, validate
-from convbias.engine.options import Config, build_parser, default_value, flag_name
+from convbias.engine.options import Config, default_value, flag_name
 from convbias.engine.output_scale import OutputScale
 from convbias.errors import ConfigError
 from convbias.families import load_families

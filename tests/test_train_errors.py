@@ -225,7 +225,7 @@ def test_ctrl_c_says_what_was_kept_and_exits_130(capsys, tmp_path):
 
 
 def test_help_shows_the_defaults():
-    from convbias.engine.options import build_parser
+    from convbias.engine.command_line import build_parser
 
     text = " ".join(build_parser().format_help().split())
     for shown in (

@@ -24,11 +24,10 @@ import yaml
 
 from ..errors import ConfigError
 from ..storage import write_text
+from .command_line import OptionParser, build_parser
 from .options import (
     DATASETS,
     Config,
-    OptionParser,
-    build_parser,
     declaration,
     default_value,
     did_you_mean,

@@ -125,3 +125,50 @@ class RunLog:
         """results.json, atomically: its presence marks the run as complete."""
         if self.enabled:
             atomic_write(self.output / "results.json", lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> list[str]:
+    """What this launch will do, before its first step: where, on what, with which batch, lr and length
+    (``start``: the run's engine.run_setup.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
+    import torch
+
+    cfg, acc = start.cfg, start.accelerator
+    begin = f"resuming from {start.resume_point}" if start.resume_point else "a new run"
+    params = sum(p.numel() for p in model.parameters())
+    try:
+        sizes = f"{len(bundle.train):,} train / {len(bundle.val):,} val images"
+    except TypeError:  # a stream without a known length
+        sizes = "streamed"
+    if cfg.lr is not None:
+        rule = "--lr"
+    else:
+        rule = f"--lr-base {cfg.lr_base:g} x {start.global_batch} / --lr-base-size {cfg.lr_base_size}"
+    precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
+    return [
+        f"output: {start.output} ({begin})",
+        f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each) on {acc.device.type}, "
+        f"{precision}",
+        f"model: {cfg.model}, {params / 1e6:.2f}M parameters",
+        f"data: {cfg.dataset}, {sizes}, {bundle.num_classes} classes",
+        f"batch: {start.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
+        f"{cfg.grad_accum_steps} accumulation; lr {start.lr:.3g} ({rule})",
+        f"schedule: {plural(start.epochs, 'epoch')}, {start.warmup_epochs} of warm-up, "
+        f"{steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
+    ]
+
+
+def summary_line(results: dict[str, Any], final_epoch: int | None, output: Path) -> str:
+    """The last line of a run: its final and best top-1 and where its files are."""
+
+    def top1(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    return (
+        f"done: final top-1 {top1(results['final_top1'])} (epoch {final_epoch}), best top-1 "
+        f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {output}: results.json, "
+        f"summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best"
+    )

@@ -31,10 +31,11 @@ from . import recipe
 from .checkpoint import WEIGHTS_FILE, CheckpointDir, load_training_state, load_weights, verify_file, weights_metadata
 from .compile import compiled
 from .config import effective_epochs
-from .data import build_datasets, build_eval_loader, build_stream_loader, build_train_loader, dataset_info
+from .data import build_datasets, dataset_info
 from .extensions import Extensions
 from .fsdp import FullCopy
 from .input_pipeline import DeviceAugment
+from .loaders import build_eval_loader, build_stream_loader, build_train_loader
 from .lock import RunLock
 from .metrics import evaluate
 from .modeling import check_model_name, create_model

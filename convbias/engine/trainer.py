@@ -36,10 +36,10 @@ from . import recipe
 from .checkpoint import EMA_FILE, CheckpointDir, load_weights
 from .compile import compile_counters
 from .config import setup_warnings, write_config
-from .data import epoch_batches, first_images
 from .diagnostics import ModelDiagnostics
 from .fsdp import load_sharded, save_sharded
 from .input_pipeline import DeviceBatches
+from .loaders import epoch_batches, first_images
 from .metrics import evaluate
 from .preemption import Preempted, PreemptionSignals
 from .resume_state import (
@@ -54,7 +54,7 @@ from .resume_state import (
     restore,
     resume_state,
 )
-from .run_log import RunLog, results_record
+from .run_log import RunLog, results_record, startup_block, summary_line
 from .run_setup import (
     Models,
     Optimization,
@@ -155,7 +155,8 @@ class Trainer:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
         if self.start.resume_state:
             self._restore()
-        for line in self._startup_block() + self.start.notes:
+        model = self.accelerator.unwrap_model(self.models.model)
+        for line in startup_block(self.start, self.data.bundle, self.data.steps_per_epoch, model) + self.start.notes:
             acc.print(line)
         derived = dict(
             num_processes=acc.num_processes,
@@ -192,7 +193,7 @@ class Trainer:
         log.write_results(results)
         if cfg.log_wandb:
             acc.end_training()
-        acc.print(self._summary_line(results))
+        acc.print(summary_line(results, self.progress.final.get("epoch"), self.output))
         return results
 
     def _restore(self) -> None:
@@ -214,44 +215,6 @@ class Trainer:
         set_seed(self.cfg.seed + self.accelerator.process_index)  # augmentation and drop-path streams
         if 0 in self.cfg.save_epochs:
             self._save_snapshot(0)
-
-    def _startup_block(self) -> list[str]:
-        """What this launch will do, before its first step: where, on what, with which batch, lr and length."""
-        cfg, acc, start = self.cfg, self.accelerator, self.start
-        begin = f"resuming from {start.resume_point}" if start.resume_point else "a new run"
-        params = sum(p.numel() for p in acc.unwrap_model(self.models.model).parameters())
-        try:
-            sizes = f"{len(self.data.bundle.train):,} train / {len(self.data.bundle.val):,} val images"
-        except TypeError:  # a stream without a known length
-            sizes = "streamed"
-        if cfg.lr is not None:
-            rule = "--lr"
-        else:
-            rule = f"--lr-base {cfg.lr_base:g} x {start.global_batch} / --lr-base-size {cfg.lr_base_size}"
-        precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
-        return [
-            f"output: {self.output} ({begin})",
-            f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each) on {acc.device.type}, "
-            f"{precision}",
-            f"model: {cfg.model}, {params / 1e6:.2f}M parameters",
-            f"data: {cfg.dataset}, {sizes}, {self.data.bundle.num_classes} classes",
-            f"batch: {start.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
-            f"{cfg.grad_accum_steps} accumulation; lr {start.lr:.3g} ({rule})",
-            f"schedule: {plural(start.epochs, 'epoch')}, {start.warmup_epochs} of warm-up, "
-            f"{self.data.steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
-        ]
-
-    def _summary_line(self, results: dict[str, Any]) -> str:
-        """The last line of a run: its final and best top-1 and where its files are."""
-
-        def top1(value: float | None) -> str:
-            return "n/a" if value is None else f"{value:.2f}"
-
-        return (
-            f"done: final top-1 {top1(results['final_top1'])} (epoch {self.progress.final.get('epoch')}), best top-1 "
-            f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {self.output}: results.json, "
-            f"summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best"
-        )
 
     def _train_epochs(self, log: RunLog) -> None:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
@@ -484,7 +447,3 @@ class Trainer:
         models.compile(cfg)
         self.progress.reparametrized = True
         acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")
-
-
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"

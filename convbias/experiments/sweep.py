@@ -60,7 +60,7 @@ from convbias.engine import (
     parse_config,
     read_summary,
 )
-from convbias.engine.options import build_parser
+from convbias.engine.command_line import build_parser
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
 from convbias.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)

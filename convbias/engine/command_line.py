@@ -1,0 +1,98 @@
+"""train.py's command line, derived from the option declarations (engine.options), and the argparse pieces every
+command of the project shares (``OptionParser``, ``key_value``, ``yaml_scalar``; convbias.cli re-exports them).
+
+Light to import: ``train.py --help`` builds this parser and loads no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import typing
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from .options import DESCRIPTION, SECTIONS, declaration, default_value, flag_name, option_types
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows every option's default (argparse's own formatter skips options without a help text)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        shown = (
+            action.option_strings
+            and action.default not in (None, [], argparse.SUPPRESS)
+            and "%(default)" not in (action.help or "")
+            and (action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction))
+        )
+        if shown:
+            action = copy.copy(action)
+            action.help = f"{action.help or ''} (default: %(default)s)".strip()
+        return super()._format_action(action)
+
+
+class OptionParser(argparse.ArgumentParser):
+    """argparse that raises ConfigError (one line) instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:
+        raise ConfigError(message)
+
+
+def yaml_scalar(text: str) -> Any:
+    """'4' -> 4, '0.1' -> 0.1, 'true' -> True, 'none'/'null' -> None, anything else stays a string."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return text if isinstance(value, (dict, list)) else value
+
+
+def key_value(text: str) -> tuple[str, Any]:
+    """argparse type of every K=V option of the project's commands: 'k=0.1' -> ('k', 0.1) (YAML scalars)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{text}'")
+    return key, yaml_scalar(value)
+
+
+def _argument(spec: dataclasses.Field, kind: Any) -> dict[str, Any]:
+    """argparse's keyword arguments for one declared option, from its type and metadata."""
+    meta = spec.metadata
+    argument: dict[str, Any] = dict(
+        default=default_value(spec.name), help=meta["help"] or None, metavar=meta["metavar"]
+    )
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    origin = typing.get_origin(kind)
+    if kind is bool and spec.name.startswith("no_"):  # --no-aug: a switch, not --no-no-aug
+        argument.update(action="store_true")
+    elif kind is bool:
+        argument.update(action=argparse.BooleanOptionalAction)
+    elif set(args) == {bool, str}:  # --eval-only [RUN_OR_WEIGHTS]
+        argument.update(nargs="?", const=True)
+    elif origin is dict:  # K=V pairs, merged with the recipe's mapping key by key
+        argument.update(nargs="*", type=key_value, default=None)
+    elif origin is list or (args and typing.get_origin(args[0]) is list):
+        item = typing.get_args(args[0] if origin is not list else kind)[0]
+        argument.update(nargs=meta["nargs"] or "*", type=None if item is str else item)
+    elif (args and args[0] is not str) or kind in (int, float):
+        argument.update(type=args[0] if args else kind)
+    return {key: value for key, value in argument.items() if value is not None or key == "default"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """train.py's parser, one argument per declared option, grouped by section."""
+    parser = OptionParser(
+        prog="train.py", description=DESCRIPTION, allow_abbrev=False, formatter_class=DefaultsHelpFormatter
+    )
+    parser.add_argument("-c", "--config", **_argument(declaration("config"), option_types()["config"]))
+    for title, section in SECTIONS:
+        group = parser.add_argument_group(title)
+        for spec in dataclasses.fields(section):
+            flags = [flag_name(name) for name in (spec.name, *spec.metadata["aliases"])]
+            group.add_argument(*flags, **_argument(spec, option_types()[spec.name]))
+    return parser
