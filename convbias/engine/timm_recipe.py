@@ -34,6 +34,7 @@ TIMM_NOT_APPLICABLE: dict[str, str] = {
     "use_multi_epochs_loader": "the loaders are rebuilt per epoch by their samplers",
     "sched_on_updates": "this engine steps the schedule per optimizer update (timm's default: per epoch)",
     "save_images": "a debugging aid of timm's loop",
+    "pin_mem": "the loaders pin memory whenever a GPU trains",
 }
 # timm options this engine does not implement: refused when set, with the reason
 TIMM_REFUSALS: dict[str, str] = {
