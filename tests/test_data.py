@@ -404,3 +404,15 @@ def test_bad_loader_arguments():
         build_eval_loader(IndexDataset(10), 0, 0)
     with pytest.raises(ValueError, match="--repeated-aug must be >= 1"):
         build_train_loader(IndexDataset(10), 2, 0, repeated_aug=-1)
+
+
+def test_split_folders_are_found_by_their_name_or_timms_synonyms(tmp_path):
+    """--train-split / --val-split: a named folder, or (timm's default 'validation') val, valid, eval..."""
+    for split, counts in (("training", 6), ("eval", 2), ("holdout", 3)):
+        write_image_folder(tmp_path / split, ["a", "b"], counts)
+    default = build_datasets(Config(dataset="imagenet", data_dir=str(tmp_path), img_size=16, no_prefetcher=True))
+    assert (len(default.train), len(default.val)) == (12, 4)  # training/ and eval/ stand for train and validation
+    named = Config(dataset="imagenet", data_dir=str(tmp_path), img_size=16, val_split="holdout")
+    assert len(build_datasets(named).val) == 6
+    with pytest.raises(ValueError, match=r"/missing not found"):
+        build_datasets(Config(dataset="imagenet", data_dir=str(tmp_path), val_split="missing"))

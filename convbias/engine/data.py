@@ -229,7 +229,7 @@ def build_datasets(cfg: Config) -> DataBundle:
     elif name in ("cifar10", "cifar100"):
         train, val = load_cifar(name, data_dir)
     else:
-        train, val = load_image_folders(name, data_dir, bool(cfg.skip_unreadable))
+        train, val = load_image_folders(name, data_dir, cfg.skip_unreadable, cfg.train_split, cfg.val_split)
 
     if num_classes is not None:
         if int(num_classes) > len(train.classes):

@@ -319,11 +319,28 @@ def load_cifar(name: str, data_dir: Path):
     )
 
 
-def load_image_folders(name: str, data_dir: Path, skip_unreadable: bool):
-    """ImageNet-style DIR/train + DIR/val; for `folder`, a missing val/ (or no train/ at all) gives a
-    seeded stratified held-out split of FOLDER_VAL_FRACTION of each class."""
+# timm's split folder names that stand for one another (timm.data.dataset_factory's search)
+TRAIN_SPLITS = ("train", "training")
+EVAL_SPLITS = ("val", "valid", "validation", "eval", "evaluation")
+
+
+def split_dir(data_dir: Path, split: str) -> Path:
+    """DIR/<split>, else the first existing folder of the same kind (train, training; val, valid, validation,
+    eval, evaluation), as timm finds a split; when none exists, DIR/train or DIR/val (the documented layout)."""
+    for synonyms in (TRAIN_SPLITS, EVAL_SPLITS):
+        if split in synonyms and not (data_dir / split).is_dir():
+            return next((data_dir / s for s in synonyms if (data_dir / s).is_dir()), data_dir / synonyms[0])
+    return data_dir / split
+
+
+def load_image_folders(
+    name: str, data_dir: Path, skip_unreadable: bool, train_split: str = "train", val_split: str = "validation"
+):
+    """ImageNet-style DIR/<train split> + DIR/<val split> (``split_dir``: DIR/train and DIR/val by default);
+    for `folder`, a missing validation folder (or no train folder at all) gives a seeded stratified held-out
+    split of FOLDER_VAL_FRACTION of each class."""
     layout = DATASETS[name].layout
-    train_dir, val_dir = data_dir / "train", data_dir / "val"
+    train_dir, val_dir = split_dir(data_dir, train_split), split_dir(data_dir, val_split)
     if (name == "imagenet" or val_dir.is_dir()) and not (train_dir.is_dir() and val_dir.is_dir()):
         missing = " and ".join(str(d) for d in (train_dir, val_dir) if not d.is_dir())
         raise ConfigError(f"--dataset {name}: {missing} not found; expected layout: {layout}")

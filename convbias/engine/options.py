@@ -144,6 +144,14 @@ class ModelOptions:
 class DataOptions:
     dataset: str = option("digits", f"one of {', '.join(DATASETS)}, wds/NAME, hfids/NAME, hfds/NAME")
     data_dir: str | None = option(None)
+    train_split: str = option(
+        "train", "folder of the training images under --data-dir (imagenet, folder; 'training' is found too)"
+    )
+    val_split: str = option(
+        "validation",
+        "folder of the validation images under --data-dir (imagenet, folder): as timm, val, valid, eval or "
+        "evaluation is found too",
+    )
     train_fraction: float = option(1.0, "keep this fraction of each class, in (0, 1]", check=FRACTION)
     workers: int = option(4, "data loader processes per training process", check=NON_NEGATIVE)
     aa: str | None = option("rand-m9-mstd0.5-inc1", "timm auto-augment policy; none to disable")
