@@ -30,6 +30,7 @@ def test_timms_defaults_become_its_recipe(tmp_path):
     assert (cfg.model, cfg.batch_size, cfg.opt, cfg.weight_decay, cfg.seed) == ("resnet50", 128, "sgd", 2e-5, 42)
     assert (cfg.lr_base, cfg.lr_base_size, cfg.min_lr, cfg.warmup_lr) == (0.1, 256, 0.0, 1e-5)
     assert cfg.aa is None and cfg.reprob == 0 and cfg.mixup == 0 and cfg.cutmix == 0
+    assert cfg.dataset == "folder" and cfg.data_dir is None  # timm's '': class folders at --data-dir
     # timm's "unset": no stochastic depth, no repeated augmentation, fp32, no compile
     assert (cfg.drop_path, cfg.repeated_aug, cfg.mixed_precision, cfg.compile) == (0.0, 1, "no", False)
 

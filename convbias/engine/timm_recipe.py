@@ -129,11 +129,11 @@ def is_timm_recipe(values: dict[str, Any]) -> bool:
     return any(name in TIMM_TRAIN_DEFAULTS and name not in option_names() for name in values)
 
 
-def _shared_option(name: str, value: Any, values: dict[str, Any]) -> tuple[bool, Any]:
+def _shared_option(name: str, value: Any) -> tuple[bool, Any]:
     """(whether to set it, the value) for a key both timm and this engine declare. timm's '' and None mean
     "unset": None where this engine's option takes None, else this engine's default (or TIMM_NONE_MEANS)."""
-    if name == "dataset" and value == "":  # timm's folder of class folders at --data-dir
-        return bool(values.get("data_dir") or values.get("data")), "folder"
+    if name == "dataset" and value == "":  # timm's folder of class folders at --data-dir (or data)
+        return True, "folder"
     if value not in ("", None):
         return True, value
     if _accepts_none(name):
@@ -149,7 +149,7 @@ def read_timm_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for name, value in values.items():
         if name in option_names():
-            take, value = _shared_option(name, value, values)
+            take, value = _shared_option(name, value)
             if take:
                 options[name] = value
     translated = {key for keys in TIMM_TRANSLATIONS for key in keys}
