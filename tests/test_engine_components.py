@@ -82,6 +82,7 @@ def test_declared_checks_and_unknown_keys_are_one_line_errors(tmp_path):
     assert declaration("batch_size").metadata["check"].expected == "a positive integer"
 
 
+@pytest.mark.integration
 def test_engine_run_takes_a_config_and_leaves_it_unchanged(tmp_path):
     cfg = Config(
         model="convit_tiny",

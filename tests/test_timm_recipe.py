@@ -35,6 +35,7 @@ def test_timms_defaults_become_its_recipe(tmp_path):
     assert (cfg.drop_path, cfg.repeated_aug, cfg.mixed_precision, cfg.compile) == (0.0, 1, "no", False)
 
 
+@pytest.mark.integration
 def test_an_args_yaml_trains(tmp_path, cli_argv):
     """Every key of timm's args.yaml in the recipe; the command line picks a tiny model, data and length."""
     argv = ["-c", str(ARGS_YAML), *cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, train_fraction=0.1)]

@@ -1,6 +1,7 @@
 """Training-loop options: --channels-last, --sync-bn and --mixup-off-epoch: what reaches the model, and where they
 cannot apply."""
 
+import pytest
 import torch
 
 from convbias.cli import train
@@ -9,6 +10,8 @@ from convbias.engine.options import Config
 from convbias.engine.run_setup import start_run, sync_batchnorm
 from convbias.engine.trainer import build_trainer
 from convbias.families import load_families
+
+pytestmark = pytest.mark.integration  # every test here trains a model
 
 
 def small_cnn(tmp_path, **options) -> Config:
