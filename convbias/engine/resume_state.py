@@ -6,8 +6,10 @@ continued with to give the uninterrupted run's numbers (``run_start.check_exact_
 
 The model's and the EMA's weights are safetensors files beside it (``CheckpointDir.save``); under FSDP the
 weights and the optimizer state are every rank's shards. The file's layout is the one resume points have
-always had: the ``progress`` and ``identity`` parts' keys at the top level, every other part under its name. So a point written before the parts existed loads unchanged. Adding a part
-is one entry in ``Trainer.resume_parts``; its ``exact_options`` join the check by themselves.
+always had: the ``progress`` and ``identity`` parts' keys at the top level, every other part under its name,
+so a point written before the parts existed loads unchanged. Adding a part is one entry in
+``trainer.RESUME_PART_TYPES`` and its instance in ``Trainer.resume_parts``; its ``exact_options`` join the
+check by themselves.
 """
 
 from __future__ import annotations
