@@ -102,44 +102,66 @@ class SchedulerState:
         self.optimization.scheduler.step_update(self.progress.num_updates)
 
 
-class RandomStreams:
-    """Every rank's RNG states (python, numpy, torch, cuda): a resumed epoch draws the same augmentations and
-    drop-path masks. Saving gathers them from every rank (a collective); a point written by another number
-    of processes cannot replay its streams, so fresh ones are seeded from the epoch."""
+class PerRankStreams:
+    """A part holding every rank's random streams: saving gathers them from every rank (a collective); a point
+    written by another number of processes cannot replay its ranks' streams, so fresh ones are seeded from
+    (seed, rank, epoch). Subclasses say what one rank's streams are."""
 
     def __init__(self, start: RunStart, progress: TrainingProgress):
         self.start, self.progress = start, progress
 
-    def state_dict(self) -> list[dict[str, Any]]:
-        return gather_object([rng_state()])
+    def local_state(self) -> Any:
+        raise NotImplementedError
 
-    def load_state_dict(self, world: list[dict[str, Any]]) -> None:
+    def load_local(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def reseed(self, seed: int, rank: int, epoch: int) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> list[Any]:
+        return gather_object([self.local_state()])
+
+    def load_state_dict(self, world: list[Any]) -> None:
         acc = self.start.accelerator
         if len(world) == acc.num_processes:
-            set_rng_state(world[acc.process_index])
+            self.load_local(world[acc.process_index])
         else:
-            set_seed(self.start.cfg.seed + 1000 * self.progress.epoch + acc.process_index)
+            self.reseed(self.start.cfg.seed, acc.process_index, self.progress.epoch)
 
 
-class AugmentStreams:
+class RandomStreams(PerRankStreams):
+    """Every rank's RNG states (python, numpy, torch, cuda): a resumed epoch draws the same augmentations and
+    drop-path masks."""
+
+    def local_state(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_local(self, state: dict[str, Any]) -> None:
+        set_rng_state(state)
+
+    def reseed(self, seed: int, rank: int, epoch: int) -> None:
+        set_seed(seed + 1000 * epoch + rank)
+
+
+class AugmentStreams(PerRankStreams):
     """Every rank's streams of the device-side augmentation (engine.input_pipeline.DeviceAugment): a resumed
-    epoch draws the same RandAugment ops and erasing boxes. Like RandomStreams, saving gathers them from every
-    rank, and a point written by another number of processes reseeds them from the epoch."""
+    epoch draws the same RandAugment ops and erasing boxes."""
 
     exact_options = ("no_prefetcher", "aa", "reprob", "img_size", "interpolation")  # what the streams draw for
 
     def __init__(self, start: RunStart, progress: TrainingProgress, augment: Any):
-        self.start, self.progress, self.augment = start, progress, augment
+        super().__init__(start, progress)
+        self.augment = augment
 
-    def state_dict(self) -> list[dict[str, Any]]:
-        return gather_object([self.augment.state_dict()])
+    def local_state(self) -> dict[str, Any]:
+        return self.augment.state_dict()
 
-    def load_state_dict(self, world: list[dict[str, Any]]) -> None:
-        acc = self.start.accelerator
-        if len(world) == acc.num_processes:
-            self.augment.load_state_dict(world[acc.process_index])
-        else:
-            self.augment.reseed(self.start.cfg.seed, acc.process_index, self.progress.epoch)
+    def load_local(self, state: dict[str, Any]) -> None:
+        self.augment.load_state_dict(state)
+
+    def reseed(self, seed: int, rank: int, epoch: int) -> None:
+        self.augment.reseed(seed, rank, epoch)
 
 
 def exact_options(parts: dict[str, Any]) -> tuple[str, ...]:

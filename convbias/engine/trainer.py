@@ -321,12 +321,12 @@ class Trainer:
                 if models.ema is not None:
                     models.ema.update(models.whole_model(), step=self.progress.num_updates)
             loss_sum += loss.detach().double()
-            if (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == steps:
+            checked = (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == steps
+            logged = cfg.log_interval and (step + 1) % cfg.log_interval == 0 and step + 1 < steps
+            if checked or logged:  # one cross-rank reduction (a collective: the same steps on every rank)
                 mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
-            if cfg.log_interval and (step + 1) % cfg.log_interval == 0 and step + 1 < steps:
-                mean_loss = self._mean_loss(loss_sum, step + 1, epoch)  # a collective: every rank, every time
-                if not sys.stderr.isatty():  # a terminal has the progress bar
+                if logged and not sys.stderr.isatty():  # a terminal has the progress bar
                     acc.print(
                         f"epoch {epoch + 1}/{self.start.epochs}  step {step + 1}/{steps}  train_loss "
                         f"{mean_loss:.4f}  lr {self._lr():.2e}"
