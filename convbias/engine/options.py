@@ -28,7 +28,7 @@ from .run_dir import DEFAULT_KEEP_CHECKPOINTS, DEFAULT_WHICH, WHICH
 
 DESCRIPTION = "Run configuration: command-line options, YAML recipes (``-c``), and validation."  # first line of --help
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
-SCHEDULES = ("cosine", "step", "constant", "multistep")
+SCHEDULES = ("cosine", "step", "constant", "multistep", "plateau")
 MIXUP_MODES = ("batch", "pair", "elem")
 CLIP_MODES = ("norm", "value", "agc")
 # timm's optimizer arguments set by their own options (--opt, --lr, ..., --opt-eps): --opt-kwargs leaves them alone
@@ -36,6 +36,8 @@ OWN_OPTIMIZER_ARGUMENTS = ("opt", "lr", "weight_decay", "momentum", "eps", "beta
 PRECISIONS = ("no", "bf16", "fp16")
 DIST_BN = ("reduce", "broadcast", "")
 EVAL_METRICS = ("top1", "top5", "loss")
+TRAIN_CROP_MODES = ("rrc", "rkrc", "rkrr")
+STREAM_PREFIXES = ("wds/", "hfids/")  # engine.streams' iterable sources
 
 
 class Check(NamedTuple):
@@ -110,7 +112,24 @@ class ModelOptions:
         "--checkpoint weights load as they are)",
         check=NON_NEGATIVE,
     )
+    head_init_bias: float | None = option(None, "set the classifier's initial bias to this value (as timm)")
     img_size: int | None = option(None, "default: the dataset's (224 for ImageNet)", check=POSITIVE_INT)
+    in_chans: int | None = option(
+        None,
+        "image channels: 1 (grayscale, images converted to L) or 3 (RGB); default the dataset's",
+        check=Check(lambda v: v in (1, 3), "1 or 3 (grayscale or RGB images)"),
+    )
+    input_size: list[int] | None = option(
+        None,
+        "channels and image size at once, as timm's --input-size C H W (this engine trains square images: H = W)",
+        check=Check(lambda v: v[0] in (1, 3) and v[1] == v[2] >= 1, "C H W with C 1 or 3 and H = W >= 1"),
+        nargs=3,
+        metavar=("C", "H", "W"),
+    )
+    bn_eps: float | None = option(
+        None, "epsilon of every BatchNorm layer (timm passes it to the models that take it)", check=POSITIVE
+    )
+    bn_momentum: float | None = option(None, "momentum of every BatchNorm layer's running statistics", check=FRACTION)
     output_scale: float | None = option(
         None,
         "train alpha (f_w - f_w0) with the loss / alpha^2 (the alpha-trick: large alpha = lazy, small = feature "
@@ -152,6 +171,18 @@ class DataOptions:
         "folder of the validation images under --data-dir (imagenet, folder): as timm, val, valid, eval or "
         "evaluation is found too",
     )
+    class_map: str | None = option(
+        None,
+        "file naming the classes to train, one per line, in label order (timm's class map: .txt, or .pkl of "
+        "{name: index}); images of other classes are left out",
+        metavar="FILE",
+    )
+    train_num_samples: int | None = option(
+        None,
+        "images in one epoch of a wds/ or hfids/ stream (default: the split's num_samples)",
+        check=POSITIVE_INT,
+        needs=Needs(lambda c: c.dataset.startswith(STREAM_PREFIXES), "a wds/ or hfids/ --dataset"),
+    )
     train_fraction: float = option(1.0, "keep this fraction of each class, in (0, 1]", check=FRACTION)
     workers: int = option(4, "data loader processes per training process", check=NON_NEGATIVE)
     aa: str | None = option("rand-m9-mstd0.5-inc1", "timm auto-augment policy; none to disable")
@@ -163,6 +194,22 @@ class DataOptions:
     scale: list[float] | None = option(
         None, "random-resized-crop area range; default timm's (0.08, 1)", nargs=2, metavar=("MIN", "MAX")
     )
+    train_crop_mode: str | None = option(
+        None,
+        "training crop, as timm's: rrc (random resized crop, the default), rkrc (resize keeping the aspect ratio, "
+        "then random crop) or rkrr (random resized crop keeping the aspect ratio)",
+        choices=TRAIN_CROP_MODES,
+    )
+    mean: list[float] | None = option(
+        None, "normalization mean, one per channel or one for all (default: the dataset's)", nargs="+"
+    )
+    std: list[float] | None = option(
+        None,
+        "normalization std, one per channel or one for all (default: the dataset's)",
+        check=Check(lambda v: all(x > 0 for x in v), "positive"),
+        nargs="+",
+    )
+    pin_mem: bool = option(True, "pin the loaders' batches in page-locked memory when a GPU trains (timm: off)")
     skip_unreadable: bool = option(True, "skip (and count) unreadable images instead of stopping")
     repeated_aug: int = option(
         3, "repeated augmentation: copies of each image", check=Check(lambda v: v >= 1, ">= 1 (1: each image once)")
@@ -294,6 +341,17 @@ class ScheduleOptions:
         metavar="EPOCH",
         needs=Needs(lambda c: c.sched == "multistep", "--sched multistep"),
     )
+    patience_epochs: int = option(
+        10,
+        "plateau schedule: epochs without a better --eval-metric before the lr decays by --decay-rate",
+        check=NON_NEGATIVE,
+        needs=Needs(lambda c: c.sched == "plateau", "--sched plateau"),
+    )
+    sched_on_updates: bool = option(
+        True,
+        "step the schedule after every optimizer update; --no-sched-on-updates: once per epoch (timm's default; "
+        "the plateau schedule steps per evaluation either way)",
+    )
     cooldown_epochs: int = option(
         0,
         "cosine schedule: epochs at --min-lr after the last cycle, trained after --epochs",
@@ -377,6 +435,13 @@ class CheckpointingOptions:
         DEFAULT_KEEP_CHECKPOINTS,
         "resume points kept (the newest K, and best); --resume auto falls back to an older one when the newest is "
         "damaged",
+        check=AT_LEAST_ONE,
+        metavar="K",
+    )
+    checkpoint_hist: int = option(
+        1,
+        "also keep the resume points of the K best evaluations by --eval-metric (timm's --checkpoint-hist; "
+        "its default 10)",
         check=AT_LEAST_ONE,
         metavar="K",
     )
