@@ -89,7 +89,7 @@ def test_head_init_scale_scales_exactly_the_classifier(tmp_path):
     assert resnet.fc.bias.abs().sum() > 0  # timm's ResNet head has a bias to scale, unlike the ConViT's (zeros)
     assert torch.equal(scaled.fc.bias, resnet.fc.bias * 3.0) and torch.equal(scaled.fc.weight, resnet.fc.weight * 3.0)
     with pytest.raises(ConfigError, match=r"^--head-init-scale: Linear \(m\) has no get_classifier\(\); run without"):
-        modeling.scale_classifier(nn.Linear(2, 2), 0.5, "m")
+        modeling.classifier_tensors(nn.Linear(2, 2), ("weight",), "--head-init-scale", "m")
 
 
 # --------------------------------------------------------------------------------------------- optimizer

@@ -18,7 +18,7 @@ Layout of ``<output>/checkpoints``::
 A resume point is complete when its manifest is there and every file matches it: a kill at any moment
 leaves the newest complete point intact (a point is renamed into place only once its manifest is
 written, and a link swap is a single rename), and a damaged file is found before it is loaded. The
-newest ``keep`` points (and ``best``) are kept; an older one is deleted only when its manifest lists
+newest ``keep`` points (and ``best``, and the --checkpoint-hist best) are kept; an older one is deleted only when its manifest lists
 every file in it, i.e. the engine wrote all of it. Nothing else in the folder is ever deleted.
 
 Loading never unpickles arbitrary objects: weights come from safetensors, and ``.pt`` files are read
@@ -276,7 +276,8 @@ class CheckpointDir:
     ) -> Path:
         """Complete the resume point that ``stage(epoch, step)`` started (after ``epoch`` completed epochs and
         ``step`` steps of the next one), rename it into place and point ``last`` (and ``best``) at it. The
-        best point that ``state["best"]`` records is never rotated away."""
+        best point that ``state["best"]`` records, and those of the evaluations ``state["ranked"]`` lists
+        (--checkpoint-hist), are never rotated away."""
         name = self.point_name(epoch, step)
         final, tmp = self.root / name, self._staging(name)
         if not tmp.is_dir():
@@ -309,12 +310,12 @@ class CheckpointDir:
             if isinstance(e, WRITE_ERRORS):
                 raise StorageError(f"writing the resume point {name} failed ({reason})") from None
             raise
-        best = (state.get("best") or {}).get("epoch")
+        ranked = [(state.get("best") or {}).get("epoch")] + [e["epoch"] for e in state.get("ranked") or []]
         try:
             self.link("last", name)
             if is_best:
                 self.link("best", name)
-            self._remove_superseded(keep={name} | ({self.point_name(best)} if best is not None else set()))
+            self._remove_superseded(keep={name} | {self.point_name(e) for e in ranked if e is not None})
         except OSError as e:  # the point itself is complete: --resume auto finds it by its name
             raise StorageError(f"updating checkpoints/last after writing {name} failed ({storage_reason(e)})") from None
         return final
@@ -362,7 +363,7 @@ class CheckpointDir:
 
     def _remove_superseded(self, keep: set[str]) -> None:
         """Delete the engine's own points beyond the newest ``keep`` (``keep`` names stay: the newest point
-        and the recorded best)."""
+        and the recorded best ones)."""
         owned = [p for p in self.points() if self._owned(p)]
         for path in owned[self.keep :]:
             if path.name not in keep:

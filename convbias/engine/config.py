@@ -325,6 +325,11 @@ def _check_combinations(cfg: Config) -> None:
             0 <= cfg.reparametrize_at_epoch < epochs,
             f"--reparametrize-at-epoch must be in 0..{epochs - 1}, got {cfg.reparametrize_at_epoch}",
         )
+        _check(
+            cfg.sched != "plateau",
+            "--sched plateau cannot be combined with --reparametrize-at-epoch (the plateau's decayed lr lives in "
+            "the optimizer that the change of architecture rebuilds)",
+        )
 
 
 def _check_names(cfg: Config) -> None:

@@ -143,6 +143,7 @@ def build_train_loader(
     num_replicas: int = 1,
     rank: int = 0,
     worker_init_fn: Callable[[int], None] | None = None,
+    pin_memory: bool = True,
 ) -> DataLoader:
     """Loader over this rank's shard (not to be passed through accelerator.prepare), dropping the
     last partial batch. repeated_aug N > 1 repeats each drawn image N times (DeiT uses 3); 1 is a
@@ -163,14 +164,19 @@ def build_train_loader(
         sampler=sampler,
         num_workers=workers,
         drop_last=True,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory and torch.cuda.is_available(),  # --pin-mem
         generator=sampler.worker_seed_generator,
         worker_init_fn=worker_init_fn,
     )
 
 
 def build_stream_loader(
-    dataset, batch_size: int, workers: int, drop_last: bool, worker_init_fn: Callable[[int], None] | None = None
+    dataset,
+    batch_size: int,
+    workers: int,
+    drop_last: bool,
+    worker_init_fn: Callable[[int], None] | None = None,
+    pin_memory: bool = True,
 ) -> DataLoader:
     """Loader of a stream (timm's reader splits the shards between processes and workers itself). Its
     generator (the workers' base seed, hence the sample shuffle) is reseeded per epoch by `epoch_batches`."""
@@ -180,7 +186,7 @@ def build_stream_loader(
         batch_size=batch_size,
         num_workers=workers,
         drop_last=drop_last,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory and torch.cuda.is_available(),  # --pin-mem
         worker_init_fn=worker_init_fn,
         generator=torch.Generator().manual_seed(0),
     )
@@ -212,7 +218,11 @@ def first_images(dataset, count: int) -> torch.Tensor:
 
 
 def build_eval_loader(
-    dataset, batch_size: int, workers: int, worker_init_fn: Callable[[int], None] | None = None
+    dataset,
+    batch_size: int,
+    workers: int,
+    worker_init_fn: Callable[[int], None] | None = None,
+    pin_memory: bool = True,
 ) -> DataLoader:
     """Sequential loader over the whole dataset (the engine shards it with accelerator.prepare)."""
     _check_loader_args(batch_size, workers)
@@ -221,6 +231,6 @@ def build_eval_loader(
         batch_size=batch_size,
         shuffle=False,
         num_workers=workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory and torch.cuda.is_available(),  # --pin-mem
         worker_init_fn=worker_init_fn,
     )

@@ -59,22 +59,43 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
             f"cannot build {cfg.model} with {given or 'default arguments'}: {str(e).splitlines()[0]}"
         ) from e  # the constructor's traceback, shown with CONVBIAS_TRACEBACK=1
     if cfg.head_init_scale is not None:
-        scale_classifier(model, cfg.head_init_scale, cfg.model)
+        with torch.no_grad():
+            for tensor in classifier_tensors(model, ("weight", "bias"), "--head-init-scale", cfg.model):
+                tensor.mul_(cfg.head_init_scale)
+    if cfg.head_init_bias is not None:
+        with torch.no_grad():
+            for bias in classifier_tensors(model, ("bias",), "--head-init-bias", cfg.model):
+                bias.fill_(cfg.head_init_bias)
+    if cfg.bn_eps is not None or cfg.bn_momentum is not None:
+        set_batchnorm(model, cfg.bn_eps, cfg.bn_momentum, cfg.model)
     return model
 
 
-def scale_classifier(model: torch.nn.Module, scale: float, name: str) -> None:
-    """--head-init-scale: the classifier's weight and bias (every head's, for a distilled model's pair) times
-    ``scale``, as timm's train.py does after creating the model (a small head starts fine-tuning near uniform
-    predictions)."""
+def classifier_tensors(model: torch.nn.Module, keys: tuple[str, ...], option: str, name: str) -> list[torch.Tensor]:
+    """The classifier's ``keys`` tensors (every head's, for a distilled model's pair), which --head-init-scale and
+    --head-init-bias set after the model is created, as timm's train.py does (a small head starts fine-tuning
+    near uniform predictions)."""
     if not hasattr(model, "get_classifier"):
-        raise ConfigError(f"--head-init-scale: {type(model).__name__} ({name}) has no get_classifier(); run without it")
+        raise ConfigError(f"{option}: {type(model).__name__} ({name}) has no get_classifier(); run without it")
     heads = model.get_classifier()
     heads = heads if isinstance(heads, (tuple, list)) else (heads,)
-    weights = [getattr(head, key, None) for head in heads for key in ("weight", "bias")]
-    weights = [w for w in weights if isinstance(w, torch.Tensor)]
-    if not weights:
-        raise ConfigError(f"--head-init-scale: the classifier of {name} ({heads[0]}) has no weight to scale")
-    with torch.no_grad():
-        for weight in weights:
-            weight.mul_(scale)
+    tensors = [getattr(head, key, None) for head in heads for key in keys]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise ConfigError(f"{option}: the classifier of {name} ({heads[0]}) has no {' or '.join(keys)}")
+    return tensors
+
+
+def set_batchnorm(model: torch.nn.Module, eps: float | None, momentum: float | None, name: str) -> None:
+    """--bn-eps / --bn-momentum on every BatchNorm layer. timm's train.py passes them to the model's constructor,
+    which only its EfficientNet-style builders take; setting the layers works for any model, and a run's model
+    rebuilt for evaluation gets the same eps."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not layers:
+        option = "--bn-eps" if eps is not None else "--bn-momentum"
+        raise ConfigError(f"{option}: {name} has no BatchNorm layers; run without it")
+    for layer in layers:
+        if eps is not None:
+            layer.eps = eps
+        if momentum is not None:
+            layer.momentum = momentum

@@ -174,7 +174,8 @@ class DataOptions:
     class_map: str | None = option(
         None,
         "file naming the classes to train, one per line, in label order (timm's class map: .txt, or .pkl of "
-        "{name: index}); images of other classes are left out",
+        "{name: index}); images of other classes are left out, and --num-classes K keeps the map's first K "
+        "(digits, mnist, cifar10, cifar100, imagenet, folder; not wds/, hfids/, hfds/)",
         metavar="FILE",
     )
     train_num_samples: int | None = option(
@@ -318,7 +319,8 @@ class OptimizationOptions:
 class ScheduleOptions:
     sched: str = option(
         "cosine",
-        f"one of {', '.join(SCHEDULES)} (timm's schedulers, stepped per optimizer update)",
+        f"one of {', '.join(SCHEDULES)} (timm's schedulers; plateau: decay by --decay-rate when --eval-metric "
+        "stops improving)",
         choices=SCHEDULES,
     )
     epochs: int = option(300)

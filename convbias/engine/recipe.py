@@ -5,14 +5,16 @@ Defaults follow DeiT: AdamW, lr 5e-4 x global batch / 512, weight decay 0.05 on 
 (timm's rule: no decay on 1-D parameters (norms, GPSA gates), biases, and the names a model lists in
 ``no_weight_decay()`` (position embeddings, class/distillation tokens)), warmup then cosine to 1e-5, mixup/cutmix with soft-target cross-entropy, label smoothing.
 
-The lr schedule is stepped per optimizer update (timm ``step_update``), not per epoch: warmup and decay
-are smooth even for runs of a few epochs, and a resumed run lands on exactly the same lr because the
-schedule is a pure function of the update count.
+The lr schedule is stepped per optimizer update (timm ``step_update``) by default, where timm's train.py and DeiT
+step it per epoch: warmup and decay are smooth even for runs of a few epochs, as the short runs of the paper's
+sample-efficiency sweeps need. ``--no-sched-on-updates`` steps it per epoch as they do; the plateau schedule
+always steps per evaluation. Either way a resumed run lands on exactly the same lr.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
-from timm.scheduler import create_scheduler_v2
+from timm.scheduler import PlateauLRScheduler, create_scheduler_v2
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
@@ -143,7 +145,7 @@ def clip_gradients(cfg: Config, accelerator: Accelerator, model: nn.Module) -> N
 
 def _schedule(cfg: Config, epochs: int, warmup_epochs: int) -> dict[str, Any]:
     """create_scheduler_v2's arguments for a schedule of ``epochs``. 'constant' is a step schedule whose decay
-    factor is 1."""
+    factor is 1; the plateau schedule watches --eval-metric (lower is better for the loss)."""
     sched, decay_rate = ("step", 1.0) if cfg.sched == "constant" else (cfg.sched, cfg.decay_rate)
     return dict(
         sched=sched,
@@ -156,6 +158,8 @@ def _schedule(cfg: Config, epochs: int, warmup_epochs: int) -> dict[str, Any]:
         warmup_epochs=warmup_epochs,
         warmup_prefix=cfg.warmup_prefix,
         cooldown_epochs=cfg.cooldown_epochs,
+        patience_epochs=cfg.patience_epochs,
+        plateau_mode="min" if cfg.eval_metric == "loss" else "max",
         cycle_mul=cfg.lr_cycle_mul,
         cycle_decay=cfg.lr_cycle_decay,
         cycle_limit=cfg.lr_cycle_limit,
@@ -163,17 +167,37 @@ def _schedule(cfg: Config, epochs: int, warmup_epochs: int) -> dict[str, Any]:
     )
 
 
+def _create_timm_scheduler(optimizer: torch.optim.Optimizer, arguments: dict[str, Any]) -> tuple[Any, int]:
+    """timm's create_scheduler_v2. Its plateau scheduler warns that its state is not saved in checkpoints; this
+    engine saves it (resume_state.SchedulerState), so the warning would mislead."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="PlateauLRScheduler is deprecated", category=FutureWarning)
+        return create_scheduler_v2(optimizer, **arguments)
+
+
 def create_scheduler(
     cfg: Config, optimizer: torch.optim.Optimizer, epochs: int, warmup_epochs: int, updates_per_epoch: int
 ):
-    """timm scheduler over ``epochs`` (--epochs after --scale-epochs), stepped per update. Under --layer-decay
-    the groups' scales apply from the first update on (timm's schedulers apply them at their first step)."""
-    scheduler, _ = create_scheduler_v2(
-        optimizer, **_schedule(cfg, epochs, warmup_epochs), step_on_epochs=False, updates_per_epoch=updates_per_epoch
-    )
+    """timm scheduler over ``epochs`` (--epochs after --scale-epochs): stepped per update, or per epoch under
+    --no-sched-on-updates and for the plateau schedule. Under --layer-decay the groups' scales apply from the
+    first update on (timm's schedulers apply them at their first step)."""
+    per_epoch = not cfg.sched_on_updates or cfg.sched == "plateau"
+    arguments = dict(_schedule(cfg, epochs, warmup_epochs), step_on_epochs=per_epoch)
+    scheduler, _ = _create_timm_scheduler(optimizer, dict(arguments, updates_per_epoch=updates_per_epoch))
     if cfg.layer_decay is not None:
-        scheduler.step_update(0)
+        set_scheduled_lr(scheduler, num_updates=0, epoch=0)
     return scheduler
+
+
+def set_scheduled_lr(scheduler: Any, num_updates: int, epoch: int) -> None:
+    """The lr the schedule gives after ``num_updates`` updates, within epoch ``epoch`` (0-based), as a run that
+    resumes there or rebuilds its optimizer sets it. timm's plateau scheduler is stepped from epoch 1 on, as
+    timm's train.py does (its step 0 would set the warmup's initial lr even without a warmup); after its warmup
+    the lr is the optimizer's own, which a resume point restores."""
+    if not scheduler.t_in_epochs:
+        scheduler.step_update(num_updates)
+    elif epoch > 0 or not isinstance(scheduler, PlateauLRScheduler):
+        scheduler.step(epoch)
 
 
 def scheduled_epochs(cfg: Config, epochs: int, warmup_epochs: int) -> int:
@@ -181,7 +205,7 @@ def scheduled_epochs(cfg: Config, epochs: int, warmup_epochs: int) -> int:
     --lr-cycle-limit and a --warmup-prefix, as timm's create_scheduler_v2 counts them for train.py (per epoch:
     the count per update is the same, rounded down)."""
     probe = torch.optim.SGD([torch.zeros(1)], lr=1.0)
-    return create_scheduler_v2(probe, **_schedule(cfg, epochs, warmup_epochs))[1]
+    return _create_timm_scheduler(probe, _schedule(cfg, epochs, warmup_epochs))[1]
 
 
 def create_mixup(cfg: Config, num_classes: int) -> Mixup | None:

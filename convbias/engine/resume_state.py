@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from accelerate.utils import gather_object, set_seed
+from timm.scheduler import PlateauLRScheduler
 
 from .checkpoint import rng_state, set_rng_state
+from .recipe import set_scheduled_lr
 
 if TYPE_CHECKING:
     from .run_setup import Optimization, RunStart
@@ -44,6 +46,7 @@ class TrainingProgress:
     loss_sums: list[float] = field(default_factory=list)  # one per rank, at `step`
     best: dict[str, Any] = field(default_factory=dict)  # epoch, eval_top1, eval_top5 of the best evaluation
     final: dict[str, Any] = field(default_factory=dict)  # the latest evaluation
+    ranked: list[dict[str, Any]] = field(default_factory=list)  # the --checkpoint-hist best evaluations, best first
     initial_diagnostics: dict[str, Any] = field(default_factory=dict)  # kept by a point inside the first epoch
     reparametrized: bool = False  # the model's architecture was changed (--reparametrize-at-epoch)
 
@@ -89,17 +92,26 @@ class OptimizerState:
 
 
 class SchedulerState:
-    """The schedule's part: timm's scheduler state, replayed up to the point's number of updates."""
+    """The schedule's part: timm's scheduler state, and the lr set again for the point's update and epoch. timm's
+    plateau scheduler saves only its best metric; its patience and cooldown counters (torch's ReduceLROnPlateau
+    inside it) are saved here too, so a resumed run decays the lr when the uninterrupted one does."""
 
     def __init__(self, optimization: Optimization, progress: TrainingProgress):
         self.optimization, self.progress = optimization, progress
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimization.scheduler.state_dict()
+        scheduler = self.optimization.scheduler
+        state = scheduler.state_dict()
+        if isinstance(scheduler, PlateauLRScheduler):
+            state["plateau"] = scheduler.lr_scheduler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimization.scheduler.load_state_dict(state)
-        self.optimization.scheduler.step_update(self.progress.num_updates)
+        scheduler = self.optimization.scheduler
+        scheduler.load_state_dict(state)
+        if isinstance(scheduler, PlateauLRScheduler) and "plateau" in state:
+            scheduler.lr_scheduler.load_state_dict(state["plateau"])
+        set_scheduled_lr(scheduler, self.progress.num_updates, self.progress.epoch)
 
 
 class PerRankStreams:

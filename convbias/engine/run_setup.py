@@ -199,14 +199,16 @@ def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> T
     worker_init_fn = partial(ignore_in_worker, preemption.signals) if preemption.signals else None
     streamed, eval_batch = is_stream(cfg.dataset), cfg.eval_batch_size or cfg.batch_size
     if streamed:
-        eval_loader = build_stream_loader(bundle.val, eval_batch, cfg.workers, False, worker_init_fn)
+        eval_loader = build_stream_loader(bundle.val, eval_batch, cfg.workers, False, worker_init_fn, cfg.pin_mem)
     else:
-        eval_loader = acc.prepare(build_eval_loader(bundle.val, eval_batch, cfg.workers, worker_init_fn))
+        eval_loader = acc.prepare(build_eval_loader(bundle.val, eval_batch, cfg.workers, worker_init_fn, cfg.pin_mem))
     data = TrainingData(bundle, eval_loader, streamed, worker_init_fn)
     if not train:
         return data
     if streamed:
-        data.train_loader = build_stream_loader(bundle.train, cfg.batch_size, cfg.workers, True, worker_init_fn)
+        data.train_loader = build_stream_loader(
+            bundle.train, cfg.batch_size, cfg.workers, True, worker_init_fn, cfg.pin_mem
+        )
     else:
         data.train_loader = build_train_loader(
             bundle.train,
@@ -217,6 +219,7 @@ def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> T
             acc.num_processes,
             acc.process_index,
             worker_init_fn,
+            cfg.pin_mem,
         )
     if bundle.device_recipe is not None:
         data.augment = DeviceAugment(bundle.device_recipe, acc.device, seed=cfg.seed, rank=acc.process_index)

@@ -32,9 +32,7 @@ TIMM_NOT_APPLICABLE: dict[str, str] = {
     "no_resume_opt": "a resume point always restores the optimizer",
     "worker_seeding": "each image's augmentation is seeded from (seed, epoch, index)",
     "use_multi_epochs_loader": "the loaders are rebuilt per epoch by their samplers",
-    "sched_on_updates": "this engine steps the schedule per optimizer update (timm's default: per epoch)",
     "save_images": "a debugging aid of timm's loop",
-    "pin_mem": "the loaders pin memory whenever a GPU trains",
 }
 # timm options this engine does not implement: refused when set, with the reason
 TIMM_REFUSALS: dict[str, str] = {
@@ -65,8 +63,6 @@ TIMM_REFUSALS: dict[str, str] = {
         ("epoch_repeats", "train_batches_per_epoch"), "an epoch is one pass over the (repeated-augmentation) sampler"
     ),
     "tta": "test-time augmentation is not implemented",
-    "checkpoint_hist": "this engine keeps the newest --keep-checkpoints resume points and the best one",
-    "patience_epochs": "the plateau schedule is not implemented (it needs a per-epoch metric step)",
     "ratio": "the random-resized-crop aspect ratios are timm's default (3/4, 4/3)",
 }
 

@@ -242,6 +242,9 @@ class Trainer:
             is_best = evaluated and self._better(progress.final, progress.best)
             if is_best:
                 progress.best = dict(progress.final)
+            if evaluated:
+                progress.ranked = self._ranked([*(progress.ranked or [progress.best]), progress.final])
+            self._step_epoch_schedule(epoch, progress.final if evaluated else None)
             log.log_epoch(record)
             self._save(epoch + 1, is_best)
             if epoch + 1 in cfg.save_epochs:
@@ -257,6 +260,22 @@ class Trainer:
         if key not in best:
             return True
         return evaluation[key] < best[key] if self.cfg.eval_metric == "loss" else evaluation[key] > best[key]
+
+    def _ranked(self, evaluations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The --checkpoint-hist best of ``evaluations`` by --eval-metric, best first (the earlier on a tie, as
+        ``_better`` keeps it), one per epoch: their resume points are kept."""
+        key, sign = f"eval_{self.cfg.eval_metric}", 1 if self.cfg.eval_metric == "loss" else -1
+        by_epoch = {e["epoch"]: e for e in evaluations if key in e}
+        ranked = sorted(by_epoch.values(), key=lambda e: (sign * e[key], e["epoch"]))
+        return ranked[: self.cfg.checkpoint_hist]
+
+    def _step_epoch_schedule(self, epoch: int, evaluation: dict[str, Any] | None) -> None:
+        """A per-epoch schedule's step after epoch ``epoch`` (0-based), as timm's train.py steps it: the plateau
+        schedule's with --eval-metric's value when the epoch was evaluated (a per-update schedule has moved on
+        with every update)."""
+        scheduler = self.optimization.scheduler
+        if scheduler.t_in_epochs:
+            scheduler.step(epoch + 1, evaluation[f"eval_{self.cfg.eval_metric}"] if evaluation else None)
 
     def _distribute_batchnorm(self) -> None:
         """--dist-bn: every process evaluates with the same BatchNorm statistics (averaged, or rank 0's), as
@@ -443,7 +462,7 @@ class Trainer:
             self.start.warmup_epochs,
             self.data.steps_per_epoch // cfg.grad_accum_steps,
         )
-        optimization.scheduler.step_update(self.progress.num_updates)
+        recipe.set_scheduled_lr(optimization.scheduler, self.progress.num_updates, self.progress.epoch)
         models.compile(cfg)
         self.progress.reparametrized = True
         acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")
