@@ -16,7 +16,7 @@ from typing import Any
 from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 from ..errors import ConfigError
-from .options import did_you_mean, flag_name, option_aliases, option_names, option_types
+from .options import default_value, did_you_mean, flag_name, option_aliases, option_names, option_types
 
 NOT_YET = "not implemented by this engine yet"
 NO_DOWNLOAD = "this engine reads data and weights from local files only"
@@ -167,12 +167,23 @@ def read_timm_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
     return options
 
 
+def _default_here(name: str) -> str:
+    """' (default here: X)' where this engine's default differs from timm's (DeiT's recipe, or a choice of this
+    engine that docs/ gives the reason for); '' where they agree (timm's '' and None both mean unset)."""
+
+    def plain(value: Any) -> Any:
+        return None if value in ("", None) else list(value) if isinstance(value, (list, tuple)) else value
+
+    ours = default_value(name)
+    return "" if plain(ours) == plain(TIMM_TRAIN_DEFAULTS[name]) else f" (default here: `{ours!r}`)"
+
+
 def timm_option_status(name: str) -> tuple[str, str]:
     """(group, what this engine does with it) of a key of timm's args.yaml, for docs/timm-options.md and the
     refusals: 'implemented' (an option of the same name, or the options it translates to), 'not applicable'
     or 'refused', with the reason."""
     if name in option_names():
-        return "implemented", f"`{flag_name(name)}`"
+        return "implemented", f"`{flag_name(name)}`{_default_here(name)}"
     if name in option_aliases():
         return "implemented", f"`{flag_name(name)}` (alias of `{flag_name(option_aliases()[name])}`)"
     for keys, words in TRANSLATED_AS.items():
