@@ -59,7 +59,7 @@ from convbias.engine import (
     read_log,
 )
 from convbias.engine.checkpoint import WRITE_ERRORS
-from convbias.engine.data import dataset_info
+from convbias.engine.data import input_format
 from convbias.engine.run_dir import check_which
 from convbias.storage import staged_directory, storage_reason
 from convbias.tables import markdown_table
@@ -155,13 +155,13 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
 
 
 def data_config(config: dict[str, Any], in_chans: int, img_size: int | None) -> dict[str, Any]:
-    """The run's evaluation preprocessing, as timm's pretrained_cfg holds it."""
-    info = dataset_info(config["dataset"])
-    size = int(img_size or info.default_img_size)
+    """The run's evaluation preprocessing, as timm's pretrained_cfg holds it (its --mean/--std, else its
+    dataset's statistics for its channels)."""
+    shape = input_format(Config.from_dict(config).replace(in_chans=in_chans, img_size=img_size))
     return dict(
-        input_size=(in_chans, size, size),
-        mean=tuple(info.mean),
-        std=tuple(info.std),
+        input_size=(shape.in_chans, shape.img_size, shape.img_size),
+        mean=shape.mean,
+        std=shape.std,
         crop_pct=config.get("crop_pct"),
         interpolation=config.get("interpolation"),
     )

@@ -30,7 +30,8 @@ from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.data import build_transforms, dataset_info
+from convbias.engine.data import build_transforms, input_format
+from convbias.engine.input_pipeline import image_mode
 from convbias.families import load_families
 from convbias.storage import write_text
 
@@ -67,11 +68,6 @@ class Predictions:
     skipped: list[tuple[str, str]]  # (path, why it could not be read)
 
 
-def image_mode(in_chans: int) -> str:
-    """The PIL mode a file is read in, as the run's images were served (timm's inference reads alike)."""
-    return "L" if in_chans == 1 else "RGB"
-
-
 def is_exported(path: str | Path) -> bool:
     """A ``convbias-export`` folder (timm's Hub layout). It also holds the run's config.yaml, so it is told
     apart from a run directory by its config.json."""
@@ -102,13 +98,14 @@ def load_predictor(source: str | Path, which: str | None = None) -> Predictor:
 
 
 def load_run(path: str | Path, which: str = "last") -> Predictor:
-    """A run's checkpoint ``which`` as train.py evaluated it: its model and the engine's eval transform."""
+    """A run's checkpoint ``which`` as train.py evaluated it: its model and the engine's eval transform (its
+    --mean/--std or its dataset's statistics, for the channels the model was built with)."""
     run = RunDir(path)
     config = run.run_config()
     spec = run.model_spec(which)  # refuses a missing checkpoint, verifies the weights against their manifest
     model, checkpoint = run.build_model(which, load_families())
-    info = dataset_info(config.dataset)
-    _, transform = build_transforms(int(spec["img_size"]), spec["in_chans"], info.mean, info.std, config)
+    shape = input_format(config.replace(img_size=int(spec["img_size"]), in_chans=spec["in_chans"]))
+    _, transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, config)
     labels, notes = run_class_names(config, spec["num_classes"])
     return Predictor(
         model, transform, spec["num_classes"], image_mode(spec["in_chans"]), checkpoint.describe(), labels, notes

@@ -12,7 +12,7 @@ import torch
 from timm.scheduler import CosineLRScheduler, PlateauLRScheduler
 from torch import nn
 
-from convbias.engine import loaders, modeling, read_log, recipe
+from convbias.engine import RunDir, loaders, modeling, read_log, recipe
 from convbias.engine.checkpoint import load_training_state
 from convbias.engine.config import validate
 from convbias.engine.options import Config
@@ -52,7 +52,9 @@ def test_no_sched_on_updates_steps_timms_schedule_once_per_epoch(tmp_path):
     optimizer = recipe.create_optimizer(cfg, nn.Linear(2, 2), LR)
     scheduler = recipe.create_scheduler(cfg, optimizer, 4, 1, UPDATES)
     timm_optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
-    timm_scheduler = CosineLRScheduler(timm_optimizer, t_initial=4, lr_min=1e-5, warmup_t=1, warmup_lr_init=cfg.warmup_lr)
+    timm_scheduler = CosineLRScheduler(
+        timm_optimizer, t_initial=4, lr_min=1e-5, warmup_t=1, warmup_lr_init=cfg.warmup_lr
+    )
     num_updates = 0
     for epoch in range(4):  # timm's train.py: step_update after each update (a no-op here), step after each epoch
         lrs = set()
@@ -118,8 +120,10 @@ def test_plateau_options_are_checked(tmp_path):
 # ------------------------------------------------------------------------------------------ checkpoints
 @pytest.mark.integration
 def test_checkpoint_hist_keeps_the_points_of_the_k_best_evaluations(tmp_path):
-    cfg = small_cnn(tmp_path, epochs=5, lr=0.05, eval_metric="loss", keep_checkpoints=1, checkpoint_hist=3)
+    cfg = small_cnn(tmp_path, epochs=5, lr=0.05, eval_metric="loss", keep_checkpoints=1, checkpoint_hist=3, bn_eps=1e-3)
     records = train(cfg)
+    rebuilt, _ = RunDir(tmp_path / "run").build_model("best", load_families())  # as evaluation commands rebuild it
+    assert {m.eps for m in rebuilt.modules() if isinstance(m, nn.BatchNorm2d)} == {1e-3}
     losses = {r["epoch"]: r["eval_loss"] for r in records}
     best_three = sorted(losses, key=losses.get)[:3]
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("epoch_*") if p.is_dir())

@@ -178,6 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 RUN_OPTIONS = ("model", "dataset", "data_dir", "num_classes", "img_size")
+RUN_DATA_OPTIONS = ("crop_pct", "interpolation", "in_chans", "input_size", "mean", "std", "class_map")
+RUN_MODEL_OPTIONS = ("bn_eps",)  # what the run's model is built with besides its kwargs, for evaluation
 
 
 def _take_run_options(args: argparse.Namespace) -> None:
@@ -191,6 +193,7 @@ def _take_run_options(args: argparse.Namespace) -> None:
         options = run_dir.options()
         kwargs_key = f"{model_key}_kwargs"
         setattr(args, kwargs_key, {**(options.get("model_kwargs") or {}), **getattr(args, kwargs_key)})
+        setattr(args, f"{model_key}_options", {k: options[k] for k in RUN_MODEL_OPTIONS if options.get(k) is not None})
         if getattr(args, model_key) is None:
             setattr(args, model_key, options.get("model"))
         if option == "checkpoint":
@@ -198,7 +201,7 @@ def _take_run_options(args: argparse.Namespace) -> None:
                 if getattr(args, key) is None:
                     setattr(args, key, options.get(key))
             # the run's evaluation transform, so that clean accuracy is the run's own top-1
-            args.eval_transform = {key: options[key] for key in ("crop_pct", "interpolation") if key in options}
+            args.eval_transform = {key: options[key] for key in RUN_DATA_OPTIONS if options.get(key) is not None}
         chosen = run_dir.checkpoint(args.which)  # verified against its manifest
         setattr(args, option, str(chosen.weights))
         setattr(args, f"{option}_label", chosen.describe())

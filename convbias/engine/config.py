@@ -280,10 +280,29 @@ def _normalize(cfg: Config) -> None:
         cfg.preempt_signals = []
     if cfg.pretrained_file:
         cfg.pretrained = True
+    if cfg.input_size is not None:  # timm's --input-size C H W: --in-chans C --img-size H (_check_input: they agree)
+        cfg.in_chans, cfg.img_size = cfg.in_chans or cfg.input_size[0], cfg.img_size or cfg.input_size[1]
+
+
+def _check_input(cfg: Config) -> None:
+    """--input-size against --img-size and --in-chans; --mean/--std against the channels and --class-map's file
+    against the dataset, as engine.data resolves them (it loads torch: only after parsing)."""
+    if cfg.input_size is not None:
+        given = f"--input-size {' '.join(map(str, cfg.input_size))}"
+        for name, value in (("img_size", cfg.input_size[1]), ("in_chans", cfg.input_size[0])):
+            _check(
+                getattr(cfg, name) == value,
+                f"{given} and {flag_name(name)} {getattr(cfg, name)} disagree; give one of them",
+            )
+    from .data import class_map, input_format
+
+    input_format(cfg)
+    class_map(cfg)
 
 
 def _check_combinations(cfg: Config) -> None:
     """Rules that tie options together."""
+    _check_input(cfg)
     _check(
         cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
         "--output-scale cannot be combined with --reparametrize or hard distillation",

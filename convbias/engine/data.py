@@ -31,12 +31,14 @@ from .datasets import (
     EMBEDDED_SOURCES,
     DatasetInfo,
     ImageFolderDataset,
+    apply_class_map,
     fraction_per_class,
     load_cifar,
     load_image_folders,
+    read_class_map,
     select_classes,
 )
-from .input_pipeline import AugmentRecipe
+from .input_pipeline import AugmentRecipe, image_mode
 from .input_pipeline import fast_path_reason as recipe_fast_path_reason
 from .options import Config
 from .streams import check_stream, create_streams, factory_layout, is_factory_source, is_hfds, is_stream, load_hfds
@@ -45,6 +47,7 @@ from .streams import check_stream, create_streams, factory_layout, is_factory_so
 FACTORY_INFO = DatasetInfo(3, DATASETS["imagenet"].mean, DATASETS["imagenet"].std, 224, layout="")
 
 RANDOM_ERASING_MODE = "pixel"  # DeiT: per-pixel normal noise in the erased box
+LUMA = (0.299, 0.587, 0.114)  # PIL's RGB -> L weights: a 3-channel statistic seen through --in-chans 1
 
 
 @dataclass
@@ -63,6 +66,62 @@ class DataBundle:
     def unreadable_files(self) -> list[str]:
         """Image files skipped so far because they could not be decoded (folder datasets only)."""
         return [path for split in (self.train, self.val) for path in getattr(split, "unreadable_files", list)()]
+
+
+@dataclass(frozen=True)
+class InputFormat:
+    """The model's input as timm's resolve_data_config gives it: (in_chans, img_size, img_size), mean, std."""
+
+    in_chans: int
+    img_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def input_format(cfg: Config) -> InputFormat:
+    """As timm's train.py: in_chans = --in-chans or --input-size's C or the dataset's; the size --img-size, else
+    --input-size's H, else the dataset's; the normalization --mean/--std, else the dataset's (see _per_channel)."""
+    info = dataset_info(cfg.dataset)
+    channels, size = (cfg.input_size or (None, None))[:2]
+    in_chans = int(cfg.in_chans or channels or info.in_chans)
+    return InputFormat(
+        in_chans,
+        int(cfg.img_size or size or info.default_img_size),
+        _per_channel("mean", cfg.mean, info.mean, in_chans),
+        _per_channel("std", cfg.std, info.std, in_chans),
+    )
+
+
+def _per_channel(name: str, given: Any, dataset: tuple[float, ...], in_chans: int) -> tuple[float, ...]:
+    """One value per channel: --mean/--std (one value is repeated, as timm does), else the dataset's statistics,
+    repeated from one channel or luma-weighted from three (exact for the mean, an upper bound for the std)."""
+    values = tuple(float(v) for v in (dataset if given is None else given))
+    if len(values) == in_chans:
+        return values
+    if len(values) == 1:
+        return values * in_chans
+    if given is None and in_chans == 1:
+        return (sum(w * v for w, v in zip(LUMA, values)),)
+    raise ConfigError(
+        f"--{name} {' '.join(f'{v:g}' for v in values)}: {len(values)} values for {in_chans}-channel images; "
+        f"give one value or {in_chans} (one per channel)"
+    )
+
+
+def class_map(cfg: Config) -> dict[str, int] | None:
+    """--class-map as {class name: label} (engine.datasets.read_class_map), found as timm finds it (the path, else
+    under --data-dir); None without one. A source whose labels timm's readers assign has no class index to map."""
+    if not cfg.class_map:  # timm's unset value is ''
+        return None
+    if is_factory_source(cfg.dataset):
+        raise ConfigError(
+            f"--class-map {cfg.class_map}: --dataset {cfg.dataset} takes its labels from timm's reader, which a class "
+            f"map cannot relabel; a class map needs one of {', '.join(DATASETS)}"
+        )
+    path = Path(cfg.class_map).expanduser()
+    if not path.exists() and cfg.data_dir and (Path(cfg.data_dir).expanduser() / cfg.class_map).exists():
+        path = Path(cfg.data_dir).expanduser() / cfg.class_map
+    return read_class_map(path)
 
 
 def _check_data_options(
@@ -110,8 +169,8 @@ def _patch_posterize(transform: Callable) -> None:
 
 def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Config) -> tuple[Callable, Callable]:
     """timm's train transform (random resized crop, flip, RandAugment, random erasing) and eval
-    transform (resize to img_size / crop_pct, center crop), normalized with the dataset's mean/std.
-    Works for any source size: 8x8 digits are upsampled to img_size."""
+    transform (resize to img_size / crop_pct, center crop), normalized with mean/std. Works for any source size
+    (8x8 digits are upsampled to img_size) and mode: images are first converted to in_chans channels (L or RGB)."""
     input_size = (in_chans, img_size, img_size)
     interpolation = cfg.interpolation
     scale = cfg.scale
@@ -120,6 +179,7 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Config) -> tu
         is_training=True,
         no_aug=bool(cfg.no_aug),
         scale=tuple(scale) if scale is not None else None,
+        train_crop_mode=cfg.train_crop_mode,
         hflip=cfg.hflip,
         color_jitter=cfg.color_jitter,
         auto_augment=cfg.aa or None,
@@ -138,19 +198,35 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Config) -> tu
         mean=mean,
         std=std,
     )
+    for transform in (train, val):  # as timm's datasets serve images in --in-chans' mode (their input_img_mode)
+        transform.transforms.insert(0, ConvertImage(image_mode(in_chans)))
     return train, val
+
+
+class ConvertImage:
+    """A PIL image in ``mode`` (L or RGB); unchanged when already in it."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        return image if image.mode == self.mode else image.convert(self.mode)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mode={self.mode!r})"
 
 
 def train_recipe(cfg: Config) -> AugmentRecipe:
     """cfg's train augmentation as the fast path reads it (the options build_transforms gives timm)."""
-    info = dataset_info(cfg.dataset)
+    shape = input_format(cfg)
     scale = cfg.scale
     return AugmentRecipe(
-        img_size=int(cfg.img_size or info.default_img_size),
-        in_chans=info.in_chans,
-        mean=tuple(info.mean),
-        std=tuple(info.std),
-        scale=tuple(scale) if scale is not None else (0.08, 1.0),
+        img_size=shape.img_size,
+        in_chans=shape.in_chans,
+        mean=shape.mean,
+        std=shape.std,
+        scale=tuple(scale) if scale is not None else None,
+        crop_mode=cfg.train_crop_mode or "rrc",
         hflip=float(cfg.hflip),
         interpolation=cfg.interpolation,
         auto_augment=cfg.aa or None,
@@ -197,6 +273,8 @@ def build_streams(cfg: Config) -> DataBundle:
     """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.streams), with the engine's
     transforms."""
     name, data_dir = cfg.dataset, cfg.data_dir
+    shape = input_format(cfg)
+    class_map(cfg)  # refused on a stream
     info = check_stream(
         name,
         data_dir,
@@ -204,23 +282,27 @@ def build_streams(cfg: Config) -> DataBundle:
         cfg.num_classes,
         int(cfg.workers),
         _world_size(),
+        cfg.train_num_samples,
     )
-    train, val = create_streams(name, data_dir, int(cfg.seed), batch_size=1, splits=info["splits"])
-    img_size = cfg.img_size or FACTORY_INFO.default_img_size
-    train.transform, val.transform = build_transforms(int(img_size), 3, FACTORY_INFO.mean, FACTORY_INFO.std, cfg)
+    train, val = create_streams(
+        name, data_dir, int(cfg.seed), batch_size=1, splits=info["splits"], train_num_samples=cfg.train_num_samples
+    )
+    train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg)
     recipe = _fast_train_transform(cfg, train)  # a stream's reader decodes whole images: no JPEG draft
-    return DataBundle(train, val, info["num_classes"], 3, info["classes"], FACTORY_INFO.mean, FACTORY_INFO.std, recipe)
+    return DataBundle(train, val, info["num_classes"], shape.in_chans, info["classes"], shape.mean, shape.std, recipe)
 
 
 def build_datasets(cfg: Config) -> DataBundle:
-    """Train and val datasets of cfg.dataset with transforms, after the class subset (train and
-    val) and the per-class train fraction (train only: validation is never subsampled)."""
+    """Train and val datasets of cfg.dataset with transforms, after the class map and the class subset (train and
+    val: --class-map first, then --num-classes keeps the map's first K) and the per-class train fraction (train
+    only: validation is never subsampled)."""
     name = cfg.dataset
     if is_stream(name):
         return build_streams(cfg)
     num_classes, img_size = cfg.num_classes, cfg.img_size
     fraction = cfg.train_fraction
     data_dir = _check_data_options(name, cfg.data_dir, fraction, num_classes, img_size)
+    shape, mapping = input_format(cfg), class_map(cfg)
 
     if name in EMBEDDED_SOURCES:
         train, val = EMBEDDED_SOURCES[name]()
@@ -231,9 +313,19 @@ def build_datasets(cfg: Config) -> DataBundle:
     else:
         train, val = load_image_folders(name, data_dir, cfg.skip_unreadable, cfg.train_split, cfg.val_split)
 
+    if mapping is not None:
+        missing = [label for label in mapping if label not in train.classes]
+        if missing:
+            raise ConfigError(
+                f"--class-map {cfg.class_map} names classes that --dataset {name} lacks: {', '.join(missing[:5])}; "
+                f"expected names among its classes: {', '.join(map(str, train.classes[:10]))}"
+                f"{', ...' if len(train.classes) > 10 else ''}"
+            )
+        train, val = apply_class_map(train, mapping), apply_class_map(val, mapping)
     if num_classes is not None:
         if int(num_classes) > len(train.classes):
-            raise ConfigError(f"--num-classes {num_classes}: --dataset {name} has only {len(train.classes)} classes")
+            source = f"--class-map {cfg.class_map} names" if mapping else f"--dataset {name} has"
+            raise ConfigError(f"--num-classes {num_classes}: {source} only {len(train.classes)} classes")
         train, val = select_classes(train, int(num_classes)), select_classes(val, int(num_classes))
     if len(train.classes) < 2:  # one class trains to a meaningless 100%
         raise ConfigError(
@@ -244,9 +336,7 @@ def build_datasets(cfg: Config) -> DataBundle:
     if float(fraction) < 1.0:
         train = train.subset(fraction_per_class(train.targets, float(fraction), int(cfg.seed)))
 
-    info = dataset_info(name)
-    train.transform, val.transform = build_transforms(
-        int(img_size or info.default_img_size), info.in_chans, info.mean, info.std, cfg
-    )
+    train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg)
     recipe = _fast_train_transform(cfg, train)
-    return DataBundle(train, val, len(train.classes), info.in_chans, list(train.classes), info.mean, info.std, recipe)
+    classes = list(train.classes)
+    return DataBundle(train, val, len(classes), shape.in_chans, classes, shape.mean, shape.std, recipe)

@@ -4,11 +4,12 @@ On PIL, timm's DeiT train transform costs its loader workers about 3 ms of CPU p
 decode 0.9, random resized crop 1.1 (Pillow's bicubic resize), RandAugment 1.0 (docs/input-pipeline.md).
 This path splits it:
 
-- worker, `CropFlip`: timm's crop box and flip, drawn by timm's own sampler with the same random calls
-  in the same order (so the same box and flip as timm's transform for the same seed). A JPEG file is
-  decoded at the largest DCT scale reduction (PIL's draft: 1/2, 1/4, 1/8) that keeps the box at least the
-  output size (else by torchvision's decoder, straight into a tensor), and the box is resized by torch's uint8 antialiased interpolation (Pillow's filters, about
-  4x less CPU than Pillow's resize). Out: a uint8 (C, size, size) tensor, a quarter of the float bytes.
+- worker, `CropFlip`: timm's crop (each --train-crop-mode: rrc, rkrc, rkrr) and flip, drawn by timm's own
+  samplers with the same random calls in the same order (so the same crop and flip as timm's transform for
+  the same seed). A JPEG file is decoded at the largest DCT scale reduction (PIL's draft: 1/2, 1/4, 1/8)
+  that keeps the box at least the size it is resized to (else by torchvision's decoder, straight into a
+  tensor), and the box is resized by torch's uint8 antialiased interpolation (Pillow's filters, about 4x
+  less CPU than Pillow's resize). Out: a uint8 (C, size, size) tensor, a quarter of the float bytes.
 - device, `DeviceAugment`: RandAugment as batched ops with choices per image (engine.batch_augment),
   normalization and random erasing, drawn from its own generators seeded by (seed, rank), whose state
   `state_dict()` holds for an exact resume.
@@ -27,12 +28,20 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from timm.data.transforms import RandomResizedCropAndInterpolation, str_to_pil_interp
+from timm.data.transforms import (
+    RandomCropOrPad,
+    RandomResizedCropAndInterpolation,
+    center_crop_or_pad,
+    crop_or_pad,
+    str_to_pil_interp,
+)
+from timm.data.transforms_factory import transforms_imagenet_train
 
 from .batch_augment import ErasingSpec, OpContext, RandAugmentSpec, apply_rand_augment, erase, rand_augment_groups
 
@@ -44,6 +53,16 @@ except ImportError:
 AUGMENT_STREAM = 2  # keeps DeviceAugment's seeds apart from the sampler's streams of the same run seed
 ERASING_MODES = ("pixel", "rand", "const")
 INTERPOLATIONS = ("bilinear", "bicubic")
+CROP_MODES = ("rrc", "rkrc", "rkrr")  # timm's train_crop_mode
+# rkrc/rkrr zoom out (--scale above 1, aspect jitter) by reflect padding of the resized image; torch's reflect
+# padding (unlike Pillow's, numpy's) must be narrower than the image: at most this area zoom-out keeps every
+# side resized to >= 0.63 of the output size, so that any output of 4 pixels or more pads within the image
+RKR_MAX_ZOOM_OUT = 2.5
+
+
+def image_mode(in_chans: int) -> str:
+    """The PIL mode images are served in for ``in_chans`` channels (timm's input_img_mode): L for one, else RGB."""
+    return "L" if in_chans == 1 else "RGB"
 
 
 @dataclass(frozen=True)
@@ -54,8 +73,9 @@ class AugmentRecipe:
     in_chans: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0)
+    scale: tuple[float, float] | None = None  # None: timm's default for crop_mode
+    ratio: tuple[float, float] | None = None
+    crop_mode: str = "rrc"
     hflip: float = 0.5
     interpolation: str = "bicubic"
     auto_augment: str | None = "rand-m9-mstd0.5-inc1"
@@ -75,7 +95,15 @@ class AugmentRecipe:
         return RandAugmentSpec.from_timm(self.auto_augment, hparams)
 
     def worker_transform(self) -> CropFlip:
-        return CropFlip(self.img_size, self.scale, self.ratio, self.hflip, self.interpolation)
+        return CropFlip(
+            self.img_size,
+            self.scale,
+            self.ratio,
+            self.hflip,
+            self.interpolation,
+            image_mode(self.in_chans),
+            crop_mode=self.crop_mode,
+        )
 
 
 def fast_path_reason(
@@ -97,38 +125,86 @@ def fast_path_reason(
         recipe.rand_augment()
     except ValueError as error:
         return str(error)
+    crop = recipe.worker_transform()
+    if crop.crop_mode != "rrc" and crop.zoom_out() > RKR_MAX_ZOOM_OUT:
+        return (
+            f"--train-crop-mode {crop.crop_mode} with --scale up to {crop.scale[1]}: zooms out to reflect padding "
+            "wider than the resized image, which the worker's torch padding cannot do"
+        )
     return None
 
 
+class Crop(NamedTuple):
+    """One training crop as timm's transform makes it: the source box (top, left, height, width) resized to
+    `resized` (height, width; None: the output size), then timm's crop-or-pad to the output size at `window`
+    ((top, left) in the resized box; None: centered), reflect-padded where it overhangs (rkrc, rkrr)."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    resized: tuple[int, int] | None = None
+    window: tuple[int, int] | None = None
+
+
 class CropFlip:
-    """Worker half of the fast path: image (PIL, or a file path) -> uint8 (C, size, size) crop, flipped or not."""
+    """Worker half of the fast path: image (PIL, or a file path) -> uint8 (C, size, size) crop, flipped or not.
+    ``mode`` (L or RGB) converts every crop to the run's channels; None keeps an image's own mode (a file: RGB).
+    ``crop_mode`` is timm's train_crop_mode: rrc (random resized crop), rkrc / rkrr (the whole image resized
+    keeping its aspect ratio, with random scale and aspect jitter, then a center / random crop, reflect-padded
+    where the resized image is smaller). scale, ratio None: timm's defaults for the crop mode."""
 
     def __init__(
         self,
         size: int,
-        scale: tuple[float, float] = (0.08, 1.0),
-        ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+        scale: tuple[float, float] | None = None,
+        ratio: tuple[float, float] | None = None,
         hflip: float = 0.5,
         interpolation: str = "bicubic",
+        mode: str | None = None,
+        crop_mode: str = "rrc",
     ):
+        if crop_mode not in CROP_MODES:
+            raise ValueError(f"crop mode {crop_mode!r}: expected one of {', '.join(CROP_MODES)}")
         self.size = (int(size), int(size))
-        self.scale, self.ratio, self.hflip, self.interpolation = tuple(scale), tuple(ratio), hflip, interpolation
+        self.hflip, self.interpolation, self.crop_mode = hflip, interpolation, crop_mode
+        self.mode = mode
+        # timm's own crop transform, built as create_transform builds it (with its defaults for the crop mode)
+        self.resize = transforms_imagenet_train(
+            self.size,
+            scale=tuple(scale) if scale is not None else None,
+            ratio=tuple(ratio) if ratio is not None else None,
+            train_crop_mode=crop_mode,
+            hflip=0.0,
+            color_jitter=None,
+            interpolation=interpolation,
+            separate=True,
+        )[0].transforms[0]  # RandomResizedCropAndInterpolation or ResizeKeepRatio
+        if crop_mode == "rrc":
+            self.scale, self.ratio = tuple(self.resize.scale), tuple(self.resize.ratio)
+        else:
+            self.scale, self.ratio = tuple(self.resize.random_scale_range), tuple(self.resize.random_aspect_range)
+
+    def zoom_out(self) -> float:
+        """rkrc/rkrr: the largest factor by which the resized image can fall short of the output size, squared
+        (a side shrinks by 1/sqrt(scale) and by the square root of the aspect factor)."""
+        return max(1.0, self.scale[1]) * max(1.0, self.ratio[1], 1.0 / self.ratio[0])
 
     def __call__(self, image: Image.Image | str | os.PathLike) -> torch.Tensor:
-        """An image in memory keeps its mode (L or RGB); a path is decoded as RGB (see `from_file`)."""
+        """An image in memory keeps its mode (L or RGB); a path is decoded as RGB (see `from_file`); then `mode`."""
         if isinstance(image, str | os.PathLike):
             return self.from_file(image)
         box, flip = self.sample(image)
         return self.crop(image, box, flip)
 
     def from_file(self, path: str | os.PathLike) -> torch.Tensor:
-        """A file as torchvision's default loader reads it (RGB), decoded at the crop's scale (see `region`).
-        A file that does not decode raises (OSError, RuntimeError)."""
-        return self._resize_flip(*self.decode(path))
+        """A file as torchvision's default loader reads it (RGB, then `mode`), decoded at the crop's scale (see
+        `region`). A file that does not decode raises (OSError, RuntimeError)."""
+        return self._finish(*self.decode(path))
 
-    def decode(self, path: str | os.PathLike) -> tuple[torch.Tensor, bool]:
-        """The crop box of a file, uint8 (C, h, w) at the decode's scale, and the flip draw. A JPEG whose box
-        allows a DCT scale reduction goes through Pillow's draft (`region`); another RGB JPEG through
+    def decode(self, path: str | os.PathLike) -> tuple[torch.Tensor, Crop, bool]:
+        """The crop's box of a file, uint8 (C, h, w) at the decode's scale, the crop and the flip draw. A JPEG
+        whose box allows a DCT scale reduction goes through Pillow's draft (`region`); another RGB JPEG through
         torchvision's decoder: the same libjpeg-turbo pixels as Pillow's, straight into a tensor (about 0.2 ms
         less per ImageNet image than Pillow's decode and conversion). The file is read whole first (Pillow
         reads a file in small pieces)."""
@@ -139,45 +215,74 @@ class CropFlip:
             decode_jpeg is not None
             and image.format == "JPEG"
             and image.mode == "RGB"
+            and self.mode in (None, "RGB")
             and self.reduction(image, box) == 1
         ):
-            top, left, height, width = box
+            top, left, height, width = box[:4]
             pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-            return pixels[:, top : top + height, left : left + width], flip
-        return _chw(self.region(image, box)), flip
+            return pixels[:, top : top + height, left : left + width], box, flip
+        return _chw(self.region(image, box)), box, flip
 
-    def sample(self, image: Image.Image) -> tuple[tuple[int, int, int, int], bool]:
-        """(top, left, height, width) and flip, by timm's draws in timm's order: RandomResizedCropAndInterpolation's
-        get_params (Python's random), then torchvision's RandomHorizontalFlip (torch.rand(1)) when hflip > 0."""
-        box = RandomResizedCropAndInterpolation.get_params(image, self.scale, self.ratio)
+    def sample(self, image: Image.Image) -> tuple[Crop, bool]:
+        """The crop and flip, by timm's draws in timm's order (Python's random, then torch.rand(1) for
+        torchvision's RandomHorizontalFlip when hflip > 0). rrc: RandomResizedCropAndInterpolation's get_params;
+        rkrc, rkrr: ResizeKeepRatio's (the size the whole image is resized to), then for rkrr RandomCropOrPad's
+        (the window's corner in the resized image)."""
+        if self.crop_mode == "rrc":
+            crop = Crop(*RandomResizedCropAndInterpolation.get_params(image, self.scale, self.ratio))
+        else:
+            keep_ratio = self.resize  # timm's ResizeKeepRatio: the draws of its __call__
+            resized = keep_ratio.get_params(
+                image,
+                keep_ratio.size,
+                keep_ratio.longest,
+                keep_ratio.random_scale_prob,
+                keep_ratio.random_scale_range,
+                keep_ratio.random_scale_area,
+                keep_ratio.random_aspect_prob,
+                keep_ratio.random_aspect_range,
+            )
+            resized = (int(resized[0]), int(resized[1]))
+            shape = torch.empty(()).expand(resized)  # the resized image's dimensions, no pixels
+            window = RandomCropOrPad.get_params(shape, self.size) if self.crop_mode == "rkrr" else None
+            crop = Crop(0, 0, image.height, image.width, resized, window)
         flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)
-        return box, flip
+        return crop, flip
 
-    def reduction(self, image: Image.Image, box: tuple[int, int, int, int]) -> int:
+    def reduction(self, image: Image.Image, box: Crop | tuple[int, int, int, int]) -> int:
         """The DCT scale reduction Pillow's draft takes for this box (`region`): the largest of 8, 4, 2 that keeps
-        the box at least the output size, else 1."""
+        the box at least the size it is resized to, else 1."""
         wanted = self._draft_size(image, box)
         fits = min(image.width // wanted[0], image.height // wanted[1])
         return next((s for s in (8, 4, 2) if fits >= s), 1)
 
-    def _draft_size(self, image: Image.Image, box: tuple[int, int, int, int]) -> tuple[int, int]:
-        """The size to ask Pillow's draft for: the image scaled as the box is to the output size."""
-        _, _, height, width = box
-        return math.ceil(image.width * self.size[1] / width), math.ceil(image.height * self.size[0] / height)
+    def _draft_size(self, image: Image.Image, box: Crop | tuple[int, int, int, int]) -> tuple[int, int]:
+        """The size to ask Pillow's draft for: the image scaled as the box is to the size it is resized to."""
+        box = Crop(*box)
+        height, width = box.resized or self.size
+        return math.ceil(image.width * width / box.width), math.ceil(image.height * height / box.height)
 
-    def crop(self, image: Image.Image, box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
-        return self._resize_flip(_chw(self.region(image, box)), flip)
+    def crop(self, image: Image.Image, box: Crop | tuple[int, int, int, int], flip: bool) -> torch.Tensor:
+        return self._finish(_chw(self.region(image, box)), Crop(*box), flip)
 
-    def _resize_flip(self, chw: torch.Tensor, flip: bool) -> torch.Tensor:
-        """torch's uint8 antialiased resize (fastest on channels-last memory, which HWC pixels permuted are)."""
-        if tuple(chw.shape[-2:]) != self.size:
-            chw = F.interpolate(chw[None], size=self.size, mode=self.interpolation, antialias=True)[0]
+    def _finish(self, chw: torch.Tensor, crop: Crop, flip: bool) -> torch.Tensor:
+        """The box's pixels resized by torch's uint8 antialiased resize (fastest on channels-last memory, which
+        HWC pixels permuted are), cropped or padded to the output size by timm's own functions, flipped."""
+        resized = crop.resized or self.size
+        if tuple(chw.shape[-2:]) != resized:
+            chw = F.interpolate(chw[None], size=resized, mode=self.interpolation, antialias=True)[0]
+        if resized != self.size:
+            if crop.window is None:
+                chw = center_crop_or_pad(chw, self.size, padding_mode="reflect")
+            else:
+                chw = crop_or_pad(chw, *crop.window, *self.size, padding_mode="reflect")
         return chw.flip(-1) if flip else chw.contiguous()
 
-    def region(self, image: Image.Image, box: tuple[int, int, int, int]) -> Image.Image:
-        """The box's pixels (L or RGB). A JPEG not decoded yet is decoded at the DCT scale reduction that keeps
-        the box at least the output size; the box is then rounded to that scale's pixels (< 1/2 pixel)."""
-        top, left, height, width = box
+    def region(self, image: Image.Image, box: Crop | tuple[int, int, int, int]) -> Image.Image:
+        """The box's pixels (L or RGB: `mode`). A JPEG not decoded yet is decoded at the DCT scale reduction that
+        keeps the box at least the size it is resized to; the box is then rounded to that scale's pixels (< 1/2
+        pixel)."""
+        top, left, height, width = box[:4]
         undecoded = bool(getattr(image, "tile", None))  # opened from a file, pixels not read yet
         corners = (left, top, left + width, top + height)
         if image.format == "JPEG" and undecoded:
@@ -187,8 +292,9 @@ class CropFlip:
             if reduction > 1:
                 corners = tuple(round(c / reduction) for c in corners)
         region = image.crop(corners)
-        rgb = undecoded or region.mode not in ("L", "RGB")  # a file reads as RGB, as default_loader does
-        return region.convert("RGB") if rgb and region.mode != "RGB" else region
+        if (undecoded or region.mode not in ("L", "RGB")) and region.mode != "RGB":
+            region = region.convert("RGB")  # a file reads as RGB, as default_loader does (then `mode`, as timm's)
+        return region if region.mode == (self.mode or region.mode) else region.convert(self.mode)
 
 
 def _chw(image: Image.Image) -> torch.Tensor:

@@ -193,12 +193,16 @@ class DataOptions:
     crop_pct: float = option(0.875, "eval center-crop fraction", check=FRACTION)
     hflip: float = option(0.5)
     scale: list[float] | None = option(
-        None, "random-resized-crop area range; default timm's (0.08, 1)", nargs=2, metavar=("MIN", "MAX")
+        None,
+        "random-resized-crop area range; default timm's: (0.08, 1), or (0.8, 1) with --train-crop-mode rkrc/rkrr",
+        nargs=2,
+        metavar=("MIN", "MAX"),
     )
     train_crop_mode: str | None = option(
         None,
-        "training crop, as timm's: rrc (random resized crop, the default), rkrc (resize keeping the aspect ratio, "
-        "then random crop) or rkrr (random resized crop keeping the aspect ratio)",
+        "training crop, as timm's: rrc (random resized crop, the default), rkrc or rkrr (the whole image resized "
+        "keeping its aspect ratio, with random scale and aspect jitter, then a center (rkrc) or random (rkrr) crop, "
+        "reflect-padded where smaller)",
         choices=TRAIN_CROP_MODES,
     )
     mean: list[float] | None = option(

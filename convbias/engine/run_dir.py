@@ -45,7 +45,13 @@ RUN_KEYS = (
     "model",
     "model_kwargs",
     "img_size",
+    "in_chans",
+    "input_size",
+    "mean",
+    "std",
     "num_classes",
+    "class_map",
+    "bn_eps",
     "dataset",
     "data_dir",
     "crop_pct",
@@ -253,7 +259,7 @@ class RunDir:
         metadata = weights_metadata(checkpoint.weights)
         dataset = DATASETS.get(options.get("dataset", ""))
         num_classes = metadata.get("num_classes") or options.get("num_classes")
-        in_chans = metadata.get("in_chans") or (dataset.in_chans if dataset else None)
+        in_chans = metadata.get("in_chans") or options.get("in_chans") or (dataset.in_chans if dataset else None)
         if num_classes is None or in_chans is None:
             raise ConfigError(
                 f"{checkpoint.describe()} does not record its number of classes and channels "

@@ -103,10 +103,13 @@ def check_stream(
     num_classes: int | None,
     workers: int = 0,
     processes: int = 1,
+    train_num_samples: int | None = None,
 ) -> dict[str, Any]:
     """What a wds/ or hfids/ stream holds (num_classes, classes, num_samples and split names per split) after
     cheap checks (ValueError, one line): package, layout, split sizes, every local shard, and enough training
-    shards for `processes` x `workers` loader workers."""
+    shards for `processes` x `workers` loader workers. `train_num_samples` (--train-num-samples) is the train
+    epoch's length in place of the split's size, as timm's readers take it (an hfids/ card then need not give
+    the train split's size)."""
     if not is_stream(name) or not name.partition("/")[2]:
         raise ConfigError(f"--dataset {name}: expected wds/NAME (NAME: any label for the shard set) or hfids/NAME")
     package, pip_name = (
@@ -123,7 +126,12 @@ def check_stream(
         )
     if not data_dir or not Path(data_dir).is_dir():
         raise ConfigError(f"--dataset {name} needs --data-dir with {factory_layout(name)}")
-    info = _check_hfids(name, data_dir) if name.startswith(HFIDS_PREFIX) else _check_wds(Path(data_dir))
+    if name.startswith(HFIDS_PREFIX):
+        info = _check_hfids(name, data_dir, train_num_samples)
+    else:
+        info = _check_wds(Path(data_dir))
+    if train_num_samples:
+        info["num_samples"]["train"] = int(train_num_samples)
     _check_shards_per_worker(name, info["train_shards"], workers, processes)
     return info
 
@@ -173,22 +181,25 @@ def _check_wds(root: Path) -> dict[str, Any]:
     }
 
 
-def _check_hfids(name: str, data_dir: str) -> dict[str, Any]:
-    """The card of a streamed Hugging Face dataset (read, not the data): split sizes, image and label columns."""
+def _check_hfids(name: str, data_dir: str, train_num_samples: int | None = None) -> dict[str, Any]:
+    """The card of a streamed Hugging Face dataset (read, not the data): split sizes (the train split's not needed
+    with `train_num_samples`), image and label columns."""
     import datasets  # an optional dependency (the streams extra)
 
     with _one_line_errors(name, data_dir, HFIDS_LAYOUT):
         builder = datasets.load_dataset_builder(name.partition("/")[2], cache_dir=str(data_dir))
         info = builder.info
-        train_shards = builder.as_streaming_dataset(split="train").num_shards if "train" in (info.splits or {}) else 0
+        listed = "train" in (info.splits or {}) or bool(train_num_samples)  # else the size check below says so
+        train_shards = builder.as_streaming_dataset(split="train").num_shards if listed else 0
     splits, features = info.splits or {}, info.features or {}
     val_split = next((split for split in HFDS_VAL_SPLITS if split in splits), HFDS_VAL_SPLITS[0])
     sizes = {split: getattr(splits.get(split), "num_examples", 0) or 0 for split in ("train", val_split)}
-    unknown = [split for split, size in sizes.items() if not size]
+    unknown = [split for split, size in sizes.items() if not size and not (split == "train" and train_num_samples)]
     if unknown:
+        hint = ", or --train-num-samples for 'train'" if "train" in unknown else ""
         raise ConfigError(
             f"--dataset {name}: its card gives no num_examples for split {' and '.join(map(repr, unknown))} "
-            f"(a stream's length is needed before it is read); expected {HFIDS_LAYOUT}"
+            f"(a stream's length is needed before it is read); expected {HFIDS_LAYOUT}{hint}"
         )
     classes = getattr(features.get("label"), "names", None)
     if "image" not in features or not classes:
@@ -221,15 +232,22 @@ def _check_shard(path: Path) -> None:
 
 
 def create_streams(
-    name: str, data_dir: str, seed: int, batch_size: int, splits: dict[str, str] | None = None
+    name: str,
+    data_dir: str,
+    seed: int,
+    batch_size: int,
+    splits: dict[str, str] | None = None,
+    train_num_samples: int | None = None,
 ) -> tuple[Any, Any]:
     """(train, val) IterableImageDatasets from timm's factory (`splits`: the dataset's name of each of SPLITS,
-    as `check_stream` found them); transforms are set by the caller."""
+    as `check_stream` found them); transforms are set by the caller. `train_num_samples` (None: the split's size)
+    is the train epoch's length, as timm's train.py gives create_dataset: the reader's len() and what it yields
+    per epoch (the shards are cycled when it exceeds the split)."""
     from timm.data import create_dataset  # not at the top: config.py imports this module, `--help` needs no timm
 
     splits = splits or {split: split for split in SPLITS}
     common = dict(root=str(data_dir), batch_size=batch_size, seed=seed)
-    train = create_dataset(name, split=splits["train"], is_training=True, **common)
+    train = create_dataset(name, split=splits["train"], is_training=True, num_samples=train_num_samples, **common)
     val = create_dataset(name, split=splits["validation"], is_training=False, **common)
     return train, val
 

@@ -53,7 +53,8 @@ SUBSET_LAYOUT = "DIR/<wnid>/<image> (ImageNet-A/-R: 200 ImageNet class folders)"
 @dataclass
 class RobustnessOptions:
     """What to evaluate: models and weights, the clean set (as train.py), attacks, corruptions and folders.
-    Attack budgets are on the 0-255 pixel scale; `eval_transform` holds a run's crop_pct / interpolation;
+    Attack budgets are on the 0-255 pixel scale; `eval_transform` holds a run's data options (crop_pct,
+    interpolation, channels, mean/std, class map);
     a `*_label` names the weights in the table (a run's checkpoint with its epoch; default: the path)."""
 
     model: str
@@ -64,6 +65,8 @@ class RobustnessOptions:
     compare_checkpoint: str | None = None
     compare_checkpoint_label: str | None = None
     compare_model_kwargs: dict = field(default_factory=dict)
+    model_options: dict = field(default_factory=dict)  # a run's model options besides its kwargs (--bn-eps)
+    compare_model_options: dict = field(default_factory=dict)
     dataset: str = "digits"
     data_dir: str | None = None
     num_classes: int | None = None
@@ -144,16 +147,22 @@ class RobustnessStudy:
             for key, folder in imagenet_c_folders(options.imagenet_c, options.corruptions, options.severities).items():
                 self.c_folders[key] = (folder, class_index(folder, folder_classes(folder), model_classes))
         label, self.baseline = _labels(options)
-        self.models = {label: self._model(options.model, options.checkpoint, options.model_kwargs)}
+        self.models = {
+            label: self._model(options.model, options.checkpoint, options.model_kwargs, options.model_options)
+        }
         self.checkpoints = {label: options.checkpoint_label or options.checkpoint}
         if options.compare_model:
             self.models[self.baseline] = self._model(
-                options.compare_model, options.compare_checkpoint, options.compare_model_kwargs
+                options.compare_model,
+                options.compare_checkpoint,
+                options.compare_model_kwargs,
+                options.compare_model_options,
             )
             self.checkpoints[self.baseline] = options.compare_checkpoint_label or options.compare_checkpoint
 
-    def _model(self, name: str, checkpoint: str, kwargs: dict) -> torch.nn.Module:
-        cfg = Config(model=name, model_kwargs=kwargs, img_size=self.img_size)
+    def _model(self, name: str, checkpoint: str, kwargs: dict, model_options: dict) -> torch.nn.Module:
+        # no stochastic depth at evaluation (and a model without residual branches takes none)
+        cfg = Config(model=name, model_kwargs=kwargs, img_size=self.img_size, drop_path=0.0, **model_options)
         model = create_model(cfg, self.bundle.num_classes, self.bundle.in_chans)
         load_weights(model, checkpoint)
         return PixelModel(model, self.bundle.mean, self.bundle.std).to(self.options.device).eval()
