@@ -51,7 +51,6 @@ import torch
 import yaml
 
 from convbias.engine import (
-    DATASETS,
     Config,
     DamagedCheckpointError,
     RunDir,
@@ -61,6 +60,7 @@ from convbias.engine import (
     read_summary,
 )
 from convbias.engine.command_line import build_parser
+from convbias.engine.data import input_format
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
 from convbias.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
@@ -116,7 +116,7 @@ def _check_model(run: Run, cfg: Config) -> None:
     cfg = cfg.replace(pretrained=False, pretrained_file=None)  # no weights are read here
     try:
         with torch.device("meta"):
-            create_model(cfg, num_classes=cfg.num_classes or 1000, in_chans=DATASETS[cfg.dataset].in_chans)
+            create_model(cfg, num_classes=cfg.num_classes or 1000, in_chans=input_format(cfg).in_chans)
     except ValueError as error:
         raise ValueError(f"run {run.name}: {error}") from None
 
