@@ -21,7 +21,7 @@ from timm.data.transforms import (
     ResizeKeepRatio,
 )
 
-from convbias.engine.data import build_datasets, fast_path_reason, train_recipe
+from convbias.engine.data import build_datasets, build_transforms, fast_path_reason, train_recipe
 from convbias.engine.input_pipeline import CropFlip
 from convbias.engine.loaders import seeded_rngs
 from convbias.engine.options import Config
@@ -38,13 +38,14 @@ CROP_CLASSES = {
 }
 
 
-def timm_crop_flip(size: int, mode: str, scale=None):
+def timm_crop_flip(size: int, mode: str, scale=None, ratio=None):
     """timm's train transform with crop and flip only, serving uint8 tensors (its prefetcher's form)."""
     return create_transform(
         (3, size, size),
         is_training=True,
         train_crop_mode=mode,
         scale=scale,
+        ratio=ratio,
         interpolation="bicubic",
         color_jitter=None,
         auto_augment=None,
@@ -108,6 +109,40 @@ def test_each_path_takes_the_crop_mode(mode):
     assert fast.device_recipe.crop_mode == mode and fast.train.transform.crop_mode == mode
     image, _ = fast.train[0]
     assert image.dtype == torch.uint8 and image.shape == (1, 16, 16)
+
+
+@pytest.mark.parametrize("mode", ["rrc", "rkrc"])
+def test_ratio_reaches_timms_crop_on_both_paths(mode):
+    """--ratio 0.3 0.4: only tall crops (rrc), or that aspect jitter (rkrc). The classic path's crop class holds
+    the range; the fast path draws timm's crops with it (same seed, same box, PSNR >= 45 dB), boxes that timm's
+    default range would not give."""
+    ratio = (0.3, 0.4)
+    cfg = Config(dataset="imagenet", img_size=64, train_crop_mode=mode, ratio=list(ratio))
+    classic_crop = build_transforms(64, 3, (0.5,) * 3, (0.5,) * 3, cfg)[0].transforms[1]
+    assert tuple(classic_crop.ratio if mode == "rrc" else classic_crop.random_aspect_range) == ratio
+    ours, default = train_recipe(cfg).worker_transform(), train_recipe(Config(**{**vars(cfg), "ratio": None}))
+    assert ours.ratio == ratio and default.worker_transform().ratio != ratio
+    image, timm_transform = sample_image((200, 150)), timm_crop_flip(64, mode, ratio=ratio)
+    for seed in range(20):
+        with seeded_rngs(seed):
+            expected = timm_transform(image)
+        with seeded_rngs(seed):
+            crop, _ = ours.sample(image)
+        with seeded_rngs(seed):
+            got = ours(image)
+        assert psnr(expected, got) >= 45, (seed, psnr(expected, got))
+        if mode == "rrc":  # a tall box (width / height in the range, up to rounding)
+            assert 0.25 < crop.width / crop.height < 0.45, crop
+
+
+@pytest.mark.parametrize("ratio", [[2.0, 1.0], [0.0, 1.0]])
+def test_bad_ratio_is_a_one_line_error(ratio):
+    """A reversed or non-positive range is refused before any work, naming the option and the expected form."""
+    from convbias.engine.config import parse_config
+    from convbias.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--ratio must be two positive numbers, MIN <= MAX, got \["):
+        parse_config(["--model", "vanilla_cnn", "--ratio", *map(str, ratio)])
 
 
 def test_rkr_zoom_out_past_torchs_reflect_padding_keeps_timms_transforms():

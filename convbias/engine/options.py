@@ -198,6 +198,14 @@ class DataOptions:
         nargs=2,
         metavar=("MIN", "MAX"),
     )
+    ratio: list[float] | None = option(
+        None,
+        "random-resized-crop aspect-ratio range (width / height); default timm's: (3/4, 4/3), or the aspect jitter "
+        "(0.9, 1/0.9) with --train-crop-mode rkrc/rkrr",
+        check=Check(lambda v: 0 < v[0] <= v[1], "two positive numbers, MIN <= MAX"),
+        nargs=2,
+        metavar=("MIN", "MAX"),
+    )
     train_crop_mode: str | None = option(
         None,
         "training crop, as timm's: rrc (random resized crop, the default), rkrc or rkrr (the whole image resized "

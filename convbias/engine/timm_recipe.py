@@ -63,7 +63,6 @@ TIMM_REFUSALS: dict[str, str] = {
         ("epoch_repeats", "train_batches_per_epoch"), "an epoch is one pass over the (repeated-augmentation) sampler"
     ),
     "tta": "test-time augmentation is not implemented",
-    "ratio": "the random-resized-crop aspect ratios are timm's default (3/4, 4/3)",
 }
 
 
