@@ -25,17 +25,16 @@ from timm.data import create_transform
 from timm.data.auto_augment import posterize as timm_posterize
 
 from ..errors import ConfigError
+from .class_map import apply_class_map, read_class_map
 from .config import check_option
 from .datasets import (
     DATASETS,
     EMBEDDED_SOURCES,
     DatasetInfo,
     ImageFolderDataset,
-    apply_class_map,
     fraction_per_class,
     load_cifar,
     load_image_folders,
-    read_class_map,
     select_classes,
 )
 from .input_pipeline import AugmentRecipe, image_mode
@@ -109,7 +108,7 @@ def _per_channel(name: str, given: Any, dataset: tuple[float, ...], in_chans: in
 
 
 def class_map(cfg: Config) -> dict[str, int] | None:
-    """--class-map as {class name: label} (engine.datasets.read_class_map), found as timm finds it (the path, else
+    """--class-map as {class name: label} (engine.class_map.read_class_map), found as timm finds it (the path, else
     under --data-dir); None without one. A source whose labels timm's readers assign has no class index to map."""
     if not cfg.class_map:  # timm's unset value is ''
         return None
