@@ -235,7 +235,7 @@ def test_input_options_that_disagree_are_one_line(tmp_path, argv, message):
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.mark.integration
 def test_a_run_with_these_options_predicts_with_them(tmp_path):
-    """train.py on digits in 3 channels, normalized by 0.5/0.5, three classes in the map's order;
+    """train.py on digits in 3 channels (--input-size 3 8 8), normalized by 0.5/0.5, three classes in the map's order;
     convbias-predict on the run gives the run's model on those images normalized by hand; convbias-export
     records the run's input format, and convbias-robustness's clean accuracy is the run's own top-1."""
     from convbias.cli import export, predict, robustness, train
@@ -245,8 +245,8 @@ def test_a_run_with_these_options_predicts_with_them(tmp_path):
     (tmp_path / "classes.txt").write_text("7\n3\n5\n")
     run = tmp_path / "run"
     train.run(
-        ["--model", "vanilla_cnn", "--model-kwargs", "channels=4", "--img-size", "8", "--crop-pct", "1"]
-        + ["--in-chans", "3", "--mean", "0.5", "--std", "0.5", "--class-map", str(tmp_path / "classes.txt")]
+        ["--model", "vanilla_cnn", "--model-kwargs", "channels=4", "--input-size", "3", "8", "8", "--crop-pct", "1"]
+        + ["--mean", "0.5", "--std", "0.5", "--class-map", str(tmp_path / "classes.txt")]
         + ["--epochs", "3", "--lr", "0.02", "--drop-path", "0", "--dataset", "digits", "--batch-size", "64", "--no-aug"]
         + ["--workers", "0", "--warmup-epochs", "0", "--no-diagnostics", "--output", str(run)]
     )
@@ -254,7 +254,9 @@ def test_a_run_with_these_options_predicts_with_them(tmp_path):
     assert first_conv(model).in_channels == 3 and RunDir(run).model_spec()["num_classes"] == 3
     evaluated = parse_config(["--eval-only", str(run)])  # --eval-only RUN takes the run's data options too
     assert (evaluated.in_chans, evaluated.mean, evaluated.std) == (3, [0.5], [0.5])
-    assert evaluated.class_map == str(tmp_path / "classes.txt")
+    assert evaluated.class_map == str(tmp_path / "classes.txt") and evaluated.img_size == 8
+    resized = parse_config(["--eval-only", str(run), "--img-size", "16"])  # the run's --input-size, resolved
+    assert (resized.img_size, resized.in_chans, resized.input_size) == (16, 3, None)
 
     plain = build_datasets(Config(dataset="digits"))
     labels = np.array(plain.val.targets)

@@ -178,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 RUN_OPTIONS = ("model", "dataset", "data_dir", "num_classes", "img_size")
-RUN_DATA_OPTIONS = ("crop_pct", "interpolation", "in_chans", "input_size", "mean", "std", "class_map")
+RUN_DATA_OPTIONS = ("crop_pct", "interpolation", "in_chans", "mean", "std", "class_map")  # as engine's RUN_KEYS
 RUN_MODEL_OPTIONS = ("bn_eps",)  # what the run's model is built with besides its kwargs, for evaluation
 
 

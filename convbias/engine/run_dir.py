@@ -41,12 +41,12 @@ DEFAULT_WHICH = "last"  # the run's final weights: what its final top-1 measured
 DEFAULT_KEEP_CHECKPOINTS = 2  # resume points kept: one to fall back to when the newest is damaged
 RESULT_KEYS = ("model", "epochs", "final_top1", "best_top1", "best_epoch")  # what makes results.json readable
 # What a run's config.yaml contributes to a command that reuses the run: the model and how its data is read.
+# Not --input-size: the config holds it resolved into img_size and in_chans, so a command may change --img-size.
 RUN_KEYS = (
     "model",
     "model_kwargs",
     "img_size",
     "in_chans",
-    "input_size",
     "mean",
     "std",
     "num_classes",
