@@ -64,11 +64,16 @@ def test_timm_spellings_are_translated(tmp_path, changes, expected):
 
 
 def test_active_timm_options_this_engine_does_not_apply_are_all_named_in_one_line(tmp_path, capsys):
-    recipe = args_yaml(tmp_path, jsd_loss=True, torchscript=True, vflip=0.5, naflex_loader=True)
+    recipe = args_yaml(tmp_path, jsd_loss=True, torchscript=True, tta=2, naflex_loader=True)
     code = train.main(["-c", str(recipe), "--output", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and not (tmp_path / "run").exists()
-    for named in ("jsd_loss: True (JSD loss", "torchscript: True (TorchScript", "vflip: 0.5", "naflex_loader: True"):
+    for named in (
+        "jsd_loss: True (JSD loss",
+        "torchscript: True (TorchScript",
+        "tta: 2 (test-time augmentation",
+        "naflex_loader: True",
+    ):
         assert named in err[0], named
 
 

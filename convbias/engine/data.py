@@ -39,13 +39,12 @@ from .datasets import (
 )
 from .input_pipeline import AugmentRecipe, image_mode
 from .input_pipeline import fast_path_reason as recipe_fast_path_reason
-from .options import Config
+from .options import Config, flag_name
 from .streams import check_stream, create_streams, factory_layout, is_factory_source, is_hfds, is_stream, load_hfds
 
 # `wds/`, `hfids/` and `hfds/` sources (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
 FACTORY_INFO = DatasetInfo(3, DATASETS["imagenet"].mean, DATASETS["imagenet"].std, 224, layout="")
 
-RANDOM_ERASING_MODE = "pixel"  # DeiT: per-pixel normal noise in the erased box
 LUMA = (0.299, 0.587, 0.114)  # PIL's RGB -> L weights: a 3-channel statistic seen through --in-chans 1
 
 
@@ -181,13 +180,18 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Config) -> tu
         ratio=tuple(cfg.ratio) if cfg.ratio is not None else None,
         train_crop_mode=cfg.train_crop_mode,
         hflip=cfg.hflip,
+        vflip=cfg.vflip,
         color_jitter=cfg.color_jitter,
+        color_jitter_prob=cfg.color_jitter_prob,
+        grayscale_prob=cfg.grayscale_prob or 0.0,
+        gaussian_blur_prob=cfg.gaussian_blur_prob or 0.0,
         auto_augment=cfg.aa or None,
-        interpolation=interpolation,
+        interpolation=cfg.train_interpolation or interpolation,
         mean=mean,
         std=std,
         re_prob=cfg.reprob,
-        re_mode=RANDOM_ERASING_MODE,
+        re_mode=cfg.remode,
+        re_count=cfg.recount,
     )
     _patch_posterize(train)
     val = create_transform(
@@ -229,22 +233,34 @@ def train_recipe(cfg: Config) -> AugmentRecipe:
         ratio=tuple(cfg.ratio) if cfg.ratio is not None else None,
         crop_mode=cfg.train_crop_mode or "rrc",
         hflip=float(cfg.hflip),
-        interpolation=cfg.interpolation,
+        interpolation=cfg.train_interpolation or cfg.interpolation,
         auto_augment=cfg.aa or None,
         re_prob=float(cfg.reprob),
-        re_mode=RANDOM_ERASING_MODE,
+        re_mode=cfg.remode,
     )
 
 
 def fast_path_reason(cfg: Config) -> str | None:
     """Why cfg's training data keeps timm's PIL transforms in the loader workers; None: it takes the fast path
     (uint8 crops from the workers, RandAugment, normalization and random erasing on the device)."""
-    return recipe_fast_path_reason(
+    reason = recipe_fast_path_reason(
         train_recipe(cfg),
         no_prefetcher=bool(cfg.no_prefetcher),
         no_aug=bool(cfg.no_aug),
         color_jitter=cfg.color_jitter,
     )
+    if reason is not None:
+        return reason
+    classic_only = {  # timm's steps with no device form: (set, what the device path lacks)
+        "vflip": (cfg.vflip > 0, "flips horizontally only"),
+        "grayscale_prob": (bool(cfg.grayscale_prob), "has no grayscale step"),
+        "gaussian_blur_prob": (bool(cfg.gaussian_blur_prob), "has no blur"),
+        "recount": (cfg.reprob > 0 and cfg.recount > 1, "erases one box per image"),
+    }
+    for name, (applies, missing) in classic_only.items():
+        if applies:
+            return f"{flag_name(name)} {getattr(cfg, name)}: the device path {missing}"
+    return None
 
 
 def _fast_train_transform(cfg: Config, train: Any) -> AugmentRecipe | None:

@@ -116,7 +116,7 @@ def fast_path_reason(
     if no_aug:
         return "--no-aug: no augmentation to move to the device"
     if recipe.interpolation not in INTERPOLATIONS:
-        return f"--interpolation {recipe.interpolation}: the device path has {' and '.join(INTERPOLATIONS)}"
+        return f"train interpolation {recipe.interpolation}: the device path has {' and '.join(INTERPOLATIONS)}"
     if color_jitter and not recipe.auto_augment:
         return "color jitter without auto-augment has no device form"
     if recipe.re_prob > 0 and recipe.re_mode not in ERASING_MODES:

@@ -64,6 +64,9 @@ MIXING = Needs(
 )
 BCE = Needs(lambda c: c.bce_loss, "--bce-loss")
 
+# timm's train interpolations: 'random' or a Pillow filter name (timm.data.transforms.str_to_pil_interp)
+TRAIN_INTERPOLATIONS = ("random", "bilinear", "bicubic", "nearest", "box", "hamming", "lanczos")
+
 POSITIVE = Check(lambda v: v > 0, "positive")
 POSITIVE_INT = Check(lambda v: v >= 1, "a positive integer")
 NON_NEGATIVE = Check(lambda v: v >= 0, ">= 0")
@@ -188,10 +191,32 @@ class DataOptions:
     workers: int = option(4, "data loader processes per training process", check=NON_NEGATIVE)
     aa: str | None = option("rand-m9-mstd0.5-inc1", "timm auto-augment policy; none to disable")
     reprob: float = option(0.25, "random erasing probability", check=PROBABILITY)
+    remode: str = option(
+        "pixel",
+        "random erasing fill: pixel (normal noise per pixel, DeiT's), rand (one normal color per box) or const (0)",
+        choices=("pixel", "rand", "const"),
+    )
+    recount: int = option(1, "random erasing: up to this many boxes per image", check=POSITIVE_INT)
     color_jitter: float = option(0.3)
+    color_jitter_prob: float | None = option(
+        None,
+        "probability of the color jitter (default: every image; as timm, no color jitter with --aa)",
+        check=PROBABILITY,
+    )
+    grayscale_prob: float | None = option(None, "probability of turning an image gray", check=PROBABILITY)
+    gaussian_blur_prob: float | None = option(
+        None, "probability of a Gaussian blur (kernel 23, as timm's)", check=PROBABILITY
+    )
     interpolation: str = option("bicubic")
+    train_interpolation: str | None = option(
+        None,
+        "training resize interpolation: random (bilinear or bicubic per image, timm's default) or one of them "
+        "(default: --interpolation, bicubic as DeiT's)",
+        choices=TRAIN_INTERPOLATIONS,
+    )
     crop_pct: float = option(0.875, "eval center-crop fraction", check=FRACTION)
     hflip: float = option(0.5)
+    vflip: float = option(0.0, "vertical flip probability", check=PROBABILITY)
     scale: list[float] | None = option(
         None,
         "random-resized-crop area range; default timm's: (0.08, 1), or (0.8, 1) with --train-crop-mode rkrc/rkrr",
