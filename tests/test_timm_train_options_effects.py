@@ -118,6 +118,30 @@ def test_layer_decay_scales_each_layer_groups_lr_as_timm(tmp_path):
         recipe.create_optimizer(cfg, nn.Sequential(nn.Linear(2, 2)), LR)
 
 
+def test_layer_decay_min_scale_and_no_opt_scale_as_timm(tmp_path):
+    """--layer-decay 0.5 over 4 layer groups: scales 1/8, 1/4, 1/2, 1; --layer-decay-min-scale 0.2 lifts the
+    stem's to 0.2 and --layer-decay-no-opt-scale 0.22 then freezes it: the stem is out of the optimizer and
+    unchanged by a step, the rest train at timm's scales (timm's param_groups_layer_decay on the same model)."""
+    cfg = config(tmp_path, layer_decay=0.5, layer_decay_min_scale=0.2, layer_decay_no_opt_scale=0.22)
+    model, oracle = build(cfg), build(cfg)
+    timm_groups = param_groups_layer_decay(oracle, layer_decay=0.5, min_scale=0.2, no_opt_scale=0.22)
+    names = dict(oracle.named_parameters())
+    timm_scale = {name: g["lr_scale"] for g in timm_groups for name, p in names.items() for q in g["params"] if p is q}
+    optimizer = recipe.create_optimizer(cfg, model, LR)
+    ours = {name: group["lr_scale"] for group in optimizer.param_groups for name in group["param_names"]}
+    assert ours == timm_scale and sorted(set(ours.values())) == [0.25, 0.5, 1.0]
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert "cls_token" in frozen and "pos_embed" in frozen and frozen.isdisjoint(ours)
+    assert frozen == {name for name, p in oracle.named_parameters() if not p.requires_grad}
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model(torch.randn(2, 3, 8, 8)).logsumexp(-1).sum().backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) == (name in frozen), name
+    lowest = recipe.create_optimizer(config(tmp_path, layer_decay=0.5, layer_decay_min_scale=0.2), build(cfg), LR)
+    assert min(group["lr_scale"] for group in lowest.param_groups) == 0.2
+
+
 def test_opt_betas_reach_the_optimizer(tmp_path):
     optimizer = recipe.create_optimizer(config(tmp_path, opt_betas=[0.8, 0.95]), nn.Linear(2, 2), LR)
     assert {group["betas"] for group in optimizer.param_groups} == {(0.8, 0.95)}
@@ -355,6 +379,8 @@ def test_help_shows_every_new_option_with_its_default():
         (dict(drop=1.0), r"--drop must be in \[0, 1\), got 1.0"),
         (dict(head_init_scale=-1.0), "--head-init-scale must be >= 0, got -1.0"),
         (dict(layer_decay=1.5), r"--layer-decay must be in \(0, 1\], got 1.5"),
+        (dict(layer_decay_min_scale=0.1), "--layer-decay-min-scale 0.1 has no effect without --layer-decay"),
+        (dict(layer_decay=0.5, layer_decay_no_opt_scale=0.0), r"--layer-decay-no-opt-scale must be in \(0, 1\]"),
         (dict(opt_betas=[0.9, 1.0]), r"--opt-betas must be one or more numbers in \[0, 1\)"),
         (dict(opt_betas=[0.9]), "--opt-betas: --opt adamw takes 2 betas, got 1"),
         (dict(opt="sgd", opt_betas=[0.9, 0.99]), "--opt-betas: --opt sgd takes no betas, got 2"),

@@ -335,6 +335,18 @@ class OptimizationOptions:
         "at lr x LAYER_DECAY^(L-1-g)",
         check=FRACTION,
     )
+    layer_decay_min_scale: float = option(
+        0.0,
+        "the lowest lr scale --layer-decay gives a layer group",
+        check=PROBABILITY,
+        needs=Needs(lambda c: c.layer_decay is not None, "--layer-decay"),
+    )
+    layer_decay_no_opt_scale: float | None = option(
+        None,
+        "layer groups whose --layer-decay scale falls below this are frozen (left out of the optimizer)",
+        check=FRACTION,
+        needs=Needs(lambda c: c.layer_decay is not None, "--layer-decay"),
+    )
     clip_grad: float | None = option(None, "clip the gradients (--clip-mode) with this value", check=POSITIVE)
     clip_mode: str = option(
         "norm",

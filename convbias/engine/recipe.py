@@ -40,12 +40,15 @@ def param_groups(
     group_lr: dict[str, float],
     require_all_patterns: bool = True,
     layer_decay: float | None = None,
+    layer_decay_min_scale: float = 0.0,
+    layer_decay_no_opt_scale: float | None = None,
 ) -> list[dict[str, Any]]:
     """Parameter groups keyed by (weight decay on/off, lr override, layer-decay scale).
 
     ``group_lr`` maps a regex to an absolute lr (``{'gating_param': 0.1}``); the first matching regex
     wins. The schedule (warmup, cosine) applies to every group from its own base lr, times the group's
-    ``lr_scale`` under ``layer_decay`` (timm's schedulers apply it). Each group keeps
+    ``lr_scale`` under ``layer_decay`` (timm's schedulers apply it; at least ``layer_decay_min_scale``, and the
+    layers scaled below ``layer_decay_no_opt_scale`` are frozen, as timm freezes them). Each group keeps
     ``param_names`` so the optimizer state can be carried over when the model is reparametrized.
     A regex that matches no parameter is an error unless ``require_all_patterns`` is False (a CNN
     before ``--reparametrize-at-epoch`` has no gating parameters yet).
@@ -54,7 +57,9 @@ def param_groups(
     # timm's rule (1-D parameters, biases and the model's no_weight_decay() names), from timm itself
     timm_groups = param_groups_weight_decay(model, weight_decay or 1.0, no_weight_decay_list=model_no_decay)
     no_decay = {id(p) for group in timm_groups if group["weight_decay"] == 0 for p in group["params"]}
-    scales = layer_scales(model, layer_decay) if layer_decay is not None else {}
+    scales = {}
+    if layer_decay is not None:  # before the loop below: it freezes the layers under layer_decay_no_opt_scale
+        scales = layer_scales(model, layer_decay, layer_decay_min_scale, layer_decay_no_opt_scale)
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -77,16 +82,21 @@ def param_groups(
     return list(groups.values())
 
 
-def layer_scales(model: nn.Module, layer_decay: float) -> dict[int, float]:
+def layer_scales(
+    model: nn.Module, layer_decay: float, min_scale: float = 0.0, no_opt_scale: float | None = None
+) -> dict[int, float]:
     """id(parameter) -> its lr scale under ``--layer-decay``, from timm's param_groups_layer_decay over the
-    model's group_matcher() (the stem's group first, the classifier's last at scale 1). A model without one
-    has no layer order to follow (timm would guess it from the parameters' order): a ConfigError."""
+    model's group_matcher() (the stem's group first, the classifier's last at scale 1), which also freezes
+    (requires_grad False) the parameters scaled below ``no_opt_scale``. A model without a group_matcher() has no
+    layer order to follow (timm would guess it from the parameters' order): a ConfigError."""
     layered = model.model if isinstance(model, OutputScale) else model  # f_w0 is not trained
     if not hasattr(layered, "group_matcher"):
         raise ConfigError(
             f"--layer-decay: {type(layered).__name__} has no group_matcher() to number its layers; run without it"
         )
-    groups = param_groups_layer_decay(layered, weight_decay=0.0, layer_decay=layer_decay)
+    groups = param_groups_layer_decay(
+        layered, weight_decay=0.0, layer_decay=layer_decay, min_scale=min_scale, no_opt_scale=no_opt_scale
+    )
     return {id(param): group["lr_scale"] for group in groups for param in group["params"]}
 
 
@@ -98,7 +108,15 @@ def create_optimizer(
     kwargs: dict[str, Any] = {"eps": cfg.opt_eps} if cfg.opt.lower().startswith(("adam", "nadam", "radam")) else {}
     if cfg.opt_betas is not None:
         kwargs["betas"] = tuple(cfg.opt_betas)
-    groups = param_groups(model, cfg.weight_decay, cfg.param_group_lr, require_all_patterns, cfg.layer_decay)
+    groups = param_groups(
+        model,
+        cfg.weight_decay,
+        cfg.param_group_lr,
+        require_all_patterns,
+        cfg.layer_decay,
+        cfg.layer_decay_min_scale,
+        cfg.layer_decay_no_opt_scale,
+    )
     try:
         return create_optimizer_v2(
             groups, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **kwargs, **cfg.opt_kwargs
