@@ -142,18 +142,24 @@ def randomize_norms():
 # -- A Hugging Face dataset in the Hub's layout, local (hfds/ and hfids/ sources) -------------------------
 class HFToyDataset:
     """Three classes of 8x8 RGB PNGs (a bright left, middle or right band) as the Hub stores a dataset:
-    root/data/<split>-00000-of-00001.parquet with 'image' and ClassLabel 'label' columns, and optionally
-    the README.md card that gives each split's size (what a stream needs)."""
+    root/data/<split>-00000-of-00001.parquet with 'image' and ClassLabel 'label' columns (or the names in
+    `columns`, as CIFAR-100's 'img' and 'fine_label'), and optionally the README.md card that gives each split's
+    size (what a stream needs)."""
 
     size = 8
     classes = ("left", "middle", "right")
 
-    def write(self, root: Path, per_split: dict[str, int], card: bool = False) -> Path:
+    def write(
+        self, root: Path, per_split: dict[str, int], card: bool = False, columns: tuple[str, str] = ("image", "label")
+    ) -> Path:
         import datasets  # an optional dependency: the tests that use it skip without it
 
         (root / "data").mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(0)
-        features = datasets.Features(image=datasets.Image(), label=datasets.ClassLabel(names=list(self.classes)))
+        image_key, label_key = columns
+        features = datasets.Features(
+            {image_key: datasets.Image(), label_key: datasets.ClassLabel(names=list(self.classes))}
+        )
         for split, count in per_split.items():
             labels, images = [i % len(self.classes) for i in range(count)], []
             for label in labels:
@@ -162,20 +168,20 @@ class HFToyDataset:
                 png = io.BytesIO()
                 Image.fromarray(pixels).save(png, format="PNG")
                 images.append({"bytes": png.getvalue(), "path": None})
-            split_set = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
+            split_set = datasets.Dataset.from_dict({image_key: images, label_key: labels}, features=features)
             split_set.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
         if card:
-            self.write_card(root, per_split)
+            self.write_card(root, per_split, columns)
         return root
 
-    def write_card(self, root: Path, per_split: dict[str, int]) -> None:
+    def write_card(self, root: Path, per_split: dict[str, int], columns: tuple[str, str] = ("image", "label")) -> None:
         names = "".join(f"          '{index}': {name}\n" for index, name in enumerate(self.classes))
         splits = "".join(
             f"  - name: {split}\n    num_bytes: 0\n    num_examples: {count}\n" for split, count in per_split.items()
         )
         (root / "README.md").write_text(
-            "---\ndataset_info:\n  features:\n  - name: image\n    dtype: image\n"
-            "  - name: label\n    dtype:\n      class_label:\n        names:\n"
+            f"---\ndataset_info:\n  features:\n  - name: {columns[0]}\n    dtype: image\n"
+            f"  - name: {columns[1]}\n    dtype:\n      class_label:\n        names:\n"
             f"{names}  splits:\n{splits}---\n"
         )
 

@@ -215,3 +215,60 @@ def test_the_hfids_worker_check_follows_datasets_split_between_processes(shards,
     _check_shards_per_worker("hfids/toy", shards, per_process, processes)
     with pytest.raises(ValueError, match=f"use --workers {per_process} or fewer"):
         _check_shards_per_worker("hfids/toy", shards, per_process + 1, processes)
+
+
+@pytest.fixture(scope="module")
+def renamed(tmp_path_factory, hf_toy):
+    """The carded toy dataset under CIFAR-100's column names on the Hub: 'img' and 'fine_label'."""
+    root = tmp_path_factory.mktemp("columns") / "toy"
+    return hf_toy.write(root, {"train": 48, "validation": 12}, card=True, columns=("img", "fine_label"))
+
+
+def validation_items(bundle) -> list[tuple]:
+    """The validation split as (image, label) pairs, in order (the eval transform draws nothing)."""
+    return [(image, int(label)) for image, label in bundle.val]
+
+
+@pytest.mark.parametrize("prefix", ["hfds", "hfids"])
+def test_input_and_target_keys_read_other_columns(renamed, carded, cache, prefix):
+    """--input-key img --target-key fine_label read the same images, labels and class names as the standard
+    'image' and 'label' columns; without them the dataset is refused in one line that names both options."""
+    from convbias.errors import ConfigError
+
+    options = dict(data_dir=str(cache), img_size=SIZE, workers=0, no_aug=True)
+    keyed = build_datasets(Config(dataset=f"{prefix}/{renamed}", input_key="img", target_key="fine_label", **options))
+    standard = build_datasets(Config(dataset=f"{prefix}/{carded}", **options))
+    assert keyed.class_names == standard.class_names == ["left", "middle", "right"]
+    got, expected = validation_items(keyed), validation_items(standard)
+    assert len(got) == 12 and [label for _, label in got] == [label for _, label in expected]
+    assert all(np.array_equal(a, b) for (a, _), (b, _) in zip(got, expected, strict=True))
+    with pytest.raises(ConfigError, match="--input-key and --target-key name"):
+        build_datasets(Config(dataset=f"{prefix}/{renamed}", **options))
+
+
+def test_a_run_keeps_its_columns_for_evaluation(renamed, cache, tmp_path, run_argv):
+    """The columns are among a run's data options: --eval-only RUN reads the same columns (and the same top-1)."""
+    from convbias.engine.config import parse_config
+
+    output = tmp_path / "run"
+    keys = dict(input_key="img", target_key="fine_label")
+    results = train.run(run_argv(dataset=f"hfds/{renamed}", data_dir=cache, output=output, **keys))
+    evaluated = parse_config(["--eval-only", str(output)])
+    assert (evaluated.input_key, evaluated.target_key) == ("img", "fine_label")
+    again = train.run(["--eval-only", str(output), "--workers", "0"])
+    assert again["eval_top1"] == pytest.approx(results["final_top1"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dataset", "digits", "--input-key", "img"], "--input-key img has no effect without an hfds/ or hfids/"),
+        (["--dataset", "hfds/x", "--target-key", "a,b"], "--target-key must be one column name"),
+    ],
+)
+def test_bad_column_options_are_one_line_errors(argv, message):
+    from convbias.engine.config import parse_config
+    from convbias.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["--model", "vanilla_cnn", *argv])

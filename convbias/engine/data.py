@@ -40,7 +40,16 @@ from .datasets import (
 from .input_pipeline import AugmentRecipe, image_mode
 from .input_pipeline import fast_path_reason as recipe_fast_path_reason
 from .options import Config, flag_name
-from .streams import check_stream, create_streams, factory_layout, is_factory_source, is_hfds, is_stream, load_hfds
+from .streams import (
+    Columns,
+    check_stream,
+    create_streams,
+    factory_layout,
+    is_factory_source,
+    is_hfds,
+    is_stream,
+    load_hfds,
+)
 
 # `wds/`, `hfids/` and `hfds/` sources (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
 FACTORY_INFO = DatasetInfo(3, DATASETS["imagenet"].mean, DATASETS["imagenet"].std, 224, layout="")
@@ -286,6 +295,11 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def columns(cfg: Config) -> Columns:
+    """The image and label columns of an hfds/ or hfids/ dataset (--input-key, --target-key)."""
+    return Columns(cfg.input_key, cfg.target_key)
+
+
 def build_streams(cfg: Config) -> DataBundle:
     """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.streams), with the engine's
     transforms."""
@@ -300,9 +314,16 @@ def build_streams(cfg: Config) -> DataBundle:
         int(cfg.workers),
         _world_size(),
         cfg.train_num_samples,
+        columns(cfg),
     )
     train, val = create_streams(
-        name, data_dir, int(cfg.seed), batch_size=1, splits=info["splits"], train_num_samples=cfg.train_num_samples
+        name,
+        data_dir,
+        int(cfg.seed),
+        batch_size=1,
+        splits=info["splits"],
+        train_num_samples=cfg.train_num_samples,
+        columns=columns(cfg),
     )
     train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg)
     recipe = _fast_train_transform(cfg, train)  # a stream's reader decodes whole images: no JPEG draft
@@ -324,7 +345,7 @@ def build_datasets(cfg: Config) -> DataBundle:
     if name in EMBEDDED_SOURCES:
         train, val = EMBEDDED_SOURCES[name]()
     elif is_hfds(name):
-        train, val = load_hfds(name, str(data_dir))
+        train, val = load_hfds(name, str(data_dir), columns(cfg))
     elif name in ("cifar10", "cifar100"):
         train, val = load_cifar(name, data_dir)
     else:

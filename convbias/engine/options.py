@@ -38,6 +38,7 @@ DIST_BN = ("reduce", "broadcast", "")
 EVAL_METRICS = ("top1", "top5", "loss")
 TRAIN_CROP_MODES = ("rrc", "rkrc", "rkrr")
 STREAM_PREFIXES = ("wds/", "hfids/")  # engine.streams' iterable sources
+HF_PREFIXES = ("hfds/", "hfids/")  # Hugging Face datasets: columns named by --input-key and --target-key
 
 
 class Check(NamedTuple):
@@ -63,6 +64,8 @@ MIXING = Needs(
     "--mixup, --cutmix or --cutmix-minmax",
 )
 BCE = Needs(lambda c: c.bce_loss, "--bce-loss")
+HF_DATASET = Needs(lambda c: c.dataset.startswith(HF_PREFIXES), "an hfds/ or hfids/ --dataset")
+COLUMN = Check(lambda v: bool(v) and "," not in v, "one column name (multi-label targets are not supported)")
 
 # timm's train interpolations: 'random' or a Pillow filter name (timm.data.transforms.str_to_pil_interp)
 TRAIN_INTERPOLATIONS = ("random", "bilinear", "bicubic", "nearest", "box", "hamming", "lanczos")
@@ -180,6 +183,15 @@ class DataOptions:
         "{name: index}); images of other classes are left out, and --num-classes K keeps the map's first K "
         "(digits, mnist, cifar10, cifar100, imagenet, folder; not wds/, hfids/, hfds/)",
         metavar="FILE",
+    )
+    input_key: str | None = option(
+        None, "the image column of an hfds/ or hfids/ dataset (default timm's: image)", check=COLUMN, needs=HF_DATASET
+    )
+    target_key: str | None = option(
+        None,
+        "the label column of an hfds/ or hfids/ dataset, a ClassLabel for class names (default timm's: label)",
+        check=COLUMN,
+        needs=HF_DATASET,
     )
     train_num_samples: int | None = option(
         None,

@@ -51,6 +51,8 @@ RUN_KEYS = (
     "std",
     "num_classes",
     "class_map",
+    "input_key",
+    "target_key",
     "bn_eps",
     "dataset",
     "data_dir",

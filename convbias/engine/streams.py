@@ -46,6 +46,7 @@ import sys
 import tarfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,29 @@ STREAM_LAYOUT = (
 )
 
 
+@dataclass(frozen=True)
+class Columns:
+    """A Hugging Face dataset's image and label columns (--input-key, --target-key; None: timm's)."""
+
+    input_key: str | None = None
+    target_key: str | None = None
+
+    @property
+    def image(self) -> str:
+        return self.input_key or "image"
+
+    @property
+    def target(self) -> str:
+        return self.target_key or "label"
+
+    def reader_keys(self) -> dict[str, str]:
+        """The keys given, as timm's create_dataset takes them."""
+        return {key: value for key, value in vars(self).items() if value is not None}
+
+    def hint(self) -> str:
+        return "; --input-key and --target-key name other columns" if not self.reader_keys() else ""
+
+
 def is_stream(name: str) -> bool:
     return isinstance(name, str) and name.startswith(STREAM_PREFIXES)
 
@@ -104,12 +128,13 @@ def check_stream(
     workers: int = 0,
     processes: int = 1,
     train_num_samples: int | None = None,
+    columns: Columns | None = None,
 ) -> dict[str, Any]:
     """What a wds/ or hfids/ stream holds (num_classes, classes, num_samples and split names per split) after
     cheap checks (ValueError, one line): package, layout, split sizes, every local shard, and enough training
     shards for `processes` x `workers` loader workers. `train_num_samples` (--train-num-samples) is the train
     epoch's length in place of the split's size, as timm's readers take it (an hfids/ card then need not give
-    the train split's size)."""
+    the train split's size). `columns`: an hfids/ dataset's image and label columns."""
     if not is_stream(name) or not name.partition("/")[2]:
         raise ConfigError(f"--dataset {name}: expected wds/NAME (NAME: any label for the shard set) or hfids/NAME")
     package, pip_name = (
@@ -127,7 +152,7 @@ def check_stream(
     if not data_dir or not Path(data_dir).is_dir():
         raise ConfigError(f"--dataset {name} needs --data-dir with {factory_layout(name)}")
     if name.startswith(HFIDS_PREFIX):
-        info = _check_hfids(name, data_dir, train_num_samples)
+        info = _check_hfids(name, data_dir, train_num_samples, columns or Columns())
     else:
         info = _check_wds(Path(data_dir))
     if train_num_samples:
@@ -181,7 +206,7 @@ def _check_wds(root: Path) -> dict[str, Any]:
     }
 
 
-def _check_hfids(name: str, data_dir: str, train_num_samples: int | None = None) -> dict[str, Any]:
+def _check_hfids(name: str, data_dir: str, train_num_samples: int | None, columns: Columns) -> dict[str, Any]:
     """The card of a streamed Hugging Face dataset (read, not the data): split sizes (the train split's not needed
     with `train_num_samples`), image and label columns."""
     import datasets  # an optional dependency (the streams extra)
@@ -201,11 +226,11 @@ def _check_hfids(name: str, data_dir: str, train_num_samples: int | None = None)
             f"--dataset {name}: its card gives no num_examples for split {' and '.join(map(repr, unknown))} "
             f"(a stream's length is needed before it is read); expected {HFIDS_LAYOUT}{hint}"
         )
-    classes = getattr(features.get("label"), "names", None)
-    if "image" not in features or not classes:
+    classes = getattr(features.get(columns.target), "names", None)
+    if columns.image not in features or not classes:
         raise ConfigError(
-            f"--dataset {name}: its card has no 'image' column or no ClassLabel 'label' column "
-            f"(columns: {', '.join(features) or 'none'}); expected {HFIDS_LAYOUT}"
+            f"--dataset {name}: its card has no {columns.image!r} column or no ClassLabel {columns.target!r} column "
+            f"(columns: {', '.join(features) or 'none'}); expected {HFIDS_LAYOUT}{columns.hint()}"
         )
     return {
         "num_classes": len(classes),
@@ -238,15 +263,17 @@ def create_streams(
     batch_size: int,
     splits: dict[str, str] | None = None,
     train_num_samples: int | None = None,
+    columns: Columns | None = None,
 ) -> tuple[Any, Any]:
     """(train, val) IterableImageDatasets from timm's factory (`splits`: the dataset's name of each of SPLITS,
     as `check_stream` found them); transforms are set by the caller. `train_num_samples` (None: the split's size)
     is the train epoch's length, as timm's train.py gives create_dataset: the reader's len() and what it yields
-    per epoch (the shards are cycled when it exceeds the split)."""
+    per epoch (the shards are cycled when it exceeds the split). `columns`: an hfids/ dataset's, as timm's
+    input_key and target_key."""
     from timm.data import create_dataset  # not at the top: config.py imports this module, `--help` needs no timm
 
     splits = splits or {split: split for split in SPLITS}
-    common = dict(root=str(data_dir), batch_size=batch_size, seed=seed)
+    common = dict(root=str(data_dir), batch_size=batch_size, seed=seed, **(columns or Columns()).reader_keys())
     train = create_dataset(name, split=splits["train"], is_training=True, num_samples=train_num_samples, **common)
     val = create_dataset(name, split=splits["validation"], is_training=False, **common)
     return train, val
@@ -326,12 +353,16 @@ def _check_columns(reader: Any) -> None:
     for key in (reader.image_key, reader.label_key):
         if row.get(key) is None:
             others = ", ".join(column for column in row if column != reader.image_key)
-            raise ConfigError(f"split {reader.split!r} has no {key!r} column or an empty one (other columns: {others})")
+            raise ConfigError(
+                f"split {reader.split!r} has no {key!r} column or an empty one (other columns: {others}); "
+                "--input-key and --target-key name the image and label columns"
+            )
 
 
-def load_hfds(name: str, data_dir: str) -> tuple[HfdsImages, HfdsImages]:
+def load_hfds(name: str, data_dir: str, columns: Columns | None = None) -> tuple[HfdsImages, HfdsImages]:
     """(train, validation or test) of a Hugging Face dataset through timm's factory (ReaderHfds: NAME is
-    datasets.load_dataset's path, DIR its cache_dir); any failure is a ValueError of one line."""
+    datasets.load_dataset's path, DIR its cache_dir; `columns` its input_key and target_key); any failure is a
+    ValueError of one line."""
     if not is_hfds(name) or not name.partition("/")[2]:
         raise ConfigError(f"--dataset {name}: expected hfds/NAME; {HFDS_LAYOUT}")
     try:
@@ -340,11 +371,12 @@ def load_hfds(name: str, data_dir: str) -> tuple[HfdsImages, HfdsImages]:
         raise ConfigError(f"--dataset {name} needs the datasets package: pip install datasets") from None
     from timm.data import create_dataset  # not at the top: see create_streams
 
-    with _one_line_errors(name, data_dir, HFDS_LAYOUT):
-        train = create_dataset(name, root=str(data_dir), split="train")
+    keys = (columns or Columns()).reader_keys()
+    with _one_line_errors(name, data_dir, HFDS_LAYOUT + (columns or Columns()).hint()):
+        train = create_dataset(name, root=str(data_dir), split="train", **keys)
         splits = train.reader.dataset.info.splits or {}
         val_split = next((split for split in HFDS_VAL_SPLITS if split in splits), HFDS_VAL_SPLITS[0])
-        val = create_dataset(name, root=str(data_dir), split=val_split)
+        val = create_dataset(name, root=str(data_dir), split=val_split, **keys)
         for split_set in (train, val):
             _check_columns(split_set.reader)
     classes = sorted(train.reader.class_to_idx, key=train.reader.class_to_idx.get)
