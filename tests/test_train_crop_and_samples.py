@@ -54,6 +54,18 @@ def timm_crop_flip(size: int, mode: str, scale=None, ratio=None):
     )
 
 
+def same_seed_draws(timm_transform, ours: CropFlip, image, seeds):
+    """Per seed: (seed, timm's output, our worker's (crop, flip) draw, our worker's output), each from that seed."""
+    for seed in seeds:
+        with seeded_rngs(seed):
+            expected = timm_transform(image)
+        with seeded_rngs(seed):
+            drawn = ours.sample(image)
+        with seeded_rngs(seed):
+            got = ours(image)
+        yield seed, expected, drawn, got
+
+
 @pytest.mark.parametrize("scale", [None, (0.5, 1.5)], ids=["timm-default", "zoom-out"])
 @pytest.mark.parametrize("mode", ["rkrc", "rkrr"])
 def test_rkr_crop_and_flip_are_timms_for_the_same_seed(mode, scale):
@@ -66,13 +78,7 @@ def test_rkr_crop_and_flip_are_timms_for_the_same_seed(mode, scale):
     assert ours.crop_mode == mode and fast_path_reason(cfg) is None
     timm_transform = timm_crop_flip(64, mode, scale)
     flips = padded = 0
-    for seed in range(40):
-        with seeded_rngs(seed):
-            expected = timm_transform(image)
-        with seeded_rngs(seed):
-            crop, flip = ours.sample(image)
-        with seeded_rngs(seed):
-            got = ours(image)
+    for seed, expected, (crop, flip), got in same_seed_draws(timm_transform, ours, image, range(40)):
         flips += flip
         padded += min(crop.resized) < 64
         assert got.dtype == torch.uint8 and got.shape == (3, 64, 64)
@@ -123,13 +129,7 @@ def test_ratio_reaches_timms_crop_on_both_paths(mode):
     ours, default = train_recipe(cfg).worker_transform(), train_recipe(Config(**{**vars(cfg), "ratio": None}))
     assert ours.ratio == ratio and default.worker_transform().ratio != ratio
     image, timm_transform = sample_image((200, 150)), timm_crop_flip(64, mode, ratio=ratio)
-    for seed in range(20):
-        with seeded_rngs(seed):
-            expected = timm_transform(image)
-        with seeded_rngs(seed):
-            crop, _ = ours.sample(image)
-        with seeded_rngs(seed):
-            got = ours(image)
+    for seed, expected, (crop, _), got in same_seed_draws(timm_transform, ours, image, range(20)):
         assert psnr(expected, got) >= 45, (seed, psnr(expected, got))
         if mode == "rrc":  # a tall box (width / height in the range, up to rounding)
             assert 0.25 < crop.width / crop.height < 0.45, crop
