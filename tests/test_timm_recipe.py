@@ -7,7 +7,7 @@ import yaml
 
 from convbias.cli import train
 from convbias.engine import RunDir
-from convbias.engine.config import parse_config
+from convbias.engine.config import parse_config, scaled_lr
 from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 ARGS_YAML = Path(__file__).parent / "data" / "timm_train_args.yaml"
@@ -33,6 +33,38 @@ def test_timms_defaults_become_its_recipe(tmp_path):
     assert cfg.dataset == "folder" and cfg.data_dir is None  # timm's '': class folders at --data-dir
     # timm's "unset": no stochastic depth, no repeated augmentation, fp32, no compile
     assert (cfg.drop_path, cfg.repeated_aug, cfg.mixed_precision, cfg.compile) == (0.0, 1, "no", False)
+
+
+def timms_lr(lr_base: float, lr_base_size: int, lr_base_scale: str, opt: str, global_batch: int) -> float:
+    """timm's train.py: the lr from --lr-base when --lr is unset (its main(), as written there)."""
+    batch_ratio = global_batch / lr_base_size
+    if not lr_base_scale:
+        lr_base_scale = "sqrt" if any(o in opt.lower() for o in ("ada", "lamb")) else "linear"
+    if lr_base_scale == "sqrt":
+        batch_ratio = batch_ratio**0.5
+    return lr_base * batch_ratio
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw", "lamb"])
+@pytest.mark.parametrize("scale", ["", "sqrt", "linear"])
+def test_an_args_yaml_scales_the_lr_as_timm(tmp_path, opt, scale):
+    """timm's lr_base_scale ('' picks sqrt for Adam-family and LAMB optimizers) from an args.yaml with lr unset:
+    the lr timm's train.py computes, for a global batch of 1024 (the rule named as the startup line prints it);
+    this engine's own default stays DeiT's linear rule."""
+    cfg = parse_config(["-c", str(args_yaml(tmp_path, opt=opt, lr_base_scale=scale)), "--output", str(tmp_path)])
+    assert cfg.lr is None and cfg.lr_base_scale == scale
+    lr, rule = scaled_lr(cfg, 1024)
+    assert lr == pytest.approx(timms_lr(0.1, 256, scale, opt, 1024), rel=1e-12)
+    assert ("sqrt(" in rule) == (scale == "sqrt" or (scale == "" and opt != "sgd"))
+    own = parse_config(["--model", "vanilla_cnn", "--opt", opt, "--output", str(tmp_path)])
+    assert scaled_lr(own, 1024)[0] == pytest.approx(5e-4 * 1024 / 512)
+
+
+def test_an_args_yaml_keeps_timms_empty_choices(tmp_path):
+    """'' is a value where it is one of an option's choices: --dist-bn '' (no BN statistics sync) and
+    --lr-base-scale '' (timm's pick), not this engine's defaults (reduce, linear)."""
+    cfg = parse_config(["-c", str(args_yaml(tmp_path, dist_bn="")), "--output", str(tmp_path / "run")])
+    assert (cfg.dist_bn, cfg.lr_base_scale) == ("", "")
 
 
 @pytest.mark.integration

@@ -1,6 +1,6 @@
-"""timm train.py's --sched plateau with --patience-epochs, --sched-on-updates, --checkpoint-hist, --bn-eps,
---bn-momentum, --head-init-bias and --pin-mem: each checked by its effect against timm's own scheduler, a
-replay of the run's logged metrics, or the model timm builds."""
+"""timm train.py's --sched plateau with --patience-epochs, --sched-on-updates, --lr-noise, --checkpoint-hist,
+--bn-eps, --bn-momentum, --head-init-bias and --pin-mem: each checked by its effect against timm's own
+scheduler, a replay of the run's logged metrics, or the model timm builds."""
 
 from __future__ import annotations
 
@@ -70,6 +70,37 @@ def test_no_sched_on_updates_steps_timms_schedule_once_per_epoch(tmp_path):
     recipe.set_scheduled_lr(restored, num_updates=2 * UPDATES + 1, epoch=2)  # a point inside the third epoch
     timm_scheduler.step(2)
     assert restored.optimizer.param_groups[0]["lr"] == timm_optimizer.param_groups[0]["lr"]
+
+
+def test_lr_noise_is_timms_per_update_and_replays_on_resume(tmp_path):
+    """--lr-noise 0.3 0.9 over a 10-epoch cosine of 4 updates each: timm's CosineLRScheduler with noise over
+    updates 12..36, seeded by --seed, gives every update's lr; outside that range the lr is the plain cosine's,
+    inside it differs; a scheduler rebuilt at update 20 (a resume) sets the same noisy lr."""
+    options = dict(epochs=10, lr=LR, min_lr=1e-5, lr_noise=[0.3, 0.9], lr_noise_pct=0.5, lr_noise_std=0.8, seed=7)
+    cfg = small_cnn(tmp_path, **options)
+    noisy = recipe.create_scheduler(cfg, recipe.create_optimizer(cfg, nn.Linear(2, 2), LR), 10, 0, UPDATES)
+    plain_cfg = small_cnn(tmp_path, **{**options, "lr_noise": None, "lr_noise_pct": 0.67, "lr_noise_std": 1.0})
+    plain = recipe.create_scheduler(plain_cfg, recipe.create_optimizer(plain_cfg, nn.Linear(2, 2), LR), 10, 0, 4)
+    timm_optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    timm_scheduler = CosineLRScheduler(
+        timm_optimizer, t_initial=40, lr_min=1e-5, t_in_epochs=False, warmup_lr_init=cfg.warmup_lr,
+        noise_range_t=[12.0, 36.0], noise_pct=0.5, noise_std=0.8, noise_seed=7,
+    )  # fmt: skip
+    lrs = {}
+    for update in range(40):
+        for scheduler in (noisy, plain, timm_scheduler):
+            scheduler.step_update(update)
+        lr, plain_lr = noisy.optimizer.param_groups[0]["lr"], plain.optimizer.param_groups[0]["lr"]
+        assert lr == timm_optimizer.param_groups[0]["lr"], update
+        assert (lr != plain_lr) == (12 <= update < 36), update
+        lrs[update] = lr
+    resumed = recipe.create_scheduler(cfg, recipe.create_optimizer(cfg, nn.Linear(2, 2), LR), 10, 0, UPDATES)
+    recipe.set_scheduled_lr(resumed, num_updates=20, epoch=5)
+    assert resumed.optimizer.param_groups[0]["lr"] == lrs[20]
+    with pytest.raises(ConfigError, match=r"--lr-noise-pct 0.5 has no effect without --lr-noise"):
+        small_cnn(tmp_path, lr_noise_pct=0.5)
+    with pytest.raises(ConfigError, match=r"--lr-noise must be START \[END\], ordered, >= 0"):
+        small_cnn(tmp_path, lr_noise=[0.9, 0.3])
 
 
 def plateau_lrs(metrics: list[float], patience: int, decay_rate: float, lr: float) -> list[float]:

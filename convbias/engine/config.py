@@ -401,6 +401,24 @@ def write_config(cfg: Config, path: Path, derived: dict) -> None:
     write_text(path, "# resolved config of this run; reload with -c\n" + header + body)
 
 
+def lr_scaling(cfg: Config) -> str:
+    """linear or sqrt: how --lr-base follows the global batch; timm's '' is sqrt for Adam-family and LAMB
+    optimizers, as its train.py picks."""
+    if cfg.lr_base_scale:
+        return cfg.lr_base_scale
+    return "sqrt" if any(name in cfg.opt.lower() for name in ("ada", "lamb")) else "linear"
+
+
+def scaled_lr(cfg: Config, global_batch: int) -> tuple[float, str]:
+    """The run's lr and the rule that gave it: --lr, else --lr-base scaled to the global batch."""
+    if cfg.lr is not None:
+        return cfg.lr, "--lr"
+    ratio = f"{global_batch} / --lr-base-size {cfg.lr_base_size}"
+    if lr_scaling(cfg) == "sqrt":
+        return cfg.lr_base * (global_batch / cfg.lr_base_size) ** 0.5, f"--lr-base {cfg.lr_base:g} x sqrt({ratio})"
+    return cfg.lr_base * global_batch / cfg.lr_base_size, f"--lr-base {cfg.lr_base:g} x {ratio}"
+
+
 LOW_LR = 1e-5  # a scaled lr below this barely moves a model in a short run
 SMALL_IMAGES = 64  # px: below this the DeiT recipe's augmentation destroys most of an image
 
@@ -411,9 +429,8 @@ def setup_warnings(cfg: Config, lr: float, global_batch: int) -> list[str]:
     warnings = []
     if cfg.lr is None and lr < LOW_LR:
         warnings.append(
-            f"the lr scaled to the global batch is {lr:.3g} (--lr-base {cfg.lr_base:g} x {global_batch} / "
-            f"--lr-base-size {cfg.lr_base_size}), below {LOW_LR:g}: the run may barely learn; set --lr, or raise "
-            f"--lr-base or the batch"
+            f"the lr scaled to the global batch is {lr:.3g} ({scaled_lr(cfg, global_batch)[1]}), below {LOW_LR:g}: "
+            "the run may barely learn; set --lr, or raise --lr-base or the batch"
         )
     heavy = [
         name

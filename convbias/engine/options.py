@@ -37,6 +37,7 @@ PRECISIONS = ("no", "bf16", "fp16")
 DIST_BN = ("reduce", "broadcast", "")
 EVAL_METRICS = ("top1", "top5", "loss")
 TRAIN_CROP_MODES = ("rrc", "rkrc", "rkrr")
+LR_BASE_SCALES = ("linear", "sqrt", "")
 STREAM_PREFIXES = ("wds/", "hfids/")  # engine.streams' iterable sources
 HF_PREFIXES = ("hfds/", "hfids/")  # Hugging Face datasets: columns named by --input-key and --target-key
 
@@ -64,6 +65,7 @@ MIXING = Needs(
     "--mixup, --cutmix or --cutmix-minmax",
 )
 BCE = Needs(lambda c: c.bce_loss, "--bce-loss")
+LR_NOISE = Needs(lambda c: c.lr_noise is not None, "--lr-noise")
 HF_DATASET = Needs(lambda c: c.dataset.startswith(HF_PREFIXES), "an hfds/ or hfids/ --dataset")
 COLUMN = Check(lambda v: bool(v) and "," not in v, "one column name (multi-label targets are not supported)")
 
@@ -319,9 +321,17 @@ class DataOptions:
 @dataclass
 class OptimizationOptions:
     opt: str = option("adamw", "timm optimizer name")
-    lr: float | None = option(None, "absolute lr; default lr-base x global batch / lr-base-size", check=POSITIVE)
+    lr: float | None = option(
+        None, "absolute lr; default lr-base x global batch / lr-base-size (--lr-base-scale)", check=POSITIVE
+    )
     lr_base: float = option(5e-4, check=POSITIVE)
     lr_base_size: int = option(512, check=POSITIVE)
+    lr_base_scale: str = option(
+        "linear",
+        "how --lr-base follows the global batch: linear (DeiT's), sqrt (x sqrt(global batch / lr-base-size)), or '' "
+        "for timm's choice (sqrt for an --opt containing 'ada' or 'lamb', else linear)",
+        choices=LR_BASE_SCALES,
+    )
     weight_decay: float = option(0.05, check=NON_NEGATIVE)
     momentum: float = option(0.9)
     opt_eps: float = option(1e-8)
@@ -434,6 +444,16 @@ class ScheduleOptions:
         0.5, "cosine schedule: each cycle's peak lr this many times the one before", check=POSITIVE, needs=CYCLES
     )
     lr_k_decay: float = option(1.0, "cosine schedule: k-decay exponent (1: plain cosine)", check=POSITIVE, needs=COSINE)
+    lr_noise: list[float] | None = option(
+        None,
+        "lr noise from START (to END) as fractions of the schedule's length: timm's, the lr times 1 + a normal "
+        "draw seeded by (--seed, step), kept within --lr-noise-pct",
+        check=Check(lambda v: len(v) <= 2 and all(x >= 0 for x in v) and v == sorted(v), "START [END], ordered, >= 0"),
+        nargs="+",
+        metavar="FRACTION",
+    )
+    lr_noise_pct: float = option(0.67, "lr noise: the largest relative change", check=POSITIVE, needs=LR_NOISE)
+    lr_noise_std: float = option(1.0, "lr noise: the normal draw's standard deviation", check=POSITIVE, needs=LR_NOISE)
 
 
 @dataclass

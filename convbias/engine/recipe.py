@@ -163,7 +163,8 @@ def clip_gradients(cfg: Config, accelerator: Accelerator, model: nn.Module) -> N
 
 def _schedule(cfg: Config, epochs: int, warmup_epochs: int) -> dict[str, Any]:
     """create_scheduler_v2's arguments for a schedule of ``epochs``. 'constant' is a step schedule whose decay
-    factor is 1; the plateau schedule watches --eval-metric (lower is better for the loss)."""
+    factor is 1; the plateau schedule watches --eval-metric (lower is better for the loss). The lr noise is
+    seeded by --seed as timm's train.py seeds it (a draw per step: a resumed run draws the same)."""
     sched, decay_rate = ("step", 1.0) if cfg.sched == "constant" else (cfg.sched, cfg.decay_rate)
     return dict(
         sched=sched,
@@ -182,6 +183,10 @@ def _schedule(cfg: Config, epochs: int, warmup_epochs: int) -> dict[str, Any]:
         cycle_decay=cfg.lr_cycle_decay,
         cycle_limit=cfg.lr_cycle_limit,
         k_decay=cfg.lr_k_decay,
+        noise=cfg.lr_noise,
+        noise_pct=cfg.lr_noise_pct,
+        noise_std=cfg.lr_noise_std,
+        noise_seed=cfg.seed,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..storage import atomic_write
 from ..tables import csv_text
+from .config import scaled_lr
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
 
@@ -143,10 +144,7 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
         sizes = f"{len(bundle.train):,} train / {len(bundle.val):,} val images"
     except TypeError:  # a stream without a known length
         sizes = "streamed"
-    if cfg.lr is not None:
-        rule = "--lr"
-    else:
-        rule = f"--lr-base {cfg.lr_base:g} x {start.global_batch} / --lr-base-size {cfg.lr_base_size}"
+    _, rule = scaled_lr(cfg, start.global_batch)
     precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
     return [
         f"output: {start.output} ({begin})",

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from . import recipe
 from .checkpoint import WEIGHTS_FILE, CheckpointDir, load_training_state, load_weights, verify_file, weights_metadata
 from .compile import compiled
-from .config import effective_epochs
+from .config import effective_epochs, scaled_lr
 from .data import build_datasets, dataset_info
 from .extensions import Extensions
 from .fsdp import FullCopy
@@ -97,7 +97,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     epochs, warmup = effective_epochs(cfg)
     epochs = recipe.scheduled_epochs(cfg, epochs, warmup)
     global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
-    lr = cfg.lr if cfg.lr is not None else cfg.lr_base * global_batch / cfg.lr_base_size
+    lr, _ = scaled_lr(cfg, global_batch)
     output, notes = Path(cfg.output), []
     take_lock(acc, lock, notes)
     point = find_start(acc, cfg, output, notes)

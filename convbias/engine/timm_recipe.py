@@ -16,7 +16,15 @@ from typing import Any
 from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 from ..errors import ConfigError
-from .options import default_value, did_you_mean, flag_name, option_aliases, option_names, option_types
+from .options import (
+    declaration,
+    default_value,
+    did_you_mean,
+    flag_name,
+    option_aliases,
+    option_names,
+    option_types,
+)
 
 NOT_YET = "not implemented by this engine yet"
 NO_DOWNLOAD = "this engine reads data and weights from local files only"
@@ -56,8 +64,6 @@ TIMM_REFUSALS: dict[str, str] = {
         "(--distill-teacher)",
     ),
     **dict.fromkeys(("gp", "drop_block", "drop_connect"), "pass it to the model with --model-kwargs"),
-    "lr_base_scale": "this engine scales the lr linearly (--lr-base x global batch / --lr-base-size)",
-    **dict.fromkeys(("lr_noise", "lr_noise_pct", "lr_noise_std"), "lr noise is not implemented"),
     "recovery_interval": "use --checkpoint-interval (in optimizer updates)",
     **dict.fromkeys(
         ("epoch_repeats", "train_batches_per_epoch"), "an epoch is one pass over the (repeated-augmentation) sampler"
@@ -126,10 +132,11 @@ def is_timm_recipe(values: dict[str, Any]) -> bool:
 
 def _shared_option(name: str, value: Any) -> tuple[bool, Any]:
     """(whether to set it, the value) for a key both timm and this engine declare. timm's '' and None mean
-    "unset": None where this engine's option takes None, else this engine's default (or TIMM_NONE_MEANS)."""
+    "unset": None where this engine's option takes None, else this engine's default (or TIMM_NONE_MEANS); ''
+    is a value where it is one of the option's choices (--dist-bn '', --lr-base-scale '')."""
     if name == "dataset" and value == "":  # timm's folder of class folders at --data-dir (or data)
         return True, "folder"
-    if value not in ("", None):
+    if value not in ("", None) or (value == "" and "" in (declaration(name).metadata["choices"] or ())):
         return True, value
     if _accepts_none(name):
         return True, None

@@ -148,7 +148,7 @@ def options_table(train: ModuleType, args: argparse.Namespace, commit: str, desc
         "",
         f"Defaults: {sum('(default here' in what for _, what in status.values())} implemented options default to "
         "another value here, marked *default here*. Most are DeiT's recipe, which the ConViT paper trains with "
-        "(AdamW, lr 5e-4 per 512 images, RandAugment, mixup and cutmix, random erasing, stochastic depth 0.1, "
+        "(AdamW, lr 5e-4 per 512 images scaled linearly, RandAugment, mixup and cutmix, random erasing, stochastic depth 0.1, "
         "bicubic resizing in training). `--scale` and `--ratio` default to timm's ranges for the crop mode. The "
         "rest are choices of this engine: the schedule is stepped per update (`--no-sched-on-updates`: per "
         "epoch, as timm), the loaders pin memory on GPUs, and only the best point is kept beyond the newest "
