@@ -380,6 +380,11 @@ def test_help_shows_every_new_option_with_its_default():
         (dict(head_init_scale=-1.0), "--head-init-scale must be >= 0, got -1.0"),
         (dict(layer_decay=1.5), r"--layer-decay must be in \(0, 1\], got 1.5"),
         (dict(layer_decay_min_scale=0.1), "--layer-decay-min-scale 0.1 has no effect without --layer-decay"),
+        (dict(wandb_tags=["a"]), r"--wandb-tags \['a'\] has no effect without --log-wandb"),
+        (
+            dict(log_wandb=True, wandb_resume_id="x1"),
+            "--wandb-resume-id x1 continues a wandb run, so it needs --resume",
+        ),
         (dict(layer_decay=0.5, layer_decay_no_opt_scale=0.0), r"--layer-decay-no-opt-scale must be in \(0, 1\]"),
         (dict(opt_betas=[0.9, 1.0]), r"--opt-betas must be one or more numbers in \[0, 1\)"),
         (dict(opt_betas=[0.9]), "--opt-betas: --opt adamw takes 2 betas, got 1"),

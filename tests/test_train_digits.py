@@ -85,10 +85,18 @@ def test_eval_only_prints_top1_and_top5(digits_run, capsys, model_argv):
 
 
 def test_wandb_offline_run_records_the_run(tmp_path, monkeypatch, train_argv):
+    """An offline wandb run in the output folder, with --wandb-tags and the id --wandb-resume-id gives (with
+    --resume auto, here with no point yet), and the run's console in it."""
+    import wandb
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    started, init = [], wandb.init
+    monkeypatch.setattr(wandb, "init", lambda *args, **kwargs: started.append(init(*args, **kwargs)) or started[-1])
     output = tmp_path / "run"
-    results = train.run(train_argv(epochs=1, train_fraction=0.2, log_wandb=True, output=output))
+    wandb_options = dict(log_wandb=True, wandb_tags=["convit", "digits"], wandb_resume_id="abc123", resume="auto")
+    results = train.run(train_argv(epochs=1, train_fraction=0.2, output=output, **wandb_options))
+    assert [(run.id, run.tags) for run in started] == [("abc123", ("convit", "digits"))]
     runs = list((output / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((output / "wandb").iterdir())
     console = (runs[0] / "files" / "output.log").read_text()  # wandb's capture of the run's console

@@ -307,6 +307,10 @@ def _check_combinations(cfg: Config) -> None:
         cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
         "--output-scale cannot be combined with --reparametrize or hard distillation",
     )
+    _check(
+        cfg.wandb_resume_id is None or bool(cfg.resume),
+        f"--wandb-resume-id {cfg.wandb_resume_id} continues a wandb run, so it needs --resume (auto or a point)",
+    )
     mixing = cfg.mixup > 0 or cfg.cutmix > 0 or cfg.cutmix_minmax is not None
     _check(not mixing or cfg.batch_size % 2 == 0, f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}")
     _check(

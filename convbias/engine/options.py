@@ -66,6 +66,7 @@ MIXING = Needs(
 )
 BCE = Needs(lambda c: c.bce_loss, "--bce-loss")
 LR_NOISE = Needs(lambda c: c.lr_noise is not None, "--lr-noise")
+WANDB = Needs(lambda c: c.log_wandb, "--log-wandb")
 HF_DATASET = Needs(lambda c: c.dataset.startswith(HF_PREFIXES), "an hfds/ or hfids/ --dataset")
 COLUMN = Check(lambda v: bool(v) and "," not in v, "one column name (multi-label targets are not supported)")
 
@@ -550,6 +551,10 @@ class LoggingOptions:
     diagnostics_images: int = option(16, "fixed eval images used by diagnostics", check=POSITIVE_INT)
     log_wandb: bool = option(False, "log to wandb (honors WANDB_MODE)")
     wandb_project: str = option("convolutional-inductive-biases")
+    wandb_tags: list[str] = option([], "tags of the wandb run", nargs="+", needs=WANDB)
+    wandb_resume_id: str | None = option(
+        None, "with --resume: continue this wandb run (its id) instead of starting one", needs=WANDB
+    )
 
 
 # (section title in --help, its options), in the order --help and config.yaml show them

@@ -170,10 +170,13 @@ class Trainer:
             self.output.mkdir(parents=True, exist_ok=True)
             write_config(cfg, self.output / "config.yaml", derived)
         if cfg.log_wandb:
+            resumed = {"id": cfg.wandb_resume_id, "resume": "must"} if cfg.wandb_resume_id else {}
             acc.init_trackers(
                 cfg.wandb_project,
                 config={**cfg.to_dict(), **derived},
-                init_kwargs={"wandb": {"name": self.output.name, "dir": str(self.output)}},
+                init_kwargs={
+                    "wandb": {"name": self.output.name, "dir": str(self.output), "tags": cfg.wandb_tags, **resumed}
+                },
             )
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
         for note in log.start(progress.epoch):
