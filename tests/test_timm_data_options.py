@@ -167,6 +167,19 @@ def test_input_size_is_in_chans_and_img_size(tmp_path):
     assert train_recipe(given) == train_recipe(spelled) == train_recipe(unvalidated)
 
 
+@pytest.mark.parametrize("mode, in_chans", [("L", 1), ("RGB", 3)])
+def test_input_img_mode_is_in_chans(tmp_path, mode, in_chans):
+    """timm's --input-img-mode L / RGB: the digits served in 1 / 3 channels, as --in-chans 1 / 3 serves them."""
+    given = config(tmp_path, "--dataset", "digits", "--input-img-mode", mode)
+    spelled = config(tmp_path, "--dataset", "digits", "--in-chans", str(in_chans))
+    unvalidated = Config(dataset="digits", input_img_mode=mode)
+    assert given.in_chans == in_chans
+    bundles = [build_datasets(cfg) for cfg in (given, spelled, unvalidated)]
+    for bundle in bundles:
+        assert bundle.in_chans == in_chans and bundle.val[0][0].shape[0] == in_chans
+        assert torch.equal(bundle.val[0][0], bundles[1].val[0][0])
+
+
 # ------------------------------------------------------------------------------------------------- refusals
 BAD_MAPS = [
     ("missing.txt", None, r"--class-map \S+missing\.txt: cannot be read \(No such file or directory\); expected \.txt"),
@@ -224,6 +237,8 @@ def test_a_class_map_on_a_source_labelled_by_timms_reader_is_refused(tmp_path, d
         (["--in-chans", "3", "--std", "0.2", "0.3"], r"^--std 0\.2 0\.3: 2 values for 3-channel images; give one"),
         (["--input-size", "1", "8", "8", "--mean", "0.1", "0.2", "0.3"], r"^--mean 0\.1 0\.2 0\.3: 3 values for 1-ch"),
         (["--std", "0"], r"^--std must be positive"),
+        (["--input-img-mode", "L", "--in-chans", "3"], r"^--input-img-mode L and --in-chans 3 disagree"),
+        (["--input-img-mode", "RGBA"], r"^unknown --input-img-mode 'RGBA'; choices: RGB, L"),
     ],
 )
 def test_input_options_that_disagree_are_one_line(tmp_path, argv, message):

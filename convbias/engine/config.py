@@ -27,6 +27,7 @@ from ..storage import write_text
 from .command_line import OptionParser, build_parser
 from .options import (
     DATASETS,
+    IMAGE_MODE_CHANNELS,
     Config,
     declaration,
     default_value,
@@ -282,11 +283,13 @@ def _normalize(cfg: Config) -> None:
         cfg.pretrained = True
     if cfg.input_size is not None:  # timm's --input-size C H W: --in-chans C --img-size H (_check_input: they agree)
         cfg.in_chans, cfg.img_size = cfg.in_chans or cfg.input_size[0], cfg.img_size or cfg.input_size[1]
+    if cfg.input_img_mode is not None:  # timm's image mode: the channels (_check_input: they agree)
+        cfg.in_chans = cfg.in_chans or IMAGE_MODE_CHANNELS[cfg.input_img_mode]
 
 
 def _check_input(cfg: Config) -> None:
-    """--input-size against --img-size and --in-chans; --mean/--std against the channels and --class-map's file
-    against the dataset, as engine.data resolves them (it loads torch: only after parsing)."""
+    """--input-size and --input-img-mode against --img-size and --in-chans; --mean/--std against the channels and
+    --class-map's file against the dataset, as engine.data resolves them (it loads torch: only after parsing)."""
     if cfg.input_size is not None:
         given = f"--input-size {' '.join(map(str, cfg.input_size))}"
         for name, value in (("img_size", cfg.input_size[1]), ("in_chans", cfg.input_size[0])):
@@ -294,6 +297,11 @@ def _check_input(cfg: Config) -> None:
                 getattr(cfg, name) == value,
                 f"{given} and {flag_name(name)} {getattr(cfg, name)} disagree; give one of them",
             )
+    mode = cfg.input_img_mode
+    _check(
+        mode is None or cfg.in_chans == IMAGE_MODE_CHANNELS[mode],
+        f"--input-img-mode {mode} and --in-chans {cfg.in_chans} disagree; give one of them",
+    )
     from .data import class_map, input_format
 
     input_format(cfg)

@@ -39,7 +39,7 @@ from .datasets import (
 )
 from .input_pipeline import AugmentRecipe, image_mode
 from .input_pipeline import fast_path_reason as recipe_fast_path_reason
-from .options import Config, flag_name
+from .options import IMAGE_MODE_CHANNELS, Config, flag_name
 from .streams import (
     Columns,
     check_stream,
@@ -86,11 +86,13 @@ class InputFormat:
 
 
 def input_format(cfg: Config) -> InputFormat:
-    """As timm's train.py: in_chans = --in-chans or --input-size's C or the dataset's; the size --img-size, else
-    --input-size's H, else the dataset's; the normalization --mean/--std, else the dataset's (see _per_channel)."""
+    """As timm's train.py: in_chans = --in-chans or --input-size's C or --input-img-mode's or the dataset's; the
+    size --img-size, else --input-size's H, else the dataset's; the normalization --mean/--std, else the
+    dataset's (see _per_channel)."""
     info = dataset_info(cfg.dataset)
     channels, size = (cfg.input_size or (None, None))[:2]
-    in_chans = int(cfg.in_chans or channels or info.in_chans)
+    mode_channels = IMAGE_MODE_CHANNELS.get(cfg.input_img_mode)
+    in_chans = int(cfg.in_chans or channels or mode_channels or info.in_chans)
     return InputFormat(
         in_chans,
         int(cfg.img_size or size or info.default_img_size),

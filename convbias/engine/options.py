@@ -38,6 +38,7 @@ DIST_BN = ("reduce", "broadcast", "")
 EVAL_METRICS = ("top1", "top5", "loss")
 TRAIN_CROP_MODES = ("rrc", "rkrc", "rkrr")
 LR_BASE_SCALES = ("linear", "sqrt", "")
+IMAGE_MODE_CHANNELS = {"RGB": 3, "L": 1}  # --input-img-mode -> --in-chans
 STREAM_PREFIXES = ("wds/", "hfids/")  # engine.streams' iterable sources
 HF_PREFIXES = ("hfds/", "hfids/")  # Hugging Face datasets: columns named by --input-key and --target-key
 
@@ -127,6 +128,11 @@ class ModelOptions:
         None,
         "image channels: 1 (grayscale, images converted to L) or 3 (RGB); default the dataset's",
         check=Check(lambda v: v in (1, 3), "1 or 3 (grayscale or RGB images)"),
+    )
+    input_img_mode: str | None = option(
+        None,
+        "timm's image mode: RGB (--in-chans 3) or L (--in-chans 1); default from --in-chans",
+        choices=tuple(IMAGE_MODE_CHANNELS),
     )
     input_size: list[int] | None = option(
         None,

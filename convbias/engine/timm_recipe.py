@@ -69,6 +69,7 @@ TIMM_REFUSALS: dict[str, str] = {
         ("epoch_repeats", "train_batches_per_epoch"), "an epoch is one pass over the (repeated-augmentation) sampler"
     ),
     "tta": "test-time augmentation is not implemented",
+    "val_num_samples": "a stream's validation split is read whole (its size from the split's info)",
 }
 
 
