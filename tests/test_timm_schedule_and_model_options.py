@@ -175,6 +175,35 @@ def build(cfg: Config, in_chans: int = 1) -> nn.Module:
     return modeling.create_model(cfg, num_classes=10, in_chans=in_chans)
 
 
+@pytest.mark.integration
+def test_gp_is_kept_by_every_command_that_rebuilds_the_run(tmp_path):
+    """--gp catavgmax doubles test_resnet's classifier input, so its weights load only into a model built with
+    it: the run rebuilt (RunDir.build_model), its model_spec (diagnostics), --eval-only RUN and robustness's
+    clean accuracy all give the run's own top-1."""
+    import csv
+    import json
+
+    from convbias.cli import robustness
+    from convbias.cli import train as train_command
+    from convbias.engine.config import parse_config
+
+    cfg = small_cnn(tmp_path, gp="catavgmax")
+    records = train(cfg)
+    run = RunDir(cfg.output)
+    model, _ = run.build_model("last", load_families())
+    assert model.get_classifier().in_features == 2 * model.num_features  # average and max pools concatenated
+    assert run.model_spec()["model_kwargs"] == {"global_pool": "catavgmax"}
+    assert parse_config(["--eval-only", cfg.output]).gp == "catavgmax"
+    evaluated = train_command.run(["--eval-only", cfg.output, "--workers", "0"])
+    assert evaluated["eval_top1"] == pytest.approx(records[-1]["eval_top1"])
+    studied = tmp_path / "robustness"
+    argv = [cfg.output, "--attacks", "none", "--corruptions", "none", "--workers", "0", "--output", str(studied)]
+    assert robustness.main(argv) == 0
+    with open(studied / "robustness.csv", newline="") as file:
+        clean = float(next(csv.DictReader(file))["clean"])
+    assert clean == pytest.approx(json.loads((Path(cfg.output) / "results.json").read_text())["final_top1"], abs=0.01)
+
+
 def test_bn_eps_and_momentum_set_every_batchnorm_layer(tmp_path):
     reference = build(small_cnn(tmp_path))
     model = build(small_cnn(tmp_path, bn_eps=1e-3, bn_momentum=0.01))

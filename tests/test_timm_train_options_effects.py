@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 import yaml
@@ -77,6 +78,30 @@ def test_drop_sets_the_dropout_of_timms_model(tmp_path):
     assert build(config(tmp_path, model="test_vit", model_kwargs={}, drop=0.25)).head_drop.p == 0.25
     with pytest.raises(ConfigError, match=r"^cannot build vanilla_cnn with \{'drop_rate': 0.25\}: .*'drop_rate'$"):
         build(config(tmp_path, model="vanilla_cnn", model_kwargs={}, drop_path=0.0, drop=0.25), in_chans=1)
+
+
+def test_gp_and_drop_block_build_timms_model(tmp_path):
+    """--gp max and --drop-block 0.1 on timm's resnet18: the model timm builds with global_pool='max' and
+    drop_block_rate=0.1 (its DropBlock in the last two stages), the same outputs from the same weights;
+    a model without them (ConViT) is a one-line error naming what was given."""
+    from timm.layers import DropBlock2d
+
+    cfg = config(tmp_path, model="resnet18", model_kwargs={}, drop_path=0.0, gp="max", drop_block=0.1)
+    ours = build(cfg)
+    torch.manual_seed(0)
+    theirs = timm.create_model("resnet18", num_classes=10, global_pool="max", drop_block_rate=0.1)
+    assert (
+        ours.global_pool.pool_type == "max"
+        and build(config(tmp_path, model="resnet18", model_kwargs={})).global_pool.pool_type == "avg"
+    )
+    blocks = [name for name, module in ours.named_modules() if isinstance(module, DropBlock2d)]
+    assert blocks and all(name.startswith(("layer3", "layer4")) for name in blocks)
+    assert blocks == [name for name, module in theirs.named_modules() if isinstance(module, DropBlock2d)]
+    ours.eval(), theirs.eval()
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(ours(images), theirs(images), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match=r"^cannot build convit_tiny with \{'drop_block_rate': 0.1"):
+        build(config(tmp_path, drop_block=0.1))
 
 
 def test_head_init_scale_scales_exactly_the_classifier(tmp_path):

@@ -27,11 +27,13 @@ def check_model_name(name: str, option: str = "--model") -> None:
 
 
 def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
-    """timm.create_model with the run's model options (model, model_kwargs, img_size, drop, drop_path, pretrained,
-    pretrained_file, head_init_scale); pretrained weights come from a local file only."""
+    """timm.create_model with the run's model options (model, model_kwargs, img_size, drop, drop_path, drop_block,
+    gp, pretrained, pretrained_file, head_init_scale); pretrained weights come from a local file only."""
+    chosen = dict(drop_rate=cfg.drop or None, drop_block_rate=cfg.drop_block, global_pool=cfg.gp)
+    chosen = {key: value for key, value in chosen.items() if value is not None}  # passed only to models taking them
     kwargs: dict[str, Any] = dict(
         num_classes=num_classes,
-        drop_rate=cfg.drop or None,  # None: not passed, for the models that take no dropout rate
+        **chosen,
         drop_path_rate=cfg.drop_path or None,
         in_chans=None if in_chans == 3 else in_chans,
         pretrained=bool(cfg.pretrained),
@@ -54,7 +56,7 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
             kwargs.pop("img_size")
             model = timm.create_model(cfg.model, **kwargs)
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
-        given = {**({"drop_rate": cfg.drop} if cfg.drop else {}), **model_kwargs}
+        given = {**chosen, **model_kwargs}
         raise ConfigError(
             f"cannot build {cfg.model} with {given or 'default arguments'}: {str(e).splitlines()[0]}"
         ) from e  # the constructor's traceback, shown with CONVBIAS_TRACEBACK=1

@@ -115,6 +115,13 @@ class ModelOptions:
         0.0, "dropout rate (timm's drop_rate: most models drop the classifier's input)", check=BELOW_ONE
     )
     drop_path: float = option(0.1, "stochastic depth rate", check=BELOW_ONE)
+    drop_block: float | None = option(
+        None, "DropBlock rate (timm's drop_block_rate: ResNets' last two stages); default none", check=BELOW_ONE
+    )
+    gp: str | None = option(
+        None,
+        "the classifier's global pool (timm's global_pool: avg, max, avgmax, catavgmax, token...); default the model's",
+    )
     num_classes: int | None = option(None, "keep only the first K classes", check=Check(lambda v: v >= 2, "at least 2"))
     head_init_scale: float | None = option(
         None,

@@ -54,6 +54,7 @@ RUN_KEYS = (
     "input_key",
     "target_key",
     "bn_eps",
+    "gp",
     "dataset",
     "data_dir",
     "crop_pct",
@@ -250,9 +251,9 @@ class RunDir:
 
     # ---------------------------------------------------------------------------------------- model
     def model_spec(self, which: str = DEFAULT_WHICH) -> dict[str, Any]:
-        """What rebuilding the run's model needs: model, model_kwargs, img_size, in_chans, num_classes, and
-        the checkpoint (a verified RunCheckpoint). Classes and channels come from the checkpoint's metadata,
-        else from config.yaml and the dataset's description."""
+        """What rebuilding the run's model needs: model, model_kwargs (with --gp as global_pool), img_size,
+        in_chans, num_classes, and the checkpoint (a verified RunCheckpoint). Classes and channels come from the
+        checkpoint's metadata, else from config.yaml and the dataset's description."""
         from convbias.weights import weights_metadata  # torch and the data sets: only once a model is rebuilt
 
         from .datasets import DATASETS
@@ -269,7 +270,10 @@ class RunDir:
             )
         return {
             "model": options["model"],
-            "model_kwargs": dict(options.get("model_kwargs") or {}),
+            "model_kwargs": {
+                **({"global_pool": options["gp"]} if options.get("gp") else {}),
+                **(options.get("model_kwargs") or {}),
+            },
             "img_size": options.get("img_size") or (dataset.default_img_size if dataset else None),
             "in_chans": int(in_chans),
             "num_classes": int(num_classes),

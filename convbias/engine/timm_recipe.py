@@ -37,6 +37,7 @@ TIMM_NOT_APPLICABLE: dict[str, str] = {
     **dict.fromkeys(("dataset_download", "dataset_trust_remote_code"), NO_DOWNLOAD),
     "model_ema_force_cpu": "the EMA lives on the training device",
     "start_epoch": "a resume point sets the epoch (--resume)",
+    "drop_connect": "timm's train.py does not read it (its stochastic depth is --drop-path)",
     "no_resume_opt": "a resume point always restores the optimizer",
     "worker_seeding": "each image's augmentation is seeded from (seed, epoch, index)",
     "use_multi_epochs_loader": "the loaders are rebuilt per epoch by their samplers",
@@ -63,7 +64,6 @@ TIMM_REFUSALS: dict[str, str] = {
         "timm's knowledge distillation is not implemented; this engine has DeiT's hard distillation "
         "(--distill-teacher)",
     ),
-    **dict.fromkeys(("gp", "drop_block", "drop_connect"), "pass it to the model with --model-kwargs"),
     "recovery_interval": "use --checkpoint-interval (in optimizer updates)",
     **dict.fromkeys(
         ("epoch_repeats", "train_batches_per_epoch"), "an epoch is one pass over the (repeated-augmentation) sampler"

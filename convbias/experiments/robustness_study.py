@@ -65,7 +65,7 @@ class RobustnessOptions:
     compare_checkpoint: str | None = None
     compare_checkpoint_label: str | None = None
     compare_model_kwargs: dict = field(default_factory=dict)
-    model_options: dict = field(default_factory=dict)  # a run's model options besides its kwargs (--bn-eps)
+    model_options: dict = field(default_factory=dict)  # a run's model options besides its kwargs (--bn-eps, --gp)
     compare_model_options: dict = field(default_factory=dict)
     dataset: str = "digits"
     data_dir: str | None = None
