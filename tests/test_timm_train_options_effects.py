@@ -104,6 +104,33 @@ def test_gp_and_drop_block_build_timms_model(tmp_path):
         build(config(tmp_path, drop_block=0.1))
 
 
+def test_fast_norm_is_timms_for_the_runs_model_only(tmp_path):
+    """--fast-norm builds the tiny ConViT as timm builds it under set_fast_norm(): every timm LayerNorm takes the
+    fast path, which under bf16 autocast normalizes in bf16 (timm's default: fp32), the same outputs as timm's
+    model; the switch is off again afterwards, so a model built later is not affected."""
+    from timm.layers import LayerNorm, is_fast_norm, set_fast_norm
+
+    fast = build(config(tmp_path, fast_norm=True)).eval()
+    assert not is_fast_norm()  # restored
+    norms = [module for module in fast.modules() if isinstance(module, LayerNorm)]
+    assert norms and all(norm._fast_norm for norm in norms)
+    plain = build(config(tmp_path)).eval()
+    assert not any(module._fast_norm for module in plain.modules() if isinstance(module, LayerNorm))
+    set_fast_norm(True)
+    try:
+        torch.manual_seed(0)  # as build() seeds
+        oracle = timm.create_model("convit_tiny", num_classes=10, drop_path_rate=0.1, **TINY_CONVIT).eval()
+    finally:
+        set_fast_norm(False)
+    assert all(torch.equal(a, b) for a, b in zip(fast.state_dict().values(), oracle.state_dict().values()))
+    images = torch.randn(2, 3, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        tokens = torch.randn(2, 5, *plain.norm.normalized_shape)
+        assert fast.norm(tokens).dtype == torch.bfloat16 and plain.norm(tokens).dtype == torch.float32
+        torch.testing.assert_close(fast(images), oracle(images), rtol=0, atol=0)
+        assert not torch.equal(fast(images), plain(images))  # the same weights (same seed), another precision
+
+
 def test_head_init_scale_scales_exactly_the_classifier(tmp_path):
     reference, scaled = build(config(tmp_path)), build(config(tmp_path, head_init_scale=0.01))
     for name, value in reference.state_dict().items():

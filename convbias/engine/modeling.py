@@ -6,11 +6,14 @@ The registry must already hold the model: the composition root imports the famil
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import timm
 import torch
+from timm.layers import is_fast_norm, set_fast_norm
 
 from convbias.weights import check_weights_file
 
@@ -26,9 +29,21 @@ def check_model_name(name: str, option: str = "--model") -> None:
         raise ConfigError(f"unknown model '{name}' for {option}{hint}")
 
 
+@contextmanager
+def fast_norm(enabled: bool) -> Iterator[None]:
+    """timm's fast-norm switch while a model is built (its norm layers read it in their constructor), then
+    back to what it was: the choice belongs to the run's model, not to every model the process builds later."""
+    previous = is_fast_norm()
+    set_fast_norm(enabled)
+    try:
+        yield
+    finally:
+        set_fast_norm(previous)
+
+
 def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
     """timm.create_model with the run's model options (model, model_kwargs, img_size, drop, drop_path, drop_block,
-    gp, pretrained, pretrained_file, head_init_scale); pretrained weights come from a local file only."""
+    gp, fast_norm, pretrained, pretrained_file, head_init_scale); pretrained weights come from a local file only."""
     chosen = dict(drop_rate=cfg.drop or None, drop_block_rate=cfg.drop_block, global_pool=cfg.gp)
     chosen = {key: value for key, value in chosen.items() if value is not None}  # passed only to models taking them
     kwargs: dict[str, Any] = dict(
@@ -48,13 +63,14 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
     kwargs.update(model_kwargs)
     kwargs.setdefault("img_size", cfg.img_size)
     try:
-        try:
-            model = timm.create_model(cfg.model, **kwargs)
-        except TypeError as e:  # CNNs take no img_size: they run at any resolution
-            if "img_size" not in str(e) or "img_size" in model_kwargs:
-                raise
-            kwargs.pop("img_size")
-            model = timm.create_model(cfg.model, **kwargs)
+        with fast_norm(bool(cfg.fast_norm)):
+            try:
+                model = timm.create_model(cfg.model, **kwargs)
+            except TypeError as e:  # CNNs take no img_size: they run at any resolution
+                if "img_size" not in str(e) or "img_size" in model_kwargs:
+                    raise
+                kwargs.pop("img_size")
+                model = timm.create_model(cfg.model, **kwargs)
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
         given = {**chosen, **model_kwargs}
         raise ConfigError(

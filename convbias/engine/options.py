@@ -487,6 +487,11 @@ class DistributionOptions:
         metavar="SIG",
     )
     channels_last: bool = option(False, "model and batches in channels-last memory format (CNNs on GPUs)")
+    fast_norm: bool = option(
+        False,
+        "timm's fast norm in the model's timm norm layers (ConViT's LayerNorms): under mixed precision they "
+        "run in bf16/fp16 instead of fp32",
+    )
     sync_bn: bool = option(
         False, "synchronized BatchNorm across processes (torch's SyncBatchNorm; GPUs, more than one process)"
     )

@@ -55,6 +55,7 @@ RUN_KEYS = (
     "target_key",
     "bn_eps",
     "gp",
+    "fast_norm",
     "dataset",
     "data_dir",
     "crop_pct",
