@@ -34,3 +34,18 @@ def test_the_options_table_says_what_this_engine_does_with_each_key(repo):
     assert len(rows) == len(TIMM_TRAIN_DEFAULTS)
     for key, group, what in rows:
         assert (group, what.replace("\\|", "|")) == timm_option_status(key), key
+
+
+def test_the_readme_counts_the_groups_as_the_table_does(repo):
+    """README's summary of the table (how many of timm's keys are implemented, not applicable, refused)."""
+    from collections import Counter
+
+    from convbias.engine.timm_recipe import timm_option_status
+
+    counts = Counter(timm_option_status(key)[0] for key in TIMM_TRAIN_DEFAULTS)
+    readme = " ".join((repo / "README.md").read_text().split())
+    expected = (
+        f"of its {len(TIMM_TRAIN_DEFAULTS)} keys, {counts['implemented']} are implemented, "
+        f"{counts['not applicable']} not applicable and {counts['refused']} refused"
+    )
+    assert expected in readme
