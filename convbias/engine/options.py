@@ -38,6 +38,7 @@ DIST_BN = ("reduce", "broadcast", "")
 EVAL_METRICS = ("top1", "top5", "loss")
 TRAIN_CROP_MODES = ("rrc", "rkrc", "rkrr")
 LR_BASE_SCALES = ("linear", "sqrt", "")
+RANDOM_ERASING_MODES = ("pixel", "rand", "const")  # timm's RandomErasing fills
 IMAGE_MODE_CHANNELS = {"RGB": 3, "L": 1}  # --input-img-mode -> --in-chans
 STREAM_PREFIXES = ("wds/", "hfids/")  # engine.streams' iterable sources
 HF_PREFIXES = ("hfds/", "hfids/")  # Hugging Face datasets: columns named by --input-key and --target-key
@@ -67,6 +68,7 @@ MIXING = Needs(
 )
 BCE = Needs(lambda c: c.bce_loss, "--bce-loss")
 LR_NOISE = Needs(lambda c: c.lr_noise is not None, "--lr-noise")
+LAYER_DECAY = Needs(lambda c: c.layer_decay is not None, "--layer-decay")
 WANDB = Needs(lambda c: c.log_wandb, "--log-wandb")
 HF_DATASET = Needs(lambda c: c.dataset.startswith(HF_PREFIXES), "an hfds/ or hfids/ --dataset")
 COLUMN = Check(lambda v: bool(v) and "," not in v, "one column name (multi-label targets are not supported)")
@@ -222,7 +224,7 @@ class DataOptions:
     remode: str = option(
         "pixel",
         "random erasing fill: pixel (normal noise per pixel, DeiT's), rand (one normal color per box) or const (0)",
-        choices=("pixel", "rand", "const"),
+        choices=RANDOM_ERASING_MODES,
     )
     recount: int = option(1, "random erasing: up to this many boxes per image", check=POSITIVE_INT)
     color_jitter: float = option(0.3)
@@ -375,13 +377,13 @@ class OptimizationOptions:
         0.0,
         "the lowest lr scale --layer-decay gives a layer group",
         check=PROBABILITY,
-        needs=Needs(lambda c: c.layer_decay is not None, "--layer-decay"),
+        needs=LAYER_DECAY,
     )
     layer_decay_no_opt_scale: float | None = option(
         None,
         "layer groups whose --layer-decay scale falls below this are frozen (left out of the optimizer)",
         check=FRACTION,
-        needs=Needs(lambda c: c.layer_decay is not None, "--layer-decay"),
+        needs=LAYER_DECAY,
     )
     clip_grad: float | None = option(None, "clip the gradients (--clip-mode) with this value", check=POSITIVE)
     clip_mode: str = option(
