@@ -102,6 +102,9 @@ class Columns:
         return "; --input-key and --target-key name other columns" if not self.reader_keys() else ""
 
 
+TIMM_COLUMNS = Columns()  # 'image' and 'label'
+
+
 def is_stream(name: str) -> bool:
     return isinstance(name, str) and name.startswith(STREAM_PREFIXES)
 
@@ -128,7 +131,7 @@ def check_stream(
     workers: int = 0,
     processes: int = 1,
     train_num_samples: int | None = None,
-    columns: Columns | None = None,
+    columns: Columns = TIMM_COLUMNS,
 ) -> dict[str, Any]:
     """What a wds/ or hfids/ stream holds (num_classes, classes, num_samples and split names per split) after
     cheap checks (ValueError, one line): package, layout, split sizes, every local shard, and enough training
@@ -152,7 +155,7 @@ def check_stream(
     if not data_dir or not Path(data_dir).is_dir():
         raise ConfigError(f"--dataset {name} needs --data-dir with {factory_layout(name)}")
     if name.startswith(HFIDS_PREFIX):
-        info = _check_hfids(name, data_dir, train_num_samples, columns or Columns())
+        info = _check_hfids(name, data_dir, train_num_samples, columns)
     else:
         info = _check_wds(Path(data_dir))
     if train_num_samples:
@@ -263,7 +266,7 @@ def create_streams(
     batch_size: int,
     splits: dict[str, str] | None = None,
     train_num_samples: int | None = None,
-    columns: Columns | None = None,
+    columns: Columns = TIMM_COLUMNS,
 ) -> tuple[Any, Any]:
     """(train, val) IterableImageDatasets from timm's factory (`splits`: the dataset's name of each of SPLITS,
     as `check_stream` found them); transforms are set by the caller. `train_num_samples` (None: the split's size)
@@ -273,7 +276,7 @@ def create_streams(
     from timm.data import create_dataset  # not at the top: config.py imports this module, `--help` needs no timm
 
     splits = splits or {split: split for split in SPLITS}
-    common = dict(root=str(data_dir), batch_size=batch_size, seed=seed, **(columns or Columns()).reader_keys())
+    common = dict(root=str(data_dir), batch_size=batch_size, seed=seed, **columns.reader_keys())
     train = create_dataset(name, split=splits["train"], is_training=True, num_samples=train_num_samples, **common)
     val = create_dataset(name, split=splits["validation"], is_training=False, **common)
     return train, val
@@ -359,7 +362,7 @@ def _check_columns(reader: Any) -> None:
             )
 
 
-def load_hfds(name: str, data_dir: str, columns: Columns | None = None) -> tuple[HfdsImages, HfdsImages]:
+def load_hfds(name: str, data_dir: str, columns: Columns = TIMM_COLUMNS) -> tuple[HfdsImages, HfdsImages]:
     """(train, validation or test) of a Hugging Face dataset through timm's factory (ReaderHfds: NAME is
     datasets.load_dataset's path, DIR its cache_dir; `columns` its input_key and target_key); any failure is a
     ValueError of one line."""
@@ -371,8 +374,8 @@ def load_hfds(name: str, data_dir: str, columns: Columns | None = None) -> tuple
         raise ConfigError(f"--dataset {name} needs the datasets package: pip install datasets") from None
     from timm.data import create_dataset  # not at the top: see create_streams
 
-    keys = (columns or Columns()).reader_keys()
-    with _one_line_errors(name, data_dir, HFDS_LAYOUT + (columns or Columns()).hint()):
+    keys = columns.reader_keys()
+    with _one_line_errors(name, data_dir, HFDS_LAYOUT + columns.hint()):
         train = create_dataset(name, root=str(data_dir), split="train", **keys)
         splits = train.reader.dataset.info.splits or {}
         val_split = next((split for split in HFDS_VAL_SPLITS if split in splits), HFDS_VAL_SPLITS[0])
