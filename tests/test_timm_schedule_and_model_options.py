@@ -80,7 +80,7 @@ def test_lr_noise_is_timms_per_update_and_replays_on_resume(tmp_path):
     cfg = small_cnn(tmp_path, **options)
     noisy = recipe.create_scheduler(cfg, recipe.create_optimizer(cfg, nn.Linear(2, 2), LR), 10, 0, UPDATES)
     plain_cfg = small_cnn(tmp_path, **{**options, "lr_noise": None, "lr_noise_pct": 0.67, "lr_noise_std": 1.0})
-    plain = recipe.create_scheduler(plain_cfg, recipe.create_optimizer(plain_cfg, nn.Linear(2, 2), LR), 10, 0, 4)
+    plain = recipe.create_scheduler(plain_cfg, recipe.create_optimizer(plain_cfg, nn.Linear(2, 2), LR), 10, 0, UPDATES)
     timm_optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
     timm_scheduler = CosineLRScheduler(
         timm_optimizer, t_initial=40, lr_min=1e-5, t_in_epochs=False, warmup_lr_init=cfg.warmup_lr,

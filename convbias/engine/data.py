@@ -305,7 +305,7 @@ def columns(cfg: Config) -> Columns:
 def build_streams(cfg: Config) -> DataBundle:
     """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.streams), with the engine's
     transforms."""
-    name, data_dir = cfg.dataset, cfg.data_dir
+    name, data_dir, keys = cfg.dataset, cfg.data_dir, columns(cfg)
     shape = input_format(cfg)
     class_map(cfg)  # refused on a stream
     info = check_stream(
@@ -316,7 +316,7 @@ def build_streams(cfg: Config) -> DataBundle:
         int(cfg.workers),
         _world_size(),
         cfg.train_num_samples,
-        columns(cfg),
+        keys,
     )
     train, val = create_streams(
         name,
@@ -325,7 +325,7 @@ def build_streams(cfg: Config) -> DataBundle:
         batch_size=1,
         splits=info["splits"],
         train_num_samples=cfg.train_num_samples,
-        columns=columns(cfg),
+        columns=keys,
     )
     train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg)
     recipe = _fast_train_transform(cfg, train)  # a stream's reader decodes whole images: no JPEG draft
