@@ -11,7 +11,7 @@ pushed to the Hub, with `'hf-hub:USER/REPO'`. The deployment exports (`model.onn
 A run reparametrized during training (`--reparametrize tcnn`) is exported as the `tcnn_<resnet>` entry its
 weights belong to, with the reparametrization's options as transform options. An `--output-scale` run is
 refused: its model is a wrapper (alpha (f - f_0)) that timm's registry does not build; so is a run with
-`--bn-eps`/`--bn-momentum`, set on the BatchNorm layers after construction where config.json cannot record it.
+`--bn-eps`, set on the BatchNorm layers after construction where config.json cannot record it.
 
 The run is read through ``RunDir``: its weights are checked against their manifest before use (a damaged
 file is a DamagedCheckpointError naming it, exit 65). Every refusal is a ValueError with one line, raised
@@ -127,11 +127,11 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
             f"{run.path} was trained with --output-scale {config['output_scale']}: its model is a wrapper "
             "(alpha (f - f_0)) that timm's registry cannot rebuild; export a run without it"
         )
-    if config.get("bn_eps") is not None or config.get("bn_momentum") is not None:
+    if config.get("bn_eps") is not None:  # --bn-momentum acts in training only: the exported model is the same
         raise ValueError(
-            f"{run.path} was trained with --bn-eps or --bn-momentum, set on its BatchNorm layers after construction: "
-            "timm's config.json cannot record them, so the exported model would evaluate with other statistics; "
-            "export a run without them"
+            f"{run.path} was trained with --bn-eps {config['bn_eps']}, set on its BatchNorm layers after "
+            "construction: timm's config.json cannot record it, so the exported model would normalize with another "
+            "eps; export a run without it"
         )
     spec = run.model_spec(which)  # refuses a run without that checkpoint; verifies its weights
     name, model_kwargs = spec["model"], dict(spec["model_kwargs"])

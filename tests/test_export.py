@@ -148,7 +148,7 @@ def test_refused_with_one_line_before_writing(efcn_run, tmp_path, capsys):
     assert "unknown model 'efcn_vanila_cnn'" in _error_line(capsys)
     (unknown / "config.yaml").write_text(yaml.safe_dump({**config, "bn_eps": 1e-3}))
     assert export.main([str(unknown), "--output", str(out)]) == 2
-    assert "was trained with --bn-eps or --bn-momentum, set on its BatchNorm layers" in _error_line(capsys)
+    assert "was trained with --bn-eps 0.001, set on its BatchNorm layers" in _error_line(capsys)
 
     assert export.main([str(efcn_run), "--output", str(out), "--pt2", "--img-size", "16"]) == 2
     assert _error_line(capsys) == (
