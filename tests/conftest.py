@@ -214,3 +214,36 @@ def authors_remap():
         )
 
     return remap
+
+
+# -- torch.compile: a compiled model's outputs and gradients against eager's ---------------------------
+@pytest.fixture(scope="session")
+def compiled_matches_eager():
+    """`compiled_matches_eager(name, model_kwargs, side, aten_kernels)`: compiles the timm model `name`
+    with fullgraph=True (plain torch.compile, or as the engine's --compile does it on a CPU) and asserts
+    that its outputs and gradients equal eager's on a (2, 3, side, side) batch."""
+    import timm
+
+    from convbias.engine.compile import compile_model
+
+    def loss_and_grads(model: nn.Module, fn, x: torch.Tensor):
+        model.zero_grad(set_to_none=True)
+        out = fn(x)
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def check(name: str, model_kwargs: dict, side: int, aten_kernels: bool) -> None:
+        torch.manual_seed(0)
+        model = timm.create_model(name, num_classes=5, **model_kwargs).train()
+        x = torch.randn(2, 3, side, side)
+        eager_out, eager_grads = loss_and_grads(model, model, x)
+        torch._dynamo.reset()
+        compiled = compile_model(model, "cpu", aten_kernels=aten_kernels, fullgraph=True)
+        out, grads = loss_and_grads(model, compiled, x)
+        torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-4)
+        assert grads.keys() == eager_grads.keys()
+        for key in grads:
+            scale = eager_grads[key].abs().max().item()  # relative to the tensor's own size: BN grads are large
+            torch.testing.assert_close(grads[key], eager_grads[key], rtol=1e-4, atol=1e-4 * max(scale, 1.0), msg=key)
+
+    return check
