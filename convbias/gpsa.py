@@ -19,11 +19,12 @@ dx and one of dy, and so is each row's normalizer (a sum over a rectangular grid
 computed once per forward, without a batch dimension (`PositionalFactors`), and P_h @ V_h is two
 small GEMMs along the grid's two axes with the batch folded into the columns: (Hp + Wp) / (Hp * Wp)
 of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
-backward, nor an (H, N, N) one. That is the CPU's form; on an accelerator, where contractions 14 terms
-long starve the matrix units, the hot path takes the dense P (H, N, N) instead (input-independent and
-small) in one GEMM per head with the batch folded into the columns (`positional_product`, chosen per
-device by `resolve_positional_product`, the same function either way; the autograd Functions of both
-forms are in `convbias.positional_mix`). (When each head's value is
+backward, nor an (H, N, N) one. The hot path may instead apply the dense P (H, N, N) (input-independent
+and small) in one GEMM per head with the batch folded into the columns (tensor-core shapes, 7x the
+FLOPs), or run `convbias.fused_gpsa`'s Triton kernel, content and positional terms in one pass over
+the keys (`positional_product`; "auto" picks per device type by `resolve_positional_product`; the same
+function every way; the autograd Functions of the two unfused products are in `convbias.positional_mix`).
+(When each head's value is
 wider than the query count, as in a Transformed CNN's late stages, forming the mixed attention once
 stores less: `gated_attention` then does that instead.) The explicit path (`GatedPositionalAttention.explicit_attention`) materializes the
 normalized A from the dense encodings r for attention maps, diagnostics and attention dropout, and is
@@ -147,15 +148,18 @@ def positional_factors(
 # How the hot path applies P to V: "kronecker" (rows, then columns: Ky + Kx terms per output) or "dense"
 # (the (H, Nq, Nk) matrix in one GEMM: Ky * Kx terms, tensor-core shapes); "auto" picks per device type.
 POSITIONAL_PRODUCTS = ("auto", "kronecker", "dense")
-AUTO_POSITIONAL_PRODUCT = {"cpu": "kronecker"}  # every other device type: "dense"
+# What "auto" runs per device type: the product measured faster there (docs/gpu.md, docs/benchmarks.md).
+# On an H100 the factored product beat the dense one in ConViT-Ti's training step, eager and compiled:
+# its 7x fewer FLOPs outweigh the short contractions. Unmeasured device types take the same.
+AUTO_POSITIONAL_PRODUCT = {"cpu": "kronecker", "cuda": "kronecker"}
+AUTO_POSITIONAL_PRODUCT_UNMEASURED = "kronecker"
 
 
 def resolve_positional_product(product: str, device: torch.device) -> str:
     """The product the hot path runs ("kronecker" or "dense") for a `POSITIONAL_PRODUCTS` choice on a
-    device: "auto" keeps the factored product on a CPU, where its short contractions are cheapest, and
-    takes the dense one on an accelerator, whose GEMMs starve on contractions 14 terms long."""
+    device: "auto" takes the one measured faster on that device type (`AUTO_POSITIONAL_PRODUCT`)."""
     if product == "auto":
-        return AUTO_POSITIONAL_PRODUCT.get(device.type, "dense")
+        return AUTO_POSITIONAL_PRODUCT.get(device.type, AUTO_POSITIONAL_PRODUCT_UNMEASURED)
     if product not in POSITIONAL_PRODUCTS:
         raise ValueError(f"positional_product={product!r}: expected one of {', '.join(POSITIONAL_PRODUCTS)}")
     return product
