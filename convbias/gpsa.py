@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_gpsa
 from .positional_mix import DensePositionalMix, PositionalMix
 
 GridSize = tuple[int, int]
@@ -147,7 +148,7 @@ def positional_factors(
 
 # How the hot path applies P to V: "kronecker" (rows, then columns: Ky + Kx terms per output) or "dense"
 # (the (H, Nq, Nk) matrix in one GEMM: Ky * Kx terms, tensor-core shapes); "auto" picks per device type.
-POSITIONAL_PRODUCTS = ("auto", "kronecker", "dense")
+POSITIONAL_PRODUCTS = ("auto", "kronecker", "dense", "fused")
 # What "auto" runs per device type: the product measured faster there (docs/gpu.md, docs/benchmarks.md).
 # On an H100 the factored product beat the dense one in ConViT-Ti's training step, eager and compiled:
 # its 7x fewer FLOPs outweigh the short contractions. Unmeasured device types take the same.
@@ -186,8 +187,13 @@ def gated_attention(
     """(1 - gate_h) softmax(Q K^T / sqrt(d)) V + gate_h P_h V: the GPSA hot path.
 
     q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by
-    all heads; positional: P in factored form; gate: (H,) weights in [0, 1]; product: "kronecker" or
-    "dense", how P is applied to V (see `resolve_positional_product`). Returns (B, H, Nq, dv).
+    all heads; positional: P in factored form; gate: (H,) weights in [0, 1]; product: "kronecker",
+    "dense" or "fused", how P is applied to V (see `resolve_positional_product`). Returns (B, H, Nq, dv).
+
+    "fused" runs `convbias.fused_gpsa`'s kernel (content and positional terms in one pass over the
+    keys, any query grid, strided ones included) when the head and value widths allow
+    (`fused_gpsa.supports`: up to 128); wider values fall back to the schedules below, with the
+    Kronecker product.
 
     Two schedules give the same result; the one that stores less is picked from the shapes:
     - values narrower than the query count (dv < Nq: a ViT's patch tokens): content through the fused
@@ -198,6 +204,8 @@ def gated_attention(
       each head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is then no larger than
       that folded V, so it is formed once and applied in one GEMM."""
     heads = q.shape[1]
+    if product == "fused" and fused_gpsa.supports(q, v):
+        return fused_gpsa.fused_gated_attention(q, k, v, positional.rows, positional.cols, gate)
     if v.shape[-1] < q.shape[-2]:
         v = v.expand(-1, heads, -1, -1)
         content = F.scaled_dot_product_attention(q, k, v)
