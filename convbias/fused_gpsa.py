@@ -44,6 +44,9 @@ FUSED_MAX_HEAD_DIM = 128
 FUSED_MAX_VALUE_WIDTH = 128
 # Token block sizes: GPU (tensor-core tiles) and Triton's interpreter (numpy per block: small is fast).
 GPU_BLOCK_M, GPU_BLOCK_N = 64, 64
+# Warps per program on a GPU: 4, or 8 once a value block is wider than this (two fp32 accumulators of
+# BLOCK_M x BLOCK_DV per program: more threads keep them in registers)
+GPU_WIDE_VALUE_BLOCK = 64
 INTERPRETER_BLOCK = 32
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 
@@ -103,6 +106,7 @@ def _launch_config(q: torch.Tensor, v: torch.Tensor) -> dict:
         "BLOCK_DV": max(MIN_BLOCK, 1 << (v.shape[-1] - 1).bit_length()),
         "PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32",
         "DOT_DTYPE": dot_dtype,
+        "num_warps": 8 if v.shape[-1] > GPU_WIDE_VALUE_BLOCK and not interpreted else 4,
     }
 
 
