@@ -190,3 +190,25 @@ def test_values_too_wide_for_the_kernel_fall_back_to_the_factored_product(monkey
     x = torch.randn(1, 9, 5, 5)
     errors = _relative_errors(_run(conv, x), _run(conv, x, product="kronecker"))
     assert not calls and max(errors.values()) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernel_on_cuda_matches_the_explicit_path_in_fp32():
+    """The compiled Triton kernels (not the interpreter) at ConViT-Ti's layer shape, 196 tokens over
+    several 64-token blocks; bf16 is the oracle's in tests/test_attention.py (every product, CUDA too)."""
+    layer = _randomized_gpsa(dim=192, heads=4).cuda()
+    x = torch.randn(8, 196, 192, device="cuda")
+
+    def run(fused: bool) -> dict:
+        for attention in layer.modules():
+            if isinstance(attention, gpsa.GatedPositionalAttention):
+                attention.fused, attention.positional_product = fused, "fused"
+        layer.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_(True)
+        out = layer(inputs, (14, 14))
+        out.backward(torch.cos(torch.arange(out.numel(), device="cuda", dtype=torch.float32)).view_as(out))
+        return {"out": out.detach(), "x": inputs.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+
+    errors = _relative_errors({k: v.cpu() for k, v in run(True).items()}, {k: v.cpu() for k, v in run(False).items()})
+    for name, error in errors.items():
+        assert error < 1e-4, f"{name} off by {error:.2e}"
