@@ -184,6 +184,53 @@ def test_values_too_wide_for_the_kernel_fall_back_to_the_factored_product(monkey
     assert not calls and max(errors.values()) == 0.0
 
 
+def _has_triton_cuda_backend() -> bool:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+# a GPU architecture to compile for without one (compute capability 9.0: an H100 / H200)
+HOPPER = 90
+
+
+@pytest.mark.skipif(not _has_triton_cuda_backend(), reason="needs triton's CUDA backend (ptxas)")
+def test_kernels_compile_for_a_cuda_gpu_without_one():
+    """The interpreter checks the kernels' arithmetic, not that Triton's compiler accepts them: each is
+    compiled here to a cubin for sm_90 (bf16, the GPU path's block sizes), and its bf16 dots become
+    tensor-core mma instructions."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from convbias import fused_gpsa_kernels
+
+    fp32_pointers = {"rows_ptr", "cols_ptr", "gate_ptr", "lse_ptr", "delta_ptr"}
+    constants = {
+        "BLOCK_M": fused_gpsa.GPU_BLOCK_M,
+        "BLOCK_N": fused_gpsa.GPU_BLOCK_N,
+        "BLOCK_D": 16,
+        "BLOCK_DV": fused_gpsa.GPU_WIDE_VALUE_BLOCK,
+        "PRECISION": "tf32",
+        "DOT_DTYPE": tl.bfloat16,
+    }
+    for name in ("forward_kernel", "key_grad_kernel", "query_grad_kernel"):
+        kernel = triton.jit(getattr(fused_gpsa_kernels, name))
+        signature = {}
+        for arg in kernel.arg_names:
+            if arg in constants:
+                signature[arg] = "constexpr"
+            elif arg.endswith("_ptr"):
+                signature[arg] = "*fp32" if arg in fp32_pointers else "*bf16"
+            else:
+                signature[arg] = "fp32" if arg == "scale" else "i32"
+        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", HOPPER, 32))
+        assert compiled.asm["cubin"] and "mma" in compiled.asm["ptx"], name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_kernel_on_cuda_matches_the_explicit_path_in_fp32():
     """The compiled Triton kernels (not the interpreter) at ConViT-Ti's layer shape, 196 tokens over
