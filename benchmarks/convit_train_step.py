@@ -18,6 +18,11 @@ in one run.
         --models ours --settings 224px --batch-size 256    # CUDA graphs (ours against DeiT-Ti)
     python benchmarks/convit_train_step.py --device cuda --precision bf16 --compile --settings 224px \
         --batch-size 256 --positional-product kronecker dense --size small   # both products, ConViT-S vs DeiT-S
+    python benchmarks/convit_train_step.py --device cuda --precision bf16 --settings 224px --batch-size 256 \
+        --models ours deit --positional-product kronecker fused   # the fused Triton kernel against the factored product
+
+`fused` is meant for a GPU: on a CPU it runs the kernel's PyTorch reference (convbias.fused_gpsa), which
+forms the (B, H, N, N) attention, not a fast path.
 """
 
 from __future__ import annotations
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=["auto"],
         choices=POSITIONAL_PRODUCTS,
-        help="how our GPSA applies P to V (auto: kronecker on a CPU, dense on a GPU); several: one worker each",
+        help="how our GPSA applies P to V (auto: the one measured faster per device, kronecker on a CPU and on CUDA); several: one worker each",
     )
     parser.add_argument("--modes", nargs="+", default=["training"], choices=MODES)
     parser.add_argument(

@@ -18,6 +18,10 @@ ratios paired by round (see `lockstep.py` for the protocol and the memory measur
     python benchmarks/tcnn_throughput.py --quick               # smoke run: resnet18 at 64, batch 4
     python benchmarks/tcnn_throughput.py --device cuda --precision bf16 --compile --batch-size 128 \
         --positional-product kronecker dense   # the T-CNN once per positional product (convbias.gpsa)
+
+`fused` runs the Triton kernel only in GPSA layers whose C_in is at most 128
+(convbias.fused_gpsa.FUSED_MAX_VALUE_WIDTH); a paper T-CNN's GPSA layers (the last stage, C_in 512) keep
+the unfused schedule, so `fused` measures the same as `kronecker` there.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=["auto"],
         choices=POSITIONAL_PRODUCTS,
-        help="how the T-CNN's GPSA applies P to V (auto: kronecker on a CPU, dense on a GPU); several: one worker each",
+        help="how the T-CNN's GPSA applies P to V (auto: the one measured faster per device, kronecker on a CPU and on CUDA); several: one worker each",
     )
     lockstep.add_step_arguments(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

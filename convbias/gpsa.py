@@ -19,11 +19,12 @@ dx and one of dy, and so is each row's normalizer (a sum over a rectangular grid
 computed once per forward, without a batch dimension (`PositionalFactors`), and P_h @ V_h is two
 small GEMMs along the grid's two axes with the batch folded into the columns: (Hp + Wp) / (Hp * Wp)
 of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
-backward, nor an (H, N, N) one. That is the CPU's form; on an accelerator, where contractions 14 terms
-long starve the matrix units, the hot path takes the dense P (H, N, N) instead (input-independent and
-small) in one GEMM per head with the batch folded into the columns (`positional_product`, chosen per
-device by `resolve_positional_product`, the same function either way; the autograd Functions of both
-forms are in `convbias.positional_mix`). (When each head's value is
+backward, nor an (H, N, N) one. The hot path may instead apply the dense P (H, N, N) (input-independent
+and small) in one GEMM per head with the batch folded into the columns (tensor-core shapes, 7x the
+FLOPs), or run `convbias.fused_gpsa`'s Triton kernel, content and positional terms in one pass over
+the keys (`positional_product`; "auto" picks per device type by `resolve_positional_product`; the same
+function every way; the autograd Functions of the two unfused products are in `convbias.positional_mix`).
+(When each head's value is
 wider than the query count, as in a Transformed CNN's late stages, forming the mixed attention once
 stores less: `gated_attention` then does that instead.) The explicit path (`GatedPositionalAttention.explicit_attention`) materializes the
 normalized A from the dense encodings r for attention maps, diagnostics and attention dropout, and is
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_gpsa
 from .positional_mix import DensePositionalMix, PositionalMix
 
 GridSize = tuple[int, int]
@@ -146,16 +148,19 @@ def positional_factors(
 
 # How the hot path applies P to V: "kronecker" (rows, then columns: Ky + Kx terms per output) or "dense"
 # (the (H, Nq, Nk) matrix in one GEMM: Ky * Kx terms, tensor-core shapes); "auto" picks per device type.
-POSITIONAL_PRODUCTS = ("auto", "kronecker", "dense")
-AUTO_POSITIONAL_PRODUCT = {"cpu": "kronecker"}  # every other device type: "dense"
+POSITIONAL_PRODUCTS = ("auto", "kronecker", "dense", "fused")
+# What "auto" runs per device type: the product measured faster there (docs/gpu.md, docs/benchmarks.md).
+# On an H100 the factored product beat the dense one in ConViT-Ti's training step, eager and compiled:
+# its 7x fewer FLOPs outweigh the short contractions. Unmeasured device types take the same.
+AUTO_POSITIONAL_PRODUCT = {"cpu": "kronecker", "cuda": "kronecker"}
+AUTO_POSITIONAL_PRODUCT_UNMEASURED = "kronecker"
 
 
 def resolve_positional_product(product: str, device: torch.device) -> str:
     """The product the hot path runs ("kronecker" or "dense") for a `POSITIONAL_PRODUCTS` choice on a
-    device: "auto" keeps the factored product on a CPU, where its short contractions are cheapest, and
-    takes the dense one on an accelerator, whose GEMMs starve on contractions 14 terms long."""
+    device: "auto" takes the one measured faster on that device type (`AUTO_POSITIONAL_PRODUCT`)."""
     if product == "auto":
-        return AUTO_POSITIONAL_PRODUCT.get(device.type, "dense")
+        return AUTO_POSITIONAL_PRODUCT.get(device.type, AUTO_POSITIONAL_PRODUCT_UNMEASURED)
     if product not in POSITIONAL_PRODUCTS:
         raise ValueError(f"positional_product={product!r}: expected one of {', '.join(POSITIONAL_PRODUCTS)}")
     return product
@@ -182,8 +187,13 @@ def gated_attention(
     """(1 - gate_h) softmax(Q K^T / sqrt(d)) V + gate_h P_h V: the GPSA hot path.
 
     q: (B, H, Nq, d); k: (B, H, Nk, d); v: (B, H, Nk, dv), or (B, 1, Nk, dv) for a value shared by
-    all heads; positional: P in factored form; gate: (H,) weights in [0, 1]; product: "kronecker" or
-    "dense", how P is applied to V (see `resolve_positional_product`). Returns (B, H, Nq, dv).
+    all heads; positional: P in factored form; gate: (H,) weights in [0, 1]; product: "kronecker",
+    "dense" or "fused", how P is applied to V (see `resolve_positional_product`). Returns (B, H, Nq, dv).
+
+    "fused" runs `convbias.fused_gpsa`'s kernel (content and positional terms in one pass over the
+    keys, any query grid, strided ones included) when the head and value widths allow
+    (`fused_gpsa.supports`: up to 128); wider values fall back to the schedules below, with the
+    Kronecker product.
 
     Two schedules give the same result; the one that stores less is picked from the shapes:
     - values narrower than the query count (dv < Nq: a ViT's patch tokens): content through the fused
@@ -194,6 +204,8 @@ def gated_attention(
       each head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is then no larger than
       that folded V, so it is formed once and applied in one GEMM."""
     heads = q.shape[1]
+    if product == "fused" and fused_gpsa.supports(q, v):
+        return fused_gpsa.fused_gated_attention(q, k, v, positional.rows, positional.cols, gate)
     if v.shape[-1] < q.shape[-2]:
         v = v.expand(-1, heads, -1, -1)
         content = F.scaled_dot_product_attention(q, k, v)

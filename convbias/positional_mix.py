@@ -57,8 +57,9 @@ _cached_split_count = functools.lru_cache(maxsize=None)(_scan_split_count)  # a 
 
 def _split_count(length: int, device: torch.device) -> int:
     """`_scan_split_count`, cached in eager mode (called twice per GPSA layer's backward); Dynamo traces the
-    scan itself once per graph (it warns about a cache wrapper it would ignore)."""
-    if torch.compiler.is_compiling():
+    scan itself once per graph (it warns about a cache wrapper it would ignore), as does AOT tracing of a
+    backward with dynamic shapes."""
+    if torch.compiler.is_compiling() or not isinstance(length, int):  # traced: a symbolic length is unhashable
         return _scan_split_count(length, device)
     return _cached_split_count(length, device)
 
@@ -128,32 +129,48 @@ class PositionalMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         content, rows, cols, folded, gate = ctx.saved_tensors
-        heads, query_rows, key_rows = rows.shape
-        _, query_cols, key_cols = cols.shape
-        batch, width = grad.shape[0], folded.shape[-1]
-        weight = gate.to(grad.dtype).view(-1, 1, 1)
-        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, query_rows, query_cols * width)  # unweighted
-        grad_content = grad_rows = grad_cols = grad_v = grad_gate = None
+        grad_content = None
         if ctx.needs_input_grad[0]:
-            grad_content = grad * (1 - weight).view(1, -1, 1, 1)
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            # S: (H*Ky, Qx, B*dv), the gradient reaching along_cols, with the gate's weight
-            through_rows = torch.bmm((rows * weight).transpose(1, 2), grad_folded).view(
-                heads * key_rows, query_cols, width
-            )
-            if ctx.needs_input_grad[2]:
-                per_row = _contract(through_rows, folded)  # (H*Ky, Qx, Kx)
-                grad_cols = per_row.view(heads, key_rows, query_cols, key_cols).sum(dim=1)
-            if ctx.needs_input_grad[3]:
-                grad_folded_v = torch.bmm(_per_row(cols, key_rows).transpose(1, 2), through_rows)  # (H*Ky, Kx, B*dv)
-                grad_v = _unfold(grad_folded_v.view(heads, key_rows * key_cols, width), batch)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[4]:
-            grad_scores = _contract(grad_folded, _along_cols(cols, folded))  # (H, Qy, Ky), unweighted
-            if ctx.needs_input_grad[1]:
-                grad_rows = grad_scores * weight
-            if ctx.needs_input_grad[4]:
-                grad_gate = _gate_grad(grad, content, rows, grad_scores, gate)
-        return grad_content, grad_rows, grad_cols, grad_v, grad_gate
+            grad_content = grad * (1 - gate.to(grad.dtype)).view(1, -1, 1, 1)
+        return (grad_content,) + kronecker_positional_grads(
+            grad, content, rows, cols, folded, gate, ctx.needs_input_grad[1:]
+        )
+
+
+def kronecker_positional_grads(
+    grad: torch.Tensor,
+    content: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    folded: torch.Tensor,
+    gate: torch.Tensor,
+    needs: tuple[bool, ...],
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of lerp(content, (rows (x) cols) @ V, gate) with respect to rows, cols, V (its positional
+    term only) and gate, for `needs` = which of those four are wanted (None where not), from the
+    output's gradient `grad` (B, H, Nq, dv), the content term and V folded as (H*Ky, Kx, B*dv)."""
+    heads, query_rows, key_rows = rows.shape
+    _, query_cols, key_cols = cols.shape
+    batch, width = grad.shape[0], folded.shape[-1]
+    weight = gate.to(grad.dtype).view(-1, 1, 1)
+    grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, query_rows, query_cols * width)  # unweighted
+    grad_rows = grad_cols = grad_v = grad_gate = None
+    if needs[1] or needs[2]:
+        # S: (H*Ky, Qx, B*dv), the gradient reaching along_cols, with the gate's weight
+        through_rows = torch.bmm((rows * weight).transpose(1, 2), grad_folded).view(heads * key_rows, query_cols, width)
+        if needs[1]:
+            per_row = _contract(through_rows, folded)  # (H*Ky, Qx, Kx)
+            grad_cols = per_row.view(heads, key_rows, query_cols, key_cols).sum(dim=1)
+        if needs[2]:
+            grad_folded_v = torch.bmm(_per_row(cols, key_rows).transpose(1, 2), through_rows)  # (H*Ky, Kx, B*dv)
+            grad_v = _unfold(grad_folded_v.view(heads, key_rows * key_cols, width), batch)
+    if needs[0] or needs[3]:
+        grad_scores = _contract(grad_folded, _along_cols(cols, folded))  # (H, Qy, Ky), unweighted
+        if needs[0]:
+            grad_rows = grad_scores * weight
+        if needs[3]:
+            grad_gate = _gate_grad(grad, content, rows, grad_scores, gate)
+    return grad_rows, grad_cols, grad_v, grad_gate
 
 
 class DensePositionalMix(torch.autograd.Function):
