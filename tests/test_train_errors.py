@@ -141,8 +141,8 @@ def test_output_in_a_read_only_directory_is_refused(capsys, tmp_path):
         code, err = run_cli(capsys, SMALL + ["--output", str(tmp_path / "run")])
     finally:
         tmp_path.chmod(0o755)
-    assert code == 2 and err == [
-        f"error: --output {tmp_path / 'run'}: {tmp_path} is not writable; choose another --output"
+    assert code == 74 and err == [
+        f"error: --output {tmp_path / 'run'}: {tmp_path} is not writable (read-only); choose another --output"
     ]
 
 
@@ -192,7 +192,7 @@ def test_unreadable_image_without_skipping_is_one_line_and_a_plain_rerun_starts_
     # 15 training images in 3 batches of 5: every image is read in the first epoch
     args = SMALL + FOLDER + ["--batch-size", "5", "--data-dir", str(data), "--output", str(output)]
     code, err = run_cli(capsys, args + ["--no-skip-unreadable"])
-    assert code == 2 and len(err) == 1, err
+    assert code == 65 and len(err) == 1, err  # damaged input
     assert re.search(r"^error: unreadable image .*0broken.png: .*--skip-unreadable skips and counts such files", err[0])
     assert not (output / "checkpoints").exists() and not (output / ".lock").exists()
     with pytest.warns(UserWarning, match="0broken.png"):

@@ -296,7 +296,9 @@ class CheckpointDir:
                 )
             torch.save(state, tmp / STATE_FILE)
             write_manifest(tmp, epoch, step, (state.get("best") or {}).get("epoch"))
-            if final.exists():  # an earlier attempt's point of the same name, which this one supersedes
+            if final.is_symlink():  # a link put there: set aside, never deleted or written through
+                self.set_aside(final, ".link")
+            elif final.exists():  # an earlier attempt's point of the same name, which this one supersedes
                 if self._owned(final):
                     shutil.rmtree(final)
                 else:
