@@ -30,13 +30,25 @@ from convbias.errors import (
     ConfigError,
     DamagedInputError,
 )
-from convbias.weights import load_weights, read_state_dict
+from convbias.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 # A 1-block ConViT of width 8 on 8x8 digits: built in milliseconds, never trained here.
 TINY = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=8"]
-TINY += ["--img-size", "8", "--dataset", "digits", "--epochs", "1", "--warmup-epochs", "0", "--workers", "0", "--no-aug"]
+TINY += [
+    "--img-size",
+    "8",
+    "--dataset",
+    "digits",
+    "--epochs",
+    "1",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "0",
+    "--no-aug",
+]
 
 
 def run_train(capsys, *args: str) -> tuple[int, list[str]]:
@@ -134,7 +146,7 @@ def test_a_point_that_is_a_link_is_named_never_resumed_or_replaced(tmp_path, cap
         ({"config.yaml": "lr: 0.1\n", "notes.txt": "mine"}, r"config.yaml \(not as train.py writes it\)"),
         ({"summary.csv": "name,score\nx,1\n"}, r"summary.csv \(not as train.py writes it\)"),
         ({"log.jsonl": "my notes\n"}, r"log.jsonl \(not as train.py writes it\)"),
-        ({f"config.yaml": f"{CONFIG_MARKER}\nmodel: m\n", "notes.txt": "mine"}, r"notes.txt \(not a file train.py"),
+        ({"config.yaml": f"{CONFIG_MARKER}\nmodel: m\n", "notes.txt": "mine"}, r"notes.txt \(not a file train.py"),
         ({"checkpoints/photos.txt": "mine"}, r"checkpoints \(beside no run config\)"),
     ],
 )
@@ -317,7 +329,8 @@ def test_a_read_only_output_is_74(tmp_path, capsys, monkeypatch):
 
 
 def test_predict_names_a_dangling_link_it_skips(tmp_path):
-    from convbias.prediction import Predictor, find_images, predict as label
+    from convbias.prediction import Predictor, find_images
+    from convbias.prediction import predict as label
 
     png(tmp_path / "images" / "real.png")
     (tmp_path / "images" / "gone.png").symlink_to(tmp_path / "nowhere.png")
