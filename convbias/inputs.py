@@ -10,6 +10,7 @@ short prefix only. Light to import: no torch.
 from __future__ import annotations
 
 import json
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -122,22 +123,29 @@ def quoted(value: Any, limit: int = QUOTED_CHARACTERS) -> str:
 
 
 def _short_repr(value: Any, limit: int) -> str:
-    """repr of a value whose full repr may be huge (a shared structure expanded): built up to ``limit``."""
-    if isinstance(value, (dict, list, tuple)):
-        try:
-            return reprlib_repr(value, limit)
-        except RecursionError:
-            return f"<{type(value).__name__}>"
-    return repr(value)[: limit + 1]
-
-
-def reprlib_repr(value: Any, limit: int) -> str:
-    import reprlib
-
+    """repr of a value whose full repr may be huge (a shared structure expanded): the plain repr when the
+    value is small, else reprlib's, which stops at a few items per level."""
+    if _values_within(value, limit):
+        return repr(value)
     shortener = reprlib.Repr()
     shortener.maxstring = shortener.maxother = limit
     shortener.maxlevel = 3
     return shortener.repr(value)
+
+
+def _values_within(value: Any, budget: int) -> bool:
+    """``value`` holds at most ``budget`` values, counting a shared one each time it is reached."""
+    pending, seen = [value], 0
+    while pending:
+        item = pending.pop()
+        seen += 1
+        if seen > budget:
+            return False
+        if isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set)):
+            pending += list(item)
+    return True
 
 
 def json_record(line: bytes) -> Any:

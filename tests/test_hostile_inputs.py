@@ -16,7 +16,21 @@ from test_run_faults import save_point
 from test_train_errors import messages
 
 from convbias import inputs
-from convbias.cli import diagnostics, ensemble, export, launch, predict, robustness, stability, sweep, train
+from convbias.cli import (
+    diagnostics,
+    efcn_protocol,
+    ensemble,
+    export,
+    launch,
+    phase_diagram,
+    predict,
+    regimes,
+    robustness,
+    stability,
+    stability_contrasts,
+    sweep,
+    train,
+)
 from convbias.engine import datasets, lock, modeling
 from convbias.engine.checkpoint import CheckpointDir
 from convbias.engine.config import load_yaml, parse_config
@@ -355,6 +369,11 @@ COMMANDS = {
     "convbias-diagnostics": diagnostics.main,
     "convbias-export": export.main,
     "convbias-launch": launch.main,
+    "convbias-sweep": sweep.main,
+    "convbias-regimes": regimes.main,
+    "convbias-phase-diagram": phase_diagram.main,
+    "convbias-stability-contrasts": stability_contrasts.main,
+    "convbias-efcn-protocol": efcn_protocol.main,
 }
 ROWS = [
     (ConfigError("a user's mistake"), EXIT_USAGE, "error: a user's mistake"),
