@@ -260,6 +260,8 @@ class CheckpointDir:
         """A fresh, empty directory for the resume point (epoch, step), under a temporary name (main process).
         Under FSDP every rank writes its shards there before ``save`` completes it and renames it into place."""
         tmp = self._staging(self.point_name(epoch, step))
+        if tmp.is_symlink():  # a link in the staging name's place: removed, never written through
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         return tmp
