@@ -137,6 +137,31 @@ def test_a_lock_file_that_is_a_link_is_never_written_through(tmp_path, capsys):
     assert mine.read_text() == "the user's file" and sorted(p.name for p in output.iterdir()) == [".lock"]
 
 
+@pytest.mark.parametrize("name", ["log.jsonl", "summary.csv", "config.yaml", "results.json"])
+def test_a_log_or_results_file_that_is_a_link_is_refused_naming_it(tmp_path, capsys, name):
+    mine = tmp_path / "mine.txt"
+    mine.write_text("the user's file")
+    output = a_run(tmp_path / "run") if name != "config.yaml" else tmp_path / "run"
+    output.mkdir(exist_ok=True)
+    (output / name).symlink_to(mine)
+    before = tree(output)
+    code, err = run_train(capsys, "--output", str(output), "--resume", "auto")
+    assert code == EXIT_DAMAGED
+    one_line(err, rf"--output {output}: {output}/{name} -> {mine} is a symbolic link that train.py did not make")
+    assert mine.read_text() == "the user's file" and tree(output) == before
+
+
+def test_a_staging_folder_that_is_a_link_is_removed_not_written_through(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    points = CheckpointDir(tmp_path / "run")
+    points.root.mkdir(parents=True)
+    (points.root / ".epoch_0001.tmp").symlink_to(elsewhere)
+    save_point(points, 1)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt"] and (points.root / "epoch_0001").is_dir()
+
+
 def test_a_point_that_is_a_link_is_named_never_resumed_or_replaced(tmp_path, capsys):
     output = a_run(tmp_path / "run", points=2)
     elsewhere = tmp_path / "copy"
