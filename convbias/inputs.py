@@ -107,7 +107,16 @@ def read_yaml(path: str | Path, what: str = "file") -> Any:
     try:
         return parse_yaml(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path} is not valid YAML: {first_line(e)}") from None
+        raise ConfigError(f"{what} {path} is not valid YAML: {yaml_problem(e)}") from None
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """What is wrong in a YAML document and where: 'expected ',' or ']', but got '<stream end>' (line 1,
+    column 13)'; the first line of any other error."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if not problem or mark is None:
+        return first_line(error)
+    return f"{quoted(problem, 200)} (line {mark.line + 1}, column {mark.column + 1})"
 
 
 def first_line(error: BaseException) -> str:

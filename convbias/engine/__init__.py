@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
         if show_traceback():
             traceback.print_exception(e)
         return code
-    except OSError as e:  # a write the run did not report itself: named with its file and disk, as every command
+    except (OSError, KeyboardInterrupt) as e:  # not reported by the run itself (before its set-up): as every command
         from convbias.cli import report
 
         _close_progress_bars()
