@@ -172,6 +172,11 @@ def test_a_point_that_is_a_link_is_named_never_resumed_or_replaced(tmp_path, cap
     assert code == EXIT_DAMAGED
     one_line(err, rf"checkpoints/epoch_0002 -> {elsewhere} is a symbolic link that train.py did not make")
     assert tree(output) == before and tree(elsewhere) == copied
+    png(tmp_path / "img.png")  # every reader of the run names it too, rather than take an older point
+    assert predict.main([str(output), str(tmp_path / "img.png")]) == EXIT_DAMAGED
+    one_line(
+        messages(capsys.readouterr().err), rf"{output}/checkpoints/epoch_0002 is a symbolic link \(to {elsewhere}\)"
+    )
     # a link that appears in a point's place while a run saves is set aside, never deleted through
     points = CheckpointDir(output)
     save_point(points, 2)

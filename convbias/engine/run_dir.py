@@ -25,7 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, DamagedCheckpointError
+from ..errors import ConfigError, DamagedCheckpointError, DamagedInputError
 from ..inputs import first_line, json_record, read_yaml
 
 CONFIG_FILE = "config.yaml"
@@ -264,6 +264,15 @@ class RunDir:
     def newest_point(self) -> Path:
         """The newest resume point by name; ConfigError saying what the run holds when it has none."""
         points = self.points()
+        links = sorted(
+            (p for p in (self.root.iterdir() if self.root.is_dir() else ()) if p.is_symlink() and point_position(p)),
+            key=point_position,
+        )
+        if links and (not points or point_position(links[-1]) > point_position(points[0])):
+            raise DamagedInputError(
+                f"{links[-1]} is a symbolic link (to {os.readlink(links[-1])}), not a resume point of this run: its "
+                f"newest point is not here; replace the link with a copy of what it points at, or move it away"
+            )
         if not points:
             held = ", ".join(self.held()) or "no checkpoint"
             raise ConfigError(
