@@ -88,14 +88,14 @@ def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None
             f"what it points at, or move it away; nothing was changed"
         )
     checkpoints = CheckpointDir(output, cfg.keep_checkpoints)
-    if cfg.resume and cfg.resume != "auto":
-        return find_resume_point(cfg.resume, output)
     foreign = None if checkpoints.points() else foreign_entry(output)
     if foreign:
         raise DamagedInputError(
             f"--output {output} is not a run of train.py: it holds {foreign}; a folder is started over only when "
             f"it holds nothing but train.py's own files; nothing was changed: choose another --output"
         )
+    if cfg.resume and cfg.resume != "auto":
+        return find_resume_point(cfg.resume, output)
     held = [f"checkpoints/{name}" for name in checkpoints.held()]
     if cfg.resume is None:
         earlier = held + (["results.json"] if (output / "results.json").exists() else [])
