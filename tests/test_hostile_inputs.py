@@ -106,6 +106,7 @@ def test_a_folder_scan_follows_no_loop_and_counts_each_file_once(tmp_path, monke
         png(train_dir / name, value)
     (train_dir / "cat" / "loop").symlink_to(".")  # a loop: the scan used to hang here
     (train_dir / "cat" / "dogs").symlink_to("../dog")  # a sibling class: its images counted twice
+    (train_dir / "cat" / "0-dog.png").symlink_to("../dog/c.png")  # a file reached twice, first from cat
     (train_dir / "dog" / "again.png").symlink_to("../cat/a.png")  # a file reached twice
     monkeypatch.setattr(datasets, "SCAN_PROGRESS_SECONDS", 0.0)  # every folder is "long": progress is said
     with pytest.warns(UserWarning) as said:
@@ -118,7 +119,8 @@ def test_a_folder_scan_follows_no_loop_and_counts_each_file_once(tmp_path, monke
     ]
     warning = str(said[0].message)
     assert "did not follow 2 links to folders inside class folders" in warning
-    assert f"{train_dir}/cat/dogs -> ../dog" in warning and "counted once 1 image files" in warning
+    assert f"{train_dir}/cat/dogs -> ../dog" in warning and "counted once 2 image files" in warning
+    assert f"{train_dir}/cat/0-dog.png -> ../dog/c.png" in warning  # c.png stays a dog
     assert re.search(rf"scanning {train_dir}: \d+ image files so far", capsys.readouterr().err)
 
 
@@ -218,6 +220,8 @@ def test_no_command_writes_its_output_onto_a_file_of_a_run(tmp_path, capsys):
         one_line(messages(capsys.readouterr().err), rf"--output {target.with_suffix('.json')} is a file of the run")
     assert ensemble.main([str(run), str(run), "--output", str(targets[2])]) == EXIT_USAGE
     one_line(messages(capsys.readouterr().err), rf"--output {targets[2]} is a file of the run {run}")
+    assert export.main([str(run), "--output", str(run / "checkpoints" / "exported")]) == EXIT_USAGE
+    one_line(messages(capsys.readouterr().err), rf"--output {run}/checkpoints/exported is a file of the run")
     assert tree(run) == before
 
 

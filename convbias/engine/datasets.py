@@ -143,7 +143,7 @@ def scan_images(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int
 
     A class folder may itself be a link; links to folders inside a class are not followed (one back up
     would loop forever, one to a sibling class would count its images twice) and a file reached twice
-    (through file links) counts once: both are said in one warning. A scan that takes long says how many
+    (through file links) counts once, in the class whose folder holds it: both are said in one warning. A scan that takes long says how many
     files it found so far. FileNotFoundError (as torchvision's ``make_dataset``) names the classes without
     any image."""
     samples: list[tuple[str, int]] = []
@@ -152,6 +152,7 @@ def scan_images(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int
     repeated: list[str] = []
     per_class: dict[str, int] = {}
     started = last_report = time.monotonic()
+    class_folders = {name: os.path.realpath(root / name) for name in class_to_idx}
     for name in sorted(class_to_idx, key=class_to_idx.__getitem__):
         before = len(samples)
         for folder, subfolders, files in os.walk(root / name, followlinks=False):
@@ -165,8 +166,8 @@ def scan_images(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int
                     status = os.stat(path)
                 except OSError:  # a dangling link: listed, then reported unreadable when it is served
                     status = os.lstat(path)
-                if (status.st_dev, status.st_ino) in seen:
-                    repeated.append(path)
+                if (status.st_dev, status.st_ino) in seen or _in_another_class(path, name, class_folders):
+                    repeated.append(path)  # counted once, in the class folder that holds the file itself
                     continue
                 seen.add((status.st_dev, status.st_ino))
                 samples.append((path, class_to_idx[name]))
@@ -199,6 +200,14 @@ def scan_images(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int
             + "."
         )
     return samples
+
+
+def _in_another_class(path: str, name: str, class_folders: dict[str, str]) -> bool:
+    """``path`` is a link to a file inside the folder of a class other than ``name``."""
+    if not os.path.islink(path):
+        return False
+    real = os.path.realpath(path)
+    return any(other != name and real.startswith(folder + os.sep) for other, folder in class_folders.items())
 
 
 def _link_shown(path: str) -> str:
