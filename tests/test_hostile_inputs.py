@@ -436,3 +436,19 @@ def test_inputs_quote_a_short_prefix_of_a_value():
     assert len(inputs.quoted(shared)) <= inputs.QUOTED_CHARACTERS and len(inputs.quoted("y" * 10_000)) <= 60
     assert inputs.json_record(b"[" * 100_000) is None and inputs.json_record(b'{"a": 1}') == {"a": 1}
     assert pickle.loads(pickle.dumps(DamagedInputError("x"))).args == ("x",)
+
+
+def test_the_preempted_row_is_train_pys(monkeypatch, capsys):
+    """75 belongs to the commands that train (train.py, and convbias-launch, which passes its rank's code on:
+    tests/test_launch.py); what stops train.py before its set-up is reported as every other command's."""
+    import argparse
+
+    from convbias.engine.preemption import Preempted
+    from convbias.errors import EXIT_REQUEUE
+
+    def preempted(*args, **kwargs):
+        raise Preempted("SIGTERM", None, 0, 3)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", preempted)
+    assert train.main(["x"]) == EXIT_REQUEUE
+    one_line(messages(capsys.readouterr().err), r"^preempted: stopped by SIGTERM after step 3 of epoch 1")
