@@ -32,8 +32,19 @@ class Interrupted(Exception):
     """Ctrl-C: the message says what was kept (exit code 130, as a shell reports SIGINT)."""
 
 
-class UnreadableImageError(ConfigError):
-    """An image file that PIL cannot decode, raised when unreadable images are not skipped (exit code 2).
+class DamagedCheckpointError(Exception):
+    """A checkpoint that fails its manifest's checksums, a file this engine did not write, or a run's
+    bookkeeping file (results.json) that cannot be read (exit code 65)."""
+
+
+class DamagedInputError(DamagedCheckpointError, ConfigError):
+    """A file the user named that is damaged or foreign: weights that do not read or do not fit their use
+    (non-finite, integer into float), an image that does not decode, a folder that is not a run (exit code
+    65). A ConfigError too, so the set-up checks that catch a user's mistake catch it."""
+
+
+class UnreadableImageError(DamagedInputError):
+    """An image file that PIL cannot decode, raised when unreadable images are not skipped (exit code 65).
 
     Raised in a DataLoader worker, it comes back with the worker's traceback as its message: only the
     original one-line message is kept."""
@@ -42,11 +53,6 @@ class UnreadableImageError(ConfigError):
         if "Traceback" in message:
             message = message.strip().splitlines()[-1].split(": ", 1)[-1]
         super().__init__(message)
-
-
-class DamagedCheckpointError(Exception):
-    """A checkpoint that fails its manifest's checksums, a file this engine did not write, or a run's
-    bookkeeping file (results.json) that cannot be read (exit code 65)."""
 
 
 class StorageError(Exception):

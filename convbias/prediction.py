@@ -17,6 +17,8 @@ import csv
 import glob
 import io
 import json
+import os
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -26,17 +28,22 @@ from typing import Any
 import timm
 import torch
 from PIL import Image
+from safetensors import SafetensorError
 from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
 from convbias.engine.data import build_transforms, input_format
 from convbias.engine.input_pipeline import image_mode
+from convbias.engine.run_dir import check_not_run_file
 from convbias.families import load_families
+from convbias.inputs import first_line
 from convbias.storage import write_text
+from convbias.weights import check_weights_file
 
 OUTPUT_FORMATS = (".csv", ".json")
 EXPORTED_CONFIG = "config.json"  # what save_for_hf writes beside the weights: marks an exported folder
+EXPORTED_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # the files timm's local-dir: loads, in its order
 GLOB_CHARACTERS = frozenset("*?[")
 
 
@@ -138,11 +145,14 @@ def load_exported(path: str | Path) -> Predictor:
     load_families()  # registers the architectures of the families
     if not timm.is_model(architecture):
         raise ConfigError(f"{path}: architecture {architecture!r} is not a registered timm model")
+    weights = [path / name for name in EXPORTED_WEIGHTS if (path / name).is_file()]
+    if not weights:
+        raise DamagedCheckpointError(f"{path} holds no weights ({' or '.join(EXPORTED_WEIGHTS)})")
+    check_weights_file(weights[0])  # read safely first: timm's own error would advise unpickling the file
     try:
         model = timm.create_model(f"local-dir:{path}", pretrained=True).eval()
-    except (OSError, RuntimeError, ValueError, KeyError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise DamagedCheckpointError(f"{path} does not load with timm ({first})") from None
+    except (OSError, RuntimeError, ValueError, KeyError, SafetensorError, pickle.UnpicklingError) as error:
+        raise DamagedCheckpointError(f"{path} does not load with timm ({first_line(error)})") from None
     data_config = resolve_model_data_config(model)
     transform = create_transform(**data_config, is_training=False)
     labels = model.pretrained_cfg.get("label_names")
@@ -158,7 +168,12 @@ def find_images(items: Sequence[str | Path]) -> list[Path]:
     for item in items:
         path = Path(item)
         if path.is_dir():
-            matches = [p for p in sorted(path.rglob("*")) if p.suffix.lower() in IMG_EXTENSIONS and p.is_file()]
+            # a dangling link is kept: predict names it among the skipped images
+            matches = [
+                p
+                for p in sorted(path.rglob("*"))
+                if p.suffix.lower() in IMG_EXTENSIONS and (p.is_file() or (p.is_symlink() and not p.exists()))
+            ]
             if not matches:
                 raise ConfigError(f"no image in folder {path} (extensions: {', '.join(IMG_EXTENSIONS)})")
         elif path.is_file():
@@ -183,6 +198,8 @@ def _batches(paths: Sequence[Path], size: int) -> Iterator[list[Path]]:
 
 def read_image(path: Path, mode: str) -> Image.Image:
     """The decoded image in ``mode`` (PIL decodes lazily: converting reads the whole file)."""
+    if path.is_symlink() and not path.exists():
+        raise FileNotFoundError(f"a dangling symbolic link to {os.readlink(path)}")
     with Image.open(path) as image:
         return image.convert(mode)
 
@@ -238,6 +255,7 @@ def output_format(output: str | Path | None) -> str:
         raise ConfigError(f"--output {output}: unknown suffix {suffix or '(none)'!r}; choose .csv or .json")
     if not output.parent.is_dir():
         raise ConfigError(f"--output {output}: folder {output.parent} not found")
+    check_not_run_file(output)
     return suffix
 
 

@@ -2,19 +2,24 @@
 
 Loading never unpickles arbitrary objects: weights come from safetensors, and ``.pt`` files are read
 with ``torch.load(weights_only=True)`` (tensors and plain containers only). Every failure is a
-ValueError whose one-line message names the file and what is wrong with it.
+ValueError whose one-line message names the file and what is wrong with it: a file that does not read as
+weights, or holds integers for float weights or non-finite values, is a DamagedInputError (exit 65).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from convbias.errors import ConfigError
+from convbias.errors import ConfigError, DamagedInputError
+from convbias.inputs import first_line
 
 WEIGHTS_FILE = "model.safetensors"
 MAX_KEYS_SHOWN = 5
@@ -49,11 +54,11 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ConfigError(f"{path} is not a readable safetensors file ({e})") from None
+            raise DamagedInputError(f"{path} is not a readable safetensors file ({first_line(e)})") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
-        raise ConfigError(
+        raise DamagedInputError(
             f"{path} cannot be read as weights with weights_only=True (it is damaged, or holds Python objects "
             f"besides tensors); it was not unpickled"
         ) from None
@@ -62,7 +67,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ConfigError(f"{path} does not hold a state dict of tensors")
+        raise DamagedInputError(f"{path} does not hold a state dict of tensors")
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
@@ -98,6 +103,53 @@ def check_keys(
     ]
     if problems:
         raise ConfigError(f"{source} does not fit this model ({model_name}): " + "; ".join(problems))
+    check_dtypes(expected, state_dict, source)
+
+
+def check_dtypes(expected: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """DamagedInputError when a floating-point tensor of the model would be set from an integer or bool one
+    (``load_state_dict`` casts it without a word)."""
+    cast = [
+        f"{k} ({str(state_dict[k].dtype).removeprefix('torch.')})"
+        for k, v in expected.items()
+        if k in state_dict and v.is_floating_point() and not state_dict[k].is_floating_point()
+    ]
+    if cast:
+        raise DamagedInputError(
+            f"{source} holds {len(cast)} non-float tensors for float weights of the model: {_shown(cast)}; "
+            f"it was not loaded"
+        )
+
+
+def check_finite(state_dict: Mapping[str, torch.Tensor], source: str, names: Iterable[str] | None = None) -> None:
+    """DamagedInputError naming the tensors (of ``names``, default all) that hold NaN or infinity: such
+    weights evaluate to a NaN loss. Buffers may hold infinities on purpose (attention masks): give the
+    parameters' names."""
+    keys = state_dict.keys() if names is None else [k for k in names if k in state_dict]
+    bad = [k for k in keys if state_dict[k].is_floating_point() and not torch.isfinite(state_dict[k]).all()]
+    if bad:
+        raise DamagedInputError(
+            f"{source} holds non-finite values (NaN or infinity) in {len(bad)} tensors: {_shown(bad)}; "
+            f"it was not loaded"
+        )
+
+
+def partial_load(
+    missing: list[str], unexpected: list[str], source: str, allow_partial: bool, option: str = "--allow-partial"
+) -> str | None:
+    """What a non-strict load left out, as one line (counts and the first names); ConfigError naming them
+    unless ``allow_partial``, else the line for the run's log (None when nothing was left out)."""
+    parts = [
+        f"{len(keys)} {label} ({_shown(keys)})"
+        for label, keys in (("missing keys, left at their initialization", missing), ("unexpected keys", unexpected))
+        if keys
+    ]
+    if not parts:
+        return None
+    line = f"{source} loaded partially: " + "; ".join(parts)
+    if not allow_partial:
+        raise ConfigError(f"{line}; pass {option} to train from it anyway, or give the weights of this model")
+    return line
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
@@ -108,6 +160,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     """
     state_dict = read_state_dict(path)
     check_compatible(model, state_dict, str(path))
+    check_finite(state_dict, str(path), [name for name, _ in model.named_parameters()])
     model.load_state_dict(state_dict, strict=True)
     return model
 
@@ -121,7 +174,7 @@ def weights_metadata(path: str | Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
     except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise ConfigError(f"{path} is not a readable safetensors file ({e})") from None
+        raise DamagedInputError(f"{path} is not a readable safetensors file ({first_line(e)})") from None
 
 
 def check_weights_file(path: str | Path) -> None:
@@ -132,3 +185,60 @@ def check_weights_file(path: str | Path) -> None:
         weights_metadata(path)
     else:
         read_state_dict(path)
+
+
+# What timm's builder logs after a non-strict pretrained load (timm.models._builder.load_pretrained): the
+# keys it left out, and a first conv it could not adapt to the input channels (left at its initialization).
+TIMM_LOAD_LOGGER = "timm.models._builder"
+TIMM_LOAD_MESSAGES = {
+    "missing": re.compile(r"Missing keys \((.*)\) discovered while loading pretrained weights"),
+    "unexpected": re.compile(r"Unexpected keys \((.*)\) found while loading pretrained weights"),
+    "unconverted": re.compile(r"Unable to convert pretrained (\S+) weights"),
+}
+
+
+@contextmanager
+def timm_load_report() -> Iterator[dict[str, list[str]]]:
+    """The keys timm's pretrained loading left out while the block runs: {"missing", "unexpected",
+    "unconverted"}: lists of names, from the lines timm logs (captured here, not printed)."""
+    found: dict[str, list[str]] = {key: [] for key in TIMM_LOAD_MESSAGES}
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            for key, pattern in TIMM_LOAD_MESSAGES.items():
+                match = pattern.match(message)
+                if match:
+                    found[key] += [name for name in match[1].split(", ") if name]
+
+    logger, handler = logging.getLogger(TIMM_LOAD_LOGGER), Catch(logging.INFO)
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def check_pretrained(
+    model: torch.nn.Module, path: str | Path, report: dict[str, list[str]], allow_partial: bool
+) -> str | None:
+    """After timm loaded ``path`` into ``model`` (``report``: ``timm_load_report``'s): integer tensors for
+    float weights and non-finite weights refused, keys left out refused unless ``allow_partial`` (then the
+    line saying what was left out is returned). The classifier that timm resets for another number of
+    classes is timm's own adaptation, not counted."""
+    source = str(path)
+    check_dtypes(model.state_dict(), read_state_dict(path), source)
+    classifiers = model.pretrained_cfg.get("classifier") or ()
+    classifiers = (classifiers,) if isinstance(classifiers, str) else tuple(classifiers)
+    reset = {f"{name}.{kind}" for name in classifiers for kind in ("weight", "bias")}
+    missing = [k for k in report["missing"] if k not in reset]
+    missing += [f"{name}.weight" for name in report["unconverted"] if f"{name}.weight" not in missing]
+    left_out = set(report["missing"]) | {f"{name}.weight" for name in report["unconverted"]}
+    loaded = [name for name, _ in model.named_parameters() if name not in left_out]
+    check_finite(dict(model.named_parameters()), source, loaded)
+    return partial_load(missing, report["unexpected"], source, allow_partial)

@@ -26,7 +26,7 @@ import torch
 from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 from torch import nn
 
-from convbias.weights import check_keys, resolve_weights_path
+from convbias.weights import check_keys, check_weights_file, resolve_weights_path
 
 from .embedding import EmbeddedFCN, embed, standard_fcn
 
@@ -253,6 +253,7 @@ def _cnn_checkpoint_overlay(variant: str, cnn_checkpoint: str | Path, kwargs: di
     input, so that timm loads the whole CNN, head included, and adapts nothing."""
     default = get_pretrained_cfg(variant)
     img_size = _pair(kwargs.get("img_size", default.input_size[1:]))
+    check_weights_file(cnn_checkpoint)  # read safely first: timm's own error would advise unpickling it
     overlay = dict(file=str(resolve_weights_path(cnn_checkpoint)))
     overlay["input_size"] = (kwargs.get("in_chans", default.input_size[0]), *img_size)
     if kwargs.get("num_classes"):

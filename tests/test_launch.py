@@ -17,6 +17,7 @@ import torch.distributed as dist
 from convbias.cli import launch
 from convbias.engine import LAUNCH_PROCESSES, _launch_warnings
 from convbias.engine.checkpoint import STATE_FILE, load_training_state
+from convbias.engine.run_dir import CONFIG_MARKER
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -108,7 +109,8 @@ def test_a_user_error_is_one_line_and_exit_2(tmp_path, console_script, train_arg
     output = tmp_path / "run"
     args = train_args + ["--epochs", "1", "--output", str(output)]
     if mistake == "existing_output":
-        output.mkdir()
+        output.mkdir()  # a finished run's files (a folder of files train.py did not write is refused as foreign)
+        (output / "config.yaml").write_text(f"{CONFIG_MARKER}\nmodel: convit_tiny\n")
         (output / "results.json").write_text("{}")
     else:
         args[args.index("convit_tiny")] = "convit_tny"

@@ -615,3 +615,18 @@ def test_a_damaged_snapshot_is_refused_before_it_is_read(tmp_path):
     path.write_bytes(b"\x00" * 16)
     with pytest.raises(DamagedCheckpointError, match=re.escape(f"{path} is not a readable safetensors file")):
         RunDir(tmp_path).checkpoint("epoch_0")
+
+
+@pytest.mark.parametrize("which", ["finished", "stopped"])
+def test_a_resume_refuses_an_option_it_cannot_honour_and_records_nothing(main, finished, stopped, tmp_path, which):
+    """--lr on a resume: the resumed optimizer and schedule keep the run's lr, so it is refused, not recorded."""
+    run = copy(finished if which == "finished" else stopped, tmp_path)
+    before = snapshot(run)
+    code, _, err = main(run, "--resume", "auto", "--lr", "1e6", "--weight-decay", "0.5")
+    assert code == EXIT_USAGE and len(err) == 1, err
+    assert re.search(
+        r"^error: --resume \S+: --lr 1000000\.0 \(the run: 0\.001\); --weight-decay 0\.5 \(the run: 0\.0\): a resumed "
+        r"run keeps the optimizer and schedule of its resume point, so these would not apply; give the run's values",
+        err[0],
+    ), err
+    assert snapshot(run) == before and "lr: 0.001" in (run / "config.yaml").read_text()

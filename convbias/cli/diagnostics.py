@@ -35,7 +35,8 @@ import transformed_cnn
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, Config, RunDir, create_model, is_run_dir
-from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head, read_log
+from convbias.engine.run_log import read_log as read_run_log
+from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head
 from convbias.families import load_families
 from convbias.weights import load_weights
 
@@ -148,10 +149,13 @@ def read_histories(runs: list[str], maps_too: bool) -> dict[str, list[dict]]:
     logs = {}
     for run in runs:
         log = Path(run) / "log.jsonl"
-        if maps_too and (not log.is_file() or not metric_history(read_log(log), "nonlocality")):
+        records, dropped = read_run_log(log)  # a damaged line (cut, not UTF-8, nested too deep) is dropped
+        if dropped:
+            print(f"note: {log}: dropped {dropped} damaged lines", file=sys.stderr)
+        if maps_too and not metric_history(records, "nonlocality"):
             print(f"note: {run}: no locality values in its log.jsonl, so no history figures", file=sys.stderr)
             continue
-        logs[Path(run).resolve().name] = read_log(log)
+        logs[Path(run).resolve().name] = records
     return logs
 
 

@@ -8,14 +8,12 @@ convbias-efcn-protocol --stage summarize --seed-dirs runs/efcn/seed0 runs/efcn/s
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from convbias.cli import OptionParser
-from convbias.engine import ConfigError
+from convbias.cli import OptionParser, report
 from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
 from convbias.experiments.efcn_seeds import summarize_seeds
 
@@ -57,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             train_stage(cfg, out)
         if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:
             analyze_stage(cfg, out)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as error:  # the one error helper: its line and exit code
+        return report(error)
     print(f"[efcn_protocol] done in {(time.perf_counter() - started) / 60:.1f} min")
     return 0
 

@@ -18,6 +18,7 @@ import sys
 
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
+from convbias.engine.run_dir import check_not_run_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,7 @@ def _export(argv: list[str] | None) -> int:
     parser.add_argument("--push-to", metavar="REPO_ID", help="upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true", help="with --push-to: create a private repository")
     args = parser.parse_args(argv)
+    check_not_run_file(args.output)  # a folder in a run's checkpoints/ would be taken for a point's
     # imported after parsing: `convbias-export --help` loads no timm, Hub client or model family
     from convbias.families import load_families
     from convbias.hub import export_run, push_folder

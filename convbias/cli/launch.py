@@ -82,7 +82,11 @@ def _launch(argv: list[str]) -> int:
         parser.prog, parser.usage = "convbias-launch", USAGE
         parser.description = f"accelerate launch, ending with the engine's one line and exit code. {parser.description}"
         parser.error = _usage_error  # one line, not argparse's usage block
-        args = parser.parse_args(_multi_cpu(argv, parser.parse_args(argv)))
+        first = parser.parse_args(argv)
+        for option in ("num_processes", "num_machines"):
+            if getattr(first, option, None) is not None and getattr(first, option) < 1:
+                _usage_error(f"--{option} {getattr(first, option)}: expected a whole number of at least 1")
+        args = parser.parse_args(_multi_cpu(argv, first))
         if args.num_processes:
             os.environ[LAUNCH_PROCESSES] = str(args.num_processes)
         os.environ.setdefault("PET_SIGNALS_TO_HANDLE", TORCHRUN_SIGNALS)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from convbias.cli import run_command
+from convbias.cli import OptionParser, run_command
 from convbias.experiments.regimes import write
 from convbias.families import load_families
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OptionParser(
         prog="convbias-regimes",
         description="Top-1, tangent-kernel change and local energy per output scale alpha of a convbias-sweep run.",
     )
@@ -26,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command(lambda: _regimes(Path(args.sweep_dir)))
+    return run_command(lambda: _regimes(Path(build_parser().parse_args(argv).sweep_dir)))
 
 
 def _regimes(sweep_dir: Path) -> int:

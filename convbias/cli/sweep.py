@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from convbias.cli import run_command, yaml_scalar
+from convbias.cli import OptionParser, run_command, yaml_scalar
 from convbias.engine import Interrupted
 from convbias.experiments import sweep_spec
 
@@ -55,7 +55,7 @@ def _parse_value(text: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OptionParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run (or print) every incomplete run of a grid, then report")
@@ -170,8 +170,7 @@ def _print_written(paths: list[Path]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command(lambda: _sweep(args))
+    return run_command(lambda: _sweep(build_parser().parse_args(argv)))
 
 
 def _sweep(args: argparse.Namespace) -> int:

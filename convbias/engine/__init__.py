@@ -205,8 +205,8 @@ def _leave_exit_code(code: int, line: str = "") -> None:
 # how main ends on each way a run stops: exit code and the prefix of its one line
 _STOPS: tuple[tuple[type[Exception], int, str], ...] = (
     (Preempted, REQUEUE_EXIT_CODE, "preempted"),
+    (DamagedCheckpointError, EXIT_DAMAGED, "error"),  # before ConfigError: a damaged input is both
     (ConfigError, EXIT_USAGE, "error"),
-    (DamagedCheckpointError, EXIT_DAMAGED, "error"),
     (StorageError, EXIT_STORAGE, "error"),
     (NonFiniteLossError, EXIT_DIVERGED, "error"),
     (Interrupted, EXIT_INTERRUPTED, "interrupted"),
@@ -223,6 +223,13 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
         _leave_exit_code(code, _print_error(str(e), prefix=prefix))
         if show_traceback():
             traceback.print_exception(e)
+        return code
+    except (OSError, KeyboardInterrupt) as e:  # not reported by the run itself (before its set-up): as every command
+        from convbias.cli import report
+
+        _close_progress_bars()
+        code = report(e)
+        _leave_exit_code(code)
         return code
     _leave_exit_code(0)
     return 0

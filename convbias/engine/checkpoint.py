@@ -260,6 +260,8 @@ class CheckpointDir:
         """A fresh, empty directory for the resume point (epoch, step), under a temporary name (main process).
         Under FSDP every rank writes its shards there before ``save`` completes it and renames it into place."""
         tmp = self._staging(self.point_name(epoch, step))
+        if tmp.is_symlink():  # a link in the staging name's place: removed, never written through
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         return tmp
@@ -296,7 +298,9 @@ class CheckpointDir:
                 )
             torch.save(state, tmp / STATE_FILE)
             write_manifest(tmp, epoch, step, (state.get("best") or {}).get("epoch"))
-            if final.exists():  # an earlier attempt's point of the same name, which this one supersedes
+            if final.is_symlink():  # a link put there: set aside, never deleted or written through
+                self.set_aside(final, ".link")
+            elif final.exists():  # an earlier attempt's point of the same name, which this one supersedes
                 if self._owned(final):
                     shutil.rmtree(final)
                 else:

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from ..inputs import parse_yaml
 from .options import DESCRIPTION, SECTIONS, declaration, default_value, flag_name, option_types
 
 
@@ -46,8 +47,8 @@ def yaml_scalar(text: str) -> Any:
     if text.lower() == "none":
         return None
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
+        value = parse_yaml(text)
+    except yaml.YAMLError:  # not YAML, or beyond its limits (nested, aliases): the text as it is
         return text
     return text if isinstance(value, (dict, list)) else value
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
+from ..inputs import quoted, read_yaml
 from ..storage import write_text
 from .command_line import OptionParser, build_parser
 from .options import (
@@ -38,25 +39,30 @@ from .options import (
     option_types,
 )
 from .preemption import parse_signals
-from .run_dir import RUN_KEYS, is_run_dir, read_run_config
+from .run_dir import CONFIG_MARKER, RUN_KEYS, is_run_dir, read_run_config
 from .timm_recipe import is_timm_recipe, read_timm_keys
 
 
-def load_yaml(path: str | Path) -> dict:
-    """Read a recipe, following ``_base_`` files first (relative to the file that names them)."""
+def load_yaml(path: str | Path, _including: tuple[Path, ...] = ()) -> dict:
+    """Read a recipe, following ``_base_`` files first (relative to the file that names them); a file that
+    names itself, directly or through its bases, is refused naming the cycle."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    real = path.resolve()
+    if real in _including:
+        cycle = " -> ".join(str(p) for p in (*_including[_including.index(real) :], real))
+        raise ConfigError(f"{path}: the _base_ files name each other in a cycle ({cycle})")
+    data = read_yaml(path, "recipe") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of option: value")
     bases = data.pop("_base_", [])
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
+        raise ConfigError(f"{path}: _base_ must be a path or a list of paths, got {quoted(bases)}")
     merged: dict = {}
-    for base in [bases] if isinstance(bases, str) else bases:
-        merged.update(load_yaml(path.parent / base))
+    for base in bases:
+        merged.update(load_yaml(path.parent / base, (*_including, real)))
     merged.update(data)
     return merged
 
@@ -212,9 +218,8 @@ def check_output_dir(output: str | Path) -> None:
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     _check(ancestor.is_dir(), f"--output {path}: {ancestor} is a file, not a directory")
-    _check(
-        os.access(ancestor, os.W_OK | os.X_OK), f"--output {path}: {ancestor} is not writable; choose another --output"
-    )
+    if not os.access(ancestor, os.W_OK | os.X_OK):  # read-only: an I/O fault, as one met mid-run (exit 74)
+        raise StorageError(f"--output {path}: {ancestor} is not writable (read-only); choose another --output")
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -410,7 +415,7 @@ def write_config(cfg: Config, path: Path, derived: dict) -> None:
     """The resolved options as a reloadable recipe; derived values (lr, global batch...) as comments."""
     header = "".join(f"# {key}: {value}\n" for key, value in derived.items())
     body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    write_text(path, "# resolved config of this run; reload with -c\n" + header + body)
+    write_text(path, CONFIG_MARKER + "\n" + header + body)
 
 
 def lr_scaling(cfg: Config) -> str:

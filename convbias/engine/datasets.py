@@ -11,6 +11,9 @@ Images are served as PIL images, so timm's transforms apply unchanged to every s
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes
 
 from ..errors import ConfigError, UnreadableImageError
 
@@ -131,6 +134,86 @@ class ArrayImageDataset(Dataset):
         return ArrayImageDataset(self.images[np.asarray(indices, dtype=np.int64)], targets, classes, self.transform)
 
 
+# A folder scan that takes longer than this says how many image files it found so far (every interval).
+SCAN_PROGRESS_SECONDS = 10.0
+
+
+def scan_images(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int]]:
+    """The image files of root/<class>/..., each file once, as (path, label) in sorted order.
+
+    A class folder may itself be a link; links to folders inside a class are not followed (one back up
+    would loop forever, one to a sibling class would count its images twice) and a file reached twice
+    (through file links) counts once, in the class whose folder holds it: both are said in one warning. A scan that takes long says how many
+    files it found so far. FileNotFoundError (as torchvision's ``make_dataset``) names the classes without
+    any image."""
+    samples: list[tuple[str, int]] = []
+    seen: set[tuple[int, int]] = set()
+    folder_links: list[str] = []
+    repeated: list[str] = []
+    per_class: dict[str, int] = {}
+    started = last_report = time.monotonic()
+    class_folders = {name: os.path.realpath(root / name) for name in class_to_idx}
+    for name in sorted(class_to_idx, key=class_to_idx.__getitem__):
+        before = len(samples)
+        for folder, subfolders, files in os.walk(root / name, followlinks=False):
+            subfolders.sort()
+            folder_links += [os.path.join(folder, d) for d in subfolders if os.path.islink(os.path.join(folder, d))]
+            for file in sorted(files):
+                if not file.lower().endswith(IMG_EXTENSIONS):
+                    continue
+                path = os.path.join(folder, file)
+                try:
+                    status = os.stat(path)
+                except OSError:  # a dangling link: listed, then reported unreadable when it is served
+                    status = os.lstat(path)
+                if (status.st_dev, status.st_ino) in seen or _in_another_class(path, name, class_folders):
+                    repeated.append(path)  # counted once, in the class folder that holds the file itself
+                    continue
+                seen.add((status.st_dev, status.st_ino))
+                samples.append((path, class_to_idx[name]))
+            if time.monotonic() - last_report >= SCAN_PROGRESS_SECONDS:
+                last_report = time.monotonic()
+                print(
+                    f"scanning {root}: {len(samples)} image files so far ({last_report - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        per_class[name] = len(samples) - before
+    said = []
+    if folder_links:
+        said.append(
+            f"did not follow {len(folder_links)} links to folders inside class folders "
+            f"({_link_shown(folder_links[0])}{', ...' if len(folder_links) > 1 else ''})"
+        )
+    if repeated:
+        said.append(
+            f"counted once {len(repeated)} image files reached again through links "
+            f"({_link_shown(repeated[0])}{', ...' if len(repeated) > 1 else ''})"
+        )
+    if said:
+        warnings.warn(f"{root}: " + "; ".join(said), stacklevel=2)
+    empty = [name for name, count in per_class.items() if count == 0]
+    if empty:
+        raise FileNotFoundError(
+            f"Found no valid file for the classes {', '.join(sorted(empty))}"
+            + (" (their files were already counted through links)" if repeated else "")
+            + "."
+        )
+    return samples
+
+
+def _in_another_class(path: str, name: str, class_folders: dict[str, str]) -> bool:
+    """``path`` is a link to a file inside the folder of a class other than ``name``."""
+    if not os.path.islink(path):
+        return False
+    real = os.path.realpath(path)
+    return any(other != name and real.startswith(folder + os.sep) for other, folder in class_folders.items())
+
+
+def _link_shown(path: str) -> str:
+    return f"{path} -> {os.readlink(path)}" if os.path.islink(path) else path
+
+
 class ImageFolderDataset(Dataset):
     """An ImageFolder (torchvision's class scan and loader) that survives unreadable files.
 
@@ -165,13 +248,13 @@ class ImageFolderDataset(Dataset):
     def scan(
         cls, root: Path, layout: str, classes: Sequence[str] | None = None, skip_unreadable: bool = True
     ) -> ImageFolderDataset:
-        """Lists root/<class>/<image> with torchvision (file names only, nothing is decoded);
+        """Lists root/<class>/<image> (``scan_images``: file names only, nothing is decoded);
         `classes` fixes the label order (val uses train's). `layout` is quoted in errors."""
         try:
             if classes is None:
                 classes, _ = find_classes(root)
             class_to_idx = {name: i for i, name in enumerate(classes)}
-            samples = make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS)
+            samples = scan_images(root, class_to_idx)
         except FileNotFoundError as error:
             raise ConfigError(
                 f"{root}: {error} Expected layout: {layout}; image extensions: {', '.join(IMG_EXTENSIONS)}"

@@ -12,6 +12,7 @@ fails or is interrupted removes it; only a killed one leaves it behind.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..errors import DamagedInputError
+
 LOCK_FILE = ".lock"
 
 
@@ -27,8 +30,14 @@ class RunLockedError(ValueError):
     """Another live process holds the lock of this run directory."""
 
 
+class ForeignLockError(DamagedInputError, RunLockedError):
+    """The lock file's place holds a symbolic link (exit 65): the lock is never written through it."""
+
+
 def _holder(path: Path) -> dict[str, Any]:
     """What the lock file says about its holder ({} when it is empty or unreadable)."""
+    if path.is_symlink():
+        return {}
     try:
         holder = json.loads(path.read_text() or "{}")
     except (OSError, ValueError):
@@ -59,7 +68,16 @@ class RunLock:
             self.output.mkdir(parents=True)
             self._created_dir = True
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link: a lock file that is one would overwrite what it points at
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                self._cleanup_dir()
+                raise ForeignLockError(
+                    f"--output {self.output}: {self.path} is a symbolic link (to {os.readlink(self.path)}), not a "
+                    f"lock file of train.py; nothing was written through it: remove the link or choose another --output"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

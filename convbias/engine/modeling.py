@@ -6,6 +6,9 @@ The registry must already hold the model: the composition root imports the famil
 from __future__ import annotations
 
 import difflib
+import inspect
+import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,9 +18,10 @@ import timm
 import torch
 from timm.layers import is_fast_norm, set_fast_norm
 
-from convbias.weights import check_weights_file
+from convbias.weights import check_pretrained, check_weights_file, timm_load_report
 
 from ..errors import ConfigError
+from ..inputs import first_line, quoted
 from .options import Config
 
 
@@ -41,6 +45,34 @@ def fast_norm(enabled: bool) -> Iterator[None]:
         set_fast_norm(previous)
 
 
+def mistyped_kwargs(model: str, model_kwargs: dict[str, Any]) -> list[str]:
+    """The ``model_kwargs`` whose value is not of the type of the default that the model's classes give that
+    argument (``embed_dim=abc: expected an int, as ConVit's default 48``), read from the signatures of the
+    classes in the module that registers ``model``: why a constructor failed with a message about types."""
+    if not timm.is_model(model):
+        return []
+    module = sys.modules.get(timm.models.model_entrypoint(model).__module__)
+    defaults: dict[str, tuple[str, Any]] = {}
+    for owner in vars(module).values() if module else ():
+        if inspect.isclass(owner) and issubclass(owner, torch.nn.Module) and owner.__module__ == module.__name__:
+            for name, parameter in inspect.signature(owner).parameters.items():
+                if type(parameter.default) in (int, float, bool) and name not in defaults:
+                    defaults[name] = (owner.__name__, parameter.default)
+    found = []
+    for name, value in model_kwargs.items():
+        if name not in defaults:
+            continue
+        owner, default = defaults[name]
+        numeric = type(default) is float and type(value) in (int, float)
+        if type(value) is not type(default) and not numeric:
+            found.append(
+                f"{name}={quoted(value)}: expected {'an' if type(default) is int else 'a'} {type(default).__name__} "
+                f"(as {owner}'s default {default!r}), got {'a' if type(value) is not int else 'an'} "
+                f"{type(value).__name__}"
+            )
+    return found
+
+
 def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
     """timm.create_model with the run's model options (model, model_kwargs, img_size, drop, drop_path, drop_block,
     gp, fast_norm, pretrained, pretrained_file, head_init_scale); pretrained weights come from a local file only."""
@@ -56,14 +88,14 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
     if cfg.pretrained_file:
         try:
             check_weights_file(cfg.pretrained_file)
-        except ValueError as e:
-            raise ConfigError(f"--pretrained-file: {e}") from None
+        except ValueError as e:  # a damaged file stays one (exit 65)
+            raise type(e)(f"--pretrained-file: {e}") from None
         kwargs["pretrained_cfg_overlay"] = dict(file=str(Path(cfg.pretrained_file).resolve()))
     model_kwargs = dict(cfg.model_kwargs or {})
     kwargs.update(model_kwargs)
     kwargs.setdefault("img_size", cfg.img_size)
     try:
-        with fast_norm(bool(cfg.fast_norm)):
+        with fast_norm(bool(cfg.fast_norm)), timm_load_report() as loaded:
             try:
                 model = timm.create_model(cfg.model, **kwargs)
             except TypeError as e:  # CNNs take no img_size: they run at any resolution
@@ -72,10 +104,17 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
                 kwargs.pop("img_size")
                 model = timm.create_model(cfg.model, **kwargs)
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
+        mistyped = mistyped_kwargs(cfg.model, model_kwargs)
+        if mistyped:
+            raise ConfigError(f"--model-kwargs {'; '.join(mistyped)}") from e
         given = {**chosen, **model_kwargs}
         raise ConfigError(
-            f"cannot build {cfg.model} with {given or 'default arguments'}: {str(e).splitlines()[0]}"
+            f"cannot build {cfg.model} with {quoted(given or 'default arguments', 300)}: {first_line(e)}"
         ) from e  # the constructor's traceback, shown with CONVBIAS_TRACEBACK=1
+    if cfg.pretrained_file:
+        partial = check_pretrained(model, cfg.pretrained_file, loaded, cfg.allow_partial)
+        if partial:
+            warnings.warn(f"--allow-partial: {partial}", stacklevel=2)
     if cfg.head_init_scale is not None:
         with torch.no_grad():
             for tensor in classifier_tensors(model, ("weight", "bias"), "--head-init-scale", cfg.model):

@@ -110,6 +110,11 @@ class ModelOptions:
     model: str | None = option(None, "any model in timm's registry (train.py registers this project's families)")
     pretrained: bool = option(False, "start from pretrained weights")
     pretrained_file: str | None = option(None, "local weights file for --pretrained (no download)")
+    allow_partial: bool = option(
+        False,
+        "train from a --pretrained-file that lacks tensors of the model (left at their initialization) or holds "
+        "others; without it such a file is refused (a classifier timm resets for new classes is not counted)",
+    )
     model_kwargs: dict[str, Any] = option(
         {}, "extra model constructor arguments, values parsed as YAML scalars (patch_size=4)", metavar="K=V"
     )

@@ -18,17 +18,25 @@ checkpoint is read): ``train.py --help`` reads this module.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ..errors import ConfigError, DamagedCheckpointError
+from ..errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from ..inputs import first_line, json_record, read_yaml
 
 CONFIG_FILE = "config.yaml"
+# The first line of every config.yaml train.py writes: what marks a folder as this engine's run.
+CONFIG_MARKER = "# resolved config of this run; reload with -c"
+SUMMARY_FILE = "summary.csv"
+LOG_FILE = "log.jsonl"
+LOCK_FILE = ".lock"  # as engine.lock.LOCK_FILE
+MAX_FIRST_LINE = 1 << 20  # bytes of a file's first line read to recognize it (a log record is far shorter)
+# What train.py writes at the top of its output (wandb: the tracker's folder with --log-wandb).
+RUN_FILES = (CONFIG_FILE, SUMMARY_FILE, LOG_FILE, "results.json", LOCK_FILE, "checkpoints", "wandb")
 RESULTS_FILE = "results.json"
 WEIGHTS_FILE = "model.safetensors"  # as convbias.weights.WEIGHTS_FILE (not imported: it loads torch)
 STATE_FILE = "training_state.pt"
@@ -97,6 +105,84 @@ def held_entries(root: Path) -> list[str]:
     )
 
 
+def is_temporary(name: str) -> bool:
+    """A hidden ``.NAME.tmp...`` file or folder: what a killed atomic write or save leaves (only the engine
+    writes such names)."""
+    return name.startswith(".") and ".tmp" in name
+
+
+def written_by_engine(path: Path) -> bool:
+    """``path`` (an entry of an output folder) is recognizably one that train.py wrote."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(MAX_FIRST_LINE)
+    except OSError:
+        return False
+    if path.name == CONFIG_FILE:
+        return first.rstrip(b"\n") == CONFIG_MARKER.encode()
+    if path.name == SUMMARY_FILE:
+        return first.startswith(b"epoch,") or first == b""
+    if path.name == LOG_FILE:
+        return first == b"" or isinstance(json_record(first), dict)
+    return False
+
+
+def foreign_entry(output: Path) -> str | None:
+    """The first entry of an output folder that train.py did not recognizably write, with why (None: each
+    is the engine's own, so the folder may be started over). A folder's checkpoints/, results.json and
+    wandb/ count as the engine's only beside the config.yaml it marks."""
+    if not output.is_dir():
+        return None
+    marked = written_by_engine(output / CONFIG_FILE)
+    for entry in sorted(output.iterdir()):
+        name = entry.name
+        if name == LOCK_FILE or is_temporary(name):
+            continue
+        if entry.is_symlink():
+            return f"{name} (a symbolic link to {os.readlink(entry)})"
+        if name in (CONFIG_FILE, SUMMARY_FILE, LOG_FILE):
+            if not written_by_engine(entry):
+                return f"{name} (not as train.py writes it)"
+        elif name not in RUN_FILES or not marked:
+            return f"{name} (not a file train.py writes)" if name not in RUN_FILES else f"{name} (beside no run config)"
+    return None
+
+
+def foreign_links(output: Path) -> list[str]:
+    """The files train.py writes in an output folder (top level and points) that are symbolic links: it
+    writes nothing through a link it did not make (its own are checkpoints/last and best)."""
+    found = [output / name for name in RUN_FILES if (output / name).is_symlink()]
+    root = output / "checkpoints"
+    if root.is_dir() and not root.is_symlink():
+        found += [p for p in root.iterdir() if p.is_symlink() and point_position(p)]
+    return [f"{p} -> {os.readlink(p)}" for p in found]
+
+
+def run_owning(path: str | Path) -> Path | None:
+    """The run directory whose own file ``path`` is (or would be): its config, logs, results, lock, or
+    anything under its checkpoints/ (through links too); None for any other path."""
+    path = Path(path).absolute()
+    for candidate in (path, path.resolve()):
+        if candidate.name in RUN_FILES and is_run_dir(candidate.parent):
+            return candidate.parent
+        for ancestor in candidate.parents:
+            if ancestor.name == "checkpoints" and is_run_dir(ancestor.parent):
+                return ancestor.parent
+    return None
+
+
+def check_not_run_file(path: str | Path, option: str = "--output") -> None:
+    """ConfigError naming ``path`` when a command would write it over a file of a run (``run_owning``), or
+    when it names a run directory where a command writes its own config.yaml and results."""
+    run = run_owning(path)
+    if run is not None:
+        raise ConfigError(
+            f"{option} {path} is a file of the run {run}; no command writes over a run's own files: choose another path"
+        )
+
+
 def is_run_dir(path: str | Path) -> bool:
     """A directory written by train.py: it holds config.yaml (and, once an epoch is done, checkpoints/)."""
     path = Path(path)
@@ -106,12 +192,12 @@ def is_run_dir(path: str | Path) -> bool:
 def read_run_config(run: str | Path) -> dict[str, Any]:
     """The run's resolved options (its config.yaml); ConfigError naming the file when it cannot be read."""
     path = Path(run) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{run} is not a run directory: no {CONFIG_FILE} in it")
     try:
-        data = yaml.safe_load(path.read_bytes())
-    except FileNotFoundError:
-        raise ConfigError(f"{run} is not a run directory: no {CONFIG_FILE} in it") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path} is not a readable run config ({str(e).splitlines()[0]})") from None
+        data = read_yaml(path, "run config")
+    except OSError as e:
+        raise ConfigError(f"{path} is not a readable run config ({first_line(e)})") from None
     if not isinstance(data, dict) or "model" not in data:
         raise ConfigError(f"{path} is not a run config (expected a mapping of option: value with a model)")
     return data
@@ -178,6 +264,15 @@ class RunDir:
     def newest_point(self) -> Path:
         """The newest resume point by name; ConfigError saying what the run holds when it has none."""
         points = self.points()
+        links = sorted(
+            (p for p in (self.root.iterdir() if self.root.is_dir() else ()) if p.is_symlink() and point_position(p)),
+            key=point_position,
+        )
+        if links and (not points or point_position(links[-1]) > point_position(points[0])):
+            raise DamagedInputError(
+                f"{links[-1]} is a symbolic link (to {os.readlink(links[-1])}), not a resume point of this run: its "
+                f"newest point is not here; replace the link with a copy of what it points at, or move it away"
+            )
         if not points:
             held = ", ".join(self.held()) or "no checkpoint"
             raise ConfigError(
@@ -265,9 +360,12 @@ class RunDir:
         num_classes = metadata.get("num_classes") or options.get("num_classes")
         in_chans = metadata.get("in_chans") or options.get("in_chans") or (dataset.in_chans if dataset else None)
         if num_classes is None or in_chans is None:
+            lacking = " and ".join(
+                name for name, value in (("num_classes", num_classes), ("in_chans", in_chans)) if value is None
+            )
             raise ConfigError(
-                f"{checkpoint.describe()} does not record its number of classes and channels "
-                f"(written by an older train.py): pass the model options explicitly"
+                f"{checkpoint.weights} records no {lacking} in its metadata and {self.path / CONFIG_FILE} names "
+                f"none (nor does its dataset): pass the model options explicitly"
             )
         return {
             "model": options["model"],

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..inputs import json_record
 from ..storage import atomic_write
 from ..tables import csv_text
 from .config import scaled_lr
@@ -33,10 +34,7 @@ def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
         return [], 0
     records, dropped = [], 0
     for line in lines:
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except ValueError:  # JSONDecodeError, UnicodeDecodeError
-            record = None
+        record = json_record(line)  # None: damaged, whatever its depth
         if isinstance(record, dict) and isinstance(record.get("epoch"), int):
             records.append(record)
         elif line.strip():

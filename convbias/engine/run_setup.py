@@ -44,7 +44,14 @@ from .options import Config
 from .output_scale import OutputScale, ScaledLoss
 from .preemption import PreemptionSignals, ignore_in_worker, parse_signals
 from .run_dir import point_name
-from .run_start import check_resume_world_size, find_start, finished_message, resolve_checkpoint, take_lock
+from .run_start import (
+    check_resume_options,
+    check_resume_world_size,
+    find_start,
+    finished_message,
+    resolve_checkpoint,
+    take_lock,
+)
 from .streams import is_stream
 
 
@@ -101,6 +108,8 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     output, notes = Path(cfg.output), []
     take_lock(acc, lock, notes)
     point = find_start(acc, cfg, output, notes)
+    if point is not None:
+        check_resume_options(cfg, output, point)
     state = load_training_state(point) if point else None
     start = RunStart(
         cfg, extensions, acc, output, epochs, warmup, global_batch, lr, checkpoint_name, point, state, notes

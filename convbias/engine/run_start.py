@@ -10,7 +10,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ConfigError, DamagedCheckpointError
+from ..errors import ConfigError, DamagedCheckpointError, DamagedInputError
 from .checkpoint import (
     MANIFEST_FILE,
     POINT_NAME,
@@ -20,10 +20,10 @@ from .checkpoint import (
     verify_file,
     weights_metadata,
 )
-from .lock import RunLock, RunLockedError
+from .lock import ForeignLockError, RunLock, RunLockedError
 from .lock import describe as describe_holder
 from .options import Config
-from .run_dir import DEFAULT_WHICH, RESULTS_FILE, RunDir, is_run_dir
+from .run_dir import DEFAULT_WHICH, RESULTS_FILE, RunDir, foreign_entry, foreign_links, is_run_dir, read_run_config
 from .run_log import RunLog, results_record
 
 
@@ -54,20 +54,20 @@ def resolve_checkpoint(cfg: Config) -> str | None:
 def take_lock(accelerator: Accelerator, lock: RunLock | None, notes: list[str]) -> None:
     """The output dir's lock (engine.lock), taken by the main process before anything there is read or
     written; every process stops when another live run holds it. A stale lock taken over is noted."""
-    message = None
+    message, foreign = None, False
     if lock is None:
         return
     if accelerator.is_main_process:
         try:
             lock.acquire()
         except RunLockedError as e:
-            message = str(e)
+            message, foreign = str(e), isinstance(e, ForeignLockError)
         if lock.stale:
             notes.append(f"took over the stale lock of {describe_holder(lock.stale)} (that process is gone)")
     if accelerator.num_processes > 1:
-        message = broadcast_object_list([message])[0]
+        message, foreign = broadcast_object_list([message, foreign])
     if message:
-        raise ConfigError(message)
+        raise (DamagedInputError if foreign else ConfigError)(message)
 
 
 def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None:
@@ -75,11 +75,25 @@ def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None
     never started over: a plain run refuses it, ``--resume auto`` continues from its newest intact point
     (a damaged newer one is renamed ``<name>.damaged`` and named in ``notes``) or stops naming what it found.
 
-    A directory without any checkpoint or results.json holds only the start of a run that failed before its
-    first checkpoint (config.yaml, summary.csv...): the run starts over there."""
+    A directory without any resume point is started over only when every entry in it is train.py's own
+    (``run_dir.foreign_entry``: its marked config.yaml, summary.csv, log.jsonl): a run that failed before its
+    first checkpoint. Anything else, and any link in the place of a file the run writes, is refused."""
     if cfg.eval_only:
         return None
+    links = foreign_links(output)
+    if links:
+        raise DamagedInputError(
+            f"--output {output}: {links[0]} is a symbolic link that train.py did not make; it writes and resumes "
+            f"nothing through one (a resume point or log elsewhere would be replaced): replace it with a copy of "
+            f"what it points at, or move it away; nothing was changed"
+        )
     checkpoints = CheckpointDir(output, cfg.keep_checkpoints)
+    foreign = None if checkpoints.points() else foreign_entry(output)
+    if foreign:
+        raise DamagedInputError(
+            f"--output {output} is not a run of train.py: it holds {foreign}; a folder is started over only when "
+            f"it holds nothing but train.py's own files; nothing was changed: choose another --output"
+        )
     if cfg.resume and cfg.resume != "auto":
         return find_resume_point(cfg.resume, output)
     held = [f"checkpoints/{name}" for name in checkpoints.held()]
@@ -223,4 +237,49 @@ def check_resume_world_size(state: dict[str, Any] | None, point: Path | None, wo
             f"{state['epoch'] + 1}) written by {len(state['rng'])} processes, and this run has {world}: its "
             f"position in the epoch cannot be continued exactly; resume with {len(state['rng'])} processes, "
             f"or keep its weights only with --checkpoint {point / WEIGHTS_FILE} in a new --output"
+        )
+
+
+# Options a resume point overrides: its optimizer state restores every param group's hyperparameters (torch's
+# Optimizer.load_state_dict) and its scheduler state every attribute of timm's scheduler. The rest of
+# OptimizationOptions and ScheduleOptions a resumed run honours from where it continues.
+RESUME_HONOURED = frozenset(
+    {"batch_size", "eval_batch_size", "grad_accum_steps", "seed", "clip_grad", "clip_mode", "epochs", "scale_epochs"}
+)
+
+
+def resume_kept_options() -> tuple[str, ...]:
+    """The options whose values a resumed run takes from its resume point, whatever the command line says."""
+    from dataclasses import fields
+
+    from .options import OptimizationOptions, ScheduleOptions
+
+    return tuple(
+        spec.name
+        for group in (OptimizationOptions, ScheduleOptions)
+        for spec in fields(group)
+        if spec.name not in RESUME_HONOURED
+    )
+
+
+def check_resume_options(cfg: Config, output: Path, point: Path) -> None:
+    """ConfigError when a resume would record an option it does not apply: one of ``resume_kept_options``
+    differs from the run's config.yaml (the resumed optimizer and schedule keep the run's value). Checked
+    before config.yaml is rewritten; a run without a readable config.yaml is not checked."""
+    try:
+        written = read_run_config(output)
+    except ConfigError:
+        return
+    given = cfg.to_dict()
+    changes = [
+        f"--{key.replace('_', '-')} {_shown(given[key])} (the run: {_shown(written[key])})"
+        for key in resume_kept_options()
+        if key in written and key in given and _shown(written[key]) != _shown(given[key])
+    ]
+    if changes:
+        raise ConfigError(
+            f"--resume {point}: {'; '.join(changes[:4])}{' and more' if len(changes) > 4 else ''}: a resumed run "
+            f"keeps the optimizer and schedule of its resume point, so these would not apply; give the run's values, "
+            f"or start a new run from its weights with --checkpoint {point / WEIGHTS_FILE} in another --output; "
+            f"nothing was changed"
         )

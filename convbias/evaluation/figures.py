@@ -141,6 +141,8 @@ def read_log(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}, line {number}: not UTF-8 text (damaged)") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}, line {number}: not a JSON object ({err.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}, line {number}: nested too deep to read (damaged)") from None
         if not isinstance(record, dict) or "epoch" not in record:
             raise ValueError(f"{path}, line {number}: expected a JSON object with an 'epoch' field")
         records.append(record)

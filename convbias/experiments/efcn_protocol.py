@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import timm
 import torch
-import yaml
 
 import efcn
 from convbias import engine
 from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
 from convbias.evaluation import landscape
 from convbias.families import load_families
+from convbias.inputs import read_yaml
 from convbias.tables import write_csv
 from convbias.weights import load_weights
 
@@ -79,7 +79,9 @@ def load_config(path: str | None, overrides: dict) -> dict:
     if path:
         if not Path(path).is_file():
             raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = read_yaml(path, "protocol config") or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} must hold a mapping of key: value")
         unknown = sorted(set(loaded) - set(DEFAULTS))
         if unknown:
             raise ConfigError(f"unknown keys in {path}: {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")

@@ -48,6 +48,7 @@ from torch import nn
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change
+from convbias.inputs import read_yaml
 from convbias.tables import write_csv
 
 NETS_CSV = "nets.csv"  # one row per net, every measurement
@@ -80,7 +81,7 @@ class PhaseDiagramConfig:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"phase-diagram config not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path, "phase-diagram config") or {}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known) if isinstance(data, dict) else ["(not a mapping)"]
         if unknown:

@@ -12,7 +12,6 @@ per run and epoch, and per group of seeds with the geometric mean and its 95% t-
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import matplotlib
 from matplotlib.figure import Figure
 
+from convbias.inputs import json_record
 from convbias.tables import markdown_table, write_csv
 
 from .intervals import CONFIDENCE, cell, interval
@@ -131,7 +131,7 @@ def log_rows(runs: Path, convention: str, modes: str) -> list[dict]:
     code's, one draw per image."""
     rows = []
     for log in sorted(runs.glob("*/log.jsonl")):
-        records = [json.loads(line) for line in log.read_text().splitlines()]
+        records = [r for r in map(json_record, log.read_bytes().splitlines()) if isinstance(r, dict)]
         if not records or "init_rf" not in records[0]:
             continue
         config = (log.parent / "config.yaml").read_text().splitlines()

@@ -63,6 +63,7 @@ from convbias.engine.command_line import build_parser
 from convbias.engine.data import input_format
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
+from convbias.inputs import read_yaml
 from convbias.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
 
 from .sweep_spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
@@ -181,7 +182,11 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
     """Write ``sweep.yaml``, or check that the one already there holds the same grid."""
     record = sweep_dir / RECORD_NAME
     if record.exists():
-        old = yaml.safe_load(record.read_text())
+        old = read_yaml(record, "sweep record")
+        if not isinstance(old, dict):
+            raise ValueError(
+                f"{record} is not a sweep record (expected a mapping); move it away or choose another --output"
+            )
         # The baseline only changes the report, not the runs.
         differences = _diff(
             {k: v for k, v in old.items() if k != "baseline"}, {k: v for k, v in spec.items() if k != "baseline"}

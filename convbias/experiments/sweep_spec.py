@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from convbias.inputs import read_yaml
 
 SWEEP_KEYS = ("config", "set", "grid", "variants", "scale_epochs", "baseline")
 MODEL_KWARG_PREFIX = "model_kwargs."
@@ -33,7 +33,7 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sweep file not found: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_yaml(path, "sweep file") or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
     return normalize_spec(raw, source=str(path))

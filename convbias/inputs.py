@@ -1,0 +1,166 @@
+"""Reading files a user hands to a command (recipes, sweep files, a run's config and log) with limits, so a
+damaged or hostile file is one line naming it, never a traceback, a hang or a memory blow-up.
+
+YAML is read with PyYAML's safe loader (no tags that run code) bounded in nesting depth, in aliases and in
+the size the aliases expand to (a "billion laughs" file of 1 KB expands to 10^9 nodes). A JSON line nested
+deeper than the interpreter's recursion limit is a damaged line like any other. Messages quote a value by a
+short prefix only. Light to import: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import reprlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+# Nesting of a recipe or sweep file: real ones nest 3 or 4 levels; PyYAML's composer recurses per level.
+MAX_YAML_DEPTH = 64
+# Aliases (*name) in one document: real recipes use a handful.
+MAX_YAML_ALIASES = 1_000
+# Nodes once every alias is expanded: what a consumer that walks or prints the value meets.
+MAX_YAML_NODES = 1_000_000
+# Characters of a value quoted in a message.
+QUOTED_CHARACTERS = 60
+
+
+class YAMLLimitError(yaml.YAMLError):
+    """A YAML document beyond one of the limits above."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that counts depth and aliases while composing, and the expanded size after."""
+
+    def __init__(self, stream: Any):
+        super().__init__(stream)
+        self._depth = 0
+        self._aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise YAMLLimitError(f"more than {MAX_YAML_ALIASES} aliases")
+            return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise YAMLLimitError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self) -> Any:
+        node = super().get_single_node()
+        if node is not None:
+            expanded_size(node)
+        return node
+
+
+def expanded_size(node: yaml.Node) -> int:
+    """The nodes of ``node`` with every alias expanded (shared nodes counted each time they are reached);
+    YAMLLimitError past MAX_YAML_NODES. Memoized per node, so a billion laughs costs a few dozen steps."""
+    sizes: dict[int, int] = {}
+
+    def size(item: yaml.Node) -> int:
+        key = id(item)
+        if key not in sizes:
+            sizes[key] = 0  # a node that contains itself (a recursive alias) counts as one here
+            if isinstance(item, yaml.MappingNode):
+                children = [child for pair in item.value for child in pair]
+            elif isinstance(item, yaml.SequenceNode):
+                children = item.value
+            else:
+                children = []
+            total = 1 + sum(size(child) for child in children)
+            if total > MAX_YAML_NODES:
+                raise YAMLLimitError(f"expands to more than {MAX_YAML_NODES:,} values through its aliases")
+            sizes[key] = total
+        return sizes[key]
+
+    return size(node)
+
+
+def parse_yaml(text: str | bytes) -> Any:
+    """The YAML document in ``text`` (yaml.YAMLError when it is not YAML or breaks a limit)."""
+    return yaml.load(text, Loader=_BoundedLoader)
+
+
+def read_yaml(path: str | Path, what: str = "file") -> Any:
+    """The YAML document of the file ``path``; ConfigError naming it when it is missing, not UTF-8 text, not
+    YAML or beyond the limits (``what`` says what the file is: 'recipe', 'sweep file')."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a folder, not a file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+    try:
+        return parse_yaml(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path} is not valid YAML: {yaml_problem(e)}") from None
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """What is wrong in a YAML document and where: 'expected ',' or ']', but got '<stream end>' (line 1,
+    column 13)'; the first line of any other error."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if not problem or mark is None:
+        return first_line(error)
+    return f"{quoted(problem, 200)} (line {mark.line + 1}, column {mark.column + 1})"
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, cut to a readable length."""
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return quoted(text, 200)
+
+
+def quoted(value: Any, limit: int = QUOTED_CHARACTERS) -> str:
+    """``value`` as a message shows it: its repr (a string as it is), at most ``limit`` characters."""
+    text = value if isinstance(value, str) else _short_repr(value, limit)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short_repr(value: Any, limit: int) -> str:
+    """repr of a value whose full repr may be huge (a shared structure expanded): the plain repr when the
+    value is small, else reprlib's, which stops at a few items per level."""
+    if _values_within(value, limit):
+        return repr(value)
+    shortener = reprlib.Repr()
+    shortener.maxstring = shortener.maxother = limit
+    shortener.maxlevel = 3
+    return shortener.repr(value)
+
+
+def _values_within(value: Any, budget: int) -> bool:
+    """``value`` holds at most ``budget`` values, counting a shared one each time it is reached."""
+    pending, seen = [value], 0
+    while pending:
+        item = pending.pop()
+        seen += 1
+        if seen > budget:
+            return False
+        if isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set)):
+            pending += list(item)
+    return True
+
+
+def json_record(line: bytes) -> Any:
+    """A JSON line's value, or None when it is damaged: not UTF-8, not JSON, or nested beyond what the
+    interpreter can decode (a damaged line is dropped whatever its depth)."""
+    try:
+        return json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
