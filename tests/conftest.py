@@ -31,6 +31,14 @@ def repo() -> Path:
 
 
 @pytest.fixture(scope="session")
+def deit_recipe() -> dict:
+    """The options of configs/recipes/deit.yaml (the DeiT recipe; train.py's own defaults are timm's)."""
+    from convbias.engine.config import load_yaml
+
+    return load_yaml(REPO / "configs" / "recipes" / "deit.yaml")
+
+
+@pytest.fixture(scope="session")
 def console_script():
     """`console_script("convbias-train")`: the path of an installed console script, the one next to the
     interpreter running the tests (the venv's bin/), as a user runs it."""

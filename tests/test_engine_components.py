@@ -87,6 +87,7 @@ def test_engine_run_takes_a_config_and_leaves_it_unchanged(tmp_path):
     cfg = Config(
         model="convit_tiny",
         model_kwargs=dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8),
+        dataset="digits",
         img_size=8,
         no_aug=True,
         repeated_aug=1,
@@ -171,14 +172,16 @@ def test_a_training_state_written_before_the_parts_existed_loads():
     assert (progress.epoch, progress.num_updates, progress.best["eval_top1"]) == (3, 30, 50.0)
 
 
-def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path):
+def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path, deit_recipe):
     """RESUME_PART_TYPES (whose exact_options are checked before set-up) names every part a point holds."""
     from convbias.engine.run_setup import start_run
     from convbias.engine.trainer import RESUME_PART_TYPES, build_trainer
 
     cfg = Config(
+        **deit_recipe,
         model="convit_tiny",
         model_kwargs=dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8),
+        dataset="digits",
         img_size=8,
         repeated_aug=1,
         epochs=1,
