@@ -380,7 +380,11 @@ def test_fast_path_trains_digits_as_well_as_the_classic_path(tmp_path, cli_argv)
         tops = []
         for classic in (True, False):
             output = tmp_path / f"seed{seed}_{'classic' if classic else 'fast'}"
-            tops.append(train.run(cli_argv(cli_argv.DEIT_RECIPE, PAIRED_RUN, seed=seed, no_prefetcher=classic, output=output))["final_top1"])
+            tops.append(
+                train.run(cli_argv(cli_argv.DEIT_RECIPE, PAIRED_RUN, seed=seed, no_prefetcher=classic, output=output))[
+                    "final_top1"
+                ]
+            )
             records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
             assert all(0 <= record["data_wait_fraction"] <= 1 for record in records)
         differences.append(tops[1] - tops[0])

@@ -12,6 +12,8 @@ from convbias.cli import train
 from convbias.engine.checkpoint import save_weights
 
 SMALL = [
+    "--dataset",
+    "digits",
     "--model",
     "convit_tiny",
     "--model-kwargs",
@@ -230,7 +232,7 @@ def test_help_shows_the_defaults():
     text = " ".join(build_parser().format_help().split())
     for shown in (
         "--epochs EPOCHS (default: 300)",
-        "--lr-base LR_BASE (default: 0.0005)",
+        "--lr-base LR_BASE (default: 0.1)",  # timm's train.py's
         "--which {last,best} checkpoint of a run directory to evaluate or start from (default: last)",
         "start from pretrained weights (default: False)",
     ):

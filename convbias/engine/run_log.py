@@ -191,6 +191,8 @@ def recipe_lines(cfg: Any, lr: float) -> list[str]:
         for key, option in (("eps", "opt_eps"), ("betas", "opt_betas"), ("momentum", "momentum"))
         if key in hyper
     ]
+    if "nesterov" in hyper:  # timm's sgd and momentum optimizers differ by it
+        own.append(f"nesterov {hyper['nesterov']} [--opt {cfg.opt}]")
     if cfg.lr is not None:
         lr_rule = f"--lr [{option_source(cfg, 'lr')}]"
     else:
@@ -206,6 +208,11 @@ def recipe_lines(cfg: Any, lr: float) -> list[str]:
         else (f"mixup {_value(cfg, 'mixup')}, cutmix {_value(cfg, 'cutmix')}, prob {_value(cfg, 'mixup_prob')}")
     )
     ema = f"decay {_value(cfg, 'model_ema_decay')}" if cfg.model_ema else f"off [{option_source(cfg, 'model_ema')}]"
+    from .data import train_interpolation
+
+    trained = train_interpolation(cfg, shape.interpolation)
+    train_interp = _value(cfg, "train_interpolation") if trained == cfg.train_interpolation else f"{trained} [as eval]"
+    drop_path = _value(cfg, "drop_path") if cfg.drop_path is not None else "the model's"
     size, crop, interp, mean, std = (
         f"{getattr(shape, key)} [{option_source(cfg, key) if shape.sources.get(key) == 'set' else shape.sources[key]}]"
         for key in ("img_size", "crop_pct", "interpolation", "mean", "std")
@@ -217,12 +224,11 @@ def recipe_lines(cfg: Any, lr: float) -> list[str]:
         f"lr schedule: {_value(cfg, 'sched')} stepped {stepping} [{option_source(cfg, 'sched_on_updates')}], "
         f"warm-up from {_value(cfg, 'warmup_lr')}, min lr {_value(cfg, 'min_lr')}",
         f"augmentation: auto-augment {_value(cfg, 'aa')}, random erasing {_value(cfg, 'reprob')}, mixup/cutmix "
-        f"{mixing}, repeated augmentation {_value(cfg, 'repeated_aug')}, drop-path {_value(cfg, 'drop_path')}, "
+        f"{mixing}, repeated augmentation {_value(cfg, 'repeated_aug')}, drop-path {drop_path}, "
         f"color jitter {_value(cfg, 'color_jitter')}, smoothing {_value(cfg, 'smoothing')}"
         + (" (all off: --no-aug)" if cfg.no_aug else ""),
         f"EMA: {ema}",
-        f"input: {size} px, crop {crop}, interpolation {interp} (train {_value(cfg, 'train_interpolation')}), "
-        f"mean {mean}, std {std}",
+        f"input: {size} px, crop {crop}, interpolation {interp} (train {train_interp}), mean {mean}, std {std}",
     ]
 
 
