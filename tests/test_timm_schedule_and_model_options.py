@@ -33,8 +33,21 @@ def families():
 
 def small_cnn(tmp_path, name: str = "run", **options) -> Config:
     """timm's test_resnet on a tenth of the plain 16-px digits: a few steps per epoch."""
-    base = dict(model="test_resnet", img_size=16, dataset="digits", no_aug=True, repeated_aug=1, train_fraction=0.1,
-                epochs=1, warmup_epochs=0, batch_size=16, workers=0, diagnostics=False, lr=0.01)  # fmt: skip
+    base = dict(
+        model="test_resnet",
+        img_size=16,
+        dataset="digits",
+        no_aug=True,
+        repeated_aug=1,
+        train_fraction=0.1,
+        epochs=1,
+        warmup_epochs=0,
+        batch_size=16,
+        workers=0,
+        diagnostics=False,
+        lr=0.01,
+        sched_on_updates=True,
+    )  # fmt: skip  (the schedule per update: its steps are the updates)
     cfg = Config(**{**base, **options, "output": str(tmp_path / name)})
     validate(cfg)
     return cfg

@@ -358,7 +358,9 @@ def _has_splits(data_dir: Path, cfg: Config) -> bool:
 
 def dataset_info(name: str) -> DatasetInfo:
     """What the engine needs to know about a source before reading it (wds/, hfids/, hfds/: ImageNet's statistics)."""
-    return replace(FACTORY_INFO, layout=factory_layout(name)) if is_factory_source(name) else DATASETS[name]
+    if is_factory_source(name):
+        return replace(FACTORY_INFO, layout=factory_layout(name))
+    return DATASETS[name or "folder"]  # timm's '': the image folder at --data-dir
 
 
 def _world_size() -> int:
