@@ -146,8 +146,9 @@ def _accepts_none(name: str) -> bool:
 
 
 def is_timm_recipe(values: dict[str, Any]) -> bool:
-    """A recipe holding keys that only timm's train.py writes (an args.yaml)."""
-    return any(name in TIMM_TRAIN_DEFAULTS and name not in option_names() for name in values)
+    """A recipe holding keys that only timm's train.py writes, or wrote in older versions (an args.yaml)."""
+    timm_only = (*TIMM_TRAIN_DEFAULTS, *OBSOLETE_TIMM_KEYS)
+    return any(name in timm_only and name not in option_names() for name in values)
 
 
 def _shared_option(name: str, value: Any) -> tuple[bool, Any]:
