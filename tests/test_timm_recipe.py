@@ -114,5 +114,5 @@ def test_active_timm_options_this_engine_does_not_apply_are_all_named_in_one_lin
 
 def test_a_key_of_neither_engine_is_unknown(tmp_path):
     recipe = args_yaml(tmp_path, warmup_epoch=3)
-    with pytest.raises(ValueError, match=r"unknown option 'warmup_epoch' .*did you mean warmup_epochs"):
+    with pytest.raises(ValueError, match=r"warmup_epoch: unknown option .*did you mean warmup_epochs"):
         parse_config(["-c", str(recipe)])
