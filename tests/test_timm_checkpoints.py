@@ -13,6 +13,20 @@ from convbias.errors import ConfigError
 from convbias.weights import load_weights, read_state_dict
 
 
+@pytest.fixture
+def folder_of_three(tmp_path):
+    """DIR/<class>/<image>: 3 classes of 2 images."""
+    from PIL import Image
+
+    for label in range(3):
+        (tmp_path / "data" / f"c{label}").mkdir(parents=True)
+        for index in range(2):
+            Image.new("RGB", (16, 16), (90 * label, 40 * index, 0)).save(
+                tmp_path / "data" / f"c{label}" / f"{index}.png"
+            )
+    return tmp_path / "data"
+
+
 def timm_checkpoint(tmp_path):
     """model_best.pth.tar and last.pth.tar as timm's train.py writes them, for a tiny resnet with an EMA."""
     model = timm.create_model("resnet10t", num_classes=3)
@@ -49,3 +63,18 @@ def test_a_torch_file_with_other_objects_is_refused_unexecuted(tmp_path):
     )
     with pytest.raises(ConfigError, match="weights_only=True .* it was not unpickled"):
         read_state_dict(path)
+
+
+def test_a_timm_checkpoint_starts_a_run_and_is_evaluated_but_not_resumed(tmp_path, folder_of_three):
+    from convbias import engine
+    from convbias.engine.config import parse_config
+    from convbias.families import load_families
+
+    timm_checkpoint(tmp_path)
+    best = str(tmp_path / "model_best.pth.tar")
+    base = ["--model", "resnet10t", "--data-dir", str(folder_of_three), "--workers", "0"]
+    metrics = engine.run(["--eval-only", best, *base], load_families())
+    assert 0 <= metrics["eval_top1"] <= 100
+    assert parse_config([*base, "--initial-checkpoint", best, "--output", str(tmp_path / "run")]).checkpoint == best
+    with pytest.raises(ConfigError, match=r"^--resume \S+last\.pth\.tar is a file .* --initial-checkpoint"):
+        parse_config([*base, "--resume", str(tmp_path / "last.pth.tar"), "--output", str(tmp_path / "run")])

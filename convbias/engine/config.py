@@ -452,6 +452,11 @@ def _check_paths(cfg: Config) -> None:
     for name in ("pretrained_file", "checkpoint", "distill_teacher_file"):
         path = getattr(cfg, name)
         _check(path is None or Path(path).exists(), f"{flag_name(name)}: path does not exist: {path}")
+    _check(
+        not (cfg.resume and Path(cfg.resume).is_file()),
+        f"--resume {cfg.resume} is a file (timm's train.py writes its resume points as files): resuming its "
+        f"optimizer, EMA and epoch is not implemented; start from its weights with --initial-checkpoint {cfg.resume}",
+    )
 
 
 def effective_epochs(cfg: Config) -> tuple[int, int]:
