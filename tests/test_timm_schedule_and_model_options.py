@@ -176,9 +176,9 @@ def test_checkpoint_hist_keeps_the_points_of_the_k_best_evaluations(tmp_path):
     assert [e["epoch"] for e in state["ranked"]] == best_three
     assert len(kept) > 2  # more than the newest and the best: the history is kept
 
-    default = small_cnn(tmp_path, "default", epochs=5, lr=0.05, eval_metric="loss", keep_checkpoints=1)
-    losses = {r["epoch"]: r["eval_loss"] for r in train(default)}
-    kept = sorted(p.name for p in (tmp_path / "default" / "checkpoints").glob("epoch_*") if p.is_dir())
+    one = small_cnn(tmp_path, "one", epochs=5, lr=0.05, eval_metric="loss", keep_checkpoints=1, checkpoint_hist=1)
+    losses = {r["epoch"]: r["eval_loss"] for r in train(one)}
+    kept = sorted(p.name for p in (tmp_path / "one" / "checkpoints").glob("epoch_*") if p.is_dir())
     assert kept == sorted({f"epoch_{min(losses, key=losses.get):04d}", "epoch_0005"})
 
 
