@@ -33,6 +33,7 @@ import PIL
 import timm
 import torch
 import torch.nn.functional as F
+import yaml
 from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, ImageDataset, create_loader
 from timm.data.auto_augment import rand_augment_transform
@@ -50,6 +51,8 @@ from convbias.engine.loaders import build_train_loader
 from convbias.engine.options import Config
 
 AA = "rand-m9-mstd0.5-inc1"
+# the DeiT recipe the fast path's RECIPE mirrors (train.py's own defaults are timm's)
+DEIT_RECIPE = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 SIZE = 224
 RECIPE = AugmentRecipe(SIZE, 3, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, auto_augment=AA, re_prob=0.25)
 
@@ -150,7 +153,7 @@ def folder_dataset(root: Path, fast: bool) -> ImageFolderDataset:
         dataset.loader = RECIPE.worker_transform()
     else:
         info = DATASETS["imagenet"]
-        dataset.transform = build_transforms(SIZE, 3, info.mean, info.std, Config(aa=AA))[0]
+        dataset.transform = build_transforms(SIZE, 3, info.mean, info.std, Config(**{**DEIT_RECIPE, "aa": AA}))[0]
     return dataset
 
 

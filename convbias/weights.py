@@ -8,11 +8,13 @@ weights, or holds integers for float weights or non-finite values, is a DamagedI
 
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -43,11 +45,24 @@ def resolve_weights_path(path: str | Path) -> Path:
     return path
 
 
+# Types allowed in a torch file besides tensors and plain containers: timm's train.py saves its arguments (an
+# argparse.Namespace of plain values) in every checkpoint (checkpoint-N.pth.tar, model_best.pth.tar, last.pth.tar)
+SAFE_GLOBALS = [argparse.Namespace]
+
+
+def load_torch_file(path: str | Path) -> Any:
+    """A torch file's content with weights_only=True: tensors, plain containers and SAFE_GLOBALS only, nothing
+    executed (torch's allow-list); no fallback to full unpickling."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Weights from a file or a directory (see resolve_weights_path), without unpickling arbitrary objects.
 
-    Reads ``.safetensors``, or a torch file (``.pt``/``.pth``/``.bin``) with weights_only=True, unwrapping
-    ``{'model': ...}``/``{'state_dict': ...}`` and a DDP ``module.`` prefix.
+    Reads ``.safetensors``, or a torch file (``.pt``/``.pth``/``.bin``, timm's ``.pth.tar``) with weights_only=True
+    (load_torch_file), unwrapping ``{'model': ...}``/``{'state_dict': ...}`` (timm's checkpoints: the model's
+    weights, not its EMA's, as timm's load_checkpoint by default) and a DDP ``module.`` prefix.
     """
     path = resolve_weights_path(path)
     if path.suffix == ".safetensors":
@@ -56,7 +71,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise DamagedInputError(f"{path} is not a readable safetensors file ({first_line(e)})") from None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = load_torch_file(path)
     except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
         raise DamagedInputError(
             f"{path} cannot be read as weights with weights_only=True (it is damaged, or holds Python objects "

@@ -8,10 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
+# configs/recipes/deit.yaml, the DeiT recipe: for tests written about it (train.py's own defaults are timm's)
+DEIT_RECIPE = yaml.safe_load((REPO / "configs" / "recipes" / "deit.yaml").read_text())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -28,6 +31,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def repo() -> Path:
     """The repository root (configs/, train.py)."""
     return REPO
+
+
+@pytest.fixture(scope="session")
+def deit_recipe() -> dict:
+    """The options of configs/recipes/deit.yaml (the DeiT recipe; train.py's own defaults are timm's)."""
+    return dict(DEIT_RECIPE)
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +86,7 @@ class CliArgv:
         crop_pct=1,
     )
     PLAIN_DIGITS = dict(dataset="digits", crop_pct=1, no_aug=True, repeated_aug=1, warmup_epochs=0, workers=0)
+    DEIT_RECIPE = dict(config=str(REPO / "configs" / "recipes" / "deit.yaml"))  # train.py's defaults are timm's
 
     def __call__(self, *bases: dict, **options) -> list[str]:
         merged = {}

@@ -29,7 +29,9 @@ RUN = dict(batch_size=8, lr=2e-3, epochs=1, no_diagnostics=True)
 @pytest.fixture(scope="module")
 def run_argv(cli_argv):
     """`run_argv(dataset=..., **options)`: a tiny ConViT for an epoch on SIZE x SIZE images, no augmentation."""
-    return functools.partial(cli_argv, cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, RUN, img_size=SIZE)
+    return functools.partial(
+        cli_argv, cli_argv.DEIT_RECIPE, cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, RUN, img_size=SIZE
+    )
 
 
 @pytest.fixture(scope="module")

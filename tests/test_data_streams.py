@@ -61,7 +61,13 @@ def run_argv(cli_argv, shards):
     """`run_argv(**options)`: a tiny ConViT of 4x4 patches on the shards, without augmentation."""
     model_kwargs = dict(cli_argv.TINY_CONVIT["model_kwargs"], patch_size=4)
     return functools.partial(
-        cli_argv, cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, RUN, model_kwargs=model_kwargs, data_dir=shards
+        cli_argv,
+        cli_argv.DEIT_RECIPE,
+        cli_argv.TINY_CONVIT,
+        cli_argv.PLAIN_DIGITS,
+        RUN,
+        model_kwargs=model_kwargs,
+        data_dir=shards,
     )
 
 

@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from convbias import engine
-from convbias.engine.command_line import build_parser
+from convbias.engine.command_line import TIMM_GROUP, build_parser, timm_only_options
 from convbias.engine.config import coerce, parse_config, validate
 from convbias.engine.options import SECTIONS, Config, declaration, flag_name, key_value_options
 from convbias.engine.resume_state import RunIdentity, TrainingProgress, exact_options, restore, resume_state
@@ -28,7 +28,9 @@ def test_every_declared_option_is_on_the_command_line_with_its_default_and_secti
             if spec.name not in key_value_options():  # K=V options are merged with the recipe's key by key
                 assert action.default == default, spec.name
     declared = {f.name for f in dataclasses.fields(Config)}
-    assert set(actions) - {"help"} == declared
+    timm_only = groups[TIMM_GROUP]  # timm's other options, read as its args.yaml keys (engine.timm_recipe)
+    assert timm_only == set(timm_only_options()) and not timm_only & declared
+    assert set(actions) - {"help"} - timm_only == declared
 
 
 def test_a_config_built_in_python_equals_the_parsed_command_line(tmp_path):
@@ -87,6 +89,7 @@ def test_engine_run_takes_a_config_and_leaves_it_unchanged(tmp_path):
     cfg = Config(
         model="convit_tiny",
         model_kwargs=dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8),
+        dataset="digits",
         img_size=8,
         no_aug=True,
         repeated_aug=1,
@@ -171,14 +174,15 @@ def test_a_training_state_written_before_the_parts_existed_loads():
     assert (progress.epoch, progress.num_updates, progress.best["eval_top1"]) == (3, 30, 50.0)
 
 
-def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path):
+def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path, deit_recipe):
     """RESUME_PART_TYPES (whose exact_options are checked before set-up) names every part a point holds."""
     from convbias.engine.run_setup import start_run
     from convbias.engine.trainer import RESUME_PART_TYPES, build_trainer
 
-    cfg = Config(
+    options = dict(
         model="convit_tiny",
         model_kwargs=dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8),
+        dataset="digits",
         img_size=8,
         repeated_aug=1,
         epochs=1,
@@ -186,7 +190,8 @@ def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path):
         workers=0,
         diagnostics=False,
         output=str(tmp_path / "run"),
-    )  # fmt: skip  (the DeiT recipe: device-side augmentation)
+    )
+    cfg = Config(**{**deit_recipe, **options})  # fmt: skip  (the DeiT recipe: device-side augmentation)
     validate(cfg)
     parts = build_trainer(start_run(cfg, load_families(), None)).resume_parts()
     assert set(parts) == set(RESUME_PART_TYPES)  # fp32 on a CPU: no grad scaler

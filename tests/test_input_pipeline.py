@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 from scipy import stats
 from timm.data import auto_augment
@@ -24,6 +25,14 @@ from convbias.engine.data import _posterize_zero_bits, build_datasets, fast_path
 from convbias.engine.input_pipeline import AugmentRecipe, CropFlip, DeviceAugment, DeviceBatches
 from convbias.engine.loaders import seeded_rngs
 from convbias.engine.options import Config
+
+DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
+
+
+def deit_config(**options) -> Config:
+    """A Config of the DeiT recipe (configs/recipes/deit.yaml: the device path's augmentation) with options."""
+    return Config(**{**DEIT_RECIPE, **options})
+
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FILL = tuple(min(255, round(255 * x)) for x in IMAGENET_MEAN)  # timm's img_mean for the affine ops' fill
@@ -303,22 +312,22 @@ def test_device_batches_count_the_wait():
 
 def test_fast_path_reasons():
     deit = dict(dataset="imagenet")
-    assert fast_path_reason(Config(**deit)) is None  # the default
-    assert "--no-prefetcher" in fast_path_reason(Config(**deit, no_prefetcher=True))
-    assert "--no-aug" in fast_path_reason(Config(**deit, no_aug=True))
-    assert "random" in fast_path_reason(Config(**deit, interpolation="random"))
-    assert "RandAugment" in fast_path_reason(Config(**deit, aa="original-mstd0.5"))
-    assert "Desaturate" in fast_path_reason(Config(**deit, aa="rand-m9-t3a"))
-    assert "color jitter" in fast_path_reason(Config(**deit, aa=None))
-    assert fast_path_reason(Config(**deit, aa=None, color_jitter=0)) is None
+    assert fast_path_reason(deit_config(**deit)) is None  # the default
+    assert "--no-prefetcher" in fast_path_reason(deit_config(**deit, no_prefetcher=True))
+    assert "--no-aug" in fast_path_reason(deit_config(**deit, no_aug=True))
+    assert "random" in fast_path_reason(deit_config(**deit, train_interpolation="random"))
+    assert "RandAugment" in fast_path_reason(deit_config(**deit, aa="original-mstd0.5"))
+    assert "Desaturate" in fast_path_reason(deit_config(**deit, aa="rand-m9-t3a"))
+    assert "color jitter" in fast_path_reason(deit_config(**deit, aa=None))
+    assert fast_path_reason(deit_config(**deit, aa=None, color_jitter=0)) is None
 
 
 def test_build_datasets_serves_uint8_crops_on_the_fast_path():
-    bundle = build_datasets(Config(dataset="digits", img_size=16, no_prefetcher=False))
+    bundle = build_datasets(deit_config(dataset="digits", img_size=16, no_prefetcher=False))
     image, _ = bundle.train[0]
     assert image.dtype == torch.uint8 and image.shape == (1, 16, 16) and bundle.device_recipe.in_chans == 1
     assert bundle.val[0][0].dtype == torch.float32  # evaluation keeps timm's transform
-    classic = build_datasets(Config(dataset="digits", img_size=16, no_prefetcher=True))
+    classic = build_datasets(deit_config(dataset="digits", img_size=16, no_prefetcher=True))
     assert classic.device_recipe is None and classic.train[0][0].dtype == torch.float32
 
 
@@ -328,7 +337,7 @@ def test_image_folder_decodes_through_the_worker_and_skips_unreadable_files(tmp_
         for k in range(3):
             jpeg_file(tmp_path / label, (300 + k, 200)).rename(tmp_path / label / f"{k}.jpg")
     (tmp_path / "a" / "1.jpg").write_bytes((tmp_path / "a" / "0.jpg").read_bytes()[:2000])  # truncated
-    bundle = build_datasets(Config(dataset="folder", data_dir=str(tmp_path), img_size=24, no_prefetcher=False))
+    bundle = build_datasets(deit_config(dataset="folder", data_dir=str(tmp_path), img_size=24, no_prefetcher=False))
     with pytest.warns(UserWarning, match="skipping unreadable image"):
         images = [bundle.train[i][0] for i in range(len(bundle.train))]
     assert all(image.dtype == torch.uint8 and image.shape == (3, 24, 24) for image in images)
@@ -371,7 +380,11 @@ def test_fast_path_trains_digits_as_well_as_the_classic_path(tmp_path, cli_argv)
         tops = []
         for classic in (True, False):
             output = tmp_path / f"seed{seed}_{'classic' if classic else 'fast'}"
-            tops.append(train.run(cli_argv(PAIRED_RUN, seed=seed, no_prefetcher=classic, output=output))["final_top1"])
+            tops.append(
+                train.run(cli_argv(cli_argv.DEIT_RECIPE, PAIRED_RUN, seed=seed, no_prefetcher=classic, output=output))[
+                    "final_top1"
+                ]
+            )
             records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
             assert all(0 <= record["data_wait_fraction"] <= 1 for record in records)
         differences.append(tops[1] - tops[0])
@@ -388,7 +401,7 @@ def test_a_webdataset_stream_takes_the_fast_path(tmp_path):
     from convbias.engine.loaders import build_stream_loader
 
     write_shards(tmp_path, {"train": 32, "validation": 8})
-    bundle = build_datasets(Config(dataset="wds/toy", data_dir=str(tmp_path), img_size=16, workers=0))
+    bundle = build_datasets(deit_config(dataset="wds/toy", data_dir=str(tmp_path), img_size=16, workers=0))
     images, targets = next(iter(build_stream_loader(bundle.train, 8, workers=0, drop_last=True)))
     assert images.dtype == torch.uint8 and images.shape == (8, 3, 16, 16) and targets.shape == (8,)
     out = DeviceAugment(bundle.device_recipe)(images)

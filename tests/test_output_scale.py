@@ -109,7 +109,7 @@ TINY_DEIT = dict(
 @pytest.fixture(scope="module")
 def deit_argv(cli_argv):
     """`deit_argv(**options)`: a one-block DeiT on the digits, trained with SGD."""
-    return functools.partial(cli_argv, cli_argv.PLAIN_DIGITS, TINY_DEIT)
+    return functools.partial(cli_argv, cli_argv.DEIT_RECIPE, cli_argv.PLAIN_DIGITS, TINY_DEIT)
 
 
 def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path, deit_argv):

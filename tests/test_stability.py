@@ -322,7 +322,7 @@ def digits_run(tmp_path_factory, cli_argv):
     from convbias.cli import train
 
     output = tmp_path_factory.mktemp("stability") / "run"
-    return output, train.run(cli_argv(cli_argv.PLAIN_DIGITS, RUN, output=output))
+    return output, train.run(cli_argv(cli_argv.DEIT_RECIPE, cli_argv.PLAIN_DIGITS, RUN, output=output))
 
 
 def _val_images(count):

@@ -30,22 +30,41 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
     )
     params = sum(p.numel() for p in model.parameters()) / 1e6
     updates = 719 // 16  # half of the 1,438 training digits, in full batches of 16
-    assert out.splitlines()[:6] == [
+    assert out.splitlines()[:12] == [
         f"output: {output} (a new run)",
         "processes: 1 (1 thread each) on cpu, fp32",  # the module's single_thread fixture
         f"model: convit_tiny, {params:.2f}M parameters",
         "data: digits, 719 train / 359 val images, 10 classes",
-        "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 1.56e-05 (--lr-base 0.0005 x 16 / --lr-base-size 512)",
+        "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 0.00625 (--lr-base 0.1 x 16 / --lr-base-size 256)",
         f"schedule: 1 epoch, 0 of warm-up, {updates} updates per epoch",
+        # timm's train.py's defaults where the command line sets nothing, each value with its source
+        "optimizer: SGD (--opt sgd [timm default]), momentum 0.9 [timm default], nesterov True [--opt sgd], "
+        "weight decay 2e-05 [timm default]",
+        "lr: 0.00625 from --lr-base 0.1 [timm default] per 256 [timm default] images, scaled linear [timm default]",
+        "lr schedule: cosine [timm default] stepped per epoch [timm default], warm-up from 1e-05 [timm default], "
+        "min lr 0 [timm default]",
+        "augmentation: auto-augment none [timm default], random erasing 0 [timm default], mixup/cutmix off, "
+        "repeated augmentation 1 [command line], drop-path the model's, color jitter 0 [timm default], smoothing 0 "
+        "[timm default] (all off: --no-aug)",
+        "EMA: off [timm default]",
+        "input: 8 [command line] px, crop 1.0 [command line], interpolation bicubic [model convit_tiny's config] "
+        "(train bicubic [as eval]), mean (0.3053,) [dataset digits], std (0.3759,) [dataset digits]",
     ]
 
 
 def test_likely_unintended_settings_are_warned_before_training(cli_argv, tmp_path, capsys, monkeypatch):
-    """The bare recipe on 8-px digits: the DeiT augmentation, an lr scaled to 7.8e-6 by a batch of 8, and more
+    """The DeiT recipe on 8-px digits: its augmentation, an lr scaled to 7.8e-6 by a batch of 8, and more
     loader workers than the node's cores (one core here)."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     args = cli_argv(
-        cli_argv.TINY_CONVIT, dataset="digits", batch_size=8, train_fraction=0.05, epochs=1, warmup_epochs=0, workers=2
+        cli_argv.DEIT_RECIPE,
+        cli_argv.TINY_CONVIT,
+        dataset="digits",
+        batch_size=8,
+        train_fraction=0.05,
+        epochs=1,
+        warmup_epochs=0,
+        workers=2,
     )
     assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
     warnings = [line for line in messages(capsys.readouterr().err) if line.startswith("warning: ")]

@@ -7,8 +7,11 @@ erased boxes filled with zeros), and the fast path keeps what it can do on the d
 what it cannot (the rest), then runs timm's transforms.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from test_input_pipeline import sample_image
 from timm.data import create_transform
 
@@ -16,6 +19,14 @@ from convbias.engine.data import build_transforms, fast_path_reason, train_recip
 from convbias.engine.input_pipeline import DeviceAugment
 from convbias.engine.loaders import seeded_rngs
 from convbias.engine.options import Config
+
+DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
+
+
+def deit_config(**options) -> Config:
+    """A Config of the DeiT recipe (configs/recipes/deit.yaml: the device path's augmentation) with options."""
+    return Config(**{**DEIT_RECIPE, **options})
+
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 EVERY_OPTION = dict(
@@ -32,7 +43,7 @@ EVERY_OPTION = dict(
 def ours(**options):
     """This package's train transform (the classic path's) for options, on 32x32 RGB crops without RandAugment
     (timm drops color jitter with it)."""
-    cfg = Config(**{"dataset": "imagenet", "img_size": 32, "aa": None, "reprob": 1.0, **options})
+    cfg = deit_config(**{"dataset": "imagenet", "img_size": 32, "aa": None, "reprob": 1.0, **options})
     return build_transforms(32, 3, MEAN, STD, cfg)[0]
 
 
@@ -80,7 +91,7 @@ def test_vflip_flips_vertically():
     fixed = dict(hflip=0.0, scale=[1.0, 1.0], ratio=[1.0, 1.0], reprob=0.0, color_jitter=0.0, aa=None)
     image = sample_image((48, 48))
     kept, flipped = (
-        build_transforms(32, 3, MEAN, STD, Config(dataset="imagenet", img_size=32, vflip=p, **fixed))[0](image)
+        build_transforms(32, 3, MEAN, STD, deit_config(dataset="imagenet", img_size=32, vflip=p, **fixed))[0](image)
         for p in (0.0, 1.0)
     )
     assert torch.equal(flipped, kept.flip(1)) and not torch.equal(flipped, kept)
@@ -97,7 +108,7 @@ def test_grayscale_prob_one_makes_every_image_gray():
 def test_remode_fills_the_erased_box_on_the_device(mode, zeros):
     """Fast path (--remode is drawn on the device): every image erased (--reprob 1) from a uniform gray batch;
     const fills the boxes with exact zeros, pixel with normal noise (no exact zero)."""
-    cfg = Config(dataset="imagenet", img_size=32, aa=None, color_jitter=0.0, reprob=1.0, remode=mode)
+    cfg = deit_config(dataset="imagenet", img_size=32, aa=None, color_jitter=0.0, reprob=1.0, remode=mode)
     assert fast_path_reason(cfg) is None
     recipe = train_recipe(cfg)
     assert recipe.re_mode == mode
@@ -118,8 +129,8 @@ def test_remode_fills_the_erased_box_on_the_device(mode, zeros):
 )
 def test_what_the_device_cannot_do_runs_timms_transforms(option, value, reason):
     """The fast path names the option it lacks; the run then serves timm's transform from the workers."""
-    assert fast_path_reason(Config(dataset="imagenet", **{option: value})) == reason
-    assert fast_path_reason(Config(dataset="imagenet", reprob=0.0, recount=2)) is None  # no erasing: no count
+    assert fast_path_reason(deit_config(dataset="imagenet", **{option: value})) == reason
+    assert fast_path_reason(deit_config(dataset="imagenet", reprob=0.0, recount=2)) is None  # no erasing: no count
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from convbias.engine import Config, ConfigError, build_datasets
@@ -19,6 +20,14 @@ from convbias.engine.data import train_recipe
 from convbias.engine.datasets import DIGITS_MEAN, DIGITS_STD
 from convbias.engine.input_pipeline import DeviceAugment
 from convbias.engine.modeling import create_model
+
+DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
+
+
+def deit_config(**options) -> Config:
+    """A Config of the DeiT recipe (configs/recipes/deit.yaml: the device path's augmentation) with options."""
+    return Config(**{**DEIT_RECIPE, **options})
+
 
 SIZE = 8
 # solid colors (one per class) and the classes in the order the folders are written
@@ -48,7 +57,9 @@ def color_class(image: torch.Tensor) -> str:
 
 
 def config(tmp_path, *argv: str) -> Config:
-    return parse_config(["--model", "test_resnet", "--output", str(tmp_path / "run"), *argv])
+    """The command line's Config with the DeiT recipe (as deit_config) and the test model."""
+    recipe = Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml"
+    return parse_config(["-c", str(recipe), "--model", "test_resnet", "--output", str(tmp_path / "run"), *argv])
 
 
 def first_conv(model: torch.nn.Module) -> torch.nn.Conv2d:
@@ -60,7 +71,9 @@ def test_a_txt_class_map_keeps_its_classes_in_its_order_and_leaves_the_others_ou
     root = write_folders(tmp_path / "data")
     (root / "classes.txt").write_text("cat\nant\n")
     monkeypatch.chdir(tmp_path)  # the map is found under --data-dir, as timm finds it
-    cfg = Config(dataset="imagenet", data_dir=str(root), class_map="classes.txt", no_prefetcher=True, **IDENTITY, **RAW)
+    cfg = deit_config(
+        dataset="imagenet", data_dir=str(root), class_map="classes.txt", no_prefetcher=True, **IDENTITY, **RAW
+    )
     bundle = build_datasets(cfg)
     assert (bundle.class_names, bundle.num_classes) == (["cat", "ant"], 2)
     for split, count in ((bundle.train, 3), (bundle.val, 2)):
@@ -74,9 +87,9 @@ def test_a_txt_class_map_keeps_its_classes_in_its_order_and_leaves_the_others_ou
 def test_a_pkl_class_map_relabels_digits_and_num_classes_keeps_its_first_classes(tmp_path):
     path = tmp_path / "map.pkl"
     path.write_bytes(pickle.dumps({"7": 0, "3": 1, "5": 2}))
-    plain = build_datasets(Config(dataset="digits"))
+    plain = build_datasets(deit_config(dataset="digits"))
     for num_classes, kept in ((None, ["7", "3", "5"]), (2, ["7", "3"])):
-        bundle = build_datasets(Config(dataset="digits", class_map=str(path), num_classes=num_classes))
+        bundle = build_datasets(deit_config(dataset="digits", class_map=str(path), num_classes=num_classes))
         assert (bundle.class_names, bundle.num_classes) == (kept, len(kept))
         for split, mapped in ((plain.train, bundle.train), (plain.val, bundle.val)):
             targets = np.array(split.targets)
@@ -102,7 +115,7 @@ def test_in_chans_1_on_rgb_files_is_pils_l_conversion_on_both_paths(tmp_path):
     root = write_folders(tmp_path / "data")
     jpeg = root / "train" / "ant" / "0.jpg"  # a JPEG too: the fast path decodes files itself
     Image.open(root / "train" / "ant" / "0.png").save(jpeg, quality=90)
-    cfg = Config(dataset="imagenet", data_dir=str(root), in_chans=1, **IDENTITY, **RAW)
+    cfg = deit_config(dataset="imagenet", data_dir=str(root), in_chans=1, **IDENTITY, **RAW)
     classic, fast = build_datasets(cfg.replace(no_prefetcher=True)), build_datasets(cfg)
     assert classic.in_chans == fast.in_chans == fast.device_recipe.in_chans == 1 and classic.device_recipe is None
     assert (classic.mean, classic.std) == ((0.0,), (1.0,))
@@ -119,8 +132,8 @@ def test_in_chans_1_on_rgb_files_is_pils_l_conversion_on_both_paths(tmp_path):
 def test_the_datasets_own_statistics_follow_the_channels(tmp_path):
     """A 3-channel dataset seen in gray: its per-channel statistics weighted as PIL's L conversion weights them."""
     write_folders(tmp_path / "data")
-    bundle = build_datasets(Config(dataset="folder", data_dir=str(tmp_path / "data"), in_chans=1))
-    imagenet = build_datasets(Config(dataset="folder", data_dir=str(tmp_path / "data")))
+    bundle = build_datasets(deit_config(dataset="folder", data_dir=str(tmp_path / "data"), in_chans=1))
+    imagenet = build_datasets(deit_config(dataset="folder", data_dir=str(tmp_path / "data")))
     weights = np.array([0.299, 0.587, 0.114])
     assert bundle.mean == pytest.approx((weights @ np.array(imagenet.mean),)) and len(bundle.std) == 1
     assert bundle.std == pytest.approx((weights @ np.array(imagenet.std),))
@@ -131,7 +144,7 @@ def test_the_datasets_own_statistics_follow_the_channels(tmp_path):
     ("in_chans", "mean", "std"), [(None, [0.5], [0.25]), (3, [0.5, 0.4, 0.3], [0.2, 0.25, 0.5]), (3, [0.5], [0.25])]
 )
 def test_mean_and_std_normalize_exactly_on_the_classic_and_the_fast_path(in_chans, mean, std):
-    cfg = Config(dataset="digits", in_chans=in_chans, mean=mean, std=std, **IDENTITY)
+    cfg = deit_config(dataset="digits", in_chans=in_chans, mean=mean, std=std, **IDENTITY)
     channels = in_chans or 1
     expected_mean, expected_std = (mean * channels)[:channels], (std * channels)[:channels]
     shape = (channels, 1, 1)
@@ -159,7 +172,7 @@ def test_input_size_is_in_chans_and_img_size(tmp_path):
     given = config(tmp_path, "--dataset", "digits", "--input-size", "3", "16", "16")
     spelled = config(tmp_path, "--dataset", "digits", "--in-chans", "3", "--img-size", "16")
     assert (given.in_chans, given.img_size) == (3, 16)
-    unvalidated = Config(dataset="digits", input_size=[3, 16, 16])  # the data layer resolves it alone too
+    unvalidated = deit_config(dataset="digits", input_size=[3, 16, 16])  # the data layer resolves it alone too
     bundles = [build_datasets(cfg) for cfg in (given, spelled, unvalidated)]
     for bundle in bundles:
         assert (bundle.in_chans, bundle.mean, bundle.std) == (3, DIGITS_MEAN * 3, DIGITS_STD * 3)
@@ -172,7 +185,7 @@ def test_input_img_mode_is_in_chans(tmp_path, mode, in_chans):
     """timm's --input-img-mode L / RGB: the digits served in 1 / 3 channels, as --in-chans 1 / 3 serves them."""
     given = config(tmp_path, "--dataset", "digits", "--input-img-mode", mode)
     spelled = config(tmp_path, "--dataset", "digits", "--in-chans", str(in_chans))
-    unvalidated = Config(dataset="digits", input_img_mode=mode)
+    unvalidated = deit_config(dataset="digits", input_img_mode=mode)
     assert given.in_chans == in_chans
     bundles = [build_datasets(cfg) for cfg in (given, spelled, unvalidated)]
     for bundle in bundles:
@@ -210,10 +223,12 @@ def test_a_bad_class_map_file_is_one_line_naming_it_before_any_data_is_read(tmp_
 def test_a_class_map_naming_classes_the_dataset_lacks_or_too_few_for_num_classes(tmp_path):
     (tmp_path / "map.txt").write_text("3\nseven\n5\neight\n")
     with pytest.raises(ConfigError, match=r"map\.txt names classes that --dataset digits lacks: seven, eight; "):
-        build_datasets(config(tmp_path, "--class-map", str(tmp_path / "map.txt")))
+        build_datasets(config(tmp_path, "--dataset", "digits", "--class-map", str(tmp_path / "map.txt")))
     (tmp_path / "map.txt").write_text("3\n5\n")
     with pytest.raises(ConfigError, match=r"^--num-classes 3: --class-map \S+map\.txt names only 2 classes$"):
-        build_datasets(config(tmp_path, "--class-map", str(tmp_path / "map.txt"), "--num-classes", "3"))
+        build_datasets(
+            config(tmp_path, "--dataset", "digits", "--class-map", str(tmp_path / "map.txt"), "--num-classes", "3")
+        )
 
 
 @pytest.mark.parametrize("dataset", ["wds/shards", "hfids/toy", "hfds/toy"])
@@ -273,7 +288,7 @@ def test_a_run_with_these_options_predicts_with_them(tmp_path):
     resized = parse_config(["--eval-only", str(run), "--img-size", "16"])  # the run's --input-size, resolved
     assert (resized.img_size, resized.in_chans, resized.input_size) == (16, 3, None)
 
-    plain = build_datasets(Config(dataset="digits"))
+    plain = build_datasets(deit_config(dataset="digits"))
     labels = np.array(plain.val.targets)
     picks = [int(np.flatnonzero(labels == digit)[k]) for digit in (7, 3, 5) for k in range(2)]
     (tmp_path / "images").mkdir()

@@ -11,6 +11,7 @@ from convbias.engine.config import parse_config, scaled_lr
 from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 ARGS_YAML = Path(__file__).parent / "data" / "timm_train_args.yaml"
+DEIT_RECIPE = Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml"
 
 
 def args_yaml(tmp_path: Path, **changes) -> Path:
@@ -31,8 +32,8 @@ def test_timms_defaults_become_its_recipe(tmp_path):
     assert (cfg.lr_base, cfg.lr_base_size, cfg.min_lr, cfg.warmup_lr) == (0.1, 256, 0.0, 1e-5)
     assert cfg.aa is None and cfg.reprob == 0 and cfg.mixup == 0 and cfg.cutmix == 0
     assert cfg.dataset == "folder" and cfg.data_dir is None  # timm's '': class folders at --data-dir
-    # timm's "unset": no stochastic depth, no repeated augmentation, fp32, no compile
-    assert (cfg.drop_path, cfg.repeated_aug, cfg.mixed_precision, cfg.compile) == (0.0, 1, "no", False)
+    # timm's "unset": the model's stochastic depth, no repeated augmentation, fp32, no compile
+    assert (cfg.drop_path, cfg.repeated_aug, cfg.mixed_precision, cfg.compile) == (None, 1, "no", False)
 
 
 def timms_lr(lr_base: float, lr_base_size: int, lr_base_scale: str, opt: str, global_batch: int) -> float:
@@ -50,14 +51,16 @@ def timms_lr(lr_base: float, lr_base_size: int, lr_base_scale: str, opt: str, gl
 def test_an_args_yaml_scales_the_lr_as_timm(tmp_path, opt, scale):
     """timm's lr_base_scale ('' picks sqrt for Adam-family and LAMB optimizers) from an args.yaml with lr unset:
     the lr timm's train.py computes, for a global batch of 1024 (the rule named as the startup line prints it);
-    this engine's own default stays DeiT's linear rule."""
+    the command line without a recipe gets the same (timm's defaults); the DeiT recipe file keeps DeiT's linear rule."""
     cfg = parse_config(["-c", str(args_yaml(tmp_path, opt=opt, lr_base_scale=scale)), "--output", str(tmp_path)])
     assert cfg.lr is None and cfg.lr_base_scale == scale
     lr, rule = scaled_lr(cfg, 1024)
     assert lr == pytest.approx(timms_lr(0.1, 256, scale, opt, 1024), rel=1e-12)
     assert ("sqrt(" in rule) == (scale == "sqrt" or (scale == "" and opt != "sgd"))
     own = parse_config(["--model", "vanilla_cnn", "--opt", opt, "--output", str(tmp_path)])
-    assert scaled_lr(own, 1024)[0] == pytest.approx(5e-4 * 1024 / 512)
+    assert scaled_lr(own, 1024)[0] == pytest.approx(timms_lr(0.1, 256, "", opt, 1024), rel=1e-12)
+    deit = parse_config(["-c", str(DEIT_RECIPE), "--model", "vanilla_cnn", "--opt", opt, "--output", str(tmp_path)])
+    assert scaled_lr(deit, 1024)[0] == pytest.approx(5e-4 * 1024 / 512)
 
 
 def test_an_args_yaml_keeps_timms_empty_choices(tmp_path):
@@ -111,5 +114,5 @@ def test_active_timm_options_this_engine_does_not_apply_are_all_named_in_one_lin
 
 def test_a_key_of_neither_engine_is_unknown(tmp_path):
     recipe = args_yaml(tmp_path, warmup_epoch=3)
-    with pytest.raises(ValueError, match=r"unknown option 'warmup_epoch' .*did you mean warmup_epochs"):
+    with pytest.raises(ValueError, match=r"warmup_epoch: unknown option .*did you mean warmup_epochs"):
         parse_config(["-c", str(recipe)])

@@ -33,8 +33,21 @@ def families():
 
 def small_cnn(tmp_path, name: str = "run", **options) -> Config:
     """timm's test_resnet on a tenth of the plain 16-px digits: a few steps per epoch."""
-    base = dict(model="test_resnet", img_size=16, dataset="digits", no_aug=True, repeated_aug=1, train_fraction=0.1,
-                epochs=1, warmup_epochs=0, batch_size=16, workers=0, diagnostics=False, lr=0.01)  # fmt: skip
+    base = dict(
+        model="test_resnet",
+        img_size=16,
+        dataset="digits",
+        no_aug=True,
+        repeated_aug=1,
+        train_fraction=0.1,
+        epochs=1,
+        warmup_epochs=0,
+        batch_size=16,
+        workers=0,
+        diagnostics=False,
+        lr=0.01,
+        sched_on_updates=True,
+    )  # fmt: skip  (the schedule per update: its steps are the updates)
     cfg = Config(**{**base, **options, "output": str(tmp_path / name)})
     validate(cfg)
     return cfg
@@ -163,9 +176,9 @@ def test_checkpoint_hist_keeps_the_points_of_the_k_best_evaluations(tmp_path):
     assert [e["epoch"] for e in state["ranked"]] == best_three
     assert len(kept) > 2  # more than the newest and the best: the history is kept
 
-    default = small_cnn(tmp_path, "default", epochs=5, lr=0.05, eval_metric="loss", keep_checkpoints=1)
-    losses = {r["epoch"]: r["eval_loss"] for r in train(default)}
-    kept = sorted(p.name for p in (tmp_path / "default" / "checkpoints").glob("epoch_*") if p.is_dir())
+    one = small_cnn(tmp_path, "one", epochs=5, lr=0.05, eval_metric="loss", keep_checkpoints=1, checkpoint_hist=1)
+    losses = {r["epoch"]: r["eval_loss"] for r in train(one)}
+    kept = sorted(p.name for p in (tmp_path / "one" / "checkpoints").glob("epoch_*") if p.is_dir())
     assert kept == sorted({f"epoch_{min(losses, key=losses.get):04d}", "epoch_0005"})
 
 

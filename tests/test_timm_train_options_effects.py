@@ -30,6 +30,7 @@ from convbias.families import load_families
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 TINY_CONVIT = dict(patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8)
 LR, MIN_LR, UPDATES = 1e-3, 1e-5, 4  # UPDATES: optimizer updates per epoch
 
@@ -40,8 +41,9 @@ def families():
 
 
 def config(tmp_path: Path, **options) -> Config:
-    """A validated Config of the tiny ConViT (the DeiT recipe's defaults otherwise)."""
-    cfg = Config(**{"model": "convit_tiny", "model_kwargs": dict(TINY_CONVIT), **options}, output=str(tmp_path / "run"))
+    """A validated Config of the tiny ConViT on the digits (the DeiT recipe's values otherwise)."""
+    base = {**DEIT_RECIPE, "model": "convit_tiny", "model_kwargs": dict(TINY_CONVIT), "dataset": "digits"}
+    cfg = Config(**{**base, **options}, output=str(tmp_path / "run"))
     validate(cfg)
     return cfg
 
@@ -395,6 +397,7 @@ NEW_OPTIONS = dict(  # every new option but --decay-milestones off its default (
     mixup_switch_prob=0.3, mixup_mode="pair", bce_loss=True, bce_target_thresh=0.2, bce_sum=True, bce_pos_weight=2.0,
     opt_betas=[0.8, 0.95], opt_kwargs={"amsgrad": True}, layer_decay=0.75, clip_grad=1.0, clip_mode="agc",
     warmup_prefix=True, cooldown_epochs=2, lr_cycle_limit=2, lr_cycle_mul=2.0, lr_cycle_decay=0.3, lr_k_decay=2.0,
+    opt="adamw", mixup=0.8,  # (timm's defaults: SGD, which takes no betas, and no mixup)
 )  # fmt: skip
 MULTISTEP = dict(sched="multistep", decay_milestones=[2, 4], decay_rate=0.5)
 

@@ -7,10 +7,12 @@ crop classes. A stream's epoch, its loader's length and the run's steps per epoc
 as timm's create_dataset(num_samples=...) makes them, else the split's size.
 """
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 from test_input_pipeline import jpeg_file, psnr, sample_image
 from timm.data import create_transform
@@ -26,6 +28,14 @@ from convbias.engine.input_pipeline import CropFlip
 from convbias.engine.loaders import seeded_rngs
 from convbias.engine.options import Config
 from convbias.engine.run_setup import build_data
+
+DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
+
+
+def deit_config(**options) -> Config:
+    """A Config of the DeiT recipe (configs/recipes/deit.yaml: the device path's augmentation) with options."""
+    return Config(**{**DEIT_RECIPE, **options})
+
 
 # torchvision 0.29 deprecates the JPEG decoder CropFlip uses (without it, engine.input_pipeline uses Pillow)
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -73,7 +83,7 @@ def test_rkr_crop_and_flip_are_timms_for_the_same_seed(mode, scale):
     + RandomHorizontalFlip; PSNR >= 45 dB as for rrc (measured 70 dB and more). Some crops pad (the aspect
     jitter; more with --scale above 1), some are flipped."""
     image = sample_image((200, 150))
-    cfg = Config(dataset="imagenet", img_size=64, train_crop_mode=mode, scale=list(scale) if scale else None)
+    cfg = deit_config(dataset="imagenet", img_size=64, train_crop_mode=mode, scale=list(scale) if scale else None)
     ours = train_recipe(cfg).worker_transform()
     assert ours.crop_mode == mode and fast_path_reason(cfg) is None
     timm_transform = timm_crop_flip(64, mode, scale)
@@ -107,11 +117,11 @@ def test_each_path_takes_the_crop_mode(mode):
     """Classic path (--no-prefetcher): timm's transform holds the mode's crop classes. Fast path: the worker
     serves uint8 crops drawn in the mode."""
     cfg = dict(dataset="digits", img_size=16, train_crop_mode=mode)
-    classic = build_datasets(Config(**cfg, no_prefetcher=True))
+    classic = build_datasets(deit_config(**cfg, no_prefetcher=True))
     steps = [type(step) for step in classic.train.transform.transforms]
     start = next(i for i, step in enumerate(steps) if step in CROP_CLASSES[mode])
     assert tuple(steps[start : start + len(CROP_CLASSES[mode])]) == CROP_CLASSES[mode]
-    fast = build_datasets(Config(**cfg))
+    fast = build_datasets(deit_config(**cfg))
     assert fast.device_recipe.crop_mode == mode and fast.train.transform.crop_mode == mode
     image, _ = fast.train[0]
     assert image.dtype == torch.uint8 and image.shape == (1, 16, 16)
@@ -123,10 +133,10 @@ def test_ratio_reaches_timms_crop_on_both_paths(mode):
     the range; the fast path draws timm's crops with it (same seed, same box, PSNR >= 45 dB), boxes that timm's
     default range would not give."""
     ratio = (0.3, 0.4)
-    cfg = Config(dataset="imagenet", img_size=64, train_crop_mode=mode, ratio=list(ratio))
+    cfg = deit_config(dataset="imagenet", img_size=64, train_crop_mode=mode, ratio=list(ratio))
     classic_crop = build_transforms(64, 3, (0.5,) * 3, (0.5,) * 3, cfg)[0].transforms[1]
     assert tuple(classic_crop.ratio if mode == "rrc" else classic_crop.random_aspect_range) == ratio
-    ours, default = train_recipe(cfg).worker_transform(), train_recipe(Config(**{**vars(cfg), "ratio": None}))
+    ours, default = train_recipe(cfg).worker_transform(), train_recipe(deit_config(**{**vars(cfg), "ratio": None}))
     assert ours.ratio == ratio and default.worker_transform().ratio != ratio
     image, timm_transform = sample_image((200, 150)), timm_crop_flip(64, mode, ratio=ratio)
     for seed, expected, (crop, _), got in same_seed_draws(timm_transform, ours, image, range(20)):
@@ -148,8 +158,8 @@ def test_bad_ratio_is_a_one_line_error(ratio):
 def test_rkr_zoom_out_past_torchs_reflect_padding_keeps_timms_transforms():
     """Reflect padding wider than the resized image (Pillow's does it, torch's cannot): the classic path runs."""
     wide = dict(dataset="imagenet", scale=[0.5, 3.0])
-    assert "--train-crop-mode rkrr" in fast_path_reason(Config(**wide, train_crop_mode="rkrr"))
-    assert fast_path_reason(Config(**wide)) is None  # rrc's crop never pads
+    assert "--train-crop-mode rkrr" in fast_path_reason(deit_config(**wide, train_crop_mode="rkrr"))
+    assert fast_path_reason(deit_config(**wide)) is None  # rrc's crop never pads
 
 
 def stream_data(cfg: Config):
@@ -173,7 +183,7 @@ def test_train_num_samples_sets_a_wds_epoch(tmp_path, num_samples):
     from test_data_streams import write_shards
 
     write_shards(tmp_path, {"train": 32, "validation": 8})
-    cfg = Config(
+    cfg = deit_config(
         dataset="wds/toy", data_dir=str(tmp_path), img_size=16, workers=0, batch_size=4, train_num_samples=num_samples
     )
     data = stream_data(cfg)
@@ -195,7 +205,7 @@ def test_train_num_samples_sets_an_hfids_epoch_without_a_train_size(tmp_path, hf
     (tmp_path / "cache").mkdir()
     cfg = dict(dataset=f"hfids/{root}", data_dir=str(tmp_path / "cache"), img_size=8, workers=0, batch_size=4)
     with pytest.raises(ConfigError, match="--train-num-samples for 'train'"):
-        stream_data(Config(**cfg))
-    data = stream_data(Config(**cfg, train_num_samples=18))
+        stream_data(deit_config(**cfg))
+    data = stream_data(deit_config(**cfg, train_num_samples=18))
     assert len(data.bundle.train) == 18 and epoch_images(data.bundle.train) == 18
     assert data.steps_per_epoch == 4

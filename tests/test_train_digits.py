@@ -24,7 +24,9 @@ def model_argv(cli_argv):
     """`model_argv(**options)`: a 2-block ConViT (one GPSA block, one SA block) of width 16 on the 8x8 digits,
     16 tokens of 2x2 pixels."""
     model_kwargs = dict(cli_argv.TINY_CONVIT["model_kwargs"], embed_dim=16)
-    return functools.partial(cli_argv, cli_argv.TINY_CONVIT, model_kwargs=model_kwargs, dataset="digits")
+    return functools.partial(
+        cli_argv, cli_argv.DEIT_RECIPE, cli_argv.TINY_CONVIT, model_kwargs=model_kwargs, dataset="digits"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +202,7 @@ def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path, cli_argv
     train.run(
         cli_argv(
             model="resnet18",
+            dataset="digits",
             pretrained_file=tmp_path / "resnet18.safetensors",
             img_size=32,
             no_aug=True,

@@ -13,6 +13,8 @@ from convbias.engine.checkpoint import save_weights
 from convbias.engine.run_dir import CONFIG_MARKER
 
 SMALL = [
+    "--dataset",
+    "digits",
     "--model",
     "convit_tiny",
     "--model-kwargs",
@@ -237,7 +239,7 @@ def test_help_shows_the_defaults():
     text = " ".join(build_parser().format_help().split())
     for shown in (
         "--epochs EPOCHS (default: 300)",
-        "--lr-base LR_BASE (default: 0.0005)",
+        "--lr-base LR_BASE (default: 0.1)",  # timm's train.py's
         "--which {last,best} checkpoint of a run directory to evaluate or start from (default: last)",
         "start from pretrained weights (default: False)",
     ):

@@ -39,7 +39,7 @@ RUN = dict(
 
 @pytest.fixture(scope="module")
 def args(cli_argv) -> list[str]:
-    return cli_argv(cli_argv.TINY_CONVIT, RUN)
+    return cli_argv(cli_argv.DEIT_RECIPE, cli_argv.TINY_CONVIT, RUN, dataset="digits")
 
 
 def _train(script: str, args: list[str], output: Path, *extra: str, **popen) -> subprocess.Popen:

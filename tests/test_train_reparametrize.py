@@ -32,7 +32,13 @@ TCNN_AT_EPOCH_1 = dict(
 def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, capsys, cli_argv):
     output = tmp_path / "run"
     results = train.run(
-        cli_argv(cli_argv.PLAIN_DIGITS, TCNN_AT_EPOCH_1, param_group_lr=dict(gating_param=0.1), output=output)
+        cli_argv(
+            cli_argv.DEIT_RECIPE,
+            cli_argv.PLAIN_DIGITS,
+            TCNN_AT_EPOCH_1,
+            param_group_lr=dict(gating_param=0.1),
+            output=output,
+        )
     )
     assert "reparametrized the model" in capsys.readouterr().out
     names = load_file(str(output / "checkpoints" / "last" / "model.safetensors")).keys()
@@ -54,7 +60,7 @@ def test_reparametrize_keeps_optimizer_state_of_surviving_parameters(tmp_path, c
     assert steps["conv1.0.weight"] == steps["layer1.0.conv1.weight"] == 2 * per_epoch  # kept across the change
 
     # the checkpoint is a T-CNN: eval-only rebuilds the transformed architecture before loading it
-    eval_args = cli_argv(cli_argv.PLAIN_DIGITS, TCNN_AT_EPOCH_1, reparametrize_at_epoch=None)
+    eval_args = cli_argv(cli_argv.DEIT_RECIPE, cli_argv.PLAIN_DIGITS, TCNN_AT_EPOCH_1, reparametrize_at_epoch=None)
     metrics = train.run(eval_args + ["--eval-only", "--checkpoint", str(output / "checkpoints" / "last")])
     assert metrics["eval_top1"] == pytest.approx(results["final_top1"])
     assert json.loads((output / "results.json").read_text())["epochs"] == 2

@@ -50,6 +50,8 @@ def launch_command(console_script, data_dir: Path, output: Path, *extra: str) ->
         "--dynamo_backend",
         "no",
         console_script("convbias-train"),
+        "-c",
+        str(Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml"),  # the DeiT recipe, batch 64
         "--model",
         "convit_tiny",
         "--dataset",

@@ -12,6 +12,8 @@ from convbias.engine.checkpoint import CheckpointDir, find_resume_point, load_tr
 from convbias.engine.config import ConfigError, effective_epochs, parse_config
 from convbias.engine.recipe import create_optimizer, create_scheduler, param_groups, rebuild_optimizer
 
+DEIT_RECIPE = Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml"
+
 
 def test_yaml_base_and_command_line_precedence(tmp_path):
     (tmp_path / "base.yaml").write_text("epochs: 30\nlr: 0.01\nmodel_kwargs: {patch_size: 4, depth: 6}\n")
@@ -32,12 +34,12 @@ def test_yaml_base_and_command_line_precedence(tmp_path):
     assert cfg.epochs == 50 and cfg.batch_size == 8 and cfg.lr == 0.01  # CLI > file > _base_ > defaults
     assert cfg.model_kwargs == {"patch_size": 4, "depth": 2, "locality_strength": 0.5}  # merged key by key
     assert cfg.param_group_lr == {"gating_param": 0.1}
-    assert cfg.weight_decay == 0.05 and cfg.aa == "rand-m9-mstd0.5-inc1"  # the DeiT recipe defaults
+    assert cfg.weight_decay == 2e-5 and cfg.aa is None and cfg.opt == "sgd"  # timm's train.py's defaults
 
 
 def test_yaml_errors_are_one_line(tmp_path):
     (tmp_path / "bad.yaml").write_text("model: convit_tiny\nbatch_sise: 8\n")
-    with pytest.raises(ConfigError, match="unknown option 'batch_sise'.*batch_size"):
+    with pytest.raises(ConfigError, match="batch_sise: unknown option.*batch_size"):
         parse_config(["-c", str(tmp_path / "bad.yaml")])
     (tmp_path / "typed.yaml").write_text("model: convit_tiny\nepochs: many\n")
     with pytest.raises(ConfigError, match="--epochs"):
@@ -63,7 +65,8 @@ def test_deit_param_groups_exclude_norms_biases_tokens_and_gating():
     names = [n for g in groups for n in g["param_names"]]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
 
-    cfg = parse_config(["--model", "convit_tiny", "--param-group-lr", "gating_param=0.1", "--warmup-epochs", "0"])
+    argv = ["-c", str(DEIT_RECIPE), "--model", "convit_tiny", "--param-group-lr", "gating_param=0.1"]
+    cfg = parse_config([*argv, "--warmup-epochs", "0"])  # the schedule stepped per update
     optimizer = create_optimizer(cfg, model, lr=1e-3)
     scheduler = create_scheduler(cfg, optimizer, epochs=10, warmup_epochs=0, updates_per_epoch=5)
     scheduler.step_update(25)  # half way: cosine at its midpoint for every group, from each group's own lr
@@ -73,7 +76,7 @@ def test_deit_param_groups_exclude_norms_biases_tokens_and_gating():
 
 
 def test_rebuild_optimizer_keeps_state_of_surviving_parameters():
-    cfg = parse_config(["--model", "resnet18"])
+    cfg = parse_config(["-c", str(DEIT_RECIPE), "--model", "resnet18"])  # AdamW: state per parameter
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
     optimizer = create_optimizer(cfg, model, lr=1e-2)
     model(torch.randn(5, 4)).sum().backward()

@@ -7,6 +7,7 @@ Light to import: ``train.py --help`` builds this parser and loads no torch.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import dataclasses
 import typing
@@ -61,6 +62,16 @@ def key_value(text: str) -> tuple[str, Any]:
     return key, yaml_scalar(value)
 
 
+def literal_key_value(text: str) -> tuple[str, Any]:
+    """argparse type of train.py's K=V options, as timm's train.py reads --model-kwargs (its ParseKwargs): the
+    value a Python literal ('(32, 64)' -> a tuple), else a YAML scalar ('true' -> True), else the string."""
+    key, value = key_value(text)
+    try:
+        return key, ast.literal_eval(text.partition("=")[2])
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return key, value
+
+
 def _argument(spec: dataclasses.Field, kind: Any) -> dict[str, Any]:
     """argparse's keyword arguments for one declared option, from its type and metadata."""
     meta = spec.metadata
@@ -76,7 +87,7 @@ def _argument(spec: dataclasses.Field, kind: Any) -> dict[str, Any]:
     elif set(args) == {bool, str}:  # --eval-only [RUN_OR_WEIGHTS]
         argument.update(nargs="?", const=True)
     elif origin is dict:  # K=V pairs, merged with the recipe's mapping key by key
-        argument.update(nargs="*", type=key_value, default=None)
+        argument.update(nargs="*", type=literal_key_value, default=None)
     elif origin is list or (args and typing.get_origin(args[0]) is list):
         item = typing.get_args(args[0] if origin is not list else kind)[0]
         argument.update(nargs=meta["nargs"] or "*", type=None if item is str else item)
@@ -85,15 +96,54 @@ def _argument(spec: dataclasses.Field, kind: Any) -> dict[str, Any]:
     return {key: value for key, value in argument.items() if value is not None or key == "default"}
 
 
+# timm's train.py's short flags
+SHORT_FLAGS = {"batch_size": "-b", "workers": "-j", "eval_batch_size": "-vb"}
+# timm's train.py options whose value is optional or a list, among those this engine has no option of its own for
+TIMM_OPTIONAL_VALUE = {"torchcompile": "inductor"}
+TIMM_LISTS = ("device_modules", "train_img_sizes", "train_batch_sizes", "train_size_probs")
+TIMM_GROUP = "timm's train.py options (translated to the options above, or refused with the reason)"
+
+
+def _timm_argument(name: str, default: Any) -> dict[str, Any]:
+    """argparse's keyword arguments for a timm train.py option this engine reads as timm's args.yaml key
+    (engine.timm_recipe): only a given one is parsed (SUPPRESS), its value typed as timm's parser types it."""
+    argument: dict[str, Any] = dict(default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    if isinstance(default, bool):
+        argument.update(action="store_const", const=not default)
+    elif name in TIMM_OPTIONAL_VALUE:
+        argument.update(nargs="?", const=TIMM_OPTIONAL_VALUE[name], type=yaml_scalar)
+    elif isinstance(default, list) or name in TIMM_LISTS:
+        argument.update(nargs="+", type=yaml_scalar)
+    else:
+        argument.update(type=yaml_scalar)
+    return argument
+
+
+def timm_only_options() -> dict[str, Any]:
+    """timm's train.py options (their args.yaml keys and defaults) that are neither an option here nor an alias."""
+    from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
+
+    from .options import option_aliases, option_names
+
+    return {k: v for k, v in TIMM_TRAIN_DEFAULTS.items() if k not in option_names() and k not in option_aliases()}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """train.py's parser, one argument per declared option, grouped by section."""
+    """train.py's parser, one argument per declared option, grouped by section, with timm's short flags; timm's
+    other options are parsed too (engine.timm_recipe translates or refuses them). Unique prefixes of a flag are
+    accepted, as by timm's parser (argparse's allow_abbrev)."""
     parser = OptionParser(
-        prog="train.py", description=DESCRIPTION, allow_abbrev=False, formatter_class=DefaultsHelpFormatter
+        prog="train.py", description=DESCRIPTION, allow_abbrev=True, formatter_class=DefaultsHelpFormatter
     )
     parser.add_argument("-c", "--config", **_argument(declaration("config"), option_types()["config"]))
     for title, section in SECTIONS:
         group = parser.add_argument_group(title)
         for spec in dataclasses.fields(section):
             flags = [flag_name(name) for name in (spec.name, *spec.metadata["aliases"])]
+            flags += [SHORT_FLAGS[spec.name]] if spec.name in SHORT_FLAGS else []
             group.add_argument(*flags, **_argument(spec, option_types()[spec.name]))
+    group = parser.add_argument_group(TIMM_GROUP)
+    for name, default in timm_only_options().items():
+        flags = [flag_name(name)] + (["--train-steps-per-epoch"] if name == "train_batches_per_epoch" else [])
+        group.add_argument(*flags, dest=name, **_timm_argument(name, default))
     return parser

@@ -1,7 +1,8 @@
 """Run configuration: the command line (options in ``engine.options``) over YAML recipes (``-c``), validated.
 
 The option names follow timm's ``train.py``. A YAML key is the option name with ``_`` instead of ``-``
-(``batch_size: 64``). Precedence: built-in defaults (the DeiT recipe) < YAML file(s) < command line.
+(``batch_size: 64``). Precedence: built-in defaults (timm's train.py's) < YAML file(s) < command line; the
+DeiT recipe is a file (configs/recipes/deit.yaml).
 A YAML file may name other files under ``_base_`` (a path or a list of paths relative to itself); they are
 loaded first and the file's own keys override them.
 
@@ -25,7 +26,7 @@ import yaml
 from ..errors import ConfigError, StorageError
 from ..inputs import quoted, read_yaml
 from ..storage import write_text
-from .command_line import OptionParser, build_parser
+from .command_line import OptionParser, build_parser, timm_only_options
 from .options import (
     DATASETS,
     IMAGE_MODE_CHANNELS,
@@ -40,12 +41,13 @@ from .options import (
 )
 from .preemption import parse_signals
 from .run_dir import CONFIG_MARKER, RUN_KEYS, is_run_dir, read_run_config
-from .timm_recipe import is_timm_recipe, read_timm_keys
+from .timm_recipe import is_timm_recipe, translate_timm_keys
 
 
-def load_yaml(path: str | Path, _including: tuple[Path, ...] = ()) -> dict:
-    """Read a recipe, following ``_base_`` files first (relative to the file that names them); a file that
-    names itself, directly or through its bases, is refused naming the cycle."""
+def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _including: tuple[Path, ...] = ()) -> dict:
+    """Read a recipe, following ``_base_`` files first (relative to the file that names them); ``origins``, when
+    given, gets the name of the file that set each key. A file that names itself, directly or through its
+    bases, is refused naming the cycle."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -62,8 +64,10 @@ def load_yaml(path: str | Path, _including: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: _base_ must be a path or a list of paths, got {quoted(bases)}")
     merged: dict = {}
     for base in bases:
-        merged.update(load_yaml(path.parent / base, (*_including, real)))
+        merged.update(load_yaml(path.parent / base, origins, (*_including, real)))
     merged.update(data)
+    if origins is not None:
+        origins.update(dict.fromkeys(data, f"recipe {path.name}"))
     return merged
 
 
@@ -104,21 +108,71 @@ def parse_config(argv: list[str] | None) -> Config:
     config_only.add_argument("--eval-only", nargs="?", const=True, default=False)
     config_only.add_argument("--checkpoint", "--initial-checkpoint", default=None)
     known, _ = config_only.parse_known_args(argv)
-    file_cfg = load_yaml(known.config) if known.config else {}
+    origins: dict[str, str] = {}
+    file_cfg = load_yaml(known.config, origins) if known.config else {}
+    problems: list[str] = []
     if is_timm_recipe(file_cfg):  # the args.yaml of timm's train.py
-        file_cfg = read_timm_keys(file_cfg, known.config)
+        file_cfg, file_problems = translate_timm_keys(file_cfg, known.config)
+        problems += [f"{known.config}: {problem}" for problem in file_problems]
     file_cfg = {**_evaluated_run_options(known), **file_cfg}
-    for key in file_cfg:
-        if key not in option_names():
-            raise ConfigError(f"unknown option '{key}' in {known.config}{did_you_mean(key)}")
+    for key in [key for key in file_cfg if key not in option_names()]:
+        problems.append(f"{known.config}: {key}: unknown option{did_you_mean(key)}")
+        del file_cfg[key]
     merged = key_value_options()
     parser.set_defaults(**{k: v for k, v in file_cfg.items() if k not in merged})
-    args = vars(parser.parse_args(argv))
+    namespace, extra = parser.parse_known_args(argv)
+    args = vars(namespace)
+    problems += [
+        f"{item}: unknown option{did_you_mean(item.lstrip('-').replace('-', '_'))}"
+        if item.startswith("-")
+        else f"unexpected argument '{item}'"
+        for item in extra
+    ]
+    timm_given = {name: args.pop(name) for name in timm_only_options() if name in args}
+    if timm_given:  # timm's train.py options given on the command line: as its args.yaml keys
+        for name, shared in (("experiment", "output"), ("drop_connect", "drop_path")):  # read together
+            if name in timm_given:
+                timm_given[shared] = args[shared]
+        translated, timm_problems = translate_timm_keys(timm_given, "the command line")
+        problems += [f"{flag_name(p.split(':')[0])}{p[len(p.split(':')[0]) :]}" for p in timm_problems]
+        args.update(translated)
+    if problems:
+        raise ConfigError("; ".join(problems))
     for key in merged:  # merged key by key: the command line wins per key
         args[key] = {**_as_dict(file_cfg.get(key), key), **_as_dict(args[key], flag_name(key))}
     cfg = Config(**args)
+    command_line = _given_on_command_line(argv)
+    cfg.__dict__[SOURCES] = {
+        name: "command line" if name in command_line else origins.get(name, "the evaluated run's config.yaml")
+        for name in {*file_cfg, *command_line}
+    }
     validate(cfg)
     return cfg
+
+
+# A parsed Config's record of where each option set by the user came from (the start-up block prints it)
+SOURCES = "_option_sources"
+
+
+def _given_on_command_line(argv: list[str] | None) -> set[str]:
+    """The options the command line names (argparse with no defaults: only the given ones are parsed)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_known_args(argv)[0]))
+
+
+def option_source(cfg: Config, name: str) -> str:
+    """Where option ``name``'s value came from: the command line, a recipe file, or the default (timm's train.py's
+    where timm has the option); a Config built in Python: 'set' where it differs from the default."""
+    from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
+
+    sources = cfg.__dict__.get(SOURCES)
+    if sources is not None and name in sources:
+        return sources[name]
+    if sources is None and getattr(cfg, name) != default_value(name):
+        return "set"
+    return "timm default" if name in TIMM_TRAIN_DEFAULTS else "default"
 
 
 def _check(condition: bool, message: str) -> None:
@@ -267,6 +321,8 @@ def _normalize_eval_only(cfg: Config) -> None:
 def _check_data_source(cfg: Config) -> None:
     from .streams import is_factory_source  # streams loads torch: only after parsing (`train.py --help` loads none)
 
+    if cfg.dataset == "":  # timm's default: the image folder at --data-dir
+        cfg.dataset = "folder"
     _check(
         cfg.dataset in DATASETS or is_factory_source(cfg.dataset),
         f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}, wds/NAME (tar shards), "
@@ -401,6 +457,11 @@ def _check_paths(cfg: Config) -> None:
     for name in ("pretrained_file", "checkpoint", "distill_teacher_file"):
         path = getattr(cfg, name)
         _check(path is None or Path(path).exists(), f"{flag_name(name)}: path does not exist: {path}")
+    _check(
+        not (cfg.resume and Path(cfg.resume).is_file()),
+        f"--resume {cfg.resume} is a file (timm's train.py writes its resume points as files): resuming its "
+        f"optimizer, EMA and epoch is not implemented; start from its weights with --initial-checkpoint {cfg.resume}",
+    )
 
 
 def effective_epochs(cfg: Config) -> tuple[int, int]:

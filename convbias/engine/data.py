@@ -15,14 +15,15 @@ Sources and their on-disk layouts are in engine/datasets.py (`DATASETS`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from PIL import Image
-from timm.data import create_transform
+from timm.data import create_transform, resolve_data_config
 from timm.data.auto_augment import posterize as timm_posterize
+from timm.data.constants import DEFAULT_CROP_PCT
 
 from ..errors import ConfigError
 from .class_map import apply_class_map, read_class_map
@@ -36,6 +37,7 @@ from .datasets import (
     load_cifar,
     load_image_folders,
     select_classes,
+    split_dir,
 )
 from .input_pipeline import AugmentRecipe, image_mode
 from .input_pipeline import fast_path_reason as recipe_fast_path_reason
@@ -75,29 +77,83 @@ class DataBundle:
         return [path for split in (self.train, self.val) for path in getattr(split, "unreadable_files", list)()]
 
 
+# The engine's own small datasets (not timm's): their native size, channels and statistics stand in for the model's
+# pretrained config, which describes ImageNet-sized RGB images
+NATIVE_DATASETS = ("digits", "mnist", "cifar10", "cifar100")
+
+
 @dataclass(frozen=True)
 class InputFormat:
-    """The model's input as timm's resolve_data_config gives it: (in_chans, img_size, img_size), mean, std."""
+    """The model's input as timm's resolve_data_config gives it: (in_chans, img_size, img_size), mean, std,
+    the eval resize interpolation and center-crop fraction; ``sources`` names where each came from."""
 
     in_chans: int
     img_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    interpolation: str = "bicubic"
+    crop_pct: float = DEFAULT_CROP_PCT
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+def model_pretrained_cfg(name: str | None) -> dict[str, Any]:
+    """The data fields of a registered model's pretrained config (its default tag's, as timm.create_model attaches
+    it); {} for a name timm does not know."""
+    from timm.models import get_pretrained_cfg
+
+    try:
+        pretrained = get_pretrained_cfg(name) if name else None
+    except RuntimeError:  # an unknown pretrained tag: check_model_name names it
+        pretrained = None
+    return pretrained.to_dict() if pretrained is not None else {}
 
 
 def input_format(cfg: Config) -> InputFormat:
-    """As timm's train.py: in_chans = --in-chans or --input-size's C or --input-img-mode's or the dataset's; the
-    size --img-size, else --input-size's H, else the dataset's; the normalization --mean/--std, else the
-    dataset's (see _per_channel)."""
+    """As timm's train.py (its resolve_data_config over the model's pretrained config): the image size
+    --img-size, else --input-size's H, else the model's; --interpolation, --crop-pct, --mean and --std, else
+    the model's. On the engine's own datasets (NATIVE_DATASETS) their size, channels and statistics stand in for
+    the model's. in_chans = --in-chans or --input-size's C or --input-img-mode's or the dataset's (one value of
+    --mean/--std is repeated, three are luma-weighted for one channel: _per_channel)."""
     info = dataset_info(cfg.dataset)
+    pretrained = model_pretrained_cfg(cfg.model)
+    model_source = f"model {cfg.model}'s config" if pretrained else "timm's default"
+    native = cfg.dataset in NATIVE_DATASETS
+    if native:
+        size = info.default_img_size
+        pretrained = {**pretrained, "input_size": (info.in_chans, size, size), "mean": info.mean, "std": info.std}
     channels, size = (cfg.input_size or (None, None))[:2]
     mode_channels = IMAGE_MODE_CHANNELS.get(cfg.input_img_mode)
     in_chans = int(cfg.in_chans or channels or mode_channels or info.in_chans)
+    resolved = resolve_data_config(
+        {
+            "img_size": cfg.img_size or size,
+            "interpolation": cfg.interpolation,
+            "crop_pct": cfg.crop_pct,
+            "mean": None,  # per channel below, as the engine converts images to in_chans
+            "std": None,
+        },
+        pretrained_cfg=pretrained or {"input_size": (3, 224, 224)},
+    )
+    default_source = f"dataset {cfg.dataset}" if native else model_source
+    given = {
+        "img_size": cfg.img_size or size,
+        "interpolation": cfg.interpolation,
+        "crop_pct": cfg.crop_pct,
+        "mean": cfg.mean,
+        "std": cfg.std,
+    }
+    sources = {name: "set" if value else default_source for name, value in given.items()}
+    if native:
+        sources["interpolation"] = "set" if cfg.interpolation else model_source
+        sources["crop_pct"] = "set" if cfg.crop_pct else model_source
     return InputFormat(
         in_chans,
-        int(cfg.img_size or size or info.default_img_size),
-        _per_channel("mean", cfg.mean, info.mean, in_chans),
-        _per_channel("std", cfg.std, info.std, in_chans),
+        int(resolved["input_size"][-1]),
+        _per_channel("mean", cfg.mean, tuple(resolved["mean"]), in_chans),
+        _per_channel("std", cfg.std, tuple(resolved["std"]), in_chans),
+        resolved["interpolation"],
+        float(resolved["crop_pct"]),
+        sources,
     )
 
 
@@ -176,12 +232,15 @@ def _patch_posterize(transform: Callable) -> None:
                 op.aug_fn = _posterize_zero_bits
 
 
-def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Config) -> tuple[Callable, Callable]:
+def build_transforms(
+    img_size: int, in_chans: int, mean, std, cfg: Config, shape: InputFormat | None = None
+) -> tuple[Callable, Callable]:
     """timm's train transform (random resized crop, flip, RandAugment, random erasing) and eval
     transform (resize to img_size / crop_pct, center crop), normalized with mean/std. Works for any source size
     (8x8 digits are upsampled to img_size) and mode: images are first converted to in_chans channels (L or RGB)."""
     input_size = (in_chans, img_size, img_size)
-    interpolation = cfg.interpolation
+    shape = shape or input_format(cfg)
+    interpolation = shape.interpolation
     scale = cfg.scale
     train = create_transform(
         input_size,
@@ -197,7 +256,7 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Config) -> tu
         grayscale_prob=cfg.grayscale_prob or 0.0,
         gaussian_blur_prob=cfg.gaussian_blur_prob or 0.0,
         auto_augment=cfg.aa or None,
-        interpolation=cfg.train_interpolation or interpolation,
+        interpolation=train_interpolation(cfg, interpolation),
         mean=mean,
         std=std,
         re_prob=cfg.reprob,
@@ -209,13 +268,18 @@ def build_transforms(img_size: int, in_chans: int, mean, std, cfg: Config) -> tu
         input_size,
         is_training=False,
         interpolation=interpolation,
-        crop_pct=cfg.crop_pct,
+        crop_pct=shape.crop_pct,
         mean=mean,
         std=std,
     )
     for transform in (train, val):  # as timm's datasets serve images in --in-chans' mode (their input_img_mode)
         transform.transforms.insert(0, ConvertImage(image_mode(in_chans)))
     return train, val
+
+
+def train_interpolation(cfg: Config, interpolation: str) -> str:
+    """As timm's train.py: --train-interpolation, else (unset, or --no-aug) the eval interpolation."""
+    return interpolation if cfg.no_aug or not cfg.train_interpolation else cfg.train_interpolation
 
 
 class ConvertImage:
@@ -244,7 +308,7 @@ def train_recipe(cfg: Config) -> AugmentRecipe:
         ratio=tuple(cfg.ratio) if cfg.ratio is not None else None,
         crop_mode=cfg.train_crop_mode or "rrc",
         hflip=float(cfg.hflip),
-        interpolation=cfg.train_interpolation or cfg.interpolation,
+        interpolation=train_interpolation(cfg, shape.interpolation),
         auto_augment=cfg.aa or None,
         re_prob=float(cfg.reprob),
         re_mode=cfg.remode,
@@ -287,9 +351,16 @@ def _fast_train_transform(cfg: Config, train: Any) -> AugmentRecipe | None:
     return recipe
 
 
+def _has_splits(data_dir: Path, cfg: Config) -> bool:
+    """Whether a folder dataset has a train or validation split folder (else DIR/<class>/<image>)."""
+    return any(split_dir(data_dir, split).is_dir() for split in (cfg.train_split, cfg.val_split))
+
+
 def dataset_info(name: str) -> DatasetInfo:
     """What the engine needs to know about a source before reading it (wds/, hfids/, hfds/: ImageNet's statistics)."""
-    return replace(FACTORY_INFO, layout=factory_layout(name)) if is_factory_source(name) else DATASETS[name]
+    if is_factory_source(name):
+        return replace(FACTORY_INFO, layout=factory_layout(name))
+    return DATASETS[name or "folder"]  # timm's '': the image folder at --data-dir
 
 
 def _world_size() -> int:
@@ -327,7 +398,7 @@ def build_streams(cfg: Config) -> DataBundle:
         train_num_samples=cfg.train_num_samples,
         columns=keys,
     )
-    train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg)
+    train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg, shape)
     recipe = _fast_train_transform(cfg, train)  # a stream's reader decodes whole images: no JPEG draft
     return DataBundle(train, val, info["num_classes"], shape.in_chans, info["classes"], shape.mean, shape.std, recipe)
 
@@ -350,6 +421,9 @@ def build_datasets(cfg: Config) -> DataBundle:
         train, val = load_hfds(name, str(data_dir), columns(cfg))
     elif name in ("cifar10", "cifar100"):
         train, val = load_cifar(name, data_dir)
+    elif cfg.eval_only and name == "folder" and not _has_splits(data_dir, cfg):
+        # timm's validate.py scores every image of DIR/<class>/<image>: no held-out split to evaluate
+        train = val = ImageFolderDataset.scan(data_dir, dataset_info(name).layout, skip_unreadable=cfg.skip_unreadable)
     else:
         train, val = load_image_folders(name, data_dir, cfg.skip_unreadable, cfg.train_split, cfg.val_split)
 
@@ -363,6 +437,12 @@ def build_datasets(cfg: Config) -> DataBundle:
             )
         train, val = apply_class_map(train, mapping), apply_class_map(val, mapping)
     if num_classes is not None:
+        if name == "folder" and mapping is None and int(num_classes) < len(train.classes):
+            raise ConfigError(
+                f"--num-classes {num_classes}: the folder at {data_dir} has {len(train.classes)} classes "
+                f"({', '.join(map(str, train.classes[:5]))}{', ...' if len(train.classes) > 5 else ''}); pass "
+                f"--num-classes {len(train.classes)}, or a --class-map naming the {num_classes} classes to train"
+            )
         if int(num_classes) > len(train.classes):
             source = f"--class-map {cfg.class_map} names" if mapping else f"--dataset {name} has"
             raise ConfigError(f"--num-classes {num_classes}: {source} only {len(train.classes)} classes")
@@ -376,7 +456,7 @@ def build_datasets(cfg: Config) -> DataBundle:
     if float(fraction) < 1.0:
         train = train.subset(fraction_per_class(train.targets, float(fraction), int(cfg.seed)))
 
-    train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg)
+    train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg, shape)
     recipe = _fast_train_transform(cfg, train)
     classes = list(train.classes)
     return DataBundle(train, val, len(classes), shape.in_chans, classes, shape.mean, shape.std, recipe)

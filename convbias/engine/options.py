@@ -4,7 +4,8 @@ from Python all derive from these declarations.
 
 Options are grouped in sections (``ModelOptions``, ``DataOptions``, ...) that a reader can find; ``Config``
 holds them all as flat fields (``cfg.lr``), named as in timm's ``train.py``. A YAML key is the option name
-with ``_`` (``batch_size: 64``). Defaults are the DeiT recipe (Touvron et al. 2021), which the ConViT keeps.
+with ``_`` (``batch_size: 64``). Every option timm's train.py has defaults to timm's value; the DeiT recipe
+(Touvron et al. 2021), which the ConViT keeps, is a recipe file (configs/recipes/deit.yaml).
 
 Light to import: ``train.py --help`` builds the parser from this module and loads no torch.
 """
@@ -107,7 +108,7 @@ def option(
 
 @dataclass
 class ModelOptions:
-    model: str | None = option(None, "any model in timm's registry (train.py registers this project's families)")
+    model: str = option("resnet50", "any model in timm's registry (train.py registers this project's families)")
     pretrained: bool = option(False, "start from pretrained weights")
     pretrained_file: str | None = option(None, "local weights file for --pretrained (no download)")
     allow_partial: bool = option(
@@ -121,7 +122,7 @@ class ModelOptions:
     drop: float = option(
         0.0, "dropout rate (timm's drop_rate: most models drop the classifier's input)", check=BELOW_ONE
     )
-    drop_path: float = option(0.1, "stochastic depth rate", check=BELOW_ONE)
+    drop_path: float | None = option(None, "stochastic depth rate; default the model's", check=BELOW_ONE)
     drop_block: float | None = option(
         None, "DropBlock rate (timm's drop_block_rate: ResNets' last two stages); default none", check=BELOW_ONE
     )
@@ -129,7 +130,12 @@ class ModelOptions:
         None,
         "the classifier's global pool (timm's global_pool: avg, max, avgmax, catavgmax, token...); default the model's",
     )
-    num_classes: int | None = option(None, "keep only the first K classes", check=Check(lambda v: v >= 2, "at least 2"))
+    num_classes: int | None = option(
+        None,
+        "keep only the first K classes (digits, mnist, cifar10/100, imagenet; a folder only with --class-map: timm "
+        "trains K outputs on all its labels)",
+        check=Check(lambda v: v >= 2, "at least 2"),
+    )
     head_init_scale: float | None = option(
         None,
         "multiply the classifier's initial weight and bias by this (timm's init or --pretrained weights; "
@@ -137,7 +143,11 @@ class ModelOptions:
         check=NON_NEGATIVE,
     )
     head_init_bias: float | None = option(None, "set the classifier's initial bias to this value (as timm)")
-    img_size: int | None = option(None, "default: the dataset's (224 for ImageNet)", check=POSITIVE_INT)
+    img_size: int | None = option(
+        None,
+        "default: the model's (timm's resolve_data_config), or the dataset's for digits, mnist, cifar10/100",
+        check=POSITIVE_INT,
+    )
     in_chans: int | None = option(
         None,
         "image channels: 1 (grayscale, images converted to L) or 3 (RGB); default the dataset's",
@@ -176,7 +186,7 @@ class ModelOptions:
     distill_teacher: str | None = option(None, "timm name of a CNN teacher (hard distillation)")
     distill_teacher_file: str | None = option(None, "local weights of the teacher")
     model_ema: bool = option(False, "keep and evaluate an EMA of the weights")
-    model_ema_decay: float = option(0.99996, check=BELOW_ONE)
+    model_ema_decay: float = option(0.9998, check=BELOW_ONE)
     model_ema_warmup: bool = option(
         False,
         "warm the EMA decay up from 0: 1 - (1 + update)^(-2/3), capped at --model-ema-decay (timm's ModelEmaV3 "
@@ -190,7 +200,11 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    dataset: str = option("digits", f"one of {', '.join(DATASETS)}, wds/NAME, hfids/NAME, hfds/NAME")
+    dataset: str = option(
+        "",
+        f"'' (timm's: the image folder at --data-dir, as folder), one of {', '.join(DATASETS)}, wds/NAME, "
+        "hfids/NAME, hfds/NAME",
+    )
     data_dir: str | None = option(None)
     train_split: str = option(
         "train", "folder of the training images under --data-dir (imagenet, folder; 'training' is found too)"
@@ -224,15 +238,15 @@ class DataOptions:
     )
     train_fraction: float = option(1.0, "keep this fraction of each class, in (0, 1]", check=FRACTION)
     workers: int = option(4, "data loader processes per training process", check=NON_NEGATIVE)
-    aa: str | None = option("rand-m9-mstd0.5-inc1", "timm auto-augment policy; none to disable")
-    reprob: float = option(0.25, "random erasing probability", check=PROBABILITY)
+    aa: str | None = option(None, "timm auto-augment policy (rand-m9-mstd0.5-inc1: DeiT's); none to disable")
+    reprob: float = option(0.0, "random erasing probability", check=PROBABILITY)
     remode: str = option(
         "pixel",
         "random erasing fill: pixel (normal noise per pixel, DeiT's), rand (one normal color per box) or const (0)",
         choices=RANDOM_ERASING_MODES,
     )
     recount: int = option(1, "random erasing: up to this many boxes per image", check=POSITIVE_INT)
-    color_jitter: float = option(0.3)
+    color_jitter: float | None = option(0.4, "color jitter strength (timm's None: 0)", check=NON_NEGATIVE)
     color_jitter_prob: float | None = option(
         None,
         "probability of the color jitter (default: every image; as timm, no color jitter with --aa)",
@@ -242,24 +256,28 @@ class DataOptions:
     gaussian_blur_prob: float | None = option(
         None, "probability of a Gaussian blur (kernel 23, as timm's)", check=PROBABILITY
     )
-    interpolation: str = option("bicubic")
+    interpolation: str = option(
+        "", "eval resize interpolation (bilinear, bicubic, ...); '' the model's (timm's resolve_data_config)"
+    )
     train_interpolation: str | None = option(
-        None,
-        "training resize interpolation: random (bilinear or bicubic per image, timm's default) or one of them "
-        "(default: --interpolation, bicubic as DeiT's)",
+        "random",
+        "training resize interpolation: random (bilinear or bicubic per image) or one of them (none or '': the "
+        "eval --interpolation)",
         choices=TRAIN_INTERPOLATIONS,
     )
-    crop_pct: float = option(0.875, "eval center-crop fraction", check=FRACTION)
+    crop_pct: float | None = option(
+        None, "eval center-crop fraction; default the model's (timm's resolve_data_config)", check=FRACTION
+    )
     hflip: float = option(0.5)
     vflip: float = option(0.0, "vertical flip probability", check=PROBABILITY)
     scale: list[float] | None = option(
-        None,
+        [0.08, 1.0],
         "random-resized-crop area range; default timm's: (0.08, 1), or (0.8, 1) with --train-crop-mode rkrc/rkrr",
         nargs=2,
         metavar=("MIN", "MAX"),
     )
     ratio: list[float] | None = option(
-        None,
+        [3 / 4, 4 / 3],
         "random-resized-crop aspect-ratio range (width / height); default timm's: (3/4, 4/3), or the aspect jitter "
         "(0.9, 1/0.9) with --train-crop-mode rkrc/rkrr",
         check=Check(lambda v: 0 < v[0] <= v[1], "two positive numbers, MIN <= MAX"),
@@ -282,13 +300,15 @@ class DataOptions:
         check=Check(lambda v: all(x > 0 for x in v), "positive"),
         nargs="+",
     )
-    pin_mem: bool = option(True, "pin the loaders' batches in page-locked memory when a GPU trains (timm: off)")
+    pin_mem: bool = option(False, "pin the loaders' batches in page-locked memory when a GPU trains")
     skip_unreadable: bool = option(True, "skip (and count) unreadable images instead of stopping")
     repeated_aug: int = option(
-        3, "repeated augmentation: copies of each image", check=Check(lambda v: v >= 1, ">= 1 (1: each image once)")
+        1,
+        "repeated augmentation: copies of each image (timm's --aug-repeats)",
+        check=Check(lambda v: v >= 1, ">= 1 (1: each image once)"),
     )
-    mixup: float = option(0.8, "mixup alpha; 0 disables", check=NON_NEGATIVE)
-    cutmix: float = option(1.0, "cutmix alpha; 0 disables", check=NON_NEGATIVE)
+    mixup: float = option(0.0, "mixup alpha; 0 disables", check=NON_NEGATIVE)
+    cutmix: float = option(0.0, "cutmix alpha; 0 disables", check=NON_NEGATIVE)
     cutmix_minmax: list[float] | None = option(
         None,
         "cutmix box side range, as fractions of the image's; turns cutmix on (in place of --cutmix's alpha)",
@@ -341,21 +361,23 @@ class DataOptions:
 
 @dataclass
 class OptimizationOptions:
-    opt: str = option("adamw", "timm optimizer name")
+    opt: str = option("sgd", "timm optimizer name")
     lr: float | None = option(
         None, "absolute lr; default lr-base x global batch / lr-base-size (--lr-base-scale)", check=POSITIVE
     )
-    lr_base: float = option(5e-4, check=POSITIVE)
-    lr_base_size: int = option(512, check=POSITIVE)
+    lr_base: float = option(0.1, check=POSITIVE)
+    lr_base_size: int = option(256, check=POSITIVE)
     lr_base_scale: str = option(
-        "linear",
+        "",
         "how --lr-base follows the global batch: linear (DeiT's), sqrt (x sqrt(global batch / lr-base-size)), or '' "
         "for timm's choice (sqrt for an --opt containing 'ada' or 'lamb', else linear)",
         choices=LR_BASE_SCALES,
     )
-    weight_decay: float = option(0.05, check=NON_NEGATIVE)
+    weight_decay: float = option(2e-5, check=NON_NEGATIVE)
     momentum: float = option(0.9)
-    opt_eps: float = option(1e-8)
+    opt_eps: float | None = option(
+        None, "optimizer epsilon, for every optimizer that takes one (default: the optimizer's own)", check=POSITIVE
+    )
     opt_betas: list[float] | None = option(
         None,
         "optimizer betas (default: the optimizer's own)",
@@ -401,10 +423,12 @@ class OptimizationOptions:
     param_group_lr: dict[str, Any] = option(
         {}, "absolute lr for parameters whose name matches REGEX (gating_param=0.1)", metavar="REGEX=LR"
     )
-    batch_size: int = option(64, "per process", check=POSITIVE_INT)
-    eval_batch_size: int | None = option(None, "per process; default --batch-size", check=POSITIVE)
+    batch_size: int = option(128, "per process", check=POSITIVE_INT)
+    eval_batch_size: int | None = option(
+        None, "per process; default --batch-size", check=POSITIVE, aliases=("validation_batch_size",)
+    )
     grad_accum_steps: int = option(1, check=AT_LEAST_ONE)
-    seed: int = option(0)
+    seed: int = option(42)
 
 
 @dataclass
@@ -418,13 +442,13 @@ class ScheduleOptions:
     epochs: int = option(300)
     scale_epochs: bool = option(False, "multiply epochs and warmup by 1/train-fraction (same number of images seen)")
     warmup_epochs: int = option(5, check=NON_NEGATIVE)
-    warmup_lr: float = option(1e-6, check=NON_NEGATIVE)
+    warmup_lr: float = option(1e-5, check=NON_NEGATIVE)
     warmup_prefix: bool = option(
         False, "warm up before the --epochs of schedule (the run trains --warmup-epochs more), not within them"
     )
-    min_lr: float = option(1e-5, check=NON_NEGATIVE)
-    decay_epochs: float = option(30, "step schedule: epochs between decays")
-    decay_rate: float = option(0.1, "step and multistep schedules: lr factor per decay")
+    min_lr: float = option(0.0, check=NON_NEGATIVE)
+    decay_epochs: float = option(90, "step schedule: epochs between decays")
+    decay_rate: float = option(0.1, "step and multistep schedules: lr factor per decay", aliases=("dr",))
     decay_milestones: list[int] = option(
         [90, 180, 270],
         "multistep schedule: the lr decays at these epochs (timm's convention, per update: milestone M from the "
@@ -442,9 +466,9 @@ class ScheduleOptions:
         needs=Needs(lambda c: c.sched == "plateau", "--sched plateau"),
     )
     sched_on_updates: bool = option(
-        True,
-        "step the schedule after every optimizer update; --no-sched-on-updates: once per epoch (timm's default; "
-        "the plateau schedule steps per evaluation either way)",
+        False,
+        "step the schedule after every optimizer update; by default once per epoch (the plateau schedule steps "
+        "per evaluation either way)",
     )
     cooldown_epochs: int = option(
         0,
@@ -548,9 +572,8 @@ class CheckpointingOptions:
         metavar="K",
     )
     checkpoint_hist: int = option(
-        1,
-        "also keep the resume points of the K best evaluations by --eval-metric (timm's --checkpoint-hist; "
-        "its default 10)",
+        10,
+        "also keep the resume points of the K best evaluations by --eval-metric",
         check=AT_LEAST_ONE,
         metavar="K",
     )
@@ -575,7 +598,7 @@ class LoggingOptions:
     diagnostics: bool = option(True, "log model diagnostics every evaluation")
     diagnostics_images: int = option(16, "fixed eval images used by diagnostics", check=POSITIVE_INT)
     log_wandb: bool = option(False, "log to wandb (honors WANDB_MODE)")
-    wandb_project: str = option("convolutional-inductive-biases")
+    wandb_project: str | None = option(None, "wandb project (default: wandb's)")
     wandb_tags: list[str] = option([], "tags of the wandb run", nargs="+", needs=WANDB)
     wandb_resume_id: str | None = option(
         None, "with --resume: continue this wandb run (its id) instead of starting one", needs=WANDB

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import re
 import warnings
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
+from timm.optim import create_optimizer_v2, optimizer_kwargs, param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import PlateauLRScheduler, create_scheduler_v2
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
@@ -100,14 +101,28 @@ def layer_scales(
     return {id(param): group["lr_scale"] for group in groups for param in group["params"]}
 
 
+def optimizer_arguments(cfg: Config, lr: float) -> dict[str, Any]:
+    """create_optimizer_v2's arguments as timm's train.py gives them (timm's optimizer_kwargs): opt, lr,
+    weight_decay, momentum, eps and betas where set, and --opt-kwargs (layer decay is in the parameter groups)."""
+    arguments = SimpleNamespace(
+        opt=cfg.opt,
+        lr=lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.momentum,
+        opt_eps=cfg.opt_eps,
+        opt_betas=tuple(cfg.opt_betas) if cfg.opt_betas is not None else None,
+        opt_args=dict(cfg.opt_kwargs),
+    )
+    return optimizer_kwargs(arguments)
+
+
 def create_optimizer(
     cfg: Config, model: nn.Module, lr: float, require_all_patterns: bool = True
 ) -> torch.optim.Optimizer:
-    """timm's optimizer factory on our parameter groups, with --opt-eps (Adam family), --opt-betas and
-    --opt-kwargs as timm's train.py passes them; an argument the optimizer does not take is a ConfigError."""
-    kwargs: dict[str, Any] = {"eps": cfg.opt_eps} if cfg.opt.lower().startswith(("adam", "nadam", "radam")) else {}
-    if cfg.opt_betas is not None:
-        kwargs["betas"] = tuple(cfg.opt_betas)
+    """timm's optimizer factory on our parameter groups, with --momentum, --opt-eps, --opt-betas and --opt-kwargs as
+    timm's train.py passes them (its optimizer_kwargs; the factory gives each optimizer those it takes); an
+    argument the optimizer does not take is a ConfigError."""
+    kwargs = optimizer_arguments(cfg, lr)
     groups = param_groups(
         model,
         cfg.weight_decay,
@@ -118,9 +133,7 @@ def create_optimizer(
         cfg.layer_decay_no_opt_scale,
     )
     try:
-        return create_optimizer_v2(
-            groups, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **kwargs, **cfg.opt_kwargs
-        )
+        return create_optimizer_v2(groups, **kwargs)
     except (TypeError, ValueError) as e:  # the optimizer's own check of its arguments
         if not cfg.opt_kwargs:
             raise

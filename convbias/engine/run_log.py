@@ -20,7 +20,7 @@ from typing import Any
 from ..inputs import json_record
 from ..storage import atomic_write
 from ..tables import csv_text
-from .config import scaled_lr
+from .config import lr_scaling, option_source, scaled_lr
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
 
@@ -154,6 +154,79 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
         f"{cfg.grad_accum_steps} accumulation; lr {start.lr:.3g} ({rule})",
         f"schedule: {plural(start.epochs, 'epoch')}, {start.warmup_epochs} of warm-up, "
         f"{steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
+        *recipe_lines(cfg, start.lr),
+    ]
+
+
+def _value(cfg: Any, name: str, shown: Any = None) -> str:
+    """'value [where it came from]' of one option."""
+    value = getattr(cfg, name) if shown is None else shown
+    text = f"{value:g}" if isinstance(value, float) else "none" if value is None else str(value)
+    return f"{text} [{option_source(cfg, name)}]"
+
+
+def optimizer_settings(cfg: Any, lr: float) -> tuple[str, dict[str, Any]]:
+    """The class and hyper-parameters of the optimizer timm's create_optimizer_v2 builds from the run's options
+    (built on one stand-in tensor, so the optimizer's own defaults show: eps, betas, momentum)."""
+    import torch
+    from timm.optim import create_optimizer_v2
+
+    from .recipe import optimizer_arguments
+
+    optimizer = create_optimizer_v2([torch.zeros(1, requires_grad=True)], **optimizer_arguments(cfg, lr))
+    inner = getattr(optimizer, "base_optimizer", optimizer)  # lookahead_ wraps the optimizer it names
+    return type(optimizer).__name__, dict(inner.defaults)
+
+
+def recipe_lines(cfg: Any, lr: float) -> list[str]:
+    """The start-up block's account of the recipe: optimizer, schedule, augmentation, EMA and input, each value
+    with where it came from (command line, -c FILE, timm default, default, or the model's or dataset's config)."""
+    from .data import input_format
+
+    name, hyper = optimizer_settings(cfg, lr)
+    own = [  # the optimizer's hyper-parameters that the options set: from the option, else the optimizer's own
+        f"{key} {hyper[key]} [{option_source(cfg, option) if getattr(cfg, option) is not None else name + ' default'}]"
+        for key, option in (("eps", "opt_eps"), ("betas", "opt_betas"), ("momentum", "momentum"))
+        if key in hyper
+    ]
+    if "nesterov" in hyper:  # timm's sgd and momentum optimizers differ by it
+        own.append(f"nesterov {hyper['nesterov']} [--opt {cfg.opt}]")
+    if cfg.lr is not None:
+        lr_rule = f"--lr [{option_source(cfg, 'lr')}]"
+    else:
+        lr_rule = (
+            f"--lr-base {_value(cfg, 'lr_base')} per {_value(cfg, 'lr_base_size')} images, scaled "
+            f"{_value(cfg, 'lr_base_scale', lr_scaling(cfg))}"
+        )
+    shape = input_format(cfg)
+    stepping = "per update" if cfg.sched_on_updates else "per epoch"
+    mixing = (
+        "off"
+        if not (cfg.mixup or cfg.cutmix or cfg.cutmix_minmax)
+        else (f"mixup {_value(cfg, 'mixup')}, cutmix {_value(cfg, 'cutmix')}, prob {_value(cfg, 'mixup_prob')}")
+    )
+    ema = f"decay {_value(cfg, 'model_ema_decay')}" if cfg.model_ema else f"off [{option_source(cfg, 'model_ema')}]"
+    from .data import train_interpolation
+
+    trained = train_interpolation(cfg, shape.interpolation)
+    train_interp = _value(cfg, "train_interpolation") if trained == cfg.train_interpolation else f"{trained} [as eval]"
+    drop_path = _value(cfg, "drop_path") if cfg.drop_path is not None else "the model's"
+    size, crop, interp, mean, std = (
+        f"{getattr(shape, key)} [{option_source(cfg, key) if shape.sources.get(key) == 'set' else shape.sources[key]}]"
+        for key in ("img_size", "crop_pct", "interpolation", "mean", "std")
+    )
+    return [
+        f"optimizer: {name} (--opt {_value(cfg, 'opt')}), {', '.join(own) + ', ' if own else ''}weight decay "
+        f"{_value(cfg, 'weight_decay')}",
+        f"lr: {lr:.3g} from {lr_rule}",
+        f"lr schedule: {_value(cfg, 'sched')} stepped {stepping} [{option_source(cfg, 'sched_on_updates')}], "
+        f"warm-up from {_value(cfg, 'warmup_lr')}, min lr {_value(cfg, 'min_lr')}",
+        f"augmentation: auto-augment {_value(cfg, 'aa')}, random erasing {_value(cfg, 'reprob')}, mixup/cutmix "
+        f"{mixing}, repeated augmentation {_value(cfg, 'repeated_aug')}, drop-path {drop_path}, "
+        f"color jitter {_value(cfg, 'color_jitter')}, smoothing {_value(cfg, 'smoothing')}"
+        + (" (all off: --no-aug)" if cfg.no_aug else ""),
+        f"EMA: {ema}",
+        f"input: {size} px, crop {crop}, interpolation {interp} (train {train_interp}), mean {mean}, std {std}",
     ]
 
 

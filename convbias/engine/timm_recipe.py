@@ -37,7 +37,6 @@ TIMM_NOT_APPLICABLE: dict[str, str] = {
     **dict.fromkeys(("dataset_download", "dataset_trust_remote_code"), NO_DOWNLOAD),
     "model_ema_force_cpu": "the EMA lives on the training device",
     "start_epoch": "a resume point sets the epoch (--resume)",
-    "drop_connect": "timm's train.py does not read it (its stochastic depth is --drop-path)",
     "no_resume_opt": "a resume point always restores the optimizer",
     "worker_seeding": "each image's augmentation is seeded from (seed, epoch, index)",
     "use_multi_epochs_loader": "the loaders are rebuilt per epoch by their samplers",
@@ -73,6 +72,25 @@ TIMM_REFUSALS: dict[str, str] = {
 }
 
 
+# keys that older timm train.py versions wrote into args.yaml, with the values at which they change nothing here
+# (their defaults there); others are refused with the reason
+OBSOLETE_TIMM_KEYS: dict[str, tuple[Any, ...]] = {
+    "apex_amp": (False,),  # mixed precision is --amp (native AMP) in timm today
+    "native_amp": (False,),
+    "amp_impl": ("native",),
+    "aot_autograd": (False,),
+    "bn_tf": (False,),
+    "jsd": (False,),  # today's jsd_loss
+    "mixup_elem": (False,),  # today's --mixup-mode elem
+    "num_gpu": (1,),
+    "use_wandb": (False,),  # today's log_wandb
+    "wandb_project_name": (None,),
+    "validation_batch_size_multiplier": (1,),
+    "alpha_kd": (5.0, 5),
+    "use_kd_only_loss": (False,),
+}
+
+
 def _amp(values: dict[str, Any]) -> dict[str, Any]:
     if not values.get("amp"):
         return {}
@@ -104,6 +122,8 @@ TRANSLATED_AS = {
     ("initial_checkpoint",): "as `--checkpoint`",
     ("val_interval",): "as `--eval-interval`",
     ("data",): "as `--data-dir`",
+    ("drop_connect", "drop_path"): "as `--drop-path` where that is unset (timm's train.py passed it as the models' "
+    "drop_connect_rate, their drop_path_rate, until it deprecated it)",
 }
 TIMM_TRANSLATIONS: dict[tuple[str, ...], Callable[[dict[str, Any]], dict[str, Any]]] = {
     ("amp", "amp_dtype"): _amp,
@@ -115,11 +135,10 @@ TIMM_TRANSLATIONS: dict[tuple[str, ...], Callable[[dict[str, Any]], dict[str, An
     ("initial_checkpoint",): lambda v: {"checkpoint": v["initial_checkpoint"] or None},
     ("val_interval",): lambda v: {"eval_interval": v["val_interval"]},
     ("data",): lambda v: {"data_dir": v["data"]} if v["data"] else {},
+    ("drop_connect", "drop_path"): lambda v: (
+        {"drop_path": v["drop_connect"]} if v["drop_connect"] is not None and v["drop_path"] is None else {}
+    ),
 }
-
-
-# timm's None where this engine's option needs a number: what timm then does
-TIMM_NONE_MEANS = {"drop_path": 0.0}  # the model's default stochastic depth: none in timm's models
 
 
 def _accepts_none(name: str) -> bool:
@@ -127,13 +146,14 @@ def _accepts_none(name: str) -> bool:
 
 
 def is_timm_recipe(values: dict[str, Any]) -> bool:
-    """A recipe holding keys that only timm's train.py writes (an args.yaml)."""
-    return any(name in TIMM_TRAIN_DEFAULTS and name not in option_names() for name in values)
+    """A recipe holding keys that only timm's train.py writes, or wrote in older versions (an args.yaml)."""
+    timm_only = (*TIMM_TRAIN_DEFAULTS, *OBSOLETE_TIMM_KEYS)
+    return any(name in timm_only and name not in option_names() for name in values)
 
 
 def _shared_option(name: str, value: Any) -> tuple[bool, Any]:
     """(whether to set it, the value) for a key both timm and this engine declare. timm's '' and None mean
-    "unset": None where this engine's option takes None, else this engine's default (or TIMM_NONE_MEANS); ''
+    "unset": None where this engine's option takes None, else this engine's default; ''
     is a value where it is one of the option's choices (--dist-bn '', --lr-base-scale '')."""
     if name == "dataset" and value == "":  # timm's folder of class folders at --data-dir (or data)
         return True, "folder"
@@ -141,14 +161,22 @@ def _shared_option(name: str, value: Any) -> tuple[bool, Any]:
         return True, value
     if _accepts_none(name):
         return True, None
-    if name in TIMM_NONE_MEANS:
-        return True, TIMM_NONE_MEANS[name]
     return False, None
 
 
 def read_timm_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
     """An args.yaml's keys as this engine's options; a ConfigError naming every active timm option that this
-    engine does not apply, or a key that is neither this engine's nor timm's."""
+    engine does not apply, and every key that is neither this engine's nor timm's, each with its reason."""
+    options, problems = translate_timm_keys(values, source)
+    if problems:
+        raise ConfigError(f"{source}: {'; '.join(problems)}")
+    return options
+
+
+def translate_timm_keys(values: dict[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
+    """(this engine's options, the problems: 'key: value (reason)' for each active timm option that this engine
+    does not apply, 'key: unknown option' for each key neither this engine's nor timm's)."""
+    values = {option_aliases().get(key, key): value for key, value in values.items()}
     options: dict[str, Any] = {}
     for name, value in values.items():
         if name in option_names():
@@ -159,19 +187,21 @@ def read_timm_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
     for keys, translate in TIMM_TRANSLATIONS.items():
         if any(key in values for key in keys):
             options.update(translate({key: values.get(key) for key in keys}))
-    refused, unknown = [], []
+    problems = []
     for name, value in values.items():
         if name in option_names() or name in translated:
             continue
-        if name not in TIMM_TRAIN_DEFAULTS:
-            unknown.append(name)
+        if name in OBSOLETE_TIMM_KEYS:
+            inert = OBSOLETE_TIMM_KEYS[name]
+            if value not in inert:
+                problems.append(
+                    f"{name}: {value!r} (an option of older timm train.py versions; accepted at {inert[0]!r})"
+                )
+        elif name not in TIMM_TRAIN_DEFAULTS:
+            problems.append(f"{name}: unknown option{did_you_mean(name)}")
         elif value != TIMM_TRAIN_DEFAULTS[name]:
-            refused.append(f"{name}: {value!r} ({timm_option_status(name)[1]})")
-    if unknown:
-        raise ConfigError(f"unknown option '{unknown[0]}' in {source}{did_you_mean(unknown[0])}")
-    if refused:
-        raise ConfigError(f"{source} sets timm options this engine does not apply: {'; '.join(refused)}")
-    return options
+            problems.append(f"{name}: {value!r} ({timm_option_status(name)[1]})")
+    return options, problems
 
 
 def _default_here(name: str) -> str:

@@ -112,6 +112,10 @@ def relax_times(epochs: int, k: int) -> list[int]:
     return sorted(set(times))
 
 
+# The protocol's resize and center crop, fixed here rather than taken from the model's pretrained config
+EVAL_TRANSFORM = dict(interpolation="bicubic", crop_pct=0.875)
+
+
 def train_recipe(cfg: dict) -> Config:
     """The train.py options shared by every run of the protocol (Sec. 6.2.2); each run's config.yaml records
     them with its own.
@@ -131,6 +135,7 @@ def train_recipe(cfg: dict) -> Config:
         no_aug=True,
         repeated_aug=1,
         drop_path=0.0,
+        **EVAL_TRANSFORM,
         **{k: cfg[k] for k in ("data_dir", "img_size", "num_classes") if cfg[k] is not None},
     )
 
@@ -266,6 +271,7 @@ class _Analysis:
                 num_classes=cfg["num_classes"],
                 seed=cfg["seed"],
                 no_aug=True,
+                **EVAL_TRANSFORM,
             )
         )
         train = landscape.Batches(*_tensors(bundle.train, cfg["measure_train_samples"]), cfg["batch_size"])

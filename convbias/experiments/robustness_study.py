@@ -122,6 +122,7 @@ class RobustnessStudy:
         self.img_size = options.img_size or DATASETS[options.dataset].default_img_size
         self.bundle = bundle = build_datasets(
             Config(
+                model=options.model,
                 dataset=options.dataset,
                 data_dir=options.data_dir,
                 num_classes=options.num_classes,
