@@ -32,10 +32,14 @@ DEIT_STEP = dict(
 )
 
 
+# ops whose output's size depends on the input's values: on a GPU each waits for the device
+VALUE_SIZED_OPS = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave"}
+
+
 class HostReads(TorchDispatchMode):
-    """Counts the reads of a tensor's value on the host (``.item()``, ``float()``, ``bool()``:
-    ``aten._local_scalar_dense``), the calls that synchronize with a GPU, leaving out tensors that live on the
-    host on every device (the optimizer's step counters: torch keeps them on the CPU)."""
+    """Counts the calls that synchronize with a GPU: reads of a tensor's value on the host (``.item()``,
+    ``float()``, ``bool()``: ``aten._local_scalar_dense``), leaving out tensors that live on the host on every
+    device (the optimizer's step counters: torch keeps them on the CPU), and the ops of VALUE_SIZED_OPS."""
 
     def __init__(self, host_tensors: list[torch.Tensor]):
         super().__init__()
@@ -43,7 +47,9 @@ class HostReads(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].data_ptr() not in self.host_pointers:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += args[0].data_ptr() not in self.host_pointers
+        elif func.__name__.split(".")[0] in VALUE_SIZED_OPS:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
