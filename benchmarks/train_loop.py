@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (after one warmup round)")
     parser.add_argument("--workers", type=int, default=None, help="the engine's loader workers")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the engine's choice)")
-    parser.add_argument("--quick", action="store_true", help="ConViT-Ti at 32/p4, batch 16, one thread, on the CPU (1-3 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="ConViT-Ti at 32/p4, batch 16, one thread, on the CPU (1-3 min)"
+    )
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():  # what the command line leaves unset
         if getattr(args, key) is None:
