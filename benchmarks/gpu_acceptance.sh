@@ -9,7 +9,7 @@
 # Steps run in priority order, each under its own time limit (cut to what is left of LIMIT seconds, and
 # skipped when less than MIN_STEP is left); a failing step does not stop the others. Each step's output goes
 # to $OUT/<step>.log; $OUT/summary.md and $OUT/summary.csv list every step with its exit code, seconds and
-# last line (a benchmark's ratio or table row). The package is installed without dependencies first, so
+# last line (a benchmark's ratio or table row), and summary.md then holds every benchmark's tables. The package is installed without dependencies first, so
 # that its console scripts exist (the FSDP tests launch them).
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -23,6 +23,7 @@ STEPS=${STEPS:-}
 mkdir -p "$OUT" || exit 2
 export PYTHONPATH=$ROOT:$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH} WANDB_MODE=disabled HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 T0=$(date +%s)
+RAN=() # the steps that ran, in order: their tables go into the summary at the end
 SUMMARY=$OUT/summary.md CSV=$OUT/summary.csv
 printf '| step | exit | seconds | last line |\n|---|---|---|---|\n' >"$SUMMARY"
 echo "step,exit,seconds,last_line" >"$CSV"
@@ -51,6 +52,7 @@ step() {
   last=$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1 | tr -d '|"' | cut -c1-160)
   echo "## $name rc=$rc in $(($(date +%s) - started)) s: $last"
   printf '| %s | %s | %s | %s |\n' "$name" "$rc" "$(($(date +%s) - started))" "$last" >>"$SUMMARY"
+  RAN+=("$name")
   echo "$name,$rc,$(($(date +%s) - started)),\"$last\"" >>"$CSV"
 }
 
@@ -121,4 +123,10 @@ for line in open(sys.argv[1]):
     print('engine end to end:', {k: r[k] for k in ('epoch', 'images_per_sec', 'data_wait_fraction') if k in r})
 " "$OUT/engine-eager/log.jsonl" | tee -a "$SUMMARY"
 fi
+for name in "${RAN[@]}"; do # each benchmark's markdown tables and ratio lines, as it printed them
+  if grep -qE '^\||^ratio |^synchronizing' "$OUT/$name.log"; then
+    printf '\n### %s\n\n' "$name" >>"$SUMMARY"
+    grep -E '^\||^ratio |^synchronizing|^  [0-9]+ at ' "$OUT/$name.log" >>"$SUMMARY"
+  fi
+done
 echo "total $(($(date +%s) - T0)) s; results in $OUT" | tee -a "$SUMMARY"
