@@ -99,19 +99,21 @@ fi
 step gpu-tests 60 $PYTHON -m pytest -q -p no:cacheprovider $GPU_TESTS
 [ -f tests/test_fused_gpsa.py ] && [ "$SMOKE" != 1 ] &&
   step fused-tests 90 $PYTHON -m pytest -q -p no:cacheprovider tests/test_fused_gpsa.py
+step fsdp 90 $PYTHON -m pytest -q -p no:cacheprovider $FSDP_TESTS
 step train-loop-eager 70 $PYTHON benchmarks/train_loop.py $LOOP
 step train-loop-compiled 120 $PYTHON benchmarks/train_loop.py $LOOP --compile
-step ti-compiled 150 $PYTHON benchmarks/convit_train_step.py $TI --compile --modes training inference \
+step ti-compiled-training 200 $PYTHON benchmarks/convit_train_step.py $TI --compile --modes training \
   --positional-product $PRODUCTS --models ours deit
-step ti-eager 80 $PYTHON benchmarks/convit_train_step.py $TI --modes training inference \
+step ti-eager 100 $PYTHON benchmarks/convit_train_step.py $TI --modes training inference \
   --positional-product $PRODUCTS --models ours deit
 step jpegs 30 $PYTHON benchmarks/make_jpegs.py "$JPEGS" $JPEG_ARGS
-step engine-eager 70 $PYTHON train.py -c configs/train/convit/imagenet/convit_tiny.yaml --data-dir "$JPEGS" \
+step engine-eager 90 $PYTHON train.py -c configs/train/convit/imagenet/convit_tiny.yaml --data-dir "$JPEGS" \
   --epochs 1 --warmup-epochs 0 $ENGINE --output "$OUT/engine-eager"
 step tcnn 60 $PYTHON benchmarks/tcnn_throughput.py $TCNN --variants cnn tcnn
+step ti-compiled-inference 120 $PYTHON benchmarks/convit_train_step.py $TI --compile --modes inference \
+  --positional-product $PRODUCTS --models ours deit
 step s-compiled 120 $PYTHON benchmarks/convit_train_step.py $TI --size small --compile --modes training inference \
   --models ours deit
-step fsdp 90 $PYTHON -m pytest -q -p no:cacheprovider $FSDP_TESTS
 step train-loop-no-recipe 60 $PYTHON benchmarks/train_loop.py $LOOP --no-recipe
 
 # The engine's own epoch record (images/s, data-wait fraction) beside the benchmarks' lines
@@ -123,7 +125,7 @@ for line in open(sys.argv[1]):
     print('engine end to end:', {k: r[k] for k in ('epoch', 'images_per_sec', 'data_wait_fraction') if k in r})
 " "$OUT/engine-eager/log.jsonl" | tee -a "$SUMMARY"
 fi
-for name in "${RAN[@]}"; do # each benchmark's markdown tables and ratio lines, as it printed them
+for name in ${RAN[@]+"${RAN[@]}"}; do # each benchmark's markdown tables and ratio lines, as it printed them
   if grep -qE '^\||^ratio |^synchronizing' "$OUT/$name.log"; then
     printf '\n### %s\n\n' "$name" >>"$SUMMARY"
     grep -E '^\||^ratio |^synchronizing|^  [0-9]+ at ' "$OUT/$name.log" >>"$SUMMARY"
