@@ -253,6 +253,13 @@ def main(argv: list[str] | None = None) -> float:
             setattr(args, key, value)
     if args.quick:
         args.device = "cpu"
+    small = [
+        f"--{k.replace('_', '-')}"
+        for k in ("batch_size", "steps", "rounds", "img_size", "patch_size")
+        if getattr(args, k) < 1
+    ]
+    if small or args.workers < 0:
+        parser.error(f"{', '.join(small) or '--workers'}: expected a positive number (--workers: 0 or more)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("train_loop.py: --device cuda but torch sees no GPU")
     os.environ["ACCELERATE_USE_CPU"] = "true" if args.device == "cpu" else "false"
