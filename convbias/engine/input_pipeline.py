@@ -42,6 +42,7 @@ from timm.data.transforms import (
     str_to_pil_interp,
 )
 from timm.data.transforms_factory import transforms_imagenet_train
+from torch.profiler import record_function
 
 from .batch_augment import ErasingSpec, OpContext, RandAugmentSpec, apply_rand_augment, erase, rand_augment_groups
 
@@ -382,16 +383,20 @@ class DeviceBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         started = time.perf_counter()
-        iterator = iter(self.batches)  # starting the loader's workers is waiting for data too
+        with record_function("loader_wait"):
+            iterator = iter(self.batches)  # starting the loader's workers is waiting for data too
         while True:
             try:
-                images, targets = next(iterator)
+                with record_function("loader_wait"):
+                    images, targets = next(iterator)
             except StopIteration:
                 self.wait_seconds += time.perf_counter() - started
                 return
             self.wait_seconds += time.perf_counter() - started
-            images = self.augment(images) if self.augment else images.to(self.device, non_blocking=True)
-            yield images, targets.to(self.device, non_blocking=True)
+            with record_function("device_augment"):
+                images = self.augment(images) if self.augment else images.to(self.device, non_blocking=True)
+                targets = targets.to(self.device, non_blocking=True)
+            yield images, targets
             started = time.perf_counter()
 
     def wait_fraction(self, seconds: float) -> float:

@@ -149,7 +149,11 @@ def build_train_loader(
     last partial batch. repeated_aug N > 1 repeats each drawn image N times (DeiT uses 3); 1 is a
     plain seeded shuffle. Call `loader.sampler.set_epoch(epoch)` (or `set_epoch(epoch, start)` to
     resume after `start` samples) before each epoch. Augmentations use per-sample seeds (see
-    ShardedSampler), so they are the same for any number of workers and after a mid-epoch resume."""
+    ShardedSampler), so they are the same for any number of workers and after a mid-epoch resume.
+
+    The workers persist (as timm's loader keeps them): they start once, not every epoch. Each epoch's
+    iterator reads the sampler anew, and the per-sample seeds make the workers' own seed irrelevant, so an
+    epoch's batches are those of fresh workers."""
     _check_loader_args(batch_size, workers)
     check_option("repeated_aug", repeated_aug)
     sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, repeats=int(repeated_aug), per_sample_seeds=True)
@@ -167,6 +171,7 @@ def build_train_loader(
         pin_memory=pin_memory and torch.cuda.is_available(),  # --pin-mem
         generator=sampler.worker_seed_generator,
         worker_init_fn=worker_init_fn,
+        persistent_workers=workers > 0,
     )
 
 
@@ -179,7 +184,8 @@ def build_stream_loader(
     pin_memory: bool = True,
 ) -> DataLoader:
     """Loader of a stream (timm's reader splits the shards between processes and workers itself). Its
-    generator (the workers' base seed, hence the sample shuffle) is reseeded per epoch by `epoch_batches`."""
+    generator (the workers' base seed, hence the sample shuffle) is reseeded per epoch by `epoch_batches`,
+    which reaches the workers only when they start: a stream's workers start every epoch."""
     _check_loader_args(batch_size, workers)
     return DataLoader(
         dataset,
@@ -224,7 +230,8 @@ def build_eval_loader(
     worker_init_fn: Callable[[int], None] | None = None,
     pin_memory: bool = True,
 ) -> DataLoader:
-    """Sequential loader over the whole dataset (the engine shards it with accelerator.prepare)."""
+    """Sequential loader over the whole dataset (the engine shards it with accelerator.prepare); its workers
+    persist from one evaluation to the next."""
     _check_loader_args(batch_size, workers)
     return DataLoader(
         dataset,
@@ -233,4 +240,5 @@ def build_eval_loader(
         num_workers=workers,
         pin_memory=pin_memory and torch.cuda.is_available(),  # --pin-mem
         worker_init_fn=worker_init_fn,
+        persistent_workers=workers > 0,
     )

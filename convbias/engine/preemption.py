@@ -3,9 +3,11 @@
 Clusters that preempt jobs signal them first (SLURM: SIGTERM, or the signal of ``--signal=USR1@120``); a
 closed terminal or ssh session sends SIGHUP, handled the same way.
 ``PreemptionSignals`` records the signal in a handler that only sets a flag; the training loop asks
-``requested()`` after every optimizer step (one tiny all-reduce when there are several processes, so
-that every rank stops at the same step even when the signal reached them at different steps), writes a
-mid-epoch resume point and raises ``Preempted``. The command exits with ``REQUEUE_EXIT_CODE``, which a
+``requested()`` after every optimizer update, writes a mid-epoch resume point and raises ``Preempted``. One
+process reads its flag at every update. Several processes decide together every
+``PREEMPTION_CHECK_INTERVAL`` updates (one tiny all-reduce, so that every rank stops at the same update
+even when the signal reached them at different ones): a collective read on the host at every update would
+make each GPU wait for its queued work, and a few updates are nothing against a scheduler's grace time. The command exits with ``REQUEUE_EXIT_CODE``, which a
 job script maps to a requeue (README: SLURM recipe); ``--resume auto`` continues from that step.
 
 DataLoader workers ignore these signals when the scheduler sends them (``ignore_in_worker``): a
@@ -25,6 +27,9 @@ from typing import Any
 from ..errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGHUP")  # SIGHUP: the terminal or ssh session closed
+# Updates between the ranks' joint decisions (an all-reduce and a host read each) when several processes
+# train: at most this many updates pass between a signal and the resume point (about a second on a GPU)
+PREEMPTION_CHECK_INTERVAL = 10
 
 
 class Preempted(Exception):
@@ -80,11 +85,15 @@ class PreemptionSignals:
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum)
 
-    def requested(self, accelerator: Any) -> bool:
-        """True on every rank when any rank has received a signal (a collective: every rank must call it)."""
+    def requested(self, accelerator: Any, updates: int) -> bool:
+        """Whether to stop after update number ``updates``, the same answer on every rank: one process, its own
+        flag; several, True when any rank has received a signal, decided every PREEMPTION_CHECK_INTERVAL
+        updates (a collective then: every rank must call it after every update) and False in between."""
         local = self.received is not None
         if accelerator.num_processes == 1:
             return local
+        if updates % PREEMPTION_CHECK_INTERVAL:
+            return False
         import torch  # only with several processes: engine/__init__ imports this module without torch
 
         flag = torch.tensor([float(local)], device=accelerator.device)

@@ -28,6 +28,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from timm.utils import distribute_bn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from ..errors import NonFiniteLossError, StorageError
@@ -70,6 +71,9 @@ from .run_start import check_exact_continuation, kept
 __all__ = ["NonFiniteLossError", "Trainer", "build_trainer"]
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
+# The torch.profiler ranges of a training step (benchmarks/train_loop.py sums them): the loader's and the
+# device augmentation's in engine.input_pipeline.DeviceBatches, the others around the step's parts here.
+STEP_RANGES = ("loader_wait", "device_augment", "mixup", "forward_backward", "optimizer", "bookkeeping")
 
 
 # The parts a resume point holds, by name (engine.resume_state; the weights are files beside them). Each
@@ -317,60 +321,78 @@ class Trainer:
             leave=False,
             dynamic_ncols=True,
         )
-        started = time.perf_counter()
+        started, mean_loss = time.perf_counter(), None
         loader = epoch_batches(self.data.train_loader, epoch, first, steps - first, cfg.seed, acc.process_index)
         batches = DeviceBatches(loader, acc.device, self.data.augment)
         for step, (images, targets) in enumerate(batches, start=first):
             if cfg.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             if optimization.mixup is not None:
-                images, targets = optimization.mixup(images, targets)
+                with record_function("mixup"):
+                    images, targets = optimization.mixup(images, targets)
             with acc.accumulate(model):
-                outputs = models.forward(images)
-                if models.teacher is not None:
-                    with acc.autocast():
-                        loss = optimization.train_loss(images, outputs, targets)
-                else:
-                    loss = optimization.train_loss(outputs, targets)
-                acc.backward(loss)
-                if cfg.clip_grad and acc.sync_gradients:
-                    recipe.clip_gradients(cfg, acc, model)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if acc.sync_gradients:
-                self.progress.num_updates += 1
-                optimization.scheduler.step_update(self.progress.num_updates)
-                if models.ema is not None:
-                    models.ema.update(models.whole_model(), step=self.progress.num_updates)
-            loss_sum += loss.detach().double()
-            checked = (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == steps
-            logged = cfg.log_interval and (step + 1) % cfg.log_interval == 0 and step + 1 < steps
-            if checked or logged:  # one cross-rank reduction (a collective: the same steps on every rank)
-                mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
-                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
-                if logged and not sys.stderr.isatty():  # a terminal has the progress bar
-                    acc.print(
-                        f"epoch {epoch + 1}/{self.start.epochs}  step {step + 1}/{steps}  train_loss "
-                        f"{mean_loss:.4f}  lr {self._lr():.2e}"
-                    )
-            progress.update(1)
-            if acc.sync_gradients and step + 1 < steps:
-                self._maybe_stop_mid_epoch(epoch, step + 1, loss_sum)
+                with record_function("forward_backward"):
+                    outputs = models.forward(images)
+                    if models.teacher is not None:
+                        with acc.autocast():
+                            loss = optimization.train_loss(images, outputs, targets)
+                    else:
+                        loss = optimization.train_loss(outputs, targets)
+                    acc.backward(loss)
+                with record_function("optimizer"):
+                    if cfg.clip_grad and acc.sync_gradients:
+                        recipe.clip_gradients(cfg, acc, model)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            with record_function("bookkeeping"):
+                mean_loss = self._after_step(epoch, step, steps, loss, loss_sum, progress)
         progress.close()
         seconds = time.perf_counter() - started
         images_seen = (steps - first) * cfg.batch_size * acc.num_processes
         return {
-            "train_loss": self._mean_loss(loss_sum, steps, epoch),
+            "train_loss": self._mean_loss(loss_sum, steps, epoch) if mean_loss is None else mean_loss,
             "lr": self._lr(),
             "images_per_sec": images_seen / seconds,
             "data_wait_fraction": batches.wait_fraction(seconds),
         }
 
+    def _after_step(
+        self, epoch: int, step: int, steps: int, loss: torch.Tensor, loss_sum: torch.Tensor, progress: tqdm
+    ) -> float | None:
+        """What follows a step: the schedule and the EMA after an update, the loss sum, every
+        LOSS_CHECK_INTERVAL steps and at the epoch's last the one cross-rank reduction (finiteness, progress
+        bar, --log-interval; the mean loss so far is returned then, else None), and the mid-epoch resume points
+        and preemption. Nothing else here reads a device value on the host."""
+        cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization
+        if acc.sync_gradients:
+            self.progress.num_updates += 1
+            optimization.scheduler.step_update(self.progress.num_updates)
+            if models.ema is not None:
+                models.ema.update(models.whole_model(), step=self.progress.num_updates)
+        loss_sum += loss.detach().double()
+        checked = (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == steps
+        logged = cfg.log_interval and (step + 1) % cfg.log_interval == 0 and step + 1 < steps
+        mean_loss = None
+        if checked or logged:  # one cross-rank reduction (a collective: the same steps on every rank)
+            mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
+            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
+            if logged and not sys.stderr.isatty():  # a terminal has the progress bar
+                acc.print(
+                    f"epoch {epoch + 1}/{self.start.epochs}  step {step + 1}/{steps}  train_loss "
+                    f"{mean_loss:.4f}  lr {self._lr():.2e}"
+                )
+        progress.update(1)
+        if acc.sync_gradients and step + 1 < steps:
+            self._maybe_stop_mid_epoch(epoch, step + 1, loss_sum)
+        return mean_loss
+
     def _maybe_stop_mid_epoch(self, epoch: int, steps: int, loss_sum: torch.Tensor) -> None:
         """After an optimizer update: a resume point every --checkpoint-interval updates, and on a
-        preemption signal a resume point then Preempted (every rank decides together)."""
+        preemption signal a resume point then Preempted (every rank decides together, every
+        engine.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
         interval = self.cfg.checkpoint_interval
-        preempted = self.preemption.requested(self.accelerator) if self.preemption.signals else False
+        signals = self.preemption
+        preempted = signals.requested(self.accelerator, self.progress.num_updates) if signals.signals else False
         if preempted or (interval and self.progress.num_updates % interval == 0):
             point = self._save(epoch, is_best=False, step=steps, loss_sum=loss_sum)
             if preempted:

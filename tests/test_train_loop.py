@@ -1,0 +1,185 @@
+"""The training loop's own costs, guarded without a GPU: host-device synchronizations per step (a dispatch
+recorder of the calls that read a tensor's value on the host), loader workers kept across epochs and
+evaluations, preemption decided every PREEMPTION_CHECK_INTERVAL updates, and benchmarks/train_loop.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from convbias.engine.config import parse_config
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# The DeiT recipe's per-step work at the tiny ConViT's scale: device RandAugment and erasing, mixup/cutmix,
+# label smoothing, drop-path, gradient clipping and an EMA
+DEIT_STEP = dict(
+    aa="rand-m9-mstd0.5-inc1",
+    reprob=0.25,
+    mixup=0.8,
+    cutmix=1.0,
+    smoothing=0.1,
+    drop_path=0.1,
+    clip_grad=1.0,
+    model_ema=True,
+    color_jitter=0,
+)
+
+
+# ops whose output's size depends on the input's values: on a GPU each waits for the device
+VALUE_SIZED_OPS = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the calls that synchronize with a GPU: reads of a tensor's value on the host (``.item()``,
+    ``float()``, ``bool()``: ``aten._local_scalar_dense``), leaving out tensors that live on the host on every
+    device (the optimizer's step counters: torch keeps them on the CPU), and the ops of VALUE_SIZED_OPS."""
+
+    def __init__(self, host_tensors: list[torch.Tensor]):
+        super().__init__()
+        self.host_pointers = {t.data_ptr() for t in host_tensors}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += args[0].data_ptr() not in self.host_pointers
+        elif func.__name__.split(".")[0] in VALUE_SIZED_OPS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [state["step"] for state in optimizer.state.values() if torch.is_tensor(state.get("step"))]
+
+
+def build(cli_argv, tmp_path, **options):
+    from convbias.engine.run_setup import start_run
+    from convbias.engine.trainer import build_trainer
+    from convbias.families import load_families
+
+    argv = cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, dict(batch_size=16, output=tmp_path / "run"), options)
+    return build_trainer(start_run(parse_config(argv), load_families(), None))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_an_epoch_reads_device_values_only_at_the_loss_checks(cli_argv, tmp_path):
+    """With the DeiT recipe's step, one epoch reads a device value on the host only at the loss checks
+    (every LOSS_CHECK_INTERVAL steps and at the epoch's end), so a GPU queues work ahead between them. The
+    loader's transforms run in a worker (on the host on every device, as in a GPU run)."""
+    from convbias.engine.trainer import LOSS_CHECK_INTERVAL
+
+    trainer = build(cli_argv, tmp_path, no_aug=False, train_fraction=0.15, epochs=2, workers=1, **DEIT_STEP)
+    steps = trainer.data.steps_per_epoch
+    assert steps > LOSS_CHECK_INTERVAL and trainer.data.augment is not None and trainer.optimization.mixup
+    trainer._train_one_epoch(0, 0)  # the optimizer's state exists from here on
+    reads = HostReads(optimizer_steps(trainer.optimization.optimizer.optimizer))
+    with reads:
+        trainer._train_one_epoch(1, 0)
+    checks = steps // LOSS_CHECK_INTERVAL + (steps % LOSS_CHECK_INTERVAL != 0)
+    assert reads.count == checks, f"{reads.count} host reads in {steps} steps, expected {checks}"
+
+
+class Positions(torch.utils.data.Dataset):
+    """Sample i: (i, a random draw of its transform, the loading process's id)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, torch.rand(()).item(), os.getpid()], dtype=torch.float64)
+
+
+def test_loader_workers_persist_across_epochs_and_evaluations_with_the_same_batches():
+    """The train loader's workers start once: the same processes serve a partly read epoch (as a run that
+    skips the last batches), the next one and a mid-epoch restart, and each epoch's samples and their
+    augmentation draws are those of a loader without workers. The eval loader's workers serve every
+    evaluation."""
+    from convbias.engine.loaders import build_eval_loader, build_train_loader, epoch_batches
+
+    def epoch(loader, number, first=0, count=10):
+        return torch.cat(list(epoch_batches(loader, number, first, count)))
+
+    loader = build_train_loader(Positions(), batch_size=4, workers=2, seed=3)
+    reference = build_train_loader(Positions(), batch_size=4, workers=0, seed=3)
+    partial, second, restarted = epoch(loader, 0, count=3), epoch(loader, 1), epoch(loader, 1, first=4, count=6)
+    pids = {int(p) for p in torch.cat([partial, second, restarted])[:, 2].tolist()}
+    assert len(pids) == 2 and os.getpid() not in pids
+    torch.testing.assert_close(second[:, :2], epoch(reference, 1)[:, :2], rtol=0, atol=0)
+    torch.testing.assert_close(restarted, second[16:], rtol=0, atol=0)
+    assert not torch.equal(partial[:, 0], second[:12, 0])  # the epochs' orders differ
+
+    evaluation = build_eval_loader(Positions(), batch_size=8, workers=2)
+    first_pass, second_pass = torch.cat(list(evaluation)), torch.cat(list(evaluation))
+    assert first_pass[:, 0].tolist() == list(range(40))
+    assert (
+        set(first_pass[:, 2].tolist()) == set(second_pass[:, 2].tolist()) and len(set(first_pass[:, 2].tolist())) == 2
+    )
+
+
+class TwoRanks:
+    """accelerate's reduce as two processes see it when the other rank has received a signal."""
+
+    num_processes, device = 2, torch.device("cpu")
+
+    def __init__(self):
+        self.reductions = 0
+
+    def reduce(self, flag: torch.Tensor, reduction: str) -> torch.Tensor:
+        self.reductions += 1
+        return flag + 1
+
+
+def test_several_processes_decide_on_preemption_together_every_interval():
+    """Every rank calls requested() after every update; with several processes they reduce and read the
+    flag only every PREEMPTION_CHECK_INTERVAL updates, and stop at that update; one process reads its own
+    flag at every update, with no collective."""
+    import signal
+    from types import SimpleNamespace
+
+    from convbias.engine.preemption import PREEMPTION_CHECK_INTERVAL, PreemptionSignals
+
+    signals, ranks = PreemptionSignals([signal.SIGUSR1]), TwoRanks()
+    updates = range(1, 3 * PREEMPTION_CHECK_INTERVAL + 1)
+    decisions = [signals.requested(ranks, update) for update in updates]
+    assert decisions == [update % PREEMPTION_CHECK_INTERVAL == 0 for update in updates]
+    assert ranks.reductions == 3
+    alone = SimpleNamespace(num_processes=1)
+    assert not signals.requested(alone, 1)
+    signals.received = signal.SIGUSR1
+    assert signals.requested(alone, 1)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gpu_acceptance_script_parses_and_runs_its_steps_on_the_cpu(tmp_path):
+    """benchmarks/gpu_acceptance.sh is valid bash, and in its CPU smoke mode a chosen step runs and one that
+    fails (a missing test file) neither stops the next one nor the summary; a step with no time left is
+    skipped and listed."""
+    script = ROOT / "benchmarks" / "gpu_acceptance.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    environment = dict(
+        os.environ,
+        OUT=str(tmp_path),
+        CPU_SMOKE="1",
+        STEPS="jpegs gpu-tests",
+        PYTHON=sys.executable,
+        GPU_TESTS="tests/no_such_test_file.py",
+    )
+    done = subprocess.run(["bash", str(script)], env=environment, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split(",")[0]: line.split(",")[1] for line in (tmp_path / "summary.csv").read_text().splitlines()[1:]}
+    assert rows["jpegs"] == "0" and rows["gpu-tests"] != "0", rows
+    assert len(list((tmp_path / "jpegs" / "train").glob("c*/*.jpg"))) == 32
+    skipped = subprocess.run(
+        ["bash", str(script)], env=dict(environment, LIMIT="5", STEPS="jpegs"), capture_output=True, text=True
+    )
+    assert "jpegs,skipped" in (tmp_path / "summary.csv").read_text(), skipped.stdout
