@@ -72,7 +72,7 @@ def test_likely_unintended_settings_are_warned_before_training(cli_argv, tmp_pat
         "warning: the lr scaled to the global batch is 7.81e-06 (--lr-base 0.0005 x 8 / --lr-base-size 512), below "
         "1e-05: the run may barely learn; set --lr, or raise --lr-base or the batch",
         "warning: heavy augmentation (--aa rand-m9-mstd0.5-inc1, --mixup 0.8, --cutmix 1, --reprob 0.25, "
-        "--repeated-aug 3) on 8-px images: the DeiT recipe is made for 224 px and leaves little of a small image; "
+        "--repeated-aug 3) on 8-px images: recipes like DeiT's are made for 224 px and leave little of a small image; "
         "use a light recipe (configs/train/demo_digits.yaml) or --no-aug",
         "warning: --workers 2 x 1 process on this node start 2 loader processes for 1 core: they compete with "
         "training; lower --workers",

@@ -8,10 +8,12 @@ values read token by token, as its argparse would (its short flags -b, -j; lists
 """
 
 import shlex
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 from timm.data import Mixup, create_transform, resolve_data_config
 from timm.models import get_pretrained_cfg
@@ -61,6 +63,8 @@ JSD_RECIPE = (
     "-b 64 --model resnet50 --sched cosine --epochs 200 --lr 0.05 --amp --remode pixel --reprob 0.6 --aug-splits 3 "
     "--aa rand-m9-mstd0.5-inc1 --resplit --split-bn --jsd --dist-bn reduce"
 )
+# args.yaml files published with weights trained by timm's train.py (each names its source)
+PUBLISHED = Path(__file__).parent / "data" / "published_args"
 SHORT_FLAGS = {"-b": "batch_size", "-j": "workers", "-vb": "validation_batch_size"}
 LISTS = ("lr_noise", "opt_betas", "mean", "std", "input_size", "scale", "ratio", "decay_milestones", "cutmix_minmax")
 UPDATES_PER_EPOCH = 7
@@ -87,6 +91,16 @@ def timm_args(command: str) -> SimpleNamespace:
             given, i = [*given, _literal(tokens[i])], i + 1
         values[name] = True if not given else given if name in LISTS else given[0]
     return SimpleNamespace(**values)
+
+
+def timm_yaml_args(values: dict) -> SimpleNamespace:
+    """timm's train.py arguments for an args.yaml: it sets the file's values as its parser's defaults, and
+    argparse converts a string default with the option's type (YAML reads 1e-6, without a dot, as a string)."""
+    numeric = {key for key, value in TIMM_TRAIN_DEFAULTS.items() if type(value) in (int, float)}
+    converted = {
+        key: _literal(value) if isinstance(value, str) and key in numeric else value for key, value in values.items()
+    }
+    return SimpleNamespace(**{**TIMM_TRAIN_DEFAULTS, **converted})
 
 
 def timm_lr(args: SimpleNamespace, global_batch: int) -> float:
@@ -130,7 +144,21 @@ def groups_by_parameter(optimizer: torch.optim.Optimizer, names: dict) -> dict:
 @pytest.mark.parametrize("recipe", sorted(DOCUMENTED))
 def test_a_documented_recipe_gets_timms_values(recipe, folder, tmp_path):
     command = DOCUMENTED[recipe]
-    cfg, args = ours(command, folder, tmp_path), timm_args(command)
+    assert_timms_values(ours(command, folder, tmp_path), timm_args(command))
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PUBLISHED.glob("*.yaml")))
+def test_a_published_args_yaml_gets_timms_values(name, folder, tmp_path):
+    """An args.yaml as published with trained weights, run with -c and only the data folder and output given."""
+    path = PUBLISHED / f"{name}.yaml"
+    cfg = parse_config(["-c", str(path), "--data-dir", str(folder), "--output", str(tmp_path / "run")])
+    args = timm_yaml_args({**yaml.safe_load(path.read_text()), "data_dir": str(folder)})
+    assert_timms_values(cfg, args, num_classes=args.num_classes)
+
+
+def assert_timms_values(cfg, args: SimpleNamespace, num_classes: int = NUM_CLASSES) -> None:
+    """The engine's lr, optimizer, schedule, data config, transforms and batch augmentation for `cfg` equal
+    what timm's own factories build from timm's train.py arguments `args`."""
     global_batch = cfg.batch_size  # one process
     lr, _ = scaled_lr(cfg, global_batch)
     assert lr == pytest.approx(timm_lr(args, global_batch), rel=1e-12)
@@ -202,12 +230,12 @@ def test_a_documented_recipe_gets_timms_values(recipe, folder, tmp_path):
             switch_prob=args.mixup_switch_prob,
             mode=args.mixup_mode,
             label_smoothing=args.smoothing,
-            num_classes=NUM_CLASSES,
+            num_classes=num_classes,
         )
         if mixing
         else None
     )
-    mixup = create_mixup(cfg, NUM_CLASSES)
+    mixup = create_mixup(cfg, num_classes)
     assert vars(mixup) == vars(timm_mixup) if mixing else mixup is None
     assert cfg.repeated_aug == max(1, args.aug_repeats) and cfg.drop_path == args.drop_path and cfg.drop == args.drop
     assert (cfg.model_ema, cfg.model_ema_decay, cfg.smoothing) == (args.model_ema, args.model_ema_decay, args.smoothing)

@@ -114,7 +114,10 @@ def parse_config(argv: list[str] | None) -> Config:
     if is_timm_recipe(file_cfg):  # the args.yaml of timm's train.py
         file_cfg, file_problems = translate_timm_keys(file_cfg, known.config)
         problems += [f"{known.config}: {problem}" for problem in file_problems]
-    file_cfg = {**_evaluated_run_options(known), **file_cfg}
+        origins.update({key: f"recipe {Path(known.config).name}" for key in file_cfg if key not in origins})
+    run_options = _evaluated_run_options(known)
+    origins.update({key: "the evaluated run's config.yaml" for key in run_options if key not in file_cfg})
+    file_cfg = {**run_options, **file_cfg}
     for key in [key for key in file_cfg if key not in option_names()]:
         problems.append(f"{known.config}: {key}: unknown option{did_you_mean(key)}")
         del file_cfg[key]
@@ -143,7 +146,7 @@ def parse_config(argv: list[str] | None) -> Config:
     cfg = Config(**args)
     command_line = _given_on_command_line(argv)
     cfg.__dict__[SOURCES] = {
-        name: "command line" if name in command_line else origins.get(name, "the evaluated run's config.yaml")
+        name: "command line" if name in command_line else origins[name]
         for name in {*file_cfg, *command_line}
     }
     validate(cfg)
@@ -523,8 +526,8 @@ def setup_warnings(cfg: Config, lr: float, global_batch: int) -> list[str]:
     ]
     if heavy and not cfg.no_aug and cfg.img_size < SMALL_IMAGES:
         warnings.append(
-            f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: the DeiT recipe is made for 224 px "
-            f"and leaves little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
+            f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: recipes like DeiT's are made for 224 "
+            f"px and leave little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
         )
     from .node import local_processes, node_cores  # light: os and torch's thread count only
 

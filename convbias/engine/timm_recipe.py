@@ -4,7 +4,9 @@
 "unset", '' and None, become this engine's default); a key with another name here is translated
 (``TIMM_TRANSLATIONS``); a timm option this engine does not implement is accepted only while it holds timm's
 default, inactive value (``TIMM_TRAIN_DEFAULTS``, generated from timm's parser). Set to anything else, every
-such key is refused in one line with the reason (``TIMM_REFUSALS``); none is ignored silently.
+such key is refused in one line with the reason (``TIMM_REFUSALS``); none is ignored silently. The few timm
+options that change only where or how fast timm runs, never the values it trains with, are accepted at any
+value (``TIMM_ANY_VALUE``).
 """
 
 from __future__ import annotations
@@ -27,20 +29,23 @@ from .options import (
 )
 
 NOT_YET = "not implemented by this engine yet"
-NO_DOWNLOAD = "this engine reads data and weights from local files only"
 # timm options that this engine's design decides otherwise: refused when set, with the reason
 TIMM_NOT_APPLICABLE: dict[str, str] = {
-    **dict.fromkeys(
-        ("device", "device_modules", "local_rank"), "accelerate places processes and devices (launch options)"
-    ),
-    **dict.fromkeys(("no_ddp_bb", "synchronize_step"), "accelerate wraps the model in DDP"),
-    **dict.fromkeys(("dataset_download", "dataset_trust_remote_code"), NO_DOWNLOAD),
-    "model_ema_force_cpu": "the EMA lives on the training device",
+    **dict.fromkeys(("device", "device_modules"), "accelerate places processes and devices (launch options)"),
     "start_epoch": "a resume point sets the epoch (--resume)",
     "no_resume_opt": "a resume point always restores the optimizer",
-    "worker_seeding": "each image's augmentation is seeded from (seed, epoch, index)",
-    "use_multi_epochs_loader": "the loaders are rebuilt per epoch by their samplers",
     "save_images": "a debugging aid of timm's loop",
+}
+# timm options whose value changes where or how fast timm's train.py runs, never the values it trains with:
+# accepted at any value (an args.yaml written by a multi-GPU run, or a published recipe, sets them)
+TIMM_ANY_VALUE: dict[str, str] = {
+    "dataset_download": "this engine reads local files only; a data set that is not there is an error naming the path",
+    "dataset_trust_remote_code": "this engine runs no code from a data set",
+    "local_rank": "accelerate gives each process its rank",
+    "model_ema_force_cpu": "the EMA lives on the training device (the same values)",
+    **dict.fromkeys(("no_ddp_bb", "synchronize_step"), "accelerate wraps the model in DDP"),
+    "use_multi_epochs_loader": "the loaders keep their workers across epochs, as timm's MultiEpochsDataLoader",
+    "worker_seeding": "each image's augmentation is seeded from (seed, epoch, index)",
 }
 # timm options this engine does not implement: refused when set, with the reason
 TIMM_REFUSALS: dict[str, str] = {
@@ -199,7 +204,7 @@ def translate_timm_keys(values: dict[str, Any], source: str) -> tuple[dict[str, 
                 )
         elif name not in TIMM_TRAIN_DEFAULTS:
             problems.append(f"{name}: unknown option{did_you_mean(name)}")
-        elif value != TIMM_TRAIN_DEFAULTS[name]:
+        elif value != TIMM_TRAIN_DEFAULTS[name] and name not in TIMM_ANY_VALUE:
             problems.append(f"{name}: {value!r} ({timm_option_status(name)[1]})")
     return options, problems
 
@@ -226,6 +231,8 @@ def timm_option_status(name: str) -> tuple[str, str]:
     for keys, words in TRANSLATED_AS.items():
         if name in keys:
             return "implemented", words
+    if name in TIMM_ANY_VALUE:
+        return "not applicable", f"any value accepted: {TIMM_ANY_VALUE[name]}"
     if name in TIMM_NOT_APPLICABLE:
         return "not applicable", TIMM_NOT_APPLICABLE[name]
     return "refused", TIMM_REFUSALS.get(name, NOT_YET)
