@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from gpsa_cases import randomized_gpsa
 from timm.models import convit as timm_convit
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -20,17 +21,6 @@ from convit import GPSA, MHSA, ConViT
 from transformed_cnn import GPSAConv2d
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def _randomized_gpsa(dim: int, heads: int, seed: int = 0) -> GPSA:
-    """A GPSA with random (not convolutional) positional weights and distinct gates per head."""
-    torch.manual_seed(seed)
-    layer = GPSA(dim, heads)
-    with torch.no_grad():
-        layer.pos_proj.weight.normal_()
-        layer.pos_proj.bias.normal_()
-        layer.gating_param.copy_(torch.linspace(-2.0, 2.0, heads))
-    return layer
 
 
 def _cotangent(out: torch.Tensor) -> torch.Tensor:
@@ -54,7 +44,7 @@ def _output_and_grads(layer: GPSA, x: torch.Tensor, grid_size, fused: bool, prod
 @pytest.mark.parametrize("product", ["kronecker", "dense"])
 @pytest.mark.parametrize("grid_size", [(4, 4), (3, 5)])
 def test_hot_path_matches_reference_path_in_outputs_and_gradients(grid_size, product):
-    layer = _randomized_gpsa(dim=24, heads=4).double()
+    layer = randomized_gpsa(dim=24, heads=4).double()
     x = torch.randn(3, grid_size[0] * grid_size[1], 24, dtype=torch.float64)
     out_fused, dx_fused, grads_fused = _output_and_grads(layer, x, grid_size, fused=True, product=product)
     out_ref, dx_ref, grads_ref = _output_and_grads(layer, x, grid_size, fused=False)
@@ -162,7 +152,7 @@ class _ShapeRecorder(TorchDispatchMode):
 def test_hot_path_never_builds_a_batched_attention_matrix():
     b, h, grid = 3, 4, (5, 7)  # B, H, N all distinct
     n = grid[0] * grid[1]
-    layer = _randomized_gpsa(dim=32, heads=h)
+    layer = randomized_gpsa(dim=32, heads=h)
     x = torch.randn(b, n, 32, requires_grad=True)
     with _ShapeRecorder() as fused:
         layer(x, grid).sum().backward()
@@ -179,7 +169,7 @@ def test_dense_product_builds_one_batch_free_positional_matrix():
     """The dense form holds P as (H, N, N) and its gradient likewise, never a (B, H, N, N) tensor."""
     b, h, grid = 3, 4, (5, 7)
     n = grid[0] * grid[1]
-    layer = _randomized_gpsa(dim=32, heads=h)
+    layer = randomized_gpsa(dim=32, heads=h)
     layer.positional_product = "dense"
     x = torch.randn(b, n, 32, requires_grad=True)
     with _ShapeRecorder() as dense:
@@ -228,7 +218,7 @@ def test_both_products_compile_to_one_graph_and_match_eager(product):
     """torch.compile(fullgraph=True) raises on any graph break, the autograd Functions' included. The
     aot_eager backend traces forward and backward as inductor receives them, without inductor's minute
     of code generation (tests/test_compile.py runs inductor on whole models)."""
-    layer = _randomized_gpsa(dim=24, heads=4)
+    layer = randomized_gpsa(dim=24, heads=4)
     layer.positional_product = product
     x = torch.randn(2, 20, 24)
     eager_out, eager_dx, eager_grads = _output_and_grads(layer, x, (4, 5), fused=True, product=product)
@@ -250,7 +240,7 @@ def _bf16_errors(device: str, batch: int) -> dict[str, dict[str, float]]:
     explicit path itself ("explicit": the floor bf16 sets) and for each product. ConViT-Ti's layer shape.
     The bias of pos_proj cancels in the softmax (its exact gradient is 0): it is scaled by the weight's."""
     torch.manual_seed(0)
-    layer = _randomized_gpsa(dim=192, heads=4).to(device)
+    layer = randomized_gpsa(dim=192, heads=4).to(device)
     x = torch.randn(batch, 196, 192, device=device)
     out, dx, grads = _output_and_grads(layer, x, (14, 14), fused=False)
     reference = {"out": out, "x": dx, **grads}
@@ -301,7 +291,7 @@ def test_products_in_bf16_match_the_fp32_explicit_path(device):
 
 @pytest.mark.parametrize("gate_override", [0.0, 1.0])
 def test_gate_override_selects_content_or_position(gate_override):
-    layer = _randomized_gpsa(dim=16, heads=4).double()
+    layer = randomized_gpsa(dim=16, heads=4).double()
     grid = (3, 4)
     x = torch.randn(2, 12, 16, dtype=torch.float64)
     q, k, v = layer._qkv(x)
@@ -319,7 +309,7 @@ def test_gate_override_selects_content_or_position(gate_override):
 def test_gpsa_and_mhsa_match_timm_layers():
     torch.manual_seed(0)
     grid, x = (6, 6), torch.randn(2, 36, 32)
-    ours, theirs = _randomized_gpsa(32, 4), timm_convit.GPSA(32, num_heads=4)
+    ours, theirs = randomized_gpsa(32, 4), timm_convit.GPSA(32, num_heads=4)
     theirs.load_state_dict(ours.state_dict(), strict=True)
     torch.testing.assert_close(ours(x, grid), theirs(x), rtol=0, atol=1e-5)
     torch.testing.assert_close(ours.attention(x, grid), theirs.get_attention(x), rtol=0, atol=1e-6)
@@ -439,7 +429,7 @@ def test_positional_attention_has_no_tiny_weights():
 @pytest.mark.parametrize("grid_size", [(14, 14), (3, 5), (1, 6)])
 def test_factors_equal_the_dense_softmax_of_the_encodings(grid_size):
     """P_h = rows_h (x) cols_h exactly: the encodings' x and y parts separate (bias included)."""
-    layer = _randomized_gpsa(dim=24, heads=4).double()
+    layer = randomized_gpsa(dim=24, heads=4).double()
     # both are computed in float32; masking differs only below eps / 14 per weight
     torch.testing.assert_close(
         layer.positional_factors(grid_size).dense(), layer.positional_attention(grid_size), rtol=0, atol=1e-6

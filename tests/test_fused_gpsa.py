@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpsa_cases import randomized_gpsa
 
 from convbias import fused_gpsa, gpsa
-from convit import GPSA, ConViT
+from convit import ConViT
 from transformed_cnn import GPSAConv2d
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -25,16 +26,6 @@ FP32_TOLERANCE = 2e-5  # of each tensor's largest magnitude: fp32 rounding over 
 # bf16: the same rule as tests/test_attention.py's oracle: within twice the error of the explicit path
 # itself run in bf16 (the floor bf16 sets), or 1e-2 of the largest magnitude, whichever is larger
 BF16_OVER_FLOOR, BF16_MIN_TOLERANCE = 2.0, 1e-2
-
-
-def _randomized_gpsa(dim: int, heads: int, seed: int = 0) -> GPSA:
-    torch.manual_seed(seed)
-    layer = GPSA(dim, heads)
-    with torch.no_grad():
-        layer.pos_proj.weight.normal_()
-        layer.pos_proj.bias.normal_()
-        layer.gating_param.copy_(torch.linspace(-2.0, 2.0, heads))
-    return layer
 
 
 def _run(module, x, *args, fused: bool = True, product: str = "fused", autocast: bool = False):
@@ -70,11 +61,11 @@ def _interpreted_checks() -> dict:
     torch.set_num_threads(1)
     results = {}
     # a ConViT layer: 35 tokens (5 x 7), 2 heads of 16; fp32 and bf16 against the explicit path in fp32
-    layer = _randomized_gpsa(dim=32, heads=2)
+    layer = randomized_gpsa(dim=32, heads=2)
     x = torch.randn(2, 35, 32)
     reference = _run(layer, x, (5, 7), fused=False)
     results["gpsa_fp32"] = {"fused": _relative_errors(_run(layer, x, (5, 7)), reference)}
-    layer = _randomized_gpsa(dim=64, heads=4, seed=1)  # 49 tokens, 4 heads of 16
+    layer = randomized_gpsa(dim=64, heads=4, seed=1)  # 49 tokens, 4 heads of 16
     x = torch.randn(2, 49, 64)
     reference = _run(layer, x, (7, 7), fused=False)
     results["gpsa_bf16"] = {
@@ -135,7 +126,7 @@ def test_triton_kernels_under_the_interpreter_match_in_fp32_and_bf16():
 
 def test_reference_path_matches_the_explicit_path():
     """Without the interpreter a CPU runs the op's PyTorch reference: the same function."""
-    layer = _randomized_gpsa(dim=32, heads=4)
+    layer = randomized_gpsa(dim=32, heads=4)
     x = torch.randn(2, 20, 32)
     errors = _relative_errors(_run(layer, x, (4, 5)), _run(layer, x, (4, 5), fused=False))
     for name, error in errors.items():
@@ -159,7 +150,7 @@ def test_custom_op_registration_passes_opcheck():
 def test_fused_layer_compiles_to_one_graph():
     """torch.compile(fullgraph=True) raises on any graph break; aot_eager traces forward and backward
     through the op's fake implementation and registered autograd, as inductor receives them."""
-    layer = _randomized_gpsa(dim=24, heads=4)
+    layer = randomized_gpsa(dim=24, heads=4)
     x = torch.randn(2, 20, 24)
     eager = _run(layer, x, (4, 5))
     torch._dynamo.reset()
@@ -235,7 +226,7 @@ def test_kernels_compile_for_a_cuda_gpu_without_one():
 def test_compiled_kernel_on_cuda_matches_the_explicit_path_in_fp32():
     """The compiled Triton kernels (not the interpreter) at ConViT-Ti's layer shape, 196 tokens over
     several 64-token blocks; bf16 is the oracle's in tests/test_attention.py (every product, CUDA too)."""
-    layer = _randomized_gpsa(dim=192, heads=4).cuda()
+    layer = randomized_gpsa(dim=192, heads=4).cuda()
     x = torch.randn(8, 196, 192, device="cuda")
 
     def run(fused: bool) -> dict:

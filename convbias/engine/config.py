@@ -146,8 +146,7 @@ def parse_config(argv: list[str] | None) -> Config:
     cfg = Config(**args)
     command_line = _given_on_command_line(argv)
     cfg.__dict__[SOURCES] = {
-        name: "command line" if name in command_line else origins[name]
-        for name in {*file_cfg, *command_line}
+        name: "command line" if name in command_line else origins[name] for name in {*file_cfg, *command_line}
     }
     validate(cfg)
     return cfg
