@@ -65,7 +65,7 @@ def test_a_torch_file_with_other_objects_is_refused_unexecuted(tmp_path):
         read_state_dict(path)
 
 
-def test_a_timm_checkpoint_starts_a_run_and_is_evaluated_but_not_resumed(tmp_path, folder_of_three):
+def test_a_timm_checkpoint_starts_a_run_and_is_evaluated(tmp_path, folder_of_three):
     from convbias import engine
     from convbias.engine.config import parse_config
     from convbias.families import load_families
@@ -76,5 +76,161 @@ def test_a_timm_checkpoint_starts_a_run_and_is_evaluated_but_not_resumed(tmp_pat
     metrics = engine.run(["--eval-only", best, *base], load_families())
     assert 0 <= metrics["eval_top1"] <= 100
     assert parse_config([*base, "--initial-checkpoint", best, "--output", str(tmp_path / "run")]).checkpoint == best
-    with pytest.raises(ConfigError, match=r"^--resume \S+last\.pth\.tar is a file .* --initial-checkpoint"):
-        parse_config([*base, "--resume", str(tmp_path / "last.pth.tar"), "--output", str(tmp_path / "run")])
+    other = tmp_path / "weights.bin"
+    other.write_bytes((tmp_path / "last.pth.tar").read_bytes())
+    with pytest.raises(ConfigError, match=r"^--resume \S+weights\.bin is a file, and not one of timm's training "):
+        parse_config([*base, "--resume", str(other), "--output", str(tmp_path / "run")])
+
+
+# --------------------------------------------------------------------------- --resume of timm's last.pth.tar
+TIMM_EPOCHS = 3  # timm's run: 3 epochs, stopped after its second (saved epoch 1); resumed here for the third
+UPDATES_PER_EPOCH = 2
+
+
+def timm_train_args(**overrides):
+    """timm's train.py arguments (its parser's defaults) with a small run's values."""
+    from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
+
+    # lr: what train.py sets from --lr-base for its global batch before it builds the optimizer
+    values = {**TIMM_TRAIN_DEFAULTS, "model": "resnet10t", "num_classes": 3, "epochs": TIMM_EPOCHS, "lr": 0.05}
+    return argparse.Namespace(**{**values, "warmup_epochs": 1, "model_ema": True, **overrides})
+
+
+def timm_run(tmp_path, args):
+    """Two epochs of timm's train.py's loop (its optimizer, schedule stepped per epoch, EMA and CheckpointSaver),
+    a few real SGD steps with momentum on random images; returns last.pth.tar."""
+    from timm.optim import create_optimizer_v2, optimizer_kwargs
+    from timm.scheduler import create_scheduler_v2, scheduler_kwargs
+    from timm.utils import ModelEmaV3
+
+    torch.manual_seed(0)
+    model = timm.create_model(args.model, num_classes=args.num_classes)
+    optimizer = create_optimizer_v2(model, **optimizer_kwargs(args))
+    scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(args), updates_per_epoch=UPDATES_PER_EPOCH)
+    ema = ModelEmaV3(model, decay=0.5)
+    saver = CheckpointSaver(model, optimizer, args=args, model_ema=ema, checkpoint_dir=str(tmp_path))
+    for epoch in range(2):
+        for step in range(UPDATES_PER_EPOCH):
+            images, targets = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, step])
+            torch.nn.functional.cross_entropy(model(images), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ema.update(model, step=epoch * UPDATES_PER_EPOCH + step + 1)
+        scheduler.step(epoch + 1)
+        saver.save_checkpoint(epoch=epoch, metric=float(epoch))
+    return tmp_path / "last.pth.tar"
+
+
+def timm_resumed_optimizer(path, args, sched_on_updates):
+    """The oracle: timm's train.py's resume of ``path`` (resume_checkpoint into a fresh model and optimizer, then
+    create_scheduler_v2 and its step to the start epoch); returns (model, optimizer)."""
+    from timm.models import resume_checkpoint
+    from timm.optim import create_optimizer_v2, optimizer_kwargs
+    from timm.scheduler import create_scheduler_v2, scheduler_kwargs
+
+    model = timm.create_model(args.model, num_classes=args.num_classes)
+    optimizer = create_optimizer_v2(model, **optimizer_kwargs(args))
+    start_epoch = resume_checkpoint(model, str(path), optimizer=optimizer, log_info=False)
+    args = argparse.Namespace(**{**vars(args), "sched_on_updates": sched_on_updates})
+    scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(args), updates_per_epoch=UPDATES_PER_EPOCH)
+    if sched_on_updates:
+        scheduler.step_update(start_epoch * UPDATES_PER_EPOCH)
+    else:
+        scheduler.step(start_epoch)
+    return model, optimizer, start_epoch
+
+
+@pytest.fixture
+def folder_of_twelve(tmp_path):
+    """DIR/<class>/<image>: 3 classes of 4 images, 32 px."""
+    from PIL import Image
+
+    for label in range(3):
+        (tmp_path / "data" / f"c{label}").mkdir(parents=True)
+        for index in range(4):
+            Image.new("RGB", (32, 32), (80 * label, 50 * index, 30)).save(
+                tmp_path / "data" / f"c{label}" / f"{index}.png"
+            )
+    return tmp_path / "data"
+
+
+def engine_arguments(folder, output, resume, *extra):
+    return [
+        "--model", "resnet10t", "--data-dir", str(folder), "--img-size", "32", "--batch-size", "4",
+        "--epochs", str(TIMM_EPOCHS), "--warmup-epochs", "1", "--model-ema", "--model-ema-decay", "0.5",
+        "--workers", "0", "--output", str(output), "--resume", str(resume), *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, folder_of_twelve):
+    import csv
+    import json
+
+    from convbias.engine.checkpoint import CheckpointDir
+    from convbias.engine.config import parse_config
+    from convbias.engine.run_setup import start_run
+    from convbias.engine.trainer import build_trainer
+    from convbias.families import load_families
+
+    args = timm_train_args()
+    last = timm_run(tmp_path, args)
+    saved = torch.load(last, weights_only=False)
+    cfg = parse_config(engine_arguments(folder_of_twelve, tmp_path / "run", last))
+    trainer = build_trainer(start_run(cfg, load_families(), None))
+    assert trainer.data.steps_per_epoch == UPDATES_PER_EPOCH  # 8 training images in batches of 4: as timm's run
+    model = trainer.accelerator.unwrap_model(trainer.models.model)
+    assert all(torch.equal(v, saved["state_dict"][k]) for k, v in model.state_dict().items())
+    ema = trainer.models.ema.module.state_dict()
+    assert all(torch.equal(v, saved["state_dict_ema"][k]) for k, v in ema.items())
+    assert any(not torch.equal(v, saved["state_dict"][k]) for k, v in ema.items())  # the EMA is its own
+
+    oracle_model, oracle, start_epoch = timm_resumed_optimizer(last, args, cfg.sched_on_updates)
+    assert start_epoch == saved["epoch"] + 1 == trainer.progress.epoch == 2
+    names = {id(p): n for n, p in oracle_model.named_parameters()}
+    expected = {names[id(p)]: state["momentum_buffer"] for p, state in oracle.state.items()}
+    optimizer = trainer.optimization.optimizer.optimizer
+    ours = {n: optimizer.state[p]["momentum_buffer"] for n, p in model.named_parameters()}
+    assert len(expected) == len(ours) == len(list(model.parameters()))
+    assert all(torch.equal(ours[n], buffer) for n, buffer in expected.items())
+    assert any(buffer.abs().sum() > 0 for buffer in expected.values())
+    by_decay = lambda groups: sorted((g["weight_decay"], len(g["params"]), g["lr"], g["momentum"]) for g in groups)  # noqa: E731
+    assert by_decay(optimizer.param_groups) == by_decay(oracle.param_groups)
+    assert 0 < optimizer.param_groups[0]["lr"] < args.lr  # cosine after its warm-up, at epoch 2 of 3
+    # this run's lr (--lr-base 0.1 for a batch of 4) is not the file's: the schedule follows the file's, as timm's
+    assert trainer.start.lr == 0.1 * 4 / 256 and "starts from the file's lr (0.05), not 0.00156" in trainer.timm_resumed
+
+    trainer.fit()
+    rows = list(csv.DictReader((tmp_path / "run" / "summary.csv").read_text().splitlines()))
+    assert [int(row["epoch"]) for row in rows] == [TIMM_EPOCHS]  # one epoch: the third
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert record["lr"] == pytest.approx(oracle.param_groups[0]["lr"], rel=1e-12)  # per epoch: the epoch's lr
+    assert CheckpointDir(tmp_path / "run").select()[0].name == "epoch_0003"  # --resume auto continues from here
+
+
+def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_one_line(tmp_path, folder_of_twelve):
+    from convbias.engine.config import parse_config
+    from convbias.engine.run_setup import start_run
+    from convbias.engine.trainer import build_trainer
+    from convbias.errors import ConfigError
+    from convbias.families import load_families
+
+    last = timm_run(tmp_path, timm_train_args(weight_decay=0.0))  # timm's optimizer: one group
+    cfg = parse_config(engine_arguments(folder_of_twelve, tmp_path / "run", last))  # weight decay 2e-5: two
+    with pytest.raises(ConfigError) as refused:
+        build_trainer(start_run(cfg, load_families(), None))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"--resume {last}: its optimizer state does not fit this run's optimizer")
+    groups = (
+        "the file's parameter groups: 44 (weight decay 0); this run's: 15 (weight decay 2e-05), 29 (weight decay 0)"
+    )
+    assert groups in message
+    assert not (tmp_path / "run").exists()
+    other = parse_config([*engine_arguments(folder_of_twelve, tmp_path / "run", last), "--model", "resnet14t"])
+    with pytest.raises(ConfigError, match=r"is timm's checkpoint of resnet10t, not of --model resnet14t$"):
+        start_run(other, load_families(), None)
+    with pytest.raises(ConfigError, match="after 2 epochs, and this run has 2: nothing is left to train"):
+        start_run(
+            parse_config([*engine_arguments(folder_of_twelve, tmp_path / "run", last), "--epochs", "2"]), None, None
+        )
