@@ -178,3 +178,62 @@ def aligned_optimizer_state(
         "state": state,
         "param_groups": [{**extra, **saved_groups[i]} for extra, i in zip(kept, order)],
     }
+
+
+def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torch.nn.Module:
+    """The model ``checkpoint`` holds, in eval mode, built from its train.py arguments as timm's validate.py builds
+    it (``timm.create_model(args.model, num_classes, in_chans, global_pool, **model_kwargs)``, the BatchNorm eps
+    train.py gave it) and loaded strictly with the model's weights, or with ``use_ema`` its EMA's (validate.py's
+    --use-ema). The families' models must be registered (``convbias.families.load_families``)."""
+    import timm
+
+    args, path = checkpoint.args, checkpoint.path
+    name = args.get("model")
+    if not isinstance(name, str):
+        raise DamagedInputError(f"{path} holds no args.model (timm's train.py saves it): its architecture is unknown")
+    if not timm.is_model(name):
+        raise ConfigError(f"{path}: its args.model {name!r} is not a registered timm model")
+    input_size = args.get("input_size")
+    in_chans = args.get("in_chans") or (input_size[0] if input_size else 3)
+    kwargs = dict(args.get("model_kwargs") or {})
+    try:
+        model = timm.create_model(
+            name,
+            num_classes=args.get("num_classes"),
+            in_chans=in_chans,
+            global_pool=args.get("gp"),
+            bn_eps=args.get("bn_eps"),
+            **kwargs,
+        )
+    except (TypeError, ValueError, RuntimeError) as error:  # the model's constructor refuses its arguments
+        raise ConfigError(f"{path}: timm cannot build {name} from its args ({' '.join(str(error).split())})") from None
+    from convbias.weights import load_checked
+
+    load_checked(model, checkpoint.weights(use_ema), f"{path}" + (" (state_dict_ema)" if use_ema else ""))
+    return model.eval()
+
+
+def timm_data_config(checkpoint: TimmCheckpoint, model: torch.nn.Module) -> dict[str, Any]:
+    """The evaluation preprocessing of ``checkpoint``'s run: timm's ``resolve_data_config`` of its arguments and
+    model, as timm's train.py evaluated and timm's inference.py predicts (the train-time input size)."""
+    from timm.data import resolve_data_config
+
+    return resolve_data_config(checkpoint.args, model=model)
+
+
+def timm_class_names(checkpoint: TimmCheckpoint, num_classes: int) -> tuple[list[str] | None, list[str]]:
+    """The class names of the run's --class-map (a .txt file of one name per line, timm's format) when it is named
+    and can be read here with as many names as classes, else None and why (labels are then class indices)."""
+    class_map = checkpoint.args.get("class_map")
+    if not class_map:
+        return None, [f"{checkpoint.path} names no --class-map: labels are class indices"]
+    path = Path(class_map)
+    if path.suffix.lower() != ".txt":
+        return None, [f"its --class-map {class_map} is not a .txt file of names: labels are class indices"]
+    try:
+        names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]  # line i: class i
+    except (OSError, UnicodeDecodeError) as error:
+        return None, [f"its --class-map {class_map} cannot be read ({type(error).__name__}): labels are class indices"]
+    if len(names) != num_classes:
+        return None, [f"its --class-map {class_map} has {len(names)} names, the model {num_classes} classes"]
+    return names, []

@@ -7,6 +7,7 @@ import pickle
 import pytest
 import timm
 import torch
+import yaml
 from timm.utils import CheckpointSaver
 
 from convbias.errors import ConfigError
@@ -234,3 +235,108 @@ def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_on
         start_run(
             parse_config([*engine_arguments(folder_of_twelve, tmp_path / "run", last), "--epochs", "2"]), None, None
         )
+
+
+# ------------------------------------------------------------------- convbias-predict and convbias-export of one
+CLASS_NAMES = ["cat", "dog", "bird"]
+
+
+def timm_oracle(path, use_ema):
+    """timm's validate.py on ``path``: the model its args name, load_checkpoint (--use-ema) and the data config
+    resolve_data_config gives for the args and model."""
+    from timm.data import resolve_data_config
+    from timm.models import load_checkpoint
+
+    args = vars(torch.load(path, weights_only=False)["args"])
+    model = timm.create_model(args["model"], num_classes=args["num_classes"])
+    load_checkpoint(model, str(path), use_ema=use_ema)
+    return model.eval(), resolve_data_config(args, model=model)
+
+
+@pytest.fixture
+def timm_last(tmp_path):
+    """last.pth.tar of a short timm run whose --class-map names its 3 classes, with its own preprocessing."""
+    (tmp_path / "classes.txt").write_text("\n".join(CLASS_NAMES) + "\n")
+    data = dict(img_size=40, crop_pct=0.95, interpolation="bilinear", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
+    return timm_run(tmp_path, timm_train_args(class_map=str(tmp_path / "classes.txt"), **data))
+
+
+def test_predict_of_timms_checkpoint_gives_the_softmax_of_its_model_and_ema(tmp_path, timm_last):
+    import json
+
+    from PIL import Image
+    from timm.data import create_transform
+
+    from convbias.cli.predict import main
+
+    (tmp_path / "images").mkdir()
+    paths = [tmp_path / "images" / f"{i}.png" for i in range(3)]
+    for i, path in enumerate(paths):
+        generator = torch.Generator().manual_seed(i)
+        pixels = torch.randint(0, 256, (40 + 4 * i, 36, 3), generator=generator, dtype=torch.uint8)
+        Image.fromarray(pixels.numpy()).save(path)
+    results = {}
+    for use_ema in (False, True):
+        output = tmp_path / f"ema_{use_ema}.json"
+        argv = [str(timm_last), str(tmp_path / "images"), "--topk", "2", "--output", str(output), "--device", "cpu"]
+        assert main(argv + (["--use-ema"] if use_ema else [])) == 0
+        record = json.loads(output.read_text())
+        model, config = timm_oracle(timm_last, use_ema)
+        transform = create_transform(**config, is_training=False)
+        with torch.no_grad():
+            batch = torch.stack([transform(Image.open(path).convert("RGB")) for path in paths])
+            values, indices = model(batch).softmax(-1).topk(2)
+        assert [p["path"] for p in record["predictions"]] == [str(path) for path in paths]
+        for prediction, value, index in zip(record["predictions"], values.tolist(), indices.tolist()):
+            assert [top["index"] for top in prediction["top"]] == index
+            assert [top["label"] for top in prediction["top"]] == [CLASS_NAMES[i] for i in index]
+            assert [top["probability"] for top in prediction["top"]] == pytest.approx(value, abs=1e-6)
+        results[use_ema] = [top["probability"] for p in record["predictions"] for top in p["top"]]
+    assert results[False] != pytest.approx(results[True], abs=1e-4)  # the EMA's weights are others
+
+
+def test_export_of_timms_checkpoint_loads_back_through_local_dir_with_its_logits(tmp_path, timm_last):
+    from timm.data import resolve_model_data_config
+
+    from convbias.cli.export import main
+
+    assert main([str(timm_last), "--output", str(tmp_path / "exported"), "--use-ema"]) == 0
+    exported = timm.create_model(f"local-dir:{tmp_path / 'exported'}", pretrained=True).eval()
+    model, config = timm_oracle(timm_last, use_ema=True)
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(exported(images), model(images))
+    assert exported.pretrained_cfg["label_names"] == CLASS_NAMES
+    exported_config = resolve_model_data_config(exported)
+    plain = lambda value: tuple(value) if isinstance(value, list) else value  # noqa: E731 (JSON has lists)
+    assert {k: plain(exported_config[k]) for k in config if k != "crop_mode"} == {
+        k: v for k, v in config.items() if k != "crop_mode"
+    }
+    assert config == {**config, "input_size": (3, 40, 40), "crop_pct": 0.95, "interpolation": "bilinear"}
+    assert yaml.safe_load((tmp_path / "exported" / "args.yaml").read_text())["model"] == "resnet10t"
+
+
+def test_predict_and_export_refuse_what_a_timm_checkpoint_does_not_have_in_one_line(tmp_path, capsys):
+    from convbias.cli.export import main as export
+    from convbias.cli.predict import main as predict
+
+    timm_checkpoint(tmp_path)  # no state_dict_ema? it has one; its args name no num_classes
+    (tmp_path / "image.png").write_bytes(b"")
+    no_ema = tmp_path / "no_ema.pth.tar"
+    saved = torch.load(tmp_path / "last.pth.tar", weights_only=False)
+    del saved["state_dict_ema"]
+    torch.save(saved, no_ema)
+    assert predict([str(no_ema), str(tmp_path / "image.png"), "--use-ema"]) == 2
+    assert predict([str(tmp_path / "last.pth.tar"), str(tmp_path / "image.png"), "--which", "best"]) == 2
+    not_timm = tmp_path / "weights.pth"
+    torch.save({"w": torch.zeros(1)}, not_timm)
+    assert export([str(not_timm), "--output", str(tmp_path / "out")]) == 65
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: --use-ema: {no_ema} holds no state_dict_ema (its run had no --model-ema)",
+        f"error: --which is for run directories; {tmp_path / 'last.pth.tar'} is timm's checkpoint (use --use-ema for "
+        f"its EMA)",
+        f"error: {not_timm} is not a timm training checkpoint: expected a dict with 'state_dict' (tensors) and "
+        f"'epoch', as timm's CheckpointSaver writes",
+    ]
+    assert not (tmp_path / "out").exists()
