@@ -3,6 +3,7 @@ epoch, arch, args as an argparse.Namespace, version, metric) load as weights, sa
 
 import argparse
 import pickle
+from pathlib import Path
 
 import pytest
 import timm
@@ -88,12 +89,16 @@ TIMM_EPOCHS = 3  # timm's run: 3 epochs, stopped after its second (saved epoch 1
 UPDATES_PER_EPOCH = 2
 
 
+TINY_RESNET = {"channels": (8, 16, 32, 64), "stem_width": 8}  # resnet10t's layers at 1/8 of its width
+
+
 def timm_train_args(**overrides):
     """timm's train.py arguments (its parser's defaults) with a small run's values."""
     from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
     # lr: what train.py sets from --lr-base for its global batch before it builds the optimizer
     values = {**TIMM_TRAIN_DEFAULTS, "model": "resnet10t", "num_classes": 3, "epochs": TIMM_EPOCHS, "lr": 0.05}
+    values["model_kwargs"] = TINY_RESNET  # as timm's --model-kwargs parses them
     return argparse.Namespace(**{**values, "warmup_epochs": 1, "model_ema": True, **overrides})
 
 
@@ -105,7 +110,7 @@ def timm_run(tmp_path, args):
     from timm.utils import ModelEmaV3
 
     torch.manual_seed(0)
-    model = timm.create_model(args.model, num_classes=args.num_classes)
+    model = timm.create_model(args.model, num_classes=args.num_classes, **args.model_kwargs)
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(args))
     scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(args), updates_per_epoch=UPDATES_PER_EPOCH)
     ema = ModelEmaV3(model, decay=0.5)
@@ -129,7 +134,7 @@ def timm_resumed_optimizer(path, args, sched_on_updates):
     from timm.optim import create_optimizer_v2, optimizer_kwargs
     from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 
-    model = timm.create_model(args.model, num_classes=args.num_classes)
+    model = timm.create_model(args.model, num_classes=args.num_classes, **args.model_kwargs)
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(args))
     start_epoch = resume_checkpoint(model, str(path), optimizer=optimizer, log_info=False)
     args = argparse.Namespace(**{**vars(args), "sched_on_updates": sched_on_updates})
@@ -139,6 +144,19 @@ def timm_resumed_optimizer(path, args, sched_on_updates):
     else:
         scheduler.step(start_epoch)
     return model, optimizer, start_epoch
+
+
+CLASS_NAMES = ["cat", "dog", "bird"]
+
+
+@pytest.fixture(scope="module")
+def timm_last(tmp_path_factory):
+    """last.pth.tar of a short timm run whose --class-map names its 3 classes, with its own preprocessing (one run
+    for the tests of this module that only read it)."""
+    folder = tmp_path_factory.mktemp("timm_run")
+    (folder / "classes.txt").write_text("\n".join(CLASS_NAMES) + "\n")
+    data = dict(img_size=40, crop_pct=0.95, interpolation="bilinear", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
+    return timm_run(folder, timm_train_args(class_map=str(folder / "classes.txt"), **data))
 
 
 @pytest.fixture
@@ -156,7 +174,12 @@ def folder_of_twelve(tmp_path):
 
 
 def engine_arguments(folder, output, resume, *extra):
+    recipe = Path(folder).parent / "tiny_resnet.yaml"  # the model kwargs of timm's run, as a recipe gives them
+    recipe.write_text(
+        yaml.safe_dump({"model_kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in TINY_RESNET.items()}})
+    )
     return [
+        "-c", str(recipe),
         "--model", "resnet10t", "--data-dir", str(folder), "--img-size", "32", "--batch-size", "4",
         "--epochs", str(TIMM_EPOCHS), "--warmup-epochs", "1", "--model-ema", "--model-ema-decay", "0.5",
         "--workers", "0", "--output", str(output), "--resume", str(resume), *extra,
@@ -164,7 +187,7 @@ def engine_arguments(folder, output, resume, *extra):
 
 
 @pytest.mark.integration
-def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, folder_of_twelve):
+def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, folder_of_twelve, timm_last):
     import csv
     import json
 
@@ -174,9 +197,9 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
     from convbias.engine.trainer import build_trainer
     from convbias.families import load_families
 
-    args = timm_train_args()
-    last = timm_run(tmp_path, args)
+    last = timm_last
     saved = torch.load(last, weights_only=False)
+    args = saved["args"]
     cfg = parse_config(engine_arguments(folder_of_twelve, tmp_path / "run", last))
     trainer = build_trainer(start_run(cfg, load_families(), None))
     assert trainer.data.steps_per_epoch == UPDATES_PER_EPOCH  # 8 training images in batches of 4: as timm's run
@@ -224,7 +247,7 @@ def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_on
     assert "\n" not in message
     assert message.startswith(f"--resume {last}: its optimizer state does not fit this run's optimizer")
     groups = (
-        "the file's parameter groups: 44 (weight decay 0); this run's: 15 (weight decay 2e-05), 29 (weight decay 0)"
+        "the file's parameter groups: 47 (weight decay 0); this run's: 16 (weight decay 2e-05), 31 (weight decay 0)"
     )
     assert groups in message
     assert not (tmp_path / "run").exists()
@@ -238,7 +261,6 @@ def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_on
 
 
 # ------------------------------------------------------------------- convbias-predict and convbias-export of one
-CLASS_NAMES = ["cat", "dog", "bird"]
 
 
 def timm_oracle(path, use_ema):
@@ -248,17 +270,9 @@ def timm_oracle(path, use_ema):
     from timm.models import load_checkpoint
 
     args = vars(torch.load(path, weights_only=False)["args"])
-    model = timm.create_model(args["model"], num_classes=args["num_classes"])
+    model = timm.create_model(args["model"], num_classes=args["num_classes"], **args["model_kwargs"])
     load_checkpoint(model, str(path), use_ema=use_ema)
     return model.eval(), resolve_data_config(args, model=model)
-
-
-@pytest.fixture
-def timm_last(tmp_path):
-    """last.pth.tar of a short timm run whose --class-map names its 3 classes, with its own preprocessing."""
-    (tmp_path / "classes.txt").write_text("\n".join(CLASS_NAMES) + "\n")
-    data = dict(img_size=40, crop_pct=0.95, interpolation="bilinear", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
-    return timm_run(tmp_path, timm_train_args(class_map=str(tmp_path / "classes.txt"), **data))
 
 
 def test_predict_of_timms_checkpoint_gives_the_softmax_of_its_model_and_ema(tmp_path, timm_last):
