@@ -236,7 +236,7 @@ def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_on
     from convbias.engine.config import parse_config
     from convbias.engine.run_setup import start_run
     from convbias.engine.trainer import build_trainer
-    from convbias.errors import ConfigError
+    from convbias.errors import ConfigError, DamagedInputError
     from convbias.families import load_families
 
     last = timm_run(tmp_path, timm_train_args(weight_decay=0.0))  # timm's optimizer: one group
@@ -254,6 +254,12 @@ def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_on
     other = parse_config([*engine_arguments(folder_of_twelve, tmp_path / "run", last), "--model", "resnet14t"])
     with pytest.raises(ConfigError, match=r"is timm's checkpoint of resnet10t, not of --model resnet14t$"):
         start_run(other, load_families(), None)
+    weights_only = tmp_path / "weights.pth.tar"  # a state dict alone: no epoch to continue from
+    torch.save(torch.load(last, weights_only=False)["state_dict"], weights_only)
+    with pytest.raises(
+        DamagedInputError, match=r"weights\.pth\.tar is not a timm training checkpoint: expected a dict"
+    ):
+        start_run(parse_config(engine_arguments(folder_of_twelve, tmp_path / "run", weights_only)), None, None)
     with pytest.raises(ConfigError, match="after 2 epochs, and this run has 2: nothing is left to train"):
         start_run(
             parse_config([*engine_arguments(folder_of_twelve, tmp_path / "run", last), "--epochs", "2"]), None, None
