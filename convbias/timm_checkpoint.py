@@ -25,7 +25,8 @@ from convbias.errors import ConfigError, DamagedInputError
 from convbias.weights import load_torch_file
 
 SCALER_KEY = "amp_scaler"  # timm.utils.NativeScaler.state_dict_key: torch's GradScaler state
-# Optimizer defaults that choose torch's implementation, not the update: torch fills in those an older file lacks
+# Optimizer defaults that newer torch and timm versions added, filled in with their defaults where an older file
+# lacks them: their absence is no sign of another optimizer
 IMPLEMENTATION_FLAGS = frozenset(
     {
         "foreach",
