@@ -64,6 +64,7 @@ from convbias.engine.data import input_format
 from convbias.engine.run_dir import check_which
 from convbias.storage import staged_directory, storage_reason
 from convbias.tables import markdown_table
+from convbias.timm_checkpoint import create_timm_model, read_timm_checkpoint, timm_class_names, timm_data_config
 from convbias.weights import load_weights
 
 DEFAULT_LICENSE = "apache-2.0"
@@ -397,6 +398,34 @@ def export_run(
     model_config = {"label_names": labels} if labels and len(labels) == info["num_classes"] else {}
     metrics = run_metrics(run, info["checkpoint"])
 
+    def card(exported: dict[str, Any]) -> str:
+        return model_card(model, info, metrics, exported, license, repo_id)
+
+    files: dict[str, Path | str] = {name: run.path / name for name in RUN_FILES if (run.path / name).is_file()}
+    checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license)
+    return {
+        "output": output,
+        "model": info["model"],
+        "checkpoint": info["checkpoint"].describe(),
+        "metrics": metrics,
+        "checks": checks,
+    }
+
+
+def write_export(
+    output: Path,
+    model: torch.nn.Module,
+    model_config: dict[str, Any],
+    preprocessing: dict[str, Any],
+    card: Any,
+    files: dict[str, Path | str],
+    deploy: tuple[str, ...],
+    example: torch.Tensor | None,
+    license: str,
+) -> dict[str, float]:
+    """Write the export folder (staged, renamed into place): timm's save_for_hf files, the card (``card``: the
+    README.md text from what was exported), ``files`` (a Path: copied; a str: the text written), and the ``deploy`` formats checked
+    against the model (their relative errors are returned)."""
     # the weights are the run's: drop what the registered cfg says about timm's pretrained weights
     model.pretrained_cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in SOURCE_FIELDS}
     model.pretrained_cfg["license"] = license
@@ -412,21 +441,126 @@ def export_run(
             "provenance": _provenance(),
         }
         with _writing(output, "README.md"):
-            (tmp / "README.md").write_text(model_card(model, info, metrics, exported, license, repo_id))
-        for name in RUN_FILES:
-            if (run.path / name).is_file():
-                with _writing(output, name):
-                    shutil.copyfile(run.path / name, tmp / name)
+            (tmp / "README.md").write_text(card(exported))
+        for name, source in files.items():
+            with _writing(output, name):
+                if isinstance(source, str):
+                    (tmp / name).write_text(source)
+                else:
+                    shutil.copyfile(source, tmp / name)
         for name, export in (("onnx", export_onnx), ("pt2", export_program)):
             if name in deploy:
                 with _writing(output, f"model.{name}"):
                     checks[name] = export(model, example, tmp / f"model.{name}")
         _usual_modes(tmp)
+    return checks
+
+
+# ------------------------------------------------------------------------------------- timm's checkpoints
+TIMM_RECIPE_KEYS = ("model", "model_kwargs", "epochs", "batch_size", "opt", "lr", "weight_decay", "sched",
+                    "warmup_epochs", "drop_path", "smoothing", "mixup", "cutmix", "aa", "reprob", "model_ema", "seed")  # fmt: skip
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with tuples as lists, for YAML's safe dumper."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def timm_model_card(model: torch.nn.Module, checkpoint: Any, use_ema: bool, exported: dict[str, Any], license: str,
+                    repo_id: str | None) -> str:  # fmt: skip
+    """README.md for a model exported from timm's training checkpoint: front matter, architecture, the recipe its
+    args record, the metric timm's train.py saved with it, how to load it."""
+    args, name = checkpoint.args, checkpoint.args["model"]
+    family = _family(name)
+    dataset = str(args.get("dataset") or "image folder")
+    front = _front_matter(name, family, dataset, {}, license)
+    cfg, size = exported["pretrained_cfg"], exported["pretrained_cfg"]["input_size"]
+    recipe = [(key, json.dumps(_plain(args[key]))) for key in TIMM_RECIPE_KEYS if args.get(key) not in (None, {}, "")]
+    metric = "not saved" if checkpoint.metric is None else f"{args.get('eval_metric', 'top1')} {checkpoint.metric:.4g}"
+    provenance = exported["provenance"]
+    imports = "" if family == "timm" else f"import {family}  # registers {name} in timm\n"
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).rstrip(),
+        "---",
+        f"# Model card for {name}",
+        "",
+        f"`{name}` trained by timm's `train.py`; exported by `{PACKAGE}` from `{checkpoint.path.name}` (epoch "
+        f"{checkpoint.epoch}, {'its EMA weights' if use_ema else 'the model weights'}).",
+        "",
+        "## Model details",
+        f"- **Architecture:** `{name}`, {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters",
+        f"- **Constructor arguments (`model_args`):** `{json.dumps(exported['model_args'], sort_keys=True)}`",
+        f"- **Input:** {size[0]} x {size[1]} x {size[2]}, mean {list(cfg['mean'])}, std {list(cfg['std'])}, "
+        f"crop_pct {cfg.get('crop_pct')}, interpolation {cfg.get('interpolation')}",
+        f"- **Classes:** {cfg['num_classes']}"
+        + (f" ({', '.join(map(str, exported['label_names']))})" if exported.get("label_names") else ""),
+        "",
+        "## Training recipe",
+        markdown_table(["option", "value"], recipe).rstrip(),
+        "",
+        "The complete arguments are in `args.yaml` beside this card (timm's `train.py -c args.yaml`).",
+        "",
+        "## Results",
+        f"Metric saved with the checkpoint by timm's train.py (the EMA's when its run evaluated one): {metric}.",
+        "",
+        "## How to load it",
+        "```python",
+        "import timm",
+        f"{imports}",
+        f"model = timm.create_model('hf-hub:{repo_id or 'USER/REPO'}', pretrained=True).eval()  # or 'local-dir:PATH'",
+        "data_config = timm.data.resolve_model_data_config(model)",
+        "transform = timm.data.create_transform(**data_config, is_training=False)",
+        "```",
+        "",
+        "## Software",
+        f"- {PACKAGE} {provenance['version']}, commit {provenance['commit']}",
+        f"- timm {provenance['timm']}, torch {provenance['torch']}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def export_timm_checkpoint(
+    path: str | Path,
+    output: str | Path,
+    use_ema: bool = False,
+    deploy: tuple[str, ...] = (),
+    img_size: int | None = None,
+    license: str = DEFAULT_LICENSE,
+    repo_id: str | None = None,
+) -> dict[str, Any]:
+    """Write the Hub folder of timm's training checkpoint ``path`` (``use_ema``: its EMA's weights) to ``output``:
+    the model its args name, the preprocessing ``resolve_data_config`` gives for them, label_names from its
+    --class-map, a card, its args as args.yaml. Returns what was written, as export_run does."""
+    output = Path(output)
+    unknown = [f for f in deploy if f not in DEPLOY_FORMATS]
+    if unknown:
+        raise ValueError(f"unknown deployment format {unknown[0]!r}; choices: {', '.join(DEPLOY_FORMATS)}")
+    _check_output(output)
+    if "onnx" in deploy:
+        check_onnx_installed()
+    checkpoint = read_timm_checkpoint(path)
+    model = create_timm_model(checkpoint, use_ema)
+    preprocessing = {key: value for key, value in timm_data_config(checkpoint, model).items() if key != "crop_mode"}
+    example = deploy_input(model, preprocessing, img_size) if deploy else None
+    labels, _ = timm_class_names(checkpoint, model.num_classes)
+    model_config = {"label_names": labels} if labels else {}
+
+    def card(exported: dict[str, Any]) -> str:
+        return timm_model_card(model, checkpoint, use_ema, exported, license, repo_id)
+
+    files = {"args.yaml": yaml.safe_dump(_plain(checkpoint.args), sort_keys=False)}  # as timm's run folder has it
+    checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license)
     return {
         "output": output,
-        "model": info["model"],
-        "checkpoint": info["checkpoint"].describe(),
-        "metrics": metrics,
+        "model": checkpoint.args["model"],
+        "checkpoint": f"{checkpoint.path} (epoch {checkpoint.epoch}{', EMA' if use_ema else ''})",
+        "metrics": {},
         "checks": checks,
     }
 

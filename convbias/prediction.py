@@ -5,9 +5,10 @@
     write_predictions(result, "preds.csv", topk=3)
 
 The model is either a train.py run (read through ``RunDir``: verified weights, the run's eval transform from
-the engine's ``build_transforms``, class names from its dataset) or a ``convbias-export`` folder (loaded by timm
-from ``local-dir:``, preprocessing from its pretrained_cfg, class names from its ``label_names``), so an image
-is preprocessed exactly as the run's validation images were. Images that cannot be decoded are skipped and
+the engine's ``build_transforms``, class names from its dataset), a ``convbias-export`` folder (loaded by timm
+from ``local-dir:``, preprocessing from its pretrained_cfg, class names from its ``label_names``) or timm's
+training checkpoint (``*.pth.tar``: the model and preprocessing its saved train.py arguments give, read safely
+by ``convbias.timm_checkpoint``), so an image is preprocessed exactly as the run's validation images were. Images that cannot be decoded are skipped and
 reported, never fatal. Every refusal is a ConfigError with one line (exit 2 in the commands).
 """
 
@@ -39,6 +40,14 @@ from convbias.engine.run_dir import check_not_run_file
 from convbias.families import load_families
 from convbias.inputs import first_line
 from convbias.storage import write_text
+from convbias.timm_checkpoint import (
+    TIMM_SUFFIXES,
+    create_timm_model,
+    is_timm_checkpoint_name,
+    read_timm_checkpoint,
+    timm_class_names,
+    timm_data_config,
+)
 from convbias.weights import check_weights_file
 
 OUTPUT_FORMATS = (".csv", ".json")
@@ -81,9 +90,18 @@ def is_exported(path: str | Path) -> bool:
     return (Path(path) / EXPORTED_CONFIG).is_file()
 
 
-def source_kind(source: str | Path, which: str | None = None) -> str:
-    """ "exported" or "run": what ``source`` is, checked before anything is loaded (ConfigError otherwise)."""
+def source_kind(source: str | Path, which: str | None = None, use_ema: bool = False) -> str:
+    """ "exported", "run" or "timm" (timm's training checkpoint, ``convbias.timm_checkpoint``): what ``source``
+    is, checked before anything is loaded (ConfigError otherwise)."""
     path = Path(source)
+    if is_timm_checkpoint_name(path):
+        if which is not None:
+            raise ConfigError(
+                f"--which is for run directories; {path} is timm's checkpoint (use --use-ema for its EMA)"
+            )
+        return "timm"
+    if use_ema:
+        raise ConfigError(f"--use-ema picks the EMA weights of timm's checkpoint file (*.pth.tar); {path} is not one")
     if is_exported(path):
         if which is not None:
             raise ConfigError(f"--which is for run directories; {path} is an exported folder (one checkpoint)")
@@ -91,17 +109,38 @@ def source_kind(source: str | Path, which: str | None = None) -> str:
     if is_run_dir(path):
         return "run"
     if not path.exists():
-        raise ConfigError(f"{path} not found: expected a train.py run directory or a convbias-export folder")
+        raise ConfigError(
+            f"{path} not found: expected a train.py run directory, a convbias-export folder or timm's *.pth.tar"
+        )
     raise ConfigError(
-        f"{path} is neither a train.py run directory (no config.yaml) nor a convbias-export folder (no {EXPORTED_CONFIG})"
+        f"{path} is neither a train.py run directory (no config.yaml), a convbias-export folder (no "
+        f"{EXPORTED_CONFIG}) nor timm's checkpoint (*{', *'.join(TIMM_SUFFIXES)})"
     )
 
 
-def load_predictor(source: str | Path, which: str | None = None) -> Predictor:
-    """The model of a train.py run (``which``: last or best, default last) or of an exported folder."""
-    if source_kind(source, which) == "exported":
+def load_predictor(source: str | Path, which: str | None = None, use_ema: bool = False) -> Predictor:
+    """The model of a train.py run (``which``: last or best, default last), of an exported folder, or of timm's
+    training checkpoint (``use_ema``: its EMA's weights)."""
+    kind = source_kind(source, which, use_ema)
+    if kind == "exported":
         return load_exported(source)
+    if kind == "timm":
+        return load_timm(source, use_ema)
     return load_run(source, which or "last")
+
+
+def load_timm(path: str | Path, use_ema: bool = False) -> Predictor:
+    """timm's training checkpoint as timm's inference.py predicts with it: the model its args name, the
+    preprocessing ``resolve_data_config`` gives for its args and model, the names of its --class-map."""
+    checkpoint = read_timm_checkpoint(path)
+    load_families()  # registers the architectures of the families
+    model = create_timm_model(checkpoint, use_ema)
+    data_config = timm_data_config(checkpoint, model)
+    transform = create_transform(**data_config, is_training=False)
+    labels, notes = timm_class_names(checkpoint, model.num_classes)
+    source = f"{path}" + (" (EMA)" if use_ema else "")
+    in_chans = data_config["input_size"][0]
+    return Predictor(model, transform, model.num_classes, image_mode(in_chans), source, labels, notes)
 
 
 def load_run(path: str | Path, which: str = "last") -> Predictor:

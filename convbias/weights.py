@@ -173,9 +173,13 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     Raises ValueError naming the missing, unexpected or mismatched keys when the file belongs to
     another model. Returns the model.
     """
-    state_dict = read_state_dict(path)
-    check_compatible(model, state_dict, str(path))
-    check_finite(state_dict, str(path), [name for name, _ in model.named_parameters()])
+    return load_checked(model, read_state_dict(path), str(path))
+
+
+def load_checked(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> torch.nn.Module:
+    """``state_dict`` (read from ``source``) into ``model``, strictly, after the checks of ``load_weights``."""
+    check_compatible(model, state_dict, source)
+    check_finite(state_dict, source, [name for name, _ in model.named_parameters()])
     model.load_state_dict(state_dict, strict=True)
     return model
 

@@ -152,7 +152,7 @@ def test_console_script_writes_csv_to_standard_output(run, images, console_scrip
     ("argv", "message"),
     [
         (["{tmp}/missing", "{images}"], "{tmp}/missing not found: expected a train.py run directory"),
-        (["{tmp}", "{images}"], "is neither a train.py run directory (no config.yaml) nor a convbias-export folder"),
+        (["{tmp}", "{images}"], "is neither a train.py run directory (no config.yaml), a convbias-export folder"),
         (["{run}", "{tmp}/nothing.png"], "image not found: {tmp}/nothing.png"),
         (["{run}", "{tmp}/*.jpg"], "no file matches {tmp}/*.jpg"),
         (["{run}", "{tmp}"], "no image in folder {tmp}"),

@@ -1,9 +1,11 @@
-"""`convbias-export RUN_DIR --output DIR`: a train.py run as a folder timm loads, with a model card.
+"""`convbias-export RUN_DIR --output DIR`: a train.py run (or timm's checkpoint) as a folder timm loads, with a card.
 
     convbias-export runs/tcnn_resnet18-digits --output exported/tcnn_resnet18-digits --which best
     python -c "import timm, transformed_cnn; timm.create_model('local-dir:exported/tcnn_resnet18-digits', pretrained=True)"
 
-Writes timm's Hub format (model.safetensors, config.json with the model's arguments and the run's
+RUN_DIR may also be timm's train.py checkpoint (last.pth.tar, model_best.pth.tar): its model is built from the
+arguments saved in it, as timm's validate.py builds it (--use-ema for its EMA's weights), and its args.yaml is
+written beside the card. Writes timm's Hub format (model.safetensors, config.json with the model's arguments and the run's
 preprocessing), a README.md model card (front matter, architecture, recipe, results, usage, version),
 the run's config.yaml and results.json. --onnx adds model.onnx (the `onnx` extra) and --pt2 a
 torch.export program, each checked against the PyTorch model; --push-to USER/REPO uploads the folder
@@ -18,7 +20,8 @@ import sys
 
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.run_dir import check_not_run_file
+from convbias.engine.run_dir import check_not_run_file, is_timm_checkpoint_name
+from convbias.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export(argv: list[str] | None) -> int:
     parser = OptionParser(prog="convbias-export", description=__doc__.split("\n")[0])
-    parser.add_argument("run", metavar="RUN_DIR", help="a train.py output directory")
+    parser.add_argument("run", metavar="RUN_DIR", help="a train.py output directory, or timm's *.pth.tar")
     parser.add_argument("--output", required=True, help="new folder to write (must not exist, or be empty)")
-    parser.add_argument("--which", choices=WHICH, default="last", help="the checkpoint to export")
+    parser.add_argument("--which", choices=WHICH, help="the checkpoint of a run to export (default: last)")
+    parser.add_argument("--use-ema", action="store_true", help="timm's checkpoint: its EMA's weights (state_dict_ema)")
     parser.add_argument("--onnx", action="store_true", help="also write model.onnx (needs the onnx extra)")
     parser.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export)")
     parser.add_argument("--img-size", type=int, help="input side of model.onnx / model.pt2 (default: the run's)")
@@ -38,13 +42,27 @@ def _export(argv: list[str] | None) -> int:
     parser.add_argument("--private", action="store_true", help="with --push-to: create a private repository")
     args = parser.parse_args(argv)
     check_not_run_file(args.output)  # a folder in a run's checkpoints/ would be taken for a point's
+    timm_file = is_timm_checkpoint_name(args.run)
+    if timm_file and args.which:
+        raise ConfigError(f"--which is for run directories; {args.run} is timm's checkpoint (--use-ema for its EMA)")
+    if args.use_ema and not timm_file:
+        raise ConfigError(
+            f"--use-ema picks the EMA weights of timm's checkpoint file (*.pth.tar); {args.run} is not one"
+        )
     # imported after parsing: `convbias-export --help` loads no timm, Hub client or model family
     from convbias.families import load_families
-    from convbias.hub import export_run, push_folder
+    from convbias.hub import export_run, export_timm_checkpoint, push_folder
 
     load_families()
     deploy = tuple(name for name, wanted in (("onnx", args.onnx), ("pt2", args.pt2)) if wanted)
-    done = export_run(args.run, args.output, args.which, deploy, args.img_size, args.license, args.push_to)
+    if timm_file:
+        done = export_timm_checkpoint(
+            args.run, args.output, args.use_ema, deploy, args.img_size, args.license, args.push_to
+        )
+    else:
+        done = export_run(
+            args.run, args.output, args.which or "last", deploy, args.img_size, args.license, args.push_to
+        )
     top1 = done["metrics"].get("top1")
     print(
         f"{done['checkpoint']} -> {done['output']} ({done['model']}"

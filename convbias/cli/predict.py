@@ -3,8 +3,9 @@
     convbias-predict runs/convit_tiny-digits photos/ extra/*.png --topk 3 --output preds.csv
     convbias-predict exported/tcnn_resnet18-digits cat.jpg --output preds.json
 
-The model is a train.py run (--which last|best picks its checkpoint) or a convbias-export folder; images
-are preprocessed as the run's validation images (resize and center crop at its img_size and crop_pct, its
+The model is a train.py run (--which last|best picks its checkpoint), a convbias-export folder, or timm's
+train.py checkpoint (last.pth.tar, model_best.pth.tar: the model and preprocessing its saved arguments name,
+--use-ema for its EMA's weights, as timm's validate.py); images are preprocessed as the run's validation images (resize and center crop at its img_size and crop_pct, its
 interpolation, the dataset's mean and std and channels). IMAGES are files, folders (searched recursively
 for image files) or glob patterns. Writes, for each image, the top-k classes with their label, index and
 probability: CSV or JSON by the --output suffix (replaced atomically), CSV on standard output without
@@ -27,13 +28,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _predict(argv: list[str] | None) -> int:
     parser = OptionParser(prog="convbias-predict", description=__doc__.split("\n")[0])
-    parser.add_argument("source", metavar="RUN_OR_EXPORTED_DIR", help="a train.py run or a convbias-export folder")
+    parser.add_argument(
+        "source", metavar="RUN_OR_EXPORTED_DIR", help="a train.py run, a convbias-export folder or timm's *.pth.tar"
+    )
     parser.add_argument("images", nargs="+", metavar="IMAGES", help="image files, folders or glob patterns")
     parser.add_argument("--topk", type=int, default=5, help="classes reported per image")
     parser.add_argument("--output", help="a .csv or .json file to write (default: CSV on standard output)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--which", choices=WHICH, help="checkpoint of a run directory (default: last)")
+    parser.add_argument("--use-ema", action="store_true", help="timm's checkpoint: its EMA's weights (state_dict_ema)")
     args = parser.parse_args(argv)
     # imported after parsing: `convbias-predict --help` loads no torch or model family
     import torch
@@ -48,13 +52,13 @@ def _predict(argv: list[str] | None) -> int:
         write_predictions,
     )
 
-    source_kind(args.source, args.which)
+    source_kind(args.source, args.which, args.use_ema)
     suffix = output_format(args.output)
     if args.topk < 1 or args.batch_size < 1:
         raise ConfigError(f"--topk and --batch-size must be at least 1, got {args.topk} and {args.batch_size}")
     device = _device(args.device, torch.cuda.is_available())
     paths = find_images(args.images)
-    predictor = load_predictor(args.source, args.which)
+    predictor = load_predictor(args.source, args.which, args.use_ema)
     for note in predictor.notes:
         print(f"warning: {note}", file=sys.stderr)
 

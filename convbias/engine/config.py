@@ -40,7 +40,7 @@ from .options import (
     option_types,
 )
 from .preemption import parse_signals
-from .run_dir import CONFIG_MARKER, RUN_KEYS, is_run_dir, read_run_config
+from .run_dir import CONFIG_MARKER, RUN_KEYS, TIMM_SUFFIXES, is_run_dir, read_run_config
 from .timm_recipe import is_timm_recipe, translate_timm_keys
 
 
@@ -459,10 +459,11 @@ def _check_paths(cfg: Config) -> None:
     for name in ("pretrained_file", "checkpoint", "distill_teacher_file"):
         path = getattr(cfg, name)
         _check(path is None or Path(path).exists(), f"{flag_name(name)}: path does not exist: {path}")
+    resume = Path(cfg.resume) if cfg.resume and cfg.resume != "auto" else None
     _check(
-        not (cfg.resume and Path(cfg.resume).is_file()),
-        f"--resume {cfg.resume} is a file (timm's train.py writes its resume points as files): resuming its "
-        f"optimizer, EMA and epoch is not implemented; start from its weights with --initial-checkpoint {cfg.resume}",
+        resume is None or not resume.is_file() or str(resume).endswith(TIMM_SUFFIXES),
+        f"--resume {cfg.resume} is a file, and not one of timm's training checkpoints (*{', *'.join(TIMM_SUFFIXES)}): "
+        f"give a run directory, one of its checkpoints/ folders, or timm's last.pth.tar",
     )
 
 

@@ -28,6 +28,16 @@ from typing import Any
 from ..errors import ConfigError, DamagedCheckpointError, DamagedInputError
 from ..inputs import first_line, json_record, read_yaml
 
+# The file names of timm's training checkpoints (its CheckpointSaver's .pth.tar, timm's usual .pth weights): a
+# file named so is read as one (convbias.timm_checkpoint) where a command takes a run directory
+TIMM_SUFFIXES = (".pth.tar", ".pth")
+
+
+def is_timm_checkpoint_name(path: str | Path) -> bool:
+    """Whether ``path`` is a file named as timm's checkpoints are (its content is checked when it is read)."""
+    return str(path).endswith(TIMM_SUFFIXES) and Path(path).is_file()
+
+
 CONFIG_FILE = "config.yaml"
 # The first line of every config.yaml train.py writes: what marks a folder as this engine's run.
 CONFIG_MARKER = "# resolved config of this run; reload with -c"

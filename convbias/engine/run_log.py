@@ -137,6 +137,8 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
 
     cfg, acc = start.cfg, start.accelerator
     begin = f"resuming from {start.resume_point}" if start.resume_point else "a new run"
+    if start.timm_resume is not None:
+        begin = f"a new run, resuming timm's {start.timm_resume.path}"
     params = sum(p.numel() for p in model.parameters())
     try:
         sizes = f"{len(bundle.train):,} train / {len(bundle.val):,} val images"

@@ -27,6 +27,8 @@ from accelerate.utils import DistributedType, set_seed
 from timm.utils import ModelEmaV3
 
 from ..errors import ConfigError
+from ..timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
+from ..weights import load_checked
 from . import recipe
 from .checkpoint import WEIGHTS_FILE, CheckpointDir, load_training_state, load_weights, verify_file, weights_metadata
 from .compile import compiled
@@ -43,7 +45,7 @@ from .node import set_threads
 from .options import Config
 from .output_scale import OutputScale, ScaledLoss
 from .preemption import PreemptionSignals, ignore_in_worker, parse_signals
-from .run_dir import point_name
+from .run_dir import is_timm_checkpoint_name, point_name
 from .run_start import (
     check_resume_options,
     check_resume_world_size,
@@ -72,6 +74,7 @@ class RunStart:
     resume_state: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)  # said when training starts (stale lock taken over, restart)
     finished: str | None = None  # --resume of a run that trained all its epochs: what to say instead
+    timm_resume: TimmCheckpoint | None = None  # --resume of timm's training checkpoint (a new run continues it)
 
     @property
     def sharded(self) -> bool:
@@ -106,6 +109,12 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
     lr, _ = scaled_lr(cfg, global_batch)
     output, notes = Path(cfg.output), []
+    timm_resume = read_timm_resume(cfg, epochs) if is_timm_checkpoint_name(cfg.resume or "") else None
+    if timm_resume is not None and acc.is_fsdp2:
+        raise ConfigError(
+            f"--resume {cfg.resume}: timm's optimizer state is whole, FSDP's is sharded; resume it with DDP, or "
+            f"start from its weights with --initial-checkpoint {cfg.resume}"
+        )
     take_lock(acc, lock, notes)
     point = find_start(acc, cfg, output, notes)
     if point is not None:
@@ -114,6 +123,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     start = RunStart(
         cfg, extensions, acc, output, epochs, warmup, global_batch, lr, checkpoint_name, point, state, notes
     )
+    start.timm_resume = timm_resume
     if state is not None:
         _check_resume_point(start)
     finished = finished_message(state, output, epochs, acc.is_main_process)
@@ -122,6 +132,21 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     else:
         check_resume_world_size(state, point, acc.num_processes)
     return start
+
+
+def read_timm_resume(cfg: Config, epochs: int) -> TimmCheckpoint:
+    """--resume of timm's training checkpoint: read safely, of --model (its args name the model it trained),
+    with epochs left to train."""
+    timm_resume = read_timm_checkpoint(cfg.resume)
+    model = timm_resume.args.get("model")
+    if model is not None and model != cfg.model:
+        raise ConfigError(f"--resume {cfg.resume} is timm's checkpoint of {model}, not of --model {cfg.model}")
+    if timm_resume.resume_epoch >= epochs:
+        raise ConfigError(
+            f"--resume {cfg.resume} is timm's checkpoint after {timm_resume.resume_epoch} epochs, and this run has "
+            f"{epochs}: nothing is left to train; give a larger --epochs"
+        )
+    return timm_resume
 
 
 def _check_resume_point(start: RunStart) -> None:
@@ -260,7 +285,9 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
             cfg.output_scale = cfg.output_scale or float(metadata["output_scale"])
     if was_reparametrized:
         model = reparametrized(model, cfg, start.extensions)
-    if cfg.checkpoint and not start.resume_point:
+    if start.timm_resume is not None:  # timm's train.py loads --resume over --initial-checkpoint
+        _load_checkpoint(model, start.timm_resume.path, start.timm_resume.state_dict)
+    elif cfg.checkpoint and not start.resume_point:
         if metadata.get("output_scale"):
             model = OutputScale(model, cfg.output_scale)
         _load_checkpoint(model, cfg.checkpoint)
@@ -275,10 +302,16 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     return model, was_reparametrized
 
 
-def _load_checkpoint(model: torch.nn.Module, checkpoint: str) -> None:
-    """--checkpoint's weights; a file that does not fit says how to rebuild the model it was written for."""
+def _load_checkpoint(
+    model: torch.nn.Module, checkpoint: str | Path, weights: dict[str, torch.Tensor] | None = None
+) -> None:
+    """--checkpoint's weights (or ``weights`` read from it); a file that does not fit says how to rebuild the
+    model it was written for."""
     try:
-        load_weights(model, checkpoint)
+        if weights is None:
+            load_weights(model, checkpoint)
+        else:
+            load_checked(model, weights, str(checkpoint))
     except ValueError as e:
         if "does not fit" not in str(e):
             raise

@@ -23,7 +23,16 @@ from .checkpoint import (
 from .lock import ForeignLockError, RunLock, RunLockedError
 from .lock import describe as describe_holder
 from .options import Config
-from .run_dir import DEFAULT_WHICH, RESULTS_FILE, RunDir, foreign_entry, foreign_links, is_run_dir, read_run_config
+from .run_dir import (
+    DEFAULT_WHICH,
+    RESULTS_FILE,
+    RunDir,
+    foreign_entry,
+    foreign_links,
+    is_run_dir,
+    is_timm_checkpoint_name,
+    read_run_config,
+)
 from .run_log import RunLog, results_record
 
 
@@ -75,7 +84,8 @@ def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None
     never started over: a plain run refuses it, ``--resume auto`` continues from its newest intact point
     (a damaged newer one is renamed ``<name>.damaged`` and named in ``notes``) or stops naming what it found.
 
-    A directory without any resume point is started over only when every entry in it is train.py's own
+    ``--resume`` of timm's checkpoint file (``timm_checkpoint``) starts this engine's run in ``output`` as a plain
+    run does. A directory without any resume point is started over only when every entry in it is train.py's own
     (``run_dir.foreign_entry``: its marked config.yaml, summary.csv, log.jsonl): a run that failed before its
     first checkpoint. Anything else, and any link in the place of a file the run writes, is refused."""
     if cfg.eval_only:
@@ -94,10 +104,11 @@ def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None
             f"--output {output} is not a run of train.py: it holds {foreign}; a folder is started over only when "
             f"it holds nothing but train.py's own files; nothing was changed: choose another --output"
         )
-    if cfg.resume and cfg.resume != "auto":
-        return find_resume_point(cfg.resume, output)
+    resume = None if is_timm_checkpoint_name(cfg.resume or "") else cfg.resume  # timm's file starts a new run
+    if resume and resume != "auto":
+        return find_resume_point(resume, output)
     held = [f"checkpoints/{name}" for name in checkpoints.held()]
-    if cfg.resume is None:
+    if resume is None:
         earlier = held + (["results.json"] if (output / "results.json").exists() else [])
         if earlier:
             raise ConfigError(

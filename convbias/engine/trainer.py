@@ -33,6 +33,8 @@ from tqdm.auto import tqdm
 
 from ..errors import NonFiniteLossError, StorageError
 from ..storage import storage_reason
+from ..timm_checkpoint import aligned_optimizer_state
+from ..weights import load_checked
 from . import recipe
 from .checkpoint import EMA_FILE, CheckpointDir, load_weights
 from .compile import compile_counters
@@ -110,6 +112,8 @@ def build_trainer(start: RunStart) -> Trainer:
         diagnostics = ModelDiagnostics(images, start.extensions.diagnostics)
     trainer = Trainer(start, data, models, optimization, preemption, diagnostics)
     trainer.progress.reparametrized = was_reparametrized
+    if start.timm_resume is not None:
+        trainer.continue_timm()
     trainer.warnings, trainer.accepted_changes = warnings, accepted
     return trainer
 
@@ -133,6 +137,7 @@ class Trainer:
         self.checkpoints = CheckpointDir(self.output, self.cfg.keep_checkpoints)
         self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
         self.warnings: list[str] = []  # likely unintended settings, said before anything runs
+        self.timm_resumed = ""  # --resume of timm's checkpoint: what was loaded from it
 
     def resume_parts(self) -> dict[str, Stateful]:
         """The named parts a resume point holds (engine.resume_state); the weights are files beside them."""
@@ -188,6 +193,9 @@ class Trainer:
         if self.start.resume_state:
             where = f" and {progress.step} steps of epoch {progress.epoch + 1}" if progress.step else ""
             acc.print(f"resumed from {self.start.resume_point} after epoch {progress.epoch}{where}")
+        elif self.start.timm_resume is not None:
+            acc.print(self.timm_resumed)
+            set_seed(cfg.seed + acc.process_index)  # as a fresh run: timm's checkpoints hold no random streams
         else:
             self._start_fresh()
         self.preemption.install()
@@ -212,6 +220,44 @@ class Trainer:
         if self.models.ema is not None and (point / EMA_FILE).is_file():
             load_weights(self.models.ema.module, point / EMA_FILE)
         restore(self.resume_parts(), self.start.resume_state)
+
+    def continue_timm(self) -> None:
+        """timm's training checkpoint (``--resume FILE.pth.tar``) loaded as timm's train.py resumes: the model's
+        weights are loaded (build_model); here the optimizer's state (with its groups' lr, initial_lr and weight
+        decay, as torch's load_state_dict restores them), the EMA's weights (state_dict_ema, with --model-ema),
+        the loss scaler's state, and the epoch: training continues with the epoch after the file's, its schedule
+        created again over the loaded groups (timm's train.py creates it after loading) and stepped to that
+        epoch. Every check runs before anything is written."""
+        timm, cfg, acc, progress = self.start.timm_resume, self.cfg, self.accelerator, self.progress
+        optimization, loaded = self.optimization, []
+        if timm.optimizer is not None:
+            optimizer = optimization.optimizer
+            optimizer.load_state_dict(aligned_optimizer_state(timm.optimizer, optimizer, str(timm.path), "--resume"))
+            loaded.append("optimizer state")
+        if self.models.ema is not None and timm.ema_state_dict is not None:
+            load_checked(self.models.ema.module, timm.ema_state_dict, f"{timm.path} (state_dict_ema)")
+            loaded.append("EMA")
+        if acc.scaler is not None and timm.scaler is not None:
+            acc.scaler.load_state_dict(timm.scaler)
+            loaded.append("loss scaler")
+        updates_per_epoch = self.data.steps_per_epoch // cfg.grad_accum_steps
+        progress.epoch, progress.num_updates = timm.resume_epoch, timm.resume_epoch * updates_per_epoch
+        optimization.scheduler = recipe.create_scheduler(
+            cfg, optimization.optimizer, self.start.schedule_epochs, self.start.warmup_epochs, updates_per_epoch
+        )
+        recipe.set_scheduled_lr(optimization.scheduler, progress.num_updates, progress.epoch)
+        initial = {g.get("initial_lr") for g in optimization.optimizer.param_groups if g.get("lr_pattern") is None}
+        follows = ""
+        if initial and initial != {self.start.lr} and None not in initial:
+            follows = (
+                f"; its schedule starts from the file's lr ({', '.join(f'{lr:.3g}' for lr in sorted(initial))}), "
+                f"not {self.start.lr:.3g}, as timm's train.py resumes"
+            )
+        self.timm_resumed = (
+            f"resumed from timm's {timm.path} (its epoch {timm.epoch}): {progress.epoch} epochs done, "
+            f"weights{''.join(', ' + name for name in loaded)} loaded; lr {self._lr():.6g} at epoch "
+            f"{progress.epoch + 1}{follows}"
+        )
 
     def _start_fresh(self) -> None:
         """Every diagnostic at initialization (logged with the first epoch as init_<key>; a resume point inside

@@ -1,0 +1,240 @@
+"""timm's training checkpoints (``last.pth.tar``, ``model_best.pth.tar``, ``checkpoint-N.pth.tar``), read safely.
+
+timm's train.py saves, through ``timm.utils.CheckpointSaver``, one dict per file: ``state_dict`` (the model),
+``optimizer`` (its ``state_dict()``), ``state_dict_ema`` (with --model-ema), ``amp_scaler`` (with AMP), ``epoch``
+(0-based index of the epoch just trained), ``version`` (2: ``epoch`` is the one trained, not the next), ``arch``,
+``args`` (its ``argparse.Namespace``) and ``metric``. The file is read with ``weights_only=True`` and the
+``argparse.Namespace`` allow-list (``convbias.weights.load_torch_file``); nothing in it is executed.
+
+A file is taken for timm's when its name ends in one of ``TIMM_SUFFIXES`` (what ``--resume``, convbias-predict and
+convbias-export tell from a run directory by); it must then hold ``state_dict`` and ``epoch``, else it is refused
+as damaged or foreign (exit 65).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from convbias.engine.run_dir import TIMM_SUFFIXES, is_timm_checkpoint_name  # noqa: F401 (the names, here too)
+from convbias.errors import ConfigError, DamagedInputError
+from convbias.weights import load_torch_file
+
+SCALER_KEY = "amp_scaler"  # timm.utils.NativeScaler.state_dict_key: torch's GradScaler state
+# Optimizer defaults that newer torch and timm versions added, filled in with their defaults where an older file
+# lacks them: their absence is no sign of another optimizer
+IMPLEMENTATION_FLAGS = frozenset(
+    {
+        "foreach",
+        "fused",
+        "differentiable",
+        "capturable",
+        "maximize",
+        "decoupled_weight_decay",
+        "caution",
+        "corrected_weight_decay",
+    }
+)
+
+
+@dataclass
+class TimmCheckpoint:
+    """What a timm training checkpoint holds, as timm's resume_checkpoint and load_checkpoint read it."""
+
+    path: Path
+    state_dict: dict[str, torch.Tensor]
+    epoch: int  # as saved: the 0-based epoch just trained (version 2), or the next one (older files)
+    version: int
+    ema_state_dict: dict[str, torch.Tensor] | None = None
+    optimizer: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    args: dict[str, Any] = field(default_factory=dict)  # train.py's arguments ({} when the file has none)
+    metric: float | None = None
+
+    @property
+    def resume_epoch(self) -> int:
+        """The 0-based epoch training continues with, as timm's resume_checkpoint returns it: ``epoch`` + 1,
+        or ``epoch`` itself in files older than version 2 (they saved the next epoch)."""
+        return self.epoch + 1 if self.version > 1 else self.epoch
+
+    def weights(self, use_ema: bool = False) -> dict[str, torch.Tensor]:
+        """The model's weights, or with ``use_ema`` its EMA's (a ConfigError when the file has none)."""
+        if not use_ema:
+            return self.state_dict
+        if self.ema_state_dict is None:
+            raise ConfigError(f"--use-ema: {self.path} holds no state_dict_ema (its run had no --model-ema)")
+        return self.ema_state_dict
+
+
+def _state_dict(obj: Any) -> dict[str, torch.Tensor] | None:
+    """A state dict of tensors with timm's clean_state_dict prefixes removed, or None when ``obj`` is not one."""
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return None
+    prefixes = ("_orig_mod.", "module.", "_orig_mod.")  # torch.compile and DDP wrappers, in either order
+    cleaned = {}
+    for key, value in obj.items():
+        for prefix in prefixes:
+            key = key.removeprefix(prefix)
+        cleaned[key] = value
+    return cleaned
+
+
+def read_timm_checkpoint(path: str | Path) -> TimmCheckpoint:
+    """The content of timm's training checkpoint ``path``, read safely; DamagedInputError (exit 65) naming the
+    file when it does not read with weights_only=True or lacks ``state_dict`` and ``epoch``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"timm checkpoint not found: {path}")
+    try:
+        content = load_torch_file(path)
+    except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
+        raise DamagedInputError(
+            f"{path} cannot be read with weights_only=True (it is damaged, or holds Python objects besides "
+            f"tensors and train.py's arguments); it was not unpickled"
+        ) from None
+    state_dict = _state_dict(content.get("state_dict")) if isinstance(content, dict) else None
+    epoch = content.get("epoch") if isinstance(content, dict) else None
+    if state_dict is None or not isinstance(epoch, int) or isinstance(epoch, bool):
+        raise DamagedInputError(
+            f"{path} is not a timm training checkpoint: expected a dict with 'state_dict' (tensors) and 'epoch', "
+            f"as timm's CheckpointSaver writes"
+        )
+    args = content.get("args")
+    args = vars(args) if isinstance(args, argparse.Namespace) else dict(args) if isinstance(args, dict) else {}
+    optimizer = content.get("optimizer")
+    version = content.get("version", 1)
+    return TimmCheckpoint(
+        path=path,
+        state_dict=state_dict,
+        epoch=epoch,
+        version=version if isinstance(version, int) else 1,
+        ema_state_dict=_state_dict(content.get("state_dict_ema")),
+        optimizer=optimizer if isinstance(optimizer, dict) and "param_groups" in optimizer else None,
+        scaler=content.get(SCALER_KEY) if isinstance(content.get(SCALER_KEY), dict) else None,
+        args=args,
+        metric=content.get("metric") if isinstance(content.get("metric"), (int, float)) else None,
+    )
+
+
+def _describe_groups(groups: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{len(g['params'])} (weight decay {g.get('weight_decay', 0):g})" for g in groups)
+
+
+def _group_key(group: dict[str, Any]) -> tuple[int, bool]:
+    """What pairs a saved parameter group with one of this run's: its size and whether it decays."""
+    return len(group["params"]), group.get("weight_decay", 0) == 0
+
+
+def aligned_optimizer_state(
+    saved: dict[str, Any], optimizer: torch.optim.Optimizer, source: str, option: str
+) -> dict[str, Any]:
+    """``saved`` (timm's ``optimizer.state_dict()``) with its parameter groups in ``optimizer``'s order, ready
+    for ``optimizer.load_state_dict``. Groups are paired by their number of parameters and whether they decay
+    (timm lists the group without weight decay first, this engine in the order of the model's parameters); the
+    parameters inside a group are in the model's order in both. The keys this engine adds to a group (its
+    lr pattern, parameter names) are kept. ConfigError (one line) naming what differs: the number or sizes of
+    the groups, the optimizer (its hyper-parameter names), a state tensor's shape."""
+    saved_groups, groups = saved["param_groups"], optimizer.param_groups
+    sizes = f"the file's parameter groups: {_describe_groups(saved_groups)}; this run's: {_describe_groups(groups)}"
+    if len(saved_groups) != len(groups):
+        raise ConfigError(
+            f"{option} {source}: its optimizer state does not fit this run's optimizer ({sizes}); give the options "
+            f"timm's run had (--weight-decay, --layer-decay, --opt), or start from its weights with "
+            f"--initial-checkpoint {source}"
+        )
+    unused, order = list(range(len(saved_groups))), []
+    for group in groups:
+        key = _group_key(group)
+        match = next((i for i in unused if _group_key(saved_groups[i]) == key), None)
+        if match is None:
+            raise ConfigError(
+                f"{option} {source}: its optimizer state does not fit this run's optimizer ({sizes}); give the "
+                f"options timm's run had, or start from its weights with --initial-checkpoint {source}"
+            )
+        unused.remove(match)
+        order.append(match)
+    missing = sorted(set(optimizer.defaults) - set(saved_groups[0]) - IMPLEMENTATION_FLAGS)
+    if missing:
+        raise ConfigError(
+            f"{option} {source}: its optimizer state was written by another optimizer than this run's "
+            f"{type(optimizer).__name__} (its groups lack {', '.join(missing)}); give timm's run's --opt, or start "
+            f"from its weights with --initial-checkpoint {source}"
+        )
+    state = saved.get("state", {})
+    for group, index in zip(groups, order):
+        for param, saved_id in zip(group["params"], saved_groups[index]["params"]):
+            for name, value in state.get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() == param.dim() > 0 and value.shape != param.shape:
+                    raise ConfigError(
+                        f"{option} {source}: its optimizer state {name} {tuple(value.shape)} does not fit a parameter "
+                        f"{tuple(param.shape)} of this run's model; start from its weights with "
+                        f"--initial-checkpoint {source}"
+                    )
+    kept = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    return {
+        "state": state,
+        "param_groups": [{**extra, **saved_groups[i]} for extra, i in zip(kept, order)],
+    }
+
+
+def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torch.nn.Module:
+    """The model ``checkpoint`` holds, in eval mode, built from its train.py arguments as timm's validate.py builds
+    it (``timm.create_model(args.model, num_classes, in_chans, global_pool, **model_kwargs)``, the BatchNorm eps
+    train.py gave it) and loaded strictly with the model's weights, or with ``use_ema`` its EMA's (validate.py's
+    --use-ema). The families' models must be registered (``convbias.families.load_families``)."""
+    import timm
+
+    args, path = checkpoint.args, checkpoint.path
+    name = args.get("model")
+    if not isinstance(name, str):
+        raise DamagedInputError(f"{path} holds no args.model (timm's train.py saves it): its architecture is unknown")
+    if not timm.is_model(name):
+        raise ConfigError(f"{path}: its args.model {name!r} is not a registered timm model")
+    input_size = args.get("input_size")
+    in_chans = args.get("in_chans") or (input_size[0] if input_size else 3)
+    kwargs = dict(args.get("model_kwargs") or {})
+    try:
+        model = timm.create_model(
+            name,
+            num_classes=args.get("num_classes"),
+            in_chans=in_chans,
+            global_pool=args.get("gp"),
+            bn_eps=args.get("bn_eps"),
+            **kwargs,
+        )
+    except (TypeError, ValueError, RuntimeError) as error:  # the model's constructor refuses its arguments
+        raise ConfigError(f"{path}: timm cannot build {name} from its args ({' '.join(str(error).split())})") from None
+    from convbias.weights import load_checked
+
+    load_checked(model, checkpoint.weights(use_ema), f"{path}" + (" (state_dict_ema)" if use_ema else ""))
+    return model.eval()
+
+
+def timm_data_config(checkpoint: TimmCheckpoint, model: torch.nn.Module) -> dict[str, Any]:
+    """The evaluation preprocessing of ``checkpoint``'s run: timm's ``resolve_data_config`` of its arguments and
+    model, as timm's train.py evaluated and timm's inference.py predicts (the train-time input size)."""
+    from timm.data import resolve_data_config
+
+    return resolve_data_config(checkpoint.args, model=model)
+
+
+def timm_class_names(checkpoint: TimmCheckpoint, num_classes: int) -> tuple[list[str] | None, list[str]]:
+    """The class names of the run's --class-map (a .txt file of one name per line, timm's format) when it is named
+    and can be read here with as many names as classes, else None and why (labels are then class indices)."""
+    class_map = checkpoint.args.get("class_map")
+    if not class_map:
+        return None, [f"{checkpoint.path} names no --class-map: labels are class indices"]
+    path = Path(class_map)
+    if path.suffix.lower() != ".txt":
+        return None, [f"its --class-map {class_map} is not a .txt file of names: labels are class indices"]
+    try:
+        names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]  # line i: class i
+    except (OSError, UnicodeDecodeError) as error:
+        return None, [f"its --class-map {class_map} cannot be read ({type(error).__name__}): labels are class indices"]
+    if len(names) != num_classes:
+        return None, [f"its --class-map {class_map} has {len(names)} names, the model {num_classes} classes"]
+    return names, []
