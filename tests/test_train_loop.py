@@ -63,7 +63,13 @@ def build(cli_argv, tmp_path, **options):
     from convbias.engine.trainer import build_trainer
     from convbias.families import load_families
 
-    argv = cli_argv(cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, dict(batch_size=16, output=tmp_path / "run"), options)
+    argv = cli_argv(
+        cli_argv.DEIT_RECIPE,
+        cli_argv.TINY_CONVIT,
+        cli_argv.PLAIN_DIGITS,
+        dict(batch_size=16, output=tmp_path / "run"),
+        options,
+    )
     return build_trainer(start_run(parse_config(argv), load_families(), None))
 
 
