@@ -145,7 +145,9 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     log = [json.loads(line) for line in (reference / "log.jsonl").read_text().splitlines()]
     assert [record["epoch"] for record in log] == [1, 2] and log[-1]["train_loss"] < log[0]["train_loss"]
     calls = []
-    monkeypatch.setattr(PreemptionSignals, "requested", lambda self, accelerator, updates: calls.append(1) or len(calls) == 4)
+    monkeypatch.setattr(
+        PreemptionSignals, "requested", lambda self, accelerator, updates: calls.append(1) or len(calls) == 4
+    )
     assert train.main(args + ["--output", str(stopped)]) == REQUEUE_EXIT_CODE
     assert (stopped / "checkpoints" / "last").resolve().name == "epoch_0000_step_0000004"
     monkeypatch.undo()

@@ -123,7 +123,9 @@ def test_a_stream_resumes_mid_epoch_exactly(run_argv, tmp_path, monkeypatch):
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     assert train.main(args + ["--output", str(reference)]) == 0
     calls = []
-    monkeypatch.setattr(PreemptionSignals, "requested", lambda self, accelerator, updates: calls.append(1) or len(calls) == 5)
+    monkeypatch.setattr(
+        PreemptionSignals, "requested", lambda self, accelerator, updates: calls.append(1) or len(calls) == 5
+    )
     assert train.main(args + ["--output", str(stopped)]) == REQUEUE_EXIT_CODE
     assert (stopped / "checkpoints" / "last").resolve().name == "epoch_0000_step_0000005"
     monkeypatch.undo()
