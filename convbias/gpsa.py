@@ -153,14 +153,13 @@ POSITIONAL_PRODUCTS = ("auto", "kronecker", "dense", "fused")
 # On an H100 the factored product beat the dense one in ConViT-Ti's training step, eager and compiled:
 # its 7x fewer FLOPs outweigh the short contractions. Unmeasured device types take the same.
 AUTO_POSITIONAL_PRODUCT = {"cpu": "kronecker", "cuda": "kronecker"}
-AUTO_POSITIONAL_PRODUCT_UNMEASURED = "kronecker"
 
 
 def resolve_positional_product(product: str, device: torch.device) -> str:
-    """The product the hot path runs ("kronecker" or "dense") for a `POSITIONAL_PRODUCTS` choice on a
-    device: "auto" takes the one measured faster on that device type (`AUTO_POSITIONAL_PRODUCT`)."""
+    """The product the hot path runs ("kronecker", "dense" or "fused") for a `POSITIONAL_PRODUCTS` choice on
+    a device: "auto" takes the one measured faster on that device type (`AUTO_POSITIONAL_PRODUCT`)."""
     if product == "auto":
-        return AUTO_POSITIONAL_PRODUCT.get(device.type, AUTO_POSITIONAL_PRODUCT_UNMEASURED)
+        return AUTO_POSITIONAL_PRODUCT.get(device.type, "kronecker")
     if product not in POSITIONAL_PRODUCTS:
         raise ValueError(f"positional_product={product!r}: expected one of {', '.join(POSITIONAL_PRODUCTS)}")
     return product

@@ -324,11 +324,19 @@ def model_card(
         "## Results",
         results.rstrip(),
         "",
+        *_loading_and_software(f"import {imports}  # registers {name} in timm\n", repo_id, provenance),
+    ]
+    return "\n".join(lines)
+
+
+def _loading_and_software(imports: str, repo_id: str | None, provenance: dict[str, str]) -> list[str]:
+    """A model card's last sections: how to load the model through timm, and the software that exported it.
+    `imports`: the line that registers the model's family in timm ('' for timm's own models)."""
+    return [
         "## How to load it",
         "```python",
         "import timm",
-        f"import {imports}  # registers {name} in timm",
-        "",
+        f"{imports}",
         f"model = timm.create_model('hf-hub:{repo_id or 'USER/REPO'}', pretrained=True).eval()  # or 'local-dir:PATH'",
         "data_config = timm.data.resolve_model_data_config(model)",
         "transform = timm.data.create_transform(**data_config, is_training=False)",
@@ -339,7 +347,6 @@ def model_card(
         f"- timm {provenance['timm']}, torch {provenance['torch']}",
         "",
     ]
-    return "\n".join(lines)
 
 
 def _check_output(output: Path) -> None:
@@ -508,19 +515,7 @@ def timm_model_card(model: torch.nn.Module, checkpoint: Any, use_ema: bool, expo
         "## Results",
         f"Metric saved with the checkpoint by timm's train.py (the EMA's when its run evaluated one): {metric}.",
         "",
-        "## How to load it",
-        "```python",
-        "import timm",
-        f"{imports}",
-        f"model = timm.create_model('hf-hub:{repo_id or 'USER/REPO'}', pretrained=True).eval()  # or 'local-dir:PATH'",
-        "data_config = timm.data.resolve_model_data_config(model)",
-        "transform = timm.data.create_transform(**data_config, is_training=False)",
-        "```",
-        "",
-        "## Software",
-        f"- {PACKAGE} {provenance['version']}, commit {provenance['commit']}",
-        f"- timm {provenance['timm']}, torch {provenance['torch']}",
-        "",
+        *_loading_and_software(imports, repo_id, provenance),
     ]
     return "\n".join(lines)
 

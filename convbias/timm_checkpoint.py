@@ -89,13 +89,7 @@ def read_timm_checkpoint(path: str | Path) -> TimmCheckpoint:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"timm checkpoint not found: {path}")
-    try:
-        content = load_torch_file(path)
-    except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
-        raise DamagedInputError(
-            f"{path} cannot be read with weights_only=True (it is damaged, or holds Python objects besides "
-            f"tensors and train.py's arguments); it was not unpickled"
-        ) from None
+    content = load_torch_file(path, "timm's checkpoint")
     state_dict = _state_dict(content.get("state_dict")) if isinstance(content, dict) else None
     epoch = content.get("epoch") if isinstance(content, dict) else None
     if state_dict is None or not isinstance(epoch, int) or isinstance(epoch, bool):

@@ -50,11 +50,18 @@ def resolve_weights_path(path: str | Path) -> Path:
 SAFE_GLOBALS = [argparse.Namespace]
 
 
-def load_torch_file(path: str | Path) -> Any:
+def load_torch_file(path: str | Path, what: str = "weights") -> Any:
     """A torch file's content with weights_only=True: tensors, plain containers and SAFE_GLOBALS only, nothing
-    executed (torch's allow-list); no fallback to full unpickling."""
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    executed (torch's allow-list); no fallback to full unpickling. A file that does not read so is a
+    DamagedInputError naming it as the `what` it should have been."""
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
+        raise DamagedInputError(
+            f"{path} cannot be read as {what} with weights_only=True (it is damaged, or holds Python objects "
+            f"besides tensors and timm's saved arguments); it was not unpickled"
+        ) from None
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -70,13 +77,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise DamagedInputError(f"{path} is not a readable safetensors file ({first_line(e)})") from None
-    try:
-        obj = load_torch_file(path)
-    except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
-        raise DamagedInputError(
-            f"{path} cannot be read as weights with weights_only=True (it is damaged, or holds Python objects "
-            f"besides tensors); it was not unpickled"
-        ) from None
+    obj = load_torch_file(path)
     for key in ("model", "state_dict", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

@@ -15,18 +15,23 @@ from convbias.errors import ConfigError
 from convbias.weights import load_weights, read_state_dict
 
 
-@pytest.fixture
-def folder_of_three(tmp_path):
-    """DIR/<class>/<image>: 3 classes of 2 images."""
+def image_folder(root: Path, per_class: int, side: int) -> Path:
+    """root/data/<class>/<image>.png: 3 classes of `per_class` plain images, each its own colour."""
     from PIL import Image
 
     for label in range(3):
-        (tmp_path / "data" / f"c{label}").mkdir(parents=True)
-        for index in range(2):
-            Image.new("RGB", (16, 16), (90 * label, 40 * index, 0)).save(
-                tmp_path / "data" / f"c{label}" / f"{index}.png"
+        (root / "data" / f"c{label}").mkdir(parents=True)
+        for index in range(per_class):
+            Image.new("RGB", (side, side), (80 * label, 40 * index, 30)).save(
+                root / "data" / f"c{label}" / f"{index}.png"
             )
-    return tmp_path / "data"
+    return root / "data"
+
+
+@pytest.fixture
+def folder_of_three(tmp_path):
+    """DIR/<class>/<image>: 3 classes of 2 images."""
+    return image_folder(tmp_path, per_class=2, side=16)
 
 
 def timm_checkpoint(tmp_path):
@@ -162,15 +167,7 @@ def timm_last(tmp_path_factory):
 @pytest.fixture
 def folder_of_twelve(tmp_path):
     """DIR/<class>/<image>: 3 classes of 4 images, 32 px."""
-    from PIL import Image
-
-    for label in range(3):
-        (tmp_path / "data" / f"c{label}").mkdir(parents=True)
-        for index in range(4):
-            Image.new("RGB", (32, 32), (80 * label, 50 * index, 30)).save(
-                tmp_path / "data" / f"c{label}" / f"{index}.png"
-            )
-    return tmp_path / "data"
+    return image_folder(tmp_path, per_class=4, side=32)
 
 
 def engine_arguments(folder, output, resume, *extra):
