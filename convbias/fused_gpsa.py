@@ -227,8 +227,9 @@ def gpsa_fused_attention_backward(
 
 @gpsa_fused_attention_backward.register_fake
 def _(grad, q, k, v, gate, content, lse):
+    """Contiguous, as both real paths return them, whatever the strides of q and k (a permuted qkv)."""
     batch, heads, _, _ = q.shape
-    return torch.empty_like(q), torch.empty_like(k), v.new_empty(batch, heads, k.shape[2], v.shape[-1])
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(batch, heads, k.shape[2], v.shape[-1])
 
 
 def _setup_context(ctx, inputs, output):

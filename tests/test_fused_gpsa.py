@@ -147,6 +147,19 @@ def test_custom_op_registration_passes_opcheck():
     torch.library.opcheck(fused_gpsa.gpsa_fused_attention, args)
 
 
+@pytest.mark.slow
+def test_backward_op_fake_strides_match_for_permuted_inputs():
+    """The layer's q, k and v are views of one permuted qkv tensor: the backward's fake implementation
+    must give the strides the real one returns, or inductor's stride assertions fail at run time."""
+    torch.manual_seed(0)
+    heads = 2
+    q, k, v = torch.randn(2, 12, 3, heads, 8).permute(2, 0, 3, 1, 4)
+    rows, cols, gate = torch.rand(heads, 3, 4).softmax(-1), torch.rand(heads, 4, 3).softmax(-1), torch.rand(heads)
+    out, content, lse = fused_gpsa.gpsa_fused_attention(q, k, v, rows, cols, gate)
+    args = (torch.randn_like(out), q, k, v, gate, content, lse)
+    torch.library.opcheck(fused_gpsa.gpsa_fused_attention_backward, args)
+
+
 def test_fused_layer_compiles_to_one_graph():
     """torch.compile(fullgraph=True) raises on any graph break; aot_eager traces forward and backward
     through the op's fake implementation and registered autograd, as inductor receives them."""
