@@ -75,7 +75,7 @@ if [ "$SMOKE" = 1 ]; then # every step at a tiny shape on the CPU: checks the sc
 else
   DEV="--device cuda --precision bf16"
   TI="$DEV --settings 224px --batch-size 256 --steps 12 --warmup 3"
-  LOOP="--device cuda --precision bf16 --img-size 224 --patch-size 16 --batch-size 256 --steps 20 --rounds 3 --workers 8"
+  LOOP="--device cuda --precision bf16 --img-size 224 --patch-size 16 --batch-size 256 --steps 20 --rounds 3 --workers 8 --no-profile"
   TCNN="$DEV --batch-size 128 --steps 10 --warmup 3"
   GPU_TESTS=${GPU_TESTS:-"tests/test_attention.py -k cuda"}
   JPEG_ARGS="--classes 10 --per-class 800 --val-per-class 20"

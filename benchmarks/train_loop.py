@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--workers", type=int, default=None, help="the engine's loader workers")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the engine's choice)")
     parser.add_argument(
+        "--no-profile", dest="profile", action="store_false", help="no profiled epochs (the where-the-time-goes table)"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="ConViT-Ti at 32/p4, batch 16, one thread, on the CPU (1-3 min)"
     )
     args = parser.parse_args(argv)
@@ -312,27 +315,28 @@ def main(argv: list[str] | None = None) -> float:
         if device.type == "cuda":
             epoch += 1
             count_synchronizations(trainer, epoch, args.steps)
-        engine_profiles, bare_profiles = [], []
-        for _ in range(PROFILED_ROUNDS):
-            epoch += 1
-            engine_profiles.append(profile_ranges(lambda epoch=epoch: trainer._train_one_epoch(epoch, 0), device))
-            bare_profiles.append(profile_ranges(lambda: [bare.step() for _ in range(args.steps)], device))
-        engine = min(engine_profiles, key=lambda profiled: profiled[2])  # the least disturbed epoch of each side
-        plain = min(bare_profiles, key=lambda profiled: profiled[2])
-        from convbias.engine.trainer import STEP_RANGES
+        if args.profile:
+            engine_profiles, bare_profiles = [], []
+            for _ in range(PROFILED_ROUNDS):
+                epoch += 1
+                engine_profiles.append(profile_ranges(lambda epoch=epoch: trainer._train_one_epoch(epoch, 0), device))
+                bare_profiles.append(profile_ranges(lambda: [bare.step() for _ in range(args.steps)], device))
+            engine = min(engine_profiles, key=lambda profiled: profiled[2])  # the least disturbed epoch of each side
+            plain = min(bare_profiles, key=lambda profiled: profiled[2])
+            from convbias.engine.trainer import STEP_RANGES
 
-        print(
-            f"\nwhere the time goes (the faster of {PROFILED_ROUNDS} profiled epochs a side, ms per step; device ms on "
-            f"{device.type})"
-        )
-        print("| range | engine host | bare host | engine device | bare device |")
-        print("|---|---|---|---|---|")
-        for name in STEP_RANGES:
-            row = [side[k].get(name, 0.0) * 1e3 / args.steps for side in (engine, plain) for k in (0, 1)]
-            print(f"| {name} | {row[0]:.2f} | {row[2]:.2f} | {row[1]:.2f} | {row[3]:.2f} |")
-        outside = [(side[2] - sum(side[0].values())) * 1e3 / args.steps for side in (engine, plain)]
-        print(f"| outside the ranges | {outside[0]:.2f} | {outside[1]:.2f} | | |")
-        print(f"| wall | {engine[2] * 1e3 / args.steps:.2f} | {plain[2] * 1e3 / args.steps:.2f} | | |")
+            print(
+                f"\nwhere the time goes (the faster of {PROFILED_ROUNDS} profiled epochs a side, ms per step; device ms on "
+                f"{device.type})"
+            )
+            print("| range | engine host | bare host | engine device | bare device |")
+            print("|---|---|---|---|---|")
+            for name in STEP_RANGES:
+                row = [side[k].get(name, 0.0) * 1e3 / args.steps for side in (engine, plain) for k in (0, 1)]
+                print(f"| {name} | {row[0]:.2f} | {row[2]:.2f} | {row[1]:.2f} | {row[3]:.2f} |")
+            outside = [(side[2] - sum(side[0].values())) * 1e3 / args.steps for side in (engine, plain)]
+            print(f"| outside the ranges | {outside[0]:.2f} | {outside[1]:.2f} | | |")
+            print(f"| wall | {engine[2] * 1e3 / args.steps:.2f} | {plain[2] * 1e3 / args.steps:.2f} | | |")
     print(f"ratio {ratio:.3f}")
     return ratio
 

@@ -37,6 +37,7 @@ pytestmark = [
 ]
 
 RUN = dict(
+    dataset="digits",
     train_fraction=0.3,
     batch_size=16,
     workers=2,

@@ -54,6 +54,35 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class HostData(TorchDispatchMode):
+    """Records the tensors built from Python data (``torch.tensor``, ``new_tensor``: ``aten.lift_fresh``):
+    on a GPU each is a copy from pageable host memory, which waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_device_rand_augment_ops_build_no_tensor_from_host_data():
+    """Every batched RandAugment op runs from its device arguments and Python scalars alone, so that a
+    GPU step queues it without waiting (the host's sampled plan reaches the device in one copy per group)."""
+    from convbias.engine.batch_augment import OPS, OpContext
+
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (4, 3, 12, 10)).float()
+    ctx = OpContext(fill=torch.full((1, 3, 1, 1), 124.0), interpolation="bilinear")
+    arguments = torch.tensor([0.3, 0.9, 1.4, 2.0])  # a factor, bits, degrees or pixels, by op
+    for name, op in OPS.items():
+        recorder = HostData()
+        with recorder:
+            op(images.clone(), arguments, ctx)
+        assert recorder.count == 0, f"{name} builds {recorder.count} tensors from host data"
+
+
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [state["step"] for state in optimizer.state.values() if torch.is_tensor(state.get("step"))]
 

@@ -46,8 +46,8 @@ def _gray(images: torch.Tensor) -> torch.Tensor:
     """Pillow's RGB -> L, (19595 R + 38470 G + 7471 B + 2**15) >> 16: exact in float32 (every sum < 2**24)."""
     if images.shape[1] == 1:
         return images
-    weights = images.new_tensor([19595.0, 38470.0, 7471.0]).view(1, 3, 1, 1)
-    return torch.floor(((images * weights).sum(1, keepdim=True) + 32768.0) / 65536.0)
+    weighted = images[:, 0:1] * 19595.0 + images[:, 1:2] * 38470.0 + images[:, 2:3] * 7471.0  # no host copy
+    return torch.floor((weighted + 32768.0) / 65536.0)
 
 
 def _apply_lut(images: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
@@ -122,10 +122,13 @@ def _warp(images: torch.Tensor, matrix: torch.Tensor, ctx: OpContext) -> torch.T
     centres at +0.5); input points outside the image take the fill color, inside ones clamp their taps at
     the border; the result is rounded."""
     n, channels, height, width = images.shape
-    to_unit = matrix.new_tensor([[2.0 / width, 0.0, -1.0], [0.0, 2.0 / height, -1.0], [0.0, 0.0, 1.0]])
-    from_unit = matrix.new_tensor([[width / 2.0, 0.0, width / 2.0], [0.0, height / 2.0, height / 2.0], [0, 0, 1.0]])
-    square = torch.cat([matrix, matrix.new_tensor([0.0, 0.0, 1.0]).expand(n, 1, 3)], 1)
-    theta = (to_unit @ square @ from_unit)[:, :2].float()
+    # theta = to_unit @ matrix @ from_unit in affine_grid's [-1, 1] coordinates, written out with scalars so
+    # that no constant matrix is copied from the host (a synchronizing copy on a GPU)
+    x, y, shift = matrix[..., 0] * (width / 2.0), matrix[..., 1] * (height / 2.0), matrix[..., 2]
+    pixels = torch.stack([x, y, x + y + shift], -1)  # matrix @ from_unit, (N, 2, 3)
+    theta = torch.stack([pixels[:, 0] * (2.0 / width), pixels[:, 1] * (2.0 / height)], 1)
+    theta[..., 2] -= 1.0
+    theta = theta.float()
     grid = F.affine_grid(theta, [n, channels, height, width], align_corners=False)
     sampled = F.grid_sample(images, grid, mode=ctx.interpolation, padding_mode="border", align_corners=False)
     inside = ((grid >= -1) & (grid < 1)).all(-1).unsqueeze(1)
