@@ -4,7 +4,7 @@ Whether `train.py --compile` is slower than eager for any family (results: docs/
 case (a registered timm model at one resolution and batch size) three workers, built alike (seed 0, same
 weights, same random batch), run in lockstep (see `lockstep.py`): the model eager, the model under plain
 `torch.compile` (inductor, `--compile-mode`, default mode by default), and the model compiled as the
-engine's `--compile` does it (`convbias.engine.compile.compile_model`: on a CPU, ATen's kernels for GELU,
+engine's `--compile` does it (`convbias.engine.model.compile.compile_model`: on a CPU, ATen's kernels for GELU,
 LayerNorm and max-pool and no layout optimization; on a GPU the same as plain). A training step is
 forward + cross-entropy + backward + AdamW step (timm's optimizer, eager: only the model is compiled, as
 the engine does); inference is a forward in eval mode under no_grad (`lockstep.make_step`).

@@ -44,11 +44,11 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convbias.engine.data import _patch_posterize, build_transforms
-from convbias.engine.datasets import DATASETS, ImageFolderDataset
-from convbias.engine.input_pipeline import AugmentRecipe, DeviceAugment, DeviceBatches
-from convbias.engine.loaders import build_train_loader
-from convbias.engine.options import Config
+from convbias.engine.config.options import Config
+from convbias.engine.data.datasets import DATASETS, ImageFolderDataset
+from convbias.engine.data.device_augment import AugmentRecipe, DeviceAugment, DeviceBatches
+from convbias.engine.data.factory import _patch_posterize, build_transforms
+from convbias.engine.data.loaders import build_train_loader
 
 AA = "rand-m9-mstd0.5-inc1"
 # the DeiT recipe the fast path's RECIPE mirrors (train.py's own defaults are timm's)

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from convbias.engine.compile import COMPILE_MODES, compile_model
+from convbias.engine.model.compile import COMPILE_MODES, compile_model
 
 MALLOC_ENVIRONMENT = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's maximum: blocks below it come from the heap
@@ -100,7 +100,7 @@ def add_step_arguments(parser) -> None:
         default="engine",
         choices=COMPILE_AS,
         help="engine: as train.py --compile (on a CPU: ATen's kernels for GELU, LayerNorm, ReLU and "
-        "max-pool, no layout optimization; convbias.engine.compile); torch: plain torch.compile",
+        "max-pool, no layout optimization; convbias.engine.model.compile); torch: plain torch.compile",
     )
 
 

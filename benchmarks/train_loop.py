@@ -13,7 +13,7 @@ its workers and its copies, accelerate's wrappers, the schedule, the loss bookke
 The bare model step without augmentation (what benchmarks/convit_train_step.py times) is printed beside it.
 
 Where the time goes: two more epochs of each side under torch.profiler (the faster one shown), summed
-over the step's ranges (engine.trainer.STEP_RANGES); on CUDA the ranges' device time too, and the synchronizing calls of one
+over the step's ranges (engine.loop.trainer.STEP_RANGES); on CUDA the ranges' device time too, and the synchronizing calls of one
 engine epoch under ``torch.cuda.set_sync_debug_mode("warn")``.
 
     python benchmarks/train_loop.py --quick                      # ConViT-Ti at 32/p4 on the CPU, DeiT recipe
@@ -102,10 +102,10 @@ def engine_argv(args: argparse.Namespace, work: Path) -> list[str]:
 
 def build_engine(args: argparse.Namespace, work: Path):
     """The Trainer train.py would build, on UInt8Crops (``--steps`` batches an epoch)."""
-    from convbias.engine import data as engine_data
-    from convbias.engine import run_setup
-    from convbias.engine.config import parse_config
-    from convbias.engine.trainer import build_trainer
+    from convbias.engine.config.parsing import parse_config
+    from convbias.engine.data import factory as engine_data
+    from convbias.engine.loop import setup as run_setup
+    from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
 
     for split in ("train", "val"):
@@ -202,7 +202,7 @@ def profile_ranges(run, device: torch.device) -> tuple[dict[str, float], dict[st
         run()
         synchronize(device)
         wall = time.perf_counter() - started
-    from convbias.engine.trainer import STEP_RANGES
+    from convbias.engine.loop.trainer import STEP_RANGES
 
     host, on_device = {}, {}
     for event in prof.key_averages():
@@ -214,7 +214,7 @@ def profile_ranges(run, device: torch.device) -> tuple[dict[str, float], dict[st
 
 def count_synchronizations(trainer, epoch: int, steps: int) -> None:
     """One engine epoch under torch.cuda.set_sync_debug_mode("warn"): the synchronizing calls, by place."""
-    from convbias.engine.trainer import LOSS_CHECK_INTERVAL
+    from convbias.engine.loop.trainer import LOSS_CHECK_INTERVAL
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> float:
                 bare_profiles.append(profile_ranges(lambda: [bare.step() for _ in range(args.steps)], device))
             engine = min(engine_profiles, key=lambda profiled: profiled[2])  # the least disturbed epoch of each side
             plain = min(bare_profiles, key=lambda profiled: profiled[2])
-            from convbias.engine.trainer import STEP_RANGES
+            from convbias.engine.loop.trainer import STEP_RANGES
 
             print(
                 f"\nwhere the time goes (the faster of {PROFILED_ROUNDS} profiled epochs a side, ms per step; device ms on "

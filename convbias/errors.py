@@ -9,7 +9,7 @@ EXIT_DIVERGED = 1  # NonFiniteLossError
 EXIT_USAGE = 2  # ConfigError: a user mistake
 EXIT_DAMAGED = 65  # DamagedCheckpointError (EX_DATAERR): a checkpoint file fails its checksum or is foreign
 EXIT_STORAGE = 74  # StorageError (EX_IOERR): the output could not be written (full, read-only, removed)
-EXIT_REQUEUE = getattr(os, "EX_TEMPFAIL", 75)  # engine.preemption.Preempted: a resume point, then requeue
+EXIT_REQUEUE = getattr(os, "EX_TEMPFAIL", 75)  # engine.loop.preemption.Preempted: a resume point, then requeue
 EXIT_INTERRUPTED = 130  # Interrupted: Ctrl-C, as a shell reports SIGINT
 # Set to 1, every command shows the traceback of what stopped it after its one line: for telling a bug that
 # surfaces as a ValueError (a model constructor's, a data set's) from a user's mistake.

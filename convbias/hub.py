@@ -59,9 +59,9 @@ from convbias.engine import (
     create_model,
     read_log,
 )
-from convbias.engine.checkpoint import WRITE_ERRORS
-from convbias.engine.data import input_format
-from convbias.engine.run_dir import check_which
+from convbias.engine.checkpointing.points import WRITE_ERRORS
+from convbias.engine.checkpointing.run_dir import check_which
+from convbias.engine.data.factory import input_format
 from convbias.storage import staged_directory, storage_reason
 from convbias.tables import markdown_table
 from convbias.timm_checkpoint import create_timm_model, read_timm_checkpoint, timm_class_names, timm_data_config

@@ -34,9 +34,9 @@ from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.data import build_transforms, input_format
-from convbias.engine.input_pipeline import image_mode
-from convbias.engine.run_dir import check_not_run_file
+from convbias.engine.checkpointing.run_dir import check_not_run_file
+from convbias.engine.data.device_augment import image_mode
+from convbias.engine.data.factory import build_transforms, input_format
 from convbias.families import load_families
 from convbias.inputs import first_line
 from convbias.storage import write_text

@@ -234,7 +234,7 @@ def compiled_matches_eager():
     that its outputs and gradients equal eager's on a (2, 3, side, side) batch."""
     import timm
 
-    from convbias.engine.compile import compile_model
+    from convbias.engine.model.compile import compile_model
 
     def loss_and_grads(model: nn.Module, fn, x: torch.Tensor):
         model.zero_grad(set_to_none=True)

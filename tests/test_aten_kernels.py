@@ -1,4 +1,4 @@
-"""convbias.engine.aten_kernels: the modules `--compile` routes through ATen's kernels on a CPU compute
+"""convbias.engine.model.aten_kernels: the modules `--compile` routes through ATen's kernels on a CPU compute
 exactly what the unswapped modules compute (outputs and every gradient, bit for bit), eagerly and under
 inductor with no graph break, in fp32 and under bf16 autocast; their parameters, keys and classes stay
 what they were, and only the exact module classes named there are touched."""
@@ -12,8 +12,8 @@ import torch
 from timm.layers import LayerNorm, LayerNorm2d
 from torch import nn
 
-from convbias.engine import aten_kernels
-from convbias.engine.aten_kernels import use_aten_kernels
+from convbias.engine.model import aten_kernels
+from convbias.engine.model.aten_kernels import use_aten_kernels
 
 # (module, input shape); integer-valued inputs, so max-pool windows hold ties and ReLU sees exact zeros
 MODULES = {

@@ -1,7 +1,7 @@
 """torch.compile(fullgraph=True) of whole vision transformers: inductor on CPU, forward and backward,
 no graph break (fullgraph raises on the first one, the GPSA hot path's autograd Function included),
 compiled outputs and gradients equal to eager's; both as plain torch.compile and as the engine's
---compile does it on a CPU (convbias.engine.compile.compile_model: ATen's kernels for some modules).
+--compile does it on a CPU (convbias.engine.model.compile.compile_model: ATen's kernels for some modules).
 The CNN families are in test_compile_cnn.py: compiling is the slowest part of the suite, and two files
 let pytest-xdist's --dist loadfile put them on two workers."""
 

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from convbias.engine.data import _posterize_zero_bits, build_datasets, build_transforms
-from convbias.engine.datasets import (
+from convbias.engine.config.options import Config
+from convbias.engine.data.datasets import (
     DATASETS,
     DIGITS_MEAN,
     DIGITS_STD,
@@ -25,8 +25,8 @@ from convbias.engine.datasets import (
     _stratified_split,
     fraction_per_class,
 )
-from convbias.engine.loaders import ShardedSampler, build_eval_loader, build_train_loader
-from convbias.engine.options import Config
+from convbias.engine.data.factory import _posterize_zero_bits, build_datasets, build_transforms
+from convbias.engine.data.loaders import ShardedSampler, build_eval_loader, build_train_loader
 
 # Images of class k are filled with gray level GRAY_STEP * (k % GRAY_CODES + 1), so a loaded image tells
 # its label (modulo GRAY_CODES, enough to catch any shuffling of labels against images).

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from convbias.cli import train
-from convbias.engine.data import build_datasets
-from convbias.engine.options import Config
+from convbias.engine.config.options import Config
+from convbias.engine.data.factory import build_datasets
 
 datasets = pytest.importorskip("datasets")
 
@@ -136,7 +136,7 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     """hfids/: 2 epochs of 6 steps; a stop after step 4 of epoch 1, then --resume auto (the stream replayed from
     the epoch's start, its first 4 batches dropped) ends with the uninterrupted run's metrics, all 12
     validation images evaluated."""
-    from convbias.engine.preemption import REQUEUE_EXIT_CODE, PreemptionSignals
+    from convbias.engine.loop.preemption import REQUEUE_EXIT_CODE, PreemptionSignals
 
     args = run_argv(dataset=f"hfids/{carded}", data_dir=cache, epochs=2)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
@@ -211,7 +211,7 @@ def test_the_hfids_worker_check_follows_datasets_split_between_processes(shards,
     split_dataset_by_node actually gives rank 0 (the oracle): that many pass, one more is refused."""
     from datasets.distributed import split_dataset_by_node
 
-    from convbias.engine.streams import _check_shards_per_worker
+    from convbias.engine.data.streams import _check_shards_per_worker
 
     stream = datasets.IterableDataset.from_generator(_numbers, gen_kwargs={"files": list(range(shards))})
     assert stream.num_shards == shards
@@ -252,7 +252,7 @@ def test_input_and_target_keys_read_other_columns(renamed, carded, cache, prefix
 
 def test_a_run_keeps_its_columns_for_evaluation(renamed, cache, tmp_path, run_argv):
     """The columns are among a run's data options: --eval-only RUN reads the same columns (and the same top-1)."""
-    from convbias.engine.config import parse_config
+    from convbias.engine.config.parsing import parse_config
 
     output = tmp_path / "run"
     keys = dict(input_key="img", target_key="fine_label")
@@ -271,7 +271,7 @@ def test_a_run_keeps_its_columns_for_evaluation(renamed, cache, tmp_path, run_ar
     ],
 )
 def test_bad_column_options_are_one_line_errors(argv, message):
-    from convbias.engine.config import parse_config
+    from convbias.engine.config.parsing import parse_config
     from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):

@@ -7,10 +7,16 @@ import torch
 import yaml
 
 from convbias import engine
-from convbias.engine.command_line import TIMM_GROUP, build_parser, timm_only_options
-from convbias.engine.config import coerce, parse_config, validate
-from convbias.engine.options import SECTIONS, Config, declaration, flag_name, key_value_options
-from convbias.engine.resume_state import RunIdentity, TrainingProgress, exact_options, restore, resume_state
+from convbias.engine.checkpointing.state_parts import (
+    RunIdentity,
+    TrainingProgress,
+    exact_options,
+    restore,
+    resume_state,
+)
+from convbias.engine.config.command_line import TIMM_GROUP, build_parser, timm_only_options
+from convbias.engine.config.options import SECTIONS, Config, declaration, flag_name, key_value_options
+from convbias.engine.config.parsing import coerce, parse_config, validate
 from convbias.errors import ConfigError
 from convbias.families import load_families
 
@@ -28,7 +34,7 @@ def test_every_declared_option_is_on_the_command_line_with_its_default_and_secti
             if spec.name not in key_value_options():  # K=V options are merged with the recipe's key by key
                 assert action.default == default, spec.name
     declared = {f.name for f in dataclasses.fields(Config)}
-    timm_only = groups[TIMM_GROUP]  # timm's other options, read as its args.yaml keys (engine.timm_recipe)
+    timm_only = groups[TIMM_GROUP]  # timm's other options, read as its args.yaml keys (engine.config.timm_args)
     assert timm_only == set(timm_only_options()) and not timm_only & declared
     assert set(actions) - {"help"} - timm_only == declared
 
@@ -176,8 +182,8 @@ def test_a_training_state_written_before_the_parts_existed_loads():
 
 def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path, deit_recipe):
     """RESUME_PART_TYPES (whose exact_options are checked before set-up) names every part a point holds."""
-    from convbias.engine.run_setup import start_run
-    from convbias.engine.trainer import RESUME_PART_TYPES, build_trainer
+    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.trainer import RESUME_PART_TYPES, build_trainer
 
     options = dict(
         model="convit_tiny",

@@ -20,10 +20,10 @@ import yaml
 from test_tcnn_recipes import SMALL_RUN
 
 from convbias.cli import export, train
-from convbias.engine.config import Config
-from convbias.engine.data import build_datasets
-from convbias.engine.loaders import build_eval_loader
-from convbias.engine.run_dir import read_run_config
+from convbias.engine.checkpointing.run_dir import read_run_config
+from convbias.engine.config.parsing import Config
+from convbias.engine.data.factory import build_datasets
+from convbias.engine.data.loaders import build_eval_loader
 from convbias.errors import EXIT_DAMAGED, EXIT_STORAGE
 
 pytestmark = pytest.mark.usefixtures("single_thread")

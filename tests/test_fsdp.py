@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import convit  # noqa: F401  (registers convit_tiny)
-from convbias.engine.fsdp import FullCopy, load_sharded, save_sharded
+from convbias.engine.checkpointing.shards import FullCopy, load_sharded, save_sharded
 
 mode, out, global_batch = sys.argv[1], Path(sys.argv[2]), 8
 dist.init_process_group("gloo")
@@ -135,7 +135,7 @@ def test_sharded_save_and_resume_continue_exactly(tmp_path):
     import timm
 
     import convit  # noqa: F401
-    from convbias.engine.fsdp import load_full_weights
+    from convbias.engine.checkpointing.shards import load_full_weights
 
     model = timm.create_model(
         "convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8, in_chans=1, num_classes=10
@@ -150,7 +150,7 @@ def test_sharded_save_and_resume_continue_exactly(tmp_path):
     # weights and optimizer state into an ordinary model and AdamW, no process group (resume without FSDP)
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from convbias.engine.fsdp import load_sharded
+    from convbias.engine.checkpointing.shards import load_sharded
 
     plain = timm.create_model(
         "convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8, in_chans=1, num_classes=10

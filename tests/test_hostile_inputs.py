@@ -31,11 +31,13 @@ from convbias.cli import (
     sweep,
     train,
 )
-from convbias.engine import datasets, lock, modeling
-from convbias.engine.checkpoint import CheckpointDir
-from convbias.engine.config import load_yaml, parse_config
-from convbias.engine.run_dir import CONFIG_MARKER
-from convbias.engine.run_log import read_log
+from convbias.engine.checkpointing import lock
+from convbias.engine.checkpointing.points import CheckpointDir
+from convbias.engine.checkpointing.run_dir import CONFIG_MARKER
+from convbias.engine.config.parsing import load_yaml, parse_config
+from convbias.engine.data import datasets
+from convbias.engine.loop.records import read_log
+from convbias.engine.model import factory as modeling
 from convbias.errors import (
     EXIT_DAMAGED,
     EXIT_INTERRUPTED,
@@ -443,7 +445,7 @@ def test_the_preempted_row_is_train_pys(monkeypatch, capsys):
     tests/test_launch.py); what stops train.py before its set-up is reported as every other command's."""
     import argparse
 
-    from convbias.engine.preemption import Preempted
+    from convbias.engine.loop.preemption import Preempted
     from convbias.errors import EXIT_REQUEUE
 
     def preempted(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""The fast train input path (engine.input_pipeline, engine.batch_augment) against timm's PIL transforms:
+"""The fast train input path (engine.data.device_augment, engine.data.rand_augment) against timm's PIL transforms:
 each batched op on the same image and parameters, the distributions of the random choices against timm's
 own samplers, JPEG draft decoding against a full decode, reproducibility and resume of the device half."""
 
@@ -20,11 +20,11 @@ from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 
-from convbias.engine.batch_augment import LEVELS, OPS, ErasingSpec, OpContext, RandAugmentSpec, erase
-from convbias.engine.data import _posterize_zero_bits, build_datasets, fast_path_reason
-from convbias.engine.input_pipeline import AugmentRecipe, CropFlip, DeviceAugment, DeviceBatches
-from convbias.engine.loaders import seeded_rngs
-from convbias.engine.options import Config
+from convbias.engine.config.options import Config
+from convbias.engine.data.device_augment import AugmentRecipe, CropFlip, DeviceAugment, DeviceBatches
+from convbias.engine.data.factory import _posterize_zero_bits, build_datasets, fast_path_reason
+from convbias.engine.data.loaders import seeded_rngs
+from convbias.engine.data.rand_augment import LEVELS, OPS, ErasingSpec, OpContext, RandAugmentSpec, erase
 
 DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 
@@ -47,7 +47,7 @@ RAND_OPS = sorted(
 # grid_sample's bicubic (Keys' a=-0.75) vs Pillow's affine bicubic (a cubic close to a=-1): measured 39.7 dB
 # (rotations of this small textured crop) to 51 dB, and exact for whole-pixel translations
 GEOMETRIC_MIN_PSNR = 38.0
-# torchvision 0.29 deprecates the JPEG decoder CropFlip uses (without it, engine.input_pipeline uses Pillow)
+# torchvision 0.29 deprecates the JPEG decoder CropFlip uses (without it, engine.data.device_augment uses Pillow)
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
 
@@ -398,7 +398,7 @@ def test_a_webdataset_stream_takes_the_fast_path(tmp_path):
     pytest.importorskip("webdataset")
     from test_data_streams import write_shards
 
-    from convbias.engine.loaders import build_stream_loader
+    from convbias.engine.data.loaders import build_stream_loader
 
     write_shards(tmp_path, {"train": 32, "validation": 8})
     bundle = build_datasets(deit_config(dataset="wds/toy", data_dir=str(tmp_path), img_size=16, workers=0))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from convbias.engine.output_scale import OutputScale, ScaledLoss
+from convbias.engine.model.output_scale import OutputScale, ScaledLoss
 from convbias.evaluation.ntk import NTKChange, buffer_bytes, empirical_ntk, relative_change, top_eigenvalues
 
 pytestmark = pytest.mark.usefixtures("single_thread")

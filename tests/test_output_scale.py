@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from convbias.engine.output_scale import OutputScale, ScaledLoss, check_alpha
+from convbias.engine.model.output_scale import OutputScale, ScaledLoss, check_alpha
 from convbias.evaluation.ensembles import load_run
 from convbias.families import load_families
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
 
-from convbias.engine.data import build_datasets
-from convbias.engine.loaders import build_eval_loader
-from convbias.engine.options import Config
+from convbias.engine.config.options import Config
+from convbias.engine.data.factory import build_datasets
+from convbias.engine.data.loaders import build_eval_loader
 from convbias.evaluation.corruptions import CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
 from convbias.evaluation.robustness import (
     Denormalized,

@@ -20,8 +20,9 @@ import torch
 from test_train_errors import messages
 
 from convbias.cli import train
-from convbias.engine import checkpoint, lock, run_log, trainer
-from convbias.engine.checkpoint import (
+from convbias.engine.checkpointing import lock
+from convbias.engine.checkpointing import points as checkpoint
+from convbias.engine.checkpointing.points import (
     MANIFEST_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
@@ -31,8 +32,10 @@ from convbias.engine.checkpoint import (
     load_weights,
     write_manifest,
 )
-from convbias.engine.run_dir import RunDir
-from convbias.engine.run_log import read_log
+from convbias.engine.checkpointing.run_dir import RunDir
+from convbias.engine.loop import records as run_log
+from convbias.engine.loop import trainer
+from convbias.engine.loop.records import read_log
 from convbias.errors import (
     EXIT_DAMAGED,
     EXIT_REQUEUE,

@@ -11,7 +11,7 @@ import timm
 import torch
 from torch import nn
 
-from convbias.engine.options import Config
+from convbias.engine.config.options import Config
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
 from convbias.families import load_families
@@ -326,7 +326,7 @@ def digits_run(tmp_path_factory, cli_argv):
 
 
 def _val_images(count):
-    from convbias.engine.data import build_datasets
+    from convbias.engine.data.factory import build_datasets
 
     val = build_datasets(Config(dataset="digits", img_size=16, crop_pct=1.0, no_aug=True)).val
     return torch.stack([val[i][0] for i in range(count)])

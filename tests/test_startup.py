@@ -12,7 +12,7 @@ from test_train_errors import PROGRESS, messages
 
 import convit  # noqa: F401  (registers the project's models)
 from convbias.cli import train
-from convbias.engine.node import set_threads
+from convbias.engine.loop.node import set_threads
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

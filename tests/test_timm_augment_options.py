@@ -15,10 +15,10 @@ import yaml
 from test_input_pipeline import sample_image
 from timm.data import create_transform
 
-from convbias.engine.data import build_transforms, fast_path_reason, train_recipe
-from convbias.engine.input_pipeline import DeviceAugment
-from convbias.engine.loaders import seeded_rngs
-from convbias.engine.options import Config
+from convbias.engine.config.options import Config
+from convbias.engine.data.device_augment import DeviceAugment
+from convbias.engine.data.factory import build_transforms, fast_path_reason, train_recipe
+from convbias.engine.data.loaders import seeded_rngs
 
 DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 
@@ -143,7 +143,7 @@ def test_what_the_device_cannot_do_runs_timms_transforms(option, value, reason):
     ],
 )
 def test_bad_values_are_one_line_errors(argv, message):
-    from convbias.engine.config import parse_config
+    from convbias.engine.config.parsing import parse_config
     from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):

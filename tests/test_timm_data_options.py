@@ -15,11 +15,11 @@ import yaml
 from PIL import Image
 
 from convbias.engine import Config, ConfigError, build_datasets
-from convbias.engine.config import parse_config
-from convbias.engine.data import train_recipe
-from convbias.engine.datasets import DIGITS_MEAN, DIGITS_STD
-from convbias.engine.input_pipeline import DeviceAugment
-from convbias.engine.modeling import create_model
+from convbias.engine.config.parsing import parse_config
+from convbias.engine.data.datasets import DIGITS_MEAN, DIGITS_STD
+from convbias.engine.data.device_augment import DeviceAugment
+from convbias.engine.data.factory import train_recipe
+from convbias.engine.model.factory import create_model
 
 DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 

@@ -22,9 +22,9 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from torch import nn
 
 from convbias.cli import train
-from convbias.engine.config import parse_config, scaled_lr
-from convbias.engine.data import build_transforms, input_format
-from convbias.engine.recipe import create_mixup, create_optimizer, create_scheduler
+from convbias.engine.config.parsing import parse_config, scaled_lr
+from convbias.engine.data.factory import build_transforms, input_format
+from convbias.engine.optim.factory import create_mixup, create_optimizer, create_scheduler
 from convbias.errors import ConfigError
 from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 

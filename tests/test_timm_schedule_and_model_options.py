@@ -12,12 +12,15 @@ import torch
 from timm.scheduler import CosineLRScheduler, PlateauLRScheduler
 from torch import nn
 
-from convbias.engine import RunDir, loaders, modeling, read_log, recipe
-from convbias.engine.checkpoint import load_training_state
-from convbias.engine.config import validate
-from convbias.engine.options import Config
-from convbias.engine.run_setup import start_run
-from convbias.engine.trainer import build_trainer
+from convbias.engine import RunDir, read_log
+from convbias.engine.checkpointing.points import load_training_state
+from convbias.engine.config.options import Config
+from convbias.engine.config.parsing import validate
+from convbias.engine.data import loaders
+from convbias.engine.loop.setup import start_run
+from convbias.engine.loop.trainer import build_trainer
+from convbias.engine.model import factory as modeling
+from convbias.engine.optim import factory as recipe
 from convbias.errors import ConfigError
 from convbias.families import load_families
 
@@ -198,7 +201,7 @@ def test_gp_is_kept_by_every_command_that_rebuilds_the_run(tmp_path):
 
     from convbias.cli import robustness
     from convbias.cli import train as train_command
-    from convbias.engine.config import parse_config
+    from convbias.engine.config.parsing import parse_config
 
     cfg = small_cnn(tmp_path, gp="catavgmax")
     records = train(cfg)

@@ -28,7 +28,7 @@ def test_the_options_table_lists_every_key_with_its_default(repo):
 def test_the_options_table_says_what_this_engine_does_with_each_key(repo):
     """The table's last column is current: regenerate it (make_timm_train_args.py --docs) when an option
     changes group."""
-    from convbias.engine.timm_recipe import timm_option_status
+    from convbias.engine.config.timm_args import timm_option_status
 
     rows = re.findall(r"^\| `(\w+)` \|.*\| ([a-z ]+): (.*) \|$", (repo / "docs" / "timm-options.md").read_text(), re.M)
     assert len(rows) == len(TIMM_TRAIN_DEFAULTS)
@@ -40,7 +40,7 @@ def test_the_readme_counts_the_groups_as_the_table_does(repo):
     """README's summary of the table (how many of timm's keys are implemented, not applicable, refused)."""
     from collections import Counter
 
-    from convbias.engine.timm_recipe import timm_option_status
+    from convbias.engine.config.timm_args import timm_option_status
 
     counts = Counter(timm_option_status(key)[0] for key in TIMM_TRAIN_DEFAULTS)
     readme = " ".join((repo / "README.md").read_text().split())

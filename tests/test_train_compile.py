@@ -100,7 +100,7 @@ def test_grad_checkpointing_trains_the_same_model(tmp_path, cli_argv):
 
 
 def test_inductor_compiled_run_on_cpu_matches_eager(tmp_path, cli_argv):
-    """The default backend, as users run it: on a CPU, inductor with engine.aten_kernels (here the CNN's
+    """The default backend, as users run it: on a CPU, inductor with engine.model.aten_kernels (here the CNN's
     ReLUs and max-pools, in the model and in its EMA copy); epoch 2 compiles nothing new."""
     small_cnn = cli_argv(cli_argv.PLAIN_DIGITS, SHORT, EMA, SMALL_CNN)
     _, eager_log, _ = run(small_cnn, tmp_path / "eager")

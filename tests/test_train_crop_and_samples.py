@@ -23,11 +23,11 @@ from timm.data.transforms import (
     ResizeKeepRatio,
 )
 
-from convbias.engine.data import build_datasets, build_transforms, fast_path_reason, train_recipe
-from convbias.engine.input_pipeline import CropFlip
-from convbias.engine.loaders import seeded_rngs
-from convbias.engine.options import Config
-from convbias.engine.run_setup import build_data
+from convbias.engine.config.options import Config
+from convbias.engine.data.device_augment import CropFlip
+from convbias.engine.data.factory import build_datasets, build_transforms, fast_path_reason, train_recipe
+from convbias.engine.data.loaders import seeded_rngs
+from convbias.engine.loop.setup import build_data
 
 DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 
@@ -37,7 +37,7 @@ def deit_config(**options) -> Config:
     return Config(**{**DEIT_RECIPE, **options})
 
 
-# torchvision 0.29 deprecates the JPEG decoder CropFlip uses (without it, engine.input_pipeline uses Pillow)
+# torchvision 0.29 deprecates the JPEG decoder CropFlip uses (without it, engine.data.device_augment uses Pillow)
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
 # timm's crop classes per mode, in create_transform's order
@@ -148,7 +148,7 @@ def test_ratio_reaches_timms_crop_on_both_paths(mode):
 @pytest.mark.parametrize("ratio", [[2.0, 1.0], [0.0, 1.0]])
 def test_bad_ratio_is_a_one_line_error(ratio):
     """A reversed or non-positive range is refused before any work, naming the option and the expected form."""
-    from convbias.engine.config import parse_config
+    from convbias.engine.config.parsing import parse_config
     from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"--ratio must be two positive numbers, MIN <= MAX, got \["):
@@ -163,7 +163,7 @@ def test_rkr_zoom_out_past_torchs_reflect_padding_keeps_timms_transforms():
 
 
 def stream_data(cfg: Config):
-    """engine.run_setup.build_data for one CPU process: the bundle, its train loader and steps per epoch."""
+    """engine.loop.setup.build_data for one CPU process: the bundle, its train loader and steps per epoch."""
     accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, process_index=0)
     return build_data(SimpleNamespace(cfg=cfg, accelerator=accelerator), SimpleNamespace(signals=[]), train=True)
 

@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 DUMP_WEIGHTS = """
 import sys
 from safetensors.torch import save_file
-from convbias.engine.config import parse_config
-from convbias.engine.run_setup import start_run
-from convbias.engine.trainer import build_trainer
+from convbias.engine.config.parsing import parse_config
+from convbias.engine.loop.setup import start_run
+from convbias.engine.loop.trainer import build_trainer
 from convbias.families import load_families
 dump_dir, args = sys.argv[1], sys.argv[2:]
 trainer = build_trainer(start_run(parse_config(args), load_families(), None))
@@ -138,10 +138,10 @@ RECORD_DIST_BN = """
 import sys
 import torch
 from safetensors.torch import save_file
-from convbias.engine import trainer as engine_trainer
+from convbias.engine.loop import trainer as engine_trainer
 from convbias.families import load_families
-from convbias.engine.config import parse_config
-from convbias.engine.run_setup import start_run
+from convbias.engine.config.parsing import parse_config
+from convbias.engine.loop.setup import start_run
 dump_dir, args = sys.argv[1], sys.argv[2:]
 real = engine_trainer.Trainer._distribute_batchnorm
 def recorded(self):

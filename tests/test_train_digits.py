@@ -10,9 +10,9 @@ import timm
 import torch
 
 from convbias.cli import train
-from convbias.engine.checkpoint import load_weights, save_weights
-from convbias.engine.config import parse_config
-from convbias.engine.run_log import SUMMARY_FIELDS
+from convbias.engine.checkpointing.points import load_weights, save_weights
+from convbias.engine.config.parsing import parse_config
+from convbias.engine.loop.records import SUMMARY_FIELDS
 
 pytestmark = pytest.mark.integration
 
@@ -106,7 +106,7 @@ def test_wandb_offline_run_records_the_run(tmp_path, monkeypatch, train_argv):
 
 
 def test_every_epoch_record_reaches_the_tracker(tmp_path):
-    from convbias.engine.run_log import RunLog
+    from convbias.engine.loop.records import RunLog
 
     class Tracker:  # accelerate's Accelerator.log, as the engine calls it
         logged = []
@@ -122,8 +122,8 @@ def test_every_epoch_record_reaches_the_tracker(tmp_path):
 
 def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path, train_argv):
     """The engine's training loss is DeiT's hard distillation against the teacher read from the file."""
-    from convbias.engine.run_setup import start_run
-    from convbias.engine.trainer import build_trainer
+    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
 
     teacher = timm.create_model("test_resnet", num_classes=10, in_chans=1)
@@ -159,9 +159,9 @@ def test_ema_is_evaluated_and_saved(tmp_path, model_argv, train_argv):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, train_argv):
-    from convbias.engine.config import parse_config
-    from convbias.engine.run_setup import start_run
-    from convbias.engine.trainer import NonFiniteLossError, build_trainer
+    from convbias.engine.config.parsing import parse_config
+    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.trainer import NonFiniteLossError, build_trainer
     from convbias.families import load_families
 
     output = tmp_path / "run"

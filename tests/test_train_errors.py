@@ -9,8 +9,8 @@ import timm
 import torch
 
 from convbias.cli import train
-from convbias.engine.checkpoint import save_weights
-from convbias.engine.run_dir import CONFIG_MARKER
+from convbias.engine.checkpointing.points import save_weights
+from convbias.engine.checkpointing.run_dir import CONFIG_MARKER
 
 SMALL = [
     "--dataset",
@@ -234,7 +234,7 @@ def test_ctrl_c_says_what_was_kept_and_exits_130(capsys, tmp_path):
 
 
 def test_help_shows_the_defaults():
-    from convbias.engine.command_line import build_parser
+    from convbias.engine.config.command_line import build_parser
 
     text = " ".join(build_parser().format_help().split())
     for shown in (

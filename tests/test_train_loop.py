@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convbias.engine.config import parse_config
+from convbias.engine.config.parsing import parse_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -70,7 +70,7 @@ class HostData(TorchDispatchMode):
 def test_device_rand_augment_ops_build_no_tensor_from_host_data():
     """Every batched RandAugment op runs from its device arguments and Python scalars alone, so that a
     GPU step queues it without waiting (the host's sampled plan reaches the device in one copy per group)."""
-    from convbias.engine.batch_augment import OPS, OpContext
+    from convbias.engine.data.rand_augment import OPS, OpContext
 
     torch.manual_seed(0)
     images = torch.randint(0, 256, (4, 3, 12, 10)).float()
@@ -88,8 +88,8 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def build(cli_argv, tmp_path, **options):
-    from convbias.engine.run_setup import start_run
-    from convbias.engine.trainer import build_trainer
+    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
 
     argv = cli_argv(
@@ -108,7 +108,7 @@ def test_an_epoch_reads_device_values_only_at_the_loss_checks(cli_argv, tmp_path
     """With the DeiT recipe's step, one epoch reads a device value on the host only at the loss checks
     (every LOSS_CHECK_INTERVAL steps and at the epoch's end), so a GPU queues work ahead between them. The
     loader's transforms run in a worker (on the host on every device, as in a GPU run)."""
-    from convbias.engine.trainer import LOSS_CHECK_INTERVAL
+    from convbias.engine.loop.trainer import LOSS_CHECK_INTERVAL
 
     trainer = build(cli_argv, tmp_path, no_aug=False, train_fraction=0.15, epochs=2, workers=1, **DEIT_STEP)
     steps = trainer.data.steps_per_epoch
@@ -136,7 +136,7 @@ def test_loader_workers_persist_across_epochs_and_evaluations_with_the_same_batc
     skips the last batches), the next one and a mid-epoch restart, and each epoch's samples and their
     augmentation draws are those of a loader without workers. The eval loader's workers serve every
     evaluation."""
-    from convbias.engine.loaders import build_eval_loader, build_train_loader, epoch_batches
+    from convbias.engine.data.loaders import build_eval_loader, build_train_loader, epoch_batches
 
     def epoch(loader, number, first=0, count=10):
         return torch.cat(list(epoch_batches(loader, number, first, count)))
@@ -178,7 +178,7 @@ def test_several_processes_decide_on_preemption_together_every_interval():
     import signal
     from types import SimpleNamespace
 
-    from convbias.engine.preemption import PREEMPTION_CHECK_INTERVAL, PreemptionSignals
+    from convbias.engine.loop.preemption import PREEMPTION_CHECK_INTERVAL, PreemptionSignals
 
     signals, ranks = PreemptionSignals([signal.SIGUSR1]), TwoRanks()
     updates = range(1, 3 * PREEMPTION_CHECK_INTERVAL + 1)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from convbias.engine.checkpoint import STATE_FILE, load_training_state, write_manifest
-from convbias.engine.preemption import REQUEUE_EXIT_CODE
+from convbias.engine.checkpointing.points import STATE_FILE, load_training_state, write_manifest
+from convbias.engine.loop.preemption import REQUEUE_EXIT_CODE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -8,9 +8,9 @@ import timm
 import torch
 
 import convit  # noqa: F401  (registers the project's models)
-from convbias.engine.checkpoint import CheckpointDir, find_resume_point, load_training_state, load_weights
-from convbias.engine.config import ConfigError, effective_epochs, parse_config
-from convbias.engine.recipe import create_optimizer, create_scheduler, param_groups, rebuild_optimizer
+from convbias.engine.checkpointing.points import CheckpointDir, find_resume_point, load_training_state, load_weights
+from convbias.engine.config.parsing import ConfigError, effective_epochs, parse_config
+from convbias.engine.optim.factory import create_optimizer, create_scheduler, param_groups, rebuild_optimizer
 
 DEIT_RECIPE = Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml"
 
@@ -148,7 +148,7 @@ def test_load_weights_reads_torch_files_without_unpickling_objects(tmp_path):
 
 
 def test_hard_distillation_loss_is_deit_average():
-    from convbias.engine.recipe import HardDistillationLoss
+    from convbias.engine.optim.factory import HardDistillationLoss
 
     teacher = torch.nn.Linear(6, 4)
     images, targets = torch.randn(8, 6), torch.randint(0, 4, (8,))

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from convbias.cli import train
-from convbias.engine.config import validate
-from convbias.engine.options import Config
-from convbias.engine.run_setup import start_run, sync_batchnorm
-from convbias.engine.trainer import build_trainer
+from convbias.engine.config.options import Config
+from convbias.engine.config.parsing import validate
+from convbias.engine.loop.setup import start_run, sync_batchnorm
+from convbias.engine.loop.trainer import build_trainer
 from convbias.families import load_families
 
 pytestmark = pytest.mark.integration  # every test here trains a model
@@ -93,7 +93,7 @@ def test_log_interval_prints_a_progress_line_every_n_steps_without_a_terminal(tm
 
 def test_a_resumed_run_draws_the_same_device_side_augmentations(tmp_path, cli_argv):
     """The DeiT recipe's RandAugment and random erasing run on the device from their own streams, which a resume
-    point holds (engine.resume_state.AugmentStreams): 1 epoch, then --resume to 2, equals 2 epochs straight."""
+    point holds (engine.checkpointing.state_parts.AugmentStreams): 1 epoch, then --resume to 2, equals 2 epochs straight."""
     from safetensors.torch import load_file
 
     from convbias.engine import RunDir, read_log

@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from convbias.engine.command_line import OptionParser, key_value, yaml_scalar
+from convbias.engine.config.command_line import OptionParser, key_value, yaml_scalar
 from convbias.storage import storage_reason
 
 __all__ = ["OptionParser", "key_value", "report", "run_command", "yaml_scalar"]

@@ -35,7 +35,7 @@ import transformed_cnn
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, Config, RunDir, create_model, is_run_dir
-from convbias.engine.run_log import read_log as read_run_log
+from convbias.engine.loop.records import read_log as read_run_log
 from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head
 from convbias.families import load_families
 from convbias.weights import load_weights

@@ -178,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 RUN_OPTIONS = ("model", "dataset", "data_dir", "num_classes", "img_size")
-# the run's data options, as engine.run_dir's RUN_KEYS
+# the run's data options, as engine.checkpointing.run_dir's RUN_KEYS
 RUN_DATA_OPTIONS = ("crop_pct", "interpolation", "in_chans", "mean", "std", "class_map", "input_key", "target_key")
 RUN_MODEL_OPTIONS = ("bn_eps", "gp")  # what the run's model is built with besides its kwargs, for evaluation
 

@@ -33,10 +33,10 @@ from ..errors import (
     show_traceback,
 )
 from ..storage import storage_reason
-from .config import config_warnings, parse_config, validate
-from .extensions import Extensions
-from .options import Config
-from .preemption import REQUEUE_EXIT_CODE, Preempted
+from .config.options import Config
+from .config.parsing import config_warnings, parse_config, validate
+from .loop.extensions import Extensions
+from .loop.preemption import REQUEUE_EXIT_CODE, Preempted
 
 # What convbias-launch tells the engine: the process count it was asked for (accelerate's launcher puts none in
 # the environment), and the folder where each rank leaves its exit code and its one line (file rank<RANK>).
@@ -50,16 +50,16 @@ _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_
 # `__getattr__`), to keep start-up time low: the model, data and checkpoint modules import timm and
 # accelerate, which `--help` does not need. Anything else is imported from its submodule.
 _SUBMODULE_OF = {
-    **dict.fromkeys(("Config",), "options"),
-    **dict.fromkeys(("parse_config",), "config"),
-    **dict.fromkeys(("DEFAULT_WHICH", "WHICH", "RunCheckpoint", "RunDir", "is_run_dir"), "run_dir"),
-    **dict.fromkeys(("build_datasets",), "data"),
-    **dict.fromkeys(("build_eval_loader",), "loaders"),
-    **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "datasets"),
-    **dict.fromkeys(("check_model_name", "create_model"), "modeling"),
-    **dict.fromkeys(("OutputScale",), "output_scale"),
-    **dict.fromkeys(("read_log", "read_summary"), "run_log"),
-    **dict.fromkeys(("compile_model",), "compile"),
+    **dict.fromkeys(("Config",), "config.options"),
+    **dict.fromkeys(("parse_config",), "config.parsing"),
+    **dict.fromkeys(("DEFAULT_WHICH", "WHICH", "RunCheckpoint", "RunDir", "is_run_dir"), "checkpointing.run_dir"),
+    **dict.fromkeys(("build_datasets",), "data.factory"),
+    **dict.fromkeys(("build_eval_loader",), "data.loaders"),
+    **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "data.datasets"),
+    **dict.fromkeys(("check_model_name", "create_model"), "model.factory"),
+    **dict.fromkeys(("OutputScale",), "model.output_scale"),
+    **dict.fromkeys(("read_log", "read_summary"), "loop.records"),
+    **dict.fromkeys(("compile_model",), "model.compile"),
 }
 __all__ = [
     "LAUNCH_EXIT_DIR",
@@ -88,7 +88,7 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
     """Train (or evaluate with --eval-only) one run; returns the content of results.json (the metrics with
     --eval-only). ``config`` is a command line (parsed with its -c recipe) or a ``Config`` built in Python;
     either is validated first (a Config is copied, not changed)."""
-    from .options import Config
+    from .config.options import Config
 
     if isinstance(config, Config):
         cfg = config.replace()
@@ -97,12 +97,12 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
         cfg = parse_config(config)
     for warning in [*_launch_warnings(), *config_warnings(cfg)]:
         _print_error(warning, prefix="warning")
-    from .lock import RunLock  # imported after parsing: `train.py --help` loads no torch
-    from .run_dir import RunDir
-    from .run_setup import build_evaluator, start_run
-    from .trainer import build_trainer
+    from .checkpointing.lock import RunLock  # imported after parsing: `train.py --help` loads no torch
+    from .checkpointing.run_dir import RunDir
+    from .loop.setup import build_evaluator, start_run
+    from .loop.trainer import build_trainer
 
-    lock = None if cfg.eval_only else RunLock(cfg.output)  # held for the life of the run (engine.lock)
+    lock = None if cfg.eval_only else RunLock(cfg.output)  # held for the life of the run (engine.checkpointing.lock)
     try:
         try:
             start = start_run(cfg, extensions, lock)

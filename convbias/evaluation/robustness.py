@@ -47,7 +47,7 @@ class PixelModel(nn.Module):
     def from_data_config(cls, model: nn.Module) -> PixelModel:
         """Wrap a timm model with the mean/std of its pretrained cfg (timm's data config), for
         models evaluated as timm ships them. Checkpoints from train.py were trained with the
-        dataset's mean/std (engine.data.DataBundle.mean/std): pass those to the constructor."""
+        dataset's mean/std (engine.data.factory.DataBundle.mean/std): pass those to the constructor."""
         config = resolve_model_data_config(model)
         return cls(model, config["mean"], config["std"])
 

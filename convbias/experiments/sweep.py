@@ -59,8 +59,8 @@ from convbias.engine import (
     parse_config,
     read_summary,
 )
-from convbias.engine.command_line import build_parser
-from convbias.engine.data import input_format
+from convbias.engine.config.command_line import build_parser
+from convbias.engine.data.factory import input_format
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
 from convbias.inputs import read_yaml

@@ -12,7 +12,7 @@ installed timm. Its arguments are parsed as its ``_parse_args`` parses them (``c
 - tests/data/timm_train_args.yaml: that args.yaml, after a comment header naming the command and the commit;
 - convbias/timm_train_options.py: ``TIMM_TRAIN_DEFAULTS``, every key and its default, as a Python literal;
 - with --docs FILE: a markdown table of every key, timm's default and help, and the convbias option of the
-  same name (from ``convbias.engine.options.build_parser()``).
+  same name (from ``convbias.engine.config.options.build_parser()``).
 
 Rerun it when timm's train.py changes; the outputs are generated, not edited by hand.
 """
@@ -124,10 +124,10 @@ def _exceptions(count: int) -> str:
 
 def options_table(train: ModuleType, args: argparse.Namespace, commit: str, describe: str) -> str:
     """docs/timm-options.md: every args.yaml key with timm's default and help, and what convbias's train.py does
-    with it (``convbias.engine.timm_recipe.timm_option_status``): implemented, not applicable, or refused."""
+    with it (``convbias.engine.config.timm_args.timm_option_status``): implemented, not applicable, or refused."""
     from collections import Counter
 
-    from convbias.engine.timm_recipe import timm_option_status
+    from convbias.engine.config.timm_args import timm_option_status
 
     actions = {action.dest: action for action in train.parser._actions}
     status = {key: timm_option_status(key) for key in vars(args)}
@@ -148,7 +148,7 @@ def options_table(train: ModuleType, args: argparse.Namespace, commit: str, desc
         f"**not applicable** ({counts['not applicable']}: this engine's design decides it), or **refused** "
         f"({counts['refused']}: not implemented). `train.py -c args.yaml` runs a timm args.yaml: keys of the last "
         "two groups are accepted at timm's default and refused, all named with the reason in one line, when set "
-        "otherwise (`convbias.engine.timm_recipe`).",
+        "otherwise (`convbias.engine.config.timm_args`).",
         "",
         "**Defaults: train.py's defaults are timm's train.py's.** Every implemented option defaults to timm's "
         f"value{_exceptions(sum('(default here' in what for _, what in status.values()))}, so a "

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from accelerate.utils import gather_object, set_seed
 from timm.scheduler import PlateauLRScheduler
 
-from .checkpoint import rng_state, set_rng_state
-from .recipe import set_scheduled_lr
+from ..optim.factory import set_scheduled_lr
+from .points import rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from .run_setup import Optimization, RunStart
+    from ..loop.setup import Optimization, RunStart
 
 TOP_LEVEL = ("progress", "identity")  # the parts whose keys sit at the top level of the file
 
@@ -157,7 +157,7 @@ class RandomStreams(PerRankStreams):
 
 
 class AugmentStreams(PerRankStreams):
-    """Every rank's streams of the device-side augmentation (engine.input_pipeline.DeviceAugment): a resumed
+    """Every rank's streams of the device-side augmentation (engine.data.device_augment.DeviceAugment): a resumed
     epoch draws the same RandAugment ops and erasing boxes."""
 
     exact_options = ("no_prefetcher", "aa", "reprob", "img_size", "interpolation")  # what the streams draw for

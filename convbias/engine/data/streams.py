@@ -55,7 +55,7 @@ import numpy as np
 import yaml
 from torch.utils.data import Dataset
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 WDS_PREFIX, HFIDS_PREFIX, HFDS_PREFIX = "wds/", "hfids/", "hfds/"
 STREAM_PREFIXES = (WDS_PREFIX, HFIDS_PREFIX)
@@ -114,7 +114,7 @@ def is_hfds(name: str) -> bool:
 
 
 def is_factory_source(name: str) -> bool:
-    """A --dataset read through timm's dataset factory (wds/ or hfds/) rather than engine.datasets."""
+    """A --dataset read through timm's dataset factory (wds/ or hfds/) rather than engine.data.datasets."""
     return is_stream(name) or is_hfds(name)
 
 
@@ -284,7 +284,7 @@ def create_streams(
 
 class HfdsImages(Dataset):
     """A split of a Hugging Face dataset as timm's ImageDataset reads it (PIL images, int labels), with the
-    interface of engine.datasets (`targets`, `classes`, settable `transform`, `subset`), so that the class
+    interface of engine.data.datasets (`targets`, `classes`, settable `transform`, `subset`), so that the class
     subset and per-class fraction code applies unchanged."""
 
     def __init__(self, images: Dataset, classes: Sequence[str], indices: np.ndarray | None = None):

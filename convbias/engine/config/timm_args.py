@@ -17,7 +17,7 @@ from typing import Any
 
 from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .options import (
     declaration,
     default_value,

@@ -1,4 +1,4 @@
-"""Run configuration: the command line (options in ``engine.options``) over YAML recipes (``-c``), validated.
+"""Run configuration: the command line (options in ``engine.config.options``) over YAML recipes (``-c``), validated.
 
 The option names follow timm's ``train.py``. A YAML key is the option name with ``_`` instead of ``-``
 (``batch_size: 64``). Precedence: built-in defaults (timm's train.py's) < YAML file(s) < command line; the
@@ -23,9 +23,11 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError, StorageError
-from ..inputs import quoted, read_yaml
-from ..storage import write_text
+from ...errors import ConfigError, StorageError
+from ...inputs import quoted, read_yaml
+from ...storage import write_text
+from ..checkpointing.run_dir import CONFIG_MARKER, RUN_KEYS, TIMM_SUFFIXES, is_run_dir, read_run_config
+from ..loop.preemption import parse_signals
 from .command_line import OptionParser, build_parser, timm_only_options
 from .options import (
     DATASETS,
@@ -39,9 +41,7 @@ from .options import (
     option_names,
     option_types,
 )
-from .preemption import parse_signals
-from .run_dir import CONFIG_MARKER, RUN_KEYS, TIMM_SUFFIXES, is_run_dir, read_run_config
-from .timm_recipe import is_timm_recipe, translate_timm_keys
+from .timm_args import is_timm_recipe, translate_timm_keys
 
 
 def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _including: tuple[Path, ...] = ()) -> dict:
@@ -321,7 +321,9 @@ def _normalize_eval_only(cfg: Config) -> None:
 
 
 def _check_data_source(cfg: Config) -> None:
-    from .streams import is_factory_source  # streams loads torch: only after parsing (`train.py --help` loads none)
+    from ..data.streams import (
+        is_factory_source,  # streams loads torch: only after parsing (`train.py --help` loads none)
+    )
 
     if cfg.dataset == "":  # timm's default: the image folder at --data-dir
         cfg.dataset = "folder"
@@ -352,7 +354,7 @@ def _normalize(cfg: Config) -> None:
 
 def _check_input(cfg: Config) -> None:
     """--input-size and --input-img-mode against --img-size and --in-chans; --mean/--std against the channels and
-    --class-map's file against the dataset, as engine.data resolves them (it loads torch: only after parsing)."""
+    --class-map's file against the dataset, as engine.data.factory resolves them (it loads torch: only after parsing)."""
     if cfg.input_size is not None:
         given = f"--input-size {' '.join(map(str, cfg.input_size))}"
         for name, value in (("img_size", cfg.input_size[1]), ("in_chans", cfg.input_size[0])):
@@ -365,7 +367,7 @@ def _check_input(cfg: Config) -> None:
         mode is None or cfg.in_chans == IMAGE_MODE_CHANNELS[mode],
         f"--input-img-mode {mode} and --in-chans {cfg.in_chans} disagree; give one of them",
     )
-    from .data import class_map, input_format
+    from ..data.factory import class_map, input_format
 
     input_format(cfg)
     class_map(cfg)
@@ -409,7 +411,7 @@ def _check_combinations(cfg: Config) -> None:
         bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),
         "hard distillation needs both --distill-teacher NAME and --distill-teacher-file PATH",
     )
-    from .recipe import scheduled_epochs  # timm's count (cooldown, cycles); loads torch: only after parsing
+    from ..optim.factory import scheduled_epochs  # timm's count (cooldown, cycles); loads torch: only after parsing
 
     epochs = scheduled_epochs(cfg, *effective_epochs(cfg)) if cfg.epochs >= 1 else 0
     for epoch in cfg.save_epochs:
@@ -455,7 +457,7 @@ def _check_names(cfg: Config) -> None:
 
 
 def _check_paths(cfg: Config) -> None:
-    """Files the options name exist (data_dir: engine.data names the expected layout)."""
+    """Files the options name exist (data_dir: engine.data.factory names the expected layout)."""
     for name in ("pretrained_file", "checkpoint", "distill_teacher_file"):
         path = getattr(cfg, name)
         _check(path is None or Path(path).exists(), f"{flag_name(name)}: path does not exist: {path}")
@@ -529,7 +531,7 @@ def setup_warnings(cfg: Config, lr: float, global_batch: int) -> list[str]:
             f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: recipes like DeiT's are made for 224 "
             f"px and leave little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
         )
-    from .node import local_processes, node_cores  # light: os and torch's thread count only
+    from ..loop.node import local_processes, node_cores  # light: os and torch's thread count only
 
     cores, local = node_cores(), local_processes()
     if cfg.workers * local > cores:

@@ -1,4 +1,4 @@
-"""A run's set-up, as the parts a ``Trainer`` (engine.trainer) or an ``Evaluator`` is composed of.
+"""A run's set-up, as the parts a ``Trainer`` (engine.loop.trainer) or an ``Evaluator`` is composed of.
 
 ``start_run`` decides where the run starts (accelerator, lock, resume point) and does every check that can
 fail on user input before anything is built or written; a run that is already finished ends there.
@@ -8,7 +8,7 @@ resume point's state loaded into them; ``build_evaluator`` builds what ``--eval-
 
 Distribution: the model and its optimizer go through ``accelerate.prepare`` together: DDP, or FSDP2 when
 the accelerate config asks for FSDP with ``fsdp_version: 2`` (FSDP1 is refused here). The train loader is
-*not* prepared: its sampler (from engine.data) shards itself across ranks so that, with a fixed seed, the
+*not* prepared: its sampler (from engine.data.factory) shards itself across ranks so that, with a fixed seed, the
 union of the ranks' batches at step t is the 1-process batch at step t. The eval loader is prepared; a
 stream's loaders are not (timm's reader splits the stream between processes).
 """
@@ -26,27 +26,35 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from timm.utils import ModelEmaV3
 
-from ..errors import ConfigError
-from ..timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
-from ..weights import load_checked
-from . import recipe
-from .checkpoint import WEIGHTS_FILE, CheckpointDir, load_training_state, load_weights, verify_file, weights_metadata
-from .compile import compiled
-from .config import effective_epochs, scaled_lr
-from .data import build_datasets, dataset_info
+from ...errors import ConfigError
+from ...timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
+from ...weights import load_checked
+from ..checkpointing.lock import RunLock
+from ..checkpointing.points import (
+    WEIGHTS_FILE,
+    CheckpointDir,
+    load_training_state,
+    load_weights,
+    verify_file,
+    weights_metadata,
+)
+from ..checkpointing.run_dir import is_timm_checkpoint_name, point_name
+from ..checkpointing.shards import FullCopy
+from ..config.options import Config
+from ..config.parsing import effective_epochs, scaled_lr
+from ..data.device_augment import DeviceAugment
+from ..data.factory import build_datasets, dataset_info
+from ..data.loaders import build_eval_loader, build_stream_loader, build_train_loader
+from ..data.streams import is_stream
+from ..model.compile import compiled
+from ..model.factory import check_model_name, create_model
+from ..model.output_scale import OutputScale, ScaledLoss
+from ..optim import factory as recipe
 from .extensions import Extensions
-from .fsdp import FullCopy
-from .input_pipeline import DeviceAugment
-from .loaders import build_eval_loader, build_stream_loader, build_train_loader
-from .lock import RunLock
 from .metrics import evaluate
-from .modeling import check_model_name, create_model
 from .node import set_threads
-from .options import Config
-from .output_scale import OutputScale, ScaledLoss
 from .preemption import PreemptionSignals, ignore_in_worker, parse_signals
-from .run_dir import is_timm_checkpoint_name, point_name
-from .run_start import (
+from .start import (
     check_resume_options,
     check_resume_world_size,
     find_start,
@@ -54,7 +62,6 @@ from .run_start import (
     resolve_checkpoint,
     take_lock,
 )
-from .streams import is_stream
 
 
 @dataclass
@@ -214,22 +221,22 @@ def reparametrized(model: torch.nn.Module, cfg: Config, extensions: Extensions) 
 # ---------------------------------------------------------------------------------------------- data
 @dataclass
 class TrainingData:
-    """The datasets and their loaders: the train loader shards itself across ranks (engine.data)."""
+    """The datasets and their loaders: the train loader shards itself across ranks (engine.data.factory)."""
 
-    bundle: Any  # engine.data.DataBundle
+    bundle: Any  # engine.data.factory.DataBundle
     eval_loader: Any
     streamed: bool  # timm's reader shards a stream itself: its loaders are not prepared
     worker_init_fn: Any
     train_loader: Any = None
     steps_per_epoch: int = 0
-    augment: DeviceAugment | None = None  # the fast path's device half (engine.input_pipeline)
+    augment: DeviceAugment | None = None  # the fast path's device half (engine.data.device_augment)
 
 
 def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> TrainingData:
     cfg, acc = start.cfg, start.accelerator
     cfg.img_size = cfg.img_size or dataset_info(cfg.dataset).default_img_size  # data and model agree
     bundle = build_datasets(cfg)
-    # loader workers leave the preemption signals to this process (see engine.preemption)
+    # loader workers leave the preemption signals to this process (see engine.loop.preemption)
     worker_init_fn = partial(ignore_in_worker, preemption.signals) if preemption.signals else None
     streamed, eval_batch = is_stream(cfg.dataset), cfg.eval_batch_size or cfg.batch_size
     if streamed:
@@ -333,7 +340,7 @@ def _set_grad_checkpointing(model: torch.nn.Module, name: str) -> None:
 @dataclass
 class Models:
     """The prepared model (DDP, FSDP2 or bare), its EMA and teacher, and the compiled views that the training
-    step and evaluation call (engine.compile); checkpoints, EMA updates, reparametrizations and
+    step and evaluation call (engine.model.compile); checkpoints, EMA updates, reparametrizations and
     diagnostics use the modules themselves."""
 
     accelerator: Accelerator

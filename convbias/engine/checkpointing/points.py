@@ -51,8 +51,8 @@ from convbias.weights import (  # noqa: F401  (the engine's loading API is the s
     weights_metadata,
 )
 
-from ..errors import ConfigError, DamagedCheckpointError, StorageError
-from ..storage import atomic_write, storage_reason
+from ...errors import ConfigError, DamagedCheckpointError, StorageError
+from ...storage import atomic_write, storage_reason
 from .run_dir import (  # noqa: F401  (the layout's names, for the engine's writers and the tests)
     DEFAULT_KEEP_CHECKPOINTS,
     MANIFEST_FILE,
@@ -203,7 +203,7 @@ def payload_bytes(obj: Any) -> int:
 # ------------------------------------------------------------------------------ resume points on disk
 class CheckpointDir:
     """The ``checkpoints/`` folder of a run as the training loop writes it: resume points, their rotation,
-    the ``last``/``best`` links and snapshots. Reading a run is ``engine.run_dir.RunDir``'s."""
+    the ``last``/``best`` links and snapshots. Reading a run is ``engine.checkpointing.run_dir.RunDir``'s."""
 
     def __init__(self, output: str | Path, keep: int = DEFAULT_KEEP_CHECKPOINTS):
         self.root = Path(output) / "checkpoints"

@@ -1,6 +1,6 @@
 """timm's RandAugment ops and random erasing as batched tensor ops with parameters per image.
 
-The fast input path (engine.input_pipeline) sends uint8 crops to the training device and augments them
+The fast input path (engine.data.device_augment) sends uint8 crops to the training device and augments them
 there. Images here are float32 (N, C, H, W) holding the integers 0..255 that timm's PIL ops see, and
 each op rounds or truncates where Pillow does, so that it matches timm's PIL op on the same image and
 parameter: exactly for the lookup-table and blend ops, within interpolation differences for the
@@ -103,7 +103,7 @@ def invert(images, _arg, ctx):
 
 
 def posterize(images, bits, ctx):
-    """Keeps the `bits` high bits; 0 bits gives black (the engine's posterize, see engine.data)."""
+    """Keeps the `bits` high bits; 0 bits gives black (the engine's posterize, see engine.data.factory)."""
     step = torch.exp2(8.0 - bits).view(-1, 1, 1, 1)
     return images - torch.remainder(images, step)
 

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes
 
-from ..errors import ConfigError, UnreadableImageError
+from ...errors import ConfigError, UnreadableImageError
 
 
 @dataclass(frozen=True)

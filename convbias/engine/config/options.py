@@ -22,10 +22,10 @@ from functools import cache
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-from ..errors import ConfigError
-from .compile import COMPILE_MODES
-from .preemption import DEFAULT_SIGNALS, REQUEUE_EXIT_CODE
-from .run_dir import DEFAULT_KEEP_CHECKPOINTS, DEFAULT_WHICH, WHICH
+from ...errors import ConfigError
+from ..checkpointing.run_dir import DEFAULT_KEEP_CHECKPOINTS, DEFAULT_WHICH, WHICH
+from ..loop.preemption import DEFAULT_SIGNALS, REQUEUE_EXIT_CODE
+from ..model.compile import COMPILE_MODES
 
 DESCRIPTION = "Run configuration: command-line options, YAML recipes (``-c``), and validation."  # first line of --help
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
@@ -41,7 +41,7 @@ TRAIN_CROP_MODES = ("rrc", "rkrc", "rkrr")
 LR_BASE_SCALES = ("linear", "sqrt", "")
 RANDOM_ERASING_MODES = ("pixel", "rand", "const")  # timm's RandomErasing fills
 IMAGE_MODE_CHANNELS = {"RGB": 3, "L": 1}  # --input-img-mode -> --in-chans
-STREAM_PREFIXES = ("wds/", "hfids/")  # engine.streams' iterable sources
+STREAM_PREFIXES = ("wds/", "hfids/")  # engine.data.streams' iterable sources
 HF_PREFIXES = ("hfds/", "hfids/")  # Hugging Face datasets: columns named by --input-key and --target-key
 
 
@@ -172,7 +172,7 @@ class ModelOptions:
     output_scale: float | None = option(
         None,
         "train alpha (f_w - f_w0) with the loss / alpha^2 (the alpha-trick: large alpha = lazy, small = feature "
-        "learning; the lr is not rescaled: see convbias.engine.output_scale for Adam)",
+        "learning; the lr is not rescaled: see convbias.engine.model.output_scale for Adam)",
         check=Check(lambda v: 0 < v < math.inf, "a positive finite number (the output scale alpha)"),
         metavar="ALPHA",
     )

@@ -7,7 +7,7 @@ tensors with their shard layout, so the *weights* also load on another number of
 an unsharded model on one process (``load_full_weights``): a run can move to fewer or more GPUs from
 its weights; exact continuation (optimizer state, RNG streams, sampler position) needs the same world.
 
-Atomicity comes from the resume point itself (engine.checkpoint: written under a temporary name,
+Atomicity comes from the resume point itself (engine.checkpointing.points: written under a temporary name,
 renamed when complete), so a killed save never leaves a ``last`` that points at a partial shard set.
 
 A sharded point also resumes without FSDP (one process, or DDP): DCP reads the global tensors into
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 SHARDED_DIR = "sharded"
 

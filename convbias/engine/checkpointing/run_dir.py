@@ -25,8 +25,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, DamagedCheckpointError, DamagedInputError
-from ..inputs import first_line, json_record, read_yaml
+from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from ...inputs import first_line, json_record, read_yaml
 
 # The file names of timm's training checkpoints (its CheckpointSaver's .pth.tar, timm's usual .pth weights): a
 # file named so is read as one (convbias.timm_checkpoint) where a command takes a run directory
@@ -43,7 +43,7 @@ CONFIG_FILE = "config.yaml"
 CONFIG_MARKER = "# resolved config of this run; reload with -c"
 SUMMARY_FILE = "summary.csv"
 LOG_FILE = "log.jsonl"
-LOCK_FILE = ".lock"  # as engine.lock.LOCK_FILE
+LOCK_FILE = ".lock"  # as engine.checkpointing.lock.LOCK_FILE
 MAX_FIRST_LINE = 1 << 20  # bytes of a file's first line read to recognize it (a log record is far shorter)
 # What train.py writes at the top of its output (wandb: the tracker's folder with --log-wandb).
 RUN_FILES = (CONFIG_FILE, SUMMARY_FILE, LOG_FILE, "results.json", LOCK_FILE, "checkpoints", "wandb")
@@ -254,7 +254,7 @@ class RunDir:
 
     def run_config(self) -> Any:
         """The run's options as a typed ``engine.Config`` (an option config.yaml lacks takes its default)."""
-        from .options import Config
+        from ..config.options import Config
 
         return Config.from_dict(self.config, source=str(self.path / CONFIG_FILE))
 
@@ -292,7 +292,7 @@ class RunDir:
 
     def verify(self, point: Path, name: str) -> Path:
         """``point/name`` once it matches the point's manifest; DamagedCheckpointError naming it otherwise."""
-        from .checkpoint import check_point  # hashes: only once a file is to be read
+        from .points import check_point  # hashes: only once a file is to be read
 
         problem = check_point(point, [name])
         if problem:
@@ -301,7 +301,7 @@ class RunDir:
 
     def training_state(self, point: Path | None = None) -> dict[str, Any]:
         """The training state of ``point`` (default: the newest), verified, loaded with weights_only=True."""
-        from .checkpoint import load_training_state
+        from .points import load_training_state
 
         point = point or self.newest_point()
         self.verify(point, STATE_FILE)
@@ -350,7 +350,7 @@ class RunDir:
         if not weights.is_file():
             hint = " (train with --save-epochs 0)" if epoch == 0 else f" (train with --save-epochs {epoch})"
             raise ConfigError(f"{self.path} has no checkpoint {which!r}: {weights} not found{hint}")
-        from .checkpoint import verify_snapshot
+        from .points import verify_snapshot
 
         verify_snapshot(weights)
         return RunCheckpoint(self.path, which, weights, epoch)
@@ -362,7 +362,7 @@ class RunDir:
         checkpoint's metadata, else from config.yaml and the dataset's description."""
         from convbias.weights import weights_metadata  # torch and the data sets: only once a model is rebuilt
 
-        from .datasets import DATASETS
+        from ..data.datasets import DATASETS
 
         options, checkpoint = self.options(), self.checkpoint(which)
         metadata = weights_metadata(checkpoint.weights)
@@ -396,8 +396,8 @@ class RunDir:
         output-scale wrapper of an ``--output-scale`` run."""
         from convbias.weights import load_weights
 
-        from .modeling import create_model
-        from .output_scale import OutputScale
+        from ..model.factory import create_model
+        from ..model.output_scale import OutputScale
 
         spec = self.model_spec(which)
         cfg = self.run_config().replace(img_size=spec["img_size"], pretrained=False, pretrained_file=None)

@@ -10,7 +10,7 @@ import io
 import pickle
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 CLASS_MAP_FORMS = ".txt (one class name per line, its label the line number) or .pkl (a pickled {name: label})"
 

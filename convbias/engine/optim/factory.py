@@ -27,9 +27,9 @@ from timm.scheduler import PlateauLRScheduler, create_scheduler_v2
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
-from ..errors import ConfigError
-from .config import Config
-from .output_scale import OutputScale
+from ...errors import ConfigError
+from ..config.parsing import Config
+from ..model.output_scale import OutputScale
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

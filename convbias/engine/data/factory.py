@@ -2,7 +2,7 @@
 (plain shuffle or repeated augmentation) and the loaders.
 
     bundle = build_datasets(cfg)   # cfg: an engine Config (its data options)
-    # bundle.device_recipe not None: the train set yields uint8 crops (engine.input_pipeline's fast path);
+    # bundle.device_recipe not None: the train set yields uint8 crops (engine.data.device_augment's fast path);
     # DeviceAugment(bundle.device_recipe, device, seed, rank) finishes them on the device
     train_loader = build_train_loader(bundle.train, batch_size, workers, repeated_aug, seed,
                                       num_replicas, rank)
@@ -25,9 +25,10 @@ from timm.data import create_transform, resolve_data_config
 from timm.data.auto_augment import posterize as timm_posterize
 from timm.data.constants import DEFAULT_CROP_PCT
 
-from ..errors import ConfigError
+from ...errors import ConfigError
+from ..config.options import IMAGE_MODE_CHANNELS, Config, flag_name
+from ..config.parsing import check_option
 from .class_map import apply_class_map, read_class_map
-from .config import check_option
 from .datasets import (
     DATASETS,
     EMBEDDED_SOURCES,
@@ -39,9 +40,8 @@ from .datasets import (
     select_classes,
     split_dir,
 )
-from .input_pipeline import AugmentRecipe, image_mode
-from .input_pipeline import fast_path_reason as recipe_fast_path_reason
-from .options import IMAGE_MODE_CHANNELS, Config, flag_name
+from .device_augment import AugmentRecipe, image_mode
+from .device_augment import fast_path_reason as recipe_fast_path_reason
 from .streams import (
     Columns,
     check_stream,
@@ -53,7 +53,7 @@ from .streams import (
     load_hfds,
 )
 
-# `wds/`, `hfids/` and `hfds/` sources (engine.streams): RGB, normalized with ImageNet's statistics, 224 by default.
+# `wds/`, `hfids/` and `hfds/` sources (engine.data.streams): RGB, normalized with ImageNet's statistics, 224 by default.
 FACTORY_INFO = DatasetInfo(3, DATASETS["imagenet"].mean, DATASETS["imagenet"].std, 224, layout="")
 
 LUMA = (0.299, 0.587, 0.114)  # PIL's RGB -> L weights: a 3-channel statistic seen through --in-chans 1
@@ -69,7 +69,7 @@ class DataBundle:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     # the fast path's train augmentation: the train set yields uint8 crops to be finished on the device by
-    # engine.input_pipeline.DeviceAugment(device_recipe, ...); None: timm's transforms did everything
+    # engine.data.device_augment.DeviceAugment(device_recipe, ...); None: timm's transforms did everything
     device_recipe: AugmentRecipe | None = None
 
     def unreadable_files(self) -> list[str]:
@@ -174,7 +174,7 @@ def _per_channel(name: str, given: Any, dataset: tuple[float, ...], in_chans: in
 
 
 def class_map(cfg: Config) -> dict[str, int] | None:
-    """--class-map as {class name: label} (engine.class_map.read_class_map), found as timm finds it (the path, else
+    """--class-map as {class name: label} (engine.data.class_map.read_class_map), found as timm finds it (the path, else
     under --data-dir); None without one. A source whose labels timm's readers assign has no class index to map."""
     if not cfg.class_map:  # timm's unset value is ''
         return None
@@ -374,7 +374,7 @@ def columns(cfg: Config) -> Columns:
 
 
 def build_streams(cfg: Config) -> DataBundle:
-    """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.streams), with the engine's
+    """Train and val streams of a `wds/` shard set or an `hfids/` dataset (engine.data.streams), with the engine's
     transforms."""
     name, data_dir, keys = cfg.dataset, cfg.data_dir, columns(cfg)
     shape = input_format(cfg)

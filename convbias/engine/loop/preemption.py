@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
+from ...errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGHUP")  # SIGHUP: the terminal or ssh session closed
 # Updates between the ranks' joint decisions (an all-reduce and a host read each) when several processes

@@ -1,17 +1,17 @@
 """The training loop: one accelerate code path for CPU, one GPU, many GPUs and many nodes.
 
-``build_trainer(start)`` composes a ``Trainer`` from the parts engine.run_setup builds (data, models,
+``build_trainer(start)`` composes a ``Trainer`` from the parts engine.loop.setup builds (data, models,
 optimization) once ``start_run`` has done every check that can fail on user input, before anything is
 written; ``Trainer.fit()`` then trains, evaluates, logs and checkpoints each epoch. A resume point holds the
-``state_dict()`` of the parts ``Trainer.resume_parts`` names (engine.resume_state).
+``state_dict()`` of the parts ``Trainer.resume_parts`` names (engine.checkpointing.state_parts).
 
 Distribution: the model and its optimizer go through ``accelerator.prepare`` together: DDP, or FSDP2
 when the accelerate config asks for FSDP with ``fsdp_version: 2`` (FSDP1 is refused at set-up). Under
-FSDP a resume point also holds every rank's shards of the weights and the optimizer state (engine.fsdp,
+FSDP a resume point also holds every rank's shards of the weights and the optimizer state (engine.checkpointing.shards,
 torch distributed checkpoint), from which ``--resume`` continues exactly; the EMA update and the
 diagnostics read an ordinary copy of the model refreshed from the shards (``FullCopy``).
-The train loader's sampler shards itself across ranks (engine.run_setup); evaluation is exact across
-processes (engine.metrics). Gradient accumulation uses ``accelerator.accumulate``; each epoch runs a multiple
+The train loader's sampler shards itself across ranks (engine.loop.setup); evaluation is exact across
+processes (engine.loop.metrics). Gradient accumulation uses ``accelerator.accumulate``; each epoch runs a multiple
 of ``--grad-accum-steps`` batches (the few left over are skipped) so every optimizer step sees the same number of batches.
 """
 
@@ -31,21 +31,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from ..errors import NonFiniteLossError, StorageError
-from ..storage import storage_reason
-from ..timm_checkpoint import aligned_optimizer_state
-from ..weights import load_checked
-from . import recipe
-from .checkpoint import EMA_FILE, CheckpointDir, load_weights
-from .compile import compile_counters
-from .config import setup_warnings, write_config
-from .diagnostics import ModelDiagnostics
-from .fsdp import load_sharded, save_sharded
-from .input_pipeline import DeviceBatches
-from .loaders import epoch_batches, first_images
-from .metrics import evaluate
-from .preemption import Preempted, PreemptionSignals
-from .resume_state import (
+from ...errors import NonFiniteLossError, StorageError
+from ...storage import storage_reason
+from ...timm_checkpoint import aligned_optimizer_state
+from ...weights import load_checked
+from ..checkpointing.points import EMA_FILE, CheckpointDir, load_weights
+from ..checkpointing.shards import load_sharded, save_sharded
+from ..checkpointing.state_parts import (
     AugmentStreams,
     OptimizerState,
     RandomStreams,
@@ -57,8 +49,16 @@ from .resume_state import (
     restore,
     resume_state,
 )
-from .run_log import RunLog, results_record, startup_block, summary_line
-from .run_setup import (
+from ..config.parsing import setup_warnings, write_config
+from ..data.device_augment import DeviceBatches
+from ..data.loaders import epoch_batches, first_images
+from ..model.compile import compile_counters
+from ..optim import factory as recipe
+from .diagnostics import ModelDiagnostics
+from .metrics import evaluate
+from .preemption import Preempted, PreemptionSignals
+from .records import RunLog, results_record, startup_block, summary_line
+from .setup import (
     Models,
     Optimization,
     RunStart,
@@ -68,17 +68,17 @@ from .run_setup import (
     build_preemption,
     reparametrized,
 )
-from .run_start import check_exact_continuation, kept
+from .start import check_exact_continuation, kept
 
 __all__ = ["NonFiniteLossError", "Trainer", "build_trainer"]
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
 # The torch.profiler ranges of a training step (benchmarks/train_loop.py sums them): the loader's and the
-# device augmentation's in engine.input_pipeline.DeviceBatches, the others around the step's parts here.
+# device augmentation's in engine.data.device_augment.DeviceBatches, the others around the step's parts here.
 STEP_RANGES = ("loader_wait", "device_augment", "mixup", "forward_backward", "optimizer", "bookkeeping")
 
 
-# The parts a resume point holds, by name (engine.resume_state; the weights are files beside them). Each
+# The parts a resume point holds, by name (engine.checkpointing.state_parts; the weights are files beside them). Each
 # class declares the options that a mid-epoch point must be continued with (its exact_options).
 RESUME_PART_TYPES = {
     "identity": RunIdentity,
@@ -140,7 +140,7 @@ class Trainer:
         self.timm_resumed = ""  # --resume of timm's checkpoint: what was loaded from it
 
     def resume_parts(self) -> dict[str, Stateful]:
-        """The named parts a resume point holds (engine.resume_state); the weights are files beside them."""
+        """The named parts a resume point holds (engine.checkpointing.state_parts); the weights are files beside them."""
         exact = {key: getattr(self.cfg, key) for key in exact_options(RESUME_PART_TYPES)}
         parts: dict[str, Stateful] = {
             "identity": RunIdentity(self.cfg.model, exact, self.start.sharded),
@@ -435,7 +435,7 @@ class Trainer:
     def _maybe_stop_mid_epoch(self, epoch: int, steps: int, loss_sum: torch.Tensor) -> None:
         """After an optimizer update: a resume point every --checkpoint-interval updates, and on a
         preemption signal a resume point then Preempted (every rank decides together, every
-        engine.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
+        engine.loop.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
         interval = self.cfg.checkpoint_interval
         signals = self.preemption
         preempted = signals.requested(self.accelerator, self.progress.num_updates) if signals.signals else False

@@ -20,9 +20,9 @@ from timm.layers import is_fast_norm, set_fast_norm
 
 from convbias.weights import check_pretrained, check_weights_file, timm_load_report
 
-from ..errors import ConfigError
-from ..inputs import first_line, quoted
-from .options import Config
+from ...errors import ConfigError
+from ...inputs import first_line, quoted
+from ..config.options import Config
 
 
 def check_model_name(name: str, option: str = "--model") -> None:

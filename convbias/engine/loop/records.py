@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..inputs import json_record
-from ..storage import atomic_write
-from ..tables import csv_text
-from .config import lr_scaling, option_source, scaled_lr
+from ...inputs import json_record
+from ...storage import atomic_write
+from ...tables import csv_text
+from ..config.parsing import lr_scaling, option_source, scaled_lr
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
 
@@ -132,7 +132,7 @@ def plural(count: int, noun: str) -> str:
 
 def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> list[str]:
     """What this launch will do, before its first step: where, on what, with which batch, lr and length
-    (``start``: the run's engine.run_setup.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
+    (``start``: the run's engine.loop.setup.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
     import torch
 
     cfg, acc = start.cfg, start.accelerator
@@ -173,7 +173,7 @@ def optimizer_settings(cfg: Any, lr: float) -> tuple[str, dict[str, Any]]:
     import torch
     from timm.optim import create_optimizer_v2
 
-    from .recipe import optimizer_arguments
+    from ..optim.factory import optimizer_arguments
 
     optimizer = create_optimizer_v2([torch.zeros(1, requires_grad=True)], **optimizer_arguments(cfg, lr))
     inner = getattr(optimizer, "base_optimizer", optimizer)  # lookahead_ wraps the optimizer it names
@@ -183,7 +183,7 @@ def optimizer_settings(cfg: Any, lr: float) -> tuple[str, dict[str, Any]]:
 def recipe_lines(cfg: Any, lr: float) -> list[str]:
     """The start-up block's account of the recipe: optimizer, schedule, augmentation, EMA and input, each value
     with where it came from (command line, -c FILE, timm default, default, or the model's or dataset's config)."""
-    from .data import input_format
+    from ..data.factory import input_format
 
     name, hyper = optimizer_settings(cfg, lr)
     own = [  # the optimizer's hyper-parameters that the options set: from the option, else the optimizer's own
@@ -208,7 +208,7 @@ def recipe_lines(cfg: Any, lr: float) -> list[str]:
         else (f"mixup {_value(cfg, 'mixup')}, cutmix {_value(cfg, 'cutmix')}, prob {_value(cfg, 'mixup_prob')}")
     )
     ema = f"decay {_value(cfg, 'model_ema_decay')}" if cfg.model_ema else f"off [{option_source(cfg, 'model_ema')}]"
-    from .data import train_interpolation
+    from ..data.factory import train_interpolation
 
     trained = train_interpolation(cfg, shape.interpolation)
     train_interp = _value(cfg, "train_interpolation") if trained == cfg.train_interpolation else f"{trained} [as eval]"

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import DamagedInputError
+from ...errors import DamagedInputError
 
 LOCK_FILE = ".lock"
 

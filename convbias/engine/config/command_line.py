@@ -1,4 +1,4 @@
-"""train.py's command line, derived from the option declarations (engine.options), and the argparse pieces every
+"""train.py's command line, derived from the option declarations (engine.config.options), and the argparse pieces every
 command of the project shares (``OptionParser``, ``key_value``, ``yaml_scalar``; convbias.cli re-exports them).
 
 Light to import: ``train.py --help`` builds this parser and loads no torch.
@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
-from ..inputs import parse_yaml
+from ...errors import ConfigError
+from ...inputs import parse_yaml
 from .options import DESCRIPTION, SECTIONS, declaration, default_value, flag_name, option_types
 
 
@@ -106,7 +106,7 @@ TIMM_GROUP = "timm's train.py options (translated to the options above, or refus
 
 def _timm_argument(name: str, default: Any) -> dict[str, Any]:
     """argparse's keyword arguments for a timm train.py option this engine reads as timm's args.yaml key
-    (engine.timm_recipe): only a given one is parsed (SUPPRESS), its value typed as timm's parser types it."""
+    (engine.config.timm_args): only a given one is parsed (SUPPRESS), its value typed as timm's parser types it."""
     argument: dict[str, Any] = dict(default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     if isinstance(default, bool):
         argument.update(action="store_const", const=not default)
@@ -130,7 +130,7 @@ def timm_only_options() -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """train.py's parser, one argument per declared option, grouped by section, with timm's short flags; timm's
-    other options are parsed too (engine.timm_recipe translates or refuses them). Unique prefixes of a flag are
+    other options are parsed too (engine.config.timm_args translates or refuses them). Unique prefixes of a flag are
     accepted, as by timm's parser (argparse's allow_abbrev)."""
     parser = OptionParser(
         prog="train.py", description=DESCRIPTION, allow_abbrev=True, formatter_class=DefaultsHelpFormatter

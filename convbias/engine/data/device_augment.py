@@ -10,7 +10,7 @@ This path splits it:
   that keeps the box at least the size it is resized to (else by torchvision's decoder, straight into a
   tensor), and the box is resized by torch's uint8 antialiased interpolation (Pillow's filters, about 4x
   less CPU than Pillow's resize). Out: a uint8 (C, size, size) tensor, a quarter of the float bytes.
-- device, `DeviceAugment`: RandAugment as batched ops with choices per image (engine.batch_augment),
+- device, `DeviceAugment`: RandAugment as batched ops with choices per image (engine.data.rand_augment),
   normalization and random erasing, drawn from its own generators seeded by (seed, rank), whose state
   `state_dict()` holds for an exact resume.
 - `DeviceBatches`: the loader's batches moved to the device (pinned, non-blocking), augmented there, and
@@ -44,7 +44,7 @@ from timm.data.transforms import (
 from timm.data.transforms_factory import transforms_imagenet_train
 from torch.profiler import record_function
 
-from .batch_augment import ErasingSpec, OpContext, RandAugmentSpec, apply_rand_augment, erase, rand_augment_groups
+from .rand_augment import ErasingSpec, OpContext, RandAugmentSpec, apply_rand_augment, erase, rand_augment_groups
 
 try:  # torchvision 0.29 deprecates its image decoders (for torchcodec's); without them Pillow decodes every file
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -326,7 +326,7 @@ class DeviceAugment:
 
     def reseed(self, seed: int, rank: int, epoch: int = 0) -> None:
         """Fresh streams from (seed, rank, epoch): for a resume whose point was written by another number of
-        processes, which cannot replay its ranks' streams (as engine.resume_state's RandomStreams does)."""
+        processes, which cannot replay its ranks' streams (as engine.checkpointing.state_parts's RandomStreams does)."""
         plan_seed, noise_seed = np.random.SeedSequence([seed, rank, AUGMENT_STREAM, epoch]).generate_state(2)
         self.plan_generator.manual_seed(int(plan_seed))
         self.noise_generator.manual_seed(int(noise_seed))

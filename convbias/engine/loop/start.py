@@ -10,8 +10,10 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ConfigError, DamagedCheckpointError, DamagedInputError
-from .checkpoint import (
+from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from ..checkpointing.lock import ForeignLockError, RunLock, RunLockedError
+from ..checkpointing.lock import describe as describe_holder
+from ..checkpointing.points import (
     MANIFEST_FILE,
     POINT_NAME,
     WEIGHTS_FILE,
@@ -20,10 +22,7 @@ from .checkpoint import (
     verify_file,
     weights_metadata,
 )
-from .lock import ForeignLockError, RunLock, RunLockedError
-from .lock import describe as describe_holder
-from .options import Config
-from .run_dir import (
+from ..checkpointing.run_dir import (
     DEFAULT_WHICH,
     RESULTS_FILE,
     RunDir,
@@ -33,7 +32,8 @@ from .run_dir import (
     is_timm_checkpoint_name,
     read_run_config,
 )
-from .run_log import RunLog, results_record
+from ..config.options import Config
+from .records import RunLog, results_record
 
 
 def _check_which_target(which: str | None, checkpoint: Path | None) -> None:
@@ -61,7 +61,7 @@ def resolve_checkpoint(cfg: Config) -> str | None:
 
 
 def take_lock(accelerator: Accelerator, lock: RunLock | None, notes: list[str]) -> None:
-    """The output dir's lock (engine.lock), taken by the main process before anything there is read or
+    """The output dir's lock (engine.checkpointing.lock), taken by the main process before anything there is read or
     written; every process stops when another live run holds it. A stale lock taken over is noted."""
     message, foreign = None, False
     if lock is None:
@@ -263,7 +263,7 @@ def resume_kept_options() -> tuple[str, ...]:
     """The options whose values a resumed run takes from its resume point, whatever the command line says."""
     from dataclasses import fields
 
-    from .options import OptimizationOptions, ScheduleOptions
+    from ..config.options import OptimizationOptions, ScheduleOptions
 
     return tuple(
         spec.name

@@ -1,0 +1,1 @@
+"""Optimization: parameter groups, optimizer, schedule, losses and EMA through timm's factories."""
