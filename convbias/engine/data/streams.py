@@ -34,6 +34,8 @@ read offline), DIR the cache the dataset is downloaded and prepared into. The sp
 it takes the engine's sampled loaders (exact resume) and ``--train-fraction`` / ``--num-classes``
 (``HfdsImages``: labels read without decoding images). Any failure to load (no ``datasets`` package, an
 unknown or unreachable NAME, a corrupt file) is one ValueError line, quoting the file the library logged.
+
+``datasets`` is imported inside functions: it is an optional dependency (the ``streams`` extra).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from typing import Any
 
 import numpy as np
 import yaml
+from timm.data import create_dataset
 from torch.utils.data import Dataset
 
 from ...errors import ConfigError
@@ -273,8 +276,6 @@ def create_streams(
     is the train epoch's length, as timm's train.py gives create_dataset: the reader's len() and what it yields
     per epoch (the shards are cycled when it exceeds the split). `columns`: an hfids/ dataset's, as timm's
     input_key and target_key."""
-    from timm.data import create_dataset  # not at the top: config.py imports this module, `--help` needs no timm
-
     splits = splits or {split: split for split in SPLITS}
     common = dict(root=str(data_dir), batch_size=batch_size, seed=seed, **columns.reader_keys())
     train = create_dataset(name, split=splits["train"], is_training=True, num_samples=train_num_samples, **common)
@@ -372,8 +373,6 @@ def load_hfds(name: str, data_dir: str, columns: Columns = TIMM_COLUMNS) -> tupl
         import datasets  # noqa: F401  (an optional dependency: the streams extra)
     except ImportError:
         raise ConfigError(f"--dataset {name} needs the datasets package: pip install datasets") from None
-    from timm.data import create_dataset  # not at the top: see create_streams
-
     keys = columns.reader_keys()
     with _one_line_errors(name, data_dir, HFDS_LAYOUT + columns.hint()):
         train = create_dataset(name, root=str(data_dir), split="train", **keys)

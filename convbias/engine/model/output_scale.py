@@ -46,6 +46,11 @@ class OutputScale(nn.Module):
         self.model = model
         self.initial = copy.deepcopy(model).requires_grad_(False).eval()
 
+    @property
+    def trained_model(self) -> nn.Module:
+        """f_w, the model whose weights train (the optimizer numbers its layers for --layer-decay)."""
+        return self.model
+
     def train(self, mode: bool = True) -> OutputScale:
         super().train(mode)
         self.initial.eval()  # f_w0 is a fixed function

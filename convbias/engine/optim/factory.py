@@ -29,7 +29,6 @@ from torch import nn
 
 from ...errors import ConfigError
 from ..config.parsing import Config
-from ..model.output_scale import OutputScale
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -90,7 +89,7 @@ def layer_scales(
     model's group_matcher() (the stem's group first, the classifier's last at scale 1), which also freezes
     (requires_grad False) the parameters scaled below ``no_opt_scale``. A model without a group_matcher() has no
     layer order to follow (timm would guess it from the parameters' order): a ConfigError."""
-    layered = model.model if isinstance(model, OutputScale) else model  # f_w0 is not trained
+    layered = getattr(model, "trained_model", model)  # a wrapper names the model it trains (OutputScale: not f_w0)
     if not hasattr(layered, "group_matcher"):
         raise ConfigError(
             f"--layer-decay: {type(layered).__name__} has no group_matcher() to number its layers; run without it"
