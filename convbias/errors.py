@@ -4,12 +4,14 @@ torch). The codes above 2 follow sysexits.h, so a job script can tell them apart
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 EXIT_DIVERGED = 1  # NonFiniteLossError
 EXIT_USAGE = 2  # ConfigError: a user mistake
 EXIT_DAMAGED = 65  # DamagedCheckpointError (EX_DATAERR): a checkpoint file fails its checksum or is foreign
 EXIT_STORAGE = 74  # StorageError (EX_IOERR): the output could not be written (full, read-only, removed)
-EXIT_REQUEUE = getattr(os, "EX_TEMPFAIL", 75)  # engine.loop.preemption.Preempted: a resume point, then requeue
+EXIT_REQUEUE = getattr(os, "EX_TEMPFAIL", 75)  # Preempted: a resume point, then requeue
 EXIT_INTERRUPTED = 130  # Interrupted: Ctrl-C, as a shell reports SIGINT
 # Set to 1, every command shows the traceback of what stopped it after its one line: for telling a bug that
 # surfaces as a ValueError (a model constructor's, a data set's) from a user's mistake.
@@ -60,16 +62,42 @@ class StorageError(Exception):
     failed, what is kept and how to resume."""
 
 
+class Preempted(Exception):
+    """The run stopped on a preemption signal after writing ``point`` (exit code 75: the scheduler requeues)."""
+
+    def __init__(self, signal_name: str, point: Path | None, epoch: int, step: int):
+        self.signal_name, self.point, self.epoch, self.step = signal_name, point, epoch, step
+        super().__init__(
+            f"stopped by {signal_name} after step {step} of epoch {epoch + 1}; resume point {point} "
+            f"(continue with --resume auto; exit code {EXIT_REQUEUE} asks the scheduler to requeue)"
+        )
+
+
+# Every command's one table: each way it stops, its exit code and the first word of its one line, in the
+# order they are matched (a damaged input is a ConfigError too; ValueError and FileNotFoundError are the
+# commands' own checks of their options and inputs; any other OSError is a write that failed)
+STOPS: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
+    ((Preempted,), EXIT_REQUEUE, "preempted"),
+    ((DamagedCheckpointError,), EXIT_DAMAGED, "error"),
+    ((ConfigError, ValueError, FileNotFoundError), EXIT_USAGE, "error"),
+    ((StorageError, OSError), EXIT_STORAGE, "error"),
+    ((NonFiniteLossError,), EXIT_DIVERGED, "error"),
+    ((Interrupted, KeyboardInterrupt), EXIT_INTERRUPTED, "interrupted"),
+)
+
+
 def exit_code(error: BaseException) -> int | None:
-    """The exit code of an error that a command reports as one line (None: a bug, shown with its traceback).
-    ValueError and FileNotFoundError are the commands' own checks of their options and inputs; any other
-    OSError is a write that failed (disk full, read-only, removed)."""
-    if isinstance(error, DamagedCheckpointError):
-        return EXIT_DAMAGED
-    if isinstance(error, (ConfigError, ValueError, FileNotFoundError)):
-        return EXIT_USAGE
-    if isinstance(error, (StorageError, OSError)):  # an OSError that reaches a command is a failed write
-        return EXIT_STORAGE
-    if isinstance(error, (Interrupted, KeyboardInterrupt)):
-        return EXIT_INTERRUPTED
-    return None
+    """The exit code of an error that a command reports as one line (None: a bug, shown with its traceback)."""
+    return next((code for kinds, code, _ in STOPS if isinstance(error, kinds)), None)
+
+
+def stop_prefix(error: BaseException) -> str:
+    """The first word of the one line that reports ``error``: error, interrupted or preempted."""
+    return next((prefix for kinds, _, prefix in STOPS if isinstance(error, kinds)), "error")
+
+
+def print_error(message: str, prefix: str = "error") -> str:
+    """The one way a command prints what stopped it: ``prefix: message`` as one line on stderr; returns it."""
+    line = f"{prefix}: " + (" ".join(message.split()) or "stopped")
+    print(line, file=sys.stderr)
+    return line

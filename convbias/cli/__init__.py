@@ -8,7 +8,6 @@ else is a bug and keeps its traceback; with ``CONVBIAS_TRACEBACK=1`` every error
 
 from __future__ import annotations
 
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -21,18 +20,17 @@ __all__ = ["OptionParser", "key_value", "report", "run_command", "yaml_scalar"]
 
 def report(error: BaseException) -> int:
     """Print ``error`` as one line on stderr and return its exit code; re-raise what is not a reported error."""
-    from convbias.errors import Interrupted, exit_code, show_traceback
+    from convbias.errors import exit_code, print_error, show_traceback, stop_prefix
 
     code = exit_code(error)
     if code is None:
         raise error
-    prefix = "interrupted" if isinstance(error, (Interrupted, KeyboardInterrupt)) else "error"
-    message = " ".join(str(error).split()) or "stopped"
+    message = str(error)
     if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
         where = Path(error.filename) if error.filename else None
         reason = storage_reason(error, where.parent if where else Path.cwd())
         message = f"writing {where} failed ({reason})" if where else f"a write failed ({reason})"
-    print(f"{prefix}: {message}", file=sys.stderr)
+    print_error(message, stop_prefix(error))
     if show_traceback():
         traceback.print_exception(error)
     return code

@@ -16,12 +16,10 @@ with nothing left at --output; a failed upload (1) leaves the folder in place.
 
 from __future__ import annotations
 
-import sys
-
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
 from convbias.engine.checkpointing.run_dir import check_not_run_file, is_timm_checkpoint_name
-from convbias.errors import ConfigError
+from convbias.errors import ConfigError, print_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +73,7 @@ def _export(argv: list[str] | None) -> int:
         try:
             url = push_folder(done["output"], args.push_to, private=args.private)
         except ValueError as error:  # the folder is written: exit 1, not a refusal's 2
-            print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+            print_error(str(error))
             return 1
         print(f"uploaded to {url}")
     return 0

@@ -46,7 +46,7 @@ from typing import Any, NoReturn
 
 from convbias.cli import run_command
 from convbias.engine import LAUNCH_EXIT_DIR, LAUNCH_PROCESSES
-from convbias.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError
+from convbias.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, print_error
 
 USAGE = "convbias-launch [accelerate launch options] train.py ARGS..."
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)  # the engine's default --preempt-signals
@@ -170,9 +170,9 @@ def _exit_code(folder: Path, failed: dict[int, int]) -> int:
     who = "the training processes" if rank == ANY_RANK else f"training process {rank}"
     if status < 0:
         how = f"stopped on {signal.Signals(-status).name}"
-        print(f"error: {who} {how} before reporting an exit code; see the output above", file=sys.stderr)
+        print_error(f"{who} {how} before reporting an exit code; see the output above")
         return 128 - status
-    print(f"error: {who} exited with status {status} without a message; see the output above", file=sys.stderr)
+    print_error(f"{who} exited with status {status} without a message; see the output above")
     return status
 
 

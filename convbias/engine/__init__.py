@@ -20,23 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import (
-    EXIT_DAMAGED,
-    EXIT_DIVERGED,
-    EXIT_INTERRUPTED,
-    EXIT_STORAGE,
-    EXIT_USAGE,
     ConfigError,
     DamagedCheckpointError,
     Interrupted,
     NonFiniteLossError,
+    Preempted,
     StorageError,
+    exit_code,
+    print_error,
     show_traceback,
+    stop_prefix,
 )
 from ..storage import storage_reason
 from .config.options import Config
 from .config.parsing import config_warnings, parse_config, validate
 from .loop.extensions import Extensions
-from .loop.preemption import REQUEUE_EXIT_CODE, Preempted
 
 # What convbias-launch tells the engine: the process count it was asked for (accelerate's launcher puts none in
 # the environment), and the folder where each rank leaves its exit code and its one line (file rank<RANK>).
@@ -185,12 +183,11 @@ def _close_progress_bars() -> None:
 
 
 def _print_error(message: str, prefix: str = "error") -> str:
-    """Prints the message as one line (on rank 0 only: one line for the user, not one per process); returns it."""
+    """The message as one line, printed on rank 0 only (one line for the user, not one per process)."""
     _close_progress_bars()
-    line = f"{prefix}: " + " ".join(message.split())
     if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr)
-    return line
+        return print_error(message, prefix)
+    return f"{prefix}: " + " ".join(message.split())
 
 
 def _leave_exit_code(code: int, line: str = "") -> None:
@@ -202,15 +199,8 @@ def _leave_exit_code(code: int, line: str = "") -> None:
             (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n{line}\n")
 
 
-# how main ends on each way a run stops: exit code and the prefix of its one line
-_STOPS: tuple[tuple[type[Exception], int, str], ...] = (
-    (Preempted, REQUEUE_EXIT_CODE, "preempted"),
-    (DamagedCheckpointError, EXIT_DAMAGED, "error"),  # before ConfigError: a damaged input is both
-    (ConfigError, EXIT_USAGE, "error"),
-    (StorageError, EXIT_STORAGE, "error"),
-    (NonFiniteLossError, EXIT_DIVERGED, "error"),
-    (Interrupted, EXIT_INTERRUPTED, "interrupted"),
-)
+# the ways a run itself stops, each reported as one line with its code and prefix from convbias.errors.STOPS
+_RUN_STOPS = (Preempted, DamagedCheckpointError, ConfigError, StorageError, NonFiniteLossError, Interrupted)
 
 
 def main(argv: list[str] | None = None, extensions: Extensions | None = None) -> int:
@@ -218,9 +208,9 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
     stops (2 bad input, 1 diverged, 65 damaged checkpoint, 74 output not writable, 75 preempted, 130 Ctrl-C)."""
     try:
         run(argv, extensions)
-    except tuple(kind for kind, _, _ in _STOPS) as e:
-        code, prefix = next((code, prefix) for kind, code, prefix in _STOPS if isinstance(e, kind))
-        _leave_exit_code(code, _print_error(str(e), prefix=prefix))
+    except _RUN_STOPS as e:
+        code = exit_code(e)
+        _leave_exit_code(code, _print_error(str(e), prefix=stop_prefix(e)))
         if show_traceback():
             traceback.print_exception(e)
         return code

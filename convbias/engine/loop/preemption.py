@@ -21,26 +21,15 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from ...errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
+from ...errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE  # noqa: F401  (the exit code the docstring names)
+from ...errors import Preempted  # noqa: F401  (raised by the trainer, reported by engine.main)
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGHUP")  # SIGHUP: the terminal or ssh session closed
 # Updates between the ranks' joint decisions (an all-reduce and a host read each) when several processes
 # train: at most this many updates pass between a signal and the resume point (about a second on a GPU)
 PREEMPTION_CHECK_INTERVAL = 10
-
-
-class Preempted(Exception):
-    """The run stopped on a preemption signal after writing ``point`` (exit code ``REQUEUE_EXIT_CODE``)."""
-
-    def __init__(self, signal_name: str, point: Path | None, epoch: int, step: int):
-        self.signal_name, self.point, self.epoch, self.step = signal_name, point, epoch, step
-        super().__init__(
-            f"stopped by {signal_name} after step {step} of epoch {epoch + 1}; resume point {point} "
-            f"(continue with --resume auto; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue)"
-        )
 
 
 def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
