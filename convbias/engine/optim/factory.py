@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2, optimizer_kwargs, param_groups_layer_decay, param_groups_weight_decay
-from timm.scheduler import PlateauLRScheduler, create_scheduler_v2
+from timm.scheduler import PlateauLRScheduler, create_scheduler_v2, scheduler_kwargs
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
@@ -174,32 +174,14 @@ def clip_gradients(cfg: Config, accelerator: Accelerator, model: nn.Module) -> N
 
 
 def _schedule(cfg: Config, epochs: int, warmup_epochs: int) -> dict[str, Any]:
-    """create_scheduler_v2's arguments for a schedule of ``epochs``. 'constant' is a step schedule whose decay
-    factor is 1; the plateau schedule watches --eval-metric (lower is better for the loss). The lr noise is
-    seeded by --seed as timm's train.py seeds it (a draw per step: a resumed run draws the same)."""
-    sched, decay_rate = ("step", 1.0) if cfg.sched == "constant" else (cfg.sched, cfg.decay_rate)
-    return dict(
-        sched=sched,
-        num_epochs=epochs,
-        decay_epochs=cfg.decay_epochs,
-        decay_milestones=cfg.decay_milestones,
-        decay_rate=decay_rate,
-        min_lr=cfg.min_lr,
-        warmup_lr=cfg.warmup_lr,
-        warmup_epochs=warmup_epochs,
-        warmup_prefix=cfg.warmup_prefix,
-        cooldown_epochs=cfg.cooldown_epochs,
-        patience_epochs=cfg.patience_epochs,
-        plateau_mode="min" if cfg.eval_metric == "loss" else "max",
-        cycle_mul=cfg.lr_cycle_mul,
-        cycle_decay=cfg.lr_cycle_decay,
-        cycle_limit=cfg.lr_cycle_limit,
-        k_decay=cfg.lr_k_decay,
-        noise=cfg.lr_noise,
-        noise_pct=cfg.lr_noise_pct,
-        noise_std=cfg.lr_noise_std,
-        noise_seed=cfg.seed,
-    )
+    """create_scheduler_v2's arguments for a schedule of ``epochs``, through timm's own ``scheduler_kwargs`` (as
+    its train.py reads them; the plateau schedule watches --eval-metric, the lr noise is seeded by --seed).
+    'constant' is a step schedule whose decay factor is 1. Stepped per epoch here; create_scheduler says when
+    it steps per update."""
+    arguments = scheduler_kwargs(cfg)
+    if cfg.sched == "constant":
+        arguments.update(sched="step", decay_rate=1.0)
+    return dict(arguments, num_epochs=epochs, warmup_epochs=warmup_epochs, step_on_epochs=True)
 
 
 def _create_timm_scheduler(optimizer: torch.optim.Optimizer, arguments: dict[str, Any]) -> tuple[Any, int]:
