@@ -131,3 +131,29 @@ def test_seed_summary_refuses_missing_runs_before_writing(tmp_path, capsys):
     assert efcn_protocol.main(["--stage", "summarize", "--seed-dirs", str(good), "--output", str(out)]) == 2
     assert "needs --seed-dirs with at least 2 directories" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_single_seed_stage_gives_each_accuracy_its_wilson_interval(tmp_path, capsys):
+    """--stage single-seed reads one protocol output and writes each network's accuracy with its 95% Wilson
+    interval over the test images: at 50% on 100 images that is [40.38, 59.62] (closed form, z = 1.96)."""
+    (tmp_path / "baselines.csv").write_text(
+        "cnn_final_test_acc,fcn_final_test_acc,fcn_local_only_test_acc,fcn_off_local_only_test_acc\n50,80,60,70\n"
+    )
+    (tmp_path / "relax_times.csv").write_text(
+        "relax_time,final_test_acc,local_only_test_acc,off_local_only_test_acc\n0,90,85,20\n3,95,90,10\n"
+    )
+    argv = ["--stage", "single-seed", "--test-images", "100", "--output", str(tmp_path)]
+    assert efcn_protocol.main(argv) == 0
+    rows = list(csv.DictReader((tmp_path / "single_seed.csv").open()))
+    assert [(r["model"], r["relax_time"]) for r in rows] == [
+        ("CNN", ""),
+        ("standard FCN", ""),
+        ("eFCN", "0"),
+        ("eFCN", "3"),
+    ]
+    assert abs(float(rows[0]["final_test_acc_low"]) - 40.383) < 1e-3
+    assert abs(float(rows[0]["final_test_acc_high"]) - 59.617) < 1e-3
+    assert float(rows[3]["off_local_only_test_acc_low"]) < 10 < float(rows[3]["off_local_only_test_acc_high"])
+    assert "95.00 [" in (tmp_path / "single_seed.md").read_text()
+    assert efcn_protocol.main(["--stage", "single-seed", "--output", str(tmp_path)]) == 2
+    assert "needs --test-images" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 convbias-efcn-protocol -c configs/efcn_protocol/efcn_cpu.yaml --output results/efcn
 accelerate launch -m convbias.cli.efcn_protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
 convbias-efcn-protocol --stage summarize --seed-dirs runs/efcn/seed0 runs/efcn/seed1 ... --output results/efcn
+convbias-efcn-protocol --stage single-seed --test-images 359 --output results/efcn
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ import yaml
 
 from convbias.cli import OptionParser, report
 from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
-from convbias.experiments.efcn_seeds import summarize_seeds
+from convbias.experiments.efcn_seeds import single_seed_intervals, summarize_seeds
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = OptionParser(prog="convbias-efcn-protocol", description=__doc__.split("\n")[0])
     parser.add_argument("-c", "--config", help="protocol YAML (configs/efcn_protocol/*.yaml)")
     parser.add_argument("--output", required=True, help="directory for the runs, CSVs and figures")
-    parser.add_argument("--stage", choices=("all", "train", "analyze", "summarize"), default="all")
+    parser.add_argument("--stage", choices=("all", "train", "analyze", "summarize", "single-seed"), default="all")
     parser.add_argument(
         "--seed-dirs", nargs="+", default=[], metavar="DIR", help="summarize: protocol outputs, one per seed"
     )
+    parser.add_argument("--test-images", type=int, help="single-seed: the test images the accuracies were measured on")
     for key in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, dest=key)
     parser.add_argument("--optimizer", choices=("sgd", "adam"))
@@ -39,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"--stage summarize needs --seed-dirs with at least 2 directories, got {args.seed_dirs}"
                 )
             files = summarize_seeds([Path(d) for d in args.seed_dirs], Path(args.output))
+            print(f"[efcn_protocol] wrote {', '.join(map(str, files))}")
+            return 0
+        if args.stage == "single-seed":
+            if not args.test_images or args.test_images < 1:
+                raise ValueError(
+                    f"--stage single-seed needs --test-images N (a positive count), got {args.test_images}"
+                )
+            files = single_seed_intervals(Path(args.output), args.test_images)
             print(f"[efcn_protocol] wrote {', '.join(map(str, files))}")
             return 0
         cfg = load_config(

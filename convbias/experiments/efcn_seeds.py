@@ -1,6 +1,7 @@
 """The eFCN relax-time protocol over seeds: per relax time, each metric's mean with its 95% t-interval over
 the protocol outputs of several seeds (`convbias-efcn-protocol --stage summarize --seed-dirs ...`), and the
-gaps final eFCN accuracy - CNN and - FCN paired by seed.
+gaps final eFCN accuracy - CNN and - FCN paired by seed; and one seed's accuracies with their Wilson
+intervals over the test images (`--stage single-seed`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import yaml
 
 from convbias.tables import markdown_table, write_csv
 
-from .intervals import cell, interval
+from .intervals import cell, interval, wilson
 
 SUMMARY_METRICS = (  # per relax time: mean [95% t-interval] over seeds
     "final_test_acc",
@@ -27,6 +28,7 @@ SUMMARY_METRICS = (  # per relax time: mean [95% t-interval] over seeds
     "hessian_top_end",
 )
 BASELINE_METRICS = ("cnn_final_test_acc", "fcn_final_test_acc", "fcn_deviation_total")
+SINGLE_SEED_ACCURACIES = ("final_test_acc", "local_only_test_acc", "off_local_only_test_acc")
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -101,3 +103,36 @@ def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:
     )
     (out / "seeds.md").write_text(text)
     return [*files, out / "seeds.md"]
+
+
+def single_seed_intervals(folder: Path, test_images: int) -> list[Path]:
+    """One protocol output's accuracies (relax_times.csv, baselines.csv in `folder`) with their 95% Wilson
+    intervals over the `test_images` test images: the test-set sampling uncertainty of each network, which
+    leaves out the spread between seeds (summarize_seeds). Writes single_seed.csv and single_seed.md there."""
+    base = _read_csv(folder / "baselines.csv")[0]
+    fcn = {key: base[f"fcn_{key}"] for key in SINGLE_SEED_ACCURACIES}
+    rows = [dict(model="CNN", relax_time="", final_test_acc=base["cnn_final_test_acc"])]
+    rows.append(dict(model="standard FCN", relax_time="", **fcn))
+    for r in _read_csv(folder / "relax_times.csv"):
+        rows.append(dict(model="eFCN", relax_time=int(r["relax_time"]), **{k: r[k] for k in SINGLE_SEED_ACCURACIES}))
+    for row in rows:
+        row.update(seeds=1, test_images=test_images)
+        for key in SINGLE_SEED_ACCURACIES:
+            if key in row:
+                row[f"{key}_low"], row[f"{key}_high"] = wilson(row[key], test_images)
+
+    def accuracy(row: dict, key: str) -> str:
+        return f"{row[key]:.2f} [{row[f'{key}_low']:.1f}, {row[f'{key}_high']:.1f}]" if key in row else ""
+
+    body = [
+        [r["model"], r["relax_time"], 1, accuracy(r, "final_test_acc"), accuracy(r, "off_local_only_test_acc")]
+        for r in rows
+    ]
+    head = ["model", "t_w", "seeds", f"final test acc % [95% Wilson, {test_images} images]", "off-local only acc %"]
+    text = (
+        f"One seed (the figures' run): accuracies with their 95% Wilson interval over the {test_images} test "
+        "images (test-set sampling only); the spread between seeds and the deviation delta: seeds.md.\n\n"
+        + markdown_table(head, body)
+    )
+    (folder / "single_seed.md").write_text(text)
+    return [write_csv(rows, folder / "single_seed.csv"), folder / "single_seed.md"]
