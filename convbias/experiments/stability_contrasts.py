@@ -26,7 +26,7 @@ from .intervals import CONFIDENCE, cell, interval
 
 Group = tuple[str, float]  # (run-name prefix, training fraction)
 
-# The contrasts of results/relative_stability (run-name prefixes of its run_study.sh): models at the same
+# The contrasts of results/relative_stability (run-name prefixes of convbias.experiments.relative_stability_runs): models at the same
 # training-set size, then each model at P = 4,000 against P = 1,000.
 MODEL_PAIRS = [("efcn_r1", "fcn"), ("efcn_r2", "fcn"), ("efcn_r1", "efcn_r2"), ("convit", "deit"), ("tcnn", "fcn")]
 MODELS = ["cnn", "efcn_r1", "efcn_r2", "fcn", "tcnn", "convit", "deit"]
