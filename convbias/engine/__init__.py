@@ -103,7 +103,10 @@ def parse_config(argv: list[str] | None) -> Config:
 
 def validate(cfg: Config) -> None:
     """A Config built in Python through the checks of a command line, in place: the config package's checks
-    (which normalize the options and derive their defaults), then every package's; the Config is frozen then."""
+    (which normalize the options and derive their defaults), then every package's; the Config is frozen then (a
+    frozen Config has passed them)."""
+    if cfg.frozen:
+        return
     config_parsing.validate(cfg)
     check_packages(cfg)
     cfg.freeze()

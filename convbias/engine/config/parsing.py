@@ -276,8 +276,6 @@ def validate(cfg: Config) -> None:
         check_option(name, getattr(cfg, name))
     _check(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
     _check(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
-    if cfg.dataset == "":  # timm's default: the image folder at --data-dir
-        cfg.dataset = "folder"
     _normalize(cfg)
     _check_combinations(cfg)
     _check_names(cfg)
@@ -299,6 +297,8 @@ def _normalize_eval_only(cfg: Config) -> None:
 def _normalize(cfg: Config) -> None:
     """One switch for every augmentation (so the data layer and the loss agree), 'none' spellings, and the
     options that imply others."""
+    if cfg.dataset == "":  # timm's default: the image folder at --data-dir
+        cfg.dataset = "folder"
     if cfg.no_aug:
         cfg.aa, cfg.reprob, cfg.color_jitter, cfg.hflip = None, 0.0, 0.0, 0.0
         cfg.mixup, cfg.cutmix, cfg.smoothing = 0.0, 0.0, 0.0
