@@ -57,8 +57,8 @@ _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_
 # `__getattr__`), to keep start-up time low: the model, data and checkpoint modules import timm and
 # accelerate, which `--help` does not need. Anything else is imported from its submodule.
 _SUBMODULE_OF = {
-    **dict.fromkeys(("Config",), "config.options"),
-    **dict.fromkeys(("DEFAULT_WHICH", "WHICH", "RunCheckpoint", "RunDir", "is_run_dir"), "checkpointing.run_dir"),
+    **dict.fromkeys(("Config", "DEFAULT_WHICH", "WHICH"), "config.options"),
+    **dict.fromkeys(("RunCheckpoint", "RunDir", "is_run_dir"), "checkpointing.run_dir"),
     **dict.fromkeys(("build_datasets",), "data.factory"),
     **dict.fromkeys(("build_eval_loader",), "data.loaders"),
     **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "data.datasets"),

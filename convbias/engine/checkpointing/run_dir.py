@@ -27,7 +27,7 @@ from typing import Any
 
 from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
 from ...inputs import first_line, json_record, read_yaml
-from ..config.options import DEFAULT_KEEP_CHECKPOINTS, DEFAULT_WHICH, WHICH  # noqa: F401  (declared with --which)
+from ..config.options import DEFAULT_WHICH, WHICH
 
 # The file names of timm's training checkpoints (its CheckpointSaver's .pth.tar, timm's usual .pth weights): a
 # file named so is read as one (convbias.timm_checkpoint) where a command takes a run directory

@@ -24,7 +24,6 @@ from ..checkpointing.points import (
     weights_metadata,
 )
 from ..checkpointing.run_dir import (
-    DEFAULT_WHICH,
     RESULTS_FILE,
     RunDir,
     foreign_entry,
@@ -33,7 +32,7 @@ from ..checkpointing.run_dir import (
     is_timm_checkpoint_name,
     read_run_config,
 )
-from ..config.options import Config, OptimizationOptions, ScheduleOptions
+from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
 from .records import RunLog, results_record
 
 
