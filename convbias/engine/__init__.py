@@ -38,7 +38,6 @@ from ..errors import (
     show_traceback,
 )
 from ..storage import storage_reason
-from .checkpointing import checks as checkpointing_checks
 from .config import parsing as config_parsing
 from .config.options import Config
 from .config.parsing import config_warnings
@@ -96,9 +95,16 @@ def __getattr__(name: str) -> Any:
 def parse_config(argv: list[str] | None) -> Config:
     """argv (with its ``-c`` recipe) as a checked and frozen Config (``validate``'s checks). Raises ConfigError
     (StorageError when --output cannot be written)."""
-    cfg = config_parsing.parse_config(argv, checkpointing_checks.evaluated_run_options)
+    cfg = config_parsing.parse_config(argv, _evaluated_run_options)
     check_packages(cfg)
     return cfg.freeze()
+
+
+def _evaluated_run_options(target: str) -> dict[str, Any]:
+    """What --eval-only RUN_DIR takes from the run directory it names (the checkpointing package reads it)."""
+    from .checkpointing.checks import evaluated_run_options  # after --help: see the docstring
+
+    return evaluated_run_options(target)
 
 
 def validate(cfg: Config) -> None:
@@ -115,7 +121,8 @@ def validate(cfg: Config) -> None:
 def check_packages(cfg: Config) -> None:
     """Each package's check of the options it owns, after the config package's own: the data source and
     format, timm's optimizer and the schedule's epochs, the compile backend, the resume file and output dir."""
-    from .data import checks as data_checks  # the packages load torch: see the docstring
+    from .checkpointing import checks as checkpointing_checks  # the packages load torch: see the docstring
+    from .data import checks as data_checks
     from .model import checks as model_checks
     from .optim import checks as optim_checks
 
