@@ -1,7 +1,9 @@
 """A run's set-up, as the parts a ``Trainer`` (engine.loop.trainer) or an ``Evaluator`` is composed of.
 
 ``start_run`` decides where the run starts (accelerator, lock, resume point) and does every check that can
-fail on user input before anything is built or written; a run that is already finished ends there.
+fail on user input before anything is built or written; a run that is already finished ends there. It derives
+the run's values once (``config.derived.RunValues``) and fills the options the checks leave open into a frozen
+copy of the Config (``resolved_options``): nothing changes the options after that.
 ``build_trainer`` then builds the parts, each whole: ``TrainingData`` (datasets and loaders), ``Models``
 (model, EMA, teacher, their compiled views), ``Optimization`` (optimizer, schedule, mixup, loss), and the
 resume point's state loaded into them; ``build_evaluator`` builds what ``--eval-only`` needs.
