@@ -102,7 +102,7 @@ def engine_argv(args: argparse.Namespace, work: Path) -> list[str]:
 
 def build_engine(args: argparse.Namespace, work: Path):
     """The Trainer train.py would build, on UInt8Crops (``--steps`` batches an epoch)."""
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
     from convbias.engine.data import factory as engine_data
     from convbias.engine.loop import setup as run_setup
     from convbias.engine.loop.trainer import build_trainer

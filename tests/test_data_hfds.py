@@ -252,7 +252,7 @@ def test_input_and_target_keys_read_other_columns(renamed, carded, cache, prefix
 
 def test_a_run_keeps_its_columns_for_evaluation(renamed, cache, tmp_path, run_argv):
     """The columns are among a run's data options: --eval-only RUN reads the same columns (and the same top-1)."""
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
 
     output = tmp_path / "run"
     keys = dict(input_key="img", target_key="fine_label")
@@ -271,7 +271,7 @@ def test_a_run_keeps_its_columns_for_evaluation(renamed, cache, tmp_path, run_ar
     ],
 )
 def test_bad_column_options_are_one_line_errors(argv, message):
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
     from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):

@@ -31,10 +31,11 @@ from convbias.cli import (
     sweep,
     train,
 )
+from convbias.engine import parse_config
 from convbias.engine.checkpointing import lock
 from convbias.engine.checkpointing.points import CheckpointDir
 from convbias.engine.checkpointing.run_dir import CONFIG_MARKER
-from convbias.engine.config.parsing import load_yaml, parse_config
+from convbias.engine.config.parsing import load_yaml
 from convbias.engine.data import datasets
 from convbias.engine.loop.records import read_log
 from convbias.engine.model import factory as modeling

@@ -22,7 +22,8 @@ import pytest
 import yaml
 from scipy import stats as scipy_stats
 
-from convbias.engine.config.parsing import effective_epochs, parse_config
+from convbias.engine import parse_config
+from convbias.engine.config.derived import effective_epochs
 from convbias.experiments import phase_diagram_tables, report, sweep, sweep_spec
 
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.

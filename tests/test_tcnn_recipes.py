@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from convbias.cli import train
-from convbias.engine.config.parsing import parse_config
+from convbias.engine import parse_config
 
 pytestmark = pytest.mark.integration
 

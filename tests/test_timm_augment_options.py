@@ -143,7 +143,7 @@ def test_what_the_device_cannot_do_runs_timms_transforms(option, value, reason):
     ],
 )
 def test_bad_values_are_one_line_errors(argv, message):
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
     from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):

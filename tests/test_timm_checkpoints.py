@@ -74,7 +74,7 @@ def test_a_torch_file_with_other_objects_is_refused_unexecuted(tmp_path):
 
 def test_a_timm_checkpoint_starts_a_run_and_is_evaluated(tmp_path, folder_of_three):
     from convbias import engine
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
     from convbias.families import load_families
 
     timm_checkpoint(tmp_path)
@@ -188,8 +188,8 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
     import csv
     import json
 
+    from convbias.engine import parse_config
     from convbias.engine.checkpointing.points import CheckpointDir
-    from convbias.engine.config.parsing import parse_config
     from convbias.engine.loop.setup import start_run
     from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
@@ -230,7 +230,7 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
 
 
 def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_one_line(tmp_path, folder_of_twelve):
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
     from convbias.engine.loop.setup import start_run
     from convbias.engine.loop.trainer import build_trainer
     from convbias.errors import ConfigError, DamagedInputError

@@ -14,8 +14,7 @@ import torch
 import yaml
 from PIL import Image
 
-from convbias.engine import Config, ConfigError, build_datasets
-from convbias.engine.config.parsing import parse_config
+from convbias.engine import Config, ConfigError, build_datasets, parse_config
 from convbias.engine.data.datasets import DIGITS_MEAN, DIGITS_STD
 from convbias.engine.data.device_augment import DeviceAugment
 from convbias.engine.data.factory import train_recipe

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from convbias.cli import train
-from convbias.engine import RunDir
-from convbias.engine.config.parsing import parse_config, scaled_lr
+from convbias.engine import RunDir, parse_config
+from convbias.engine.config.derived import scaled_lr
 from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 ARGS_YAML = Path(__file__).parent / "data" / "timm_train_args.yaml"

@@ -22,7 +22,8 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from torch import nn
 
 from convbias.cli import train
-from convbias.engine.config.parsing import parse_config, scaled_lr
+from convbias.engine import parse_config
+from convbias.engine.config.derived import scaled_lr
 from convbias.engine.data.factory import build_transforms, input_format
 from convbias.engine.optim.factory import create_mixup, create_optimizer, create_scheduler
 from convbias.errors import ConfigError

@@ -12,10 +12,9 @@ import torch
 from timm.scheduler import CosineLRScheduler, PlateauLRScheduler
 from torch import nn
 
-from convbias.engine import RunDir, read_log
+from convbias.engine import RunDir, read_log, validate
 from convbias.engine.checkpointing.points import load_training_state
 from convbias.engine.config.options import Config
-from convbias.engine.config.parsing import validate
 from convbias.engine.data import loaders
 from convbias.engine.loop.setup import start_run
 from convbias.engine.loop.trainer import build_trainer
@@ -201,7 +200,7 @@ def test_gp_is_kept_by_every_command_that_rebuilds_the_run(tmp_path):
 
     from convbias.cli import robustness
     from convbias.cli import train as train_command
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
 
     cfg = small_cnn(tmp_path, gp="catavgmax")
     records = train(cfg)

@@ -7,8 +7,8 @@ from PIL import Image
 from timm.data import resolve_data_config
 from timm.models import get_pretrained_cfg
 
+from convbias.engine import parse_config
 from convbias.engine.config.options import Config
-from convbias.engine.config.parsing import parse_config
 from convbias.engine.data.factory import build_datasets, input_format
 from convbias.errors import ConfigError
 

@@ -148,7 +148,7 @@ def test_ratio_reaches_timms_crop_on_both_paths(mode):
 @pytest.mark.parametrize("ratio", [[2.0, 1.0], [0.0, 1.0]])
 def test_bad_ratio_is_a_one_line_error(ratio):
     """A reversed or non-positive range is refused before any work, naming the option and the expected form."""
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
     from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"--ratio must be two positive numbers, MIN <= MAX, got \["):

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 DUMP_WEIGHTS = """
 import sys
 from safetensors.torch import save_file
-from convbias.engine.config.parsing import parse_config
+from convbias.engine import parse_config
 from convbias.engine.loop.setup import start_run
 from convbias.engine.loop.trainer import build_trainer
 from convbias.families import load_families
@@ -140,7 +140,7 @@ import torch
 from safetensors.torch import save_file
 from convbias.engine.loop import trainer as engine_trainer
 from convbias.families import load_families
-from convbias.engine.config.parsing import parse_config
+from convbias.engine import parse_config
 from convbias.engine.loop.setup import start_run
 dump_dir, args = sys.argv[1], sys.argv[2:]
 real = engine_trainer.Trainer._distribute_batchnorm

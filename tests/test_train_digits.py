@@ -10,8 +10,8 @@ import timm
 import torch
 
 from convbias.cli import train
+from convbias.engine import parse_config
 from convbias.engine.checkpointing.points import load_weights, save_weights
-from convbias.engine.config.parsing import parse_config
 from convbias.engine.loop.records import SUMMARY_FIELDS
 
 pytestmark = pytest.mark.integration
@@ -159,7 +159,7 @@ def test_ema_is_evaluated_and_saved(tmp_path, model_argv, train_argv):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, train_argv):
-    from convbias.engine.config.parsing import parse_config
+    from convbias.engine import parse_config
     from convbias.engine.loop.setup import start_run
     from convbias.engine.loop.trainer import NonFiniteLossError, build_trainer
     from convbias.families import load_families

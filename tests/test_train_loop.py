@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convbias.engine.config.parsing import parse_config
+from convbias.engine import parse_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

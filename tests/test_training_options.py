@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from convbias.cli import train
+from convbias.engine import validate
 from convbias.engine.config.options import Config
-from convbias.engine.config.parsing import validate
 from convbias.engine.loop.setup import start_run, sync_batchnorm
 from convbias.engine.loop.trainer import build_trainer
 from convbias.families import load_families

@@ -6,6 +6,11 @@ prints one ``interrupted: ...`` line saying what was kept and exits 130; under `
 also leaves its exit code for the launcher, which accelerate's launchers do not pass on). The
 models come from timm's registry and the family-specific pieces from ``extensions``
 (``convbias.families`` builds both; ``train.py`` composes them).
+
+``parse_config(argv)`` and ``validate(cfg)`` are the one way options are checked: the config package reads
+and checks them, then every package checks the options it owns (``check_packages``), and the Config is
+frozen. The packages are imported inside functions here, after the command line is parsed, so that
+``train.py --help`` loads no torch; no other engine module imports the engine inside a function.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from ..errors import (
     stop_prefix,
 )
 from ..storage import storage_reason
+from .config import parsing as config_parsing
 from .config.options import Config
-from .config.parsing import config_warnings, parse_config, validate
+from .config.parsing import config_warnings
 from .loop.extensions import Extensions
 
 # What convbias-launch tells the engine: the process count it was asked for (accelerate's launcher puts none in
@@ -48,9 +54,8 @@ _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_
 # `__getattr__`), to keep start-up time low: the model, data and checkpoint modules import timm and
 # accelerate, which `--help` does not need. Anything else is imported from its submodule.
 _SUBMODULE_OF = {
-    **dict.fromkeys(("Config",), "config.options"),
-    **dict.fromkeys(("parse_config",), "config.parsing"),
-    **dict.fromkeys(("DEFAULT_WHICH", "WHICH", "RunCheckpoint", "RunDir", "is_run_dir"), "checkpointing.run_dir"),
+    **dict.fromkeys(("Config", "DEFAULT_WHICH", "WHICH"), "config.options"),
+    **dict.fromkeys(("RunCheckpoint", "RunDir", "is_run_dir"), "checkpointing.run_dir"),
     **dict.fromkeys(("build_datasets",), "data.factory"),
     **dict.fromkeys(("build_eval_loader",), "data.loaders"),
     **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "data.datasets"),
@@ -68,8 +73,11 @@ __all__ = [
     "Interrupted",
     "NonFiniteLossError",
     "StorageError",
+    "check_packages",
     "main",
+    "parse_config",
     "run",
+    "validate",
     *_SUBMODULE_OF,
 ]
 
@@ -82,12 +90,48 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def parse_config(argv: list[str] | None) -> Config:
+    """argv (with its ``-c`` recipe) as a checked and frozen Config (``validate``'s checks). Raises ConfigError
+    (StorageError when --output cannot be written)."""
+    cfg = config_parsing.parse_config(argv, _evaluated_run_options)
+    check_packages(cfg)
+    return cfg.freeze()
+
+
+def _evaluated_run_options(target: str) -> dict[str, Any]:
+    """What --eval-only RUN_DIR takes from the run directory it names (the checkpointing package reads it)."""
+    from .checkpointing.checks import evaluated_run_options  # after --help: see the docstring
+
+    return evaluated_run_options(target)
+
+
+def validate(cfg: Config) -> None:
+    """A Config built in Python through the checks of a command line, in place: the config package's checks
+    (which normalize the options and derive their defaults), then every package's; the Config is frozen then (a
+    frozen Config has passed them)."""
+    if cfg.frozen:
+        return
+    config_parsing.validate(cfg)
+    check_packages(cfg)
+    cfg.freeze()
+
+
+def check_packages(cfg: Config) -> None:
+    """Each package's check of the options it owns, after the config package's own: the data source and
+    format, timm's optimizer and the schedule's epochs, the compile backend, the resume file and output dir."""
+    from .checkpointing import checks as checkpointing_checks  # the packages load torch: see the docstring
+    from .data import checks as data_checks
+    from .model import checks as model_checks
+    from .optim import checks as optim_checks
+
+    for check in (data_checks.check, optim_checks.check, model_checks.check, checkpointing_checks.check):
+        check(cfg)
+
+
 def run(config: Config | list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:
     """Train (or evaluate with --eval-only) one run; returns the content of results.json (the metrics with
     --eval-only). ``config`` is a command line (parsed with its -c recipe) or a ``Config`` built in Python;
     either is validated first (a Config is copied, not changed)."""
-    from .config.options import Config
-
     if isinstance(config, Config):
         cfg = config.replace()
         validate(cfg)

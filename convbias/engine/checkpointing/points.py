@@ -53,8 +53,8 @@ from convbias.weights import (  # noqa: F401  (the engine's loading API is the s
 
 from ...errors import ConfigError, DamagedCheckpointError, StorageError
 from ...storage import atomic_write, storage_reason
+from ..config.options import DEFAULT_KEEP_CHECKPOINTS
 from .run_dir import (  # noqa: F401  (the layout's names, for the engine's writers and the tests)
-    DEFAULT_KEEP_CHECKPOINTS,
     MANIFEST_FILE,
     POINT_NAME,
     SNAPSHOTS_FILE,

@@ -27,6 +27,7 @@ from typing import Any
 
 from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
 from ...inputs import first_line, json_record, read_yaml
+from ..config.options import DEFAULT_WHICH, WHICH
 
 # The file names of timm's training checkpoints (its CheckpointSaver's .pth.tar, timm's usual .pth weights): a
 # file named so is read as one (convbias.timm_checkpoint) where a command takes a run directory
@@ -54,9 +55,6 @@ MANIFEST_FILE = "manifest.json"
 SNAPSHOTS_FILE = "snapshots.json"  # size and sha256 of every --save-epochs snapshot
 POINT_NAME = re.compile(r"epoch_(\d{4,})(?:_step_(\d{7,}))?")
 SNAPSHOT_NAME = re.compile(r"init|epoch_(\d+)")
-WHICH = ("last", "best")
-DEFAULT_WHICH = "last"  # the run's final weights: what its final top-1 measured
-DEFAULT_KEEP_CHECKPOINTS = 2  # resume points kept: one to fall back to when the newest is damaged
 RESULT_KEYS = ("model", "epochs", "final_top1", "best_top1", "best_epoch")  # what makes results.json readable
 # What a run's config.yaml contributes to a command that reuses the run: the model and how its data is read.
 # Not --input-size: the config holds it resolved into img_size and in_chans, so a command may change --img-size.

@@ -17,7 +17,17 @@ import yaml
 
 from ...errors import ConfigError
 from ...inputs import parse_yaml
-from .options import DESCRIPTION, SECTIONS, declaration, default_value, flag_name, option_types
+from ...timm_train_options import TIMM_TRAIN_DEFAULTS
+from .options import (
+    DESCRIPTION,
+    SECTIONS,
+    declaration,
+    default_value,
+    flag_name,
+    option_aliases,
+    option_names,
+    option_types,
+)
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -121,10 +131,6 @@ def _timm_argument(name: str, default: Any) -> dict[str, Any]:
 
 def timm_only_options() -> dict[str, Any]:
     """timm's train.py options (their args.yaml keys and defaults) that are neither an option here nor an alias."""
-    from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
-
-    from .options import option_aliases, option_names
-
     return {k: v for k, v in TIMM_TRAIN_DEFAULTS.items() if k not in option_names() and k not in option_aliases()}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 import typing
 from collections.abc import Callable
@@ -22,10 +23,7 @@ from functools import cache
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-from ...errors import ConfigError
-from ..checkpointing.run_dir import DEFAULT_KEEP_CHECKPOINTS, DEFAULT_WHICH, WHICH
-from ..loop.preemption import DEFAULT_SIGNALS, REQUEUE_EXIT_CODE
-from ..model.compile import COMPILE_MODES
+from ...errors import EXIT_REQUEUE, ConfigError
 
 DESCRIPTION = "Run configuration: command-line options, YAML recipes (``-c``), and validation."  # first line of --help
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
@@ -43,6 +41,11 @@ RANDOM_ERASING_MODES = ("pixel", "rand", "const")  # timm's RandomErasing fills
 IMAGE_MODE_CHANNELS = {"RGB": 3, "L": 1}  # --input-img-mode -> --in-chans
 STREAM_PREFIXES = ("wds/", "hfids/")  # engine.data.streams' iterable sources
 HF_PREFIXES = ("hfds/", "hfids/")  # Hugging Face datasets: columns named by --input-key and --target-key
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGHUP")  # --preempt-signals; SIGHUP: the terminal or ssh session closed
+WHICH = ("last", "best")  # --which: the checkpoints of a run directory a command picks from
+DEFAULT_WHICH = "last"  # the run's final weights: what its final top-1 measured
+DEFAULT_KEEP_CHECKPOINTS = 2  # resume points kept: one to fall back to when the newest is damaged
 
 
 class Check(NamedTuple):
@@ -513,8 +516,7 @@ class DistributionOptions:
     )
     preempt_signals: list[str] = option(
         list(DEFAULT_SIGNALS),
-        "signals that stop the run after the current step with a resume point, exit code "
-        f"{REQUEUE_EXIT_CODE} (none: off)",
+        f"signals that stop the run after the current step with a resume point, exit code {EXIT_REQUEUE} (none: off)",
         metavar="SIG",
     )
     channels_last: bool = option(False, "model and batches in channels-last memory format (CNNs on GPUs)")
@@ -605,6 +607,8 @@ class LoggingOptions:
     )
 
 
+_FROZEN = "_frozen"  # set in a checked Config's __dict__: its options no longer change
+
 # (section title in --help, its options), in the order --help and config.yaml show them
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("model", ModelOptions),
@@ -629,9 +633,27 @@ class Config(
 ):
     """A run's options, every section's fields flat (the dataclass order lists the model section first).
     ``Config(model=..., epochs=...)`` from Python, ``parse_config(argv)`` from the command line; both are
-    checked by ``config.validate`` before a run starts."""
+    checked before a run starts (``convbias.engine.validate``: this package's checks, then every package's), and
+    frozen then: setting an option raises, ``replace`` gives a changed copy."""
 
     config: str | None = option(None, "YAML recipe; command-line options override it")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get(_FROZEN):
+            raise AttributeError(
+                f"cfg.{name} cannot be set: the run's options are checked and frozen; "
+                f"cfg.replace({name}=...) gives a changed copy"
+            )
+        super().__setattr__(name, value)
+
+    @property
+    def frozen(self) -> bool:
+        return bool(self.__dict__.get(_FROZEN))
+
+    def freeze(self) -> Config:
+        """No option changes after this (the checks have passed); returns the Config itself."""
+        self.__dict__[_FROZEN] = True
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """The options as config.yaml and the trackers record them (plain values, declaration order)."""
@@ -648,8 +670,17 @@ class Config(
         return cls(**values)
 
     def replace(self, **changes: Any) -> Config:
-        """A copy with some options changed (the original is left as it is)."""
+        """A copy with some options changed, not frozen: a new Config, to be checked as one built in Python (the
+        original is left as it is)."""
         return dataclasses.replace(copy.deepcopy(self), **changes)
+
+    def resolved(self, **changes: Any) -> Config:
+        """A frozen copy in which the run's set-up has filled options the checks leave open (the weights file
+        of a run directory, the data set's image size, a checkpoint's reparametrization and output scale); the
+        record of where each option came from is kept."""
+        copied = self.replace(**changes)
+        copied.__dict__.update({key: copy.deepcopy(value) for key, value in self.__dict__.items() if key[0] == "_"})
+        return copied.freeze()
 
 
 @cache
@@ -694,8 +725,6 @@ def flag_name(name: str) -> str:
 
 
 def did_you_mean(name: str) -> str:
-    import difflib
-
     close = difflib.get_close_matches(name, option_names(), n=3)
     return f" (did you mean {', '.join(close)}?)" if close else ""
 

@@ -14,23 +14,20 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
+import signal
 import types
 import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ...errors import ConfigError, StorageError
+from ...errors import ConfigError
 from ...inputs import quoted, read_yaml
-from ...storage import write_text
-from ..checkpointing.run_dir import CONFIG_MARKER, RUN_KEYS, TIMM_SUFFIXES, is_run_dir, read_run_config
-from ..loop.preemption import parse_signals
+from ...timm_train_options import TIMM_TRAIN_DEFAULTS
 from .command_line import OptionParser, build_parser, timm_only_options
+from .derived import effective_epochs
 from .options import (
-    DATASETS,
     IMAGE_MODE_CHANNELS,
     Config,
     declaration,
@@ -71,22 +68,9 @@ def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _includin
     return merged
 
 
-# What --eval-only RUN_DIR takes from the run: its model and data (RUN_KEYS), and its loader processes (the
-# parser's default would start workers where the run had none, as on a small machine or data set).
-EVALUATED_RUN_KEYS = (*RUN_KEYS, "workers")
-
-
-def _evaluated_run_options(known: argparse.Namespace) -> dict:
-    """With --eval-only RUN_DIR (or --eval-only --checkpoint RUN_DIR): the run's EVALUATED_RUN_KEYS options,
-    below the -c recipe and the command line."""
-    target = known.eval_only if isinstance(known.eval_only, str) else known.checkpoint if known.eval_only else None
-    if target is None or not is_run_dir(target):
-        return {}
-    try:
-        options = read_run_config(target)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return {key: options[key] for key in EVALUATED_RUN_KEYS if key in options}
+def _evaluated(known: argparse.Namespace) -> str | None:
+    """What --eval-only RUN_OR_WEIGHTS (or --eval-only --checkpoint RUN_OR_WEIGHTS) names, if given."""
+    return known.eval_only if isinstance(known.eval_only, str) else known.checkpoint if known.eval_only else None
 
 
 def _as_dict(value: Any, key: str) -> dict:
@@ -100,8 +84,11 @@ def _as_dict(value: Any, key: str) -> dict:
     raise ConfigError(f"{key} must be a mapping (YAML) or KEY=VALUE pairs, got {value!r}")
 
 
-def parse_config(argv: list[str] | None) -> Config:
-    """Parse argv (with its ``-c`` recipe) into a validated Config. Raises ConfigError."""
+def parse_config(argv: list[str] | None, evaluated_run: Callable[[str], dict] | None = None) -> Config:
+    """Parse argv (with its ``-c`` recipe) into a Config that passes this package's checks (``validate``); the
+    other packages' checks are the entry point's (``convbias.engine.parse_config``). ``evaluated_run`` gives the
+    options that --eval-only RUN_DIR takes from the run directory it names ({} for weights): they rank below the
+    -c recipe and the command line. Raises ConfigError."""
     parser = build_parser()
     config_only = OptionParser(add_help=False)
     config_only.add_argument("-c", "--config", default=None)
@@ -115,7 +102,8 @@ def parse_config(argv: list[str] | None) -> Config:
         file_cfg, file_problems = translate_timm_keys(file_cfg, known.config)
         problems += [f"{known.config}: {problem}" for problem in file_problems]
         origins.update({key: f"recipe {Path(known.config).name}" for key in file_cfg if key not in origins})
-    run_options = _evaluated_run_options(known)
+    target = _evaluated(known)
+    run_options = evaluated_run(target) if evaluated_run is not None and target is not None else {}
     origins.update({key: "the evaluated run's config.yaml" for key in run_options if key not in file_cfg})
     file_cfg = {**run_options, **file_cfg}
     for key in [key for key in file_cfg if key not in option_names()]:
@@ -167,8 +155,6 @@ def _given_on_command_line(argv: list[str] | None) -> set[str]:
 def option_source(cfg: Config, name: str) -> str:
     """Where option ``name``'s value came from: the command line, a recipe file, or the default (timm's train.py's
     where timm has the option); a Config built in Python: 'set' where it differs from the default."""
-    from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
-
     sources = cfg.__dict__.get(SOURCES)
     if sources is not None and name in sources:
         return sources[name]
@@ -266,18 +252,6 @@ def check_option(name: str, value: Any) -> None:
         _check(rule.valid(value), f"{flag_name(name)} must be {rule.expected}, got {value}")
 
 
-def check_output_dir(output: str | Path) -> None:
-    """--output must be (or become) a writable directory: checked before any set-up, nothing created."""
-    path = Path(output)
-    _check(not path.exists() or path.is_dir(), f"--output {path} is a file; pass a directory (new or of this run)")
-    ancestor = path
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    _check(ancestor.is_dir(), f"--output {path}: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):  # read-only: an I/O fault, as one met mid-run (exit 74)
-        raise StorageError(f"--output {path}: {ancestor} is not writable (read-only); choose another --output")
-
-
 def config_warnings(cfg: Config) -> list[str]:
     """Valid but probably unintended settings, printed as `warning: ...` lines before the run starts."""
     warnings = []
@@ -291,23 +265,23 @@ def config_warnings(cfg: Config) -> list[str]:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no model and no data: types, ranges, names, paths; then the derived defaults. A
-    Config built in Python goes through the same checks as one parsed from a command line. Raises ConfigError."""
+    """This package's checks, which need no other package: types, ranges, combinations of options, names,
+    paths; the options normalized and their defaults derived on the way (cfg is changed in place). A Config built
+    in Python goes through the same checks as one parsed from a command line; the packages that own the other
+    rules (data sources, timm's optimizers, torch.compile's backends, the run directory) check them after this,
+    called by the entry point (``convbias.engine.validate``). Raises ConfigError."""
     _normalize_eval_only(cfg)
     for name in option_names():
         setattr(cfg, name, coerce(name, getattr(cfg, name)))
         check_option(name, getattr(cfg, name))
     _check(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
     _check(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
-    _check_data_source(cfg)
     _normalize(cfg)
     _check_combinations(cfg)
     _check_names(cfg)
     _check_paths(cfg)
     if cfg.output is None:
         cfg.output = str(Path("runs") / f"{cfg.model}-{cfg.dataset}")
-    if not cfg.eval_only:
-        check_output_dir(cfg.output)
 
 
 def _normalize_eval_only(cfg: Config) -> None:
@@ -320,23 +294,11 @@ def _normalize_eval_only(cfg: Config) -> None:
         cfg.checkpoint, cfg.eval_only = cfg.eval_only, True
 
 
-def _check_data_source(cfg: Config) -> None:
-    from ..data.streams import (
-        is_factory_source,  # streams loads torch: only after parsing (`train.py --help` loads none)
-    )
-
-    if cfg.dataset == "":  # timm's default: the image folder at --data-dir
-        cfg.dataset = "folder"
-    _check(
-        cfg.dataset in DATASETS or is_factory_source(cfg.dataset),
-        f"unknown dataset '{cfg.dataset}'; choices: {', '.join(DATASETS)}, wds/NAME (tar shards), "
-        f"hfids/NAME (Hugging Face datasets, streamed) or hfds/NAME (Hugging Face datasets)",
-    )
-
-
 def _normalize(cfg: Config) -> None:
     """One switch for every augmentation (so the data layer and the loss agree), 'none' spellings, and the
     options that imply others."""
+    if cfg.dataset == "":  # timm's default: the image folder at --data-dir
+        cfg.dataset = "folder"
     if cfg.no_aug:
         cfg.aa, cfg.reprob, cfg.color_jitter, cfg.hflip = None, 0.0, 0.0, 0.0
         cfg.mixup, cfg.cutmix, cfg.smoothing = 0.0, 0.0, 0.0
@@ -353,8 +315,8 @@ def _normalize(cfg: Config) -> None:
 
 
 def _check_input(cfg: Config) -> None:
-    """--input-size and --input-img-mode against --img-size and --in-chans; --mean/--std against the channels and
-    --class-map's file against the dataset, as engine.data.factory resolves them (it loads torch: only after parsing)."""
+    """--input-size and --input-img-mode against --img-size and --in-chans (the data package checks --mean/--std
+    and --class-map, as it resolves them)."""
     if cfg.input_size is not None:
         given = f"--input-size {' '.join(map(str, cfg.input_size))}"
         for name, value in (("img_size", cfg.input_size[1]), ("in_chans", cfg.input_size[0])):
@@ -367,10 +329,6 @@ def _check_input(cfg: Config) -> None:
         mode is None or cfg.in_chans == IMAGE_MODE_CHANNELS[mode],
         f"--input-img-mode {mode} and --in-chans {cfg.in_chans} disagree; give one of them",
     )
-    from ..data.factory import class_map, input_format
-
-    input_format(cfg)
-    class_map(cfg)
 
 
 def _check_combinations(cfg: Config) -> None:
@@ -395,56 +353,41 @@ def _check_combinations(cfg: Config) -> None:
         if needs is not None and value != default_value(name):
             given = flag_name(name) if value is True else f"{flag_name(name)} {value}"
             _check(needs.met(cfg), f"{given} has no effect without {needs.what}")
-    if cfg.opt_betas is not None:
-        from timm.optim import get_optimizer_info, list_optimizers  # timm loads torch: only after parsing
-
-        name = cfg.opt.lower().split("_")[-1]  # as timm's factory reads 'lookahead_adamw'
-        if name in list_optimizers():  # an unknown --opt is named by _check_names
-            info = get_optimizer_info(name)
-            takes = info.num_betas if info.has_betas else 0
-            _check(
-                len(cfg.opt_betas) == takes,
-                f"--opt-betas: --opt {cfg.opt} takes {takes or 'no'} betas, got {len(cfg.opt_betas)}",
-            )
     _check(not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH (a weights file or run dir)")
     _check(
         bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),
         "hard distillation needs both --distill-teacher NAME and --distill-teacher-file PATH",
     )
-    from ..optim.factory import scheduled_epochs  # timm's count (cooldown, cycles); loads torch: only after parsing
 
-    epochs = scheduled_epochs(cfg, *effective_epochs(cfg)) if cfg.epochs >= 1 else 0
-    for epoch in cfg.save_epochs:
-        _check(0 <= epoch <= epochs, f"--save-epochs {epoch} is outside 0..{epochs}")
-    if cfg.reparametrize_at_epoch is not None:
+
+def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
+    """--preempt-signals: 'SIGTERM', 'TERM' or '15' -> signal.SIGTERM; ConfigError naming the option for anything
+    else."""
+    parsed = []
+    for name in names:
+        text = str(name).upper()
+        try:
+            parsed.append(
+                signal.Signals(int(text))
+                if text.isdigit()
+                else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+            )
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"--preempt-signals: unknown signal {name!r}; expected names such as SIGTERM SIGUSR1 "
+                f"(or none to disable)"
+            ) from None
         _check(
-            0 <= cfg.reparametrize_at_epoch < epochs,
-            f"--reparametrize-at-epoch must be in 0..{epochs - 1}, got {cfg.reparametrize_at_epoch}",
+            parsed[-1] not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT),
+            f"--preempt-signals: {parsed[-1].name} cannot be used (it cannot be caught, or is Ctrl-C)",
         )
-        _check(
-            cfg.sched != "plateau",
-            "--sched plateau cannot be combined with --reparametrize-at-epoch (the plateau's decayed lr lives in "
-            "the optimizer that the change of architecture rebuilds)",
-        )
+    return parsed
 
 
 def _check_names(cfg: Config) -> None:
-    """Names that other libraries define: signals, timm's optimizers, torch.compile's backends, lr patterns."""
-    try:
-        parse_signals(cfg.preempt_signals)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    from timm.optim import list_optimizers  # timm loads torch: only after parsing (`train.py --help` loads none)
-
-    _check(cfg.opt.lower() in list_optimizers(), f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers()")
-    if cfg.compile:
-        import torch
-
-        backends = torch.compiler.list_backends(exclude_tags=())
-        _check(
-            cfg.compile_backend in backends,
-            f"unknown --compile-backend '{cfg.compile_backend}'; choices: {', '.join(backends)}",
-        )
+    """Names given as option values: signals, lr patterns (the optimizer's and the compile backend's are checked
+    by the packages that use them)."""
+    parse_signals(cfg.preempt_signals)
     for pattern, lr in cfg.param_group_lr.items():
         try:
             re.compile(pattern)
@@ -461,83 +404,3 @@ def _check_paths(cfg: Config) -> None:
     for name in ("pretrained_file", "checkpoint", "distill_teacher_file"):
         path = getattr(cfg, name)
         _check(path is None or Path(path).exists(), f"{flag_name(name)}: path does not exist: {path}")
-    resume = Path(cfg.resume) if cfg.resume and cfg.resume != "auto" else None
-    _check(
-        resume is None or not resume.is_file() or str(resume).endswith(TIMM_SUFFIXES),
-        f"--resume {cfg.resume} is a file, and not one of timm's training checkpoints (*{', *'.join(TIMM_SUFFIXES)}): "
-        f"give a run directory, one of its checkpoints/ folders, or timm's last.pth.tar",
-    )
-
-
-def effective_epochs(cfg: Config) -> tuple[int, int]:
-    """(epochs, warmup epochs) after ``--scale-epochs``: both x 1/train_fraction, rounded up."""
-    if not cfg.scale_epochs:
-        return cfg.epochs, cfg.warmup_epochs
-    scale = 1.0 / cfg.train_fraction
-    return math.ceil(cfg.epochs * scale - 1e-9), math.ceil(cfg.warmup_epochs * scale - 1e-9)
-
-
-def write_config(cfg: Config, path: Path, derived: dict) -> None:
-    """The resolved options as a reloadable recipe; derived values (lr, global batch...) as comments."""
-    header = "".join(f"# {key}: {value}\n" for key, value in derived.items())
-    body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    write_text(path, CONFIG_MARKER + "\n" + header + body)
-
-
-def lr_scaling(cfg: Config) -> str:
-    """linear or sqrt: how --lr-base follows the global batch; timm's '' is sqrt for Adam-family and LAMB
-    optimizers, as its train.py picks."""
-    if cfg.lr_base_scale:
-        return cfg.lr_base_scale
-    return "sqrt" if any(name in cfg.opt.lower() for name in ("ada", "lamb")) else "linear"
-
-
-def scaled_lr(cfg: Config, global_batch: int) -> tuple[float, str]:
-    """The run's lr and the rule that gave it: --lr, else --lr-base scaled to the global batch."""
-    if cfg.lr is not None:
-        return cfg.lr, "--lr"
-    ratio = f"{global_batch} / --lr-base-size {cfg.lr_base_size}"
-    if lr_scaling(cfg) == "sqrt":
-        return cfg.lr_base * (global_batch / cfg.lr_base_size) ** 0.5, f"--lr-base {cfg.lr_base:g} x sqrt({ratio})"
-    return cfg.lr_base * global_batch / cfg.lr_base_size, f"--lr-base {cfg.lr_base:g} x {ratio}"
-
-
-LOW_LR = 1e-5  # a scaled lr below this barely moves a model in a short run
-SMALL_IMAGES = 64  # px: below this the DeiT recipe's augmentation destroys most of an image
-
-
-def setup_warnings(cfg: Config, lr: float, global_batch: int) -> list[str]:
-    """Valid settings that are likely unintended once the world size is known: an lr scaled very low, heavy
-    augmentation on small images, more loader workers than the node has cores."""
-    warnings = []
-    if cfg.lr is None and lr < LOW_LR:
-        warnings.append(
-            f"the lr scaled to the global batch is {lr:.3g} ({scaled_lr(cfg, global_batch)[1]}), below {LOW_LR:g}: "
-            "the run may barely learn; set --lr, or raise --lr-base or the batch"
-        )
-    heavy = [
-        name
-        for name, active in (
-            (f"--aa {cfg.aa}", cfg.aa not in (None, "none")),
-            (f"--mixup {cfg.mixup:g}", cfg.mixup > 0),
-            (f"--cutmix {cfg.cutmix:g}", cfg.cutmix > 0),
-            (f"--reprob {cfg.reprob:g}", cfg.reprob > 0),
-            (f"--repeated-aug {cfg.repeated_aug}", cfg.repeated_aug > 1),
-        )
-        if active
-    ]
-    if heavy and not cfg.no_aug and cfg.img_size < SMALL_IMAGES:
-        warnings.append(
-            f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: recipes like DeiT's are made for 224 "
-            f"px and leave little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
-        )
-    from ..loop.node import local_processes, node_cores  # light: os and torch's thread count only
-
-    cores, local = node_cores(), local_processes()
-    if cfg.workers * local > cores:
-        warnings.append(
-            f"--workers {cfg.workers} x {local} process{'es' if local > 1 else ''} on this node start "
-            f"{cfg.workers * local} loader processes for {cores} core{'s' if cores > 1 else ''}: they compete with "
-            f"training; lower --workers"
-        )
-    return warnings

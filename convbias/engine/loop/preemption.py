@@ -13,6 +13,9 @@ job script maps to a requeue (README: SLURM recipe); ``--resume auto`` continues
 DataLoader workers ignore these signals when the scheduler sends them (``ignore_in_worker``): a
 scheduler signals every process of the job, and a worker killed by it would end the run before its
 resume point is written. A SIGTERM from the main process (the DataLoader's shutdown) still ends them.
+
+torch is imported inside functions: the engine's facade imports this module before it parses the command
+line (``train.py --help`` loads no torch).
 """
 
 from __future__ import annotations
@@ -26,31 +29,9 @@ from typing import Any
 from ...errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE  # noqa: F401  (the exit code the docstring names)
 from ...errors import Preempted  # noqa: F401  (raised by the trainer, reported by engine.main)
 
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGHUP")  # SIGHUP: the terminal or ssh session closed
 # Updates between the ranks' joint decisions (an all-reduce and a host read each) when several processes
 # train: at most this many updates pass between a signal and the resume point (about a second on a GPU)
 PREEMPTION_CHECK_INTERVAL = 10
-
-
-def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
-    """'SIGTERM', 'TERM' or '15' -> signal.SIGTERM; ValueError naming the option for anything else."""
-    parsed = []
-    for name in names:
-        text = str(name).upper()
-        try:
-            parsed.append(
-                signal.Signals(int(text))
-                if text.isdigit()
-                else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
-            )
-        except (KeyError, ValueError):
-            raise ValueError(
-                f"--preempt-signals: unknown signal {name!r}; expected names such as SIGTERM SIGUSR1 "
-                f"(or none to disable)"
-            ) from None
-        if parsed[-1] in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
-            raise ValueError(f"--preempt-signals: {parsed[-1].name} cannot be used (it cannot be caught, or is Ctrl-C)")
-    return parsed
 
 
 class PreemptionSignals:

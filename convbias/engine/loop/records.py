@@ -17,10 +17,23 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ...inputs import json_record
-from ...storage import atomic_write
+from ...storage import atomic_write, write_text
 from ...tables import csv_text
-from ..config.parsing import lr_scaling, option_source, scaled_lr
+from ..checkpointing.run_dir import CONFIG_MARKER
+from ..config.derived import lr_scaling
+from ..config.options import Config
+from ..config.parsing import option_source
+
+
+def write_config(cfg: Config, path: Path, derived: dict) -> None:
+    """The resolved options as a reloadable recipe; derived values (lr, global batch...) as comments."""
+    header = "".join(f"# {key}: {value}\n" for key, value in derived.items())
+    body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    write_text(path, CONFIG_MARKER + "\n" + header + body)
+
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
 
@@ -144,7 +157,7 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
         sizes = f"{len(bundle.train):,} train / {len(bundle.val):,} val images"
     except TypeError:  # a stream without a known length
         sizes = "streamed"
-    _, rule = scaled_lr(cfg, start.global_batch)
+    rule = start.values.lr_rule
     precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
     return [
         f"output: {start.output} ({begin})",

@@ -1,7 +1,9 @@
 """A run's set-up, as the parts a ``Trainer`` (engine.loop.trainer) or an ``Evaluator`` is composed of.
 
 ``start_run`` decides where the run starts (accelerator, lock, resume point) and does every check that can
-fail on user input before anything is built or written; a run that is already finished ends there.
+fail on user input before anything is built or written; a run that is already finished ends there. It derives
+the run's values once (``config.derived.RunValues``) and fills the options the checks leave open into a frozen
+copy of the Config (``resolved_options``): nothing changes the options after that.
 ``build_trainer`` then builds the parts, each whole: ``TrainingData`` (datasets and loaders), ``Models``
 (model, EMA, teacher, their compiled views), ``Optimization`` (optimizer, schedule, mixup, loss), and the
 resume point's state loaded into them; ``build_evaluator`` builds what ``--eval-only`` needs.
@@ -40,8 +42,9 @@ from ..checkpointing.points import (
 )
 from ..checkpointing.run_dir import is_timm_checkpoint_name, point_name
 from ..checkpointing.shards import FullCopy
+from ..config.derived import RunValues
 from ..config.options import Config
-from ..config.parsing import effective_epochs, scaled_lr
+from ..config.parsing import parse_signals
 from ..data.device_augment import DeviceAugment
 from ..data.factory import build_datasets, dataset_info
 from ..data.loaders import build_eval_loader, build_stream_loader, build_train_loader
@@ -52,8 +55,8 @@ from ..model.output_scale import OutputScale, ScaledLoss
 from ..optim import factory as recipe
 from .extensions import Extensions
 from .metrics import evaluate
-from .node import set_threads
-from .preemption import PreemptionSignals, ignore_in_worker, parse_signals
+from .node import local_processes, node_cores, set_threads
+from .preemption import PreemptionSignals, ignore_in_worker
 from .start import (
     check_resume_options,
     check_resume_world_size,
@@ -68,15 +71,13 @@ from .start import (
 class RunStart:
     """Where a run starts, decided before anything is built or written."""
 
-    cfg: Config
+    cfg: Config  # the checked options, resolved by the set-up (resolved_options) and frozen
     extensions: Extensions
     accelerator: Accelerator
     output: Path
-    epochs: int  # the epochs the run trains: its schedule's, and a cooldown, further lr cycles, a warmup prefix
-    warmup_epochs: int
-    global_batch: int
-    lr: float
+    values: RunValues  # what the run derives from its options: epochs, global batch, lr
     checkpoint_name: str | None  # how messages name --checkpoint's weights
+    checkpoint_metadata: dict[str, str]  # the metadata of --checkpoint's weights ({} when resuming or none)
     resume_point: Path | None
     resume_state: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)  # said when training starts (stale lock taken over, restart)
@@ -88,9 +89,26 @@ class RunStart:
         return self.accelerator.is_fsdp2
 
     @property
+    def epochs(self) -> int:
+        """The epochs the run trains: its schedule's, and a cooldown, further lr cycles, a warmup prefix."""
+        return self.values.epochs
+
+    @property
     def schedule_epochs(self) -> int:
         """--epochs after --scale-epochs: the length recipe.create_scheduler is given."""
-        return effective_epochs(self.cfg)[0]
+        return self.values.schedule_epochs
+
+    @property
+    def warmup_epochs(self) -> int:
+        return self.values.warmup_epochs
+
+    @property
+    def global_batch(self) -> int:
+        return self.values.global_batch
+
+    @property
+    def lr(self) -> float:
+        return self.values.lr
 
 
 def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) -> RunStart:
@@ -107,16 +125,13 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     check_reparametrization(cfg, extensions)
     if cfg.distill_teacher:
         check_model_name(cfg.distill_teacher, "--distill-teacher")
-    checkpoint_name = resolve_checkpoint(cfg)
+    checkpoint, checkpoint_name = resolve_checkpoint(cfg)
     for weights in (cfg.pretrained_file, cfg.distill_teacher_file):  # files of a resume point: checksummed
         if weights:
             verify_file(weights)
-    epochs, warmup = effective_epochs(cfg)
-    epochs = recipe.scheduled_epochs(cfg, epochs, warmup)
-    global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
-    lr, _ = scaled_lr(cfg, global_batch)
+    values = RunValues.derive(cfg, acc.num_processes, recipe.trained_epochs(cfg))
     output, notes = Path(cfg.output), []
-    timm_resume = read_timm_resume(cfg, epochs) if is_timm_checkpoint_name(cfg.resume or "") else None
+    timm_resume = read_timm_resume(cfg, values.epochs) if is_timm_checkpoint_name(cfg.resume or "") else None
     if timm_resume is not None and acc.is_fsdp2:
         raise ConfigError(
             f"--resume {cfg.resume}: timm's optimizer state is whole, FSDP's is sharded; resume it with DDP, or "
@@ -127,18 +142,36 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     if point is not None:
         check_resume_options(cfg, output, point)
     state = load_training_state(point) if point else None
-    start = RunStart(
-        cfg, extensions, acc, output, epochs, warmup, global_batch, lr, checkpoint_name, point, state, notes
-    )
+    metadata = weights_metadata(checkpoint) if checkpoint and not state else {}
+    cfg = resolved_options(cfg, checkpoint, metadata, extensions)
+    start = RunStart(cfg, extensions, acc, output, values, checkpoint_name, metadata, point, state, notes)
     start.timm_resume = timm_resume
     if state is not None:
         _check_resume_point(start)
-    finished = finished_message(state, output, epochs, acc.is_main_process)
+    finished = finished_message(state, output, values.epochs, acc.is_main_process)
     if finished:
         start.finished = "; ".join([*notes, finished])
     else:
         check_resume_world_size(state, point, acc.num_processes)
     return start
+
+
+def resolved_options(cfg: Config, checkpoint: str | None, metadata: dict[str, str], extensions: Extensions) -> Config:
+    """The run's options with what the checks leave open filled in, as a frozen copy: --checkpoint's weights file
+    (a run directory names its checkpoints/<--which>), the image size (the data set's when not given: data and
+    model agree), and from the metadata of --checkpoint's weights the reparametrization and output scale they
+    were written with (a checkpoint written after --reparametrize-at-epoch needs the changed architecture;
+    weights of an output-scaled run hold f_w0 too)."""
+    changes: dict[str, Any] = {"img_size": cfg.img_size or dataset_info(cfg.dataset).default_img_size}
+    if checkpoint is not None:
+        changes["checkpoint"] = checkpoint
+    if metadata:
+        changes["reparametrize"] = cfg.reparametrize or metadata.get("reparametrization") or None
+        if metadata.get("output_scale"):
+            changes["output_scale"] = cfg.output_scale or float(metadata["output_scale"])
+    resolved = cfg.resolved(**changes)
+    check_reparametrization(resolved, extensions)
+    return resolved
 
 
 def read_timm_resume(cfg: Config, epochs: int) -> TimmCheckpoint:
@@ -218,6 +251,45 @@ def reparametrized(model: torch.nn.Module, cfg: Config, extensions: Extensions) 
     return extensions.reparametrizations[cfg.reparametrize](model, **cfg.reparametrize_kwargs)
 
 
+LOW_LR = 1e-5  # a scaled lr below this barely moves a model in a short run
+SMALL_IMAGES = 64  # px: below this the DeiT recipe's augmentation destroys most of an image
+
+
+def setup_warnings(cfg: Config, values: RunValues) -> list[str]:
+    """Valid settings that are likely unintended once the world size is known: an lr scaled very low, heavy
+    augmentation on small images, more loader workers than the node has cores."""
+    warnings = []
+    if cfg.lr is None and values.lr < LOW_LR:
+        warnings.append(
+            f"the lr scaled to the global batch is {values.lr:.3g} ({values.lr_rule}), below {LOW_LR:g}: "
+            "the run may barely learn; set --lr, or raise --lr-base or the batch"
+        )
+    heavy = [
+        name
+        for name, active in (
+            (f"--aa {cfg.aa}", cfg.aa not in (None, "none")),
+            (f"--mixup {cfg.mixup:g}", cfg.mixup > 0),
+            (f"--cutmix {cfg.cutmix:g}", cfg.cutmix > 0),
+            (f"--reprob {cfg.reprob:g}", cfg.reprob > 0),
+            (f"--repeated-aug {cfg.repeated_aug}", cfg.repeated_aug > 1),
+        )
+        if active
+    ]
+    if heavy and not cfg.no_aug and cfg.img_size < SMALL_IMAGES:
+        warnings.append(
+            f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: recipes like DeiT's are made for 224 "
+            f"px and leave little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
+        )
+    cores, local = node_cores(), local_processes()
+    if cfg.workers * local > cores:
+        warnings.append(
+            f"--workers {cfg.workers} x {local} process{'es' if local > 1 else ''} on this node start "
+            f"{cfg.workers * local} loader processes for {cores} core{'s' if cores > 1 else ''}: they compete with "
+            f"training; lower --workers"
+        )
+    return warnings
+
+
 # ---------------------------------------------------------------------------------------------- data
 @dataclass
 class TrainingData:
@@ -234,7 +306,6 @@ class TrainingData:
 
 def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> TrainingData:
     cfg, acc = start.cfg, start.accelerator
-    cfg.img_size = cfg.img_size or dataset_info(cfg.dataset).default_img_size  # data and model agree
     bundle = build_datasets(cfg)
     # loader workers leave the preemption signals to this process (see engine.loop.preemption)
     worker_init_fn = partial(ignore_in_worker, preemption.signals) if preemption.signals else None
@@ -280,16 +351,11 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     cfg = start.cfg
     set_seed(cfg.seed)  # same initial weights on every rank
     model = create_model(cfg, data.bundle.num_classes, data.bundle.in_chans)
-    metadata: dict[str, str] = {}
+    metadata = start.checkpoint_metadata  # its reparametrization and output scale: in cfg (resolved_options)
     if start.resume_state:
         was_reparametrized = start.resume_state["reparametrized"]
-    else:  # a checkpoint written after --reparametrize-at-epoch needs the changed architecture
-        metadata = weights_metadata(cfg.checkpoint) if cfg.checkpoint else {}
+    else:
         was_reparametrized = metadata.get("reparametrized") == "True"
-        cfg.reparametrize = cfg.reparametrize or metadata.get("reparametrization") or None
-        check_reparametrization(cfg, start.extensions)
-        if metadata.get("output_scale"):  # weights of an output-scaled run hold f_w0 too
-            cfg.output_scale = cfg.output_scale or float(metadata["output_scale"])
     if was_reparametrized:
         model = reparametrized(model, cfg, start.extensions)
     if start.timm_resume is not None:  # timm's train.py loads --resume over --initial-checkpoint

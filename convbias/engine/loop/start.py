@@ -4,6 +4,7 @@ what a run that stops says it kept. Every check here runs before the run writes 
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,6 @@ from ..checkpointing.points import (
     weights_metadata,
 )
 from ..checkpointing.run_dir import (
-    DEFAULT_WHICH,
     RESULTS_FILE,
     RunDir,
     foreign_entry,
@@ -32,7 +32,7 @@ from ..checkpointing.run_dir import (
     is_timm_checkpoint_name,
     read_run_config,
 )
-from ..config.options import Config
+from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
 from .records import RunLog, results_record
 
 
@@ -43,21 +43,20 @@ def _check_which_target(which: str | None, checkpoint: Path | None) -> None:
         )
 
 
-def resolve_checkpoint(cfg: Config) -> str | None:
-    """--checkpoint (or --eval-only) naming a run directory becomes its checkpoints/<--which> weights
-    (``cfg.checkpoint`` is rewritten); returns how to name the weights in messages (the link and its epoch)."""
+def resolve_checkpoint(cfg: Config) -> tuple[str | None, str | None]:
+    """(the weights file --checkpoint (or --eval-only) names: a run directory's checkpoints/<--which> weights, else
+    the file itself; how messages name those weights: the link and its epoch)."""
     if cfg.checkpoint is None:
         _check_which_target(cfg.which, None)
-        return None
+        return None, None
     run = Path(cfg.checkpoint)
     if (run / "checkpoints").is_dir() or is_run_dir(run):
         chosen = RunDir(run).checkpoint(cfg.which or DEFAULT_WHICH)
-        cfg.checkpoint = str(chosen.weights)
-        return chosen.describe()
+        return str(chosen.weights), chosen.describe()
     _check_which_target(cfg.which, run)
     verify_file(run)
     epoch = weights_metadata(run).get("epoch")
-    return f"{run}, epoch {epoch}" if epoch else str(run)
+    return cfg.checkpoint, f"{run}, epoch {epoch}" if epoch else str(run)
 
 
 def take_lock(accelerator: Accelerator, lock: RunLock | None, notes: list[str]) -> None:
@@ -261,10 +260,6 @@ RESUME_HONOURED = frozenset(
 
 def resume_kept_options() -> tuple[str, ...]:
     """The options whose values a resumed run takes from its resume point, whatever the command line says."""
-    from dataclasses import fields
-
-    from ..config.options import OptimizationOptions, ScheduleOptions
-
     return tuple(
         spec.name
         for group in (OptimizationOptions, ScheduleOptions)

@@ -49,7 +49,6 @@ from ..checkpointing.state_parts import (
     restore,
     resume_state,
 )
-from ..config.parsing import setup_warnings, write_config
 from ..data.device_augment import DeviceBatches
 from ..data.loaders import epoch_batches, first_images
 from ..model.compile import compile_counters
@@ -57,7 +56,7 @@ from ..optim import factory as recipe
 from .diagnostics import ModelDiagnostics
 from .metrics import evaluate
 from .preemption import Preempted, PreemptionSignals
-from .records import RunLog, results_record, startup_block, summary_line
+from .records import RunLog, results_record, startup_block, summary_line, write_config
 from .setup import (
     Models,
     Optimization,
@@ -67,6 +66,7 @@ from .setup import (
     build_models_and_optimization,
     build_preemption,
     reparametrized,
+    setup_warnings,
 )
 from .start import check_exact_continuation, kept
 
@@ -103,7 +103,7 @@ def build_trainer(start: RunStart) -> Trainer:
         accepted = None
     preemption = build_preemption(cfg)
     data = build_data(start, preemption, train=True)
-    warnings = setup_warnings(cfg, start.lr, start.global_batch)
+    warnings = setup_warnings(cfg, start.values)
     models, optimization, was_reparametrized = build_models_and_optimization(start, data)
     diagnostics = None
     if cfg.diagnostics:

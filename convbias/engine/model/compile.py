@@ -20,16 +20,18 @@ layout optimization moves a small CNN's convolutions to channels-last, where one
 ``layout_optimization`` option off (a documented ``torch.compile`` option) and routes those modules
 through `aten_kernels.use_aten_kernels`, which keeps eager's numerics for them. On a GPU
 ``torch.compile`` runs as PyTorch ships it.
+
+dynamo's and inductor's modules are imported inside functions: a run without ``--compile`` loads neither.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# torch, and what needs it (aten_kernels, dynamo, inductor), is imported inside the functions below:
-# config.py imports COMPILE_MODES, and `train.py --help` needs no torch.
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+import torch
 
+from ..config.options import COMPILE_MODES  # noqa: F401  (declared with --compile-mode)
+from .aten_kernels import use_aten_kernels
 
 CPU_INDUCTOR_OPTIONS = {"layout_optimization": False}  # see the module docstring
 
@@ -46,12 +48,8 @@ def compile_model(
     inductor, `aten_kernels` (the default) gives the CPU treatment of the module docstring, and False
     plain ``torch.compile`` (what benchmarks/compile_speedup.py compares it with). `fullgraph` as in
     ``torch.compile`` (tests: a graph break raises)."""
-    import torch  # here, not at the top: config.py imports COMPILE_MODES and `train.py --help` loads no torch
-
     if device_type == "cpu" and backend == "inductor" and aten_kernels:
         from torch._inductor import list_mode_options  # named in torch.compile's documentation of `mode`
-
-        from .aten_kernels import use_aten_kernels  # imports torch: see above
 
         use_aten_kernels(module)
         options = {**list_mode_options(mode), **CPU_INDUCTOR_OPTIONS}
@@ -69,7 +67,7 @@ def compiled(module: Any, cfg: Any, device_type: str) -> Any:
 def compile_counters() -> dict[str, int]:
     """dynamo's process-wide counters: graphs compiled so far and graph breaks (logged each epoch, so a
     recompilation in a later epoch shows up in log.jsonl)."""
-    from torch._dynamo.utils import counters  # here, not at the top: see compile_model
+    from torch._dynamo.utils import counters
 
     return {
         "compiled_graphs": int(counters["stats"]["unique_graphs"]),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from functools import cache
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,8 @@ from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
 from ...errors import ConfigError
-from ..config.parsing import Config
+from ..config.derived import effective_epochs
+from ..config.options import Config
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -221,8 +223,21 @@ def scheduled_epochs(cfg: Config, epochs: int, warmup_epochs: int) -> int:
     """The epochs a run trains for a schedule of ``epochs``: those, --cooldown-epochs, the further cycles of
     --lr-cycle-limit and a --warmup-prefix, as timm's create_scheduler_v2 counts them for train.py (per epoch:
     the count per update is the same, rounded down)."""
+    arguments = _schedule(cfg, epochs, warmup_epochs)
+    return _count_epochs(tuple((key, tuple(v) if isinstance(v, list) else v) for key, v in arguments.items()))
+
+
+@cache
+def _count_epochs(arguments: tuple[tuple[str, Any], ...]) -> int:
+    """timm's count for one schedule, taken once (the checks and the run's set-up both need it)."""
     probe = torch.optim.SGD([torch.zeros(1)], lr=1.0)
-    return _create_timm_scheduler(probe, _schedule(cfg, epochs, warmup_epochs))[1]
+    return _create_timm_scheduler(probe, dict(arguments))[1]
+
+
+def trained_epochs(cfg: Config) -> int:
+    """The epochs the run of ``cfg`` trains: ``scheduled_epochs`` of its epochs after --scale-epochs (0 when it
+    has none: --eval-only)."""
+    return scheduled_epochs(cfg, *effective_epochs(cfg)) if cfg.epochs >= 1 else 0
 
 
 def create_mixup(cfg: Config, num_classes: int) -> Mixup | None:
