@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from convbias.engine.checkpointing.layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
 from convbias.errors import ConfigError, DamagedInputError
 from convbias.inputs import first_line
 
-WEIGHTS_FILE = "model.safetensors"
 MAX_KEYS_SHOWN = 5
 
 
@@ -34,10 +34,10 @@ def resolve_weights_path(path: str | Path) -> Path:
     if path.is_dir():
         if (path / WEIGHTS_FILE).is_file():
             return path / WEIGHTS_FILE
-        if (path / "checkpoints").is_dir():
+        if (path / CHECKPOINTS_DIR).is_dir():
+            example = path / CHECKPOINTS_DIR / point_name(0).replace("0", "N") / WEIGHTS_FILE
             raise ConfigError(
-                f"{path} is a run directory: give one of its checkpoints ({path}/checkpoints/epoch_NNNN/"
-                f"{WEIGHTS_FILE}), or the run itself where a command takes a run (--checkpoint RUN, --eval-only RUN)"
+                f"{path} is a run directory: give one of its checkpoints ({example}), or the run itself where a command takes a run (--checkpoint RUN, --eval-only RUN)"
             )
         raise ConfigError(f"no weights in {path} (expected {WEIGHTS_FILE} in it)")
     if not path.is_file():

@@ -72,9 +72,14 @@ def point_position(path: Path) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2] or 0)) if match else None
 
 
+def snapshot_name(epoch: int) -> str:
+    """The name commands give the ``--save-epochs`` snapshot after ``epoch`` epochs (``--which``, ``--checkpoints``)."""
+    return f"epoch_{epoch}"
+
+
 def snapshot_file(epoch: int) -> str:
     """The file name of the ``--save-epochs`` snapshot after ``epoch`` epochs."""
-    return f"epoch_{epoch}{SNAPSHOT_SUFFIX}"
+    return snapshot_name(epoch) + SNAPSHOT_SUFFIX
 
 
 def snapshot_epoch(name: str) -> int:

@@ -287,7 +287,7 @@ class CheckpointDir:
             moved = self.link(link_name, target)
             kept = f"; kept what was there as {moved.name}" if moved else ""
             notes.append(
-                f"checkpoints/{link_name} was {state}: pointed it at {target}, as the training state records{kept}"
+                f"{CHECKPOINTS_DIR}/{link_name} was {state}: pointed it at {target}, as the training state records{kept}"
             )
         return notes
 
@@ -335,6 +335,6 @@ def find_resume_point(resume: str, output: str | Path) -> Path | None:
                 raise DamagedCheckpointError(f"--resume {resume}: {candidate} is damaged: {problem}")
             return candidate.resolve()
     raise ConfigError(
-        f"--resume {resume}: no checkpoint there (expected a run dir with checkpoints/last/, "
+        f"--resume {resume}: no checkpoint there (expected a run dir with {CHECKPOINTS_DIR}/{LAST_LINK}/, "
         f"or a checkpoint dir holding {WEIGHTS_FILE} and {STATE_FILE})"
     )

@@ -20,6 +20,7 @@ from typing import Any
 from ...inputs import json_record
 from ...storage import atomic_write
 from ...tables import csv_text
+from ..checkpointing.layout import CHECKPOINTS_DIR, CONFIG_FILE, LINKS, LOG_FILE, RESULTS_FILE, SUMMARY_FILE
 from ..config.parsing import lr_scaling, option_source, scaled_lr
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
@@ -91,8 +92,8 @@ class RunLog:
         self.output = Path(output)
         self.enabled = enabled
         self.tracker = tracker  # an accelerate.Accelerator with trackers initialized, or None
-        self.summary = self.output / "summary.csv"
-        self.jsonl = self.output / "log.jsonl"
+        self.summary = self.output / SUMMARY_FILE
+        self.jsonl = self.output / LOG_FILE
 
     def start(self, completed_epochs: int) -> list[str]:
         """Fresh files, or the existing ones cut back to ``completed_epochs`` rows when resuming; damaged
@@ -123,7 +124,7 @@ class RunLog:
     def write_results(self, results: dict[str, Any]) -> None:
         """results.json, atomically: its presence marks the run as complete."""
         if self.enabled:
-            atomic_write(self.output / "results.json", lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
+            atomic_write(self.output / RESULTS_FILE, lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
 
 
 def plural(count: int, noun: str) -> str:
@@ -238,8 +239,8 @@ def summary_line(results: dict[str, Any], final_epoch: int | None, output: Path)
     def top1(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.2f}"
 
+    files = (RESULTS_FILE, SUMMARY_FILE, LOG_FILE, CONFIG_FILE, *(f"{CHECKPOINTS_DIR}/{link}" for link in LINKS))
     return (
         f"done: final top-1 {top1(results['final_top1'])} (epoch {final_epoch}), best top-1 "
-        f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {output}: results.json, "
-        f"summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best"
+        f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {output}: {', '.join(files)}"
     )
