@@ -99,10 +99,8 @@ def test_the_layout_names_what_it_promises():
         layout.CHECKPOINTS_DIR,
         layout.TRACKER_DIR,
     )
-    assert layout.point_name(7, 120) == "epoch_0007_step_0000120" and layout.point_position(Path("epoch_0007")) == (
-        7,
-        0,
-    )
+    assert layout.point_name(7, 120) == "epoch_0007_step_0000120"
+    assert layout.point_position(Path("epoch_0007")) == (7, 0)
     assert layout.snapshot_file(5) == "epoch_5.safetensors" and layout.snapshot_epoch(layout.INIT_SNAPSHOT) == 0
 
 
