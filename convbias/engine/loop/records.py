@@ -17,11 +17,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+from timm.optim import create_optimizer_v2
+
 from ...inputs import json_record
 from ...storage import atomic_write
 from ...tables import csv_text
 from ..checkpointing.layout import CHECKPOINTS_DIR, CONFIG_FILE, LINKS, LOG_FILE, RESULTS_FILE, SUMMARY_FILE
 from ..config.parsing import lr_scaling, option_source, scaled_lr
+from ..data.factory import input_format, train_interpolation
+from ..optim.factory import optimizer_arguments
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
 
@@ -134,8 +139,6 @@ def plural(count: int, noun: str) -> str:
 def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> list[str]:
     """What this launch will do, before its first step: where, on what, with which batch, lr and length
     (``start``: the run's engine.loop.setup.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
-    import torch
-
     cfg, acc = start.cfg, start.accelerator
     begin = f"resuming from {start.resume_point}" if start.resume_point else "a new run"
     if start.timm_resume is not None:
@@ -171,11 +174,6 @@ def _value(cfg: Any, name: str, shown: Any = None) -> str:
 def optimizer_settings(cfg: Any, lr: float) -> tuple[str, dict[str, Any]]:
     """The class and hyper-parameters of the optimizer timm's create_optimizer_v2 builds from the run's options
     (built on one stand-in tensor, so the optimizer's own defaults show: eps, betas, momentum)."""
-    import torch
-    from timm.optim import create_optimizer_v2
-
-    from ..optim.factory import optimizer_arguments
-
     optimizer = create_optimizer_v2([torch.zeros(1, requires_grad=True)], **optimizer_arguments(cfg, lr))
     inner = getattr(optimizer, "base_optimizer", optimizer)  # lookahead_ wraps the optimizer it names
     return type(optimizer).__name__, dict(inner.defaults)
@@ -184,8 +182,6 @@ def optimizer_settings(cfg: Any, lr: float) -> tuple[str, dict[str, Any]]:
 def recipe_lines(cfg: Any, lr: float) -> list[str]:
     """The start-up block's account of the recipe: optimizer, schedule, augmentation, EMA and input, each value
     with where it came from (command line, -c FILE, timm default, default, or the model's or dataset's config)."""
-    from ..data.factory import input_format
-
     name, hyper = optimizer_settings(cfg, lr)
     own = [  # the optimizer's hyper-parameters that the options set: from the option, else the optimizer's own
         f"{key} {hyper[key]} [{option_source(cfg, option) if getattr(cfg, option) is not None else name + ' default'}]"
@@ -209,8 +205,6 @@ def recipe_lines(cfg: Any, lr: float) -> list[str]:
         else (f"mixup {_value(cfg, 'mixup')}, cutmix {_value(cfg, 'cutmix')}, prob {_value(cfg, 'mixup_prob')}")
     )
     ema = f"decay {_value(cfg, 'model_ema_decay')}" if cfg.model_ema else f"off [{option_source(cfg, 'model_ema')}]"
-    from ..data.factory import train_interpolation
-
     trained = train_interpolation(cfg, shape.interpolation)
     train_interp = _value(cfg, "train_interpolation") if trained == cfg.train_interpolation else f"{trained} [as eval]"
     drop_path = _value(cfg, "drop_path") if cfg.drop_path is not None else "the model's"

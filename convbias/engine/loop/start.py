@@ -4,6 +4,7 @@ what a run that stops says it kept. Every check here runs before the run writes 
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from ..checkpointing.run_dir import (
     is_timm_checkpoint_name,
     read_run_config,
 )
-from ..config.options import Config
+from ..config.options import Config, OptimizationOptions, ScheduleOptions
 from .records import RunLog, results_record
 
 
@@ -263,10 +264,6 @@ RESUME_HONOURED = frozenset(
 
 def resume_kept_options() -> tuple[str, ...]:
     """The options whose values a resumed run takes from its resume point, whatever the command line says."""
-    from dataclasses import fields
-
-    from ..config.options import OptimizationOptions, ScheduleOptions
-
     return tuple(
         spec.name
         for group in (OptimizationOptions, ScheduleOptions)
