@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ... import weights as weight_files  # as a module: convbias.weights takes its names from the layout
 from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
 from ...inputs import first_line, json_record, read_yaml
+from ...weights import load_weights, weights_metadata
 from ..data.datasets import DATASETS
 from ..model.output_scale import OutputScale
 from .layout import (
@@ -167,7 +167,7 @@ def verify_snapshot(path: Path) -> None:
         listed = None
     if listed is None:
         try:
-            weight_files.weights_metadata(path)
+            weights_metadata(path)
         except ValueError as e:
             raise DamagedCheckpointError(f"{e}; it was not loaded") from None
         return
@@ -421,7 +421,7 @@ class RunDir:
         in_chans, num_classes, and the checkpoint (a verified RunCheckpoint). Classes and channels come from the
         checkpoint's metadata, else from config.yaml and the dataset's description."""
         options, checkpoint = self.options(), self.checkpoint(which)
-        metadata = weight_files.weights_metadata(checkpoint.weights)
+        metadata = weights_metadata(checkpoint.weights)
         dataset = DATASETS.get(options.get("dataset", ""))
         num_classes = metadata.get("num_classes") or options.get("num_classes")
         in_chans = metadata.get("in_chans") or options.get("in_chans") or (dataset.in_chans if dataset else None)
@@ -465,7 +465,7 @@ class RunDir:
             model = known[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
         if cfg.output_scale is not None:
             model = OutputScale(model, cfg.output_scale)
-        weight_files.load_weights(model, spec["checkpoint"].weights)
+        load_weights(model, spec["checkpoint"].weights)
         return model.eval(), spec["checkpoint"]
 
     # ---------------------------------------------------------------------------------- bookkeeping
