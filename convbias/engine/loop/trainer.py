@@ -108,7 +108,7 @@ class Trainer:
         self.data, self.models, self.optimization = data, models, optimization
         self.preemption, self.diagnostics = preemption, diagnostics
         self.progress = TrainingProgress()
-        self.checkpoints = CheckpointManager(
+        self.checkpointer = CheckpointManager(
             start, models, optimization, self.progress, data.augment, data.bundle.num_classes, data.bundle.in_chans
         )
         self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
@@ -117,7 +117,7 @@ class Trainer:
 
     def resume_parts(self) -> dict[str, Stateful]:
         """The named parts a resume point holds (``CheckpointManager.parts``)."""
-        return self.checkpoints.parts()
+        return self.checkpointer.parts()
 
     def kept(self) -> str:
         """What an interrupted run leaves behind, in one sentence."""
@@ -126,7 +126,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------- main entry
     def fit(self) -> dict[str, Any]:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
-        resumed = self.checkpoints.load()
+        resumed = self.checkpointer.load()
         model = self.accelerator.unwrap_model(self.models.model)
         for line in startup_block(self.start, self.data.bundle, self.data.steps_per_epoch, model) + self.start.notes:
             acc.print(line)
@@ -219,7 +219,7 @@ class Trainer:
             initial = self.diagnostics(self.models.whole_model())
             self.progress.initial_diagnostics = {f"init_{k}": v for k, v in initial.items()}
         set_seed(self.cfg.seed + self.accelerator.process_index)  # augmentation and drop-path streams
-        self.checkpoints.save_initial()
+        self.checkpointer.save_initial()
 
     def _train_epochs(self, log: RunLog) -> None:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
@@ -251,7 +251,7 @@ class Trainer:
                 progress.ranked = self._ranked([*(progress.ranked or [progress.best]), progress.final])
             self._step_epoch_schedule(epoch, progress.final if evaluated else None)
             log.log_epoch(record)
-            self.checkpoints.save(epoch + 1, is_best=is_best)
+            self.checkpointer.save(epoch + 1, is_best=is_best)
             acc.print(
                 f"epoch {epoch + 1}/{self.start.epochs}  train_loss {train['train_loss']:.4f}  "
                 + (f"eval_top1 {record['eval_top1']:.2f}  eval_top5 {record['eval_top5']:.2f}" if evaluated else "")
@@ -388,7 +388,7 @@ class Trainer:
         engine.loop.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
         signals = self.preemption
         preempted = signals.requested(self.accelerator, self.progress.num_updates) if signals.signals else False
-        point = self.checkpoints.save(epoch, steps, loss_sum=loss_sum, force=preempted)
+        point = self.checkpointer.save(epoch, steps, loss_sum=loss_sum, force=preempted)
         if preempted:
             raise Preempted(self.preemption.name, point, epoch, steps)
 
@@ -397,7 +397,7 @@ class Trainer:
         total = self.accelerator.reduce(loss_sum.clone(), reduction="sum").item()
         mean = total / (steps * self.accelerator.num_processes)
         if not math.isfinite(mean):
-            points = self.checkpoints.points()
+            points = self.checkpointer.points()
             kept = f"the last good checkpoint is {points[0]}" if points else "no checkpoint was written yet"
             raise NonFiniteLossError(
                 f"non-finite training loss ({mean}) in epoch {epoch + 1} by step {steps}; "
