@@ -35,7 +35,7 @@ from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.checkpointing.run_dir import check_not_run_file
+from convbias.engine.checkpointing.run_files import check_not_run_file
 from convbias.engine.data.device_augment import image_mode
 from convbias.engine.data.factory import build_transforms, input_format
 from convbias.families import load_families

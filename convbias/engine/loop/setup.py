@@ -32,7 +32,7 @@ from ...weights import load_checked
 from ..checkpointing.layout import WEIGHTS_FILE, point_name
 from ..checkpointing.lock import RunLock
 from ..checkpointing.points import CheckpointDir, load_training_state, load_weights, verify_file, weights_metadata
-from ..checkpointing.run_dir import is_timm_checkpoint_name
+from ..checkpointing.run_files import is_timm_checkpoint_name
 from ..checkpointing.shards import FullCopy
 from ..config.options import Config
 from ..config.parsing import effective_epochs, scaled_lr

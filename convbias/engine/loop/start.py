@@ -26,15 +26,8 @@ from ..checkpointing.layout import (
 from ..checkpointing.lock import ForeignLockError, RunLock, RunLockedError
 from ..checkpointing.lock import describe as describe_holder
 from ..checkpointing.points import CheckpointDir, find_resume_point, verify_file, weights_metadata
-from ..checkpointing.run_dir import (
-    DEFAULT_WHICH,
-    RunDir,
-    foreign_entry,
-    foreign_links,
-    is_run_dir,
-    is_timm_checkpoint_name,
-    read_run_config,
-)
+from ..checkpointing.run_dir import DEFAULT_WHICH, RunDir
+from ..checkpointing.run_files import foreign_entry, foreign_links, is_run_dir, is_timm_checkpoint_name, read_run_config
 from ..config.options import Config, OptimizationOptions, ScheduleOptions
 from .records import RunLog, results_record
 
