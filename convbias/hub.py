@@ -37,6 +37,7 @@ import timm
 import torch
 import yaml
 from huggingface_hub import HfApi
+from huggingface_hub.constants import SAFETENSORS_SINGLE_FILE
 from huggingface_hub.errors import OfflineModeIsEnabled
 from timm.models import model_entrypoint, save_for_hf
 
@@ -59,6 +60,7 @@ from convbias.engine import (
     create_model,
     read_log,
 )
+from convbias.engine.checkpointing.layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE
 from convbias.engine.checkpointing.points import WRITE_ERRORS
 from convbias.engine.checkpointing.run_dir import check_which
 from convbias.engine.data.factory import input_format
@@ -97,7 +99,7 @@ RECIPE_KEYS = (
     "model_ema",
     "seed",
 )
-RUN_FILES = ("config.yaml", "results.json")
+RUN_FILES = (CONFIG_FILE, RESULTS_FILE)  # the run's own files, copied beside the card
 # pretrained_cfg fields that describe timm's published weights of the architecture, not a run's
 SOURCE_FIELDS = (
     "tag",
@@ -137,7 +139,7 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
     spec = run.model_spec(which)  # refuses a run without that checkpoint; verifies its weights
     name, model_kwargs = spec["model"], dict(spec["model_kwargs"])
     try:
-        check_model_name(name, option=f"{run.path}/config.yaml model")
+        check_model_name(name, option=f"{run.path / CONFIG_FILE} model")
     except ConfigError as error:
         raise ValueError(f"{error} (is its family imported? convbias.families.load_families())") from None
     if spec["reparametrized"]:
@@ -200,7 +202,7 @@ def run_metrics(run: RunDir, checkpoint: RunCheckpoint) -> dict[str, float]:
         return _top(results, "final")
     if checkpoint.step:
         return {}
-    records, _dropped = read_log(run.path / "log.jsonl")
+    records, _dropped = read_log(run.path / LOG_FILE)
     for record in reversed(records):
         if record["epoch"] == checkpoint.epoch and record.get("eval_top1") is not None:
             return _top(record, "eval")
@@ -438,7 +440,7 @@ def write_export(
     model.pretrained_cfg["license"] = license
     checks = {}
     with _writing(output, ""), staged_directory(output) as tmp:
-        with _writing(output, "model.safetensors"):
+        with _writing(output, SAFETENSORS_SINGLE_FILE):
             save_for_hf(model, tmp, model_config=model_config, safe_serialization=True, data_config=preprocessing)
         hf_config = json.loads((tmp / "config.json").read_text())
         exported = {

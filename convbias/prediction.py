@@ -28,13 +28,14 @@ from typing import Any
 
 import timm
 import torch
+from huggingface_hub.constants import PYTORCH_WEIGHTS_NAME, SAFETENSORS_SINGLE_FILE
 from PIL import Image
 from safetensors import SafetensorError
 from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.checkpointing.run_dir import check_not_run_file
+from convbias.engine.checkpointing.run_files import check_not_run_file
 from convbias.engine.data.device_augment import image_mode
 from convbias.engine.data.factory import build_transforms, input_format
 from convbias.families import load_families
@@ -52,7 +53,7 @@ from convbias.weights import check_weights_file
 
 OUTPUT_FORMATS = (".csv", ".json")
 EXPORTED_CONFIG = "config.json"  # what save_for_hf writes beside the weights: marks an exported folder
-EXPORTED_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # the files timm's local-dir: loads, in its order
+EXPORTED_WEIGHTS = (SAFETENSORS_SINGLE_FILE, PYTORCH_WEIGHTS_NAME)  # the files timm's local-dir: loads, in its order
 GLOB_CHARACTERS = frozenset("*?[")
 
 

@@ -35,6 +35,7 @@ import transformed_cnn
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, Config, RunDir, create_model, is_run_dir
+from convbias.engine.checkpointing.layout import LOG_FILE
 from convbias.engine.loop.records import read_log as read_run_log
 from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head
 from convbias.families import load_families
@@ -99,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for run in args.runs:
         if not Path(run).is_dir():
             parser.error(f"{run}: not a run directory (a timm model's weights: --model NAME --checkpoint FILE)")
-        if not args.image and not (Path(run) / "log.jsonl").is_file():
+        if not args.image and not (Path(run) / LOG_FILE).is_file():
             parser.error(f"{run}: no log.jsonl in this directory")
     if args.image and args.runs and not (args.model or args.checkpoint):
         if not is_run_dir(args.runs[0]):
@@ -148,7 +149,7 @@ def read_histories(runs: list[str], maps_too: bool) -> dict[str, list[dict]]:
     no locality values (trained with --no-diagnostics) is named in a note instead of stopping the command."""
     logs = {}
     for run in runs:
-        log = Path(run) / "log.jsonl"
+        log = Path(run) / LOG_FILE
         records, dropped = read_run_log(log)  # a damaged line (cut, not UTF-8, nested too deep) is dropped
         if dropped:
             print(f"note: {log}: dropped {dropped} damaged lines", file=sys.stderr)

@@ -16,7 +16,7 @@ import json
 
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_dir import check_not_run_file
+from convbias.engine.checkpointing.run_files import check_not_run_file
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
 from convbias.families import load_families
 from convbias.storage import write_text

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_dir import check_not_run_file, is_timm_checkpoint_name
+from convbias.engine.checkpointing.run_files import check_not_run_file, is_timm_checkpoint_name
 from convbias.errors import ConfigError, print_error
 
 

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from convbias.cli import OptionParser, run_command
-from convbias.engine.checkpointing.run_dir import is_run_dir, run_owning
+from convbias.engine.checkpointing.run_files import is_run_dir, run_owning
 from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
 
 

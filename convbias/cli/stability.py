@@ -21,13 +21,13 @@ OUTPUT is one line too (74).
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import torch
 
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
+from convbias.engine.checkpointing.layout import INIT_SNAPSHOT, LAST_LINK, SNAPSHOT_NAME, SUMMARY_FILE
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
 from convbias.experiments import stability_study as study
@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--combine", nargs="+", default=[], metavar="DIR", help="summarize earlier outputs instead of measuring RUNs"
     )
-    p.add_argument("--checkpoints", nargs="+", default=["init", "last"], metavar="NAME", help=study.CHECKPOINT_FORMS)
+    p.add_argument(
+        "--checkpoints", nargs="+", default=[INIT_SNAPSHOT, LAST_LINK], metavar="NAME", help=study.CHECKPOINT_FORMS
+    )
     p.add_argument("--images", type=int, default=500, help="test images R_f is measured on (the first N)")
     p.add_argument(
         "--deltas", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5], help="typical displacements, pixels"
@@ -85,7 +87,7 @@ def parse_args(argv: list[str] | None) -> tuple[study.Settings, list[str], list[
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in args.checkpoints:
-        if name not in (*WHICH, "init") and not re.fullmatch(r"epoch_\d+", name):
+        if name not in WHICH and not SNAPSHOT_NAME.fullmatch(name):
             raise ValueError(f"--checkpoints {name}: expected {study.CHECKPOINT_FORMS}")
     if bool(args.runs) == bool(args.combine):
         raise ValueError("give either RUN folders to measure or --combine DIR... (earlier outputs), not both")
@@ -124,7 +126,7 @@ def study_command(argv: list[str] | None) -> int:
     tables = [
         write_csv(rows, output / "stability.csv"),
         write_csv(layer_rows, output / "stability_layers.csv"),
-        write_csv(summary, output / "summary.csv"),
+        write_csv(summary, output / SUMMARY_FILE),
         write_csv(layers, output / "summary_layers.csv"),
         write_csv(contrasts, output / "contrasts.csv"),
     ]

@@ -35,6 +35,7 @@ import torch
 import efcn
 from convbias import engine
 from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
+from convbias.engine.checkpointing.layout import SUMMARY_FILE, snapshot_name
 from convbias.evaluation import landscape
 from convbias.families import load_families
 from convbias.inputs import read_yaml
@@ -230,7 +231,7 @@ def _first_filter(model: torch.nn.Module) -> np.ndarray:
 
 def _read_summary(run: Path, name: str, initial: tuple[float, float] | None) -> list[dict]:
     rows = [] if initial is None else [dict(run=name, epoch=0, train_loss=initial[0], test_acc=initial[1])]
-    for r in read_summary(run / "summary.csv")[0]:
+    for r in read_summary(run / SUMMARY_FILE)[0]:
         rows.append(
             dict(run=name, epoch=int(r["epoch"]), train_loss=float(r["train_loss"]), test_acc=float(r["eval_top1"]))
         )
@@ -239,7 +240,7 @@ def _read_summary(run: Path, name: str, initial: tuple[float, float] | None) -> 
 
 def _snapshot(run: Path, epoch: int) -> Path:
     """The run's --save-epochs snapshot after ``epoch`` epochs, verified against its listing."""
-    return RunDir(run).checkpoint(f"epoch_{epoch}").weights
+    return RunDir(run).checkpoint(snapshot_name(epoch)).weights
 
 
 def _pick(items: list, n: int) -> list:

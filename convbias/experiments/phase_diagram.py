@@ -45,6 +45,7 @@ from sklearn.datasets import load_digits
 from sklearn.decomposition import PCA
 from torch import nn
 
+from convbias.engine.checkpointing.layout import CONFIG_FILE
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change
@@ -270,7 +271,7 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
     torch.manual_seed(0)
     data = odd_even_digits(cfg.train_size, cfg.pca_components, cfg.data_seed)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    (output / CONFIG_FILE).write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
     all_rows, all_cells = [], []
     for width in cfg.widths:
         started = time.perf_counter()
@@ -297,7 +298,7 @@ def write_report_csvs(output: Path) -> list[Path]:
     (an ensemble with its test-set interval, its members with their spread)."""
     with open(output / NETS_CSV, newline="") as f:
         nets = list(csv.DictReader(f))
-    test_images = DIGITS_IMAGES - PhaseDiagramConfig.from_yaml(output / "config.yaml").train_size
+    test_images = DIGITS_IMAGES - PhaseDiagramConfig.from_yaml(output / CONFIG_FILE).train_size
     member_top1: dict[tuple[int, float], list[float]] = {}
     for r in nets:
         member_top1.setdefault((int(r["width"]), float(r["alpha_tilde"])), []).append(float(r["top1"]))

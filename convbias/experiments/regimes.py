@@ -23,6 +23,7 @@ import torch
 from matplotlib.figure import Figure
 
 from convbias.engine import read_log
+from convbias.engine.checkpointing.layout import LOG_FILE
 from convbias.evaluation.ensembles import load_run
 from convbias.evaluation.figures import error_bar_note, log_ticks
 from convbias.evaluation.landscape import Batches, local_energy
@@ -49,11 +50,11 @@ SUMMARIZED = (
 def last_evaluation(run_dir: Path) -> dict[str, Any]:
     """The last log.jsonl record that holds an evaluation (eval_top1); lines a kill or a foreign writer
     damaged are skipped (``read_log``), so a damaged log names the run instead of failing to parse."""
-    records, dropped = read_log(run_dir / "log.jsonl")
+    records, dropped = read_log(run_dir / LOG_FILE)
     evaluated = [r for r in records if "eval_top1" in r]
     if not evaluated:
         skipped = f" ({dropped} damaged line{'s' if dropped != 1 else ''} skipped)" if dropped else ""
-        raise ValueError(f"{run_dir / 'log.jsonl'} holds no evaluation (no record with eval_top1){skipped}")
+        raise ValueError(f"{run_dir / LOG_FILE} holds no evaluation (no record with eval_top1){skipped}")
     return evaluated[-1]
 
 

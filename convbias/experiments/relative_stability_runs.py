@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from convbias.engine.checkpointing.layout import CHECKPOINTS_DIR, RESULTS_FILE, snapshot_file
+
 CONFIG = "configs/train/stability_mnist.yaml"
 TCNN_CONFIG = "configs/train/stability_mnist_tcnn.yaml"
 VIT = ["patch_size=4", "embed_dim=12", "num_heads=4", "depth=4"]
@@ -60,7 +62,7 @@ def study_runs(seeds: list[int], fractions: list[float], runs: Path) -> list[Stu
             snapshots = ["--save-epochs", "0", *map(str, RELAX_EPOCHS)]
             planned.append(StudyRun(f"cnn_{tag}", ["-c", CONFIG, "--model", "vanilla_cnn", *cnn, *snapshots, *common]))
             for relax in RELAX_EPOCHS:
-                snapshot = runs / f"cnn_{tag}" / "checkpoints" / f"epoch_{relax}.safetensors"
+                snapshot = runs / f"cnn_{tag}" / CHECKPOINTS_DIR / snapshot_file(relax)
                 epochs = ["--epochs", str(CNN_EPOCHS - relax)]
                 lifted = [*cnn, f"cnn_checkpoint={snapshot}"]
                 planned.append(
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     python, stability = sys.executable, [sys.executable, "-m", "convbias.cli.stability"]
     planned = study_runs(args.seeds, args.fractions, args.runs)
     for run in planned:
-        if not (args.runs / run.name / "results.json").is_file():
+        if not (args.runs / run.name / RESULTS_FILE).is_file():
             _run([python, "train.py", *run.train_argv, "--output", str(args.runs / run.name)])
         if not (args.measured / run.name / "stability.csv").is_file():
             _run([*stability, str(args.runs / run.name), *MEASURE, "--output", str(args.measured / run.name)])

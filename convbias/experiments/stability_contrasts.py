@@ -19,6 +19,7 @@ from typing import Any
 import matplotlib
 from matplotlib.figure import Figure
 
+from convbias.engine.checkpointing.layout import CONFIG_FILE, LOG_FILE
 from convbias.inputs import json_record
 from convbias.tables import markdown_table, write_csv
 
@@ -130,11 +131,11 @@ def log_rows(runs: Path, convention: str, modes: str) -> list[dict]:
     diagnostics. The logs do not say how R_f was measured: `convention` and `modes` are the training
     code's, one draw per image."""
     rows = []
-    for log in sorted(runs.glob("*/log.jsonl")):
+    for log in sorted(runs.glob(f"*/{LOG_FILE}")):
         records = [r for r in map(json_record, log.read_bytes().splitlines()) if isinstance(r, dict)]
         if not records or "init_rf" not in records[0]:
             continue
-        config = (log.parent / "config.yaml").read_text().splitlines()
+        config = (log.parent / CONFIG_FILE).read_text().splitlines()
         images = next((int(line.split(":")[1]) for line in config if "diagnostics_images" in line), None)
         label = dict(convention=convention, modes=modes, draws=1, images=images)
         name = log.parent.name

@@ -59,6 +59,7 @@ from convbias.engine import (
     parse_config,
     read_summary,
 )
+from convbias.engine.checkpointing.layout import RESULTS_FILE, SUMMARY_FILE
 from convbias.engine.config.command_line import build_parser
 from convbias.engine.data.factory import input_format
 from convbias.evaluation.ensembles import evaluate_runs
@@ -288,7 +289,7 @@ def incomplete_reason(run_dir: Path) -> str | None:
     if results is None or run.current_results() is not None:
         return None
     return (
-        f"{run.path / 'results.json'} is older than the run's newest resume point {run.points()[0].name} "
+        f"{run.path / RESULTS_FILE} is older than the run's newest resume point {run.points()[0].name} "
         f"(epoch {results['epochs']} of a run extended since); rerun the sweep to finish it"
     )
 
@@ -296,7 +297,7 @@ def incomplete_reason(run_dir: Path) -> str | None:
 def train_seconds(run_dir: Path) -> float | None:
     """Total training time from summary.csv (every epoch once, interrupted runs included; damaged lines
     skipped); None without any epoch."""
-    rows, _ = read_summary(run_dir / "summary.csv")
+    rows, _ = read_summary(run_dir / SUMMARY_FILE)
     seconds = []
     for row in rows:
         with contextlib.suppress(ValueError):

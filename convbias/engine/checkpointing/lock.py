@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DamagedInputError
-
-LOCK_FILE = ".lock"
+from .layout import LOCK_FILE
 
 
 class RunLockedError(ValueError):

@@ -1,25 +1,13 @@
-"""Checkpoints: atomic writes, safetensors weights, resumable training state, checksums, safe loading.
-
-Layout of ``<output>/checkpoints``::
-
-    epoch_0007/             one complete resume point (written as .epoch_0007.tmp, then renamed)
-    epoch_0007_step_0000120/  a mid-epoch resume point: 120 steps into the 8th epoch (preemption,
-                            --checkpoint-interval); its training_state.pt also holds the step and the
-                            loss accumulators
-        model.safetensors   model weights (metadata: model name, epoch)
-        ema.safetensors     EMA weights, with --model-ema
-        training_state.pt   optimizer, scheduler, grad scaler, counters, RNG states of every rank
-        sharded/            under FSDP: every rank's shards (torch distributed checkpoint)
-        manifest.json       the size and sha256 of every file above, written last
-    last -> epoch_0007      symlinks, swapped atomically (os.replace)
-    best -> epoch_0005
-    epoch_5.safetensors     --save-epochs snapshots (weights only)
+"""Writing resume points: atomic writes, safetensors weights, manifests, the ``last``/``best`` links, rotation,
+``--save-epochs`` snapshots, and RNG states in a loadable form. The names are engine.checkpointing.layout's;
+reading and verifying a point is engine.checkpointing.run_dir's.
 
 A resume point is complete when its manifest is there and every file matches it: a kill at any moment
-leaves the newest complete point intact (a point is renamed into place only once its manifest is
-written, and a link swap is a single rename), and a damaged file is found before it is loaded. The
-newest ``keep`` points (and ``best``, and the --checkpoint-hist best) are kept; an older one is deleted only when its manifest lists
-every file in it, i.e. the engine wrote all of it. Nothing else in the folder is ever deleted.
+leaves the newest complete point intact (a point is written under a hidden staging name and renamed into
+place only once its manifest is written, and a link swap is a single rename), and a damaged file is found
+before it is loaded. The newest ``keep`` points (and ``best``, and the --checkpoint-hist best) are kept; an
+older one is deleted only when its manifest lists every file in it, i.e. the engine wrote all of it. Nothing
+else in the folder is ever deleted.
 
 Loading never unpickles arbitrary objects: weights come from safetensors, and ``.pt`` files are read
 with ``torch.load(weights_only=True)`` (tensors and plain containers only).
@@ -28,12 +16,10 @@ with ``torch.load(weights_only=True)`` (tensors and plain containers only).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +29,6 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from convbias.weights import (  # noqa: F401  (the engine's loading API is the shared one)
-    WEIGHTS_FILE,
     check_compatible,
     load_weights,
     read_state_dict,
@@ -54,19 +39,35 @@ from convbias.weights import (  # noqa: F401  (the engine's loading API is the s
 from ...errors import ConfigError, DamagedCheckpointError, StorageError
 from ...storage import atomic_write, storage_reason
 from ..config.options import DEFAULT_KEEP_CHECKPOINTS
-from .run_dir import (  # noqa: F401  (the layout's names, for the engine's writers and the tests)
+from .layout import (  # noqa: F401  (the layout's names, for the engine's writers and the tests)
+    BEST_LINK,
+    CHECKPOINTS_DIR,
+    EMA_FILE,
+    LAST_LINK,
+    LINKS,
     MANIFEST_FILE,
     POINT_NAME,
     SNAPSHOTS_FILE,
+    STAGING_GLOB,
     STATE_FILE,
+    WEIGHTS_FILE,
     held_entries,
     list_points,
     point_name,
+    snapshot_file,
+    staging_name,
+)
+from .run_dir import (  # noqa: F401  (the readers: a point is verified as every command verifies it)
+    check_point,
+    file_entry,
+    file_sha256,
+    load_training_state,
+    point_files,
+    read_manifest,
+    verify_file,
+    verify_snapshot,
 )
 
-EMA_FILE = "ema.safetensors"
-LINKS = ("last", "best")
-_HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way
 
 
@@ -106,87 +107,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ manifests
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _files(point: Path) -> list[str]:
-    """Every file under ``point`` but its manifest, as relative POSIX paths."""
-    return sorted(p.relative_to(point).as_posix() for p in point.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
-
-
 def write_manifest(point: Path, epoch: int, step: int, best_epoch: int | None = None) -> None:
     """The size and sha256 of every file of the resume point, written last (atomically), with the epoch of
     the run's best point so far (what ``RunDir`` reads to find it without loading the training state)."""
-    files = {name: _manifest_entry(point / name) for name in _files(point)}
+    files = {name: file_entry(point / name) for name in point_files(point)}
     text = json.dumps({"epoch": epoch, "step": step, "best_epoch": best_epoch, "files": files}, indent=1) + "\n"
     atomic_write(point / MANIFEST_FILE, lambda tmp: tmp.write_text(text))
-
-
-def read_manifest(point: Path) -> dict[str, Any] | None:
-    """The manifest's ``files`` entry; None when the point has none or it cannot be read."""
-    try:
-        files = json.loads((point / MANIFEST_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return files if isinstance(files, dict) else None
-
-
-def check_point(point: Path, names: Iterable[str] | None = None) -> str | None:
-    """None when the files ``names`` (default: all) of ``point`` match its manifest, else why not."""
-    if not (point / MANIFEST_FILE).is_file():
-        return f"no {MANIFEST_FILE}: the save did not complete"
-    listed = read_manifest(point)
-    if listed is None:
-        return f"its {MANIFEST_FILE} is unreadable"
-    for name in listed if names is None else names:
-        entry, path = listed.get(name), point / name
-        if entry is None:
-            return f"{name} is not in its {MANIFEST_FILE}"
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != entry.get("bytes"):
-            return f"{name} has {path.stat().st_size} bytes, its manifest says {entry.get('bytes')}"
-        if file_sha256(path) != entry.get("sha256"):
-            return f"{name} does not match its sha256 (damaged)"
-    return None
-
-
-def verify_file(path: str | Path) -> None:
-    """DamagedCheckpointError when ``path`` lies in a resume point whose manifest it does not match
-    (a file without a manifest beside it is loaded as it is)."""
-    path = Path(path)
-    if path.is_file() and (path.parent / MANIFEST_FILE).is_file():
-        problem = check_point(path.parent, [path.name])
-        if problem:
-            raise DamagedCheckpointError(f"{path} is damaged: {problem}; it was not loaded")
-
-
-def _manifest_entry(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
-
-
-def verify_snapshot(path: Path) -> None:
-    """DamagedCheckpointError unless a ``--save-epochs`` snapshot matches its entry in ``snapshots.json``
-    (one written before that file existed must at least read as safetensors)."""
-    try:
-        listed = json.loads((path.parent / SNAPSHOTS_FILE).read_bytes()).get(path.name)
-    except (OSError, ValueError, AttributeError):
-        listed = None
-    if listed is None:
-        try:
-            weights_metadata(path)
-        except ValueError as e:
-            raise DamagedCheckpointError(f"{e}; it was not loaded") from None
-        return
-    if path.stat().st_size != listed.get("bytes") or file_sha256(path) != listed.get("sha256"):
-        raise DamagedCheckpointError(
-            f"{path} is damaged: it does not match its entry in {SNAPSHOTS_FILE}; it was not loaded"
-        )
 
 
 def payload_bytes(obj: Any) -> int:
@@ -206,7 +132,7 @@ class CheckpointDir:
     the ``last``/``best`` links and snapshots. Reading a run is ``engine.checkpointing.run_dir.RunDir``'s."""
 
     def __init__(self, output: str | Path, keep: int = DEFAULT_KEEP_CHECKPOINTS):
-        self.root = Path(output) / "checkpoints"
+        self.root = Path(output) / CHECKPOINTS_DIR
         self.keep = keep
 
     @staticmethod
@@ -242,7 +168,7 @@ class CheckpointDir:
 
     def remove_staging(self) -> None:
         """A killed save's staging folders and link files: only the engine writes names of this form."""
-        for path in self.root.glob(".*.tmp") if self.root.is_dir() else ():
+        for path in self.root.glob(STAGING_GLOB) if self.root.is_dir() else ():
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -251,10 +177,10 @@ class CheckpointDir:
     def _owned(self, point: Path) -> bool:
         """The engine wrote every file of ``point``: its manifest lists them all (a user's file stops this)."""
         listed = read_manifest(point)
-        return listed is not None and set(_files(point)) <= set(listed)
+        return listed is not None and set(point_files(point)) <= set(listed)
 
     def _staging(self, name: str) -> Path:
-        return self.root / f".{name}.tmp"
+        return self.root / staging_name(name)
 
     def stage(self, epoch: int, step: int = 0) -> Path:
         """A fresh, empty directory for the resume point (epoch, step), under a temporary name (main process).
@@ -316,9 +242,9 @@ class CheckpointDir:
             raise
         ranked = [(state.get("best") or {}).get("epoch")] + [e["epoch"] for e in state.get("ranked") or []]
         try:
-            self.link("last", name)
+            self.link(LAST_LINK, name)
             if is_best:
-                self.link("best", name)
+                self.link(BEST_LINK, name)
             self._remove_superseded(keep={name} | {self.point_name(e) for e in ranked if e is not None})
         except OSError as e:  # the point itself is complete: --resume auto finds it by its name
             raise StorageError(f"updating checkpoints/last after writing {name} failed ({storage_reason(e)})") from None
@@ -327,7 +253,7 @@ class CheckpointDir:
     def link(self, link_name: str, target: str) -> Path | None:
         """Point ``checkpoints/<link_name>`` at ``target`` (a single rename). Something else in the link's
         place (a copied folder, as ``cp -rL`` makes) is renamed ``<link_name>.copy`` and returned."""
-        path, tmp = self.root / link_name, self.root / f".{link_name}.tmp"
+        path, tmp = self.root / link_name, self.root / staging_name(link_name)
         moved = None
         if path.is_symlink() and os.readlink(path) == target:
             return None
@@ -346,7 +272,7 @@ class CheckpointDir:
     def relink(self, last: str, best: str | None) -> list[str]:
         """Regenerate the links from the training state (on resume): notes for what was not as it should be."""
         notes = []
-        for link_name, target in (("last", last), ("best", best)):
+        for link_name, target in zip(LINKS, (last, best)):
             path = self.root / link_name
             if (
                 target is None
@@ -361,7 +287,7 @@ class CheckpointDir:
             moved = self.link(link_name, target)
             kept = f"; kept what was there as {moved.name}" if moved else ""
             notes.append(
-                f"checkpoints/{link_name} was {state}: pointed it at {target}, as the training state records{kept}"
+                f"{CHECKPOINTS_DIR}/{link_name} was {state}: pointed it at {target}, as the training state records{kept}"
             )
         return notes
 
@@ -377,14 +303,14 @@ class CheckpointDir:
         """``--save-epochs``: a weights-only copy that the rotation never deletes, listed with its size and
         sha256 in ``snapshots.json`` (what ``verify_snapshot`` checks)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        path, listing = self.root / f"epoch_{epoch}.safetensors", self.root / SNAPSHOTS_FILE
+        path, listing = self.root / snapshot_file(epoch), self.root / SNAPSHOTS_FILE
         try:
             save_weights(weights, path, metadata)
             try:
                 entries = json.loads(listing.read_bytes())
             except (OSError, ValueError):
                 entries = {}
-            entries = {**(entries if isinstance(entries, dict) else {}), path.name: _manifest_entry(path)}
+            entries = {**(entries if isinstance(entries, dict) else {}), path.name: file_entry(path)}
             atomic_write(listing, lambda tmp: tmp.write_text(json.dumps(entries, indent=1) + "\n"))
         except WRITE_ERRORS as e:
             reason = storage_reason(e, self.root, payload_bytes(weights))
@@ -402,23 +328,13 @@ def find_resume_point(resume: str, output: str | Path) -> Path | None:
     if resume == "auto":
         return CheckpointDir(output).select()[0]
     path = Path(resume)
-    for candidate in (path, path / "last", path / "checkpoints" / "last"):
+    for candidate in (path, path / LAST_LINK, path / CHECKPOINTS_DIR / LAST_LINK):
         if (candidate / STATE_FILE).is_file() and (candidate / WEIGHTS_FILE).is_file():
             problem = check_point(candidate) if (candidate / MANIFEST_FILE).is_file() else None
             if problem:
                 raise DamagedCheckpointError(f"--resume {resume}: {candidate} is damaged: {problem}")
             return candidate.resolve()
     raise ConfigError(
-        f"--resume {resume}: no checkpoint there (expected a run dir with checkpoints/last/, "
+        f"--resume {resume}: no checkpoint there (expected a run dir with {CHECKPOINTS_DIR}/{LAST_LINK}/, "
         f"or a checkpoint dir holding {WEIGHTS_FILE} and {STATE_FILE})"
     )
-
-
-def load_training_state(point: Path) -> dict[str, Any]:
-    """The training state of a resume point, loaded with weights_only=True."""
-    try:
-        return torch.load(point / STATE_FILE, map_location="cpu", weights_only=True)
-    except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
-        raise DamagedCheckpointError(
-            f"{point / STATE_FILE} is not a training state this engine wrote (damaged or foreign); it was not loaded"
-        ) from None

@@ -11,204 +11,150 @@ regenerated from the training state). Which point is which:
 Every weights file is checked against its manifest before it is read; a damaged one is a
 DamagedCheckpointError (exit 65) naming it, the same for train.py --eval-only, ensembles, robustness,
 stability, diagnostics, export and the sweep. ``RunDir.results()`` reads results.json and
-``RunDir.status()`` says whether it still matches the newest point. Light to import (no torch until a
-checkpoint is read): ``train.py --help`` reads this module.
+``RunDir.status()`` says whether it still matches the newest point. The names of the files are
+engine.checkpointing.layout's; recognizing a run folder without reading its checkpoints is
+engine.checkpointing.run_files'.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
-from ...inputs import first_line, json_record, read_yaml
-from ..config.options import DEFAULT_WHICH, WHICH
-
-# The file names of timm's training checkpoints (its CheckpointSaver's .pth.tar, timm's usual .pth weights): a
-# file named so is read as one (convbias.timm_checkpoint) where a command takes a run directory
-TIMM_SUFFIXES = (".pth.tar", ".pth")
-
-
-def is_timm_checkpoint_name(path: str | Path) -> bool:
-    """Whether ``path`` is a file named as timm's checkpoints are (its content is checked when it is read)."""
-    return str(path).endswith(TIMM_SUFFIXES) and Path(path).is_file()
-
-
-CONFIG_FILE = "config.yaml"
-# The first line of every config.yaml train.py writes: what marks a folder as this engine's run.
-CONFIG_MARKER = "# resolved config of this run; reload with -c"
-SUMMARY_FILE = "summary.csv"
-LOG_FILE = "log.jsonl"
-LOCK_FILE = ".lock"  # as engine.checkpointing.lock.LOCK_FILE
-MAX_FIRST_LINE = 1 << 20  # bytes of a file's first line read to recognize it (a log record is far shorter)
-# What train.py writes at the top of its output (wandb: the tracker's folder with --log-wandb).
-RUN_FILES = (CONFIG_FILE, SUMMARY_FILE, LOG_FILE, "results.json", LOCK_FILE, "checkpoints", "wandb")
-RESULTS_FILE = "results.json"
-WEIGHTS_FILE = "model.safetensors"  # as convbias.weights.WEIGHTS_FILE (not imported: it loads torch)
-STATE_FILE = "training_state.pt"
-MANIFEST_FILE = "manifest.json"
-SNAPSHOTS_FILE = "snapshots.json"  # size and sha256 of every --save-epochs snapshot
-POINT_NAME = re.compile(r"epoch_(\d{4,})(?:_step_(\d{7,}))?")
-SNAPSHOT_NAME = re.compile(r"init|epoch_(\d+)")
-RESULT_KEYS = ("model", "epochs", "final_top1", "best_top1", "best_epoch")  # what makes results.json readable
-# What a run's config.yaml contributes to a command that reuses the run: the model and how its data is read.
-# Not --input-size: the config holds it resolved into img_size and in_chans, so a command may change --img-size.
-RUN_KEYS = (
-    "model",
-    "model_kwargs",
-    "img_size",
-    "in_chans",
-    "mean",
-    "std",
-    "num_classes",
-    "class_map",
-    "input_key",
-    "target_key",
-    "bn_eps",
-    "gp",
-    "fast_norm",
-    "dataset",
-    "data_dir",
-    "crop_pct",
-    "interpolation",
-    "reparametrize",
-    "reparametrize_kwargs",
-    "output_scale",
+from ...weights import load_weights, weights_metadata
+from ..config.options import DEFAULT_WHICH, WHICH, Config
+from ..data.datasets import DATASETS
+from ..model.factory import create_model
+from ..model.output_scale import OutputScale
+from .layout import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LAST_LINK,
+    MANIFEST_FILE,
+    RESULTS_FILE,
+    SNAPSHOT_NAME,
+    SNAPSHOTS_FILE,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    held_entries,
+    list_points,
+    point_name,
+    point_position,
+    snapshot_epoch,
+    snapshot_file,
+)
+from .run_files import (  # noqa: F401  (what recognizes a run, named here too)
+    CONFIG_MARKER,
+    RUN_KEYS,
+    TIMM_SUFFIXES,
+    check_not_run_file,
+    foreign_entry,
+    foreign_links,
+    is_run_dir,
+    is_timm_checkpoint_name,
+    read_run_config,
+    run_owning,
+    written_by_engine,
 )
 
-
-def point_name(epoch: int, step: int = 0) -> str:
-    """The folder name of the resume point after ``epoch`` epochs and ``step`` steps of the next one."""
-    return f"epoch_{epoch:04d}" + (f"_step_{step:07d}" if step else "")
+_HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
+RESULT_KEYS = ("model", "epochs", "final_top1", "best_top1", "best_epoch")  # what makes results.json readable
 
 
-def point_position(path: Path) -> tuple[int, int] | None:
-    """(epoch, step) of a resume point folder by its name; None for any other name."""
-    match = POINT_NAME.fullmatch(path.name)
-    return (int(match[1]), int(match[2] or 0)) if match else None
+# ------------------------------------------------------------------------------- verifying what was written
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def list_points(root: Path) -> list[Path]:
-    """The resume-point folders of a ``checkpoints/`` folder by name, newest first (not yet verified)."""
-    found = []
-    for path in root.glob("epoch_*") if root.is_dir() else ():
-        position = point_position(path)
-        if position and path.is_dir() and not path.is_symlink():
-            found.append((position, path))
-    return [path for _, path in sorted(found, reverse=True)]
+def point_files(point: Path) -> list[str]:
+    """Every file under ``point`` but its manifest, as relative POSIX paths."""
+    return sorted(p.relative_to(point).as_posix() for p in point.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
-def held_entries(root: Path) -> list[str]:
-    """What in a ``checkpoints/`` folder may hold weights: every entry but the links and a killed save's
-    staging (hidden ``.NAME.tmp`` names, which only the engine writes)."""
-    if not root.is_dir():
-        return []
-    return sorted(
-        p.name for p in root.iterdir() if not p.is_symlink() and not (p.name.startswith(".") and ".tmp" in p.name)
-    )
-
-
-def is_temporary(name: str) -> bool:
-    """A hidden ``.NAME.tmp...`` file or folder: what a killed atomic write or save leaves (only the engine
-    writes such names)."""
-    return name.startswith(".") and ".tmp" in name
-
-
-def written_by_engine(path: Path) -> bool:
-    """``path`` (an entry of an output folder) is recognizably one that train.py wrote."""
-    if path.is_symlink() or not path.is_file():
-        return False
+def read_manifest(point: Path) -> dict[str, Any] | None:
+    """The manifest's ``files`` entry; None when the point has none or it cannot be read."""
     try:
-        with open(path, "rb") as f:
-            first = f.readline(MAX_FIRST_LINE)
-    except OSError:
-        return False
-    if path.name == CONFIG_FILE:
-        return first.rstrip(b"\n") == CONFIG_MARKER.encode()
-    if path.name == SUMMARY_FILE:
-        return first.startswith(b"epoch,") or first == b""
-    if path.name == LOG_FILE:
-        return first == b"" or isinstance(json_record(first), dict)
-    return False
-
-
-def foreign_entry(output: Path) -> str | None:
-    """The first entry of an output folder that train.py did not recognizably write, with why (None: each
-    is the engine's own, so the folder may be started over). A folder's checkpoints/, results.json and
-    wandb/ count as the engine's only beside the config.yaml it marks."""
-    if not output.is_dir():
+        files = json.loads((point / MANIFEST_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    marked = written_by_engine(output / CONFIG_FILE)
-    for entry in sorted(output.iterdir()):
-        name = entry.name
-        if name == LOCK_FILE or is_temporary(name):
-            continue
-        if entry.is_symlink():
-            return f"{name} (a symbolic link to {os.readlink(entry)})"
-        if name in (CONFIG_FILE, SUMMARY_FILE, LOG_FILE):
-            if not written_by_engine(entry):
-                return f"{name} (not as train.py writes it)"
-        elif name not in RUN_FILES or not marked:
-            return f"{name} (not a file train.py writes)" if name not in RUN_FILES else f"{name} (beside no run config)"
+    return files if isinstance(files, dict) else None
+
+
+def check_point(point: Path, names: Iterable[str] | None = None) -> str | None:
+    """None when the files ``names`` (default: all) of ``point`` match its manifest, else why not."""
+    if not (point / MANIFEST_FILE).is_file():
+        return f"no {MANIFEST_FILE}: the save did not complete"
+    listed = read_manifest(point)
+    if listed is None:
+        return f"its {MANIFEST_FILE} is unreadable"
+    for name in listed if names is None else names:
+        entry, path = listed.get(name), point / name
+        if entry is None:
+            return f"{name} is not in its {MANIFEST_FILE}"
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry.get("bytes"):
+            return f"{name} has {path.stat().st_size} bytes, its manifest says {entry.get('bytes')}"
+        if file_sha256(path) != entry.get("sha256"):
+            return f"{name} does not match its sha256 (damaged)"
     return None
 
 
-def foreign_links(output: Path) -> list[str]:
-    """The files train.py writes in an output folder (top level and points) that are symbolic links: it
-    writes nothing through a link it did not make (its own are checkpoints/last and best)."""
-    found = [output / name for name in RUN_FILES if (output / name).is_symlink()]
-    root = output / "checkpoints"
-    if root.is_dir() and not root.is_symlink():
-        found += [p for p in root.iterdir() if p.is_symlink() and point_position(p)]
-    return [f"{p} -> {os.readlink(p)}" for p in found]
+def verify_file(path: str | Path) -> None:
+    """DamagedCheckpointError when ``path`` lies in a resume point whose manifest it does not match
+    (a file without a manifest beside it is loaded as it is)."""
+    path = Path(path)
+    if path.is_file() and (path.parent / MANIFEST_FILE).is_file():
+        problem = check_point(path.parent, [path.name])
+        if problem:
+            raise DamagedCheckpointError(f"{path} is damaged: {problem}; it was not loaded")
 
 
-def run_owning(path: str | Path) -> Path | None:
-    """The run directory whose own file ``path`` is (or would be): its config, logs, results, lock, or
-    anything under its checkpoints/ (through links too); None for any other path."""
-    path = Path(path).absolute()
-    for candidate in (path, path.resolve()):
-        if candidate.name in RUN_FILES and is_run_dir(candidate.parent):
-            return candidate.parent
-        for ancestor in candidate.parents:
-            if ancestor.name == "checkpoints" and is_run_dir(ancestor.parent):
-                return ancestor.parent
-    return None
+def file_entry(path: Path) -> dict[str, Any]:
+    """What a manifest records of a file: its size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def check_not_run_file(path: str | Path, option: str = "--output") -> None:
-    """ConfigError naming ``path`` when a command would write it over a file of a run (``run_owning``), or
-    when it names a run directory where a command writes its own config.yaml and results."""
-    run = run_owning(path)
-    if run is not None:
-        raise ConfigError(
-            f"{option} {path} is a file of the run {run}; no command writes over a run's own files: choose another path"
+def verify_snapshot(path: Path) -> None:
+    """DamagedCheckpointError unless a ``--save-epochs`` snapshot matches its entry in ``snapshots.json``
+    (one written before that file existed must at least read as safetensors)."""
+    try:
+        listed = json.loads((path.parent / SNAPSHOTS_FILE).read_bytes()).get(path.name)
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if listed is None:
+        try:
+            weights_metadata(path)
+        except ValueError as e:
+            raise DamagedCheckpointError(f"{e}; it was not loaded") from None
+        return
+    if path.stat().st_size != listed.get("bytes") or file_sha256(path) != listed.get("sha256"):
+        raise DamagedCheckpointError(
+            f"{path} is damaged: it does not match its entry in {SNAPSHOTS_FILE}; it was not loaded"
         )
 
 
-def is_run_dir(path: str | Path) -> bool:
-    """A directory written by train.py: it holds config.yaml (and, once an epoch is done, checkpoints/)."""
-    path = Path(path)
-    return path.is_dir() and (path / CONFIG_FILE).is_file()
-
-
-def read_run_config(run: str | Path) -> dict[str, Any]:
-    """The run's resolved options (its config.yaml); ConfigError naming the file when it cannot be read."""
-    path = Path(run) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"{run} is not a run directory: no {CONFIG_FILE} in it")
+def load_training_state(point: Path) -> dict[str, Any]:
+    """The training state of a resume point, loaded with weights_only=True."""
     try:
-        data = read_yaml(path, "run config")
-    except OSError as e:
-        raise ConfigError(f"{path} is not a readable run config ({first_line(e)})") from None
-    if not isinstance(data, dict) or "model" not in data:
-        raise ConfigError(f"{path} is not a run config (expected a mapping of option: value with a model)")
-    return data
+        return torch.load(point / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception:  # torch's message invites unpickling the file with weights_only=False: not ours to give
+        raise DamagedCheckpointError(
+            f"{point / STATE_FILE} is not a training state this engine wrote (damaged or foreign); it was not loaded"
+        ) from None
 
 
 def check_which(which: str) -> str:
@@ -229,7 +175,7 @@ class RunCheckpoint:
 
     def describe(self) -> str:
         where = f"epoch {self.epoch}" + (f", step {self.step}" if self.step else "")
-        return f"{self.run / 'checkpoints' / self.which} ({where})" if self.epoch is not None else str(self.weights)
+        return f"{self.run / CHECKPOINTS_DIR / self.which} ({where})" if self.epoch is not None else str(self.weights)
 
 
 class RunDir:
@@ -239,7 +185,7 @@ class RunDir:
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"run directory not found: {path}")
-        self.root = self.path / "checkpoints"
+        self.root = self.path / CHECKPOINTS_DIR
         self._verified: dict[str, RunCheckpoint] = {}
 
     def __repr__(self) -> str:
@@ -252,8 +198,6 @@ class RunDir:
 
     def run_config(self) -> Any:
         """The run's options as a typed ``engine.Config`` (an option config.yaml lacks takes its default)."""
-        from ..config.options import Config
-
         return Config.from_dict(self.config, source=str(self.path / CONFIG_FILE))
 
     def options(self) -> dict[str, Any]:
@@ -290,8 +234,6 @@ class RunDir:
 
     def verify(self, point: Path, name: str) -> Path:
         """``point/name`` once it matches the point's manifest; DamagedCheckpointError naming it otherwise."""
-        from .points import check_point  # hashes: only once a file is to be read
-
         problem = check_point(point, [name])
         if problem:
             raise DamagedCheckpointError(f"{point / name} is damaged: {problem}; it was not loaded")
@@ -299,8 +241,6 @@ class RunDir:
 
     def training_state(self, point: Path | None = None) -> dict[str, Any]:
         """The training state of ``point`` (default: the newest), verified, loaded with weights_only=True."""
-        from .points import load_training_state
-
         point = point or self.newest_point()
         self.verify(point, STATE_FILE)
         return load_training_state(point)
@@ -338,18 +278,16 @@ class RunDir:
 
     def _find_checkpoint(self, which: str) -> RunCheckpoint:
         if which in WHICH:
-            point = self.newest_point() if which == "last" else self.best_point()
+            point = self.newest_point() if which == LAST_LINK else self.best_point()
             epoch, step = point_position(point)
             return RunCheckpoint(self.path, which, self.verify(point, WEIGHTS_FILE), epoch, step)
         if not SNAPSHOT_NAME.fullmatch(which):
             raise ConfigError(f"checkpoint {which!r}: expected last, best, init or epoch_N")
-        epoch = 0 if which == "init" else int(which[6:])
-        weights = self.root / f"epoch_{epoch}.safetensors"
+        epoch = snapshot_epoch(which)
+        weights = self.root / snapshot_file(epoch)
         if not weights.is_file():
             hint = " (train with --save-epochs 0)" if epoch == 0 else f" (train with --save-epochs {epoch})"
             raise ConfigError(f"{self.path} has no checkpoint {which!r}: {weights} not found{hint}")
-        from .points import verify_snapshot
-
         verify_snapshot(weights)
         return RunCheckpoint(self.path, which, weights, epoch)
 
@@ -358,10 +296,6 @@ class RunDir:
         """What rebuilding the run's model needs: model, model_kwargs (with --gp as global_pool), img_size,
         in_chans, num_classes, and the checkpoint (a verified RunCheckpoint). Classes and channels come from the
         checkpoint's metadata, else from config.yaml and the dataset's description."""
-        from convbias.weights import weights_metadata  # torch and the data sets: only once a model is rebuilt
-
-        from ..data.datasets import DATASETS
-
         options, checkpoint = self.options(), self.checkpoint(which)
         metadata = weights_metadata(checkpoint.weights)
         dataset = DATASETS.get(options.get("dataset", ""))
@@ -392,11 +326,6 @@ class RunDir:
         """The run's model as train.py built it, in eval mode with the verified weights of ``which``: timm's
         registry, the reparametrization the weights were written after (from ``extensions``), the
         output-scale wrapper of an ``--output-scale`` run."""
-        from convbias.weights import load_weights
-
-        from ..model.factory import create_model
-        from ..model.output_scale import OutputScale
-
         spec = self.model_spec(which)
         cfg = self.run_config().replace(img_size=spec["img_size"], pretrained=False, pretrained_file=None)
         model = create_model(cfg, spec["num_classes"], spec["in_chans"])

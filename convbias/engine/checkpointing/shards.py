@@ -40,8 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ...errors import ConfigError
-
-SHARDED_DIR = "sharded"
+from .layout import SHARDED_DIR, SHARDED_METADATA
 
 
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -62,9 +61,9 @@ def save_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.opt
 def load_sharded(point: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load ``point/sharded`` into a model (and optimizer) sharded like the run's (a collective)."""
     directory = Path(point) / SHARDED_DIR
-    if not (directory / ".metadata").is_file():
+    if not (directory / SHARDED_METADATA).is_file():
         raise ConfigError(
-            f"{directory}: no sharded checkpoint there (expected DCP's .metadata and one "
+            f"{directory}: no sharded checkpoint there (expected DCP's {SHARDED_METADATA} and one "
             f"__<rank>_0.distcp file per writing process)"
         )
     state = sharded_state(model, optimizer)

@@ -2,29 +2,26 @@
 
 A part is anything with ``state_dict()`` / ``load_state_dict(state)`` (torch's optimizers and timm's
 schedulers as they are, and the parts below), and ``exact_options``: the options a *mid-epoch* point must be
-continued with to give the uninterrupted run's numbers (``run_start.check_exact_continuation`` reads them).
+continued with to give the uninterrupted run's numbers (``engine.loop.start.check_exact_continuation`` reads them).
 
-The model's and the EMA's weights are safetensors files beside it (``CheckpointDir.save``); under FSDP the
+The model's and the EMA's weights are safetensors files beside it (``CheckpointManager.save``); under FSDP the
 weights and the optimizer state are every rank's shards. The file's layout is the one resume points have
 always had: the ``progress`` and ``identity`` parts' keys at the top level, every other part under its name,
 so a point written before the parts existed loads unchanged. Adding a part is one entry in
-``trainer.RESUME_PART_TYPES`` and its instance in ``Trainer.resume_parts``; its ``exact_options`` join the
-check by themselves.
+``manager.RESUME_PART_TYPES`` and its instance in ``CheckpointManager.parts``; its ``exact_options`` join
+the check by themselves.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from accelerate.utils import gather_object, set_seed
 from timm.scheduler import PlateauLRScheduler
 
 from ..optim.factory import set_scheduled_lr
 from .points import rng_state, set_rng_state
-
-if TYPE_CHECKING:
-    from ..loop.setup import Optimization, RunStart
 
 TOP_LEVEL = ("progress", "identity")  # the parts whose keys sit at the top level of the file
 
@@ -33,6 +30,22 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> None: ...
+
+
+class Optimization(Protocol):
+    """What the optimizer's and the schedule's parts read (engine.loop.setup.Optimization is one): attributes,
+    since a reparametrization replaces both mid-run."""
+
+    optimizer: Any  # accelerate's prepared optimizer
+    scheduler: Any  # timm's scheduler
+
+
+class RunStart(Protocol):
+    """What the per-rank parts read of the run (engine.loop.setup.RunStart is one): the process's place and the
+    seed fresh streams are drawn from."""
+
+    accelerator: Any
+    cfg: Any
 
 
 @dataclass
@@ -75,7 +88,7 @@ class RunIdentity:
         return {"model": self.model, "options": self.options, "sharded": self.sharded}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The identity is checked at set-up (run_setup), never overwritten by a point."""
+        """The identity is checked at set-up (engine.loop.setup), never overwritten by a point."""
 
 
 class OptimizerState:

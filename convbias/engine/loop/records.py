@@ -17,15 +17,20 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+from timm.optim import create_optimizer_v2
 
 from ...inputs import json_record
 from ...storage import atomic_write, write_text
 from ...tables import csv_text
-from ..checkpointing.run_dir import CONFIG_MARKER
+from ..checkpointing.layout import CHECKPOINTS_DIR, CONFIG_FILE, LINKS, LOG_FILE, RESULTS_FILE, SUMMARY_FILE
+from ..checkpointing.run_files import CONFIG_MARKER
 from ..config.derived import lr_scaling
 from ..config.options import Config
 from ..config.parsing import option_source
+from ..data.factory import input_format, train_interpolation
+from ..optim.factory import optimizer_arguments
 
 
 def write_config(cfg: Config, path: Path, derived: dict) -> None:
@@ -104,8 +109,8 @@ class RunLog:
         self.output = Path(output)
         self.enabled = enabled
         self.tracker = tracker  # an accelerate.Accelerator with trackers initialized, or None
-        self.summary = self.output / "summary.csv"
-        self.jsonl = self.output / "log.jsonl"
+        self.summary = self.output / SUMMARY_FILE
+        self.jsonl = self.output / LOG_FILE
 
     def start(self, completed_epochs: int) -> list[str]:
         """Fresh files, or the existing ones cut back to ``completed_epochs`` rows when resuming; damaged
@@ -136,7 +141,7 @@ class RunLog:
     def write_results(self, results: dict[str, Any]) -> None:
         """results.json, atomically: its presence marks the run as complete."""
         if self.enabled:
-            atomic_write(self.output / "results.json", lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
+            atomic_write(self.output / RESULTS_FILE, lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
 
 
 def plural(count: int, noun: str) -> str:
@@ -146,8 +151,6 @@ def plural(count: int, noun: str) -> str:
 def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> list[str]:
     """What this launch will do, before its first step: where, on what, with which batch, lr and length
     (``start``: the run's engine.loop.setup.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
-    import torch
-
     cfg, acc = start.cfg, start.accelerator
     begin = f"resuming from {start.resume_point}" if start.resume_point else "a new run"
     if start.timm_resume is not None:
@@ -183,11 +186,6 @@ def _value(cfg: Any, name: str, shown: Any = None) -> str:
 def optimizer_settings(cfg: Any, lr: float) -> tuple[str, dict[str, Any]]:
     """The class and hyper-parameters of the optimizer timm's create_optimizer_v2 builds from the run's options
     (built on one stand-in tensor, so the optimizer's own defaults show: eps, betas, momentum)."""
-    import torch
-    from timm.optim import create_optimizer_v2
-
-    from ..optim.factory import optimizer_arguments
-
     optimizer = create_optimizer_v2([torch.zeros(1, requires_grad=True)], **optimizer_arguments(cfg, lr))
     inner = getattr(optimizer, "base_optimizer", optimizer)  # lookahead_ wraps the optimizer it names
     return type(optimizer).__name__, dict(inner.defaults)
@@ -196,8 +194,6 @@ def optimizer_settings(cfg: Any, lr: float) -> tuple[str, dict[str, Any]]:
 def recipe_lines(cfg: Any, lr: float) -> list[str]:
     """The start-up block's account of the recipe: optimizer, schedule, augmentation, EMA and input, each value
     with where it came from (command line, -c FILE, timm default, default, or the model's or dataset's config)."""
-    from ..data.factory import input_format
-
     name, hyper = optimizer_settings(cfg, lr)
     own = [  # the optimizer's hyper-parameters that the options set: from the option, else the optimizer's own
         f"{key} {hyper[key]} [{option_source(cfg, option) if getattr(cfg, option) is not None else name + ' default'}]"
@@ -221,8 +217,6 @@ def recipe_lines(cfg: Any, lr: float) -> list[str]:
         else (f"mixup {_value(cfg, 'mixup')}, cutmix {_value(cfg, 'cutmix')}, prob {_value(cfg, 'mixup_prob')}")
     )
     ema = f"decay {_value(cfg, 'model_ema_decay')}" if cfg.model_ema else f"off [{option_source(cfg, 'model_ema')}]"
-    from ..data.factory import train_interpolation
-
     trained = train_interpolation(cfg, shape.interpolation)
     train_interp = _value(cfg, "train_interpolation") if trained == cfg.train_interpolation else f"{trained} [as eval]"
     drop_path = _value(cfg, "drop_path") if cfg.drop_path is not None else "the model's"
@@ -251,8 +245,8 @@ def summary_line(results: dict[str, Any], final_epoch: int | None, output: Path)
     def top1(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.2f}"
 
+    files = (RESULTS_FILE, SUMMARY_FILE, LOG_FILE, CONFIG_FILE, *(f"{CHECKPOINTS_DIR}/{link}" for link in LINKS))
     return (
         f"done: final top-1 {top1(results['final_top1'])} (epoch {final_epoch}), best top-1 "
-        f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {output}: results.json, "
-        f"summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best"
+        f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {output}: {', '.join(files)}"
     )

@@ -12,26 +12,22 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from ..checkpointing.layout import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LAST_LINK,
+    LOG_FILE,
+    MANIFEST_FILE,
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    WEIGHTS_FILE,
+    point_position,
+)
 from ..checkpointing.lock import ForeignLockError, RunLock, RunLockedError
 from ..checkpointing.lock import describe as describe_holder
-from ..checkpointing.points import (
-    MANIFEST_FILE,
-    POINT_NAME,
-    WEIGHTS_FILE,
-    CheckpointDir,
-    find_resume_point,
-    verify_file,
-    weights_metadata,
-)
-from ..checkpointing.run_dir import (
-    RESULTS_FILE,
-    RunDir,
-    foreign_entry,
-    foreign_links,
-    is_run_dir,
-    is_timm_checkpoint_name,
-    read_run_config,
-)
+from ..checkpointing.points import CheckpointDir, find_resume_point, verify_file, weights_metadata
+from ..checkpointing.run_dir import RunDir
+from ..checkpointing.run_files import foreign_entry, foreign_links, is_run_dir, is_timm_checkpoint_name, read_run_config
 from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
 from .records import RunLog, results_record
 
@@ -50,7 +46,7 @@ def resolve_checkpoint(cfg: Config) -> tuple[str | None, str | None]:
         _check_which_target(cfg.which, None)
         return None, None
     run = Path(cfg.checkpoint)
-    if (run / "checkpoints").is_dir() or is_run_dir(run):
+    if (run / CHECKPOINTS_DIR).is_dir() or is_run_dir(run):
         chosen = RunDir(run).checkpoint(cfg.which or DEFAULT_WHICH)
         return str(chosen.weights), chosen.describe()
     _check_which_target(cfg.which, run)
@@ -106,9 +102,9 @@ def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None
     resume = None if is_timm_checkpoint_name(cfg.resume or "") else cfg.resume  # timm's file starts a new run
     if resume and resume != "auto":
         return find_resume_point(resume, output)
-    held = [f"checkpoints/{name}" for name in checkpoints.held()]
+    held = [f"{CHECKPOINTS_DIR}/{name}" for name in checkpoints.held()]
     if resume is None:
-        earlier = held + (["results.json"] if (output / "results.json").exists() else [])
+        earlier = held + ([RESULTS_FILE] if (output / RESULTS_FILE).exists() else [])
         if earlier:
             raise ConfigError(
                 f"output dir {output} already holds a run ({_listing(earlier)}); "
@@ -127,12 +123,12 @@ def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None
             found = "; ".join(f"{p.name}: {problem}" for p, problem in skipped) or "no resume point by its name"
             raise DamagedCheckpointError(
                 f"--resume auto: {output}/checkpoints holds {_listing(held)} but no intact resume point ({found}); "
-                f"nothing was changed. Continue from one folder with --resume {output}/checkpoints/NAME (checked "
+                f"nothing was changed. Continue from one folder with --resume {output / CHECKPOINTS_DIR}/NAME (checked "
                 f"against its manifest), take its weights only with --checkpoint "
-                f"{output}/checkpoints/NAME/{WEIGHTS_FILE} in another --output, or choose another --output"
+                f"{output / CHECKPOINTS_DIR}/NAME/{WEIGHTS_FILE} in another --output, or choose another --output"
             )
-    leftovers = [name for name in ("config.yaml", "summary.csv", "log.jsonl") if (output / name).exists()]
-    if leftovers and not (output / "results.json").exists():
+    leftovers = [name for name in (CONFIG_FILE, SUMMARY_FILE, LOG_FILE) if (output / name).exists()]
+    if leftovers and not (output / RESULTS_FILE).exists():
         checkpoints.remove_staging()
         notes.append(
             f"starting over: {output} holds no checkpoint of an earlier attempt "
@@ -203,9 +199,9 @@ def kept(cfg: Config, output: Path) -> str:
         point = None
     if point is None:
         return f"no checkpoint was written yet in {output}; rerun the same command to start over"
-    name = "last" if point == checkpoints.points()[0] else point.name
-    epoch = int(POINT_NAME.fullmatch(point.name)[1])
-    return f"kept {output}/checkpoints/{name} (epoch {epoch}); continue with --resume auto"
+    name = LAST_LINK if point == checkpoints.points()[0] else point.name
+    epoch = point_position(point)[0]
+    return f"kept {output / CHECKPOINTS_DIR / name} (epoch {epoch}); continue with --resume auto"
 
 
 def check_exact_continuation(

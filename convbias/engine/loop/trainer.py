@@ -2,8 +2,9 @@
 
 ``build_trainer(start)`` composes a ``Trainer`` from the parts engine.loop.setup builds (data, models,
 optimization) once ``start_run`` has done every check that can fail on user input, before anything is
-written; ``Trainer.fit()`` then trains, evaluates, logs and checkpoints each epoch. A resume point holds the
-``state_dict()`` of the parts ``Trainer.resume_parts`` names (engine.checkpointing.state_parts).
+written; ``Trainer.fit()`` then trains, evaluates, logs and checkpoints each epoch: it calls its
+``CheckpointManager`` (engine.checkpointing.manager) to ``load()`` the resume point and to ``save()`` after every
+epoch and optimizer update.
 
 Distribution: the model and its optimizer go through ``accelerator.prepare`` together: DDP, or FSDP2
 when the accelerate config asks for FSDP with ``fsdp_version: 2`` (FSDP1 is refused at set-up). Under
@@ -18,37 +19,22 @@ of ``--grad-accum-steps`` batches (the few left over are skipped) so every optim
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import set_seed
 from timm.utils import distribute_bn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from ...errors import NonFiniteLossError, StorageError
-from ...storage import storage_reason
+from ...errors import NonFiniteLossError
 from ...timm_checkpoint import aligned_optimizer_state
 from ...weights import load_checked
-from ..checkpointing.points import EMA_FILE, CheckpointDir, load_weights
-from ..checkpointing.shards import load_sharded, save_sharded
-from ..checkpointing.state_parts import (
-    AugmentStreams,
-    OptimizerState,
-    RandomStreams,
-    RunIdentity,
-    SchedulerState,
-    Stateful,
-    TrainingProgress,
-    exact_options,
-    restore,
-    resume_state,
-)
+from ..checkpointing.layout import CONFIG_FILE
+from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
+from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_options
 from ..data.device_augment import DeviceBatches
 from ..data.loaders import epoch_batches, first_images
 from ..model.compile import compile_counters
@@ -70,24 +56,12 @@ from .setup import (
 )
 from .start import check_exact_continuation, kept
 
-__all__ = ["NonFiniteLossError", "Trainer", "build_trainer"]
+__all__ = ["RESUME_PART_TYPES", "NonFiniteLossError", "Trainer", "build_trainer"]
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
 # The torch.profiler ranges of a training step (benchmarks/train_loop.py sums them): the loader's and the
 # device augmentation's in engine.data.device_augment.DeviceBatches, the others around the step's parts here.
 STEP_RANGES = ("loader_wait", "device_augment", "mixup", "forward_backward", "optimizer", "bookkeeping")
-
-
-# The parts a resume point holds, by name (engine.checkpointing.state_parts; the weights are files beside them). Each
-# class declares the options that a mid-epoch point must be continued with (its exact_options).
-RESUME_PART_TYPES = {
-    "identity": RunIdentity,
-    "progress": TrainingProgress,
-    "optimizer": OptimizerState,
-    "scheduler": SchedulerState,
-    "rng": RandomStreams,
-    "augment": AugmentStreams,
-}
 
 
 def build_trainer(start: RunStart) -> Trainer:
@@ -134,26 +108,16 @@ class Trainer:
         self.data, self.models, self.optimization = data, models, optimization
         self.preemption, self.diagnostics = preemption, diagnostics
         self.progress = TrainingProgress()
-        self.checkpoints = CheckpointDir(self.output, self.cfg.keep_checkpoints)
+        self.checkpointer = CheckpointManager(
+            start, models, optimization, self.progress, data.augment, data.bundle.num_classes, data.bundle.in_chans
+        )
         self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
         self.warnings: list[str] = []  # likely unintended settings, said before anything runs
         self.timm_resumed = ""  # --resume of timm's checkpoint: what was loaded from it
 
     def resume_parts(self) -> dict[str, Stateful]:
-        """The named parts a resume point holds (engine.checkpointing.state_parts); the weights are files beside them."""
-        exact = {key: getattr(self.cfg, key) for key in exact_options(RESUME_PART_TYPES)}
-        parts: dict[str, Stateful] = {
-            "identity": RunIdentity(self.cfg.model, exact, self.start.sharded),
-            "progress": self.progress,
-            "optimizer": OptimizerState(self.optimization, self.start.sharded),
-            "scheduler": SchedulerState(self.optimization, self.progress),
-            "rng": RandomStreams(self.start, self.progress),
-        }
-        if self.data.augment is not None:  # the device half of the input pipeline
-            parts["augment"] = AugmentStreams(self.start, self.progress, self.data.augment)
-        if self.accelerator.scaler is not None:  # fp16: torch's GradScaler is a part as it is
-            parts["scaler"] = self.accelerator.scaler
-        return parts
+        """The named parts a resume point holds (``CheckpointManager.parts``)."""
+        return self.checkpointer.parts()
 
     def kept(self) -> str:
         """What an interrupted run leaves behind, in one sentence."""
@@ -162,8 +126,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------- main entry
     def fit(self) -> dict[str, Any]:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
-        if self.start.resume_state:
-            self._restore()
+        resumed = self.checkpointer.load()
         model = self.accelerator.unwrap_model(self.models.model)
         for line in startup_block(self.start, self.data.bundle, self.data.steps_per_epoch, model) + self.start.notes:
             acc.print(line)
@@ -177,7 +140,7 @@ class Trainer:
         )
         if acc.is_main_process:
             self.output.mkdir(parents=True, exist_ok=True)
-            write_config(cfg, self.output / "config.yaml", derived)
+            write_config(cfg, self.output / CONFIG_FILE, derived)
         if cfg.log_wandb:
             resumed = {"id": cfg.wandb_resume_id, "resume": "must"} if cfg.wandb_resume_id else {}
             acc.init_trackers(
@@ -190,9 +153,9 @@ class Trainer:
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
         for note in log.start(progress.epoch):
             acc.print(note)
-        if self.start.resume_state:
+        if resumed is not None:
             where = f" and {progress.step} steps of epoch {progress.epoch + 1}" if progress.step else ""
-            acc.print(f"resumed from {self.start.resume_point} after epoch {progress.epoch}{where}")
+            acc.print(f"resumed from {resumed} after epoch {progress.epoch}{where}")
         elif self.start.timm_resume is not None:
             acc.print(self.timm_resumed)
             set_seed(cfg.seed + acc.process_index)  # as a fresh run: timm's checkpoints hold no random streams
@@ -210,16 +173,6 @@ class Trainer:
             acc.end_training()
         acc.print(summary_line(results, self.progress.final.get("epoch"), self.output))
         return results
-
-    def _restore(self) -> None:
-        """The resume point's state loaded into the parts: weights and optimizer state from every rank's shards
-        under FSDP (on any number of ranks), the EMA's weights, then each part of training_state.pt."""
-        point = self.start.resume_point
-        if self.start.sharded:
-            load_sharded(point, self.models.model, self.optimization.optimizer.optimizer)
-        if self.models.ema is not None and (point / EMA_FILE).is_file():
-            load_weights(self.models.ema.module, point / EMA_FILE)
-        restore(self.resume_parts(), self.start.resume_state)
 
     def continue_timm(self) -> None:
         """timm's training checkpoint (``--resume FILE.pth.tar``) loaded as timm's train.py resumes: the model's
@@ -266,8 +219,7 @@ class Trainer:
             initial = self.diagnostics(self.models.whole_model())
             self.progress.initial_diagnostics = {f"init_{k}": v for k, v in initial.items()}
         set_seed(self.cfg.seed + self.accelerator.process_index)  # augmentation and drop-path streams
-        if 0 in self.cfg.save_epochs:
-            self._save_snapshot(0)
+        self.checkpointer.save_initial()
 
     def _train_epochs(self, log: RunLog) -> None:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
@@ -299,9 +251,7 @@ class Trainer:
                 progress.ranked = self._ranked([*(progress.ranked or [progress.best]), progress.final])
             self._step_epoch_schedule(epoch, progress.final if evaluated else None)
             log.log_epoch(record)
-            self._save(epoch + 1, is_best)
-            if epoch + 1 in cfg.save_epochs:
-                self._save_snapshot(epoch + 1)
+            self.checkpointer.save(epoch + 1, is_best=is_best)
             acc.print(
                 f"epoch {epoch + 1}/{self.start.epochs}  train_loss {train['train_loss']:.4f}  "
                 + (f"eval_top1 {record['eval_top1']:.2f}  eval_top5 {record['eval_top5']:.2f}" if evaluated else "")
@@ -436,20 +386,18 @@ class Trainer:
         """After an optimizer update: a resume point every --checkpoint-interval updates, and on a
         preemption signal a resume point then Preempted (every rank decides together, every
         engine.loop.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
-        interval = self.cfg.checkpoint_interval
         signals = self.preemption
         preempted = signals.requested(self.accelerator, self.progress.num_updates) if signals.signals else False
-        if preempted or (interval and self.progress.num_updates % interval == 0):
-            point = self._save(epoch, is_best=False, step=steps, loss_sum=loss_sum)
-            if preempted:
-                raise Preempted(self.preemption.name, point, epoch, steps)
+        point = self.checkpointer.save(epoch, steps, loss_sum=loss_sum, force=preempted)
+        if preempted:
+            raise Preempted(self.preemption.name, point, epoch, steps)
 
     def _mean_loss(self, loss_sum: torch.Tensor, steps: int, epoch: int) -> float:
         """Mean loss over ranks and steps so far; stops the run when it is not finite."""
         total = self.accelerator.reduce(loss_sum.clone(), reduction="sum").item()
         mean = total / (steps * self.accelerator.num_processes)
         if not math.isfinite(mean):
-            points = self.checkpoints.points()
+            points = self.checkpointer.points()
             kept = f"the last good checkpoint is {points[0]}" if points else "no checkpoint was written yet"
             raise NonFiniteLossError(
                 f"non-finite training loss ({mean}) in epoch {epoch + 1} by step {steps}; "
@@ -467,53 +415,6 @@ class Trainer:
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Exact loss, top-1 and top-5 (in %) over the whole validation set, across all processes."""
         return evaluate(self.accelerator, model, self.data.eval_loader, self.data.streamed, self.cfg.channels_last)
-
-    # ---------------------------------------------------------------------------------- checkpoints
-    def _save(self, epoch: int, is_best: bool, step: int = 0, loss_sum: torch.Tensor | None = None) -> Path | None:
-        """A resume point after ``epoch`` epochs, or ``step`` steps into the next one (with every rank's
-        loss accumulator); returns its directory on the main process."""
-        acc, progress = self.accelerator, self.progress
-        weights = acc.get_state_dict(self.models.model)  # collective under FSDP: every rank calls it
-        progress.epoch, progress.step = epoch, step
-        progress.loss_sums = gather_object([loss_sum.item() if loss_sum is not None else 0.0])
-        if not (epoch == 0 and step):  # the initial diagnostics are logged with the first epoch
-            progress.initial_diagnostics = {}
-        state = resume_state(self.resume_parts())  # the RNG part gathers every rank's states
-        staging = self.checkpoints.stage(epoch, step) if acc.is_main_process else None
-        if self.start.sharded:  # every rank writes its shards into the staged directory (on a shared file system)
-            self._save_shards(broadcast_object_list([staging])[0])
-        point = None
-        if acc.is_main_process:
-            ema = self.models.ema.module.state_dict() if self.models.ema is not None else None
-            point = self.checkpoints.save(epoch, weights, state, ema, self._metadata(epoch), is_best, step)
-        acc.wait_for_everyone()
-        return point
-
-    def _save_shards(self, staging: Path) -> None:
-        try:
-            save_sharded(staging, self.models.model, self.optimization.optimizer.optimizer)
-        except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports every rank's failure
-            if self.accelerator.is_main_process:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise StorageError(f"writing the shards of {staging} failed ({storage_reason(e, self.output)})") from None
-        self.accelerator.wait_for_everyone()
-
-    def _save_snapshot(self, epoch: int) -> None:
-        weights = self.accelerator.get_state_dict(self.models.model)
-        if self.accelerator.is_main_process:
-            self.checkpoints.save_snapshot(epoch, weights, self._metadata(epoch))
-        self.accelerator.wait_for_everyone()
-
-    def _metadata(self, epoch: int) -> dict[str, str]:
-        return {
-            "model": self.cfg.model,
-            "epoch": str(epoch),
-            "reparametrized": str(self.progress.reparametrized),
-            "num_classes": str(self.data.bundle.num_classes),
-            "in_chans": str(self.data.bundle.in_chans),
-            "reparametrization": self.cfg.reparametrize or "",
-            "output_scale": str(self.cfg.output_scale or ""),
-        }
 
     # ------------------------------------------------------------------------------ reparametrization
     def _reparametrize(self) -> None:

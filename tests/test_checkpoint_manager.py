@@ -1,0 +1,99 @@
+"""CheckpointManager on its own: what save() writes after an epoch and within one, and what load() restores into
+fresh parts (a one-layer model, accelerate on the CPU, timm's scheduler)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from timm.scheduler import CosineLRScheduler
+
+from convbias.engine import Config
+from convbias.engine.checkpointing.layout import (
+    CHECKPOINTS_DIR,
+    EMA_FILE,
+    MANIFEST_FILE,
+    SNAPSHOTS_FILE,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    snapshot_file,
+)
+from convbias.engine.checkpointing.manager import CheckpointManager
+from convbias.engine.checkpointing.points import find_resume_point, load_training_state
+from convbias.engine.checkpointing.state_parts import TrainingProgress
+
+
+@dataclass
+class Run:
+    cfg: Any
+    accelerator: Accelerator
+    output: Path
+    resume_point: Path | None = None
+    resume_state: dict[str, Any] | None = None
+    sharded: bool = False
+
+
+@dataclass
+class Models:
+    model: torch.nn.Module
+    ema: Any = None
+
+
+@dataclass
+class Optimization:
+    optimizer: Any
+    scheduler: Any
+
+
+def built(output: Path, cfg: Config, point: Path | None = None) -> tuple[CheckpointManager, Models, Optimization]:
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(3, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    optimization = Optimization(optimizer, CosineLRScheduler(optimizer, t_initial=4))
+    state = load_training_state(point) if point else None
+    run = Run(cfg, accelerator, output, point, state)
+    models = Models(model)
+    return CheckpointManager(run, models, optimization, TrainingProgress(), None, 2, 3), models, optimization
+
+
+def step(models: Models, optimization: Optimization, progress: TrainingProgress) -> None:
+    loss = models.model(torch.ones(4, 3)).square().mean()
+    loss.backward()
+    optimization.optimizer.step()
+    optimization.optimizer.zero_grad()
+    progress.num_updates += 1
+
+
+def test_save_writes_the_points_that_are_due_and_load_restores_them(tmp_path):
+    cfg = Config(model="convit_tiny", save_epochs=[1], checkpoint_interval=2, output=str(tmp_path))
+    manager, models, optimization = built(tmp_path, cfg)
+    assert manager.load() is None  # a fresh run
+    step(models, optimization, manager.progress)
+    assert manager.save(0, 1, loss_sum=torch.tensor(0.5)) is None  # 1 update: not due with --checkpoint-interval 2
+    assert manager.points() == []
+    step(models, optimization, manager.progress)
+    mid = manager.save(0, 2, loss_sum=torch.tensor(0.25))  # due
+    assert mid.name == "epoch_0000_step_0000002" and load_training_state(mid)["loss_sums"] == [0.25]
+    step(models, optimization, manager.progress)
+    forced = manager.save(0, 3, loss_sum=torch.tensor(0.75), force=True)  # a preemption: due whatever the interval
+    assert forced.name == "epoch_0000_step_0000003"
+    point = manager.save(1, is_best=True)  # the epoch's point, and its --save-epochs snapshot
+    assert point.name == "epoch_0001" and {p.name for p in manager.points()} == {"epoch_0001", forced.name}
+    root = tmp_path / CHECKPOINTS_DIR
+    assert (root / snapshot_file(1)).is_file() and (root / SNAPSHOTS_FILE).is_file()
+    assert {p.name for p in point.iterdir()} == {WEIGHTS_FILE, STATE_FILE, MANIFEST_FILE}  # no EMA in this run
+    assert not (point / EMA_FILE).exists()
+    assert find_resume_point("auto", tmp_path) == point.resolve()
+
+    fresh, fresh_models, fresh_optimization = built(tmp_path, cfg, point)
+    assert fresh.load() == point
+    assert (fresh.progress.epoch, fresh.progress.step, fresh.progress.num_updates) == (1, 0, 3)
+    for name, value in models.model.state_dict().items():
+        assert not torch.equal(fresh_models.model.state_dict()[name], value)  # weights come from set-up, not load()
+    momentum = optimization.optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(fresh_optimization.optimizer.state_dict()["state"][0]["momentum_buffer"], momentum)
+    assert fresh.metadata(1)["num_classes"] == "2" and fresh.metadata(1)["in_chans"] == "3"
