@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convbias.engine.config.options import Config
 from convbias.engine.data.datasets import DATASETS, ImageFolderDataset
-from convbias.engine.data.device_augment import AugmentRecipe, DeviceAugment, DeviceBatches
+from convbias.engine.data.device_augment import AugmentSpec, DeviceAugment, DeviceBatches
 from convbias.engine.data.factory import _patch_posterize, build_transforms
 from convbias.engine.data.loaders import build_train_loader
 
@@ -54,7 +54,7 @@ AA = "rand-m9-mstd0.5-inc1"
 # the DeiT recipe the fast path's RECIPE mirrors (train.py's own defaults are timm's)
 DEIT_RECIPE = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 SIZE = 224
-RECIPE = AugmentRecipe(SIZE, 3, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, auto_augment=AA, re_prob=0.25)
+RECIPE = AugmentSpec(SIZE, 3, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, auto_augment=AA, re_prob=0.25)
 
 
 def make_jpegs(root: Path, count: int, size: tuple[int, int], quality: int) -> None:
@@ -218,7 +218,7 @@ def fast_stages(paths: list[Path], batch: int, device: torch.device) -> dict[str
     return ms
 
 
-def device_ms(recipe: AugmentRecipe, batches: list[torch.Tensor], device: torch.device) -> float:
+def device_ms(recipe: AugmentSpec, batches: list[torch.Tensor], device: torch.device) -> float:
     """ms per batch of DeviceAugment: CPU time on a CPU, synchronized wall time on a GPU."""
     augment, batches = DeviceAugment(recipe, device), [b.to(device) for b in batches]
     augment(batches[0])  # warm-up (allocator, kernels)

@@ -114,15 +114,15 @@ def build_engine(args: argparse.Namespace, work: Path):
 
     def synthetic(cfg):
         shape = engine_data.input_format(cfg)
-        device_recipe = engine_data.train_recipe(cfg) if engine_data.fast_path_reason(cfg) is None else None
-        if device_recipe is None:
+        device_spec = engine_data.augment_spec(cfg) if engine_data.fast_path_reason(cfg) is None else None
+        if device_spec is None:
             raise SystemExit("train_loop.py: this configuration does not take the fast input path")
         count = args.steps * args.batch_size
         train = UInt8Crops(count, shape.in_chans, shape.img_size, NUM_CLASSES)
         val = UInt8Crops(args.batch_size, shape.in_chans, shape.img_size, NUM_CLASSES, seed=1, as_float=True)
         classes = list(train.classes)
         return engine_data.DataBundle(
-            train, val, NUM_CLASSES, shape.in_chans, classes, shape.mean, shape.std, device_recipe
+            train, val, NUM_CLASSES, shape.in_chans, classes, shape.mean, shape.std, device_spec
         )
 
     with mock.patch.object(run_setup, "build_datasets", synthetic):
@@ -145,9 +145,9 @@ class BareStep:
         self.autocast = acc.autocast
         images, targets = next(iter(torch.utils.data.DataLoader(data.bundle.train, batch_size=trainer.cfg.batch_size)))
         self.images, self.targets = images.to(self.device), targets.to(self.device)
-        recipe = data.augment.recipe
-        self.mean = torch.tensor(recipe.mean, device=self.device).view(1, -1, 1, 1)
-        self.std = torch.tensor(recipe.std, device=self.device).view(1, -1, 1, 1)
+        spec = data.augment.spec
+        self.mean = torch.tensor(spec.mean, device=self.device).view(1, -1, 1, 1)
+        self.std = torch.tensor(spec.std, device=self.device).view(1, -1, 1, 1)
         self.plain_targets = self.targets
         if self.mixup is None and trainer.optimization.mixup is not None:  # the loss wants soft targets
             self.plain_targets = trainer.optimization.mixup(images.float().to(self.device), self.targets)[1]

@@ -1,5 +1,5 @@
 """FSDP2 resume points on CPU: PyTorch's `fully_shard` over a gloo mesh of 2 processes (accelerate enables
-FSDP only on GPUs, see convbias/engine/fsdp.py), a tiny ConViT sharded block by block.
+FSDP only on GPUs, see convbias/engine/checkpointing/shards.py), a tiny ConViT sharded block by block.
 
 - A run saved after 3 steps with `save_sharded` and continued in fresh processes with `load_sharded`
   ends bit-identical to the run that went on (sharded weights *and* AdamW state restored).

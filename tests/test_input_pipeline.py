@@ -21,7 +21,7 @@ from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 
 from convbias.engine.config.options import Config
-from convbias.engine.data.device_augment import AugmentRecipe, CropFlip, DeviceAugment, DeviceBatches
+from convbias.engine.data.device_augment import AugmentSpec, CropFlip, DeviceAugment, DeviceBatches
 from convbias.engine.data.factory import _posterize_zero_bits, build_datasets, fast_path_reason
 from convbias.engine.data.loaders import seeded_rngs
 from convbias.engine.data.rand_augment import LEVELS, OPS, ErasingSpec, OpContext, RandAugmentSpec, erase
@@ -268,8 +268,8 @@ def test_a_file_gives_what_its_lazily_opened_image_gives(tmp_path):
     assert decoded_sizes == {(1000, 750), (500, 375)}
 
 
-def recipe(**changes) -> AugmentRecipe:
-    return AugmentRecipe(**dict(dict(img_size=32, in_chans=3, mean=IMAGENET_MEAN, std=IMAGENET_STD), **changes))
+def recipe(**changes) -> AugmentSpec:
+    return AugmentSpec(**dict(dict(img_size=32, in_chans=3, mean=IMAGENET_MEAN, std=IMAGENET_STD), **changes))
 
 
 def test_device_augment_is_reproducible_and_its_state_round_trips():
@@ -325,10 +325,10 @@ def test_fast_path_reasons():
 def test_build_datasets_serves_uint8_crops_on_the_fast_path():
     bundle = build_datasets(deit_config(dataset="digits", img_size=16, no_prefetcher=False))
     image, _ = bundle.train[0]
-    assert image.dtype == torch.uint8 and image.shape == (1, 16, 16) and bundle.device_recipe.in_chans == 1
+    assert image.dtype == torch.uint8 and image.shape == (1, 16, 16) and bundle.device_spec.in_chans == 1
     assert bundle.val[0][0].dtype == torch.float32  # evaluation keeps timm's transform
     classic = build_datasets(deit_config(dataset="digits", img_size=16, no_prefetcher=True))
-    assert classic.device_recipe is None and classic.train[0][0].dtype == torch.float32
+    assert classic.device_spec is None and classic.train[0][0].dtype == torch.float32
 
 
 def test_image_folder_decodes_through_the_worker_and_skips_unreadable_files(tmp_path):
@@ -404,5 +404,5 @@ def test_a_webdataset_stream_takes_the_fast_path(tmp_path):
     bundle = build_datasets(deit_config(dataset="wds/toy", data_dir=str(tmp_path), img_size=16, workers=0))
     images, targets = next(iter(build_stream_loader(bundle.train, 8, workers=0, drop_last=True)))
     assert images.dtype == torch.uint8 and images.shape == (8, 3, 16, 16) and targets.shape == (8,)
-    out = DeviceAugment(bundle.device_recipe)(images)
+    out = DeviceAugment(bundle.device_spec)(images)
     assert out.dtype == torch.float32 and out.shape == (8, 3, 16, 16)

@@ -17,7 +17,7 @@ from timm.data import create_transform
 
 from convbias.engine.config.options import Config
 from convbias.engine.data.device_augment import DeviceAugment
-from convbias.engine.data.factory import build_transforms, fast_path_reason, train_recipe
+from convbias.engine.data.factory import augment_spec, build_transforms, fast_path_reason
 from convbias.engine.data.loaders import seeded_rngs
 
 DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
@@ -110,7 +110,7 @@ def test_remode_fills_the_erased_box_on_the_device(mode, zeros):
     const fills the boxes with exact zeros, pixel with normal noise (no exact zero)."""
     cfg = deit_config(dataset="imagenet", img_size=32, aa=None, color_jitter=0.0, reprob=1.0, remode=mode)
     assert fast_path_reason(cfg) is None
-    recipe = train_recipe(cfg)
+    recipe = augment_spec(cfg)
     assert recipe.re_mode == mode
     out = DeviceAugment(recipe)(torch.full((8, 3, 32, 32), 128, dtype=torch.uint8))
     erased = (out == 0).flatten(1).sum(1)

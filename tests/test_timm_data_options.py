@@ -17,7 +17,7 @@ from PIL import Image
 from convbias.engine import Config, ConfigError, build_datasets, parse_config
 from convbias.engine.data.datasets import DIGITS_MEAN, DIGITS_STD
 from convbias.engine.data.device_augment import DeviceAugment
-from convbias.engine.data.factory import train_recipe
+from convbias.engine.data.factory import augment_spec
 from convbias.engine.model.factory import create_model
 
 DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
@@ -116,7 +116,7 @@ def test_in_chans_1_on_rgb_files_is_pils_l_conversion_on_both_paths(tmp_path):
     Image.open(root / "train" / "ant" / "0.png").save(jpeg, quality=90)
     cfg = deit_config(dataset="imagenet", data_dir=str(root), in_chans=1, **IDENTITY, **RAW)
     classic, fast = build_datasets(cfg.replace(no_prefetcher=True)), build_datasets(cfg)
-    assert classic.in_chans == fast.in_chans == fast.device_recipe.in_chans == 1 and classic.device_recipe is None
+    assert classic.in_chans == fast.in_chans == fast.device_spec.in_chans == 1 and classic.device_spec is None
     assert (classic.mean, classic.std) == ((0.0,), (1.0,))
     for index, (path, _) in enumerate(classic.train.samples):
         gray = np.array(Image.open(path).convert("L"))
@@ -158,7 +158,7 @@ def test_mean_and_std_normalize_exactly_on_the_classic_and_the_fast_path(in_chan
         for index in range(3):
             assert torch.equal(split[index][0], normalized(split.images[index]))
     fast = build_datasets(cfg)
-    recipe = fast.device_recipe
+    recipe = fast.device_spec
     assert (recipe.in_chans, recipe.mean, recipe.std) == (channels, tuple(expected_mean), tuple(expected_std))
     crops = torch.stack([fast.train[index][0] for index in range(3)])
     assert crops.dtype == torch.uint8 and crops.shape == (3, channels, SIZE, SIZE)
@@ -176,7 +176,7 @@ def test_input_size_is_in_chans_and_img_size(tmp_path):
     for bundle in bundles:
         assert (bundle.in_chans, bundle.mean, bundle.std) == (3, DIGITS_MEAN * 3, DIGITS_STD * 3)
         assert torch.equal(bundle.val[0][0], bundles[1].val[0][0]) and bundle.val[0][0].shape == (3, 16, 16)
-    assert train_recipe(given) == train_recipe(spelled) == train_recipe(unvalidated)
+    assert augment_spec(given) == augment_spec(spelled) == augment_spec(unvalidated)
 
 
 @pytest.mark.parametrize("mode, in_chans", [("L", 1), ("RGB", 3)])

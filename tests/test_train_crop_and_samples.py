@@ -25,7 +25,7 @@ from timm.data.transforms import (
 
 from convbias.engine.config.options import Config
 from convbias.engine.data.device_augment import CropFlip
-from convbias.engine.data.factory import build_datasets, build_transforms, fast_path_reason, train_recipe
+from convbias.engine.data.factory import augment_spec, build_datasets, build_transforms, fast_path_reason
 from convbias.engine.data.loaders import seeded_rngs
 from convbias.engine.loop.setup import build_data
 
@@ -84,7 +84,7 @@ def test_rkr_crop_and_flip_are_timms_for_the_same_seed(mode, scale):
     jitter; more with --scale above 1), some are flipped."""
     image = sample_image((200, 150))
     cfg = deit_config(dataset="imagenet", img_size=64, train_crop_mode=mode, scale=list(scale) if scale else None)
-    ours = train_recipe(cfg).worker_transform()
+    ours = augment_spec(cfg).worker_transform()
     assert ours.crop_mode == mode and fast_path_reason(cfg) is None
     timm_transform = timm_crop_flip(64, mode, scale)
     flips = padded = 0
@@ -122,7 +122,7 @@ def test_each_path_takes_the_crop_mode(mode):
     start = next(i for i, step in enumerate(steps) if step in CROP_CLASSES[mode])
     assert tuple(steps[start : start + len(CROP_CLASSES[mode])]) == CROP_CLASSES[mode]
     fast = build_datasets(deit_config(**cfg))
-    assert fast.device_recipe.crop_mode == mode and fast.train.transform.crop_mode == mode
+    assert fast.device_spec.crop_mode == mode and fast.train.transform.crop_mode == mode
     image, _ = fast.train[0]
     assert image.dtype == torch.uint8 and image.shape == (1, 16, 16)
 
@@ -136,7 +136,7 @@ def test_ratio_reaches_timms_crop_on_both_paths(mode):
     cfg = deit_config(dataset="imagenet", img_size=64, train_crop_mode=mode, ratio=list(ratio))
     classic_crop = build_transforms(64, 3, (0.5,) * 3, (0.5,) * 3, cfg)[0].transforms[1]
     assert tuple(classic_crop.ratio if mode == "rrc" else classic_crop.random_aspect_range) == ratio
-    ours, default = train_recipe(cfg).worker_transform(), train_recipe(deit_config(**{**vars(cfg), "ratio": None}))
+    ours, default = augment_spec(cfg).worker_transform(), augment_spec(deit_config(**{**vars(cfg), "ratio": None}))
     assert ours.ratio == ratio and default.worker_transform().ratio != ratio
     image, timm_transform = sample_image((200, 150)), timm_crop_flip(64, mode, ratio=ratio)
     for seed, expected, (crop, _), got in same_seed_draws(timm_transform, ours, image, range(20)):

@@ -38,7 +38,7 @@ from .options import (
     option_names,
     option_types,
 )
-from .timm_args import is_timm_recipe, translate_timm_keys
+from .timm_args import is_timm_args, translate_timm_keys
 
 
 def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _including: tuple[Path, ...] = ()) -> dict:
@@ -98,7 +98,7 @@ def parse_config(argv: list[str] | None, evaluated_run: Callable[[str], dict] | 
     origins: dict[str, str] = {}
     file_cfg = load_yaml(known.config, origins) if known.config else {}
     problems: list[str] = []
-    if is_timm_recipe(file_cfg):  # the args.yaml of timm's train.py
+    if is_timm_args(file_cfg):  # the args.yaml of timm's train.py
         file_cfg, file_problems = translate_timm_keys(file_cfg, known.config)
         problems += [f"{known.config}: {problem}" for problem in file_problems]
         origins.update({key: f"recipe {Path(known.config).name}" for key in file_cfg if key not in origins})

@@ -150,7 +150,7 @@ def _accepts_none(name: str) -> bool:
     return type(None) in getattr(option_types()[name], "__args__", ())
 
 
-def is_timm_recipe(values: dict[str, Any]) -> bool:
+def is_timm_args(values: dict[str, Any]) -> bool:
     """A recipe holding keys that only timm's train.py writes, or wrote in older versions (an args.yaml)."""
     timm_only = (*TIMM_TRAIN_DEFAULTS, *OBSOLETE_TIMM_KEYS)
     return any(name in timm_only and name not in option_names() for name in values)

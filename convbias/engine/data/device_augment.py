@@ -67,7 +67,7 @@ def image_mode(in_chans: int) -> str:
 
 
 @dataclass(frozen=True)
-class AugmentRecipe:
+class AugmentSpec:
     """The train augmentation of timm's create_transform(is_training=True), as this path needs it."""
 
     img_size: int
@@ -85,7 +85,7 @@ class AugmentRecipe:
 
     def rand_augment(self) -> RandAugmentSpec | None:
         """The RandAugment of `auto_augment` with the hparams create_transform gives it (translate_const 45% of
-        the size, fill color the mean in 0..255, the recipe's interpolation)."""
+        the size, fill color the mean in 0..255, the spec's interpolation)."""
         if not self.auto_augment:
             return None
         hparams = dict(
@@ -108,7 +108,7 @@ class AugmentRecipe:
 
 
 def fast_path_reason(
-    recipe: AugmentRecipe, no_prefetcher: bool = False, no_aug: bool = False, color_jitter: float | None = None
+    spec: AugmentSpec, no_prefetcher: bool = False, no_aug: bool = False, color_jitter: float | None = None
 ) -> str | None:
     """Why a training configuration keeps timm's PIL transforms in the loader workers, or None when it can take
     the fast path. Color jitter only counts without auto-augment, as in timm (which drops it then)."""
@@ -116,17 +116,17 @@ def fast_path_reason(
         return "--no-prefetcher asks for timm's PIL transforms in the loader workers"
     if no_aug:
         return "--no-aug: no augmentation to move to the device"
-    if recipe.interpolation not in INTERPOLATIONS:
-        return f"train interpolation {recipe.interpolation}: the device path has {' and '.join(INTERPOLATIONS)}"
-    if color_jitter and not recipe.auto_augment:
+    if spec.interpolation not in INTERPOLATIONS:
+        return f"train interpolation {spec.interpolation}: the device path has {' and '.join(INTERPOLATIONS)}"
+    if color_jitter and not spec.auto_augment:
         return "color jitter without auto-augment has no device form"
-    if recipe.re_prob > 0 and recipe.re_mode not in ERASING_MODES:
-        return f"random erasing mode {recipe.re_mode!r} has no device form"
+    if spec.re_prob > 0 and spec.re_mode not in ERASING_MODES:
+        return f"random erasing mode {spec.re_mode!r} has no device form"
     try:
-        recipe.rand_augment()
+        spec.rand_augment()
     except ValueError as error:
         return str(error)
-    crop = recipe.worker_transform()
+    crop = spec.worker_transform()
     if crop.crop_mode != "rrc" and crop.zoom_out() > RKR_MAX_ZOOM_OUT:
         return (
             f"--train-crop-mode {crop.crop_mode} with --scale up to {crop.scale[1]}: zooms out to reflect padding "
@@ -309,14 +309,14 @@ class DeviceAugment:
     random erasing drawn per image as timm draws them. Choices come from a CPU generator (no device sync), the
     erasing noise from one on the device; both are seeded by (seed, rank) and saved by `state_dict`."""
 
-    def __init__(self, recipe: AugmentRecipe, device: torch.device | str = "cpu", seed: int = 0, rank: int = 0):
+    def __init__(self, spec: AugmentSpec, device: torch.device | str = "cpu", seed: int = 0, rank: int = 0):
         self.device = torch.device(device)
-        self.recipe = recipe
-        self.rand_augment = recipe.rand_augment()
-        self.erasing = ErasingSpec(recipe.re_prob, recipe.re_mode) if recipe.re_prob > 0 else None
-        shape = (1, len(recipe.mean), 1, 1)
-        self.mean = torch.tensor(recipe.mean, dtype=torch.float32, device=self.device).view(shape)
-        self.std = torch.tensor(recipe.std, dtype=torch.float32, device=self.device).view(shape)
+        self.spec = spec
+        self.rand_augment = spec.rand_augment()
+        self.erasing = ErasingSpec(spec.re_prob, spec.re_mode) if spec.re_prob > 0 else None
+        shape = (1, len(spec.mean), 1, 1)
+        self.mean = torch.tensor(spec.mean, dtype=torch.float32, device=self.device).view(shape)
+        self.std = torch.tensor(spec.std, dtype=torch.float32, device=self.device).view(shape)
         self.context = None
         if self.rand_augment is not None:
             fill = torch.tensor(self.rand_augment.fill, dtype=torch.float32, device=self.device)
@@ -351,14 +351,14 @@ class DeviceAugment:
         return out
 
     def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """The plan's small arrays in one copy; pinned on CUDA so that the copy does not wait for queued work."""
+        """The spec's small arrays in one copy; pinned on CUDA so that the copy does not wait for queued work."""
         host = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays]))
         if self.device.type == "cuda":
             host = host.pin_memory()
         return list(host.to(self.device, non_blocking=True).split([np.size(a) for a in arrays]))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The generators' states (CPU byte tensors): what an exact resume needs besides the recipe and seed."""
+        """The generators' states (CPU byte tensors): what an exact resume needs besides the spec and seed."""
         return {"plan_generator": self.plan_generator.get_state(), "noise_generator": self.noise_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

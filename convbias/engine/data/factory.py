@@ -2,8 +2,8 @@
 (plain shuffle or repeated augmentation) and the loaders.
 
     bundle = build_datasets(cfg)   # cfg: an engine Config (its data options)
-    # bundle.device_recipe not None: the train set yields uint8 crops (engine.data.device_augment's fast path);
-    # DeviceAugment(bundle.device_recipe, device, seed, rank) finishes them on the device
+    # bundle.device_spec not None: the train set yields uint8 crops (engine.data.device_augment's fast path);
+    # DeviceAugment(bundle.device_spec, device, seed, rank) finishes them on the device
     train_loader = build_train_loader(bundle.train, batch_size, workers, repeated_aug, seed,
                                       num_replicas, rank)
     eval_loader = build_eval_loader(bundle.val, batch_size, workers)
@@ -41,8 +41,8 @@ from .datasets import (
     select_classes,
     split_dir,
 )
-from .device_augment import AugmentRecipe, image_mode
-from .device_augment import fast_path_reason as recipe_fast_path_reason
+from .device_augment import AugmentSpec, image_mode
+from .device_augment import fast_path_reason as device_fast_path_reason
 from .streams import (
     Columns,
     check_stream,
@@ -70,8 +70,8 @@ class DataBundle:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     # the fast path's train augmentation: the train set yields uint8 crops to be finished on the device by
-    # engine.data.device_augment.DeviceAugment(device_recipe, ...); None: timm's transforms did everything
-    device_recipe: AugmentRecipe | None = None
+    # engine.data.device_augment.DeviceAugment(device_spec, ...); None: timm's transforms did everything
+    device_spec: AugmentSpec | None = None
 
     def unreadable_files(self) -> list[str]:
         """Image files skipped so far because they could not be decoded (folder datasets only)."""
@@ -294,11 +294,11 @@ class ConvertImage:
         return f"{type(self).__name__}(mode={self.mode!r})"
 
 
-def train_recipe(cfg: Config) -> AugmentRecipe:
+def augment_spec(cfg: Config) -> AugmentSpec:
     """cfg's train augmentation as the fast path reads it (the options build_transforms gives timm)."""
     shape = input_format(cfg)
     scale = cfg.scale
-    return AugmentRecipe(
+    return AugmentSpec(
         img_size=shape.img_size,
         in_chans=shape.in_chans,
         mean=shape.mean,
@@ -317,8 +317,8 @@ def train_recipe(cfg: Config) -> AugmentRecipe:
 def fast_path_reason(cfg: Config) -> str | None:
     """Why cfg's training data keeps timm's PIL transforms in the loader workers; None: it takes the fast path
     (uint8 crops from the workers, RandAugment, normalization and random erasing on the device)."""
-    reason = recipe_fast_path_reason(
-        train_recipe(cfg),
+    reason = device_fast_path_reason(
+        augment_spec(cfg),
         no_prefetcher=bool(cfg.no_prefetcher),
         no_aug=bool(cfg.no_aug),
         color_jitter=cfg.color_jitter,
@@ -337,17 +337,17 @@ def fast_path_reason(cfg: Config) -> str | None:
     return None
 
 
-def _fast_train_transform(cfg: Config, train: Any) -> AugmentRecipe | None:
+def _fast_train_transform(cfg: Config, train: Any) -> AugmentSpec | None:
     """On the fast path, puts its worker half on the train set in place of timm's transform (an image folder
-    decodes files through it, at the crop's JPEG scale) and returns the device half's recipe; else None."""
+    decodes files through it, at the crop's JPEG scale) and returns the device half's spec; else None."""
     if fast_path_reason(cfg) is not None:
         return None
-    recipe = train_recipe(cfg)
+    spec = augment_spec(cfg)
     if isinstance(train, ImageFolderDataset):
-        train.loader, train.transform = recipe.worker_transform(), None
+        train.loader, train.transform = spec.worker_transform(), None
     else:
-        train.transform = recipe.worker_transform()
-    return recipe
+        train.transform = spec.worker_transform()
+    return spec
 
 
 def _has_splits(data_dir: Path, cfg: Config) -> bool:
@@ -398,8 +398,8 @@ def build_streams(cfg: Config) -> DataBundle:
         columns=keys,
     )
     train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg, shape)
-    recipe = _fast_train_transform(cfg, train)  # a stream's reader decodes whole images: no JPEG draft
-    return DataBundle(train, val, info["num_classes"], shape.in_chans, info["classes"], shape.mean, shape.std, recipe)
+    spec = _fast_train_transform(cfg, train)  # a stream's reader decodes whole images: no JPEG draft
+    return DataBundle(train, val, info["num_classes"], shape.in_chans, info["classes"], shape.mean, shape.std, spec)
 
 
 def build_datasets(cfg: Config) -> DataBundle:
@@ -456,6 +456,6 @@ def build_datasets(cfg: Config) -> DataBundle:
         train = train.subset(fraction_per_class(train.targets, float(fraction), int(cfg.seed)))
 
     train.transform, val.transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, cfg, shape)
-    recipe = _fast_train_transform(cfg, train)
+    spec = _fast_train_transform(cfg, train)
     classes = list(train.classes)
-    return DataBundle(train, val, len(classes), shape.in_chans, classes, shape.mean, shape.std, recipe)
+    return DataBundle(train, val, len(classes), shape.in_chans, classes, shape.mean, shape.std, spec)

@@ -172,7 +172,7 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
         f"{cfg.grad_accum_steps} accumulation; lr {start.lr:.3g} ({rule})",
         f"schedule: {plural(start.epochs, 'epoch')}, {start.warmup_epochs} of warm-up, "
         f"{steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
-        *recipe_lines(cfg, start.lr),
+        *settings_lines(cfg, start.lr),
     ]
 
 
@@ -191,7 +191,7 @@ def optimizer_settings(cfg: Any, lr: float) -> tuple[str, dict[str, Any]]:
     return type(optimizer).__name__, dict(inner.defaults)
 
 
-def recipe_lines(cfg: Any, lr: float) -> list[str]:
+def settings_lines(cfg: Any, lr: float) -> list[str]:
     """The start-up block's account of the recipe: optimizer, schedule, augmentation, EMA and input, each value
     with where it came from (command line, -c FILE, timm default, default, or the model's or dataset's config)."""
     name, hyper = optimizer_settings(cfg, lr)

@@ -46,7 +46,7 @@ from ..data.streams import is_stream
 from ..model.compile import compiled
 from ..model.factory import check_model_name, create_model
 from ..model.output_scale import OutputScale, ScaledLoss
-from ..optim import factory as recipe
+from ..optim import factory as optim
 from .extensions import Extensions
 from .metrics import evaluate
 from .node import local_processes, node_cores, set_threads
@@ -89,7 +89,7 @@ class RunStart:
 
     @property
     def schedule_epochs(self) -> int:
-        """--epochs after --scale-epochs: the length recipe.create_scheduler is given."""
+        """--epochs after --scale-epochs: the length optim.create_scheduler is given."""
         return self.values.schedule_epochs
 
     @property
@@ -123,7 +123,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     for weights in (cfg.pretrained_file, cfg.distill_teacher_file):  # files of a resume point: checksummed
         if weights:
             verify_file(weights)
-    values = RunValues.derive(cfg, acc.num_processes, recipe.trained_epochs(cfg))
+    values = RunValues.derive(cfg, acc.num_processes, optim.trained_epochs(cfg))
     output, notes = Path(cfg.output), []
     timm_resume = read_timm_resume(cfg, values.epochs) if is_timm_checkpoint_name(cfg.resume or "") else None
     if timm_resume is not None and acc.is_fsdp2:
@@ -327,8 +327,8 @@ def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> T
             worker_init_fn,
             cfg.pin_mem,
         )
-    if bundle.device_recipe is not None:
-        data.augment = DeviceAugment(bundle.device_recipe, acc.device, seed=cfg.seed, rank=acc.process_index)
+    if bundle.device_spec is not None:
+        data.augment = DeviceAugment(bundle.device_spec, acc.device, seed=cfg.seed, rank=acc.process_index)
     data.steps_per_epoch = len(data.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
     if data.steps_per_epoch == 0:
         raise ConfigError(
@@ -463,14 +463,14 @@ class Optimization:
 def build_optimization(start: RunStart, data: TrainingData, model: torch.nn.Module, before_reparametrization: bool):
     """(prepared model, Optimization): the model and its optimizer go through accelerate.prepare together."""
     cfg, acc = start.cfg, start.accelerator
-    optimizer = recipe.create_optimizer(cfg, model, start.lr, require_all_patterns=not before_reparametrization)
+    optimizer = optim.create_optimizer(cfg, model, start.lr, require_all_patterns=not before_reparametrization)
     if start.sharded:  # every rank has built the whole model; accelerate's rank-0 loading (on by default)
         acc.state.fsdp_plugin.cpu_ram_efficient_loading = False  # serves transformers models only
     model, optimizer = acc.prepare(model, optimizer)
     updates_per_epoch = data.steps_per_epoch // cfg.grad_accum_steps
-    scheduler = recipe.create_scheduler(cfg, optimizer, start.schedule_epochs, start.warmup_epochs, updates_per_epoch)
-    mixup = recipe.create_mixup(cfg, data.bundle.num_classes)
-    return model, Optimization(optimizer, scheduler, mixup, recipe.create_train_loss(cfg, mixup).to(acc.device))
+    scheduler = optim.create_scheduler(cfg, optimizer, start.schedule_epochs, start.warmup_epochs, updates_per_epoch)
+    mixup = optim.create_mixup(cfg, data.bundle.num_classes)
+    return model, Optimization(optimizer, scheduler, mixup, optim.create_train_loss(cfg, mixup).to(acc.device))
 
 
 def build_models_and_optimization(start: RunStart, data: TrainingData) -> tuple[Models, Optimization, bool]:
@@ -485,12 +485,12 @@ def build_models_and_optimization(start: RunStart, data: TrainingData) -> tuple[
     teacher = create_teacher(cfg, data, acc.device) if cfg.distill_teacher else None
     if teacher is not None and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)
-    ema = recipe.create_ema(cfg, model, acc.device)
+    ema = optim.create_ema(cfg, model, acc.device)
     full_copy = FullCopy(model, acc.device) if start.sharded else None
     before = cfg.reparametrize_at_epoch is not None and not was_reparametrized
     prepared, optimization = build_optimization(start, data, model, before)
     if teacher is not None:
-        optimization.train_loss = recipe.HardDistillationLoss(optimization.train_loss, teacher)
+        optimization.train_loss = optim.HardDistillationLoss(optimization.train_loss, teacher)
     if cfg.output_scale:
         optimization.train_loss = ScaledLoss(optimization.train_loss, cfg.output_scale)
     models = Models(acc, prepared, ema, teacher, full_copy)

@@ -38,7 +38,7 @@ from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_option
 from ..data.device_augment import DeviceBatches
 from ..data.loaders import epoch_batches, first_images
 from ..model.compile import compile_counters
-from ..optim import factory as recipe
+from ..optim import factory as optim
 from .diagnostics import ModelDiagnostics
 from .metrics import evaluate
 from .preemption import Preempted, PreemptionSignals
@@ -195,10 +195,10 @@ class Trainer:
             loaded.append("loss scaler")
         updates_per_epoch = self.data.steps_per_epoch // cfg.grad_accum_steps
         progress.epoch, progress.num_updates = timm.resume_epoch, timm.resume_epoch * updates_per_epoch
-        optimization.scheduler = recipe.create_scheduler(
+        optimization.scheduler = optim.create_scheduler(
             cfg, optimization.optimizer, self.start.schedule_epochs, self.start.warmup_epochs, updates_per_epoch
         )
-        recipe.set_scheduled_lr(optimization.scheduler, progress.num_updates, progress.epoch)
+        optim.set_scheduled_lr(optimization.scheduler, progress.num_updates, progress.epoch)
         initial = {g.get("initial_lr") for g in optimization.optimizer.param_groups if g.get("lr_pattern") is None}
         follows = ""
         if initial and initial != {self.start.lr} and None not in initial:
@@ -337,7 +337,7 @@ class Trainer:
                     acc.backward(loss)
                 with record_function("optimizer"):
                     if cfg.clip_grad and acc.sync_gradients:
-                        recipe.clip_gradients(cfg, acc, model)
+                        optim.clip_gradients(cfg, acc, model)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             with record_function("bookkeeping"):
@@ -422,19 +422,19 @@ class Trainer:
         cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization
         extensions = self.start.extensions
         new_model = reparametrized(acc.unwrap_model(models.model), cfg, extensions).to(acc.device)
-        optimizer = recipe.rebuild_optimizer(cfg, new_model, self.start.lr, optimization.optimizer.optimizer)
+        optimizer = optim.rebuild_optimizer(cfg, new_model, self.start.lr, optimization.optimizer.optimizer)
         if models.ema is not None:
             models.ema.module = reparametrized(models.ema.module, cfg, extensions).to(acc.device)
         acc.free_memory()  # drop accelerate's references to the old model and optimizer
         models.model, optimization.optimizer = acc.prepare(new_model, optimizer)  # the eval loader stays prepared
-        optimization.scheduler = recipe.create_scheduler(
+        optimization.scheduler = optim.create_scheduler(
             cfg,
             optimization.optimizer,
             self.start.schedule_epochs,
             self.start.warmup_epochs,
             self.data.steps_per_epoch // cfg.grad_accum_steps,
         )
-        recipe.set_scheduled_lr(optimization.scheduler, self.progress.num_updates, self.progress.epoch)
+        optim.set_scheduled_lr(optimization.scheduler, self.progress.num_updates, self.progress.epoch)
         models.compile(cfg)
         self.progress.reparametrized = True
         acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")

@@ -1,4 +1,4 @@
-"""The training recipe's pieces, built from timm: parameter groups, optimizer, schedule, mixup/cutmix, losses,
+"""Optimization, built from timm: parameter groups, optimizer, schedule, mixup/cutmix, losses,
 EMA, gradient clipping.
 
 Defaults follow DeiT: AdamW, lr 5e-4 x global batch / 512, weight decay 0.05 on weight matrices only

@@ -1,0 +1,80 @@
+"""What the repository's layout promises a reader: docs/engine.md names only modules and functions that
+exist and shows every engine module, results/ holds results only, README.md stays short."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = REPO / "convbias" / "engine"
+PACKAGES = ("config", "data", "model", "optim", "checkpointing", "loop")
+README_LINES = 400
+CODE_SUFFIXES = (".py", ".sh", ".ipynb")
+# `loop.trainer.Trainer.fit`, `checkpointing.manager.CheckpointManager` (under convbias.engine), or a file
+# `loop/trainer.py` (under convbias/engine)
+DOTTED = re.compile(rf"^(?:convbias\.engine\.)?((?:{'|'.join(PACKAGES)})(?:\.\w+)+)(?:\(\))?$")
+FILE = re.compile(rf"^(?:convbias/engine/)?((?:{'|'.join(PACKAGES)})/\w+\.py)$")
+
+
+def backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def resolve(dotted: str) -> object:
+    """The object `convbias.engine.<dotted>` names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module("convbias.engine." + ".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise ModuleNotFoundError(dotted)
+
+
+def test_engine_doc_names_only_what_exists():
+    text = (REPO / "docs" / "engine.md").read_text()
+    missing, checked = [], 0
+    for token in backticked(text):
+        if match := DOTTED.match(token):
+            checked += 1
+            try:
+                resolve(match.group(1))
+            except (ModuleNotFoundError, AttributeError):
+                missing.append(token)
+        elif match := FILE.match(token):
+            checked += 1
+            if not (ENGINE / match.group(1)).is_file():
+                missing.append(token)
+    assert checked > 40, f"docs/engine.md names only {checked} engine modules and functions"
+    assert not missing, f"docs/engine.md names what does not exist: {missing}"
+
+
+def test_engine_doc_shows_every_package_and_module():
+    text = (REPO / "docs" / "engine.md").read_text()
+    named = {m.group(1) for token in backticked(text) if (m := FILE.match(token))}
+    modules = {str(p.relative_to(ENGINE)) for p in ENGINE.glob("*/*.py") if p.name != "__init__.py"}
+    assert modules <= named, f"engine modules docs/engine.md does not show: {sorted(modules - named)}"
+
+
+def test_a_wrong_name_in_the_doc_is_caught():
+    assert DOTTED.match("loop.trainer.Trainer.no_such_method")
+    try:
+        resolve("loop.trainer.Trainer.no_such_method")
+    except AttributeError:
+        return
+    raise AssertionError("a name that does not exist resolved")
+
+
+def test_results_hold_results_only():
+    code = [str(p.relative_to(REPO)) for p in (REPO / "results").rglob("*") if p.suffix in CODE_SUFFIXES]
+    assert not code, f"code under results/ (it belongs in the package or benchmarks/): {code}"
+
+
+def test_readme_stays_short():
+    lines = (REPO / "README.md").read_text().count("\n")
+    assert lines <= README_LINES, f"README.md has {lines} lines; the depth goes to docs/"
