@@ -133,3 +133,21 @@ def test_bad_scale_out_options_are_one_line(tmp_path, capsys, args, option, expe
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
     assert not output.exists()
+
+
+OLD_POINT = Path(__file__).parent / "data" / "resume_point_flat_engine"
+# the run that wrote OLD_POINT: RUN without loader workers
+OLD_POINT_RUN = dict(RUN, workers=0)
+
+
+def test_a_resume_point_written_by_the_flat_engine_continues_exactly(tmp_path, console_script, cli_argv):
+    """A mid-epoch resume point written before the engine became packages (same on-disk layout) resumes to
+    the run that was never stopped: every epoch's losses and accuracies to the last digit."""
+    stopped = tmp_path / "stopped"
+    shutil.copytree(OLD_POINT / "stopped", stopped, symlinks=True)
+    args = cli_argv(cli_argv.DEIT_RECIPE, cli_argv.TINY_CONVIT, OLD_POINT_RUN, dataset="digits")
+    code, out, err = finish(_train(console_script("convbias-train"), args, stopped, "--resume", "auto"))
+    assert code == 0, err[-3000:]
+    point = stopped / "checkpoints" / "epoch_0000_step_0000005"
+    assert f"resumed from {point} after epoch 0 and 5 steps of epoch 1" in out
+    assert summary(stopped) == summary(OLD_POINT / "reference") and len(summary(stopped)) == 2
