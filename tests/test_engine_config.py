@@ -108,7 +108,7 @@ def test_the_scheduled_epochs_are_counted_once(tmp_path, monkeypatch):
     options = ("--epochs", "4", "--cooldown-epochs", "3", "--save-epochs", "7", "--seed", "12345")
     cfg = engine.parse_config(argv(tmp_path, *options))
     start = start_run(cfg, load_families(), None)
-    assert start.epochs == 7 and len(calls) == 1
+    assert start.values.epochs == 7 and len(calls) == 1
 
 
 def test_the_set_up_resolves_options_in_a_frozen_copy_and_derives_values_once(tmp_path):

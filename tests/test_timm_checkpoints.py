@@ -219,7 +219,10 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
     assert by_decay(optimizer.param_groups) == by_decay(oracle.param_groups)
     assert 0 < optimizer.param_groups[0]["lr"] < args.lr  # cosine after its warm-up, at epoch 2 of 3
     # this run's lr (--lr-base 0.1 for a batch of 4) is not the file's: the schedule follows the file's, as timm's
-    assert trainer.start.lr == 0.1 * 4 / 256 and "starts from the file's lr (0.05), not 0.00156" in trainer.timm_resumed
+    assert (
+        trainer.start.values.lr == 0.1 * 4 / 256
+        and "starts from the file's lr (0.05), not 0.00156" in trainer.timm_resumed
+    )
 
     trainer.fit()
     rows = list(csv.DictReader((tmp_path / "run" / "summary.csv").read_text().splitlines()))

@@ -168,11 +168,11 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
         f"{precision}",
         f"model: {cfg.model}, {params / 1e6:.2f}M parameters",
         f"data: {cfg.dataset}, {sizes}, {bundle.num_classes} classes",
-        f"batch: {start.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
-        f"{cfg.grad_accum_steps} accumulation; lr {start.lr:.3g} ({rule})",
-        f"schedule: {plural(start.epochs, 'epoch')}, {start.warmup_epochs} of warm-up, "
+        f"batch: {start.values.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
+        f"{cfg.grad_accum_steps} accumulation; lr {start.values.lr:.3g} ({rule})",
+        f"schedule: {plural(start.values.epochs, 'epoch')}, {start.values.warmup_epochs} of warm-up, "
         f"{steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
-        *settings_lines(cfg, start.lr),
+        *settings_lines(cfg, start.values.lr),
     ]
 
 

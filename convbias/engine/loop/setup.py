@@ -82,28 +82,6 @@ class RunStart:
     def sharded(self) -> bool:
         return self.accelerator.is_fsdp2
 
-    @property
-    def epochs(self) -> int:
-        """The epochs the run trains: its schedule's, and a cooldown, further lr cycles, a warmup prefix."""
-        return self.values.epochs
-
-    @property
-    def schedule_epochs(self) -> int:
-        """--epochs after --scale-epochs: the length optim.create_scheduler is given."""
-        return self.values.schedule_epochs
-
-    @property
-    def warmup_epochs(self) -> int:
-        return self.values.warmup_epochs
-
-    @property
-    def global_batch(self) -> int:
-        return self.values.global_batch
-
-    @property
-    def lr(self) -> float:
-        return self.values.lr
-
 
 def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) -> RunStart:
     """The accelerator, the checks that need no data, the lock and the resume point."""
@@ -463,12 +441,14 @@ class Optimization:
 def build_optimization(start: RunStart, data: TrainingData, model: torch.nn.Module, before_reparametrization: bool):
     """(prepared model, Optimization): the model and its optimizer go through accelerate.prepare together."""
     cfg, acc = start.cfg, start.accelerator
-    optimizer = optim.create_optimizer(cfg, model, start.lr, require_all_patterns=not before_reparametrization)
+    optimizer = optim.create_optimizer(cfg, model, start.values.lr, require_all_patterns=not before_reparametrization)
     if start.sharded:  # every rank has built the whole model; accelerate's rank-0 loading (on by default)
         acc.state.fsdp_plugin.cpu_ram_efficient_loading = False  # serves transformers models only
     model, optimizer = acc.prepare(model, optimizer)
     updates_per_epoch = data.steps_per_epoch // cfg.grad_accum_steps
-    scheduler = optim.create_scheduler(cfg, optimizer, start.schedule_epochs, start.warmup_epochs, updates_per_epoch)
+    scheduler = optim.create_scheduler(
+        cfg, optimizer, start.values.schedule_epochs, start.values.warmup_epochs, updates_per_epoch
+    )
     mixup = optim.create_mixup(cfg, data.bundle.num_classes)
     return model, Optimization(optimizer, scheduler, mixup, optim.create_train_loss(cfg, mixup).to(acc.device))
 

@@ -132,10 +132,10 @@ class Trainer:
             acc.print(line)
         derived = dict(
             num_processes=acc.num_processes,
-            global_batch=self.start.global_batch,
-            lr=self.start.lr,
-            epochs=self.start.epochs,
-            warmup_epochs=self.start.warmup_epochs,
+            global_batch=self.start.values.global_batch,
+            lr=self.start.values.lr,
+            epochs=self.start.values.epochs,
+            warmup_epochs=self.start.values.warmup_epochs,
             steps_per_epoch=self.data.steps_per_epoch,
         )
         if acc.is_main_process:
@@ -167,7 +167,7 @@ class Trainer:
         finally:
             self.preemption.restore()
 
-        results = results_record(cfg.to_dict(), self.start.epochs, self.progress.final, self.progress.best)
+        results = results_record(cfg.to_dict(), self.start.values.epochs, self.progress.final, self.progress.best)
         log.write_results(results)
         if cfg.log_wandb:
             acc.end_training()
@@ -196,15 +196,19 @@ class Trainer:
         updates_per_epoch = self.data.steps_per_epoch // cfg.grad_accum_steps
         progress.epoch, progress.num_updates = timm.resume_epoch, timm.resume_epoch * updates_per_epoch
         optimization.scheduler = optim.create_scheduler(
-            cfg, optimization.optimizer, self.start.schedule_epochs, self.start.warmup_epochs, updates_per_epoch
+            cfg,
+            optimization.optimizer,
+            self.start.values.schedule_epochs,
+            self.start.values.warmup_epochs,
+            updates_per_epoch,
         )
         optim.set_scheduled_lr(optimization.scheduler, progress.num_updates, progress.epoch)
         initial = {g.get("initial_lr") for g in optimization.optimizer.param_groups if g.get("lr_pattern") is None}
         follows = ""
-        if initial and initial != {self.start.lr} and None not in initial:
+        if initial and initial != {self.start.values.lr} and None not in initial:
             follows = (
                 f"; its schedule starts from the file's lr ({', '.join(f'{lr:.3g}' for lr in sorted(initial))}), "
-                f"not {self.start.lr:.3g}, as timm's train.py resumes"
+                f"not {self.start.values.lr:.3g}, as timm's train.py resumes"
             )
         self.timm_resumed = (
             f"resumed from timm's {timm.path} (its epoch {timm.epoch}): {progress.epoch} epochs done, "
@@ -224,7 +228,7 @@ class Trainer:
     def _train_epochs(self, log: RunLog) -> None:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
         first_epoch, initial = progress.epoch, progress.initial_diagnostics
-        for epoch in range(first_epoch, self.start.epochs):
+        for epoch in range(first_epoch, self.start.values.epochs):
             started = time.perf_counter()
             if cfg.reparametrize_at_epoch == epoch and not progress.reparametrized:
                 self._reparametrize()
@@ -234,7 +238,7 @@ class Trainer:
             record: dict[str, Any] = {"epoch": epoch + 1, **train, **(initial if epoch == 0 else {})}
             if epoch == first_epoch and self.accepted_changes:
                 record["resume_changes_accepted"] = self.accepted_changes
-            evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.start.epochs
+            evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.start.values.epochs
             if evaluated:
                 self._distribute_batchnorm()
                 metrics = self.evaluate(self.models.forward)
@@ -253,7 +257,7 @@ class Trainer:
             log.log_epoch(record)
             self.checkpointer.save(epoch + 1, is_best=is_best)
             acc.print(
-                f"epoch {epoch + 1}/{self.start.epochs}  train_loss {train['train_loss']:.4f}  "
+                f"epoch {epoch + 1}/{self.start.values.epochs}  train_loss {train['train_loss']:.4f}  "
                 + (f"eval_top1 {record['eval_top1']:.2f}  eval_top5 {record['eval_top5']:.2f}" if evaluated else "")
             )
 
@@ -312,7 +316,7 @@ class Trainer:
         progress = tqdm(
             total=steps,
             initial=first,
-            desc=f"epoch {epoch + 1}/{self.start.epochs}",
+            desc=f"epoch {epoch + 1}/{self.start.values.epochs}",
             disable=not acc.is_main_process or not sys.stderr.isatty(),  # a job log gets the epoch line only
             leave=False,
             dynamic_ncols=True,
@@ -374,7 +378,7 @@ class Trainer:
             progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
             if logged and not sys.stderr.isatty():  # a terminal has the progress bar
                 acc.print(
-                    f"epoch {epoch + 1}/{self.start.epochs}  step {step + 1}/{steps}  train_loss "
+                    f"epoch {epoch + 1}/{self.start.values.epochs}  step {step + 1}/{steps}  train_loss "
                     f"{mean_loss:.4f}  lr {self._lr():.2e}"
                 )
         progress.update(1)
@@ -422,7 +426,7 @@ class Trainer:
         cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization
         extensions = self.start.extensions
         new_model = reparametrized(acc.unwrap_model(models.model), cfg, extensions).to(acc.device)
-        optimizer = optim.rebuild_optimizer(cfg, new_model, self.start.lr, optimization.optimizer.optimizer)
+        optimizer = optim.rebuild_optimizer(cfg, new_model, self.start.values.lr, optimization.optimizer.optimizer)
         if models.ema is not None:
             models.ema.module = reparametrized(models.ema.module, cfg, extensions).to(acc.device)
         acc.free_memory()  # drop accelerate's references to the old model and optimizer
@@ -430,8 +434,8 @@ class Trainer:
         optimization.scheduler = optim.create_scheduler(
             cfg,
             optimization.optimizer,
-            self.start.schedule_epochs,
-            self.start.warmup_epochs,
+            self.start.values.schedule_epochs,
+            self.start.values.warmup_epochs,
             self.data.steps_per_epoch // cfg.grad_accum_steps,
         )
         optim.set_scheduled_lr(optimization.scheduler, self.progress.num_updates, self.progress.epoch)
