@@ -1,4 +1,4 @@
-"""The training engine: config, data, recipe, loop, checkpoints, logging. It names no model family.
+"""The training engine: config, data, model, optim, checkpointing, loop. It names no model family.
 
 ``run(cfg_or_argv, extensions)`` trains (or evaluates) one run; ``main(argv, extensions)`` wraps it for the
 command line (user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1; Ctrl-C
