@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from convbias.engine.model.compile import COMPILE_MODES, compile_model
+from convbias.engine.config.options import COMPILE_MODES
+from convbias.engine.model.compile import compile_model
 
 MALLOC_ENVIRONMENT = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's maximum: blocks below it come from the heap

@@ -35,20 +35,13 @@ from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.checkpointing.run_files import check_not_run_file
+from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, check_not_run_file, is_timm_checkpoint_name
 from convbias.engine.data.device_augment import image_mode
 from convbias.engine.data.factory import build_transforms, input_format
 from convbias.families import load_families
 from convbias.inputs import first_line
 from convbias.storage import write_text
-from convbias.timm_checkpoint import (
-    TIMM_SUFFIXES,
-    create_timm_model,
-    is_timm_checkpoint_name,
-    read_timm_checkpoint,
-    timm_class_names,
-    timm_data_config,
-)
+from convbias.timm_checkpoint import create_timm_model, read_timm_checkpoint, timm_class_names, timm_data_config
 from convbias.weights import check_weights_file
 
 OUTPUT_FORMATS = (".csv", ".json")

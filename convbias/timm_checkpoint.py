@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, is_timm_checkpoint_name  # noqa: F401 (the names, here too)
 from convbias.errors import ConfigError, DamagedInputError
 from convbias.weights import load_torch_file
 

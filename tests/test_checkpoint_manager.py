@@ -22,7 +22,8 @@ from convbias.engine.checkpointing.layout import (
     snapshot_file,
 )
 from convbias.engine.checkpointing.manager import CheckpointManager
-from convbias.engine.checkpointing.points import find_resume_point, load_training_state
+from convbias.engine.checkpointing.points import find_resume_point
+from convbias.engine.checkpointing.run_dir import load_training_state
 from convbias.engine.checkpointing.state_parts import TrainingProgress
 
 

@@ -136,7 +136,8 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     """hfids/: 2 epochs of 6 steps; a stop after step 4 of epoch 1, then --resume auto (the stream replayed from
     the epoch's start, its first 4 batches dropped) ends with the uninterrupted run's metrics, all 12
     validation images evaluated."""
-    from convbias.engine.loop.preemption import REQUEUE_EXIT_CODE, PreemptionSignals
+    from convbias.engine.loop.preemption import PreemptionSignals
+    from convbias.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 
     args = run_argv(dataset=f"hfids/{carded}", data_dir=cache, epochs=2)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"

@@ -34,7 +34,7 @@ from convbias.cli import (
 from convbias.engine import parse_config
 from convbias.engine.checkpointing import lock
 from convbias.engine.checkpointing.points import CheckpointDir
-from convbias.engine.checkpointing.run_dir import CONFIG_MARKER
+from convbias.engine.checkpointing.run_files import CONFIG_MARKER
 from convbias.engine.config.parsing import load_yaml
 from convbias.engine.data import datasets
 from convbias.engine.loop.records import read_log
@@ -446,8 +446,7 @@ def test_the_preempted_row_is_train_pys(monkeypatch, capsys):
     tests/test_launch.py); what stops train.py before its set-up is reported as every other command's."""
     import argparse
 
-    from convbias.engine.loop.preemption import Preempted
-    from convbias.errors import EXIT_REQUEUE
+    from convbias.errors import EXIT_REQUEUE, Preempted
 
     def preempted(*args, **kwargs):
         raise Preempted("SIGTERM", None, 0, 3)

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from convbias.cli import launch
 from convbias.engine import LAUNCH_PROCESSES, _launch_warnings
-from convbias.engine.checkpointing.points import STATE_FILE, load_training_state
-from convbias.engine.checkpointing.run_dir import CONFIG_MARKER
+from convbias.engine.checkpointing.points import STATE_FILE
+from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.engine.checkpointing.run_files import CONFIG_MARKER
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

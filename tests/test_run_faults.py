@@ -28,11 +28,9 @@ from convbias.engine.checkpointing.points import (
     WEIGHTS_FILE,
     CheckpointDir,
     find_resume_point,
-    load_training_state,
-    load_weights,
     write_manifest,
 )
-from convbias.engine.checkpointing.run_dir import RunDir
+from convbias.engine.checkpointing.run_dir import RunDir, load_training_state
 from convbias.engine.loop import records as run_log
 from convbias.engine.loop import trainer
 from convbias.engine.loop.records import read_log
@@ -44,6 +42,7 @@ from convbias.errors import (
     DamagedCheckpointError,
     StorageError,
 )
+from convbias.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -13,7 +13,7 @@ from timm.scheduler import CosineLRScheduler, PlateauLRScheduler
 from torch import nn
 
 from convbias.engine import RunDir, read_log, validate
-from convbias.engine.checkpointing.points import load_training_state
+from convbias.engine.checkpointing.run_dir import load_training_state
 from convbias.engine.config.options import Config
 from convbias.engine.data import loaders
 from convbias.engine.loop.setup import start_run

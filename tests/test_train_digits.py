@@ -11,8 +11,9 @@ import torch
 
 from convbias.cli import train
 from convbias.engine import parse_config
-from convbias.engine.checkpointing.points import load_weights, save_weights
+from convbias.engine.checkpointing.points import save_weights
 from convbias.engine.loop.records import SUMMARY_FIELDS
+from convbias.weights import load_weights
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import torch
 
 from convbias.cli import train
 from convbias.engine.checkpointing.points import save_weights
-from convbias.engine.checkpointing.run_dir import CONFIG_MARKER
+from convbias.engine.checkpointing.run_files import CONFIG_MARKER
 
 SMALL = [
     "--dataset",

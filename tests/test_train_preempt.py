@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from convbias.engine.checkpointing.points import STATE_FILE, load_training_state, write_manifest
-from convbias.engine.loop.preemption import REQUEUE_EXIT_CODE
+from convbias.engine.checkpointing.points import STATE_FILE, write_manifest
+from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

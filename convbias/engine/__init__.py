@@ -55,7 +55,8 @@ _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_
 # accelerate, which `--help` does not need. Anything else is imported from its submodule.
 _SUBMODULE_OF = {
     **dict.fromkeys(("Config", "DEFAULT_WHICH", "WHICH"), "config.options"),
-    **dict.fromkeys(("RunCheckpoint", "RunDir", "is_run_dir"), "checkpointing.run_dir"),
+    **dict.fromkeys(("RunCheckpoint", "RunDir"), "checkpointing.run_dir"),
+    **dict.fromkeys(("is_run_dir",), "checkpointing.run_files"),
     **dict.fromkeys(("build_datasets",), "data.factory"),
     **dict.fromkeys(("build_eval_loader",), "data.loaders"),
     **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "data.datasets"),

@@ -9,7 +9,8 @@ from typing import Any
 
 from ...errors import ConfigError, StorageError
 from ..config.options import Config
-from .run_dir import RUN_KEYS, TIMM_SUFFIXES, is_run_dir, read_run_config
+from ..config.parsing import require
+from .run_files import RUN_KEYS, TIMM_SUFFIXES, is_run_dir, read_run_config
 
 # What --eval-only RUN_DIR takes from the run: its model and data (RUN_KEYS), and its loader processes (the
 # parser's default would start workers where the run had none, as on a small machine or data set).
@@ -28,19 +29,14 @@ def evaluated_run_options(target: str) -> dict[str, Any]:
     return {key: options[key] for key in EVALUATED_RUN_KEYS if key in options}
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def check_output_dir(output: str | Path) -> None:
+def check_output_writable(output: str | Path) -> None:
     """--output must be (or become) a writable directory: checked before any set-up, nothing created."""
     path = Path(output)
-    _check(not path.exists() or path.is_dir(), f"--output {path} is a file; pass a directory (new or of this run)")
+    require(not path.exists() or path.is_dir(), f"--output {path} is a file; pass a directory (new or of this run)")
     ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
-    _check(ancestor.is_dir(), f"--output {path}: {ancestor} is a file, not a directory")
+    require(ancestor.is_dir(), f"--output {path}: {ancestor} is a file, not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):  # read-only: an I/O fault, as one met mid-run (exit 74)
         raise StorageError(f"--output {path}: {ancestor} is not writable (read-only); choose another --output")
 
@@ -49,10 +45,10 @@ def check(cfg: Config) -> None:
     """ConfigError when --resume names a file that is not timm's training checkpoint; ConfigError or StorageError
     when a training run's --output cannot become its directory."""
     resume = Path(cfg.resume) if cfg.resume and cfg.resume != "auto" else None
-    _check(
+    require(
         resume is None or not resume.is_file() or str(resume).endswith(TIMM_SUFFIXES),
         f"--resume {cfg.resume} is a file, and not one of timm's training checkpoints (*{', *'.join(TIMM_SUFFIXES)}): "
         f"give a run directory, one of its checkpoints/ folders, or timm's last.pth.tar",
     )
     if not cfg.eval_only:
-        check_output_dir(cfg.output)
+        check_output_writable(cfg.output)

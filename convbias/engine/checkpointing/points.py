@@ -28,25 +28,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from convbias.weights import (  # noqa: F401  (the engine's loading API is the shared one)
-    check_compatible,
-    load_weights,
-    read_state_dict,
-    resolve_weights_path,
-    weights_metadata,
-)
-
 from ...errors import ConfigError, DamagedCheckpointError, StorageError
 from ...storage import atomic_write, storage_reason
 from ..config.options import DEFAULT_KEEP_CHECKPOINTS
-from .layout import (  # noqa: F401  (the layout's names, for the engine's writers and the tests)
+from .layout import (
     BEST_LINK,
     CHECKPOINTS_DIR,
     EMA_FILE,
     LAST_LINK,
     LINKS,
     MANIFEST_FILE,
-    POINT_NAME,
     SNAPSHOTS_FILE,
     STAGING_GLOB,
     STATE_FILE,
@@ -57,15 +48,11 @@ from .layout import (  # noqa: F401  (the layout's names, for the engine's write
     snapshot_file,
     staging_name,
 )
-from .run_dir import (  # noqa: F401  (the readers: a point is verified as every command verifies it)
+from .run_dir import (
     check_point,
     file_entry,
-    file_sha256,
-    load_training_state,
     point_files,
     read_manifest,
-    verify_file,
-    verify_snapshot,
 )
 
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way

@@ -52,18 +52,9 @@ from .layout import (
     snapshot_epoch,
     snapshot_file,
 )
-from .run_files import (  # noqa: F401  (what recognizes a run, named here too)
-    CONFIG_MARKER,
+from .run_files import (
     RUN_KEYS,
-    TIMM_SUFFIXES,
-    check_not_run_file,
-    foreign_entry,
-    foreign_links,
-    is_run_dir,
-    is_timm_checkpoint_name,
     read_run_config,
-    run_owning,
-    written_by_engine,
 )
 
 _HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads

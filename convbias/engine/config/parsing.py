@@ -163,7 +163,8 @@ def option_source(cfg: Config, name: str) -> str:
     return "timm default" if name in TIMM_TRAIN_DEFAULTS else "default"
 
 
-def _check(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
+    """A ConfigError with ``message`` unless ``condition``: how every package's check states a rule."""
     if not condition:
         raise ConfigError(message)
 
@@ -205,7 +206,7 @@ def coerce(name: str, value: Any) -> Any:
         if converted is not _INVALID:
             finite = [v for v in (converted if isinstance(converted, list) else [converted]) if isinstance(v, float)]
             bad = [v for v in finite if not math.isfinite(v)]
-            _check(not bad, f"{flag_name(name)} must be a finite number, got {bad[0] if bad else ''}")
+            require(not bad, f"{flag_name(name)} must be a finite number, got {bad[0] if bad else ''}")
             return converted
     raise ConfigError(f"{flag_name(name)} expects {_describe(candidates[0], nargs)}, got {value!r}")
 
@@ -246,10 +247,10 @@ def check_option(name: str, value: Any) -> None:
     if value is None:
         return
     if meta["choices"] is not None:
-        _check(value in meta["choices"], f"unknown {flag_name(name)} '{value}'; choices: {', '.join(meta['choices'])}")
+        require(value in meta["choices"], f"unknown {flag_name(name)} '{value}'; choices: {', '.join(meta['choices'])}")
     rule = meta["check"]
     if rule is not None:
-        _check(rule.valid(value), f"{flag_name(name)} must be {rule.expected}, got {value}")
+        require(rule.valid(value), f"{flag_name(name)} must be {rule.expected}, got {value}")
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -274,8 +275,8 @@ def validate(cfg: Config) -> None:
     for name in option_names():
         setattr(cfg, name, coerce(name, getattr(cfg, name)))
         check_option(name, getattr(cfg, name))
-    _check(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
-    _check(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
+    require(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
+    require(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
     _normalize(cfg)
     _check_combinations(cfg)
     _check_names(cfg)
@@ -287,7 +288,7 @@ def validate(cfg: Config) -> None:
 def _normalize_eval_only(cfg: Config) -> None:
     """--eval-only RUN_OR_WEIGHTS is --eval-only --checkpoint RUN_OR_WEIGHTS."""
     if isinstance(cfg.eval_only, str):
-        _check(
+        require(
             cfg.checkpoint in (None, cfg.eval_only),
             f"--eval-only {cfg.eval_only} and --checkpoint {cfg.checkpoint} name different weights; give one",
         )
@@ -320,12 +321,12 @@ def _check_input(cfg: Config) -> None:
     if cfg.input_size is not None:
         given = f"--input-size {' '.join(map(str, cfg.input_size))}"
         for name, value in (("img_size", cfg.input_size[1]), ("in_chans", cfg.input_size[0])):
-            _check(
+            require(
                 getattr(cfg, name) == value,
                 f"{given} and {flag_name(name)} {getattr(cfg, name)} disagree; give one of them",
             )
     mode = cfg.input_img_mode
-    _check(
+    require(
         mode is None or cfg.in_chans == IMAGE_MODE_CHANNELS[mode],
         f"--input-img-mode {mode} and --in-chans {cfg.in_chans} disagree; give one of them",
     )
@@ -334,17 +335,17 @@ def _check_input(cfg: Config) -> None:
 def _check_combinations(cfg: Config) -> None:
     """Rules that tie options together."""
     _check_input(cfg)
-    _check(
+    require(
         cfg.output_scale is None or not (cfg.reparametrize or cfg.distill_teacher),
         "--output-scale cannot be combined with --reparametrize or hard distillation",
     )
-    _check(
+    require(
         cfg.wandb_resume_id is None or bool(cfg.resume),
         f"--wandb-resume-id {cfg.wandb_resume_id} continues a wandb run, so it needs --resume (auto or a point)",
     )
     mixing = cfg.mixup > 0 or cfg.cutmix > 0 or cfg.cutmix_minmax is not None
-    _check(not mixing or cfg.batch_size % 2 == 0, f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}")
-    _check(
+    require(not mixing or cfg.batch_size % 2 == 0, f"mixup/cutmix need an even --batch-size, got {cfg.batch_size}")
+    require(
         cfg.cutmix_minmax is None or not cfg.no_aug,
         "--cutmix-minmax turns cutmix on and --no-aug turns it off; drop one",
     )
@@ -352,9 +353,9 @@ def _check_combinations(cfg: Config) -> None:
         needs, value = declaration(name).metadata["needs"], getattr(cfg, name)
         if needs is not None and value != default_value(name):
             given = flag_name(name) if value is True else f"{flag_name(name)} {value}"
-            _check(needs.met(cfg), f"{given} has no effect without {needs.what}")
-    _check(not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH (a weights file or run dir)")
-    _check(
+            require(needs.met(cfg), f"{given} has no effect without {needs.what}")
+    require(not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH (a weights file or run dir)")
+    require(
         bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),
         "hard distillation needs both --distill-teacher NAME and --distill-teacher-file PATH",
     )
@@ -377,7 +378,7 @@ def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
                 f"--preempt-signals: unknown signal {name!r}; expected names such as SIGTERM SIGUSR1 "
                 f"(or none to disable)"
             ) from None
-        _check(
+        require(
             parsed[-1] not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT),
             f"--preempt-signals: {parsed[-1].name} cannot be used (it cannot be caught, or is Ctrl-C)",
         )
@@ -393,7 +394,7 @@ def _check_names(cfg: Config) -> None:
             re.compile(pattern)
         except re.error as e:
             raise ConfigError(f"--param-group-lr: '{pattern}' is not a regular expression ({e})") from None
-        _check(
+        require(
             _is_number(lr) and 0 < lr < math.inf,
             f"--param-group-lr {pattern}=... needs a positive number, got {lr!r}",
         )
@@ -403,4 +404,4 @@ def _check_paths(cfg: Config) -> None:
     """Files the options name exist (data_dir: engine.data.factory names the expected layout)."""
     for name in ("pretrained_file", "checkpoint", "distill_teacher_file"):
         path = getattr(cfg, name)
-        _check(path is None or Path(path).exists(), f"{flag_name(name)}: path does not exist: {path}")
+        require(path is None or Path(path).exists(), f"{flag_name(name)}: path does not exist: {path}")

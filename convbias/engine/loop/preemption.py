@@ -7,8 +7,9 @@ closed terminal or ssh session sends SIGHUP, handled the same way.
 process reads its flag at every update. Several processes decide together every
 ``PREEMPTION_CHECK_INTERVAL`` updates (one tiny all-reduce, so that every rank stops at the same update
 even when the signal reached them at different ones): a collective read on the host at every update would
-make each GPU wait for its queued work, and a few updates are nothing against a scheduler's grace time. The command exits with ``REQUEUE_EXIT_CODE``, which a
-job script maps to a requeue (README: SLURM recipe); ``--resume auto`` continues from that step.
+make each GPU wait for its queued work, and a few updates are nothing against a scheduler's grace time. The
+command exits with ``convbias.errors.EXIT_REQUEUE`` (75), which a job script maps to a requeue
+(README: SLURM recipe); ``--resume auto`` continues from that step.
 
 DataLoader workers ignore these signals when the scheduler sends them (``ignore_in_worker``): a
 scheduler signals every process of the job, and a worker killed by it would end the run before its
@@ -25,9 +26,6 @@ import signal
 import threading
 from collections.abc import Sequence
 from typing import Any
-
-from ...errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE  # noqa: F401  (the exit code the docstring names)
-from ...errors import Preempted  # noqa: F401  (raised by the trainer, reported by engine.main)
 
 # Updates between the ranks' joint decisions (an all-reduce and a host read each) when several processes
 # train: at most this many updates pass between a signal and the resume point (about a second on a GPU)

@@ -30,10 +30,11 @@ from timm.utils import ModelEmaV3
 
 from ...errors import ConfigError
 from ...timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
-from ...weights import load_checked
+from ...weights import load_checked, load_weights, weights_metadata
 from ..checkpointing.layout import WEIGHTS_FILE, point_name
 from ..checkpointing.lock import RunLock
-from ..checkpointing.points import CheckpointDir, load_training_state, load_weights, verify_file, weights_metadata
+from ..checkpointing.points import CheckpointDir
+from ..checkpointing.run_dir import load_training_state, verify_file
 from ..checkpointing.run_files import is_timm_checkpoint_name
 from ..checkpointing.shards import FullCopy
 from ..config.derived import RunValues

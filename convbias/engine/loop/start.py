@@ -12,6 +12,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from ...weights import weights_metadata
 from ..checkpointing.layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -25,8 +26,8 @@ from ..checkpointing.layout import (
 )
 from ..checkpointing.lock import ForeignLockError, RunLock, RunLockedError
 from ..checkpointing.lock import describe as describe_holder
-from ..checkpointing.points import CheckpointDir, find_resume_point, verify_file, weights_metadata
-from ..checkpointing.run_dir import RunDir
+from ..checkpointing.points import CheckpointDir, find_resume_point
+from ..checkpointing.run_dir import RunDir, verify_file
 from ..checkpointing.run_files import foreign_entry, foreign_links, is_run_dir, is_timm_checkpoint_name, read_run_config
 from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
 from .records import RunLog, results_record
@@ -81,7 +82,7 @@ def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None
 
     ``--resume`` of timm's checkpoint file (``timm_checkpoint``) starts this engine's run in ``output`` as a plain
     run does. A directory without any resume point is started over only when every entry in it is train.py's own
-    (``run_dir.foreign_entry``: its marked config.yaml, summary.csv, log.jsonl): a run that failed before its
+    (``run_files.foreign_entry``: its marked config.yaml, summary.csv, log.jsonl): a run that failed before its
     first checkpoint. Anything else, and any link in the place of a file the run writes, is refused."""
     if cfg.eval_only:
         return None

@@ -29,7 +29,7 @@ from timm.utils import distribute_bn
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from ...errors import NonFiniteLossError
+from ...errors import NonFiniteLossError, Preempted
 from ...timm_checkpoint import aligned_optimizer_state
 from ...weights import load_checked
 from ..checkpointing.layout import CONFIG_FILE
@@ -41,7 +41,7 @@ from ..model.compile import compile_counters
 from ..optim import factory as optim
 from .diagnostics import ModelDiagnostics
 from .metrics import evaluate
-from .preemption import Preempted, PreemptionSignals
+from .preemption import PreemptionSignals
 from .records import RunLog, results_record, startup_block, summary_line, write_config
 from .setup import (
     Models,

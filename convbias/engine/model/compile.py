@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from ..config.options import COMPILE_MODES  # noqa: F401  (declared with --compile-mode)
 from .aten_kernels import use_aten_kernels
 
 CPU_INDUCTOR_OPTIONS = {"layout_optimization": False}  # see the module docstring

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 from timm.optim import get_optimizer_info, list_optimizers
 
-from ...errors import ConfigError
 from ..config.options import Config
+from ..config.parsing import require
 from .factory import trained_epochs
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
 
 
 def check(cfg: Config) -> None:
@@ -24,21 +19,21 @@ def check(cfg: Config) -> None:
         if name in list_optimizers():  # an unknown --opt is named below
             info = get_optimizer_info(name)
             takes = info.num_betas if info.has_betas else 0
-            _check(
+            require(
                 len(cfg.opt_betas) == takes,
                 f"--opt-betas: --opt {cfg.opt} takes {takes or 'no'} betas, got {len(cfg.opt_betas)}",
             )
     epochs = trained_epochs(cfg)
     for epoch in cfg.save_epochs:
-        _check(0 <= epoch <= epochs, f"--save-epochs {epoch} is outside 0..{epochs}")
+        require(0 <= epoch <= epochs, f"--save-epochs {epoch} is outside 0..{epochs}")
     if cfg.reparametrize_at_epoch is not None:
-        _check(
+        require(
             0 <= cfg.reparametrize_at_epoch < epochs,
             f"--reparametrize-at-epoch must be in 0..{epochs - 1}, got {cfg.reparametrize_at_epoch}",
         )
-        _check(
+        require(
             cfg.sched != "plateau",
             "--sched plateau cannot be combined with --reparametrize-at-epoch (the plateau's decayed lr lives in "
             "the optimizer that the change of architecture rebuilds)",
         )
-    _check(cfg.opt.lower() in list_optimizers(), f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers()")
+    require(cfg.opt.lower() in list_optimizers(), f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers()")
