@@ -10,9 +10,9 @@ This path splits it:
   that keeps the box at least the size it is resized to (else by torchvision's decoder, straight into a
   tensor), and the box is resized by torch's uint8 antialiased interpolation (Pillow's filters, about 4x
   less CPU than Pillow's resize). Out: a uint8 (C, size, size) tensor, a quarter of the float bytes.
-- device, `DeviceAugment`: RandAugment as batched ops with choices per image (engine.data.rand_augment),
-  normalization and random erasing, drawn from its own generators seeded by (seed, rank), whose state
-  `state_dict()` holds for an exact resume.
+- device, `DeviceAugment`: RandAugment with choices per image (engine.data.rand_augment), normalization and
+  random erasing, drawn from its own generators seeded by (seed, rank), whose state `state_dict()` holds
+  for an exact resume; applied in two passes over the batch per layer (engine.data.augment_passes).
 - `DeviceBatches`: the loader's batches moved to the device (pinned, non-blocking), augmented there, and
   the seconds the training loop waited for the loader counted (the epoch's data-wait fraction).
 
@@ -44,7 +44,8 @@ from timm.data.transforms import (
 from timm.data.transforms_factory import transforms_imagenet_train
 from torch.profiler import record_function
 
-from .rand_augment import ErasingSpec, OpContext, RandAugmentSpec, apply_rand_augment, erase, rand_augment_groups
+from .augment_passes import augment_histograms, augment_pass
+from .rand_augment import ErasingSpec, RandAugmentSpec, erasing_noise, layer_plans
 
 try:  # torchvision 0.29 deprecates its image decoders (for torchcodec's); without them Pillow decodes every file
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -317,10 +318,9 @@ class DeviceAugment:
         shape = (1, len(spec.mean), 1, 1)
         self.mean = torch.tensor(spec.mean, dtype=torch.float32, device=self.device).view(shape)
         self.std = torch.tensor(spec.std, dtype=torch.float32, device=self.device).view(shape)
-        self.context = None
-        if self.rand_augment is not None:
-            fill = torch.tensor(self.rand_augment.fill, dtype=torch.float32, device=self.device)
-            self.context = OpContext(fill.view(1, -1, 1, 1), self.rand_augment.interpolation)
+        fill = self.rand_augment.fill if self.rand_augment else (0,)
+        self.fill = torch.tensor(fill, dtype=torch.float32, device=self.device).expand(len(spec.mean)).contiguous()
+        self.interpolation = self.rand_augment.interpolation if self.rand_augment else "bilinear"
         self.plan_generator, self.noise_generator = torch.Generator(), torch.Generator(device=self.device)
         self.reseed(seed, rank)
 
@@ -334,28 +334,35 @@ class DeviceAugment:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (N, C, H, W), on the device or pinned on the host -> float32 normalized (N, C, H, W) on the device."""
         images = images.to(self.device, non_blocking=True)
-        n, _, height, width = images.shape
-        groups = []
+        n, channels, height, width = images.shape
         if self.rand_augment is not None:
-            groups = rand_augment_groups(*self.rand_augment.sample(n, self.plan_generator))
-        boxes = self.erasing.sample(n, height, width, self.plan_generator) if self.erasing else np.zeros((0, 4))
-        moved = self._to_device([boxes] + [a for _, rows, args in groups for a in (rows, args)])
-        out = images.float()
-        if groups:
-            on_device = [(k, moved[1 + 2 * i].long(), moved[2 + 2 * i].float()) for i, (k, _, _) in enumerate(groups)]
-            out = apply_rand_augment(out, self.rand_augment.names, on_device, self.context)
-        out = out.div_(255.0).sub_(self.mean).div_(self.std)
-        pixels = int((boxes[:, 2] * boxes[:, 3]).sum()) * out.shape[1]
-        if pixels:
-            out = erase(out, moved[0].long().view(n, 4), self.erasing, pixels, self.noise_generator)
-        return out
+            ops, args = self.rand_augment.sample(n, self.plan_generator)
+            plans, tables = layer_plans(self.rand_augment.names, ops, args, width, height)
+        else:  # one pass of no op: normalization and erasing
+            plans, tables = layer_plans((), np.full((1, n), -1), np.zeros((1, n)), width, height)
+        boxes = self.erasing.sample(n, height, width, self.plan_generator) if self.erasing else np.zeros((n, 4), int)
+        noise_start = np.cumsum(boxes[:, 2] * boxes[:, 3] * channels) - boxes[:, 2] * boxes[:, 3] * channels
+        on_device = self._to_device([np.concatenate([boxes, noise_start[:, None]], 1), plans, tables])
+        boxes_on_device, plans_on_device, tables_on_device = on_device
+        erasing = self.erasing.mode if self.erasing else "none"
+        noise = erasing_noise(erasing, boxes, channels, self.noise_generator)
+        for layer in range(len(plans)):
+            histograms = augment_histograms(images)
+            cumulative = histograms.cumsum(-1, dtype=torch.int32)
+            images = augment_pass(
+                images, plans_on_device[layer], tables_on_device[layer], histograms, cumulative, boxes_on_device,
+                noise, self.fill, self.mean, self.std, self.interpolation, layer == len(plans) - 1, erasing,
+            )  # fmt: skip
+        return images
 
     def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """The spec's small arrays in one copy; pinned on CUDA so that the copy does not wait for queued work."""
+        """The plan's small arrays in one fp64 copy (each its shape); pinned on CUDA so that the copy does not
+        wait for queued work."""
         host = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays]))
         if self.device.type == "cuda":
             host = host.pin_memory()
-        return list(host.to(self.device, non_blocking=True).split([np.size(a) for a in arrays]))
+        parts = host.to(self.device, non_blocking=True).split([np.size(a) for a in arrays])
+        return [part.view(np.shape(a)) for part, a in zip(parts, arrays)]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The generators' states (CPU byte tensors): what an exact resume needs besides the spec and seed."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from timm.data.auto_augment import rand_augment_transform
 from torchvision.transforms.v2.functional import equalize as tv_equalize
 
 LEVEL_DENOM = 10.0  # timm's _LEVEL_DENOM: magnitude M10 is an op's strongest level
+GRAY_WEIGHTS = (19595, 38470, 7471)  # Pillow's RGB -> L, in 1/65536
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ def _gray(images: torch.Tensor) -> torch.Tensor:
     """Pillow's RGB -> L, (19595 R + 38470 G + 7471 B + 2**15) >> 16: exact in float32 (every sum < 2**24)."""
     if images.shape[1] == 1:
         return images
-    weighted = images[:, 0:1] * 19595.0 + images[:, 1:2] * 38470.0 + images[:, 2:3] * 7471.0  # no host copy
+    red, green, blue = (float(w) for w in GRAY_WEIGHTS)
+    weighted = images[:, 0:1] * red + images[:, 1:2] * green + images[:, 2:3] * blue  # no host copy
     return torch.floor((weighted + 32768.0) / 65536.0)
 
 
@@ -98,23 +102,37 @@ def equalize(images, _arg, ctx):
     return tv_equalize(images.to(torch.uint8)).to(images.dtype)
 
 
-def invert(images, _arg, ctx):
-    return 255.0 - images
+# The point ops as functions of the levels (tensors or numpy arrays, the argument broadcast against them):
+# the batched ops below apply them to images, the device passes to the levels 0..255 (a table per image).
 
 
-def posterize(images, bits, ctx):
+def _inverted(levels, _arg):
+    return 255.0 - levels
+
+
+def _posterized(levels, bits):
     """Keeps the `bits` high bits; 0 bits gives black (the engine's posterize, see engine.data.factory)."""
-    step = torch.exp2(8.0 - bits).view(-1, 1, 1, 1)
-    return images - torch.remainder(images, step)
+    return levels - levels % 2.0 ** (8.0 - bits)
 
 
-def solarize(images, threshold, ctx):
-    return torch.where(images < threshold.view(-1, 1, 1, 1), images, 255.0 - images)
+def _solarized(levels, threshold):
+    return levels + (levels >= threshold) * (255.0 - 2.0 * levels)
 
 
-def solarize_add(images, add, ctx):
-    added = torch.clamp(images + add.view(-1, 1, 1, 1), max=255.0)
-    return torch.where(images < 128.0, added, images)
+def _solarized_add(levels, add):
+    return levels + (levels < 128.0) * ((levels + add).clip(max=255.0) - levels)
+
+
+def _point(levels_fn):
+    """The batched op of a point function: its argument per image, broadcast over the image."""
+
+    def op(images, arg, ctx):
+        return levels_fn(images, arg.view(-1, 1, 1, 1))
+
+    return op
+
+
+invert, posterize, solarize, solarize_add = (_point(f) for f in (_inverted, _posterized, _solarized, _solarized_add))
 
 
 def _warp(images: torch.Tensor, matrix: torch.Tensor, ctx: OpContext) -> torch.Tensor:
@@ -135,54 +153,73 @@ def _warp(images: torch.Tensor, matrix: torch.Tensor, ctx: OpContext) -> torch.T
     return torch.where(inside, torch.floor(sampled + 0.5).clamp_(0, 255), ctx.fill)
 
 
-def _affine(rows: Callable[[torch.Tensor, int, int], list[torch.Tensor]]):
-    """An op from the six coefficients (a, b, c, d, e, f) of its Pillow affine transform."""
+# The geometric ops' six coefficients (a, b, c, d, e, f) of Pillow's affine transform, from the argument
+# (a tensor with xp = torch, an array with xp = numpy), the image's width and height.
+Coefficients = Callable[[Any, int, int, ModuleType], list]
+
+
+def _affine(rows: Coefficients):
+    """The batched op of a geometric transform."""
 
     def op(images, arg, ctx):
         height, width = images.shape[-2:]
-        coefficients = torch.stack(rows(arg.double(), width, height), 1)
+        coefficients = torch.stack(rows(arg.double(), width, height, torch), 1)
         return _warp(images, coefficients.view(-1, 2, 3), ctx)
 
     return op
 
 
-def _rotation(degrees: torch.Tensor, width: int, height: int) -> list[torch.Tensor]:
+def _rotation(degrees, width: int, height: int, xp: ModuleType) -> list:
     """Image.rotate's matrix (about the centre (w/2, h/2), counter-clockwise)."""
-    angle = -torch.deg2rad(degrees)
-    cos, sin = torch.cos(angle), torch.sin(angle)
+    angle = -xp.deg2rad(degrees)
+    cos, sin = xp.cos(angle), xp.sin(angle)
     cx, cy = width / 2.0, height / 2.0
     return [cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy]
 
 
-def _ones(arg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ones_like(arg), torch.zeros_like(arg)
-
-
-def _shear_x(f, w, h):
-    one, zero = _ones(f)
+def _shear_x(f, w, h, xp):
+    one, zero = xp.ones_like(f), xp.zeros_like(f)
     return [one, f, zero, zero, one, zero]
 
 
-def _shear_y(f, w, h):
-    one, zero = _ones(f)
+def _shear_y(f, w, h, xp):
+    one, zero = xp.ones_like(f), xp.zeros_like(f)
     return [one, zero, zero, f, one, zero]
 
 
-def _translate_x(pixels, w, h):
-    one, zero = _ones(pixels)
+def _translate_x(pixels, w, h, xp):
+    one, zero = xp.ones_like(pixels), xp.zeros_like(pixels)
     return [one, zero, pixels, zero, one, zero]
 
 
-def _translate_y(pixels, w, h):
-    one, zero = _ones(pixels)
+def _translate_y(pixels, w, h, xp):
+    one, zero = xp.ones_like(pixels), xp.zeros_like(pixels)
     return [one, zero, zero, zero, one, pixels]
+
+
+GEOMETRY: dict[str, Coefficients] = {
+    "Rotate": _rotation,
+    "ShearX": _shear_x,
+    "ShearY": _shear_y,
+    "TranslateX": _translate_x,
+    "TranslateY": _translate_y,
+    # timm's relative translations are a fraction of the image's width/height: the level is converted
+    # to pixels here, as timm's translate_x_rel does
+    "TranslateXRel": lambda pct, w, h, xp: _translate_x(pct * w, w, h, xp),
+    "TranslateYRel": lambda pct, w, h, xp: _translate_y(pct * h, w, h, xp),
+}
+POINTS = {
+    "Invert": _inverted,
+    **{name: _posterized for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal")},
+    **{name: _solarized for name in ("Solarize", "SolarizeIncreasing")},
+    "SolarizeAdd": _solarized_add,
+}
 
 
 OPS: dict[str, Callable[[torch.Tensor, torch.Tensor, OpContext], torch.Tensor]] = {
     "AutoContrast": auto_contrast,
     "Equalize": equalize,
     "Invert": invert,
-    "Rotate": _affine(_rotation),
     "Posterize": posterize,
     "PosterizeIncreasing": posterize,
     "PosterizeOriginal": posterize,
@@ -197,15 +234,60 @@ OPS: dict[str, Callable[[torch.Tensor, torch.Tensor, OpContext], torch.Tensor]] 
     "BrightnessIncreasing": brightness,
     "Sharpness": sharpness,
     "SharpnessIncreasing": sharpness,
-    "ShearX": _affine(_shear_x),
-    "ShearY": _affine(_shear_y),
-    "TranslateX": _affine(_translate_x),
-    "TranslateY": _affine(_translate_y),
-    # timm's relative translations are a fraction of the image's width/height: the level is converted
-    # to pixels here, as timm's translate_x_rel does
-    "TranslateXRel": _affine(lambda pct, w, h: _translate_x(pct * w, w, h)),
-    "TranslateYRel": _affine(lambda pct, w, h: _translate_y(pct * h, w, h)),
+    **{name: _affine(rows) for name, rows in GEOMETRY.items()},
 }
+
+
+class Kind(IntEnum):
+    """What a device pass does to an image (engine.data.augment_passes), one per image and layer."""
+
+    LUT = 0  # a table of the levels (the point ops, and no op: the identity)
+    WARP = 1  # an affine transform
+    EQUALIZE = 2
+    AUTOCONTRAST = 3
+    BLEND_GRAY = 4  # Color: blend with the image's gray
+    BLEND_SMOOTH = 5  # Sharpness: with its smoothed self
+    BLEND_MEAN = 6  # Contrast: with its mean gray
+    BLEND_ZERO = 7  # Brightness: with black
+
+
+KINDS = {
+    "AutoContrast": Kind.AUTOCONTRAST,
+    "Equalize": Kind.EQUALIZE,
+    **{name: Kind.LUT for name in POINTS},
+    **{name: Kind.WARP for name in GEOMETRY},
+    **{
+        name: kind
+        for base, kind in [
+            ("Color", Kind.BLEND_GRAY),
+            ("Sharpness", Kind.BLEND_SMOOTH),
+            ("Contrast", Kind.BLEND_MEAN),
+            ("Brightness", Kind.BLEND_ZERO),
+        ]
+        for name in (base, f"{base}Increasing")
+    },
+}
+PLAN_WIDTH = 8  # a plan row: kind, blend factor, six affine coefficients
+
+
+def layer_plans(
+    names: tuple[str, ...], ops: np.ndarray, args: np.ndarray, width: int, height: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sampled ops (RandAugmentSpec.sample's (op index, argument), (layers, N)) as the device passes take
+    them: plan rows (layers, N, PLAN_WIDTH) and level tables (layers, N, 256), the identity where none applies."""
+    layers, batch = ops.shape
+    plans = np.zeros((layers, batch, PLAN_WIDTH))
+    tables = np.broadcast_to(np.arange(256.0), (layers, batch, 256)).copy()
+    for k in np.unique(ops[ops >= 0]):
+        chosen = ops == k
+        name, arg = names[k], args[chosen]
+        plans[chosen, 0] = KINDS[name]
+        plans[chosen, 1] = arg
+        if name in GEOMETRY:
+            plans[chosen, 2:] = np.stack(GEOMETRY[name](arg, width, height, np), 1)
+        elif name in POINTS:
+            tables[chosen] = POINTS[name](np.arange(256.0), arg[:, None])
+    return plans, tables
 
 
 def _signed(value: np.ndarray, negate: np.ndarray) -> np.ndarray:
@@ -324,29 +406,6 @@ class RandAugmentSpec:
         return np.where(applies.numpy(), ops, -1).T, args.T
 
 
-def rand_augment_groups(ops: np.ndarray, args: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """The sampled plan as (op index, image rows, arguments) groups, layer by layer: each group is one
-    batched call on the images that drew that op in that layer."""
-    groups = []
-    for layer_ops, layer_args in zip(ops, args):
-        for k in np.unique(layer_ops[layer_ops >= 0]):
-            rows = np.flatnonzero(layer_ops == k)
-            groups.append((int(k), rows, layer_args[rows]))
-    return groups
-
-
-def apply_rand_augment(
-    images: torch.Tensor,
-    names: tuple[str, ...],
-    groups: list[tuple[int, torch.Tensor, torch.Tensor]],
-    ctx: OpContext,
-) -> torch.Tensor:
-    """Applies the (op index, rows, arguments) groups in order, rows and arguments already on the device."""
-    for k, rows, args in groups:
-        images.index_copy_(0, rows, OPS[names[k]](images.index_select(0, rows), args, ctx))
-    return images
-
-
 @dataclass(frozen=True)
 class ErasingSpec:
     """timm's RandomErasing settings (one box per image, as the engine's recipe uses)."""
@@ -376,18 +435,23 @@ class ErasingSpec:
         return np.stack([top, left, h, w], 1) * keep[:, None]
 
 
-def erase(images: torch.Tensor, boxes: torch.Tensor, spec: ErasingSpec, pixels: int, generator: torch.Generator):
-    """Fills each image's box ((N, 4) top, left, h, w on the device; `pixels` their total area x channels,
-    known on the host) as timm's RandomErasing does, noise drawn from `generator` (on the device)."""
+def erasing_noise(mode: str, boxes: np.ndarray, channels: int, generator: torch.Generator) -> torch.Tensor:
+    """The values `erase` fills the (N, 4) boxes (on the host) with, drawn from `generator` (on the device):
+    'pixel': one per erased pixel and channel, image by image in row-major order; 'rand': one per image and
+    channel; 'const': none (zeros)."""
+    count = {"pixel": int((boxes[:, 2] * boxes[:, 3]).sum()) * channels, "rand": len(boxes) * channels}.get(mode, 0)
+    return torch.empty(count, device=generator.device).normal_(generator=generator)
+
+
+def erase(images: torch.Tensor, boxes: torch.Tensor, mode: str, noise: torch.Tensor) -> torch.Tensor:
+    """Fills each image's box ((N, 4) top, left, h, w) with `erasing_noise`'s values, as timm's RandomErasing."""
     n, channels, height, width = images.shape
     rows = torch.arange(height, device=images.device).view(1, height, 1)
     cols = torch.arange(width, device=images.device).view(1, 1, width)
     top, left, h, w = (v.view(n, 1, 1) for v in boxes.unbind(1))
     mask = ((rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)).unsqueeze(1)
-    if spec.mode == "pixel":
-        noise = torch.empty(pixels, dtype=images.dtype, device=images.device).normal_(generator=generator)
+    if mode == "pixel":
         return images.masked_scatter_(mask.expand_as(images), noise)
-    if spec.mode == "rand":
-        colors = torch.empty((n, channels, 1, 1), dtype=images.dtype, device=images.device)
-        return torch.where(mask, colors.normal_(generator=generator), images)
+    if mode == "rand":
+        return torch.where(mask, noise.view(n, channels, 1, 1), images)
     return images.masked_fill_(mask, 0.0)
