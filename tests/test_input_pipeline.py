@@ -24,7 +24,7 @@ from convbias.engine.config.options import Config
 from convbias.engine.data.device_augment import AugmentSpec, CropFlip, DeviceAugment, DeviceBatches
 from convbias.engine.data.factory import _posterize_zero_bits, build_datasets, fast_path_reason
 from convbias.engine.data.loaders import seeded_rngs
-from convbias.engine.data.rand_augment import LEVELS, OPS, ErasingSpec, OpContext, RandAugmentSpec, erase
+from convbias.engine.data.rand_augment import LEVELS, OPS, ErasingSpec, OpContext, RandAugmentSpec, erase, erasing_noise
 
 DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 
@@ -224,7 +224,9 @@ def test_random_erasing_boxes_follow_timms():
 def test_erase_fills_exactly_the_boxes():
     images = torch.zeros(3, 2, 10, 12)
     boxes = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [5, 7, 5, 5]])
-    out = erase(images, boxes, ErasingSpec(1.0), 2 * (12 + 25), torch.Generator().manual_seed(0))
+    noise = erasing_noise("pixel", boxes.numpy(), 2, torch.Generator().manual_seed(0))
+    assert noise.numel() == 2 * (12 + 25)
+    out = erase(images, boxes, "pixel", noise)
     erased = out != 0
     assert erased[0, :, 1:4, 2:6].all() and erased[0].sum() == 2 * 12 and not erased[1].any()
     assert erased[2, :, 5:10, 7:12].all() and erased[2].sum() == 2 * 25

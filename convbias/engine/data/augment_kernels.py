@@ -1,5 +1,5 @@
-"""Triton kernels of the device augmentation's passes (engine.data.augment_passes), imported on first use:
-`triton.jit` reads TRITON_INTERPRET when it decorates, so the process sets it before (the tests' interpreter).
+"""Triton kernels of the device augmentation's passes (engine.data.augment_passes). `triton.jit` reads
+TRITON_INTERPRET when it decorates, at import: the tests' interpreter runs in a process started with it set.
 
 One program per (image, block of pixels), all channels at once; the image's plan row (engine.data.rand_augment's
 Kind, factor, affine coefficients) picks what it does. The arithmetic is the reference's (augment_passes,

@@ -6,8 +6,8 @@ plan row (engine.data.rand_augment.layer_plans: a level table, an affine warp, e
 blend with gray, smoothed, mean or black), writing uint8, or for the last layer the normalized fp32 batch
 with the erased boxes filled. Both are `torch.library.custom_op`s: on CUDA tensors each is one Triton
 kernel (engine.data.augment_kernels); on CPU tensors the same kernels under Triton's interpreter when
-TRITON_INTERPRET=1 is set (how the tests check them), and otherwise the reference: rand_augment's batched
-ops, image group by image group.
+TRITON_INTERPRET=1 is set when the process starts (how the tests check them), and otherwise the reference:
+rand_augment's batched ops, image group by image group (also where Triton is not installed).
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ import torch
 
 from .rand_augment import OPS, Kind, OpContext, _apply_lut, _gray, _warp, erase
 
+try:
+    from . import augment_kernels
+except ImportError:  # torch without Triton (a CPU build): the reference runs
+    augment_kernels = None
+
 ERASE_MODES = ("none", "pixel", "rand", "const")  # augment_kernels' ERASE_* codes, in order
 GPU_BLOCK, INTERPRETER_BLOCK = 1024, 64  # pixels per program
 
@@ -27,13 +32,8 @@ def _interpreting() -> bool:
 
 
 def _use_kernel(images: torch.Tensor) -> bool:
-    return images.device.type == "cuda" or (images.device.type == "cpu" and _interpreting())
-
-
-def _kernels():
-    from . import augment_kernels
-
-    return augment_kernels
+    on_device = images.device.type == "cuda" or (images.device.type == "cpu" and _interpreting())
+    return on_device and augment_kernels is not None
 
 
 def _grid(images: torch.Tensor) -> tuple[tuple[int, int], dict]:
@@ -50,7 +50,7 @@ def augment_histograms(images: torch.Tensor) -> torch.Tensor:
     if _use_kernel(images):
         hist = torch.zeros((n, channels + 1, 256), dtype=torch.int32, device=images.device)
         grid, sizes = _grid(images)
-        _kernels().histogram_kernel[grid](images, hist, height * width, **sizes)
+        augment_kernels.histogram_kernel[grid](images, hist, height * width, **sizes)
         return hist
     gray = _gray(images.float()).to(torch.uint8)
     levels = torch.cat([images, gray], 1).flatten(2).long()
@@ -88,7 +88,7 @@ def augment_pass(
         height, width = images.shape[-2:]
         out = torch.empty_like(images, dtype=torch.float32 if final else torch.uint8)
         grid, sizes = _grid(images)
-        _kernels().pass_kernel[grid](
+        augment_kernels.pass_kernel[grid](
             images, out, plans, tables, histograms, cumulative, boxes, noise, fill, mean, std, height, width,
             BICUBIC=interpolation == "bicubic", FINAL=final, ERASE=ERASE_MODES.index(erasing), enable_fp_fusion=False,
             **sizes,
