@@ -124,9 +124,9 @@ def test_the_ops_build_tables_for_every_point_op():
 def test_custom_ops_pass_opcheck():
     """Schema and fake (meta) implementations, as torch.compile relies on them."""
     images = torch.randint(0, 256, (4, 3, 6, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    torch.library.opcheck(augment_passes.augment_histograms, (images,))
-    plans, tables = layer_plans(("Invert",), np.array([[0, -1, 0, -1]]), np.zeros((1, 4)), 5, 6)
-    histograms = augment_passes.augment_histograms(images)
+    plans, tables = layer_plans(("Invert", "Equalize"), np.array([[0, -1, 1, -1]]), np.zeros((1, 4)), 5, 6)
+    torch.library.opcheck(augment_passes.augment_histograms, (images, torch.from_numpy(plans[0])))
+    histograms = augment_passes.augment_histograms(images, torch.from_numpy(plans[0]))
     rest = (torch.zeros(4, 5, dtype=torch.float64), torch.zeros(0), torch.zeros(3), torch.zeros(3), torch.ones(3))
     for final in (False, True):
         args = (images, torch.from_numpy(plans[0]), torch.from_numpy(tables[0]), histograms, histograms.cumsum(-1))
@@ -179,7 +179,7 @@ def _interpreted_checks() -> dict:
         outputs = {}
         for kernel in (False, True):
             os.environ["TRITON_INTERPRET"] = "1" if kernel else "0"
-            histograms = augment_passes.augment_histograms(images)
+            histograms = augment_passes.augment_histograms(images, plans)
             cumulative = histograms.cumsum(-1, dtype=torch.int32)
             common = (plans, tables, histograms, cumulative, boxes, noise, fill, mean, std, interpolation)
             layer = augment_passes.augment_pass(images, *common, False, "none")

@@ -36,9 +36,13 @@ def _gray(values, channels, C: tl.constexpr):
 
 
 @triton.jit
-def histogram_kernel(images_ptr, hist_ptr, HW, C: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
-    """hist (N, C + 1, 256) int32, zeroed: each channel's levels, then the gray levels'."""
+def histogram_kernel(images_ptr, plan_ptr, hist_ptr, HW, C: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
+    """hist (N, C + 1, 256) int32, zeroed: each channel's levels, then the gray levels', of the images whose
+    plan row needs them (equalize, autocontrast, contrast)."""
     n = tl.program_id(0)
+    kind = tl.load(plan_ptr + n * ROW).to(tl.int32)
+    if (kind != EQUALIZE) & (kind != AUTOCONTRAST) & (kind != BLEND_MEAN):
+        return
     pixels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = pixels < HW
     channels = tl.arange(0, CP)

@@ -1,7 +1,7 @@
 """The device augmentation as two passes over the batch per RandAugment layer, every image's op at once.
 
-`augment_histograms` reads the uint8 batch once for every image's channel and gray histograms (what
-Equalize, AutoContrast and Contrast need); `augment_pass` then applies the layer: each image's op from its
+`augment_histograms` reads the images whose op needs them (Equalize, AutoContrast, Contrast) once for their
+channel and gray histograms; `augment_pass` then applies the layer: each image's op from its
 plan row (engine.data.rand_augment.layer_plans: a level table, an affine warp, equalize, autocontrast or a
 blend with gray, smoothed, mean or black), writing uint8, or for the last layer the normalized fp32 batch
 with the erased boxes filled. Both are `torch.library.custom_op`s: on CUDA tensors each is one Triton
@@ -43,24 +43,28 @@ def _grid(images: torch.Tensor) -> tuple[tuple[int, int], dict]:
     return (n, -(-height * width // block)), dict(C=channels, CP=channel_block, BLOCK=block)
 
 
+STATISTICS = (Kind.EQUALIZE, Kind.AUTOCONTRAST, Kind.BLEND_MEAN)  # the kinds that read the histograms
+
+
 @torch.library.custom_op("convbias::augment_histograms", mutates_args=())
-def augment_histograms(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, C, H, W) -> int32 (N, C + 1, 256): each channel's level counts, then Pillow's gray levels'."""
+def augment_histograms(images: torch.Tensor, plans: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, C, H, W) -> int32 (N, C + 1, 256): each channel's level counts, then Pillow's gray levels', for
+    the images whose plan row (N, PLAN_WIDTH) is of a kind in STATISTICS; zeros for the others."""
     n, channels, height, width = images.shape
+    hist = torch.zeros((n, channels + 1, 256), dtype=torch.int32, device=images.device)
     if _use_kernel(images):
-        hist = torch.zeros((n, channels + 1, 256), dtype=torch.int32, device=images.device)
         grid, sizes = _grid(images)
-        augment_kernels.histogram_kernel[grid](images, hist, height * width, **sizes)
+        augment_kernels.histogram_kernel[grid](images, plans, hist, height * width, **sizes)
         return hist
-    gray = _gray(images.float()).to(torch.uint8)
-    levels = torch.cat([images, gray], 1).flatten(2).long()
-    offsets = torch.arange(n * (channels + 1), device=images.device).view(n, channels + 1, 1) * 256
-    counts = torch.bincount((levels + offsets).flatten(), minlength=n * (channels + 1) * 256)
-    return counts.view(n, channels + 1, 256).int()
+    rows = torch.isin(plans[:, 0].long(), torch.tensor(STATISTICS)).nonzero().flatten()
+    selected = images[rows]
+    levels = torch.cat([selected, _gray(selected.float()).to(torch.uint8)], 1).flatten(2)
+    hist[rows] = hist[rows].scatter_add_(2, levels.long(), torch.ones_like(levels, dtype=torch.int32))
+    return hist
 
 
 @augment_histograms.register_fake
-def _(images):
+def _(images, plans):
     return images.new_empty((images.shape[0], images.shape[1] + 1, 256), dtype=torch.int32)
 
 
@@ -127,14 +131,13 @@ REFERENCE = {
 
 def _reference_pass(images, plans, tables, boxes, noise, fill, mean, std, interpolation, final, erasing):
     """augment_pass in rand_augment's batched ops, one call per kind on the images of that kind."""
-    x = images.float()
-    out = x.clone()
+    out = images.float()
     ctx = OpContext(fill.view(1, -1, 1, 1), interpolation)
     kinds = plans[:, 0].long()
     for kind, apply in REFERENCE.items():
         rows = (kinds == kind).nonzero().flatten()
-        if len(rows):
-            out[rows] = apply(x[rows], plans[rows], tables[rows], ctx)
+        if len(rows):  # each image in one kind: its rows are read before they are written
+            out[rows] = apply(out[rows], plans[rows], tables[rows], ctx)
     if not final:
         return out.to(torch.uint8)
     out = out.div_(255.0).sub_(mean.view(1, -1, 1, 1)).div_(std.view(1, -1, 1, 1))

@@ -347,7 +347,7 @@ class DeviceAugment:
         erasing = self.erasing.mode if self.erasing else "none"
         noise = erasing_noise(erasing, boxes, channels, self.noise_generator)
         for layer in range(len(plans)):
-            histograms = augment_histograms(images)
+            histograms = augment_histograms(images, plans_on_device[layer])
             cumulative = histograms.cumsum(-1, dtype=torch.int32)
             images = augment_pass(
                 images, plans_on_device[layer], tables_on_device[layer], histograms, cumulative, boxes_on_device,
