@@ -6,6 +6,7 @@ its prefetcher, and the engine's old (all-PIL) path, on the same ImageNet-sized 
     python benchmarks/input_pipeline.py                  # 500x375 quality-90 JPEGs (ImageNet's typical size)
     python benchmarks/input_pipeline.py --size 1000x750  # larger files: the JPEG draft decode kicks in
     python benchmarks/input_pipeline.py --device cuda    # the device half (and timm's prefetcher) on a GPU
+    python benchmarks/input_pipeline.py --cost           # only the device half's cost on a GPU, counted here
 
 The JPEGs are made from the images scikit-learn ships (no download) into a temporary directory. Each loader
 runs with one worker process; the worker's CPU time (time.process_time: all its threads) is read inside it
@@ -44,6 +45,7 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from convbias.dispatch_cost import DispatchCost
 from convbias.engine.config.options import Config
 from convbias.engine.data.datasets import DATASETS, ImageFolderDataset
 from convbias.engine.data.device_augment import AugmentSpec, DeviceAugment, DeviceBatches
@@ -234,6 +236,20 @@ def device_ms(recipe: AugmentSpec, batches: list[torch.Tensor], device: torch.de
     return (clock() - started) * 1e3 / len(batches)
 
 
+def print_cost(batch: int, seeds: int) -> None:
+    """The device half's aten ops and bytes written for one batch of random uint8 images at 224 (the DeiT
+    recipe), per seed: convbias.dispatch_cost's count of what a GPU launches and writes, on this CPU."""
+    images = torch.randint(
+        0, 256, (batch, 3, SIZE, SIZE), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    print(f"\n| seed | aten ops | bytes written / the batch's fp32 bytes |  (batch {batch} at {SIZE})\n|---|---|---|")
+    for seed in range(seeds):
+        augment = DeviceAugment(RECIPE, "cpu", seed=seed)
+        with DispatchCost() as cost:
+            augment(images)
+        print(f"| {seed} | {cost.ops} | {cost.bytes_written / (images.numel() * 4):.2f} |")
+
+
 def print_table(title: str, stages: dict[str, float]) -> None:
     print(f"\n{title}")
     print("| stage | CPU ms per image |\n|---|---|")
@@ -250,8 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quality", type=int, default=90)
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each loader, taken in turn")
     parser.add_argument("--device", default="cpu", help="where the stage table runs the device half (cuda: a GPU)")
+    parser.add_argument("--cost", action="store_true", help="only the device half's ops and bytes, seeds 0-4")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # CPU seconds, not spinning threads; the loader workers have one thread each
+    if args.cost:
+        print_cost(args.batch_size, seeds=5)
+        return
     size = tuple(int(v) for v in args.size.split("x"))
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), "?")
