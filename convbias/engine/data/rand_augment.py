@@ -177,23 +177,27 @@ def _rotation(degrees, width: int, height: int, xp: ModuleType) -> list:
     return [cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy]
 
 
+def _ones(arg, xp: ModuleType) -> tuple:
+    return xp.ones_like(arg), xp.zeros_like(arg)
+
+
 def _shear_x(f, w, h, xp):
-    one, zero = xp.ones_like(f), xp.zeros_like(f)
+    one, zero = _ones(f, xp)
     return [one, f, zero, zero, one, zero]
 
 
 def _shear_y(f, w, h, xp):
-    one, zero = xp.ones_like(f), xp.zeros_like(f)
+    one, zero = _ones(f, xp)
     return [one, zero, zero, f, one, zero]
 
 
 def _translate_x(pixels, w, h, xp):
-    one, zero = xp.ones_like(pixels), xp.zeros_like(pixels)
+    one, zero = _ones(pixels, xp)
     return [one, zero, pixels, zero, one, zero]
 
 
 def _translate_y(pixels, w, h, xp):
-    one, zero = xp.ones_like(pixels), xp.zeros_like(pixels)
+    one, zero = _ones(pixels, xp)
     return [one, zero, zero, zero, one, pixels]
 
 
