@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .rand_augment import GRAY_WEIGHTS, PLAN_WIDTH, Kind
 
+NONE = tl.constexpr(int(Kind.NONE))
 LUT = tl.constexpr(int(Kind.LUT))
 WARP = tl.constexpr(int(Kind.WARP))
 EQUALIZE = tl.constexpr(int(Kind.EQUALIZE))
@@ -177,7 +178,9 @@ def pass_kernel(
     else:
         values = tl.load(image + channel_offsets + pixels[None, :], mask=mask, other=0).to(tl.int32)
         stats = (n * (C + 1) + channels[:, None]) * 256
-        if kind == LUT:
+        if kind == NONE:
+            value = values.to(tl.float32)
+        elif kind == LUT:
             value = tl.load(tables_ptr + n * 256 + values, mask=mask, other=0).to(tl.float32)
         elif (kind == EQUALIZE) | (kind == AUTOCONTRAST):
             bins = tl.arange(0, 256)[None, :]

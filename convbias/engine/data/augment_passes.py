@@ -2,8 +2,8 @@
 
 `augment_histograms` reads the images whose op needs them (Equalize, AutoContrast, Contrast) once for their
 channel and gray histograms; `augment_pass` then applies the layer: each image's op from its
-plan row (engine.data.rand_augment.layer_plans: a level table, an affine warp, equalize, autocontrast or a
-blend with gray, smoothed, mean or black), writing uint8, or for the last layer the normalized fp32 batch
+plan row (engine.data.rand_augment.layer_plans: none, a level table, an affine warp, equalize, autocontrast
+or a blend with gray, smoothed, mean or black), writing uint8, or for the last layer the normalized fp32 batch
 with the erased boxes filled. Both are `torch.library.custom_op`s: on CUDA tensors each is one Triton
 kernel (engine.data.augment_kernels); on CPU tensors the same kernels under Triton's interpreter when
 TRITON_INTERPRET=1 is set when the process starts (how the tests check them), and otherwise the reference:

@@ -245,14 +245,15 @@ OPS: dict[str, Callable[[torch.Tensor, torch.Tensor, OpContext], torch.Tensor]] 
 class Kind(IntEnum):
     """What a device pass does to an image (engine.data.augment_passes), one per image and layer."""
 
-    LUT = 0  # a table of the levels (the point ops, and no op: the identity)
-    WARP = 1  # an affine transform
-    EQUALIZE = 2
-    AUTOCONTRAST = 3
-    BLEND_GRAY = 4  # Color: blend with the image's gray
-    BLEND_SMOOTH = 5  # Sharpness: with its smoothed self
-    BLEND_MEAN = 6  # Contrast: with its mean gray
-    BLEND_ZERO = 7  # Brightness: with black
+    NONE = 0  # no op drawn, or not applied
+    LUT = 1  # a table of the levels (the point ops)
+    WARP = 2  # an affine transform
+    EQUALIZE = 3
+    AUTOCONTRAST = 4
+    BLEND_GRAY = 5  # Color: blend with the image's gray
+    BLEND_SMOOTH = 6  # Sharpness: with its smoothed self
+    BLEND_MEAN = 7  # Contrast: with its mean gray
+    BLEND_ZERO = 8  # Brightness: with black
 
 
 KINDS = {
