@@ -28,6 +28,7 @@ import torch
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
+from convbias.engine.checkpointing.run_files import check_output_folder
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
 from convbias.evaluation.robustness import PAPER_ATTACK
 from convbias.evaluation.robustness_report import table_markdown
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _evaluate(argv: list[str] | None) -> None:
     args = parse_args(argv)
+    check_output_folder(args.output)  # before any model is evaluated
     study = RobustnessStudy(_options(args))
     result = evaluate(study, settings=vars(args))
     print(table_markdown(result["table"]), end="")
