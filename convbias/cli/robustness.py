@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse and check everything that needs no data or model."""
     args = build_parser().parse_args(argv)
+    check_output_folder(args.output)  # before any run is read or model evaluated
     announce(args)
     if args.source and args.checkpoint:
         raise ConfigError(f"{args.source} and --checkpoint {args.checkpoint}: give the run or weights once")
@@ -223,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _evaluate(argv: list[str] | None) -> None:
     args = parse_args(argv)
-    check_output_folder(args.output)  # before any model is evaluated
     study = RobustnessStudy(_options(args))
     result = evaluate(study, settings=vars(args))
     print(table_markdown(result["table"]), end="")

@@ -290,7 +290,18 @@ class CheckpointDir:
         owned = [p for p in self.points() if self._owned(p)]
         for path in owned[self.keep :]:
             if path.name not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                self._discard(path)
+
+    def _discard(self, point: Path) -> None:
+        """Rename ``point`` to its staging name, then delete it: a command reading the run meanwhile finds the
+        whole point or none of it, never a point with some of its files gone (engine.checkpointing.run_dir)."""
+        staging = self._staging(point.name)
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            os.rename(point, staging)
+        except OSError:  # kept: nothing is deleted that was not first set apart whole
+            return
+        shutil.rmtree(staging, ignore_errors=True)
 
     def save_snapshot(self, epoch: int, weights: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
         """``--save-epochs``: a weights-only copy that the rotation never deletes, listed with its size and
