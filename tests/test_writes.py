@@ -203,3 +203,14 @@ def test_a_run_that_keeps_rotating_under_a_reader_is_one_line_run_again(folders,
     capsys.readouterr()
     assert predict.main([str(run), str(tmp_path / ".." / folders.image)]) == EXIT_REQUEUE
     one_line(messages(capsys.readouterr().err), rf"^error: {run} is being written: .* run the command again")
+
+
+def test_an_export_of_a_run_being_written_holds_the_next_verified_point(folders, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "training"
+    shutil.copytree(folders.run, run, symlinks=True)
+    rotate_under_the_reader(run, monkeypatch, times=1)
+    assert export.main([str(run), "--output", str(tmp_path / "exported")]) == 0
+    assert "epoch 3" in capsys.readouterr().out
+    exported = read_state_dict(tmp_path / "exported" / WEIGHTS_FILE)
+    expected = read_state_dict(run / CHECKPOINTS_DIR / point_name(3) / WEIGHTS_FILE)
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)

@@ -322,6 +322,9 @@ class RunDir:
         """What rebuilding the run's model needs: model, model_kwargs (with --gp as global_pool), img_size,
         in_chans, num_classes, and the checkpoint (a verified RunCheckpoint). Classes and channels come from the
         checkpoint's metadata, else from config.yaml and the dataset's description."""
+        return self._while_written(which, lambda: self._unless_removed(which, lambda: self._model_spec(which)))
+
+    def _model_spec(self, which: str) -> dict[str, Any]:
         options, checkpoint = self.options(), self.checkpoint(which)
         metadata = weights_metadata(checkpoint.weights)
         dataset = DATASETS.get(options.get("dataset", ""))
@@ -355,14 +358,29 @@ class RunDir:
         next verified one."""
         return self._while_written(which, lambda: self._build_model(which, extensions))
 
-    def _build_model(self, which: str, extensions: Any) -> tuple[Any, RunCheckpoint]:
+    def load_weights(self, model: torch.nn.Module, which: str = DEFAULT_WHICH) -> RunCheckpoint:
+        """Load the verified weights of ``which`` into ``model`` (built as ``model_spec`` says): the point
+        chosen, or the next verified one when the run removed it meanwhile. Returns the checkpoint loaded."""
+        return self._while_written(which, lambda: self._unless_removed(which, lambda: self._load(model, which)))
+
+    def _load(self, model: torch.nn.Module, which: str) -> RunCheckpoint:
+        checkpoint = self.checkpoint(which)
+        load_weights(model, checkpoint.weights)
+        return checkpoint
+
+    def _unless_removed(self, which: str, read: Callable[[], Read]) -> Read:
+        """``read()`` of the checkpoint ``which`` verified earlier; PointRemoved when it failed because the run
+        removed that point meanwhile (a file gone is not the user's mistake then)."""
         try:
-            return self._build_verified_model(which, extensions)
+            return read()
         except (ConfigError, DamagedCheckpointError, OSError):
             chosen = self._verified.get(which)
             if which in WHICH and chosen is not None and not chosen.weights.parent.is_dir():
                 raise PointRemoved(chosen.weights.parent) from None
             raise
+
+    def _build_model(self, which: str, extensions: Any) -> tuple[Any, RunCheckpoint]:
+        return self._unless_removed(which, lambda: self._build_verified_model(which, extensions))
 
     def _build_verified_model(self, which: str, extensions: Any) -> tuple[Any, RunCheckpoint]:
         spec = self.model_spec(which)
@@ -378,8 +396,7 @@ class RunDir:
             model = known[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
         if cfg.output_scale is not None:
             model = OutputScale(model, cfg.output_scale)
-        load_weights(model, spec["checkpoint"].weights)
-        return model.eval(), spec["checkpoint"]
+        return model.eval(), self._load(model, which)
 
     # ---------------------------------------------------------------------------------- bookkeeping
     def results(self) -> dict[str, Any] | None:
