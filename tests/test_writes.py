@@ -5,7 +5,9 @@ exported model, however the path is spelled, unless the writer is the run itself
 reads a run still training loads the point it verified or the next verified one. The runs are real (a tiny
 eFCN trained by train.py) and the export is convbias-export's, built once for the module."""
 
+import re
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ import yaml
 from test_hostile_inputs import one_line, png, tree
 from test_train_errors import messages
 
+from convbias import storage
 from convbias.cli import (
     diagnostics,
     efcn_protocol,
@@ -30,7 +33,7 @@ from convbias.engine import RunDir
 from convbias.engine.checkpointing import run_dir as run_dir_module
 from convbias.engine.checkpointing.layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
 from convbias.engine.checkpointing.points import CheckpointDir
-from convbias.errors import EXIT_REQUEUE, EXIT_USAGE
+from convbias.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from convbias.families import load_families
 from convbias.weights import read_state_dict
 
@@ -98,6 +101,33 @@ def test_predict_never_writes_over_an_exports_config(folders, tmp_path, monkeypa
     assert predict.main([str(folders.exported), str(folders.image), "--output", str(target)]) == EXIT_USAGE
     one_line(messages(capsys.readouterr().err), rf"--output {target} is a file of the exported model ")
     assert snapshot(folders) == before
+
+
+# --------------------------------------------------------------------------------- the shared writer
+@pytest.mark.parametrize("spelling", ["plain", "relative", "dot-dot", "link", "point"])
+def test_the_shared_writer_refuses_a_runs_file_however_spelled(folders, tmp_path, monkeypatch, spelling):
+    before = snapshot(folders)
+    target = {
+        "plain": folders.run / "summary.csv",
+        "relative": Path(folders.run.name) / "results.json",
+        "dot-dot": folders.run / CHECKPOINTS_DIR / ".." / "config.yaml",
+        "link": tmp_path / "alias" / "log.jsonl",
+        "point": folders.run / CHECKPOINTS_DIR / point_name(2) / "manifest.json",
+    }[spelling]
+    monkeypatch.chdir(folders.root)
+    (tmp_path / "alias").symlink_to(folders.run)
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(target))} is a file of the run {folders.run}"):
+        storage.write_text(target, "replaced\n")
+    assert snapshot(folders) == before
+
+
+def test_the_run_itself_writes_its_own_files(folders, tmp_path):
+    own = tmp_path / "own"
+    shutil.copytree(folders.run, own, symlinks=True)
+    storage.write_text(own / "results.json", "{}\n", owner=own)  # train.py's records, with their owner
+    assert (own / "results.json").read_text() == "{}\n"
+    with pytest.raises(ConfigError, match="is a file of the run"):
+        storage.write_text(own / "results.json", "{}\n", owner=folders.run)  # another run is no owner here
 
 
 # ------------------------------------------------------------------------------------- every writer

@@ -161,12 +161,12 @@ def check_which(which: str) -> str:
     return which
 
 
-class PointRemoved(Exception):
+class PointRemoved(RunBeingWrittenError):
     """The resume point a reader chose was removed (the run's rotation) before the reader was done with it."""
 
     def __init__(self, point: Path):
         self.point = point
-        super().__init__(str(point))
+        super().__init__(f"{point} was removed while it was read: its run is being written; run the command again")
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def check_destination(path: str | Path, option: str = "--output", owner: str | P
         return
     what = "run" if run_owning(path) is not None else "exported model"
     raise ConfigError(
-        f"{option} {path} is a file of the {what} {folder}; no command writes over a file another command "
+        f"{option} {path} is a file of the {what} {folder.resolve()}; no command writes over a file another command "
         f"reads: choose another path"
     )
 
