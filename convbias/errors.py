@@ -57,6 +57,11 @@ class UnreadableImageError(DamagedInputError):
         super().__init__(message)
 
 
+class RunBeingWrittenError(Exception):
+    """A run still training removed, again and again, the resume point a command was reading (its rotation
+    of superseded points): nothing is wrong with the run or the command; run it again (exit code 75)."""
+
+
 class StorageError(Exception):
     """Writing into the output failed: disk full, read-only, removed (exit code 74). The message says what
     failed, what is kept and how to resume."""
@@ -78,6 +83,7 @@ class Preempted(Exception):
 # commands' own checks of their options and inputs; any other OSError is a write that failed)
 STOPS: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     ((Preempted,), EXIT_REQUEUE, "preempted"),
+    ((RunBeingWrittenError,), EXIT_REQUEUE, "error"),
     ((DamagedCheckpointError,), EXIT_DAMAGED, "error"),
     ((ConfigError, ValueError, FileNotFoundError), EXIT_USAGE, "error"),
     ((StorageError, OSError), EXIT_STORAGE, "error"),

@@ -67,7 +67,6 @@ from convbias.engine.data.factory import input_format
 from convbias.storage import staged_directory, storage_reason
 from convbias.tables import markdown_table
 from convbias.timm_checkpoint import create_timm_model, read_timm_checkpoint, timm_class_names, timm_data_config
-from convbias.weights import load_weights
 
 DEFAULT_LICENSE = "apache-2.0"
 FAMILY_TAGS = {"convit": "convit", "transformed_cnn": "transformed-cnn", "efcn": "efcn"}
@@ -160,8 +159,14 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
         model = create_model(build, spec["num_classes"], spec["in_chans"])
     except ConfigError as error:
         raise ValueError(str(error)) from None
-    load_weights(model, spec["checkpoint"].weights)
-    return model.eval(), {**spec, "model": name, "model_kwargs": model_kwargs, "config": config}
+    checkpoint = run.load_weights(model, which)  # the next verified point, if the run removed this one meanwhile
+    return model.eval(), {
+        **spec,
+        "checkpoint": checkpoint,
+        "model": name,
+        "model_kwargs": model_kwargs,
+        "config": config,
+    }
 
 
 def data_config(config: dict[str, Any], in_chans: int, img_size: int | None) -> dict[str, Any]:

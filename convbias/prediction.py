@@ -35,7 +35,7 @@ from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, check_not_run_file, is_timm_checkpoint_name
+from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, check_destination, is_timm_checkpoint_name
 from convbias.engine.data.device_augment import image_mode
 from convbias.engine.data.factory import build_transforms, input_format
 from convbias.families import load_families
@@ -288,7 +288,7 @@ def output_format(output: str | Path | None) -> str:
         raise ConfigError(f"--output {output}: unknown suffix {suffix or '(none)'!r}; choose .csv or .json")
     if not output.parent.is_dir():
         raise ConfigError(f"--output {output}: folder {output.parent} not found")
-    check_not_run_file(output)
+    check_destination(output)
     return suffix
 
 

@@ -4,8 +4,11 @@ Every command that writes results (train.py's bookkeeping, the sweep's CSVs, an 
 through ``atomic_write`` (a file) or ``staged_directory`` (a folder): the new content goes under a hidden
 temporary name, ``.<name>.tmp<pid>``, and is renamed into place only once complete. A write that fails
 removes its temporary; one that is killed leaves it, and the next write of the same name removes it once
-its process is gone (``remove_stale_temporaries``). ``storage_reason`` says in a few words why a write
-failed, naming the disk and the space it needs when it is full. Light to import: no torch.
+its process is gone (``remove_stale_temporaries``). Figures go through ``save_figure`` and output folders are
+made by ``output_folder``. Each of these refuses, before writing, a destination that is a file another
+command reads (a run's or an exported model's: ``check_destination``), unless the writer names that folder
+as its ``owner`` (train.py writing its own run). ``storage_reason`` says in a few words why a write failed,
+naming the disk and the space it needs when it is full. Light to import: no torch.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 _REASONS = {
     errno.EDQUOT: "the disk quota is exhausted",
@@ -60,9 +64,21 @@ def remove_stale_temporaries(path: Path) -> list[Path]:
     return removed
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_path)``, then rename tmp_path over ``path``: readers see the old or the new file."""
+def check_destination(path: str | os.PathLike, owner: str | os.PathLike | None = None) -> None:
+    """ConfigError when ``path`` is a file of a run or an exported model other than ``owner``'s
+    (engine.checkpointing.run_files, imported here at call time: the engine imports this module)."""
+    from convbias.engine.checkpointing.run_files import check_destination as refuse_others_files
+
+    refuse_others_files(path, owner=owner)
+
+
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[Path], None], owner: str | os.PathLike | None = None
+) -> None:
+    """Call ``write(tmp_path)``, then rename tmp_path over ``path``: readers see the old or the new file.
+    ``owner``: the run folder the writer owns (``check_destination``)."""
     path = Path(path)
+    check_destination(path, owner)
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
     try:
@@ -73,9 +89,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
             tmp.unlink(missing_ok=True)
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
+def write_text(path: str | os.PathLike, text: str, owner: str | os.PathLike | None = None) -> None:
     """``atomic_write`` of a text file (LF line endings as given)."""
-    atomic_write(path, lambda tmp: tmp.write_text(text, newline=""))
+    atomic_write(path, lambda tmp: tmp.write_text(text, newline=""), owner)
+
+
+def save_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
+    """``atomic_write`` of a matplotlib figure, in the format of ``path``'s suffix; returns ``path``."""
+    path = Path(path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip("."), **savefig))
+    return path
+
+
+def output_folder(path: str | os.PathLike, option: str = "--output") -> Path:
+    """Make a command's output folder (and its parents) once it is known to be no run's or exported model's
+    (engine.checkpointing.run_files.check_output_folder); returns it."""
+    from convbias.engine.checkpointing.run_files import check_output_folder
+
+    path = Path(path)
+    check_output_folder(path, option)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @contextlib.contextmanager
@@ -83,6 +117,7 @@ def staged_directory(path: str | os.PathLike) -> Iterator[Path]:
     """``with staged_directory(out) as tmp:`` fill ``tmp``; it becomes ``out`` (absent or empty) on success
     and is removed on any failure, so ``out`` never holds half of what was written."""
     path = Path(path)
+    check_destination(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     tmp = temporary_name(path)

@@ -286,7 +286,9 @@ def drawn(tmp_path_factory) -> tuple[dict[str, Figure], set[tuple[str, str]]]:
     save, init = Figure.savefig, Figure.__init__
 
     def record_save(fig: Figure, fname, *args, **kwargs):
-        saved[f"{builder}: {Path(fname).name}"] = fig
+        # the file's own name: convbias.storage.save_figure writes it under its temporary name first
+        name = re.sub(r"^[.](.+)[.]tmp[0-9]+$", r"\1", Path(fname).name)
+        saved[f"{builder}: {name}"] = fig
         return save(fig, fname, *args, **kwargs)
 
     def record_init(fig: Figure, *args, **kwargs):

@@ -134,7 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _take_run_options(args: argparse.Namespace) -> None:
     """The maps' run: its model, kwargs, image size, channels and classes for the options not given."""
-    spec = RunDir(args.checkpoint).model_spec(args.which)
+    args.weights_run = RunDir(args.checkpoint)  # loads the point chosen, or the next if the run removes it
+    spec = args.weights_run.model_spec(args.which)
     args.model = args.model or spec["model"]
     args.model_kwargs = {**spec["model_kwargs"], **args.model_kwargs}
     args.img_size = args.img_size or spec["img_size"]
@@ -200,7 +201,9 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
             model = timm.create_model(args.model, **kwargs)
     except TypeError as err:  # timm's own models reject unknown kwargs with a TypeError
         raise ValueError(f"--model {args.model} with {kwargs}: {err}") from None
-    if args.checkpoint:
+    if getattr(args, "weights_run", None) is not None:
+        args.weights_run.load_weights(model, args.which)
+    elif args.checkpoint:
         load_weights(model, args.checkpoint)
     image = load_image(args.image, model, args.in_chans, args.img_size)
     query = tuple(args.query) if args.query else None

@@ -17,6 +17,7 @@ import yaml
 from convbias.cli import OptionParser, report
 from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
 from convbias.experiments.efcn_seeds import single_seed_intervals, summarize_seeds
+from convbias.storage import output_folder, write_text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed", "optimizer", "data_dir")
             },
         )
-        out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "protocol_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        out = output_folder(args.output)
+        write_text(out / "protocol_config.yaml", yaml.safe_dump(cfg, sort_keys=False))
         if args.stage in ("all", "train"):
             train_stage(cfg, out)
         if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:

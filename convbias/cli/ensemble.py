@@ -16,7 +16,7 @@ import json
 
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_files import check_not_run_file
+from convbias.engine.checkpointing.run_files import check_destination
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
 from convbias.families import load_families
 from convbias.storage import write_text
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         args = parser.parse_args(argv)
         if args.output:
-            check_not_run_file(args.output)
+            check_destination(args.output)
         result = evaluate_runs(args.runs, load_families(), args.average, args.batch_size, args.which)
         for run, error, checkpoint in zip(args.runs, result.member_errors, result.checkpoints):
             print(f"{run}: error {error:.2f}% ({checkpoint.describe()})")

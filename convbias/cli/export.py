@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_files import check_not_run_file, is_timm_checkpoint_name
+from convbias.engine.checkpointing.run_files import check_output_folder, is_timm_checkpoint_name
 from convbias.errors import ConfigError, print_error
 
 
@@ -39,7 +39,7 @@ def _export(argv: list[str] | None) -> int:
     parser.add_argument("--push-to", metavar="REPO_ID", help="upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true", help="with --push-to: create a private repository")
     args = parser.parse_args(argv)
-    check_not_run_file(args.output)  # a folder in a run's checkpoints/ would be taken for a point's
+    check_output_folder(args.output)  # a folder in a run's checkpoints/ would be taken for a point's
     timm_file = is_timm_checkpoint_name(args.run)
     if timm_file and args.which:
         raise ConfigError(f"--which is for run directories; {args.run} is timm's checkpoint (--use-ema for its EMA)")

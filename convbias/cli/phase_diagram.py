@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from convbias.cli import OptionParser, run_command
-from convbias.engine.checkpointing.run_files import is_run_dir, run_owning
+from convbias.engine.checkpointing.run_files import check_output_folder
 from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
 
 
@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 def _phase_diagram(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     output = Path(args.output)
-    if is_run_dir(output) or run_owning(output):  # it writes its own config.yaml there
-        raise ValueError(f"--output {output} is a train.py run or inside one; choose another --output")
+    check_output_folder(output)  # it writes its own config.yaml there
     cfg = PhaseDiagramConfig.from_yaml(args.config) if args.config else PhaseDiagramConfig().validated()
     if args.plot_only and not (output / CELLS_CSV).is_file():
         raise ValueError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")

@@ -28,6 +28,7 @@ import torch
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
+from convbias.engine.checkpointing.run_files import check_output_folder
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
 from convbias.evaluation.robustness import PAPER_ATTACK
 from convbias.evaluation.robustness_report import table_markdown
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse and check everything that needs no data or model."""
     args = build_parser().parse_args(argv)
+    check_output_folder(args.output)  # before any run is read or model evaluated
     announce(args)
     if args.source and args.checkpoint:
         raise ConfigError(f"{args.source} and --checkpoint {args.checkpoint}: give the run or weights once")

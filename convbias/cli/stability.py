@@ -33,6 +33,7 @@ from convbias.evaluation.stability import CONVENTIONS
 from convbias.experiments import stability_study as study
 from convbias.experiments.stability_figures import plots
 from convbias.families import load_families
+from convbias.storage import output_folder, write_text
 from convbias.tables import write_csv
 
 CONTRAST_REFERENCE = "vanilla_cnn"  # the group every other is compared with, at the same training fraction
@@ -116,7 +117,7 @@ def study_command(argv: list[str] | None) -> int:
             first["images"],
             first["draws"],
         )
-    output.mkdir(parents=True, exist_ok=True)  # before measuring: an output that cannot be made stops it first
+    output_folder(output)  # before measuring: an output that cannot be made stops it first
     if not combine:
         rows, layer_rows = study.measure(runs, settings)
     summary, layers = study.seed_summary(rows), study.layer_summary(layer_rows)
@@ -135,8 +136,8 @@ def study_command(argv: list[str] | None) -> int:
         [study.summary_table(summary, delta, cut, settings.checkpoints) for delta, cut in settings.grid]
         + [study.layer_table(layers), study.contrast_table(contrasts)]
     )
-    (output / "stability.md").write_text(per_run)
-    (output / "summary.md").write_text(over_seeds)
+    write_text(output / "stability.md", per_run)
+    write_text(output / "summary.md", over_seeds)
     files = plots(rows, layer_rows, runs, settings, output)
     print(per_run + "\n" + over_seeds, end="")
     print("wrote " + ", ".join(map(str, [*tables, output / "stability.md", output / "summary.md", *files])))

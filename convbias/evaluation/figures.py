@@ -40,6 +40,8 @@ from matplotlib.legend import Legend
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
+from convbias.storage import output_folder, save_figure
+
 __all__ = [
     "displayable",
     "error_bar_note",
@@ -176,10 +178,9 @@ def _require(history: History, metric: str, what: str) -> None:
 
 def _save(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    output_folder(path.parent)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def _grid(count: int) -> tuple[int, int]:

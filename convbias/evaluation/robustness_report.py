@@ -14,6 +14,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from convbias import tables
+from convbias.storage import output_folder, save_figure, write_text
 
 from .corruptions import CATEGORIES, CATEGORY_OF
 
@@ -97,9 +98,7 @@ def plot_improvement(rows: Sequence[dict], model: str, baseline: str, path: str 
         axis.axhline(0, color="black", linewidth=0.8)
     fig.suptitle(f"top-1 of {model} relative to {baseline}", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=150)
-    return path
+    return save_figure(fig, path, dpi=150)
 
 
 def attack_settings(
@@ -163,8 +162,7 @@ def write_report(
     """Write the Table G.1-style table (robustness.csv / .md), the per-corruption accuracies
     (corruptions.csv), the corruption errors per category (corruption_errors.csv) and, with a
     baseline among the models, the Fig. 8.3 plot (improvement.png) of the first other model."""
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    output = output_folder(output)
     columns = TABLE_COLUMNS + ATTACK_COLUMNS
     files = dict(table_csv=tables.write_csv(_cells(table, columns), output / "robustness.csv"))
     described = _attack_description(table)
@@ -175,7 +173,7 @@ def write_report(
         + (described[1] if described else " FGSM, PGD: white-box L-inf attacks, eps and steps in their columns.")
         + "\n"
     )
-    (output / "robustness.md").write_text(table_markdown(table) + notes)
+    write_text(output / "robustness.md", table_markdown(table) + notes)
     files["table_md"] = output / "robustness.md"
     if corruption_rows:
         columns = ("model", "source", "corruption", "category", "severity", "top1")

@@ -15,6 +15,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from convbias.evaluation.figures import log_ticks, shared_legend
+from convbias.storage import save_figure
 
 
 def _colors(n: int):
@@ -31,7 +32,7 @@ def _save(fig, path: Path) -> None:
         for axis in (ax.xaxis, ax.yaxis):
             if axis.get_scale() in ("log", "symlog"):
                 log_ticks(axis)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def _symlog_epochs(ax) -> None:

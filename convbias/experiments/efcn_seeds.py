@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from convbias.storage import output_folder, write_text
 from convbias.tables import markdown_table, write_csv
 
 from .intervals import cell, interval, wilson
@@ -45,7 +46,7 @@ def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:
     per_seed = [(_read_csv(d / "relax_times.csv"), _read_csv(d / "baselines.csv")[0]) for d in seed_dirs]
     seeds = [yaml.safe_load((d / "protocol_config.yaml").read_text())["seed"] for d in seed_dirs]
     times = sorted({r["relax_time"] for rows, _ in per_seed for r in rows})
-    out.mkdir(parents=True, exist_ok=True)
+    output_folder(out)
     rows, baselines = [], {}
     for key in BASELINE_METRICS:
         n, mean, low, high = interval([b[key] for _, b in per_seed])
@@ -101,7 +102,7 @@ def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:
             ],
         )
     )
-    (out / "seeds.md").write_text(text)
+    write_text(out / "seeds.md", text)
     return [*files, out / "seeds.md"]
 
 
@@ -134,5 +135,5 @@ def single_seed_intervals(folder: Path, test_images: int) -> list[Path]:
         "images (test-set sampling only); the spread between seeds and the deviation delta: seeds.md.\n\n"
         + markdown_table(head, body)
     )
-    (folder / "single_seed.md").write_text(text)
+    write_text(folder / "single_seed.md", text)
     return [write_csv(rows, folder / "single_seed.csv"), folder / "single_seed.md"]

@@ -50,6 +50,7 @@ from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change
 from convbias.inputs import read_yaml
+from convbias.storage import output_folder, save_figure, write_text
 from convbias.tables import write_csv
 
 NETS_CSV = "nets.csv"  # one row per net, every measurement
@@ -270,8 +271,7 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
     """Train the whole grid, write nets.csv (one row per net) and cells.csv; return the cells."""
     torch.manual_seed(0)
     data = odd_even_digits(cfg.train_size, cfg.pca_components, cfg.data_seed)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / CONFIG_FILE).write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    write_text(output_folder(output) / CONFIG_FILE, yaml.safe_dump(asdict(cfg), sort_keys=False))
     all_rows, all_cells = [], []
     for width in cfg.widths:
         started = time.perf_counter()
@@ -381,7 +381,7 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     )
     fig.tight_layout()
     paths = [output / "phase_diagram.png"]
-    fig.savefig(paths[0], dpi=130)
+    save_figure(fig, paths[0], dpi=130)
 
     curves = curves or tuple(alphas[i] for i in sorted({0, len(alphas) // 2, len(alphas) - 1}))
     fig = Figure(figsize=(4 * len(curves) + 1.6, 3.4), layout="constrained")
@@ -401,5 +401,5 @@ def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = Non
     nets = "-".join(f"{n:g}" for n in sorted({min(c["seeds"] for c in cells), max(c["seeds"] for c in cells)}))
     shared_legend(fig, axes, title=f"single net: mean over {nets} seeds; ensemble: their average output; no error bars")
     paths.append(output / "double_descent.png")
-    fig.savefig(paths[1], dpi=130)
+    save_figure(fig, paths[1], dpi=130)
     return paths

@@ -27,6 +27,7 @@ from convbias.engine.checkpointing.layout import LOG_FILE
 from convbias.evaluation.ensembles import load_run
 from convbias.evaluation.figures import error_bar_note, log_ticks
 from convbias.evaluation.landscape import Batches, local_energy
+from convbias.storage import save_figure, write_text
 from convbias.tables import markdown_table, write_csv
 
 from .intervals import cell, error_bar, interval, per_seed_gaps
@@ -180,8 +181,7 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
     note = error_bar_note((r["n"] for r in summary), "95% t interval") + " (kernel change: of its geometric mean)"
     fig.suptitle(note, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def write(sweep_dir: Path, extensions=None) -> list[Path]:
@@ -189,7 +189,7 @@ def write(sweep_dir: Path, extensions=None) -> list[Path]:
     rows = summarize(sweep_dir, extensions)
     summary = over_seeds(rows)
     markdown_path = sweep_dir / MARKDOWN_NAME
-    markdown_path.write_text(markdown(summary))
+    write_text(markdown_path, markdown(summary))
     return [
         write_csv(rows, sweep_dir / CSV_NAME),
         write_csv(summary, sweep_dir / SEEDS_CSV_NAME),

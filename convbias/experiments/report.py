@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from convbias.storage import output_folder, write_text
 from convbias.tables import markdown_table
 
 from .intervals import (
@@ -230,8 +231,7 @@ def write_report(
     """Write ``report.md`` and the PNGs next to the CSV (or in ``out_dir``); return the paths. ``ensembles``
     (an ensembles.csv, e.g. ``ensembles_beside(csv_path)``) adds the table of ensembles over seeds."""
     rows = read_runs(csv_path)
-    out_dir = Path(out_dir) if out_dir is not None else Path(csv_path).parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_folder(out_dir if out_dir is not None else Path(csv_path).parent)
     metric = "best_top1" if best else "top1"
     if best and metric not in rows[0]:
         raise ValueError(f"{csv_path} has no best_top1 column")
@@ -280,5 +280,5 @@ def write_report(
             + ensemble_table(read_ensembles(ensembles))
         )
     report = out_dir / REPORT_NAME
-    report.write_text("\n\n".join(sections) + "\n")
+    write_text(report, "\n\n".join(sections) + "\n")
     return [report] + written

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 
 from convbias.engine.checkpointing.layout import CONFIG_FILE, LOG_FILE
 from convbias.inputs import json_record
+from convbias.storage import save_figure, write_text
 from convbias.tables import markdown_table, write_csv
 
 from .intervals import CONFIDENCE, cell, interval
@@ -121,7 +122,7 @@ def write_pairs(rows: list[dict], output: Path) -> list[Path]:
     pairs = pair_rows(rows)
     if not pairs:
         raise ValueError("no contrast of the study has a seed run in both groups: nothing to pair")
-    (output / "pairs.md").write_text(pair_table(pairs))
+    write_text(output / "pairs.md", pair_table(pairs))
     return [write_csv(pairs, output / "pairs.csv"), output / "pairs.md"]
 
 
@@ -209,8 +210,7 @@ def trajectory_figure(summary: list[dict], path: Path) -> Path:
     )
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    return path
+    return save_figure(fig, path, dpi=120, bbox_inches="tight")
 
 
 def write_trajectories(rows: list[dict[str, Any]], output: Path, figure: bool = True) -> list[Path]:

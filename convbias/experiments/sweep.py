@@ -65,6 +65,7 @@ from convbias.engine.data.factory import input_format
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
 from convbias.inputs import read_yaml
+from convbias.storage import output_folder, write_text
 from convbias.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
 
 from .sweep_spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
@@ -199,10 +200,8 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
                 "Use another output directory, or rerun with the recorded grid."
             )
         return
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
-    tmp.replace(record)
+    output_folder(sweep_dir)
+    write_text(record, yaml.safe_dump(spec, sort_keys=False))
 
 
 # ----------------------------------------------------------------------------- commands

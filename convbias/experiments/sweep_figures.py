@@ -11,6 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from convbias.evaluation.figures import error_bar_note
+from convbias.storage import save_figure
 
 from .intervals import error_bar, paired_gap, stat
 from .sweep_runs import (
@@ -79,8 +80,7 @@ def plot_sample_efficiency(rows: Rows, baseline: str, path: Path, metric: str = 
     note = error_bar_note(counts) + " (gap: of the per-seed differences)"
     fig.suptitle(f"{title or 'Sample efficiency'}\n{note}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def _is_numeric(values: list[Any]) -> bool:
@@ -139,5 +139,4 @@ def plot_parameter_sweep(rows: Rows, path: Path, metric: str = "top1") -> Path:
     if counts:
         fig.suptitle(error_bar_note(counts), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, dpi=120)

@@ -10,7 +10,16 @@ from typing import Any
 from ...errors import ConfigError, StorageError
 from ..config.options import Config
 from ..config.parsing import require
-from .run_files import RUN_KEYS, TIMM_SUFFIXES, is_run_dir, read_run_config
+from .layout import CHECKPOINTS_DIR, held_entries
+from .run_files import (
+    RUN_KEYS,
+    TIMM_SUFFIXES,
+    check_destination,
+    is_run_dir,
+    is_train_run,
+    read_run_config,
+    run_owning,
+)
 
 # What --eval-only RUN_DIR takes from the run: its model and data (RUN_KEYS), and its loader processes (the
 # parser's default would start workers where the run had none, as on a small machine or data set).
@@ -32,6 +41,7 @@ def evaluated_run_options(target: str) -> dict[str, Any]:
 def check_output_writable(output: str | Path) -> None:
     """--output must be (or become) a writable directory: checked before any set-up, nothing created."""
     path = Path(output)
+    check_destination(path)  # a folder in another run's checkpoints/, or an entry of an exported model
     require(not path.exists() or path.is_dir(), f"--output {path} is a file; pass a directory (new or of this run)")
     ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
@@ -52,3 +62,23 @@ def check(cfg: Config) -> None:
     )
     if not cfg.eval_only:
         check_output_writable(cfg.output)
+        if resume is not None:
+            check_resume_target(resume, Path(cfg.output))
+
+
+def check_resume_target(resume: Path, output: Path) -> None:
+    """An explicit --resume POINT continues into the point's own run or into a fresh --output: never into
+    another run that holds resume points or snapshots, whose points, config and logs it would replace."""
+    held = held_entries(output / CHECKPOINTS_DIR)
+    if not held:
+        return
+    run = resume if is_train_run(resume) else run_owning(resume)
+    if run is not None and run.resolve() == output.resolve():
+        return
+    source = f"a point of the run {run}" if run is not None else "not a point of that run"
+    own = f" (--output {run})" if run is not None else ""
+    raise ConfigError(
+        f"--resume {resume} is {source}, and --output {output} is another run (its {CHECKPOINTS_DIR}/ holds "
+        f"{', '.join(held)}): continuing there would replace its points, config and logs; continue into the "
+        f"point's own run{own} or into a new --output"
+    )

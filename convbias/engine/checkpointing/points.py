@@ -58,10 +58,16 @@ from .run_dir import (
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Write a state dict as safetensors, atomically. Tensors are copied to CPU (shared storage is fine)."""
+def save_weights(
+    state_dict: dict[str, torch.Tensor],
+    path: str | Path,
+    metadata: dict[str, str] | None = None,
+    owner: str | Path | None = None,
+) -> None:
+    """Write a state dict as safetensors, atomically. Tensors are copied to CPU (shared storage is fine).
+    ``owner``: the run whose file ``path`` is, when the run writes it (``convbias.storage.check_destination``)."""
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), owner)
 
 
 # ----------------------------------------------------------------------------------------- RNG states
@@ -99,7 +105,7 @@ def write_manifest(point: Path, epoch: int, step: int, best_epoch: int | None = 
     the run's best point so far (what ``RunDir`` reads to find it without loading the training state)."""
     files = {name: file_entry(point / name) for name in point_files(point)}
     text = json.dumps({"epoch": epoch, "step": step, "best_epoch": best_epoch, "files": files}, indent=1) + "\n"
-    atomic_write(point / MANIFEST_FILE, lambda tmp: tmp.write_text(text))
+    atomic_write(point / MANIFEST_FILE, lambda tmp: tmp.write_text(text), owner=point.parent.parent)
 
 
 def payload_bytes(obj: Any) -> int:
@@ -284,7 +290,18 @@ class CheckpointDir:
         owned = [p for p in self.points() if self._owned(p)]
         for path in owned[self.keep :]:
             if path.name not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                self._discard(path)
+
+    def _discard(self, point: Path) -> None:
+        """Rename ``point`` to its staging name, then delete it: a command reading the run meanwhile finds the
+        whole point or none of it, never a point with some of its files gone (engine.checkpointing.run_dir)."""
+        staging = self._staging(point.name)
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            os.rename(point, staging)
+        except OSError:  # kept: nothing is deleted that was not first set apart whole
+            return
+        shutil.rmtree(staging, ignore_errors=True)
 
     def save_snapshot(self, epoch: int, weights: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
         """``--save-epochs``: a weights-only copy that the rotation never deletes, listed with its size and
@@ -292,13 +309,13 @@ class CheckpointDir:
         self.root.mkdir(parents=True, exist_ok=True)
         path, listing = self.root / snapshot_file(epoch), self.root / SNAPSHOTS_FILE
         try:
-            save_weights(weights, path, metadata)
+            save_weights(weights, path, metadata, owner=self.root.parent)
             try:
                 entries = json.loads(listing.read_bytes())
             except (OSError, ValueError):
                 entries = {}
             entries = {**(entries if isinstance(entries, dict) else {}), path.name: file_entry(path)}
-            atomic_write(listing, lambda tmp: tmp.write_text(json.dumps(entries, indent=1) + "\n"))
+            atomic_write(listing, lambda tmp: tmp.write_text(json.dumps(entries, indent=1) + "\n"), self.root.parent)
         except WRITE_ERRORS as e:
             reason = storage_reason(e, self.root, payload_bytes(weights))
             raise StorageError(f"writing the snapshot {path.name} failed ({reason})") from None

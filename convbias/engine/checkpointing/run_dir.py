@@ -8,6 +8,10 @@ regenerated from the training state). Which point is which:
 - ``best``: the point of the best evaluation, as the newest point's training state records it;
 - ``init`` / ``epoch_N``: the ``--save-epochs`` snapshots ``checkpoints/epoch_N.safetensors``.
 
+A run that is still training rotates superseded points away while a command reads it: a point removed
+between its choice and its load is chosen again (the next verified one), and a run that keeps removing
+what is read is a RunBeingWrittenError (exit 75: run the command again), never a user's mistake.
+
 Every weights file is checked against its manifest before it is read; a damaged one is a
 DamagedCheckpointError (exit 65) naming it, the same for train.py --eval-only, ensembles, robustness,
 stability, diagnostics, export and the sweep. ``RunDir.results()`` reads results.json and
@@ -21,15 +25,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError, RunBeingWrittenError
 from ...weights import load_weights, weights_metadata
 from ..config.options import DEFAULT_WHICH, WHICH, Config
 from ..data.datasets import DATASETS
@@ -59,6 +63,9 @@ from .run_files import (
 
 _HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
 RESULT_KEYS = ("model", "epochs", "final_top1", "best_top1", "best_epoch")  # what makes results.json readable
+# How many times a command reading a run chooses a point again when the run's rotation removed the one it chose
+ROTATION_RETRIES = 3
+Read = TypeVar("Read")
 
 
 # ------------------------------------------------------------------------------- verifying what was written
@@ -154,6 +161,14 @@ def check_which(which: str) -> str:
     return which
 
 
+class PointRemoved(RunBeingWrittenError):
+    """The resume point a reader chose was removed (the run's rotation) before the reader was done with it."""
+
+    def __init__(self, point: Path):
+        self.point = point
+        super().__init__(f"{point} was removed while it was read: its run is being written; run the command again")
+
+
 @dataclass(frozen=True)
 class RunCheckpoint:
     """One checkpoint of a run: its verified weights file, which was asked for, and its position."""
@@ -224,8 +239,14 @@ class RunDir:
         return points[0]
 
     def verify(self, point: Path, name: str) -> Path:
-        """``point/name`` once it matches the point's manifest; DamagedCheckpointError naming it otherwise."""
-        problem = check_point(point, [name])
+        """``point/name`` once it matches the point's manifest; DamagedCheckpointError naming it otherwise
+        (PointRemoved when the run removed the point meanwhile)."""
+        try:
+            problem = check_point(point, [name])
+        except FileNotFoundError:
+            problem = f"{name} was removed while it was read"
+        if problem and not point.is_dir():
+            raise PointRemoved(point)
         if problem:
             raise DamagedCheckpointError(f"{point / name} is damaged: {problem}; it was not loaded")
         return point / name
@@ -264,8 +285,22 @@ class RunDir:
         """The weights of ``which`` (last, best, init or epoch_N), checked against the manifest before use;
         each is hashed once per RunDir (an ensemble verifies every member before it builds any model)."""
         if which not in self._verified:
-            self._verified[which] = self._find_checkpoint(which)
+            self._verified[which] = self._while_written(which, lambda: self._find_checkpoint(which))
         return self._verified[which]
+
+    def _while_written(self, which: str, read: Callable[[], Read]) -> Read:
+        """``read()`` of the checkpoint ``which``, again from the point chosen anew when the run's rotation
+        removed the one it chose (ROTATION_RETRIES times, then RunBeingWrittenError)."""
+        for _ in range(ROTATION_RETRIES):
+            try:
+                return read()
+            except PointRemoved as removed:
+                self._verified.pop(which, None)
+                point = removed.point
+        raise RunBeingWrittenError(
+            f"{self.path} is being written: its training removed the point {point.name} while it was read, "
+            f"{ROTATION_RETRIES} times; run the command again (or once the run has finished)"
+        )
 
     def _find_checkpoint(self, which: str) -> RunCheckpoint:
         if which in WHICH:
@@ -287,6 +322,9 @@ class RunDir:
         """What rebuilding the run's model needs: model, model_kwargs (with --gp as global_pool), img_size,
         in_chans, num_classes, and the checkpoint (a verified RunCheckpoint). Classes and channels come from the
         checkpoint's metadata, else from config.yaml and the dataset's description."""
+        return self._while_written(which, lambda: self._unless_removed(which, lambda: self._model_spec(which)))
+
+    def _model_spec(self, which: str) -> dict[str, Any]:
         options, checkpoint = self.options(), self.checkpoint(which)
         metadata = weights_metadata(checkpoint.weights)
         dataset = DATASETS.get(options.get("dataset", ""))
@@ -316,7 +354,35 @@ class RunDir:
     def build_model(self, which: str = DEFAULT_WHICH, extensions: Any = None) -> tuple[Any, RunCheckpoint]:
         """The run's model as train.py built it, in eval mode with the verified weights of ``which``: timm's
         registry, the reparametrization the weights were written after (from ``extensions``), the
-        output-scale wrapper of an ``--output-scale`` run."""
+        output-scale wrapper of an ``--output-scale`` run. A point the run removes meanwhile gives way to the
+        next verified one."""
+        return self._while_written(which, lambda: self._build_model(which, extensions))
+
+    def load_weights(self, model: torch.nn.Module, which: str = DEFAULT_WHICH) -> RunCheckpoint:
+        """Load the verified weights of ``which`` into ``model`` (built as ``model_spec`` says): the point
+        chosen, or the next verified one when the run removed it meanwhile. Returns the checkpoint loaded."""
+        return self._while_written(which, lambda: self._unless_removed(which, lambda: self._load(model, which)))
+
+    def _load(self, model: torch.nn.Module, which: str) -> RunCheckpoint:
+        checkpoint = self.checkpoint(which)
+        load_weights(model, checkpoint.weights)
+        return checkpoint
+
+    def _unless_removed(self, which: str, read: Callable[[], Read]) -> Read:
+        """``read()`` of the checkpoint ``which`` verified earlier; PointRemoved when it failed because the run
+        removed that point meanwhile (a file gone is not the user's mistake then)."""
+        try:
+            return read()
+        except (ConfigError, DamagedCheckpointError, OSError):
+            chosen = self._verified.get(which)
+            if which in WHICH and chosen is not None and not chosen.weights.parent.is_dir():
+                raise PointRemoved(chosen.weights.parent) from None
+            raise
+
+    def _build_model(self, which: str, extensions: Any) -> tuple[Any, RunCheckpoint]:
+        return self._unless_removed(which, lambda: self._build_verified_model(which, extensions))
+
+    def _build_verified_model(self, which: str, extensions: Any) -> tuple[Any, RunCheckpoint]:
         spec = self.model_spec(which)
         cfg = self.run_config().replace(img_size=spec["img_size"], pretrained=False, pretrained_file=None)
         model = create_model(cfg, spec["num_classes"], spec["in_chans"])
@@ -330,8 +396,7 @@ class RunDir:
             model = known[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
         if cfg.output_scale is not None:
             model = OutputScale(model, cfg.output_scale)
-        load_weights(model, spec["checkpoint"].weights)
-        return model.eval(), spec["checkpoint"]
+        return model.eval(), self._load(model, which)
 
     # ---------------------------------------------------------------------------------- bookkeeping
     def results(self) -> dict[str, Any] | None:

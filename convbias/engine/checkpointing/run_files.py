@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.constants import PYTORCH_WEIGHTS_NAME, SAFETENSORS_SINGLE_FILE
+
 from ...errors import ConfigError
 from ...inputs import first_line, json_record, read_yaml
 from .layout import (
@@ -32,6 +34,10 @@ def is_timm_checkpoint_name(path: str | Path) -> bool:
     """Whether ``path`` is a file named as timm's checkpoints are (its content is checked when it is read)."""
     return str(path).endswith(TIMM_SUFFIXES) and Path(path).is_file()
 
+
+# What marks a folder as an exported model: timm's save_for_hf config beside the weights timm's local-dir: loads
+EXPORT_CONFIG = "config.json"
+EXPORT_WEIGHTS = (SAFETENSORS_SINGLE_FILE, PYTORCH_WEIGHTS_NAME)
 
 # The first line of every config.yaml train.py writes: what marks a folder as this engine's run.
 CONFIG_MARKER = "# resolved config of this run; reload with -c"
@@ -113,25 +119,73 @@ def foreign_links(output: Path) -> list[str]:
 
 def run_owning(path: str | Path) -> Path | None:
     """The run directory whose own file ``path`` is (or would be): its config, logs, results, lock, or
-    anything under its checkpoints/ (through links too); None for any other path."""
-    path = Path(path).absolute()
-    for candidate in (path, path.resolve()):
-        if candidate.name in RUN_FILES and is_run_dir(candidate.parent):
+    anything under its checkpoints/ (through links too); None for any other path. A run is recognized by the
+    config.yaml train.py marks (``is_train_run``)."""
+    for candidate in _spellings(path):
+        if candidate.name in RUN_FILES and is_train_run(candidate.parent):
             return candidate.parent
         for ancestor in candidate.parents:
-            if ancestor.name == CHECKPOINTS_DIR and is_run_dir(ancestor.parent):
+            if ancestor.name == CHECKPOINTS_DIR and is_train_run(ancestor.parent):
                 return ancestor.parent
     return None
 
 
-def check_not_run_file(path: str | Path, option: str = "--output") -> None:
-    """ConfigError naming ``path`` when a command would write it over a file of a run (``run_owning``), or
-    when it names a run directory where a command writes its own config.yaml and results."""
+def is_train_run(path: str | Path) -> bool:
+    """A folder whose config.yaml train.py wrote (its first line is ``CONFIG_MARKER``)."""
+    return written_by_engine(Path(path) / CONFIG_FILE)
+
+
+def is_export_dir(path: str | Path) -> bool:
+    """A folder that loads as an exported model (convbias-export's, timm's ``local-dir:``): its config.json
+    beside its weights."""
+    path = Path(path)
+    return (path / EXPORT_CONFIG).is_file() and any((path / name).is_file() for name in EXPORT_WEIGHTS)
+
+
+def folder_owning(path: str | Path) -> Path | None:
+    """The run directory or exported folder whose own file ``path`` is (or would be): ``run_owning``, or an
+    entry of an exported folder (its config, weights, card, the run files copied beside them)."""
     run = run_owning(path)
     if run is not None:
-        raise ConfigError(
-            f"{option} {path} is a file of the run {run}; no command writes over a run's own files: choose another path"
-        )
+        return run
+    return next((c.parent for c in _spellings(path) if is_export_dir(c.parent)), None)
+
+
+def check_destination(path: str | Path, option: str = "--output", owner: str | Path | None = None) -> None:
+    """ConfigError naming ``path`` when a command would write it over a file that another command reads
+    (``folder_owning``: a run's or an exported folder's), however the path is spelled; ``owner`` is the
+    folder the writer owns (train.py's run), whose files are its own to write."""
+    folder = folder_owning(path)
+    if folder is None or (owner is not None and _same(folder, owner)):
+        return
+    what = "run" if run_owning(path) is not None else "exported model"
+    raise ConfigError(
+        f"{option} {path} is a file of the {what} {folder.resolve()}; no command writes over a file another command "
+        f"reads: choose another path"
+    )
+
+
+def check_output_folder(path: str | Path, option: str = "--output") -> None:
+    """ConfigError when a command's output folder is a run directory, an exported folder, or inside one's
+    own files: the files the command writes there could be theirs."""
+    for candidate in _spellings(path):
+        if is_train_run(candidate) or is_export_dir(candidate):
+            what = "a train.py run" if is_train_run(candidate) else "an exported model"
+            raise ConfigError(
+                f"{option} {path} is {what} ({candidate}); its files are read by other commands: choose another folder"
+            )
+    check_destination(path, option)
+
+
+def _spellings(path: str | Path) -> tuple[Path, Path]:
+    """``path`` as given (made absolute) and with its links and ``..`` resolved: a file of a folder is
+    recognized by either."""
+    path = Path(path).absolute()
+    return path, path.resolve()
+
+
+def _same(a: str | Path, b: str | Path) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
 
 
 def is_run_dir(path: str | Path) -> bool:

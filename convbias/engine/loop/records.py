@@ -22,7 +22,7 @@ import yaml
 from timm.optim import create_optimizer_v2
 
 from ...inputs import json_record
-from ...storage import atomic_write, write_text
+from ...storage import write_text
 from ...tables import csv_text
 from ..checkpointing.layout import CHECKPOINTS_DIR, CONFIG_FILE, LINKS, LOG_FILE, RESULTS_FILE, SUMMARY_FILE
 from ..checkpointing.run_files import CONFIG_MARKER
@@ -37,7 +37,7 @@ def write_config(cfg: Config, path: Path, derived: dict) -> None:
     """The resolved options as a reloadable recipe; derived values (lr, global batch...) as comments."""
     header = "".join(f"# {key}: {value}\n" for key, value in derived.items())
     body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    write_text(path, CONFIG_MARKER + "\n" + header + body)
+    write_text(path, CONFIG_MARKER + "\n" + header + body, owner=path.parent)
 
 
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
@@ -121,8 +121,8 @@ class RunLog:
         lines, bad_lines = read_log(self.jsonl) if completed_epochs else ([], 0)
         rows = [r for r in rows if int(r["epoch"]) <= completed_epochs]
         lines = [r for r in lines if r["epoch"] <= completed_epochs]
-        atomic_write(self.summary, lambda tmp: tmp.write_text(csv_text(rows, SUMMARY_FIELDS), newline=""))
-        atomic_write(self.jsonl, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in lines)))
+        write_text(self.summary, csv_text(rows, SUMMARY_FIELDS), owner=self.output)
+        write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in lines), owner=self.output)
         return [
             f"dropped {count} damaged line{'s' if count > 1 else ''} of {path} (kept {kept} epochs)"
             for path, count, kept in ((self.summary, bad_rows, len(rows)), (self.jsonl, bad_lines, len(lines)))
@@ -141,7 +141,7 @@ class RunLog:
     def write_results(self, results: dict[str, Any]) -> None:
         """results.json, atomically: its presence marks the run as complete."""
         if self.enabled:
-            atomic_write(self.output / RESULTS_FILE, lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
+            write_text(self.output / RESULTS_FILE, json.dumps(results, indent=2) + "\n", owner=self.output)
 
 
 def plural(count: int, noun: str) -> str:
