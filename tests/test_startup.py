@@ -12,7 +12,8 @@ from test_train_errors import PROGRESS, messages
 
 import convit  # noqa: F401  (registers the project's models)
 from convbias.cli import train
-from convbias.engine.loop.node import set_threads
+from convbias.engine.loop import node
+from convbias.engine.loop.node import intra_op_threads, set_threads
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -32,7 +33,7 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
     updates = 719 // 16  # half of the 1,438 training digits, in full batches of 16
     assert out.splitlines()[:12] == [
         f"output: {output} (a new run)",
-        "processes: 1 (1 thread each) on cpu, fp32",  # the module's single_thread fixture
+        "processes: 1 (1 thread each [OMP_NUM_THREADS=1]) on cpu, fp32",  # the module's single_thread fixture
         f"model: convit_tiny, {params:.2f}M parameters",
         "data: digits, 719 train / 359 val images, 10 classes",
         "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 0.00625 (--lr-base 0.1 x 16 / --lr-base-size 256)",
@@ -93,20 +94,53 @@ def test_output_that_is_not_a_terminal_gets_one_line_per_epoch_and_no_progress_b
     assert [line.split()[1] for line in epochs] == ["1/2", "2/2"]
 
 
-def test_each_process_takes_its_share_of_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+def test_intra_op_threads_are_the_cores_the_loader_workers_leave():
+    assert intra_op_threads(cores=2, processes=1, workers=4) == 1  # 2 threads were 13.6x slower here
+    assert intra_op_threads(cores=2, processes=1, workers=0) == 2
+    assert intra_op_threads(cores=16, processes=1, workers=4) == 12
+    assert intra_op_threads(cores=16, processes=2, workers=4) == 4  # 8 cores each
+    assert intra_op_threads(cores=8, processes=4, workers=2) == 1
+
+
+def test_each_process_takes_its_share_of_the_cores_unless_the_user_set_the_threads(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("OMP_NUM_THREADS")
     before = torch.get_num_threads()
+    monkeypatch.setattr(node, "TORCH_THREADS_AT_IMPORT", before)
     try:
-        set_threads()
+        assert set_threads(workers=0) == "8 cores / 4 processes less 0 loader workers"
         assert torch.get_num_threads() == 2  # 8 cores, 4 processes on the node
-        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert set_threads(workers=3) == "8 cores less 3 loader workers"  # the engine's own value is not the user's
+        assert torch.get_num_threads() == 5
         torch.set_num_threads(3)
-        set_threads()
-        assert torch.get_num_threads() == 3  # the user's choice stands
+        assert set_threads(workers=3) == "torch.set_num_threads"  # the user's choice stands
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "6")
+        assert set_threads(workers=3) == "OMP_NUM_THREADS=6"
+        assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_startup_block_says_where_the_threads_came_from(cli_argv, tmp_path, capsys, monkeypatch, recwarn):
+    """Two cores and two loader workers: one intra-op thread, said so; torch's own worker warning is not
+    printed beside the engine's."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(node, "TORCH_THREADS_AT_IMPORT", torch.get_num_threads())
+    args = cli_argv(
+        cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, batch_size=16, train_fraction=0.05, epochs=1, workers=3
+    )
+    assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
+    out, err = capsys.readouterr()
+    assert "processes: 1 (1 thread each [2 cores less 3 loader workers]) on cpu, fp32" in out.splitlines()
+    assert not [w for w in recwarn if "This DataLoader will create" in str(w.message)]
+    assert [line for line in messages(err) if "loader processes" in line] == [
+        "warning: --workers 3 x 1 process on this node start 3 loader processes for 2 cores: they compete with "
+        "training; lower --workers"
+    ]
 
 
 def test_convbias_traceback_shows_the_error_behind_a_set_up_refusal(cli_argv, tmp_path, capsys, monkeypatch):

@@ -164,7 +164,7 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
     precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
     return [
         f"output: {start.output} ({begin})",
-        f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each) on {acc.device.type}, "
+        f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each [{start.threads}]) on {acc.device.type}, "
         f"{precision}",
         f"model: {cfg.model}, {params / 1e6:.2f}M parameters",
         f"data: {cfg.dataset}, {sizes}, {bundle.num_classes} classes",
