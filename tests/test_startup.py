@@ -1,6 +1,7 @@
 """A launch says at start what it will do: output, processes and threads, device and precision, model size,
 data, global batch with the effective lr and the rule that gave it, epochs and warm-up."""
 
+import json
 import os
 import re
 import subprocess
@@ -153,3 +154,28 @@ def test_convbias_traceback_shows_the_error_behind_a_set_up_refusal(cli_argv, tm
     assert train.main(bad) == 2
     err = capsys.readouterr().err
     assert plain[0] in err and "Traceback (most recent call last)" in err and "The above exception" in err
+
+
+def test_the_epoch_and_step_lines_give_time_images_per_second_and_time_left(cli_argv, tmp_path, capsys):
+    """The values are log.jsonl's (epoch_seconds, images_per_sec); the time left is this launch's pace times the
+    steps left (none after the last epoch)."""
+    args = cli_argv(
+        cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, batch_size=16, train_fraction=0.2, epochs=2, log_interval=4
+    )
+    output = tmp_path / "run"
+    assert train.main(args + ["--output", str(output), "--no-diagnostics"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
+    pace = r"(\d+\.\d) s  (\d+) img/s  (\d+:\d\d:\d\d) left"
+    epochs = [re.fullmatch(rf"epoch (\d)/2  train_loss \S+  eval_top1 \S+  eval_top5 \S+  {pace}", x) for x in out]
+    epochs = [match.groups() for match in epochs if match]
+    assert epochs == [
+        (str(r["epoch"]), f"{r['epoch_seconds']:.1f}", f"{r['images_per_sec']:.0f}", left)
+        for r, left in zip(records, (epochs[0][3], "0:00:00"))
+    ]
+    steps = [re.fullmatch(rf"epoch (\d)/2  step (\d+)/17  train_loss \S+  lr \S+  {pace}", x) for x in out]
+    steps = [match.groups() for match in steps if match]
+    assert [(epoch, step) for epoch, step, *_ in steps] == [(e, s) for e in "12" for s in ("4", "8", "12", "16")]
+    for epoch in "12":  # the epoch's time so far, at a positive speed
+        seconds = [float(s) for e, _, s, speed, _ in steps if e == epoch and float(speed) > 0]
+        assert len(seconds) == 4 and seconds == sorted(seconds)

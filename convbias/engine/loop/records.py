@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import datetime
 import io
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,23 @@ class RunLog:
         """results.json, atomically: its presence marks the run as complete."""
         if self.enabled:
             atomic_write(self.output / RESULTS_FILE, lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
+
+
+def images_per_second(steps: int, batch_size: int, processes: int, seconds: float) -> float:
+    """The training images of ``steps`` steps of every process over ``seconds`` (log.jsonl's images_per_sec)."""
+    return steps * batch_size * processes / seconds if seconds > 0 else math.nan
+
+
+def seconds_left(seconds: float, steps_done: int, steps_left: int) -> float:
+    """The time ``steps_left`` steps take at the pace of the ``steps_done`` steps that took ``seconds``
+    (evaluations and checkpoints included)."""
+    return seconds / steps_done * steps_left if steps_done else math.nan
+
+
+def pace(seconds: float, images_per_sec: float, left: float) -> str:
+    """Time, images per second and time left, as the epoch and step lines show them."""
+    remaining = "?" if math.isnan(left) else str(datetime.timedelta(seconds=round(left)))
+    return f"{seconds:.1f} s  {images_per_sec:.0f} img/s  {remaining} left"
 
 
 def plural(count: int, noun: str) -> str:
