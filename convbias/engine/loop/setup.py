@@ -48,6 +48,7 @@ from ..data.streams import is_stream
 from ..model.compile import compiled
 from ..model.factory import check_model_name, create_model
 from ..model.output_scale import OutputScale, ScaledLoss
+from ..model.pretrained import check_pretrained_reachable
 from ..optim import factory as optim
 from .extensions import Extensions
 from .metrics import evaluate
@@ -97,6 +98,8 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     )
     _check_fsdp(acc, cfg)
     check_model_name(cfg.model)
+    if cfg.pretrained and not cfg.pretrained_file:
+        check_pretrained_reachable(cfg.model)
     check_reparametrization(cfg, extensions)
     if cfg.distill_teacher:
         check_model_name(cfg.distill_teacher, "--distill-teacher")
