@@ -9,12 +9,21 @@ import subprocess
 import pytest
 import timm
 import torch
+from conftest import REPO
+from safetensors.torch import save_file
 from test_train_errors import PROGRESS, messages
+from torchvision.transforms import ColorJitter
 
 import convit  # noqa: F401  (registers the project's models)
+import transformed_cnn  # noqa: F401
 from convbias.cli import train
+from convbias.engine.config.options import Config
+from convbias.engine.config.parsing import option_source, parse_config
+from convbias.engine.data.factory import build_transforms
 from convbias.engine.loop import node
 from convbias.engine.loop.node import intra_op_threads, set_threads
+from convbias.engine.loop.records import model_arguments, settings_lines
+from convbias.engine.model.factory import create_model_and_report
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -35,7 +44,8 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
     assert out.splitlines()[:12] == [
         f"output: {output} (a new run)",
         "processes: 1 (1 thread each [OMP_NUM_THREADS=1]) on cpu, fp32",  # the module's single_thread fixture
-        f"model: convit_tiny, {params:.2f}M parameters",
+        f"model: convit_tiny, {params:.2f}M parameters; arguments patch_size=2 [command line], depth=2 [command line], "
+        "local_up_to_layer=1 [command line], embed_dim=8 [command line]",
         "data: digits, 719 train / 359 val images, 10 classes",
         "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 0.00625 (--lr-base 0.1 x 16 / --lr-base-size 256)",
         f"schedule: 1 epoch, 0 of warm-up, {updates} updates per epoch",
@@ -45,9 +55,10 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
         "lr: 0.00625 from --lr-base 0.1 [timm default] per 256 [timm default] images, scaled linear [timm default]",
         "lr schedule: cosine [timm default] stepped per epoch [timm default], warm-up from 1e-05 [timm default], "
         "min lr 0 [timm default]",
-        "augmentation: auto-augment none [timm default], random erasing 0 [timm default], mixup/cutmix off, "
-        "repeated augmentation 1 [command line], drop-path the model's, color jitter 0 [timm default], smoothing 0 "
-        "[timm default] (all off: --no-aug)",
+        # --no-aug on the command line set these, not their defaults
+        "augmentation: auto-augment none [--no-aug (command line)], random erasing 0 [--no-aug (command line)], "
+        "mixup/cutmix off, repeated augmentation 1 [command line], drop-path the model's, color jitter 0 [--no-aug "
+        "(command line)], smoothing 0 [--no-aug (command line)] (all off: --no-aug)",
         "EMA: off [timm default]",
         "input: 8 [command line] px, crop 1.0 [command line], interpolation bicubic [model convit_tiny's config] "
         "(train bicubic [as eval]), mean (0.3053,) [dataset digits], std (0.3759,) [dataset digits]",
@@ -179,3 +190,85 @@ def test_the_epoch_and_step_lines_give_time_images_per_second_and_time_left(cli_
     for epoch in "12":  # the epoch's time so far, at a positive speed
         seconds = [float(s) for e, _, s, speed, _ in steps if e == epoch and float(speed) > 0]
         assert len(seconds) == 4 and seconds == sorted(seconds)
+
+
+def test_the_startup_block_says_what_the_pretrained_file_gave_and_the_end_line_names_the_metric(
+    cli_argv, tmp_path, capsys
+):
+    """ConViT weights for 32-px RGB images of 1000 classes into the tiny ConViT on 8-px gray digits: timm resets
+    the head, adapts the stem to one channel and the position embedding to the 4x4 grid; with
+    --eval-metric top5 the end line names the best top-5."""
+    imagenet = timm.create_model("convit_tiny", **cli_argv.TINY_CONVIT["model_kwargs"], img_size=32)
+    weights = tmp_path / "imagenet.safetensors"
+    save_file(imagenet.state_dict(), str(weights))
+    args = cli_argv(
+        cli_argv.TINY_CONVIT,
+        cli_argv.PLAIN_DIGITS,
+        pretrained_file=str(weights),
+        batch_size=16,
+        train_fraction=0.1,
+        epochs=1,
+        eval_metric="top5",
+        no_diagnostics=True,
+    )
+    output = tmp_path / "run"
+    assert train.main(args + ["--output", str(output)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    model = timm.create_model(
+        "convit_tiny", **cli_argv.TINY_CONVIT["model_kwargs"], img_size=8, in_chans=1, num_classes=10
+    )
+    file, built = imagenet.state_dict(), model.state_dict()
+    assert [line for line in out if line.startswith("weights: ")] == [
+        f"weights: {weights}: {len(built) - 2} of {len(built)} tensors loaded; reset: head.bias, head.weight for 10 "
+        f"classes (the file's has 1000); adapted: pos_embed {tuple(file['pos_embed'].shape)} -> "
+        f"{tuple(built['pos_embed'].shape)}, patch_embed.proj.weight {tuple(file['patch_embed.proj.weight'].shape)} "
+        f"-> {tuple(built['patch_embed.proj.weight'].shape)}"
+    ]
+    record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
+    assert out[-1].startswith(
+        f"done: final top-1 {record['eval_top1']:.2f} (epoch 1), best top-5 {record['eval_top5']:.2f} (epoch 1); "
+    )
+
+
+def test_a_tcnn_from_resnet_weights_says_which_stages_were_transformed_and_how(tmp_path):
+    weights = tmp_path / "resnet10t.safetensors"
+    save_file(timm.create_model("resnet10t").state_dict(), str(weights))
+    cfg = Config(
+        model="tcnn_resnet10t",
+        model_kwargs=dict(stages="3,4", init="exact"),
+        pretrained=True,
+        pretrained_file=str(weights),
+    )
+    model, report = create_model_and_report(cfg, num_classes=1000, in_chans=3)
+    assert report == (
+        f"{weights}: {len(model.state_dict())} of {len(model.state_dict())} tensors loaded; resnet10t weights, "
+        "transformed: the 3x3 convolutions of stage(s) 3, 4 became GPSA layers (stages=[3, 4], init=exact, "
+        "keep_stride=False)"
+    )
+    save_file(model.state_dict(), str(tmp_path / "tcnn.safetensors"))
+    again = Config(**{**cfg.to_dict(), "pretrained_file": str(tmp_path / "tcnn.safetensors")})
+    assert create_model_and_report(again, num_classes=1000, in_chans=3)[1].endswith(
+        "T-CNN weights of tcnn_resnet10t (stages=[3, 4], init=exact, keep_stride=False), loaded as they are"
+    )
+
+
+@pytest.mark.parametrize("aa", ["rand-m9-mstd0.5-inc1", "3a", None])
+def test_the_block_lists_color_jitter_only_where_timms_transform_has_it(aa):
+    cfg = parse_config(["-c", str(REPO / "configs" / "recipes" / "deit.yaml"), "--aa", str(aa), "--img-size", "32"])
+    train_transform, _ = build_transforms(32, 3, (0.5,) * 3, (0.5,) * 3, cfg)
+    jitters = [t for t in train_transform.transforms if isinstance(t, ColorJitter)]  # timm's own choice
+    augmentation = next(line for line in settings_lines(cfg, 1e-3) if line.startswith("augmentation: "))
+    assert ("color jitter 0.3 [recipe deit.yaml]" in augmentation) == bool(jitters) == (aa != "rand-m9-mstd0.5-inc1")
+
+
+def test_the_model_arguments_in_force_are_the_recipes_merged_with_the_command_lines(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: convit_tiny\nmodel_kwargs: {depth: 4, patch_size: 2}\n")
+    cfg = parse_config(["-c", str(recipe), "--model-kwargs", "depth=2", "local_up_to_layer=1"])
+    assert model_arguments(cfg) == (
+        "depth=2 [command line], patch_size=2 [recipe recipe.yaml], local_up_to_layer=1 [command line]"
+    )
+    assert model_arguments(parse_config(["--model", "convit_tiny"])) == "the model's defaults"
+    with_timm_names = parse_config(["-c", str(REPO / "configs" / "recipes" / "deit.yaml"), "--drop-connect", "0.05"])
+    assert (with_timm_names.drop_path, option_source(with_timm_names, "drop_path")) == (0.1, "recipe deit.yaml")
+    assert option_source(parse_config(["--drop-connect", "0.05"]), "drop_path") == "command line"

@@ -46,7 +46,7 @@ from ..data.factory import build_datasets, dataset_info
 from ..data.loaders import build_eval_loader, build_stream_loader, build_train_loader
 from ..data.streams import is_stream
 from ..model.compile import compiled
-from ..model.factory import check_model_name, create_model
+from ..model.factory import check_model_name, create_model_and_report
 from ..model.output_scale import OutputScale, ScaledLoss
 from ..model.pretrained import check_pretrained_reachable
 from ..optim import factory as optim
@@ -81,6 +81,7 @@ class RunStart:
     finished: str | None = None  # --resume of a run that trained all its epochs: what to say instead
     timm_resume: TimmCheckpoint | None = None  # --resume of timm's training checkpoint (a new run continues it)
     threads: str = ""  # where the intra-op threads came from (engine.loop.node.set_threads)
+    weights: str | None = None  # the starting weights and what loading them did (set when the model is built)
 
     @property
     def sharded(self) -> bool:
@@ -342,7 +343,7 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     and whether it has been reparametrized."""
     cfg = start.cfg
     set_seed(cfg.seed)  # same initial weights on every rank
-    model = create_model(cfg, data.bundle.num_classes, data.bundle.in_chans)
+    model, start.weights = create_model_and_report(cfg, data.bundle.num_classes, data.bundle.in_chans)
     metadata = start.checkpoint_metadata  # its reparametrization and output scale: in cfg (resolved_options)
     if start.resume_state:
         was_reparametrized = start.resume_state["reparametrized"]
@@ -356,6 +357,7 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
         if metadata.get("output_scale"):
             model = OutputScale(model, cfg.output_scale)
         _load_checkpoint(model, cfg.checkpoint)
+        start.weights = f"{start.checkpoint_name}: all {len(model.state_dict())} tensors loaded"
     if start.resume_point:
         if cfg.output_scale:
             model = OutputScale(model, cfg.output_scale)

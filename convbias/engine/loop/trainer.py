@@ -182,7 +182,8 @@ class Trainer:
         log.write_results(results)
         if cfg.log_wandb:
             acc.end_training()
-        acc.print(summary_line(results, self.progress.final.get("epoch"), self.output))
+        final_epoch = self.progress.final.get("epoch")
+        acc.print(summary_line(results, final_epoch, self.output, cfg.eval_metric, self.progress.best))
         return results
 
     def continue_timm(self) -> None:
