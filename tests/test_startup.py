@@ -23,6 +23,7 @@ from convbias.engine.data.factory import build_transforms
 from convbias.engine.loop import node
 from convbias.engine.loop.node import intra_op_threads, set_threads
 from convbias.engine.loop.records import model_arguments, settings_lines
+from convbias.engine.loop.start import finished_message
 from convbias.engine.model.factory import create_model_and_report
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -272,3 +273,17 @@ def test_the_model_arguments_in_force_are_the_recipes_merged_with_the_command_li
     with_timm_names = parse_config(["-c", str(REPO / "configs" / "recipes" / "deit.yaml"), "--drop-connect", "0.05"])
     assert (with_timm_names.drop_path, option_source(with_timm_names, "drop_path")) == (0.1, "recipe deit.yaml")
     assert option_source(parse_config(["--drop-connect", "0.05"]), "drop_path") == "command line"
+
+
+def test_a_finished_run_names_the_best_epoch_by_its_eval_metric(tmp_path):
+    """--resume auto of a run that chose its best epoch by top-5 says "best top-5", with that epoch's top-5."""
+    state = {
+        "epoch": 2,
+        "step": 0,
+        "model": "convit_tiny",
+        "options": {"model": "convit_tiny", "eval_metric": "top5"},
+        "final": {"epoch": 2, "eval_top1": 60.0, "eval_top5": 90.0},
+        "best": {"epoch": 1, "eval_top1": 65.0, "eval_top5": 92.5},
+    }
+    message = finished_message(state, tmp_path, epochs=2, write=False)
+    assert "final top-1 60.00, best top-5 92.50 at epoch 1); nothing to do" in message
