@@ -213,6 +213,10 @@ def check_weights_file(path: str | Path) -> None:
         read_state_dict(path)
 
 
+# Where a family's pretrained filter says what it did to the weights (a T-CNN's: transformed a ResNet's weights, or
+# took a T-CNN's as they are): timm_load_report collects its INFO lines for the start-up block.
+WEIGHTS_LOGGER = "convbias.weights"
+
 # What timm's builder logs after a non-strict pretrained load (timm.models._builder.load_pretrained): the
 # keys it left out, and a first conv it could not adapt to the input channels (left at its initialization).
 TIMM_LOAD_LOGGER = "timm.models._builder"
@@ -227,41 +231,81 @@ TIMM_LOAD_MESSAGES = {
 def timm_load_report() -> Iterator[dict[str, list[str]]]:
     """The keys timm's pretrained loading left out while the block runs: {"missing", "unexpected",
     "unconverted"}: lists of names, from the lines timm logs (captured here, not printed)."""
-    found: dict[str, list[str]] = {key: [] for key in TIMM_LOAD_MESSAGES}
+    found: dict[str, list[str]] = {key: [] for key in (*TIMM_LOAD_MESSAGES, "family")}
 
     class Catch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             message = record.getMessage()
+            if record.name == WEIGHTS_LOGGER:
+                found["family"].append(message)
             for key, pattern in TIMM_LOAD_MESSAGES.items():
                 match = pattern.match(message)
                 if match:
                     found[key] += [name for name in match[1].split(", ") if name]
 
-    logger, handler = logging.getLogger(TIMM_LOAD_LOGGER), Catch(logging.INFO)
-    level, propagate = logger.level, logger.propagate
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    logger.addHandler(handler)
+    handler = Catch(logging.INFO)
+    loggers = [logging.getLogger(name) for name in (TIMM_LOAD_LOGGER, WEIGHTS_LOGGER)]
+    saved = [(logger.level, logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.addHandler(handler)
     try:
         yield found
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate
+        for logger, (level, propagate) in zip(loggers, saved):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+
+def classifier_keys(model: torch.nn.Module) -> set[str]:
+    """The tensors of the classifier that timm's pretrained loading resets for another number of classes."""
+    classifiers = model.pretrained_cfg.get("classifier") or ()
+    classifiers = (classifiers,) if isinstance(classifiers, str) else tuple(classifiers)
+    return {f"{name}.{kind}" for name in classifiers for kind in ("weight", "bias")}
+
+
+def describe_pretrained_load(
+    model: torch.nn.Module, source: str, report: dict[str, list[str]], given: Mapping[str, torch.Tensor] | None
+) -> str:
+    """What timm's pretrained loading did, in one line: the tensors loaded of the model's, the classifier reset
+    for another number of classes, the tensors adapted to the model (``given``: the file's weights; a stem
+    for other input channels, a position embedding for another grid), and what the family's filter did."""
+    expected = model.state_dict()
+    left_out = set(report["missing"]) | {f"{name}.weight" for name in report["unconverted"]}
+    parts = [f"{source}: {len(expected) - len(left_out & set(expected))} of {len(expected)} tensors loaded"]
+    reset = sorted(left_out & classifier_keys(model))
+    if reset:
+        head = next((given[k] for k in reset if k.endswith(".weight") and given and k in given), None)
+        was = f" (the file's has {head.shape[0]})" if head is not None else ""
+        parts.append(f"reset: {', '.join(reset)} for {model.num_classes} classes{was}")
+    adapted = [
+        f"{key} {tuple(given[key].shape)} -> {tuple(tensor.shape)}"
+        for key, tensor in expected.items()
+        if given and key in given and key not in left_out and given[key].shape != tensor.shape
+    ]
+    if adapted:
+        parts.append(f"adapted: {_shown(adapted)}")
+    if report["unconverted"]:
+        parts.append(f"left at initialization (not convertible): {', '.join(report['unconverted'])}")
+    return "; ".join(parts + report["family"])
 
 
 def check_pretrained(
-    model: torch.nn.Module, path: str | Path, report: dict[str, list[str]], allow_partial: bool
+    model: torch.nn.Module,
+    path: str | Path,
+    given: Mapping[str, torch.Tensor],
+    report: dict[str, list[str]],
+    allow_partial: bool,
 ) -> str | None:
-    """After timm loaded ``path`` into ``model`` (``report``: ``timm_load_report``'s): integer tensors for
-    float weights and non-finite weights refused, keys left out refused unless ``allow_partial`` (then the
-    line saying what was left out is returned). The classifier that timm resets for another number of
-    classes is timm's own adaptation, not counted."""
+    """After timm loaded ``path`` (``given``: its weights) into ``model`` (``report``: ``timm_load_report``'s):
+    integer tensors for float weights and non-finite weights refused, keys left out refused unless
+    ``allow_partial`` (then the line saying what was left out is returned). The classifier that timm resets for
+    another number of classes is timm's own adaptation, not counted."""
     source = str(path)
-    check_dtypes(model.state_dict(), read_state_dict(path), source)
-    classifiers = model.pretrained_cfg.get("classifier") or ()
-    classifiers = (classifiers,) if isinstance(classifiers, str) else tuple(classifiers)
-    reset = {f"{name}.{kind}" for name in classifiers for kind in ("weight", "bias")}
+    check_dtypes(model.state_dict(), given, source)
+    reset = classifier_keys(model)
     missing = [k for k in report["missing"] if k not in reset]
     missing += [f"{name}.weight" for name in report["unconverted"] if f"{name}.weight" not in missing]
     left_out = set(report["missing"]) | {f"{name}.weight" for name in report["unconverted"]}

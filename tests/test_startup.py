@@ -1,6 +1,7 @@
 """A launch says at start what it will do: output, processes and threads, device and precision, model size,
 data, global batch with the effective lr and the rule that gave it, epochs and warm-up."""
 
+import json
 import os
 import re
 import subprocess
@@ -8,11 +9,22 @@ import subprocess
 import pytest
 import timm
 import torch
+from conftest import REPO
+from safetensors.torch import save_file
 from test_train_errors import PROGRESS, messages
+from torchvision.transforms import ColorJitter
 
 import convit  # noqa: F401  (registers the project's models)
+import transformed_cnn  # noqa: F401
 from convbias.cli import train
-from convbias.engine.loop.node import set_threads
+from convbias.engine.config.options import Config
+from convbias.engine.config.parsing import option_source, parse_config
+from convbias.engine.data.factory import build_transforms
+from convbias.engine.loop import node
+from convbias.engine.loop.node import intra_op_threads, set_threads
+from convbias.engine.loop.records import model_arguments, settings_lines
+from convbias.engine.loop.start import finished_message
+from convbias.engine.model.factory import create_model_and_report
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -32,8 +44,9 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
     updates = 719 // 16  # half of the 1,438 training digits, in full batches of 16
     assert out.splitlines()[:12] == [
         f"output: {output} (a new run)",
-        "processes: 1 (1 thread each) on cpu, fp32",  # the module's single_thread fixture
-        f"model: convit_tiny, {params:.2f}M parameters",
+        "processes: 1 (1 thread each [OMP_NUM_THREADS=1]) on cpu, fp32",  # the module's single_thread fixture
+        f"model: convit_tiny, {params:.2f}M parameters; arguments patch_size=2 [command line], depth=2 [command line], "
+        "local_up_to_layer=1 [command line], embed_dim=8 [command line]",
         "data: digits, 719 train / 359 val images, 10 classes",
         "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 0.00625 (--lr-base 0.1 x 16 / --lr-base-size 256)",
         f"schedule: 1 epoch, 0 of warm-up, {updates} updates per epoch",
@@ -43,9 +56,10 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
         "lr: 0.00625 from --lr-base 0.1 [timm default] per 256 [timm default] images, scaled linear [timm default]",
         "lr schedule: cosine [timm default] stepped per epoch [timm default], warm-up from 1e-05 [timm default], "
         "min lr 0 [timm default]",
-        "augmentation: auto-augment none [timm default], random erasing 0 [timm default], mixup/cutmix off, "
-        "repeated augmentation 1 [command line], drop-path the model's, color jitter 0 [timm default], smoothing 0 "
-        "[timm default] (all off: --no-aug)",
+        # --no-aug on the command line set these, not their defaults
+        "augmentation: auto-augment none [--no-aug (command line)], random erasing 0 [--no-aug (command line)], "
+        "mixup/cutmix off, repeated augmentation 1 [command line], drop-path the model's, color jitter 0 [--no-aug "
+        "(command line)], smoothing 0 [--no-aug (command line)] (all off: --no-aug)",
         "EMA: off [timm default]",
         "input: 8 [command line] px, crop 1.0 [command line], interpolation bicubic [model convit_tiny's config] "
         "(train bicubic [as eval]), mean (0.3053,) [dataset digits], std (0.3759,) [dataset digits]",
@@ -93,20 +107,53 @@ def test_output_that_is_not_a_terminal_gets_one_line_per_epoch_and_no_progress_b
     assert [line.split()[1] for line in epochs] == ["1/2", "2/2"]
 
 
-def test_each_process_takes_its_share_of_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+def test_intra_op_threads_are_the_cores_the_loader_workers_leave():
+    assert intra_op_threads(cores=2, processes=1, workers=4) == 1  # 2 threads were 13.6x slower here
+    assert intra_op_threads(cores=2, processes=1, workers=0) == 2
+    assert intra_op_threads(cores=16, processes=1, workers=4) == 12
+    assert intra_op_threads(cores=16, processes=2, workers=4) == 4  # 8 cores each
+    assert intra_op_threads(cores=8, processes=4, workers=2) == 1
+
+
+def test_each_process_takes_its_share_of_the_cores_unless_the_user_set_the_threads(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("OMP_NUM_THREADS")
     before = torch.get_num_threads()
+    monkeypatch.setattr(node, "TORCH_THREADS_AT_IMPORT", before)
     try:
-        set_threads()
+        assert set_threads(workers=0) == "8 cores / 4 processes less 0 loader workers"
         assert torch.get_num_threads() == 2  # 8 cores, 4 processes on the node
-        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert set_threads(workers=3) == "8 cores less 3 loader workers"  # the engine's own value is not the user's
+        assert torch.get_num_threads() == 5
         torch.set_num_threads(3)
-        set_threads()
-        assert torch.get_num_threads() == 3  # the user's choice stands
+        assert set_threads(workers=3) == "torch.set_num_threads"  # the user's choice stands
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "6")
+        assert set_threads(workers=3) == "OMP_NUM_THREADS=6"
+        assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_startup_block_says_where_the_threads_came_from(cli_argv, tmp_path, capsys, monkeypatch, recwarn):
+    """Two cores and two loader workers: one intra-op thread, said so; torch's own worker warning is not
+    printed beside the engine's."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(node, "TORCH_THREADS_AT_IMPORT", torch.get_num_threads())
+    args = cli_argv(
+        cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, batch_size=16, train_fraction=0.05, epochs=1, workers=3
+    )
+    assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
+    out, err = capsys.readouterr()
+    assert "processes: 1 (1 thread each [2 cores less 3 loader workers]) on cpu, fp32" in out.splitlines()
+    assert not [w for w in recwarn if "This DataLoader will create" in str(w.message)]
+    assert [line for line in messages(err) if "loader processes" in line] == [
+        "warning: --workers 3 x 1 process on this node start 3 loader processes for 2 cores: they compete with "
+        "training; lower --workers"
+    ]
 
 
 def test_convbias_traceback_shows_the_error_behind_a_set_up_refusal(cli_argv, tmp_path, capsys, monkeypatch):
@@ -119,3 +166,124 @@ def test_convbias_traceback_shows_the_error_behind_a_set_up_refusal(cli_argv, tm
     assert train.main(bad) == 2
     err = capsys.readouterr().err
     assert plain[0] in err and "Traceback (most recent call last)" in err and "The above exception" in err
+
+
+def test_the_epoch_and_step_lines_give_time_images_per_second_and_time_left(cli_argv, tmp_path, capsys):
+    """The values are log.jsonl's (epoch_seconds, images_per_sec); the time left is this launch's pace times the
+    steps left (none after the last epoch)."""
+    args = cli_argv(
+        cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, batch_size=16, train_fraction=0.2, epochs=2, log_interval=4
+    )
+    output = tmp_path / "run"
+    assert train.main(args + ["--output", str(output), "--no-diagnostics"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
+    pace = r"(\d+\.\d) s  (\d+) img/s  (\d+:\d\d:\d\d) left"
+    epochs = [re.fullmatch(rf"epoch (\d)/2  train_loss \S+  eval_top1 \S+  eval_top5 \S+  {pace}", x) for x in out]
+    epochs = [match.groups() for match in epochs if match]
+    assert epochs == [
+        (str(r["epoch"]), f"{r['epoch_seconds']:.1f}", f"{r['images_per_sec']:.0f}", left)
+        for r, left in zip(records, (epochs[0][3], "0:00:00"))
+    ]
+    steps = [re.fullmatch(rf"epoch (\d)/2  step (\d+)/17  train_loss \S+  lr \S+  {pace}", x) for x in out]
+    steps = [match.groups() for match in steps if match]
+    assert [(epoch, step) for epoch, step, *_ in steps] == [(e, s) for e in "12" for s in ("4", "8", "12", "16")]
+    for epoch in "12":  # the epoch's time so far, at a positive speed
+        seconds = [float(s) for e, _, s, speed, _ in steps if e == epoch and float(speed) > 0]
+        assert len(seconds) == 4 and seconds == sorted(seconds)
+
+
+def test_the_startup_block_says_what_the_pretrained_file_gave_and_the_end_line_names_the_metric(
+    cli_argv, tmp_path, capsys
+):
+    """ConViT weights for 32-px RGB images of 1000 classes into the tiny ConViT on 8-px gray digits: timm resets
+    the head, adapts the stem to one channel and the position embedding to the 4x4 grid; with
+    --eval-metric top5 the end line names the best top-5."""
+    imagenet = timm.create_model("convit_tiny", **cli_argv.TINY_CONVIT["model_kwargs"], img_size=32)
+    weights = tmp_path / "imagenet.safetensors"
+    save_file(imagenet.state_dict(), str(weights))
+    args = cli_argv(
+        cli_argv.TINY_CONVIT,
+        cli_argv.PLAIN_DIGITS,
+        pretrained_file=str(weights),
+        batch_size=16,
+        train_fraction=0.1,
+        epochs=1,
+        eval_metric="top5",
+        no_diagnostics=True,
+    )
+    output = tmp_path / "run"
+    assert train.main(args + ["--output", str(output)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    model = timm.create_model(
+        "convit_tiny", **cli_argv.TINY_CONVIT["model_kwargs"], img_size=8, in_chans=1, num_classes=10
+    )
+    file, built = imagenet.state_dict(), model.state_dict()
+    assert [line for line in out if line.startswith("weights: ")] == [
+        f"weights: {weights}: {len(built) - 2} of {len(built)} tensors loaded; reset: head.bias, head.weight for 10 "
+        f"classes (the file's has 1000); adapted: pos_embed {tuple(file['pos_embed'].shape)} -> "
+        f"{tuple(built['pos_embed'].shape)}, patch_embed.proj.weight {tuple(file['patch_embed.proj.weight'].shape)} "
+        f"-> {tuple(built['patch_embed.proj.weight'].shape)}"
+    ]
+    record = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
+    assert out[-1].startswith(
+        f"done: final top-1 {record['eval_top1']:.2f} (epoch 1), best top-5 {record['eval_top5']:.2f} (epoch 1); "
+    )
+
+
+def test_a_tcnn_from_resnet_weights_says_which_stages_were_transformed_and_how(tmp_path):
+    weights = tmp_path / "resnet10t.safetensors"
+    save_file(timm.create_model("resnet10t").state_dict(), str(weights))
+    cfg = Config(
+        model="tcnn_resnet10t",
+        model_kwargs=dict(stages="3,4", init="exact"),
+        pretrained=True,
+        pretrained_file=str(weights),
+    )
+    model, report = create_model_and_report(cfg, num_classes=1000, in_chans=3)
+    assert report == (
+        f"{weights}: {len(model.state_dict())} of {len(model.state_dict())} tensors loaded; resnet10t weights, "
+        "transformed: the 3x3 convolutions of stage(s) 3, 4 became GPSA layers (stages=[3, 4], init=exact, "
+        "keep_stride=False)"
+    )
+    save_file(model.state_dict(), str(tmp_path / "tcnn.safetensors"))
+    again = Config(**{**cfg.to_dict(), "pretrained_file": str(tmp_path / "tcnn.safetensors")})
+    assert create_model_and_report(again, num_classes=1000, in_chans=3)[1].endswith(
+        "T-CNN weights of tcnn_resnet10t (stages=[3, 4], init=exact, keep_stride=False), loaded as they are"
+    )
+
+
+@pytest.mark.parametrize("aa", ["rand-m9-mstd0.5-inc1", "3a", None])
+def test_the_block_lists_color_jitter_only_where_timms_transform_has_it(aa):
+    cfg = parse_config(["-c", str(REPO / "configs" / "recipes" / "deit.yaml"), "--aa", str(aa), "--img-size", "32"])
+    train_transform, _ = build_transforms(32, 3, (0.5,) * 3, (0.5,) * 3, cfg)
+    jitters = [t for t in train_transform.transforms if isinstance(t, ColorJitter)]  # timm's own choice
+    augmentation = next(line for line in settings_lines(cfg, 1e-3) if line.startswith("augmentation: "))
+    assert ("color jitter 0.3 [recipe deit.yaml]" in augmentation) == bool(jitters) == (aa != "rand-m9-mstd0.5-inc1")
+
+
+def test_the_model_arguments_in_force_are_the_recipes_merged_with_the_command_lines(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: convit_tiny\nmodel_kwargs: {depth: 4, patch_size: 2}\n")
+    cfg = parse_config(["-c", str(recipe), "--model-kwargs", "depth=2", "local_up_to_layer=1"])
+    assert model_arguments(cfg) == (
+        "depth=2 [command line], patch_size=2 [recipe recipe.yaml], local_up_to_layer=1 [command line]"
+    )
+    assert model_arguments(parse_config(["--model", "convit_tiny"])) == "the model's defaults"
+    with_timm_names = parse_config(["-c", str(REPO / "configs" / "recipes" / "deit.yaml"), "--drop-connect", "0.05"])
+    assert (with_timm_names.drop_path, option_source(with_timm_names, "drop_path")) == (0.1, "recipe deit.yaml")
+    assert option_source(parse_config(["--drop-connect", "0.05"]), "drop_path") == "command line"
+
+
+def test_a_finished_run_names_the_best_epoch_by_its_eval_metric(tmp_path):
+    """--resume auto of a run that chose its best epoch by top-5 says "best top-5", with that epoch's top-5."""
+    state = {
+        "epoch": 2,
+        "step": 0,
+        "model": "convit_tiny",
+        "options": {"model": "convit_tiny", "eval_metric": "top5"},
+        "final": {"epoch": 2, "eval_top1": 60.0, "eval_top5": 90.0},
+        "best": {"epoch": 1, "eval_top1": 65.0, "eval_top5": 92.5},
+    }
+    message = finished_message(state, tmp_path, epochs=2, write=False)
+    assert "final top-1 60.00, best top-5 92.50 at epoch 1); nothing to do" in message

@@ -20,11 +20,12 @@ import matplotlib.image
 import numpy as np
 import pytest
 import yaml
+from matplotlib.figure import Figure
 from scipy import stats as scipy_stats
 
 from convbias.engine import parse_config
 from convbias.engine.config.derived import effective_epochs
-from convbias.experiments import phase_diagram_tables, report, sweep, sweep_spec
+from convbias.experiments import intervals, phase_diagram_tables, report, sweep, sweep_figures, sweep_spec
 
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
 TINY_MODEL_KWARGS = {"patch_size": 2, "embed_dim": 4, "depth": 2, "num_heads": 4, "local_up_to_layer": 1}
@@ -493,11 +494,12 @@ def write_fixture(path: Path) -> dict:
 
 
 def _cell(values) -> str:
-    """mean ± std [95% t interval of the mean], computed here with scipy's t distribution."""
+    """mean ± std [95% t interval of the mean], computed here with scipy's t distribution, cut at 0 and 100%."""
     mean, std = np.mean(values), np.std(values, ddof=1)
     if std == 0:
         return f"{mean:.1f} ± 0.0 [{mean:.1f}, {mean:.1f}]"
     low, high = scipy_stats.t.interval(0.95, len(values) - 1, loc=mean, scale=std / np.sqrt(len(values)))
+    low, high = np.clip((low, high), 0, 100)
     return f"{mean:.1f} ± {std:.1f} [{low:.1f}, {high:.1f}]"
 
 
@@ -512,9 +514,9 @@ def _paired(ours, base) -> str:
 
 def test_report_from_csv_fixture(tmp_path):
     top1 = write_fixture(tmp_path / "runs.csv")
-    done = sweep_cli("report", "--csv", str(tmp_path / "runs.csv"))
+    done = sweep_cli("report", "--csv", str(tmp_path / "runs.csv"), "--output", str(tmp_path / "report"))
     assert done.returncode == 0, done.stderr
-    text = (tmp_path / "report.md").read_text()
+    text = (tmp_path / "report" / "report.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[0] == (
         "| Train size | n | deit_tiny_plus top-1 | convit_tiny top-1 | gap top-1 (points) | relative | "
@@ -538,13 +540,51 @@ def test_report_from_csv_fixture(tmp_path):
     assert change + " (no change of the gap is supported)." in text
     assert "10%: +10.0 [+10.0, +10.0] (interval excludes 0)" in text
     assert "100%: +0.0 [" in text and "100%: +0.0 [+0.0" not in text
-    image = matplotlib.image.imread(tmp_path / "sample_efficiency.png")
+    image = matplotlib.image.imread(tmp_path / "report" / "sample_efficiency.png")
     assert image.shape[0] > 200 and image.shape[1] > 400 and image[..., :3].std() > 0.05
+    assert _cell([95.0, 96.0]) == "95.5 ± 0.7 [89.1, 100.0]"  # the t interval, 101.9 at the top, is cut at 100
+    assert "intervals of accuracies are cut at 0 and 100%" in text
+    assert sorted(os.listdir(tmp_path)) == ["report", "runs.csv"]  # nothing beside the CSV
 
     # --best switches to the best-epoch columns
     report.write_report(tmp_path / "runs.csv", tmp_path / "best", best=True)
     best = (tmp_path / "best" / "report.md").read_text()
     assert f"| 10% | 2 | {_cell([41.0, 45.0])} | {_cell([51.0, 55.0])} | +10.0 [+10.0, +10.0] | +23% |" in best
+
+
+def test_sweep_report_writes_only_where_it_is_told(tmp_path):
+    """The documented regeneration command reads a committed runs.csv: without --output it writes nothing."""
+    write_fixture(tmp_path / "runs.csv")
+    done = sweep_cli("report", "--csv", str(tmp_path / "runs.csv"))
+    assert done.returncode == 2 and "--output" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert os.listdir(tmp_path) == ["runs.csv"]
+
+
+def test_accuracy_axes_and_error_bars_end_at_100(tmp_path, monkeypatch):
+    """Two seeds at 99 and 100% top-1: the t interval runs to 105.9; the figure's bars and axis stop at 100 and
+    its note says so."""
+    rows = [
+        {"run": f"{m}{f}{s}", "model": m, "train_fraction": f, "seed": s, "top1": v + s, "top5": 100.0}
+        for m, v in (("deit_tiny_plus", 90.0), ("convit_tiny", 99.0))
+        for f in (0.5, 1.0)
+        for s in (0, 1)
+    ]
+    cell = intervals.stat(rows[-2:], "top1")
+    assert (cell.mean + cell.half_width, cell.high, cell.cut) == (pytest.approx(105.85, abs=0.01), 100.0, True)
+    assert cell.error_bars() == (pytest.approx(cell.half_width), 0.5)
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: drawn.append(figure))
+    sweep_figures.plot_sample_efficiency(rows, "deit_tiny_plus", tmp_path / "se.png")
+    accuracy = drawn[0].axes[0]
+    bar_tops = [segment[:, 1].max() for collection in accuracy.collections for segment in collection.get_segments()]
+    assert max(bar_tops) == 100.0 and accuracy.get_ylim()[1] == 100.0
+    assert (
+        drawn[0]
+        .texts[0]
+        .get_text()
+        .splitlines()[-1]
+        .startswith("error bars: 95% t interval of the mean over 2 seeds, cut at 100%")
+    )
 
 
 def test_report_states_a_gap_change_only_where_its_interval_excludes_zero(tmp_path):
@@ -578,7 +618,7 @@ def test_parameter_sweep_report_and_heatmap(tmp_path):
             "seed": s,
             "locality_strength": a,
             "local_up_to_layer": k,
-            "top1": 50 + 10 * a * k + s,
+            "top1": 30 + 10 * a * k + s,
             "top5": 90,
         }
         for a in (0.5, 2.0)
@@ -589,7 +629,7 @@ def test_parameter_sweep_report_and_heatmap(tmp_path):
     paths = report.write_report(tmp_path / "runs.csv")
     assert [p.name for p in paths] == ["report.md", "parameter_sweep.png"]
     text = paths[0].read_text()
-    assert f"| convit_tiny | 1.0 | 2.0 | 3 | {_cell([110.0, 111.0])} | 90.0 ± 0.0 [90.0, 90.0] | 2 |" in text
+    assert f"| convit_tiny | 1.0 | 2.0 | 3 | {_cell([90.0, 91.0])} | 90.0 ± 0.0 [90.0, 90.0] | 2 |" in text
     assert "Sample efficiency" not in text  # one model: nothing to compare
     assert matplotlib.image.imread(paths[1]).ndim == 3
 
@@ -613,7 +653,7 @@ def test_report_bad_input(tmp_path):
     write_fixture(tmp_path / "runs.csv")
     with pytest.raises(ValueError, match=r"baseline 'deit_small' is not in the CSV's model column"):
         report.write_report(tmp_path / "runs.csv", baseline="deit_small")
-    done = sweep_cli("report", "--csv", str(tmp_path / "nope.csv"))
+    done = sweep_cli("report", "--csv", str(tmp_path / "nope.csv"), "--output", str(tmp_path / "report"))
     assert done.returncode == 2 and done.stderr.strip() == f"error: CSV not found: {tmp_path / 'nope.csv'}"
 
 

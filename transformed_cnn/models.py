@@ -19,6 +19,7 @@ model kwargs, recorded in full in the model's reconstruction arguments (what `sa
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 from functools import partial
@@ -30,7 +31,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, get_arch_pr
 from timm.models.resnet import ResNet
 from torch import nn
 
-from convbias.weights import check_keys
+from convbias.weights import WEIGHTS_LOGGER, check_keys
 
 from .transform import resolve_stages, transform
 
@@ -108,9 +109,14 @@ def _to_tcnn_state_dict(state_dict: dict[str, torch.Tensor], model: ResNet, cnn_
     described = ", ".join(f"{k}={v}" for k, v in options.items())
     if set(given) == tcnn_keys:
         check_keys(_kept(model, adapted), given, source, f"tcnn_{cnn_name}")
+        logging.getLogger(WEIGHTS_LOGGER).info(f"T-CNN weights of tcnn_{cnn_name} ({described}), loaded as they are")
         return state_dict
     if set(given) == plain_keys:
         check_keys(_kept(plain_meta, adapted), given, source, cnn_name)
+        logging.getLogger(WEIGHTS_LOGGER).info(
+            f"{cnn_name} weights, transformed: the 3x3 convolutions of stage(s) "
+            f"{', '.join(map(str, options['stages']))} became GPSA layers ({described})"
+        )
         cnn = timm.create_model(cnn_name, **cnn_args)
         cnn.load_state_dict(given, strict=False)  # the adapted keys go back below, for timm to adapt
         converted = transform(cnn, **options).state_dict()

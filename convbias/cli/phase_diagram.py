@@ -2,7 +2,7 @@
 
 convbias-phase-diagram -c configs/phase_diagram/digits_pca10.yaml --output results/phase_diagram
 convbias-phase-diagram --output results/phase_diagram --plot-only     # figures and report CSVs again
-convbias-sweep report --csv results/phase_diagram/runs.csv           # the sweep report of the grid
+convbias-sweep report --csv results/phase_diagram/runs.csv --output results/phase_diagram  # the sweep report of the grid
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
         --data-dir /data/imagenet --launcher "accelerate launch --multi_gpu --num_processes 8" --print-commands
     convbias-sweep collect --output out/se
     # regenerate the tables and plots from the CSV alone
-    convbias-sweep report --csv results/sample_efficiency/earlier_2_seeds/runs.csv
+    convbias-sweep report --csv results/sample_efficiency/runs.csv --output out/report
 
 Without a sweep file the grid is convit_tiny vs deit_tiny_patch16_224 at f in {0.05, 0.1, 0.3, 0.5, 1}
 (epochs x 1/f), seed 0, with train.py's defaults (the DeiT recipe; pick the data with --dataset,
@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="regenerate the tables and plots from a runs CSV")
     report.add_argument("--csv", required=True, help="runs.csv written by run/collect")
-    report.add_argument("--output", help="directory for report.md and PNGs (default: next to the CSV)")
+    report.add_argument(
+        "--output", required=True, help="directory for report.md and PNGs (a committed results/ folder only by name)"
+    )
     report.add_argument(
         "--ensembles",
         metavar="CSV",

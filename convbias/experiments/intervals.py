@@ -82,24 +82,52 @@ def t_half_width(std: float, n: int, dof: float | None = None) -> float:
     return t_quantile(n - 1 if dof is None else dof) * std / math.sqrt(n)
 
 
+ACCURACY_RANGE = (0.0, 100.0)  # percent: where an interval of an accuracy is cut
+ACCURACY_NOTE = "intervals of accuracies are cut at 0 and 100%, where a t interval of few seeds runs past them"
+
+
+def metric_bounds(metric: str) -> tuple[float, float]:
+    """The values a study metric can take: an accuracy (a ``top1``/``top5`` column, in percent) lies in
+    ACCURACY_RANGE; other metrics are unbounded."""
+    return ACCURACY_RANGE if metric.endswith(("top1", "top5")) else (-math.inf, math.inf)
+
+
 @dataclass(frozen=True)
 class Stat:
-    """Mean, sample std and count of one metric over seeds; str: mean ± std [95% interval of the mean]."""
+    """Mean, sample std and count of one metric over seeds; str: mean ± std [95% interval of the mean], the
+    interval cut at ``bounds`` (an accuracy's symmetric t interval can run past 100%)."""
 
     mean: float
     std: float
     n: int
+    bounds: tuple[float, float] = (-math.inf, math.inf)
 
     @property
     def half_width(self) -> float:
         return t_half_width(self.std, self.n)
 
+    @property
+    def low(self) -> float:
+        """The interval's lower end (NaN without an interval)."""
+        return float(np.clip(self.mean - self.half_width, *self.bounds))
+
+    @property
+    def high(self) -> float:
+        return float(np.clip(self.mean + self.half_width, *self.bounds))
+
+    @property
+    def cut(self) -> bool:
+        """Whether a bound cut the interval."""
+        return self.n > 1 and (self.low, self.high) != (self.mean - self.half_width, self.mean + self.half_width)
+
+    def error_bars(self) -> tuple[float, float]:
+        """The lengths of a plot's error bar below and above the mean (0 without an interval)."""
+        return error_bar(self.mean - self.low), error_bar(self.high - self.mean)
+
     def __str__(self) -> str:
         if self.n < 2:
             return f"{self.mean:.1f} (no interval)"
-        return (
-            f"{self.mean:.1f} ± {self.std:.1f} [{self.mean - self.half_width:.1f}, {self.mean + self.half_width:.1f}]"
-        )
+        return f"{self.mean:.1f} ± {self.std:.1f} [{self.low:.1f}, {self.high:.1f}]"
 
 
 @dataclass(frozen=True)
@@ -134,7 +162,8 @@ def stat(rows: list[dict[str, Any]], metric: str) -> Stat | None:
     values = [row[metric] for row in rows if metric in row]
     if not values:
         return None
-    return Stat(float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0, len(values))
+    std = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    return Stat(float(np.mean(values)), std, len(values), metric_bounds(metric))
 
 
 def paired_gap(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], metric: str) -> Gap | None:

@@ -29,6 +29,8 @@ from convbias.storage import output_folder, write_text
 from convbias.tables import markdown_table
 
 from .intervals import (
+    ACCURACY_NOTE,
+    ACCURACY_RANGE,
     CONFIDENCE,
     Stat,
     gap_change,
@@ -199,7 +201,7 @@ def ensemble_table(rows: Rows) -> str:
     def member_cell(row: dict[str, Any]) -> str:
         if "member_top1_std" not in row:
             return f"{row['member_top1']:.1f} (no interval)"
-        return str(Stat(row["member_top1"], row["member_top1_std"], int(row["members"])))
+        return str(Stat(row["member_top1"], row["member_top1_std"], int(row["members"]), ACCURACY_RANGE))
 
     body = [
         [row.get(f, "–") for f in factors]
@@ -241,7 +243,7 @@ def write_report(
     which = "best" if best else "final"
     sections = [
         f"# Sweep report\n\nFrom `{Path(csv_path).name}`: {len(rows)} runs, {which} accuracy. A cell is "
-        f"mean ± std [{CONFIDENCE:.0%} t interval of the mean] over its n runs (seeds)."
+        f"mean ± std [{CONFIDENCE:.0%} t interval of the mean] over its n runs (seeds); {ACCURACY_NOTE}."
     ]
     compared = len(column_values(rows, column)) > 1
     if compared:

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from convbias.evaluation.figures import error_bar_note
 from convbias.storage import save_figure
 
-from .intervals import error_bar, paired_gap, stat
+from .intervals import ACCURACY_RANGE, error_bar, paired_gap, stat
 from .sweep_runs import (
     Rows,
     column_values,
@@ -35,15 +35,17 @@ def plot_sample_efficiency(rows: Rows, baseline: str, path: Path, metric: str = 
     fractions = train_fractions(rows)
     fig = Figure(figsize=(9, 3.9))
     ax, gap_ax = fig.subplots(1, 2)
-    counts = []
+    counts, cut = [], False
     for name in column_values(rows, column):
         stats = [stat(select_runs(rows, **{column: name, "train_fraction": f}), metric) for f in fractions]
         xs = [f for f, s in zip(fractions, stats) if s is not None]
         counts += [s.n for s in stats if s]
+        shown = [s for s in stats if s]
+        cut = cut or any(s.cut for s in shown)
         ax.errorbar(
             xs,
-            [s.mean for s in stats if s],
-            yerr=[error_bar(s.half_width) for s in stats if s],
+            [s.mean for s in shown],
+            yerr=np.array([s.error_bars() for s in shown]).T,
             marker="o",
             capsize=3,
             label=str(name),
@@ -75,12 +77,19 @@ def plot_sample_efficiency(rows: Rows, baseline: str, path: Path, metric: str = 
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     ax.set_ylabel(f"{metric_label(metric)} accuracy (%)")
+    within_accuracy(ax)
     gap_ax.axhline(0, color="black", linewidth=0.8)
     gap_ax.set_ylabel("gap, paired by seed (points)")
-    note = error_bar_note(counts) + " (gap: of the per-seed differences)"
+    note = error_bar_note(counts) + (", cut at 100%" if cut else "") + " (gap: of the per-seed differences)"
     fig.suptitle(f"{title or 'Sample efficiency'}\n{note}", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path, dpi=120)
+
+
+def within_accuracy(ax: Any) -> None:
+    """An accuracy axis ends at 100% at most (its error bars are cut there)."""
+    low, high = ax.get_ylim()
+    ax.set_ylim(max(low, ACCURACY_RANGE[0]), min(high, ACCURACY_RANGE[1]))
 
 
 def _is_numeric(values: list[Any]) -> bool:
@@ -93,7 +102,7 @@ def plot_parameter_sweep(rows: Rows, path: Path, metric: str = "top1") -> Path:
     panels = group_runs(rows, [compared_column(rows), "train_fraction"])
     fig = Figure(figsize=(4.6 * len(panels), 3.8))
     axes = fig.subplots(1, len(panels), squeeze=False)
-    counts = []  # runs behind each error bar
+    counts, cut = [], False  # runs behind each error bar; whether 100% cut an interval
     for ax, (where, selected) in zip(axes[0], panels):
         shown = {k: v for k, v in where.items() if v is not None}  # None: a column the CSV lacks
         ax.set_title(setting_title(shown), fontsize=9)
@@ -120,11 +129,12 @@ def plot_parameter_sweep(rows: Rows, path: Path, metric: str = "top1") -> Path:
                 xs = sorted(column_values(line_rows, x_col))
                 stats = [stat(select_runs(line_rows, **{x_col: x}), metric) for x in xs]
                 counts += [s.n for s in stats]
+                cut = cut or any(s.cut for s in stats)
                 positions = xs if _is_numeric(xs) else list(range(len(xs)))
                 ax.errorbar(
                     positions,
                     [s.mean for s in stats],
-                    yerr=[error_bar(s.half_width) for s in stats],
+                    yerr=np.array([s.error_bars() for s in stats]).T,
                     marker="o",
                     capsize=3,
                     label=setting_title(line) or None,
@@ -133,10 +143,11 @@ def plot_parameter_sweep(rows: Rows, path: Path, metric: str = "top1") -> Path:
                     ax.set_xticks(positions, [str(x) for x in xs])
             ax.set_xlabel(x_col)
             ax.set_ylabel(f"{metric_label(metric)} accuracy (%)")
+            within_accuracy(ax)
             ax.grid(alpha=0.3)
             if rest:
                 ax.legend(fontsize=7)
     if counts:
-        fig.suptitle(error_bar_note(counts), fontsize=9)
+        fig.suptitle(error_bar_note(counts) + (", cut at 100%" if cut else ""), fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path, dpi=120)

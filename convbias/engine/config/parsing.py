@@ -120,22 +120,29 @@ def parse_config(argv: list[str] | None, evaluated_run: Callable[[str], dict] | 
         for item in extra
     ]
     timm_given = {name: args.pop(name) for name in timm_only_options() if name in args}
+    set_by_timm_names: set[str] = set()  # options that timm's names on the command line set
     if timm_given:  # timm's train.py options given on the command line: as its args.yaml keys
         for name, shared in (("experiment", "output"), ("drop_connect", "drop_path")):  # read together
             if name in timm_given:
                 timm_given[shared] = args[shared]
         translated, timm_problems = translate_timm_keys(timm_given, "the command line")
         problems += [f"{flag_name(p.split(':')[0])}{p[len(p.split(':')[0]) :]}" for p in timm_problems]
+        set_by_timm_names = {name for name, value in translated.items() if args.get(name) != value}
         args.update(translated)
     if problems:
         raise ConfigError("; ".join(problems))
     for key in merged:  # merged key by key: the command line wins per key
         args[key] = {**_as_dict(file_cfg.get(key), key), **_as_dict(args[key], flag_name(key))}
     cfg = Config(**args)
-    command_line = _given_on_command_line(argv)
-    cfg.__dict__[SOURCES] = {
-        name: "command line" if name in command_line else origins[name] for name in {*file_cfg, *command_line}
-    }
+    given = _given_on_command_line(argv)
+    command_line = {*given, *set_by_timm_names}
+    sources = {name: "command line" if name in command_line else origins[name] for name in {*file_cfg, *command_line}}
+    for name in merged:  # each key of a KEY=VALUE option: the command line's, else the recipe's
+        for key in _as_dict(file_cfg.get(name), name):
+            sources[f"{name}.{key}"] = origins[name]
+        for key in _as_dict(given.get(name), flag_name(name)):
+            sources[f"{name}.{key}"] = "command line"
+    cfg.__dict__[SOURCES] = sources
     validate(cfg)
     return cfg
 
@@ -144,12 +151,13 @@ def parse_config(argv: list[str] | None, evaluated_run: Callable[[str], dict] | 
 SOURCES = "_option_sources"
 
 
-def _given_on_command_line(argv: list[str] | None) -> set[str]:
-    """The options the command line names (argparse with no defaults: only the given ones are parsed)."""
+def _given_on_command_line(argv: list[str] | None) -> dict[str, Any]:
+    """The options the command line names, with their values (argparse with no defaults: only the given ones are
+    parsed)."""
     parser = build_parser()
     for action in parser._actions:
         action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_known_args(argv)[0]))
+    return vars(parser.parse_known_args(argv)[0])
 
 
 def option_source(cfg: Config, name: str) -> str:
@@ -161,6 +169,12 @@ def option_source(cfg: Config, name: str) -> str:
     if sources is None and getattr(cfg, name) != default_value(name):
         return "set"
     return "timm default" if name in TIMM_TRAIN_DEFAULTS else "default"
+
+
+def key_source(cfg: Config, name: str, key: str) -> str:
+    """Where ``key`` of the KEY=VALUE option ``name`` (--model-kwargs) came from: the command line or a recipe
+    file (each key of the option is merged from both, the command line's winning)."""
+    return (cfg.__dict__.get(SOURCES) or {}).get(f"{name}.{key}") or option_source(cfg, name)
 
 
 def require(condition: bool, message: str) -> None:
@@ -303,6 +317,10 @@ def _normalize(cfg: Config) -> None:
     if cfg.no_aug:
         cfg.aa, cfg.reprob, cfg.color_jitter, cfg.hflip = None, 0.0, 0.0, 0.0
         cfg.mixup, cfg.cutmix, cfg.smoothing = 0.0, 0.0, 0.0
+        sources = cfg.__dict__.get(SOURCES)
+        if sources is not None:  # the values are --no-aug's, wherever it was given
+            by = f"--no-aug ({option_source(cfg, 'no_aug')})"
+            sources.update(dict.fromkeys(("aa", "reprob", "color_jitter", "hflip", "mixup", "cutmix", "smoothing"), by))
     if isinstance(cfg.aa, str) and cfg.aa.lower() in ("none", ""):
         cfg.aa = None
     if [s.lower() for s in cfg.preempt_signals] == ["none"]:

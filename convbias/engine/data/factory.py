@@ -276,6 +276,11 @@ def build_transforms(
     return train, val
 
 
+def color_jitter_off_by_aa(cfg: Config) -> bool:
+    """Whether --aa turns timm's colour jitter off (timm's create_transform keeps it only for a '3a' policy)."""
+    return bool(cfg.aa) and "3a" not in cfg.aa
+
+
 def train_interpolation(cfg: Config, interpolation: str) -> str:
     """As timm's train.py: --train-interpolation, else (unset, or --no-aug) the eval interpolation."""
     return interpolation if cfg.no_aug or not cfg.train_interpolation else cfg.train_interpolation

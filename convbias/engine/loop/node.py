@@ -6,6 +6,11 @@ import os
 
 import torch
 
+# torch's intra-op threads when the engine was imported: a different value later, which the engine did not set,
+# was set by the user (torch.set_num_threads)
+TORCH_THREADS_AT_IMPORT = torch.get_num_threads()
+_threads_set: set[int] = set()  # the values the engine set in this process
+
 
 def node_cores() -> int:
     """The cores this process may run on."""
@@ -17,8 +22,25 @@ def local_processes() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def set_threads() -> None:
-    """Intra-op threads per process: the node's cores shared among its processes, unless OMP_NUM_THREADS
-    says otherwise (accelerate's --num_cpu_threads_per_process sets it)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, node_cores() // local_processes()))
+def intra_op_threads(cores: int, processes: int, workers: int) -> int:
+    """A training process's intra-op threads: its share of the node's cores less its loader workers, at least
+    one. A busy worker holds a core; a second compute thread competing with it for that core slows every op
+    that waits for its slowest thread."""
+    return max(1, cores // max(1, processes) - workers)
+
+
+def set_threads(workers: int) -> str:
+    """Sets each process's intra-op threads by ``intra_op_threads`` unless the user chose them (OMP_NUM_THREADS,
+    which accelerate's --num_cpu_threads_per_process sets, or torch.set_num_threads); returns where the number
+    came from, for the start-up block."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    current = torch.get_num_threads()
+    if current != TORCH_THREADS_AT_IMPORT and current not in _threads_set:
+        return "torch.set_num_threads"
+    cores, processes = node_cores(), local_processes()
+    threads = intra_op_threads(cores, processes, workers)
+    torch.set_num_threads(threads)
+    _threads_set.add(threads)
+    share = f"{cores} cores / {processes} processes" if processes > 1 else f"{cores} core{'s' if cores > 1 else ''}"
+    return f"{share} less {workers} loader worker{'s' if workers != 1 else ''}"

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import datetime
 import io
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,8 @@ from ..checkpointing.layout import CHECKPOINTS_DIR, CONFIG_FILE, LINKS, LOG_FILE
 from ..checkpointing.run_files import CONFIG_MARKER
 from ..config.derived import lr_scaling
 from ..config.options import Config
-from ..config.parsing import option_source
-from ..data.factory import input_format, train_interpolation
+from ..config.parsing import key_source, option_source
+from ..data.factory import color_jitter_off_by_aa, input_format, train_interpolation
 from ..optim.factory import optimizer_arguments
 
 
@@ -144,6 +146,23 @@ class RunLog:
             write_text(self.output / RESULTS_FILE, json.dumps(results, indent=2) + "\n", owner=self.output)
 
 
+def images_per_second(steps: int, batch_size: int, processes: int, seconds: float) -> float:
+    """The training images of ``steps`` steps of every process over ``seconds`` (log.jsonl's images_per_sec)."""
+    return steps * batch_size * processes / seconds if seconds > 0 else math.nan
+
+
+def seconds_left(seconds: float, steps_done: int, steps_left: int) -> float:
+    """The time ``steps_left`` steps take at the pace of the ``steps_done`` steps that took ``seconds``
+    (evaluations and checkpoints included)."""
+    return seconds / steps_done * steps_left if steps_done else math.nan
+
+
+def pace(seconds: float, images_per_sec: float, left: float) -> str:
+    """Time, images per second and time left, as the epoch and step lines show them."""
+    remaining = "?" if math.isnan(left) else str(datetime.timedelta(seconds=round(left)))
+    return f"{seconds:.1f} s  {images_per_sec:.0f} img/s  {remaining} left"
+
+
 def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -164,9 +183,10 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
     precision = "fp32" if acc.mixed_precision == "no" else f"{acc.mixed_precision} mixed precision"
     return [
         f"output: {start.output} ({begin})",
-        f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each) on {acc.device.type}, "
+        f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each [{start.threads}]) on {acc.device.type}, "
         f"{precision}",
-        f"model: {cfg.model}, {params / 1e6:.2f}M parameters",
+        f"model: {cfg.model}, {params / 1e6:.2f}M parameters; arguments {model_arguments(cfg)}",
+        *([f"weights: {start.weights}"] if start.weights else []),
         f"data: {cfg.dataset}, {sizes}, {bundle.num_classes} classes",
         f"batch: {start.values.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
         f"{cfg.grad_accum_steps} accumulation; lr {start.values.lr:.3g} ({rule})",
@@ -174,6 +194,14 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
         f"{steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
         *settings_lines(cfg, start.values.lr),
     ]
+
+
+def model_arguments(cfg: Any) -> str:
+    """--model-kwargs in force (a recipe's merged with the command line's), each with where it came from."""
+    kwargs = cfg.model_kwargs or {}
+    if not kwargs:
+        return "the model's defaults"
+    return ", ".join(f"{key}={value} [{key_source(cfg, 'model_kwargs', key)}]" for key, value in kwargs.items())
 
 
 def _value(cfg: Any, name: str, shown: Any = None) -> str:
@@ -232,21 +260,30 @@ def settings_lines(cfg: Any, lr: float) -> list[str]:
         f"warm-up from {_value(cfg, 'warmup_lr')}, min lr {_value(cfg, 'min_lr')}",
         f"augmentation: auto-augment {_value(cfg, 'aa')}, random erasing {_value(cfg, 'reprob')}, mixup/cutmix "
         f"{mixing}, repeated augmentation {_value(cfg, 'repeated_aug')}, drop-path {drop_path}, "
-        f"color jitter {_value(cfg, 'color_jitter')}, smoothing {_value(cfg, 'smoothing')}"
+        + (f"color jitter {_value(cfg, 'color_jitter')}, " if not color_jitter_off_by_aa(cfg) else "")
+        + f"smoothing {_value(cfg, 'smoothing')}"
         + (" (all off: --no-aug)" if cfg.no_aug else ""),
         f"EMA: {ema}",
         f"input: {size} px, crop {crop}, interpolation {interp} (train {train_interp}), mean {mean}, std {std}",
     ]
 
 
-def summary_line(results: dict[str, Any], final_epoch: int | None, output: Path) -> str:
-    """The last line of a run: its final and best top-1 and where its files are."""
+METRIC_NAMES = {"top1": "top-1", "top5": "top-5", "loss": "loss"}  # --eval-metric as the end line names it
 
-    def top1(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.2f}"
 
+def summary_line(
+    results: dict[str, Any], final_epoch: int | None, output: Path, metric: str = "top1", best: dict | None = None
+) -> str:
+    """The last line of a run: its final top-1, the epoch that --eval-metric (``metric``) ranks best with that
+    metric's value (``best``: that epoch's evaluation), and where its files are."""
+
+    def shown(value: float | None, digits: int = 2) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    best_value = (best or {}).get(f"eval_{metric}", results.get(f"best_{metric}"))
     files = (RESULTS_FILE, SUMMARY_FILE, LOG_FILE, CONFIG_FILE, *(f"{CHECKPOINTS_DIR}/{link}" for link in LINKS))
     return (
-        f"done: final top-1 {top1(results['final_top1'])} (epoch {final_epoch}), best top-1 "
-        f"{top1(results['best_top1'])} (epoch {results['best_epoch']}); in {output}: {', '.join(files)}"
+        f"done: final top-1 {shown(results['final_top1'])} (epoch {final_epoch}), best {METRIC_NAMES[metric]} "
+        f"{shown(best_value, 4 if metric == 'loss' else 2)} (epoch {results['best_epoch']}); in {output}: "
+        f"{', '.join(files)}"
     )

@@ -17,6 +17,7 @@ stream's loaders are not (timm's reader splits the stream between processes).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -45,8 +46,9 @@ from ..data.factory import build_datasets, dataset_info
 from ..data.loaders import build_eval_loader, build_stream_loader, build_train_loader
 from ..data.streams import is_stream
 from ..model.compile import compiled
-from ..model.factory import check_model_name, create_model
+from ..model.factory import check_model_name, create_model_and_report
 from ..model.output_scale import OutputScale, ScaledLoss
+from ..model.pretrained import check_pretrained_reachable
 from ..optim import factory as optim
 from .extensions import Extensions
 from .metrics import evaluate
@@ -78,6 +80,8 @@ class RunStart:
     notes: list[str] = field(default_factory=list)  # said when training starts (stale lock taken over, restart)
     finished: str | None = None  # --resume of a run that trained all its epochs: what to say instead
     timm_resume: TimmCheckpoint | None = None  # --resume of timm's training checkpoint (a new run continues it)
+    threads: str = ""  # where the intra-op threads came from (engine.loop.node.set_threads)
+    weights: str | None = None  # the starting weights and what loading them did (set when the model is built)
 
     @property
     def sharded(self) -> bool:
@@ -87,7 +91,7 @@ class RunStart:
 def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) -> RunStart:
     """The accelerator, the checks that need no data, the lock and the resume point."""
     extensions = extensions or Extensions()
-    set_threads()
+    threads = set_threads(cfg.workers)
     acc = Accelerator(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.grad_accum_steps,
@@ -95,6 +99,8 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     )
     _check_fsdp(acc, cfg)
     check_model_name(cfg.model)
+    if cfg.pretrained and not cfg.pretrained_file:
+        check_pretrained_reachable(cfg.model)
     check_reparametrization(cfg, extensions)
     if cfg.distill_teacher:
         check_model_name(cfg.distill_teacher, "--distill-teacher")
@@ -118,7 +124,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     metadata = weights_metadata(checkpoint) if checkpoint and not state else {}
     cfg = resolved_options(cfg, checkpoint, metadata, extensions)
     start = RunStart(cfg, extensions, acc, output, values, checkpoint_name, metadata, point, state, notes)
-    start.timm_resume = timm_resume
+    start.timm_resume, start.threads = timm_resume, threads
     if state is not None:
         _check_resume_point(start)
     finished = finished_message(state, output, values.epochs, acc.is_main_process)
@@ -231,9 +237,9 @@ SMALL_IMAGES = 64  # px: below this the DeiT recipe's augmentation destroys most
 def setup_warnings(cfg: Config, values: RunValues) -> list[str]:
     """Valid settings that are likely unintended once the world size is known: an lr scaled very low, heavy
     augmentation on small images, more loader workers than the node has cores."""
-    warnings = []
+    found = []
     if cfg.lr is None and values.lr < LOW_LR:
-        warnings.append(
+        found.append(
             f"the lr scaled to the global batch is {values.lr:.3g} ({values.lr_rule}), below {LOW_LR:g}: "
             "the run may barely learn; set --lr, or raise --lr-base or the batch"
         )
@@ -249,18 +255,30 @@ def setup_warnings(cfg: Config, values: RunValues) -> list[str]:
         if active
     ]
     if heavy and not cfg.no_aug and cfg.img_size < SMALL_IMAGES:
-        warnings.append(
+        found.append(
             f"heavy augmentation ({', '.join(heavy)}) on {cfg.img_size}-px images: recipes like DeiT's are made for 224 "
             f"px and leave little of a small image; use a light recipe (configs/train/demo_digits.yaml) or --no-aug"
         )
+    crowded = crowded_loaders(cfg.workers)
+    if crowded:
+        found.append(crowded)
+    return found
+
+
+# torch's DataLoader warns of more workers than cores on its own, at creation and at each new iterator
+TORCH_WORKERS_WARNING = r"This DataLoader will create \d+ worker processes in total"
+
+
+def crowded_loaders(workers: int) -> str | None:
+    """The warning of more loader processes on this node than it has cores, or None."""
     cores, local = node_cores(), local_processes()
-    if cfg.workers * local > cores:
-        warnings.append(
-            f"--workers {cfg.workers} x {local} process{'es' if local > 1 else ''} on this node start "
-            f"{cfg.workers * local} loader processes for {cores} core{'s' if cores > 1 else ''}: they compete with "
-            f"training; lower --workers"
-        )
-    return warnings
+    if workers * local <= cores:
+        return None
+    return (
+        f"--workers {workers} x {local} process{'es' if local > 1 else ''} on this node start "
+        f"{workers * local} loader processes for {cores} core{'s' if cores > 1 else ''}: they compete with "
+        f"training; lower --workers"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -280,6 +298,8 @@ class TrainingData:
 def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> TrainingData:
     cfg, acc = start.cfg, start.accelerator
     bundle = build_datasets(cfg)
+    if crowded_loaders(cfg.workers):  # the engine's warning says it once, counting the node's processes
+        warnings.filterwarnings("ignore", message=TORCH_WORKERS_WARNING, category=UserWarning)
     # loader workers leave the preemption signals to this process (see engine.loop.preemption)
     worker_init_fn = partial(ignore_in_worker, preemption.signals) if preemption.signals else None
     streamed, eval_batch = is_stream(cfg.dataset), cfg.eval_batch_size or cfg.batch_size
@@ -323,7 +343,7 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     and whether it has been reparametrized."""
     cfg = start.cfg
     set_seed(cfg.seed)  # same initial weights on every rank
-    model = create_model(cfg, data.bundle.num_classes, data.bundle.in_chans)
+    model, start.weights = create_model_and_report(cfg, data.bundle.num_classes, data.bundle.in_chans)
     metadata = start.checkpoint_metadata  # its reparametrization and output scale: in cfg (resolved_options)
     if start.resume_state:
         was_reparametrized = start.resume_state["reparametrized"]
@@ -337,6 +357,7 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
         if metadata.get("output_scale"):
             model = OutputScale(model, cfg.output_scale)
         _load_checkpoint(model, cfg.checkpoint)
+        start.weights = f"{start.checkpoint_name}: all {len(model.state_dict())} tensors loaded"
     if start.resume_point:
         if cfg.output_scale:
             model = OutputScale(model, cfg.output_scale)

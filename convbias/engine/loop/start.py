@@ -30,7 +30,7 @@ from ..checkpointing.points import CheckpointDir, find_resume_point
 from ..checkpointing.run_dir import RunDir, verify_file
 from ..checkpointing.run_files import foreign_entry, foreign_links, is_run_dir, is_timm_checkpoint_name, read_run_config
 from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
-from .records import RunLog, results_record
+from .records import METRIC_NAMES, RunLog, results_record
 
 
 def _check_which_target(which: str | None, checkpoint: Path | None) -> None:
@@ -182,10 +182,12 @@ def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, wr
         if write:
             RunLog(output, enabled=True).write_results({**results, **expected})
         repaired = f"{RESULTS_FILE} was {problem}; rewrote it from epoch {state['epoch']}'s training state; "
+    metric = (state.get("options") or {}).get("eval_metric", "top1")  # what chose the best epoch
     return (
         f"{repaired}{output} is already finished (epoch {state['epoch']}/{epochs}, final top-1 "
-        f"{final.get('eval_top1', float('nan')):.2f}, best top-1 {best.get('eval_top1', float('nan')):.2f} "
-        f"at epoch {best.get('epoch')}); nothing to do (a larger --epochs trains on)"
+        f"{final.get('eval_top1', float('nan')):.2f}, best {METRIC_NAMES.get(metric, metric)} "
+        f"{best.get(f'eval_{metric}', float('nan')):.{4 if metric == 'loss' else 2}f} at epoch {best.get('epoch')}); "
+        f"nothing to do (a larger --epochs trains on)"
     )
 
 

@@ -42,7 +42,16 @@ from ..optim import factory as optim
 from .diagnostics import ModelDiagnostics
 from .metrics import evaluate
 from .preemption import PreemptionSignals
-from .records import RunLog, results_record, startup_block, summary_line, write_config
+from .records import (
+    RunLog,
+    images_per_second,
+    pace,
+    results_record,
+    seconds_left,
+    startup_block,
+    summary_line,
+    write_config,
+)
 from .setup import (
     Models,
     Optimization,
@@ -114,6 +123,8 @@ class Trainer:
         self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
         self.warnings: list[str] = []  # likely unintended settings, said before anything runs
         self.timm_resumed = ""  # --resume of timm's checkpoint: what was loaded from it
+        self.launch_started, self.launch_first_step = 0.0, 0  # this launch's training: for the time left
+        self.epoch_started, self.epoch_first_step = 0.0, 0  # the epoch's training: for its images per second
 
     def resume_parts(self) -> dict[str, Stateful]:
         """The named parts a resume point holds (``CheckpointManager.parts``)."""
@@ -171,7 +182,8 @@ class Trainer:
         log.write_results(results)
         if cfg.log_wandb:
             acc.end_training()
-        acc.print(summary_line(results, self.progress.final.get("epoch"), self.output))
+        final_epoch = self.progress.final.get("epoch")
+        acc.print(summary_line(results, final_epoch, self.output, cfg.eval_metric, self.progress.best))
         return results
 
     def continue_timm(self) -> None:
@@ -228,6 +240,8 @@ class Trainer:
     def _train_epochs(self, log: RunLog) -> None:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
         first_epoch, initial = progress.epoch, progress.initial_diagnostics
+        self.launch_started = time.perf_counter()
+        self.launch_first_step = first_epoch * self.data.steps_per_epoch + progress.step
         for epoch in range(first_epoch, self.start.values.epochs):
             started = time.perf_counter()
             if cfg.reparametrize_at_epoch == epoch and not progress.reparametrized:
@@ -258,8 +272,16 @@ class Trainer:
             self.checkpointer.save(epoch + 1, is_best=is_best)
             acc.print(
                 f"epoch {epoch + 1}/{self.start.values.epochs}  train_loss {train['train_loss']:.4f}  "
-                + (f"eval_top1 {record['eval_top1']:.2f}  eval_top5 {record['eval_top5']:.2f}" if evaluated else "")
+                + (f"eval_top1 {record['eval_top1']:.2f}  eval_top5 {record['eval_top5']:.2f}  " if evaluated else "")
+                + pace(record["epoch_seconds"], train["images_per_sec"], self._seconds_left(epoch + 1, 0))
             )
+
+    def _seconds_left(self, epoch: int, step: int) -> float:
+        """The time the run needs after ``step`` steps of epoch ``epoch`` (0-based), at this launch's pace."""
+        steps = self.data.steps_per_epoch
+        done = epoch * steps + step
+        left = self.start.values.epochs * steps - done
+        return seconds_left(time.perf_counter() - self.launch_started, done - self.launch_first_step, left)
 
     def _better(self, evaluation: dict[str, float], best: dict[str, float]) -> bool:
         """Whether ``evaluation`` beats the best so far by --eval-metric (lower loss, higher accuracy)."""
@@ -322,6 +344,7 @@ class Trainer:
             dynamic_ncols=True,
         )
         started, mean_loss = time.perf_counter(), None
+        self.epoch_started, self.epoch_first_step = started, first
         loader = epoch_batches(self.data.train_loader, epoch, first, steps - first, cfg.seed, acc.process_index)
         batches = DeviceBatches(loader, acc.device, self.data.augment)
         for step, (images, targets) in enumerate(batches, start=first):
@@ -348,11 +371,10 @@ class Trainer:
                 mean_loss = self._after_step(epoch, step, steps, loss, loss_sum, progress)
         progress.close()
         seconds = time.perf_counter() - started
-        images_seen = (steps - first) * cfg.batch_size * acc.num_processes
         return {
             "train_loss": self._mean_loss(loss_sum, steps, epoch) if mean_loss is None else mean_loss,
             "lr": self._lr(),
-            "images_per_sec": images_seen / seconds,
+            "images_per_sec": images_per_second(steps - first, cfg.batch_size, acc.num_processes, seconds),
             "data_wait_fraction": batches.wait_fraction(seconds),
         }
 
@@ -377,9 +399,12 @@ class Trainer:
             mean_loss = self._mean_loss(loss_sum, step + 1, epoch)
             progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{self._lr():.2e}")
             if logged and not sys.stderr.isatty():  # a terminal has the progress bar
+                seconds = time.perf_counter() - self.epoch_started
+                trained = step + 1 - self.epoch_first_step
+                speed = images_per_second(trained, cfg.batch_size, acc.num_processes, seconds)
                 acc.print(
                     f"epoch {epoch + 1}/{self.start.values.epochs}  step {step + 1}/{steps}  train_loss "
-                    f"{mean_loss:.4f}  lr {self._lr():.2e}"
+                    f"{mean_loss:.4f}  lr {self._lr():.2e}  {pace(seconds, speed, self._seconds_left(epoch, step + 1))}"
                 )
         progress.update(1)
         if acc.sync_gradients and step + 1 < steps:

@@ -18,7 +18,13 @@ import timm
 import torch
 from timm.layers import is_fast_norm, set_fast_norm
 
-from convbias.weights import check_pretrained, check_weights_file, timm_load_report
+from convbias.weights import (
+    check_pretrained,
+    check_weights_file,
+    describe_pretrained_load,
+    read_state_dict,
+    timm_load_report,
+)
 
 from ...errors import ConfigError
 from ...inputs import first_line, quoted
@@ -74,8 +80,14 @@ def mistyped_kwargs(model: str, model_kwargs: dict[str, Any]) -> list[str]:
 
 
 def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
+    """timm.create_model with the run's model options (see create_model_and_report)."""
+    return create_model_and_report(cfg, num_classes, in_chans)[0]
+
+
+def create_model_and_report(cfg: Config, num_classes: int, in_chans: int) -> tuple[torch.nn.Module, str | None]:
     """timm.create_model with the run's model options (model, model_kwargs, img_size, drop, drop_path, drop_block,
-    gp, fast_norm, pretrained, pretrained_file, head_init_scale); pretrained weights come from a local file only."""
+    gp, fast_norm, pretrained, pretrained_file, head_init_scale), and with --pretrained what timm's loading did to
+    the weights, in one line (weights.describe_pretrained_load)."""
     chosen = dict(drop_rate=cfg.drop or None, drop_block_rate=cfg.drop_block, global_pool=cfg.gp)
     chosen = {key: value for key, value in chosen.items() if value is not None}  # passed only to models taking them
     kwargs: dict[str, Any] = dict(
@@ -111,10 +123,16 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
         raise ConfigError(
             f"cannot build {cfg.model} with {quoted(given or 'default arguments', 300)}: {first_line(e)}"
         ) from e  # the constructor's traceback, shown with CONVBIAS_TRACEBACK=1
+    report = None
     if cfg.pretrained_file:
-        partial = check_pretrained(model, cfg.pretrained_file, loaded, cfg.allow_partial)
+        given = read_state_dict(cfg.pretrained_file)
+        partial = check_pretrained(model, cfg.pretrained_file, given, loaded, cfg.allow_partial)
         if partial:
             warnings.warn(f"--allow-partial: {partial}", stacklevel=2)
+        report = describe_pretrained_load(model, cfg.pretrained_file, loaded, given)
+    elif cfg.pretrained:
+        source = model.pretrained_cfg.get("hf_hub_id") or model.pretrained_cfg.get("url") or "timm's weights"
+        report = describe_pretrained_load(model, source, loaded, None)
     if cfg.head_init_scale is not None:
         with torch.no_grad():
             for tensor in classifier_tensors(model, ("weight", "bias"), "--head-init-scale", cfg.model):
@@ -125,7 +143,7 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
                 bias.fill_(cfg.head_init_bias)
     if cfg.bn_eps is not None or cfg.bn_momentum is not None:
         set_batchnorm(model, cfg.bn_eps, cfg.bn_momentum, cfg.model)
-    return model
+    return model, report
 
 
 def classifier_tensors(model: torch.nn.Module, keys: tuple[str, ...], option: str, name: str) -> list[torch.Tensor]:
