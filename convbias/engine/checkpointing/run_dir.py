@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
-from ...inputs import quoted, read_json
+from ...inputs import first_line, quoted, read_file, read_json
 from ...weights import load_weights, weights_metadata
 from ..config.options import DEFAULT_WHICH, WHICH, Config
 from ..data.datasets import DATASETS
@@ -411,9 +411,13 @@ class RunDir:
             return None
         rewrite = "train.py --resume auto rewrites it from the newest checkpoint"
         try:
-            data = read_json(path, "results file", DamagedCheckpointError)
+            data = json.loads(read_file(path, "results file", DamagedCheckpointError))
         except DamagedCheckpointError as e:
             raise DamagedCheckpointError(f"{e}; {rewrite}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise DamagedCheckpointError(
+                f"{path} is not readable ({type(e).__name__}: {first_line(e)}); {rewrite}"
+            ) from None
         if not isinstance(data, dict) or any(key not in data for key in RESULT_KEYS):
             raise DamagedCheckpointError(
                 f"{path} is not a results file (expected an object with {', '.join(RESULT_KEYS)}); {rewrite}"

@@ -139,7 +139,7 @@ def check_not_run_file(path: str | Path, option: str = "--output") -> None:
 def is_run_dir(path: str | Path) -> bool:
     """A directory written by train.py: it holds config.yaml (and, once an epoch is done, checkpoints/)."""
     path = Path(path)
-    return path.is_dir() and (path / CONFIG_FILE).is_file()
+    return path.is_dir() and os.path.lexists(path / CONFIG_FILE)  # whatever it is: read_run_config checks it
 
 
 def read_run_config(run: str | Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from timm.layers import is_fast_norm, set_fast_norm
 
 from convbias.weights import check_pretrained, check_weights_file, timm_load_report
 
-from ...errors import ConfigError
+from ...errors import ConfigError, DamagedInputError
 from ...inputs import first_line, quoted
 from ..config.options import Config
 
@@ -103,6 +103,8 @@ def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Modul
                     raise
                 kwargs.pop("img_size")
                 model = timm.create_model(cfg.model, **kwargs)
+    except DamagedInputError:  # a file the model's arguments name (an eFCN's cnn_checkpoint) is damaged: exit 65
+        raise
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
         mistyped = mistyped_kwargs(cfg.model, model_kwargs)
         if mistyped:
