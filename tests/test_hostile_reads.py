@@ -4,9 +4,18 @@ value is checked where it is declared. Each case is one line with its exit code,
 and nothing is written. The runs here are points written by ``CheckpointDir`` or one tiny trained run per
 module."""
 
-import pytest
-from test_hostile_inputs import one_line, run_train
+import json
+import os
+import re
+import shutil
+from pathlib import Path
 
+import pytest
+import torch
+from test_hostile_inputs import TINY, one_line, png, run_train, tree
+from test_train_errors import messages
+
+from convbias.cli import diagnostics, ensemble, export, predict, robustness, stability, train
 from convbias.errors import EXIT_USAGE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -66,3 +75,167 @@ def test_launcher_variables_without_a_launcher_say_what_to_run(tmp_path, capsys,
     else:
         one_line(err, rf"^error: the environment holds {present} but not .*MASTER_ADDR.*convbias-launch")
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------ one tiny run and its export
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """One epoch of a 2-block ConViT of width 8 on 8x8 digits, its export, and an image to label."""
+    root = tmp_path_factory.mktemp("reads")
+    run = root / "run"
+    argv = [*TINY, "--train-fraction", "0.1", "--batch-size", "64", "--output", str(run)]
+    assert train.main(argv) == 0
+    assert export.main([str(run), "--output", str(root / "exported")]) == 0
+    png(root / "img.png")
+    return {"run": run, "exported": root / "exported", "image": root / "img.png"}
+
+
+def copied(trained, tmp_path) -> dict[str, Path]:
+    """A fresh copy of the run and the export, for one test to damage."""
+    run, exported = tmp_path / "run", tmp_path / "exported"
+    shutil.copytree(trained["run"], run, symlinks=True)
+    shutil.copytree(trained["exported"], exported, symlinks=True)
+    return {"run": run, "exported": exported, "image": trained["image"], "out": tmp_path / "out"}
+
+
+def edit_yaml(path: Path, **changes) -> None:
+    lines = path.read_text().splitlines()
+    for key, value in changes.items():
+        lines = [f"{key}: {value}" if line.startswith(f"{key}:") else line for line in lines]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def newest_point(run: Path) -> Path:
+    return sorted((run / "checkpoints").glob("epoch_*[0-9]"))[-1]
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def fifo_in_place_of(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def empty_manifest_and_flipped_weights(files) -> Path:
+    point = newest_point(files["run"])
+    edit_json(point / "manifest.json", files={})
+    flip_a_byte(point / "model.safetensors")
+    return point / "manifest.json"
+
+
+def weights_of_the_export(files, change) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    path = files["exported"] / "model.safetensors"
+    save_file({key: change(value) for key, value in load_file(str(path)).items()}, str(path))
+    return path
+
+
+def class_map_that_is(files, target: str) -> Path:
+    """The run's config.yaml naming a class map that is a FIFO or a link to /dev/zero."""
+    path = files["run"].parent / "classes.txt"
+    if target == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    edit_yaml(files["run"] / "config.yaml", class_map=str(path))
+    return path
+
+
+# Each damage: what it does to the copies, and the file the one line must name (returned)
+DAMAGES = {
+    "config value": lambda f: edit_yaml(f["run"] / "config.yaml", img_size="abc") or f["run"] / "config.yaml",
+    "config key": lambda f: edit_yaml(f["run"] / "config.yaml", lr="[1, 2]") or f["run"] / "config.yaml",
+    "config fifo": lambda f: fifo_in_place_of(f["run"] / "config.yaml") or f["run"] / "config.yaml",
+    "manifest empty": empty_manifest_and_flipped_weights,
+    "manifest field": lambda f: (
+        edit_json(newest_point(f["run"]) / "manifest.json", best_epoch="abc")
+        or newest_point(f["run"]) / "manifest.json"
+    ),
+    "manifest fifo": lambda f: (
+        fifo_in_place_of(newest_point(f["run"]) / "manifest.json") or newest_point(f["run"]) / "manifest.json"
+    ),
+    "results field": lambda f: edit_json(f["run"] / "results.json", final_top1="high") or f["run"] / "results.json",
+    "class map fifo": lambda f: class_map_that_is(f, "fifo"),
+    "class map /dev/zero": lambda f: class_map_that_is(f, "zero"),
+    "export architecture": lambda f: (
+        edit_json(f["exported"] / "config.json", architecture="resnet_nothing") or f["exported"] / "config.json"
+    ),
+    "export model_args": lambda f: (
+        edit_json(f["exported"] / "config.json", model_args={"no_such_arg": 1}) or f["exported"] / "config.json"
+    ),
+    "export shapes": lambda f: edit_json(f["exported"] / "config.json", num_classes=3) or f["exported"] / "config.json",
+    "export fifo": lambda f: fifo_in_place_of(f["exported"] / "config.json") or f["exported"] / "config.json",
+    "export nan": lambda f: weights_of_the_export(f, lambda t: torch.full_like(t, float("nan"))),
+    "export int32": lambda f: weights_of_the_export(f, lambda t: t.to(torch.int32)),
+}
+# Each command that reads what a damage damages
+COMMANDS = {
+    "predict": lambda f: (predict.main, [str(f["run"]), str(f["image"]), "--output", str(f["out"]) + ".csv"]),
+    "predict best": lambda f: (
+        predict.main,
+        [str(f["run"]), str(f["image"]), "--which", "best", "--output", str(f["out"]) + ".csv"],
+    ),
+    "predict export": lambda f: (
+        predict.main,
+        [str(f["exported"]), str(f["image"]), "--output", str(f["out"]) + ".csv"],
+    ),
+    "export": lambda f: (export.main, [str(f["run"]), "--output", str(f["out"])]),
+    "eval-only": lambda f: (train.main, ["--eval-only", str(f["run"]), "--workers", "0", "--output", str(f["out"])]),
+    "resume": lambda f: (train.main, [*TINY, "--resume", str(newest_point(f["run"])), "--output", str(f["out"])]),
+    "ensemble": lambda f: (ensemble.main, [str(f["run"]), str(f["run"]), "--output", str(f["out"]) + ".json"]),
+    "robustness": lambda f: (
+        robustness.main,
+        [str(f["run"]), "--max-images", "4", "--workers", "0", "--output", str(f["out"])],
+    ),
+    "stability": lambda f: (stability.main, [str(f["run"]), "--images", "2", "--output", str(f["out"])]),
+    "diagnostics": lambda f: (diagnostics.main, [str(f["run"]), "--image", str(f["image"]), "--output", str(f["out"])]),
+}
+CASES = [
+    *[(c, d, 65) for c in COMMANDS if c not in ("predict export", "resume") for d in ("config value", "config key")],
+    *[(c, "config fifo", 65) for c in ("predict", "export", "eval-only", "ensemble", "robustness", "stability")],
+    *[(c, "manifest empty", 65) for c in ("predict", "export", "eval-only", "resume", "ensemble", "robustness")],
+    ("predict best", "manifest field", 65),
+    ("predict", "manifest fifo", 65),
+    ("resume", "manifest fifo", 65),
+    ("export", "results field", 65),
+    ("eval-only", "class map fifo", 2),
+    ("eval-only", "class map /dev/zero", 2),
+    *[
+        ("predict export", d, 65)
+        for d in (
+            "export architecture",
+            "export model_args",
+            "export shapes",
+            "export fifo",
+            "export nan",
+            "export int32",
+        )
+    ],
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command, damage, code", CASES, ids=[f"{c}-{d}" for c, d, _ in CASES])
+def test_every_reader_of_a_damaged_or_special_file_is_one_line_naming_it(
+    trained, tmp_path, capsys, command, damage, code
+):
+    files = copied(trained, tmp_path)
+    named = DAMAGES[damage](files)
+    before = {key: tree(files[key]) for key in ("run", "exported")}
+    main, argv = COMMANDS[command](files)
+    capsys.readouterr()
+    assert main(argv) == code
+    err = messages(capsys.readouterr().err)
+    err = [line for line in err if not line.startswith("warning:")]
+    one_line(err, rf"^error: .*{re.escape(str(named))}")
+    assert {key: tree(files[key]) for key in ("run", "exported")} == before
+    assert not list(tmp_path.glob("out*"))

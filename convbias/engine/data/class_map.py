@@ -60,7 +60,10 @@ def read_class_map(path: str | Path) -> dict[str, int]:
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".pkl"):
         raise ConfigError(f"--class-map {path}: unknown file type {suffix or '(no suffix)'}; {expected}")
-    data = read_file(path, "--class-map")  # a regular file of bounded size: never a FIFO, device or /dev/zero
+    try:  # a regular file of bounded size: never a FIFO, a device or /dev/zero
+        data = read_file(path, "--class-map")
+    except ConfigError as error:
+        raise ConfigError(f"{error}; {expected}") from None
     try:
         mapping = _text_class_map(data) if suffix == ".txt" else _pickled_class_map(data)
     except ValueError as error:  # UnicodeDecodeError is one
