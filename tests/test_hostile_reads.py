@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hostile_inputs import TINY, one_line, png, run_train, tree
+from test_hostile_inputs import TINY, Pickled, a_run, one_line, png, run_train, tree
 from test_train_errors import messages
 
 from convbias.cli import diagnostics, ensemble, export, predict, robustness, stability, train
-from convbias.errors import EXIT_USAGE
+from convbias.engine.checkpointing.points import find_resume_point
+from convbias.engine.checkpointing.run_dir import check_point
+from convbias.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -239,3 +241,79 @@ def test_every_reader_of_a_damaged_or_special_file_is_one_line_naming_it(
     one_line(err, rf"^error: .*{re.escape(str(named))}")
     assert {key: tree(files[key]) for key in ("run", "exported")} == before
     assert not list(tmp_path.glob("out*"))
+
+
+# ------------------------------------------------------------------------------------ the issue's cases
+def test_resume_auto_never_takes_a_point_whose_manifest_lists_nothing(tmp_path):
+    """A manifest that lists no files verifies nothing: the point, whose weights have a flipped byte, is
+    skipped as damaged and the one before it resumed."""
+    run = a_run(tmp_path / "run", points=2)
+    point = run / "checkpoints" / "epoch_0002"
+    (point / "manifest.json").write_text(json.dumps({"epoch": 2, "step": 0, "best_epoch": 1, "files": {}}))
+    flip_a_byte(point / "model.safetensors")
+    assert find_resume_point("auto", run).name == "epoch_0001"
+    problem = check_point(point)
+    assert problem is not None and "files: expected the point's files" in problem
+    with pytest.raises(DamagedCheckpointError, match=r"epoch_0002/manifest.json: files"):
+        find_resume_point(str(point), run)
+
+
+def test_a_manifest_that_omits_a_file_the_resume_loads_vouches_for_nothing(tmp_path):
+    run = a_run(tmp_path / "run", points=1)
+    point = run / "checkpoints" / "epoch_0001"
+    manifest = json.loads((point / "manifest.json").read_text())
+    del manifest["files"]["model.safetensors"]
+    (point / "manifest.json").write_text(json.dumps(manifest))
+    flip_a_byte(point / "model.safetensors")
+    assert check_point(point) == "model.safetensors is not in its manifest.json"
+    assert find_resume_point("auto", run) is None
+
+
+def folder_data(root: Path) -> Path:
+    for split in ("train", "validation"):
+        for label, name in enumerate(("cat", "dog")):
+            for index in range(4):
+                png(root / split / name / f"{index}.png", 60 * label + index)
+    return root
+
+
+def test_a_fifo_among_the_images_is_refused_at_the_scan_before_training(tmp_path, capsys):
+    data = folder_data(tmp_path / "data")
+    os.mkfifo(data / "train" / "dog" / "zz.png")
+    code, err = run_train(capsys, "--dataset", "folder", "--data-dir", str(data), "--output", str(tmp_path / "run"))
+    assert code == EXIT_DAMAGED
+    one_line(err, rf"^error: {data}/train/dog/zz.png is a named pipe \(FIFO\), not an image file")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+def test_a_class_map_that_is_a_fifo_or_a_link_to_a_device_is_refused_unread(tmp_path, capsys, special):
+    path = tmp_path / "classes.txt"
+    os.mkfifo(path) if special == "fifo" else path.symlink_to("/dev/zero")
+    kind = r"a named pipe \(FIFO\)" if special == "fifo" else "a character device"
+    code, err = run_train(capsys, "--class-map", str(path), "--output", str(tmp_path / "run"))
+    assert code == EXIT_USAGE
+    one_line(err, rf"^error: --class-map {path} is {kind}, not a regular file; it was not read")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_efcn_cnn_checkpoint_that_is_a_pickle_is_exit_65_in_train(tmp_path, capsys):
+    path = tmp_path / "cnn.pt"
+    torch.save({"w": Pickled()}, path)
+    argv = ["--model", "efcn_vanilla_cnn", "--model-kwargs", f"cnn_checkpoint={path}", "channels=2", "depth=1"]
+    argv += ["--img-size", "8", "--dataset", "digits", "--epochs", "1", "--warmup-epochs", "0", "--workers", "0"]
+    assert train.main([*argv, "--output", str(tmp_path / "run")]) == EXIT_DAMAGED
+    one_line(messages(capsys.readouterr().err), rf"^error: .*{path} cannot be read as weights with weights_only=True")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("command", ["predict", "export", "eval-only"])
+def test_a_run_config_value_is_named_by_its_file_and_key_not_by_an_option(trained, tmp_path, capsys, command):
+    files = copied(trained, tmp_path)
+    edit_yaml(files["run"] / "config.yaml", img_size="abc")
+    main, argv = COMMANDS[command](files)
+    assert main(argv) == EXIT_DAMAGED
+    one_line(
+        messages(capsys.readouterr().err),
+        rf"^error: {files['run']}/config.yaml: img_size expects int, got 'abc'$",
+    )
