@@ -58,6 +58,7 @@ def load_torch_file(path: str | Path, what: str = "weights") -> Any:
     """A torch file's content with weights_only=True: tensors, plain containers and SAFE_GLOBALS only, nothing
     executed (torch's allow-list); no fallback to full unpickling. A file that does not read so is a
     DamagedInputError naming it as the `what` it should have been."""
+    check_regular_file(path, what, DamagedInputError)  # torch.load of a FIFO or /dev/zero blocks or never ends
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
