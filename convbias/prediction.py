@@ -210,7 +210,7 @@ def load_exported(path: str | Path) -> Predictor:
     state_dict = read_state_dict(weights[0])  # read safely: timm's own error would advise unpickling the file
     try:
         model = timm.create_model(f"local-dir:{path}", pretrained=False)
-    except Exception as error:  # a constructor refuses arguments in many ways (TypeError, ValueError, assert)
+    except (TypeError, ValueError, KeyError, AssertionError, RuntimeError) as error:  # how constructors refuse
         raise DamagedInputError(
             f"{path / EXPORTED_CONFIG}: model_args: {config['architecture']} is not built from them "
             f"({first_line(error)})"
