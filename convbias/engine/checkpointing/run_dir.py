@@ -180,7 +180,7 @@ def verify_file(path: str | Path) -> None:
     """DamagedCheckpointError when ``path`` lies in a resume point whose manifest it does not match
     (a file without a manifest beside it is loaded as it is)."""
     path = Path(path)
-    if path.is_file() and (path.parent / MANIFEST_FILE).is_file():
+    if path.is_file() and os.path.lexists(path.parent / MANIFEST_FILE):
         problem = check_point(path.parent, [path.name])
         if problem:
             raise DamagedCheckpointError(f"{path} is damaged: {problem}; it was not loaded")
