@@ -56,9 +56,25 @@ def test_lr_noise_within_its_range_keeps_every_lr_positive():
         scheduler = CosineLRScheduler(
             optimizer, t_initial=200, noise_range_t=0, noise_pct=pct, noise_std=3.0, noise_seed=1
         )
-        lrs = [scheduler._get_values(t, on_epoch=True)[0] for t in range(200)]
-        lrs = [lr + lr * scheduler._calculate_noise(t) for t, lr in enumerate(lrs)]
+        lrs = []
+        for epoch in range(200):
+            scheduler.step(epoch)
+            lrs.append(optimizer.param_groups[0]["lr"])
         assert (min(lrs) < 0) == negative_possible
+
+
+def test_a_negative_decay_rate_is_what_makes_timms_step_schedule_negative():
+    """timm's step schedule is lr x decay_rate^(epoch // decay_epochs): a negative --decay-rate flips the lr's
+    sign every decay, and --decay-epochs 0 divides by zero; the declared ranges refuse both."""
+    import torch
+    from timm.scheduler import StepLRScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = StepLRScheduler(optimizer, decay_t=1, decay_rate=-0.5)
+    scheduler.step(1)
+    assert optimizer.param_groups[0]["lr"] == -0.5
+    with pytest.raises(ZeroDivisionError):
+        StepLRScheduler(optimizer, decay_t=0, decay_rate=0.1).step(1)
 
 
 @pytest.mark.parametrize(
