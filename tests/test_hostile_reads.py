@@ -296,7 +296,8 @@ def folder_data(root: Path) -> Path:
 def test_a_fifo_among_the_images_is_refused_at_the_scan_before_training(tmp_path, capsys):
     data = folder_data(tmp_path / "data")
     os.mkfifo(data / "train" / "dog" / "zz.png")
-    code, err = run_train(capsys, "--dataset", "folder", "--data-dir", str(data), "--output", str(tmp_path / "run"))
+    argv = ["--dataset", "folder", "--data-dir", str(data), "--batch-size", "3", "--output", str(tmp_path / "run")]
+    code, err = run_train(capsys, *argv)
     assert code == EXIT_DAMAGED
     one_line(err, rf"^error: {data}/train/dog/zz.png is a named pipe \(FIFO\), not an image file")
     assert not (tmp_path / "run" / "checkpoints").exists()
