@@ -66,18 +66,23 @@ SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 RESULT_KEYS = ("model", "epochs", "final_top1", "best_top1", "best_epoch")  # what makes results.json readable
 
 
+def is_count(value: Any) -> bool:
+    """An integer >= 0 (a JSON true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def results_problem(results: dict[str, Any]) -> str | None:
     """What is wrong with a field of results.json (``records.results_record`` writes it), or None."""
 
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    def percentage(value: Any) -> bool:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100)
 
     rules = (
         ("model", lambda v: isinstance(v, str), "a model name"),
-        ("epochs", lambda v: isinstance(v, int) and number(v) and v >= 0, "an integer >= 0"),
-        ("best_epoch", lambda v: v is None or (isinstance(v, int) and number(v) and v >= 0), "an integer >= 0"),
+        ("epochs", is_count, "an integer >= 0"),
+        ("best_epoch", lambda v: v is None or is_count(v), "an integer >= 0"),
         *(
-            (key, lambda v: v is None or (number(v) and 0 <= v <= 100), "a percentage in [0, 100]")
+            (key, percentage, "a percentage in [0, 100]")
             for key in ("final_top1", "final_top5", "best_top1", "best_top5")
         ),
     )
@@ -118,7 +123,7 @@ def load_manifest(point: Path) -> dict[str, Any]:
         value = manifest.get(key)
         if value is None and (key == "best_epoch" or key not in manifest):
             continue
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        if not is_count(value):
             raise damaged(key, f"expected an integer >= 0, got {quoted(value)}")
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
@@ -129,7 +134,7 @@ def load_manifest(point: Path) -> dict[str, Any]:
             raise damaged(f"files: {quoted(name)}", "not the name of a file inside the point")
         entry = entry if isinstance(entry, dict) else {}
         size, digest = entry.get("bytes"), entry.get("sha256")
-        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+        if not is_count(size):
             raise damaged(f"files: {name}: bytes", f"expected an integer >= 0, got {quoted(size)}")
         if not (isinstance(digest, str) and SHA256_HEX.fullmatch(digest)):
             raise damaged(f"files: {name}: sha256", f"expected 64 hex digits, got {quoted(digest)}")
@@ -404,7 +409,7 @@ class RunDir:
 
     # ---------------------------------------------------------------------------------- bookkeeping
     def results(self) -> dict[str, Any] | None:
-        """results.json (None when the run has not written it), every field checked (``check_results``);
+        """results.json (None when the run has not written it), every field checked (``results_problem``);
         DamagedCheckpointError naming it, and the key, when it cannot be read."""
         path = self.path / RESULTS_FILE
         if not os.path.lexists(path):
