@@ -1,5 +1,9 @@
-"""Reading files a user hands to a command (recipes, sweep files, a run's config and log) with limits, so a
-damaged or hostile file is one line naming it, never a traceback, a hang or a memory blow-up.
+"""Reading files a user hands to a command (recipes, sweep files, a run's config, manifests, results and log,
+an export's config, class maps) with limits, so a damaged or hostile file is one line naming it, never a
+traceback, a hang or a memory blow-up.
+
+Every file read whole is a regular file (``read_file``: a FIFO, socket or device is named and never read: it
+could block forever or never end) of bounded size.
 
 YAML is read with PyYAML's safe loader (no tags that run code) bounded in nesting depth, in aliases and in
 the size the aliases expand to (a "billion laughs" file of 1 KB expands to 10^9 nodes). A JSON line nested
@@ -10,7 +14,9 @@ short prefix only. Light to import: no torch.
 from __future__ import annotations
 
 import json
+import os
 import reprlib
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,77 @@ MAX_YAML_ALIASES = 1_000
 MAX_YAML_NODES = 1_000_000
 # Characters of a value quoted in a message.
 QUOTED_CHARACTERS = 60
+# Bytes of a file read whole (recipes, configs, manifests, results, class maps): far above what any of them
+# holds, far below what would exhaust memory.
+MAX_FILE_BYTES = 64 << 20
+# What a file that is not regular is, by its stat mode
+SPECIAL_FILES = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def special_file(mode: int) -> str | None:
+    """What a file of stat mode ``mode`` is when it is neither a regular file nor a folder, else None."""
+    return next((kind for is_kind, kind in SPECIAL_FILES if is_kind(mode)), None)
+
+
+def check_regular_file(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> Path:
+    """``path`` (links followed) when it is a regular file; ``error`` naming it otherwise (missing, a folder, a
+    FIFO, socket or device: found by its status, never opened)."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise error(f"{what} not found: {path}") from None
+    except OSError as e:
+        raise error(f"{what} {path} cannot be read ({e.strerror or e})") from None
+    if stat.S_ISDIR(mode):
+        raise error(f"{what} {path} is a folder, not a file")
+    kind = special_file(mode)
+    if kind is not None:
+        raise error(f"{what} {path} is {kind}, not a regular file; it was not read")
+    return path
+
+
+def read_file(
+    path: str | Path, what: str = "file", error: type[Exception] = ConfigError, limit: int = MAX_FILE_BYTES
+) -> bytes:
+    """The bytes of the regular file ``path`` (``check_regular_file``), at most ``limit`` of them; ``error``
+    naming it (as ``what``) otherwise. Opened without blocking, so a file swapped for a FIFO after the check
+    is refused too."""
+    path = check_regular_file(path, what, error)
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise error(f"{what} {path} cannot be read ({e.strerror or e})") from None
+    with os.fdopen(descriptor, "rb") as f:
+        kind = special_file(os.fstat(f.fileno()).st_mode)
+        if kind is not None:
+            raise error(f"{what} {path} is {kind}, not a regular file; it was not read")
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise error(f"{what} {path} cannot be read ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise error(f"{what} {path} is larger than {limit:,} bytes: not a {what} this package reads")
+    return data
+
+
+def read_json(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> Any:
+    """The JSON value of the file ``path`` (``read_file``'s checks); ``error`` naming it when it is not UTF-8
+    JSON or is nested beyond what the interpreter decodes."""
+    data = read_file(path, what, error)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+    except ValueError as e:
+        raise error(f"{what} {path} is not JSON ({first_line(e)})") from None
+    except RecursionError:
+        raise error(f"{what} {path} is nested too deeply to be a {what}") from None
 
 
 class YAMLLimitError(yaml.YAMLError):
@@ -90,24 +167,18 @@ def parse_yaml(text: str | bytes) -> Any:
     return yaml.load(text, Loader=_BoundedLoader)
 
 
-def read_yaml(path: str | Path, what: str = "file") -> Any:
-    """The YAML document of the file ``path``; ConfigError naming it when it is missing, not UTF-8 text, not
-    YAML or beyond the limits (``what`` says what the file is: 'recipe', 'sweep file')."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{what} not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{what} {path} is a folder, not a file") from None
+def read_yaml(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> Any:
+    """The YAML document of the file ``path``; ``error`` naming it when it is missing, not a regular file, not
+    UTF-8 text, not YAML or beyond the limits (``what`` says what the file is: 'recipe', 'sweep file')."""
+    data = read_file(path, what, error)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+        raise error(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
     try:
         return parse_yaml(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path} is not valid YAML: {yaml_problem(e)}") from None
+        raise error(f"{what} {path} is not valid YAML: {yaml_problem(e)}") from None
 
 
 def yaml_problem(error: yaml.YAMLError) -> str:

@@ -19,7 +19,6 @@ import glob
 import io
 import json
 import os
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -30,7 +29,6 @@ import timm
 import torch
 from huggingface_hub.constants import PYTORCH_WEIGHTS_NAME, SAFETENSORS_SINGLE_FILE
 from PIL import Image
-from safetensors import SafetensorError
 from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
@@ -38,11 +36,12 @@ from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_d
 from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, check_destination, is_timm_checkpoint_name
 from convbias.engine.data.device_augment import image_mode
 from convbias.engine.data.factory import build_transforms, input_format
+from convbias.errors import DamagedInputError
 from convbias.families import load_families
-from convbias.inputs import first_line
+from convbias.inputs import check_regular_file, first_line, quoted, read_json
 from convbias.storage import write_text
 from convbias.timm_checkpoint import create_timm_model, read_timm_checkpoint, timm_class_names, timm_data_config
-from convbias.weights import check_weights_file
+from convbias.weights import load_checked, read_state_dict
 
 OUTPUT_FORMATS = (".csv", ".json")
 EXPORTED_CONFIG = "config.json"  # what save_for_hf writes beside the weights: marks an exported folder
@@ -81,7 +80,7 @@ class Predictions:
 def is_exported(path: str | Path) -> bool:
     """A ``convbias-export`` folder (timm's Hub layout). It also holds the run's config.yaml, so it is told
     apart from a run directory by its config.json."""
-    return (Path(path) / EXPORTED_CONFIG).is_file()
+    return os.path.lexists(Path(path) / EXPORTED_CONFIG)  # whatever it is: read_exported_config checks it
 
 
 def source_kind(source: str | Path, which: str | None = None, use_ema: bool = False) -> str:
@@ -166,26 +165,63 @@ def run_class_names(config: Any, num_classes: int) -> tuple[list[str] | None, li
     return names, []
 
 
-def load_exported(path: str | Path) -> Predictor:
-    """A ``convbias-export`` folder through timm (``local-dir:``), with the preprocessing its pretrained_cfg
-    records and its ``label_names``."""
-    path = Path(path)
-    try:
-        config = json.loads((path / EXPORTED_CONFIG).read_bytes())
-        architecture = config["architecture"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DamagedCheckpointError(f"{path / EXPORTED_CONFIG} is not timm's model config ({error!r})") from None
+def read_exported_config(path: Path) -> dict[str, Any]:
+    """The config.json of an export folder, every field timm reads checked for its type: ``architecture`` a
+    registered model, ``num_classes`` an integer >= 1, ``model_args`` and ``pretrained_cfg`` mappings,
+    ``label_names`` one name per class. DamagedInputError naming the file and the key otherwise."""
+    file = path / EXPORTED_CONFIG
+    config = read_json(file, "exported model config", DamagedInputError)
+    if not isinstance(config, dict):
+        raise DamagedInputError(f"{file} is not timm's model config (expected an object, got {type(config).__name__})")
     load_families()  # registers the architectures of the families
-    if not timm.is_model(architecture):
-        raise ConfigError(f"{path}: architecture {architecture!r} is not a registered timm model")
-    weights = [path / name for name in EXPORTED_WEIGHTS if (path / name).is_file()]
+    architecture, num_classes = config.get("architecture"), config.get("num_classes")
+    rules = (
+        ("architecture", isinstance(architecture, str) and timm.is_model(architecture), "a registered timm model"),
+        ("num_classes", num_classes is None or (type(num_classes) is int and num_classes >= 1), "an integer >= 1"),
+        *((key, isinstance(config.get(key, {}), dict), "a mapping") for key in ("model_args", "pretrained_cfg")),
+        (
+            "label_names",
+            config.get("label_names") is None
+            or (
+                isinstance(config["label_names"], list)
+                and all(isinstance(name, str) for name in config["label_names"])
+                and len(config["label_names"]) == (num_classes or len(config["label_names"]))
+            ),
+            "a list of one name per class",
+        ),
+    )
+    for key, valid, expected in rules:
+        if not valid:
+            raise DamagedInputError(f"{file}: {key}: expected {expected}, got {quoted(config.get(key))}")
+    return config
+
+
+def load_exported(path: str | Path) -> Predictor:
+    """A ``convbias-export`` folder: its config.json checked (``read_exported_config``), its model built by timm
+    from ``local-dir:`` without weights, then its weights read safely and loaded strictly, each tensor checked
+    for its shape, dtype and finiteness as ``--pretrained-file`` is; the preprocessing its pretrained_cfg records
+    and its ``label_names``. DamagedInputError (exit 65) naming the file and what does not fit."""
+    path = Path(path)
+    config = read_exported_config(path)
+    weights = [path / name for name in EXPORTED_WEIGHTS if os.path.lexists(path / name)]
     if not weights:
         raise DamagedCheckpointError(f"{path} holds no weights ({' or '.join(EXPORTED_WEIGHTS)})")
-    check_weights_file(weights[0])  # read safely first: timm's own error would advise unpickling the file
+    check_regular_file(weights[0], "weights file", DamagedInputError)
+    state_dict = read_state_dict(weights[0])  # read safely: timm's own error would advise unpickling the file
     try:
-        model = timm.create_model(f"local-dir:{path}", pretrained=True).eval()
-    except (OSError, RuntimeError, ValueError, KeyError, SafetensorError, pickle.UnpicklingError) as error:
-        raise DamagedCheckpointError(f"{path} does not load with timm ({first_line(error)})") from None
+        model = timm.create_model(f"local-dir:{path}", pretrained=False)
+    except (TypeError, ValueError, KeyError, AssertionError, RuntimeError) as error:  # how constructors refuse
+        raise DamagedInputError(
+            f"{path / EXPORTED_CONFIG}: model_args: {config['architecture']} is not built from them "
+            f"({first_line(error)})"
+        ) from None
+    try:
+        load_checked(model, state_dict, str(weights[0]))
+    except DamagedInputError:
+        raise
+    except ConfigError as error:  # keys or shapes that do not fit: the folder's config and weights disagree
+        raise DamagedInputError(f"{error} (the model its {EXPORTED_CONFIG} describes)") from None
+    model.eval()
     data_config = resolve_model_data_config(model)
     transform = create_transform(**data_config, is_training=False)
     labels = model.pretrained_cfg.get("label_names")

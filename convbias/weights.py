@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from convbias.errors import ConfigError, DamagedInputError
-from convbias.inputs import first_line
+from convbias.inputs import check_regular_file, first_line
 
 # The Hugging Face Hub's name of a weights file, which timm's local-dir: loads and an engine's resume point uses
 WEIGHTS_FILE = SAFETENSORS_SINGLE_FILE
@@ -46,9 +46,7 @@ def resolve_weights_path(path: str | Path) -> Path:
                 f"command takes a run (--checkpoint RUN, --eval-only RUN)"
             )
         raise ConfigError(f"no weights in {path} (expected {WEIGHTS_FILE} in it)")
-    if not path.is_file():
-        raise ConfigError(f"weights file not found: {path}")
-    return path
+    return check_regular_file(path, "weights file")  # never a FIFO or device: reading it would block or not end
 
 
 # Types allowed in a torch file besides tensors and plain containers: timm's train.py saves its arguments (an
@@ -60,6 +58,7 @@ def load_torch_file(path: str | Path, what: str = "weights") -> Any:
     """A torch file's content with weights_only=True: tensors, plain containers and SAFE_GLOBALS only, nothing
     executed (torch's allow-list); no fallback to full unpickling. A file that does not read so is a
     DamagedInputError naming it as the `what` it should have been."""
+    check_regular_file(path, what, DamagedInputError)  # torch.load of a FIFO or /dev/zero blocks or never ends
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)

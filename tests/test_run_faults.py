@@ -475,7 +475,7 @@ def test_a_foreign_manifest_or_damaged_point_named_explicitly_is_refused(tmp_pat
     write_manifest(point, 5, 0)  # a deliberate edit, re-checksummed: accepted
     assert find_resume_point(str(point), tmp_path) == point.resolve()
     (point / MANIFEST_FILE).write_text("not json")
-    with pytest.raises(DamagedCheckpointError, match="manifest.json is unreadable"):
+    with pytest.raises(DamagedCheckpointError, match="manifest.json is not JSON"):
         find_resume_point(str(point), tmp_path)
 
 

@@ -194,7 +194,7 @@ def test_input_img_mode_is_in_chans(tmp_path, mode, in_chans):
 
 # ------------------------------------------------------------------------------------------------- refusals
 BAD_MAPS = [
-    ("missing.txt", None, r"--class-map \S+missing\.txt: cannot be read \(No such file or directory\); expected \.txt"),
+    ("missing.txt", None, r"--class-map not found: \S+missing\.txt; expected \.txt"),
     ("empty.txt", b"", r"--class-map \S+empty\.txt names no classes; classification needs at least 2; expected"),
     ("one.txt", b"3\n\n", r"names 1 class; classification needs at least 2"),
     ("blank.txt", b"3\n\n5\n", r"blank\.txt: line 2 is empty; expected \.txt"),

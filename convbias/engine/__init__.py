@@ -48,6 +48,9 @@ LAUNCH_PROCESSES = "CONVBIAS_LAUNCH_PROCESSES"
 LAUNCH_EXIT_DIR = "CONVBIAS_LAUNCH_EXIT_DIR"
 # the variables accelerate reads the number of processes from (torchrun's, then MPI's)
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+# What torch's env:// rendezvous reads: a launcher (torchrun, accelerate launch, convbias-launch) sets each of them
+# in every process it starts, with LOCAL_RANK
+_RENDEZVOUS_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 # The engine's public API, each name documented in docs/engine.md: what the console scripts, experiments and
 # evaluation import. Beyond run and main, names are loaded from their submodule on first use (PEP 562
@@ -133,6 +136,7 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
     """Train (or evaluate with --eval-only) one run; returns the content of results.json (the metrics with
     --eval-only). ``config`` is a command line (parsed with its -c recipe) or a ``Config`` built in Python;
     either is validated first (a Config is copied, not changed)."""
+    check_launch_environment()
     if isinstance(config, Config):
         cfg = config.replace()
         validate(cfg)
@@ -179,6 +183,27 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
     finally:
         if lock is not None:
             lock.release()
+
+
+def check_launch_environment() -> None:
+    """ConfigError when the environment holds some of the variables a launcher sets for each process it starts
+    (WORLD_SIZE above 1, or LOCAL_RANK) but not all: a process started by hand (``WORLD_SIZE=2 python train.py``)
+    would wait in torch's rendezvous or fail in it with a traceback."""
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if not world_size.isdigit() or int(world_size) < 1:
+        raise ConfigError(f"WORLD_SIZE={world_size!r} in the environment: expected the number of processes, >= 1")
+    if int(world_size) == 1 and "LOCAL_RANK" not in os.environ:
+        return
+    missing = [name for name in _RENDEZVOUS_VARIABLES if not os.environ.get(name)]
+    if missing:
+        present = " ".join(f"{name}={os.environ[name]}" for name in ("WORLD_SIZE", "LOCAL_RANK") if name in os.environ)
+        processes = max(int(world_size), 2)
+        raise ConfigError(
+            f"the environment holds {present} but not {', '.join(missing)}: the variables a launcher sets for each "
+            f"process, here without a launcher; start the processes with `convbias-launch --num_processes "
+            f"{processes} train.py ...` (--cpu on CPUs) or `accelerate launch --multi_gpu --num_processes "
+            f"{processes} train.py ...`, or unset them to train in one process"
+        )
 
 
 def _launch_warnings() -> list[str]:

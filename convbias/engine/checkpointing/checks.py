@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, StorageError
+from ...errors import StorageError
 from ..config.options import Config
 from ..config.parsing import require
 from .layout import CHECKPOINTS_DIR, held_entries
@@ -31,10 +31,7 @@ def evaluated_run_options(target: str) -> dict[str, Any]:
     {} for weights."""
     if not is_run_dir(target):
         return {}
-    try:
-        options = read_run_config(target)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    options = read_run_config(target)
     return {key: options[key] for key in EVALUATED_RUN_KEYS if key in options}
 
 

@@ -334,7 +334,7 @@ def find_resume_point(resume: str, output: str | Path) -> Path | None:
     path = Path(resume)
     for candidate in (path, path / LAST_LINK, path / CHECKPOINTS_DIR / LAST_LINK):
         if (candidate / STATE_FILE).is_file() and (candidate / WEIGHTS_FILE).is_file():
-            problem = check_point(candidate) if (candidate / MANIFEST_FILE).is_file() else None
+            problem = check_point(candidate) if os.path.lexists(candidate / MANIFEST_FILE) else None
             if problem:
                 raise DamagedCheckpointError(f"--resume {resume}: {candidate} is damaged: {problem}")
             return candidate.resolve()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -34,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError, RunBeingWrittenError
+from ...inputs import first_line, quoted, read_file, read_json
 from ...weights import load_weights, weights_metadata
 from ..config.options import DEFAULT_WHICH, WHICH, Config
 from ..data.datasets import DATASETS
@@ -42,9 +44,11 @@ from ..model.output_scale import OutputScale
 from .layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    EMA_FILE,
     LAST_LINK,
     MANIFEST_FILE,
     RESULTS_FILE,
+    SHARDED_DIR,
     SNAPSHOT_NAME,
     SNAPSHOTS_FILE,
     STATE_FILE,
@@ -62,10 +66,37 @@ from .run_files import (
 )
 
 _HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 RESULT_KEYS = ("model", "epochs", "final_top1", "best_top1", "best_epoch")  # what makes results.json readable
 # How many times a command reading a run chooses a point again when the run's rotation removed the one it chose
 ROTATION_RETRIES = 3
 Read = TypeVar("Read")
+
+
+def is_count(value: Any) -> bool:
+    """An integer >= 0 (a JSON true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def results_problem(results: dict[str, Any]) -> str | None:
+    """What is wrong with a field of results.json (``records.results_record`` writes it), or None."""
+
+    def percentage(value: Any) -> bool:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100)
+
+    rules = (
+        ("model", lambda v: isinstance(v, str), "a model name"),
+        ("epochs", is_count, "an integer >= 0"),
+        ("best_epoch", lambda v: v is None or is_count(v), "an integer >= 0"),
+        *(
+            (key, percentage, "a percentage in [0, 100]")
+            for key in ("final_top1", "final_top5", "best_top1", "best_top5")
+        ),
+    )
+    for key, valid, expected in rules:
+        if key in results and not valid(results[key]):
+            return f"{key}: expected {expected}, got {quoted(results[key])}"
+    return None
 
 
 # ------------------------------------------------------------------------------- verifying what was written
@@ -82,23 +113,69 @@ def point_files(point: Path) -> list[str]:
     return sorted(p.relative_to(point).as_posix() for p in point.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
+def load_manifest(point: Path) -> dict[str, Any]:
+    """The manifest of ``point``, every field checked: ``files`` a non-empty mapping of the point's relative
+    file names to their ``bytes`` (an integer >= 0) and ``sha256`` (64 hex digits); ``epoch``, ``step`` and
+    ``best_epoch`` integers >= 0 where present (``best_epoch`` may be null). DamagedCheckpointError naming the
+    file and the key otherwise (a FIFO or device in its place is never opened)."""
+    path = point / MANIFEST_FILE
+    manifest = read_json(path, "manifest", DamagedCheckpointError)
+
+    def damaged(key: str, problem: str) -> DamagedCheckpointError:
+        return DamagedCheckpointError(f"{path}: {key}: {problem}")
+
+    if not isinstance(manifest, dict):
+        raise damaged("(top level)", f"expected an object, got {type(manifest).__name__}")
+    for key in ("epoch", "step", "best_epoch"):
+        value = manifest.get(key)
+        if value is None and (key == "best_epoch" or key not in manifest):
+            continue
+        if not is_count(value):
+            raise damaged(key, f"expected an integer >= 0, got {quoted(value)}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise damaged("files", f"expected the point's files with their size and sha256, got {quoted(files)}")
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or name == MANIFEST_FILE:
+            raise damaged(f"files: {quoted(name)}", "not the name of a file inside the point")
+        entry = entry if isinstance(entry, dict) else {}
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if not is_count(size):
+            raise damaged(f"files: {name}: bytes", f"expected an integer >= 0, got {quoted(size)}")
+        if not (isinstance(digest, str) and SHA256_HEX.fullmatch(digest)):
+            raise damaged(f"files: {name}: sha256", f"expected 64 hex digits, got {quoted(digest)}")
+    return manifest
+
+
 def read_manifest(point: Path) -> dict[str, Any] | None:
-    """The manifest's ``files`` entry; None when the point has none or it cannot be read."""
+    """The manifest's ``files`` entry; None when the point has none or it is damaged."""
     try:
-        files = json.loads((point / MANIFEST_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return load_manifest(point)["files"]
+    except DamagedCheckpointError:
         return None
-    return files if isinstance(files, dict) else None
+
+
+def loaded_files(point: Path) -> list[str]:
+    """The files of ``point`` that a resume loads (weights, EMA, training state, shards): each must be in the
+    manifest, so a manifest that lists fewer cannot vouch for the point."""
+    return [
+        name
+        for name in point_files(point)
+        if name in (WEIGHTS_FILE, EMA_FILE, STATE_FILE) or name.startswith(f"{SHARDED_DIR}/")
+    ]
 
 
 def check_point(point: Path, names: Iterable[str] | None = None) -> str | None:
-    """None when the files ``names`` (default: all) of ``point`` match its manifest, else why not."""
-    if not (point / MANIFEST_FILE).is_file():
+    """None when the files ``names`` (default: every file the manifest lists and every file a resume loads)
+    of ``point`` match its manifest, else why not."""
+    if not os.path.lexists(point / MANIFEST_FILE):
         return f"no {MANIFEST_FILE}: the save did not complete"
-    listed = read_manifest(point)
-    if listed is None:
-        return f"its {MANIFEST_FILE} is unreadable"
-    for name in listed if names is None else names:
+    try:
+        listed = load_manifest(point)["files"]
+    except DamagedCheckpointError as e:
+        return f"{e}"
+    for name in dict.fromkeys([*listed, *loaded_files(point)]) if names is None else names:
         entry, path = listed.get(name), point / name
         if entry is None:
             return f"{name} is not in its {MANIFEST_FILE}"
@@ -115,7 +192,7 @@ def verify_file(path: str | Path) -> None:
     """DamagedCheckpointError when ``path`` lies in a resume point whose manifest it does not match
     (a file without a manifest beside it is loaded as it is)."""
     path = Path(path)
-    if path.is_file() and (path.parent / MANIFEST_FILE).is_file():
+    if path.is_file() and os.path.lexists(path.parent / MANIFEST_FILE):
         problem = check_point(path.parent, [path.name])
         if problem:
             raise DamagedCheckpointError(f"{path} is damaged: {problem}; it was not loaded")
@@ -261,11 +338,8 @@ class RunDir:
         """The epoch of the best evaluation so far, as the newest point records it: in its manifest, else
         (a point written before manifests carried it) in its verified training state."""
         point = self.newest_point()
-        try:
-            manifest = json.loads((point / MANIFEST_FILE).read_bytes())
-        except (OSError, ValueError):
-            manifest = {}
-        if isinstance(manifest, dict) and "best_epoch" in manifest:
+        manifest = load_manifest(point) if os.path.lexists(point / MANIFEST_FILE) else {}
+        if "best_epoch" in manifest:
             return manifest["best_epoch"]
         return (self.training_state(point).get("best") or {}).get("epoch")
 
@@ -400,23 +474,27 @@ class RunDir:
 
     # ---------------------------------------------------------------------------------- bookkeeping
     def results(self) -> dict[str, Any] | None:
-        """results.json (None when the run has not written it); DamagedCheckpointError naming it when it
-        cannot be read."""
+        """results.json (None when the run has not written it), every field checked (``results_problem``);
+        DamagedCheckpointError naming it, and the key, when it cannot be read."""
         path = self.path / RESULTS_FILE
-        try:
-            data = json.loads(path.read_bytes())
-        except FileNotFoundError:
+        if not os.path.lexists(path):
             return None
-        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        rewrite = "train.py --resume auto rewrites it from the newest checkpoint"
+        try:
+            data = json.loads(read_file(path, "results file", DamagedCheckpointError))
+        except DamagedCheckpointError as e:
+            raise DamagedCheckpointError(f"{e}; {rewrite}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise DamagedCheckpointError(
-                f"{path} is not readable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                f"train.py --resume auto rewrites it from the newest checkpoint"
+                f"{path} is not readable ({type(e).__name__}: {first_line(e)}); {rewrite}"
             ) from None
         if not isinstance(data, dict) or any(key not in data for key in RESULT_KEYS):
             raise DamagedCheckpointError(
-                f"{path} is not a results file (expected an object with {', '.join(RESULT_KEYS)}); "
-                f"train.py --resume auto rewrites it from the newest checkpoint"
+                f"{path} is not a results file (expected an object with {', '.join(RESULT_KEYS)}); {rewrite}"
             )
+        problem = results_problem(data)
+        if problem:
+            raise DamagedCheckpointError(f"{path}: {problem}; {rewrite}")
         return data
 
     def current_results(self) -> dict[str, Any] | None:

@@ -12,8 +12,10 @@ from typing import Any
 
 from huggingface_hub.constants import PYTORCH_WEIGHTS_NAME, SAFETENSORS_SINGLE_FILE
 
-from ...errors import ConfigError
-from ...inputs import first_line, json_record, read_yaml
+from ...errors import ConfigError, DamagedInputError
+from ...inputs import json_record, quoted, read_yaml
+from ..config.options import did_you_mean, option_names, with_option_names
+from ..config.parsing import check_option, coerce
 from .layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -191,18 +193,26 @@ def _same(a: str | Path, b: str | Path) -> bool:
 def is_run_dir(path: str | Path) -> bool:
     """A directory written by train.py: it holds config.yaml (and, once an epoch is done, checkpoints/)."""
     path = Path(path)
-    return path.is_dir() and (path / CONFIG_FILE).is_file()
+    return path.is_dir() and os.path.lexists(path / CONFIG_FILE)  # whatever it is: read_run_config checks it
 
 
 def read_run_config(run: str | Path) -> dict[str, Any]:
-    """The run's resolved options (its config.yaml); ConfigError naming the file when it cannot be read."""
+    """The run's resolved options (its config.yaml), each value passed through the checks of its option (type
+    and range) as a command line's is; DamagedInputError naming the file and the key when it is not a regular
+    file, too large, not YAML, or a key or value is not an option's; ConfigError when there is no config.yaml."""
     path = Path(run) / CONFIG_FILE
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{run} is not a run directory: no {CONFIG_FILE} in it")
-    try:
-        data = read_yaml(path, "run config")
-    except OSError as e:
-        raise ConfigError(f"{path} is not a readable run config ({first_line(e)})") from None
-    if not isinstance(data, dict) or "model" not in data:
-        raise ConfigError(f"{path} is not a run config (expected a mapping of option: value with a model)")
-    return data
+    data = read_yaml(path, "run config", DamagedInputError)
+    if not isinstance(data, dict) or not isinstance(data.get("model"), str):
+        raise DamagedInputError(f"{path} is not a run config (expected a mapping of option: value with a model)")
+    options = {}
+    for key, value in with_option_names(data, str(path)).items():
+        if key not in option_names():
+            raise DamagedInputError(f"{path}: {quoted(key)}: not an option of train.py{did_you_mean(str(key))}")
+        try:
+            options[key] = coerce(key, value, label=f"{path}: {key}")
+            check_option(key, options[key], label=f"{path}: {key}")
+        except ConfigError as e:
+            raise DamagedInputError(str(e)) from None
+    return options

@@ -87,6 +87,9 @@ AT_LEAST_ONE = Check(lambda v: v >= 1, ">= 1")
 PROBABILITY = Check(lambda v: 0 <= v <= 1, "in [0, 1]")
 FRACTION = Check(lambda v: 0 < v <= 1, "in (0, 1]")
 BELOW_ONE = Check(lambda v: 0 <= v < 1, "in [0, 1)")
+# numpy takes seeds below 2**32; the engine seeds each epoch and rank with --seed + 1000 x epoch + rank, so half
+# of that range is left for what it adds
+SEED_LIMIT = 2**31
 
 
 def option(
@@ -183,7 +186,9 @@ class ModelOptions:
         None, "a change of architecture registered by the entry point (train.py registers tcnn)", metavar="NAME"
     )
     reparametrize_at_epoch: int | None = option(
-        None, "apply --reparametrize NAME with --reparametrize-kwargs at the start of this epoch (0-based)"
+        None,
+        "apply --reparametrize NAME with --reparametrize-kwargs at the start of this epoch (0-based)",
+        check=NON_NEGATIVE,
     )
     reparametrize_kwargs: dict[str, Any] = option({}, metavar="K=V")
     distill_teacher: str | None = option(None, "timm name of a CNN teacher (hard distillation)")
@@ -271,11 +276,12 @@ class DataOptions:
     crop_pct: float | None = option(
         None, "eval center-crop fraction; default the model's (timm's resolve_data_config)", check=FRACTION
     )
-    hflip: float = option(0.5)
+    hflip: float = option(0.5, "horizontal flip probability", check=PROBABILITY)
     vflip: float = option(0.0, "vertical flip probability", check=PROBABILITY)
     scale: list[float] | None = option(
         [0.08, 1.0],
         "random-resized-crop area range; default timm's: (0.08, 1), or (0.8, 1) with --train-crop-mode rkrc/rkrr",
+        check=Check(lambda v: 0 < v[0] <= v[1], "two positive numbers, MIN <= MAX"),
         nargs=2,
         metavar=("MIN", "MAX"),
     )
@@ -369,7 +375,7 @@ class OptimizationOptions:
         None, "absolute lr; default lr-base x global batch / lr-base-size (--lr-base-scale)", check=POSITIVE
     )
     lr_base: float = option(0.1, check=POSITIVE)
-    lr_base_size: int = option(256, check=POSITIVE)
+    lr_base_size: int = option(256, check=POSITIVE_INT)
     lr_base_scale: str = option(
         "",
         "how --lr-base follows the global batch: linear (DeiT's), sqrt (x sqrt(global batch / lr-base-size)), or '' "
@@ -377,7 +383,7 @@ class OptimizationOptions:
         choices=LR_BASE_SCALES,
     )
     weight_decay: float = option(2e-5, check=NON_NEGATIVE)
-    momentum: float = option(0.9)
+    momentum: float = option(0.9, "momentum of the optimizers that take one", check=BELOW_ONE)
     opt_eps: float | None = option(
         None, "optimizer epsilon, for every optimizer that takes one (default: the optimizer's own)", check=POSITIVE
     )
@@ -428,10 +434,10 @@ class OptimizationOptions:
     )
     batch_size: int = option(128, "per process", check=POSITIVE_INT)
     eval_batch_size: int | None = option(
-        None, "per process; default --batch-size", check=POSITIVE, aliases=("validation_batch_size",)
+        None, "per process; default --batch-size", check=POSITIVE_INT, aliases=("validation_batch_size",)
     )
     grad_accum_steps: int = option(1, check=AT_LEAST_ONE)
-    seed: int = option(42)
+    seed: int = option(42, check=Check(lambda v: 0 <= v < SEED_LIMIT, f"in [0, 2**{SEED_LIMIT.bit_length() - 1})"))
 
 
 @dataclass
@@ -450,8 +456,10 @@ class ScheduleOptions:
         False, "warm up before the --epochs of schedule (the run trains --warmup-epochs more), not within them"
     )
     min_lr: float = option(0.0, check=NON_NEGATIVE)
-    decay_epochs: float = option(90, "step schedule: epochs between decays")
-    decay_rate: float = option(0.1, "step and multistep schedules: lr factor per decay", aliases=("dr",))
+    decay_epochs: float = option(90, "step schedule: epochs between decays", check=POSITIVE)
+    decay_rate: float = option(
+        0.1, "step, multistep and plateau schedules: lr factor per decay", check=FRACTION, aliases=("dr",)
+    )
     decay_milestones: list[int] = option(
         [90, 180, 270],
         "multistep schedule: the lr decays at these epochs (timm's convention, per update: milestone M from the "
@@ -500,7 +508,12 @@ class ScheduleOptions:
         nargs="+",
         metavar="FRACTION",
     )
-    lr_noise_pct: float = option(0.67, "lr noise: the largest relative change", check=POSITIVE, needs=LR_NOISE)
+    lr_noise_pct: float = option(
+        0.67,
+        "lr noise: the largest relative change (at most 1: the lr stays positive)",
+        check=FRACTION,
+        needs=LR_NOISE,
+    )
     lr_noise_std: float = option(1.0, "lr noise: the normal draw's standard deviation", check=POSITIVE, needs=LR_NOISE)
 
 
@@ -558,7 +571,10 @@ class CheckpointingOptions:
         aliases=("initial_checkpoint",),
     )
     save_epochs: list[int] = option(
-        [], "also keep checkpoints/epoch_E.safetensors after E epochs (0 = the initial weights)", metavar="E"
+        [],
+        "also keep checkpoints/epoch_E.safetensors after E epochs (0 = the initial weights)",
+        check=Check(lambda v: all(e >= 0 for e in v), "epochs >= 0"),
+        metavar="E",
     )
     checkpoint_interval: int = option(
         0,

@@ -199,11 +199,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def coerce(name: str, value: Any) -> Any:
+def coerce(name: str, value: Any, label: str | None = None) -> Any:
     """``value`` as option ``name``'s declared type (a recipe's values skip argparse's conversion): ints to
-    floats, a string of items to a list, K=V pairs to a mapping; a ConfigError naming the option otherwise.
-    inf and nan make no sense for any option."""
+    floats, a string of items to a list, K=V pairs to a mapping; a ConfigError naming the option (or ``label``:
+    the file and key it came from) otherwise. inf and nan make no sense for any option."""
     kind, nargs = option_types()[name], declaration(name).metadata["nargs"]
+    label = label or flag_name(name)
     candidates = (
         [a for a in typing.get_args(kind) if a is not type(None)]
         if typing.get_origin(kind)
@@ -220,9 +221,11 @@ def coerce(name: str, value: Any) -> Any:
         if converted is not _INVALID:
             finite = [v for v in (converted if isinstance(converted, list) else [converted]) if isinstance(v, float)]
             bad = [v for v in finite if not math.isfinite(v)]
-            require(not bad, f"{flag_name(name)} must be a finite number, got {bad[0] if bad else ''}")
+            require(not bad, f"{label} must be a finite number, got {bad[0] if bad else ''}")
             return converted
-    raise ConfigError(f"{flag_name(name)} expects {_describe(candidates[0], nargs)}, got {value!r}")
+    raise ConfigError(
+        f"{label} expects {_describe(candidates[0], nargs)}, got {quoted(repr(value) if isinstance(value, str) else value)}"
+    )
 
 
 _INVALID = object()
@@ -255,16 +258,16 @@ def _converted(value: Any, kind: Any, nargs: int | str | None) -> Any:
     return _INVALID
 
 
-def check_option(name: str, value: Any) -> None:
-    """ConfigError naming the option when ``value`` breaks its declared check or choices."""
-    meta = declaration(name).metadata
+def check_option(name: str, value: Any, label: str | None = None) -> None:
+    """ConfigError naming the option (or ``label``) when ``value`` breaks its declared check or choices."""
+    meta, label = declaration(name).metadata, label or flag_name(name)
     if value is None:
         return
     if meta["choices"] is not None:
-        require(value in meta["choices"], f"unknown {flag_name(name)} '{value}'; choices: {', '.join(meta['choices'])}")
+        require(value in meta["choices"], f"unknown {label} '{value}'; choices: {', '.join(meta['choices'])}")
     rule = meta["check"]
     if rule is not None:
-        require(rule.valid(value), f"{flag_name(name)} must be {rule.expected}, got {value}")
+        require(rule.valid(value), f"{label} must be {rule.expected}, got {quoted(value)}")
 
 
 def config_warnings(cfg: Config) -> list[str]:

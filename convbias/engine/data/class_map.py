@@ -11,6 +11,7 @@ import pickle
 from pathlib import Path
 
 from ...errors import ConfigError
+from ...inputs import read_file
 
 CLASS_MAP_FORMS = ".txt (one class name per line, its label the line number) or .pkl (a pickled {name: label})"
 
@@ -59,10 +60,10 @@ def read_class_map(path: str | Path) -> dict[str, int]:
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".pkl"):
         raise ConfigError(f"--class-map {path}: unknown file type {suffix or '(no suffix)'}; {expected}")
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise ConfigError(f"--class-map {path}: cannot be read ({error.strerror or error}); {expected}") from None
+    try:  # a regular file of bounded size: never a FIFO, a device or /dev/zero
+        data = read_file(path, "--class-map")
+    except ConfigError as error:
+        raise ConfigError(f"{error}; {expected}") from None
     try:
         mapping = _text_class_map(data) if suffix == ".txt" else _pickled_class_map(data)
     except ValueError as error:  # UnicodeDecodeError is one

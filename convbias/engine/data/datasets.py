@@ -29,7 +29,8 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes
 
-from ...errors import ConfigError, UnreadableImageError
+from ...errors import ConfigError, DamagedInputError, UnreadableImageError
+from ...inputs import special_file
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,11 @@ def scan_images(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int
                     status = os.stat(path)
                 except OSError:  # a dangling link: listed, then reported unreadable when it is served
                     status = os.lstat(path)
+                kind = special_file(status.st_mode)
+                if kind is not None:  # reading it would block forever (a FIFO) or never end (a device)
+                    raise DamagedInputError(
+                        f"{path} is {kind}, not an image file: it cannot be read as an image; move it out of {root}"
+                    )
                 if (status.st_dev, status.st_ino) in seen or _in_another_class(path, name, class_folders):
                     repeated.append(path)  # counted once, in the class folder that holds the file itself
                     continue

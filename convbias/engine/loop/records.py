@@ -23,7 +23,8 @@ import torch
 import yaml
 from timm.optim import create_optimizer_v2
 
-from ...inputs import json_record
+from ...errors import DamagedInputError
+from ...inputs import json_record, read_file
 from ...storage import write_text
 from ...tables import csv_text
 from ..checkpointing.layout import CHECKPOINTS_DIR, CONFIG_FILE, LINKS, LOG_FILE, RESULTS_FILE, SUMMARY_FILE
@@ -42,16 +43,17 @@ def write_config(cfg: Config, path: Path, derived: dict) -> None:
     write_text(path, CONFIG_MARKER + "\n" + header + body, owner=path.parent)
 
 
+# Bytes of a log.jsonl or summary.csv read whole: a line per epoch and evaluation stays far below it
+MAX_LOG_BYTES = 1 << 30
 SUMMARY_FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "images_per_sec", "epoch_seconds")
 
 
 def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The records of a log.jsonl (JSON objects with an integer epoch) and how many lines were dropped
     as damaged: cut short by a kill, not UTF-8, not an object. A missing file has none."""
-    try:
-        lines = path.read_bytes().splitlines()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return [], 0
+    lines = read_file(path, "run log", DamagedInputError, MAX_LOG_BYTES).splitlines()
     records, dropped = [], 0
     for line in lines:
         record = json_record(line)  # None: damaged, whatever its depth
@@ -64,10 +66,9 @@ def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 def read_summary(path: Path) -> tuple[list[dict[str, str]], int]:
     """The rows of a summary.csv with an integer epoch and every column, and how many were dropped."""
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return [], 0
+    text = read_file(path, "run summary", DamagedInputError, MAX_LOG_BYTES).decode("utf-8", errors="replace")
     rows = list(csv.DictReader(io.StringIO(text, newline="")))
     kept = [
         r

@@ -26,7 +26,7 @@ from convbias.weights import (
     timm_load_report,
 )
 
-from ...errors import ConfigError
+from ...errors import ConfigError, DamagedInputError
 from ...inputs import first_line, quoted
 from ..config.options import Config
 
@@ -115,6 +115,8 @@ def create_model_and_report(cfg: Config, num_classes: int, in_chans: int) -> tup
                     raise
                 kwargs.pop("img_size")
                 model = timm.create_model(cfg.model, **kwargs)
+    except DamagedInputError:  # a file the model's arguments name (an eFCN's cnn_checkpoint) is damaged: exit 65
+        raise
     except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
         mistyped = mistyped_kwargs(cfg.model, model_kwargs)
         if mistyped:
