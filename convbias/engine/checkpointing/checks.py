@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...errors import StorageError
+from ...errors import ConfigError, StorageError
 from ..config.options import Config
 from ..config.parsing import require
 from .layout import CHECKPOINTS_DIR, held_entries
