@@ -13,6 +13,7 @@ always steps per evaluation. Either way a resumed run lands on exactly the same 
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from functools import cache
@@ -23,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, optimizer_kwargs, param_groups_layer_decay, param_groups_weight_decay
+from timm.optim import (
+    create_optimizer_v2,
+    get_optimizer_info,
+    optimizer_kwargs,
+    param_groups_layer_decay,
+    param_groups_weight_decay,
+)
 from timm.scheduler import PlateauLRScheduler, create_scheduler_v2, scheduler_kwargs
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
@@ -134,11 +141,25 @@ def create_optimizer(
         cfg.layer_decay_no_opt_scale,
     )
     try:
-        return create_optimizer_v2(groups, **kwargs)
+        return create_optimizer_v2(groups, foreach=multi_tensor(cfg.opt, kwargs), **kwargs)
     except (TypeError, ValueError) as e:  # the optimizer's own check of its arguments
         if not cfg.opt_kwargs:
             raise
         raise ConfigError(f"--opt {cfg.opt} with --opt-kwargs {cfg.opt_kwargs}: {str(e).splitlines()[0]}") from e
+
+
+def multi_tensor(opt: str, kwargs: dict[str, Any]) -> bool | None:
+    """True (torch's multi-tensor implementation: a few ops per update for all parameters together) where the
+    optimizer takes a ``foreach`` argument and --opt-kwargs sets neither ``foreach`` nor ``fused``; else None (the
+    optimizer's own choice). torch takes that implementation by itself on CUDA but loops over the parameters on
+    the CPU: True gives every device the GPU's code path, the same update. ``--opt-kwargs fused=True`` asks torch for
+    its fused kernel instead (AdamW, Adam, SGD: one kernel per update, rounded differently from timm's default)."""
+    if "foreach" in kwargs or kwargs.get("fused"):
+        return None
+    optimizer_class = get_optimizer_info(opt.lower().split("_")[-1]).opt_class
+    if not isinstance(optimizer_class, type):  # named by a path, imported on use (bitsandbytes'): its own default
+        return None
+    return True if "foreach" in inspect.signature(optimizer_class).parameters else None
 
 
 def rebuild_optimizer(cfg: Config, model: nn.Module, lr: float, old: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -276,10 +297,13 @@ def create_train_loss(cfg: Config, mixup: Mixup | None) -> nn.Module:
 
 def create_ema(cfg: Config, model: nn.Module, device: torch.device) -> ModelEmaV3 | None:
     """--model-ema: timm's ModelEmaV3 of the weights. Its decay (with --model-ema-warmup, its warm-up) follows the
-    update count it is given, so a resumed run continues it exactly from the saved EMA weights."""
+    update count it is given, so a resumed run continues it exactly from the saved EMA weights. Built where the model
+    is, then moved to ``device``, as timm's train.py builds it on the model's device: timm's ModelEmaV3 told another
+    device than the model's updates one tensor at a time; here its update is one multi-tensor op on every device."""
     if not cfg.model_ema:
         return None
-    return ModelEmaV3(model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup, device=device)
+    ema = ModelEmaV3(model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup)
+    return ema.to(device)
 
 
 class HardDistillationLoss(nn.Module):
