@@ -4,10 +4,12 @@ evaluations, preemption decided every PREEMPTION_CHECK_INTERVAL updates, and ben
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from convbias.engine import parse_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+ROOT = Path(__file__).resolve().parent.parent
 
 # The DeiT recipe's per-step work at the tiny ConViT's scale: device RandAugment and erasing, mixup/cutmix,
 # label smoothing, drop-path, gradient clipping and an EMA
@@ -121,6 +124,51 @@ def test_an_epoch_reads_device_values_only_at_the_loss_checks(cli_argv, tmp_path
     assert reads.count == checks, f"{reads.count} host reads in {steps} steps, expected {checks}"
 
 
+def benchmark(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks import their neighbours by name)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_step_outside_the_model_launches_no_kernel_per_parameter(cli_argv, tmp_path):
+    """With the DeiT recipe's step (mixup/cutmix, clipping, AdamW, zero_grad, the EMA, the bookkeeping), a model
+    with about 3x the parameter tensors launches as many kernels outside its forward and backward, priced as
+    benchmarks/step_cost.py prices them: multi-tensor ops, no loop over the parameters."""
+    step_cost = benchmark("step_cost")
+    kernels, tensors = {}, {}
+    for depth in (2, 8):
+        blocks = dict(cli_argv.TINY_CONVIT["model_kwargs"], depth=depth)
+        options = dict(no_aug=False, train_fraction=0.15, model_kwargs=blocks, **DEIT_STEP)
+        trainer = build(cli_argv, tmp_path / str(depth), **options)
+        costs, *_ = step_cost.price_step(trainer)
+        kernels[depth] = {phase: step_cost.kernels(costs[phase]) for phase in step_cost.OUTSIDE_THE_MODEL}
+        tensors[depth] = len(list(trainer.models.model.parameters()))
+    assert tensors[8] > 2.5 * tensors[2], tensors
+    assert kernels[8] == kernels[2], f"kernels outside the model by phase: {kernels}"
+    assert kernels[2]["optimizer"] > 0 and kernels[2]["ema"] > 0 and kernels[2]["mixup"] > 0, kernels
+
+
+def test_an_ema_on_another_device_than_the_model_updates_every_tensor_in_one_op():
+    """The EMA is built where the model is and then moved (as timm's train.py builds it after moving the model):
+    timm's ModelEmaV3 given another device updates one tensor at a time."""
+    from convbias.dispatch_cost import DispatchCost
+    from convbias.engine.optim.factory import create_ema
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])  # 12 tensors, on the CPU
+    options = SimpleNamespace(model_ema=True, model_ema_decay=0.9, model_ema_warmup=False)
+    ema = create_ema(options, model, torch.device("meta"))  # the device the model will train on
+    assert {p.device.type for p in ema.module.parameters()} == {"meta"}
+    model.to("meta")
+    with DispatchCost() as cost:
+        ema.update(model, step=5)
+    assert cost.by_op == {"aten::_foreach_lerp_.Scalar": 1}, cost.by_op
+
+
 class Positions(torch.utils.data.Dataset):
     """Sample i: (i, a random draw of its transform, the loading process's id)."""
 
@@ -189,9 +237,6 @@ def test_several_processes_decide_on_preemption_together_every_interval():
     assert not signals.requested(alone, 1)
     signals.received = signal.SIGUSR1
     assert signals.requested(alone, 1)
-
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
