@@ -45,6 +45,11 @@ FEWER_TENSORS = ("convit_tiny", ("depth=3", "local_up_to_layer=2"))
 # The issue's goals: augmentation ops, its bytes (x the batch's fp32 bytes), ConViT-Ti / DeiT-Ti forward+backward
 # ops and bytes, tcnn_resnet50 / resnet50 saved for backward
 GOALS = dict(augmentation_ops=60, augmentation_bytes=4.0, ops_ratio=1.4, bytes_ratio=1.15, saved_ratio=1.15)
+# The batch of each pair's GPU rows (benchmarks/gpu_acceptance.sh), at which the shares are predicted
+GPU_BATCH = {PAIRS[0]: 256, PAIRS[1]: 128}
+PER_IMAGE = ("hand-off", "mixup", "forward", "backward")  # their bytes grow with the batch; the update's do not
+MODEL_STEP = ("forward", "backward", "optimizer")  # the bare model step of train_loop.py and convit_train_step.py
+ENGINE_STEP = ("augmentation", "mixup", *MODEL_STEP, "bookkeeping")  # train_loop.py's engine (its recipe: no EMA)
 
 
 def kernels(cost: DispatchCost) -> int:
@@ -53,36 +58,32 @@ def kernels(cost: DispatchCost) -> int:
 
 
 def price_step(trainer) -> tuple[dict[str, DispatchCost], int, int]:
-    """(cost per phase, bytes saved for backward, the batch's fp32 bytes) of one training step of ``trainer``,
-    after a first update (from zero gradients) has created the optimizer's state."""
+    """(cost per phase, bytes saved for backward, the batch's fp32 bytes) of a training step of ``trainer``,
+    after one on two of its images (which creates the optimizer's state and what the model caches)."""
     acc, models, optimization = trainer.accelerator, trainer.models, trainer.optimization
-    for param in models.model.parameters():
-        param.grad = torch.zeros_like(param) if param.requires_grad else None
-    with acc.accumulate(models.model):
-        trainer._update()
-    trainer._update_ema()
     loader = torch.utils.data.DataLoader(trainer.data.bundle.train, batch_size=trainer.cfg.batch_size)
     images, targets = next(iter(loader))
     steps = 10 * trainer.data.steps_per_epoch  # the priced step is not a loss check
     loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
-    costs = {phase: DispatchCost() for phase in PHASES}
-    with costs["hand-off"]:
-        batch, labels = next(iter(DeviceBatches([(images, targets)], acc.device)))
-    with costs["augmentation"]:
-        batch = trainer.data.augment(batch)
-    with costs["mixup"]:
-        batch, labels = optimization.mixup(batch, labels)
-    with acc.accumulate(models.model):
-        with costs["forward"], SavedForBackward() as saved:
-            loss = optimization.train_loss(models.forward(batch), labels)
-        with costs["backward"]:
-            acc.backward(loss)
-        with costs["optimizer"]:
-            trainer._update()
-    with costs["ema"]:
-        trainer._update_ema()
-    with costs["bookkeeping"]:
-        trainer._after_step(0, 0, steps, loss, loss_sum, tqdm(total=steps, disable=True))
+    for count in (2, len(images)):  # mixup/cutmix takes even batches
+        costs = {phase: DispatchCost() for phase in PHASES}
+        with costs["hand-off"]:
+            batch, labels = next(iter(DeviceBatches([(images[:count], targets[:count])], acc.device)))
+        with costs["augmentation"]:
+            batch = trainer.data.augment(batch)
+        with costs["mixup"]:
+            batch, labels = optimization.mixup(batch, labels)
+        with acc.accumulate(models.model):
+            with costs["forward"], SavedForBackward() as saved:
+                loss = optimization.train_loss(models.forward(batch), labels)
+            with costs["backward"]:
+                acc.backward(loss)
+            with costs["optimizer"]:
+                trainer._update()
+        with costs["ema"]:
+            trainer._update_ema()
+        with costs["bookkeeping"]:
+            trainer._after_step(0, 0, steps, loss, loss_sum, tqdm(total=steps, disable=True))
     return costs, saved.bytes, batch.numel() * 4
 
 
@@ -111,6 +112,19 @@ def build(model: str, args: argparse.Namespace, work: Path, model_kwargs: tuple[
     extra = ["--model-ema"] + (["--clip-grad", str(args.clip_grad)] if args.clip_grad else [])
     extra += ["--model-kwargs", *model_kwargs] if model_kwargs else []
     return build_engine(options, work / "_".join((model, *model_kwargs)), tuple(extra))
+
+
+def bytes_at(
+    costs: dict[str, DispatchCost], batch_size: int, augmentation: DispatchCost, augment_batch_size: int, gpu_batch: int
+) -> dict[str, float]:
+    """Bytes written per phase by a step of ``gpu_batch`` images: the per-image phases scaled from the priced
+    batch, the augmentation from its own batch, the update's phases (optimizer, EMA, bookkeeping) as priced."""
+    return {
+        phase: augmentation.bytes_written * gpu_batch / augment_batch_size
+        if phase == "augmentation"
+        else costs[phase].bytes_written * (gpu_batch / batch_size if phase in PER_IMAGE else 1)
+        for phase in PHASES
+    }
 
 
 def mb(count: int) -> str:
@@ -209,6 +223,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         figures["outside_ops"] = counts[1]
         described = ", ".join(f"{ops} for {name} ({tensors} tensors)" for name, (ops, tensors) in outside.items())
         print(f"| step outside the model, ops | {described} | the same for any number of tensors |")
+    predictions = []
+    if augmentation is not None and first in priced:
+        at = bytes_at(priced[first][0], args.batch_size, augmentation[0], args.augment_batch_size, GPU_BATCH[PAIRS[0]])
+        total = sum(at[p] for p in ENGINE_STEP)
+        predictions += [
+            (f"{first}: the augmentation's share of the engine's step", at["augmentation"] / total),
+            (f"{first}: the engine against its bare model step", sum(at[p] for p in MODEL_STEP) / total),
+        ]
+    for pair in PAIRS:
+        if all(m in priced for m in pair):
+            at = [
+                bytes_at(priced[m][0], args.batch_size, augmentation[0], args.augment_batch_size, GPU_BATCH[pair])
+                for m in pair
+            ]
+            model_bytes = [sum(side[p] for p in MODEL_STEP) for side in at]
+            predictions.append((f"{pair[0]} / {pair[1]}: training speed", model_bytes[1] / model_bytes[0]))
+            saved = priced[pair[0]][1] / priced[pair[1]][1]
+            predictions.append((f"{pair[0]} / {pair[1]}: activation memory (saved for backward)", saved))
+    if predictions:
+        batches = ", ".join(f"{pair[0]} {batch}" for pair, batch in GPU_BATCH.items())
+        print(f"\npredicted from bytes written (a bandwidth-bound GPU step) at the GPU rows' batch ({batches}):")
+        print("| GPU row | prediction |")
+        print("|---|---|")
+        for name, value in predictions:
+            print(f"| {name} | {value:.2f} |")
     last = [
         f"augmentation {figures['augmentation_ops']} ops {figures['augmentation_bytes']:.1f}x"
         if "augmentation_ops" in figures
