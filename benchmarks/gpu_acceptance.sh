@@ -110,7 +110,7 @@ step tcnn 45 $PYTHON benchmarks/tcnn_throughput.py $TCNN --variants cnn tcnn
 step jpegs 20 $PYTHON benchmarks/make_jpegs.py "$JPEGS" $JPEG_ARGS
 step engine-eager 55 $PYTHON train.py -c configs/train/convit/imagenet/convit_tiny.yaml --data-dir "$JPEGS" \
   --epochs 1 --warmup-epochs 0 $ENGINE --output "$OUT/engine-eager"
-step step-cost 30 $PYTHON benchmarks/step_cost.py $COST
+step step-cost 45 $PYTHON benchmarks/step_cost.py $COST
 # Then correctness on the GPU and the other rows
 step gpu-tests 60 $PYTHON -m pytest -q -p no:cacheprovider $GPU_TESTS
 [ -f tests/test_fused_gpsa.py ] && [ "$SMOKE" != 1 ] &&
