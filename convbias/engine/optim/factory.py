@@ -131,6 +131,8 @@ def create_optimizer(
     timm's train.py passes them (its optimizer_kwargs; the factory gives each optimizer those it takes); an
     argument the optimizer does not take is a ConfigError."""
     kwargs = optimizer_arguments(cfg, lr)
+    if multi_tensor(cfg.opt, kwargs):
+        kwargs["foreach"] = True
     groups = param_groups(
         model,
         cfg.weight_decay,
@@ -141,25 +143,25 @@ def create_optimizer(
         cfg.layer_decay_no_opt_scale,
     )
     try:
-        return create_optimizer_v2(groups, foreach=multi_tensor(cfg.opt, kwargs), **kwargs)
+        return create_optimizer_v2(groups, **kwargs)
     except (TypeError, ValueError) as e:  # the optimizer's own check of its arguments
         if not cfg.opt_kwargs:
             raise
         raise ConfigError(f"--opt {cfg.opt} with --opt-kwargs {cfg.opt_kwargs}: {str(e).splitlines()[0]}") from e
 
 
-def multi_tensor(opt: str, kwargs: dict[str, Any]) -> bool | None:
-    """True (torch's multi-tensor implementation: a few ops per update for all parameters together) where the
-    optimizer takes a ``foreach`` argument and --opt-kwargs sets neither ``foreach`` nor ``fused``; else None (the
-    optimizer's own choice). torch takes that implementation by itself on CUDA but loops over the parameters on
-    the CPU: True gives every device the GPU's code path, the same update. ``--opt-kwargs fused=True`` asks torch for
-    its fused kernel instead (AdamW, Adam, SGD: one kernel per update, rounded differently from timm's default)."""
+def multi_tensor(opt: str, kwargs: dict[str, Any]) -> bool:
+    """Whether to ask for torch's multi-tensor implementation (``foreach=True``: a few ops per update for all
+    parameters together): where the optimizer takes a ``foreach`` argument and --opt-kwargs sets neither
+    ``foreach`` nor ``fused``. torch takes that implementation by itself on CUDA but loops over the parameters
+    on the CPU: asking gives every device the GPU's code path, the same update. ``--opt-kwargs fused=True`` asks
+    torch for its fused kernel instead (AdamW, Adam, SGD: one kernel per update and parameter group, rounded
+    differently from timm's default)."""
     if "foreach" in kwargs or kwargs.get("fused"):
-        return None
+        return False
     optimizer_class = get_optimizer_info(opt.lower().split("_")[-1]).opt_class
-    if not isinstance(optimizer_class, type):  # named by a path, imported on use (bitsandbytes'): its own default
-        return None
-    return True if "foreach" in inspect.signature(optimizer_class).parameters else None
+    # a class named by a path is imported on use (bitsandbytes'): its own default
+    return isinstance(optimizer_class, type) and "foreach" in inspect.signature(optimizer_class).parameters
 
 
 def rebuild_optimizer(cfg: Config, model: nn.Module, lr: float, old: torch.optim.Optimizer) -> torch.optim.Optimizer:
