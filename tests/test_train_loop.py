@@ -153,6 +153,20 @@ def test_the_step_outside_the_model_launches_no_kernel_per_parameter(cli_argv, t
     assert kernels[2]["optimizer"] > 0 and kernels[2]["ema"] > 0 and kernels[2]["mixup"] > 0, kernels
 
 
+@pytest.mark.parametrize(
+    ("opt_kwargs", "foreach", "fused"),
+    [(None, True, None), ({"fused": True}, None, True), ({"foreach": False}, False, None)],
+)
+def test_the_optimizer_is_multi_tensor_unless_opt_kwargs_choose(cli_argv, opt_kwargs, foreach, fused):
+    """torch's multi-tensor AdamW on every device (torch picks it by itself on CUDA only); --opt-kwargs
+    fused=True or foreach=False are passed as given."""
+    from convbias.engine.optim.factory import create_optimizer
+
+    cfg = parse_config(cli_argv(cli_argv.DEIT_RECIPE, model="convit_tiny", opt_kwargs=opt_kwargs))
+    optimizer = create_optimizer(cfg, torch.nn.Linear(3, 3), 1e-3)
+    assert (optimizer.defaults["foreach"], optimizer.defaults["fused"]) == (foreach, fused)
+
+
 def test_the_ema_updates_every_tensor_in_two_ops_on_any_device_as_timm_updates_them():
     """The EMA is built where the model is and then moved (as timm's train.py builds it after moving the model):
     timm's ModelEmaV3 given another device updates one tensor at a time. Its integer buffers (BatchNorm's
