@@ -8,8 +8,11 @@ the CPU (``convbias.dispatch_cost``). Each model's step is the one train.py buil
 0.1, AdamW) and its EMA (``--model-ema``), driven phase by phase through the engine's own objects: the loader's
 hand-off (``DeviceBatches``), the device augmentation (``DeviceAugment``), mixup/cutmix, the forward with its
 loss, the backward, the update (``Trainer._update``: clipping, optimizer, zero_grad, schedule), the EMA
-(``Trainer._update_ema``) and the bookkeeping (``Trainer._after_step``, a step without a loss check). The
-second step is counted (the first creates the optimizer's state).
+(``Trainer._update_ema``) and the bookkeeping (``Trainer._after_step``, a step without a loss check), after
+an unpriced step on two images (which creates the optimizer's state). The augmentation's headline figure is
+priced alone on a GPU's batch (``--augment-batch-size``, 256): on a few images only some of RandAugment's ops
+are drawn. The GPU rows are predicted from the bytes written at their batch (a bandwidth-bound step); the
+growth of the step outside the model is read against ConViT-Ti with 3 blocks.
 
 ``ops`` are kernels a GPU would launch: dispatched ops less host reads (``aten._local_scalar_dense``: torch's
 optimizers read their step counters, CPU tensors on every device, once or twice per parameter) and the
@@ -18,7 +21,8 @@ profiler's range markers, which launch none; host reads are counted beside them.
     python benchmarks/step_cost.py                  # ConViT-Ti, DeiT-Ti, tcnn_resnet50, resnet50; 224, batch 8
     python benchmarks/step_cost.py --models convit_tiny deit_tiny_patch16_224 --clip-grad 1.0
 
-The last line holds the headline figures against the goals.
+The last line holds the headline figures (the table above it, the goals): the augmentation's ops and bytes, ConViT-Ti
+against DeiT-Ti, the T-CNN's saved bytes against ResNet-50's, the step outside the model.
 """
 
 from __future__ import annotations
