@@ -350,10 +350,9 @@ if __name__ == "__main__":
         # glibc's fixed thresholds, as every lockstep worker gets them: no side is timed on page faults
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENVIRONMENT})
     main()
-    # Ends without the interpreter's exit handlers: under --compile, torch's handler shuts its compile workers
-    # down (a sidecar process and the sidecar's own pool) and may wait on the sidecar long after the results
-    # are printed (torch before 2.13: up to 300 s). The loader's workers and the compile workers watch this
-    # process and end with it.
+    # Ends without the interpreter's exit handlers and teardown, which after torch.compile can outlast the
+    # benchmark itself (torch's shutdown of its compile workers, its caches, the compiled graphs' teardown). The
+    # loader's workers and torch's compile workers watch this process and end with it.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
