@@ -369,7 +369,7 @@ class Trainer:
             optimization.scheduler.step_update(self.progress.num_updates)
 
     def _update_ema(self) -> None:
-        """The EMA's update after an optimizer update (timm's ModelEmaV3: one multi-tensor op), at its count."""
+        """The EMA's update after an optimizer update (engine.optim.factory.ModelEma: multi-tensor ops), at its count."""
         if self.accelerator.sync_gradients and self.models.ema is not None:
             self.models.ema.update(self.models.whole_model(), step=self.progress.num_updates)
 
