@@ -4,6 +4,7 @@ evaluations, preemption decided every PREEMPTION_CHECK_INTERVAL updates, and ben
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import subprocess
@@ -165,6 +166,32 @@ def test_the_optimizer_is_multi_tensor_unless_opt_kwargs_choose(cli_argv, opt_kw
     cfg = parse_config(cli_argv(cli_argv.DEIT_RECIPE, model="convit_tiny", opt_kwargs=opt_kwargs))
     optimizer = create_optimizer(cfg, torch.nn.Linear(3, 3), 1e-3)
     assert (optimizer.defaults["foreach"], optimizer.defaults["fused"]) == (foreach, fused)
+
+
+def test_the_multi_tensor_update_is_timms_update(cli_argv):
+    """Three AdamW updates of the engine's optimizer (multi-tensor) equal those of timm's factory's (which loops
+    over the parameters on the CPU), bit for bit."""
+    from timm.optim import create_optimizer_v2
+
+    from convbias.engine.optim.factory import create_optimizer
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    theirs = copy.deepcopy(ours)
+    cfg = parse_config(cli_argv(cli_argv.DEIT_RECIPE, model="convit_tiny"))
+    optimizers = [
+        create_optimizer(cfg, ours, 1e-2),
+        create_optimizer_v2(theirs, opt="adamw", lr=1e-2, weight_decay=cfg.weight_decay, eps=cfg.opt_eps),
+    ]
+    assert optimizers[0].defaults["foreach"] and not optimizers[1].defaults["foreach"]
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        for model, optimizer in zip((ours, theirs), optimizers):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, mine), timms in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert torch.equal(mine, timms), name
 
 
 def test_the_ema_updates_every_tensor_in_two_ops_on_any_device_as_timm_updates_them():
