@@ -77,11 +77,11 @@ class UInt8Crops(Dataset):
         return self.images[index], self.targets[index]
 
 
-def engine_argv(args: argparse.Namespace, work: Path) -> list[str]:
+def engine_argv(args: argparse.Namespace, work: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """train.py's command line for ``args`` (a patch size of None: the model's own), then ``extra``."""
     options = {
         "model": args.model,
         "img_size": str(args.img_size),
-        "model_kwargs": f"patch_size={args.patch_size}",
         "batch_size": str(args.batch_size),
         "workers": str(args.workers),
         "epochs": "1000",
@@ -91,17 +91,19 @@ def engine_argv(args: argparse.Namespace, work: Path) -> list[str]:
         "output": str(work / "run"),
         "seed": "0",
     }
+    if args.patch_size is not None:
+        options["model_kwargs"] = f"patch_size={args.patch_size}"
     if not args.recipe:
         options.update(RECIPE_OFF)
     argv = ["-c", str(DEIT_RECIPE)]
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}", value]
     argv += ["--no-diagnostics", "--preempt-signals"]  # no signal handlers in a benchmark
-    return argv + (["--compile"] if args.compile else [])
+    return argv + (["--compile"] if args.compile else []) + list(extra)
 
 
-def build_engine(args: argparse.Namespace, work: Path):
-    """The Trainer train.py would build, on UInt8Crops (``--steps`` batches an epoch)."""
+def build_engine(args: argparse.Namespace, work: Path, extra: tuple[str, ...] = ()):
+    """The Trainer train.py would build with ``extra`` options, on UInt8Crops (``--steps`` batches an epoch)."""
     from convbias.engine import parse_config
     from convbias.engine.data import factory as engine_data
     from convbias.engine.loop import setup as run_setup
@@ -110,7 +112,7 @@ def build_engine(args: argparse.Namespace, work: Path):
 
     for split in ("train", "val"):
         (work / "data" / split / "c0").mkdir(parents=True, exist_ok=True)
-    cfg = parse_config(engine_argv(args, work))
+    cfg = parse_config(engine_argv(args, work, extra))
 
     def synthetic(cfg):
         shape = engine_data.input_format(cfg)
@@ -347,4 +349,10 @@ if __name__ == "__main__":
     if any(os.environ.get(key) != value for key, value in MALLOC_ENVIRONMENT.items()):
         # glibc's fixed thresholds, as every lockstep worker gets them: no side is timed on page faults
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENVIRONMENT})
-    sys.exit(main() and 0)
+    main()
+    # Ends without the interpreter's exit handlers and teardown, which after torch.compile can outlast the
+    # benchmark itself (torch's shutdown of its compile workers, its caches, the compiled graphs' teardown). The
+    # loader's workers and torch's compile workers watch this process and end with it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -19,10 +19,15 @@ from torch.utils._pytree import tree_flatten
 NO_KERNEL_OPS = frozenset({"aten::detach", "aten::empty.memory_format", "aten::empty_strided", "aten::lift_fresh"})
 
 
-def _written_bytes(func: torch._ops.OpOverload, out: object) -> int:
-    """Bytes of the op's tensor outputs; a view writes nothing."""
+def _written_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> int:
+    """Bytes of the op's tensor outputs, or where it returns none (the in-place multi-tensor ops,
+    ``_foreach_add_``), of the arguments its schema marks as written; a view writes nothing."""
     if func.is_view:
         return 0
+    if not func._schema.returns:
+        written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        out = [named.get(name) for name in written]
     tensors, _ = tree_flatten(out)
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -45,7 +50,7 @@ class DispatchCost(TorchDispatchMode):
         if not func.is_view and name not in NO_KERNEL_OPS:
             self.ops += 1
             self.by_op[name] += 1
-            self.bytes_written += _written_bytes(func, out)
+            self.bytes_written += _written_bytes(func, args, kwargs or {}, out)
         return out
 
 

@@ -18,6 +18,15 @@ def test_ops_and_bytes_of_element_wise_ops_and_views():
     assert cost.by_op == {"aten::mul.Tensor": 1, "aten::add.Tensor": 1, "aten::add_.Tensor": 1}
 
 
+def test_in_place_multi_tensor_ops_count_the_tensors_they_write():
+    """``_foreach_*_`` ops return nothing: what they write is the list their schema marks as written."""
+    targets, sources = [torch.zeros(3, 5), torch.zeros(7)], [torch.ones(3, 5), torch.ones(7)]
+    with DispatchCost() as cost:
+        torch._foreach_lerp_(targets, sources, 0.5)  # one kernel on a GPU, writes the targets only
+    assert cost.ops == 1
+    assert cost.bytes_written == (15 + 7) * 4
+
+
 def test_saved_for_backward_counts_distinct_activations_not_parameters():
     weight = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(16, 8, requires_grad=True)

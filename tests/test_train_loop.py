@@ -4,10 +4,13 @@ evaluations, preemption decided every PREEMPTION_CHECK_INTERVAL updates, and ben
 
 from __future__ import annotations
 
+import copy
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from convbias.engine import parse_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+ROOT = Path(__file__).resolve().parent.parent
 
 # The DeiT recipe's per-step work at the tiny ConViT's scale: device RandAugment and erasing, mixup/cutmix,
 # label smoothing, drop-path, gradient clipping and an EMA
@@ -121,6 +125,106 @@ def test_an_epoch_reads_device_values_only_at_the_loss_checks(cli_argv, tmp_path
     assert reads.count == checks, f"{reads.count} host reads in {steps} steps, expected {checks}"
 
 
+def benchmark(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks import their neighbours by name)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_step_outside_the_model_launches_no_kernel_per_parameter(cli_argv, tmp_path):
+    """With the DeiT recipe's step (mixup/cutmix, clipping, AdamW, zero_grad, the EMA, the bookkeeping), a model
+    with about 3x the parameter tensors launches as many kernels outside its forward and backward, priced as
+    benchmarks/step_cost.py prices them: multi-tensor ops, no loop over the parameters."""
+    step_cost = benchmark("step_cost")
+    kernels, tensors = {}, {}
+    for depth in (2, 8):
+        blocks = dict(cli_argv.TINY_CONVIT["model_kwargs"], depth=depth)
+        options = dict(no_aug=False, train_fraction=0.15, model_kwargs=blocks, **DEIT_STEP)
+        trainer = build(cli_argv, tmp_path / str(depth), **options)
+        costs, *_ = step_cost.price_step(trainer)
+        kernels[depth] = {phase: step_cost.kernels(costs[phase]) for phase in step_cost.OUTSIDE_THE_MODEL}
+        tensors[depth] = len(list(trainer.models.model.parameters()))
+    assert tensors[8] > 2.5 * tensors[2], tensors
+    assert kernels[8] == kernels[2], f"kernels outside the model by phase: {kernels}"
+    assert kernels[2]["optimizer"] > 0 and kernels[2]["ema"] > 0 and kernels[2]["mixup"] > 0, kernels
+
+
+@pytest.mark.parametrize(
+    ("opt_kwargs", "foreach", "fused"),
+    [(None, True, None), ({"fused": True}, None, True), ({"foreach": False}, False, None)],
+)
+def test_the_optimizer_is_multi_tensor_unless_opt_kwargs_choose(cli_argv, opt_kwargs, foreach, fused):
+    """torch's multi-tensor AdamW on every device (torch picks it by itself on CUDA only); --opt-kwargs
+    fused=True or foreach=False are passed as given."""
+    from convbias.engine.optim.factory import create_optimizer
+
+    cfg = parse_config(cli_argv(cli_argv.DEIT_RECIPE, model="convit_tiny", opt_kwargs=opt_kwargs))
+    optimizer = create_optimizer(cfg, torch.nn.Linear(3, 3), 1e-3)
+    assert (optimizer.defaults["foreach"], optimizer.defaults["fused"]) == (foreach, fused)
+
+
+def test_the_multi_tensor_update_is_timms_update(cli_argv):
+    """Three AdamW updates of the engine's optimizer (multi-tensor) equal those of timm's factory's (which loops
+    over the parameters on the CPU), bit for bit."""
+    from timm.optim import create_optimizer_v2
+
+    from convbias.engine.optim.factory import create_optimizer
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    theirs = copy.deepcopy(ours)
+    cfg = parse_config(cli_argv(cli_argv.DEIT_RECIPE, model="convit_tiny"))
+    optimizers = [
+        create_optimizer(cfg, ours, 1e-2),
+        create_optimizer_v2(theirs, opt="adamw", lr=1e-2, weight_decay=cfg.weight_decay, eps=cfg.opt_eps),
+    ]
+    assert optimizers[0].defaults["foreach"] and not optimizers[1].defaults["foreach"]
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        for model, optimizer in zip((ours, theirs), optimizers):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, mine), timms in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert torch.equal(mine, timms), name
+
+
+def test_the_ema_updates_every_tensor_in_two_ops_on_any_device_as_timm_updates_them():
+    """The EMA is built where the model is and then moved (as timm's train.py builds it after moving the model):
+    timm's ModelEmaV3 given another device updates one tensor at a time. Its integer buffers (BatchNorm's
+    update counts) are copied in one op too. The values are timm's ModelEmaV3's."""
+    from timm.utils import ModelEmaV3
+
+    from convbias.dispatch_cost import DispatchCost
+    from convbias.engine.optim.factory import create_ema
+
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))]
+    model = torch.nn.Sequential(*layers)  # 16 parameters, 12 buffers (4 of them integer), on the CPU
+    options = SimpleNamespace(model_ema=True, model_ema_decay=0.9, model_ema_warmup=False)
+    ema, timm_ema = create_ema(options, model, torch.device("cpu")), ModelEmaV3(model, decay=0.9)
+    model(torch.randn(8, 4))  # new batch statistics and counts
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param))
+    ema.update(model, step=5)
+    timm_ema.update(model, step=5)
+    for (name, ours), theirs in zip(ema.module.state_dict().items(), timm_ema.module.state_dict().values()):
+        assert torch.equal(ours, theirs), name
+
+    on_device = create_ema(options, model, torch.device("meta"))  # the device the model will train on
+    assert {p.device.type for p in on_device.module.parameters()} == {"meta"}
+    model.to("meta")
+    with DispatchCost() as cost:
+        on_device.update(model, step=5)
+    assert cost.by_op == {"aten::_foreach_copy_": 1, "aten::_foreach_lerp_.Scalar": 1}, cost.by_op
+
+
 class Positions(torch.utils.data.Dataset):
     """Sample i: (i, a random draw of its transform, the loading process's id)."""
 
@@ -189,9 +293,6 @@ def test_several_processes_decide_on_preemption_together_every_interval():
     assert not signals.requested(alone, 1)
     signals.received = signal.SIGUSR1
     assert signals.requested(alone, 1)
-
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow

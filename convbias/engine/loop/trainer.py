@@ -70,7 +70,7 @@ __all__ = ["RESUME_PART_TYPES", "NonFiniteLossError", "Trainer", "build_trainer"
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
 # The torch.profiler ranges of a training step (benchmarks/train_loop.py sums them): the loader's and the
 # device augmentation's in engine.data.device_augment.DeviceBatches, the others around the step's parts here.
-STEP_RANGES = ("loader_wait", "device_augment", "mixup", "forward_backward", "optimizer", "bookkeeping")
+STEP_RANGES = ("loader_wait", "device_augment", "mixup", "forward_backward", "optimizer", "ema", "bookkeeping")
 
 
 def build_trainer(start: RunStart) -> Trainer:
@@ -331,7 +331,7 @@ class Trainer:
         """One epoch from step ``first`` (the remainder after a mid-epoch resume point); stops with Preempted
         on a signal."""
         cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization
-        model, optimizer, steps = models.model, optimization.optimizer, self.data.steps_per_epoch
+        model, steps = models.model, self.data.steps_per_epoch
         model.train()
         resumed_sum = self.progress.loss_sums[acc.process_index] if first else 0.0
         loss_sum = torch.full((), resumed_sum, device=acc.device, dtype=torch.float64)
@@ -363,10 +363,9 @@ class Trainer:
                         loss = optimization.train_loss(outputs, targets)
                     acc.backward(loss)
                 with record_function("optimizer"):
-                    if cfg.clip_grad and acc.sync_gradients:
-                        optim.clip_gradients(cfg, acc, model)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    self._update()
+            with record_function("ema"):
+                self._update_ema()
             with record_function("bookkeeping"):
                 mean_loss = self._after_step(epoch, step, steps, loss, loss_sum, progress)
         progress.close()
@@ -378,19 +377,32 @@ class Trainer:
             "data_wait_fraction": batches.wait_fraction(seconds),
         }
 
-    def _after_step(
-        self, epoch: int, step: int, steps: int, loss: torch.Tensor, loss_sum: torch.Tensor, progress: tqdm
-    ) -> float | None:
-        """What follows a step: the schedule and the EMA after an update, the loss sum, every
-        LOSS_CHECK_INTERVAL steps and at the epoch's last the one cross-rank reduction (finiteness, progress
-        bar, --log-interval; the mean loss so far is returned then, else None), and the mid-epoch resume points
-        and preemption. Nothing else here reads a device value on the host."""
-        cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization
+    def _update(self) -> None:
+        """The optimizer's update from the gradients of the last --grad-accum-steps batches (accelerate's optimizer
+        skips the batches before): clipping, the step, the gradients freed, the update counted and the schedule
+        stepped. Each is a few multi-tensor ops for all parameters together, not a loop over them."""
+        cfg, acc, optimization = self.cfg, self.accelerator, self.optimization
+        if cfg.clip_grad and acc.sync_gradients:
+            optim.clip_gradients(cfg, acc, self.models.model)
+        optimization.optimizer.step()
+        optimization.optimizer.zero_grad(set_to_none=True)
         if acc.sync_gradients:
             self.progress.num_updates += 1
             optimization.scheduler.step_update(self.progress.num_updates)
-            if models.ema is not None:
-                models.ema.update(models.whole_model(), step=self.progress.num_updates)
+
+    def _update_ema(self) -> None:
+        """The EMA's update after an optimizer update (engine.optim.factory.ModelEma: multi-tensor ops), at its count."""
+        if self.accelerator.sync_gradients and self.models.ema is not None:
+            self.models.ema.update(self.models.whole_model(), step=self.progress.num_updates)
+
+    def _after_step(
+        self, epoch: int, step: int, steps: int, loss: torch.Tensor, loss_sum: torch.Tensor, progress: tqdm
+    ) -> float | None:
+        """What follows a step's update: the loss sum, every LOSS_CHECK_INTERVAL steps and at the epoch's last the
+        one cross-rank reduction (finiteness, progress bar, --log-interval; the mean loss so far is returned then,
+        else None), and the mid-epoch resume points and preemption. Nothing else here reads a device value on the
+        host."""
+        cfg, acc = self.cfg, self.accelerator
         loss_sum += loss.detach().double()
         checked = (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == steps
         logged = cfg.log_interval and (step + 1) % cfg.log_interval == 0 and step + 1 < steps

@@ -13,6 +13,7 @@ always steps per evaluation. Either way a resumed run lands on exactly the same 
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from functools import cache
@@ -23,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, optimizer_kwargs, param_groups_layer_decay, param_groups_weight_decay
+from timm.optim import (
+    create_optimizer_v2,
+    get_optimizer_info,
+    optimizer_kwargs,
+    param_groups_layer_decay,
+    param_groups_weight_decay,
+)
 from timm.scheduler import PlateauLRScheduler, create_scheduler_v2, scheduler_kwargs
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
@@ -124,6 +131,8 @@ def create_optimizer(
     timm's train.py passes them (its optimizer_kwargs; the factory gives each optimizer those it takes); an
     argument the optimizer does not take is a ConfigError."""
     kwargs = optimizer_arguments(cfg, lr)
+    if multi_tensor(cfg.opt, kwargs):
+        kwargs["foreach"] = True
     groups = param_groups(
         model,
         cfg.weight_decay,
@@ -139,6 +148,20 @@ def create_optimizer(
         if not cfg.opt_kwargs:
             raise
         raise ConfigError(f"--opt {cfg.opt} with --opt-kwargs {cfg.opt_kwargs}: {str(e).splitlines()[0]}") from e
+
+
+def multi_tensor(opt: str, kwargs: dict[str, Any]) -> bool:
+    """Whether to ask for torch's multi-tensor implementation (``foreach=True``: a few ops per update for all
+    parameters together): where the optimizer takes a ``foreach`` argument and --opt-kwargs sets neither
+    ``foreach`` nor ``fused``. torch takes that implementation by itself on CUDA but loops over the parameters
+    on the CPU: asking gives every device the GPU's code path, the same update. ``--opt-kwargs fused=True`` asks
+    torch for its fused kernel instead (AdamW, Adam, SGD: one kernel per update and parameter group, rounded
+    differently from timm's default)."""
+    if "foreach" in kwargs or kwargs.get("fused"):
+        return False
+    optimizer_class = get_optimizer_info(opt.lower().split("_")[-1]).opt_class
+    # a class named by a path is imported on use (bitsandbytes'): its own default
+    return isinstance(optimizer_class, type) and "foreach" in inspect.signature(optimizer_class).parameters
 
 
 def rebuild_optimizer(cfg: Config, model: nn.Module, lr: float, old: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -274,12 +297,32 @@ def create_train_loss(cfg: Config, mixup: Mixup | None) -> nn.Module:
     return nn.CrossEntropyLoss()
 
 
-def create_ema(cfg: Config, model: nn.Module, device: torch.device) -> ModelEmaV3 | None:
+def create_ema(cfg: Config, model: nn.Module, device: torch.device) -> ModelEma | None:
     """--model-ema: timm's ModelEmaV3 of the weights. Its decay (with --model-ema-warmup, its warm-up) follows the
-    update count it is given, so a resumed run continues it exactly from the saved EMA weights."""
+    update count it is given, so a resumed run continues it exactly from the saved EMA weights. Built where the model
+    is, then moved to ``device``, as timm's train.py builds it on the model's device: timm's ModelEmaV3 told another
+    device than the model's updates one tensor at a time; here its update is one multi-tensor op on every device."""
     if not cfg.model_ema:
         return None
-    return ModelEmaV3(model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup, device=device)
+    ema = ModelEma(model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup)
+    return ema.to(device)
+
+
+class ModelEma(ModelEmaV3):
+    """timm's ModelEmaV3 whose update copies the integer buffers (BatchNorm's ``num_batches_tracked``) in one
+    multi-tensor op beside the one that interpolates the floating-point tensors; timm's copies them one at a
+    time, a kernel per BatchNorm. The same values either way."""
+
+    def apply_update_(self, model: nn.Module, decay: float) -> None:
+        if not self.foreach:
+            return super().apply_update_(model, decay)
+        pairs = list(zip(self.module.state_dict().values(), model.state_dict().values()))
+        interpolated = [(ema_v, model_v) for ema_v, model_v in pairs if ema_v.is_floating_point()]
+        copied = [(ema_v, model_v) for ema_v, model_v in pairs if not ema_v.is_floating_point()]
+        if copied:
+            torch._foreach_copy_(*map(list, zip(*copied)))
+        if interpolated:
+            self._foreach_lerp_(*map(list, zip(*interpolated)), weight=1.0 - decay)
 
 
 class HardDistillationLoss(nn.Module):
