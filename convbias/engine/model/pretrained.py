@@ -18,7 +18,7 @@ from ...errors import ConfigError
 
 HUB_CHECK_SECONDS = 3.0  # a connection the hub does not accept within this is taken as no network
 HUB_PREFIX = "hf-hub:"  # timm's model names read from the Hub: hf-hub:REPO
-HUB_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # the files timm's hub loading tries, in its order
+HUB_WEIGHTS = (hub_constants.SAFETENSORS_SINGLE_FILE, hub_constants.PYTORCH_WEIGHTS_NAME)  # what timm tries, in order
 
 
 @dataclass(frozen=True)
