@@ -244,3 +244,14 @@ def test_an_export_of_a_run_being_written_holds_the_next_verified_point(folders,
     exported = read_state_dict(tmp_path / "exported" / WEIGHTS_FILE)
     expected = read_state_dict(run / CHECKPOINTS_DIR / point_name(3) / WEIGHTS_FILE)
     assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+
+
+def test_robustness_of_a_run_being_written_evaluates_the_next_verified_point(folders, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "training"
+    shutil.copytree(folders.run, run, symlinks=True)
+    chosen = RunDir(run).newest_point()
+    calls = rotate_under_the_reader(run, monkeypatch, times=1)
+    output = tmp_path / "robustness"
+    assert robustness.main([str(run), "--max-images", "8", "--output", str(output)]) == 0
+    assert calls == [chosen / WEIGHTS_FILE] and not chosen.exists()
+    assert "epoch 3" in (output / "robustness.md").read_text()  # the table names the point evaluated

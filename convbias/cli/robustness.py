@@ -208,6 +208,7 @@ def _take_run_options(args: argparse.Namespace) -> None:
         chosen = run_dir.checkpoint(args.which)  # verified against its manifest
         setattr(args, option, str(chosen.weights))
         setattr(args, f"{option}_label", chosen.describe())
+        setattr(args, f"{option}_run", run)
         print(f"{getattr(args, model_key)}: {chosen.describe()}", file=sys.stderr)
 
 

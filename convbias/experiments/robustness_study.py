@@ -22,9 +22,11 @@ from torch.utils.data import DataLoader
 
 from convbias.engine import (
     DATASETS,
+    DEFAULT_WHICH,
     Config,
     ConfigError,
     ImageFolderDataset,
+    RunDir,
     build_datasets,
     build_eval_loader,
     create_model,
@@ -55,15 +57,19 @@ class RobustnessOptions:
     """What to evaluate: models and weights, the clean set (as train.py), attacks, corruptions and folders.
     Attack budgets are on the 0-255 pixel scale; `eval_transform` holds a run's data options (crop_pct,
     interpolation, channels, mean/std, class map);
-    a `*_label` names the weights in the table (a run's checkpoint with its epoch; default: the path)."""
+    a `*_label` names the weights in the table (a run's checkpoint with its epoch; default: the path); a
+    `*_run` names the run they were chosen from (its verified point, or the next one if its training removes it)."""
 
     model: str
     checkpoint: str
     checkpoint_label: str | None = None
+    checkpoint_run: str | None = None
+    which: str = DEFAULT_WHICH  # the checkpoint of the runs (last, best, epoch_N)
     model_kwargs: dict = field(default_factory=dict)
     compare_model: str | None = None
     compare_checkpoint: str | None = None
     compare_checkpoint_label: str | None = None
+    compare_checkpoint_run: str | None = None
     compare_model_kwargs: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # a run's model options besides its kwargs (--bn-eps, --gp)
     compare_model_options: dict = field(default_factory=dict)
@@ -148,25 +154,32 @@ class RobustnessStudy:
             for key, folder in imagenet_c_folders(options.imagenet_c, options.corruptions, options.severities).items():
                 self.c_folders[key] = (folder, class_index(folder, folder_classes(folder), model_classes))
         label, self.baseline = _labels(options)
-        self.models = {
-            label: self._model(options.model, options.checkpoint, options.model_kwargs, options.model_options)
-        }
-        self.checkpoints = {label: options.checkpoint_label or options.checkpoint}
-        if options.compare_model:
-            self.models[self.baseline] = self._model(
-                options.compare_model,
-                options.compare_checkpoint,
-                options.compare_model_kwargs,
-                options.compare_model_options,
+        sides = [(label, "")] + ([(self.baseline, "compare_")] if options.compare_model else [])
+        self.models, self.checkpoints = {}, {}
+        for name, side in sides:
+            self.models[name], self.checkpoints[name] = self._model(
+                *(
+                    getattr(options, side + key)
+                    for key in ("model", "checkpoint", "checkpoint_label", "checkpoint_run")
+                ),
+                getattr(options, side + "model_kwargs"),
+                getattr(options, side + "model_options"),
             )
-            self.checkpoints[self.baseline] = options.compare_checkpoint_label or options.compare_checkpoint
 
-    def _model(self, name: str, checkpoint: str, kwargs: dict, model_options: dict) -> torch.nn.Module:
+    def _model(
+        self, name: str, checkpoint: str, label: str | None, run: str | None, kwargs: dict, model_options: dict
+    ) -> tuple[torch.nn.Module, str]:
+        """The model in pixels, with its weights and how the table names them: a run's verified point (the next
+        one when its training removes the chosen one meanwhile), else the weights file."""
         # no stochastic depth at evaluation (and a model without residual branches takes none)
         cfg = Config(model=name, model_kwargs=kwargs, img_size=self.img_size, drop_path=0.0, **model_options)
         model = create_model(cfg, self.bundle.num_classes, self.bundle.in_chans)
-        load_weights(model, checkpoint)
-        return PixelModel(model, self.bundle.mean, self.bundle.std).to(self.options.device).eval()
+        if run is None:
+            load_weights(model, checkpoint)
+        else:
+            label = RunDir(run).load_weights(model, self.options.which).describe()
+        pixels = PixelModel(model, self.bundle.mean, self.bundle.std).to(self.options.device).eval()
+        return pixels, label or checkpoint
 
     def folder(self, root: Path, layout: str, transform) -> DataLoader:
         dataset = _subset(ImageFolderDataset.scan(root, layout), self.options.max_images, self.options.seed)
