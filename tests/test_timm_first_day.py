@@ -243,7 +243,8 @@ def test_eval_only_predict_and_export_take_timms_output_folder_and_its_args(tmp_
     predictions = {}
     for source in (timm_out, timm_out / "last.pth.tar"):
         output = tmp_path / f"{source.name}.json"
-        assert predict.main([str(source), str(tmp_path / "images"), "--output", str(output), "--device", "cpu"]) == 0
+        argv = [str(source), str(tmp_path / "images"), "--topk", "2", "--output", str(output), "--device", "cpu"]
+        assert predict.main(argv) == 0
         predictions[source.name] = json.loads(output.read_text())["predictions"]
     assert predictions["timm_out"] == predictions["last.pth.tar"]
     assert export.main([str(timm_out), "--which", "best", "--output", str(tmp_path / "exported")]) == 0
