@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, StorageError
+from ...errors import ConfigError, DamagedInputError, StorageError
 from ...inputs import read_yaml
 from ...timm_checkpoint import read_timm_checkpoint
 from ..config.options import Config
@@ -40,7 +40,10 @@ def timm_run_options(target: str | Path) -> dict[str, Any]:
             saved = next(path / name for name in TIMM_OUTPUT_FILES.values() if (path / name).is_file())
             args = read_timm_checkpoint(saved).args
     else:
-        args = read_timm_checkpoint(path).args
+        try:
+            args = read_timm_checkpoint(path).args
+        except DamagedInputError:  # weights alone (a state dict saved as .pth): loaded, and judged, as weights
+            return {}
     options, _ = translate_timm_keys(dict(args), str(path))  # only the model and data keys are taken
     return {key: options[key] for key in RUN_KEYS if key in options}
 
