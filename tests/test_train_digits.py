@@ -205,6 +205,7 @@ def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path, cli_argv
             model="resnet18",
             dataset="digits",
             pretrained_file=tmp_path / "resnet18.safetensors",
+            num_classes=10,  # a new head for the digits, as timm's --num-classes
             img_size=32,
             no_aug=True,
             repeated_aug=1,
