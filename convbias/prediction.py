@@ -33,7 +33,12 @@ from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, check_destination, is_timm_checkpoint_name
+from convbias.engine.checkpointing.run_files import (
+    TIMM_SUFFIXES,
+    check_destination,
+    in_timm_output,
+    is_timm_checkpoint_name,
+)
 from convbias.engine.data.device_augment import image_mode
 from convbias.engine.data.factory import build_transforms, input_format
 from convbias.errors import DamagedInputError
@@ -113,7 +118,8 @@ def source_kind(source: str | Path, which: str | None = None, use_ema: bool = Fa
 
 def load_predictor(source: str | Path, which: str | None = None, use_ema: bool = False) -> Predictor:
     """The model of a train.py run (``which``: last or best, default last), of an exported folder, or of timm's
-    training checkpoint (``use_ema``: its EMA's weights)."""
+    training checkpoint (``use_ema``: its EMA's weights), or of timm's output folder (its checkpoint by ``which``)."""
+    source, which = in_timm_output(source, which)
     kind = source_kind(source, which, use_ema)
     if kind == "exported":
         return load_exported(source)
@@ -145,10 +151,9 @@ def load_run(path: str | Path, which: str = "last") -> Predictor:
     model, checkpoint = run.build_model(which, load_families())
     shape = input_format(config.replace(img_size=int(spec["img_size"]), in_chans=spec["in_chans"]))
     _, transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, config)
-    labels, notes = run_class_names(config, spec["num_classes"])
-    return Predictor(
-        model, transform, spec["num_classes"], image_mode(spec["in_chans"]), checkpoint.describe(), labels, notes
-    )
+    num_classes = spec["num_classes"] or model.num_classes
+    labels, notes = run_class_names(config, num_classes)
+    return Predictor(model, transform, num_classes, image_mode(spec["in_chans"]), checkpoint.describe(), labels, notes)
 
 
 def run_class_names(config: Any, num_classes: int) -> tuple[list[str] | None, list[str]]:

@@ -77,7 +77,7 @@ class CliArgv:
     option out (to drop one from a base); a dict the flag's `key=value` items (`model_kwargs`); a list or
     tuple several values (`save_epochs=[0, 2]`). Each base is a dict of such options, merged in order,
     `options` last; `cli_argv.TINY_CONVIT` is the 2-block ConViT of width 8 on 8x8 images, 16 tokens of 2x2
-    pixels, and `cli_argv.PLAIN_DIGITS` the embedded digits without augmentation, warm-up or loader workers."""
+    pixels, and `cli_argv.PLAIN_DIGITS` the embedded digits (a 10-way head) without augmentation, warm-up or loader workers."""
 
     TINY_CONVIT = dict(
         model="convit_tiny",
@@ -85,7 +85,9 @@ class CliArgv:
         img_size=8,
         crop_pct=1,
     )
-    PLAIN_DIGITS = dict(dataset="digits", crop_pct=1, no_aug=True, repeated_aug=1, warmup_epochs=0, workers=0)
+    PLAIN_DIGITS = dict(
+        dataset="digits", num_classes=10, crop_pct=1, no_aug=True, repeated_aug=1, warmup_epochs=0, workers=0
+    )
     DEIT_RECIPE = dict(config=str(REPO / "configs" / "recipes" / "deit.yaml"))  # train.py's defaults are timm's
 
     def __call__(self, *bases: dict, **options) -> list[str]:

@@ -233,7 +233,7 @@ def test_num_classes_keeps_first_classes_in_train_and_val(tmp_path):
     write_cifar(tmp_path, "cifar10", train_per_batch=20, num_test=40, num_classes=10)
     full = build_datasets(Config(dataset="cifar10", data_dir=str(tmp_path)))
     bundle = build_datasets(
-        Config(dataset="cifar10", data_dir=str(tmp_path), num_classes=3, train_fraction=0.5, **NO_AUG)
+        Config(dataset="cifar10", data_dir=str(tmp_path), first_classes=3, train_fraction=0.5, **NO_AUG)
     )
     assert bundle.num_classes == 3 and bundle.class_names == ["c0", "c1", "c2"]
     assert set(bundle.train.targets) == set(bundle.val.targets) == {0, 1, 2}
@@ -344,10 +344,10 @@ def test_bad_dataset_options(tmp_path):
     for fraction in (0, -0.5, 1.5):
         with pytest.raises(ValueError, match=r"--train-fraction must be in \(0, 1\]"):
             build_datasets(Config(dataset="digits", train_fraction=fraction))
-    with pytest.raises(ValueError, match="--num-classes 11: --dataset digits has only 10 classes"):
-        build_datasets(Config(dataset="digits", num_classes=11))
-    with pytest.raises(ValueError, match="--num-classes must be at least 2, got 0"):
-        build_datasets(Config(dataset="digits", num_classes=0))
+    with pytest.raises(ValueError, match="--first-classes 11: --dataset digits has only 10 classes"):
+        build_datasets(Config(dataset="digits", first_classes=11))
+    with pytest.raises(ValueError, match="--first-classes must be at least 2, got 0"):
+        build_datasets(Config(dataset="digits", first_classes=0))
     with pytest.raises(ValueError, match="--dataset folder needs --data-dir; expected layout: DIR/train/<class>"):
         build_datasets(Config(dataset="folder"))
     missing = tmp_path / "nowhere"

@@ -63,9 +63,9 @@ def test_a_local_hf_dataset_trains(toy, cache, tmp_path, run_argv):
 
 
 def test_subsampling_an_hf_dataset(toy, cache):
-    """--train-fraction keeps round(f n) of each class of train; --num-classes keeps the first classes of both."""
+    """--train-fraction keeps round(f n) of each class of train; --first-classes keeps the first classes of both."""
     bundle = build_datasets(
-        Config(dataset=f"hfds/{toy}", data_dir=str(cache), img_size=SIZE, train_fraction=0.25, num_classes=2)
+        Config(dataset=f"hfds/{toy}", data_dir=str(cache), img_size=SIZE, train_fraction=0.25, first_classes=2)
     )
     assert bundle.class_names == ["left", "middle"] and bundle.num_classes == 2
     assert np.bincount(bundle.train.targets).tolist() == [4, 4]
@@ -162,7 +162,7 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     [
         ("no_sizes", "its card gives no num_examples for split 'train' and 'validation'"),
         ("no_classes", "no ClassLabel 'label' column (columns: image, label)"),
-        ("fraction", "--train-fraction and --num-classes need an index of labels"),
+        ("fraction", "--train-fraction and --first-classes need an index of labels"),
         (
             "workers",
             "has 1 shard(s) for 1 process(es) x 2 loader worker(s), and a worker without a shard reads nothing; "
@@ -267,7 +267,6 @@ def test_a_run_keeps_its_columns_for_evaluation(renamed, cache, tmp_path, run_ar
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--dataset", "digits", "--input-key", "img"], "--input-key img has no effect without an hfds/ or hfids/"),
         (["--dataset", "hfds/x", "--target-key", "a,b"], "--target-key must be one column name"),
     ],
 )

@@ -86,7 +86,7 @@ def test_a_wds_shard_set_trains(run_argv, tmp_path):
     [
         ("truncate", "toy-train-0001.tar is corrupt or partial"),
         ("no_info", "no _info.json or info.json"),
-        ("fraction", "--train-fraction and --num-classes need an index of labels"),
+        ("fraction", "--train-fraction and --first-classes need an index of labels"),
         (
             "workers",
             "--workers 3: the training stream of --dataset wds/toy has 2 shard(s) for 1 process(es) x 3 loader "

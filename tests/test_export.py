@@ -41,7 +41,7 @@ def tcnn_run(tmp_path_factory):
     run = root / "run"
     train.run(
         ["--model", "tcnn_resnet18", "--pretrained", "--pretrained-file", str(resnet18), "--epochs", "1"]
-        + ["--lr", "1e-4", "--output", str(run), *SMALL_RUN]
+        + ["--lr", "1e-4", "--num-classes", "10", "--output", str(run), *SMALL_RUN]  # a new 10-way head
     )
     return run
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
         (["--seed", str(2**40)], r"--seed must be in \[0, 2\*\*31\), got 1099511627776"),
         (["--sched", "step", "--decay-epochs", "0"], r"--decay-epochs must be positive, got 0"),
         (["--opt", "sgd", "--momentum", "-1"], r"--momentum must be in \[0, 1\), got -1"),
-        (["--sched", "step", "--decay-rate", "-0.5"], r"--decay-rate must be in \(0, 1\], got -0.5"),
+        (["--sched", "step", "--decay-rate", "-0.5"], r"--decay-rate must be positive, got -0.5"),
         (["--lr-noise", "0.1", "--lr-noise-pct", "1.5"], r"--lr-noise-pct must be in \(0, 1\], got 1.5"),
         (["--hflip", "2"], r"--hflip must be in \[0, 1\], got 2"),
         (["--scale", "0", "1"], r"--scale must be two positive numbers, MIN <= MAX"),

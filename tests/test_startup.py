@@ -42,12 +42,13 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
     )
     params = sum(p.numel() for p in model.parameters()) / 1e6
     updates = 719 // 16  # half of the 1,438 training digits, in full batches of 16
-    assert out.splitlines()[:12] == [
+    assert out.splitlines()[:13] == [
         f"output: {output} (a new run)",
         "processes: 1 (1 thread each [OMP_NUM_THREADS=1]) on cpu, fp32",  # the module's single_thread fixture
         f"model: convit_tiny, {params:.2f}M parameters; arguments patch_size=2 [command line], depth=2 [command line], "
         "local_up_to_layer=1 [command line], embed_dim=8 [command line]",
         "data: digits, 719 train / 359 val images, 10 classes",
+        "num_classes: 10 (command line)",  # PLAIN_DIGITS's --num-classes 10
         "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 0.00625 (--lr-base 0.1 x 16 / --lr-base-size 256)",
         f"schedule: 1 epoch, 0 of warm-up, {updates} updates per epoch",
         # timm's train.py's defaults where the command line sets nothing, each value with its source

@@ -79,8 +79,8 @@ def test_a_timm_checkpoint_starts_a_run_and_is_evaluated(tmp_path, folder_of_thr
 
     timm_checkpoint(tmp_path)
     best = str(tmp_path / "model_best.pth.tar")
-    base = ["--model", "resnet10t", "--data-dir", str(folder_of_three), "--workers", "0"]
-    metrics = engine.run(["--eval-only", best, *base], load_families())
+    base = ["--model", "resnet10t", "--num-classes", "3", "--data-dir", str(folder_of_three), "--workers", "0"]
+    metrics = engine.run(["--eval-only", best, *base], load_families())  # its args name no num_classes
     assert 0 <= metrics["eval_top1"] <= 100
     assert parse_config([*base, "--initial-checkpoint", best, "--output", str(tmp_path / "run")]).checkpoint == best
     other = tmp_path / "weights.bin"

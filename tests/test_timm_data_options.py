@@ -83,12 +83,12 @@ def test_a_txt_class_map_keeps_its_classes_in_its_order_and_leaves_the_others_ou
             assert color_class(image) == bundle.class_names[label]
 
 
-def test_a_pkl_class_map_relabels_digits_and_num_classes_keeps_its_first_classes(tmp_path):
+def test_a_pkl_class_map_relabels_digits_and_first_classes_keeps_its_first_classes(tmp_path):
     path = tmp_path / "map.pkl"
     path.write_bytes(pickle.dumps({"7": 0, "3": 1, "5": 2}))
     plain = build_datasets(deit_config(dataset="digits"))
-    for num_classes, kept in ((None, ["7", "3", "5"]), (2, ["7", "3"])):
-        bundle = build_datasets(deit_config(dataset="digits", class_map=str(path), num_classes=num_classes))
+    for first_classes, kept in ((None, ["7", "3", "5"]), (2, ["7", "3"])):
+        bundle = build_datasets(deit_config(dataset="digits", class_map=str(path), first_classes=first_classes))
         assert (bundle.class_names, bundle.num_classes) == (kept, len(kept))
         for split, mapped in ((plain.train, bundle.train), (plain.val, bundle.val)):
             targets = np.array(split.targets)
@@ -219,14 +219,14 @@ def test_a_bad_class_map_file_is_one_line_naming_it_before_any_data_is_read(tmp_
     assert "\n" not in str(error.value)
 
 
-def test_a_class_map_naming_classes_the_dataset_lacks_or_too_few_for_num_classes(tmp_path):
+def test_a_class_map_naming_classes_the_dataset_lacks_or_too_few_for_first_classes(tmp_path):
     (tmp_path / "map.txt").write_text("3\nseven\n5\neight\n")
     with pytest.raises(ConfigError, match=r"map\.txt names classes that --dataset digits lacks: seven, eight; "):
         build_datasets(config(tmp_path, "--dataset", "digits", "--class-map", str(tmp_path / "map.txt")))
     (tmp_path / "map.txt").write_text("3\n5\n")
-    with pytest.raises(ConfigError, match=r"^--num-classes 3: --class-map \S+map\.txt names only 2 classes$"):
+    with pytest.raises(ConfigError, match=r"^--first-classes 3: --class-map \S+map\.txt names only 2 classes$"):
         build_datasets(
-            config(tmp_path, "--dataset", "digits", "--class-map", str(tmp_path / "map.txt"), "--num-classes", "3")
+            config(tmp_path, "--dataset", "digits", "--class-map", str(tmp_path / "map.txt"), "--first-classes", "3")
         )
 
 
@@ -275,7 +275,7 @@ def test_a_run_with_these_options_predicts_with_them(tmp_path):
     run = tmp_path / "run"
     train.run(
         ["--model", "vanilla_cnn", "--model-kwargs", "channels=4", "--input-size", "3", "8", "8", "--crop-pct", "1"]
-        + ["--mean", "0.5", "--std", "0.5", "--class-map", str(tmp_path / "classes.txt")]
+        + ["--mean", "0.5", "--std", "0.5", "--class-map", str(tmp_path / "classes.txt"), "--num-classes", "3"]
         + ["--epochs", "3", "--lr", "0.02", "--drop-path", "0", "--dataset", "digits", "--batch-size", "64", "--no-aug"]
         + ["--workers", "0", "--warmup-epochs", "0", "--no-diagnostics", "--output", str(run)]
     )

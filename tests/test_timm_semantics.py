@@ -43,12 +43,11 @@ def test_eval_only_scores_every_image_of_a_folder_without_splits(tmp_path, folde
     assert len(trained.val) == 3 and len(evaluated.val) == len(CLASSES) * PER_CLASS  # a 10% hold-out vs all
 
 
-def test_fewer_classes_than_the_folder_needs_a_class_map(tmp_path, folder):
-    with pytest.raises(ConfigError, match=r"^--num-classes 2: the folder at \S+ has 3 classes \(ant, bee, cat\); "):
-        build_datasets(Config(dataset="folder", data_dir=str(folder), num_classes=2))
+def test_first_classes_keeps_the_folders_first_classes_or_a_class_maps(tmp_path, folder):
+    assert build_datasets(Config(dataset="folder", data_dir=str(folder), first_classes=2)).class_names == ["ant", "bee"]
     (tmp_path / "two.txt").write_text("cat\nant\n")
     mapped = build_datasets(
-        Config(dataset="folder", data_dir=str(folder), num_classes=2, class_map=str(tmp_path / "two.txt"))
+        Config(dataset="folder", data_dir=str(folder), first_classes=2, class_map=str(tmp_path / "two.txt"))
     )
     assert mapped.class_names == ["cat", "ant"]
 

@@ -5,6 +5,7 @@ form; and each one's place on the command line, in recipes and in the one-line e
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from torch import nn
 from convbias.engine import parse_config, validate
 from convbias.engine.config.command_line import build_parser
 from convbias.engine.config.options import Config, default_value, flag_name
+from convbias.engine.config.parsing import config_warnings
 from convbias.engine.model import factory as modeling
 from convbias.engine.model.output_scale import OutputScale
 from convbias.engine.optim import factory as recipe
@@ -435,8 +437,6 @@ def test_help_shows_every_new_option_with_its_default():
         (dict(drop=1.0), r"--drop must be in \[0, 1\), got 1.0"),
         (dict(head_init_scale=-1.0), "--head-init-scale must be >= 0, got -1.0"),
         (dict(layer_decay=1.5), r"--layer-decay must be in \(0, 1\], got 1.5"),
-        (dict(layer_decay_min_scale=0.1), "--layer-decay-min-scale 0.1 has no effect without --layer-decay"),
-        (dict(wandb_tags=["a"]), r"--wandb-tags \['a'\] has no effect without --log-wandb"),
         (
             dict(log_wandb=True, wandb_resume_id="x1"),
             "--wandb-resume-id x1 continues a wandb run, so it needs --resume",
@@ -447,23 +447,15 @@ def test_help_shows_every_new_option_with_its_default():
         (dict(opt="sgd", opt_betas=[0.9, 0.99]), "--opt-betas: --opt sgd takes no betas, got 2"),
         (dict(opt_kwargs={"lr": 0.1}), "--opt-kwargs must be free of the arguments set by their own options"),
         (dict(clip_mode="max"), "unknown --clip-mode 'max'; choices: norm, value, agc"),
-        (dict(clip_mode="agc"), "--clip-mode agc has no effect without --clip-grad"),
-        (dict(model_ema_warmup=True), "--model-ema-warmup has no effect without --model-ema"),
-        (dict(bce_sum=True), "--bce-sum has no effect without --bce-loss"),
         (dict(bce_loss=True, bce_target_thresh=1.0), r"--bce-target-thresh must be in \[0, 1\), got 1.0"),
         (dict(bce_loss=True, bce_pos_weight=0.0), "--bce-pos-weight must be positive, got 0.0"),
         (dict(mixup_prob=2.0), r"--mixup-prob must be in \[0, 1\], got 2.0"),
-        (dict(mixup=0.0, cutmix=0.0, mixup_prob=0.5), "--mixup-prob 0.5 has no effect without --mixup, --cutmix or"),
-        (dict(cutmix=0.0, mixup_switch_prob=0.2), "--mixup-switch-prob 0.2 has no effect without both --mixup and"),
         (dict(mixup_mode="image"), "unknown --mixup-mode 'image'; choices: batch, pair, elem"),
         (dict(cutmix_minmax=[0.5, 0.2]), "--cutmix-minmax must be two fractions 0 <= MIN < MAX <= 1"),
         (dict(cutmix_minmax=[0.2, 0.5], no_aug=True), "--cutmix-minmax turns cutmix on and --no-aug turns it off"),
         (dict(cutmix_minmax=[0.2, 0.5], mixup=0.0, cutmix=0.0, batch_size=7), "mixup/cutmix need an even --batch"),
-        (dict(sched="step", cooldown_epochs=2), "--cooldown-epochs 2 has no effect without --sched cosine"),
-        (dict(lr_cycle_mul=2.0), "--lr-cycle-mul 2.0 has no effect without --sched cosine and --lr-cycle-limit above"),
         (dict(lr_cycle_limit=0), "--lr-cycle-limit must be >= 1, got 0"),
         (dict(lr_k_decay=0.0), "--lr-k-decay must be positive, got 0.0"),
-        (dict(decay_milestones=[30, 60]), r"--decay-milestones \[30, 60\] has no effect without --sched multistep"),
         (dict(sched="multistep", decay_milestones=[60, 30]), "--decay-milestones must be increasing positive epochs"),
         (dict(sched="linear"), "unknown --sched 'linear'; choices: cosine, step, constant, multistep"),
     ],
@@ -472,6 +464,31 @@ def test_a_bad_value_of_a_new_option_is_one_line(tmp_path, options, message):
     with pytest.raises(ConfigError, match=f"^{message}") as raised:
         config(tmp_path, **options)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(layer_decay_min_scale=0.1), "--layer-decay-min-scale 0.1 has no effect without --layer-decay"),
+        (dict(wandb_tags=["a"]), r"--wandb-tags \['a'\] has no effect without --log-wandb"),
+        (dict(clip_mode="agc"), "--clip-mode agc has no effect without --clip-grad"),
+        (dict(model_ema_warmup=True), "--model-ema-warmup has no effect without --model-ema"),
+        (dict(bce_sum=True), "--bce-sum has no effect without --bce-loss"),
+        (dict(mixup=0.0, cutmix=0.0, mixup_prob=0.5), "--mixup-prob 0.5 has no effect without --mixup, --cutmix or"),
+        (dict(mixup=0.0, cutmix=0.0, mixup_mode="elem"), "--mixup-mode elem has no effect without --mixup, --cutmix"),
+        (dict(cutmix=0.0, mixup_switch_prob=0.2), "--mixup-switch-prob 0.2 has no effect without both --mixup and"),
+        (dict(sched="step", cooldown_epochs=2), "--cooldown-epochs 2 has no effect without --sched cosine, tanh or"),
+        (dict(lr_cycle_mul=2.0), "--lr-cycle-mul 2.0 has no effect without --sched cosine, tanh or poly and --lr-cycl"),
+        (dict(decay_milestones=[30, 60]), r"--decay-milestones \[30, 60\] has no effect without --sched multistep"),
+        (dict(patience_epochs=3), "--patience-epochs 3 has no effect without --sched plateau"),
+    ],
+)
+def test_timms_inert_values_are_ignored_with_a_warning_as_timm_ignores_them(tmp_path, options, message):
+    """timm's train.py takes these values and they change nothing (its factories read them only for the schedule,
+    loss or mixing that uses them): accepted, the run's values unchanged, a warning names each."""
+    cfg = config(tmp_path, **options)
+    warned = [w for w in config_warnings(cfg) if w.endswith("ignored, as timm's train.py ignores it")]
+    assert len(warned) == 1 and re.match(message, warned[0]), config_warnings(cfg)
 
 
 def test_cooldown_epochs_count_for_save_epochs(tmp_path):

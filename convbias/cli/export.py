@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_files import check_output_folder, is_timm_checkpoint_name
+from convbias.engine.checkpointing.run_files import check_output_folder, in_timm_output, is_timm_checkpoint_name
 from convbias.errors import ConfigError, print_error
 
 
@@ -40,6 +40,7 @@ def _export(argv: list[str] | None) -> int:
     parser.add_argument("--private", action="store_true", help="with --push-to: create a private repository")
     args = parser.parse_args(argv)
     check_output_folder(args.output)  # a folder in a run's checkpoints/ would be taken for a point's
+    args.run, args.which = in_timm_output(args.run, args.which)  # timm's output folder: its file by --which
     timm_file = is_timm_checkpoint_name(args.run)
     if timm_file and args.which:
         raise ConfigError(f"--which is for run directories; {args.run} is timm's checkpoint (--use-ema for its EMA)")

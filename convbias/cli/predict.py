@@ -42,6 +42,7 @@ def _predict(argv: list[str] | None) -> int:
     # imported after parsing: `convbias-predict --help` loads no torch or model family
     import torch
 
+    from convbias.engine.checkpointing.run_files import in_timm_output
     from convbias.prediction import (
         find_images,
         format_predictions,
@@ -52,7 +53,7 @@ def _predict(argv: list[str] | None) -> int:
         write_predictions,
     )
 
-    source_kind(args.source, args.which, args.use_ema)
+    source_kind(*in_timm_output(args.source, args.which), args.use_ema)
     suffix = output_format(args.output)
     if args.topk < 1 or args.batch_size < 1:
         raise ConfigError(f"--topk and --batch-size must be at least 1, got {args.topk} and {args.batch_size}")

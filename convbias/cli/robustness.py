@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         metavar="RUN_OR_WEIGHTS",
         help="a train.py run folder (its config.yaml gives --model, --model-kwargs, --dataset, --data-dir, "
-        "--num-classes, --img-size unless given), a checkpoint folder or a safetensors / state-dict file",
+        "--first-classes, --img-size unless given), a checkpoint folder or a safetensors / state-dict file",
     )
     p.add_argument(
         "--checkpoint",
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="clean evaluation set (as train.py); default: the run folder's, else digits",
     )
     p.add_argument("--data-dir", help="dataset folder (as train.py)")
-    p.add_argument("--num-classes", type=int, help="first N classes only (as train.py)")
+    p.add_argument("--first-classes", type=int, help="first N classes only (as train.py)")
     p.add_argument("--img-size", type=int, help="evaluation resolution (None: the dataset's default)")
     p.add_argument("--eps", type=float, default=PAPER_ATTACK["eps"], help="attack budget, 0-255 pixel scale")
     p.add_argument("--pgd-steps", type=int, default=PAPER_ATTACK["pgd_steps"])
@@ -179,10 +179,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-RUN_OPTIONS = ("model", "dataset", "data_dir", "num_classes", "img_size")
+RUN_OPTIONS = ("model", "dataset", "data_dir", "first_classes", "img_size")
 # the run's data options, as engine.checkpointing.run_dir's RUN_KEYS
 RUN_DATA_OPTIONS = ("crop_pct", "interpolation", "in_chans", "mean", "std", "class_map", "input_key", "target_key")
-RUN_MODEL_OPTIONS = ("bn_eps", "gp")  # what the run's model is built with besides its kwargs, for evaluation
+RUN_MODEL_OPTIONS = (
+    "bn_eps",
+    "gp",
+    "num_classes",
+)  # what the run's model is built with besides its kwargs, for evaluation
 
 
 def _take_run_options(args: argparse.Namespace) -> None:
@@ -196,6 +200,7 @@ def _take_run_options(args: argparse.Namespace) -> None:
         options = run_dir.options()
         kwargs_key = f"{model_key}_kwargs"
         setattr(args, kwargs_key, {**(options.get("model_kwargs") or {}), **getattr(args, kwargs_key)})
+        options = {**options, "num_classes": run_dir.model_spec(args.which or "last")["num_classes"]}  # the head
         setattr(args, f"{model_key}_options", {k: options[k] for k in RUN_MODEL_OPTIONS if options.get(k) is not None})
         if getattr(args, model_key) is None:
             setattr(args, model_key, options.get("model"))

@@ -21,6 +21,7 @@ import io
 import os
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,12 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def parse_config(argv: list[str] | None) -> Config:
-    """argv (with its ``-c`` recipe) as a checked and frozen Config (``validate``'s checks). Raises ConfigError
-    (StorageError when --output cannot be written)."""
-    cfg = config_parsing.parse_config(argv, _evaluated_run_options)
-    check_packages(cfg)
-    return cfg.freeze()
+def parse_config(argv: list[str] | None, *, models_registered: bool = False) -> Config:
+    """argv (with its ``-c`` recipe) as a checked and frozen Config (``validate``'s checks). Raises one ConfigError
+    naming every refused option and key with its reason (StorageError when --output cannot be written).
+    ``models_registered``: the families are imported, so an unknown --model is named with the rest."""
+    checks = partial(package_problems, models_registered=models_registered)
+    return config_parsing.parse_config(argv, _evaluated_run_options, checks).freeze()
 
 
 def _evaluated_run_options(target: str) -> dict[str, Any]:
@@ -122,14 +123,30 @@ def validate(cfg: Config) -> None:
 
 def check_packages(cfg: Config) -> None:
     """Each package's check of the options it owns, after the config package's own: the data source and
-    format, timm's optimizer and the schedule's epochs, the compile backend, the resume file and output dir."""
+    format, timm's optimizer and the schedule's epochs, the compile backend, the resume file and output dir.
+    Raises one ConfigError naming every package's refusal."""
+    problems = package_problems(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def package_problems(cfg: Config, models_registered: bool = False) -> list[str]:
+    """Every package's refusal of a checked Config (each package's first), as 'what: why' lines."""
     from .checkpointing import checks as checkpointing_checks  # the packages load torch: see the docstring
     from .data import checks as data_checks
     from .model import checks as model_checks
     from .optim import checks as optim_checks
 
-    for check in (data_checks.check, optim_checks.check, model_checks.check, checkpointing_checks.check):
-        check(cfg)
+    problems = []
+    checks = [data_checks.check, optim_checks.check, model_checks.check, checkpointing_checks.check]
+    if models_registered:
+        checks.append(model_checks.check_names)
+    for check in checks:
+        try:
+            check(cfg)
+        except ConfigError as e:
+            problems.append(str(e))
+    return problems
 
 
 def run(config: Config | list[str] | None = None, extensions: Extensions | None = None) -> dict[str, Any]:
@@ -141,7 +158,7 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
         cfg = config.replace()
         validate(cfg)
     else:
-        cfg = parse_config(config)
+        cfg = parse_config(config, models_registered=extensions is not None)
     for warning in [*_launch_warnings(), *config_warnings(cfg)]:
         _print_error(warning, prefix="warning")
     from .checkpointing.lock import RunLock  # imported after parsing: `train.py --help` loads no torch

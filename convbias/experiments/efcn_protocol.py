@@ -138,6 +138,7 @@ def train_recipe(cfg: dict) -> Config:
         drop_path=0.0,
         **EVAL_TRANSFORM,
         **{k: cfg[k] for k in ("data_dir", "img_size", "num_classes") if cfg[k] is not None},
+        **({"first_classes": cfg["num_classes"]} if cfg["num_classes"] is not None else {}),
     )
 
 
@@ -269,7 +270,7 @@ class _Analysis:
                 dataset=cfg["dataset"],
                 data_dir=cfg["data_dir"],
                 img_size=cfg["img_size"],
-                num_classes=cfg["num_classes"],
+                first_classes=cfg["num_classes"],
                 seed=cfg["seed"],
                 no_aug=True,
                 **EVAL_TRANSFORM,

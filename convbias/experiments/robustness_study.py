@@ -75,7 +75,7 @@ class RobustnessOptions:
     compare_model_options: dict = field(default_factory=dict)
     dataset: str = "digits"
     data_dir: str | None = None
-    num_classes: int | None = None
+    first_classes: int | None = None
     img_size: int | None = None  # None: the dataset's default
     eval_transform: dict = field(default_factory=dict)
     eps: float = PAPER_ATTACK["eps"]
@@ -131,7 +131,7 @@ class RobustnessStudy:
                 model=options.model,
                 dataset=options.dataset,
                 data_dir=options.data_dir,
-                num_classes=options.num_classes,
+                first_classes=options.first_classes,
                 img_size=self.img_size,
                 seed=options.seed,
                 no_aug=True,
@@ -173,7 +173,7 @@ class RobustnessStudy:
         one when its training removes the chosen one meanwhile), else the weights file."""
         # no stochastic depth at evaluation (and a model without residual branches takes none)
         cfg = Config(model=name, model_kwargs=kwargs, img_size=self.img_size, drop_path=0.0, **model_options)
-        model = create_model(cfg, self.bundle.num_classes, self.bundle.in_chans)
+        model = create_model(cfg, cfg.num_classes or self.bundle.num_classes, self.bundle.in_chans)
         if run is None:
             load_weights(model, checkpoint)
         else:

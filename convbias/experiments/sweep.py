@@ -119,7 +119,7 @@ def _check_model(run: Run, cfg: Config) -> None:
     cfg = cfg.replace(pretrained=False, pretrained_file=None)  # no weights are read here
     try:
         with torch.device("meta"):
-            create_model(cfg, num_classes=cfg.num_classes or 1000, in_chans=input_format(cfg).in_chans)
+            create_model(cfg, num_classes=cfg.num_classes, in_chans=input_format(cfg).in_chans)
     except ValueError as error:
         raise ValueError(f"run {run.name}: {error}") from None
 

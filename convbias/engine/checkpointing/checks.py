@@ -7,15 +7,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, StorageError
+from ...errors import ConfigError, DamagedInputError, StorageError
+from ...inputs import read_yaml
+from ...timm_checkpoint import read_timm_checkpoint
 from ..config.options import Config
 from ..config.parsing import require
+from ..config.timm_args import translate_timm_keys
 from .layout import CHECKPOINTS_DIR, held_entries
 from .run_files import (
     RUN_KEYS,
+    TIMM_OUTPUT_FILES,
     TIMM_SUFFIXES,
     check_destination,
     is_run_dir,
+    is_timm_checkpoint_name,
+    is_timm_output_dir,
     is_train_run,
     read_run_config,
     run_owning,
@@ -26,9 +32,31 @@ from .run_files import (
 EVALUATED_RUN_KEYS = (*RUN_KEYS, "workers")
 
 
+def timm_run_options(target: str | Path) -> dict[str, Any]:
+    """The RUN_KEYS options of timm's run that ``target`` names: its output folder (its args.yaml, else a checkpoint's
+    saved args) or one of its checkpoints (the args saved in it), read as timm's args.yaml keys."""
+    path = Path(target)
+    if path.is_dir():
+        args_file = path / "args.yaml"
+        if args_file.is_file():
+            args = read_yaml(args_file, "timm args") or {}
+        else:
+            saved = next(path / name for name in TIMM_OUTPUT_FILES.values() if (path / name).is_file())
+            args = read_timm_checkpoint(saved).args
+    else:
+        try:
+            args = read_timm_checkpoint(path).args
+        except DamagedInputError:  # weights alone (a state dict saved as .pth): loaded, and judged, as weights
+            return {}
+    options, _ = translate_timm_keys(dict(args), str(path))  # only the model and data keys are taken
+    return {key: options[key] for key in RUN_KEYS if key in options}
+
+
 def evaluated_run_options(target: str) -> dict[str, Any]:
-    """The EVALUATED_RUN_KEYS options of the run directory that --eval-only (or --eval-only --checkpoint) names;
-    {} for weights."""
+    """The EVALUATED_RUN_KEYS options of the run directory that --eval-only (or --eval-only --checkpoint) names,
+    or the model and data options of timm's output folder or checkpoint; {} for weights."""
+    if is_timm_output_dir(target) or is_timm_checkpoint_name(target):
+        return timm_run_options(target)
     if not is_run_dir(target):
         return {}
     options = read_run_config(target)
@@ -52,6 +80,11 @@ def check(cfg: Config) -> None:
     """ConfigError when --resume names a file that is not timm's training checkpoint; ConfigError or StorageError
     when a training run's --output cannot become its directory."""
     resume = Path(cfg.resume) if cfg.resume and cfg.resume != "auto" else None
+    require(
+        resume is None or resume.exists(),
+        f"--resume {cfg.resume}: path does not exist (a run directory, one of its checkpoints/ folders, timm's "
+        f"last.pth.tar, or auto)",
+    )
     require(
         resume is None or not resume.is_file() or str(resume).endswith(TIMM_SUFFIXES),
         f"--resume {cfg.resume} is a file, and not one of timm's training checkpoints (*{', *'.join(TIMM_SUFFIXES)}): "

@@ -402,14 +402,11 @@ class RunDir:
         options, checkpoint = self.options(), self.checkpoint(which)
         metadata = weights_metadata(checkpoint.weights)
         dataset = DATASETS.get(options.get("dataset", ""))
-        num_classes = metadata.get("num_classes") or options.get("num_classes")
+        num_classes = metadata.get("num_classes") or options.get("num_classes")  # None: the model's default
         in_chans = metadata.get("in_chans") or options.get("in_chans") or (dataset.in_chans if dataset else None)
-        if num_classes is None or in_chans is None:
-            lacking = " and ".join(
-                name for name, value in (("num_classes", num_classes), ("in_chans", in_chans)) if value is None
-            )
+        if in_chans is None:
             raise ConfigError(
-                f"{checkpoint.weights} records no {lacking} in its metadata and {self.path / CONFIG_FILE} names "
+                f"{checkpoint.weights} records no in_chans in its metadata and {self.path / CONFIG_FILE} names "
                 f"none (nor does its dataset): pass the model options explicitly"
             )
         return {
@@ -420,7 +417,7 @@ class RunDir:
             },
             "img_size": options.get("img_size") or (dataset.default_img_size if dataset else None),
             "in_chans": int(in_chans),
-            "num_classes": int(num_classes),
+            "num_classes": None if num_classes is None else int(num_classes),
             "checkpoint": checkpoint,
             "reparametrized": metadata.get("reparametrized") == "True",
         }

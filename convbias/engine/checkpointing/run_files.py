@@ -54,6 +54,7 @@ RUN_KEYS = (
     "mean",
     "std",
     "num_classes",
+    "first_classes",
     "class_map",
     "input_key",
     "target_key",
@@ -188,6 +189,34 @@ def _spellings(path: str | Path) -> tuple[Path, Path]:
 
 def _same(a: str | Path, b: str | Path) -> bool:
     return Path(a).resolve() == Path(b).resolve()
+
+
+# timm's train.py output folder: CheckpointSaver's files beside its args.yaml, by --which
+TIMM_OUTPUT_FILES = {"last": "last.pth.tar", "best": "model_best.pth.tar"}
+
+
+def is_timm_output_dir(path: str | Path) -> bool:
+    """An output folder of timm's train.py (last.pth.tar or model_best.pth.tar in it), not one of train.py's."""
+    path = Path(path)
+    return path.is_dir() and not is_run_dir(path) and any((path / f).is_file() for f in TIMM_OUTPUT_FILES.values())
+
+
+def timm_output_file(folder: str | Path, which: str | None) -> Path:
+    """The checkpoint of timm's output folder that --which names (default last, the run's final weights);
+    ConfigError naming the folder when it lacks that file."""
+    which = which or "last"
+    path = Path(folder) / TIMM_OUTPUT_FILES[which]
+    if not path.is_file():
+        raise ConfigError(f"--which {which}: timm's output folder {folder} has no {path.name}")
+    return path
+
+
+def in_timm_output(path: str | Path, which: str | None) -> tuple[str, str | None]:
+    """(the path a command reads, the --which left for it): timm's output folder is its checkpoint by --which, read
+    as that file (no --which left); any other path is itself."""
+    if is_timm_output_dir(path):
+        return str(timm_output_file(path, which)), None
+    return str(path), which
 
 
 def is_run_dir(path: str | Path) -> bool:

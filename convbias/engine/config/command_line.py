@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
             flags += [SHORT_FLAGS[spec.name]] if spec.name in SHORT_FLAGS else []
             group.add_argument(*flags, **_argument(spec, option_types()[spec.name]))
     group = parser.add_argument_group(TIMM_GROUP)
+    group.add_argument(  # timm's train.py DIR (deprecated there for --data-dir, still taken)
+        "data", nargs="?", metavar="DIR", default=argparse.SUPPRESS, help="the data folder, as --data-dir (timm's)"
+    )
     for name, default in timm_only_options().items():
         flags = [flag_name(name)] + (["--train-steps-per-epoch"] if name == "train_batches_per_epoch" else [])
         group.add_argument(*flags, dest=name, **_timm_argument(name, default))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from .options import Config
 
@@ -54,3 +55,10 @@ class RunValues:
         global_batch = cfg.batch_size * num_processes * cfg.grad_accum_steps
         lr, rule = scaled_lr(cfg, global_batch)
         return cls(schedule_epochs, warmup_epochs, trained_epochs, global_batch, lr, rule)
+
+
+def ema_is_the_metric(options: Any) -> bool:
+    """Whether the EMA's evaluation is the epoch's metric (``options``: a Config or its dict): with --model-ema, as
+    timm's train.py takes it (unless --no-model-ema-metric, timm's --model-ema-force-cpu)."""
+    values = options if isinstance(options, dict) else vars(options)
+    return bool(values.get("model_ema")) and bool(values.get("model_ema_metric", True))

@@ -27,7 +27,8 @@ from ...errors import EXIT_REQUEUE, ConfigError
 
 DESCRIPTION = "Run configuration: command-line options, YAML recipes (``-c``), and validation."  # first line of --help
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")
-SCHEDULES = ("cosine", "step", "constant", "multistep", "plateau")
+SCHEDULES = ("cosine", "step", "constant", "multistep", "plateau", "tanh", "poly", "wsd", "rsqrt")  # timm's
+CYCLIC_SCHEDULES = ("cosine", "tanh", "poly")  # with cycles and a cooldown (timm's get_cycle_length)
 MIXUP_MODES = ("batch", "pair", "elem")
 CLIP_MODES = ("norm", "value", "agc")
 # timm's optimizer arguments set by their own options (--opt, --lr, ..., --opt-eps): --opt-kwargs leaves them alone
@@ -63,8 +64,12 @@ class Needs(NamedTuple):
     what: str
 
 
-COSINE = Needs(lambda c: c.sched == "cosine", "--sched cosine")
-CYCLES = Needs(lambda c: c.sched == "cosine" and c.lr_cycle_limit > 1, "--sched cosine and --lr-cycle-limit above 1")
+CYCLIC = Needs(lambda c: c.sched in CYCLIC_SCHEDULES, "--sched cosine, tanh or poly")
+K_DECAY = Needs(lambda c: c.sched in ("cosine", "poly"), "--sched cosine or poly")
+CYCLES = Needs(
+    lambda c: c.sched in CYCLIC_SCHEDULES and c.lr_cycle_limit > 1,
+    "--sched cosine, tanh or poly and --lr-cycle-limit above 1",
+)
 # --no-aug turns the mixup options off silently, as it does --mixup and --cutmix
 MIXING = Needs(
     lambda c: c.no_aug or c.mixup > 0 or c.cutmix > 0 or c.cutmix_minmax is not None,
@@ -138,8 +143,8 @@ class ModelOptions:
     )
     num_classes: int | None = option(
         None,
-        "keep only the first K classes (digits, mnist, cifar10/100, imagenet; a folder only with --class-map: timm "
-        "trains K outputs on all its labels)",
+        "the classifier's outputs, as timm's --num-classes; default the model's (1000 for an ImageNet model, as "
+        "timm); the data set's labels 0..K-1 must fit (--first-classes keeps fewer classes)",
         check=Check(lambda v: v >= 2, "at least 2"),
     )
     head_init_scale: float | None = option(
@@ -201,6 +206,13 @@ class ModelOptions:
         "use_warmup, counted in optimizer updates)",
         needs=Needs(lambda c: c.model_ema, "--model-ema"),
     )
+    model_ema_metric: bool = option(
+        True,
+        "with --model-ema, the EMA's evaluation is the epoch's metric (eval_* columns, best, the plateau schedule, "
+        "the end line) and the model's is logged as model_eval_*, as timm's train.py; off: the model's (timm's "
+        "--model-ema-force-cpu, which skips the EMA's evaluation)",
+        needs=Needs(lambda c: c.model_ema, "--model-ema"),
+    )
     grad_checkpointing: bool = option(
         False, "recompute block activations in backward (timm's set_grad_checkpointing): less memory"
     )
@@ -225,9 +237,16 @@ class DataOptions:
     class_map: str | None = option(
         None,
         "file naming the classes to train, one per line, in label order (timm's class map: .txt, or .pkl of "
-        "{name: index}); images of other classes are left out, and --num-classes K keeps the map's first K "
+        "{name: index}); images of other classes are left out, and --first-classes K keeps the map's first K "
         "(digits, mnist, cifar10, cifar100, imagenet, folder; not wds/, hfids/, hfds/)",
         metavar="FILE",
+    )
+    first_classes: int | None = option(
+        None,
+        "keep only the data set's first K classes (sorted names, or --class-map's order), labels 0..K-1; "
+        "not wds/, hfids/",
+        check=Check(lambda v: v >= 2, "at least 2"),
+        metavar="K",
     )
     input_key: str | None = option(
         None, "the image column of an hfds/ or hfids/ dataset (default timm's: image)", check=COLUMN, needs=HF_DATASET
@@ -456,9 +475,13 @@ class ScheduleOptions:
         False, "warm up before the --epochs of schedule (the run trains --warmup-epochs more), not within them"
     )
     min_lr: float = option(0.0, check=NON_NEGATIVE)
-    decay_epochs: float = option(90, "step schedule: epochs between decays", check=POSITIVE)
+    decay_epochs: float = option(
+        90,
+        "step schedule: epochs between decays; wsd, rsqrt: epochs of the decay phase (below 1: a fraction)",
+        check=POSITIVE,
+    )
     decay_rate: float = option(
-        0.1, "step, multistep and plateau schedules: lr factor per decay", check=FRACTION, aliases=("dr",)
+        0.1, "step, multistep, plateau schedules: lr factor per decay; poly: the power", check=POSITIVE, aliases=("dr",)
     )
     decay_milestones: list[int] = option(
         [90, 180, 270],
@@ -483,23 +506,25 @@ class ScheduleOptions:
     )
     cooldown_epochs: int = option(
         0,
-        "cosine schedule: epochs at --min-lr after the last cycle, trained after --epochs",
+        "cosine, tanh, poly schedules: epochs at --min-lr after the last cycle, trained after --epochs",
         check=NON_NEGATIVE,
-        needs=COSINE,
+        needs=CYCLIC,
     )
     lr_cycle_limit: int = option(
         1,
-        "cosine schedule: cycles (warm restarts, each trained in full after --epochs)",
+        "cosine, tanh, poly schedules: cycles (warm restarts, each trained in full after --epochs)",
         check=AT_LEAST_ONE,
-        needs=COSINE,
+        needs=CYCLIC,
     )
     lr_cycle_mul: float = option(
-        1.0, "cosine schedule: each cycle this many times as long as the one before", check=POSITIVE, needs=CYCLES
+        1.0, "cyclic schedules: each cycle this many times as long as the one before", check=POSITIVE, needs=CYCLES
     )
     lr_cycle_decay: float = option(
-        0.5, "cosine schedule: each cycle's peak lr this many times the one before", check=POSITIVE, needs=CYCLES
+        0.5, "cyclic schedules: each cycle's peak lr this many times the one before", check=POSITIVE, needs=CYCLES
     )
-    lr_k_decay: float = option(1.0, "cosine schedule: k-decay exponent (1: plain cosine)", check=POSITIVE, needs=COSINE)
+    lr_k_decay: float = option(
+        1.0, "cosine and poly schedules: k-decay exponent (1: plain cosine)", check=POSITIVE, needs=K_DECAY
+    )
     lr_noise: list[float] | None = option(
         None,
         "lr noise from START (to END) as fractions of the schedule's length: timm's, the lr times 1 + a normal "

@@ -84,11 +84,16 @@ def _as_dict(value: Any, key: str) -> dict:
     raise ConfigError(f"{key} must be a mapping (YAML) or KEY=VALUE pairs, got {value!r}")
 
 
-def parse_config(argv: list[str] | None, evaluated_run: Callable[[str], dict] | None = None) -> Config:
-    """Parse argv (with its ``-c`` recipe) into a Config that passes this package's checks (``validate``); the
-    other packages' checks are the entry point's (``convbias.engine.parse_config``). ``evaluated_run`` gives the
-    options that --eval-only RUN_DIR takes from the run directory it names ({} for weights): they rank below the
-    -c recipe and the command line. Raises ConfigError."""
+def parse_config(
+    argv: list[str] | None,
+    evaluated_run: Callable[[str], dict] | None = None,
+    package_problems: Callable[[Config], list[str]] | None = None,
+) -> Config:
+    """Parse argv (with its ``-c`` recipe) into a Config that passes this package's checks (``validate``) and the
+    other packages' (``package_problems``: the entry point's, ``convbias.engine.parse_config``). ``evaluated_run``
+    gives the options that --eval-only RUN_DIR takes from the run directory it names ({} for weights): they rank
+    below the -c recipe and the command line. Raises one ConfigError naming every refused option and key (the
+    command line's and its files') with its reason."""
     parser = build_parser()
     config_only = OptionParser(add_help=False)
     config_only.add_argument("-c", "--config", default=None)
@@ -97,6 +102,7 @@ def parse_config(argv: list[str] | None, evaluated_run: Callable[[str], dict] | 
     known, _ = config_only.parse_known_args(argv)
     origins: dict[str, str] = {}
     file_cfg = load_yaml(known.config, origins) if known.config else {}
+    experiment = file_cfg.get("experiment") if is_timm_args(file_cfg) else None
     problems: list[str] = []
     if is_timm_args(file_cfg):  # the args.yaml of timm's train.py
         file_cfg, file_problems = translate_timm_keys(file_cfg, known.config)
@@ -122,28 +128,36 @@ def parse_config(argv: list[str] | None, evaluated_run: Callable[[str], dict] | 
     timm_given = {name: args.pop(name) for name in timm_only_options() if name in args}
     set_by_timm_names: set[str] = set()  # options that timm's names on the command line set
     if timm_given:  # timm's train.py options given on the command line: as its args.yaml keys
-        for name, shared in (("experiment", "output"), ("drop_connect", "drop_path")):  # read together
+        for name, shared in (("experiment", "output"), ("drop_connect", "drop_path"), ("data", "data_dir")):
             if name in timm_given:
                 timm_given[shared] = args[shared]
         translated, timm_problems = translate_timm_keys(timm_given, "the command line")
         problems += [f"{flag_name(p.split(':')[0])}{p[len(p.split(':')[0]) :]}" for p in timm_problems]
         set_by_timm_names = {name for name, value in translated.items() if args.get(name) != value}
         args.update(translated)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    for key in merged:  # merged key by key: the command line wins per key
-        args[key] = {**_as_dict(file_cfg.get(key), key), **_as_dict(args[key], flag_name(key))}
-    cfg = Config(**args)
+    for key in merged:  # merged key by key: the command line wins per key; given with no pairs, it clears (timm)
+        value = args[key]
+        args[key] = {} if value == [] else {**_as_dict(file_cfg.get(key), key), **_as_dict(value, flag_name(key))}
     given = _given_on_command_line(argv)
     command_line = {*given, *set_by_timm_names}
+    if experiment and "output" in command_line and "experiment" not in timm_given:
+        args["output"] = str(Path(args["output"]) / experiment)  # timm writes into OUTPUT/EXPERIMENT
+    cfg = Config(**args)
     sources = {name: "command line" if name in command_line else origins[name] for name in {*file_cfg, *command_line}}
     for name in merged:  # each key of a KEY=VALUE option: the command line's, else the recipe's
         for key in _as_dict(file_cfg.get(name), name):
             sources[f"{name}.{key}"] = origins[name]
-        for key in _as_dict(given.get(name), flag_name(name)):
+        for key in _as_dict(given.get(name) or None, flag_name(name)):
             sources[f"{name}.{key}"] = "command line"
     cfg.__dict__[SOURCES] = sources
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        problems.append(str(e))
+    else:
+        problems += package_problems(cfg) if package_problems is not None else []
+    if problems:
+        raise ConfigError("; ".join(problems))
     return cfg
 
 
@@ -270,9 +284,26 @@ def check_option(name: str, value: Any, label: str | None = None) -> None:
         require(rule.valid(value), f"{label} must be {rule.expected}, got {quoted(value)}")
 
 
+def inert_options(cfg: Config) -> dict[str, str]:
+    """The options that act only with others (their declared `needs`), set without them: each with its
+    '--name VALUE has no effect without ...'."""
+    found = {}
+    for name in option_names():
+        needs, value = declaration(name).metadata["needs"], getattr(cfg, name)
+        if needs is not None and value != default_value(name) and not needs.met(cfg):
+            given = flag_name(name) if value is True else f"{flag_name(name)} {value}"
+            found[name] = f"{given} has no effect without {needs.what}"
+    return found
+
+
 def config_warnings(cfg: Config) -> list[str]:
-    """Valid but probably unintended settings, printed as `warning: ...` lines before the run starts."""
-    warnings = []
+    """Valid but probably unintended settings, printed as `warning: ...` lines before the run starts: among them
+    timm's options set where they have no effect, which timm's train.py ignores and so does this engine."""
+    warnings = [
+        f"{message}: ignored, as timm's train.py ignores it"
+        for name, message in inert_options(cfg).items()
+        if name in TIMM_TRAIN_DEFAULTS
+    ]
     epochs, warmup = effective_epochs(cfg)
     if not cfg.eval_only and not cfg.warmup_prefix and warmup >= epochs:
         warnings.append(
@@ -289,9 +320,14 @@ def validate(cfg: Config) -> None:
     rules (data sources, timm's optimizers, torch.compile's backends, the run directory) check them after this,
     called by the entry point (``convbias.engine.validate``). Raises ConfigError."""
     _normalize_eval_only(cfg)
-    for name in option_names():
-        setattr(cfg, name, coerce(name, getattr(cfg, name)))
-        check_option(name, getattr(cfg, name))
+    problems = []
+    for name in option_names():  # each option's own type and range, all named at once
+        try:
+            setattr(cfg, name, coerce(name, getattr(cfg, name)))
+            check_option(name, getattr(cfg, name))
+        except ConfigError as e:
+            problems.append(str(e))
+    require(not problems, "; ".join(problems))
     require(isinstance(cfg.model, str), "no model given: pass --model NAME (or 'model:' in the -c recipe)")
     require(cfg.epochs >= 1 or cfg.eval_only, f"--epochs must be a positive integer, got {cfg.epochs}")
     _normalize(cfg)
@@ -370,11 +406,8 @@ def _check_combinations(cfg: Config) -> None:
         cfg.cutmix_minmax is None or not cfg.no_aug,
         "--cutmix-minmax turns cutmix on and --no-aug turns it off; drop one",
     )
-    for name in option_names():  # an option that acts only with others (its declared `needs`), set without them
-        needs, value = declaration(name).metadata["needs"], getattr(cfg, name)
-        if needs is not None and value != default_value(name):
-            given = flag_name(name) if value is True else f"{flag_name(name)} {value}"
-            require(needs.met(cfg), f"{given} has no effect without {needs.what}")
+    for name, message in inert_options(cfg).items():  # timm's own are ignored, as timm does (config_warnings)
+        require(name in TIMM_TRAIN_DEFAULTS, message)
     require(not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH (a weights file or run dir)")
     require(
         bool(cfg.distill_teacher) == bool(cfg.distill_teacher_file),

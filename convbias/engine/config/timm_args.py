@@ -31,7 +31,6 @@ from .options import (
 NOT_YET = "not implemented by this engine yet"
 # timm options that this engine's design decides otherwise: refused when set, with the reason
 TIMM_NOT_APPLICABLE: dict[str, str] = {
-    **dict.fromkeys(("device", "device_modules"), "accelerate places processes and devices (launch options)"),
     "start_epoch": "a resume point sets the epoch (--resume)",
     "no_resume_opt": "a resume point always restores the optimizer",
     "save_images": "a debugging aid of timm's loop",
@@ -39,10 +38,12 @@ TIMM_NOT_APPLICABLE: dict[str, str] = {
 # timm options whose value changes where or how fast timm's train.py runs, never the values it trains with:
 # accepted at any value (an args.yaml written by a multi-GPU run, or a published recipe, sets them)
 TIMM_ANY_VALUE: dict[str, str] = {
+    **dict.fromkeys(
+        ("device", "device_modules"), "accelerate places processes and devices (launch options: --cpu, GPUs)"
+    ),
     "dataset_download": "this engine reads local files only; a data set that is not there is an error naming the path",
     "dataset_trust_remote_code": "this engine runs no code from a data set",
     "local_rank": "accelerate gives each process its rank",
-    "model_ema_force_cpu": "the EMA lives on the training device (the same values)",
     **dict.fromkeys(("no_ddp_bb", "synchronize_step"), "accelerate wraps the model in DDP"),
     "use_multi_epochs_loader": "the loaders keep their workers across epochs, as timm's MultiEpochsDataLoader",
     "worker_seeding": "each image's augmentation is seeded from (seed, epoch, index)",
@@ -126,7 +127,9 @@ TRANSLATED_AS = {
     ("pretrained_path",): "as `--pretrained-file`",
     ("initial_checkpoint",): "as `--checkpoint`",
     ("val_interval",): "as `--eval-interval`",
-    ("data",): "as `--data-dir`",
+    ("data", "data_dir"): "as `--data-dir` where that is unset (timm's positional `train.py DIR`)",
+    ("model_ema_force_cpu",): "as `--no-model-ema-metric`: the model's evaluation is the epoch's metric, as timm "
+    "skips the EMA's (the EMA itself lives on the training device)",
     ("drop_connect", "drop_path"): "as `--drop-path` where that is unset (timm's train.py passed it as the models' "
     "drop_connect_rate, their drop_path_rate, until it deprecated it)",
 }
@@ -139,7 +142,8 @@ TIMM_TRANSLATIONS: dict[tuple[str, ...], Callable[[dict[str, Any]], dict[str, An
     ("pretrained_path",): lambda v: {"pretrained_file": v["pretrained_path"] or None},
     ("initial_checkpoint",): lambda v: {"checkpoint": v["initial_checkpoint"] or None},
     ("val_interval",): lambda v: {"eval_interval": v["val_interval"]},
-    ("data",): lambda v: {"data_dir": v["data"]} if v["data"] else {},
+    ("data", "data_dir"): lambda v: {"data_dir": v["data"]} if v["data"] and not v.get("data_dir") else {},
+    ("model_ema_force_cpu",): lambda v: {"model_ema_metric": False} if v["model_ema_force_cpu"] else {},
     ("drop_connect", "drop_path"): lambda v: (
         {"drop_path": v["drop_connect"]} if v["drop_connect"] is not None and v["drop_path"] is None else {}
     ),

@@ -189,12 +189,12 @@ def class_map(cfg: Config) -> dict[str, int] | None:
 
 
 def _check_data_options(
-    dataset: str, data_dir: str | None, train_fraction: float, num_classes: int | None, img_size: int | None
+    dataset: str, data_dir: str | None, train_fraction: float, first_classes: int | None, img_size: int | None
 ) -> Path | None:
     """Cheap checks made before any file is read; returns the data dir as a Path."""
     if dataset not in DATASETS and not is_hfds(dataset):
         raise ConfigError(f"unknown dataset {dataset!r}; choices: {', '.join(DATASETS)}, hfds/NAME")
-    for name, value in (("train_fraction", train_fraction), ("num_classes", num_classes), ("img_size", img_size)):
+    for name, value in (("train_fraction", train_fraction), ("first_classes", first_classes), ("img_size", img_size)):
         check_option(name, value)
     if dataset in EMBEDDED_SOURCES:
         return None  # embedded in an installed package, no files
@@ -387,7 +387,7 @@ def build_streams(cfg: Config) -> DataBundle:
         name,
         data_dir,
         cfg.train_fraction,
-        cfg.num_classes,
+        cfg.first_classes,
         int(cfg.workers),
         _world_size(),
         cfg.train_num_samples,
@@ -409,14 +409,14 @@ def build_streams(cfg: Config) -> DataBundle:
 
 def build_datasets(cfg: Config) -> DataBundle:
     """Train and val datasets of cfg.dataset with transforms, after the class map and the class subset (train and
-    val: --class-map first, then --num-classes keeps the map's first K) and the per-class train fraction (train
+    val: --class-map first, then --first-classes keeps the map's first K) and the per-class train fraction (train
     only: validation is never subsampled)."""
     name = cfg.dataset
     if is_stream(name):
         return build_streams(cfg)
-    num_classes, img_size = cfg.num_classes, cfg.img_size
+    first_classes, img_size = cfg.first_classes, cfg.img_size
     fraction = cfg.train_fraction
-    data_dir = _check_data_options(name, cfg.data_dir, fraction, num_classes, img_size)
+    data_dir = _check_data_options(name, cfg.data_dir, fraction, first_classes, img_size)
     shape, mapping = input_format(cfg), class_map(cfg)
 
     if name in EMBEDDED_SOURCES:
@@ -440,17 +440,11 @@ def build_datasets(cfg: Config) -> DataBundle:
                 f"{', ...' if len(train.classes) > 10 else ''}"
             )
         train, val = apply_class_map(train, mapping), apply_class_map(val, mapping)
-    if num_classes is not None:
-        if name == "folder" and mapping is None and int(num_classes) < len(train.classes):
-            raise ConfigError(
-                f"--num-classes {num_classes}: the folder at {data_dir} has {len(train.classes)} classes "
-                f"({', '.join(map(str, train.classes[:5]))}{', ...' if len(train.classes) > 5 else ''}); pass "
-                f"--num-classes {len(train.classes)}, or a --class-map naming the {num_classes} classes to train"
-            )
-        if int(num_classes) > len(train.classes):
+    if first_classes is not None:
+        if int(first_classes) > len(train.classes):
             source = f"--class-map {cfg.class_map} names" if mapping else f"--dataset {name} has"
-            raise ConfigError(f"--num-classes {num_classes}: {source} only {len(train.classes)} classes")
-        train, val = select_classes(train, int(num_classes)), select_classes(val, int(num_classes))
+            raise ConfigError(f"--first-classes {first_classes}: {source} only {len(train.classes)} classes")
+        train, val = select_classes(train, int(first_classes)), select_classes(val, int(first_classes))
     if len(train.classes) < 2:  # one class trains to a meaningless 100%
         raise ConfigError(
             f"--dataset {name}{f' at {data_dir}' if data_dir else ''} has {len(train.classes)} class "

@@ -130,7 +130,7 @@ def check_stream(
     name: str,
     data_dir: str | None,
     train_fraction: float,
-    num_classes: int | None,
+    first_classes: int | None,
     workers: int = 0,
     processes: int = 1,
     train_num_samples: int | None = None,
@@ -150,9 +150,9 @@ def check_stream(
         __import__(package)
     except ImportError:
         raise ConfigError(f"--dataset {name} needs the {package} package: pip install {pip_name}") from None
-    if float(train_fraction) < 1.0 or num_classes is not None:
+    if float(train_fraction) < 1.0 or first_classes is not None:
         raise ConfigError(
-            f"--dataset {name}: --train-fraction and --num-classes need an index of labels, which a "
+            f"--dataset {name}: --train-fraction and --first-classes need an index of labels, which a "
             f"stream has not; write the subset's shards instead"
         )
     if not data_dir or not Path(data_dir).is_dir():

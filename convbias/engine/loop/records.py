@@ -29,10 +29,11 @@ from ...storage import write_text
 from ...tables import csv_text
 from ..checkpointing.layout import CHECKPOINTS_DIR, CONFIG_FILE, LINKS, LOG_FILE, RESULTS_FILE, SUMMARY_FILE
 from ..checkpointing.run_files import CONFIG_MARKER
-from ..config.derived import lr_scaling
+from ..config.derived import ema_is_the_metric, lr_scaling
 from ..config.options import Config
 from ..config.parsing import key_source, option_source
 from ..data.factory import color_jitter_off_by_aa, input_format, train_interpolation
+from ..model.factory import head_classes
 from ..optim.factory import optimizer_arguments
 
 
@@ -79,7 +80,8 @@ def read_summary(path: Path) -> tuple[list[dict[str, str]], int]:
 
 
 def results_record(options: dict[str, Any], epochs: int, final: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
-    """The content of results.json: the run's identity, its final and best evaluations."""
+    """The content of results.json: the run's identity, its final and best evaluations, and whose they are
+    (metric_of: the EMA's or the model's, as timm's train.py picks the epoch's metric)."""
     return {
         "model": options["model"],
         "dataset": options.get("dataset"),
@@ -91,6 +93,7 @@ def results_record(options: dict[str, Any], epochs: int, final: dict[str, Any], 
         "best_top1": best.get("eval_top1"),
         "best_top5": best.get("eval_top5"),
         "best_epoch": best.get("epoch"),
+        "metric_of": "ema" if ema_is_the_metric(options) else "model",
     }
 
 
@@ -189,6 +192,7 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
         f"model: {cfg.model}, {params / 1e6:.2f}M parameters; arguments {model_arguments(cfg)}",
         *([f"weights: {start.weights}"] if start.weights else []),
         f"data: {cfg.dataset}, {sizes}, {bundle.num_classes} classes",
+        f"num_classes: {head_classes(model)} ({start.head[1]})",
         f"batch: {start.values.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
         f"{cfg.grad_accum_steps} accumulation; lr {start.values.lr:.3g} ({rule})",
         f"schedule: {plural(start.values.epochs, 'epoch')}, {start.values.warmup_epochs} of warm-up, "
@@ -245,7 +249,10 @@ def settings_lines(cfg: Any, lr: float) -> list[str]:
         if not (cfg.mixup or cfg.cutmix or cfg.cutmix_minmax)
         else (f"mixup {_value(cfg, 'mixup')}, cutmix {_value(cfg, 'cutmix')}, prob {_value(cfg, 'mixup_prob')}")
     )
-    ema = f"decay {_value(cfg, 'model_ema_decay')}" if cfg.model_ema else f"off [{option_source(cfg, 'model_ema')}]"
+    ema = f"off [{option_source(cfg, 'model_ema')}]"
+    if cfg.model_ema:
+        metric = "the EMA's evaluation, as timm" if ema_is_the_metric(cfg) else "the model's evaluation"
+        ema = f"decay {_value(cfg, 'model_ema_decay')}; the epoch's metric and best: {metric}"
     trained = train_interpolation(cfg, shape.interpolation)
     train_interp = _value(cfg, "train_interpolation") if trained == cfg.train_interpolation else f"{trained} [as eval]"
     drop_path = _value(cfg, "drop_path") if cfg.drop_path is not None else "the model's"
@@ -283,8 +290,9 @@ def summary_line(
 
     best_value = (best or {}).get(f"eval_{metric}", results.get(f"best_{metric}"))
     files = (RESULTS_FILE, SUMMARY_FILE, LOG_FILE, CONFIG_FILE, *(f"{CHECKPOINTS_DIR}/{link}" for link in LINKS))
+    of = " of the EMA" if results.get("metric_of") == "ema" else ""
     return (
-        f"done: final top-1 {shown(results['final_top1'])} (epoch {final_epoch}), best {METRIC_NAMES[metric]} "
+        f"done: final top-1{of} {shown(results['final_top1'])} (epoch {final_epoch}), best {METRIC_NAMES[metric]}{of} "
         f"{shown(best_value, 4 if metric == 'loss' else 2)} (epoch {results['best_epoch']}); in {output}: "
         f"{', '.join(files)}"
     )

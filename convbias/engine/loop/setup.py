@@ -40,13 +40,13 @@ from ..checkpointing.run_files import is_timm_checkpoint_name
 from ..checkpointing.shards import FullCopy
 from ..config.derived import RunValues
 from ..config.options import Config
-from ..config.parsing import parse_signals
+from ..config.parsing import option_source, parse_signals
 from ..data.device_augment import DeviceAugment
 from ..data.factory import build_datasets, dataset_info
 from ..data.loaders import build_eval_loader, build_stream_loader, build_train_loader
 from ..data.streams import is_stream
 from ..model.compile import compiled
-from ..model.factory import check_model_name, create_model_and_report
+from ..model.factory import check_head_fits, check_model_name, create_model_and_report, head_classes
 from ..model.output_scale import OutputScale, ScaledLoss
 from ..model.pretrained import check_pretrained_reachable
 from ..optim import factory as optim
@@ -82,6 +82,7 @@ class RunStart:
     timm_resume: TimmCheckpoint | None = None  # --resume of timm's training checkpoint (a new run continues it)
     threads: str = ""  # where the intra-op threads came from (engine.loop.node.set_threads)
     weights: str | None = None  # the starting weights and what loading them did (set when the model is built)
+    head: tuple[int | None, str] = (None, "")  # the classifier's size asked of timm (None: the model's) and why
 
     @property
     def sharded(self) -> bool:
@@ -125,6 +126,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     cfg = resolved_options(cfg, checkpoint, metadata, extensions)
     start = RunStart(cfg, extensions, acc, output, values, checkpoint_name, metadata, point, state, notes)
     start.timm_resume, start.threads = timm_resume, threads
+    start.head = requested_head(cfg, metadata, point, timm_resume)
     if state is not None:
         _check_resume_point(start)
     finished = finished_message(state, output, values.epochs, acc.is_main_process)
@@ -151,6 +153,23 @@ def resolved_options(cfg: Config, checkpoint: str | None, metadata: dict[str, st
     resolved = cfg.resolved(**changes)
     check_reparametrization(resolved, extensions)
     return resolved
+
+
+def requested_head(
+    cfg: Config, metadata: dict[str, str], point: Path | None, timm_resume: TimmCheckpoint | None
+) -> tuple[int | None, str]:
+    """(the classifier's size to build, the rule that gave it): --num-classes as timm's train.py reads it (the
+    command line or a recipe), else the head of the weights the run continues or evaluates (a resume point, a
+    timm checkpoint's args, --checkpoint's metadata), else None: the model's default, as timm."""
+    if cfg.num_classes is not None:
+        source = option_source(cfg, "num_classes")
+        return cfg.num_classes, "recipe" if source.startswith("recipe") else source
+    recorded = weights_metadata(point / WEIGHTS_FILE) if point is not None else metadata
+    if timm_resume is not None and timm_resume.args.get("num_classes"):
+        return int(timm_resume.args["num_classes"]), "the resumed checkpoint's args"
+    if recorded.get("num_classes"):
+        return int(recorded["num_classes"]), "the weights' head"
+    return None, "model default, as timm"
 
 
 def read_timm_resume(cfg: Config, epochs: int) -> TimmCheckpoint:
@@ -343,7 +362,8 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     and whether it has been reparametrized."""
     cfg = start.cfg
     set_seed(cfg.seed)  # same initial weights on every rank
-    model, start.weights = create_model_and_report(cfg, data.bundle.num_classes, data.bundle.in_chans)
+    model, start.weights = create_model_and_report(cfg, start.head[0], data.bundle.in_chans)
+    check_head_fits(model, data.bundle.num_classes, f"--dataset {cfg.dataset}")
     metadata = start.checkpoint_metadata  # its reparametrization and output scale: in cfg (resolved_options)
     if start.resume_state:
         was_reparametrized = start.resume_state["reparametrized"]
@@ -408,6 +428,7 @@ class Models:
     ema: ModelEmaV3 | None = None
     teacher: torch.nn.Module | None = None
     full_copy: FullCopy | None = None  # under FSDP, what whole_model() returns
+    num_classes: int = 0  # the classifier's outputs
     forward: Any = None
     ema_forward: Any = None
 
@@ -440,10 +461,10 @@ def sync_batchnorm(model: torch.nn.Module, name: str, acc: Accelerator) -> torch
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def create_teacher(cfg: Config, data: TrainingData, device: torch.device) -> torch.nn.Module:
+def create_teacher(cfg: Config, data: TrainingData, num_classes: int, device: torch.device) -> torch.nn.Module:
     in_chans = data.bundle.in_chans
     teacher = timm.create_model(
-        cfg.distill_teacher, num_classes=data.bundle.num_classes, in_chans=None if in_chans == 3 else in_chans
+        cfg.distill_teacher, num_classes=num_classes, in_chans=None if in_chans == 3 else in_chans
     )
     load_weights(teacher, cfg.distill_teacher_file)
     return teacher.to(device).eval()
@@ -471,7 +492,7 @@ def build_optimization(start: RunStart, data: TrainingData, model: torch.nn.Modu
     scheduler = optim.create_scheduler(
         cfg, optimizer, start.values.schedule_epochs, start.values.warmup_epochs, updates_per_epoch
     )
-    mixup = optim.create_mixup(cfg, data.bundle.num_classes)
+    mixup = optim.create_mixup(cfg, head_classes(model))  # the head's size, as timm's Mixup targets
     return model, Optimization(optimizer, scheduler, mixup, optim.create_train_loss(cfg, mixup).to(acc.device))
 
 
@@ -484,7 +505,7 @@ def build_models_and_optimization(start: RunStart, data: TrainingData) -> tuple[
         model = sync_batchnorm(model, cfg.model, acc)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    teacher = create_teacher(cfg, data, acc.device) if cfg.distill_teacher else None
+    teacher = create_teacher(cfg, data, head_classes(model), acc.device) if cfg.distill_teacher else None
     if teacher is not None and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)
     ema = optim.create_ema(cfg, model, acc.device)
@@ -495,7 +516,7 @@ def build_models_and_optimization(start: RunStart, data: TrainingData) -> tuple[
         optimization.train_loss = optim.HardDistillationLoss(optimization.train_loss, teacher)
     if cfg.output_scale:
         optimization.train_loss = ScaledLoss(optimization.train_loss, cfg.output_scale)
-    models = Models(acc, prepared, ema, teacher, full_copy)
+    models = Models(acc, prepared, ema, teacher, full_copy, num_classes=head_classes(model))
     models.compile(cfg)
     return models, optimization, was_reparametrized
 

@@ -28,7 +28,15 @@ from ..checkpointing.lock import ForeignLockError, RunLock, RunLockedError
 from ..checkpointing.lock import describe as describe_holder
 from ..checkpointing.points import CheckpointDir, find_resume_point
 from ..checkpointing.run_dir import RunDir, verify_file
-from ..checkpointing.run_files import foreign_entry, foreign_links, is_run_dir, is_timm_checkpoint_name, read_run_config
+from ..checkpointing.run_files import (
+    foreign_entry,
+    foreign_links,
+    is_run_dir,
+    is_timm_checkpoint_name,
+    is_timm_output_dir,
+    read_run_config,
+    timm_output_file,
+)
 from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
 from .records import METRIC_NAMES, RunLog, results_record
 
@@ -47,6 +55,9 @@ def resolve_checkpoint(cfg: Config) -> tuple[str | None, str | None]:
         _check_which_target(cfg.which, None)
         return None, None
     run = Path(cfg.checkpoint)
+    if is_timm_output_dir(run):  # timm's last.pth.tar or model_best.pth.tar, by --which
+        chosen = timm_output_file(run, cfg.which)
+        return str(chosen), str(chosen)
     if (run / CHECKPOINTS_DIR).is_dir() or is_run_dir(run):
         chosen = RunDir(run).checkpoint(cfg.which or DEFAULT_WHICH)
         return str(chosen.weights), chosen.describe()

@@ -35,6 +35,7 @@ from ...weights import load_checked
 from ..checkpointing.layout import CONFIG_FILE
 from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
 from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_options
+from ..config.derived import ema_is_the_metric
 from ..data.device_augment import DeviceBatches
 from ..data.loaders import epoch_batches, first_images
 from ..model.compile import compile_counters
@@ -118,7 +119,7 @@ class Trainer:
         self.preemption, self.diagnostics = preemption, diagnostics
         self.progress = TrainingProgress()
         self.checkpointer = CheckpointManager(
-            start, models, optimization, self.progress, data.augment, data.bundle.num_classes, data.bundle.in_chans
+            start, models, optimization, self.progress, data.augment, models.num_classes, data.bundle.in_chans
         )
         self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
         self.warnings: list[str] = []  # likely unintended settings, said before anything runs
@@ -255,9 +256,11 @@ class Trainer:
             evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.start.values.epochs
             if evaluated:
                 self._distribute_batchnorm()
-                metrics = self.evaluate(self.models.forward)
+                metrics = self._epoch_metrics()
                 progress.final = {"epoch": epoch + 1, **metrics}
-                record.update({**metrics, **self._ema_and_diagnostics()})
+                record.update(metrics)
+                if self.diagnostics is not None:
+                    record.update(self.diagnostics(self.models.whole_model()))
             if cfg.compile:
                 record.update(compile_counters())
             record["epoch_seconds"] = time.perf_counter() - started
@@ -317,14 +320,18 @@ class Trainer:
         if models.ema is not None:
             distribute_bn(models.ema.module, acc.num_processes, reduce=reduce)
 
-    def _ema_and_diagnostics(self) -> dict[str, float]:
-        """The EMA's metrics (ema_...) and the diagnostics (eagerly, on the module itself)."""
-        models, record = self.models, {}
-        if models.ema is not None:
-            record.update({f"ema_{k}": v for k, v in self.evaluate(models.ema_forward).items()})
-        if self.diagnostics is not None:
-            record.update(self.diagnostics(models.whole_model()))
-        return record
+    def _epoch_metrics(self) -> dict[str, float]:
+        """The epoch's evaluation: eval_* are the epoch's metric (best, the plateau schedule, the end line), the
+        EMA's when it is evaluated as timm's train.py decides (--model-ema, --model-ema-metric), with the model's
+        as model_eval_*; the EMA's are ema_eval_* in either case."""
+        models = self.models
+        metrics = self.evaluate(models.forward)
+        if models.ema is None:
+            return metrics
+        ema = self.evaluate(models.ema_forward)
+        if not ema_is_the_metric(self.cfg):
+            return {**metrics, **{f"ema_{k}": v for k, v in ema.items()}}
+        return {**ema, **{f"model_{k}": v for k, v in metrics.items()}, **{f"ema_{k}": v for k, v in ema.items()}}
 
     # ---------------------------------------------------------------------------------------- epochs
     def _train_one_epoch(self, epoch: int, first: int) -> dict[str, float]:

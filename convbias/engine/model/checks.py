@@ -1,4 +1,5 @@
-"""The model package's checks of a run's options, before any work starts: the torch.compile backend."""
+"""The model package's checks of a run's options, before any work starts: the torch.compile backend, and the
+model names once the families have registered theirs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from ...errors import ConfigError
 from ..config.options import Config
+from .factory import check_model_name
 
 
 def check(cfg: Config) -> None:
@@ -15,3 +17,10 @@ def check(cfg: Config) -> None:
     backends = torch.compiler.list_backends(exclude_tags=())
     if cfg.compile_backend not in backends:
         raise ConfigError(f"unknown --compile-backend '{cfg.compile_backend}'; choices: {', '.join(backends)}")
+
+
+def check_names(cfg: Config) -> None:
+    """ConfigError naming close registry entries when --model or --distill-teacher is not a timm model."""
+    check_model_name(cfg.model)
+    if cfg.distill_teacher:
+        check_model_name(cfg.distill_teacher, "--distill-teacher")

@@ -79,19 +79,20 @@ def mistyped_kwargs(model: str, model_kwargs: dict[str, Any]) -> list[str]:
     return found
 
 
-def create_model(cfg: Config, num_classes: int, in_chans: int) -> torch.nn.Module:
+def create_model(cfg: Config, num_classes: int | None, in_chans: int) -> torch.nn.Module:
     """timm.create_model with the run's model options (see create_model_and_report)."""
     return create_model_and_report(cfg, num_classes, in_chans)[0]
 
 
-def create_model_and_report(cfg: Config, num_classes: int, in_chans: int) -> tuple[torch.nn.Module, str | None]:
+def create_model_and_report(cfg: Config, num_classes: int | None, in_chans: int) -> tuple[torch.nn.Module, str | None]:
     """timm.create_model with the run's model options (model, model_kwargs, img_size, drop, drop_path, drop_block,
     gp, fast_norm, pretrained, pretrained_file, head_init_scale), and with --pretrained what timm's loading did to
-    the weights, in one line (weights.describe_pretrained_load)."""
+    the weights, in one line (weights.describe_pretrained_load). ``num_classes`` None: the model's own head size,
+    as timm's train.py without --num-classes."""
     chosen = dict(drop_rate=cfg.drop or None, drop_block_rate=cfg.drop_block, global_pool=cfg.gp)
     chosen = {key: value for key, value in chosen.items() if value is not None}  # passed only to models taking them
     kwargs: dict[str, Any] = dict(
-        num_classes=num_classes,
+        **({} if num_classes is None else {"num_classes": num_classes}),
         **chosen,
         drop_path_rate=cfg.drop_path or None,
         in_chans=None if in_chans == 3 else in_chans,
@@ -146,6 +147,24 @@ def create_model_and_report(cfg: Config, num_classes: int, in_chans: int) -> tup
     if cfg.bn_eps is not None or cfg.bn_momentum is not None:
         set_batchnorm(model, cfg.bn_eps, cfg.bn_momentum, cfg.model)
     return model, report
+
+
+def head_classes(model: torch.nn.Module) -> int:
+    """The classifier's outputs (timm's ``num_classes`` attribute, which every timm model has)."""
+    inner = model.model if isinstance(getattr(model, "model", None), torch.nn.Module) else model
+    return int(getattr(model, "num_classes", None) or inner.num_classes)
+
+
+def check_head_fits(model: torch.nn.Module, data_classes: int, classes_source: str) -> int:
+    """The head's size, after checking that the data set's labels 0..K-1 are among its outputs (timm's train.py
+    would fail on the first out-of-range label); ``classes_source`` names where K came from."""
+    head = head_classes(model)
+    if data_classes > head:
+        raise ConfigError(
+            f"{classes_source} has {data_classes} classes and the model's head {head} outputs: pass "
+            f"--num-classes {data_classes} (the head's size), or --first-classes {head} (keep the first {head} classes)"
+        )
+    return head
 
 
 def classifier_tensors(model: torch.nn.Module, keys: tuple[str, ...], option: str, name: str) -> list[torch.Tensor]:

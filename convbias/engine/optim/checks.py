@@ -36,4 +36,7 @@ def check(cfg: Config) -> None:
             "--sched plateau cannot be combined with --reparametrize-at-epoch (the plateau's decayed lr lives in "
             "the optimizer that the change of architecture rebuilds)",
         )
-    require(cfg.opt.lower() in list_optimizers(), f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers()")
+    require(  # timm's factory reads the name after the last '_' (lookahead_adamw: adamw inside Lookahead)
+        cfg.opt.lower().split("_")[-1] in list_optimizers(),
+        f"unknown --opt '{cfg.opt}'; see timm.optim.list_optimizers() (or lookahead_NAME)",
+    )

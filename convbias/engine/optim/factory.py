@@ -214,7 +214,10 @@ def _create_timm_scheduler(optimizer: torch.optim.Optimizer, arguments: dict[str
     engine saves it (resume_state.SchedulerState), so the warning would mislead."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="PlateauLRScheduler is deprecated", category=FutureWarning)
-        return create_scheduler_v2(optimizer, **arguments)
+        try:
+            return create_scheduler_v2(optimizer, **arguments)
+        except ValueError as e:  # wsd and rsqrt: a decay phase longer than the schedule
+            raise ConfigError(f"--sched {arguments['sched']}: {e} (--decay-epochs, --epochs)") from None
 
 
 def create_scheduler(
