@@ -14,14 +14,19 @@ from timm.layers import register_notrace_module
 from torch import nn
 
 from convbias.gpsa import (
+    GatedFactors,
     GatedPositionalAttention,
     GridSize,
+    PositionalBasis,
     PositionalFactors,
+    compute_dtype,
+    factors_from_basis,
+    gate_factors,
     grid_positions,
     kernel_offsets,
     paper_kernel_offsets,
     positional_attention,
-    positional_factors,
+    positional_basis,
     relative_encodings,
 )
 
@@ -64,6 +69,7 @@ class GPSA(GatedPositionalAttention):
         self.pos_proj = nn.Linear(3, num_heads)
         self.gating_param = nn.Parameter(torch.ones(num_heads))
         self._rel_cache: dict = {}
+        self._basis_cache: dict = {}
 
     # -- geometry: queries and keys are the patch tokens ------------------------------------------
     def relative_encodings(self, grid_size: GridSize, device: torch.device) -> torch.Tensor:
@@ -81,10 +87,18 @@ class GPSA(GatedPositionalAttention):
         rel = self.relative_encodings(grid_size, self.pos_proj.weight.device)
         return positional_attention(rel, self.pos_proj.weight, self.pos_proj.bias)
 
+    def positional_basis(self, grid_size: GridSize) -> PositionalBasis:
+        """The factors' `PositionalBasis` for the token grid, cached for the last grid."""
+        device = self.pos_proj.weight.device
+        key = (tuple(grid_size), str(device))
+        if key not in self._basis_cache:
+            rows, cols = (torch.arange(n, dtype=torch.float32, device=device) for n in grid_size)
+            self._basis_cache = {key: positional_basis(rows, cols, rows, cols)}
+        return self._basis_cache[key]
+
     def positional_factors(self, grid_size: GridSize) -> PositionalFactors:
         """The same attention in factored form (the hot path's): rows (H, Hp, Hp), cols (H, Wp, Wp)."""
-        rows, cols = (torch.arange(n, dtype=torch.float32, device=self.pos_proj.weight.device) for n in grid_size)
-        return positional_factors(self.pos_proj, rows, cols, rows, cols)
+        return factors_from_basis(self.pos_proj.weight, self.pos_proj.bias, self.positional_basis(grid_size))
 
     def _qkv(self, x: torch.Tensor):
         """Queries, keys and values from one GEMM: timm's separate `qk` and `v` weights, concatenated."""
@@ -98,10 +112,11 @@ class GPSA(GatedPositionalAttention):
         q, k, _ = self._qkv(x).unbind(0)
         return self.explicit_attention(q, k, self.positional_attention(grid_size))
 
-    def forward(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grid_size: GridSize, gated: GatedFactors | None = None) -> torch.Tensor:
+        """gated: this layer's `GatedFactors` if computed with other layers' (`shared_gated_factors`)."""
         b, n, c = x.shape
         q, k, v = self._qkv(x).unbind(0)
-        out = self.attend(q, k, v, grid_size, self.attn_drop.p)
+        out = self.attend(q, k, v, grid_size, self.attn_drop.p, gated)
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
@@ -123,6 +138,41 @@ class GPSA(GatedPositionalAttention):
         weight = self.pos_proj.weight
         weight[: len(centers)] = torch.cat([2 * centers, -torch.ones(len(centers), 1)], dim=1)
         weight.mul_(float(alpha))
+
+
+def _sharded(parameter: torch.Tensor) -> bool:
+    """Whether a parameter is a DTensor (FSDP2 gathers a block's parameters only for its own forward)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(parameter, DTensor)
+
+
+def shared_gated_factors(layers: list[GPSA], grid_size: GridSize) -> list[GatedFactors] | None:
+    """The `GatedFactors` of every layer in one pass: the positional attention does not depend on the input,
+    so the layers' factors and gates are computed as one stacked tensor each, forward and backward, instead
+    of layer by layer. None (each layer computes its own) unless every layer takes them
+    (`takes_gated_factors`) with the same head count, and none is sharded."""
+    if not layers:
+        return None
+    heads = layers[0].num_heads
+    queries = grid_size[0] * grid_size[1]
+    for layer in layers:
+        if layer.num_heads != heads or (layer.pos_proj.bias is None) != (layers[0].pos_proj.bias is None):
+            return None
+        if not layer.takes_gated_factors(queries, layer.head_dim, layer.attn_drop.p) or _sharded(layer.gating_param):
+            return None
+    weight = torch.stack([layer.pos_proj.weight for layer in layers])
+    bias = None if layers[0].pos_proj.bias is None else torch.stack([layer.pos_proj.bias for layer in layers])
+    gate = torch.stack([layer.gating_param for layer in layers]).sigmoid()
+    rows, cols, content_weight = gate_factors(
+        factors_from_basis(weight, bias, layers[0].positional_basis(grid_size)), gate
+    )
+    dtype = compute_dtype(layers[0].v.weight)
+    if rows.dtype != dtype:  # one cast for all layers (the content weight stays fp32: the gate's gradient)
+        rows, cols = rows.to(dtype), cols.to(dtype)
+    return [GatedFactors(*parts) for parts in zip(rows.unbind(0), cols.unbind(0), content_weight.unbind(0))]
 
 
 class MHSA(nn.Module):
