@@ -292,8 +292,7 @@ def kronecker_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v = v.expand(-1, q.shape[1], -1, -1)
     content = F.scaled_dot_product_attention(q, k, v)
     weighted_rows, cols_per_key_row, content_weight = gated
-    if weighted_rows.dtype != v.dtype:
-        weighted_rows, cols_per_key_row = weighted_rows.to(v.dtype), cols_per_key_row.to(v.dtype)
+    weighted_rows, cols_per_key_row = weighted_rows.to(v.dtype), cols_per_key_row.to(v.dtype)
     return PositionalMix.apply(content, weighted_rows, cols_per_key_row, v, content_weight)
 
 

@@ -120,11 +120,11 @@ class PositionalMix(torch.autograd.Function):
     on those small tensors: no P @ V is needed for it.
 
     Forward: along_cols = cols @ V (per key row), then s P @ V = (s rows) @ along_cols, mixed with the
-    content in one multiply-add written as (B, Nq, H, dv) (merging the heads afterwards is a view). Only the
-    folded V is saved (one B*N*C tensor per layer); nothing of size N x N exists. Backward: S = (s rows)^T G
-    gives dV = cols^T S (per key row) and the gradient of the repeated columns S V^T; the weighted rows'
-    gradient is G along_cols^T, along_cols recomputed (a GEMM with only Kx terms per output: cheaper than
-    keeping it in memory); the content weight's is sum G * content."""
+    content in one multiply-add written as (B, Nq, H, dv) (merging the heads afterwards is a view). Saved:
+    the folded V and along_cols (two B*N*C tensors per layer); nothing of size N x N exists. Backward:
+    S = (s rows)^T G gives dV = cols^T S (per key row) and the repeated columns' gradient S V^T; the
+    weighted rows' is G along_cols^T, the content weight's sum G * content (per head, as the diagonal
+    blocks of one GEMM over the tokens, so that no B*N*C product is written)."""
 
     @staticmethod
     def forward(ctx, content, weighted_rows, cols_per_key_row, v, content_weight):
@@ -134,7 +134,7 @@ class PositionalMix(torch.autograd.Function):
         folded = _fold(v).view(heads * key_rows, key_cols, width)
         along_cols = torch.bmm(cols_per_key_row, folded).view(heads, key_rows, -1)
         positional = _unfold(torch.bmm(weighted_rows, along_cols).view(heads, nq, width), batch)
-        ctx.save_for_backward(content, weighted_rows, cols_per_key_row, folded, content_weight)
+        ctx.save_for_backward(content, weighted_rows, cols_per_key_row, folded, along_cols, content_weight)
         weight = content_weight.to(content.dtype).view(1, -1, 1, 1)
         if torch.compiler.is_compiling():  # Dynamo refuses a non-contiguous out=; inductor picks the layout
             return torch.addcmul(positional, content, weight)
@@ -143,7 +143,7 @@ class PositionalMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        content, weighted_rows, cols_per_key_row, folded, content_weight = ctx.saved_tensors
+        content, weighted_rows, cols_per_key_row, folded, along_cols, content_weight = ctx.saved_tensors
         heads, query_rows, key_rows = weighted_rows.shape
         query_cols = cols_per_key_row.shape[1]
         batch, width = grad.shape[0], folded.shape[-1]
@@ -151,7 +151,7 @@ class PositionalMix(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_content = grad * content_weight.to(grad.dtype).view(1, -1, 1, 1)
         if ctx.needs_input_grad[4]:
-            grad_weight = (grad * content).sum(dim=(0, 2, 3), dtype=_accumulation_dtype(grad)).to(content_weight.dtype)
+            grad_weight = _per_head_dot(grad, content).to(content_weight.dtype)
         grad_folded = _fold(grad).view(heads, query_rows, query_cols * width)
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             through_rows = torch.bmm(weighted_rows.transpose(1, 2), grad_folded).view(
@@ -164,9 +164,18 @@ class PositionalMix(torch.autograd.Function):
                     torch.bmm(cols_per_key_row.transpose(1, 2), through_rows).view(heads, -1, width), batch
                 )
         if ctx.needs_input_grad[1]:
-            along_cols = torch.bmm(cols_per_key_row, folded).view(heads, key_rows, -1)
             grad_rows = _contract(grad_folded, along_cols)  # (H, Qy, Ky)
         return grad_content, grad_rows, grad_cols, grad_v, grad_weight
+
+
+def _per_head_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum over (B, N, d) of a * b per head, for (B, H, N, d) tensors: the traces of the heads' (d, d) blocks
+    of a^T b over the B*N tokens (one batched GEMM on the tensors as they are laid out, no product written;
+    summed in fp32 for half-precision inputs)."""
+    batch, heads, n, d = a.shape
+    a, b = (t.transpose(1, 2).reshape(batch * n, heads, d).permute(1, 2, 0) for t in (a, b))  # (H, d, B*N)
+    blocks = torch.bmm(a, b.transpose(1, 2))  # (H, d, d)
+    return blocks.diagonal(dim1=1, dim2=2).sum(dim=-1, dtype=_accumulation_dtype(blocks))
 
 
 def kronecker_positional_grads(

@@ -8,6 +8,8 @@ grid of patch tokens, queries = keys) and timm's parameter layout. Parameter nam
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
@@ -100,10 +102,12 @@ class GPSA(GatedPositionalAttention):
         """The same attention in factored form (the hot path's): rows (H, Hp, Hp), cols (H, Wp, Wp)."""
         return factors_from_basis(self.pos_proj.weight, self.pos_proj.bias, self.positional_basis(grid_size))
 
-    def _qkv(self, x: torch.Tensor):
-        """Queries, keys and values from one GEMM: timm's separate `qk` and `v` weights, concatenated."""
+    def _qkv(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        """Queries, keys and values from one GEMM: timm's separate `qk` and `v` weights, concatenated
+        (`weight`: that concatenation when made beforehand for several layers, `shared_operands`)."""
         b, n, _c = x.shape
-        weight = torch.cat([self.qk.weight, self.v.weight])
+        if weight is None:
+            weight = torch.cat([self.qk.weight, self.v.weight])
         bias = None if self.qk.bias is None else torch.cat([self.qk.bias, self.v.bias])
         return F.linear(x, weight, bias).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
 
@@ -112,11 +116,15 @@ class GPSA(GatedPositionalAttention):
         q, k, _ = self._qkv(x).unbind(0)
         return self.explicit_attention(q, k, self.positional_attention(grid_size))
 
-    def forward(self, x: torch.Tensor, grid_size: GridSize, gated: GatedFactors | None = None) -> torch.Tensor:
-        """gated: this layer's `GatedFactors` if computed with other layers' (`shared_gated_factors`)."""
+    def forward(self, x: torch.Tensor, grid_size: GridSize, shared: LayerOperands | None = None) -> torch.Tensor:
+        """shared: this layer's operands if computed with the other layers' (`shared_operands`)."""
         b, n, c = x.shape
-        q, k, v = self._qkv(x).unbind(0)
-        out = self.attend(q, k, v, grid_size, self.attn_drop.p, gated)
+        if shared is None:
+            q, k, v = self._qkv(x).unbind(0)
+            out = self.attend(q, k, v, grid_size, self.attn_drop.p)
+        else:
+            q, k, v = self._qkv(x, shared.qkv_weight).unbind(0)
+            out = self.attend(q, k, v, grid_size, self.attn_drop.p, shared.gated)
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
@@ -149,30 +157,48 @@ def _sharded(parameter: torch.Tensor) -> bool:
     return isinstance(parameter, DTensor)
 
 
-def shared_gated_factors(layers: list[GPSA], grid_size: GridSize) -> list[GatedFactors] | None:
-    """The `GatedFactors` of every layer in one pass: the positional attention does not depend on the input,
-    so the layers' factors and gates are computed as one stacked tensor each, forward and backward, instead
-    of layer by layer. None (each layer computes its own) unless every layer takes them
-    (`takes_gated_factors`) with the same head count, and none is sharded."""
+class LayerOperands(NamedTuple):
+    """What a GPSA layer's forward takes when computed with the other layers' (`shared_operands`): timm's
+    `qk` and `v` weights concatenated (3 C, C), and the layer's `GatedFactors`."""
+
+    qkv_weight: torch.Tensor
+    gated: GatedFactors
+
+
+def shared_operands(layers: list[GPSA], grid_size: GridSize) -> list[LayerOperands] | None:
+    """Every layer's `LayerOperands` in one pass: the positional attention does not depend on the input,
+    so the layers' factors and gates are computed as one stacked tensor each, forward and backward, and
+    their query/key/value weights concatenated in one copy, instead of layer by layer. None (each layer
+    computes its own) unless every layer takes `GatedFactors` (`takes_gated_factors`) with the same head
+    count and width, and none is sharded."""
     if not layers:
         return None
-    heads = layers[0].num_heads
+    first = layers[0]
     queries = grid_size[0] * grid_size[1]
     for layer in layers:
-        if layer.num_heads != heads or (layer.pos_proj.bias is None) != (layers[0].pos_proj.bias is None):
+        if (layer.num_heads, layer.dim) != (first.num_heads, first.dim) or (layer.pos_proj.bias is None) != (
+            first.pos_proj.bias is None
+        ):
             return None
         if not layer.takes_gated_factors(queries, layer.head_dim, layer.attn_drop.p) or _sharded(layer.gating_param):
             return None
     weight = torch.stack([layer.pos_proj.weight for layer in layers])
-    bias = None if layers[0].pos_proj.bias is None else torch.stack([layer.pos_proj.bias for layer in layers])
+    bias = None if first.pos_proj.bias is None else torch.stack([layer.pos_proj.bias for layer in layers])
     gate = torch.stack([layer.gating_param for layer in layers]).sigmoid()
-    rows, cols, content_weight = gate_factors(
-        factors_from_basis(weight, bias, layers[0].positional_basis(grid_size)), gate
-    )
-    dtype = compute_dtype(layers[0].v.weight)
+    rows, cols, content_weight = gate_factors(factors_from_basis(weight, bias, first.positional_basis(grid_size)), gate)
+    dtype = compute_dtype(first.v.weight)
     if rows.dtype != dtype:  # one cast for all layers (the content weight stays fp32: the gate's gradient)
         rows, cols = rows.to(dtype), cols.to(dtype)
-    return [GatedFactors(*parts) for parts in zip(rows.unbind(0), cols.unbind(0), content_weight.unbind(0))]
+    qkv_weights = torch.cat([w for layer in layers for w in (layer.qk.weight, layer.v.weight)])
+    return [
+        LayerOperands(qkv_weight, GatedFactors(*gated))
+        for qkv_weight, *gated in zip(
+            qkv_weights.view(len(layers), 3 * first.dim, first.dim).unbind(0),
+            rows.unbind(0),
+            cols.unbind(0),
+            content_weight.unbind(0),
+        )
+    ]
 
 
 class MHSA(nn.Module):

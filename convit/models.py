@@ -45,7 +45,7 @@ from torch.fx._symbolic_trace import is_fx_tracing
 
 from convbias.timm_compat import feature_take_indices
 
-from .attention import CONV_INITS, GPSA, MHSA, GatedFactors, GridSize, shared_gated_factors
+from .attention import CONV_INITS, GPSA, MHSA, GridSize, LayerOperands, shared_operands
 
 __all__ = ["Block", "ConViT", "PoolError", "checkpoint_filter_fn"]
 
@@ -85,10 +85,10 @@ class Block(nn.Module):
         self.norm2 = norm_layer(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
 
-    def forward(self, x: torch.Tensor, grid_size: GridSize, gated: GatedFactors | None = None) -> torch.Tensor:
-        """gated: the GPSA layer's `GatedFactors` if computed with other layers' (`shared_gated_factors`)."""
+    def forward(self, x: torch.Tensor, grid_size: GridSize, shared: LayerOperands | None = None) -> torch.Tensor:
+        """shared: the GPSA layer's operands if computed with the other layers' (`shared_operands`)."""
         if self.use_gpsa:
-            x = x + self.drop_path(self.attn(self.norm1(x), grid_size, gated))
+            x = x + self.drop_path(self.attn(self.norm1(x), grid_size, shared))
         else:
             x = x + self.drop_path(self.attn(self.norm1(x), grid_size))
         return x + self.drop_path(self.mlp(self.norm2(x)))
@@ -359,13 +359,13 @@ class ConViT(nn.Module):
             x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         return x
 
-    def _shared_gated_factors(self, grid_size: GridSize) -> list[GatedFactors] | None:
-        """The GPSA layers' `GatedFactors` computed at once (`shared_gated_factors`), or None where each layer
-        computes its own: under FX tracing (GPSA is a leaf there) and with gradient checkpointing (a
-        reentrant checkpoint passes only top-level tensors on to the backward)."""
+    def _shared_operands(self, grid_size: GridSize) -> list[LayerOperands] | None:
+        """The GPSA layers' operands computed at once (`shared_operands`), or None where each layer computes
+        its own: under FX tracing (GPSA is a leaf there) and with gradient checkpointing (a reentrant
+        checkpoint passes only top-level tensors on to the backward)."""
         if self.grad_checkpointing or is_fx_tracing():
             return None
-        return shared_gated_factors(self.gpsa_layers(), grid_size)
+        return shared_operands(self.gpsa_layers(), grid_size)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         grid_size = self.grid_size(x.shape[-2:])
@@ -374,7 +374,7 @@ class ConViT(nn.Module):
             for i, block in enumerate(self.blocks):
                 x = block(self._join_cls_token(i, x), grid_size)
             return self.norm(x)
-        shared = self._shared_gated_factors(grid_size)
+        shared = self._shared_operands(grid_size)
         for i, block in enumerate(self.blocks):
             x = self._join_cls_token(i, x)
             if self.grad_checkpointing:
