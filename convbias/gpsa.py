@@ -265,13 +265,13 @@ def gated_attention(
     if product == "fused" and fused_gpsa.supports(q, v):
         return fused_gpsa.fused_gated_attention(q, k, v, positional.rows, positional.cols, gate)
     if narrow_values(q, v):
-        if product == "dense":  # P formed at the factors' precision at least (fp32 under bf16), rounded once
+        # the operands formed at the factors' precision at least (fp32 under bf16), rounded once
+        wide = PositionalFactors(*(factor.to(torch.promote_types(factor.dtype, v.dtype)) for factor in positional))
+        if product == "dense":
             v = v.expand(-1, heads, -1, -1)
             content = F.scaled_dot_product_attention(q, k, v)
-            wide = torch.promote_types(positional.rows.dtype, v.dtype)
-            dense = PositionalFactors(*(factor.to(wide) for factor in positional)).dense()
-            return DensePositionalMix.apply(content, dense.to(v.dtype), v, gate)
-        return kronecker_gated_attention(q, k, v, gate_factors(positional, gate))
+            return DensePositionalMix.apply(content, wide.dense().to(v.dtype), v, gate)
+        return kronecker_gated_attention(q, k, v, gate_factors(wide, gate))
     content = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)
     attn = torch.lerp(content, positional.dense().to(content.dtype), gate.to(content.dtype).view(1, heads, 1, 1))
     if v.shape[1] == 1:  # shared value: one GEMM per image over all heads' queries
