@@ -230,10 +230,13 @@ class GPSAConv2d(GatedPositionalAttention):
         """NCHW in, NCHW out. With `recompute` on (the default) and gradients wanted, only the input is kept
         for the backward (torch.utils.checkpoint), which recomputes the layer's forward first: what a
         convolution keeps, instead of the queries, keys, values, both attentions and the heads' outputs."""
-        if not torch.jit.is_scripting():
-            if self.recompute and torch.is_grad_enabled():
-                return checkpoint(self._forward, x, use_reentrant=False)
+        if self.recompute and torch.is_grad_enabled() and not torch.jit.is_scripting():
+            return self._recomputed_forward(x)
         return self._forward(x)
+
+    @torch.jit.unused  # a scripted model runs `_forward` (TorchScript has no checkpoint)
+    def _recomputed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._forward, x, use_reentrant=False)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b, _, h, w = x.shape
