@@ -124,7 +124,8 @@ class GPSA(GatedPositionalAttention):
             out = self.attend(q, k, v, grid_size, self.attn_drop.p)
         else:
             q, k, v = self._qkv(x, shared.qkv_weight).unbind(0)
-            out = self.attend(q, k, v, grid_size, self.attn_drop.p, shared.gated)
+            gated = GatedFactors(shared.weighted_rows, shared.cols_per_key_row, shared.content_weight)
+            out = self.attend(q, k, v, grid_size, self.attn_drop.p, gated)
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
@@ -159,10 +160,13 @@ def _sharded(parameter: torch.Tensor) -> bool:
 
 class LayerOperands(NamedTuple):
     """What a GPSA layer's forward takes when computed with the other layers' (`shared_operands`): timm's
-    `qk` and `v` weights concatenated (3 C, C), and the layer's `GatedFactors`."""
+    `qk` and `v` weights concatenated (3 C, C), and the fields of the layer's `GatedFactors` (flat: TorchScript
+    does not take a NamedTuple inside a NamedTuple here)."""
 
     qkv_weight: torch.Tensor
-    gated: GatedFactors
+    weighted_rows: torch.Tensor
+    cols_per_key_row: torch.Tensor
+    content_weight: torch.Tensor
 
 
 def shared_operands(layers: list[GPSA], grid_size: GridSize) -> list[LayerOperands] | None:
@@ -191,8 +195,8 @@ def shared_operands(layers: list[GPSA], grid_size: GridSize) -> list[LayerOperan
         rows, cols = rows.to(dtype), cols.to(dtype)
     qkv_weights = torch.cat([w for layer in layers for w in (layer.qk.weight, layer.v.weight)])
     return [
-        LayerOperands(qkv_weight, GatedFactors(*gated))
-        for qkv_weight, *gated in zip(
+        LayerOperands(*operands)
+        for operands in zip(
             qkv_weights.view(len(layers), 3 * first.dim, first.dim).unbind(0),
             rows.unbind(0),
             cols.unbind(0),
@@ -227,7 +231,10 @@ class MHSA(nn.Module):
         q, k, _ = self._qkv(x).unbind(0)
         return ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
 
-    def forward(self, x: torch.Tensor, grid_size: GridSize | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, grid_size: GridSize | None = None, shared: LayerOperands | None = None
+    ) -> torch.Tensor:
+        """grid_size, shared: unused, GPSA's arguments (one signature for both kinds of blocks)."""
         b, n, c = x.shape
         q, k, v = self._qkv(x).unbind(0)
         drop = self.attn_drop.p if self.training else 0.0

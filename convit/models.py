@@ -87,10 +87,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, grid_size: GridSize, shared: LayerOperands | None = None) -> torch.Tensor:
         """shared: the GPSA layer's operands if computed with the other layers' (`shared_operands`)."""
-        if self.use_gpsa:
-            x = x + self.drop_path(self.attn(self.norm1(x), grid_size, shared))
-        else:
-            x = x + self.drop_path(self.attn(self.norm1(x), grid_size))
+        x = x + self.drop_path(self.attn(self.norm1(x), grid_size, shared))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
