@@ -16,7 +16,8 @@ dx and one of dy, and so is each row's normalizer (a sum over a rectangular grid
 
     P_h = rows_h (x) cols_h      (Kronecker product; rows_h: (Hp, Hp), cols_h: (Wp, Wp) softmaxes)
 
-computed once per forward, without a batch dimension (`PositionalFactors`), and P_h @ V_h is two
+computed once per forward, without a batch dimension (`PositionalFactors`; several layers' at once when
+they share a geometry: `factors_from_basis` takes stacked weights, `GatedFactors` folds in the gate), and P_h @ V_h is two
 small GEMMs along the grid's two axes with the batch folded into the columns: (Hp + Wp) / (Hp * Wp)
 of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
 backward, nor an (H, N, N) one. The hot path may instead apply the dense P (H, N, N) (input-independent

@@ -1,10 +1,10 @@
 """The GPSA hot path's positional term as autograd Functions: lerp(content, P @ V, gate) without a
 (B, H, N, N) tensor, forward and backward (`convbias.gpsa.gated_attention` picks one).
 
-`PositionalMix` applies the Kronecker-factored P = rows (x) cols axis by axis (two short GEMMs, the CPU's
-form); `DensePositionalMix` applies the dense, batch-free P (H, N, N) in one GEMM per head (tensor-core
-shapes, the accelerator's form). Both fold the batch into the GEMMs' columns, save only the folded V and
-the positional factors, and lay the output out so that merging the heads is a view.
+`PositionalMix` applies the Kronecker-factored P = rows (x) cols axis by axis (two short GEMMs), with the
+gate folded into its operands (`convbias.gpsa.GatedFactors`); `DensePositionalMix` applies the dense,
+batch-free P (H, N, N) in one GEMM per head (tensor-core shapes). Both fold the batch into the GEMMs'
+columns, save no (B, H, N, N) tensor, and lay the output out so that merging the heads is a view.
 """
 
 from __future__ import annotations
