@@ -41,7 +41,7 @@ from timm.layers import (
 )
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 from torch import nn
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from convbias.timm_compat import feature_take_indices
 
@@ -360,7 +360,7 @@ class ConViT(nn.Module):
         """The GPSA layers' operands computed at once (`shared_operands`), or None where each layer computes
         its own: under FX tracing (GPSA is a leaf there) and with gradient checkpointing (a reentrant
         checkpoint passes only top-level tensors on to the backward)."""
-        if self.grad_checkpointing or is_fx_tracing():
+        if self.grad_checkpointing or is_fx_symbolic_tracing():
             return None
         return shared_operands(self.gpsa_layers(), grid_size)
 
