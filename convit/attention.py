@@ -32,6 +32,11 @@ from convbias.gpsa import (
     relative_encodings,
 )
 
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a build without torch.distributed has no sharded parameters
+    DTensor = None
+
 CONV_INITS = ("paper", "integer")  # the kernels of `GPSA.local_init`
 
 
@@ -151,11 +156,7 @@ class GPSA(GatedPositionalAttention):
 
 def _sharded(parameter: torch.Tensor) -> bool:
     """Whether a parameter is a DTensor (FSDP2 gathers a block's parameters only for its own forward)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(parameter, DTensor)
+    return DTensor is not None and isinstance(parameter, DTensor)
 
 
 class LayerOperands(NamedTuple):
