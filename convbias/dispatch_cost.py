@@ -15,8 +15,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-# bookkeeping that launches no kernel and writes no tensor data
-NO_KERNEL_OPS = frozenset({"aten::detach", "aten::empty.memory_format", "aten::empty_strided", "aten::lift_fresh"})
+# bookkeeping that launches no kernel and writes no tensor data: allocations, and `_unsafe_view` (a view that
+# autograd does not track as one; `func.is_view` is false for it)
+NO_KERNEL_OPS = frozenset(
+    {
+        "aten::_unsafe_view",
+        "aten::detach",
+        "aten::empty.memory_format",
+        "aten::empty_strided",
+        "aten::lift_fresh",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+    }
+)
 
 
 def _written_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> int:

@@ -16,7 +16,8 @@ dx and one of dy, and so is each row's normalizer (a sum over a rectangular grid
 
     P_h = rows_h (x) cols_h      (Kronecker product; rows_h: (Hp, Hp), cols_h: (Wp, Wp) softmaxes)
 
-computed once per forward, without a batch dimension (`PositionalFactors`), and P_h @ V_h is two
+computed once per forward, without a batch dimension (`PositionalFactors`; several layers' at once when
+they share a geometry: `factors_from_basis` takes stacked weights, `GatedFactors` folds in the gate), and P_h @ V_h is two
 small GEMMs along the grid's two axes with the batch folded into the columns: (Hp + Wp) / (Hp * Wp)
 of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
 backward, nor an (H, N, N) one. The hot path may instead apply the dense P (H, N, N) (input-independent
@@ -106,24 +107,59 @@ class PositionalFactors(NamedTuple):
         return (self.rows[:, :, None, :, None] * self.cols[:, None, :, None, :]).reshape(heads, qy * qx, ky * kx)
 
 
-def axis_attention(
-    linear: torch.Tensor,
-    quadratic: torch.Tensor,
-    query_coords: torch.Tensor,
-    key_coords: torch.Tensor,
-    shift: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """softmax_k(linear_h * delta + quadratic_h * delta^2 [+ shift_h]), delta = key_k - query_q: (H, Q, K).
+class PositionalBasis(NamedTuple):
+    """What pos_proj's weights multiply in the factors' logits, for one query and key geometry.
 
-    One axis of the factored positional attention. Weights below eps / K are set to 0 (together they
-    change a row's output by less than float rounding): a local head makes many weights tiny or
-    subnormal, and subnormal operands slow the CPU GEMMs several times over."""
-    delta = key_coords[None, :] - query_coords[:, None]
-    logits = linear[:, None, None] * delta + quadratic[:, None, None] * delta.square()
-    if shift is not None:
-        logits = logits + shift[:, None, None]
+    values: (3, Qy*Ky + Qx*Kx), one row per input of pos_proj (dx, dy, dx^2 + dy^2), one column per
+    (query row, key row) pair of the rows factor, then per (query column, key column) pair of the columns
+    factor: the rows factor takes the dy and squared terms, the columns factor the dx and squared terms.
+    rows, cols: (Qy, Ky), (Qx, Kx)."""
+
+    values: torch.Tensor
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+
+
+def positional_basis(
+    query_rows: torch.Tensor, query_cols: torch.Tensor, key_rows: torch.Tensor, key_cols: torch.Tensor
+) -> PositionalBasis:
+    """The `PositionalBasis` of query and key grids given by their coordinates (float32)."""
+    dy = (key_rows[None, :] - query_rows[:, None]).flatten()
+    dx = (key_cols[None, :] - query_cols[:, None]).flatten()
+    values = torch.stack(
+        [
+            torch.cat([torch.zeros_like(dy), dx]),
+            torch.cat([dy, torch.zeros_like(dx)]),
+            torch.cat([dy.square(), dx.square()]),
+        ]
+    )
+    return PositionalBasis(values, (len(query_rows), len(key_rows)), (len(query_cols), len(key_cols)))
+
+
+def _axis_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """softmax over the keys (last dim), weights at or below eps / K set to 0 (together they change a row's
+    output by less than float rounding): a local head makes many weights tiny or subnormal, and subnormal
+    operands slow the CPU GEMMs several times over."""
     attn = logits.softmax(dim=-1)
-    return attn.masked_fill(attn < torch.finfo(attn.dtype).eps / delta.shape[-1], 0.0)
+    return F.threshold(attn, torch.finfo(attn.dtype).eps / logits.shape[-1], 0.0)
+
+
+def factors_from_basis(weight: torch.Tensor, bias: torch.Tensor | None, basis: PositionalBasis) -> PositionalFactors:
+    """P_h = softmax_k(v_pos^h . r_qk) in factored form for pos_proj weights (..., H, 3) and biases (..., H):
+    any leading dimensions (several layers' at once), computed in float32 (elementwise, not a GEMM, whose
+    TF32 or bf16 rounding the logits of a sharp head cannot take). The bias cancels in the softmaxes; it
+    joins the logits anyway so that it stays in the graph (DDP expects every parameter to be used).
+    Returns factors (..., H, Qy, Ky) and (..., H, Qx, Kx)."""
+    logits = (weight.float()[..., None] * basis.values).sum(dim=-2)
+    if bias is not None:  # constant along the keys: cancels in both softmaxes
+        logits = logits + bias.float()[..., None]
+    (qy, ky), (qx, kx) = basis.rows, basis.cols
+    lead = logits.shape[:-1]
+    if (qy, ky) == (qx, kx):  # both axes in one softmax
+        rows, cols = _axis_softmax(logits.view(*lead, 2, qy, ky)).unbind(-3)
+        return PositionalFactors(rows, cols)
+    rows, cols = logits.split([qy * ky, qx * kx], dim=-1)
+    return PositionalFactors(_axis_softmax(rows.view(*lead, qy, ky)), _axis_softmax(cols.view(*lead, qx, kx)))
 
 
 def positional_factors(
@@ -133,17 +169,41 @@ def positional_factors(
     key_rows: torch.Tensor,
     key_cols: torch.Tensor,
 ) -> PositionalFactors:
-    """P_h = softmax_k(v_pos^h . r_qk) in factored form, for query and key grids given by coordinates.
-
-    pos_proj weighs (dx, dy, dx^2 + dy^2): the rows factor takes the dy and squared terms, the columns
-    factor the dx and squared terms. The bias is constant along k and cancels in the softmax; it joins
-    the rows' logits anyway so that it stays in the graph (DDP expects every parameter to be used)."""
-    weight = pos_proj.weight.float()
-    bias = None if pos_proj.bias is None else pos_proj.bias.float()
-    return PositionalFactors(
-        rows=axis_attention(weight[:, 1], weight[:, 2], query_rows, key_rows, shift=bias),
-        cols=axis_attention(weight[:, 0], weight[:, 2], query_cols, key_cols),
+    """P_h = softmax_k(v_pos^h . r_qk) in factored form, for query and key grids given by coordinates."""
+    return factors_from_basis(
+        pos_proj.weight, pos_proj.bias, positional_basis(query_rows, query_cols, key_rows, key_cols)
     )
+
+
+class GatedFactors(NamedTuple):
+    """The Kronecker product's operands with the gate s_h folded in, for the hot path's
+    `convbias.positional_mix.PositionalMix`: weighted_rows = s_h rows_h (H, Qy, Ky); cols_per_key_row =
+    cols_h repeated for every key row (H*Ky, Qx, Kx), to batch the columns' GEMMs over the key rows;
+    content_weight = 1 - s_h (H,). Leading dimensions, if any, stack several layers'."""
+
+    weighted_rows: torch.Tensor
+    cols_per_key_row: torch.Tensor
+    content_weight: torch.Tensor
+
+
+def gate_factors(positional: PositionalFactors, gate: torch.Tensor) -> GatedFactors:
+    """`GatedFactors` from the factors (..., H, Qy, Ky), (..., H, Qx, Kx) and the gate (..., H)."""
+    rows, cols = positional
+    *lead, heads, query_cols, key_cols = cols.shape
+    key_rows = rows.shape[-1]
+    repeated = cols.unsqueeze(-3).expand(*lead, heads, key_rows, query_cols, key_cols)
+    return GatedFactors(
+        weighted_rows=rows * gate[..., None, None],
+        cols_per_key_row=repeated.reshape(*lead, heads * key_rows, query_cols, key_cols),
+        content_weight=1 - gate,
+    )
+
+
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a Linear layer with this weight outputs here: autocast's when it is on, else the weight's."""
+    if torch.is_autocast_enabled(weight.device.type):
+        return torch.get_autocast_dtype(weight.device.type)
+    return weight.dtype
 
 
 # How the hot path applies P to V: "kronecker" (rows, then columns: Ky + Kx terms per output) or "dense"
@@ -205,21 +265,36 @@ def gated_attention(
     heads = q.shape[1]
     if product == "fused" and fused_gpsa.supports(q, v):
         return fused_gpsa.fused_gated_attention(q, k, v, positional.rows, positional.cols, gate)
-    if v.shape[-1] < q.shape[-2]:
-        v = v.expand(-1, heads, -1, -1)
-        content = F.scaled_dot_product_attention(q, k, v)
-        if product == "dense":  # P formed at the factors' precision at least (fp32 under bf16), rounded once
-            wide = torch.promote_types(positional.rows.dtype, v.dtype)
-            dense = PositionalFactors(*(factor.to(wide) for factor in positional)).dense()
-            return DensePositionalMix.apply(content, dense.to(v.dtype), v, gate)
-        rows, cols = (factor.to(v.dtype) for factor in positional)
-        return PositionalMix.apply(content, rows, cols, v, gate)
+    if narrow_values(q, v):
+        # the operands formed at the factors' precision at least (fp32 under bf16), rounded once
+        wide = PositionalFactors(*(factor.to(torch.promote_types(factor.dtype, v.dtype)) for factor in positional))
+        if product == "dense":
+            v = v.expand(-1, heads, -1, -1)
+            content = F.scaled_dot_product_attention(q, k, v)
+            return DensePositionalMix.apply(content, wide.dense().to(v.dtype), v, gate)
+        return kronecker_gated_attention(q, k, v, gate_factors(wide, gate))
     content = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)
     attn = torch.lerp(content, positional.dense().to(content.dtype), gate.to(content.dtype).view(1, heads, 1, 1))
     if v.shape[1] == 1:  # shared value: one GEMM per image over all heads' queries
         b, _, nq, nk = attn.shape
         return (attn.reshape(b, heads * nq, nk) @ v[:, 0]).view(b, heads, nq, -1)
     return attn @ v
+
+
+def narrow_values(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether each head's value is narrower than the query count: the schedules that apply P to V with
+    the batch folded into the columns (else the mixed attention is formed, see `gated_attention`)."""
+    return v.shape[-1] < q.shape[-2]
+
+
+def kronecker_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gated: GatedFactors) -> torch.Tensor:
+    """`gated_attention`'s "kronecker" product for narrow values, from the operands with the gate folded
+    in: content through SDPA, (1 - s) content + s P V in `PositionalMix`. (B, H, Nq, dv)."""
+    v = v.expand(-1, q.shape[1], -1, -1)
+    content = F.scaled_dot_product_attention(q, k, v)
+    weighted_rows, cols_per_key_row, content_weight = gated
+    weighted_rows, cols_per_key_row = weighted_rows.to(v.dtype), cols_per_key_row.to(v.dtype)
+    return PositionalMix.apply(content, weighted_rows, cols_per_key_row, v, content_weight)
 
 
 def kernel_offsets(num_heads: int) -> torch.Tensor:
@@ -287,20 +362,41 @@ class GatedPositionalAttention(nn.Module):
         return attn / attn.sum(dim=-1, keepdim=True)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: GridSize, attn_drop: float = 0.0
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grid: GridSize,
+        attn_drop: float = 0.0,
+        gated: GatedFactors | None = None,
     ) -> torch.Tensor:
         """Attention output (B, H, Nq, dv) over a token grid: the hot path, or the explicit one when
         `fused` is off, attention dropout (probability `attn_drop`) is active (it needs the materialized
         matrix) or the model is TorchScript-compiled (the hot path's autograd Function does not script;
-        `torch.jit.is_scripting()` is resolved at compile time, so the hot path is not even compiled)."""
+        `torch.jit.is_scripting()` is resolved at compile time, so the hot path is not even compiled).
+        `gated`: this layer's `GatedFactors` when computed beforehand (with other layers'), used where
+        `takes_gated_factors` says; otherwise the layer computes its own."""
         dropout = self.training and attn_drop > 0.0
         if torch.jit.is_scripting() or not self.fused or dropout:
             attn = self.explicit_attention(q, k, self.positional_attention(grid))
             if dropout:
                 attn = F.dropout(attn, p=attn_drop)
             return attn @ v
+        if gated is not None and self.takes_gated_factors(q.shape[-2], v.shape[-1], attn_drop):
+            return kronecker_gated_attention(q, k, v, gated)
         product = resolve_positional_product(self.positional_product, q.device)
         return gated_attention(q, k, v, self.positional_factors(grid), self.gate(), product)
+
+    def takes_gated_factors(self, queries: int, value_width: int, attn_drop: float = 0.0) -> bool:
+        """Whether the hot path runs on `GatedFactors` (the "kronecker" product with narrow values and the
+        learned gate), so that they can be computed beforehand for several layers at once."""
+        return (
+            self.fused
+            and not (self.training and attn_drop > 0.0)
+            and self.gate_override is None
+            and value_width < queries
+            and resolve_positional_product(self.positional_product, self.gating_param.device) == "kronecker"
+        )
 
     def positional_factors(self, grid: GridSize) -> PositionalFactors:
         """Factored positional attention for an input grid (height, width); the subclass's geometry."""

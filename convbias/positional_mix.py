@@ -1,10 +1,10 @@
 """The GPSA hot path's positional term as autograd Functions: lerp(content, P @ V, gate) without a
 (B, H, N, N) tensor, forward and backward (`convbias.gpsa.gated_attention` picks one).
 
-`PositionalMix` applies the Kronecker-factored P = rows (x) cols axis by axis (two short GEMMs, the CPU's
-form); `DensePositionalMix` applies the dense, batch-free P (H, N, N) in one GEMM per head (tensor-core
-shapes, the accelerator's form). Both fold the batch into the GEMMs' columns, save only the folded V and
-the positional factors, and lay the output out so that merging the heads is a view.
+`PositionalMix` applies the Kronecker-factored P = rows (x) cols axis by axis (two short GEMMs), with the
+gate folded into its operands (`convbias.gpsa.GatedFactors`); `DensePositionalMix` applies the dense,
+batch-free P (H, N, N) in one GEMM per head (tensor-core shapes). Both fold the batch into the GEMMs'
+columns, save no (B, H, N, N) tensor, and lay the output out so that merging the heads is a view.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 
 
 def _fold(v: torch.Tensor) -> torch.Tensor:
-    """(B, H, N, dv) -> (H, N, B*dv): the batch folded into the columns (a copy)."""
+    """(B, H, N, dv) -> (H, N, B*dv): the batch folded into the columns (one copy)."""
     b, h, n, dv = v.shape
-    return v.permute(1, 2, 0, 3).reshape(h, n, b * dv)
+    return v.permute(1, 2, 0, 3).contiguous().view(h, n, b * dv)
 
 
 def _unfold(folded: torch.Tensor, batch: int) -> torch.Tensor:
@@ -37,6 +37,12 @@ def _along_cols(cols: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
     heads = cols.shape[0]
     key_rows = folded.shape[0] // heads
     return torch.bmm(_per_row(cols, key_rows), folded).view(heads, key_rows, -1)
+
+
+def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """fp32 for the reductions of half-precision gradients, their own dtype otherwise (no dispatched
+    `torch.promote_types`: it counts as an op)."""
+    return torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
 
 
 # Split-K for `_contract`: chunks of at least this many terms per product (GPU only, see there)
@@ -80,7 +86,7 @@ def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> to
     a = a.view(groups, m, splits, chunk).transpose(1, 2).reshape(groups * splits, m, chunk)
     b = b.view(groups, -1, splits, chunk).transpose(1, 2).reshape(groups * splits, -1, chunk)
     partial = torch.bmm(a, b.transpose(1, 2)).view(groups, splits, m, -1)
-    return partial.sum(dim=1, dtype=torch.promote_types(partial.dtype, torch.float32)).to(partial.dtype)
+    return partial.sum(dim=1, dtype=_accumulation_dtype(partial)).to(partial.dtype)
 
 
 def _mix(content: torch.Tensor, positional: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -99,42 +105,77 @@ def _gate_grad(
 ) -> torch.Tensor:
     """dL/dgate_h = sum G (P V - content) = sum_h attention * dL/d(unweighted attention) - sum G content,
     reduced in fp32 when the gradients are bf16 (attention: P or one of its factors, linear in it)."""
-    accumulate = torch.promote_types(grad.dtype, torch.float32)
+    accumulate = _accumulation_dtype(grad)
     positional_part = (attention * grad_scores).sum(dim=(1, 2), dtype=accumulate)
     content_part = (grad * content).sum(dim=(0, 2, 3), dtype=accumulate)
     return (positional_part - content_part).to(gate.dtype)
 
 
 class PositionalMix(torch.autograd.Function):
-    """lerp(content, P @ V, gate) with P = rows (x) cols applied axis by axis, V folded as (H, Ky, Kx, B*dv).
+    """(1 - s) content + (s rows (x) cols) @ V, P applied axis by axis, V folded as (H*Ky, Kx, B*dv).
 
-    Forward: along_cols = cols @ V (per key row), then P @ V = rows @ along_cols. Only the folded V
-    is saved (one B*N*C tensor per layer); nothing of size N x N exists. Backward: S = (s * rows)^T G
-    gives dV = cols^T S (per key row) and dL/dcols = sum_ky S V^T; dL/drows = G along_cols^T, with
-    along_cols recomputed (a GEMM with only Kx terms per output: cheaper than keeping it in memory).
-    The gate's gradient needs no P @ V: sum G * (P V) = sum rows * dL/drows, the positional term being
-    linear in rows. The output is laid out as (B, Nq, H, dv) so that merging the
-    heads afterwards is a view, not a copy."""
+    Inputs: the content term (B, H, Nq, dv), the operands of `convbias.gpsa.GatedFactors` (the rows factor
+    already weighted by the gate, the columns factor repeated for every key row, the content's weight 1 - s)
+    and V (B, H, Nk, dv). The gate enters through the two weighted operands, so its gradient is autograd's
+    on those small tensors: no P @ V is needed for it.
+
+    Forward: along_cols = cols @ V (per key row), then s P @ V = (s rows) @ along_cols, mixed with the
+    content in one multiply-add written as (B, Nq, H, dv) (merging the heads afterwards is a view). Saved:
+    the folded V and along_cols (two B*N*C tensors per layer); nothing of size N x N exists. Backward:
+    S = (s rows)^T G gives dV = cols^T S (per key row) and the repeated columns' gradient S V^T; the
+    weighted rows' is G along_cols^T, the content weight's sum G * content (per head, as the diagonal
+    blocks of one GEMM over the tokens, so that no B*N*C product is written)."""
 
     @staticmethod
-    def forward(ctx, content, rows, cols, v, gate):
+    def forward(ctx, content, weighted_rows, cols_per_key_row, v, content_weight):
         batch, heads, nq, dv = content.shape
-        key_rows, key_cols = rows.shape[-1], cols.shape[-1]
+        key_rows, key_cols = weighted_rows.shape[-1], cols_per_key_row.shape[-1]
         width = batch * dv
-        folded = _fold(v).reshape(heads * key_rows, key_cols, width)
-        positional = torch.bmm(rows, _along_cols(cols, folded)).view(heads, nq, width)
-        ctx.save_for_backward(content, rows, cols, folded, gate)
-        return _mix(content, positional, gate)
+        folded = _fold(v).view(heads * key_rows, key_cols, width)
+        along_cols = torch.bmm(cols_per_key_row, folded).view(heads, key_rows, -1)
+        positional = _unfold(torch.bmm(weighted_rows, along_cols).view(heads, nq, width), batch)
+        ctx.save_for_backward(content, weighted_rows, cols_per_key_row, folded, along_cols, content_weight)
+        weight = content_weight.to(content.dtype).view(1, -1, 1, 1)
+        if torch.compiler.is_compiling():  # Dynamo refuses a non-contiguous out=; inductor picks the layout
+            return torch.addcmul(positional, content, weight)
+        out = torch.empty((batch, nq, heads, dv), dtype=content.dtype, device=content.device).transpose(1, 2)
+        return torch.addcmul(positional, content, weight, out=out)
 
     @staticmethod
     def backward(ctx, grad):
-        content, rows, cols, folded, gate = ctx.saved_tensors
-        grad_content = None
+        content, weighted_rows, cols_per_key_row, folded, along_cols, content_weight = ctx.saved_tensors
+        heads, query_rows, key_rows = weighted_rows.shape
+        query_cols = cols_per_key_row.shape[1]
+        batch, width = grad.shape[0], folded.shape[-1]
+        grad_content = grad_rows = grad_cols = grad_v = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_content = grad * (1 - gate.to(grad.dtype)).view(1, -1, 1, 1)
-        return (grad_content,) + kronecker_positional_grads(
-            grad, content, rows, cols, folded, gate, ctx.needs_input_grad[1:]
-        )
+            grad_content = grad * content_weight.to(grad.dtype).view(1, -1, 1, 1)
+        if ctx.needs_input_grad[4]:
+            grad_weight = _per_head_dot(grad, content).to(content_weight.dtype)
+        grad_folded = _fold(grad).view(heads, query_rows, query_cols * width)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            through_rows = torch.bmm(weighted_rows.transpose(1, 2), grad_folded).view(
+                heads * key_rows, query_cols, width
+            )
+            if ctx.needs_input_grad[2]:
+                grad_cols = _contract(through_rows, folded)  # (H*Ky, Qx, Kx)
+            if ctx.needs_input_grad[3]:
+                grad_v = _unfold(
+                    torch.bmm(cols_per_key_row.transpose(1, 2), through_rows).view(heads, -1, width), batch
+                )
+        if ctx.needs_input_grad[1]:
+            grad_rows = _contract(grad_folded, along_cols)  # (H, Qy, Ky)
+        return grad_content, grad_rows, grad_cols, grad_v, grad_weight
+
+
+def _per_head_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum over (B, N, d) of a * b per head, for (B, H, N, d) tensors: the traces of the heads' (d, d) blocks
+    of a^T b over the B*N tokens (one batched GEMM on the tensors as they are laid out, no product written;
+    summed in fp32 for half-precision inputs)."""
+    batch, heads, n, d = a.shape
+    a, b = (t.transpose(1, 2).reshape(batch * n, heads, d).permute(1, 2, 0) for t in (a, b))  # (H, d, B*N)
+    blocks = torch.bmm(a, b.transpose(1, 2))  # (H, d, d)
+    return blocks.diagonal(dim1=1, dim2=2).sum(dim=-1, dtype=_accumulation_dtype(blocks))
 
 
 def kronecker_positional_grads(

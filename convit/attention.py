@@ -8,22 +8,34 @@ grid of patch tokens, queries = keys) and timm's parameter layout. Parameter nam
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 from torch import nn
 
 from convbias.gpsa import (
+    GatedFactors,
     GatedPositionalAttention,
     GridSize,
+    PositionalBasis,
     PositionalFactors,
+    compute_dtype,
+    factors_from_basis,
+    gate_factors,
     grid_positions,
     kernel_offsets,
     paper_kernel_offsets,
     positional_attention,
-    positional_factors,
+    positional_basis,
     relative_encodings,
 )
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a build without torch.distributed has no sharded parameters
+    DTensor = None
 
 CONV_INITS = ("paper", "integer")  # the kernels of `GPSA.local_init`
 
@@ -64,6 +76,7 @@ class GPSA(GatedPositionalAttention):
         self.pos_proj = nn.Linear(3, num_heads)
         self.gating_param = nn.Parameter(torch.ones(num_heads))
         self._rel_cache: dict = {}
+        self._basis_cache: dict = {}
 
     # -- geometry: queries and keys are the patch tokens ------------------------------------------
     def relative_encodings(self, grid_size: GridSize, device: torch.device) -> torch.Tensor:
@@ -81,15 +94,25 @@ class GPSA(GatedPositionalAttention):
         rel = self.relative_encodings(grid_size, self.pos_proj.weight.device)
         return positional_attention(rel, self.pos_proj.weight, self.pos_proj.bias)
 
+    def positional_basis(self, grid_size: GridSize) -> PositionalBasis:
+        """The factors' `PositionalBasis` for the token grid, cached for the last grid."""
+        device = self.pos_proj.weight.device
+        key = (tuple(grid_size), str(device))
+        if key not in self._basis_cache:
+            rows, cols = (torch.arange(n, dtype=torch.float32, device=device) for n in grid_size)
+            self._basis_cache = {key: positional_basis(rows, cols, rows, cols)}
+        return self._basis_cache[key]
+
     def positional_factors(self, grid_size: GridSize) -> PositionalFactors:
         """The same attention in factored form (the hot path's): rows (H, Hp, Hp), cols (H, Wp, Wp)."""
-        rows, cols = (torch.arange(n, dtype=torch.float32, device=self.pos_proj.weight.device) for n in grid_size)
-        return positional_factors(self.pos_proj, rows, cols, rows, cols)
+        return factors_from_basis(self.pos_proj.weight, self.pos_proj.bias, self.positional_basis(grid_size))
 
-    def _qkv(self, x: torch.Tensor):
-        """Queries, keys and values from one GEMM: timm's separate `qk` and `v` weights, concatenated."""
+    def _qkv(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        """Queries, keys and values from one GEMM: timm's separate `qk` and `v` weights, concatenated
+        (`weight`: that concatenation when made beforehand for several layers, `shared_operands`)."""
         b, n, _c = x.shape
-        weight = torch.cat([self.qk.weight, self.v.weight])
+        if weight is None:
+            weight = torch.cat([self.qk.weight, self.v.weight])
         bias = None if self.qk.bias is None else torch.cat([self.qk.bias, self.v.bias])
         return F.linear(x, weight, bias).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
 
@@ -98,10 +121,16 @@ class GPSA(GatedPositionalAttention):
         q, k, _ = self._qkv(x).unbind(0)
         return self.explicit_attention(q, k, self.positional_attention(grid_size))
 
-    def forward(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grid_size: GridSize, shared: LayerOperands | None = None) -> torch.Tensor:
+        """shared: this layer's operands if computed with the other layers' (`shared_operands`)."""
         b, n, c = x.shape
-        q, k, v = self._qkv(x).unbind(0)
-        out = self.attend(q, k, v, grid_size, self.attn_drop.p)
+        if shared is None:
+            q, k, v = self._qkv(x).unbind(0)
+            out = self.attend(q, k, v, grid_size, self.attn_drop.p)
+        else:
+            q, k, v = self._qkv(x, shared.qkv_weight).unbind(0)
+            gated = GatedFactors(shared.weighted_rows, shared.cols_per_key_row, shared.content_weight)
+            out = self.attend(q, k, v, grid_size, self.attn_drop.p, gated)
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
@@ -123,6 +152,58 @@ class GPSA(GatedPositionalAttention):
         weight = self.pos_proj.weight
         weight[: len(centers)] = torch.cat([2 * centers, -torch.ones(len(centers), 1)], dim=1)
         weight.mul_(float(alpha))
+
+
+def _sharded(parameter: torch.Tensor) -> bool:
+    """Whether a parameter is a DTensor (FSDP2 gathers a block's parameters only for its own forward)."""
+    return DTensor is not None and isinstance(parameter, DTensor)
+
+
+class LayerOperands(NamedTuple):
+    """What a GPSA layer's forward takes when computed with the other layers' (`shared_operands`): timm's
+    `qk` and `v` weights concatenated (3 C, C), and the fields of the layer's `GatedFactors` (flat: TorchScript
+    does not take a NamedTuple inside a NamedTuple here)."""
+
+    qkv_weight: torch.Tensor
+    weighted_rows: torch.Tensor
+    cols_per_key_row: torch.Tensor
+    content_weight: torch.Tensor
+
+
+def shared_operands(layers: list[GPSA], grid_size: GridSize) -> list[LayerOperands] | None:
+    """Every layer's `LayerOperands` in one pass: the positional attention does not depend on the input,
+    so the layers' factors and gates are computed as one stacked tensor each, forward and backward, and
+    their query/key/value weights concatenated in one copy, instead of layer by layer. None (each layer
+    computes its own) unless every layer takes `GatedFactors` (`takes_gated_factors`) with the same head
+    count and width, and none is sharded."""
+    if not layers:
+        return None
+    first = layers[0]
+    queries = grid_size[0] * grid_size[1]
+    for layer in layers:
+        if (layer.num_heads, layer.dim) != (first.num_heads, first.dim) or (layer.pos_proj.bias is None) != (
+            first.pos_proj.bias is None
+        ):
+            return None
+        if not layer.takes_gated_factors(queries, layer.head_dim, layer.attn_drop.p) or _sharded(layer.gating_param):
+            return None
+    weight = torch.stack([layer.pos_proj.weight for layer in layers])
+    bias = None if first.pos_proj.bias is None else torch.stack([layer.pos_proj.bias for layer in layers])
+    gate = torch.stack([layer.gating_param for layer in layers]).sigmoid()
+    rows, cols, content_weight = gate_factors(factors_from_basis(weight, bias, first.positional_basis(grid_size)), gate)
+    dtype = compute_dtype(first.v.weight)
+    if rows.dtype != dtype:  # one cast for all layers (the content weight stays fp32: the gate's gradient)
+        rows, cols = rows.to(dtype), cols.to(dtype)
+    qkv_weights = torch.cat([w for layer in layers for w in (layer.qk.weight, layer.v.weight)])
+    return [
+        LayerOperands(*operands)
+        for operands in zip(
+            qkv_weights.view(len(layers), 3 * first.dim, first.dim).unbind(0),
+            rows.unbind(0),
+            cols.unbind(0),
+            content_weight.unbind(0),
+        )
+    ]
 
 
 class MHSA(nn.Module):
@@ -151,7 +232,10 @@ class MHSA(nn.Module):
         q, k, _ = self._qkv(x).unbind(0)
         return ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
 
-    def forward(self, x: torch.Tensor, grid_size: GridSize | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, grid_size: GridSize | None = None, shared: LayerOperands | None = None
+    ) -> torch.Tensor:
+        """grid_size, shared: unused, GPSA's arguments (one signature for both kinds of blocks)."""
         b, n, c = x.shape
         q, k, v = self._qkv(x).unbind(0)
         drop = self.attn_drop.p if self.training else 0.0

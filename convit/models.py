@@ -41,10 +41,11 @@ from timm.layers import (
 )
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from convbias.timm_compat import feature_take_indices
 
-from .attention import CONV_INITS, GPSA, MHSA, GridSize
+from .attention import CONV_INITS, GPSA, MHSA, GridSize, LayerOperands, shared_operands
 
 __all__ = ["Block", "ConViT", "PoolError", "checkpoint_filter_fn"]
 
@@ -84,8 +85,9 @@ class Block(nn.Module):
         self.norm2 = norm_layer(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
 
-    def forward(self, x: torch.Tensor, grid_size: GridSize) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), grid_size))
+    def forward(self, x: torch.Tensor, grid_size: GridSize, shared: LayerOperands | None = None) -> torch.Tensor:
+        """shared: the GPSA layer's operands if computed with the other layers' (`shared_operands`)."""
+        x = x + self.drop_path(self.attn(self.norm1(x), grid_size, shared))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
@@ -354,15 +356,28 @@ class ConViT(nn.Module):
             x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         return x
 
+    def _shared_operands(self, grid_size: GridSize) -> list[LayerOperands] | None:
+        """The GPSA layers' operands computed at once (`shared_operands`), or None where each layer computes
+        its own: under FX tracing (GPSA is a leaf there) and with gradient checkpointing (a reentrant
+        checkpoint passes only top-level tensors on to the backward)."""
+        if self.grad_checkpointing or is_fx_symbolic_tracing():
+            return None
+        return shared_operands(self.gpsa_layers(), grid_size)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         grid_size = self.grid_size(x.shape[-2:])
         x = self._embed(x, grid_size)
+        if torch.jit.is_scripting():
+            for i, block in enumerate(self.blocks):
+                x = block(self._join_cls_token(i, x), grid_size)
+            return self.norm(x)
+        shared = self._shared_operands(grid_size)
         for i, block in enumerate(self.blocks):
             x = self._join_cls_token(i, x)
-            if self.grad_checkpointing and not torch.jit.is_scripting():
+            if self.grad_checkpointing:
                 x = checkpoint(block, x, grid_size)
             else:
-                x = block(x, grid_size)
+                x = block(x, grid_size, None if shared is None or i >= len(shared) else shared[i])
         return self.norm(x)
 
     def forward_intermediates(

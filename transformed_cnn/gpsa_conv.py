@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_module, to_2tuple, trunc_normal_
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from convbias.gpsa import (
     GatedPositionalAttention,
@@ -105,6 +106,8 @@ class GPSAConv2d(GatedPositionalAttention):
         self.pos_proj = nn.Linear(3, self.num_heads)
         self.gating_param = nn.Parameter(torch.empty(self.num_heads))
         self._geometry_cache: dict = {}
+        # keep only the input for the backward and recompute the forward there (see `forward`)
+        self.recompute = True
         self.reset_parameters(locality_strength, gating)
 
     @classmethod
@@ -224,6 +227,18 @@ class GPSAConv2d(GatedPositionalAttention):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """NCHW in, NCHW out. With `recompute` on (the default) and gradients wanted, only the input is kept
+        for the backward (torch.utils.checkpoint), which recomputes the layer's forward first: what a
+        convolution keeps, instead of the queries, keys, values, both attentions and the heads' outputs."""
+        if self.recompute and torch.is_grad_enabled() and not torch.jit.is_scripting():
+            return self._recomputed_forward(x)
+        return self._forward(x)
+
+    @torch.jit.unused  # a scripted model runs `_forward` (TorchScript has no checkpoint)
+    def _recomputed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._forward, x, use_reentrant=False)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b, _, h, w = x.shape
         q, k, v = self._qkv(x)
         heads = self.attend(q, k, v, (h, w))
