@@ -236,6 +236,9 @@ class GPSAConv2d(GatedPositionalAttention):
 
     @torch.jit.unused  # a scripted model runs `_forward` (TorchScript has no checkpoint)
     def _recomputed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the geometry cached first, outside the checkpoint: the checkpointed forward then only reads the cache
+        # (torch.compile refuses a side effect inside a checkpoint, a graph break; eager would replay it)
+        self._geometry(x.shape[-2], x.shape[-1], x.device)
         return checkpoint(self._forward, x, use_reentrant=False)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
