@@ -220,6 +220,11 @@ def load_exported(path: str | Path) -> Predictor:
             f"{path / EXPORTED_CONFIG}: model_args: {config['architecture']} is not built from them "
             f"({first_line(error)})"
         ) from None
+    if config.get("num_classes") not in (None, model.num_classes):  # its model_args built another head
+        raise DamagedInputError(
+            f"{path / EXPORTED_CONFIG}: num_classes: {config['num_classes']}, and the model its model_args build "
+            f"has {model.num_classes} outputs"
+        )
     try:
         load_checked(model, state_dict, str(weights[0]))
     except DamagedInputError:

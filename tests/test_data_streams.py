@@ -19,7 +19,7 @@ from convbias.cli import train
 pytest.importorskip("webdataset")
 
 SIZE = 16
-RUN = dict(img_size=SIZE, batch_size=8, lr=2e-3, epochs=2, diagnostics_images=4, dataset="wds/toy")
+RUN = dict(img_size=SIZE, batch_size=8, lr=2e-3, epochs=2, diagnostics_images=4, dataset="wds/toy", num_classes=2)
 
 
 def write_shards(root: Path, per_split: dict[str, int], shards: int = 2) -> None:

@@ -78,7 +78,7 @@ def test_sigterm_to_the_launcher_writes_a_resume_point_and_exits_75(tmp_path, co
 
     assert code == 75, err[-3000:]
     assert out.count(f"output: {output} (a new run)") == 1, out  # the start-up block, from rank 0 only
-    assert f"processes: {processes} (1 thread each) on cpu, fp32" in out, out
+    assert f"processes: {processes} (1 thread each [OMP_NUM_THREADS=1]) on cpu, fp32" in out, out
     last = (output / "checkpoints" / "last").resolve()
     assert len(lines(err, "preempted:")) == 1 and str(last) in err, err[-3000:]
     assert "Traceback" not in err and not lines(err, "error:"), err[-3000:]

@@ -573,7 +573,12 @@ def test_accuracy_axes_and_error_bars_end_at_100(tmp_path, monkeypatch):
     assert (cell.mean + cell.half_width, cell.high, cell.cut) == (pytest.approx(105.85, abs=0.01), 100.0, True)
     assert cell.error_bars() == (pytest.approx(cell.half_width), 0.5)
     drawn = []
-    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: drawn.append(figure))
+
+    def record(figure, path, **kwargs):  # the figure as drawn; an empty file where it is saved
+        drawn.append(figure)
+        Path(path).write_bytes(b"")
+
+    monkeypatch.setattr(Figure, "savefig", record)
     sweep_figures.plot_sample_efficiency(rows, "deit_tiny_plus", tmp_path / "se.png")
     accuracy = drawn[0].axes[0]
     bar_tops = [segment[:, 1].max() for collection in accuracy.collections for segment in collection.get_segments()]

@@ -143,7 +143,9 @@ OLD_POINT_RUN = dict(RUN, workers=0)
 
 def test_a_resume_point_written_by_the_flat_engine_continues_exactly(tmp_path, console_script, cli_argv):
     """A mid-epoch resume point written before the engine became packages (same on-disk layout) resumes to
-    the run that was never stopped: every epoch's losses and accuracies to the last digit."""
+    the run that was never stopped: every epoch's accuracies and lr to the last digit, its losses within 1e-6
+    relative (the run that was never stopped ran the code of that time: its GPSA and optimizer summed in another
+    order, which moves the last bits; an inexact resume moves the loss in the third digit)."""
     stopped = tmp_path / "stopped"
     shutil.copytree(OLD_POINT / "stopped", stopped, symlinks=True)
     args = cli_argv(cli_argv.DEIT_RECIPE, cli_argv.TINY_CONVIT, OLD_POINT_RUN, dataset="digits")
@@ -151,4 +153,11 @@ def test_a_resume_point_written_by_the_flat_engine_continues_exactly(tmp_path, c
     assert code == 0, err[-3000:]
     point = stopped / "checkpoints" / "epoch_0000_step_0000005"
     assert f"resumed from {point} after epoch 0 and 5 steps of epoch 1" in out
-    assert summary(stopped) == summary(OLD_POINT / "reference") and len(summary(stopped)) == 2
+    resumed, reference = summary(stopped), summary(OLD_POINT / "reference")
+    assert len(resumed) == len(reference) == 2
+    for got, expected in zip(resumed, reference):
+        for field, value, wanted in zip(FIELDS, got, expected):
+            if field in ("train_loss", "eval_loss"):
+                assert float(value) == pytest.approx(float(wanted), rel=1e-6), field
+            else:
+                assert value == wanted, field

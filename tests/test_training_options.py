@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration  # every test here trains a model
 
 
 def small_cnn(tmp_path, **options) -> Config:
-    base = dict(model="test_resnet", img_size=16, dataset="digits", no_aug=True, repeated_aug=1, train_fraction=0.1,
+    base = dict(model="test_resnet", img_size=16, dataset="digits", num_classes=10, no_aug=True, repeated_aug=1, train_fraction=0.1,
                 epochs=1, warmup_epochs=0, batch_size=16, workers=0, diagnostics=False, lr=0.01)  # fmt: skip
     cfg = Config(**{**base, **options, "output": str(tmp_path / "run")})
     validate(cfg)

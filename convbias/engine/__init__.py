@@ -154,12 +154,14 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
     --eval-only). ``config`` is a command line (parsed with its -c recipe) or a ``Config`` built in Python;
     either is validated first (a Config is copied, not changed)."""
     check_launch_environment()
+    for warning in _launch_warnings():  # before the options' checks: said even when they refuse the command line
+        _print_error(warning, prefix="warning")
     if isinstance(config, Config):
         cfg = config.replace()
         validate(cfg)
     else:
         cfg = parse_config(config, models_registered=extensions is not None)
-    for warning in [*_launch_warnings(), *config_warnings(cfg)]:
+    for warning in config_warnings(cfg):
         _print_error(warning, prefix="warning")
     from .checkpointing.lock import RunLock  # imported after parsing: `train.py --help` loads no torch
     from .checkpointing.run_dir import RunDir

@@ -150,9 +150,15 @@ def create_model_and_report(cfg: Config, num_classes: int | None, in_chans: int)
 
 
 def head_classes(model: torch.nn.Module) -> int:
-    """The classifier's outputs (timm's ``num_classes`` attribute, which every timm model has)."""
-    inner = model.model if isinstance(getattr(model, "model", None), torch.nn.Module) else model
-    return int(getattr(model, "num_classes", None) or inner.num_classes)
+    """The classifier's outputs (timm's ``num_classes`` attribute, which every timm model has), through the
+    wrappers around it (DDP's ``module``, the output-scale wrapper's ``model``)."""
+    if getattr(model, "num_classes", None) is not None:
+        return int(model.num_classes)
+    for wrapped in ("module", "model"):
+        inner = getattr(model, wrapped, None)
+        if isinstance(inner, torch.nn.Module):
+            return head_classes(inner)
+    raise AttributeError(f"{type(model).__name__} has no num_classes")
 
 
 def check_head_fits(model: torch.nn.Module, data_classes: int, classes_source: str) -> int:
