@@ -108,7 +108,7 @@ def build(model: str, args: argparse.Namespace, work: Path, model_kwargs: tuple[
         patch_size=None,
         batch_size=args.batch_size,
         workers=0,
-        precision="fp32",
+        precision=args.precision,
         recipe=True,
         compile=False,
         steps=2,
@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     parser.add_argument("--clip-grad", type=float, default=None, help="the engine's --clip-grad (the recipe has none)")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--precision", choices=("bf16", "fp32"), default="bf16", help="bf16: autocast, as the GPU rows train"
+    )
     args = parser.parse_args(argv)
     if min(args.img_size, args.batch_size, args.augment_batch_size) < 1:
         parser.error("--img-size, --batch-size, --augment-batch-size: expected a positive number")
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"# a training step's cost counted on the CPU (eager, fp32), {args.img_size}px, batch {args.batch_size}, "
+        f"# a training step's cost counted on the CPU (eager, {args.precision}), {args.img_size}px, batch {args.batch_size}, "
         f"DeiT recipe with EMA{f' and clipping at {args.clip_grad}' if args.clip_grad else ''}; torch {torch.__version__}"
     )
     priced, augmentation = {}, None
