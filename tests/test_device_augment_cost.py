@@ -5,15 +5,12 @@ tests/test_input_pipeline.py), and the Triton kernels against their reference un
 The interpreter needs TRITON_INTERPRET=1 in the environment before triton is imported: those checks run in a
 child process (`_interpreted_results`), whose measured differences the tests assert on."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from interpreted import interpreted_results
 
 from convbias.dispatch_cost import DispatchCost
 from convbias.engine.data import augment_passes
@@ -202,13 +199,7 @@ def _interpreted_checks() -> dict:
 
 
 def _interpreted_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    tests = Path(__file__).parent
-    code = f"import json, sys; sys.path.insert(0, {str(tests)!r}); import test_device_augment_cost as t; "
-    code += "print(json.dumps(t._interpreted_checks()))"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted_results("test_device_augment_cost", timeout=600)
 
 
 @pytest.mark.slow

@@ -6,15 +6,10 @@ measured errors the tests below assert on. The op's PyTorch reference (the CPU p
 interpreter), its registration (fake implementation, autograd) and `torch.compile` run in this process.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from gpsa_cases import randomized_gpsa
+from interpreted import interpreted_results
 
 from convbias import fused_gpsa, gpsa
 from convit import ConViT
@@ -90,15 +85,7 @@ def _interpreted_checks() -> dict:
 
 
 def _interpreted() -> dict:
-    """The child process's measurements (one process for every interpreter check: importing torch is
-    the larger part of its time, and Triton's interpreter must be on before triton is imported)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    tests = Path(__file__).parent
-    code = f"import json, sys; sys.path.insert(0, {str(tests)!r}); import test_fused_gpsa as t; "
-    code += "print(json.dumps(t._interpreted_checks()))"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted_results("test_fused_gpsa", timeout=300)
 
 
 @pytest.mark.slow

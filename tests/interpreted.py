@@ -1,0 +1,22 @@
+"""Checks that run under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton is imported, so a
+test module's ``_interpreted_checks()`` runs in a child process (one for all of its checks: importing torch is
+the larger part of its time) and returns its measurements as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def interpreted_results(module: str, timeout: int) -> dict:
+    """``module._interpreted_checks()`` (a module of tests/) run in a child process under the interpreter."""
+    tests = Path(__file__).parent
+    code = f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {module} as t; "
+    code += "print(json.dumps(t._interpreted_checks()))"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
