@@ -18,7 +18,9 @@ stream's loaders are not (timm's reader splits the stream between processes).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,7 @@ from .metrics import evaluate
 from .node import local_processes, node_cores, set_threads
 from .preemption import PreemptionSignals, ignore_in_worker
 from .start import (
+    CheckpointChoice,
     check_resume_options,
     check_resume_world_size,
     find_start,
@@ -73,7 +76,7 @@ class RunStart:
     accelerator: Accelerator
     output: Path
     values: RunValues  # what the run derives from its options: epochs, global batch, lr
-    checkpoint_name: str | None  # how messages name --checkpoint's weights
+    checkpoint: CheckpointChoice  # --checkpoint's weights, their name in messages, the run they were chosen in
     checkpoint_metadata: dict[str, str]  # the metadata of --checkpoint's weights ({} when resuming or none)
     resume_point: Path | None
     resume_state: dict[str, Any] | None
@@ -105,7 +108,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     check_reparametrization(cfg, extensions)
     if cfg.distill_teacher:
         check_model_name(cfg.distill_teacher, "--distill-teacher")
-    checkpoint, checkpoint_name = resolve_checkpoint(cfg)
+    choice = resolve_checkpoint(cfg)
     for weights in (cfg.pretrained_file, cfg.distill_teacher_file):  # files of a resume point: checksummed
         if weights:
             verify_file(weights)
@@ -122,9 +125,9 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     if point is not None:
         check_resume_options(cfg, output, point)
     state = load_training_state(point) if point else None
-    metadata = weights_metadata(checkpoint) if checkpoint and not state else {}
-    cfg = resolved_options(cfg, checkpoint, metadata, extensions)
-    start = RunStart(cfg, extensions, acc, output, values, checkpoint_name, metadata, point, state, notes)
+    metadata = weights_metadata(choice.weights) if choice.weights and not state else {}
+    cfg = resolved_options(cfg, choice.weights, metadata, extensions)
+    start = RunStart(cfg, extensions, acc, output, values, choice, metadata, point, state, notes)
     start.timm_resume, start.threads = timm_resume, threads
     start.head = requested_head(cfg, metadata, point, timm_resume)
     if state is not None:
@@ -372,12 +375,12 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     if was_reparametrized:
         model = reparametrized(model, cfg, start.extensions)
     if start.timm_resume is not None:  # timm's train.py loads --resume over --initial-checkpoint
-        _load_checkpoint(model, start.timm_resume.path, start.timm_resume.state_dict)
+        _load_timm_checkpoint(model, start.timm_resume)
     elif cfg.checkpoint and not start.resume_point:
         if metadata.get("output_scale"):
             model = OutputScale(model, cfg.output_scale)
-        _load_checkpoint(model, cfg.checkpoint)
-        start.weights = f"{start.checkpoint_name}: all {len(model.state_dict())} tensors loaded"
+        start.checkpoint = _load_checkpoint(model, start.checkpoint)
+        start.weights = f"{start.checkpoint.name}: all {len(model.state_dict())} tensors loaded"
     if start.resume_point:
         if cfg.output_scale:
             model = OutputScale(model, cfg.output_scale)
@@ -389,16 +392,28 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     return model, was_reparametrized
 
 
-def _load_checkpoint(
-    model: torch.nn.Module, checkpoint: str | Path, weights: dict[str, torch.Tensor] | None = None
-) -> None:
-    """--checkpoint's weights (or ``weights`` read from it); a file that does not fit says how to rebuild the
-    model it was written for."""
+def _load_checkpoint(model: torch.nn.Module, choice: CheckpointChoice) -> CheckpointChoice:
+    """--checkpoint's weights into ``model``; returns the choice loaded: a run directory's next verified point
+    when the run removed the chosen one meanwhile."""
+    with _fitting(choice.weights):
+        if choice.run is None:
+            load_weights(model, choice.weights)
+            return choice
+        loaded = choice.run.load_weights(model, choice.which)
+        return replace(choice, weights=str(loaded.weights), name=loaded.describe())
+
+
+def _load_timm_checkpoint(model: torch.nn.Module, checkpoint: TimmCheckpoint) -> None:
+    """The weights of timm's training checkpoint that --resume continues."""
+    with _fitting(checkpoint.path):
+        load_checked(model, checkpoint.state_dict, str(checkpoint.path))
+
+
+@contextmanager
+def _fitting(weights: str | Path) -> Iterator[None]:
+    """Weights that do not fit the model built: the message says how to rebuild the model they were written for."""
     try:
-        if weights is None:
-            load_weights(model, checkpoint)
-        else:
-            load_checked(model, weights, str(checkpoint))
+        yield
     except ValueError as e:
         if "does not fit" not in str(e):
             raise
@@ -543,7 +558,7 @@ class Evaluator:
         metrics = evaluate(start.accelerator, self.forward, data.eval_loader, data.streamed, start.cfg.channels_last)
         self.start.accelerator.print(
             f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "
-            f"loss {metrics['eval_loss']:.4f}  ({self.start.checkpoint_name})"
+            f"loss {metrics['eval_loss']:.4f}  ({self.start.checkpoint.name})"
         )
         return metrics
 

@@ -4,7 +4,7 @@ what a run that stops says it kept. Every check here runs before the run writes 
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,23 +48,36 @@ def _check_which_target(which: str | None, checkpoint: Path | None) -> None:
         )
 
 
-def resolve_checkpoint(cfg: Config) -> tuple[str | None, str | None]:
-    """(the weights file --checkpoint (or --eval-only) names: a run directory's checkpoints/<--which> weights, else
-    the file itself; how messages name those weights: the link and its epoch)."""
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """The weights --checkpoint (or --eval-only) names, how messages name them, and the run directory they were
+    chosen in: a run being written may remove the chosen point before it is loaded, and its RunDir then loads
+    the next verified one (RunDir.load_weights)."""
+
+    weights: str | None = None
+    name: str | None = None
+    run: RunDir | None = None
+    which: str = DEFAULT_WHICH
+
+
+def resolve_checkpoint(cfg: Config) -> CheckpointChoice:
+    """--checkpoint's weights: a run directory's checkpoints/<--which>, timm's output folder's file by --which,
+    else the file itself."""
     if cfg.checkpoint is None:
         _check_which_target(cfg.which, None)
-        return None, None
+        return CheckpointChoice()
     run = Path(cfg.checkpoint)
     if is_timm_output_dir(run):  # timm's last.pth.tar or model_best.pth.tar, by --which
         chosen = timm_output_file(run, cfg.which)
-        return str(chosen), str(chosen)
+        return CheckpointChoice(str(chosen), str(chosen))
     if (run / CHECKPOINTS_DIR).is_dir() or is_run_dir(run):
-        chosen = RunDir(run).checkpoint(cfg.which or DEFAULT_WHICH)
-        return str(chosen.weights), chosen.describe()
+        run_dir, which = RunDir(run), cfg.which or DEFAULT_WHICH
+        chosen = run_dir.checkpoint(which)
+        return CheckpointChoice(str(chosen.weights), chosen.describe(), run_dir, which)
     _check_which_target(cfg.which, run)
     verify_file(run)
     epoch = weights_metadata(run).get("epoch")
-    return cfg.checkpoint, f"{run}, epoch {epoch}" if epoch else str(run)
+    return CheckpointChoice(cfg.checkpoint, f"{run}, epoch {epoch}" if epoch else str(run))
 
 
 def take_lock(accelerator: Accelerator, lock: RunLock | None, notes: list[str]) -> None:
