@@ -246,6 +246,19 @@ def test_an_export_of_a_run_being_written_holds_the_next_verified_point(folders,
     assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
+def test_eval_only_of_a_run_being_written_evaluates_the_next_verified_point(folders, tmp_path, monkeypatch, capsys):
+    """train.py --eval-only RUN chooses the point before it builds the model; the run's rotation removes it
+    in between, and the evaluation loads the next verified point and names it."""
+    run = tmp_path / "training"
+    shutil.copytree(folders.run, run, symlinks=True)
+    chosen = RunDir(run).newest_point()
+    calls = rotate_under_the_reader(run, monkeypatch, times=1)
+    capsys.readouterr()
+    assert train.main(["--eval-only", str(run), "--workers", "0"]) == 0
+    assert calls == [chosen / WEIGHTS_FILE] and not chosen.exists()
+    assert re.search(rf"\({run / CHECKPOINTS_DIR / 'last'} \(epoch 3\)\)", capsys.readouterr().out)
+
+
 def test_robustness_of_a_run_being_written_evaluates_the_next_verified_point(folders, tmp_path, monkeypatch, capsys):
     run = tmp_path / "training"
     shutil.copytree(folders.run, run, symlinks=True)
