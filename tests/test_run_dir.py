@@ -52,6 +52,9 @@ TRAIN = MODEL + [
     "0",
 ]
 
+# the run of the module's finished_run fixture
+FINISHED = TRAIN + ["--epochs", "2", "--train-fraction", "0.25"]
+
 
 def snapshot(directory):
     """Every file under `directory` with its bytes and mtime: what "nothing changed" compares."""
@@ -78,7 +81,8 @@ def hold_lock(directory):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A 2-epoch run whose diagnostics hook, called mid-run, checks that the run holds its directory's lock."""
+    """A 2-epoch run on a quarter of the digits whose diagnostics hook, called mid-run, checks that the run holds
+    its directory's lock."""
     output = tmp_path_factory.mktemp("run") / "run"
     seen = {}
 
@@ -92,7 +96,7 @@ def finished_run(tmp_path_factory):
 
     extensions = load_families()
     extensions.diagnostics["probe"] = probe
-    results = engine.run(TRAIN + ["--epochs", "2", "--output", str(output)], extensions)
+    results = engine.run(FINISHED + ["--output", str(output)], extensions)
     return output, results, seen
 
 
@@ -175,7 +179,7 @@ def test_which_best_evaluates_the_best_checkpoint(finished_run, capsys):
 def test_resume_auto_on_a_finished_run_says_so_and_rewrites_nothing(finished_run, capsys):
     output, _results, _ = finished_run
     before = snapshot(output)
-    assert engine.main(TRAIN + ["--epochs", "2", "--resume", "auto", "--output", str(output)], load_families()) == 0
+    assert engine.main(FINISHED + ["--resume", "auto", "--output", str(output)], load_families()) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(f"{output} is already finished (epoch 2/2"), out
     assert snapshot(output) == before

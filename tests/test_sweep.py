@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib.image
 import numpy as np
@@ -58,10 +59,32 @@ class Done:
     stderr: str
 
 
-def sweep_cli(*args: str) -> Done:
-    """convbias-sweep in this process (its train.py runs are still subprocesses)."""
+class TrainHere:
+    """What the sweep starts for a run, ``python -m convbias.cli.train ARGS`` with both streams to the run's log,
+    run as train.py's main in this process; ``wait`` gives its exit code. A train.py subprocess costs seconds of
+    start-up: tests of what the sweep does with a run's outcome use this, the kill test a real subprocess."""
+
+    def __init__(self, command: list[str], stdout, stderr) -> None:
+        from convbias.cli import train
+
+        assert command[:3] == [sys.executable, "-m", sweep.TRAIN_MODULE] and stderr == subprocess.STDOUT, command
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
+            self.returncode = train.main(command[3:])
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+
+def sweep_cli(*args: str, train_here: bool = False) -> Done:
+    """convbias-sweep in this process; its train.py runs are subprocesses, or with ``train_here`` train.py's main
+    in this process (``TrainHere``)."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.ExitStack() as stack:
+        if train_here:
+            here = SimpleNamespace(Popen=TrainHere, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired)
+            stack.enter_context(pytest.MonkeyPatch.context()).setattr(sweep, "subprocess", here)
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
         code = SWEEP_CLI.main(list(args))
     return Done(code, out.getvalue(), err.getvalue())
 
@@ -322,9 +345,11 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, args, message):
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")
 def test_a_run_refused_by_train_py_stops_the_sweep(tmp_path):
     """Data problems are found by train.py (the sweep does not scan datasets): the first refusal
-    stops the sweep with train.py's message instead of failing every run the same way."""
+    stops the sweep with train.py's message instead of failing every run the same way. train.py runs in this
+    process (``TrainHere``): what the sweep does with its exit code and log is under test, not its start-up."""
     (tmp_path / "empty").mkdir()
     out = tmp_path / "sweep"
     done = sweep_cli(
@@ -344,6 +369,7 @@ def test_a_run_refused_by_train_py_stops_the_sweep(tmp_path):
         "img_size=8",
         "model_kwargs.patch_size=2",
         "workers=0",
+        train_here=True,
     )
     assert done.returncode == 2
     assert "train.py refused run convit_tiny__f1__seed0" in done.stderr and str(tmp_path / "empty") in done.stderr
@@ -393,9 +419,15 @@ def _epochs(summary: Path) -> list[int]:
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")
 def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path, console_script):
     """Kill the sweep (and its train.py) inside its second run, rerun: the first run is kept as it is,
-    the second resumes from its checkpoint, and the CSV holds both. Also checks epochs x 1/f."""
+    the second resumes from its checkpoint, and the CSV holds both. Also checks epochs x 1/f. The first run
+    is trained beforehand by its sweep command's train.py in this process (a train.py subprocess costs
+    seconds of start-up), so the killed sweep skips it as complete and starts the second; the killed sweep and
+    its train.py are real processes, the rerun's train.py runs in this process (``TrainHere``)."""
+    from convbias.cli import train
+
     sweep_file = tmp_path / "tiny.yaml"
     sweep_file.write_text(
         yaml.safe_dump(
@@ -408,6 +440,9 @@ def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path, c
     )
     out = tmp_path / "sweep"
     first, second = out / "runs" / "convit_tiny__f1__seed0", out / "runs" / "convit_tiny__f0.25__seed0"
+    first_command = sweep.Sweep.prepare(sweep_spec.load_spec(sweep_file), out).commands()[0]
+    assert Path(first_command[first_command.index("--output") + 1]) == first
+    train.run(first_command[3:])  # python -m convbias.cli.train ARGS
     with open(tmp_path / "killed.log", "w") as console:
         process = subprocess.Popen(
             [console_script("convbias-sweep"), "run", str(sweep_file), "--output", str(out)],
@@ -432,7 +467,7 @@ def test_kill_mid_sweep_then_rerun_repeats_nothing_and_loses_nothing(tmp_path, c
     first_mtime = (first / "results.json").stat().st_mtime_ns
     kept_rows = (second / "summary.csv").read_text().splitlines()[: 1 + killed_at]
 
-    done = sweep_cli("run", str(sweep_file), "--output", str(out))
+    done = sweep_cli("run", str(sweep_file), "--output", str(out), train_here=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[1/2] convit_tiny__f1__seed0: complete, skipped" in done.stdout
     assert "[2/2] convit_tiny__f0.25__seed0: resuming" in done.stdout

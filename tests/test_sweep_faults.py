@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.integration,
 
 def trained_sweep(tmp_path: Path, epochs: int, seeds: list[int]) -> tuple[Path, sweep.Sweep]:
     """A sweep file of the tiny recipe and its runs, trained in this process (a train.py subprocess costs
-    seconds of start-up); the sweep's own command reruns them."""
+    seconds of start-up); the sweep's own command reruns them, its train.py in this process too (``TrainHere``
+    of test_sweep; test_sweep's kill test runs the sweep's train.py as a subprocess)."""
     from convbias.cli import train
 
     sweep_file = tmp_path / "tiny.yaml"
@@ -71,7 +72,7 @@ def test_a_run_whose_last_link_is_gone_or_dangling_is_resumed_and_nothing_is_rem
     assert sweep.run_state(removed) == sweep.run_state(dangling) == "interrupted"
     before = {run: snapshot(run) for run in (removed, dangling)}
 
-    done = sweep_cli("run", str(sweep_file), "--output", str(prepared.sweep_dir))
+    done = sweep_cli("run", str(sweep_file), "--output", str(prepared.sweep_dir), train_here=True)
 
     assert done.returncode == 0, done.stdout + done.stderr
     assert "removed" not in done.stdout
@@ -102,7 +103,7 @@ def test_a_run_with_no_intact_point_is_left_in_place_and_named_with_its_resume_c
     state.write_bytes(bytes(data))
     before = snapshot(damaged)
 
-    done = sweep_cli("run", str(sweep_file), "--output", str(prepared.sweep_dir))
+    done = sweep_cli("run", str(sweep_file), "--output", str(prepared.sweep_dir), train_here=True)
 
     assert done.returncode == 1, done.stdout + done.stderr
     assert snapshot(damaged) == before  # nothing removed, renamed or rewritten

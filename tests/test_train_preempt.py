@@ -1,10 +1,12 @@
 """Preemption: SIGTERM in the middle of an epoch, then `--resume auto`, gives the uninterrupted run.
 
-`convbias-train` (the installed console script) runs in its own process group, with the DeiT recipe's randomness on (RandAugment,
-mixup/cutmix, random erasing, repeated augmentation, drop path) and 2 data-loader workers; the signal goes
-to the whole group, as a scheduler sends it to every process of a job. The run must finish its step,
-write a mid-epoch resume point and exit with the requeue status; the resumed run must continue from that
-step and end with exactly the uninterrupted run's per-epoch metrics.
+The stopped run is `convbias-train` (the installed console script) in its own process group, with the DeiT
+recipe's randomness on (RandAugment, mixup/cutmix, random erasing, repeated augmentation, drop path) and 2
+data-loader workers; the signal goes to the whole group, as a scheduler sends it to every process of a job.
+The run must finish its step, write a mid-epoch resume point and exit with the requeue status; the resumed
+run must continue from that step and end with exactly the uninterrupted run's per-epoch metrics. The runs
+that no signal reaches (the uninterrupted one, the resumes) are train.py's main in this process, on one
+thread as the console script's: a new interpreter costs seconds of start-up and tests nothing here.
 """
 
 import csv
@@ -23,12 +25,13 @@ from convbias.engine.checkpointing.points import STATE_FILE, write_manifest
 from convbias.engine.checkpointing.run_dir import load_training_state
 from convbias.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 FIELDS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
-# a tiny ConViT on the digits with the recipe's augmentation, 2 loader workers and a resume point every 4 steps
+# a tiny ConViT on the digits with the recipe's augmentation, 2 loader workers and a resume point every 4 steps:
+# 13 steps per epoch
 RUN = dict(
-    train_fraction=0.3,
+    train_fraction=0.15,
     batch_size=16,
     workers=2,
     epochs=2,
@@ -63,6 +66,16 @@ def train(console_script, args):
     return functools.partial(_train, console_script("convbias-train"), args)
 
 
+def train_here(capsys, args: list[str], output: Path, *extra: str) -> tuple[int, str, str]:
+    """train.py's main in this process: its exit code, stdout and stderr."""
+    from convbias.cli import train as cli
+
+    capsys.readouterr()
+    code = cli.main([*args, "--output", str(output), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def summary(output: Path) -> list[tuple[str, ...]]:
     with open(output / "summary.csv", newline="") as f:
         return [tuple(row[k] for k in FIELDS) for row in csv.DictReader(f)]
@@ -74,9 +87,9 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM"])
-def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path, train, signal_name):
+def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path, capsys, args, train, signal_name):
     reference = tmp_path / "reference"
-    code, _, err = finish(train(reference))
+    code, _, err = train_here(capsys, args, reference)
     assert code == 0, err[-3000:]
 
     stopped = tmp_path / "stopped"
@@ -92,7 +105,7 @@ def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path,
     state = load_training_state(last)
     assert f"preempted: stopped by {signal_name} after step {state['step']} of epoch 1" in err
     assert str(last) in err
-    assert state["epoch"] == 0 and 4 < state["step"] < 26, state["step"]  # 26 steps per epoch
+    assert state["epoch"] == 0 and 4 < state["step"] < 13, state["step"]  # 13 steps per epoch
     assert state["num_updates"] == state["step"] and len(state["loss_sums"]) == 1 and state["loss_sums"][0] > 0
     assert not (stopped / "results.json").exists() and summary(stopped) == []
 
@@ -104,13 +117,13 @@ def test_signal_mid_epoch_then_resume_auto_gives_the_uninterrupted_run(tmp_path,
     torch.save(changed, point / STATE_FILE)
     write_manifest(point, state["epoch"], state["step"])  # an edit that keeps the point intact
     before = sorted((p, p.stat().st_mtime_ns) for p in other_world.rglob("*"))
-    code, _, err = finish(train(other_world, "--resume", "auto"))
+    code, _, err = train_here(capsys, args, other_world, "--resume", "auto")
     assert code == 2 and err.count("\n") == 1, err[-3000:]
     assert "mid-epoch resume point" in err and "written by 2 processes, and this run has 1" in err
     assert f"--checkpoint {point / 'model.safetensors'}" in err
     assert sorted((p, p.stat().st_mtime_ns) for p in other_world.rglob("*")) == before
 
-    code, out, err = finish(train(stopped, "--resume", "auto"))
+    code, out, err = train_here(capsys, args, stopped, "--resume", "auto")
     assert code == 0, err[-3000:]
     assert f"resumed from {last} after epoch 0 and {state['step']} steps of epoch 1" in out
     assert summary(stopped) == summary(reference)
@@ -137,11 +150,11 @@ def test_bad_scale_out_options_are_one_line(tmp_path, capsys, args, option, expe
 
 
 OLD_POINT = Path(__file__).parent / "data" / "resume_point_flat_engine"
-# the run that wrote OLD_POINT: RUN without loader workers
-OLD_POINT_RUN = dict(RUN, workers=0)
+# the run that wrote OLD_POINT: RUN without loader workers, on 30% of the digits (26 steps per epoch)
+OLD_POINT_RUN = dict(RUN, workers=0, train_fraction=0.3)
 
 
-def test_a_resume_point_written_by_the_flat_engine_continues_exactly(tmp_path, console_script, cli_argv):
+def test_a_resume_point_written_by_the_flat_engine_continues_exactly(tmp_path, capsys, cli_argv):
     """A mid-epoch resume point written before the engine became packages (same on-disk layout) resumes to
     the run that was never stopped: every epoch's accuracies and lr to the last digit, its losses within 1e-6
     relative (the run that was never stopped ran the code of that time: its GPSA and optimizer summed in another
@@ -149,7 +162,7 @@ def test_a_resume_point_written_by_the_flat_engine_continues_exactly(tmp_path, c
     stopped = tmp_path / "stopped"
     shutil.copytree(OLD_POINT / "stopped", stopped, symlinks=True)
     args = cli_argv(cli_argv.DEIT_RECIPE, cli_argv.TINY_CONVIT, OLD_POINT_RUN, dataset="digits")
-    code, out, err = finish(_train(console_script("convbias-train"), args, stopped, "--resume", "auto"))
+    code, out, err = train_here(capsys, args, stopped, "--resume", "auto")
     assert code == 0, err[-3000:]
     point = stopped / "checkpoints" / "epoch_0000_step_0000005"
     assert f"resumed from {point} after epoch 0 and 5 steps of epoch 1" in out
