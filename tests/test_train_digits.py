@@ -15,7 +15,7 @@ from convbias.engine.checkpointing.points import save_weights
 from convbias.engine.loop.records import SUMMARY_FIELDS
 from convbias.weights import load_weights
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("single_thread")]  # tiny models
 
 TRAIN = dict(batch_size=16, lr=1e-3, weight_decay=0, seed=0)
 
@@ -195,18 +195,20 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 
 
 def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path, cli_argv):
+    """An ImageNet-shaped file (3 channels, 1000 classes) of timm's test_resnet (a ResNet whose stem's first
+    convolution is conv1.0, as its pretrained config names it) starts a run on the 1-channel, 10-class digits."""
     from safetensors.torch import load_file
 
-    source = timm.create_model("resnet18", num_classes=1000)  # ImageNet-shaped: 3 channels, 1000 classes
-    save_weights(source.state_dict(), tmp_path / "resnet18.safetensors")
+    source = timm.create_model("test_resnet", num_classes=1000)  # ImageNet-shaped: 3 channels, 1000 classes
+    save_weights(source.state_dict(), tmp_path / "test_resnet.safetensors")
     output = tmp_path / "run"
     train.run(
         cli_argv(
-            model="resnet18",
+            model="test_resnet",
             dataset="digits",
-            pretrained_file=tmp_path / "resnet18.safetensors",
+            pretrained_file=tmp_path / "test_resnet.safetensors",
             num_classes=10,  # a new head for the digits, as timm's --num-classes
-            img_size=32,
+            img_size=16,
             no_aug=True,
             repeated_aug=1,
             train_fraction=0.1,
@@ -221,5 +223,5 @@ def test_pretrained_file_goes_through_timm_pretrained_loading(tmp_path, cli_argv
     start = load_file(output / "checkpoints" / "epoch_0.safetensors")
     assert torch.equal(start["layer1.0.conv1.weight"], source.state_dict()["layer1.0.conv1.weight"])
     # timm adapts the stem to 1 input channel (sum over RGB) and gives digits' 10 classes a new head
-    assert torch.allclose(start["conv1.weight"], source.conv1.weight.sum(dim=1, keepdim=True))
-    assert start["fc.weight"].shape == (10, 512)
+    assert torch.allclose(start["conv1.0.weight"], source.conv1[0].weight.sum(dim=1, keepdim=True))
+    assert start["fc.weight"].shape == (10, source.num_features)

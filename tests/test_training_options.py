@@ -11,7 +11,7 @@ from convbias.engine.loop.setup import start_run, sync_batchnorm
 from convbias.engine.loop.trainer import build_trainer
 from convbias.families import load_families
 
-pytestmark = pytest.mark.integration  # every test here trains a model
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("single_thread")]  # every test trains a tiny model
 
 
 def small_cnn(tmp_path, **options) -> Config:
