@@ -9,6 +9,9 @@ import yaml
 
 from convbias.cli import efcn_protocol
 
+# a tiny CNN on 8-px digits: a second thread costs more than it saves
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def _rows(path: Path) -> list[dict]:
     with open(path) as f:

@@ -61,7 +61,7 @@ def test_save_for_hf_then_local_dir_gives_the_same_logits(name, tmp_path, random
     x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(1))
     save_for_hf(model, tmp_path, safe_serialization=True)
     saved = json.loads((tmp_path / "config.json").read_text())["model_args"]
-    given = {**_tiny(name)[0], **kwargs, "num_classes": 5}
+    given = json.loads(json.dumps({**_tiny(name)[0], **kwargs, "num_classes": 5}))  # tuples as JSON lists
     assert {k: saved[k] for k in given} == {k: [v, v] if k == "img_size" else v for k, v in given.items()}
     loaded = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
     assert type(loaded) is type(model) and loaded.pretrained_cfg["architecture"] == name

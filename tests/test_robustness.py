@@ -31,6 +31,9 @@ from convbias.evaluation.robustness import (
 )
 from convbias.evaluation.robustness_report import corruption_errors, relative_improvement
 
+# timm's tiny ResNet on 16-px digits: a second thread costs more than it saves
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 MODEL = "test_resnet"  # timm's 0.37M-parameter ResNet
 IMG_SIZE = 16
 EPOCHS = 3
