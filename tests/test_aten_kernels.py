@@ -15,6 +15,8 @@ from torch import nn
 from convbias.engine.model import aten_kernels
 from convbias.engine.model.aten_kernels import use_aten_kernels
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 # (module, input shape); integer-valued inputs, so max-pool windows hold ties and ReLU sees exact zeros
 MODULES = {
     "gelu": (nn.GELU(), (4, 7, 24)),

@@ -9,7 +9,7 @@ import pytest
 
 import convit  # noqa: F401  (registers the models)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 # tiny configurations; (model kwargs, input side)
 CASES = {

@@ -8,7 +8,7 @@ import pytest
 import efcn  # noqa: F401  (registers the models)
 import transformed_cnn  # noqa: F401
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 # tiny configurations; (model kwargs, input side)
 CASES = {

@@ -1,13 +1,11 @@
 """ConViT models: timm interchange, registry, pretrained loading, resolutions, ablation switches, bad input."""
 
 import copy
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import timm
 import torch
+from fresh_registry import fresh_registry
 from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
 from timm.models import convit as timm_convit
@@ -134,24 +132,14 @@ def test_pretrained_loads_offline_through_timm_from_a_local_file(tmp_path):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_registration_names_our_module_without_warnings():
-    code = textwrap.dedent(
-        f"""
-        import warnings
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            import timm, convit
-            names = {sorted(ARCHITECTURES)!r}
-            modules = {{timm.models.model_entrypoint(n).__module__ for n in names}}
-            built = type(timm.create_model("convit_tiny", img_size=32, patch_size=8)).__module__
-        print(len(caught), sorted(modules), built, sorted(timm.list_models("convit_*", pretrained=True)))
-        for w in caught:
-            print(w.category.__name__, w.message)
-        """
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    first_line = done.stdout.splitlines()[0]
-    assert first_line.startswith("0 ['convit.models'] convit.models"), done.stdout
-    assert "['convit_base.fb_in1k', 'convit_small.fb_in1k', 'convit_tiny.fb_in1k']" in first_line
+    """In a fresh process, with every warning an error: importing convit points every name of ARCHITECTURES
+    (timm's convit_* included) at our module, convit_tiny builds our class, and timm's pretrained tags of
+    ConViT-Ti/S/B stay listed."""
+    probe = fresh_registry()
+    assert probe["stderr"] == ""
+    assert {probe["entry_modules"][name] for name in ARCHITECTURES} == {"convit.models"}
+    assert probe["built_convit_module"] == "convit.models"
+    assert probe["pretrained_convits"] == ["convit_base.fb_in1k", "convit_small.fb_in1k", "convit_tiny.fb_in1k"]
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))

@@ -26,6 +26,8 @@ from convbias.engine.data.rand_augment import (
     layer_plans,
 )
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 # the goal for the DeiT recipe's augmentation of one batch (RandAugment rand-m9-mstd0.5-inc1, normalization,
 # erasing 0.25 in pixel mode): aten ops, and bytes written in fp32 batches

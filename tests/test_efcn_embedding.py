@@ -1,17 +1,18 @@
 """eFCN embedding: the eFCN computes its CNN's function; masks, deviation and errors."""
 
 import itertools
-import subprocess
-import sys
 
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from fresh_registry import fresh_registry
 from sklearn.datasets import load_digits
 from torch import nn
 
 import efcn
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _randomize_batchnorm(model: nn.Module) -> nn.Module:
@@ -205,22 +206,20 @@ def test_max_params_is_checked_before_allocating():
 @pytest.mark.integration
 @pytest.mark.slow
 def test_import_registers_models_without_warnings():
-    code = "import efcn, timm; print(sorted(m for m in timm.list_models() if 'vanilla' in m or 'alexnet' in m))"
-    out = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert out.stderr == ""
-    assert out.stdout.strip() == str(
-        sorted(
-            [
-                "vanilla_cnn",
-                "alexnet_cifar",
-                "efcn_vanilla_cnn",
-                "efcn_alexnet_cifar",
-                "fcn_vanilla_cnn",
-                "fcn_alexnet_cifar",
-            ]
-        )
+    """In a fresh process, with every warning an error, importing efcn registers the two CNNs, their eFCNs
+    and their FCNs, and no other name of those CNNs."""
+    probe = fresh_registry()
+    assert probe["stderr"] == ""
+    registered = sorted(m for m in probe["models"]["efcn"] if "vanilla" in m or "alexnet" in m)
+    assert registered == sorted(
+        [
+            "vanilla_cnn",
+            "alexnet_cifar",
+            "efcn_vanilla_cnn",
+            "efcn_alexnet_cifar",
+            "fcn_vanilla_cnn",
+            "fcn_alexnet_cifar",
+        ]
     )
 
 

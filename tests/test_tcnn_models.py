@@ -2,28 +2,28 @@
 builder, bad checkpoints."""
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import timm
 import torch
+from fresh_registry import fresh_registry
 from safetensors.torch import save_file
 from timm.models import FeatureListNet, get_pretrained_cfg
 
 import transformed_cnn  # noqa: F401  (registers the models)
 from transformed_cnn import gpsa_layers, transform
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_import_registers_the_resnets_without_warnings():
-    code = "import transformed_cnn, timm; print(' '.join(timm.list_models('tcnn_*')))"
-    result = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert result.stderr == ""
-    names = set(result.stdout.split())
+    """In a fresh process, with every warning an error, importing transformed_cnn registers a tcnn_ for the
+    plain ResNets (ResNet-B/C/D/S/T, ResNet-RS) and none for the anti-aliased or group-norm ones."""
+    probe = fresh_registry()
+    assert probe["stderr"] == ""
+    names = {name for name in probe["models"]["transformed_cnn"] if name.startswith("tcnn_")}
     assert {"tcnn_resnet18", "tcnn_resnet50", "tcnn_resnet50d", "tcnn_resnetrs50", "tcnn_resnetrs350"} <= names
     assert not any("resnetaa" in name or "resnetblur" in name or "_gn" in name for name in names)
 

@@ -11,6 +11,8 @@ from torch import nn
 
 from transformed_cnn import GPSAConv2d, gpsa_layers, query_attention_maps, remove_stage_stride, transform
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.fixture(scope="module", params=["resnet18", "resnet50"])
 def cnn(request, randomize_norms):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from convbias.cli import train
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 SHORT = dict(train_fraction=0.2, batch_size=16, eval_batch_size=128, lr=1e-3, epochs=2, diagnostics_images=4)
 EMA = dict(model_ema=True, model_ema_decay=0.9)
