@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from timm.data.auto_augment import rand_augment_transform
 from torchvision.transforms.v2.functional import equalize as tv_equalize
 
 LEVEL_DENOM = 10.0  # timm's _LEVEL_DENOM: magnitude M10 is an op's strongest level
@@ -362,6 +361,8 @@ class RandAugmentSpec:
         has no batched form here."""
         if not config.startswith("rand"):
             raise ValueError(f"auto-augment {config!r}: only RandAugment ('rand-...') has a batched device form")
+        from timm.data.auto_augment import rand_augment_transform  # here: importing timm costs seconds
+
         transform = rand_augment_transform(config, dict(hparams))
         missing = sorted({op.name for op in transform.ops} - set(OPS))
         if missing:
