@@ -10,6 +10,9 @@ tests/test_input_pipeline.py).
 The random choices (op, whether it applies, magnitude, sign, erased box) are drawn on the host from a
 CPU generator, one set per image, with timm's distributions; the device gets them in one copy and never
 waits for the host, nor the host for the device.
+
+timm's rand_augment_transform is imported inside functions, where a spec is built: importing timm costs
+seconds, and the augmentation passes (and the processes that run only them) need none of it.
 """
 
 from __future__ import annotations
@@ -361,7 +364,7 @@ class RandAugmentSpec:
         has no batched form here."""
         if not config.startswith("rand"):
             raise ValueError(f"auto-augment {config!r}: only RandAugment ('rand-...') has a batched device form")
-        from timm.data.auto_augment import rand_augment_transform  # here: importing timm costs seconds
+        from timm.data.auto_augment import rand_augment_transform
 
         transform = rand_augment_transform(config, dict(hparams))
         missing = sorted({op.name for op in transform.ops} - set(OPS))
