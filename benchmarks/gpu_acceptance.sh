@@ -92,7 +92,8 @@ fi
 {
   echo "# GPU acceptance, $(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  $PYTHON -c "import sys,torch,timm,accelerate;print('python',sys.version.split()[0],'torch',torch.__version__,'timm',timm.__version__,'accelerate',accelerate.__version__,'cuda',torch.cuda.is_available() and torch.cuda.get_device_name())"
+  # the installed versions from their metadata (importing timm costs seconds); torch for the device
+  $PYTHON -c "import sys,torch;from importlib.metadata import version as v;print('python',sys.version.split()[0],'torch',torch.__version__,'timm',v('timm'),'accelerate',v('accelerate'),'cuda',torch.cuda.is_available() and torch.cuda.get_device_name())"
   $PYTHON -c "import triton;print('triton',triton.__version__)" 2>/dev/null || echo "no triton"
   echo "positional products: $PRODUCTS"
 } | tee "$OUT/versions.txt"

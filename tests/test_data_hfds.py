@@ -113,7 +113,7 @@ def test_an_unreachable_hub_is_one_line_with_the_offline_hint(cache, tmp_path, c
     user reads one line, which names HF_HUB_OFFLINE (the retries' way out)."""
     import logging
 
-    import timm.data
+    from convbias.engine.data import streams
 
     def unreachable(name, **kwargs):
         logging.getLogger("huggingface_hub.utils._http").warning(
@@ -122,7 +122,7 @@ def test_an_unreachable_hub_is_one_line_with_the_offline_hint(cache, tmp_path, c
         )
         raise ConnectionError("Couldn't reach 'nobody/no-such-dataset' on the Hub (LocalEntryNotFoundError)")
 
-    monkeypatch.setattr(timm.data, "create_dataset", unreachable)
+    monkeypatch.setattr(streams, "create_dataset", unreachable)  # the name the engine calls
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     output = tmp_path / "run"
     code = train.main(run_argv(dataset="hfds/nobody/no-such-dataset", data_dir=cache, output=output))
