@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 import importlib
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -260,6 +262,33 @@ def test_loader_workers_persist_across_epochs_and_evaluations_with_the_same_batc
     assert (
         set(first_pass[:, 2].tolist()) == set(second_pass[:, 2].tolist()) and len(set(first_pass[:, 2].tolist())) == 2
     )
+
+
+class Draws(torch.utils.data.Dataset):
+    """Sample i: (i, a draw from Python's, numpy's and torch's global RNGs)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, random.random(), np.random.rand(), torch.rand(()).item()], dtype=torch.float64)
+
+
+def test_a_loader_without_workers_draws_each_sample_under_its_seed_and_leaves_the_global_rngs_as_they_were():
+    """With workers=0 the transforms draw from the process's global RNGs: each sample draws what its own
+    seed gives, and the run's streams (drop path, mixup) continue after an epoch as if nothing was loaded."""
+    from convbias.engine.data.loaders import build_train_loader, epoch_batches, seeded_rngs
+
+    loader = build_train_loader(Draws(), batch_size=4, workers=0, seed=7)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    before = random.random(), np.random.rand(), torch.rand(())
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    batches = torch.cat(list(epoch_batches(loader, 1, 0, 3)))
+    assert (random.random(), np.random.rand(), torch.rand(())) == before
+    loader.sampler.set_epoch(1)
+    for row, (index, seed) in zip(batches.tolist(), loader.sampler, strict=True):
+        with seeded_rngs(seed):
+            assert row == [index, random.random(), np.random.rand(), torch.rand(()).item()]
 
 
 class TwoRanks:
