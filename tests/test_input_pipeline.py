@@ -346,8 +346,9 @@ def test_image_folder_decodes_through_the_worker_and_skips_unreadable_files(tmp_
     assert [Path(p).name for p in bundle.unreadable_files()] == ["1.jpg"]
 
 
-# timm's tiny test ResNet learns the 16-px digits to ~95% in 5 epochs under the full DeiT recipe
-# (RandAugment m9, random erasing; no flip: digits are not mirror-symmetric); one run takes ~6 s
+# timm's tiny test ResNet learns the 16-px digits to 92-96% in 5 epochs under the full DeiT recipe
+# (RandAugment m9, random erasing; no flip: digits are not mirror-symmetric); batches of 64 (lr scaled
+# linearly) halve the per-update cost of a model this small
 PAIRED_RUN = dict(
     model="test_resnet",
     dataset="digits",
@@ -357,8 +358,8 @@ PAIRED_RUN = dict(
     scale=[0.5, 1.0],
     epochs=5,
     eval_interval=5,
-    batch_size=32,
-    lr=5e-3,
+    batch_size=64,
+    lr=1e-2,
     weight_decay=0,
     warmup_epochs=0,
     mixup=0,
@@ -373,8 +374,8 @@ PAIRED_RUN = dict(
 @pytest.mark.usefixtures("single_thread")
 def test_fast_path_trains_digits_as_well_as_the_classic_path(tmp_path, cli_argv):
     """Paired by seed (4 seeds), the fast path's final top-1 against the classic path's: the 95% t-interval of
-    the mean paired difference lies inside +-5 points (measured: differences -1.7, +0.8, +2.2, +2.0 points,
-    interval -2.0..+3.7). Every epoch logs its data-wait fraction."""
+    the mean paired difference lies inside +-5 points (measured: differences -0.3, +1.1, -1.7, +1.7 points,
+    interval -2.2..+2.6; seeds 4 and 5 gave +2.5 and -0.8). Every epoch logs its data-wait fraction."""
     from convbias.cli import train
 
     differences = []
