@@ -1,11 +1,11 @@
 """`accelerate launch convbias-train` on an ImageFolder, and resume after SIGKILL giving the same metrics.
 
-The killed run and its resume are `accelerate launch --cpu --num_processes 1 convbias-train ...` (the
-installed console scripts) in a subprocess, with the DeiT recipe defaults (RandAugment, mixup/cutmix,
-random erasing, repeated augmentation, drop path, 4 data workers): the resumed run only matches if every RNG
-stream and the schedule are restored. The uninterrupted run they are compared with is the same train.py
-command in this process, on one thread and with the settings the launch gives its process (a launch costs
-two interpreters' start-up).
+The killed run is `accelerate launch --cpu --num_processes 1 convbias-train ...` (the installed console
+scripts) in a subprocess, with the DeiT recipe defaults (RandAugment, mixup/cutmix, random erasing, repeated
+augmentation, drop path, 4 data workers): the resumed run only matches if every RNG stream and the schedule
+are restored from what the killed process left on disk. The uninterrupted run and the resume are the same
+train.py command in this process, on one thread and with the settings the launch gives its process (a launch
+costs two interpreters' start-up).
 """
 
 import csv
@@ -89,22 +89,27 @@ def train_arguments(data_dir: Path, output: Path, *extra: str) -> list[str]:
     ]
 
 
+def train_as_launched(folder: Path, arguments: list[str]) -> int:
+    """train.py's exit code, run in this process with the environment `launch_command` gives its process."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in LAUNCH_ENVIRONMENT.items():
+            patch.setenv(name, value)
+        patch.chdir(folder)
+        return train.main(arguments)
+
+
 def summary(output: Path) -> list[tuple[str, ...]]:
     with open(output / "summary.csv", newline="") as f:
         return [tuple(row[k] for k in DETERMINISTIC_FIELDS) for row in csv.DictReader(f)]
 
 
-def test_launched_run_and_resume_after_kill(tmp_path, console_script):
+def test_launched_run_and_resume_after_kill(tmp_path, console_script, capsys):
     data = tmp_path / "data"
     write_image_folder(data, {"train": 32, "val": 4})  # 64 training images: one batch of the default 64
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     uninterrupted = tmp_path / "uninterrupted"
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in LAUNCH_ENVIRONMENT.items():
-            patch.setenv(name, value)
-        patch.chdir(tmp_path)
-        assert train.main(train_arguments(data, uninterrupted)) == 0
+    assert train_as_launched(tmp_path, train_arguments(data, uninterrupted)) == 0
     assert (uninterrupted / "results.json").is_file()
     reference = summary(uninterrupted)
     assert [row[0] for row in reference] == ["1", "2"]
@@ -127,16 +132,9 @@ def test_launched_run_and_resume_after_kill(tmp_path, console_script):
     assert first_checkpoint.exists(), "the run ended before writing its first checkpoint"
     assert not (killed / "results.json").exists(), "the run finished before it could be killed"
 
-    resumed = subprocess.run(
-        launch_command(console_script, *train_arguments(data, killed, "--resume", "auto")),
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    capsys.readouterr()
+    assert train_as_launched(tmp_path, train_arguments(data, killed, "--resume", "auto")) == 0
+    assert "resumed from" in capsys.readouterr().out
     assert summary(killed) == reference
     logged = [json.loads(line) for line in (killed / "log.jsonl").read_text().splitlines()]
     assert [record["epoch"] for record in logged] == [1, 2]
