@@ -25,6 +25,21 @@ def pytest_configure(config: pytest.Config) -> None:
         threads = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for the subprocesses (convbias-train, accelerate launch)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # --dist loadfile hands out the files in the order below
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files that hold real runs (`integration`) first, each file's tests in their order: xdist's loadfile
+    would hand out the files with the most tests first, leaving the long runs to the end of the suite, where
+    one worker runs them while the other has nothing left."""
+    first_seen: dict[Path, int] = {}
+    runs: set[Path] = set()
+    for item in items:
+        first_seen.setdefault(item.path, len(first_seen))
+        if item.get_closest_marker("integration"):
+            runs.add(item.path)
+    items.sort(key=lambda item: (item.path not in runs, first_seen[item.path]))
 
 
 @pytest.fixture(scope="session")
