@@ -1,6 +1,7 @@
 """Checks that run under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton is imported, so a
-test module's ``_interpreted_checks()`` runs in a child process (one for all of its checks: importing torch is
-the larger part of its time) and returns its measurements as JSON."""
+module's ``_interpreted_checks()`` (a test module's, or a helper module importing only what the kernels need)
+runs in a child process (one for all of its checks: its imports are a large part of its time) and returns its
+measurements as JSON."""
 
 from __future__ import annotations
 

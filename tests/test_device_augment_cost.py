@@ -2,10 +2,9 @@
 written, counted at the dispatcher on the CPU), each image's drawn ops against rand_augment's batched ops (timm's,
 tests/test_input_pipeline.py), and the Triton kernels against their reference under Triton's interpreter.
 
-The interpreter needs TRITON_INTERPRET=1 in the environment before triton is imported: those checks run in a
-child process (`_interpreted_results`), whose measured differences the tests assert on."""
-
-import os
+The interpreter needs TRITON_INTERPRET=1 in the environment before triton is imported: those checks
+(tests/interpreted_augment.py) run in a child process (`_interpreted_results`), whose measured differences the
+tests assert on."""
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ from convbias.engine.data.device_augment import AugmentSpec, DeviceAugment
 from convbias.engine.data.rand_augment import (
     LEVELS,
     OPS,
-    Kind,
     OpContext,
     RandAugmentSpec,
     erase,
@@ -134,85 +132,24 @@ def test_custom_ops_pass_opcheck():
 
 # -- the Triton kernels under the interpreter (child process) -------------------------------------------------
 
-INTERPRETED_OPS = (
-    "Rotate", "ShearX", "TranslateYRel", "Equalize", "AutoContrast", "ColorIncreasing", "SharpnessIncreasing",
-    "ContrastIncreasing", "BrightnessIncreasing", "PosterizeIncreasing", "SolarizeIncreasing", "SolarizeAdd", "Invert",
-)  # fmt: skip
-
-
-def _case(channels: int, seed: int) -> tuple:
-    """Images (one of narrow range, one flat) and a plan with every kind of op, both signs, and an unaugmented image."""
-    generator = torch.Generator().manual_seed(seed)
-    n, height, width = 16, 11, 13
-    images = torch.randint(0, 256, (n, channels, height, width), dtype=torch.uint8, generator=generator)
-    images[3] = images[3] // 4 + 100
-    images[4] = 77
-    hparams = dict(translate_const=5, img_mean=(124, 116, 104)[:channels], interpolation=3)
-    spec = RandAugmentSpec.from_timm("rand-m9-mstd0.5-inc1", hparams)
-    ops = np.array([[spec.names.index(INTERPRETED_OPS[i % len(INTERPRETED_OPS)]) for i in range(n)]])
-    ops[0, -2] = -1
-    args = np.array(
-        [[LEVELS[spec.names[k]](np.array([7.0]), np.array([i % 2 == 0]), hparams)[0] for i, k in enumerate(ops[0])]]
-    )
-    plans, tables = layer_plans(spec.names, ops, args, width, height)
-    boxes = np.array([[2, 3, 5, 6], [0, 0, 0, 0], [1, 0, 10, 13]] + [[0, 0, 0, 0]] * (n - 3))
-    return images, plans[0], tables[0], boxes
-
-
-def _interpreted_checks() -> dict:
-    """Run in the child process (TRITON_INTERPRET=1): the kernels' differences from the reference."""
-    torch.set_num_threads(1)
-    reference = augment_passes._reference_pass
-    reference_runs = []
-    augment_passes._reference_pass = lambda *args: reference_runs.append(1) or reference(*args)
-    results = {}
-    for channels, interpolation, erasing in [(3, "bicubic", "pixel"), (3, "bilinear", "rand"), (1, "bicubic", "const")]:
-        images, plans, tables, boxes = _case(channels, seed=channels)
-        area = boxes[:, 2] * boxes[:, 3] * channels
-        first = np.cumsum(area) - area
-        boxes = torch.from_numpy(np.concatenate([boxes, first[:, None]], 1).astype(np.float64))
-        noise = erasing_noise(erasing, boxes.numpy()[:, :4].astype(int), channels, torch.Generator().manual_seed(0))
-        fill = torch.tensor((124.0, 116.0, 104.0)[:channels])
-        mean, std = torch.tensor(IMAGENET["mean"][:channels]), torch.tensor(IMAGENET["std"][:channels])
-        plans, tables = torch.from_numpy(plans), torch.from_numpy(tables)
-        outputs = {}
-        for kernel in (False, True):
-            os.environ["TRITON_INTERPRET"] = "1" if kernel else "0"
-            histograms = augment_passes.augment_histograms(images, plans)
-            cumulative = histograms.cumsum(-1, dtype=torch.int32)
-            common = (plans, tables, histograms, cumulative, boxes, noise, fill, mean, std, interpolation)
-            layer = augment_passes.augment_pass(images, *common, False, "none")
-            final = augment_passes.augment_pass(images, *common, True, erasing)
-            outputs[kernel] = (histograms, layer.float(), final)
-        (hist, layer, final), (hist_k, layer_k, final_k) = outputs[False], outputs[True]
-        warp = plans[:, 0] == Kind.WARP
-        levels_off = (layer_k - layer).abs()
-        final_off = (final_k - final).abs().flatten(1).amax(1)
-        results[f"{channels} {interpolation} {erasing}"] = {
-            "histograms_equal": bool(torch.equal(hist, hist_k)),
-            "others_max_levels_off": levels_off[~warp].max().item(),
-            "others_final_max_off": final_off[~warp].max().item(),
-            "warp_max_levels_off": levels_off[warp].max().item(),
-            "warp_pixels_off": (levels_off[warp] > 0).float().mean().item(),
-            "erased_equal": bool(torch.equal(final_k[0, :, 2:7, 3:9], final[0, :, 2:7, 3:9])),
-        }
-    results["reference_runs"] = len(reference_runs)  # 2 per case: the kernels ran, not the reference
-    return results
-
 
 def _interpreted_results() -> dict:
-    return interpreted_results("test_device_augment_cost", timeout=600)
+    return interpreted_results("interpreted_augment", timeout=600)
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 def test_triton_kernels_under_the_interpreter_match_the_reference():
-    """RGB bicubic with pixel erasing, RGB bilinear with one color per box, gray bicubic with zeros: histograms
-    equal, every op but the warps exact (uint8 layer and normalized, erased output), the warps within
+    """RGB bicubic with pixel erasing, RGB bilinear with one color per box, gray bicubic with zeros, and Equalize
+    on images large enough for it to change them: histograms equal, every op but the warps exact (uint8 layer
+    and normalized output), every erased box exact (a warped image's too), the warps within
     MAX_WARP_LEVELS_OFF levels on at most MAX_WARP_PIXELS_OFF of their pixels."""
     results = _interpreted_results()
     assert results.pop("reference_runs") == 2 * len(results)
-    for case, got in results.items():
+    equalize = results.pop("3 bicubic none, Equalize")
+    assert equalize["unchanged_images"] == 0, equalize  # the equalization itself was compared, not a copy
+    assert all(got["erased_boxes"] == 2 for got in results.values()), results
+    for case, got in {**results, "Equalize": equalize}.items():
         assert got["histograms_equal"] and got["erased_equal"], (case, got)
         assert got["others_max_levels_off"] == 0 and got["others_final_max_off"] == 0, (case, got)
         assert got["warp_max_levels_off"] <= MAX_WARP_LEVELS_OFF, (case, got)
