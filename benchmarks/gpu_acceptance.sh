@@ -60,12 +60,31 @@ step() {
   echo "$name,$rc,$(($(date +%s) - started)),\"$last\"" >>"$CSV"
 }
 
-# The positional products the benchmark offers (fused where the GPSA kernel is built)
-PRODUCTS=$($PYTHON - <<'EOF' 2>/dev/null || echo "kronecker dense"
-from convbias.gpsa import POSITIONAL_PRODUCTS
-print(" ".join(p for p in ("kronecker", "dense", "fused") if p in POSITIONAL_PRODUCTS))
+# The installed versions from their metadata (importing timm costs seconds), torch for the device, and the
+# positional products the benchmark offers (fused where the GPSA kernel is built): one interpreter, as each
+# import of torch costs seconds
+VERSIONS=$($PYTHON - <<'EOF'
+import sys
+from importlib.metadata import version as v
+
+import torch
+
+print("python", sys.version.split()[0], "torch", torch.__version__, "timm", v("timm"), "accelerate", v("accelerate"),
+      "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception:
+    print("no triton")
+try:
+    from convbias.gpsa import POSITIONAL_PRODUCTS
+    print("products:", " ".join(p for p in ("kronecker", "dense", "fused") if p in POSITIONAL_PRODUCTS))
+except Exception:
+    pass
 EOF
 )
+PRODUCTS=$(sed -n 's/^products: //p' <<<"$VERSIONS")
+PRODUCTS=${PRODUCTS:-kronecker dense}
 JPEGS=$OUT/jpegs
 if [ "$SMOKE" = 1 ]; then # every step at a tiny shape on the CPU: checks the script, not the GPU
   DEV="--device cpu --precision fp32"
@@ -92,9 +111,7 @@ fi
 {
   echo "# GPU acceptance, $(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  # the installed versions from their metadata (importing timm costs seconds); torch for the device
-  $PYTHON -c "import sys,torch;from importlib.metadata import version as v;print('python',sys.version.split()[0],'torch',torch.__version__,'timm',v('timm'),'accelerate',v('accelerate'),'cuda',torch.cuda.is_available() and torch.cuda.get_device_name())"
-  $PYTHON -c "import triton;print('triton',triton.__version__)" 2>/dev/null || echo "no triton"
+  [ -z "$VERSIONS" ] || grep -v '^products: ' <<<"$VERSIONS"
   echo "positional products: $PRODUCTS"
 } | tee "$OUT/versions.txt"
 if [ "$SMOKE" != 1 ]; then
