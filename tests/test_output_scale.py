@@ -6,7 +6,7 @@ import csv
 import functools
 import json
 import math
-import subprocess
+from importlib.metadata import entry_points
 
 import pytest
 import timm
@@ -142,17 +142,19 @@ def test_train_refuses_a_non_positive_output_scale(tmp_path, capsys, deit_argv, 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, console_script, deit_argv):
+def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, deit_argv):
     """convbias-regimes on a one-run sweep directory: the run's own final top-1 and logged kernel change,
-    and the local-energy curve, whose sigma = 0 point is the run's training error."""
+    and the local-energy curve, whose sigma = 0 point is the run's training error.
+
+    The installed command's entry point runs in this process: a child would only import torch and timm again."""
     from convbias.cli import train
 
     sweep = tmp_path / "sweep"
     run = sweep / "runs" / "a10"
     results = train.run(deit_argv(epochs=1, output_scale=10, output=run))
     (sweep / "runs.csv").write_text("run,model\na10,convit_tiny\n")
-    done = subprocess.run([console_script("convbias-regimes"), str(sweep)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    (command,) = entry_points(group="console_scripts", name="convbias-regimes")
+    assert command.load()([str(sweep)]) == 0
     with open(sweep / "regimes.csv", newline="") as f:
         (row,) = list(csv.DictReader(f))
     last = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()][-1]
@@ -162,8 +164,8 @@ def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, console_scrip
     assert all(0 <= error <= 100 for error in curve)
     model, _, data = load_run(run, load_families(), which="last")
     data.train.transform = data.val.transform
-    images = torch.stack([data.train[i][0] for i in range(len(data.train))])
-    labels = torch.tensor([data.train[i][1] for i in range(len(data.train))])
+    images, labels = zip(*(data.train[i] for i in range(len(data.train))))
+    images, labels = torch.stack(images), torch.tensor(labels)
     with torch.no_grad():
         error = 100 * (model(images).argmax(1) != labels).double().mean().item()
     assert curve[0] == pytest.approx(error, abs=1e-6)  # no noise: the training error itself

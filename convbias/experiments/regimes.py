@@ -71,8 +71,8 @@ def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
             raise ValueError(f"{run_dir} was not trained with --output-scale")
         train = data.train
         train.transform = data.val.transform  # the training images as evaluated (no augmentation)
-        images = torch.stack([train[i][0] for i in range(len(train))])
-        labels = torch.tensor([train[i][1] for i in range(len(train))])
+        images, labels = zip(*(train[i] for i in range(len(train))))  # one pass: indexing runs the transform
+        images, labels = torch.stack(images), torch.tensor(labels)
         curve = local_energy(model, Batches(images, labels, batch_size=500), SIGMAS, draws=DRAWS)
         last = last_evaluation(run_dir)
         rows.append(
