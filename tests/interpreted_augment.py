@@ -29,7 +29,9 @@ EQUALIZE_HEIGHT, EQUALIZE_WIDTH = 16, 20
 CASES = [(3, "bicubic", "pixel"), (3, "bilinear", "rand"), (1, "bicubic", "const")]
 
 
-def _plan(names, ops: np.ndarray, channels: int, height: int, width: int) -> tuple:
+def _plan(ops: np.ndarray, channels: int, height: int, width: int) -> tuple:
+    """The plan and tables of INTERPRETED_OPS indexed by `ops` (one layer), each at magnitude 7."""
+    names = INTERPRETED_OPS
     hparams = dict(translate_const=5, img_mean=(124, 116, 104)[:channels], interpolation=3)
     args = np.array(
         [[LEVELS[names[k]](np.array([7.0]), np.array([i % 2 == 0]), hparams)[0] for i, k in enumerate(ops[0])]]
@@ -48,7 +50,7 @@ def _case(channels: int, seed: int) -> tuple:
     ops = np.array([[i % len(INTERPRETED_OPS) for i in range(n)]])
     ops[0, -2] = -1
     boxes = np.array(BOXES + [[0, 0, 0, 0]] * (n - len(BOXES)))
-    return (images, *_plan(INTERPRETED_OPS, ops, channels, HEIGHT, WIDTH), boxes)
+    return (images, *_plan(ops, channels, HEIGHT, WIDTH), boxes)
 
 
 def _equalize_case(channels: int, seed: int) -> tuple:
@@ -60,7 +62,7 @@ def _equalize_case(channels: int, seed: int) -> tuple:
     images[1] = images[1] // 4 + 100
     ops = np.full((1, 2), INTERPRETED_OPS.index("Equalize"))
     boxes = np.zeros((2, 4), dtype=int)
-    return (images, *_plan(INTERPRETED_OPS, ops, channels, EQUALIZE_HEIGHT, EQUALIZE_WIDTH), boxes)
+    return (images, *_plan(ops, channels, EQUALIZE_HEIGHT, EQUALIZE_WIDTH), boxes)
 
 
 def _compare(images, plans, tables, boxes, interpolation: str, erasing: str) -> dict:
