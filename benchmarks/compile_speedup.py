@@ -36,7 +36,7 @@ import lockstep
 from convit_train_step import NUM_CLASSES as IMAGENET_CLASSES
 from convit_train_step import SETTINGS as VIT_SETTINGS
 
-from convbias.tables import markdown_table
+from convbias.base.tables import markdown_table
 
 
 @dataclass(frozen=True)

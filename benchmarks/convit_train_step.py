@@ -21,7 +21,7 @@ in one run.
     python benchmarks/convit_train_step.py --device cuda --precision bf16 --settings 224px --batch-size 256 \
         --models ours deit --positional-product kronecker fused   # the fused Triton kernel against the factored product
 
-`fused` is meant for a GPU: on a CPU it runs the kernel's PyTorch reference (convbias.fused_gpsa), which
+`fused` is meant for a GPU: on a CPU it runs the kernel's PyTorch reference (convbias.gpsa.fused), which
 forms the (B, H, N, N) attention, not a fast path.
 """
 
@@ -34,8 +34,8 @@ import time
 
 import lockstep
 
+from convbias.base.tables import markdown_table
 from convbias.gpsa import POSITIONAL_PRODUCTS
-from convbias.tables import markdown_table
 
 MODELS = {
     "ours": "ConViT-{size} (ours)",

@@ -1,4 +1,4 @@
-"""What GPSA adds to a training step, counted at PyTorch's dispatcher (`convbias.dispatch_cost`) on the CPU.
+"""What GPSA adds to a training step, counted at PyTorch's dispatcher (`convbias.base.dispatch_cost`) on the CPU.
 
 Two pairs, each model beside its baseline:
   ConViT-Ti against DeiT-Ti: aten ops dispatched and bytes written by one forward + backward (eager, after a
@@ -21,8 +21,8 @@ import torch
 
 import convit  # noqa: F401  (registers convit_tiny)
 import transformed_cnn  # noqa: F401  (registers tcnn_resnet50)
-from convbias.dispatch_cost import DispatchCost, SavedForBackward
-from convbias.tables import markdown_table
+from convbias.base.dispatch_cost import DispatchCost, SavedForBackward
+from convbias.base.tables import markdown_table
 from transformed_cnn.transform import remove_stage_stride
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}

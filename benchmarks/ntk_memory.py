@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 
-from convbias.tables import markdown_table
+from convbias.base.tables import markdown_table
 
 WORKER = r"""
 import json, resource, sys, time

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from convbias.tables import markdown_table
+from convbias.base.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ ratios paired by round (see `lockstep.py` for the protocol and the memory measur
         --positional-product kronecker dense   # the T-CNN once per positional product (convbias.gpsa)
 
 `fused` runs the Triton kernel only in GPSA layers whose C_in is at most 128
-(convbias.fused_gpsa.FUSED_MAX_VALUE_WIDTH); a paper T-CNN's GPSA layers (the last stage, C_in 512) keep
+(convbias.gpsa.fused.FUSED_MAX_VALUE_WIDTH); a paper T-CNN's GPSA layers (the last stage, C_in 512) keep
 the unfused schedule, so `fused` measures the same as `kronecker` there.
 """
 
@@ -32,8 +32,8 @@ import time
 
 import lockstep
 
+from convbias.base.tables import markdown_table
 from convbias.gpsa import POSITIONAL_PRODUCTS
-from convbias.tables import markdown_table
 
 VARIANTS = ("cnn", "cnn-s1", "tcnn")
 MODES = ("inference", "training")

@@ -1,12 +1,16 @@
-"""convbias: the shared layers of the convolutional-inductive-biases package.
+"""convbias: the shared layers of the convolutional-inductive-biases package, from the bottom.
 
-- `convbias.gpsa`: gated positional self-attention (used by `convit` and `transformed_cnn`);
-- `convbias.weights`: safe weight-file loading with one-line errors;
+- `convbias.base`: errors and exit codes, the one reporter, file reads and writes, the run directory's layout,
+  weight files;
+- `convbias.gpsa`: gated positional self-attention (used by `convit` and `transformed_cnn`), its positional
+  products and fused kernels;
 - `convbias.engine`: the generic accelerate training engine (names no model family);
 - `convbias.evaluation`: model-agnostic measurements (robustness, loss landscape, figures);
-- `convbias.experiments`: sweeps, reports, the eFCN relax-time protocol;
 - `convbias.families`: the composition root (imports the families, builds the engine's extensions);
+- `convbias.experiments`: sweeps, reports, the eFCN relax-time protocol; `convbias.sharing`: export, the Hub,
+  prediction;
 - `convbias.cli`: the console scripts (`convbias-train`, `convbias-sweep`, ...).
 
-Importing `convbias` registers no model.
+Each imports only the parts listed before it (tests/test_package_imports.py). Importing `convbias` registers
+no model.
 """

@@ -43,7 +43,7 @@ from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs,
 from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from convbias.timm_compat import feature_take_indices
+from convbias.base.timm_compat import feature_take_indices
 
 from .attention import CONV_INITS, GPSA, MHSA, GridSize, LayerOperands, shared_operands
 

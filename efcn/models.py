@@ -26,7 +26,7 @@ import torch
 from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 from torch import nn
 
-from convbias.weights import check_keys, check_weights_file, resolve_weights_path
+from convbias.base.weights import check_keys, check_weights_file, resolve_weights_path
 
 from .embedding import EmbeddedFCN, embed, standard_fcn
 

@@ -8,13 +8,14 @@ from gpsa_cases import randomized_gpsa
 from timm.models import convit as timm_convit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convbias import gpsa, positional_mix
+from convbias import gpsa
 from convbias.gpsa import (
     PositionalFactors,
     gated_attention,
     grid_positions,
     kernel_offsets,
     paper_kernel_offsets,
+    positional_mix,
     relative_encodings,
 )
 from convit import GPSA, MHSA, ConViT

@@ -11,8 +11,7 @@ import torch
 from accelerate import Accelerator
 from timm.scheduler import CosineLRScheduler
 
-from convbias.engine import Config
-from convbias.engine.checkpointing.layout import (
+from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
     EMA_FILE,
     MANIFEST_FILE,
@@ -21,6 +20,7 @@ from convbias.engine.checkpointing.layout import (
     WEIGHTS_FILE,
     snapshot_file,
 )
+from convbias.engine import Config
 from convbias.engine.checkpointing.manager import CheckpointManager
 from convbias.engine.checkpointing.points import find_resume_point
 from convbias.engine.checkpointing.run_dir import load_training_state

@@ -5,8 +5,7 @@ import re
 
 import pytest
 
-from convbias.cli import run_command
-from convbias.errors import (
+from convbias.base.errors import (
     EXIT_DAMAGED,
     EXIT_INTERRUPTED,
     EXIT_STORAGE,
@@ -15,6 +14,7 @@ from convbias.errors import (
     DamagedCheckpointError,
     StorageError,
 )
+from convbias.cli import run_command
 
 
 def raising(error: BaseException):

@@ -136,8 +136,8 @@ def test_a_streamed_hf_dataset_trains_and_resumes_mid_epoch_exactly(carded, cach
     """hfids/: 2 epochs of 6 steps; a stop after step 4 of epoch 1, then --resume auto (the stream replayed from
     the epoch's start, its first 4 batches dropped) ends with the uninterrupted run's metrics, all 12
     validation images evaluated."""
+    from convbias.base.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
     from convbias.engine.loop.preemption import PreemptionSignals
-    from convbias.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 
     args = run_argv(dataset=f"hfids/{carded}", data_dir=cache, epochs=2)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
@@ -238,7 +238,7 @@ def validation_items(bundle) -> list[tuple]:
 def test_input_and_target_keys_read_other_columns(renamed, carded, cache, prefix):
     """--input-key img --target-key fine_label read the same images, labels and class names as the standard
     'image' and 'label' columns; without them the dataset is refused in one line that names both options."""
-    from convbias.errors import ConfigError
+    from convbias.base.errors import ConfigError
 
     options = dict(data_dir=str(cache), img_size=SIZE, workers=0, no_aug=True)
     keyed = build_datasets(Config(dataset=f"{prefix}/{renamed}", input_key="img", target_key="fine_label", **options))
@@ -271,8 +271,8 @@ def test_a_run_keeps_its_columns_for_evaluation(renamed, cache, tmp_path, run_ar
     ],
 )
 def test_bad_column_options_are_one_line_errors(argv, message):
+    from convbias.base.errors import ConfigError
     from convbias.engine import parse_config
-    from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         parse_config(["--model", "vanilla_cnn", *argv])

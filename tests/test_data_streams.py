@@ -117,8 +117,8 @@ def test_a_stream_resumes_mid_epoch_exactly(run_argv, tmp_path, monkeypatch):
     """A stop after step 5 of epoch 1 (the preemption check answers yes on its 5th call), then --resume auto:
     the stream is replayed from the epoch's start and its first 5 batches dropped; the metrics are those of
     the uninterrupted run."""
+    from convbias.base.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
     from convbias.engine.loop.preemption import PreemptionSignals
-    from convbias.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 
     args = run_argv(no_diagnostics=True)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"

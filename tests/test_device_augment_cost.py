@@ -11,7 +11,7 @@ import pytest
 import torch
 from interpreted import interpreted_results
 
-from convbias.dispatch_cost import DispatchCost
+from convbias.base.dispatch_cost import DispatchCost
 from convbias.engine.data import augment_passes
 from convbias.engine.data.device_augment import AugmentSpec, DeviceAugment
 from convbias.engine.data.rand_augment import (

@@ -97,8 +97,8 @@ def test_protocol_rejects_bad_config(tmp_path, capsys):
 
 
 def _fake_seed(directory: Path, seed: int, acc: list[float], cnn: float, fcn: float) -> Path:
+    from convbias.base.tables import write_csv
     from convbias.experiments.efcn_seeds import BASELINE_METRICS, SUMMARY_METRICS
-    from convbias.tables import write_csv
 
     directory.mkdir(parents=True)
     (directory / "protocol_config.yaml").write_text(yaml.safe_dump({"seed": seed}))

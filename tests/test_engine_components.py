@@ -7,6 +7,7 @@ import torch
 import yaml
 
 from convbias import engine
+from convbias.base.errors import ConfigError
 from convbias.engine import parse_config, validate
 from convbias.engine.checkpointing.state_parts import (
     RunIdentity,
@@ -18,7 +19,6 @@ from convbias.engine.checkpointing.state_parts import (
 from convbias.engine.config.command_line import TIMM_GROUP, build_parser, timm_only_options
 from convbias.engine.config.options import SECTIONS, Config, declaration, flag_name, key_value_options
 from convbias.engine.config.parsing import coerce
-from convbias.errors import ConfigError
 from convbias.families import load_families
 
 

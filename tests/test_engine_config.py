@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from convbias import engine
+from convbias.base.errors import ConfigError
 from convbias.engine.checkpointing import checks as checkpointing_checks
 from convbias.engine.config import parsing as config_parsing
 from convbias.engine.config.derived import RunValues
@@ -21,7 +22,6 @@ from convbias.engine.loop.setup import start_run
 from convbias.engine.model import checks as model_checks
 from convbias.engine.optim import checks as optim_checks
 from convbias.engine.optim import factory as optim_factory
-from convbias.errors import ConfigError
 from convbias.families import load_families
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,56 +8,23 @@ import ast
 import sys
 from pathlib import Path
 
+import import_graph
 import pytest
+from import_graph import REPO, cycles
 
-ENGINE = Path(__file__).resolve().parents[1] / "convbias" / "engine"
+ENGINE = REPO / "convbias" / "engine"
 # a package may import its own modules and those of packages on a lower level; data, model and optim
 # share a level and do not import each other
 LEVELS = {"config": 0, "data": 1, "model": 1, "optim": 1, "checkpointing": 2, "loop": 3}
 HEAVY = ("torch", "timm", "accelerate", "numpy", "safetensors", "torchvision")  # none in config
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ENGINE.parent.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def engine_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(ENGINE.rglob("*.py"))}
+    return import_graph.modules_under(ENGINE, ENGINE.parent.parent)
 
 
 def imports(path: Path) -> list[tuple[str, bool, int]]:
-    """(imported module, inside a function, line) for every import in the file; `from X import name` names
-    X.name when that is a module, else X."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = []
-
-    def visit(node: ast.AST, in_function: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            if isinstance(child, ast.Import):
-                found.extend((alias.name, inside, child.lineno) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                if child.level:
-                    base = package.split(".")
-                    base = base[: len(base) - child.level + 1]
-                    target = ".".join(base + ([child.module] if child.module else []))
-                else:
-                    target = child.module
-                for alias in child.names:
-                    found.append((f"{target}.{alias.name}", inside, child.lineno))
-            visit(child, inside)
-
-    visit(ast.parse(path.read_text()), False)
-    return found
-
-
-def resolve(target: str, modules: dict[str, Path]) -> str | None:
-    """The engine module an import reaches, or None outside the engine."""
-    while target and target not in modules:
-        target = target.rpartition(".")[0]
-    return target if target.startswith("convbias.engine") else None
+    return import_graph.imports(path, ENGINE.parent.parent)
 
 
 def package_of(module: str) -> str | None:
@@ -66,14 +33,7 @@ def package_of(module: str) -> str | None:
 
 
 def edges() -> list[tuple[str, str, bool, int]]:
-    modules = engine_modules()
-    found = []
-    for name, path in modules.items():
-        for target, inside, line in imports(path):
-            reached = resolve(target, modules)
-            if reached and reached != name and not (name.startswith(reached) and reached == "convbias.engine"):
-                found.append((name, reached, inside, line))
-    return found
+    return import_graph.edges(engine_modules(), ENGINE.parent.parent)
 
 
 def test_every_engine_module_lives_in_a_package():
@@ -96,23 +56,8 @@ def test_no_import_cycle_between_engine_modules():
     graph: dict[str, set[str]] = {}
     for source, target, _, _ in edges():
         graph.setdefault(source, set()).add(target)
-    visiting, done, cycles = [], set(), []
-
-    def walk(node: str) -> None:
-        if node in done:
-            return
-        if node in visiting:
-            cycles.append(visiting[visiting.index(node) :] + [node])
-            return
-        visiting.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            walk(nxt)
-        visiting.pop()
-        done.add(node)
-
-    for node in sorted(graph):
-        walk(node)
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
 def test_imports_inside_functions_only_where_the_module_says_why():

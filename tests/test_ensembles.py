@@ -172,9 +172,9 @@ def test_ensemble_command_refuses_other_class_counts(seed_runs, tmp_path, capsys
 def test_ensemble_command_scores_the_last_point_and_refuses_damaged_weights(seed_runs, tmp_path, capsys):
     """--which last scores the members' final weights (their final top-1); a member whose weights have 8
     bytes flipped in their middle is one line naming the file, exit 65, before anything is printed."""
+    from convbias.base.errors import EXIT_DAMAGED
     from convbias.cli import ensemble
     from convbias.engine import RunDir
-    from convbias.errors import EXIT_DAMAGED
 
     prepared, results = seed_runs
     runs = [str(prepared.run_dir(run)) for run in prepared.runs]

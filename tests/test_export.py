@@ -19,12 +19,12 @@ import torch
 import yaml
 from test_tcnn_recipes import SMALL_RUN
 
+from convbias.base.errors import EXIT_DAMAGED, EXIT_STORAGE
 from convbias.cli import export, train
 from convbias.engine.checkpointing.run_dir import read_run_config
 from convbias.engine.config.parsing import Config
 from convbias.engine.data.factory import build_datasets
 from convbias.engine.data.loaders import build_eval_loader
-from convbias.errors import EXIT_DAMAGED, EXIT_STORAGE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -309,10 +309,20 @@ def _torch_fails(*args, **kwargs):
 @pytest.mark.parametrize(
     "target, fault, written, reason",
     [
-        ("convbias.hub.save_for_hf", _full_disk, "model.safetensors", r"no space left on the device: the disk at \S+ "),
-        ("convbias.hub.save_for_hf", _safetensors_fails, "model.safetensors", r"SafetensorError: Error while "),
-        ("convbias.hub.save_for_hf", _torch_fails, "model.safetensors", r"RuntimeError: \[enforce fail "),
-        ("convbias.hub.shutil.copyfile", _full_disk, "config.yaml", r"no space left on the device: the disk at \S+ "),
+        (
+            "convbias.sharing.hub.save_for_hf",
+            _full_disk,
+            "model.safetensors",
+            r"no space left on the device: the disk at \S+ ",
+        ),
+        ("convbias.sharing.hub.save_for_hf", _safetensors_fails, "model.safetensors", r"SafetensorError: Error while "),
+        ("convbias.sharing.hub.save_for_hf", _torch_fails, "model.safetensors", r"RuntimeError: \[enforce fail "),
+        (
+            "convbias.sharing.hub.shutil.copyfile",
+            _full_disk,
+            "config.yaml",
+            r"no space left on the device: the disk at \S+ ",
+        ),
     ],
     ids=["enospc", "safetensors", "torch", "run-files"],
 )

@@ -291,7 +291,7 @@ def drawn(tmp_path_factory) -> tuple[dict[str, Figure], set[tuple[str, str]]]:
     init = Figure.__init__
 
     def record_save(fig: Figure, fname, *args, **kwargs):
-        # the file's own name: convbias.storage.save_figure writes it under its temporary name first
+        # the file's own name: convbias.base.storage.save_figure writes it under its temporary name first
         name = re.sub(r"^[.](.+)[.]tmp[0-9]+$", r"\1", Path(fname).name)
         saved[f"{builder}: {name}"] = fig
         Path(fname).write_bytes(b"")

@@ -1,4 +1,4 @@
-"""The fused GPSA kernel (`convbias.fused_gpsa`) against the explicit path, forward and every gradient.
+"""The fused GPSA kernel (`convbias.gpsa.fused`) against the explicit path, forward and every gradient.
 
 The Triton kernels run under Triton's interpreter, which needs TRITON_INTERPRET=1 in the environment
 before triton is imported: those checks run in one child process (`_interpreted_results`), whose
@@ -11,7 +11,8 @@ import torch
 from gpsa_cases import randomized_gpsa
 from interpreted import interpreted_results
 
-from convbias import fused_gpsa, gpsa
+from convbias import gpsa
+from convbias.gpsa import fused as fused_gpsa
 from convit import ConViT
 from transformed_cnn import GPSAConv2d
 
@@ -198,7 +199,7 @@ def test_kernels_compile_for_a_cuda_gpu_without_one():
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    from convbias import fused_gpsa_kernels
+    from convbias.gpsa import fused_kernels
 
     fp32_pointers = {"rows_ptr", "cols_ptr", "gate_ptr", "lse_ptr", "delta_ptr"}
     constants = {
@@ -210,7 +211,7 @@ def test_kernels_compile_for_a_cuda_gpu_without_one():
         "DOT_DTYPE": tl.bfloat16,
     }
     for name in ("forward_kernel", "key_grad_kernel", "query_grad_kernel"):
-        kernel = triton.jit(getattr(fused_gpsa_kernels, name))
+        kernel = triton.jit(getattr(fused_kernels, name))
         signature = {}
         for arg in kernel.arg_names:
             if arg in constants:

@@ -15,7 +15,17 @@ from PIL import Image
 from test_run_faults import save_point
 from test_train_errors import messages
 
-from convbias import inputs
+from convbias.base import inputs
+from convbias.base.errors import (
+    EXIT_DAMAGED,
+    EXIT_INTERRUPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    ConfigError,
+    DamagedInputError,
+)
+from convbias.base.run_layout import CONFIG_MARKER
+from convbias.base.weights import load_weights
 from convbias.cli import (
     diagnostics,
     efcn_protocol,
@@ -34,20 +44,10 @@ from convbias.cli import (
 from convbias.engine import parse_config
 from convbias.engine.checkpointing import lock
 from convbias.engine.checkpointing.points import CheckpointDir
-from convbias.engine.checkpointing.run_files import CONFIG_MARKER
 from convbias.engine.config.parsing import load_yaml
 from convbias.engine.data import datasets
 from convbias.engine.loop.records import read_log
 from convbias.engine.model import factory as modeling
-from convbias.errors import (
-    EXIT_DAMAGED,
-    EXIT_INTERRUPTED,
-    EXIT_STORAGE,
-    EXIT_USAGE,
-    ConfigError,
-    DamagedInputError,
-)
-from convbias.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -380,8 +380,8 @@ def test_a_read_only_output_is_74(tmp_path, capsys, monkeypatch):
 
 
 def test_predict_names_a_dangling_link_it_skips(tmp_path):
-    from convbias.prediction import Predictor, find_images
-    from convbias.prediction import predict as label
+    from convbias.sharing.prediction import Predictor, find_images
+    from convbias.sharing.prediction import predict as label
 
     png(tmp_path / "images" / "real.png")
     (tmp_path / "images" / "gone.png").symlink_to(tmp_path / "nowhere.png")
@@ -446,7 +446,7 @@ def test_the_preempted_row_is_train_pys(monkeypatch, capsys):
     tests/test_launch.py); what stops train.py before its set-up is reported as every other command's."""
     import argparse
 
-    from convbias.errors import EXIT_REQUEUE, Preempted
+    from convbias.base.errors import EXIT_REQUEUE, Preempted
 
     def preempted(*args, **kwargs):
         raise Preempted("SIGTERM", None, 0, 3)

@@ -15,10 +15,10 @@ import torch
 from test_hostile_inputs import TINY, Pickled, a_run, one_line, png, run_train, tree
 from test_train_errors import messages
 
+from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError
 from convbias.cli import diagnostics, ensemble, export, predict, robustness, stability, train
 from convbias.engine.checkpointing.points import find_resume_point
 from convbias.engine.checkpointing.run_dir import check_point
-from convbias.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

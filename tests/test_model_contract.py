@@ -14,7 +14,7 @@ from timm.models import get_pretrained_cfg, model_entrypoint
 import convit  # noqa: F401  (registers convit_*, deit_*_plus)
 import efcn  # noqa: F401  (registers vanilla_cnn, alexnet_cifar, efcn_*, fcn_*)
 import transformed_cnn  # noqa: F401  (registers tcnn_*)
-from convbias.timm_compat import feature_take_indices
+from convbias.base.timm_compat import feature_take_indices
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -217,7 +217,7 @@ def test_features_only_maps_match_feature_info_and_intermediates(name):
 
 
 def test_feature_take_indices_is_timms_contract():
-    """convbias.timm_compat's private timm import: fails loudly if timm changes it."""
+    """convbias.base.timm_compat's private timm import: fails loudly if timm changes it."""
     assert feature_take_indices(4, None) == ([0, 1, 2, 3], 3)
     assert feature_take_indices(4, 2) == ([2, 3], 3)
     assert feature_take_indices(4, [0, -1]) == ([0, 3], 3)

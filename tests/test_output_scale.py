@@ -113,8 +113,8 @@ def deit_argv(cli_argv):
 
 
 def test_train_with_output_scale_logs_the_kernel_change_and_reloads(tmp_path, deit_argv):
+    from convbias.base.weights import read_state_dict, weights_metadata
     from convbias.cli import train
-    from convbias.weights import read_state_dict, weights_metadata
 
     output = tmp_path / "run"
     results = train.run(deit_argv(epochs=2, output_scale=100, output=output))

@@ -16,8 +16,8 @@ from timm.models._hub import HF_WEIGHTS_NAME, _get_safe_alternatives
 
 import convit  # noqa: F401  (registers the project's models)
 import transformed_cnn  # noqa: F401
+from convbias.base.errors import EXIT_USAGE, ConfigError
 from convbias.engine.model.pretrained import HUB_CHECK_SECONDS, check_pretrained_reachable, weights_source
-from convbias.errors import EXIT_USAGE, ConfigError
 
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens there
 

@@ -327,8 +327,8 @@ def test_damaged_run_weights_are_one_line_exit_65_for_diagnostics_and_robustness
     import numpy as np
     from PIL import Image
 
+    from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE
     from convbias.cli import diagnostics, robustness
-    from convbias.errors import EXIT_DAMAGED, EXIT_USAGE
 
     output, _results, _ = finished_run
     run = tmp_path / "run"

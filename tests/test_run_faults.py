@@ -19,6 +19,15 @@ import pytest
 import torch
 from test_train_errors import messages
 
+from convbias.base.errors import (
+    EXIT_DAMAGED,
+    EXIT_REQUEUE,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    DamagedCheckpointError,
+    StorageError,
+)
+from convbias.base.weights import load_weights
 from convbias.cli import train
 from convbias.engine.checkpointing import lock
 from convbias.engine.checkpointing import points as checkpoint
@@ -34,15 +43,6 @@ from convbias.engine.checkpointing.run_dir import RunDir, load_training_state
 from convbias.engine.loop import records as run_log
 from convbias.engine.loop import trainer
 from convbias.engine.loop.records import read_log
-from convbias.errors import (
-    EXIT_DAMAGED,
-    EXIT_REQUEUE,
-    EXIT_STORAGE,
-    EXIT_USAGE,
-    DamagedCheckpointError,
-    StorageError,
-)
-from convbias.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,4 +1,4 @@
-"""Every run-directory name comes from engine.checkpointing.layout: read from the source of convbias/, train.py
+"""Every run-directory name comes from base.run_layout: read from the source of convbias/, train.py
 and benchmarks/, no other module spells one. A file name (config.yaml, model.safetensors, ...) is refused as
 a string constant anywhere but in a docstring; a name that is also a word of the code (``checkpoints``,
 ``last``, ``best``, ``sharded``, ``wandb``, ``init``) is refused where it is joined into a path (``path / "last"``); any name is
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from convbias.engine.checkpointing import layout
+from convbias.base import run_layout as layout
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("convbias", "train.py", "benchmarks")
-LAYOUT = ROOT / "convbias" / "engine" / "checkpointing" / "layout.py"
+LAYOUT = ROOT / "convbias" / "base" / "run_layout.py"
 FILE_NAMES = {
     layout.CONFIG_FILE,
     layout.SUMMARY_FILE,
@@ -115,11 +115,10 @@ def test_the_layout_names_what_it_promises():
 )
 def test_the_check_catches_a_planted_literal(tmp_path, monkeypatch, planted):
     """The check reads real files: a name spelled into a copy of a module is reported."""
-    copy = tmp_path / "convbias"
-    target = copy / "hub.py"
+    target = tmp_path / "convbias" / "sharing" / "hub.py"
     target.parent.mkdir(parents=True)
-    target.write_text((ROOT / "convbias" / "hub.py").read_text() + "\n\n" + planted)
+    target.write_text((ROOT / "convbias" / "sharing" / "hub.py").read_text() + "\n\n" + planted)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "SOURCES", ("convbias",))
-    with pytest.raises(AssertionError, match=r"convbias/hub.py:\d+ "):
+    with pytest.raises(AssertionError, match=r"convbias/sharing/hub.py:\d+ "):
         test_run_directory_names_come_from_the_layout_module()

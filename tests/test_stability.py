@@ -333,7 +333,7 @@ def _val_images(count):
 
 
 def _snapshot_model(run, name):
-    from convbias.weights import load_weights
+    from convbias.base.weights import load_weights
 
     model = timm.create_model("vanilla_cnn", channels=4, in_chans=1, img_size=16, num_classes=10)
     return load_weights(model, run / "checkpoints" / f"{name}.safetensors").eval()
@@ -440,8 +440,8 @@ def test_command_refuses_a_damaged_checkpoint_before_any_output(digits_run, tmp_
     """A truncated --save-epochs snapshot: one line naming it, exit 65, and no output folder."""
     import shutil
 
+    from convbias.base.errors import EXIT_DAMAGED
     from convbias.cli import stability
-    from convbias.errors import EXIT_DAMAGED
 
     run, _ = digits_run
     damaged = tmp_path / "run"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
+from convbias.base.tables import write_csv
 from convbias.cli.stability_contrasts import main
 from convbias.experiments.stability_contrasts import (
     log_rows,
@@ -16,7 +17,6 @@ from convbias.experiments.stability_contrasts import (
     read_trajectories,
     trajectory_summary,
 )
-from convbias.tables import write_csv
 
 STUDY = Path(__file__).resolve().parents[1] / "results" / "relative_stability"
 MEASURED = dict(convention="published", modes="published", images=300, draws=5)

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from test_sweep import TINY_SET, sweep_cli
 
-from convbias.errors import StorageError
+from convbias.base.errors import StorageError
+from convbias.base.tables import write_csv
 from convbias.experiments import regimes, sweep, sweep_spec
-from convbias.tables import write_csv
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.integration, pytest.mark.slow]
 

@@ -143,8 +143,8 @@ def test_what_the_device_cannot_do_runs_timms_transforms(option, value, reason):
     ],
 )
 def test_bad_values_are_one_line_errors(argv, message):
+    from convbias.base.errors import ConfigError
     from convbias.engine import parse_config
-    from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         parse_config(["--model", "vanilla_cnn", *argv])

@@ -11,8 +11,8 @@ import torch
 import yaml
 from timm.utils import CheckpointSaver
 
-from convbias.errors import ConfigError
-from convbias.weights import load_weights, read_state_dict
+from convbias.base.errors import ConfigError
+from convbias.base.weights import load_weights, read_state_dict
 
 
 def image_folder(root: Path, per_class: int, side: int) -> Path:
@@ -99,7 +99,7 @@ TINY_RESNET = {"channels": (8, 16, 32, 64), "stem_width": 8}  # resnet10t's laye
 
 def timm_train_args(**overrides):
     """timm's train.py arguments (its parser's defaults) with a small run's values."""
-    from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
+    from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
     # lr: what train.py sets from --lr-base for its global batch before it builds the optimizer
     values = {**TIMM_TRAIN_DEFAULTS, "model": "resnet10t", "num_classes": 3, "epochs": TIMM_EPOCHS, "lr": 0.05}
@@ -233,10 +233,10 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
 
 
 def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_one_line(tmp_path, folder_of_twelve):
+    from convbias.base.errors import ConfigError, DamagedInputError
     from convbias.engine import parse_config
     from convbias.engine.loop.setup import start_run
     from convbias.engine.loop.trainer import build_trainer
-    from convbias.errors import ConfigError, DamagedInputError
     from convbias.families import load_families
 
     last = timm_run(tmp_path, timm_train_args(weight_decay=0.0))  # timm's optimizer: one group

@@ -23,12 +23,12 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import CheckpointSaver
 
 from convbias import engine
+from convbias.base.errors import ConfigError
 from convbias.engine import parse_config
 from convbias.engine.config.parsing import config_warnings
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.loop.records import startup_block
-from convbias.errors import ConfigError
 from convbias.families import load_families
-from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 PUBLISHED = Path(__file__).parent / "data" / "published_args"
 TINY = ["--model", "resnet10t", "--model-kwargs", *(f"{k}={v}" for k, v in TINY_RESNET.items())]

@@ -8,7 +8,7 @@ import yaml
 from convbias.cli import train
 from convbias.engine import RunDir, parse_config
 from convbias.engine.config.derived import scaled_lr
-from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 ARGS_YAML = Path(__file__).parent / "data" / "timm_train_args.yaml"
 DEIT_RECIPE = Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml"

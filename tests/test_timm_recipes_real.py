@@ -21,13 +21,13 @@ from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from torch import nn
 
+from convbias.base.errors import ConfigError
 from convbias.cli import train
 from convbias.engine import parse_config
 from convbias.engine.config.derived import scaled_lr
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.data.factory import build_transforms, input_format
 from convbias.engine.optim.factory import create_mixup, create_optimizer, create_scheduler
-from convbias.errors import ConfigError
-from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 # training_script.mdx, each after `./distributed_train.sh N` (the process count is accelerate's launch option)
 DOCUMENTED = {

@@ -12,6 +12,7 @@ import torch
 from timm.scheduler import CosineLRScheduler, PlateauLRScheduler
 from torch import nn
 
+from convbias.base.errors import ConfigError
 from convbias.engine import RunDir, read_log, validate
 from convbias.engine.checkpointing.run_dir import load_training_state
 from convbias.engine.config.options import Config
@@ -20,7 +21,6 @@ from convbias.engine.loop.setup import start_run
 from convbias.engine.loop.trainer import build_trainer
 from convbias.engine.model import factory as modeling
 from convbias.engine.optim import factory as recipe
-from convbias.errors import ConfigError
 from convbias.families import load_families
 
 pytestmark = pytest.mark.usefixtures("single_thread")

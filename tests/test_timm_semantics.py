@@ -7,10 +7,10 @@ from PIL import Image
 from timm.data import resolve_data_config
 from timm.models import get_pretrained_cfg
 
+from convbias.base.errors import ConfigError
 from convbias.engine import parse_config
 from convbias.engine.config.options import Config
 from convbias.engine.data.factory import build_datasets, input_format
-from convbias.errors import ConfigError
 
 CLASSES, PER_CLASS = ("ant", "bee", "cat"), 10
 

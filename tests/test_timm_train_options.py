@@ -1,5 +1,5 @@
 """The generated timm train.py data agree with each other: tests/data/timm_train_args.yaml (timm's args.yaml),
-convbias.timm_train_options.TIMM_TRAIN_DEFAULTS and the table of docs/timm-options.md hold the same keys and
+convbias.engine.config.timm_train_options.TIMM_TRAIN_DEFAULTS and the table of docs/timm-options.md hold the same keys and
 defaults (all three are written by tests/data/make_timm_train_args.py from timm's parser)."""
 
 import json
@@ -7,7 +7,7 @@ import re
 
 import yaml
 
-from convbias.timm_train_options import TIMM_TRAIN_COMMIT, TIMM_TRAIN_DEFAULTS
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_COMMIT, TIMM_TRAIN_DEFAULTS
 
 
 def test_args_yaml_is_timms_dump_of_the_defaults(repo):

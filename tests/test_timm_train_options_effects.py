@@ -21,6 +21,7 @@ from timm.scheduler import CosineLRScheduler, MultiStepLRScheduler, create_sched
 from timm.utils import adaptive_clip_grad
 from torch import nn
 
+from convbias.base.errors import ConfigError
 from convbias.engine import parse_config, validate
 from convbias.engine.config.command_line import build_parser
 from convbias.engine.config.options import Config, default_value, flag_name
@@ -28,7 +29,6 @@ from convbias.engine.config.parsing import config_warnings
 from convbias.engine.model import factory as modeling
 from convbias.engine.model.output_scale import OutputScale
 from convbias.engine.optim import factory as recipe
-from convbias.errors import ConfigError
 from convbias.families import load_families
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -148,8 +148,8 @@ def test_ratio_reaches_timms_crop_on_both_paths(mode):
 @pytest.mark.parametrize("ratio", [[2.0, 1.0], [0.0, 1.0]])
 def test_bad_ratio_is_a_one_line_error(ratio):
     """A reversed or non-positive range is refused before any work, naming the option and the expected form."""
+    from convbias.base.errors import ConfigError
     from convbias.engine import parse_config
-    from convbias.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"--ratio must be two positive numbers, MIN <= MAX, got \["):
         parse_config(["--model", "vanilla_cnn", "--ratio", *map(str, ratio)])
@@ -197,7 +197,7 @@ def test_train_num_samples_sets_an_hfids_epoch_without_a_train_size(tmp_path, hf
     """An hfids/ card without the train split's size is refused (its length is unknown), unless
     --train-num-samples gives the epoch's length."""
     pytest.importorskip("datasets")
-    from convbias.errors import ConfigError
+    from convbias.base.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root = hf_toy.write(tmp_path / "toy", {"train": 12, "validation": 6})

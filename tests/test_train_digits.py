@@ -9,11 +9,11 @@ import pytest
 import timm
 import torch
 
+from convbias.base.weights import load_weights
 from convbias.cli import train
 from convbias.engine import parse_config
 from convbias.engine.checkpointing.points import save_weights
 from convbias.engine.loop.records import SUMMARY_FIELDS
-from convbias.weights import load_weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("single_thread")]  # tiny models
 

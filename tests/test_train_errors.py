@@ -8,9 +8,9 @@ import pytest
 import timm
 import torch
 
+from convbias.base.run_layout import CONFIG_MARKER
 from convbias.cli import train
 from convbias.engine.checkpointing.points import save_weights
-from convbias.engine.checkpointing.run_files import CONFIG_MARKER
 
 SMALL = [
     "--dataset",

@@ -202,7 +202,7 @@ def test_the_ema_updates_every_tensor_in_two_ops_on_any_device_as_timm_updates_t
     update counts) are copied in one op too. The values are timm's ModelEmaV3's."""
     from timm.utils import ModelEmaV3
 
-    from convbias.dispatch_cost import DispatchCost
+    from convbias.base.dispatch_cost import DispatchCost
     from convbias.engine.optim.factory import create_ema
 
     torch.manual_seed(0)

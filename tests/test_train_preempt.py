@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from convbias.base.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 from convbias.engine.checkpointing.points import STATE_FILE, write_manifest
 from convbias.engine.checkpointing.run_dir import load_training_state
-from convbias.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 

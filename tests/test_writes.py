@@ -1,5 +1,5 @@
 """No command writes over a file another command reads. Every writer (each command's --output, the files and
-folders it writes) goes through convbias.storage, which refuses a destination that is a file of a run or of an
+folders it writes) goes through convbias.base.storage, which refuses a destination that is a file of a run or of an
 exported model, however the path is spelled, unless the writer is the run itself (train.py); an explicit
 --resume POINT continues into the point's own run or a fresh folder, never over another run. A command that
 reads a run still training loads the point it verified or the next verified one. The runs are real (a tiny
@@ -16,7 +16,10 @@ import yaml
 from test_hostile_inputs import one_line, png, tree
 from test_train_errors import messages
 
-from convbias import storage
+from convbias.base import storage
+from convbias.base.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
+from convbias.base.run_layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
+from convbias.base.weights import read_state_dict
 from convbias.cli import (
     diagnostics,
     efcn_protocol,
@@ -31,11 +34,8 @@ from convbias.cli import (
 )
 from convbias.engine import RunDir
 from convbias.engine.checkpointing import run_dir as run_dir_module
-from convbias.engine.checkpointing.layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
 from convbias.engine.checkpointing.points import CheckpointDir
-from convbias.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from convbias.families import load_families
-from convbias.weights import read_state_dict
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.integration]
 

@@ -28,7 +28,7 @@ form (query rows x padded key rows, query columns x padded key columns). It pick
 the shapes: in late stages (C_in >= N_q) it mixes the two attentions first and applies them in one
 GEMM; in early stages (C_in < N_q) the content term goes through SDPA and P @ V is applied axis by
 axis with the batch folded into the columns, without a (B, heads, N_q, N_k) tensor. With
-`positional_product = "fused"` a layer whose C_in is at most `convbias.fused_gpsa.FUSED_MAX_VALUE_WIDTH`
+`positional_product = "fused"` a layer whose C_in is at most `convbias.gpsa.fused.FUSED_MAX_VALUE_WIDTH`
 (128: a ResNet-50's first two stages) runs the fused Triton kernel instead, strided queries included
 (the kernel takes any query grid over the padded key grid and the value shared by the heads); wider
 layers (later stages) keep the schedules above. `fused = False` runs the explicit path: the normalized

@@ -31,7 +31,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, get_arch_pr
 from timm.models.resnet import ResNet
 from torch import nn
 
-from convbias.weights import WEIGHTS_LOGGER, check_keys
+from convbias.base.weights import WEIGHTS_LOGGER, check_keys
 
 from .transform import resolve_stages, transform
 

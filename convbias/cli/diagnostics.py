@@ -32,14 +32,14 @@ from timm.data import create_transform, resolve_data_config
 
 import convit.diagnostics
 import transformed_cnn
+from convbias.base.run_layout import LOG_FILE
+from convbias.base.weights import load_weights
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, Config, RunDir, create_model, is_run_dir
-from convbias.engine.checkpointing.layout import LOG_FILE
 from convbias.engine.loop.records import read_log as read_run_log
 from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head
 from convbias.families import load_families
-from convbias.weights import load_weights
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import yaml
 
+from convbias.base.storage import output_folder, write_text
 from convbias.cli import OptionParser, report
 from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
 from convbias.experiments.efcn_seeds import single_seed_intervals, summarize_seeds
-from convbias.storage import output_folder, write_text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 
+from convbias.base.run_layout import check_destination
+from convbias.base.storage import write_text
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_files import check_destination
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
 from convbias.families import load_families
-from convbias.storage import write_text
 
 
 def main(argv: list[str] | None = None) -> int:

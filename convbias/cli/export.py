@@ -16,10 +16,11 @@ with nothing left at --output; a failed upload (1) leaves the folder in place.
 
 from __future__ import annotations
 
+from convbias.base.errors import ConfigError, print_error
+from convbias.base.run_layout import check_output_folder
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_files import check_output_folder, in_timm_output, is_timm_checkpoint_name
-from convbias.errors import ConfigError, print_error
+from convbias.engine.checkpointing.run_files import in_timm_output, is_timm_checkpoint_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +51,7 @@ def _export(argv: list[str] | None) -> int:
         )
     # imported after parsing: `convbias-export --help` loads no timm, Hub client or model family
     from convbias.families import load_families
-    from convbias.hub import export_run, export_timm_checkpoint, push_folder
+    from convbias.sharing.hub import export_run, export_timm_checkpoint, push_folder
 
     load_families()
     deploy = tuple(name for name, wanted in (("onnx", args.onnx), ("pt2", args.pt2)) if wanted)

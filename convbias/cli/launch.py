@@ -44,9 +44,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
+from convbias.base.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, print_error
 from convbias.cli import run_command
 from convbias.engine import LAUNCH_EXIT_DIR, LAUNCH_PROCESSES
-from convbias.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, print_error
 
 USAGE = "convbias-launch [accelerate launch options] train.py ARGS..."
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)  # the engine's default --preempt-signals

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.run_layout import check_output_folder
 from convbias.cli import OptionParser, run_command
-from convbias.engine.checkpointing.run_files import check_output_folder
 from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
 
 

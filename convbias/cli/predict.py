@@ -43,7 +43,7 @@ def _predict(argv: list[str] | None) -> int:
     import torch
 
     from convbias.engine.checkpointing.run_files import in_timm_output
-    from convbias.prediction import (
+    from convbias.sharing.prediction import (
         find_images,
         format_predictions,
         load_predictor,

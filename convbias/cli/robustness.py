@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
+from convbias.base.run_layout import check_output_folder
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
-from convbias.engine.checkpointing.run_files import check_output_folder
 from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
 from convbias.evaluation.robustness import PAPER_ATTACK
 from convbias.evaluation.robustness_report import table_markdown

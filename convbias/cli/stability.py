@@ -25,16 +25,16 @@ from pathlib import Path
 
 import torch
 
+from convbias.base.run_layout import INIT_SNAPSHOT, LAST_LINK, SNAPSHOT_NAME, SUMMARY_FILE
+from convbias.base.storage import output_folder, write_text
+from convbias.base.tables import write_csv
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.layout import INIT_SNAPSHOT, LAST_LINK, SNAPSHOT_NAME, SUMMARY_FILE
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
 from convbias.experiments import stability_study as study
 from convbias.experiments.stability_figures import plots
 from convbias.families import load_families
-from convbias.storage import output_folder, write_text
-from convbias.tables import write_csv
 
 CONTRAST_REFERENCE = "vanilla_cnn"  # the group every other is compared with, at the same training fraction
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.tables import write_csv
 from convbias.cli import OptionParser, run_command
 from convbias.experiments import stability_contrasts as contrasts
 from convbias.experiments.stability_study import read_rows
-from convbias.tables import write_csv
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import (
+from convbias.base.errors import (
     ConfigError,
     DamagedCheckpointError,
     Interrupted,
@@ -37,7 +37,9 @@ from ..errors import (
     show_traceback,
     stop_prefix,
 )
-from ..storage import storage_reason
+from convbias.base.reporting import report
+from convbias.base.storage import storage_reason
+
 from .config import parsing as config_parsing
 from .config.options import Config
 from .config.parsing import config_warnings
@@ -288,7 +290,7 @@ def _leave_exit_code(code: int, line: str = "") -> None:
             (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n{line}\n")
 
 
-# the ways a run itself stops, each reported as one line with its code and prefix from convbias.errors.STOPS
+# the ways a run itself stops, each reported as one line with its code and prefix from convbias.base.errors.STOPS
 _RUN_STOPS = (Preempted, DamagedCheckpointError, ConfigError, StorageError, NonFiniteLossError, Interrupted)
 
 
@@ -304,8 +306,6 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
             traceback.print_exception(e)
         return code
     except (OSError, KeyboardInterrupt) as e:  # not reported by the run itself (before its set-up): as every command
-        from convbias.cli import report
-
         _close_progress_bars()
         code = report(e)
         _leave_exit_code(code)

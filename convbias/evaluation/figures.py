@@ -40,7 +40,7 @@ from matplotlib.legend import Legend
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from convbias.storage import output_folder, save_figure
+from convbias.base.storage import output_folder, save_figure
 
 __all__ = [
     "displayable",

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from convbias import tables
-from convbias.storage import output_folder, save_figure, write_text
+from convbias.base import tables
+from convbias.base.storage import output_folder, save_figure, write_text
 
 from .corruptions import CATEGORIES, CATEGORY_OF
 

@@ -14,8 +14,8 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from convbias.base.storage import save_figure
 from convbias.evaluation.figures import log_ticks, shared_legend
-from convbias.storage import save_figure
 
 
 def _colors(n: int):

@@ -34,13 +34,13 @@ import torch
 
 import efcn
 from convbias import engine
+from convbias.base.inputs import read_yaml
+from convbias.base.run_layout import SUMMARY_FILE, snapshot_name
+from convbias.base.tables import write_csv
+from convbias.base.weights import load_weights
 from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
-from convbias.engine.checkpointing.layout import SUMMARY_FILE, snapshot_name
 from convbias.evaluation import landscape
 from convbias.families import load_families
-from convbias.inputs import read_yaml
-from convbias.tables import write_csv
-from convbias.weights import load_weights
 
 from . import efcn_figures as plots
 

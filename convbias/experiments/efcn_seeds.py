@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from convbias.storage import output_folder, write_text
-from convbias.tables import markdown_table, write_csv
+from convbias.base.storage import output_folder, write_text
+from convbias.base.tables import markdown_table, write_csv
 
 from .intervals import cell, interval, wilson
 

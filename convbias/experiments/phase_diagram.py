@@ -45,13 +45,13 @@ from sklearn.datasets import load_digits
 from sklearn.decomposition import PCA
 from torch import nn
 
-from convbias.engine.checkpointing.layout import CONFIG_FILE
+from convbias.base.inputs import read_yaml
+from convbias.base.run_layout import CONFIG_FILE
+from convbias.base.storage import output_folder, save_figure, write_text
+from convbias.base.tables import write_csv
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change
-from convbias.inputs import read_yaml
-from convbias.storage import output_folder, save_figure, write_text
-from convbias.tables import write_csv
 
 NETS_CSV = "nets.csv"  # one row per net, every measurement
 CELLS_CSV = "cells.csv"  # one row per (width, alpha~): the figures' data

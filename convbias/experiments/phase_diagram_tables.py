@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from convbias.tables import markdown_table
+from convbias.base.tables import markdown_table
 
 from .intervals import proportion_interval, t_half_width
 from .sweep_runs import read_runs_like

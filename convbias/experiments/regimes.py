@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
+from convbias.base.run_layout import LOG_FILE
+from convbias.base.storage import save_figure, write_text
+from convbias.base.tables import markdown_table, write_csv
 from convbias.engine import read_log
-from convbias.engine.checkpointing.layout import LOG_FILE
 from convbias.evaluation.ensembles import load_run
 from convbias.evaluation.figures import error_bar_note, log_ticks
 from convbias.evaluation.landscape import Batches, local_energy
-from convbias.storage import save_figure, write_text
-from convbias.tables import markdown_table, write_csv
 
 from .intervals import cell, error_bar, interval, per_seed_gaps
 

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from convbias.engine.checkpointing.layout import CHECKPOINTS_DIR, RESULTS_FILE, snapshot_file
+from convbias.base.run_layout import CHECKPOINTS_DIR, RESULTS_FILE, snapshot_file
 
 CONFIG = "configs/train/stability_mnist.yaml"
 TCNN_CONFIG = "configs/train/stability_mnist_tcnn.yaml"

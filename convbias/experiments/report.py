@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from convbias.storage import output_folder, write_text
-from convbias.tables import markdown_table
+from convbias.base.storage import output_folder, write_text
+from convbias.base.tables import markdown_table
 
 from .intervals import (
     ACCURACY_NOTE,

@@ -20,6 +20,7 @@ import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from convbias.base.weights import load_weights
 from convbias.engine import (
     DATASETS,
     DEFAULT_WHICH,
@@ -46,7 +47,6 @@ from convbias.evaluation.robustness import (
     read_class_list,
 )
 from convbias.evaluation.robustness_report import attack_settings, corruption_summary, write_report
-from convbias.weights import load_weights
 
 IMAGENET_C_LAYOUT = "DIR/<corruption>/<severity>/<class>/<image>"
 SUBSET_LAYOUT = "DIR/<wnid>/<image> (ImageNet-A/-R: 200 ImageNet class folders)"

@@ -19,10 +19,10 @@ from typing import Any
 import matplotlib
 from matplotlib.figure import Figure
 
-from convbias.engine.checkpointing.layout import CONFIG_FILE, LOG_FILE
-from convbias.inputs import json_record
-from convbias.storage import save_figure, write_text
-from convbias.tables import markdown_table, write_csv
+from convbias.base.inputs import json_record
+from convbias.base.run_layout import CONFIG_FILE, LOG_FILE
+from convbias.base.storage import save_figure, write_text
+from convbias.base.tables import markdown_table, write_csv
 
 from .intervals import CONFIDENCE, cell, interval
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from convbias.base.tables import markdown_table
 from convbias.engine import RunDir, build_datasets, check_model_name
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
-from convbias.tables import markdown_table
 
 from .intervals import cell, interval, ratio_interval
 

@@ -50,6 +50,10 @@ from typing import Any
 import torch
 import yaml
 
+from convbias.base.inputs import read_yaml
+from convbias.base.run_layout import RESULTS_FILE, SUMMARY_FILE
+from convbias.base.storage import output_folder, write_text
+from convbias.base.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
 from convbias.engine import (
     Config,
     DamagedCheckpointError,
@@ -59,14 +63,10 @@ from convbias.engine import (
     parse_config,
     read_summary,
 )
-from convbias.engine.checkpointing.layout import RESULTS_FILE, SUMMARY_FILE
 from convbias.engine.config.command_line import build_parser
 from convbias.engine.data.factory import input_format
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
-from convbias.inputs import read_yaml
-from convbias.storage import output_folder, write_text
-from convbias.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
 
 from .sweep_spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from convbias.base.storage import save_figure
 from convbias.evaluation.figures import error_bar_note
-from convbias.storage import save_figure
 
 from .intervals import ACCURACY_RANGE, error_bar, paired_gap, stat
 from .sweep_runs import (

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convbias.inputs import read_yaml
+from convbias.base.inputs import read_yaml
 
 SWEEP_KEYS = ("config", "set", "grid", "variants", "scale_epochs", "baseline")
 MODEL_KWARG_PREFIX = "model_kwargs."

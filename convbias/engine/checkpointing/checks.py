@@ -7,24 +7,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, DamagedInputError, StorageError
-from ...inputs import read_yaml
-from ...timm_checkpoint import read_timm_checkpoint
+from convbias.base.errors import ConfigError, DamagedInputError, StorageError
+from convbias.base.inputs import read_yaml
+from convbias.base.run_layout import CHECKPOINTS_DIR, check_destination, held_entries, is_train_run, run_owning
+from convbias.engine.checkpointing.timm_checkpoint import read_timm_checkpoint
+
 from ..config.options import Config
 from ..config.parsing import require
 from ..config.timm_args import translate_timm_keys
-from .layout import CHECKPOINTS_DIR, held_entries
 from .run_files import (
     RUN_KEYS,
     TIMM_OUTPUT_FILES,
     TIMM_SUFFIXES,
-    check_destination,
     is_run_dir,
     is_timm_checkpoint_name,
     is_timm_output_dir,
-    is_train_run,
     read_run_config,
-    run_owning,
 )
 
 # What --eval-only RUN_DIR takes from the run: its model and data (RUN_KEYS), and its loader processes (the

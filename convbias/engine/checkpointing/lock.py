@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...errors import DamagedInputError
-from .layout import LOCK_FILE
+from convbias.base.errors import DamagedInputError
+from convbias.base.run_layout import LOCK_FILE
 
 
 class RunLockedError(ValueError):

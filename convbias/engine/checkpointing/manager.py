@@ -18,10 +18,11 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ...errors import StorageError
-from ...storage import storage_reason
-from ...weights import load_weights
-from .layout import EMA_FILE
+from convbias.base.errors import StorageError
+from convbias.base.run_layout import EMA_FILE
+from convbias.base.storage import storage_reason
+from convbias.base.weights import load_weights
+
 from .points import CheckpointDir
 from .shards import load_sharded, save_sharded
 from .state_parts import (

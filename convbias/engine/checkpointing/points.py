@@ -1,5 +1,5 @@
 """Writing resume points: atomic writes, safetensors weights, manifests, the ``last``/``best`` links, rotation,
-``--save-epochs`` snapshots, and RNG states in a loadable form. The names are engine.checkpointing.layout's;
+``--save-epochs`` snapshots, and RNG states in a loadable form. The names are base.run_layout's;
 reading and verifying a point is engine.checkpointing.run_dir's.
 
 A resume point is complete when its manifest is there and every file matches it: a kill at any moment
@@ -28,10 +28,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from ...errors import ConfigError, DamagedCheckpointError, StorageError
-from ...storage import atomic_write, storage_reason
-from ..config.options import DEFAULT_KEEP_CHECKPOINTS
-from .layout import (
+from convbias.base.errors import ConfigError, DamagedCheckpointError, StorageError
+from convbias.base.run_layout import (
     BEST_LINK,
     CHECKPOINTS_DIR,
     EMA_FILE,
@@ -48,6 +46,9 @@ from .layout import (
     snapshot_file,
     staging_name,
 )
+from convbias.base.storage import atomic_write, storage_reason
+
+from ..config.options import DEFAULT_KEEP_CHECKPOINTS
 from .run_dir import (
     check_point,
     file_entry,
@@ -65,7 +66,7 @@ def save_weights(
     owner: str | Path | None = None,
 ) -> None:
     """Write a state dict as safetensors, atomically. Tensors are copied to CPU (shared storage is fine).
-    ``owner``: the run whose file ``path`` is, when the run writes it (``convbias.storage.check_destination``)."""
+    ``owner``: the run whose file ``path`` is, when the run writes it (``convbias.base.run_layout.check_destination``)."""
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), owner)
 

@@ -16,7 +16,7 @@ Every weights file is checked against its manifest before it is read; a damaged 
 DamagedCheckpointError (exit 65) naming it, the same for train.py --eval-only, ensembles, robustness,
 stability, diagnostics, export and the sweep. ``RunDir.results()`` reads results.json and
 ``RunDir.status()`` says whether it still matches the newest point. The names of the files are
-engine.checkpointing.layout's; recognizing a run folder without reading its checkpoints is
+base.run_layout's; recognizing a run folder without reading its checkpoints is
 engine.checkpointing.run_files'.
 """
 
@@ -34,14 +34,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError, RunBeingWrittenError
-from ...inputs import first_line, quoted, read_file, read_json
-from ...weights import load_weights, weights_metadata
-from ..config.options import DEFAULT_WHICH, WHICH, Config
-from ..data.datasets import DATASETS
-from ..model.factory import create_model
-from ..model.output_scale import OutputScale
-from .layout import (
+from convbias.base.errors import ConfigError, DamagedCheckpointError, DamagedInputError, RunBeingWrittenError
+from convbias.base.inputs import first_line, quoted, read_file, read_json
+from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     EMA_FILE,
@@ -60,6 +55,12 @@ from .layout import (
     snapshot_epoch,
     snapshot_file,
 )
+from convbias.base.weights import load_weights, weights_metadata
+
+from ..config.options import DEFAULT_WHICH, WHICH, Config
+from ..data.datasets import DATASETS
+from ..model.factory import create_model
+from ..model.output_scale import OutputScale
 from .run_files import (
     RUN_KEYS,
     read_run_config,

@@ -1,5 +1,6 @@
-"""What a folder holds, recognized without reading a checkpoint: whether it is a run of train.py, which of
-its files train.py wrote, whose file a path is, and the run's options (its config.yaml). Light to import (no
+"""What a folder holds, recognized without reading a checkpoint: whether it is a run of train.py or timm's output
+folder, which of its entries train.py did not write, and the run's options (its config.yaml); whose file a path
+is, convbias.base.run_layout's. Light to import (no
 torch): option checks and ``--help`` read this module; reading a run's checkpoints is
 engine.checkpointing.run_dir's.
 """
@@ -10,13 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub.constants import PYTORCH_WEIGHTS_NAME, SAFETENSORS_SINGLE_FILE
-
-from ...errors import ConfigError, DamagedInputError
-from ...inputs import json_record, quoted, read_yaml
-from ..config.options import did_you_mean, option_names, with_option_names
-from ..config.parsing import check_option, coerce
-from .layout import (
+from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.inputs import quoted, read_yaml
+from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     LOCK_FILE,
@@ -25,10 +22,14 @@ from .layout import (
     SUMMARY_FILE,
     is_temporary,
     point_position,
+    written_by_engine,
 )
 
+from ..config.options import did_you_mean, option_names, with_option_names
+from ..config.parsing import check_option, coerce
+
 # The file names of timm's training checkpoints (its CheckpointSaver's .pth.tar, timm's usual .pth weights): a
-# file named so is read as one (convbias.timm_checkpoint) where a command takes a run directory
+# file named so is read as one (convbias.engine.checkpointing.timm_checkpoint) where a command takes a run directory
 TIMM_SUFFIXES = (".pth.tar", ".pth")
 
 
@@ -37,13 +38,6 @@ def is_timm_checkpoint_name(path: str | Path) -> bool:
     return str(path).endswith(TIMM_SUFFIXES) and Path(path).is_file()
 
 
-# What marks a folder as an exported model: timm's save_for_hf config beside the weights timm's local-dir: loads
-EXPORT_CONFIG = "config.json"
-EXPORT_WEIGHTS = (SAFETENSORS_SINGLE_FILE, PYTORCH_WEIGHTS_NAME)
-
-# The first line of every config.yaml train.py writes: what marks a folder as this engine's run.
-CONFIG_MARKER = "# resolved config of this run; reload with -c"
-MAX_FIRST_LINE = 1 << 20  # bytes of a file's first line read to recognize it (a log record is far shorter)
 # What a run's config.yaml contributes to a command that reuses the run: the model and how its data is read.
 # Not --input-size: the config holds it resolved into img_size and in_chans, so a command may change --img-size.
 RUN_KEYS = (
@@ -69,24 +63,6 @@ RUN_KEYS = (
     "reparametrize_kwargs",
     "output_scale",
 )
-
-
-def written_by_engine(path: Path) -> bool:
-    """``path`` (an entry of an output folder) is recognizably one that train.py wrote."""
-    if path.is_symlink() or not path.is_file():
-        return False
-    try:
-        with open(path, "rb") as f:
-            first = f.readline(MAX_FIRST_LINE)
-    except OSError:
-        return False
-    if path.name == CONFIG_FILE:
-        return first.rstrip(b"\n") == CONFIG_MARKER.encode()
-    if path.name == SUMMARY_FILE:
-        return first.startswith(b"epoch,") or first == b""
-    if path.name == LOG_FILE:
-        return first == b"" or isinstance(json_record(first), dict)
-    return False
 
 
 def foreign_entry(output: Path) -> str | None:
@@ -118,77 +94,6 @@ def foreign_links(output: Path) -> list[str]:
     if root.is_dir() and not root.is_symlink():
         found += [p for p in root.iterdir() if p.is_symlink() and point_position(p)]
     return [f"{p} -> {os.readlink(p)}" for p in found]
-
-
-def run_owning(path: str | Path) -> Path | None:
-    """The run directory whose own file ``path`` is (or would be): its config, logs, results, lock, or
-    anything under its checkpoints/ (through links too); None for any other path. A run is recognized by the
-    config.yaml train.py marks (``is_train_run``)."""
-    for candidate in _spellings(path):
-        if candidate.name in RUN_FILES and is_train_run(candidate.parent):
-            return candidate.parent
-        for ancestor in candidate.parents:
-            if ancestor.name == CHECKPOINTS_DIR and is_train_run(ancestor.parent):
-                return ancestor.parent
-    return None
-
-
-def is_train_run(path: str | Path) -> bool:
-    """A folder whose config.yaml train.py wrote (its first line is ``CONFIG_MARKER``)."""
-    return written_by_engine(Path(path) / CONFIG_FILE)
-
-
-def is_export_dir(path: str | Path) -> bool:
-    """A folder that loads as an exported model (convbias-export's, timm's ``local-dir:``): its config.json
-    beside its weights."""
-    path = Path(path)
-    return (path / EXPORT_CONFIG).is_file() and any((path / name).is_file() for name in EXPORT_WEIGHTS)
-
-
-def folder_owning(path: str | Path) -> Path | None:
-    """The run directory or exported folder whose own file ``path`` is (or would be): ``run_owning``, or an
-    entry of an exported folder (its config, weights, card, the run files copied beside them)."""
-    run = run_owning(path)
-    if run is not None:
-        return run
-    return next((c.parent for c in _spellings(path) if is_export_dir(c.parent)), None)
-
-
-def check_destination(path: str | Path, option: str = "--output", owner: str | Path | None = None) -> None:
-    """ConfigError naming ``path`` when a command would write it over a file that another command reads
-    (``folder_owning``: a run's or an exported folder's), however the path is spelled; ``owner`` is the
-    folder the writer owns (train.py's run), whose files are its own to write."""
-    folder = folder_owning(path)
-    if folder is None or (owner is not None and _same(folder, owner)):
-        return
-    what = "run" if run_owning(path) is not None else "exported model"
-    raise ConfigError(
-        f"{option} {path} is a file of the {what} {folder.resolve()}; no command writes over a file another command "
-        f"reads: choose another path"
-    )
-
-
-def check_output_folder(path: str | Path, option: str = "--output") -> None:
-    """ConfigError when a command's output folder is a run directory, an exported folder, or inside one's
-    own files: the files the command writes there could be theirs."""
-    for candidate in _spellings(path):
-        if is_train_run(candidate) or is_export_dir(candidate):
-            what = "a train.py run" if is_train_run(candidate) else "an exported model"
-            raise ConfigError(
-                f"{option} {path} is {what} ({candidate}); its files are read by other commands: choose another folder"
-            )
-    check_destination(path, option)
-
-
-def _spellings(path: str | Path) -> tuple[Path, Path]:
-    """``path`` as given (made absolute) and with its links and ``..`` resolved: a file of a folder is
-    recognized by either."""
-    path = Path(path).absolute()
-    return path, path.resolve()
-
-
-def _same(a: str | Path, b: str | Path) -> bool:
-    return Path(a).resolve() == Path(b).resolve()
 
 
 # timm's train.py output folder: CheckpointSaver's files beside its args.yaml, by --which

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ...errors import ConfigError
-from .layout import SHARDED_DIR, SHARDED_METADATA
+from convbias.base.errors import ConfigError
+from convbias.base.run_layout import SHARDED_DIR, SHARDED_METADATA
 
 
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

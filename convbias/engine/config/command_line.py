@@ -15,9 +15,10 @@ from typing import Any
 
 import yaml
 
-from ...errors import ConfigError
-from ...inputs import parse_yaml
-from ...timm_train_options import TIMM_TRAIN_DEFAULTS
+from convbias.base.errors import ConfigError
+from convbias.base.inputs import parse_yaml
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
+
 from .options import (
     DESCRIPTION,
     SECTIONS,

@@ -23,7 +23,7 @@ from functools import cache
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-from ...errors import EXIT_REQUEUE, ConfigError
+from convbias.base.errors import EXIT_REQUEUE, ConfigError
 
 DESCRIPTION = "Run configuration: command-line options, YAML recipes (``-c``), and validation."  # first line of --help
 DATASETS = ("digits", "mnist", "cifar10", "cifar100", "imagenet", "folder")

@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError
-from ...inputs import quoted, read_yaml
-from ...timm_train_options import TIMM_TRAIN_DEFAULTS
+from convbias.base.errors import ConfigError
+from convbias.base.inputs import quoted, read_yaml
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
+
 from .command_line import OptionParser, build_parser, timm_only_options
 from .derived import effective_epochs
 from .options import (

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from convbias.timm_train_options import TIMM_TRAIN_DEFAULTS
+from convbias.base.errors import ConfigError
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
-from ...errors import ConfigError
 from .options import (
     declaration,
     default_value,

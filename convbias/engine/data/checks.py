@@ -3,7 +3,8 @@ format and class map as the data factory resolves them (engine.data.factory)."""
 
 from __future__ import annotations
 
-from ...errors import ConfigError
+from convbias.base.errors import ConfigError
+
 from ..config.options import DATASETS, Config
 from .factory import class_map, input_format
 from .streams import is_factory_source

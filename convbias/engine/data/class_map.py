@@ -10,8 +10,8 @@ import io
 import pickle
 from pathlib import Path
 
-from ...errors import ConfigError
-from ...inputs import read_file
+from convbias.base.errors import ConfigError
+from convbias.base.inputs import read_file
 
 CLASS_MAP_FORMS = ".txt (one class name per line, its label the line number) or .pkl (a pickled {name: label})"
 

@@ -29,8 +29,8 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes
 
-from ...errors import ConfigError, DamagedInputError, UnreadableImageError
-from ...inputs import special_file
+from convbias.base.errors import ConfigError, DamagedInputError, UnreadableImageError
+from convbias.base.inputs import special_file
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from timm.data.auto_augment import posterize as timm_posterize
 from timm.data.constants import DEFAULT_CROP_PCT
 from timm.models import get_pretrained_cfg
 
-from ...errors import ConfigError
+from convbias.base.errors import ConfigError
+
 from ..config.options import IMAGE_MODE_CHANNELS, Config, flag_name
 from ..config.parsing import check_option
 from .class_map import apply_class_map, read_class_map

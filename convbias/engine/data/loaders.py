@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from ...errors import ConfigError
+from convbias.base.errors import ConfigError
+
 from ..config.parsing import check_option
 
 

@@ -58,7 +58,7 @@ import yaml
 from timm.data import create_dataset
 from torch.utils.data import Dataset
 
-from ...errors import ConfigError
+from convbias.base.errors import ConfigError
 
 WDS_PREFIX, HFIDS_PREFIX, HFDS_PREFIX = "wds/", "hfids/", "hfds/"
 STREAM_PREFIXES = (WDS_PREFIX, HFIDS_PREFIX)

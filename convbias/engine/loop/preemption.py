@@ -8,7 +8,7 @@ process reads its flag at every update. Several processes decide together every
 ``PREEMPTION_CHECK_INTERVAL`` updates (one tiny all-reduce, so that every rank stops at the same update
 even when the signal reached them at different ones): a collective read on the host at every update would
 make each GPU wait for its queued work, and a few updates are nothing against a scheduler's grace time. The
-command exits with ``convbias.errors.EXIT_REQUEUE`` (75), which a job script maps to a requeue
+command exits with ``convbias.base.errors.EXIT_REQUEUE`` (75), which a job script maps to a requeue
 (README: SLURM recipe); ``--resume auto`` continues from that step.
 
 DataLoader workers ignore these signals when the scheduler sends them (``ignore_in_worker``): a

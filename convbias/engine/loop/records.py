@@ -23,12 +23,20 @@ import torch
 import yaml
 from timm.optim import create_optimizer_v2
 
-from ...errors import DamagedInputError
-from ...inputs import json_record, read_file
-from ...storage import write_text
-from ...tables import csv_text
-from ..checkpointing.layout import CHECKPOINTS_DIR, CONFIG_FILE, LINKS, LOG_FILE, RESULTS_FILE, SUMMARY_FILE
-from ..checkpointing.run_files import CONFIG_MARKER
+from convbias.base.errors import DamagedInputError
+from convbias.base.inputs import json_record, read_file
+from convbias.base.run_layout import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    CONFIG_MARKER,
+    LINKS,
+    LOG_FILE,
+    RESULTS_FILE,
+    SUMMARY_FILE,
+)
+from convbias.base.storage import write_text
+from convbias.base.tables import csv_text
+
 from ..config.derived import ema_is_the_metric, lr_scaling
 from ..config.options import Config
 from ..config.parsing import key_source, option_source

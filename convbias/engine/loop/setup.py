@@ -31,10 +31,11 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from timm.utils import ModelEmaV3
 
-from ...errors import ConfigError
-from ...timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
-from ...weights import load_checked, load_weights, weights_metadata
-from ..checkpointing.layout import WEIGHTS_FILE, point_name
+from convbias.base.errors import ConfigError
+from convbias.base.run_layout import WEIGHTS_FILE, point_name
+from convbias.base.weights import load_checked, load_weights, weights_metadata
+from convbias.engine.checkpointing.timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
+
 from ..checkpointing.lock import RunLock
 from ..checkpointing.points import CheckpointDir
 from ..checkpointing.run_dir import load_training_state, verify_file

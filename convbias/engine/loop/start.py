@@ -11,9 +11,8 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from ...errors import ConfigError, DamagedCheckpointError, DamagedInputError
-from ...weights import weights_metadata
-from ..checkpointing.layout import (
+from convbias.base.errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     LAST_LINK,
@@ -24,6 +23,8 @@ from ..checkpointing.layout import (
     WEIGHTS_FILE,
     point_position,
 )
+from convbias.base.weights import weights_metadata
+
 from ..checkpointing.lock import ForeignLockError, RunLock, RunLockedError
 from ..checkpointing.lock import describe as describe_holder
 from ..checkpointing.points import CheckpointDir, find_resume_point

@@ -29,10 +29,11 @@ from timm.utils import distribute_bn
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from ...errors import NonFiniteLossError, Preempted
-from ...timm_checkpoint import aligned_optimizer_state
-from ...weights import load_checked
-from ..checkpointing.layout import CONFIG_FILE
+from convbias.base.errors import NonFiniteLossError, Preempted
+from convbias.base.run_layout import CONFIG_FILE
+from convbias.base.weights import load_checked
+from convbias.engine.checkpointing.timm_checkpoint import aligned_optimizer_state
+
 from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
 from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_options
 from ..config.derived import ema_is_the_metric

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import ConfigError
+from convbias.base.errors import ConfigError
+
 from ..config.options import Config
 from .factory import check_model_name
 

@@ -18,7 +18,9 @@ import timm
 import torch
 from timm.layers import is_fast_norm, set_fast_norm
 
-from convbias.weights import (
+from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.inputs import first_line, quoted
+from convbias.base.weights import (
     check_pretrained,
     check_weights_file,
     describe_pretrained_load,
@@ -26,8 +28,6 @@ from convbias.weights import (
     timm_load_report,
 )
 
-from ...errors import ConfigError, DamagedInputError
-from ...inputs import first_line, quoted
 from ..config.options import Config
 
 

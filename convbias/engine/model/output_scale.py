@@ -28,7 +28,7 @@ import copy
 import torch
 from torch import nn
 
-from ...errors import ConfigError
+from convbias.base.errors import ConfigError
 
 
 def check_alpha(alpha: float, option: str = "--output-scale") -> float:

@@ -14,7 +14,7 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import try_to_load_from_cache
 from timm.models import get_pretrained_cfg
 
-from ...errors import ConfigError
+from convbias.base.errors import ConfigError
 
 HUB_CHECK_SECONDS = 3.0  # a connection the hub does not accept within this is taken as no network
 HUB_PREFIX = "hf-hub:"  # timm's model names read from the Hub: hf-hub:REPO

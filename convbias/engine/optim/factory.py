@@ -35,7 +35,8 @@ from timm.scheduler import PlateauLRScheduler, create_scheduler_v2, scheduler_kw
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
-from ...errors import ConfigError
+from convbias.base.errors import ConfigError
+
 from ..config.derived import effective_epochs
 from ..config.options import Config
 

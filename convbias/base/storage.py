@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .run_layout import check_destination, check_output_folder
+
 _REASONS = {
     errno.EDQUOT: "the disk quota is exhausted",
     errno.EROFS: "the file system is read-only",
@@ -64,21 +66,13 @@ def remove_stale_temporaries(path: Path) -> list[Path]:
     return removed
 
 
-def check_destination(path: str | os.PathLike, owner: str | os.PathLike | None = None) -> None:
-    """ConfigError when ``path`` is a file of a run or an exported model other than ``owner``'s
-    (engine.checkpointing.run_files, imported here at call time: the engine imports this module)."""
-    from convbias.engine.checkpointing.run_files import check_destination as refuse_others_files
-
-    refuse_others_files(path, owner=owner)
-
-
 def atomic_write(
     path: str | os.PathLike, write: Callable[[Path], None], owner: str | os.PathLike | None = None
 ) -> None:
     """Call ``write(tmp_path)``, then rename tmp_path over ``path``: readers see the old or the new file.
     ``owner``: the run folder the writer owns (``check_destination``)."""
     path = Path(path)
-    check_destination(path, owner)
+    check_destination(path, owner=owner)
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
     try:
@@ -103,9 +97,7 @@ def save_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
 
 def output_folder(path: str | os.PathLike, option: str = "--output") -> Path:
     """Make a command's output folder (and its parents) once it is known to be no run's or exported model's
-    (engine.checkpointing.run_files.check_output_folder); returns it."""
-    from convbias.engine.checkpointing.run_files import check_output_folder
-
+    (``run_layout.check_output_folder``); returns it."""
     path = Path(path)
     check_output_folder(path, option)
     path.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,9 @@ from huggingface_hub.constants import SAFETENSORS_SINGLE_FILE
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from convbias.errors import ConfigError, DamagedInputError
-from convbias.inputs import check_regular_file, first_line
+from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.inputs import check_regular_file, first_line
+from convbias.base.run_layout import CHECKPOINTS_DIR, point_name
 
 # The Hugging Face Hub's name of a weights file, which timm's local-dir: loads and an engine's resume point uses
 WEIGHTS_FILE = SAFETENSORS_SINGLE_FILE
@@ -36,9 +37,6 @@ def resolve_weights_path(path: str | Path) -> Path:
     if path.is_dir():
         if (path / WEIGHTS_FILE).is_file():
             return path / WEIGHTS_FILE
-        # the engine's run-directory layout; imported here, since the engine imports this module
-        from convbias.engine.checkpointing.layout import CHECKPOINTS_DIR, point_name
-
         if (path / CHECKPOINTS_DIR).is_dir():
             example = path / CHECKPOINTS_DIR / point_name(0).replace("0", "N") / WEIGHTS_FILE
             raise ConfigError(
@@ -214,7 +212,7 @@ def check_weights_file(path: str | Path) -> None:
 
 # Where a family's pretrained filter says what it did to the weights (a T-CNN's: transformed a ResNet's weights, or
 # took a T-CNN's as they are): timm_load_report collects its INFO lines for the start-up block.
-WEIGHTS_LOGGER = "convbias.weights"
+WEIGHTS_LOGGER = "convbias.base.weights"
 
 # What timm's builder logs after a non-strict pretrained load (timm.models._builder.load_pretrained): the
 # keys it left out, and a first conv it could not adapt to the input channels (left at its initialization).

@@ -22,9 +22,9 @@ small GEMMs along the grid's two axes with the batch folded into the columns: (H
 of the dense product's work, 1/7 at 14 x 14. No (B, H, N, N) tensor is created in the forward or the
 backward, nor an (H, N, N) one. The hot path may instead apply the dense P (H, N, N) (input-independent
 and small) in one GEMM per head with the batch folded into the columns (tensor-core shapes, 7x the
-FLOPs), or run `convbias.fused_gpsa`'s Triton kernel, content and positional terms in one pass over
+FLOPs), or run `convbias.gpsa.fused`'s Triton kernel, content and positional terms in one pass over
 the keys (`positional_product`; "auto" picks per device type by `resolve_positional_product`; the same
-function every way; the autograd Functions of the two unfused products are in `convbias.positional_mix`).
+function every way; the autograd Functions of the two unfused products are in `convbias.gpsa.positional_mix`).
 (When each head's value is
 wider than the query count, as in a Transformed CNN's late stages, forming the mixed attention once
 stores less: `gated_attention` then does that instead.) The explicit path (`GatedPositionalAttention.explicit_attention`) materializes the
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused_gpsa
+from . import fused
 from .positional_mix import DensePositionalMix, PositionalMix
 
 GridSize = tuple[int, int]
@@ -177,7 +177,7 @@ def positional_factors(
 
 class GatedFactors(NamedTuple):
     """The Kronecker product's operands with the gate s_h folded in, for the hot path's
-    `convbias.positional_mix.PositionalMix`: weighted_rows = s_h rows_h (H, Qy, Ky); cols_per_key_row =
+    `convbias.gpsa.positional_mix.PositionalMix`: weighted_rows = s_h rows_h (H, Qy, Ky); cols_per_key_row =
     cols_h repeated for every key row (H*Ky, Qx, Kx), to batch the columns' GEMMs over the key rows;
     content_weight = 1 - s_h (H,). Leading dimensions, if any, stack several layers'."""
 
@@ -249,9 +249,9 @@ def gated_attention(
     all heads; positional: P in factored form; gate: (H,) weights in [0, 1]; product: "kronecker",
     "dense" or "fused", how P is applied to V (see `resolve_positional_product`). Returns (B, H, Nq, dv).
 
-    "fused" runs `convbias.fused_gpsa`'s kernel (content and positional terms in one pass over the
+    "fused" runs `convbias.gpsa.fused`'s kernel (content and positional terms in one pass over the
     keys, any query grid, strided ones included) when the head and value widths allow
-    (`fused_gpsa.supports`: up to 128); wider values fall back to the schedules below, with the
+    (`fused.supports`: up to 128); wider values fall back to the schedules below, with the
     Kronecker product.
 
     Two schedules give the same result; the one that stores less is picked from the shapes:
@@ -263,8 +263,8 @@ def gated_attention(
       each head's value is the full C_in): the mixed attention (B, H, Nq, Nk) is then no larger than
       that folded V, so it is formed once and applied in one GEMM."""
     heads = q.shape[1]
-    if product == "fused" and fused_gpsa.supports(q, v):
-        return fused_gpsa.fused_gated_attention(q, k, v, positional.rows, positional.cols, gate)
+    if product == "fused" and fused.supports(q, v):
+        return fused.fused_gated_attention(q, k, v, positional.rows, positional.cols, gate)
     if narrow_values(q, v):
         # the operands formed at the factors' precision at least (fp32 under bf16), rounded once
         wide = PositionalFactors(*(factor.to(torch.promote_types(factor.dtype, v.dtype)) for factor in positional))

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from convbias.errors import StorageError
-from convbias.storage import atomic_write, storage_reason
+from convbias.base.errors import StorageError
+from convbias.base.storage import atomic_write, storage_reason
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike, columns: Sequence[str] | None = None) -> Path:

@@ -16,7 +16,7 @@ Backward: `_key_grad_kernel` (one program per key block: dK and the content part
 query blocks) and `_query_grad_kernel` (one program per query block: dQ), recomputing C from Q, K and
 the log-sum-exp, with delta_i = sum(dO_i * (C V)_i) formed beforehand. The positional gradients (its
 part of dV, d rows, d cols, d gate) are a separate reduction over the batch with the batch folded into
-the GEMMs' columns, the Kronecker product's own (`convbias.positional_mix.kronecker_positional_grads`).
+the GEMMs' columns, the Kronecker product's own (`convbias.gpsa.positional_mix.kronecker_positional_grads`).
 
 The kernels are `torch.library.custom_op`s (`convbias::gpsa_fused_attention` and its backward) with
 fake implementations and a registered autograd formula, so `torch.compile(fullgraph=True)` traces
@@ -73,7 +73,7 @@ def _kernels():
         import triton
         import triton.language as tl
 
-        from . import fused_gpsa_kernels as source
+        from . import fused_kernels as source
 
         if interpret and type(tl.zeros).__name__ != "InterpretedFunction":
             raise RuntimeError(

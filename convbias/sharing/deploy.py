@@ -1,5 +1,5 @@
 """Deployment files of a model: an ONNX model and a torch.export program, each with a dynamic batch and
-checked against the PyTorch model on a batch of another size (`convbias.hub.export_run` writes them beside
+checked against the PyTorch model on a batch of another size (`convbias.sharing.hub.export_run` writes them beside
 the Hub folder's weights). Failures are ValueErrors with one line.
 """
 

@@ -8,8 +8,8 @@ The model is either a train.py run (read through ``RunDir``: verified weights, t
 the engine's ``build_transforms``, class names from its dataset), a ``convbias-export`` folder (loaded by timm
 from ``local-dir:``, preprocessing from its pretrained_cfg, class names from its ``label_names``) or timm's
 training checkpoint (``*.pth.tar``: the model and preprocessing its saved train.py arguments give, read safely
-by ``convbias.timm_checkpoint``), so an image is preprocessed exactly as the run's validation images were. Images that cannot be decoded are skipped and
-reported, never fatal. Every refusal is a ConfigError with one line (exit 2 in the commands).
+by ``convbias.engine.checkpointing.timm_checkpoint``), so an image is preprocessed exactly as the run's
+validation images were. Images that cannot be decoded are skipped and reported, never fatal. Every refusal is a ConfigError with one line (exit 2 in the commands).
 """
 
 from __future__ import annotations
@@ -32,21 +32,22 @@ from PIL import Image
 from timm.data import create_transform, resolve_model_data_config
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from convbias.base.errors import DamagedInputError
+from convbias.base.inputs import check_regular_file, first_line, quoted, read_json
+from convbias.base.run_layout import check_destination
+from convbias.base.storage import write_text
+from convbias.base.weights import load_checked, read_state_dict
 from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.checkpointing.run_files import (
-    TIMM_SUFFIXES,
-    check_destination,
-    in_timm_output,
-    is_timm_checkpoint_name,
+from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, in_timm_output, is_timm_checkpoint_name
+from convbias.engine.checkpointing.timm_checkpoint import (
+    create_timm_model,
+    read_timm_checkpoint,
+    timm_class_names,
+    timm_data_config,
 )
 from convbias.engine.data.device_augment import image_mode
 from convbias.engine.data.factory import build_transforms, input_format
-from convbias.errors import DamagedInputError
 from convbias.families import load_families
-from convbias.inputs import check_regular_file, first_line, quoted, read_json
-from convbias.storage import write_text
-from convbias.timm_checkpoint import create_timm_model, read_timm_checkpoint, timm_class_names, timm_data_config
-from convbias.weights import load_checked, read_state_dict
 
 OUTPUT_FORMATS = (".csv", ".json")
 EXPORTED_CONFIG = "config.json"  # what save_for_hf writes beside the weights: marks an exported folder
@@ -89,8 +90,9 @@ def is_exported(path: str | Path) -> bool:
 
 
 def source_kind(source: str | Path, which: str | None = None, use_ema: bool = False) -> str:
-    """ "exported", "run" or "timm" (timm's training checkpoint, ``convbias.timm_checkpoint``): what ``source``
-    is, checked before anything is loaded (ConfigError otherwise)."""
+    """ "exported", "run" or "timm" (timm's training checkpoint, read by
+    ``convbias.engine.checkpointing.timm_checkpoint``): what ``source`` is, checked before anything is loaded
+    (ConfigError otherwise)."""
     path = Path(source)
     if is_timm_checkpoint_name(path):
         if which is not None:

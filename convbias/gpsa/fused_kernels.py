@@ -1,6 +1,6 @@
-"""The fused GPSA kernels' Triton source (`convbias.fused_gpsa` documents the math and runs them).
+"""The fused GPSA kernels' Triton source (`convbias.gpsa.fused` documents the math and runs them).
 
-Plain functions, decorated with `triton.jit` on first use by `convbias.fused_gpsa._kernels`: Triton
+Plain functions, decorated with `triton.jit` on first use by `convbias.gpsa.fused._kernels`: Triton
 reads TRITON_INTERPRET when it decorates, and its interpreter patches `tl` in this module's globals.
 """
 

@@ -4,7 +4,7 @@ timm's train.py saves, through ``timm.utils.CheckpointSaver``, one dict per file
 ``optimizer`` (its ``state_dict()``), ``state_dict_ema`` (with --model-ema), ``amp_scaler`` (with AMP), ``epoch``
 (0-based index of the epoch just trained), ``version`` (2: ``epoch`` is the one trained, not the next), ``arch``,
 ``args`` (its ``argparse.Namespace``) and ``metric``. The file is read with ``weights_only=True`` and the
-``argparse.Namespace`` allow-list (``convbias.weights.load_torch_file``); nothing in it is executed.
+``argparse.Namespace`` allow-list (``convbias.base.weights.load_torch_file``); nothing in it is executed.
 
 A file is taken for timm's when its name ends in one of ``TIMM_SUFFIXES`` (what ``--resume``, convbias-predict and
 convbias-export tell from a run directory by); it must then hold ``state_dict`` and ``epoch``, else it is refused
@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import timm
 import torch
+from timm.data import resolve_data_config
 
-from convbias.errors import ConfigError, DamagedInputError
-from convbias.weights import load_torch_file
+from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.weights import load_checked, load_torch_file
 
 SCALER_KEY = "amp_scaler"  # timm.utils.NativeScaler.state_dict_key: torch's GradScaler state
 # Optimizer defaults that newer torch and timm versions added, filled in with their defaults where an older file
@@ -179,8 +181,6 @@ def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torc
     it (``timm.create_model(args.model, num_classes, in_chans, global_pool, **model_kwargs)``, the BatchNorm eps
     train.py gave it) and loaded strictly with the model's weights, or with ``use_ema`` its EMA's (validate.py's
     --use-ema). The families' models must be registered (``convbias.families.load_families``)."""
-    import timm
-
     args, path = checkpoint.args, checkpoint.path
     name = args.get("model")
     if not isinstance(name, str):
@@ -201,8 +201,6 @@ def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torc
         )
     except (TypeError, ValueError, RuntimeError) as error:  # the model's constructor refuses its arguments
         raise ConfigError(f"{path}: timm cannot build {name} from its args ({' '.join(str(error).split())})") from None
-    from convbias.weights import load_checked
-
     load_checked(model, checkpoint.weights(use_ema), f"{path}" + (" (state_dict_ema)" if use_ema else ""))
     return model.eval()
 
@@ -210,8 +208,6 @@ def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torc
 def timm_data_config(checkpoint: TimmCheckpoint, model: torch.nn.Module) -> dict[str, Any]:
     """The evaluation preprocessing of ``checkpoint``'s run: timm's ``resolve_data_config`` of its arguments and
     model, as timm's train.py evaluated and timm's inference.py predicts (the train-time input size)."""
-    from timm.data import resolve_data_config
-
     return resolve_data_config(checkpoint.args, model=model)
 
 

@@ -6,7 +6,7 @@ model's reconstruction arguments in `model_args` and the run's preprocessing in 
 and the run's own `config.yaml` and `results.json` beside them. The folder loads with
 `timm.create_model('local-dir:OUT', pretrained=True)` once the family is imported (`import transformed_cnn`);
 pushed to the Hub, with `'hf-hub:USER/REPO'`. The deployment exports (`model.onnx`, `model.pt2`) are
-`convbias.deploy`'s.
+`convbias.sharing.deploy`'s.
 
 A run reparametrized during training (`--reparametrize tcnn`) is exported as the `tcnn_<resnet>` entry its
 weights belong to, with the reparametrization's options as transform options. An `--output-scale` run is
@@ -41,14 +41,9 @@ from huggingface_hub.constants import SAFETENSORS_SINGLE_FILE
 from huggingface_hub.errors import OfflineModeIsEnabled
 from timm.models import model_entrypoint, save_for_hf
 
-from convbias.deploy import (
-    DEPLOY_FORMATS,
-    PACKAGE,
-    check_onnx_installed,
-    deploy_input,
-    export_onnx,
-    export_program,
-)
+from convbias.base.run_layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE
+from convbias.base.storage import staged_directory, storage_reason
+from convbias.base.tables import markdown_table
 from convbias.engine import (
     Config,
     ConfigError,
@@ -60,13 +55,23 @@ from convbias.engine import (
     create_model,
     read_log,
 )
-from convbias.engine.checkpointing.layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE
 from convbias.engine.checkpointing.points import WRITE_ERRORS
 from convbias.engine.checkpointing.run_dir import check_which
+from convbias.engine.checkpointing.timm_checkpoint import (
+    create_timm_model,
+    read_timm_checkpoint,
+    timm_class_names,
+    timm_data_config,
+)
 from convbias.engine.data.factory import input_format
-from convbias.storage import staged_directory, storage_reason
-from convbias.tables import markdown_table
-from convbias.timm_checkpoint import create_timm_model, read_timm_checkpoint, timm_class_names, timm_data_config
+from convbias.sharing.deploy import (
+    DEPLOY_FORMATS,
+    PACKAGE,
+    check_onnx_installed,
+    deploy_input,
+    export_onnx,
+    export_program,
+)
 
 DEFAULT_LICENSE = "apache-2.0"
 FAMILY_TAGS = {"convit": "convit", "transformed_cnn": "transformed-cnn", "efcn": "efcn"}

@@ -1,0 +1,36 @@
+"""The one reporter of every command (the console scripts and the engine's ``main``): what stopped a command as
+one line on stderr (``error: ...``, ``interrupted: ...`` for Ctrl-C) and its exit code from ``errors.STOPS``;
+what is not one of the package's reported errors is re-raised with its traceback."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import exit_code, print_error, show_traceback, stop_prefix
+from .storage import storage_reason
+
+
+def report(error: BaseException) -> int:
+    """Print ``error`` as one line on stderr and return its exit code; re-raise what is not a reported error."""
+    code = exit_code(error)
+    if code is None:
+        raise error
+    message = str(error)
+    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+        where = Path(error.filename) if error.filename else None
+        reason = storage_reason(error, where.parent if where else Path.cwd())
+        message = f"writing {where} failed ({reason})" if where else f"a write failed ({reason})"
+    print_error(message, stop_prefix(error))
+    if show_traceback():
+        traceback.print_exception(error)
+    return code
+
+
+def run_command(body: Callable[[], int | None]) -> int:
+    """``body()``'s exit code (None is 0), or the one line and exit code of what stopped it (``report``)."""
+    try:
+        return body() or 0
+    except (Exception, KeyboardInterrupt) as error:
+        return report(error)
