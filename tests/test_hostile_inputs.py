@@ -301,7 +301,7 @@ def test_a_damaged_or_hostile_recipe_is_one_line(tmp_path, capsys, text, message
     code, err = run_train(capsys, "-c", str(path), "--output", str(tmp_path / "run"))
     assert code == EXIT_USAGE and not (tmp_path / "run").exists()
     one_line(err, "^error: ")
-    assert len(err[0]) < 400  # a message quotes a short prefix of a value, never the structure
+    assert len(err[0].replace(str(tmp_path), "")) < 400  # a short prefix of a value, never the structure (paths aside)
 
 
 @pytest.mark.parametrize("text", [b"grid:\n  lr: !!python/name:os.system\n", b"grid: [lr: 1", b"grid: \xff\xfe\n"])

@@ -15,7 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from convbias.cli import launch
-from convbias.engine import LAUNCH_PROCESSES, _launch_warnings
+from convbias.cli.launch import LAUNCH_PROCESSES
+from convbias.cli.train import launch_warnings
 from convbias.engine.checkpointing.points import STATE_FILE
 from convbias.engine.checkpointing.run_dir import load_training_state
 
@@ -127,9 +128,9 @@ def test_accelerate_cpu_launch_warns_that_it_started_one_process(tmp_path, conso
 def test_the_launch_warning_needs_fewer_processes_than_asked(monkeypatch):
     monkeypatch.setenv(LAUNCH_PROCESSES, "2")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert len(_launch_warnings()) == 1
+    assert len(launch_warnings()) == 1
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _launch_warnings() == []
+    assert launch_warnings() == []
 
 
 def test_the_launcher_exits_with_the_lowest_rank_code_and_its_line(tmp_path, capsys):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from convbias import engine
+from convbias.cli import train
 from convbias.engine import parse_config
 from convbias.engine.checkpointing.lock import RunLock, RunLockedError
 from convbias.families import load_families
@@ -112,7 +113,7 @@ def test_second_run_on_a_live_runs_dir_is_refused_naming_the_holder(tmp_path, ca
     holder = hold_lock(output)
     try:
         before = snapshot(output)
-        assert engine.main(TRAIN + ["--epochs", "1", "--output", str(output)]) == 2
+        assert train.main(TRAIN + ["--epochs", "1", "--output", str(output)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), err
         assert f"in use by another run (pid {holder.pid} on host {socket.gethostname()}" in err[0]
@@ -126,7 +127,7 @@ def test_second_run_on_a_live_runs_dir_is_refused_naming_the_holder(tmp_path, ca
 def test_restart_after_a_failure_before_the_first_checkpoint_takes_over_the_stale_lock(tmp_path, capsys):
     output = tmp_path / "run"
     # a diverging first attempt stops before its first checkpoint (exit 1), leaving config.yaml and summary.csv
-    assert engine.main(TRAIN + ["--epochs", "1", "--lr", "1e30", "--output", str(output)]) == 1
+    assert train.main(TRAIN + ["--epochs", "1", "--lr", "1e30", "--output", str(output)]) == 1
     assert (output / "summary.csv").is_file() and not (output / "checkpoints").exists()
     holder = hold_lock(output)  # ...and a later attempt killed with -9 leaves its lock file behind
     holder.send_signal(signal.SIGKILL)
@@ -154,7 +155,7 @@ def test_restart_after_a_failure_before_the_first_checkpoint_takes_over_the_stal
 
 def test_eval_only_run_dir_alone_gives_the_runs_final_top1(finished_run, capsys):
     output, results, _ = finished_run
-    assert engine.main(["--eval-only", str(output)], load_families()) == 0
+    assert train.main(["--eval-only", str(output)]) == 0
     out = capsys.readouterr().out
     assert "checkpoints/last (epoch 2)" in out
     top1 = float(re.search(r"top1 ([\d.]+)", out).group(1))
@@ -169,7 +170,7 @@ def test_eval_only_run_dir_takes_the_runs_loader_workers_unless_given(finished_r
 
 def test_which_best_evaluates_the_best_checkpoint(finished_run, capsys):
     output, results, _ = finished_run
-    assert engine.main(["--eval-only", str(output), "--which", "best"], load_families()) == 0
+    assert train.main(["--eval-only", str(output), "--which", "best"]) == 0
     out = capsys.readouterr().out
     assert f"checkpoints/best (epoch {results['best_epoch']})" in out
     top1 = float(re.search(r"top1 ([\d.]+)", out).group(1))
@@ -179,7 +180,7 @@ def test_which_best_evaluates_the_best_checkpoint(finished_run, capsys):
 def test_resume_auto_on_a_finished_run_says_so_and_rewrites_nothing(finished_run, capsys):
     output, _results, _ = finished_run
     before = snapshot(output)
-    assert engine.main(FINISHED + ["--resume", "auto", "--output", str(output)], load_families()) == 0
+    assert train.main(FINISHED + ["--resume", "auto", "--output", str(output)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(f"{output} is already finished (epoch 2/2"), out
     assert snapshot(output) == before

@@ -211,7 +211,7 @@ def test_unreadable_image_without_skipping_is_one_line_and_a_plain_rerun_starts_
 
 
 def test_ctrl_c_says_what_was_kept_and_exits_130(capsys, tmp_path):
-    from convbias.engine import Extensions, main
+    from convbias.engine import Extensions
 
     calls = []
 
@@ -222,7 +222,7 @@ def test_ctrl_c_says_what_was_kept_and_exits_130(capsys, tmp_path):
         return {}
 
     output = tmp_path / "run"
-    code = main(
+    code = train.main(
         SMALL[:-4] + ["--epochs", "2", "--warmup-epochs", "0", "--no-aug", "--output", str(output)],
         Extensions(diagnostics={"interrupt": interrupt_at_the_second_evaluation}),
     )

@@ -102,8 +102,24 @@ def stop_prefix(error: BaseException) -> str:
     return next((prefix for kinds, _, prefix in STOPS if isinstance(error, kinds)), "error")
 
 
+def one_line(message: str, prefix: str = "error") -> str:
+    """``prefix: message`` on one line (``prefix``: error, warning, interrupted or preempted)."""
+    return f"{prefix}: " + (" ".join(message.split()) or "stopped")
+
+
+def print_line(line: str) -> None:
+    """A command's line on stderr, on a line of its own (an open progress bar is closed first), by rank 0 only
+    in a launched run: one line for the user, not one per process."""
+    tqdm = sys.modules.get("tqdm")  # a run stopped mid-epoch leaves its progress bar open
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", [])):
+        bar.close()
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+
+
 def print_error(message: str, prefix: str = "error") -> str:
-    """The one way a command prints what stopped it: ``prefix: message`` as one line on stderr; returns it."""
-    line = f"{prefix}: " + (" ".join(message.split()) or "stopped")
-    print(line, file=sys.stderr)
+    """The one way a command prints what stopped it (or warns): ``one_line`` through ``print_line``; returns
+    the line."""
+    line = one_line(message, prefix)
+    print_line(line)
     return line

@@ -8,12 +8,12 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import exit_code, print_error, show_traceback, stop_prefix
+from .errors import exit_code, one_line, print_line, show_traceback, stop_prefix
 from .storage import storage_reason
 
 
-def report(error: BaseException) -> int:
-    """Print ``error`` as one line on stderr and return its exit code; re-raise what is not a reported error."""
+def describe(error: BaseException) -> tuple[int, str]:
+    """(exit code, the one line) of an error that a command reports; re-raises what is not one (a bug)."""
     code = exit_code(error)
     if code is None:
         raise error
@@ -22,7 +22,14 @@ def report(error: BaseException) -> int:
         where = Path(error.filename) if error.filename else None
         reason = storage_reason(error, where.parent if where else Path.cwd())
         message = f"writing {where} failed ({reason})" if where else f"a write failed ({reason})"
-    print_error(message, stop_prefix(error))
+    return code, one_line(message, stop_prefix(error))
+
+
+def report(error: BaseException) -> int:
+    """Print ``error`` as one line on stderr (``describe``) and return its exit code; re-raise what is not a
+    reported error."""
+    code, line = describe(error)
+    print_line(line)
     if show_traceback():
         traceback.print_exception(error)
     return code

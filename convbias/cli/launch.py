@@ -16,8 +16,8 @@ stderr would also filter the ranks', which share it, and a rank's own traceback 
 
 - `--cpu --num_processes N` (N > 1) runs as accelerate's multi-CPU form, `--multi_gpu` with
   ACCELERATE_USE_CPU=1 (torchrun, gloo), said in one line.
-- The engine is told the process count asked for (`engine.LAUNCH_PROCESSES`: it warns when it got fewer)
-  and a folder where every rank leaves its exit code and its one line (`engine.LAUNCH_EXIT_DIR`). The
+- The engine is told the process count asked for (`LAUNCH_PROCESSES`: train.py warns when it got fewer)
+  and a folder where every rank leaves its exit code and its one line (`LAUNCH_EXIT_DIR`). The
   launcher exits with the lowest rank's non-zero code and prints that rank's line when rank 0 did not
   (torchrun stops the other ranks as soon as one fails, which can be before rank 0 printed). A process that
   left no code (a bug, its traceback above; a kill) gets one line naming it and its status.
@@ -46,9 +46,12 @@ from typing import Any, NoReturn
 
 from convbias.base.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, print_error
 from convbias.cli import run_command
-from convbias.engine import LAUNCH_EXIT_DIR, LAUNCH_PROCESSES
 
 USAGE = "convbias-launch [accelerate launch options] train.py ARGS..."
+# What the launcher tells train.py (convbias.cli.train): the process count it was asked for (accelerate's launcher
+# puts none in the environment), and the folder where each rank leaves its exit code and its one line (rank<RANK>)
+LAUNCH_PROCESSES = "CONVBIAS_LAUNCH_PROCESSES"
+LAUNCH_EXIT_DIR = "CONVBIAS_LAUNCH_EXIT_DIR"
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)  # the engine's default --preempt-signals
 # torchrun's signals to forward (its --signals_to_handle, read from PET_*), with SLURM's warning signal added
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"

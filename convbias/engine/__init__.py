@@ -1,11 +1,10 @@
 """The training engine: config, data, model, optim, checkpointing, loop. It names no model family.
 
-``run(cfg_or_argv, extensions)`` trains (or evaluates) one run; ``main(argv, extensions)`` wraps it for the
-command line (user mistakes print one ``error: ...`` line and exit 2; a diverged run exits 1; Ctrl-C
-prints one ``interrupted: ...`` line saying what was kept and exits 130; under ``convbias-launch`` each rank
-also leaves its exit code for the launcher, which accelerate's launchers do not pass on). The
-models come from timm's registry and the family-specific pieces from ``extensions``
-(``convbias.families`` builds both; ``train.py`` composes them).
+``run(cfg_or_argv, extensions)`` trains (or evaluates) one run and raises the package's errors
+(``convbias.base.errors``: a user's mistake, a damaged input, a failed write, a divergence, an interruption, a
+preemption); the command line (``convbias.cli.train``) reports them as one line and an exit code. The models
+come from timm's registry and the family-specific pieces from ``extensions`` (``convbias.families`` builds
+both; ``train.py`` composes them).
 
 ``parse_config(argv)`` and ``validate(cfg)`` are the one way options are checked: the config package reads
 and checks them, then every package checks the options it owns (``check_packages``), and the Config is
@@ -15,14 +14,9 @@ frozen. The packages are imported inside functions here, after the command line 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 import os
-import sys
-import traceback
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from convbias.base.errors import (
@@ -30,14 +24,9 @@ from convbias.base.errors import (
     DamagedCheckpointError,
     Interrupted,
     NonFiniteLossError,
-    Preempted,
     StorageError,
-    exit_code,
     print_error,
-    show_traceback,
-    stop_prefix,
 )
-from convbias.base.reporting import report
 from convbias.base.storage import storage_reason
 
 from .config import parsing as config_parsing
@@ -45,12 +34,6 @@ from .config.options import Config
 from .config.parsing import config_warnings
 from .loop.extensions import Extensions
 
-# What convbias-launch tells the engine: the process count it was asked for (accelerate's launcher puts none in
-# the environment), and the folder where each rank leaves its exit code and its one line (file rank<RANK>).
-LAUNCH_PROCESSES = "CONVBIAS_LAUNCH_PROCESSES"
-LAUNCH_EXIT_DIR = "CONVBIAS_LAUNCH_EXIT_DIR"
-# the variables accelerate reads the number of processes from (torchrun's, then MPI's)
-_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 # What torch's env:// rendezvous reads: a launcher (torchrun, accelerate launch, convbias-launch) sets each of them
 # in every process it starts, with LOCAL_RANK
 _RENDEZVOUS_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -72,8 +55,6 @@ _SUBMODULE_OF = {
     **dict.fromkeys(("compile_model",), "model.compile"),
 }
 __all__ = [
-    "LAUNCH_EXIT_DIR",
-    "LAUNCH_PROCESSES",
     "ConfigError",
     "DamagedCheckpointError",
     "Extensions",
@@ -81,7 +62,6 @@ __all__ = [
     "NonFiniteLossError",
     "StorageError",
     "check_packages",
-    "main",
     "parse_config",
     "run",
     "validate",
@@ -156,15 +136,13 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
     --eval-only). ``config`` is a command line (parsed with its -c recipe) or a ``Config`` built in Python;
     either is validated first (a Config is copied, not changed)."""
     check_launch_environment()
-    for warning in _launch_warnings():  # before the options' checks: said even when they refuse the command line
-        _print_error(warning, prefix="warning")
     if isinstance(config, Config):
         cfg = config.replace()
         validate(cfg)
     else:
         cfg = parse_config(config, models_registered=extensions is not None)
     for warning in config_warnings(cfg):
-        _print_error(warning, prefix="warning")
+        print_error(warning, prefix="warning")
     from .checkpointing.lock import RunLock  # imported after parsing: `train.py --help` loads no torch
     from .checkpointing.run_dir import RunDir
     from .loop.setup import build_evaluator, start_run
@@ -187,7 +165,7 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
         except KeyboardInterrupt:
             raise Interrupted("during set-up; nothing was written") from None
         for warning in runner.warnings:
-            _print_error(warning, prefix="warning")
+            print_error(warning, prefix="warning")
         if cfg.eval_only:
             return runner.run()
         try:
@@ -225,90 +203,3 @@ def check_launch_environment() -> None:
             f"{processes} train.py ...` (--cpu on CPUs) or `accelerate launch --multi_gpu --num_processes "
             f"{processes} train.py ...`, or unset them to train in one process"
         )
-
-
-def _launch_warnings() -> list[str]:
-    """A launch that started fewer processes than --num_processes asked for: accelerate's launcher runs one
-    process unless --multi_gpu is given (`--cpu --num_processes 2` included) and says nothing."""
-    asked = _processes_asked()
-    started = next((int(os.environ[name]) for name in _WORLD_SIZE_VARIABLES if os.environ.get(name)), 1)
-    if asked is None or asked <= started:
-        return []
-    return [
-        f"this launch started {started} of the {asked} processes that --num_processes asks for (accelerate launch "
-        f"runs one unless --multi_gpu is given, --cpu included); on CPUs run `convbias-launch --cpu --num_processes "
-        f"{asked} ...` or `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {asked} ...`"
-    ]
-
-
-def _processes_asked() -> int | None:
-    """The --num_processes of this launch, or None where it is not known: convbias-launch passes it on; under
-    `accelerate launch` it is read, with accelerate's own parser, from the command line of the launcher (this
-    process's parent; Linux's /proc)."""
-    if os.environ.get(LAUNCH_PROCESSES):
-        return int(os.environ[LAUNCH_PROCESSES])
-    try:
-        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
-    except (OSError, UnicodeDecodeError):
-        return None
-    for index, arg in enumerate(parent):
-        if os.path.basename(arg) == "accelerate" and parent[index + 1 : index + 2] == ["launch"]:
-            options = parent[index + 2 :]
-        elif arg.endswith(("accelerate-launch", "accelerate.commands.launch", "accelerate/commands/launch.py")):
-            options = parent[index + 1 :]
-        else:
-            continue
-        from accelerate.commands.launch import launch_command_parser
-
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):  # it parsed them before
-            return launch_command_parser().parse_args(options).num_processes
-        return None
-    return None
-
-
-def _close_progress_bars() -> None:
-    """A run stopped mid-epoch leaves its progress bar open: clear it, so the message gets a line of its own."""
-    tqdm = sys.modules.get("tqdm")
-    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", [])):
-        bar.close()
-
-
-def _print_error(message: str, prefix: str = "error") -> str:
-    """The message as one line, printed on rank 0 only (one line for the user, not one per process)."""
-    _close_progress_bars()
-    if os.environ.get("RANK", "0") == "0":
-        return print_error(message, prefix)
-    return f"{prefix}: " + " ".join(message.split())
-
-
-def _leave_exit_code(code: int, line: str = "") -> None:
-    """Under convbias-launch: this rank's exit code and line, for the launcher to exit with (accelerate's
-    launchers exit 1 whatever the code; torchrun may stop rank 0 before it prints when another rank fails)."""
-    folder = os.environ.get(LAUNCH_EXIT_DIR)
-    if folder:
-        with contextlib.suppress(OSError):  # the launcher then reports the process's own exit status
-            (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n{line}\n")
-
-
-# the ways a run itself stops, each reported as one line with its code and prefix from convbias.base.errors.STOPS
-_RUN_STOPS = (Preempted, DamagedCheckpointError, ConfigError, StorageError, NonFiniteLossError, Interrupted)
-
-
-def main(argv: list[str] | None = None, extensions: Extensions | None = None) -> int:
-    """Command-line entry point: exit code 0 on success, else the code of engine.errors for each way a run
-    stops (2 bad input, 1 diverged, 65 damaged checkpoint, 74 output not writable, 75 preempted, 130 Ctrl-C)."""
-    try:
-        run(argv, extensions)
-    except _RUN_STOPS as e:
-        code = exit_code(e)
-        _leave_exit_code(code, _print_error(str(e), prefix=stop_prefix(e)))
-        if show_traceback():
-            traceback.print_exception(e)
-        return code
-    except (OSError, KeyboardInterrupt) as e:  # not reported by the run itself (before its set-up): as every command
-        _close_progress_bars()
-        code = report(e)
-        _leave_exit_code(code)
-        return code
-    _leave_exit_code(0)
-    return 0

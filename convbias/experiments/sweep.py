@@ -73,7 +73,7 @@ from .sweep_spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
 # Options the sweep itself decides for every run: a sweep file must not set them.
 RESERVED_OPTIONS = ("output", "resume", "config", "scale_epochs", "eval_only", "checkpoint")
 RECORD_NAME = "sweep.yaml"
-BAD_INPUT_EXIT = 2  # train.py's exit code for a user mistake (engine.main)
+BAD_INPUT_EXIT = 2  # train.py's exit code for a user mistake (convbias.cli.train)
 CSV_NAME = "runs.csv"
 ENSEMBLES_CSV_NAME = "ensembles.csv"  # one row per group of runs that differ only by seed
 TRAIN_MODULE = "convbias.cli.train"  # train.py's body, importable from an installed package

@@ -7,7 +7,8 @@ A YAML file may name other files under ``_base_`` (a path or a list of paths rel
 loaded first and the file's own keys override them.
 
 Everything here runs before any work starts: a user mistake raises ``ConfigError`` with a one-line
-message naming the option and the expected form; ``engine.main`` prints it as ``error: ...`` and exits 2.
+message naming the option and the expected form; train.py (``convbias.cli.train``) prints it as ``error: ...``
+and exits 2.
 """
 
 from __future__ import annotations
