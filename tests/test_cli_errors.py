@@ -14,6 +14,7 @@ from convbias.base.errors import (
     DamagedCheckpointError,
     StorageError,
 )
+from convbias.base.reporting import describe, report
 from convbias.cli import run_command
 
 
@@ -70,3 +71,17 @@ def test_convbias_traceback_shows_what_is_behind_the_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.splitlines()[0] == "error: bad kernel size" and "Traceback (most recent call last)" in err
     assert "raise error" in err  # the frame that raised it
+
+
+def test_the_line_and_code_of_an_error_and_only_rank_0_prints_it(capsys, monkeypatch):
+    """``describe`` gives the line every command prints; in a launched run the other ranks print nothing (one
+    line for the user, not one per process) and still get their code."""
+    assert describe(DamagedCheckpointError("a\n  b")) == (EXIT_DAMAGED, "error: a b")
+    with pytest.raises(ZeroDivisionError):
+        describe(ZeroDivisionError())
+    monkeypatch.setenv("RANK", "1")
+    assert report(ConfigError("--lr must be > 0")) == EXIT_USAGE
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert report(ConfigError("--lr must be > 0")) == EXIT_USAGE
+    assert capsys.readouterr().err == "error: --lr must be > 0\n"

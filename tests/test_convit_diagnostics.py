@@ -12,7 +12,8 @@ from matplotlib.image import imread
 from timm.models import convit as timm_convit
 from torch import nn
 
-from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head, read_log
+from convbias.engine import read_log
+from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head
 from convbias.gpsa import kernel_offsets
 from convit import diagnostics
 from convit.attention import GPSA, MHSA
@@ -239,7 +240,8 @@ class TwoLayers(nn.Module):
 def test_history_plots_from_a_log(tmp_path):
     torch.manual_seed(3)
     write_log(tmp_path / "log.jsonl", TwoLayers(), torch.randn(2, 36, *GRID))
-    records = read_log(tmp_path / "log.jsonl")
+    records, dropped = read_log(tmp_path / "log.jsonl")
+    assert dropped == 0
     gates = metric_history(records, "gating")
     assert sorted(gates) == [1] and len(gates[1]) == 10 and gates[1][9][0] == [0.0, 1.0, 2.0]
     assert gates[1][9][1][0] > gates[1][9][1][2]  # head 9 lost the most lambda
@@ -250,13 +252,12 @@ def test_history_plots_from_a_log(tmp_path):
         plot_per_head([{"epoch": 0, "train_loss": 1.0}], "gating", tmp_path / "none.png")
 
 
-def test_read_log_names_the_bad_line(tmp_path):
+def test_the_log_reader_drops_and_counts_damaged_lines(tmp_path):
+    """The one reader of log.jsonl (the engine's): a killed run's cut line is dropped and counted, never fatal."""
     log = tmp_path / "log.jsonl"
-    log.write_text('{"epoch": 0}\n\nnot json\n')
-    with pytest.raises(ValueError, match="line 3"):
-        read_log(log)
-    with pytest.raises(ValueError, match="not found"):
-        read_log(tmp_path / "missing.jsonl")
+    log.write_text('{"epoch": 0}\n\nnot json\n{"epoch": 1}\n{"epoch": 2, "train_lo')
+    assert read_log(log) == ([{"epoch": 0}, {"epoch": 1}], 2)
+    assert read_log(tmp_path / "missing.jsonl") == ([], 0)
 
 
 # -- command line -------------------------------------------------------------------------------

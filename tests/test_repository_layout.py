@@ -1,5 +1,6 @@
 """What the repository's layout promises a reader: docs/engine.md names only modules and functions that
-exist and shows every engine module, results/ holds results only, README.md stays short."""
+exist and shows every engine module, results/ holds results only, README.md stays short, tests/README.md
+lists every test file under the part it tests."""
 
 from __future__ import annotations
 
@@ -78,3 +79,26 @@ def test_results_hold_results_only():
 def test_readme_stays_short():
     lines = (REPO / "README.md").read_text().count("\n")
     assert lines <= README_LINES, f"README.md has {lines} lines; the depth goes to docs/"
+
+
+def listed_test_files(index: str) -> list[str]:
+    """The test files tests/README.md lists under the parts (its list items)."""
+    return [
+        name
+        for line in index.splitlines()
+        if line.startswith(("- ", "  "))
+        for name in re.findall(r"test_\w+\.py", line)
+    ]
+
+
+def test_the_tests_index_lists_every_test_file_once():
+    listed = listed_test_files((REPO / "tests" / "README.md").read_text())
+    files = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
+    assert sorted(listed) == files, (sorted(set(files) - set(listed)), sorted(set(listed) - set(files)))
+
+
+def test_a_missing_or_doubled_test_file_in_the_index_is_caught():
+    index = (REPO / "tests" / "README.md").read_text()
+    assert "test_launch.py" in listed_test_files(index)
+    assert "test_launch.py" not in listed_test_files(index.replace("test_launch.py", ""))
+    assert listed_test_files(index + "- test_launch.py\n").count("test_launch.py") == 2

@@ -56,9 +56,10 @@ def run(argv: list[str], extensions: Extensions | None = None) -> dict[str, Any]
 def main(argv: list[str] | None = None, extensions: Extensions | None = None) -> int:
     """train.py's exit code: 0, or the code of what stopped the run, reported in one line."""
     argv = sys.argv[1:] if argv is None else argv
-    for warning in launch_warnings():  # before the options' checks: said even when they refuse the command line
-        print_error(warning, prefix="warning")
     try:
+        engine.check_launch_environment()
+        for warning in launch_warnings():  # before the options' checks: said even when they refuse the command line
+            print_error(warning, prefix="warning")
         if any(arg in ("-h", "--help") for arg in argv):
             engine.run(argv)  # the options alone: no torch, no registry
         else:

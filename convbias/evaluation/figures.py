@@ -21,7 +21,6 @@ error bars are, said in a legend or title).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import textwrap
@@ -51,7 +50,6 @@ __all__ = [
     "plot_nonlocality",
     "plot_per_head",
     "qualitative_colors",
-    "read_log",
     "shared_legend",
 ]
 
@@ -125,30 +123,6 @@ def error_bar_note(counts: Iterable[int], interval: str = "95% t interval of the
     many = [n for n in counts if n > 1]
     number = str(many[0]) if len(many) == 1 else f"{many[0]}-{many[-1]}"
     return f"error bars: {interval} over {number} {over}" + (" (none for a single run)" if counts[0] < 2 else "")
-
-
-# -- reading the training log -------------------------------------------------------------------
-def read_log(path: str | Path) -> list[dict]:
-    """The records of a `log.jsonl` file, in file order; blank lines are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"log file not found: {path}")
-    records = []
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}, line {number}: not UTF-8 text (damaged)") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}, line {number}: not a JSON object ({err.msg})") from None
-        except RecursionError:
-            raise ValueError(f"{path}, line {number}: nested too deep to read (damaged)") from None
-        if not isinstance(record, dict) or "epoch" not in record:
-            raise ValueError(f"{path}, line {number}: expected a JSON object with an 'epoch' field")
-        records.append(record)
-    return records
 
 
 History = dict[int, dict[int | None, tuple[list[float], list[float]]]]

@@ -27,11 +27,11 @@ from .points import CheckpointDir
 from .shards import load_sharded, save_sharded
 from .state_parts import (
     AugmentStreams,
-    Optimization,
+    OptimizerAndScheduler,
     OptimizerState,
+    ProcessContext,
     RandomStreams,
     RunIdentity,
-    RunStart,
     SchedulerState,
     Stateful,
     TrainingProgress,
@@ -52,7 +52,7 @@ RESUME_PART_TYPES = {
 }
 
 
-class Run(RunStart, Protocol):
+class CheckpointedRun(ProcessContext, Protocol):
     """What the manager reads of the run (engine.loop.setup.RunStart is one)."""
 
     output: Path
@@ -61,7 +61,7 @@ class Run(RunStart, Protocol):
     resume_state: dict[str, Any] | None
 
 
-class Models(Protocol):
+class CheckpointedModels(Protocol):
     """The run's models (engine.loop.setup.Models is one): attributes, since a reparametrization replaces them."""
 
     model: torch.nn.Module  # as accelerate prepared it
@@ -73,9 +73,9 @@ class CheckpointManager:
 
     def __init__(
         self,
-        run: Run,
-        models: Models,
-        optimization: Optimization,
+        run: CheckpointedRun,
+        models: CheckpointedModels,
+        optimization: OptimizerAndScheduler,
         progress: TrainingProgress,
         augment: Any,
         num_classes: int,

@@ -32,7 +32,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
-class Optimization(Protocol):
+class OptimizerAndScheduler(Protocol):
     """What the optimizer's and the schedule's parts read (engine.loop.setup.Optimization is one): attributes,
     since a reparametrization replaces both mid-run."""
 
@@ -40,7 +40,7 @@ class Optimization(Protocol):
     scheduler: Any  # timm's scheduler
 
 
-class RunStart(Protocol):
+class ProcessContext(Protocol):
     """What the per-rank parts read of the run (engine.loop.setup.RunStart is one): the process's place and the
     seed fresh streams are drawn from."""
 
@@ -94,7 +94,7 @@ class RunIdentity:
 class OptimizerState:
     """The optimizer's part of a resume point: its state_dict, or None under FSDP, whose shards hold it."""
 
-    def __init__(self, optimization: Optimization, sharded: bool):
+    def __init__(self, optimization: OptimizerAndScheduler, sharded: bool):
         self.optimization, self.sharded = optimization, sharded
 
     def state_dict(self) -> dict[str, Any] | None:
@@ -109,7 +109,7 @@ class SchedulerState:
     plateau scheduler saves only its best metric; its patience and cooldown counters (torch's ReduceLROnPlateau
     inside it) are saved here too, so a resumed run decays the lr when the uninterrupted one does."""
 
-    def __init__(self, optimization: Optimization, progress: TrainingProgress):
+    def __init__(self, optimization: OptimizerAndScheduler, progress: TrainingProgress):
         self.optimization, self.progress = optimization, progress
 
     def state_dict(self) -> dict[str, Any]:
@@ -132,7 +132,7 @@ class PerRankStreams:
     written by another number of processes cannot replay its ranks' streams, so fresh ones are seeded from
     (seed, rank, epoch). Subclasses say what one rank's streams are."""
 
-    def __init__(self, start: RunStart, progress: TrainingProgress):
+    def __init__(self, start: ProcessContext, progress: TrainingProgress):
         self.start, self.progress = start, progress
 
     def local_state(self) -> Any:
@@ -175,7 +175,7 @@ class AugmentStreams(PerRankStreams):
 
     exact_options = ("no_prefetcher", "aa", "reprob", "img_size", "interpolation")  # what the streams draw for
 
-    def __init__(self, start: RunStart, progress: TrainingProgress, augment: Any):
+    def __init__(self, start: ProcessContext, progress: TrainingProgress, augment: Any):
         super().__init__(start, progress)
         self.augment = augment
 
