@@ -85,7 +85,7 @@ def literals(path: Path) -> list[str]:
 
 def test_run_directory_names_come_from_the_layout_module():
     found = [line for path in source_files() for line in literals(path)]
-    assert not found, "run-directory names spelled outside engine/checkpointing/layout.py:\n" + "\n".join(found)
+    assert not found, "run-directory names spelled outside base/run_layout.py:\n" + "\n".join(found)
 
 
 def test_the_layout_names_what_it_promises():
