@@ -15,6 +15,7 @@ import yaml
 from PIL import Image
 
 from convbias.engine import Config, ConfigError, build_datasets, parse_config
+from convbias.engine.data.class_map import read_class_map
 from convbias.engine.data.datasets import DIGITS_MEAN, DIGITS_STD
 from convbias.engine.data.device_augment import DeviceAugment
 from convbias.engine.data.factory import augment_spec
@@ -66,6 +67,20 @@ def first_conv(model: torch.nn.Module) -> torch.nn.Conv2d:
 
 
 # ------------------------------------------------------------------------------------------------ class map
+def test_class_map_files_read_as_timms_reader_reads_them(tmp_path):
+    """Both of timm's forms, against timm's own reader (timm.data.readers.class_map.load_class_map): the same
+    {name: label}, whitespace around names and CRLF line ends included."""
+    from timm.data.readers.class_map import load_class_map
+
+    text = tmp_path / "classes.txt"
+    text.write_bytes(b"  zebra \r\napple\nmango\t\n")
+    pickled = tmp_path / "classes.pkl"
+    pickled.write_bytes(pickle.dumps({"b": 1, "a": 0, "c": 2}))
+    for path in (text, pickled):
+        assert read_class_map(path) == load_class_map(str(path)), path
+    assert read_class_map(text) == {"zebra": 0, "apple": 1, "mango": 2}
+
+
 def test_a_txt_class_map_keeps_its_classes_in_its_order_and_leaves_the_others_out(tmp_path, monkeypatch):
     root = write_folders(tmp_path / "data")
     (root / "classes.txt").write_text("cat\nant\n")

@@ -194,3 +194,25 @@ def test_recipes_parse_and_name_registered_models(recipe):
     if "cifar100" in recipe:  # App. F.3 trains from scratch: no fine-tuning option on, stated in the recipe
         plain = {"layer_decay": None, "sync_bn": False, "dist_bn": "reduce", "channels_last": False}
         assert {k: getattr(cfg, k) for k in plain} == plain
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["prepared", "streamed"])
+def test_evaluation_is_exact_over_uneven_batches(streamed):
+    """engine.loop.metrics.evaluate against the whole set at once: mean cross-entropy, top-1 and top-5 (in %),
+    over batches of uneven sizes; the model's training mode is given back."""
+    from accelerate import Accelerator
+
+    from convbias.engine.loop.metrics import evaluate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Dropout(0.5)).train()
+    images, targets = torch.randn(53, 6), torch.randint(0, 7, (53,))
+    batches = [(images[a:b], targets[a:b]) for a, b in ((0, 20), (20, 40), (40, 53))]
+    acc = Accelerator(cpu=True)
+    metrics = evaluate(acc, model, batches, streamed=streamed)
+    assert model.training
+    logits = model.eval()(images)
+    top5 = logits.topk(5, dim=1).indices
+    assert metrics["eval_loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, targets).item(), rel=1e-6)
+    assert metrics["eval_top1"] == pytest.approx(100 * (top5[:, 0] == targets).double().mean().item())
+    assert metrics["eval_top5"] == pytest.approx(100 * (top5 == targets[:, None]).any(1).double().mean().item())
