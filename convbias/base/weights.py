@@ -17,16 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub.constants import SAFETENSORS_SINGLE_FILE
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from convbias.base.errors import ConfigError, DamagedInputError
 from convbias.base.inputs import check_regular_file, first_line
-from convbias.base.run_layout import CHECKPOINTS_DIR, point_name
+from convbias.base.run_layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
 
-# The Hugging Face Hub's name of a weights file, which timm's local-dir: loads and an engine's resume point uses
-WEIGHTS_FILE = SAFETENSORS_SINGLE_FILE
 MAX_KEYS_SHOWN = 5
 
 

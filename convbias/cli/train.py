@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
     """train.py's exit code: 0, or the code of what stopped the run, reported in one line."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        engine.check_launch_environment()
         for warning in launch_warnings():  # before the options' checks: said even when they refuse the command line
             print_error(warning, prefix="warning")
         if any(arg in ("-h", "--help") for arg in argv):
@@ -84,7 +83,9 @@ def launch_warnings() -> list[str]:
     """A launch that started fewer processes than --num_processes asked for: accelerate's launcher runs one
     process unless --multi_gpu is given (`--cpu --num_processes 2` included) and says nothing."""
     asked = processes_asked()
-    started = next((int(os.environ[name]) for name in WORLD_SIZE_VARIABLES if os.environ.get(name)), 1)
+    # a value that is not a count is the engine's to refuse (engine.check_launch_environment)
+    counts = (os.environ.get(name, "") for name in WORLD_SIZE_VARIABLES)
+    started = next((int(count) for count in counts if count.isdigit()), 1)
     if asked is None or asked <= started:
         return []
     return [
