@@ -246,9 +246,10 @@ def authors_remap():
 # -- torch.compile: a compiled model's outputs and gradients against eager's ---------------------------
 @pytest.fixture(scope="session")
 def compiled_matches_eager():
-    """`compiled_matches_eager(name, model_kwargs, side, aten_kernels)`: compiles the timm model `name`
-    with fullgraph=True (plain torch.compile, or as the engine's --compile does it on a CPU) and asserts
-    that its outputs and gradients equal eager's on a (2, 3, side, side) batch."""
+    """`compiled_matches_eager(name, model_kwargs, side, aten_kernels, part=None)`: compiles the timm model
+    `name` with fullgraph=True (plain torch.compile, or as the engine's --compile does it on a CPU) and asserts
+    that its outputs and gradients equal eager's on a (2, 3, side, side) batch. With `part` (a submodule's
+    name), that submodule alone is compiled, on the activations it receives from that batch."""
     import timm
 
     from convbias.engine.model.compile import compile_model
@@ -259,10 +260,20 @@ def compiled_matches_eager():
         out.square().mean().backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    def check(name: str, model_kwargs: dict, side: int, aten_kernels: bool) -> None:
+    def part_input(model: nn.Module, part: str, x: torch.Tensor) -> torch.Tensor:
+        received = []
+        hook = model.get_submodule(part).register_forward_pre_hook(lambda _, args: received.append(args[0]))
+        with torch.no_grad():
+            model(x)
+        hook.remove()
+        return received[0]
+
+    def check(name: str, model_kwargs: dict, side: int, aten_kernels: bool, part: str | None = None) -> None:
         torch.manual_seed(0)
         model = timm.create_model(name, num_classes=5, **model_kwargs).train()
         x = torch.randn(2, 3, side, side)
+        if part is not None:
+            model, x = model.get_submodule(part), part_input(model, part, x)
         eager_out, eager_grads = loss_and_grads(model, model, x)
         torch._dynamo.reset()
         compiled = compile_model(model, "cpu", aten_kernels=aten_kernels, fullgraph=True)
