@@ -23,6 +23,7 @@ from convbias.base.run_layout import (
 from convbias.engine import Config
 from convbias.engine.checkpointing.manager import CheckpointManager
 from convbias.engine.checkpointing.points import find_resume_point
+from convbias.engine.checkpointing.resume import ResumePoint
 from convbias.engine.checkpointing.run_dir import load_training_state
 from convbias.engine.checkpointing.state_parts import TrainingProgress
 
@@ -32,9 +33,9 @@ class Run:
     cfg: Any
     accelerator: Accelerator
     output: Path
-    resume_point: Path | None = None
-    resume_state: dict[str, Any] | None = None
+    resume: ResumePoint | None = None
     sharded: bool = False
+    values: Any = None
 
 
 @dataclass
@@ -55,10 +56,10 @@ def built(output: Path, cfg: Config, point: Path | None = None) -> tuple[Checkpo
     model = torch.nn.Linear(3, 2)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     optimization = Optimization(optimizer, CosineLRScheduler(optimizer, t_initial=4))
-    state = load_training_state(point) if point else None
-    run = Run(cfg, accelerator, output, point, state)
+    run = Run(cfg, accelerator, output, ResumePoint(point, load_training_state(point), {}) if point else None)
     models = Models(model)
-    return CheckpointManager(run, models, optimization, TrainingProgress(), None, 2, 3), models, optimization
+    manager = CheckpointManager(run, models, optimization, TrainingProgress(), None, 2, 3, updates_per_epoch=4)
+    return manager, models, optimization
 
 
 def step(models: Models, optimization: Optimization, progress: TrainingProgress) -> None:
@@ -91,10 +92,11 @@ def test_save_writes_the_points_that_are_due_and_load_restores_them(tmp_path):
     assert find_resume_point("auto", tmp_path) == point.resolve()
 
     fresh, fresh_models, fresh_optimization = built(tmp_path, cfg, point)
-    assert fresh.load() == point
+    assert not torch.equal(fresh_models.model.weight, models.model.weight)  # built afresh: other weights
+    assert fresh.load() == f"resumed from {point} after epoch 1"
     assert (fresh.progress.epoch, fresh.progress.step, fresh.progress.num_updates) == (1, 0, 3)
     for name, value in models.model.state_dict().items():
-        assert not torch.equal(fresh_models.model.state_dict()[name], value)  # weights come from set-up, not load()
+        assert torch.equal(fresh_models.model.state_dict()[name], value)  # the weights, in the same call
     momentum = optimization.optimizer.state_dict()["state"][0]["momentum_buffer"]
     assert torch.equal(fresh_optimization.optimizer.state_dict()["state"][0]["momentum_buffer"], momentum)
     assert fresh.metadata(1)["num_classes"] == "2" and fresh.metadata(1)["in_chans"] == "3"

@@ -185,6 +185,20 @@ def load_checked(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], so
     return model
 
 
+@contextmanager
+def rebuild_hint(weights: str | Path) -> Iterator[None]:
+    """Weights that do not fit the model built: the message says how to rebuild the model they were written for."""
+    try:
+        yield
+    except ValueError as e:
+        if "does not fit" not in str(e):
+            raise
+        raise ConfigError(
+            f"{e}; give the model options the weights were trained with (--model, --model-kwargs, "
+            f"--img-size, --num-classes), or pass the run directory, whose config.yaml has them"
+        ) from None
+
+
 def weights_metadata(path: str | Path) -> dict[str, str]:
     """The metadata stored in a safetensors header (model name, epoch), {} for other files."""
     path = resolve_weights_path(path)

@@ -1,8 +1,9 @@
 """What the training loop saves and loads: one ``CheckpointManager`` per run.
 
-The trainer constructs it with the run's stateful parts and calls ``load()`` once (the resume point that
-engine.loop.start found, into the parts) and ``save(epoch, step)`` after every epoch and every optimizer
-update. The manager owns the rest: the parts a resume point holds (``RESUME_PART_TYPES``, ``parts()``),
+The trainer constructs it with the run's stateful parts and calls ``load()`` once: what the run resumes
+(engine.checkpointing.resume found it) restored into every part, the weights included, or a timm training
+checkpoint through its adapter (``_load_timm``); then ``save(epoch, step)`` after every epoch and every
+optimizer update. The manager owns the rest: the parts a resume point holds (``RESUME_PART_TYPES``, ``parts()``),
 when a mid-epoch point is due (--checkpoint-interval, a preemption), the weights' metadata, every rank's FSDP
 shards, and, through ``CheckpointDir`` (engine.checkpointing.points), staging, manifests, the ``last`` /
 ``best`` links, rotation and the --save-epochs snapshots.
@@ -15,15 +16,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.distributed.checkpoint.api import CheckpointException
 
 from convbias.base.errors import StorageError
-from convbias.base.run_layout import EMA_FILE
+from convbias.base.run_layout import EMA_FILE, WEIGHTS_FILE
 from convbias.base.storage import storage_reason
-from convbias.base.weights import load_weights
+from convbias.base.weights import load_checked, load_weights, rebuild_hint
 
+from ..optim import factory as optim
 from .points import CheckpointDir
+from .resume import Resume, ResumePoint
 from .shards import load_sharded, save_sharded
 from .state_parts import (
     AugmentStreams,
@@ -39,6 +42,7 @@ from .state_parts import (
     restore,
     resume_state,
 )
+from .timm_checkpoint import TimmCheckpoint, aligned_optimizer_state
 
 # The parts a resume point holds, by name (engine.checkpointing.state_parts; the weights are files beside them).
 # Each class declares the options that a mid-epoch point must be continued with (its exact_options).
@@ -57,8 +61,8 @@ class CheckpointedRun(ProcessContext, Protocol):
 
     output: Path
     sharded: bool  # FSDP: weights and optimizer state are every rank's shards
-    resume_point: Path | None
-    resume_state: dict[str, Any] | None
+    resume: Resume | None  # engine.checkpointing.resume.find_resume's answer
+    values: Any  # engine.config.derived.RunValues: a timm checkpoint's schedule is created again from them
 
 
 class CheckpointedModels(Protocol):
@@ -80,10 +84,11 @@ class CheckpointManager:
         augment: Any,
         num_classes: int,
         in_chans: int,
+        updates_per_epoch: int,
     ):
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
         self.models, self.optimization, self.progress, self.augment = models, optimization, progress, augment
-        self.num_classes, self.in_chans = num_classes, in_chans
+        self.num_classes, self.in_chans, self.updates_per_epoch = num_classes, in_chans, updates_per_epoch
         self.folder = CheckpointDir(run.output, self.cfg.keep_checkpoints)
 
     def parts(self) -> dict[str, Stateful]:
@@ -108,19 +113,79 @@ class CheckpointManager:
         return self.folder.points()
 
     # ----------------------------------------------------------------------------------------- load
-    def load(self) -> Path | None:
-        """The resume point's state loaded into the parts: weights and optimizer state from every rank's shards
-        under FSDP (on any number of ranks), the EMA's weights, then each part of training_state.pt. Returns the
-        point, or None for a run that does not resume (its model's weights are loaded at set-up)."""
-        point, state = self.run.resume_point, self.run.resume_state
-        if not state:
-            return None
+    def load(self) -> str | None:
+        """What the run resumes, restored into every part in this one call; returns the sentence that says so, or
+        None for a run that starts fresh (its model's weights are its set-up's)."""
+        resume = self.run.resume
+        if isinstance(resume, TimmCheckpoint):
+            return self._load_timm(resume)
+        if isinstance(resume, ResumePoint):
+            return self._load_point(resume)
+        return None
+
+    def _load_point(self, point: ResumePoint) -> str:
+        """This engine's point: the weights (every rank's shards under FSDP, on any number of ranks), the EMA's
+        (the model's when the point has none), then each part of its training state."""
+        model = self.accelerator.unwrap_model(self.models.model)
         if self.run.sharded:
-            load_sharded(point, self.models.model, self.optimization.optimizer.optimizer)
-        if self.models.ema is not None and (point / EMA_FILE).is_file():
-            load_weights(self.models.ema.module, point / EMA_FILE)
-        restore(self.parts(), state)
-        return point
+            load_sharded(point.path, self.models.model, self.optimization.optimizer.optimizer)
+        else:
+            load_weights(model, point.path / WEIGHTS_FILE)
+        if self.models.ema is not None:
+            if (point.path / EMA_FILE).is_file():
+                load_weights(self.models.ema.module, point.path / EMA_FILE)
+            elif not self.run.sharded:
+                self.models.ema.set(model)
+        restore(self.parts(), point.state)
+        progress = self.progress
+        within = f" and {progress.step} steps of epoch {progress.epoch + 1}" if progress.step else ""
+        return f"resumed from {point} after epoch {progress.epoch}{within}"
+
+    def _load_timm(self, timm: TimmCheckpoint) -> str:
+        """timm's training checkpoint, read as timm's train.py resumes: the model's weights, the optimizer's state
+        (with its groups' lr, initial_lr and weight decay, as torch's load_state_dict restores them), the EMA's
+        weights (state_dict_ema; the model's when the file has none), the loss scaler's state and the epoch:
+        training continues with the epoch after the file's, its schedule created again over the loaded groups
+        (timm's train.py creates it after loading) and stepped to that epoch. The file holds no random streams:
+        every rank's are drawn as a fresh run's."""
+        cfg, acc, progress, optimization = self.cfg, self.accelerator, self.progress, self.optimization
+        model = acc.unwrap_model(self.models.model)
+        with rebuild_hint(timm.path):
+            load_checked(model, timm.state_dict, str(timm.path))
+        loaded = []
+        if timm.optimizer is not None:
+            optimizer = optimization.optimizer
+            optimizer.load_state_dict(aligned_optimizer_state(timm.optimizer, optimizer, str(timm.path), "--resume"))
+            loaded.append("optimizer state")
+        if self.models.ema is not None:
+            if timm.ema_state_dict is not None:
+                load_checked(self.models.ema.module, timm.ema_state_dict, f"{timm.path} (state_dict_ema)")
+                loaded.append("EMA")
+            else:
+                self.models.ema.set(model)
+        if acc.scaler is not None and timm.scaler is not None:
+            acc.scaler.load_state_dict(timm.scaler)
+            loaded.append("loss scaler")
+        progress.epoch, progress.num_updates = timm.resume_epoch, timm.resume_epoch * self.updates_per_epoch
+        values = self.run.values
+        optimization.scheduler = optim.create_scheduler(
+            cfg, optimization.optimizer, values.schedule_epochs, values.warmup_epochs, self.updates_per_epoch
+        )
+        optim.set_scheduled_lr(optimization.scheduler, progress.num_updates, progress.epoch)
+        set_seed(cfg.seed + acc.process_index)
+        groups = optimization.optimizer.param_groups
+        initial = {g.get("initial_lr") for g in groups if g.get("lr_pattern") is None}
+        follows = ""
+        if initial and initial != {values.lr} and None not in initial:
+            follows = (
+                f"; its schedule starts from the file's lr ({', '.join(f'{lr:.3g}' for lr in sorted(initial))}), "
+                f"not {values.lr:.3g}, as timm's train.py resumes"
+            )
+        return (
+            f"resumed from timm's {timm.path} (its epoch {timm.epoch}): {progress.epoch} epochs done, "
+            f"weights{''.join(', ' + name for name in loaded)} loaded; lr {optim.main_lr(groups):.6g} at epoch "
+            f"{progress.epoch + 1}{follows}"
+        )
 
     # ----------------------------------------------------------------------------------------- save
     def save(

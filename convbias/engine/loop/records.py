@@ -183,9 +183,9 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
     """What this launch will do, before its first step: where, on what, with which batch, lr and length
     (``start``: the run's engine.loop.setup.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
     cfg, acc = start.cfg, start.accelerator
-    begin = f"resuming from {start.resume_point}" if start.resume_point else "a new run"
-    if start.timm_resume is not None:
-        begin = f"a new run, resuming timm's {start.timm_resume.path}"
+    begin = f"resuming from {start.point}" if start.point is not None else "a new run"
+    if start.resume is not None and start.point is None:
+        begin = f"a new run, resuming timm's {start.resume.path}"
     params = sum(p.numel() for p in model.parameters())
     try:
         sizes = f"{len(bundle.train):,} train / {len(bundle.val):,} val images"

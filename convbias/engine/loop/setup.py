@@ -18,8 +18,6 @@ stream's loaders are not (timm's reader splits the stream between processes).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -32,15 +30,13 @@ from accelerate.utils import DistributedType, set_seed
 from timm.utils import ModelEmaV3
 
 from convbias.base.errors import ConfigError
-from convbias.base.run_layout import WEIGHTS_FILE, point_name
-from convbias.base.weights import load_checked, load_weights, weights_metadata
-from convbias.engine.checkpointing.timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
+from convbias.base.weights import load_weights, rebuild_hint, weights_metadata
 
 from ..checkpointing.lock import RunLock
-from ..checkpointing.points import CheckpointDir
-from ..checkpointing.run_dir import load_training_state, verify_file
-from ..checkpointing.run_files import is_timm_checkpoint_name
+from ..checkpointing.resume import Resume, ResumePoint, find_resume
+from ..checkpointing.run_dir import verify_file
 from ..checkpointing.shards import FullCopy
+from ..checkpointing.timm_checkpoint import TimmCheckpoint
 from ..config.derived import RunValues
 from ..config.options import Config
 from ..config.parsing import option_source, parse_signals
@@ -61,7 +57,6 @@ from .start import (
     CheckpointChoice,
     check_resume_options,
     check_resume_world_size,
-    find_start,
     finished_message,
     resolve_checkpoint,
     take_lock,
@@ -79,11 +74,9 @@ class RunStart:
     values: RunValues  # what the run derives from its options: epochs, global batch, lr
     checkpoint: CheckpointChoice  # --checkpoint's weights, their name in messages, the run they were chosen in
     checkpoint_metadata: dict[str, str]  # the metadata of --checkpoint's weights ({} when resuming or none)
-    resume_point: Path | None
-    resume_state: dict[str, Any] | None
+    resume: Resume | None  # what the run continues (engine.checkpointing.resume); None for a fresh run
     notes: list[str] = field(default_factory=list)  # said when training starts (stale lock taken over, restart)
     finished: str | None = None  # --resume of a run that trained all its epochs: what to say instead
-    timm_resume: TimmCheckpoint | None = None  # --resume of timm's training checkpoint (a new run continues it)
     threads: str = ""  # where the intra-op threads came from (engine.loop.node.set_threads)
     weights: str | None = None  # the starting weights and what loading them did (set when the model is built)
     head: tuple[int | None, str] = (None, "")  # the classifier's size asked of timm (None: the model's) and why
@@ -91,6 +84,11 @@ class RunStart:
     @property
     def sharded(self) -> bool:
         return self.accelerator.is_fsdp2
+
+    @property
+    def point(self) -> ResumePoint | None:
+        """This engine's resume point the run continues, if it continues one."""
+        return self.resume if isinstance(self.resume, ResumePoint) else None
 
 
 def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) -> RunStart:
@@ -115,29 +113,22 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
             verify_file(weights)
     values = RunValues.derive(cfg, acc.num_processes, optim.trained_epochs(cfg))
     output, notes = Path(cfg.output), []
-    timm_resume = read_timm_resume(cfg, values.epochs) if is_timm_checkpoint_name(cfg.resume or "") else None
-    if timm_resume is not None and acc.is_fsdp2:
-        raise ConfigError(
-            f"--resume {cfg.resume}: timm's optimizer state is whole, FSDP's is sharded; resume it with DDP, or "
-            f"start from its weights with --initial-checkpoint {cfg.resume}"
-        )
     take_lock(acc, lock, notes)
-    point = find_start(acc, cfg, output, notes)
+    resume = find_resume(acc, cfg, output, values.epochs, notes)
+    point = resume if isinstance(resume, ResumePoint) else None
     if point is not None:
-        check_resume_options(cfg, output, point)
-    state = load_training_state(point) if point else None
-    metadata = weights_metadata(choice.weights) if choice.weights and not state else {}
+        check_resume_options(cfg, output, point.path)
+    metadata = weights_metadata(choice.weights) if choice.weights and point is None else {}
     cfg = resolved_options(cfg, choice.weights, metadata, extensions)
-    start = RunStart(cfg, extensions, acc, output, values, choice, metadata, point, state, notes)
-    start.timm_resume, start.threads = timm_resume, threads
-    start.head = requested_head(cfg, metadata, point, timm_resume)
-    if state is not None:
-        _check_resume_point(start)
+    start = RunStart(cfg, extensions, acc, output, values, choice, metadata, resume, notes)
+    start.threads = threads
+    start.head = requested_head(cfg, metadata, resume)
+    state = point.state if point is not None else None
     finished = finished_message(state, output, values.epochs, acc.is_main_process)
     if finished:
         start.finished = "; ".join([*notes, finished])
     else:
-        check_resume_world_size(state, point, acc.num_processes)
+        check_resume_world_size(state, point and point.path, acc.num_processes)
     return start
 
 
@@ -159,57 +150,19 @@ def resolved_options(cfg: Config, checkpoint: str | None, metadata: dict[str, st
     return resolved
 
 
-def requested_head(
-    cfg: Config, metadata: dict[str, str], point: Path | None, timm_resume: TimmCheckpoint | None
-) -> tuple[int | None, str]:
+def requested_head(cfg: Config, metadata: dict[str, str], resume: Resume | None) -> tuple[int | None, str]:
     """(the classifier's size to build, the rule that gave it): --num-classes as timm's train.py reads it (the
     command line or a recipe), else the head of the weights the run continues or evaluates (a resume point, a
     timm checkpoint's args, --checkpoint's metadata), else None: the model's default, as timm."""
     if cfg.num_classes is not None:
         source = option_source(cfg, "num_classes")
         return cfg.num_classes, "recipe" if source.startswith("recipe") else source
-    recorded = weights_metadata(point / WEIGHTS_FILE) if point is not None else metadata
-    if timm_resume is not None and timm_resume.args.get("num_classes"):
-        return int(timm_resume.args["num_classes"]), "the resumed checkpoint's args"
+    recorded = resume.metadata if isinstance(resume, ResumePoint) else metadata
+    if isinstance(resume, TimmCheckpoint) and resume.args.get("num_classes"):
+        return int(resume.args["num_classes"]), "the resumed checkpoint's args"
     if recorded.get("num_classes"):
         return int(recorded["num_classes"]), "the weights' head"
     return None, "model default, as timm"
-
-
-def read_timm_resume(cfg: Config, epochs: int) -> TimmCheckpoint:
-    """--resume of timm's training checkpoint: read safely, of --model (its args name the model it trained),
-    with epochs left to train."""
-    timm_resume = read_timm_checkpoint(cfg.resume)
-    model = timm_resume.args.get("model")
-    if model is not None and model != cfg.model:
-        raise ConfigError(f"--resume {cfg.resume} is timm's checkpoint of {model}, not of --model {cfg.model}")
-    if timm_resume.resume_epoch >= epochs:
-        raise ConfigError(
-            f"--resume {cfg.resume} is timm's checkpoint after {timm_resume.resume_epoch} epochs, and this run has "
-            f"{epochs}: nothing is left to train; give a larger --epochs"
-        )
-    return timm_resume
-
-
-def _check_resume_point(start: RunStart) -> None:
-    """The point belongs to this model and this kind of distribution; its links follow its training state."""
-    cfg, state, point = start.cfg, start.resume_state, start.resume_point
-    if state.get("model") != cfg.model:
-        raise ConfigError(f"--resume {point} is a checkpoint of {state.get('model')}, not of --model {cfg.model}")
-    if not state.get("sharded") and state["optimizer"] is None:
-        raise ConfigError(
-            f"{point} was written under FSDP1, whose sharded optimizer state was not saved; start a new run "
-            f"from its weights with --checkpoint instead"
-        )
-    if start.sharded and not state.get("sharded"):
-        raise ConfigError(
-            f"{point} was written without FSDP: its optimizer state is not sharded; continue it without FSDP, "
-            f"or start a new run from its weights with --checkpoint"
-        )
-    checkpoints = CheckpointDir(start.output)
-    if point.parent == checkpoints.root.resolve() and start.accelerator.is_main_process:
-        best = (state.get("best") or {}).get("epoch")  # a copy of the run may have dropped the links
-        start.notes += checkpoints.relink(point.name, None if best is None else point_name(best))
 
 
 def _check_fsdp(acc: Accelerator, cfg: Config) -> None:
@@ -362,30 +315,26 @@ def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> T
 
 # --------------------------------------------------------------------------------------------- model
 def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, bool]:
-    """The model with its starting weights (a resume point, else --checkpoint, else timm's init/pretrained)
-    and whether it has been reparametrized."""
+    """The model with its starting weights (--checkpoint, else timm's init/pretrained; a resumed run's come with
+    the rest of its state, in CheckpointManager.load) and whether it has been reparametrized."""
     cfg = start.cfg
     set_seed(cfg.seed)  # same initial weights on every rank
     model, start.weights = create_model_and_report(cfg, start.head[0], data.bundle.in_chans)
     check_head_fits(model, data.bundle.num_classes, f"--dataset {cfg.dataset}")
     metadata = start.checkpoint_metadata  # its reparametrization and output scale: in cfg (resolved_options)
-    if start.resume_state:
-        was_reparametrized = start.resume_state["reparametrized"]
+    if start.point is not None:
+        was_reparametrized = start.point.reparametrized
     else:
         was_reparametrized = metadata.get("reparametrized") == "True"
     if was_reparametrized:
         model = reparametrized(model, cfg, start.extensions)
-    if start.timm_resume is not None:  # timm's train.py loads --resume over --initial-checkpoint
-        _load_timm_checkpoint(model, start.timm_resume)
-    elif cfg.checkpoint and not start.resume_point:
+    # a resume's weights are restored with the rest of its state (CheckpointManager.load); timm's train.py,
+    # too, loads --resume over --initial-checkpoint
+    if cfg.checkpoint and start.resume is None:
         if metadata.get("output_scale"):
             model = OutputScale(model, cfg.output_scale)
         start.checkpoint = _load_checkpoint(model, start.checkpoint)
         start.weights = f"{start.checkpoint.name}: all {len(model.state_dict())} tensors loaded"
-    if start.resume_point:
-        if cfg.output_scale:
-            model = OutputScale(model, cfg.output_scale)
-        load_weights(model, start.resume_point / WEIGHTS_FILE)
     if cfg.grad_checkpointing:
         _set_grad_checkpointing(model.model if isinstance(model, OutputScale) else model, cfg.model)
     if cfg.output_scale and not isinstance(model, OutputScale):
@@ -396,32 +345,12 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
 def _load_checkpoint(model: torch.nn.Module, choice: CheckpointChoice) -> CheckpointChoice:
     """--checkpoint's weights into ``model``; returns the choice loaded: a run directory's next verified point
     when the run removed the chosen one meanwhile."""
-    with _fitting(choice.weights):
+    with rebuild_hint(choice.weights):
         if choice.run is None:
             load_weights(model, choice.weights)
             return choice
         loaded = choice.run.load_weights(model, choice.which)
         return replace(choice, weights=str(loaded.weights), name=loaded.describe())
-
-
-def _load_timm_checkpoint(model: torch.nn.Module, checkpoint: TimmCheckpoint) -> None:
-    """The weights of timm's training checkpoint that --resume continues."""
-    with _fitting(checkpoint.path):
-        load_checked(model, checkpoint.state_dict, str(checkpoint.path))
-
-
-@contextmanager
-def _fitting(weights: str | Path) -> Iterator[None]:
-    """Weights that do not fit the model built: the message says how to rebuild the model they were written for."""
-    try:
-        yield
-    except ValueError as e:
-        if "does not fit" not in str(e):
-            raise
-        raise ConfigError(
-            f"{e}; give the model options the weights were trained with (--model, --model-kwargs, "
-            f"--img-size, --num-classes), or pass the run directory, whose config.yaml has them"
-        ) from None
 
 
 def _set_grad_checkpointing(model: torch.nn.Module, name: str) -> None:

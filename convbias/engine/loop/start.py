@@ -14,12 +14,9 @@ from accelerate.utils import broadcast_object_list
 from convbias.base.errors import ConfigError, DamagedCheckpointError, DamagedInputError
 from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
-    CONFIG_FILE,
     LAST_LINK,
-    LOG_FILE,
     MANIFEST_FILE,
     RESULTS_FILE,
-    SUMMARY_FILE,
     WEIGHTS_FILE,
     point_position,
 )
@@ -27,13 +24,10 @@ from convbias.base.weights import weights_metadata
 
 from ..checkpointing.lock import ForeignLockError, RunLock, RunLockedError
 from ..checkpointing.lock import describe as describe_holder
-from ..checkpointing.points import CheckpointDir, find_resume_point
+from ..checkpointing.points import CheckpointDir
 from ..checkpointing.run_dir import RunDir, verify_file
 from ..checkpointing.run_files import (
-    foreign_entry,
-    foreign_links,
     is_run_dir,
-    is_timm_checkpoint_name,
     is_timm_output_dir,
     read_run_config,
     timm_output_file,
@@ -98,90 +92,6 @@ def take_lock(accelerator: Accelerator, lock: RunLock | None, notes: list[str]) 
         message, foreign = broadcast_object_list([message, foreign])
     if message:
         raise (DamagedInputError if foreign else ConfigError)(message)
-
-
-def check_output_dir(cfg: Config, output: Path, notes: list[str]) -> Path | None:
-    """The resume point, or None for a fresh run. A directory that holds anything that may be weights is
-    never started over: a plain run refuses it, ``--resume auto`` continues from its newest intact point
-    (a damaged newer one is renamed ``<name>.damaged`` and named in ``notes``) or stops naming what it found.
-
-    ``--resume`` of timm's checkpoint file (``timm_checkpoint``) starts this engine's run in ``output`` as a plain
-    run does. A directory without any resume point is started over only when every entry in it is train.py's own
-    (``run_files.foreign_entry``: its marked config.yaml, summary.csv, log.jsonl): a run that failed before its
-    first checkpoint. Anything else, and any link in the place of a file the run writes, is refused."""
-    if cfg.eval_only:
-        return None
-    links = foreign_links(output)
-    if links:
-        raise DamagedInputError(
-            f"--output {output}: {links[0]} is a symbolic link that train.py did not make; it writes and resumes "
-            f"nothing through one (a resume point or log elsewhere would be replaced): replace it with a copy of "
-            f"what it points at, or move it away; nothing was changed"
-        )
-    checkpoints = CheckpointDir(output, cfg.keep_checkpoints)
-    foreign = None if checkpoints.points() else foreign_entry(output)
-    if foreign:
-        raise DamagedInputError(
-            f"--output {output} is not a run of train.py: it holds {foreign}; a folder is started over only when "
-            f"it holds nothing but train.py's own files; nothing was changed: choose another --output"
-        )
-    resume = None if is_timm_checkpoint_name(cfg.resume or "") else cfg.resume  # timm's file starts a new run
-    if resume and resume != "auto":
-        return find_resume_point(resume, output)
-    held = [f"{CHECKPOINTS_DIR}/{name}" for name in checkpoints.held()]
-    if resume is None:
-        earlier = held + ([RESULTS_FILE] if (output / RESULTS_FILE).exists() else [])
-        if earlier:
-            raise ConfigError(
-                f"output dir {output} already holds a run ({_listing(earlier)}); "
-                f"pass --resume auto to continue it, or choose another --output"
-            )
-    else:
-        point, skipped = checkpoints.select()
-        if point is not None or skipped:
-            checkpoints.remove_staging()  # a killed save's staging folder: ours, and never a resume point
-        for damaged, problem in skipped if point is not None else ():
-            aside = checkpoints.set_aside(damaged)
-            notes.append(f"skipped {damaged} ({problem}); kept it as {aside.name}; resuming from {point.name}")
-        if point is not None:
-            return point
-        if held:
-            found = "; ".join(f"{p.name}: {problem}" for p, problem in skipped) or "no resume point by its name"
-            raise DamagedCheckpointError(
-                f"--resume auto: {output}/checkpoints holds {_listing(held)} but no intact resume point ({found}); "
-                f"nothing was changed. Continue from one folder with --resume {output / CHECKPOINTS_DIR}/NAME (checked "
-                f"against its manifest), take its weights only with --checkpoint "
-                f"{output / CHECKPOINTS_DIR}/NAME/{WEIGHTS_FILE} in another --output, or choose another --output"
-            )
-    leftovers = [name for name in (CONFIG_FILE, SUMMARY_FILE, LOG_FILE) if (output / name).exists()]
-    if leftovers and not (output / RESULTS_FILE).exists():
-        checkpoints.remove_staging()
-        notes.append(
-            f"starting over: {output} holds no checkpoint of an earlier attempt "
-            f"(its {', '.join(leftovers)} are replaced)"
-        )
-    return None
-
-
-def _listing(names: list[str], most: int = 4) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def find_start(accelerator: Accelerator, cfg: Config, output: Path, notes: list[str]) -> Path | None:
-    """``check_output_dir`` on the main process only (it hashes the point's files and may rename a damaged
-    one), its answer and its refusal on every process."""
-    if accelerator.num_processes == 1:
-        return check_output_dir(cfg, output, notes)
-    answer: list[Any] = [None, notes, None]
-    if accelerator.is_main_process:
-        try:
-            answer[0] = check_output_dir(cfg, output, notes)
-        except (ValueError, DamagedCheckpointError) as e:  # ConfigError included
-            answer[2] = e
-    point, notes[:], error = broadcast_object_list(answer)
-    if error is not None:
-        raise error
-    return point
 
 
 def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, write: bool) -> str | None:

@@ -31,8 +31,6 @@ from tqdm.auto import tqdm
 
 from convbias.base.errors import NonFiniteLossError, Preempted
 from convbias.base.run_layout import CONFIG_FILE
-from convbias.base.weights import load_checked
-from convbias.engine.checkpointing.timm_checkpoint import aligned_optimizer_state
 
 from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
 from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_options
@@ -77,13 +75,13 @@ STEP_RANGES = ("loader_wait", "device_augment", "mixup", "forward_backward", "op
 
 def build_trainer(start: RunStart) -> Trainer:
     """The Trainer of a run that has epochs left: a mid-epoch resume point checked against the options its
-    parts need, then the parts built whole."""
-    cfg = start.cfg
-    if start.resume_state:
+    parts need, the parts built whole, then what the run resumes restored into them in one call."""
+    cfg, point = start.cfg, start.point
+    if point is not None:
         keys = exact_options(RESUME_PART_TYPES)
-        accepted = check_exact_continuation(cfg, start.resume_state, start.resume_point, keys)
+        accepted = check_exact_continuation(cfg, point.state, point.path, keys)
         if accepted:
-            start.notes.append(f"--accept-resume-changes: continuing {start.resume_point} with {accepted}")
+            start.notes.append(f"--accept-resume-changes: continuing {point} with {accepted}")
     else:
         accepted = None
     preemption = build_preemption(cfg)
@@ -97,8 +95,7 @@ def build_trainer(start: RunStart) -> Trainer:
         diagnostics = ModelDiagnostics(images, start.extensions.diagnostics)
     trainer = Trainer(start, data, models, optimization, preemption, diagnostics)
     trainer.progress.reparametrized = was_reparametrized
-    if start.timm_resume is not None:
-        trainer.continue_timm()
+    trainer.resumed = trainer.checkpointer.load()
     trainer.warnings, trainer.accepted_changes = warnings, accepted
     return trainer
 
@@ -120,11 +117,18 @@ class Trainer:
         self.preemption, self.diagnostics = preemption, diagnostics
         self.progress = TrainingProgress()
         self.checkpointer = CheckpointManager(
-            start, models, optimization, self.progress, data.augment, models.num_classes, data.bundle.in_chans
+            start,
+            models,
+            optimization,
+            self.progress,
+            data.augment,
+            models.num_classes,
+            data.bundle.in_chans,
+            updates_per_epoch=data.steps_per_epoch // start.cfg.grad_accum_steps,
         )
+        self.resumed: str | None = None  # what the run resumed, as the checkpoint manager restored it
         self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
         self.warnings: list[str] = []  # likely unintended settings, said before anything runs
-        self.timm_resumed = ""  # --resume of timm's checkpoint: what was loaded from it
         self.launch_started, self.launch_first_step = 0.0, 0  # this launch's training: for the time left
         self.epoch_started, self.epoch_first_step = 0.0, 0  # the epoch's training: for its images per second
 
@@ -139,7 +143,6 @@ class Trainer:
     # ------------------------------------------------------------------------------------- main entry
     def fit(self) -> dict[str, Any]:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
-        resumed = self.checkpointer.load()
         model = self.accelerator.unwrap_model(self.models.model)
         for line in startup_block(self.start, self.data.bundle, self.data.steps_per_epoch, model) + self.start.notes:
             acc.print(line)
@@ -166,12 +169,8 @@ class Trainer:
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
         for note in log.start(progress.epoch):
             acc.print(note)
-        if resumed is not None:
-            where = f" and {progress.step} steps of epoch {progress.epoch + 1}" if progress.step else ""
-            acc.print(f"resumed from {resumed} after epoch {progress.epoch}{where}")
-        elif self.start.timm_resume is not None:
-            acc.print(self.timm_resumed)
-            set_seed(cfg.seed + acc.process_index)  # as a fresh run: timm's checkpoints hold no random streams
+        if self.resumed is not None:
+            acc.print(self.resumed)
         else:
             self._start_fresh()
         self.preemption.install()
@@ -187,48 +186,6 @@ class Trainer:
         final_epoch = self.progress.final.get("epoch")
         acc.print(summary_line(results, final_epoch, self.output, cfg.eval_metric, self.progress.best))
         return results
-
-    def continue_timm(self) -> None:
-        """timm's training checkpoint (``--resume FILE.pth.tar``) loaded as timm's train.py resumes: the model's
-        weights are loaded (build_model); here the optimizer's state (with its groups' lr, initial_lr and weight
-        decay, as torch's load_state_dict restores them), the EMA's weights (state_dict_ema, with --model-ema),
-        the loss scaler's state, and the epoch: training continues with the epoch after the file's, its schedule
-        created again over the loaded groups (timm's train.py creates it after loading) and stepped to that
-        epoch. Every check runs before anything is written."""
-        timm, cfg, acc, progress = self.start.timm_resume, self.cfg, self.accelerator, self.progress
-        optimization, loaded = self.optimization, []
-        if timm.optimizer is not None:
-            optimizer = optimization.optimizer
-            optimizer.load_state_dict(aligned_optimizer_state(timm.optimizer, optimizer, str(timm.path), "--resume"))
-            loaded.append("optimizer state")
-        if self.models.ema is not None and timm.ema_state_dict is not None:
-            load_checked(self.models.ema.module, timm.ema_state_dict, f"{timm.path} (state_dict_ema)")
-            loaded.append("EMA")
-        if acc.scaler is not None and timm.scaler is not None:
-            acc.scaler.load_state_dict(timm.scaler)
-            loaded.append("loss scaler")
-        updates_per_epoch = self.data.steps_per_epoch // cfg.grad_accum_steps
-        progress.epoch, progress.num_updates = timm.resume_epoch, timm.resume_epoch * updates_per_epoch
-        optimization.scheduler = optim.create_scheduler(
-            cfg,
-            optimization.optimizer,
-            self.start.values.schedule_epochs,
-            self.start.values.warmup_epochs,
-            updates_per_epoch,
-        )
-        optim.set_scheduled_lr(optimization.scheduler, progress.num_updates, progress.epoch)
-        initial = {g.get("initial_lr") for g in optimization.optimizer.param_groups if g.get("lr_pattern") is None}
-        follows = ""
-        if initial and initial != {self.start.values.lr} and None not in initial:
-            follows = (
-                f"; its schedule starts from the file's lr ({', '.join(f'{lr:.3g}' for lr in sorted(initial))}), "
-                f"not {self.start.values.lr:.3g}, as timm's train.py resumes"
-            )
-        self.timm_resumed = (
-            f"resumed from timm's {timm.path} (its epoch {timm.epoch}): {progress.epoch} epochs done, "
-            f"weights{''.join(', ' + name for name in loaded)} loaded; lr {self._lr():.6g} at epoch "
-            f"{progress.epoch + 1}{follows}"
-        )
 
     def _start_fresh(self) -> None:
         """Every diagnostic at initialization (logged with the first epoch as init_<key>; a resume point inside
@@ -454,13 +411,6 @@ class Trainer:
             )
         return mean
 
-    def _lr(self) -> float:
-        """The lr of the first group without a --param-group-lr override or a --layer-decay scale below 1 (the run's
-        main lr)."""
-        groups = self.optimization.optimizer.param_groups
-        main = (g["lr"] for g in groups if g.get("lr_pattern") is None and g.get("lr_scale", 1.0) == 1.0)
-        return next(main, groups[0]["lr"])
-
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Exact loss, top-1 and top-5 (in %) over the whole validation set, across all processes."""
         return evaluate(self.accelerator, model, self.data.eval_loader, self.data.streamed, self.cfg.channels_last)
@@ -487,3 +437,6 @@ class Trainer:
         models.compile(cfg)
         self.progress.reparametrized = True
         acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")
+
+    def _lr(self) -> float:
+        return optim.main_lr(self.optimization.optimizer.param_groups)

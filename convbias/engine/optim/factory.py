@@ -348,3 +348,10 @@ class HardDistillationLoss(nn.Module):
         with torch.no_grad():
             teacher_labels = self.teacher(images).argmax(dim=-1)
         return 0.5 * self.base_loss(class_logits, targets) + 0.5 * F.cross_entropy(distill_logits, teacher_labels)
+
+
+def main_lr(param_groups: list[dict[str, Any]]) -> float:
+    """The lr of the first group without a --param-group-lr override or a --layer-decay scale below 1 (the run's
+    main lr)."""
+    main = (g["lr"] for g in param_groups if g.get("lr_pattern") is None and g.get("lr_scale", 1.0) == 1.0)
+    return next(main, param_groups[0]["lr"])
