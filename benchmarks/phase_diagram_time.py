@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 sys.executable,
                 "-m",
-                "convbias.cli.phase_diagram",
+                "convbias.studies.phase_diagram.command",
                 "-c",
                 args.config,
                 "--output",

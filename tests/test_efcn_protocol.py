@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from convbias.cli import efcn_protocol
+from convbias.studies.efcn_protocol import command as efcn_protocol
 
 # a tiny CNN on 8-px digits: a second thread costs more than it saves
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -98,7 +98,7 @@ def test_protocol_rejects_bad_config(tmp_path, capsys):
 
 def _fake_seed(directory: Path, seed: int, acc: list[float], cnn: float, fcn: float) -> Path:
     from convbias.base.tables import write_csv
-    from convbias.experiments.efcn_seeds import BASELINE_METRICS, SUMMARY_METRICS
+    from convbias.studies.efcn_protocol.seeds import BASELINE_METRICS, SUMMARY_METRICS
 
     directory.mkdir(parents=True)
     (directory / "protocol_config.yaml").write_text(yaml.safe_dump({"seed": seed}))

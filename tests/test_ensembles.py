@@ -87,7 +87,8 @@ TINY_RUN_OPTIONS = dict(
 def seed_runs(tmp_path_factory):
     """A two-seed sweep of a tiny DeiT on digits, its train.py runs executed in this process."""
     from convbias.cli import train
-    from convbias.experiments import sweep, sweep_spec
+    from convbias.studies.sweep import spec as sweep_spec
+    from convbias.studies.sweep import sweep
 
     root = tmp_path_factory.mktemp("ensemble")
     spec = sweep_spec.normalize_spec({"set": TINY_RUN_OPTIONS, "grid": {"seed": [0, 1]}, "scale_epochs": False})
@@ -97,8 +98,8 @@ def seed_runs(tmp_path_factory):
 
 
 def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs, capsys):
-    from convbias.experiments import report, sweep
     from convbias.families import load_families
+    from convbias.studies.sweep import report, sweep
 
     prepared, results = seed_runs
     rows, missing = prepared.collect()
@@ -122,7 +123,7 @@ def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs, capsys):
         f"| {mean:.1f} ± {ensemble['member_top1_std']:.1f} [{mean - half:.1f}, {mean + half:.1f}] |"
     ) in table
 
-    from convbias.cli import sweep as sweep_cli
+    from convbias.studies.sweep import command as sweep_cli
 
     code = sweep_cli.main(["report", "--csv", str(csv_path), "--output", str(prepared.sweep_dir / "plain")])
     assert code == 0 and "## Ensembles over seeds" in (prepared.sweep_dir / "plain" / "report.md").read_text()
@@ -134,7 +135,7 @@ def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs, capsys):
 
 
 def test_ensemble_command_on_runs_that_differ_by_seed(seed_runs, tmp_path, capsys):
-    from convbias.cli import ensemble
+    from convbias.studies.ensembles import command as ensemble
 
     prepared, results = seed_runs
     runs = [str(prepared.run_dir(run)) for run in prepared.runs]
@@ -153,7 +154,7 @@ def test_ensemble_command_on_runs_that_differ_by_seed(seed_runs, tmp_path, capsy
 
 
 def test_ensemble_command_refuses_other_class_counts(seed_runs, tmp_path, capsys):
-    from convbias.cli import ensemble
+    from convbias.studies.ensembles import command as ensemble
 
     prepared, _ = seed_runs
     first, second = (prepared.run_dir(run) for run in prepared.runs)
@@ -173,8 +174,8 @@ def test_ensemble_command_scores_the_last_point_and_refuses_damaged_weights(seed
     """--which last scores the members' final weights (their final top-1); a member whose weights have 8
     bytes flipped in their middle is one line naming the file, exit 65, before anything is printed."""
     from convbias.base.errors import EXIT_DAMAGED
-    from convbias.cli import ensemble
     from convbias.engine import RunDir
+    from convbias.studies.ensembles import command as ensemble
 
     prepared, results = seed_runs
     runs = [str(prepared.run_dir(run)) for run in prepared.runs]

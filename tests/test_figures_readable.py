@@ -25,16 +25,15 @@ from matplotlib.legend import Legend
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
 
-from convbias.evaluation import figures, robustness_report
-from convbias.experiments import (
-    efcn_figures,
-    phase_diagram,
-    regimes,
-    stability_contrasts,
-    stability_figures,
-    sweep_figures,
-)
-from convbias.experiments.stability_study import Run, Settings, layer_summary
+from convbias.evaluation import figures
+from convbias.studies.efcn_protocol import figures as efcn_figures
+from convbias.studies.phase_diagram import study as phase_diagram
+from convbias.studies.regimes import study as regimes
+from convbias.studies.robustness import report as robustness_report
+from convbias.studies.stability import contrasts as stability_contrasts
+from convbias.studies.stability import figures as stability_figures
+from convbias.studies.stability.study import Run, Settings, layer_summary
+from convbias.studies.sweep import figures as sweep_figures
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +63,7 @@ def _history(layers: int, heads: int, epochs: int, gated: int) -> list[dict]:
 
 
 def _stability(r_range: tuple[float, float]) -> tuple[list[dict], list[dict], list[Run], Settings]:
-    """`stability_study.measure`'s rows for three groups of three seeds, R_f spread over `r_range`."""
+    """`convbias.studies.stability.study.measure`'s rows for three groups of three seeds, R_f spread over `r_range`."""
     settings = Settings(
         checkpoints=["init", "last"],
         images=2,
@@ -235,7 +234,7 @@ def _phase_diagram(tmp_path: Path) -> None:
 
 def _robustness(tmp_path: Path) -> None:
     """`robustness_report.plot_improvement`: ImageNet-C rows of two models, every category and severity."""
-    from convbias.evaluation.corruptions import CATEGORIES, SEVERITIES
+    from convbias.studies.robustness.corruptions import CATEGORIES, SEVERITIES
 
     rows = [
         dict(model=model, source="generated", corruption=name, category=category, severity=severity)

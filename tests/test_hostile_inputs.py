@@ -26,21 +26,7 @@ from convbias.base.errors import (
 )
 from convbias.base.run_layout import CONFIG_MARKER
 from convbias.base.weights import load_weights
-from convbias.cli import (
-    diagnostics,
-    efcn_protocol,
-    ensemble,
-    export,
-    launch,
-    phase_diagram,
-    predict,
-    regimes,
-    robustness,
-    stability,
-    stability_contrasts,
-    sweep,
-    train,
-)
+from convbias.cli import diagnostics, export, launch, predict, train
 from convbias.engine import parse_config
 from convbias.engine.checkpointing import lock
 from convbias.engine.checkpointing.points import CheckpointDir
@@ -48,6 +34,14 @@ from convbias.engine.config.parsing import load_yaml
 from convbias.engine.data import datasets
 from convbias.engine.loop.records import read_log
 from convbias.engine.model import factory as modeling
+from convbias.studies.efcn_protocol import command as efcn_protocol
+from convbias.studies.ensembles import command as ensemble
+from convbias.studies.phase_diagram import command as phase_diagram
+from convbias.studies.regimes import command as regimes
+from convbias.studies.robustness import command as robustness
+from convbias.studies.stability import command as stability
+from convbias.studies.stability import contrasts_command as stability_contrasts
+from convbias.studies.sweep import command as sweep
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -16,9 +16,12 @@ from test_hostile_inputs import TINY, Pickled, a_run, one_line, png, run_train, 
 from test_train_errors import messages
 
 from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError
-from convbias.cli import diagnostics, ensemble, export, predict, robustness, stability, train
+from convbias.cli import diagnostics, export, predict, train
 from convbias.engine.checkpointing.points import find_resume_point
 from convbias.engine.checkpointing.run_dir import check_point
+from convbias.studies.ensembles import command as ensemble
+from convbias.studies.robustness import command as robustness
+from convbias.studies.stability import command as stability
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

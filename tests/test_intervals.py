@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from convbias.experiments.intervals import cell, interval, ratio_interval, wilson
+from convbias.studies.intervals import cell, interval, ratio_interval, wilson
 
 
 def test_t_interval_of_mean_and_geometric_mean():
@@ -40,7 +40,7 @@ def test_ratio_of_geometric_means_has_the_welch_interval():
 
 
 def test_contrasts_pair_runs_and_compare_groups():
-    from convbias.experiments.stability_study import contrasts
+    from convbias.studies.stability.study import contrasts
 
     def row(group, seed, checkpoint, r):
         return dict(group=f"{group} f=1", run=f"{group}{seed}", checkpoint=checkpoint, R=r, delta=1.0, cut=3)

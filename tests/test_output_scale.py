@@ -173,7 +173,7 @@ def test_regimes_summarizes_a_sweep_of_output_scale_runs(tmp_path, deit_argv):
 
 
 def test_regimes_without_a_sweep_is_one_error_line(tmp_path, capsys):
-    from convbias.cli import regimes
+    from convbias.studies.regimes import command as regimes
 
     assert regimes.main([str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (
@@ -188,7 +188,7 @@ def test_regimes_over_seeds_matches_student_t_intervals():
     alpha = 1 paired by seed."""
     from scipy import stats
 
-    from convbias.experiments.regimes import markdown, over_seeds
+    from convbias.studies.regimes.study import markdown, over_seeds
 
     top1 = {1.0: [90.0, 92.0, 95.0], 10.0: [80.0, 85.0, 83.0]}
     ntk = {1.0: [1.0, 2.0, 4.0], 10.0: [0.1, 0.2, 0.3]}

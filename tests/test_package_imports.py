@@ -21,9 +21,9 @@ LEVELS = {
     "engine": 2,  # the training engine: names no family
     "evaluation": 3,  # measurements of trained models
     "families": 4,  # convbias/families.py, the composition root: the families and the engine's extensions
-    "experiments": 5,  # the studies
+    "studies": 5,  # one package per study: its runs, report, figures and console script
     "sharing": 5,  # export, the Hub, prediction
-    "cli": 6,  # the console scripts and train.py
+    "cli": 6,  # the generic console scripts and train.py
 }
 
 
@@ -89,6 +89,14 @@ def test_no_cycle_between_parts():
             "from convbias.engine.checkpointing import run_dir\n",
             "base may not import engine",
         ),
+        # a study's console script reaching up for the generic commands' helpers
+        (
+            "convbias/studies/sweep/command.py",
+            "def _planted():\n    from convbias.cli import OptionParser\n",
+            "studies may not import cli",
+        ),
+        # the composition root reaching up into a study
+        ("convbias/families.py", "from convbias.studies.stability import study\n", "families may not import studies"),
         # a family importing the engine
         ("convit/models.py", "import convbias.engine.loop.trainer\n", "convit may not import engine"),
     ],

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from convbias.cli import phase_diagram as phase_cli
-from convbias.experiments import phase_diagram as pd
+from convbias.studies.phase_diagram import command as phase_cli
+from convbias.studies.phase_diagram import study as pd
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,4 +1,4 @@
-"""The relative-stability study's plan (convbias.experiments.relative_stability_runs): every model of the
+"""The relative-stability study's plan (convbias.studies.stability.runs): every model of the
 contrasts at every size and seed, and every planned train.py command accepted by the engine's own parser."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from convbias.engine import parse_config
-from convbias.experiments import relative_stability_runs as study
-from convbias.experiments.stability_contrasts import FRACTIONS, MODELS
+from convbias.studies.stability import runs as study
+from convbias.studies.stability.contrasts import FRACTIONS, MODELS
 
 REPO = Path(__file__).resolve().parents[1]
 

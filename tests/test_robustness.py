@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from convbias.engine.config.options import Config
 from convbias.engine.data.factory import build_datasets
 from convbias.engine.data.loaders import build_eval_loader
-from convbias.evaluation.corruptions import CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
-from convbias.evaluation.robustness import (
+from convbias.studies.robustness.corruptions import CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
+from convbias.studies.robustness.measure import (
     Denormalized,
     PixelModel,
     accuracy,
@@ -29,7 +29,7 @@ from convbias.evaluation.robustness import (
     pgd,
     read_class_list,
 )
-from convbias.evaluation.robustness_report import corruption_errors, relative_improvement
+from convbias.studies.robustness.report import corruption_errors, relative_improvement
 
 # timm's tiny ResNet on 16-px digits: a second thread costs more than it saves
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -40,7 +40,7 @@ EPOCHS = 3
 
 
 def _load_cli():
-    from convbias.cli import robustness as cli
+    from convbias.studies.robustness import command as cli
 
     return cli
 
@@ -181,7 +181,7 @@ def test_filters_match_scipy_with_mirrored_borders():
     direct and the FFT path, with kernels wider than the image."""
     from scipy import ndimage
 
-    from convbias.evaluation.filters import filter2d, gaussian_blur
+    from convbias.studies.robustness.filters import filter2d, gaussian_blur
 
     generator = torch.Generator().manual_seed(0)
     image = torch.rand(1, 1, 20, 23, generator=generator, dtype=torch.float64)
@@ -299,7 +299,7 @@ def test_class_index_maps_a_subset_and_names_unmatched_classes(tmp_path):
 
 
 def test_imagenet_c_folders_flat_or_inside_their_category(tmp_path):
-    from convbias.evaluation.robustness import imagenet_c_folders
+    from convbias.studies.robustness.measure import imagenet_c_folders
 
     (tmp_path / "gaussian_noise" / "1").mkdir(parents=True)
     (tmp_path / "blur" / "zoom_blur" / "1").mkdir(parents=True)
@@ -313,7 +313,7 @@ def test_imagenet_c_folders_flat_or_inside_their_category(tmp_path):
 
 
 def test_subset_logits_predict_among_the_folder_classes_only():
-    from convbias.evaluation.robustness import correct
+    from convbias.studies.robustness.measure import correct
 
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [9.0, 0.0, 3.0, 1.0]])
     # dataset label 0 -> logit 2, label 1 -> logit 3

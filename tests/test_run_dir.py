@@ -187,7 +187,7 @@ def test_resume_auto_on_a_finished_run_says_so_and_rewrites_nothing(finished_run
 
 
 def test_robustness_reads_the_run_dir_and_its_clean_accuracy_is_the_runs_final_top1(finished_run, tmp_path, capsys):
-    from convbias.cli import robustness
+    from convbias.studies.robustness import command as robustness
 
     output, results, _ = finished_run
     argv = [str(output), "--attacks", "none", "--corruptions", "none", "--workers", "0"]
@@ -203,7 +203,7 @@ def test_robustness_reads_the_run_dir_and_its_clean_accuracy_is_the_runs_final_t
 def test_robustness_run_as_first_argument_is_the_deprecated_checkpoint_option(finished_run, tmp_path, capsys):
     """`convbias-robustness RUN` and its former spelling `--checkpoint RUN` (one note line) write the same tables,
     which name the run's checkpoint and the attacks' eps and steps."""
-    from convbias.cli import robustness
+    from convbias.studies.robustness import command as robustness
 
     output, _results, _ = finished_run
     argv = ["--which", "best", "--pgd-steps", "2", "--corruptions", "none", "--max-images", "32", "--workers", "0"]
@@ -276,7 +276,8 @@ def test_help_gives_the_run_first_and_examples_that_parse(command, capsys):
     import importlib
     import shlex
 
-    module = importlib.import_module(f"convbias.cli.{command}")
+    where = {"diagnostics": "convbias.cli.diagnostics", "robustness": "convbias.studies.robustness.command"}
+    module = importlib.import_module(where[command])
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
     assert exit_info.value.code == 0
@@ -293,7 +294,8 @@ def test_diagnostics_reads_the_run_dir_and_unreadable_weights_are_one_line(finis
     import numpy as np
     from PIL import Image
 
-    from convbias.cli import diagnostics, robustness
+    from convbias.cli import diagnostics
+    from convbias.studies.robustness import command as robustness
 
     output, results, _ = finished_run
     image = tmp_path / "digit.png"
@@ -329,7 +331,8 @@ def test_damaged_run_weights_are_one_line_exit_65_for_diagnostics_and_robustness
     from PIL import Image
 
     from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE
-    from convbias.cli import diagnostics, robustness
+    from convbias.cli import diagnostics
+    from convbias.studies.robustness import command as robustness
 
     output, _results, _ = finished_run
     run = tmp_path / "run"

@@ -356,7 +356,7 @@ def test_training_logs_rf_each_evaluation_and_at_initialization(digits_run):
 def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
     import csv
 
-    from convbias.cli import stability
+    from convbias.studies.stability import command as stability
 
     run, results = digits_run
     out = tmp_path / "out"
@@ -409,7 +409,7 @@ def test_command_measures_runs_and_writes_table_and_plots(digits_run, tmp_path):
 
 
 def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys):
-    from convbias.cli import stability
+    from convbias.studies.stability import command as stability
 
     run, _ = digits_run
     other = tmp_path / "other"
@@ -441,7 +441,7 @@ def test_command_refuses_a_damaged_checkpoint_before_any_output(digits_run, tmp_
     import shutil
 
     from convbias.base.errors import EXIT_DAMAGED
-    from convbias.cli import stability
+    from convbias.studies.stability import command as stability
 
     run, _ = digits_run
     damaged = tmp_path / "run"

@@ -10,13 +10,13 @@ import pytest
 from scipy import stats
 
 from convbias.base.tables import write_csv
-from convbias.cli.stability_contrasts import main
-from convbias.experiments.stability_contrasts import (
+from convbias.studies.stability.contrasts import (
     log_rows,
     pair_rows,
     read_trajectories,
     trajectory_summary,
 )
+from convbias.studies.stability.contrasts_command import main
 
 STUDY = Path(__file__).resolve().parents[1] / "results" / "relative_stability"
 MEASURED = dict(convention="published", modes="published", images=300, draws=5)

@@ -26,7 +26,11 @@ from scipy import stats as scipy_stats
 
 from convbias.engine import parse_config
 from convbias.engine.config.derived import effective_epochs
-from convbias.experiments import intervals, phase_diagram_tables, report, sweep, sweep_figures, sweep_spec
+from convbias.studies import intervals
+from convbias.studies.phase_diagram import tables as phase_diagram_tables
+from convbias.studies.sweep import figures as sweep_figures
+from convbias.studies.sweep import report, sweep
+from convbias.studies.sweep import spec as sweep_spec
 
 # A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
 TINY_MODEL_KWARGS = {"patch_size": 2, "embed_dim": 4, "depth": 2, "num_heads": 4, "local_up_to_layer": 1}
@@ -49,7 +53,7 @@ def tiny_spec(**grid) -> dict:
     return sweep_spec.normalize_spec({"set": TINY_SET, "grid": grid})
 
 
-from convbias.cli import sweep as SWEEP_CLI  # noqa: E402
+from convbias.studies.sweep import command as SWEEP_CLI  # noqa: E402
 
 
 @dataclass

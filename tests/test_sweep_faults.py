@@ -18,7 +18,9 @@ from test_sweep import TINY_SET, sweep_cli
 
 from convbias.base.errors import StorageError
 from convbias.base.tables import write_csv
-from convbias.experiments import regimes, sweep, sweep_spec
+from convbias.studies.regimes import study as regimes
+from convbias.studies.sweep import spec as sweep_spec
+from convbias.studies.sweep import sweep
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.integration, pytest.mark.slow]
 

@@ -282,9 +282,10 @@ def test_a_run_with_these_options_predicts_with_them(tmp_path):
     """train.py on digits in 3 channels (--input-size 3 8 8), normalized by 0.5/0.5, three classes in the map's order;
     convbias-predict on the run gives the run's model on those images normalized by hand; convbias-export
     records the run's input format, and convbias-robustness's clean accuracy is the run's own top-1."""
-    from convbias.cli import export, predict, robustness, train
+    from convbias.cli import export, predict, train
     from convbias.engine import RunDir
     from convbias.families import load_families
+    from convbias.studies.robustness import command as robustness
 
     (tmp_path / "classes.txt").write_text("7\n3\n5\n")
     run = tmp_path / "run"

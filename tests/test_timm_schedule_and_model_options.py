@@ -194,9 +194,9 @@ def test_gp_is_kept_by_every_command_that_rebuilds_the_run(tmp_path):
     import csv
     import json
 
-    from convbias.cli import robustness
     from convbias.cli import train as train_command
     from convbias.engine import parse_config
+    from convbias.studies.robustness import command as robustness
 
     cfg = small_cnn(tmp_path, gp="catavgmax")
     records = train(cfg)

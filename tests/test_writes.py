@@ -20,22 +20,17 @@ from convbias.base import storage
 from convbias.base.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from convbias.base.run_layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
 from convbias.base.weights import read_state_dict
-from convbias.cli import (
-    diagnostics,
-    efcn_protocol,
-    ensemble,
-    export,
-    phase_diagram,
-    predict,
-    robustness,
-    stability,
-    sweep,
-    train,
-)
+from convbias.cli import diagnostics, export, predict, train
 from convbias.engine import RunDir
 from convbias.engine.checkpointing import run_dir as run_dir_module
 from convbias.engine.checkpointing.points import CheckpointDir
 from convbias.families import load_families
+from convbias.studies.efcn_protocol import command as efcn_protocol
+from convbias.studies.ensembles import command as ensemble
+from convbias.studies.phase_diagram import command as phase_diagram
+from convbias.studies.robustness import command as robustness
+from convbias.studies.stability import command as stability
+from convbias.studies.sweep import command as sweep
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.integration]
 

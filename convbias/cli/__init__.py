@@ -1,4 +1,5 @@
-"""Console scripts (see pyproject's [project.scripts]); each module's `main(argv) -> exit code`.
+"""The generic console scripts (see pyproject's [project.scripts]); each module's `main(argv) -> exit code`.
+Each study's own console script is its `command` module (convbias.studies), built on the same helpers.
 
 Every command reports what stops it the same way (``run_command``, ``convbias.base.reporting``): one ``error: ...`` line (``interrupted:``
 for Ctrl-C) and the engine's exit code of ``convbias.base.errors``: 2 bad input, 65 a damaged or foreign

@@ -1,1 +1,3 @@
-"""Experiments over many runs: grid sweeps and their reports, the eFCN relax-time protocol."""
+"""The studies, one package each with its own measurements, runs, report, figures and command line
+(`command.main`, a console script); `intervals` is the statistics they share. The measurements several
+studies (or the engine's diagnostics) use are convbias.evaluation's."""

@@ -23,10 +23,16 @@ import torch
 from matplotlib.figure import Figure
 from sklearn.datasets import load_digits
 
-from convbias.evaluation import figures, robustness_report
-from convbias.evaluation.corruptions import CATEGORIES, SEVERITIES
-from convbias.experiments import efcn_figures, phase_diagram, regimes, stability_figures, sweep_figures, sweep_runs
-from convbias.experiments import stability_study as study
+from convbias.evaluation import figures
+from convbias.studies.efcn_protocol import figures as efcn_figures
+from convbias.studies.phase_diagram import study as phase_diagram
+from convbias.studies.regimes import study as regimes
+from convbias.studies.robustness import report as robustness_report
+from convbias.studies.robustness.corruptions import CATEGORIES, SEVERITIES
+from convbias.studies.stability import figures as stability_figures
+from convbias.studies.stability import study
+from convbias.studies.sweep import figures as sweep_figures
+from convbias.studies.sweep import runs as sweep_runs
 from convit import diagnostics
 
 HERE = Path(__file__).resolve().parent

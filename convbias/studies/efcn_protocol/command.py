@@ -1,7 +1,7 @@
-"""`convbias-efcn-protocol`: the eFCN relax-time protocol (Sec. 6.2.2); see convbias.experiments.efcn_protocol.
+"""`convbias-efcn-protocol`: the eFCN relax-time protocol (Sec. 6.2.2); see convbias.studies.efcn_protocol.protocol.
 
 convbias-efcn-protocol -c configs/efcn_protocol/efcn_cpu.yaml --output results/efcn
-accelerate launch -m convbias.cli.efcn_protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
+accelerate launch -m convbias.studies.efcn_protocol.command -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
 convbias-efcn-protocol --stage summarize --seed-dirs runs/efcn/seed0 runs/efcn/seed1 ... --output results/efcn
 convbias-efcn-protocol --stage single-seed --test-images 359 --output results/efcn
 """
@@ -14,10 +14,12 @@ from pathlib import Path
 
 import yaml
 
+from convbias.base.reporting import report
 from convbias.base.storage import output_folder, write_text
-from convbias.cli import OptionParser, report
-from convbias.experiments.efcn_protocol import analyze_stage, load_config, train_stage
-from convbias.experiments.efcn_seeds import single_seed_intervals, summarize_seeds
+from convbias.engine.config.command_line import OptionParser
+
+from .protocol import analyze_stage, load_config, train_stage
+from .seeds import single_seed_intervals, summarize_seeds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,11 +13,11 @@ All training goes through the engine (`convbias.engine.run`), so the train stage
 `accelerate launch` on many GPUs; the analyze stage runs in one process:
 
     convbias-efcn-protocol -c configs/efcn_protocol/efcn_cpu.yaml --output results/efcn
-    accelerate launch -m convbias.cli.efcn_protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
+    accelerate launch -m convbias.studies.efcn_protocol.command -c configs/efcn_protocol/efcn_cifar10.yaml --stage train --output runs/efcn
     convbias-efcn-protocol -c configs/efcn_protocol/efcn_cifar10.yaml --stage analyze --output runs/efcn
 
 Finished runs (with results.json) are not retrained, so an interrupted protocol resumes. The outputs of several
-seeds are summarized by `convbias.experiments.efcn_seeds`.
+seeds are summarized by `convbias.studies.efcn_protocol.seeds`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_su
 from convbias.evaluation import landscape
 from convbias.families import load_families
 
-from . import efcn_figures as plots
+from . import figures as plots
 
 DEFAULTS = dict(
     model="vanilla_cnn",  # the CNN; efcn_<model> and fcn_<model> must be registered

@@ -14,7 +14,7 @@ import yaml
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import markdown_table, write_csv
 
-from .intervals import cell, interval, wilson
+from ..intervals import cell, interval, wilson
 
 SUMMARY_METRICS = (  # per relax time: mean [95% t-interval] over seeds
     "final_test_acc",

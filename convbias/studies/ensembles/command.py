@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 
+from convbias.base.reporting import run_command
 from convbias.base.run_layout import check_destination
 from convbias.base.storage import write_text
-from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
+from convbias.engine.config.command_line import OptionParser
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
 from convbias.families import load_families
 

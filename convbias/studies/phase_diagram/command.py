@@ -1,4 +1,4 @@
-"""`convbias-phase-diagram`: the (width, alpha~) phase diagram; see convbias.experiments.phase_diagram.
+"""`convbias-phase-diagram`: the (width, alpha~) phase diagram; see convbias.studies.phase_diagram.study.
 
 convbias-phase-diagram -c configs/phase_diagram/digits_pca10.yaml --output results/phase_diagram
 convbias-phase-diagram --output results/phase_diagram --plot-only     # figures and report CSVs again
@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.reporting import run_command
 from convbias.base.run_layout import check_output_folder
-from convbias.cli import OptionParser, run_command
-from convbias.experiments.phase_diagram import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
+from convbias.engine.config.command_line import OptionParser
+
+from .study import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,8 +13,8 @@ import numpy as np
 
 from convbias.base.tables import markdown_table
 
-from .intervals import proportion_interval, t_half_width
-from .sweep_runs import read_runs_like
+from ..intervals import proportion_interval, t_half_width
+from ..sweep.runs import read_runs_like
 
 
 def mean_interval(values: Sequence[float]) -> str:

@@ -3,7 +3,7 @@
     convbias-sweep run configs/sweeps/digits_regimes.yaml --output runs/regimes
     convbias-regimes runs/regimes        # regimes.csv, regimes_seeds.csv, regimes.md, regimes.png there
 
-What is measured: convbias.experiments.regimes.
+What is measured: convbias.studies.regimes.study.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from convbias.cli import OptionParser, run_command
-from convbias.experiments.regimes import write
+from convbias.base.reporting import run_command
+from convbias.engine.config.command_line import OptionParser
 from convbias.families import load_families
+
+from .study import write
 
 
 def build_parser() -> argparse.ArgumentParser:

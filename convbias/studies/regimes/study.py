@@ -10,7 +10,7 @@ its gap to the same model at alpha = 1 paired by seed (a seed fixes the initial 
 the kernel change as a geometric mean (it spans orders of magnitude) and the training error with and
 without weight noise. `write` saves regimes.csv (one row per run), regimes_seeds.csv and regimes.md (per
 point over seeds) and regimes.png (the means with their intervals against alpha, per model); the console
-script is ``convbias-regimes SWEEP_DIR`` (`convbias.cli.regimes`).
+script is ``convbias-regimes SWEEP_DIR`` (`convbias.studies.regimes.command`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from convbias.evaluation.ensembles import load_run
 from convbias.evaluation.figures import error_bar_note, log_ticks
 from convbias.evaluation.landscape import Batches, local_energy
 
-from .intervals import cell, error_bar, interval, per_seed_gaps
+from ..intervals import cell, error_bar, interval, per_seed_gaps
 
 SIGMAS = (0.0, 0.05, 0.1, 0.2, 0.3)
 DRAWS = 5

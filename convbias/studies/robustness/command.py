@@ -25,21 +25,23 @@ from pathlib import Path
 
 import torch
 
+from convbias.base.deprecation import Deprecated, announce
+from convbias.base.reporting import run_command
 from convbias.base.run_layout import check_output_folder
-from convbias.cli import OptionParser, key_value, run_command
-from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
-from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
-from convbias.evaluation.robustness import PAPER_ATTACK
-from convbias.evaluation.robustness_report import table_markdown
-from convbias.experiments.robustness_study import (
+from convbias.engine.config.command_line import OptionParser, key_value
+from convbias.families import load_families
+
+from .corruptions import CORRUPTIONS, SEVERITIES
+from .measure import PAPER_ATTACK
+from .report import table_markdown
+from .study import (
     IMAGENET_C_LAYOUT,
     SUBSET_LAYOUT,
     RobustnessOptions,
     RobustnessStudy,
     evaluate,
 )
-from convbias.families import load_families
 
 DATASET_CHOICES = ("digits", "cifar10", "cifar100", "imagenet", "folder")
 

@@ -1,6 +1,6 @@
 """Robustness evaluation (Sec. 8.3.3): clean accuracy, white-box attacks (FGSM, L-inf PGD), common
 corruptions (generated on the fly or an ImageNet-C folder) and the ImageNet-A / ImageNet-R 200-class
-subsets. Their table (Table G.1) and Fig. 8.3 are `convbias.evaluation.robustness_report`'s.
+subsets. Their table (Table G.1) and Fig. 8.3 are `report`'s.
 
 Everything works on pixels in [0, 1]: `PixelModel` wraps a classifier with its normalization, so
 attacks and corruptions act on the image a camera would give, and attack budgets read as in the

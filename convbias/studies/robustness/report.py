@@ -1,4 +1,4 @@
-"""Robustness tables and the Fig. 8.3 plot from measured accuracies (`convbias.evaluation.robustness`): the
+"""Robustness tables and the Fig. 8.3 plot from measured accuracies (`measure`): the
 Table G.1-style table with what its attacks measured, the corruption errors per category (Hendrycks &
 Dietterich) and the relative improvement of one model over a baseline per corruption category and severity.
 """

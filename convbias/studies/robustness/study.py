@@ -2,7 +2,7 @@
 class maps of ImageNet-C/-A/-R folders and the models with their weights (`RobustnessStudy`, which raises on
 bad input before anything is measured), then clean top-1, FGSM and PGD accuracy, common corruptions
 (generated on the fly, or an ImageNet-C folder) and ImageNet-A/-R accuracy, written as a report (`evaluate`).
-The measurements themselves are in convbias.evaluation.robustness, the tables in robustness_report.
+The measurements themselves are in `measure`, the tables in `report`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from convbias.engine import (
     build_eval_loader,
     create_model,
 )
-from convbias.evaluation.corruptions import CORRUPTIONS, SEVERITIES
-from convbias.evaluation.robustness import (
+
+from .corruptions import CORRUPTIONS, SEVERITIES
+from .measure import (
     PAPER_ATTACK,
     Denormalized,
     PixelModel,
@@ -46,7 +47,7 @@ from convbias.evaluation.robustness import (
     imagenet_c_folders,
     read_class_list,
 )
-from convbias.evaluation.robustness_report import attack_settings, corruption_summary, write_report
+from .report import attack_settings, corruption_summary, write_report
 
 IMAGENET_C_LAYOUT = "DIR/<corruption>/<severity>/<class>/<image>"
 SUBSET_LAYOUT = "DIR/<wnid>/<image> (ImageNet-A/-R: 200 ImageNet class folders)"

@@ -3,7 +3,7 @@
     convbias-stability runs/cnn runs/convit runs/fcn --checkpoints init best --images 500 \\
         --deltas 0.5 0.75 1 1.5 --cuts 3 5 --draws 10 --output stability/
 
-Each RUN is a train.py output folder (see convbias.experiments.stability_study). Writes OUTPUT/stability.csv
+Each RUN is a train.py output folder (see convbias.studies.stability.study). Writes OUTPUT/stability.csv
 (one row per run, checkpoint, delta, c: test error, D_f, G_f, R_f with their standard errors over --draws
 draws), stability_layers.csv, stability.md (per run, at --main-delta and the first cut), summary.csv and
 summary.md (per group of runs that differ by seed: n, geometric mean of R_f over seeds and its 95% interval,
@@ -25,16 +25,18 @@ from pathlib import Path
 
 import torch
 
+from convbias.base.reporting import run_command
 from convbias.base.run_layout import INIT_SNAPSHOT, LAST_LINK, SNAPSHOT_NAME, SUMMARY_FILE
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import write_csv
-from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
+from convbias.engine.config.command_line import OptionParser
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
-from convbias.experiments import stability_study as study
-from convbias.experiments.stability_figures import plots
 from convbias.families import load_families
+
+from . import study
+from .figures import plots
 
 CONTRAST_REFERENCE = "vanilla_cnn"  # the group every other is compared with, at the same training fraction
 

@@ -1,4 +1,4 @@
-"""Analyses of a relative-stability study beyond `stability_study`'s group summaries.
+"""Analyses of a relative-stability study beyond `study`'s group summaries.
 
 Paired contrasts: two groups of runs compared seed by seed (a seed fixes the initial weights and the
 training subset, so pairing removes their spread): the geometric mean of the per-seed R_f ratios and the
@@ -24,11 +24,11 @@ from convbias.base.run_layout import CONFIG_FILE, LOG_FILE
 from convbias.base.storage import save_figure, write_text
 from convbias.base.tables import markdown_table, write_csv
 
-from .intervals import CONFIDENCE, cell, interval
+from ..intervals import CONFIDENCE, cell, interval
 
 Group = tuple[str, float]  # (run-name prefix, training fraction)
 
-# The contrasts of results/relative_stability (run-name prefixes of convbias.experiments.relative_stability_runs): models at the same
+# The contrasts of results/relative_stability (run-name prefixes of convbias.studies.stability.runs): models at the same
 # training-set size, then each model at P = 4,000 against P = 1,000.
 MODEL_PAIRS = [("efcn_r1", "fcn"), ("efcn_r2", "fcn"), ("efcn_r1", "efcn_r2"), ("convit", "deit"), ("tcnn", "fcn")]
 MODELS = ["cnn", "efcn_r1", "efcn_r2", "fcn", "tcnn", "convit", "deit"]

@@ -5,7 +5,7 @@
 
 FOLDER is a convbias-stability output (--combine of the study's runs). From FOLDER/stability.csv it writes
 pairs.csv and pairs.md (the study's contrasts paired by seed, with 95% and Bonferroni intervals; see
-convbias.experiments.stability_contrasts). With --runs it reads R_f logged during training (train.py
+convbias.studies.stability.contrasts). With --runs it reads R_f logged during training (train.py
 --diagnostics) from every RUNS/*/log.jsonl into FOLDER/trajectories.csv; without, it reads an existing
 FOLDER/trajectories.csv. Either way it writes trajectories_summary.csv and trajectories.png (the geometric
 mean over seeds with its 95% interval). What stops it is one `error: ...` line: a missing or unreadable
@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.reporting import run_command
 from convbias.base.tables import write_csv
-from convbias.cli import OptionParser, run_command
-from convbias.experiments import stability_contrasts as contrasts
-from convbias.experiments.stability_study import read_rows
+from convbias.engine.config.command_line import OptionParser
+
+from . import contrasts
+from .study import read_rows
 
 
 def build_parser() -> argparse.ArgumentParser:

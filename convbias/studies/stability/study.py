@@ -28,7 +28,7 @@ from convbias.engine import RunDir, build_datasets, check_model_name
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
 
-from .intervals import cell, interval, ratio_interval
+from ..intervals import cell, interval, ratio_interval
 
 CHECKPOINT_FORMS = "best, last, init (= epoch_0) or epoch_N (a --save-epochs snapshot)"
 

@@ -27,12 +27,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from convbias.cli import OptionParser, run_command, yaml_scalar
+from convbias.base.reporting import run_command
 from convbias.engine import Interrupted
-from convbias.experiments import sweep_spec
+from convbias.engine.config.command_line import OptionParser, yaml_scalar
+
+from . import spec as sweep_spec
 
 if TYPE_CHECKING:
-    from convbias.experiments.sweep import Sweep
+    from .sweep import Sweep
 
 DEFAULT_GRID = {
     "model": ["convit_tiny", "deit_tiny_patch16_224"],
@@ -144,7 +146,7 @@ def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
     """runs.csv and the report from the complete runs; 1 if some runs are missing."""
-    from convbias.experiments import report, sweep  # not at the top: `--help` loads no torch or timm
+    from . import report, sweep  # not at the top: `--help` loads no torch or timm
 
     rows, missing = prepared.collect()
     if missing:
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from convbias.experiments import report, sweep  # not at the top: `--help` loads no torch or timm
+    from . import report, sweep  # not at the top: `--help` loads no torch or timm
 
     if args.command == "report":
         ensembles = None if args.ensembles == "none" else args.ensembles or report.ensembles_beside(args.csv)

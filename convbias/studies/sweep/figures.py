@@ -13,8 +13,8 @@ from matplotlib.figure import Figure
 from convbias.base.storage import save_figure
 from convbias.evaluation.figures import error_bar_note
 
-from .intervals import ACCURACY_RANGE, error_bar, paired_gap, stat
-from .sweep_runs import (
+from ..intervals import ACCURACY_RANGE, error_bar, paired_gap, stat
+from .runs import (
     Rows,
     column_values,
     compared_column,

@@ -1,6 +1,6 @@
 """Sweep report from the CSV alone: markdown tables like Tables 7.2/7.3 and plots like Figs. 7.2/7.9.
 
-The CSV has one row per run (written by ``convbias.experiments.sweep``). Its columns are the grid factors
+The CSV has one row per run (written by ``convbias.studies.sweep.sweep``). Its columns are the grid factors
 (``variant`` or ``model``, ``train_fraction``, any swept option such as ``locality_strength``), the
 replicate ``seed`` and the results (``top1``, ``top5``, ``best_top1``, ...). Runs that differ only by
 seed are aggregated as mean ± std [95% confidence interval of the mean] and their number n (sample std,
@@ -15,7 +15,7 @@ n-1; Student's t interval; one run has no interval and says so).
 - Other swept factors (parameter sweeps): one row per setting, and a heatmap (two numeric factors,
   like Fig. 7.9 left) or a line plot (one factor).
 
-The runs are read and grouped by ``sweep_runs``, the plots drawn by ``sweep_figures``.
+The runs are read and grouped by ``runs``, the plots drawn by ``figures``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import markdown_table
 
-from .intervals import (
+from ..intervals import (
     ACCURACY_NOTE,
     ACCURACY_RANGE,
     CONFIDENCE,
@@ -40,9 +40,8 @@ from .intervals import (
     proportion_interval,
     stat,
 )
-from .sweep import ENSEMBLES_CSV_NAME
-from .sweep_figures import plot_parameter_sweep, plot_sample_efficiency
-from .sweep_runs import (
+from .figures import plot_parameter_sweep, plot_sample_efficiency
+from .runs import (
     Rows,
     choose_baseline,
     column_values,
@@ -57,6 +56,7 @@ from .sweep_runs import (
     setting_title,
     train_fractions,
 )
+from .sweep import ENSEMBLES_CSV_NAME
 
 REPORT_NAME = "report.md"
 

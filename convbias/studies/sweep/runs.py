@@ -1,7 +1,7 @@
 """The runs of a sweep CSV as the report reads them: parsed rows, which columns are the compared models and the
 swept factors, the runs of one setting, and the labels that name settings in tables and figures.
 
-The CSV has one row per run (written by ``convbias.experiments.sweep``): the grid factors (``variant`` or
+The CSV has one row per run (written by ``convbias.studies.sweep.sweep``): the grid factors (``variant`` or
 ``model``, ``train_fraction``, any swept option such as ``locality_strength``), the replicate ``seed`` and the
 results (``top1``, ``top5``, ``best_top1``, ...).
 """

@@ -1,4 +1,4 @@
-"""A sweep file and its grid: read and check the spec (see `convbias.experiments.sweep` for the file's
+"""A sweep file and its grid: read and check the spec (see `convbias.studies.sweep.sweep` for the file's
 format), apply command-line overrides, and expand the grid into runs, each with its directory name and
 the train.py options it resolves to."""
 

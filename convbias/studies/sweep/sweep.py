@@ -68,7 +68,7 @@ from convbias.engine.data.factory import input_format
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
 
-from .sweep_spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
+from .spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
 
 # Options the sweep itself decides for every run: a sweep file must not set them.
 RESERVED_OPTIONS = ("output", "resume", "config", "scale_epochs", "eval_only", "checkpoint")
