@@ -220,8 +220,7 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
     assert 0 < optimizer.param_groups[0]["lr"] < args.lr  # cosine after its warm-up, at epoch 2 of 3
     # this run's lr (--lr-base 0.1 for a batch of 4) is not the file's: the schedule follows the file's, as timm's
     assert (
-        trainer.start.values.lr == 0.1 * 4 / 256
-        and "starts from the file's lr (0.05), not 0.00156" in trainer.resumed
+        trainer.start.values.lr == 0.1 * 4 / 256 and "starts from the file's lr (0.05), not 0.00156" in trainer.resumed
     )
 
     trainer.fit()
