@@ -46,6 +46,7 @@ __all__ = [
     "nonlocality",
     "patch_distances",
     "query_maps",
+    "query_maps_or_none",
     "summary",
 ]
 
@@ -268,6 +269,16 @@ def query_maps(
     queries = {labels[i]: default_query(tuple(maps[i].shape[1:])) if query is None else tuple(query) for i in layers}
     gates = {labels[i]: gating(modules[i]).tolist() for i in layers if is_gated(modules[i])}
     return {labels[i]: maps[i] for i in layers}, queries, gates
+
+
+def query_maps_or_none(
+    model: nn.Module, image: torch.Tensor, query: tuple[int, int] | None = None, layers: list[int] | None = None
+):
+    """`query_maps` for a model with explicit attention layers (a ConViT, timm's ViTs), None for any other: the
+    family's maps for `convbias-diagnostics --image`, which asks the other families about a model without them."""
+    if not any(_has_explicit_attention(module) for _, module in attention_layers(model)):
+        return None
+    return query_maps(model, image, query=query, layers=layers)
 
 
 def summary(model: nn.Module, images: torch.Tensor, chunk_size: int = 32) -> dict[str, float]:

@@ -62,3 +62,10 @@ def query_maps(
     queries = {name: (query[0] * m.shape[-2], query[1] * m.shape[-1]) for name, m in maps.items()}
     gates = {name: layers[name].gate().tolist() for name in maps}
     return maps, queries, gates
+
+
+def query_maps_or_none(model: nn.Module, image: torch.Tensor, query=None, layers=None):
+    """`query_maps` of the center pixel for a Transformed CNN, None for a model without GPSA convolutions: the
+    family's maps for `convbias-diagnostics --image`. `query` and `layers` pick a patch and layers of a ViT's
+    grid, which a T-CNN's layers (each on its own map) do not share: they are not used."""
+    return query_maps(model, image) if gpsa_layers(model) else None

@@ -1,7 +1,8 @@
 """What the composition root hands the engine: the engine itself names no model family.
 
 `convbias.families` (called by `train.py`) imports the families, which register their models in timm's
-registry, and fills an `Extensions` with what they contribute:
+registry, and fills an `Extensions` with what their records (`convbias.base.family.Family`) contribute to
+training:
 
 - `diagnostics`: {name: fn(model, images) -> {key: float}}, called on a fixed batch of evaluation images
   at every evaluation (`--diagnostics`); a function returns {} for a model it does not apply to.
@@ -12,12 +13,9 @@ registry, and fills an `Extensions` with what they contribute:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-Diagnostic = Callable[[Any, Any], dict[str, float]]  # (model, images) -> {key: value}; no torch import here,
-Reparametrization = Callable[..., Any]  # (model, **kwargs) -> model       so that `train.py --help` stays light
+from convbias.base.family import Diagnostic, Reparametrization  # no torch there: `train.py --help` stays light
 
 
 @dataclass
