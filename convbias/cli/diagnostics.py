@@ -30,8 +30,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
-import convit.diagnostics
-import transformed_cnn
+from convbias import families
 from convbias.base.run_layout import LOG_FILE
 from convbias.base.weights import load_weights
 from convbias.cli import OptionParser, key_value, run_command
@@ -39,7 +38,6 @@ from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, Config, RunDir, create_model, is_run_dir
 from convbias.engine.loop.records import read_log as read_run_log
 from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head
-from convbias.families import load_families
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.checkpoint and is_run_dir(args.checkpoint):
         _take_run_options(args)  # its faults are one line (main): no checkpoint 2, damaged weights 65
     args.in_chans = args.in_chans or 3
-    load_families()
+    families.load_families()
     if not args.runs and not args.model:
         parser.error("give run directories (history figures) and/or --image with a run or --model (attention maps)")
     if args.model:
@@ -207,10 +205,7 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
         load_weights(model, args.checkpoint)
     image = load_image(args.image, model, args.in_chans, args.img_size)
     query = tuple(args.query) if args.query else None
-    if transformed_cnn.gpsa_layers(model):  # a T-CNN: the center pixel's maps over each layer's input map
-        maps, queries, gates = transformed_cnn.query_maps(model, image)
-    else:
-        maps, queries, gates = convit.diagnostics.query_maps(model, image, query=query, layers=args.layers)
+    maps, queries, gates = families.query_maps(model, image, query=query, layers=args.layers)
     return plot_attention_maps(image, maps, queries, out / "attention_maps.png", gates=gates)
 
 

@@ -6,12 +6,14 @@ model's reconstruction arguments in `model_args` and the run's preprocessing in 
 and the run's own `config.yaml` and `results.json` beside them. The folder loads with
 `timm.create_model('local-dir:OUT', pretrained=True)` once the family is imported (`import transformed_cnn`);
 pushed to the Hub, with `'hf-hub:USER/REPO'`. The deployment exports (`model.onnx`, `model.pt2`) are
-`convbias.sharing.deploy`'s.
+`convbias.sharing.deploy`'s. What a family adds (its Hub tag, the model a reparametrized run is exported as)
+comes from its record, through `convbias.families`: this module names no family.
 
-A run reparametrized during training (`--reparametrize tcnn`) is exported as the `tcnn_<resnet>` entry its
-weights belong to, with the reparametrization's options as transform options. An `--output-scale` run is
-refused: its model is a wrapper (alpha (f - f_0)) that timm's registry does not build; so is a run with
-`--bn-eps`, set on the BatchNorm layers after construction where config.json cannot record it.
+A run reparametrized during training (`--reparametrize tcnn`) is exported as the registered model its family
+names for it (the `tcnn_<resnet>` entry its weights belong to), with the reparametrization's options as that
+model's arguments (the transform options). An `--output-scale` run is refused: its model is a wrapper
+(alpha (f - f_0)) that timm's registry does not build; so is a run with `--bn-eps`, set on the BatchNorm layers
+after construction where config.json cannot record it.
 
 The run is read through ``RunDir``: its weights are checked against their manifest before use (a damaged
 file is a DamagedCheckpointError naming it, exit 65). Every refusal is a ValueError with one line, raised
@@ -64,6 +66,7 @@ from convbias.engine.checkpointing.timm_checkpoint import (
     timm_data_config,
 )
 from convbias.engine.data.factory import input_format
+from convbias.families import export_name, hub_tag
 from convbias.sharing.deploy import (
     DEPLOY_FORMATS,
     PACKAGE,
@@ -74,7 +77,6 @@ from convbias.sharing.deploy import (
 )
 
 DEFAULT_LICENSE = "apache-2.0"
-FAMILY_TAGS = {"convit": "convit", "transformed_cnn": "transformed-cnn", "efcn": "efcn"}
 # The recipe fields a model card lists (the whole config.yaml is in the folder too).
 RECIPE_KEYS = (
     "model",
@@ -120,6 +122,7 @@ SOURCE_FIELDS = (
 
 
 def _family(model_name: str) -> str:
+    """The package that registered the model (timm for timm's own): what a model card imports."""
     return model_entrypoint(model_name).__module__.split(".")[0]
 
 
@@ -147,13 +150,13 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
     except ConfigError as error:
         raise ValueError(f"{error} (is its family imported? convbias.families.load_families())") from None
     if spec["reparametrized"]:
-        tcnn = f"tcnn_{name}"
-        if config.get("reparametrize") != "tcnn" or not timm.is_model(tcnn):
+        exported = export_name(config.get("reparametrize"), name)
+        if exported is None or not timm.is_model(exported):
             raise ValueError(
                 f"{spec['checkpoint'].describe()} holds {name} reparametrized with "
                 f"{config.get('reparametrize')!r}, which no registered model builds"
             )
-        name, model_kwargs = tcnn, {**model_kwargs, **(config.get("reparametrize_kwargs") or {})}
+        name, model_kwargs = exported, {**model_kwargs, **(config.get("reparametrize_kwargs") or {})}
     build = Config.from_dict(config).replace(
         model=name,
         model_kwargs=model_kwargs,
@@ -248,7 +251,7 @@ def _front_matter(name: str, family: str, dataset: str, metrics: dict[str, float
     front = {
         "library_name": "timm",
         "license": license,
-        "tags": ["image-classification", "timm", FAMILY_TAGS.get(family, family)],
+        "tags": ["image-classification", "timm", hub_tag(family)],
         "datasets": [dataset],
         "metrics": ["accuracy"],
         "pipeline_tag": "image-classification",
@@ -308,7 +311,6 @@ def model_card(
     recipe = [(key, json.dumps(config[key])) for key in RECIPE_KEYS if key in config and config[key] not in (None, {})]
     results = _results_table(checkpoint, dataset, metrics)
     provenance = exported["provenance"]
-    imports = {"convit": "convit", "transformed_cnn": "transformed_cnn", "efcn": "efcn"}.get(family, family)
     size = cfg["input_size"]
     lines = [
         "---",
@@ -336,7 +338,7 @@ def model_card(
         "## Results",
         results.rstrip(),
         "",
-        *_loading_and_software(f"import {imports}  # registers {name} in timm\n", repo_id, provenance),
+        *_loading_and_software(f"import {family}  # registers {name} in timm\n", repo_id, provenance),
     ]
     return "\n".join(lines)
 
