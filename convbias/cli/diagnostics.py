@@ -31,10 +31,10 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
 from convbias import families
+from convbias.base.deprecation import Deprecated, announce
 from convbias.base.run_layout import LOG_FILE
 from convbias.base.weights import load_weights
 from convbias.cli import OptionParser, key_value, run_command
-from convbias.cli.deprecation import Deprecated, announce
 from convbias.engine import DEFAULT_WHICH, WHICH, Config, RunDir, create_model, is_run_dir
 from convbias.engine.loop.records import read_log as read_run_log
 from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head

@@ -32,7 +32,6 @@ import numpy as np
 import timm
 import torch
 
-import efcn
 from convbias import engine
 from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import SUMMARY_FILE, snapshot_name
@@ -40,9 +39,11 @@ from convbias.base.tables import write_csv
 from convbias.base.weights import load_weights
 from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
 from convbias.evaluation import landscape
-from convbias.families import load_families
+from convbias.families import family_tools, load_families
 
 from . import figures as plots
+
+efcn = family_tools("efcn")  # the eFCN's measurements and masks, from its family record
 
 DEFAULTS = dict(
     model="vanilla_cnn",  # the CNN; efcn_<model> and fcn_<model> must be registered
@@ -224,7 +225,7 @@ def _first_filter(model: torch.nn.Module) -> np.ndarray:
 
     (The paper shows the top-left pixel; on digits its unit sits on the blank border and often gets
     no gradient, so its off-local weights stay exactly zero.)"""
-    layer = next(iter(efcn.diagnostics.local_layers(model).values()))
+    layer = next(iter(efcn.local_layers(model).values()))
     _, height, width = layer.out_shape
     row = (height // 2) * width + width // 2
     return layer.weight[row].detach().reshape(layer.in_shape).cpu().numpy().copy()  # weights get reloaded in place
