@@ -25,6 +25,7 @@ from convbias.base.errors import (
     EXIT_STORAGE,
     EXIT_USAGE,
     DamagedCheckpointError,
+    DamagedRunRecordError,
     StorageError,
 )
 from convbias.base.weights import load_weights
@@ -548,7 +549,7 @@ def test_a_damaged_results_file_is_named_then_rewritten_from_the_point(main, fin
         results.unlink()
     else:
         results.write_bytes(results.read_bytes()[:40] if damage == "truncated" else b"\xff7\n")
-        with pytest.raises(DamagedCheckpointError, match=re.escape(f"{results} is not readable")):
+        with pytest.raises(DamagedRunRecordError, match=re.escape(f"{results} is not readable")):
             RunDir(run).results()
     code, out, err = main(run, "--resume", "auto")
     assert code == 0 and err == [], err

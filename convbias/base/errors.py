@@ -9,7 +9,7 @@ from pathlib import Path
 
 EXIT_DIVERGED = 1  # NonFiniteLossError
 EXIT_USAGE = 2  # ConfigError: a user mistake
-EXIT_DAMAGED = 65  # DamagedCheckpointError (EX_DATAERR): a checkpoint file fails its checksum or is foreign
+EXIT_DAMAGED = 65  # DamagedFileError (EX_DATAERR): a file fails its checksum, does not read, or is foreign
 EXIT_STORAGE = 74  # StorageError (EX_IOERR): the output could not be written (full, read-only, removed)
 EXIT_REQUEUE = getattr(os, "EX_TEMPFAIL", 75)  # Preempted: a resume point, then requeue
 EXIT_INTERRUPTED = 130  # Interrupted: Ctrl-C, as a shell reports SIGINT
@@ -34,12 +34,20 @@ class Interrupted(Exception):
     """Ctrl-C: the message says what was kept (exit code 130, as a shell reports SIGINT)."""
 
 
-class DamagedCheckpointError(Exception):
-    """A checkpoint that fails its manifest's checksums, a file this engine did not write, or a run's
-    bookkeeping file (results.json) that cannot be read (exit code 65)."""
+class DamagedFileError(Exception):
+    """A file that is damaged or is not what it claims to be (exit code 65); the subclasses say whose."""
 
 
-class DamagedInputError(DamagedCheckpointError, ConfigError):
+class DamagedCheckpointError(DamagedFileError):
+    """A checkpoint that fails its manifest's checksums or that this engine did not write (exit code 65)."""
+
+
+class DamagedRunRecordError(DamagedFileError):
+    """A run's record of its results (results.json) that cannot be read; ``--resume auto`` rewrites it from the
+    newest checkpoint (exit code 65)."""
+
+
+class DamagedInputError(DamagedFileError, ConfigError):
     """A file the user named that is damaged or foreign: weights that do not read or do not fit their use
     (non-finite, integer into float), an image that does not decode, a folder that is not a run (exit code
     65). A ConfigError too, so the set-up checks that catch a user's mistake catch it."""
@@ -84,7 +92,7 @@ class Preempted(Exception):
 STOPS: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     ((Preempted,), EXIT_REQUEUE, "preempted"),
     ((RunBeingWrittenError,), EXIT_REQUEUE, "error"),
-    ((DamagedCheckpointError,), EXIT_DAMAGED, "error"),
+    ((DamagedFileError,), EXIT_DAMAGED, "error"),
     ((ConfigError, ValueError, FileNotFoundError), EXIT_USAGE, "error"),
     ((StorageError, OSError), EXIT_STORAGE, "error"),
     ((NonFiniteLossError,), EXIT_DIVERGED, "error"),

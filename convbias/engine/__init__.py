@@ -22,6 +22,8 @@ from typing import Any
 from convbias.base.errors import (
     ConfigError,
     DamagedCheckpointError,
+    DamagedFileError,
+    DamagedRunRecordError,
     Interrupted,
     NonFiniteLossError,
     StorageError,
@@ -57,6 +59,8 @@ _SUBMODULE_OF = {
 __all__ = [
     "ConfigError",
     "DamagedCheckpointError",
+    "DamagedFileError",
+    "DamagedRunRecordError",
     "Extensions",
     "Interrupted",
     "NonFiniteLossError",

@@ -16,7 +16,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from convbias.base.errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from convbias.base.errors import ConfigError, DamagedCheckpointError, DamagedFileError, DamagedInputError
 from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -187,7 +187,7 @@ def _point_on_every_process(accelerator: Accelerator, cfg: Config, output: Path,
     if accelerator.is_main_process:
         try:
             answer[0] = _point_in_output(cfg, output, notes)
-        except (ValueError, DamagedCheckpointError) as e:  # ConfigError included
+        except (ValueError, DamagedFileError) as e:  # ConfigError included
             answer[2] = e
     point, notes[:], error = broadcast_object_list(answer)
     if error is not None:

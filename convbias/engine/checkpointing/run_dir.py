@@ -34,7 +34,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from convbias.base.errors import ConfigError, DamagedCheckpointError, DamagedInputError, RunBeingWrittenError
+from convbias.base.errors import (
+    ConfigError,
+    DamagedCheckpointError,
+    DamagedInputError,
+    DamagedRunRecordError,
+    RunBeingWrittenError,
+)
 from convbias.base.inputs import first_line, quoted, read_file, read_json
 from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
@@ -473,26 +479,26 @@ class RunDir:
     # ---------------------------------------------------------------------------------- bookkeeping
     def results(self) -> dict[str, Any] | None:
         """results.json (None when the run has not written it), every field checked (``results_problem``);
-        DamagedCheckpointError naming it, and the key, when it cannot be read."""
+        DamagedRunRecordError naming it, and the key, when it cannot be read."""
         path = self.path / RESULTS_FILE
         if not os.path.lexists(path):
             return None
         rewrite = "train.py --resume auto rewrites it from the newest checkpoint"
         try:
-            data = json.loads(read_file(path, "results file", DamagedCheckpointError))
-        except DamagedCheckpointError as e:
-            raise DamagedCheckpointError(f"{e}; {rewrite}") from None
+            data = json.loads(read_file(path, "results file", DamagedRunRecordError))
+        except DamagedRunRecordError as e:
+            raise DamagedRunRecordError(f"{e}; {rewrite}") from None
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise DamagedCheckpointError(
+            raise DamagedRunRecordError(
                 f"{path} is not readable ({type(e).__name__}: {first_line(e)}); {rewrite}"
             ) from None
         if not isinstance(data, dict) or any(key not in data for key in RESULT_KEYS):
-            raise DamagedCheckpointError(
+            raise DamagedRunRecordError(
                 f"{path} is not a results file (expected an object with {', '.join(RESULT_KEYS)}); {rewrite}"
             )
         problem = results_problem(data)
         if problem:
-            raise DamagedCheckpointError(f"{path}: {problem}; {rewrite}")
+            raise DamagedRunRecordError(f"{path}: {problem}; {rewrite}")
         return data
 
     def current_results(self) -> dict[str, Any] | None:
@@ -500,7 +506,7 @@ class RunDir:
         damaged, or older than a point written after it (a run extended with a larger --epochs)."""
         try:
             results = self.results()
-        except DamagedCheckpointError:
+        except DamagedRunRecordError:
             return None
         points = self.points()
         if results is None or not points:

@@ -11,7 +11,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from convbias.base.errors import ConfigError, DamagedCheckpointError, DamagedInputError
+from convbias.base.errors import ConfigError, DamagedInputError, DamagedRunRecordError
 from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
     LAST_LINK,
@@ -105,7 +105,7 @@ def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, wr
     expected = results_record(state.get("options") or {"model": state["model"]}, state["epoch"], final, best)
     try:
         results = RunDir(output).results()
-    except DamagedCheckpointError:
+    except DamagedRunRecordError:
         results, problem = {}, "unreadable"
     else:
         if results is None:

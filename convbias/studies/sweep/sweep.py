@@ -56,7 +56,7 @@ from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
 from convbias.engine import (
     Config,
-    DamagedCheckpointError,
+    DamagedRunRecordError,
     RunDir,
     check_model_name,
     create_model,
@@ -283,7 +283,7 @@ def incomplete_reason(run_dir: Path) -> str | None:
     run = RunDir(run_dir)
     try:
         results = run.results()
-    except DamagedCheckpointError as error:
+    except DamagedRunRecordError as error:
         return str(error)
     if results is None or run.current_results() is not None:
         return None
