@@ -65,7 +65,7 @@ from convbias.base.weights import load_weights, weights_metadata
 
 from ..config.options import DEFAULT_WHICH, WHICH, Config
 from ..data.datasets import DATASETS
-from ..model.factory import create_model
+from ..model.factory import create_run_model
 from ..model.output_scale import OutputScale
 from .run_files import (
     RUN_KEYS,
@@ -463,15 +463,10 @@ class RunDir:
     def _build_verified_model(self, which: str, extensions: Any) -> tuple[Any, RunCheckpoint]:
         spec = self.model_spec(which)
         cfg = self.run_config().replace(img_size=spec["img_size"], pretrained=False, pretrained_file=None)
-        model = create_model(cfg, spec["num_classes"], spec["in_chans"])
-        if spec["reparametrized"]:
-            known = getattr(extensions, "reparametrizations", {}) or {}
-            if cfg.reparametrize not in known:
-                raise ConfigError(
-                    f"{spec['checkpoint'].describe()} was written after the reparametrization "
-                    f"{cfg.reparametrize!r}, which is not registered here (convbias.families.load_families())"
-                )
-            model = known[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
+        known = getattr(extensions, "reparametrizations", {}) or {}
+        model, _ = create_run_model(
+            cfg, spec["num_classes"], spec["in_chans"], spec["reparametrized"], known, spec["checkpoint"].describe()
+        )
         if cfg.output_scale is not None:
             model = OutputScale(model, cfg.output_scale)
         return model.eval(), self._load(model, which)

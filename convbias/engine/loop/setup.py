@@ -45,7 +45,7 @@ from ..data.factory import build_datasets, dataset_info
 from ..data.loaders import build_eval_loader, build_stream_loader, build_train_loader
 from ..data.streams import is_stream
 from ..model.compile import compiled
-from ..model.factory import check_head_fits, check_model_name, create_model_and_report, head_classes
+from ..model.factory import check_head_fits, check_model_name, create_run_model, head_classes
 from ..model.output_scale import OutputScale, ScaledLoss
 from ..model.pretrained import check_pretrained_reachable
 from ..optim import factory as optim
@@ -196,16 +196,6 @@ def check_reparametrization(cfg: Config, extensions: Extensions) -> None:
         )
 
 
-def reparametrized(model: torch.nn.Module, cfg: Config, extensions: Extensions) -> torch.nn.Module:
-    """The model after the run's reparametrization (--reparametrize with --reparametrize-kwargs)."""
-    if cfg.reparametrize is None:
-        raise ConfigError(
-            "the weights to load were written after a reparametrization: pass the run's "
-            "--reparametrize NAME and --reparametrize-kwargs to rebuild its architecture"
-        )
-    return extensions.reparametrizations[cfg.reparametrize](model, **cfg.reparametrize_kwargs)
-
-
 LOW_LR = 1e-5  # a scaled lr below this barely moves a model in a short run
 SMALL_IMAGES = 64  # px: below this the DeiT recipe's augmentation destroys most of an image
 
@@ -319,15 +309,14 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     the rest of its state, in CheckpointManager.load) and whether it has been reparametrized."""
     cfg = start.cfg
     set_seed(cfg.seed)  # same initial weights on every rank
-    model, start.weights = create_model_and_report(cfg, start.head[0], data.bundle.in_chans)
-    check_head_fits(model, data.bundle.num_classes, f"--dataset {cfg.dataset}")
     metadata = start.checkpoint_metadata  # its reparametrization and output scale: in cfg (resolved_options)
     if start.point is not None:
         was_reparametrized = start.point.reparametrized
     else:
         was_reparametrized = metadata.get("reparametrized") == "True"
-    if was_reparametrized:
-        model = reparametrized(model, cfg, start.extensions)
+    in_chans, reparametrizations = data.bundle.in_chans, start.extensions.reparametrizations
+    model, start.weights = create_run_model(cfg, start.head[0], in_chans, was_reparametrized, reparametrizations)
+    check_head_fits(model, data.bundle.num_classes, f"--dataset {cfg.dataset}")
     # a resume's weights are restored with the rest of its state (CheckpointManager.load); timm's train.py,
     # too, loads --resume over --initial-checkpoint
     if cfg.checkpoint and start.resume is None:

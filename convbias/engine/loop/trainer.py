@@ -38,6 +38,7 @@ from ..config.derived import ema_is_the_metric
 from ..data.device_augment import DeviceBatches
 from ..data.loaders import epoch_batches, first_images
 from ..model.compile import compile_counters
+from ..model.factory import reparametrize
 from ..optim import factory as optim
 from .diagnostics import ModelDiagnostics
 from .metrics import evaluate
@@ -60,7 +61,6 @@ from .setup import (
     build_data,
     build_models_and_optimization,
     build_preemption,
-    reparametrized,
     setup_warnings,
 )
 from .start import check_exact_continuation, kept
@@ -419,11 +419,11 @@ class Trainer:
     def _reparametrize(self) -> None:
         """Change the model's architecture mid-run, keep the optimizer state of surviving parameters, re-prepare."""
         cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization
-        extensions = self.start.extensions
-        new_model = reparametrized(acc.unwrap_model(models.model), cfg, extensions).to(acc.device)
+        known = self.start.extensions.reparametrizations
+        new_model = reparametrize(acc.unwrap_model(models.model), cfg, known).to(acc.device)
         optimizer = optim.rebuild_optimizer(cfg, new_model, self.start.values.lr, optimization.optimizer.optimizer)
         if models.ema is not None:
-            models.ema.module = reparametrized(models.ema.module, cfg, extensions).to(acc.device)
+            models.ema.module = reparametrize(models.ema.module, cfg, known).to(acc.device)
         acc.free_memory()  # drop accelerate's references to the old model and optimizer
         models.model, optimization.optimizer = acc.prepare(new_model, optimizer)  # the eval loader stays prepared
         optimization.scheduler = optim.create_scheduler(

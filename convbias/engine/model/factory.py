@@ -9,7 +9,7 @@ import difflib
 import inspect
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,46 @@ def create_model_and_report(cfg: Config, num_classes: int | None, in_chans: int)
     if cfg.bn_eps is not None or cfg.bn_momentum is not None:
         set_batchnorm(model, cfg.bn_eps, cfg.bn_momentum, cfg.model)
     return model, report
+
+
+def create_run_model(
+    cfg: Config,
+    num_classes: int | None,
+    in_chans: int,
+    reparametrized: bool,
+    reparametrizations: Mapping[str, Callable[..., torch.nn.Module]],
+    written_by: str = "the weights to load",
+) -> tuple[torch.nn.Module, str | None]:
+    """The model a run with the options ``cfg`` trains, or trained when its weights were written: timm's registry
+    (``create_model_and_report``), then, for weights written after a reparametrization (``reparametrized``), the
+    run's ``--reparametrize`` from ``reparametrizations`` (the composition root's). The one way a run's model is
+    rebuilt: by the set-up (a resumed run, ``--checkpoint``) and by ``RunDir.build_model`` (evaluation, studies).
+    ``written_by`` names the weights in the messages."""
+    model, report = create_model_and_report(cfg, num_classes, in_chans)
+    if reparametrized:
+        model = reparametrize(model, cfg, reparametrizations, written_by)
+    return model, report
+
+
+def reparametrize(
+    model: torch.nn.Module,
+    cfg: Config,
+    reparametrizations: Mapping[str, Callable[..., torch.nn.Module]],
+    written_by: str = "the weights to load",
+) -> torch.nn.Module:
+    """The model after the run's ``--reparametrize`` with ``--reparametrize-kwargs``: mid-run, or to rebuild the
+    architecture of weights written after one."""
+    if cfg.reparametrize is None:
+        raise ConfigError(
+            f"{written_by}: written after a reparametrization; pass the run's --reparametrize NAME and "
+            "--reparametrize-kwargs to rebuild its architecture"
+        )
+    if cfg.reparametrize not in reparametrizations:
+        raise ConfigError(
+            f"{written_by}: written after the reparametrization {cfg.reparametrize!r}, which is not registered here "
+            "(convbias.families.load_families())"
+        )
+    return reparametrizations[cfg.reparametrize](model, **(cfg.reparametrize_kwargs or {}))
 
 
 def head_classes(model: torch.nn.Module) -> int:
