@@ -105,8 +105,9 @@ def engine_argv(args: argparse.Namespace, work: Path, extra: tuple[str, ...] = (
 def build_engine(args: argparse.Namespace, work: Path, extra: tuple[str, ...] = ()):
     """The Trainer train.py would build with ``extra`` options, on UInt8Crops (``--steps`` batches an epoch)."""
     from convbias.engine import parse_config
+    from convbias.engine.data import build as data_build
     from convbias.engine.data import factory as engine_data
-    from convbias.engine.loop import setup as run_setup
+    from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
 
@@ -127,8 +128,8 @@ def build_engine(args: argparse.Namespace, work: Path, extra: tuple[str, ...] = 
             train, val, NUM_CLASSES, shape.in_chans, classes, shape.mean, shape.std, device_spec
         )
 
-    with mock.patch.object(run_setup, "build_datasets", synthetic):
-        trainer = build_trainer(run_setup.start_run(cfg, load_families(), None))
+    with mock.patch.object(data_build, "build_datasets", synthetic):
+        trainer = build_trainer(start_run(cfg, load_families(), None))
     trainer.models.model.train()
     return trainer
 

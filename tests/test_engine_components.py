@@ -183,7 +183,7 @@ def test_a_training_state_written_before_the_parts_existed_loads():
 
 def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path, deit_recipe):
     """RESUME_PART_TYPES (whose exact_options are checked before set-up) names every part a point holds."""
-    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import RESUME_PART_TYPES, build_trainer
 
     options = dict(

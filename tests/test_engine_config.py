@@ -18,7 +18,7 @@ from convbias.engine.config.derived import RunValues
 from convbias.engine.config.options import Config
 from convbias.engine.data import checks as data_checks
 from convbias.engine.data.factory import dataset_info
-from convbias.engine.loop.setup import start_run
+from convbias.engine.loop.start import start_run
 from convbias.engine.model import checks as model_checks
 from convbias.engine.optim import checks as optim_checks
 from convbias.engine.optim import factory as optim_factory

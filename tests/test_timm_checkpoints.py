@@ -190,7 +190,7 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
 
     from convbias.engine import parse_config
     from convbias.engine.checkpointing.points import CheckpointDir
-    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
 
@@ -234,7 +234,7 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
 def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_one_line(tmp_path, folder_of_twelve):
     from convbias.base.errors import ConfigError, DamagedInputError
     from convbias.engine import parse_config
-    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
 

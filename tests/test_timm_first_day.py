@@ -44,7 +44,7 @@ def folder(tmp_path):
 
 
 def trainer_for(argv: list[str]):
-    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import build_trainer
 
     return build_trainer(start_run(parse_config(argv), load_families(), None))

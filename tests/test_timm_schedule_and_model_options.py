@@ -17,7 +17,7 @@ from convbias.engine import RunDir, read_log, validate
 from convbias.engine.checkpointing.run_dir import load_training_state
 from convbias.engine.config.options import Config
 from convbias.engine.data import loaders
-from convbias.engine.loop.setup import start_run
+from convbias.engine.loop.start import start_run
 from convbias.engine.loop.trainer import build_trainer
 from convbias.engine.model import factory as modeling
 from convbias.engine.optim import factory as recipe

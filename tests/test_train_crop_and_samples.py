@@ -24,10 +24,10 @@ from timm.data.transforms import (
 )
 
 from convbias.engine.config.options import Config
+from convbias.engine.data.build import build_training_data
 from convbias.engine.data.device_augment import CropFlip
 from convbias.engine.data.factory import augment_spec, build_datasets, build_transforms, fast_path_reason
 from convbias.engine.data.loaders import seeded_rngs
-from convbias.engine.loop.setup import build_data
 
 DEIT_RECIPE = yaml.safe_load((Path(__file__).parents[1] / "configs" / "recipes" / "deit.yaml").read_text())
 
@@ -163,9 +163,9 @@ def test_rkr_zoom_out_past_torchs_reflect_padding_keeps_timms_transforms():
 
 
 def stream_data(cfg: Config):
-    """engine.loop.setup.build_data for one CPU process: the bundle, its train loader and steps per epoch."""
+    """engine.data.build for one CPU process: the bundle, its train loader and steps per epoch."""
     accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, process_index=0)
-    return build_data(SimpleNamespace(cfg=cfg, accelerator=accelerator), SimpleNamespace(signals=[]), train=True)
+    return build_training_data(cfg, accelerator, worker_init_fn=None, train=True)
 
 
 def epoch_images(stream) -> int:

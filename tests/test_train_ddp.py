@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from convbias.cli import train
 from convbias.engine import parse_config
 from convbias.engine.loop import trainer as engine_trainer
-from convbias.engine.loop.setup import start_run
+from convbias.engine.loop.start import start_run
 from convbias.families import load_families
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("single_thread")]

@@ -123,7 +123,7 @@ def test_every_epoch_record_reaches_the_tracker(tmp_path):
 
 def test_hard_distillation_uses_the_teacher_loaded_from_its_file(tmp_path, train_argv):
     """The engine's training loss is DeiT's hard distillation against the teacher read from the file."""
-    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
 
@@ -161,7 +161,7 @@ def test_ema_is_evaluated_and_saved(tmp_path, model_argv, train_argv):
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, train_argv):
     from convbias.engine import parse_config
-    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import NonFiniteLossError, build_trainer
     from convbias.families import load_families
 

@@ -94,7 +94,7 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def build(cli_argv, tmp_path, **options):
-    from convbias.engine.loop.setup import start_run
+    from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
 

@@ -1,7 +1,9 @@
 """Engine pieces on their own: config precedence, parameter groups, optimizer rebuild, checkpoint files."""
 
+import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import timm
@@ -77,6 +79,48 @@ def test_deit_param_groups_exclude_norms_biases_tokens_and_gating():
     for group in optimizer.param_groups:
         base = 0.1 if group["lr_pattern"] else 1e-3
         assert group["lr"] == pytest.approx(cfg.min_lr + 0.5 * (base - cfg.min_lr))
+
+
+def test_build_optimization_prepares_the_model_with_timms_optimizer_schedule_and_mixup():
+    """engine.optim.build: the optimizer is timm's AdamW with the param groups above, prepared by accelerate with
+    the model; the schedule is cosine after a linear warm-up, in closed form per update; mixup targets the head's
+    outputs, and the loss is timm's soft-target cross-entropy."""
+    from accelerate import Accelerator
+    from timm.data import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+
+    from convbias.engine.optim.build import build_optimization
+
+    model = timm.create_model("convit_tiny", img_size=32, patch_size=8, depth=3, local_up_to_layer=2, num_classes=7)
+    cfg = parse_config(["-c", str(DEIT_RECIPE), "--model", "convit_tiny", "--sched-on-updates"])
+    values = SimpleNamespace(lr=1e-3, schedule_epochs=10, warmup_epochs=2)
+    prepared, optimization = build_optimization(cfg, Accelerator(cpu=True), model, values, 5, 7, False)
+    assert prepared is model and isinstance(optimization.optimizer.optimizer, torch.optim.AdamW)
+    groups = param_groups(model, cfg.weight_decay, {})
+    assert [g["params"] for g in optimization.optimizer.param_groups] == [g["params"] for g in groups]
+    for update in (0, 5, 10, 30, 50):
+        optimization.scheduler.step_update(update)
+        lr = optimization.optimizer.param_groups[0]["lr"]
+        if update < 10:  # warm-up over 2 epochs of 5 updates, from --warmup-lr
+            expected = cfg.warmup_lr + update * (1e-3 - cfg.warmup_lr) / 10
+        else:  # timm's cosine over the 10 epochs, the warm-up included in its cycle
+            expected = cfg.min_lr + 0.5 * (1e-3 - cfg.min_lr) * (1 + math.cos(math.pi * update / 50))
+        assert lr == pytest.approx(expected, rel=1e-6), update
+    assert isinstance(optimization.mixup, Mixup) and optimization.mixup.num_classes == 7
+    assert isinstance(optimization.train_loss, SoftTargetCrossEntropy)
+
+
+def test_setup_warnings_name_a_low_scaled_lr_and_heavy_augmentation_on_small_images():
+    """engine.loop.setup's warnings: valid settings likely unintended, each named with the option that fixes it;
+    none for the same recipe at its own image size and lr."""
+    from convbias.engine.loop.setup import LOW_LR, SMALL_IMAGES, setup_warnings
+
+    small = parse_config(["-c", str(DEIT_RECIPE), "--img-size", str(SMALL_IMAGES // 2), "--workers", "0"])
+    low = SimpleNamespace(lr=LOW_LR / 10, lr_rule="--lr-base 0.0005 x 8 / 512")
+    lr_warning, augment_warning = setup_warnings(small, low)
+    assert "below 1e-05" in lr_warning and "set --lr" in lr_warning
+    assert f"on {SMALL_IMAGES // 2}-px images" in augment_warning and "--aa rand-m9-mstd0.5-inc1" in augment_warning
+    assert setup_warnings(small.replace(img_size=224), SimpleNamespace(lr=LOW_LR * 10, lr_rule="")) == []
 
 
 def test_rebuild_optimizer_keeps_state_of_surviving_parameters():

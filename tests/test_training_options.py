@@ -7,8 +7,9 @@ import torch
 from convbias.cli import train
 from convbias.engine import validate
 from convbias.engine.config.options import Config
-from convbias.engine.loop.setup import start_run, sync_batchnorm
+from convbias.engine.loop.start import start_run
 from convbias.engine.loop.trainer import build_trainer
+from convbias.engine.model.factory import sync_batchnorm
 from convbias.families import load_families
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("single_thread")]  # every test trains a tiny model

@@ -149,7 +149,8 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
         print_error(warning, prefix="warning")
     from .checkpointing.lock import RunLock  # imported after parsing: `train.py --help` loads no torch
     from .checkpointing.run_dir import RunDir
-    from .loop.setup import build_evaluator, start_run
+    from .loop.setup import build_evaluator
+    from .loop.start import start_run
     from .loop.trainer import build_trainer
 
     lock = None if cfg.eval_only else RunLock(cfg.output)  # held for the life of the run (engine.checkpointing.lock)

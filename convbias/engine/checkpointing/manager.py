@@ -57,7 +57,7 @@ RESUME_PART_TYPES = {
 
 
 class CheckpointedRun(ProcessContext, Protocol):
-    """What the manager reads of the run (engine.loop.setup.RunStart is one)."""
+    """What the manager reads of the run (engine.loop.start.RunStart is one)."""
 
     output: Path
     sharded: bool  # FSDP: weights and optimizer state are every rank's shards

@@ -33,7 +33,7 @@ class Stateful(Protocol):
 
 
 class OptimizerAndScheduler(Protocol):
-    """What the optimizer's and the schedule's parts read (engine.loop.setup.Optimization is one): attributes,
+    """What the optimizer's and the schedule's parts read (engine.optim.build.Optimization is one): attributes,
     since a reparametrization replaces both mid-run."""
 
     optimizer: Any  # accelerate's prepared optimizer
@@ -41,7 +41,7 @@ class OptimizerAndScheduler(Protocol):
 
 
 class ProcessContext(Protocol):
-    """What the per-rank parts read of the run (engine.loop.setup.RunStart is one): the process's place and the
+    """What the per-rank parts read of the run (engine.loop.start.RunStart is one): the process's place and the
     seed fresh streams are drawn from."""
 
     accelerator: Any

@@ -181,7 +181,7 @@ def plural(count: int, noun: str) -> str:
 
 def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> list[str]:
     """What this launch will do, before its first step: where, on what, with which batch, lr and length
-    (``start``: the run's engine.loop.setup.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
+    (``start``: the run's engine.loop.start.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
     cfg, acc = start.cfg, start.accelerator
     begin = f"resuming from {start.point}" if start.point is not None else "a new run"
     if start.resume is not None and start.point is None:

@@ -1,15 +1,18 @@
-"""Where a run starts: the weights ``--checkpoint`` names, the output dir's lock, the resume point, and
-what a run that stops says it kept. Every check here runs before the run writes anything."""
+"""Where a run starts: ``start_run`` takes the accelerator, the output dir's lock, the weights ``--checkpoint``
+names and what the run resumes (engine.checkpointing.resume), derives the run's values once
+(``config.derived.RunValues``) and fills what the checks leave open into a frozen copy of the Config
+(``resolved_options``): nothing changes the options after that. A run that is already finished ends here.
+Also what a run that stops says it kept. Every check here runs before the run writes anything."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list
 
 from convbias.base.errors import ConfigError, DamagedInputError, DamagedRunRecordError
 from convbias.base.run_layout import (
@@ -25,6 +28,7 @@ from convbias.base.weights import weights_metadata
 from ..checkpointing.lock import ForeignLockError, RunLock, RunLockedError
 from ..checkpointing.lock import describe as describe_holder
 from ..checkpointing.points import CheckpointDir
+from ..checkpointing.resume import Resume, ResumePoint, find_resume
 from ..checkpointing.run_dir import RunDir, verify_file
 from ..checkpointing.run_files import (
     is_run_dir,
@@ -32,7 +36,16 @@ from ..checkpointing.run_files import (
     read_run_config,
     timm_output_file,
 )
+from ..checkpointing.timm_checkpoint import TimmCheckpoint
+from ..config.derived import RunValues
 from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
+from ..config.parsing import option_source
+from ..data.factory import dataset_info
+from ..model.factory import check_model_name
+from ..model.pretrained import check_pretrained_reachable
+from ..optim import factory as optim
+from .extensions import Extensions
+from .node import set_threads
 from .records import METRIC_NAMES, RunLog, results_record
 
 
@@ -222,4 +235,137 @@ def check_resume_options(cfg: Config, output: Path, point: Path) -> None:
             f"keeps the optimizer and schedule of its resume point, so these would not apply; give the run's values, "
             f"or start a new run from its weights with --checkpoint {point / WEIGHTS_FILE} in another --output; "
             f"nothing was changed"
+        )
+
+
+@dataclass
+class RunStart:
+    """Where a run starts, decided before anything is built or written."""
+
+    cfg: Config  # the checked options, resolved by the set-up (resolved_options) and frozen
+    extensions: Extensions
+    accelerator: Accelerator
+    output: Path
+    values: RunValues  # what the run derives from its options: epochs, global batch, lr
+    checkpoint: CheckpointChoice  # --checkpoint's weights, their name in messages, the run they were chosen in
+    checkpoint_metadata: dict[str, str]  # the metadata of --checkpoint's weights ({} when resuming or none)
+    resume: Resume | None  # what the run continues (engine.checkpointing.resume); None for a fresh run
+    notes: list[str] = field(default_factory=list)  # said when training starts (stale lock taken over, restart)
+    finished: str | None = None  # --resume of a run that trained all its epochs: what to say instead
+    threads: str = ""  # where the intra-op threads came from (engine.loop.node.set_threads)
+    weights: str | None = None  # the starting weights and what loading them did (set when the model is built)
+    head: tuple[int | None, str] = (None, "")  # the classifier's size asked of timm (None: the model's) and why
+
+    @property
+    def sharded(self) -> bool:
+        return self.accelerator.is_fsdp2
+
+    @property
+    def point(self) -> ResumePoint | None:
+        """This engine's resume point the run continues, if it continues one."""
+        return self.resume if isinstance(self.resume, ResumePoint) else None
+
+
+def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) -> RunStart:
+    """The accelerator, the checks that need no data, the lock and the resume point."""
+    extensions = extensions or Extensions()
+    threads = set_threads(cfg.workers)
+    acc = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.grad_accum_steps,
+        log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None,
+    )
+    _check_fsdp(acc, cfg)
+    check_model_name(cfg.model)
+    if cfg.pretrained and not cfg.pretrained_file:
+        check_pretrained_reachable(cfg.model)
+    check_reparametrization(cfg, extensions)
+    if cfg.distill_teacher:
+        check_model_name(cfg.distill_teacher, "--distill-teacher")
+    choice = resolve_checkpoint(cfg)
+    for weights in (cfg.pretrained_file, cfg.distill_teacher_file):  # files of a resume point: checksummed
+        if weights:
+            verify_file(weights)
+    values = RunValues.derive(cfg, acc.num_processes, optim.trained_epochs(cfg))
+    output, notes = Path(cfg.output), []
+    take_lock(acc, lock, notes)
+    resume = find_resume(acc, cfg, output, values.epochs, notes)
+    point = resume if isinstance(resume, ResumePoint) else None
+    if point is not None:
+        check_resume_options(cfg, output, point.path)
+    metadata = weights_metadata(choice.weights) if choice.weights and point is None else {}
+    cfg = resolved_options(cfg, choice.weights, metadata, extensions)
+    start = RunStart(cfg, extensions, acc, output, values, choice, metadata, resume, notes)
+    start.threads = threads
+    start.head = requested_head(cfg, metadata, resume)
+    state = point.state if point is not None else None
+    finished = finished_message(state, output, values.epochs, acc.is_main_process)
+    if finished:
+        start.finished = "; ".join([*notes, finished])
+    else:
+        check_resume_world_size(state, point and point.path, acc.num_processes)
+    return start
+
+
+def resolved_options(cfg: Config, checkpoint: str | None, metadata: dict[str, str], extensions: Extensions) -> Config:
+    """The run's options with what the checks leave open filled in, as a frozen copy: --checkpoint's weights file
+    (a run directory names its checkpoints/<--which>), the image size (the data set's when not given: data and
+    model agree), and from the metadata of --checkpoint's weights the reparametrization and output scale they
+    were written with (a checkpoint written after --reparametrize-at-epoch needs the changed architecture;
+    weights of an output-scaled run hold f_w0 too)."""
+    changes: dict[str, Any] = {"img_size": cfg.img_size or dataset_info(cfg.dataset).default_img_size}
+    if checkpoint is not None:
+        changes["checkpoint"] = checkpoint
+    if metadata:
+        changes["reparametrize"] = cfg.reparametrize or metadata.get("reparametrization") or None
+        if metadata.get("output_scale"):
+            changes["output_scale"] = cfg.output_scale or float(metadata["output_scale"])
+    resolved = cfg.resolved(**changes)
+    check_reparametrization(resolved, extensions)
+    return resolved
+
+
+def requested_head(cfg: Config, metadata: dict[str, str], resume: Resume | None) -> tuple[int | None, str]:
+    """(the classifier's size to build, the rule that gave it): --num-classes as timm's train.py reads it (the
+    command line or a recipe), else the head of the weights the run continues or evaluates (a resume point, a
+    timm checkpoint's args, --checkpoint's metadata), else None: the model's default, as timm."""
+    if cfg.num_classes is not None:
+        source = option_source(cfg, "num_classes")
+        return cfg.num_classes, "recipe" if source.startswith("recipe") else source
+    recorded = resume.metadata if isinstance(resume, ResumePoint) else metadata
+    if isinstance(resume, TimmCheckpoint) and resume.args.get("num_classes"):
+        return int(resume.args["num_classes"]), "the resumed checkpoint's args"
+    if recorded.get("num_classes"):
+        return int(recorded["num_classes"]), "the weights' head"
+    return None, "model default, as timm"
+
+
+def _check_fsdp(acc: Accelerator, cfg: Config) -> None:
+    """FSDP through fsdp_version 2 only, and without a mid-run change of architecture."""
+    if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
+        raise ConfigError(
+            "FSDP1 (fsdp_version 1) is not supported: its resume points cannot be continued; set "
+            "fsdp_version: 2 in the accelerate config (or --fsdp_version 2), or train with DDP"
+        )
+    if acc.is_fsdp2 and cfg.clip_grad is not None and cfg.clip_mode != "norm" and not cfg.eval_only:
+        raise ConfigError(
+            f"--clip-mode {cfg.clip_mode} is not supported under FSDP (its gradients are sharded); use --clip-mode "
+            f"norm, or train with DDP"
+        )
+    if acc.is_fsdp2 and cfg.reparametrize_at_epoch is not None and not cfg.eval_only:
+        raise ConfigError(
+            "--reparametrize-at-epoch changes the model's architecture mid-run, which FSDP's "
+            "sharded parameters cannot follow; run it with DDP"
+        )
+
+
+def check_reparametrization(cfg: Config, extensions: Extensions) -> None:
+    """--reparametrize names one of the composition root's reparametrizations (needed by
+    --reparametrize-at-epoch, and to rebuild a model from a checkpoint written after one)."""
+    name, known = cfg.reparametrize, extensions.reparametrizations
+    if name is not None and name not in known:
+        raise ConfigError(f"unknown --reparametrize '{name}'; choices: {', '.join(known) or 'none registered'}")
+    if cfg.reparametrize_at_epoch is not None and name is None:
+        raise ConfigError(
+            f"--reparametrize-at-epoch needs --reparametrize NAME; choices: {', '.join(known) or 'none registered'}"
         )

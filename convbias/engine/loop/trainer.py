@@ -35,11 +35,13 @@ from convbias.base.run_layout import CONFIG_FILE
 from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
 from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_options
 from ..config.derived import ema_is_the_metric
+from ..data.build import TrainingData
 from ..data.device_augment import DeviceBatches
 from ..data.loaders import epoch_batches, first_images
 from ..model.compile import compile_counters
 from ..model.factory import reparametrize
 from ..optim import factory as optim
+from ..optim.build import Optimization
 from .diagnostics import ModelDiagnostics
 from .metrics import evaluate
 from .preemption import PreemptionSignals
@@ -53,17 +55,8 @@ from .records import (
     summary_line,
     write_config,
 )
-from .setup import (
-    Models,
-    Optimization,
-    RunStart,
-    TrainingData,
-    build_data,
-    build_models_and_optimization,
-    build_preemption,
-    setup_warnings,
-)
-from .start import check_exact_continuation, kept
+from .setup import Models, build_data, build_models_and_optimization, build_preemption, setup_warnings
+from .start import RunStart, check_exact_continuation, kept
 
 __all__ = ["RESUME_PART_TYPES", "NonFiniteLossError", "Trainer", "build_trainer"]
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import timm
 import torch
+from accelerate import Accelerator
 from timm.layers import is_fast_norm, set_fast_norm
 
 from convbias.base.errors import ConfigError, DamagedInputError
@@ -24,6 +25,7 @@ from convbias.base.weights import (
     check_pretrained,
     check_weights_file,
     describe_pretrained_load,
+    load_weights,
     read_state_dict,
     timm_load_report,
 )
@@ -241,3 +243,37 @@ def set_batchnorm(model: torch.nn.Module, eps: float | None, momentum: float | N
             layer.eps = eps
         if momentum is not None:
             layer.momentum = momentum
+
+
+def set_grad_checkpointing(model: torch.nn.Module, name: str) -> None:
+    """--grad-checkpointing: timm's own switch; the model must have one."""
+    if not hasattr(model, "set_grad_checkpointing"):
+        raise ConfigError(
+            f"--grad-checkpointing: {type(model).__name__} ({name}) has no set_grad_checkpointing(); run without it"
+        )
+    model.set_grad_checkpointing(True)
+
+
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def sync_batchnorm(model: torch.nn.Module, name: str, acc: Accelerator) -> torch.nn.Module:
+    """--sync-bn: torch's SyncBatchNorm in place of every BatchNorm when more than one process trains (as
+    timm's train.py; one process has nothing to synchronize)."""
+    if not has_batchnorm(model):
+        raise ConfigError(f"--sync-bn: {name} has no BatchNorm layers; run without it")
+    if acc.num_processes == 1:
+        return model
+    if acc.device.type == "cpu":
+        raise ConfigError("--sync-bn needs GPUs (torch's SyncBatchNorm does not run on CPUs); use --dist-bn")
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def create_teacher(cfg: Config, num_classes: int, in_chans: int, device: torch.device) -> torch.nn.Module:
+    """--distill-teacher with the weights of --distill-teacher-file, in eval mode on ``device``."""
+    teacher = timm.create_model(
+        cfg.distill_teacher, num_classes=num_classes, in_chans=None if in_chans == 3 else in_chans
+    )
+    load_weights(teacher, cfg.distill_teacher_file)
+    return teacher.to(device).eval()

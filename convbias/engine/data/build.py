@@ -1,0 +1,68 @@
+"""The data a run trains and evaluates on, built whole from its options: datasets, loaders, device augmentation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from accelerate import Accelerator
+
+from convbias.base.errors import ConfigError
+
+from ..config.options import Config
+from .device_augment import DeviceAugment
+from .factory import build_datasets
+from .loaders import build_eval_loader, build_stream_loader, build_train_loader
+from .streams import is_stream
+
+
+@dataclass
+class TrainingData:
+    """The datasets and their loaders: the train loader shards itself across ranks (engine.data.factory)."""
+
+    bundle: Any  # engine.data.factory.DataBundle
+    eval_loader: Any
+    streamed: bool  # timm's reader shards a stream itself: its loaders are not prepared
+    worker_init_fn: Any
+    train_loader: Any = None
+    steps_per_epoch: int = 0
+    augment: DeviceAugment | None = None  # the fast path's device half (engine.data.device_augment)
+
+
+def build_training_data(cfg: Config, acc: Accelerator, worker_init_fn: Any, train: bool) -> TrainingData:
+    """The datasets and loaders of ``cfg`` (only the evaluation loader unless ``train``); ``worker_init_fn`` runs
+    in every loader worker."""
+    bundle = build_datasets(cfg)
+    streamed, eval_batch = is_stream(cfg.dataset), cfg.eval_batch_size or cfg.batch_size
+    if streamed:
+        eval_loader = build_stream_loader(bundle.val, eval_batch, cfg.workers, False, worker_init_fn, cfg.pin_mem)
+    else:
+        eval_loader = acc.prepare(build_eval_loader(bundle.val, eval_batch, cfg.workers, worker_init_fn, cfg.pin_mem))
+    data = TrainingData(bundle, eval_loader, streamed, worker_init_fn)
+    if not train:
+        return data
+    if streamed:
+        data.train_loader = build_stream_loader(
+            bundle.train, cfg.batch_size, cfg.workers, True, worker_init_fn, cfg.pin_mem
+        )
+    else:
+        data.train_loader = build_train_loader(
+            bundle.train,
+            cfg.batch_size,
+            cfg.workers,
+            cfg.repeated_aug,
+            cfg.seed,
+            acc.num_processes,
+            acc.process_index,
+            worker_init_fn,
+            cfg.pin_mem,
+        )
+    if bundle.device_spec is not None:
+        data.augment = DeviceAugment(bundle.device_spec, acc.device, seed=cfg.seed, rank=acc.process_index)
+    data.steps_per_epoch = len(data.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
+    if data.steps_per_epoch == 0:
+        raise ConfigError(
+            f"the training set ({len(bundle.train)} images) gives no full batch of {cfg.batch_size} x "
+            f"{acc.num_processes} processes x {cfg.grad_accum_steps} accumulation steps; lower --batch-size"
+        )
+    return data
