@@ -149,24 +149,30 @@ def test_bad_scale_out_options_are_one_line(tmp_path, capsys, args, option, expe
     assert not output.exists()
 
 
-OLD_POINT = Path(__file__).parent / "data" / "resume_point_flat_engine"
-# the run that wrote OLD_POINT: RUN without loader workers, on 30% of the digits (26 steps per epoch)
+# resume points written by earlier engines (each folder's README.md says which): before the engine became
+# packages, and before the checkpoint manager restored a resume in one call
+OLD_POINTS = {
+    name: Path(__file__).parent / "data" / f"resume_point_{name}" for name in ("flat_engine", "packaged_engine")
+}
+# the run that wrote them: RUN without loader workers, on 30% of the digits (26 steps per epoch)
 OLD_POINT_RUN = dict(RUN, workers=0, train_fraction=0.3)
 
 
-def test_a_resume_point_written_by_the_flat_engine_continues_exactly(tmp_path, capsys, cli_argv):
-    """A mid-epoch resume point written before the engine became packages (same on-disk layout) resumes to
-    the run that was never stopped: every epoch's accuracies and lr to the last digit, its losses within 1e-6
-    relative (the run that was never stopped ran the code of that time: its GPSA and optimizer summed in another
-    order, which moves the last bits; an inexact resume moves the loss in the third digit)."""
+@pytest.mark.parametrize("engine", sorted(OLD_POINTS))
+def test_a_resume_point_written_by_an_earlier_engine_continues_exactly(tmp_path, capsys, cli_argv, engine):
+    """A mid-epoch resume point written by an earlier engine (same on-disk layout) resumes to the run that was
+    never stopped: every epoch's accuracies and lr to the last digit, its losses within 1e-6 relative (the run
+    that was never stopped ran the code of that time: its GPSA and optimizer may sum in another order, which
+    moves the last bits; an inexact resume moves the loss in the third digit)."""
+    old_point = OLD_POINTS[engine]
     stopped = tmp_path / "stopped"
-    shutil.copytree(OLD_POINT / "stopped", stopped, symlinks=True)
+    shutil.copytree(old_point / "stopped", stopped, symlinks=True)
     args = cli_argv(cli_argv.DEIT_RECIPE, cli_argv.TINY_CONVIT, OLD_POINT_RUN, dataset="digits")
     code, out, err = train_here(capsys, args, stopped, "--resume", "auto")
     assert code == 0, err[-3000:]
     point = stopped / "checkpoints" / "epoch_0000_step_0000005"
     assert f"resumed from {point} after epoch 0 and 5 steps of epoch 1" in out
-    resumed, reference = summary(stopped), summary(OLD_POINT / "reference")
+    resumed, reference = summary(stopped), summary(old_point / "reference")
     assert len(resumed) == len(reference) == 2
     for got, expected in zip(resumed, reference):
         for field, value, wanted in zip(FIELDS, got, expected):
