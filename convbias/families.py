@@ -16,6 +16,7 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
+from convbias.base.errors import ConfigError
 from convbias.base.family import Family
 from convbias.engine import Extensions
 
@@ -71,8 +72,8 @@ def export_name(reparametrization: str | None, model_name: str) -> str | None:
 
 def query_maps(model: Any, image: Any, query: Any = None, layers: Any = None) -> Any:
     """The attention maps `convbias-diagnostics --image` draws: (maps, queries, gates) from the first family
-    (in `FAMILIES`' order) that has maps of this model. ValueError for a model none of them has."""
+    (in `FAMILIES`' order) that has maps of this model. ConfigError for a model none of them has."""
     for record in families().values():
         if record.query_maps is not None and (maps := record.query_maps(model, image, query, layers)) is not None:
             return maps
-    raise ValueError(f"{type(model).__name__} has no attention layer with explicit attention maps")
+    raise ConfigError(f"{type(model).__name__} has no attention layer with explicit attention maps")

@@ -32,6 +32,7 @@ from timm.data import create_transform, resolve_data_config
 
 from convbias import families
 from convbias.base.deprecation import Deprecated, announce
+from convbias.base.errors import ConfigError
 from convbias.base.run_layout import LOG_FILE
 from convbias.base.weights import load_weights
 from convbias.cli import OptionParser, key_value, run_command
@@ -178,7 +179,7 @@ def load_image(path: str, model: torch.nn.Module, in_chans: int, img_size: int |
     try:
         image = Image.open(path).convert("L" if in_chans == 1 else "RGB")
     except (UnidentifiedImageError, OSError) as err:
-        raise ValueError(f"--image {path}: cannot read the image ({err})") from None
+        raise ConfigError(f"--image {path}: cannot read the image ({err})") from None
     return create_transform(**config)(image)
 
 
@@ -197,8 +198,10 @@ def draw_attention_maps(args: argparse.Namespace, out: Path) -> Path:
             )
         else:
             model = timm.create_model(args.model, **kwargs)
-    except TypeError as err:  # timm's own models reject unknown kwargs with a TypeError
-        raise ValueError(f"--model {args.model} with {kwargs}: {err}") from None
+    except ConfigError:  # the engine's builder names what it refuses (a damaged file it reads: exit 65)
+        raise
+    except (TypeError, ValueError) as err:  # how timm's own models refuse their kwargs
+        raise ConfigError(f"--model {args.model} with {kwargs}: {err}") from None
     if getattr(args, "weights_run", None) is not None:
         args.weights_run.load_weights(model, args.which)
     elif args.checkpoint:

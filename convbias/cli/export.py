@@ -74,7 +74,7 @@ def _export(argv: list[str] | None) -> int:
     if args.push_to:
         try:
             url = push_folder(done["output"], args.push_to, private=args.private)
-        except ValueError as error:  # the folder is written: exit 1, not a refusal's 2
+        except ConfigError as error:  # the folder is written: exit 1, not a refusal's 2
             print_error(str(error))
             return 1
         print(f"uploaded to {url}")

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from convbias.base.errors import ConfigError
+
 __all__ = [
     "INTERPOLATIONS",
     "MODE_SETS",
@@ -76,7 +78,7 @@ def check_cut(cut: int, size: Size) -> None:
     """The cut-off must be an integer in [2, min(H, W)] (ln c > 0; no mode finer than the pixels)."""
     height, width = _hw(size)
     if isinstance(cut, bool) or not isinstance(cut, int) or not 2 <= cut <= min(height, width):
-        raise ValueError(
+        raise ConfigError(
             f"cut={cut!r} must be an integer in [2, {min(height, width)}] for a {height}x{width} image "
             f"(c >= 2 so that ln c > 0; c <= the smaller side)"
         )
@@ -95,7 +97,7 @@ def temperature(delta: float, cut: int, size: Size) -> float:
     region of this image size."""
     low, high = displacement_range(cut, size)
     if not (isinstance(delta, (int, float)) and low <= delta <= high):
-        raise ValueError(
+        raise ConfigError(
             f"delta={delta!r} is outside the diffeomorphism region [{low:.3g}, {high:.3g}] pixels for "
             f"cut={cut} on a {'x'.join(map(str, _hw(size)))} image (delta >= 1/2, T <= 4 / (pi^3 c^2 ln c))"
         )
@@ -110,7 +112,7 @@ def temperature_range(cut: int, size: Size) -> tuple[float, float]:
     t_max = 4 / (math.pi**3 * cut**2 * log)
     if t_min > t_max:
         height, width = _hw(size)
-        raise ValueError(
+        raise ConfigError(
             f"cut={cut} is too large for a {height}x{width} image: no temperature gives a displacement "
             f">= 1/2 pixel without folding (needs c <= {2 * math.sqrt(_side2(size)) / math.pi:.1f})"
         )
@@ -126,7 +128,7 @@ def displacement_range(cut: int, size: Size) -> tuple[float, float]:
 def _check_temperature(T: float, cut: int, size: Size) -> None:
     t_min, t_max = temperature_range(cut, size)
     if not (isinstance(T, (int, float)) and t_min <= T <= t_max):
-        raise ValueError(
+        raise ConfigError(
             f"T={T!r} is outside the diffeomorphism region [{t_min:.3g}, {t_max:.3g}] for cut={cut} on a "
             f"{'x'.join(map(str, _hw(size)))} image"
         )
@@ -134,7 +136,7 @@ def _check_temperature(T: float, cut: int, size: Size) -> None:
 
 def check_modes(modes: str) -> None:
     if modes not in MODE_SETS:
-        raise ValueError(f"modes={modes!r} must be one of {MODE_SETS}")
+        raise ConfigError(f"modes={modes!r} must be one of {MODE_SETS}")
 
 
 def mode_mask(cut: int, modes: str = "published") -> torch.Tensor:
@@ -236,10 +238,10 @@ def deform(
     """tau x for a batch (B, C, H, W) (or one (C, H, W) image): one field per image, drawn from `generator`
     on the mode set `modes` unless `coefficients` (from `sample_fields`) are given."""
     if interpolation not in INTERPOLATIONS:
-        raise ValueError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
+        raise ConfigError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
     check_modes(modes)
     if not isinstance(images, torch.Tensor) or images.dim() not in (3, 4) or images.shape[0] == 0:
-        raise ValueError(
+        raise ConfigError(
             f"images must be a non-empty (B, C, H, W) or (C, H, W) tensor, got "
             f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}"
         )
@@ -282,13 +284,13 @@ class Diffeo(torch.nn.Module):
         delta_min, delta_max = delta
         cut_min, cut_max = cut
         if not 0.5 <= delta_min <= delta_max:
-            raise ValueError(f"delta={delta!r} must be (low, high) with 1/2 <= low <= high pixels")
+            raise ConfigError(f"delta={delta!r} must be (low, high) with 1/2 <= low <= high pixels")
         if not (isinstance(cut_min, int) and isinstance(cut_max, int) and 2 <= cut_min <= cut_max):
-            raise ValueError(f"cut={cut!r} must be (low, high) integers with 2 <= low <= high")
+            raise ConfigError(f"cut={cut!r} must be (low, high) integers with 2 <= low <= high")
         if not 0.0 <= p <= 1.0:
-            raise ValueError(f"p={p!r} must be a probability in [0, 1]")
+            raise ConfigError(f"p={p!r} must be a probability in [0, 1]")
         if interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
+            raise ConfigError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
         check_modes(modes)
         self.delta, self.cut, self.p, self.interpolation = (delta_min, delta_max), (cut_min, cut_max), p, interpolation
         self.modes = modes

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from convbias.base.errors import ConfigError
 from convbias.engine import Config, RunCheckpoint, RunDir, build_datasets, build_eval_loader
 
 AVERAGES = ("logits", "probabilities")
@@ -53,13 +54,13 @@ def error_rate(outputs: torch.Tensor, labels: torch.Tensor) -> float:
 
 def _check(outputs: torch.Tensor, labels: torch.Tensor, average: str) -> None:
     if average not in AVERAGES:
-        raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
+        raise ConfigError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
     if not isinstance(outputs, torch.Tensor) or outputs.ndim not in (2, 3) or len(outputs) == 0:
         raise ValueError("outputs must be an (members, samples) or (members, samples, classes) tensor")
     if outputs.shape[1] != len(labels):
         raise ValueError(f"outputs hold {outputs.shape[1]} samples but there are {len(labels)} labels")
     if outputs.ndim == 2 and average == "probabilities":
-        raise ValueError("average='probabilities' needs (members, samples, classes) logits, not scalar outputs")
+        raise ConfigError("average='probabilities' needs (members, samples, classes) logits, not scalar outputs")
 
 
 def evaluate_ensemble(outputs: torch.Tensor, labels: torch.Tensor, average: str = "logits") -> EnsembleResult:
@@ -88,13 +89,13 @@ def check_same_architecture(descriptions: Sequence[dict], sources: Sequence[str]
     descriptions: per member, the fields that define the function's form (model name, constructor
     arguments, number of classes, input size...)."""
     if len(descriptions) < 2:
-        raise ValueError(f"an ensemble needs at least 2 members, got {len(descriptions)}")
+        raise ConfigError(f"an ensemble needs at least 2 members, got {len(descriptions)}")
     reference = descriptions[0]
     for description, source in zip(descriptions[1:], sources[1:]):
         differ = sorted(key for key in set(reference) | set(description) if reference.get(key) != description.get(key))
         if differ:
             details = ", ".join(f"{key}: {reference.get(key)!r} vs {description.get(key)!r}" for key in differ)
-            raise ValueError(
+            raise ConfigError(
                 f"ensemble members must share the architecture and class count: {source} differs "
                 f"from {sources[0]} in {details}"
             )
@@ -141,7 +142,7 @@ def evaluate_runs(
     output scale, and every member's weights must match their manifest (both checked before any model is
     built); typically runs that differ by seed."""
     if average not in AVERAGES:
-        raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
+        raise ConfigError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
     runs = [RunDir(d) for d in run_dirs]
     check_same_architecture([{k: r.config.get(k) for k in ARCHITECTURE_KEYS} for r in runs], [str(d) for d in run_dirs])
     for run in runs:

@@ -39,6 +39,7 @@ from matplotlib.legend import Legend
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
+from convbias.base.errors import ConfigError
 from convbias.base.storage import output_folder, save_figure
 
 __all__ = [
@@ -131,7 +132,7 @@ History = dict[int, dict[int | None, tuple[list[float], list[float]]]]
 def metric_history(records: Sequence[dict], metric: str) -> History:
     """{layer: {head or None for the layer mean: (epochs, values)}} of one metric over the records."""
     if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        raise ConfigError(f"metric must be one of {METRICS}, got {metric!r}")
     history: History = {}
     for record in records:
         for key, value in record.items():
@@ -147,7 +148,7 @@ def metric_history(records: Sequence[dict], metric: str) -> History:
 
 def _require(history: History, metric: str, what: str) -> None:
     if not history:
-        raise ValueError(f"no '{metric}/layer*' values in {what}: was the run logged with diagnostics on?")
+        raise ConfigError(f"no '{metric}/layer*' values in {what}: was the run logged with diagnostics on?")
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
@@ -169,7 +170,7 @@ def plot_nonlocality(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Pa
     runs: {panel title: log records}, e.g. {"DeiT-S": deit_log, "ConViT-S": convit_log}."""
     histories = {name: metric_history(records, "nonlocality") for name, records in runs.items()}
     if not histories:
-        raise ValueError("no runs to plot")
+        raise ConfigError("no runs to plot")
     for name, history in histories.items():
         _require(history, "nonlocality", f"run {name!r}")
     fig = Figure(figsize=(4.5 * len(histories), 3.6), layout="constrained")
@@ -248,7 +249,7 @@ def plot_attention_maps(
     if not isinstance(image, torch.Tensor) or image.dim() != 3:
         raise ValueError(f"image must be one (C, H, W) tensor, got {getattr(image, 'shape', type(image).__name__)}")
     if not maps:
-        raise ValueError("no attention maps to plot")
+        raise ConfigError("no attention maps to plot")
     gates = gates or {}
     heads = max(layer_maps.shape[0] for layer_maps in maps.values())
     fig = Figure(figsize=(1.9 * (heads + 1), 2.0 * len(maps) + 0.3), layout="constrained")

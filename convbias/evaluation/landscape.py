@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from convbias.base.errors import ConfigError
+
 Params = dict[str, torch.Tensor]
 
 
@@ -159,7 +161,7 @@ def local_energy(
     not depend on how each layer's weights are scaled. sigma = 0 gives the solution's own error. Only
     trainable parameters are perturbed (a frozen copy, as in `--output-scale` runs, stays as it is)."""
     if draws < 1 or any(not s >= 0 for s in sigmas):
-        raise ValueError(f"local_energy needs draws >= 1 and sigmas >= 0, got draws={draws}, sigmas={list(sigmas)}")
+        raise ConfigError(f"local_energy needs draws >= 1 and sigmas >= 0, got draws={draws}, sigmas={list(sigmas)}")
     params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}  # not a frozen f_w0
     generator = torch.Generator().manual_seed(seed)
     curve = []

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from convbias.base.errors import ConfigError
 from convbias.engine import OutputScale
 
 BYTES_PER_VALUE = 4  # per-sample gradients are kept in float32
@@ -72,7 +73,7 @@ def empirical_ntk(
     n = len(images)
     need = buffer_bytes(model, n, names)
     if max_memory_gb is not None and need > max_memory_gb * 2**30:
-        raise ValueError(
+        raise ConfigError(
             f"NTK of {n} samples over {need // (n * BYTES_PER_VALUE)} parameters needs "
             f"{need / 2**30:.2f} GiB of per-sample gradients, over max_memory_gb={max_memory_gb}; "
             f"use at most {int(max_memory_gb * 2**30 // (need // n))} samples"

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from convbias.base.errors import ConfigError
+
 from .diffeo import (
     INTERPOLATIONS,
     check_cut,
@@ -157,18 +159,18 @@ def _squared_distances(outputs: list[torch.Tensor], reference: list[torch.Tensor
 
 def _check_inputs(images, convention, chunk_size: int, interpolation: str, cut: int, modes: str, draws) -> None:
     if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[0] == 0:
-        raise ValueError(
+        raise ConfigError(
             f"images must be a non-empty (N, C, H, W) tensor, got "
             f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}"
         )
     if not isinstance(convention, Convention) and convention not in CONVENTIONS:
-        raise ValueError(f"convention={convention!r} must be one of {tuple(CONVENTIONS)} or a Convention")
+        raise ConfigError(f"convention={convention!r} must be one of {tuple(CONVENTIONS)} or a Convention")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
+        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer")
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
-        raise ValueError(f"draws={draws!r} must be a positive integer")
+        raise ConfigError(f"draws={draws!r} must be a positive integer")
     if interpolation not in INTERPOLATIONS:
-        raise ValueError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
+        raise ConfigError(f"interpolation={interpolation!r} must be one of {INTERPOLATIONS}")
     check_modes(modes)
     check_cut(cut, images.shape[-2:])
 
@@ -219,11 +221,11 @@ def _temperature(delta: float | None, T: float | None, cut: int, size: torch.Siz
     """T of typical displacement `delta` pixels, or the given T once checked to give a diffeomorphism."""
     if T is None:
         if delta is None:
-            raise ValueError("give delta (pixels) or T")
+            raise ConfigError("give delta (pixels) or T")
         return temperature(delta, cut, size)
     t_min, t_max = temperature_range(cut, size)
     if not t_min <= T <= t_max:
-        raise ValueError(
+        raise ConfigError(
             f"T={T!r} is outside the diffeomorphism region [{t_min:.3g}, {t_max:.3g}] for "
             f"cut={cut} on a {size[0]}x{size[1]} image"
         )
@@ -340,12 +342,12 @@ def relative_stability(
         else next((k for k, v in CONVENTIONS.items() if v == rule), repr(rule))
     )
     if per_layer and not has_layers(model):
-        raise ValueError(
+        raise ConfigError(
             f"per-layer R_f needs a model with forward_intermediates or activation modules; "
             f"{type(model).__name__} has neither"
         )
     if normalize and images.shape[0] < 2:
-        raise ValueError(f"normalize=True needs at least 2 images (pairs of test images), got {images.shape[0]}")
+        raise ConfigError(f"normalize=True needs at least 2 images (pairs of test images), got {images.shape[0]}")
     T = _temperature(delta, T, cut, images.shape[-2:])
     count = images.shape[0]
     draw_seeds = torch.randint(0, 2**62, (draws,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from convbias.base.errors import ConfigError
+
 from . import fused
 from .positional_mix import DensePositionalMix, PositionalMix
 
@@ -221,7 +223,7 @@ def resolve_positional_product(product: str, device: torch.device) -> str:
     if product == "auto":
         return AUTO_POSITIONAL_PRODUCT.get(device.type, "kronecker")
     if product not in POSITIONAL_PRODUCTS:
-        raise ValueError(f"positional_product={product!r}: expected one of {', '.join(POSITIONAL_PRODUCTS)}")
+        raise ConfigError(f"positional_product={product!r}: expected one of {', '.join(POSITIONAL_PRODUCTS)}")
     return product
 
 

@@ -16,7 +16,7 @@ model's arguments (the transform options). An `--output-scale` run is refused: i
 after construction where config.json cannot record it.
 
 The run is read through ``RunDir``: its weights are checked against their manifest before use (a damaged
-file is a DamagedCheckpointError naming it, exit 65). Every refusal is a ValueError with one line, raised
+file is a DamagedCheckpointError naming it, exit 65). Every refusal is a ConfigError with one line, raised
 before anything is written. The folder is written under a hidden temporary name (``staged_directory``) and
 renamed into place, so an interrupted export leaves no half folder (a killed one's is removed by the next
 export to the same path); a write that fails (disk full, read-only) is one StorageError line naming the file
@@ -128,17 +128,17 @@ def _family(model_name: str) -> str:
 
 def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The run's model (eval mode, the checkpoint's verified weights) built through timm's registry, and
-    what was used to build it: name, kwargs, checkpoint, config, data options. ValueError (one line) for
+    what was used to build it: name, kwargs, checkpoint, config, data options. ConfigError (one line) for
     what cannot be exported, DamagedCheckpointError naming a weights file that fails its manifest."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     config = run.config
     if config.get("output_scale") is not None:
-        raise ValueError(
+        raise ConfigError(
             f"{run.path} was trained with --output-scale {config['output_scale']}: its model is a wrapper "
             "(alpha (f - f_0)) that timm's registry cannot rebuild; export a run without it"
         )
     if config.get("bn_eps") is not None:  # --bn-momentum acts in training only: the exported model is the same
-        raise ValueError(
+        raise ConfigError(
             f"{run.path} was trained with --bn-eps {config['bn_eps']}, set on its BatchNorm layers after "
             "construction: timm's config.json cannot record it, so the exported model would normalize with another "
             "eps; export a run without it"
@@ -148,11 +148,11 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
     try:
         check_model_name(name, option=f"{run.path / CONFIG_FILE} model")
     except ConfigError as error:
-        raise ValueError(f"{error} (is its family imported? convbias.families.load_families())") from None
+        raise ConfigError(f"{error} (is its family imported? convbias.families.load_families())") from None
     if spec["reparametrized"]:
         exported = export_name(config.get("reparametrize"), name)
         if exported is None or not timm.is_model(exported):
-            raise ValueError(
+            raise ConfigError(
                 f"{spec['checkpoint'].describe()} holds {name} reparametrized with "
                 f"{config.get('reparametrize')!r}, which no registered model builds"
             )
@@ -166,7 +166,7 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
     try:
         model = create_model(build, spec["num_classes"], spec["in_chans"])
     except ConfigError as error:
-        raise ValueError(str(error)) from None
+        raise ConfigError(str(error)) from None
     checkpoint = run.load_weights(model, which)  # the next verified point, if the run removed this one meanwhile
     return model.eval(), {
         **spec,
@@ -365,10 +365,10 @@ def _loading_and_software(imports: str, repo_id: str | None, provenance: dict[st
 
 def _check_output(output: Path) -> None:
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"--output {output} already exists and is not empty: choose a new folder")
+        raise ConfigError(f"--output {output} already exists and is not empty: choose a new folder")
     for parent in output.parents:
         if parent.exists() and not parent.is_dir():
-            raise ValueError(f"--output {output}: {parent} is a file, not a folder")
+            raise ConfigError(f"--output {output}: {parent} is a file, not a folder")
 
 
 @contextlib.contextmanager
@@ -407,7 +407,7 @@ def export_run(
     check_which(which)
     unknown = [f for f in deploy if f not in DEPLOY_FORMATS]
     if unknown:
-        raise ValueError(f"unknown deployment format {unknown[0]!r}; choices: {', '.join(DEPLOY_FORMATS)}")
+        raise ConfigError(f"unknown deployment format {unknown[0]!r}; choices: {', '.join(DEPLOY_FORMATS)}")
     run = RunDir(run)
     _check_output(output)
     if "onnx" in deploy:
@@ -549,7 +549,7 @@ def export_timm_checkpoint(
     output = Path(output)
     unknown = [f for f in deploy if f not in DEPLOY_FORMATS]
     if unknown:
-        raise ValueError(f"unknown deployment format {unknown[0]!r}; choices: {', '.join(DEPLOY_FORMATS)}")
+        raise ConfigError(f"unknown deployment format {unknown[0]!r}; choices: {', '.join(DEPLOY_FORMATS)}")
     _check_output(output)
     if "onnx" in deploy:
         check_onnx_installed()
@@ -577,7 +577,7 @@ def export_timm_checkpoint(
 # ----------------------------------------------------------------------------------------------- upload
 def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
     """Upload an exported folder to the Hub (huggingface_hub: create the repo if needed, then one commit);
-    returns the commit URL. ValueError with one line when the Hub cannot be reached or refuses."""
+    returns the commit URL. ConfigError with one line when the Hub cannot be reached or refuses."""
     api = HfApi(token=token, library_name="timm")
     try:
         repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
@@ -585,9 +585,9 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: 
             repo_id=repo.repo_id, folder_path=str(folder), commit_message=f"Upload {Path(folder).name}"
         )
     except OfflineModeIsEnabled:
-        raise ValueError(f"--push-to {repo_id}: HF_HUB_OFFLINE is set; the folder stays in {folder}") from None
+        raise ConfigError(f"--push-to {repo_id}: HF_HUB_OFFLINE is set; the folder stays in {folder}") from None
     except Exception as error:  # HTTP errors, a missing token, and the transport's own (requests, httpx, httpx2
         # by huggingface_hub version): whatever stops the upload is reported in one line
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"--push-to {repo_id}: cannot upload ({first}); the folder stays in {folder}") from None
+        raise ConfigError(f"--push-to {repo_id}: cannot upload ({first}); the folder stays in {folder}") from None
     return str(getattr(commit, "commit_url", commit))

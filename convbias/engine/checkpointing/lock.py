@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from convbias.base.errors import DamagedInputError
+from convbias.base.errors import ConfigError, DamagedInputError
 from convbias.base.run_layout import LOCK_FILE
 
 
-class RunLockedError(ValueError):
+class RunLockedError(ConfigError):
     """Another live process holds the lock of this run directory."""
 
 

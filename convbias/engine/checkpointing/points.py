@@ -327,7 +327,7 @@ def find_resume_point(resume: str, output: str | Path) -> Path | None:
     """The checkpoint directory ``--resume`` names, checked against its manifest; for 'auto' the newest
     intact point of the run dir (None when it has none).
 
-    Raises ValueError for an explicit path that holds no resume point, DamagedCheckpointError for one
+    Raises ConfigError for an explicit path that holds no resume point, DamagedCheckpointError for one
     whose files do not match its manifest (a point without one, written before checksums, is taken as is).
     """
     if resume == "auto":

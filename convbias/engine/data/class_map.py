@@ -31,9 +31,9 @@ def _text_class_map(data: bytes) -> dict[str, int]:
     mapping: dict[str, int] = {}
     for number, name in enumerate(names, start=1):
         if not name:
-            raise ValueError(f"line {number} is empty")
+            raise ConfigError(f"line {number} is empty")
         if name in mapping:
-            raise ValueError(f"class {name!r} is on lines {mapping[name] + 1} and {number}")
+            raise ConfigError(f"class {name!r} is on lines {mapping[name] + 1} and {number}")
         mapping[name] = number - 1
     return mapping
 
@@ -42,12 +42,12 @@ def _pickled_class_map(data: bytes) -> dict[str, int]:
     try:
         mapping = _NoGlobalsUnpickler(io.BytesIO(data)).load()
     except Exception as error:  # a damaged pickle raises many kinds
-        raise ValueError(f"not a pickled mapping ({' '.join(str(error).split()) or type(error).__name__})") from None
+        raise ConfigError(f"not a pickled mapping ({' '.join(str(error).split()) or type(error).__name__})") from None
     if not isinstance(mapping, dict):
-        raise ValueError(f"holds a {type(mapping).__name__}, not a mapping")
+        raise ConfigError(f"holds a {type(mapping).__name__}, not a mapping")
     bad = next((item for item in mapping.items() if not isinstance(item[0], str) or type(item[1]) is not int), None)
     if bad is not None:
-        raise ValueError(f"entry {bad[0]!r}: {bad[1]!r} is not a class name and an integer label")
+        raise ConfigError(f"entry {bad[0]!r}: {bad[1]!r} is not a class name and an integer label")
     return mapping
 
 

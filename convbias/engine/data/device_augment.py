@@ -44,6 +44,8 @@ from timm.data.transforms import (
 from timm.data.transforms_factory import transforms_imagenet_train
 from torch.profiler import record_function
 
+from convbias.base.errors import ConfigError
+
 from .augment_passes import augment_histograms, augment_pass
 from .rand_augment import ErasingSpec, RandAugmentSpec, erasing_noise, layer_plans
 
@@ -167,7 +169,7 @@ class CropFlip:
         crop_mode: str = "rrc",
     ):
         if crop_mode not in CROP_MODES:
-            raise ValueError(f"crop mode {crop_mode!r}: expected one of {', '.join(CROP_MODES)}")
+            raise ConfigError(f"crop mode {crop_mode!r}: expected one of {', '.join(CROP_MODES)}")
         self.size = (int(size), int(size))
         self.hflip, self.interpolation, self.crop_mode = hflip, interpolation, crop_mode
         self.mode = mode
@@ -369,12 +371,12 @@ class DeviceAugment:
         return {"plan_generator": self.plan_generator.get_state(), "noise_generator": self.noise_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Continues the streams `state_dict` saved (ValueError if they were another kind of device's)."""
+        """Continues the streams `state_dict` saved (ConfigError if they were another kind of device's)."""
         try:
             self.plan_generator.set_state(state["plan_generator"])
             self.noise_generator.set_state(state["noise_generator"])
         except (KeyError, RuntimeError) as error:
-            raise ValueError(
+            raise ConfigError(
                 f"DeviceAugment state does not fit this device ({self.device.type}): {error}; a resume on another "
                 "kind of device cannot replay the same augmentations"
             ) from None

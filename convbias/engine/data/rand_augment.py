@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms.v2.functional import equalize as tv_equalize
 
+from convbias.base.errors import ConfigError
+
 LEVEL_DENOM = 10.0  # timm's _LEVEL_DENOM: magnitude M10 is an op's strongest level
 GRAY_WEIGHTS = (19595, 38470, 7471)  # Pillow's RGB -> L, in 1/65536
 
@@ -360,20 +362,20 @@ class RandAugmentSpec:
 
     @classmethod
     def from_timm(cls, config: str, hparams: dict[str, Any]) -> RandAugmentSpec:
-        """Built by timm's rand_augment_transform (same parsing, same op set); ValueError if an op or setting
+        """Built by timm's rand_augment_transform (same parsing, same op set); ConfigError if an op or setting
         has no batched form here."""
         if not config.startswith("rand"):
-            raise ValueError(f"auto-augment {config!r}: only RandAugment ('rand-...') has a batched device form")
+            raise ConfigError(f"auto-augment {config!r}: only RandAugment ('rand-...') has a batched device form")
         from timm.data.auto_augment import rand_augment_transform
 
         transform = rand_augment_transform(config, dict(hparams))
         missing = sorted({op.name for op in transform.ops} - set(OPS))
         if missing:
-            raise ValueError(f"auto-augment {config!r}: no batched form of {', '.join(missing)}")
+            raise ConfigError(f"auto-augment {config!r}: no batched form of {', '.join(missing)}")
         op = transform.ops[0]
         resample = op.kwargs["resample"]
         if resample not in _INTERPOLATIONS:
-            raise ValueError(f"auto-augment {config!r}: interpolation {resample!r} has no batched form")
+            raise ConfigError(f"auto-augment {config!r}: interpolation {resample!r} has no batched form")
         weights = transform.choice_weights
         return cls(
             names=tuple(o.name for o in transform.ops),

@@ -33,7 +33,7 @@ cache_dir=--data-dir)``: NAME is a Hub dataset id or a local dataset directory (
 read offline), DIR the cache the dataset is downloaded and prepared into. The split is random access, so
 it takes the engine's sampled loaders (exact resume) and ``--train-fraction`` / ``--num-classes``
 (``HfdsImages``: labels read without decoding images). Any failure to load (no ``datasets`` package, an
-unknown or unreachable NAME, a corrupt file) is one ValueError line, quoting the file the library logged.
+unknown or unreachable NAME, a corrupt file) is one ConfigError line, quoting the file the library logged.
 
 ``datasets`` is imported inside functions: it is an optional dependency (the ``streams`` extra).
 """
@@ -137,7 +137,7 @@ def check_stream(
     columns: Columns = TIMM_COLUMNS,
 ) -> dict[str, Any]:
     """What a wds/ or hfids/ stream holds (num_classes, classes, num_samples and split names per split) after
-    cheap checks (ValueError, one line): package, layout, split sizes, every local shard, and enough training
+    cheap checks (ConfigError, one line): package, layout, split sizes, every local shard, and enough training
     shards for `processes` x `workers` loader workers. `train_num_samples` (--train-num-samples) is the train
     epoch's length in place of the split's size, as timm's readers take it (an hfids/ card then need not give
     the train split's size). `columns`: an hfids/ dataset's image and label columns."""
@@ -337,7 +337,7 @@ def _held_logs(*logger_names: str) -> Iterator[list[logging.LogRecord]]:
 @contextmanager
 def _one_line_errors(name: str, data_dir: str, layout: str) -> Iterator[None]:
     """Any failure of `datasets` inside the block (no such dataset, offline, a corrupt file, a missing column:
-    it raises many kinds) as one ValueError line, quoting the file it logged; its logs held back meanwhile."""
+    it raises many kinds) as one ConfigError line, quoting the file it logged; its logs held back meanwhile."""
     with _held_logs("datasets", "huggingface_hub") as logged:
         try:
             yield
@@ -366,7 +366,7 @@ def _check_columns(reader: Any) -> None:
 def load_hfds(name: str, data_dir: str, columns: Columns = TIMM_COLUMNS) -> tuple[HfdsImages, HfdsImages]:
     """(train, validation or test) of a Hugging Face dataset through timm's factory (ReaderHfds: NAME is
     datasets.load_dataset's path, DIR its cache_dir; `columns` its input_key and target_key); any failure is a
-    ValueError of one line."""
+    ConfigError of one line."""
     if not is_hfds(name) or not name.partition("/")[2]:
         raise ConfigError(f"--dataset {name}: expected hfds/NAME; {HFDS_LAYOUT}")
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from convbias.base.errors import ConfigError
 from convbias.base.reporting import report
 from convbias.base.storage import output_folder, write_text
 from convbias.engine.config.command_line import OptionParser
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.stage == "summarize":
             if len(args.seed_dirs) < 2:
-                raise ValueError(
+                raise ConfigError(
                     f"--stage summarize needs --seed-dirs with at least 2 directories, got {args.seed_dirs}"
                 )
             files = summarize_seeds([Path(d) for d in args.seed_dirs], Path(args.output))
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.stage == "single-seed":
             if not args.test_images or args.test_images < 1:
-                raise ValueError(
+                raise ConfigError(
                     f"--stage single-seed needs --test-images N (a positive count), got {args.test_images}"
                 )
             files = single_seed_intervals(Path(args.output), args.test_images)

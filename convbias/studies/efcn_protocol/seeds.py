@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from convbias.base.errors import ConfigError
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import markdown_table, write_csv
 
@@ -34,7 +35,7 @@ SINGLE_SEED_ACCURACIES = ("final_test_acc", "local_only_test_acc", "off_local_on
 
 def _read_csv(path: Path) -> list[dict]:
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run the protocol (--stage all) in that directory first")
+        raise ConfigError(f"{path} not found: run the protocol (--stage all) in that directory first")
     with open(path) as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import check_output_folder
 from convbias.engine.config.command_line import OptionParser
@@ -38,9 +39,9 @@ def _phase_diagram(argv: list[str] | None) -> int:
     check_output_folder(output)  # it writes its own config.yaml there
     cfg = PhaseDiagramConfig.from_yaml(args.config) if args.config else PhaseDiagramConfig().validated()
     if args.plot_only and not (output / CELLS_CSV).is_file():
-        raise ValueError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")
+        raise ConfigError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")
     if not args.plot_only and (output / CELLS_CSV).exists():
-        raise ValueError(f"{output} already holds a phase diagram ({CELLS_CSV}); choose another --output")
+        raise ConfigError(f"{output} already holds a phase diagram ({CELLS_CSV}); choose another --output")
     cells = read_cells(output / CELLS_CSV) if args.plot_only else run(cfg, output)
     for path in plot(cells, output) + write_report_csvs(output):
         print(f"wrote {path}")

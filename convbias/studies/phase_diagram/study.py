@@ -45,6 +45,7 @@ from sklearn.datasets import load_digits
 from sklearn.decomposition import PCA
 from torch import nn
 
+from convbias.base.errors import ConfigError
 from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import CONFIG_FILE
 from convbias.base.storage import output_folder, save_figure, write_text
@@ -82,31 +83,31 @@ class PhaseDiagramConfig:
     def from_yaml(cls, path: str | Path) -> PhaseDiagramConfig:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"phase-diagram config not found: {path}")
+            raise ConfigError(f"phase-diagram config not found: {path}")
         data = read_yaml(path, "phase-diagram config") or {}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known) if isinstance(data, dict) else ["(not a mapping)"]
         if unknown:
-            raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+            raise ConfigError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
         return cls(**data).validated()
 
     def validated(self) -> PhaseDiagramConfig:
         if not self.widths or any(not isinstance(h, int) or h < 1 for h in self.widths):
-            raise ValueError(f"widths must be positive integers, got {self.widths}")
+            raise ConfigError(f"widths must be positive integers, got {self.widths}")
         if not self.alpha_tildes or any(not isinstance(a, (int, float)) or not a > 0 for a in self.alpha_tildes):
-            raise ValueError(
+            raise ConfigError(
                 f"alpha_tildes must be positive numbers (the rescaled output scale), got {self.alpha_tildes}"
             )
         if len(self.seeds) < 2:
-            raise ValueError(f"seeds: an ensemble needs at least 2 seeds, got {self.seeds}")
+            raise ConfigError(f"seeds: an ensemble needs at least 2 seeds, got {self.seeds}")
         if not 10 <= self.train_size <= 1700:
-            raise ValueError(
+            raise ConfigError(
                 f"train_size must be in 10..1700 (digits has {DIGITS_IMAGES:,} images), got {self.train_size}"
             )
         if not 1 <= self.pca_components <= 64:
-            raise ValueError(f"pca_components must be in 1..64, got {self.pca_components}")
+            raise ConfigError(f"pca_components must be in 1..64, got {self.pca_components}")
         if self.max_steps < 1 or self.ntk_samples < 2:
-            raise ValueError("max_steps must be >= 1 and ntk_samples >= 2")
+            raise ConfigError("max_steps must be >= 1 and ntk_samples >= 2")
         return self
 
 

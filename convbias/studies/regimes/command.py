@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.engine.config.command_line import OptionParser
 from convbias.families import load_families
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _regimes(sweep_dir: Path) -> int:
     if not (sweep_dir / "runs.csv").is_file():
-        raise ValueError(f"{sweep_dir / 'runs.csv'} not found; run the sweep first (convbias-sweep run ...)")
+        raise ConfigError(f"{sweep_dir / 'runs.csv'} not found; run the sweep first (convbias-sweep run ...)")
     written = write(sweep_dir, load_families())
     print("wrote " + ", ".join(str(path) for path in written))
     return 0

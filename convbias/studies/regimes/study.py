@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
+from convbias.base.errors import ConfigError
 from convbias.base.run_layout import LOG_FILE
 from convbias.base.storage import save_figure, write_text
 from convbias.base.tables import markdown_table, write_csv
@@ -55,7 +56,7 @@ def last_evaluation(run_dir: Path) -> dict[str, Any]:
     evaluated = [r for r in records if "eval_top1" in r]
     if not evaluated:
         skipped = f" ({dropped} damaged line{'s' if dropped != 1 else ''} skipped)" if dropped else ""
-        raise ValueError(f"{run_dir / LOG_FILE} holds no evaluation (no record with eval_top1){skipped}")
+        raise ConfigError(f"{run_dir / LOG_FILE} holds no evaluation (no record with eval_top1){skipped}")
     return evaluated[-1]
 
 
@@ -68,7 +69,7 @@ def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
         run_dir = sweep_dir / "runs" / run["run"]
         model, cfg, data = load_run(run_dir, extensions, data, which="last")  # the final weights
         if cfg.output_scale is None:
-            raise ValueError(f"{run_dir} was not trained with --output-scale")
+            raise ConfigError(f"{run_dir} was not trained with --output-scale")
         train = data.train
         train.transform = data.val.transform  # the training images as evaluated (no augmentation)
         images, labels = zip(*(train[i] for i in range(len(train))))  # one pass: indexing runs the transform

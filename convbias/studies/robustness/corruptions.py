@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from convbias.base.errors import ConfigError
+
 from .filters import center_zoom, filter2d, gaussian_blur, line_kernels, motion_kernels, plasma_fractal
 
 REFERENCE_SIZE = 224
@@ -120,7 +122,7 @@ FROST_TEXTURE = dict(
 
 def _param(name: str, severity: int):
     if severity not in SEVERITIES:
-        raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
+        raise ConfigError(f"severity must be one of {SEVERITIES}, got {severity!r}")
     return SEVERITY_PARAMS[name][severity - 1]
 
 
@@ -426,9 +428,9 @@ def corrupt(images: torch.Tensor, name: str, severity: int, generator: torch.Gen
     comes from `generator` (a CPU torch.Generator; a fresh unseeded one if None).
     """
     if name not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption {name!r}; expected one of {', '.join(CORRUPTIONS)}")
+        raise ConfigError(f"unknown corruption {name!r}; expected one of {', '.join(CORRUPTIONS)}")
     if severity not in SEVERITIES:
-        raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
+        raise ConfigError(f"severity must be one of {SEVERITIES}, got {severity!r}")
     if images.dim() != 4 or images.shape[1] not in (1, 3) or not images.is_floating_point():
         raise ValueError(f"expected a float batch (B, 1 or 3, H, W), got {tuple(images.shape)} {images.dtype}")
     if generator is None:

@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from timm.data import resolve_model_data_config
 from torch import nn
 
+from convbias.base.errors import ConfigError
+from convbias.base.inputs import read_file
+
 from .corruptions import CATEGORY_OF, CORRUPTIONS, SEVERITIES, corrupt
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
@@ -154,9 +157,9 @@ def adversarial_accuracy(
     """
     unknown = set(attacks) - {"fgsm", "pgd"}
     if unknown:
-        raise ValueError(f"unknown attacks {sorted(unknown)}; expected fgsm and/or pgd")
+        raise ConfigError(f"unknown attacks {sorted(unknown)}; expected fgsm and/or pgd")
     if eps < 0 or pgd_step_size < 0 or pgd_steps < 0:
-        raise ValueError(f"eps, PGD step size and steps must be >= 0, got {eps}, {pgd_step_size}, {pgd_steps}")
+        raise ConfigError(f"eps, PGD step size and steps must be >= 0, got {eps}, {pgd_step_size}, {pgd_steps}")
     model.eval()
     device = _model_device(model)
     generator = torch.Generator().manual_seed(seed)
@@ -190,10 +193,10 @@ def corruption_accuracy(
     """
     for name in corruptions:
         if name not in CORRUPTIONS:
-            raise ValueError(f"unknown corruption {name!r}; expected some of {', '.join(CORRUPTIONS)}")
+            raise ConfigError(f"unknown corruption {name!r}; expected some of {', '.join(CORRUPTIONS)}")
     for severity in severities:
         if severity not in SEVERITIES:
-            raise ValueError(f"severity must be in {SEVERITIES}, got {severity}")
+            raise ConfigError(f"severity must be in {SEVERITIES}, got {severity}")
     for model in models.values():
         model.eval()
     hits: dict[tuple, int] = defaultdict(int)
@@ -237,11 +240,15 @@ def read_class_list(path: str | os.PathLike) -> list[str]:
     if path.is_dir():
         classes = sorted(entry.name for entry in path.iterdir() if entry.is_dir())
     elif path.is_file():
-        classes = [line.split()[0] for line in path.read_text().splitlines() if line.strip()]
+        try:
+            text = read_file(path, "class list").decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"class list {path} is not UTF-8 text (byte {error.start})") from None
+        classes = [line.split()[0] for line in text.splitlines() if line.strip()]
     else:
-        raise ValueError(f"class list {path} is neither a folder of class folders nor a text file")
+        raise ConfigError(f"class list {path} is neither a folder of class folders nor a text file")
     if not classes:
-        raise ValueError(f"class list {path} names no classes")
+        raise ConfigError(f"class list {path} names no classes")
     return classes
 
 
@@ -249,21 +256,21 @@ def folder_classes(folder: str | os.PathLike) -> list[str]:
     """Sorted class folder names of an ImageFolder-style directory (torchvision's label order)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f"{folder} is not a directory")
+        raise ConfigError(f"{folder} is not a directory")
     classes = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
     if not classes:
-        raise ValueError(f"{folder} holds no class folders (expected {folder}/<class>/<image>)")
+        raise ConfigError(f"{folder} holds no class folders (expected {folder}/<class>/<image>)")
     return classes
 
 
 def class_index(folder: str | os.PathLike, classes: Sequence[str], model_classes: Sequence[str]) -> list[int]:
     """Logit index of each class of a dataset folder: the folder's label i is model logit
-    class_index[i]. Raises ValueError naming the folder and the classes the model does not have."""
+    class_index[i]. Raises ConfigError naming the folder and the classes the model does not have."""
     position = {name: i for i, name in enumerate(model_classes)}
     unmatched = [name for name in classes if name not in position]
     if unmatched:
         shown = ", ".join(unmatched[:10]) + (f" (+{len(unmatched) - 10} more)" if len(unmatched) > 10 else "")
-        raise ValueError(
+        raise ConfigError(
             f"{folder}: {len(unmatched)} of {len(classes)} class folders are not classes of the "
             f"model ({len(model_classes)} classes, e.g. {', '.join(model_classes[:3])}): {shown}"
         )
@@ -274,11 +281,11 @@ def imagenet_c_folders(
     root: str | os.PathLike, corruptions: Sequence[str], severities: Sequence[int]
 ) -> dict[tuple[str, int], Path]:
     """The ROOT/<corruption>/<severity> folders of an ImageNet-C copy (also accepted: the
-    corruption folders inside their category folder, ROOT/noise/gaussian_noise/...); ValueError
+    corruption folders inside their category folder, ROOT/noise/gaussian_noise/...); ConfigError
     naming the missing ones."""
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(
+        raise ConfigError(
             f"ImageNet-C folder {root} is not a directory (expected {root}/<corruption>/<severity>/<class>/<image>)"
         )
 
@@ -292,7 +299,7 @@ def imagenet_c_folders(
     missing = [str(path) for path in folders.values() if not path.is_dir()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise ValueError(
+        raise ConfigError(
             f"ImageNet-C folder {root} lacks {shown}; expected {root}/<corruption>/<severity>/<class>/<image> "
             f"(choose others with --corruptions/--severities)"
         )

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import INIT_SNAPSHOT, LAST_LINK, SNAPSHOT_NAME, SUMMARY_FILE
 from convbias.base.storage import output_folder, write_text
@@ -88,12 +89,12 @@ def parse_args(argv: list[str] | None) -> tuple[study.Settings, list[str], list[
     args = build_parser().parse_args(argv)
     for name in ("images", "chunk_size", "draws"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in args.checkpoints:
         if name not in WHICH and not SNAPSHOT_NAME.fullmatch(name):
-            raise ValueError(f"--checkpoints {name}: expected {study.CHECKPOINT_FORMS}")
+            raise ConfigError(f"--checkpoints {name}: expected {study.CHECKPOINT_FORMS}")
     if bool(args.runs) == bool(args.combine):
-        raise ValueError("give either RUN folders to measure or --combine DIR... (earlier outputs), not both")
+        raise ConfigError("give either RUN folders to measure or --combine DIR... (earlier outputs), not both")
     fields = {k: getattr(args, k) for k in study.Settings.__dataclass_fields__}
     return study.Settings(**fields), args.runs, [Path(d) for d in args.combine], Path(args.output)
 

@@ -19,6 +19,7 @@ from typing import Any
 import matplotlib
 from matplotlib.figure import Figure
 
+from convbias.base.errors import ConfigError
 from convbias.base.inputs import json_record
 from convbias.base.run_layout import CONFIG_FILE, LOG_FILE
 from convbias.base.storage import save_figure, write_text
@@ -121,7 +122,7 @@ def write_pairs(rows: list[dict], output: Path) -> list[Path]:
     """pairs.csv and pairs.md in `output`, from the paired contrasts of stability.csv rows."""
     pairs = pair_rows(rows)
     if not pairs:
-        raise ValueError("no contrast of the study has a seed run in both groups: nothing to pair")
+        raise ConfigError("no contrast of the study has a seed run in both groups: nothing to pair")
     write_text(output / "pairs.md", pair_table(pairs))
     return [write_csv(pairs, output / "pairs.csv"), output / "pairs.md"]
 
@@ -151,7 +152,7 @@ def log_rows(runs: Path, convention: str, modes: str) -> list[dict]:
 def read_trajectories(path: Path) -> list[dict]:
     """Rows of a trajectories.csv (`log_rows`), with its numbers as numbers (no top-1 or image count: None)."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: give the training runs (--runs) to read their logs")
+        raise ConfigError(f"{path} not found: give the training runs (--runs) to read their logs")
     with open(path) as f:
         rows = list(csv.DictReader(f))
     for row in rows:
@@ -216,7 +217,7 @@ def trajectory_figure(summary: list[dict], path: Path) -> Path:
 def write_trajectories(rows: list[dict[str, Any]], output: Path, figure: bool = True) -> list[Path]:
     """trajectories_summary.csv (and trajectories.png) in `output`, from per-run trajectory rows."""
     if not rows:
-        raise ValueError("no run logged R_f during training (train.py --diagnostics): no trajectory to summarize")
+        raise ConfigError("no run logged R_f during training (train.py --diagnostics): no trajectory to summarize")
     summary = trajectory_summary(rows)
     files = [write_csv(summary, output / "trajectories_summary.csv")]
     return files + ([trajectory_figure(summary, output / "trajectories.png")] if figure else [])

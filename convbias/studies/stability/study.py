@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from convbias.base.errors import ConfigError
 from convbias.base.tables import markdown_table
 from convbias.engine import RunDir, build_datasets, check_model_name
 from convbias.evaluation import diffeo
@@ -88,7 +89,7 @@ def load_run(path: Path, settings: Settings, extensions: Any = None) -> Run:
     check_model_name(cfg["model"], f"{path}/config.yaml: model")
     bundle = build_datasets(run.run_config().replace(no_aug=True))
     if len(bundle.val) == 0:
-        raise ValueError(f"run {path}: its test set ({cfg['dataset']}) is empty")
+        raise ConfigError(f"run {path}: its test set ({cfg['dataset']}) is empty")
     count = min(settings.images, len(bundle.val))
     images = torch.stack([bundle.val[i][0] for i in range(count)])
     for delta, cut in settings.grid:
@@ -190,7 +191,7 @@ NUMERIC = {"seed", "train_fraction", "test_error", "images", "draws", "delta", "
 def read_rows(path: Path) -> list[dict]:
     """Rows of a stability.csv / stability_layers.csv written by `measure`, with their numbers as numbers."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: measure the runs with convbias-stability first")
+        raise ConfigError(f"{path} not found: measure the runs with convbias-stability first")
     with open(path) as f:
         rows = list(csv.DictReader(f))
     for row in rows:
@@ -208,7 +209,7 @@ def check_combinable(rows: list[dict]) -> None:
     for key in ("convention", "modes", "images", "draws"):
         values = sorted({str(r[key]) for r in rows})
         if len(values) > 1:
-            raise ValueError(f"the measurements differ in {key} ({', '.join(values)}): summarize them apart")
+            raise ConfigError(f"the measurements differ in {key} ({', '.join(values)}): summarize them apart")
 
 
 def _fmt(value: float) -> str:

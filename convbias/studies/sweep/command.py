@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.engine import Interrupted
 from convbias.engine.config.command_line import OptionParser, yaml_scalar
@@ -189,7 +190,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.command == "collect":
         record = Path(args.output) / sweep.RECORD_NAME
         if not record.is_file():
-            raise ValueError(f"{record} not found: is {args.output} a sweep directory?")
+            raise ConfigError(f"{record} not found: is {args.output} a sweep directory?")
         prepared = sweep.Sweep.prepare(sweep_spec.load_spec(record), args.output)
         return write_outputs(prepared, args)
     prepared = sweep.Sweep.prepare(spec_from_args(args), args.output)

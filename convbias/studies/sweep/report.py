@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from convbias.base.errors import ConfigError
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import markdown_table
 
@@ -180,7 +181,7 @@ def read_ensembles(path: str | Path) -> Rows:
     """ensembles.csv (written by the sweep when a grid has several seeds): one row per group of runs."""
     rows = read_runs_like(path)
     if not rows or any(metric not in rows[0] for metric in ENSEMBLE_METRICS):
-        raise ValueError(f"{path} holds no ensembles (expected columns {', '.join(ENSEMBLE_METRICS)})")
+        raise ConfigError(f"{path} holds no ensembles (expected columns {', '.join(ENSEMBLE_METRICS)})")
     return rows
 
 
@@ -236,7 +237,7 @@ def write_report(
     out_dir = output_folder(out_dir if out_dir is not None else Path(csv_path).parent)
     metric = "best_top1" if best else "top1"
     if best and metric not in rows[0]:
-        raise ValueError(f"{csv_path} has no best_top1 column")
+        raise ConfigError(f"{csv_path} has no best_top1 column")
     column = compared_column(rows)
     params = parameter_columns(rows)
     written = []

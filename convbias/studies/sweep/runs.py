@@ -13,6 +13,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from convbias.base.errors import ConfigError
+
 from .sweep import RESULT_COLUMNS, TIME_COLUMN
 
 METRIC_COLUMNS = (*RESULT_COLUMNS.values(), TIME_COLUMN)
@@ -40,13 +42,13 @@ def read_runs(path: str | Path) -> Rows:
     """Read a sweep CSV; numbers become int/float, empty cells are dropped."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"CSV not found: {path}")
+        raise ConfigError(f"CSV not found: {path}")
     rows = read_runs_like(path)
     if not rows:
-        raise ValueError(f"{path} holds no runs")
+        raise ConfigError(f"{path} holds no runs")
     for column in ("model", "top1"):
         if column not in rows[0]:
-            raise ValueError(f"{path} has no {column!r} column; expected a CSV written by convbias-sweep")
+            raise ConfigError(f"{path} has no {column!r} column; expected a CSV written by convbias-sweep")
     return rows
 
 
@@ -95,11 +97,11 @@ def choose_baseline(rows: Rows, baseline: str | None = None) -> str:
     names = column_values(rows, column)
     if baseline is not None:
         if baseline not in names:
-            raise ValueError(f"baseline '{baseline}' is not in the CSV's {column} column {names}")
+            raise ConfigError(f"baseline '{baseline}' is not in the CSV's {column} column {names}")
         return baseline
     deits = [name for name in names if "deit" in str(name).lower()]
     if len(deits) != 1:
-        raise ValueError(f"cannot tell the baseline among {names}; pass --baseline NAME")
+        raise ConfigError(f"cannot tell the baseline among {names}; pass --baseline NAME")
     return deits[0]
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from convbias.base.errors import ConfigError
 from convbias.base.inputs import read_yaml
 
 SWEEP_KEYS = ("config", "set", "grid", "variants", "scale_epochs", "baseline")
@@ -32,10 +33,10 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     """Read a sweep file and return its normalized spec (see the module docstring)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"sweep file not found: {path}")
+        raise ConfigError(f"sweep file not found: {path}")
     raw = read_yaml(path, "sweep file") or {}
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
+        raise ConfigError(f"{path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
     return normalize_spec(raw, source=str(path))
 
 
@@ -43,7 +44,7 @@ def normalize_spec(raw: dict[str, Any], source: str = "sweep") -> dict[str, Any]
     """Check the shape of a sweep spec and fill its defaults; grid values become lists."""
     unknown = sorted(set(raw) - set(SWEEP_KEYS))
     if unknown:
-        raise ValueError(f"{source}: unknown sweep key(s) {unknown}; expected {list(SWEEP_KEYS)}")
+        raise ConfigError(f"{source}: unknown sweep key(s) {unknown}; expected {list(SWEEP_KEYS)}")
     spec = {
         "config": raw.get("config"),
         "set": dict(raw.get("set") or {}),
@@ -55,15 +56,15 @@ def normalize_spec(raw: dict[str, Any], source: str = "sweep") -> dict[str, Any]
     for key, values in (raw.get("grid") or {}).items():
         values = list(values) if isinstance(values, (list, tuple)) else [values]
         if not values:
-            raise ValueError(f"{source}: grid.{key} is empty")
+            raise ConfigError(f"{source}: grid.{key} is empty")
         if len(set(map(repr, values))) != len(values):
-            raise ValueError(f"{source}: grid.{key} repeats a value: {values}")
+            raise ConfigError(f"{source}: grid.{key} repeats a value: {values}")
         spec["grid"][key] = values
     for name, options in spec["variants"].items():
         if not isinstance(options, dict):
-            raise ValueError(f"{source}: variants.{name} must be a mapping of train.py options")
+            raise ConfigError(f"{source}: variants.{name} must be a mapping of train.py options")
     if spec["variants"] and "model" in spec["grid"]:
-        raise ValueError(f"{source}: use either variants or grid.model, not both (put the model inside each variant)")
+        raise ConfigError(f"{source}: use either variants or grid.model, not both (put the model inside each variant)")
     return spec
 
 
@@ -127,7 +128,7 @@ def expand_grid(spec: dict[str, Any]) -> list[Run]:
         axes = {"variant": list(spec["variants"]), **axes}
     columns = [column_name(axis) for axis in axes]
     if len(set(columns)) != len(columns):
-        raise ValueError(f"two grid axes map to the same CSV column: {list(axes)}")
+        raise ConfigError(f"two grid axes map to the same CSV column: {list(axes)}")
     runs = []
     for values in itertools.product(*axes.values()):
         point = dict(zip(axes, values))
@@ -141,7 +142,7 @@ def expand_grid(spec: dict[str, Any]) -> list[Run]:
         runs.append(Run(run_name(point), point, options))
     names = [run.name for run in runs]
     if len(set(names)) != len(names):
-        raise ValueError(
+        raise ConfigError(
             "two grid points give the same run directory name; make the grid values distinct after formatting"
         )
     return runs

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import yaml
 
+from convbias.base.errors import ConfigError
 from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import RESULTS_FILE, SUMMARY_FILE
 from convbias.base.storage import output_folder, write_text
@@ -107,11 +108,11 @@ def _check_option_keys(keys: Iterable[str], where: str, known: dict[str, argpars
         if key.startswith(MODEL_KWARG_PREFIX):
             continue
         if key in RESERVED_OPTIONS:
-            raise ValueError(f"{where}: '{key}' is set by the sweep for every run; remove it")
+            raise ConfigError(f"{where}: '{key}' is set by the sweep for every run; remove it")
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"{where}: '{key}' is not a train.py option (config key){hint}")
+            raise ConfigError(f"{where}: '{key}' is not a train.py option (config key){hint}")
 
 
 def _check_model(run: Run, cfg: Config) -> None:
@@ -120,19 +121,19 @@ def _check_model(run: Run, cfg: Config) -> None:
     try:
         with torch.device("meta"):
             create_model(cfg, num_classes=cfg.num_classes, in_chans=input_format(cfg).in_chans)
-    except ValueError as error:
-        raise ValueError(f"run {run.name}: {error}") from None
+    except ConfigError as error:
+        raise ConfigError(f"run {run.name}: {error}") from None
 
 
 def _check_fraction(run: Run) -> None:
     fraction = run.options.get("train_fraction", 1.0)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"train_fraction must be a number in (0, 1], got {fraction!r} (run {run.name})")
+        raise ConfigError(f"train_fraction must be a number in (0, 1], got {fraction!r} (run {run.name})")
 
 
 def _check_model_name(run: Run) -> None:
     if run.options.get("model") is None:
-        raise ValueError(f"run {run.name}: no model (add grid.model, set.model or variants)")
+        raise ConfigError(f"run {run.name}: no model (add grid.model, set.model or variants)")
     load_families()
     check_model_name(run.options["model"], option=f"run {run.name}")
 
@@ -147,15 +148,15 @@ def validate(spec: dict[str, Any], runs: list[Run], known: dict[str, argparse.Ac
     for name, options in spec["variants"].items():
         _check_option_keys(options, f"variants.{name}", known)
     if not runs:
-        raise ValueError("the grid is empty")
+        raise ConfigError("the grid is empty")
     checked = set()
     for run in runs:
         _check_model_name(run)
         _check_fraction(run)
         try:
             cfg = parse_config(train_args(run, Path("unused"), spec, known))
-        except ValueError as error:
-            raise ValueError(f"run {run.name}: {error}") from None
+        except ConfigError as error:
+            raise ConfigError(f"run {run.name}: {error}") from None
         key = (cfg.model, repr(sorted(cfg.model_kwargs.items())), cfg.img_size, cfg.dataset)
         if key not in checked:
             _check_model(run, cfg)
@@ -186,7 +187,7 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
     if record.exists():
         old = read_yaml(record, "sweep record")
         if not isinstance(old, dict):
-            raise ValueError(
+            raise ConfigError(
                 f"{record} is not a sweep record (expected a mapping); move it away or choose another --output"
             )
         # The baseline only changes the report, not the runs.
@@ -194,7 +195,7 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
             {k: v for k, v in old.items() if k != "baseline"}, {k: v for k, v in spec.items() if k != "baseline"}
         )
         if differences:
-            raise ValueError(
+            raise ConfigError(
                 f"{sweep_dir} holds a different sweep ({record}); differences "
                 f"(recorded -> requested): {'; '.join(differences)}. "
                 "Use another output directory, or rerun with the recorded grid."
@@ -210,7 +211,7 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
 def resolve_config(path: str) -> Path:
     """A base recipe path, relative to the current directory."""
     if not Path(path).is_file():
-        raise ValueError(f"base config not found: {path} (relative to {Path.cwd()})")
+        raise ConfigError(f"base config not found: {path} (relative to {Path.cwd()})")
     return Path(path).resolve()
 
 
@@ -383,7 +384,7 @@ class Sweep:
             seconds = time.time() - start
             if returncode == BAD_INPUT_EXIT:  # the same mistake would stop every other run too
                 last = last_line(log_path).removeprefix("error: ")
-                raise ValueError(f"train.py refused run {run.name} ({log_path}): {last}")
+                raise ConfigError(f"train.py refused run {run.name} ({log_path}): {last}")
             results = final_results(run_dir) if returncode == 0 else None
             if results is None:
                 log(
