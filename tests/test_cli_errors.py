@@ -1,7 +1,10 @@
-"""Every console script reports what stops it the same way: one line and the engine's exit code."""
+"""Every console script reports what stops it the same way: one line and the engine's exit code; what is not
+one of the package's errors (a ValueError included) is a bug, shown with its traceback."""
 
 import errno
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -29,8 +32,7 @@ def raising(error: BaseException):
     "error, code, line",
     [
         (ConfigError("--which must be one of last, best"), EXIT_USAGE, "error: --which must be one of last, best"),
-        (ValueError("a\n  two-line   message"), EXIT_USAGE, "error: a two-line message"),
-        (FileNotFoundError("run directory not found: x"), EXIT_USAGE, "error: run directory not found: x"),
+        (ConfigError("a\n  two-line   message"), EXIT_USAGE, "error: a two-line message"),
         (
             DamagedCheckpointError("RUN/model.safetensors is damaged"),
             EXIT_DAMAGED,
@@ -58,19 +60,33 @@ def test_a_failed_write_names_the_file_and_the_disk(capsys, tmp_path):
     ), err
 
 
-def test_a_bug_keeps_its_traceback():
-    with pytest.raises(ZeroDivisionError):
-        run_command(lambda: 1 / 0)
+@pytest.mark.parametrize(
+    "error", [ZeroDivisionError(), ValueError("boom"), FileNotFoundError(errno.ENOENT, "No such file", "x")]
+)
+def test_a_bug_keeps_its_traceback(capsys, error):
+    """Only the package's own errors are one line: a ValueError, or a file not found that no check named first,
+    comes from code that is not the package's or from a bug in it."""
+    with pytest.raises(type(error)):
+        run_command(raising(error))
+    assert capsys.readouterr().err == ""
     assert run_command(lambda: None) == 0 and run_command(lambda: 3) == 3
 
 
 def test_convbias_traceback_shows_what_is_behind_the_line(capsys, monkeypatch):
-    """A ValueError from a model constructor reads like a user's mistake; CONVBIAS_TRACEBACK=1 shows where it arose."""
+    """A refusal raised from a library's error (a model constructor's ValueError) is one line; CONVBIAS_TRACEBACK=1
+    also shows where it arose."""
     monkeypatch.setenv("CONVBIAS_TRACEBACK", "1")
-    assert run_command(raising(ValueError("bad kernel size"))) == EXIT_USAGE
+
+    def build():
+        try:
+            raise ValueError("kernel_size must be odd")
+        except ValueError as error:
+            raise ConfigError("cannot build the model: kernel_size must be odd") from error
+
+    assert run_command(build) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert err.splitlines()[0] == "error: bad kernel size" and "Traceback (most recent call last)" in err
-    assert "raise error" in err  # the frame that raised it
+    assert err.splitlines()[0] == "error: cannot build the model: kernel_size must be odd"
+    assert "Traceback (most recent call last)" in err and "ValueError: kernel_size must be odd" in err
 
 
 def test_the_line_and_code_of_an_error_and_only_rank_0_prints_it(capsys, monkeypatch):
@@ -84,4 +100,57 @@ def test_the_line_and_code_of_an_error_and_only_rank_0_prints_it(capsys, monkeyp
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     assert report(ConfigError("--lr must be > 0")) == EXIT_USAGE
+    assert capsys.readouterr().err == "error: --lr must be > 0\n"
+
+
+# A console script as its entry point runs it (``raise SystemExit(main())``), with what the command calls first,
+# argparse's parsing, made to raise; train.py's --help and convbias-sweep load no torch.
+SCRIPT = """
+import argparse
+from convbias.base.errors import ConfigError
+from {module} import main
+
+def fail(*args, **kwargs):
+    raise {error}
+
+argparse.ArgumentParser.parse_known_args = fail
+raise SystemExit(main({argv!r}))
+"""
+SCRIPTS = [("convbias.cli.train", ["--help"]), ("convbias.studies.sweep.command", ["report", "runs.csv"])]
+
+
+def run_script(module: str, argv: list[str], error: str) -> subprocess.CompletedProcess:
+    script = SCRIPT.format(module=module, argv=argv, error=error)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module, argv", SCRIPTS, ids=["train", "sweep"])
+def test_a_value_error_from_code_not_the_packages_is_a_traceback_and_exit_1(module, argv):
+    bug = run_script(module, argv, 'ValueError("boom")')
+    assert bug.returncode == 1 and bug.stdout == ""
+    assert bug.stderr.startswith("Traceback (most recent call last)") and bug.stderr.endswith("ValueError: boom\n")
+    assert not any(line.startswith("error:") for line in bug.stderr.splitlines()), bug.stderr
+    mistake = run_script(module, argv, 'ConfigError("--lr must be > 0")')
+    assert (mistake.returncode, mistake.stderr) == (EXIT_USAGE, "error: --lr must be > 0\n")
+
+
+@pytest.mark.parametrize("module, argv", SCRIPTS, ids=["train", "sweep"])
+def test_a_value_error_ends_main_with_its_traceback_in_process(monkeypatch, capsys, module, argv):
+    """``main(argv)`` raises what is not the package's, so the interpreter prints its traceback (exit 1); a
+    ConfigError is one line and exit 2."""
+    import argparse
+    import importlib
+
+    main = importlib.import_module(module).main
+    error: BaseException = ValueError("boom")
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", fail)
+    with pytest.raises(ValueError, match="^boom$"):
+        main(argv)
+    assert capsys.readouterr().err == ""
+    error = ConfigError("--lr must be > 0")
+    assert main(argv) == EXIT_USAGE
     assert capsys.readouterr().err == "error: --lr must be > 0\n"

@@ -87,13 +87,16 @@ class Preempted(Exception):
 
 
 # Every command's one table: each way it stops, its exit code and the first word of its one line, in the
-# order they are matched (a damaged input is a ConfigError too; ValueError and FileNotFoundError are the
-# commands' own checks of their options and inputs; any other OSError is a write that failed)
-STOPS: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
+# order they are matched. Only the package's own errors and Ctrl-C are one line (a damaged input is a
+# ConfigError too), and an OSError: a write that failed outside the package's own wrapping, its file named. A
+# code of None is a bug, shown with its traceback (exit 1): a missing file (the package names a missing input in
+# a ConfigError before reading it), and anything not in the table, a ValueError included.
+STOPS: tuple[tuple[tuple[type[BaseException], ...], int | None, str], ...] = (
     ((Preempted,), EXIT_REQUEUE, "preempted"),
     ((RunBeingWrittenError,), EXIT_REQUEUE, "error"),
     ((DamagedFileError,), EXIT_DAMAGED, "error"),
-    ((ConfigError, ValueError, FileNotFoundError), EXIT_USAGE, "error"),
+    ((ConfigError,), EXIT_USAGE, "error"),
+    ((FileNotFoundError,), None, "error"),
     ((StorageError, OSError), EXIT_STORAGE, "error"),
     ((NonFiniteLossError,), EXIT_DIVERGED, "error"),
     ((Interrupted, KeyboardInterrupt), EXIT_INTERRUPTED, "interrupted"),

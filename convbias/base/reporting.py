@@ -1,6 +1,6 @@
 """The one reporter of every command (the console scripts and the engine's ``main``): what stopped a command as
 one line on stderr (``error: ...``, ``interrupted: ...`` for Ctrl-C) and its exit code from ``errors.STOPS``;
-what is not one of the package's reported errors is re-raised with its traceback."""
+what is not one of the package's reported errors (a ValueError included) is re-raised with its traceback."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def describe(error: BaseException) -> tuple[int, str]:
     if code is None:
         raise error
     message = str(error)
-    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+    if isinstance(error, OSError):
         where = Path(error.filename) if error.filename else None
         reason = storage_reason(error, where.parent if where else Path.cwd())
         message = f"writing {where} failed ({reason})" if where else f"a write failed ({reason})"

@@ -18,30 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from convbias import engine
-from convbias.base.errors import (
-    ConfigError,
-    DamagedCheckpointError,
-    Interrupted,
-    NonFiniteLossError,
-    Preempted,
-    StorageError,
-    print_error,
-)
+from convbias.base.errors import exit_code, print_error
 from convbias.base.reporting import describe, report
 from convbias.cli.launch import LAUNCH_EXIT_DIR, LAUNCH_PROCESSES
 from convbias.engine.loop.extensions import Extensions
 
-# what stops a run and is reported as one line: the package's own errors, a failed read or write, Ctrl-C
-REPORTED = (
-    Preempted,
-    DamagedCheckpointError,
-    ConfigError,
-    StorageError,
-    NonFiniteLossError,
-    Interrupted,
-    OSError,
-    KeyboardInterrupt,
-)
 # the variables accelerate reads the number of processes from (torchrun's, then MPI's)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
@@ -63,7 +44,9 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
             engine.run(argv)  # the options alone: no torch, no registry
         else:
             run(argv, extensions)
-    except REPORTED as error:
+    except (Exception, KeyboardInterrupt) as error:
+        if exit_code(error) is None:  # no code in errors.STOPS: a bug, with its traceback
+            raise
         code = report(error)
         leave_exit_code(code, describe(error)[1])
         return code
