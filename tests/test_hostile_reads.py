@@ -15,7 +15,7 @@ import torch
 from test_hostile_inputs import TINY, Pickled, a_run, one_line, png, run_train, tree
 from test_train_errors import messages
 
-from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError
+from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError, DamagedInputError
 from convbias.cli import diagnostics, export, predict, train
 from convbias.engine.checkpointing.points import find_resume_point
 from convbias.engine.checkpointing.run_dir import check_point
@@ -337,3 +337,33 @@ def test_a_run_config_value_is_named_by_its_file_and_key_not_by_an_option(traine
         messages(capsys.readouterr().err),
         rf"^error: {files['run']}/config.yaml: img_size expects int, got 'abc'$",
     )
+
+
+@pytest.mark.parametrize(
+    "reader, header",
+    [
+        ("convbias.studies.phase_diagram.study:read_cells", "width,alpha_tilde,test_error"),
+        ("convbias.studies.efcn_protocol.seeds:_read_csv", "relax_time,final_test_acc,fcn_deviation_total"),
+        ("convbias.studies.stability.study:read_rows", "seed,images,D_f"),
+    ],
+)
+def test_a_results_table_a_command_wrote_is_read_back_and_a_damaged_cell_named(tmp_path, reader, header):
+    """The studies read their own CSVs back through base.tables.read_csv: the numbers as written; a cell that is
+    no number (a table edited by hand or cut short) is one DamagedInputError naming the file, line and column;
+    a FIFO in its place is refused unread."""
+    import importlib
+
+    module, name = reader.split(":")
+    read = getattr(importlib.import_module(module), name)
+    table, columns = tmp_path / "table.csv", header.split(",")
+    table.write_text(f"{header}\n1,2,3\n5,6,7\n")
+    assert [[row[c] for c in columns] for row in read(table)] == [[1, 2, 3], [5, 6, 7]]
+    table.write_text(f"{header}\n1,2,3\n5,six,7\n")
+    with pytest.raises(
+        DamagedInputError, match=re.escape(f"{table}: line 3, column {columns[1]}: unexpected value six")
+    ):
+        read(table)
+    table.unlink()
+    os.mkfifo(table)
+    with pytest.raises(DamagedInputError, match="not a regular file"):
+        read(table)

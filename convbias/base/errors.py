@@ -13,8 +13,8 @@ EXIT_DAMAGED = 65  # DamagedFileError (EX_DATAERR): a file fails its checksum, d
 EXIT_STORAGE = 74  # StorageError (EX_IOERR): the output could not be written (full, read-only, removed)
 EXIT_REQUEUE = getattr(os, "EX_TEMPFAIL", 75)  # Preempted: a resume point, then requeue
 EXIT_INTERRUPTED = 130  # Interrupted: Ctrl-C, as a shell reports SIGINT
-# Set to 1, every command shows the traceback of what stopped it after its one line: for telling a bug that
-# surfaces as a ValueError (a model constructor's, a data set's) from a user's mistake.
+# Set to 1, every command shows the traceback of what stopped it after its one line: to see the library error
+# behind a refusal (a model constructor's ValueError behind its ConfigError).
 TRACEBACK_VARIABLE = "CONVBIAS_TRACEBACK"
 
 

@@ -1,15 +1,17 @@
-"""Result tables: one CSV writer and one markdown renderer for every command that writes results."""
+"""Result tables: one CSV writer, one CSV reader and one markdown renderer for every command that writes or reads
+results."""
 
 from __future__ import annotations
 
 import csv
 import io
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from convbias.base.errors import StorageError
+from convbias.base.errors import DamagedInputError, StorageError
+from convbias.base.inputs import quoted, read_file
 from convbias.base.storage import atomic_write, storage_reason
 
 
@@ -39,6 +41,34 @@ def csv_text(rows: Iterable[dict[str, Any]], columns: Sequence[str], header: boo
         writer.writeheader()
     writer.writerows(rows)
     return text.getvalue()
+
+
+def number(column: str, value: str) -> float:
+    """``read_csv``'s default cell: a number."""
+    return float(value)
+
+
+def read_csv(path: str | os.PathLike, what: str, parse: Callable[[str, str], Any] = number) -> list[dict[str, Any]]:
+    """The rows of a results CSV a command wrote earlier (``what`` names it), each cell through ``parse(column,
+    value)``; a file that is not a readable regular file or not UTF-8 CSV, or a cell ``parse`` refuses (a
+    ValueError or TypeError), is a DamagedInputError (exit 65) naming the file, the line and the column."""
+    data = read_file(path, what, DamagedInputError)
+    try:
+        rows = list(csv.DictReader(io.StringIO(data.decode("utf-8"), newline="")))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise DamagedInputError(f"{what} {path} is not a CSV file this package wrote ({e})") from None
+    parsed = []
+    for line, row in enumerate(rows, start=2):  # line 1 is the header
+        cells = {}
+        for column, value in row.items():
+            try:
+                cells[column] = parse(column, value)
+            except (TypeError, ValueError):
+                raise DamagedInputError(
+                    f"{what} {path}: line {line}, column {column}: unexpected value {quoted(value)}"
+                ) from None
+        parsed.append(cells)
+    return parsed
 
 
 def markdown_table(header: Sequence[str], body: Iterable[Sequence[Any]]) -> str:

@@ -6,14 +6,13 @@ intervals over the test images (`--stage single-seed`).
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import yaml
 
 from convbias.base.errors import ConfigError
 from convbias.base.storage import output_folder, write_text
-from convbias.base.tables import markdown_table, write_csv
+from convbias.base.tables import markdown_table, read_csv, write_csv
 
 from ..intervals import cell, interval, wilson
 
@@ -34,10 +33,9 @@ SINGLE_SEED_ACCURACIES = ("final_test_acc", "local_only_test_acc", "off_local_on
 
 
 def _read_csv(path: Path) -> list[dict]:
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{path} not found: run the protocol (--stage all) in that directory first")
-    with open(path) as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return read_csv(path, "protocol results")
 
 
 def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:

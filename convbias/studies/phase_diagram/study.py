@@ -49,7 +49,7 @@ from convbias.base.errors import ConfigError
 from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import CONFIG_FILE
 from convbias.base.storage import output_folder, save_figure, write_text
-from convbias.base.tables import write_csv
+from convbias.base.tables import read_csv, write_csv
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change
@@ -335,8 +335,7 @@ def write_report_csvs(output: Path) -> list[Path]:
 
 # ------------------------------------------------------------------------------------------- figures
 def read_cells(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return read_csv(path, "phase diagram cells")
 
 
 def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = None) -> list[Path]:

@@ -14,7 +14,6 @@ R_f), and the mean test error with its 95% interval: the seeds' spread, which in
 
 from __future__ import annotations
 
-import csv
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from convbias.base.errors import ConfigError
-from convbias.base.tables import markdown_table
+from convbias.base.tables import markdown_table, read_csv
 from convbias.engine import RunDir, build_datasets, check_model_name
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
@@ -188,16 +187,19 @@ def measure(runs: list[Run], settings: Settings) -> tuple[list[dict], list[dict]
 NUMERIC = {"seed", "train_fraction", "test_error", "images", "draws", "delta", "cut", "T", "depth", "relative_depth"}
 
 
+def _cell(column: str, value: str) -> Any:
+    """A stability table's cell: a number in the measured and identifying columns (missing: NaN), else text."""
+    if column in NUMERIC or column[0] in "DGR":
+        return float(value) if value not in ("", "None") else float("nan")
+    return value
+
+
 def read_rows(path: Path) -> list[dict]:
     """Rows of a stability.csv / stability_layers.csv written by `measure`, with their numbers as numbers."""
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{path} not found: measure the runs with convbias-stability first")
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(path, "stability table", _cell)
     for row in rows:
-        for key, value in row.items():
-            if key in NUMERIC or key[0] in "DGR":
-                row[key] = float(value) if value not in ("", "None") else float("nan")
         for key in ("seed", "cut", "images", "draws", "depth"):
             if key in row and row[key] == row[key]:
                 row[key] = int(row[key])

@@ -8,12 +8,12 @@ results (``top1``, ``top5``, ``best_top1``, ...).
 
 from __future__ import annotations
 
-import csv
 import itertools
 from pathlib import Path
 from typing import Any
 
 from convbias.base.errors import ConfigError
+from convbias.base.tables import read_csv
 
 from .sweep import RESULT_COLUMNS, TIME_COLUMN
 
@@ -34,8 +34,8 @@ def _parse(value: str) -> Any:
 
 def read_runs_like(path: str | Path) -> Rows:
     """Any results CSV, numbers parsed (no column required)."""
-    with open(path, newline="") as f:
-        return [{k: _parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    rows = read_csv(path, "results table", lambda _, value: _parse(value))
+    return [{key: value for key, value in row.items() if value != ""} for row in rows]
 
 
 def read_runs(path: str | Path) -> Rows:
