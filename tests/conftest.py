@@ -30,16 +30,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files that hold real runs (`integration`) first, each file's tests in their order: xdist's loadfile
-    would hand out the files with the most tests first, leaving the long runs to the end of the suite, where
-    one worker runs them while the other has nothing left."""
+    """The files that hold real runs (`integration`) first, then those with other `slow` tests, each file's tests
+    in their order: xdist's loadfile would hand out the files with the most tests first, leaving the long runs to
+    the end of the suite, where one worker runs them while the other has nothing left; the many quick files
+    last fill the workers evenly."""
     first_seen: dict[Path, int] = {}
     runs: set[Path] = set()
+    slow: set[Path] = set()
     for item in items:
         first_seen.setdefault(item.path, len(first_seen))
         if item.get_closest_marker("integration"):
             runs.add(item.path)
-    items.sort(key=lambda item: (item.path not in runs, first_seen[item.path]))
+        if item.get_closest_marker("slow"):
+            slow.add(item.path)
+    items.sort(key=lambda item: (item.path not in runs, item.path not in slow, first_seen[item.path]))
 
 
 @pytest.fixture(scope="session")
