@@ -245,6 +245,11 @@ def _provenance() -> dict[str, str]:
     return {"version": version, "commit": commit, "timm": timm.__version__, "torch": torch.__version__}
 
 
+def _card_top(front: dict[str, Any], name: str) -> list[str]:
+    """A model card's first lines: its YAML front matter (the Hub reads it) and its title."""
+    return ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", f"# Model card for {name}"]
+
+
 def _front_matter(name: str, family: str, dataset: str, metrics: dict[str, float], license: str) -> dict[str, Any]:
     """The card's YAML header: what the Hub indexes (library, license, tags, dataset) and the run's top-k as a
     model-index, so the Hub shows the accuracy beside the model."""
@@ -313,10 +318,7 @@ def model_card(
     provenance = exported["provenance"]
     size = cfg["input_size"]
     lines = [
-        "---",
-        yaml.safe_dump(front, sort_keys=False).rstrip(),
-        "---",
-        f"# Model card for {name}",
+        *_card_top(front, name),
         "",
         f"`{name}` ({family}) trained by `{PACKAGE}` `train.py` on `{dataset}`; exported from the run's "
         f"`checkpoints/{checkpoint.which}`.",
@@ -505,10 +507,7 @@ def timm_model_card(model: torch.nn.Module, checkpoint: Any, use_ema: bool, expo
     provenance = exported["provenance"]
     imports = "" if family == "timm" else f"import {family}  # registers {name} in timm\n"
     lines = [
-        "---",
-        yaml.safe_dump(front, sort_keys=False).rstrip(),
-        "---",
-        f"# Model card for {name}",
+        *_card_top(front, name),
         "",
         f"`{name}` trained by timm's `train.py`; exported by `{PACKAGE}` from `{checkpoint.path.name}` (epoch "
         f"{checkpoint.epoch}, {'its EMA weights' if use_ema else 'the model weights'}).",
