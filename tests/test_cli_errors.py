@@ -1,5 +1,5 @@
 """Every console script reports what stops it the same way: one line and the engine's exit code; what is not
-one of the package's errors (a ValueError included) is a bug, shown with its traceback."""
+one of the package's errors (a ValueError or an OSError included) is a bug, shown with its traceback."""
 
 import errno
 import re
@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from convbias.base import storage
 from convbias.base.errors import (
     EXIT_DAMAGED,
     EXIT_INTERRUPTED,
@@ -49,23 +50,63 @@ def test_each_reported_error_is_one_line_and_its_exit_code(capsys, error, code, 
     assert err.strip() == (line or f"error: {error}")
 
 
-def test_a_failed_write_names_the_file_and_the_disk(capsys, tmp_path):
-    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "figure.png"))
-    assert run_command(raising(full)) == EXIT_STORAGE
+def test_a_failed_write_names_the_file_and_the_disk(capsys, tmp_path, monkeypatch):
+    """The package's writers turn a failed write into a StorageError naming the file; the earlier file stays."""
+    (tmp_path / "table.md").write_text("earlier\n")
+    real_replace = storage.os.replace
+
+    def full(source, target):
+        raise OSError(errno.ENOSPC, "No space left on device", str(source))
+
+    monkeypatch.setattr(storage.os, "replace", full)
+    assert run_command(lambda: storage.write_text(tmp_path / "table.md", "new\n")) == EXIT_STORAGE
+    monkeypatch.setattr(storage.os, "replace", real_replace)
     err = capsys.readouterr().err.strip()
     assert re.fullmatch(
-        rf"error: writing {re.escape(str(tmp_path))}/figure.png failed \(no space left on the device: the disk at "
-        r"\S+ has [\d.]+ \w+ free\)",
+        rf"error: writing {re.escape(str(tmp_path))}/table.md failed \(no space left on the device: the disk at "
+        r"\S+ has [\d.]+ \w+ free\); any earlier version of it is unchanged",
         err,
     ), err
+    assert [p.name for p in tmp_path.iterdir()] == ["table.md"] and (tmp_path / "table.md").read_text() == "earlier\n"
+
+
+@pytest.mark.parametrize("writer", ["output_folder", "staged_directory", "writing"])
+def test_every_writer_of_the_package_reports_a_failed_write_as_a_storage_error(tmp_path, monkeypatch, writer):
+    """Where a folder cannot be made (the disk is read-only), each writer names the path and why."""
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(storage.Path, "mkdir", read_only)
+    out = tmp_path / "out"
+    kept = f"; nothing was written to {re.escape(str(out))}" if writer == "staged_directory" else ""
+    with pytest.raises(
+        StorageError, match=rf"^writing {re.escape(str(out))} failed \(the file system is read-only\){kept}$"
+    ):
+        if writer == "output_folder":
+            storage.output_folder(out)
+        elif writer == "staged_directory":
+            with storage.staged_directory(out):
+                pass
+        else:
+            with storage.writing(out):
+                out.mkdir()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
-    "error", [ZeroDivisionError(), ValueError("boom"), FileNotFoundError(errno.ENOENT, "No such file", "x")]
+    "error",
+    [
+        ZeroDivisionError(),
+        ValueError("boom"),
+        FileNotFoundError(errno.ENOENT, "No such file", "x"),
+        OSError(errno.EROFS, "Read-only file system", "x"),
+    ],
 )
 def test_a_bug_keeps_its_traceback(capsys, error):
-    """Only the package's own errors are one line: a ValueError, or a file not found that no check named first,
-    comes from code that is not the package's or from a bug in it."""
+    """Only the package's own errors are one line: a ValueError, a file not found that no check named first, or
+    an OSError that no writer of the package reported as a StorageError comes from code that is not the
+    package's or from a bug in it."""
     with pytest.raises(type(error)):
         run_command(raising(error))
     assert capsys.readouterr().err == ""

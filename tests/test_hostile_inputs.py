@@ -25,6 +25,7 @@ from convbias.base.errors import (
     DamagedInputError,
 )
 from convbias.base.run_layout import CONFIG_MARKER
+from convbias.base.storage import write_failure
 from convbias.base.weights import load_weights
 from convbias.cli import diagnostics, export, launch, predict, train
 from convbias.engine import parse_config
@@ -409,7 +410,11 @@ COMMANDS = {
 ROWS = [
     (ConfigError("a user's mistake"), EXIT_USAGE, "error: a user's mistake"),
     (DamagedInputError("X is damaged"), EXIT_DAMAGED, "error: X is damaged"),
-    (OSError(errno.EROFS, "Read-only file system", "/out/x"), EXIT_STORAGE, r"error: writing /out/x failed \(.*"),
+    (
+        write_failure(OSError(errno.EROFS, "Read-only file system"), "/out/x"),
+        EXIT_STORAGE,
+        r"error: writing /out/x failed \(the file system is read-only\)",
+    ),
     (KeyboardInterrupt(), EXIT_INTERRUPTED, "interrupted: stopped"),
 ]
 

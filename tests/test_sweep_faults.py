@@ -8,6 +8,7 @@ import csv
 import errno
 import json
 import os
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -205,6 +206,18 @@ def test_sweep_csvs_on_a_full_disk_are_one_error_line_and_exit_74(tmp_path, monk
     assert done.stderr.startswith(f"error: writing {prepared.sweep_dir / name} failed (no space left on the device")
     assert len(done.stderr.splitlines()) == 1
     assert not list(prepared.sweep_dir.glob(".*.tmp*"))
+
+
+def test_a_run_log_that_cannot_be_written_is_a_storage_error_before_the_run_starts(tmp_path):
+    """The sweep's own writes name their file: here a folder stands where the run's log goes."""
+    prepared = fake_sweep(tmp_path, seeds=[0])
+    (run,) = prepared.runs
+    (prepared.run_dir(run) / "results.json").unlink()  # not run yet
+    log = prepared.sweep_dir / "logs" / f"{run.name}.log"
+    log.mkdir(parents=True)
+    with pytest.raises(StorageError, match=rf"^writing {re.escape(str(log))} failed \(IsADirectoryError: "):
+        prepared.execute(launcher=["false"], log=lambda line: None)
+    assert list(prepared.run_dir(run).iterdir()) == []  # no run was started
 
 
 # ----------------------------------------------------------------------------- regimes

@@ -88,16 +88,15 @@ class Preempted(Exception):
 
 # Every command's one table: each way it stops, its exit code and the first word of its one line, in the
 # order they are matched. Only the package's own errors and Ctrl-C are one line (a damaged input is a
-# ConfigError too), and an OSError: a write that failed outside the package's own wrapping, its file named. A
-# code of None is a bug, shown with its traceback (exit 1): a missing file (the package names a missing input in
-# a ConfigError before reading it), and anything not in the table, a ValueError included.
-STOPS: tuple[tuple[tuple[type[BaseException], ...], int | None, str], ...] = (
+# ConfigError too). Anything not in the table is a bug, shown with its traceback (exit 1): a ValueError, and an
+# OSError, since every write the package makes reports its failure as a StorageError naming the file
+# (base.storage) and every command names a missing input in a ConfigError before reading it.
+STOPS: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     ((Preempted,), EXIT_REQUEUE, "preempted"),
     ((RunBeingWrittenError,), EXIT_REQUEUE, "error"),
     ((DamagedFileError,), EXIT_DAMAGED, "error"),
     ((ConfigError,), EXIT_USAGE, "error"),
-    ((FileNotFoundError,), None, "error"),
-    ((StorageError, OSError), EXIT_STORAGE, "error"),
+    ((StorageError,), EXIT_STORAGE, "error"),
     ((NonFiniteLossError,), EXIT_DIVERGED, "error"),
     ((Interrupted, KeyboardInterrupt), EXIT_INTERRUPTED, "interrupted"),
 )

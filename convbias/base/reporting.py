@@ -1,15 +1,14 @@
 """The one reporter of every command (the console scripts and the engine's ``main``): what stopped a command as
 one line on stderr (``error: ...``, ``interrupted: ...`` for Ctrl-C) and its exit code from ``errors.STOPS``;
-what is not one of the package's reported errors (a ValueError included) is re-raised with its traceback."""
+what is not one of the package's reported errors (a ValueError or an OSError included) is re-raised with its
+traceback."""
 
 from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 from .errors import exit_code, one_line, print_line, show_traceback, stop_prefix
-from .storage import storage_reason
 
 
 def describe(error: BaseException) -> tuple[int, str]:
@@ -17,12 +16,7 @@ def describe(error: BaseException) -> tuple[int, str]:
     code = exit_code(error)
     if code is None:
         raise error
-    message = str(error)
-    if isinstance(error, OSError):
-        where = Path(error.filename) if error.filename else None
-        reason = storage_reason(error, where.parent if where else Path.cwd())
-        message = f"writing {where} failed ({reason})" if where else f"a write failed ({reason})"
-    return code, one_line(message, stop_prefix(error))
+    return code, one_line(str(error), stop_prefix(error))
 
 
 def report(error: BaseException) -> int:

@@ -7,8 +7,13 @@ removes its temporary; one that is killed leaves it, and the next write of the s
 its process is gone (``remove_stale_temporaries``). Figures go through ``save_figure`` and output folders are
 made by ``output_folder``. Each of these refuses, before writing, a destination that is a file another
 command reads (a run's or an exported model's: ``check_destination``), unless the writer names that folder
-as its ``owner`` (train.py writing its own run). ``storage_reason`` says in a few words why a write failed,
-naming the disk and the space it needs when it is full. Light to import: no torch.
+as its ``owner`` (train.py writing its own run).
+
+A write that fails (disk full, read-only, removed) is a ``StorageError`` naming the file and why
+(``write_failure``; ``storage_reason`` names the disk and the space it needs when it is full): every writer here
+raises it, and a command writing by other means wraps the write in ``writing(path)``. An ``OSError`` that reaches
+a command's reporter is no write the package made, so it is a bug and keeps its traceback. Light to import: no
+torch.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .errors import StorageError
 from .run_layout import check_destination, check_output_folder
 
 _REASONS = {
@@ -66,18 +72,36 @@ def remove_stale_temporaries(path: Path) -> list[Path]:
     return removed
 
 
+def write_failure(error: BaseException, path: str | os.PathLike, kept: str = "") -> StorageError:
+    """The StorageError of a failed write of ``path``: the file, why (``storage_reason``) and, given, what is
+    kept. Raise it ``from error``: the cause is what ``storage_reason`` reads when the error is reported again."""
+    path = Path(path)
+    return StorageError(f"writing {path} failed ({storage_reason(error, path.parent)})" + (f"; {kept}" if kept else ""))
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, kept: str = "") -> Iterator[None]:
+    """``with writing(path):`` an OSError of the block is the StorageError of a failed write of ``path``."""
+    try:
+        yield
+    except OSError as error:
+        raise write_failure(error, path, kept) from error
+
+
 def atomic_write(
     path: str | os.PathLike, write: Callable[[Path], None], owner: str | os.PathLike | None = None
 ) -> None:
     """Call ``write(tmp_path)``, then rename tmp_path over ``path``: readers see the old or the new file.
-    ``owner``: the run folder the writer owns (``check_destination``)."""
+    ``owner``: the run folder the writer owns (``check_destination``). A failed write is a StorageError naming
+    ``path``; an earlier version of it stays as it was."""
     path = Path(path)
     check_destination(path, owner=owner)
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with writing(path, kept="any earlier version of it is unchanged"):
+            write(tmp)
+            os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):  # on a read-only or removed output there is nothing to clean
             tmp.unlink(missing_ok=True)
@@ -100,26 +124,30 @@ def output_folder(path: str | os.PathLike, option: str = "--output") -> Path:
     (``run_layout.check_output_folder``); returns it."""
     path = Path(path)
     check_output_folder(path, option)
-    path.mkdir(parents=True, exist_ok=True)
+    with writing(path):
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 @contextlib.contextmanager
 def staged_directory(path: str | os.PathLike) -> Iterator[Path]:
     """``with staged_directory(out) as tmp:`` fill ``tmp``; it becomes ``out`` (absent or empty) on success
-    and is removed on any failure, so ``out`` never holds half of what was written."""
+    and is removed on any failure, so ``out`` never holds half of what was written (a StorageError says so)."""
     path = Path(path)
     check_destination(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
     tmp = temporary_name(path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    kept = f"nothing was written to {path}"
+    with writing(path, kept):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     try:
         yield tmp
-        if path.exists():
-            path.rmdir()  # empty: a non-empty one is the caller's to refuse
-        os.replace(tmp, path)
+        with writing(path, kept):
+            if path.exists():
+                path.rmdir()  # empty: a non-empty one is the caller's to refuse
+            os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -153,7 +181,9 @@ def size_text(n: float) -> str:
 def storage_reason(error: BaseException, directory: str | os.PathLike | None = None, needed: int | None = None) -> str:
     """Why a write into ``directory`` failed, in a few words: from the errno of an OSError, else (torch's and
     safetensors' own write errors carry none) from the state of the directory's file system. A full disk is
-    named with its free space and, when known, the ``needed`` bytes."""
+    named with its free space and, when known, the ``needed`` bytes. A ``write_failure`` is read by its cause."""
+    if isinstance(error, StorageError) and error.__cause__ is not None:
+        error = error.__cause__
     code = getattr(error, "errno", None)
     if code is None and directory is not None:
         try:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from convbias.base.errors import DamagedInputError, StorageError
+from convbias.base.errors import DamagedInputError
 from convbias.base.inputs import quoted, read_file
-from convbias.base.storage import atomic_write, storage_reason
+from convbias.base.storage import atomic_write
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike, columns: Sequence[str] | None = None) -> Path:
@@ -23,12 +23,7 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike, columns: 
     path = Path(path)
     columns = list(columns) if columns is not None else list(dict.fromkeys(key for row in rows for key in row))
     text = csv_text(rows, columns)
-    try:
-        atomic_write(path, lambda tmp: tmp.write_text(text, newline=""))
-    except OSError as error:
-        raise StorageError(
-            f"writing {path} failed ({storage_reason(error, path.parent)}); any earlier version of it is unchanged"
-        ) from None
+    atomic_write(path, lambda tmp: tmp.write_text(text, newline=""))
     return path
 
 

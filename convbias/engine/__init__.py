@@ -29,7 +29,7 @@ from convbias.base.errors import (
     StorageError,
     print_error,
 )
-from convbias.base.storage import storage_reason
+from convbias.base.storage import storage_reason, write_failure
 
 from .config import parsing as config_parsing
 from .config.options import Config
@@ -178,12 +178,8 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
         except KeyboardInterrupt:
             raise Interrupted(runner.kept()) from None
         except (OSError, StorageError) as e:  # writing into the output failed: what failed, what is kept
-            what = (
-                str(e)
-                if isinstance(e, StorageError)
-                else f"writing {e.filename or cfg.output} failed ({storage_reason(e, cfg.output)})"
-            )
-            raise StorageError(f"{what}; {runner.kept()}") from None
+            failure = e if isinstance(e, StorageError) else write_failure(e, e.filename or cfg.output)
+            raise StorageError(f"{failure}; {runner.kept()}") from None
     finally:
         if lock is not None:
             lock.release()

@@ -379,6 +379,8 @@ def _writing(output: Path, name: str) -> Iterator[None]:
     and why; the staging folder is removed, so nothing is left at ``output``."""
     try:
         yield
+    except StorageError:
+        raise  # it names its file already: an inner block's, or staged_directory's
     except WRITE_ERRORS as error:
         raise StorageError(
             f"writing {output / name} failed ({storage_reason(error, output.parent)}); "

@@ -56,7 +56,8 @@ from .run_dir import (
     read_manifest,
 )
 
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save and safetensors report I/O their own way
+# torch.save and safetensors report I/O their own way; a StorageError is base.storage's, read by its cause
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, StorageError)
 
 
 def save_weights(

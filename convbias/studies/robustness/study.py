@@ -20,6 +20,7 @@ import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from convbias.base.storage import write_text
 from convbias.base.weights import load_weights
 from convbias.engine import (
     DATASETS,
@@ -263,7 +264,8 @@ def evaluate(
         img_size=study.img_size,
         c_source="imagenet-c" if study.c_folders else "generated",
     )
-    (Path(options.output) / "robustness.json").write_text(
-        json.dumps(dict(settings=settings, table=table, corruptions=corruption_rows), indent=1, default=str)
+    write_text(
+        Path(options.output) / "robustness.json",
+        json.dumps(dict(settings=settings, table=table, corruptions=corruption_rows), indent=1, default=str),
     )
     return dict(table=table, corruptions=corruption_rows, files=files)

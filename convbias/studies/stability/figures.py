@@ -12,6 +12,7 @@ import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from convbias.base.storage import save_figure
 from convbias.evaluation import diffeo
 from convbias.evaluation.figures import displayable, error_bar_note, log_ticks, qualitative_colors, shared_legend
 
@@ -49,7 +50,7 @@ def rf_vs_delta(summary: list[dict], style: _Style, settings: Settings, path: Pa
         log_ticks(ax.yaxis)
     axes[0].set_ylabel("R_f")
     shared_legend(fig, axes, title=style.legend_title(summary))
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=120)
 
 
 def rf_per_layer(layers: list[dict], style: _Style, settings: Settings, path: Path) -> Path:
@@ -66,7 +67,7 @@ def rf_per_layer(layers: list[dict], style: _Style, settings: Settings, path: Pa
     )
     log_ticks(ax.yaxis)
     shared_legend(fig, [ax], title=style.legend_title(layers))
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=120)
 
 
 def rf_vs_error(rows: list[dict], summary: list[dict], style: _Style, settings: Settings, path: Path) -> Path:
@@ -106,7 +107,7 @@ def rf_vs_error(rows: list[dict], summary: list[dict], style: _Style, settings: 
     log_ticks(ax.yaxis)
     note = style.legend_title(means, extra=" (R_f) and of the mean (test error); small dots: single runs")
     shared_legend(fig, [ax], title=note)
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=120)
 
 
 def deformed_examples(image: torch.Tensor, settings: Settings, path: Path) -> Path:
@@ -125,7 +126,7 @@ def deformed_examples(image: torch.Tensor, settings: Settings, path: Path) -> Pa
                 image, T, cut, generator=generator, interpolation=settings.interpolation, modes=settings.modes
             )
             _show(ax, deformed, f"delta={delta:g}, c={cut}\nT={T:.2g}")
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=120)
 
 
 class _Style:
@@ -201,8 +202,3 @@ def _show(ax: Axes, image: torch.Tensor, title: str) -> None:
     ax.imshow(displayable(image), cmap="gray")
     ax.set_title(title, fontsize=7)
     ax.axis("off")
-
-
-def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=120)
-    return path

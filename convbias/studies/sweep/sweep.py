@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import yaml
@@ -53,7 +53,7 @@ import yaml
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import RESULTS_FILE, SUMMARY_FILE
-from convbias.base.storage import output_folder, write_text
+from convbias.base.storage import output_folder, write_text, writing
 from convbias.base.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
 from convbias.engine import (
     Config,
@@ -311,6 +311,20 @@ def last_line(log_path: Path) -> str:
     return lines[-1].strip() if lines else "(empty log)"
 
 
+def open_log(path: Path, header: str) -> TextIO:
+    """``path`` opened to append a run's console output, ``header`` written first; a failed write is a
+    StorageError naming the log (a failure to start the run is not one)."""
+    with writing(path):
+        log = open(path, "a")  # noqa: SIM115 (the caller's with closes it)
+        try:
+            log.write(header)
+            log.flush()
+        except BaseException:
+            log.close()
+            raise
+    return log
+
+
 @dataclass
 class Sweep:
     """A validated sweep bound to its output directory."""
@@ -356,7 +370,8 @@ class Sweep:
         """
         failed = []
         log_dir = self.sweep_dir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
+        with writing(log_dir):
+            log_dir.mkdir(parents=True, exist_ok=True)
         for index, run in enumerate(self.runs, 1):
             run_dir = self.run_dir(run)
             state = run_state(run_dir)
@@ -368,9 +383,7 @@ class Sweep:
             log(f"{prefix}: {'resuming' if state == 'interrupted' else 'starting'}")
             log_path = log_dir / f"{run.name}.log"
             start = time.time()
-            with open(log_path, "a") as log_file:
-                log_file.write(f"$ {shlex.join(cmd)}\n")
-                log_file.flush()
+            with open_log(log_path, f"$ {shlex.join(cmd)}\n") as log_file:
                 child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
                 try:
                     returncode = child.wait()
