@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from convbias.base.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, print_error
+from convbias.base.storage import writing
 from convbias.cli import run_command
 
 USAGE = "convbias-launch [accelerate launch options] train.py ARGS..."
@@ -94,7 +95,9 @@ def _launch(argv: list[str]) -> int:
             os.environ[LAUNCH_PROCESSES] = str(args.num_processes)
         os.environ.setdefault("PET_SIGNALS_TO_HANDLE", TORCHRUN_SIGNALS)
         _quiet_torchrun()
-        with tempfile.TemporaryDirectory(prefix="convbias-launch-") as folder:
+        with writing(tempfile.gettempdir()):  # where the ranks leave their exit codes
+            exits = tempfile.TemporaryDirectory(prefix="convbias-launch-")
+        with exits as folder:
             os.environ[LAUNCH_EXIT_DIR] = folder
             return _exit_code(Path(folder), _run(launch_command, args))
     except _Stopped as stopped:
