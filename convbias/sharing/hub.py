@@ -163,10 +163,7 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
         pretrained=False,  # the checkpoint holds every weight; a pretrained file may be gone
         pretrained_file=None,
     )
-    try:
-        model = create_model(build, spec["num_classes"], spec["in_chans"])
-    except ConfigError as error:
-        raise ConfigError(str(error)) from None
+    model = create_model(build, spec["num_classes"], spec["in_chans"])
     checkpoint = run.load_weights(model, which)  # the next verified point, if the run removed this one meanwhile
     return model.eval(), {
         **spec,
