@@ -179,10 +179,11 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> list[str]:
+def startup_block(start: Any, data: Any, model: Any) -> list[str]:
     """What this launch will do, before its first step: where, on what, with which batch, lr and length
-    (``start``: the run's engine.loop.start.RunStart; ``bundle``: its data; ``model``: the unwrapped model)."""
-    cfg, acc = start.cfg, start.accelerator
+    (``start``: the run's engine.loop.start.RunStart; ``data``: its engine.data.build.TrainingData; ``model``: the
+    unwrapped model)."""
+    cfg, acc, bundle = start.cfg, start.accelerator, data.bundle
     begin = f"resuming from {start.point}" if start.point is not None else "a new run"
     if start.resume is not None and start.point is None:
         begin = f"a new run, resuming timm's {start.resume.path}"
@@ -204,7 +205,7 @@ def startup_block(start: Any, bundle: Any, steps_per_epoch: int, model: Any) -> 
         f"batch: {start.values.global_batch} global = {cfg.batch_size} per process x {acc.num_processes} x "
         f"{cfg.grad_accum_steps} accumulation; lr {start.values.lr:.3g} ({rule})",
         f"schedule: {plural(start.values.epochs, 'epoch')}, {start.values.warmup_epochs} of warm-up, "
-        f"{steps_per_epoch // cfg.grad_accum_steps} updates per epoch",
+        f"{data.updates_per_epoch} updates per epoch",
         *settings_lines(cfg, start.values.lr),
     ]
 

@@ -195,9 +195,8 @@ def build_models_and_optimization(start: RunStart, data: TrainingData) -> tuple[
     ema = optim.create_ema(cfg, model, acc.device)
     full_copy = FullCopy(model, acc.device) if start.sharded else None
     before = cfg.reparametrize_at_epoch is not None and not was_reparametrized
-    updates_per_epoch = data.steps_per_epoch // cfg.grad_accum_steps
     prepared, optimization = build_optimization(
-        cfg, acc, model, start.values, updates_per_epoch, head_classes(model), before
+        cfg, acc, model, start.values, data.updates_per_epoch, head_classes(model), before
     )
     if teacher is not None:
         optimization.train_loss = optim.HardDistillationLoss(optimization.train_loss, teacher)

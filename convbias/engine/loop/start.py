@@ -270,10 +270,8 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     """The accelerator, the checks that need no data, the lock and the resume point."""
     extensions = extensions or Extensions()
     threads = set_threads(cfg.workers)
-    acc = Accelerator(
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.grad_accum_steps,
-        log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None,
+    acc = Accelerator(  # the trainer accumulates gradients as timm's train.py does (engine.loop.trainer)
+        mixed_precision=cfg.mixed_precision, log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None
     )
     _check_fsdp(acc, cfg)
     check_model_name(cfg.model)
