@@ -16,8 +16,16 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 
 from convbias import engine
 from convbias.base.errors import Preempted
-from convbias.base.run_layout import CHECKPOINTS_DIR, LAST_LINK, WEIGHTS_FILE
+from convbias.base.run_layout import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LAST_LINK,
+    TIMM_ARGS_FILE,
+    TIMM_ARGS_MARKER,
+    WEIGHTS_FILE,
+)
 from convbias.engine import parse_config
+from convbias.engine.checkpointing.run_files import foreign_entry
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.data.device_augment import DeviceBatches
 from convbias.engine.data.loaders import epoch_batches
@@ -174,3 +182,18 @@ def test_a_resume_point_before_the_epochs_last_short_update_continues_exactly(
     uninterrupted = load_file(accumulated_run.output / CHECKPOINTS_DIR / LAST_LINK / WEIGHTS_FILE)
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+
+def test_the_run_writes_its_args_yaml_for_timms_train_py_beside_its_config(accumulated_run):
+    """The run's args.yaml (tests/test_timm_args_yaml.py reads it as timm's train.py does): marked as this engine's,
+    what timm cannot express at its top, and read back with -c to the run of its config.yaml but for those."""
+    output = accumulated_run.output
+    lines = (output / TIMM_ARGS_FILE).read_text().splitlines()
+    assert lines[0] == TIMM_ARGS_MARKER and "--train-fraction 0.06" in lines[1]
+    assert foreign_entry(output) is None  # the folder holds only files train.py writes: it may be started over
+    from_args, from_config = (parse_config(["-c", str(output / name)]) for name in (TIMM_ARGS_FILE, CONFIG_FILE))
+    differ = {k for k, v in from_args.to_dict().items() if v != from_config.to_dict()[k]}
+    assert differ == {"config", "train_fraction", "diagnostics", "mean", "std"}  # listed, or resolved (same values)
+    assert from_args.replace(train_fraction=0.06, diagnostics=False, mean=None, std=None, config=None) == (
+        from_config.replace(config=None)
+    )

@@ -5,6 +5,7 @@ Every other module, in the engine and outside it, takes these names from here (t
 fails on a literal of one elsewhere). A run directory::
 
     config.yaml             the resolved options (its first line marks the folder as this engine's run)
+    args.yaml               the same run as timm's train.py's args.yaml (what timm cannot express: at its top)
     summary.csv, log.jsonl  one row / record per epoch
     results.json            the final and best evaluations, once the run is done
     .lock                   the lock of the run that writes the folder
@@ -36,6 +37,7 @@ from .errors import ConfigError
 from .inputs import json_record
 
 CONFIG_FILE = "config.yaml"
+TIMM_ARGS_FILE = "args.yaml"  # timm's train.py's name: beside its checkpoints, and in a run of train.py
 SUMMARY_FILE = "summary.csv"
 LOG_FILE = "log.jsonl"
 RESULTS_FILE = "results.json"
@@ -43,7 +45,7 @@ LOCK_FILE = ".lock"
 TRACKER_DIR = "wandb"  # what accelerate's wandb tracker writes, with --log-wandb
 CHECKPOINTS_DIR = "checkpoints"
 # What train.py writes at the top of its output folder.
-RUN_FILES = (CONFIG_FILE, SUMMARY_FILE, LOG_FILE, RESULTS_FILE, LOCK_FILE, CHECKPOINTS_DIR, TRACKER_DIR)
+RUN_FILES = (CONFIG_FILE, TIMM_ARGS_FILE, SUMMARY_FILE, LOG_FILE, RESULTS_FILE, LOCK_FILE, CHECKPOINTS_DIR, TRACKER_DIR)
 
 # The files of one resume point. The weights file has the Hugging Face Hub's name, so a point folder also loads
 # as an exported model folder does (timm's local-dir:).
@@ -127,6 +129,8 @@ EXPORT_WEIGHTS = (SAFETENSORS_SINGLE_FILE, PYTORCH_WEIGHTS_NAME)
 
 # The first line of every config.yaml train.py writes: what marks a folder as this engine's run.
 CONFIG_MARKER = "# resolved config of this run; reload with -c"
+# The first line of the args.yaml train.py writes beside it
+TIMM_ARGS_MARKER = "# this run as timm's train.py args.yaml; timm's train.py and this one train it with -c"
 MAX_FIRST_LINE = 1 << 20  # bytes of a file's first line read to recognize it (a log record is far shorter)
 
 
@@ -139,8 +143,8 @@ def written_by_engine(path: Path) -> bool:
             first = f.readline(MAX_FIRST_LINE)
     except OSError:
         return False
-    if path.name == CONFIG_FILE:
-        return first.rstrip(b"\n") == CONFIG_MARKER.encode()
+    if path.name in (CONFIG_FILE, TIMM_ARGS_FILE):
+        return first.rstrip(b"\n") == (CONFIG_MARKER if path.name == CONFIG_FILE else TIMM_ARGS_MARKER).encode()
     if path.name == SUMMARY_FILE:
         return first.startswith(b"epoch,") or first == b""
     if path.name == LOG_FILE:

@@ -40,7 +40,7 @@ from .options import (
     option_names,
     option_types,
 )
-from .timm_args import is_timm_args, translate_timm_keys
+from .timm_args import ignored_timm_keys, is_timm_args, translate_timm_keys
 
 
 def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _including: tuple[Path, ...] = ()) -> dict:
@@ -106,6 +106,7 @@ def parse_config(
     file_cfg = load_yaml(known.config, origins) if known.config else {}
     experiment = file_cfg.get("experiment") if is_timm_args(file_cfg) else None
     problems: list[str] = []
+    ignored = ignored_timm_keys(file_cfg) if is_timm_args(file_cfg) else []  # taken and never read by timm
     if is_timm_args(file_cfg):  # the args.yaml of timm's train.py
         file_cfg, file_problems = translate_timm_keys(file_cfg, known.config)
         problems += [f"{known.config}: {problem}" for problem in file_problems]
@@ -152,6 +153,7 @@ def parse_config(
         for key in _as_dict(given.get(name) or None, flag_name(name)):
             sources[f"{name}.{key}"] = "command line"
     cfg.__dict__[SOURCES] = sources
+    cfg.__dict__[IGNORED_KEYS] = (known.config, ignored)
     try:
         validate(cfg)
     except ConfigError as e:
@@ -165,6 +167,8 @@ def parse_config(
 
 # A parsed Config's record of where each option set by the user came from (the start-up block prints it)
 SOURCES = "_option_sources"
+# ... and of the -c file's keys that timm's train.py would ignore, ignored here too: (the file, the keys)
+IGNORED_KEYS = "_ignored_keys"
 
 
 def _given_on_command_line(argv: list[str] | None) -> dict[str, Any]:
@@ -306,6 +310,13 @@ def config_warnings(cfg: Config) -> list[str]:
         for name, message in inert_options(cfg).items()
         if name in TIMM_TRAIN_DEFAULTS
     ]
+    source, ignored = cfg.__dict__.get(IGNORED_KEYS) or (None, [])
+    if ignored:
+        warnings.append(
+            f"{source}: {len(ignored)} key{'s' if len(ignored) > 1 else ''} that no option reads (a fork's own, or "
+            f"attributes timm's train.py sets at run time): {', '.join(ignored)}; ignored, as timm's train.py ignores "
+            "them"
+        )
     epochs, warmup = effective_epochs(cfg)
     if not cfg.eval_only and not cfg.warmup_prefix and warmup >= epochs:
         warnings.append(

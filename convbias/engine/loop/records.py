@@ -1,4 +1,5 @@
-"""What a run writes besides checkpoints: summary.csv, log.jsonl, results.json, and tracker calls.
+"""What a run writes besides checkpoints: config.yaml and timm's args.yaml, summary.csv, log.jsonl, results.json,
+and tracker calls.
 
 ``summary.csv`` has exactly the columns of ``SUMMARY_FIELDS``, one row per epoch (``epoch`` counts
 completed epochs, from 1). ``log.jsonl`` holds the same fields plus diagnostics and counters.
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 import yaml
+from timm.models import is_model, model_entrypoint
 from timm.optim import create_optimizer_v2
 
 from convbias.base.errors import DamagedInputError
@@ -33,6 +35,8 @@ from convbias.base.run_layout import (
     LOG_FILE,
     RESULTS_FILE,
     SUMMARY_FILE,
+    TIMM_ARGS_FILE,
+    TIMM_ARGS_MARKER,
 )
 from convbias.base.storage import write_text
 from convbias.base.tables import csv_text
@@ -40,7 +44,8 @@ from convbias.base.tables import csv_text
 from ..config.derived import ema_is_the_metric, lr_scaling
 from ..config.options import Config
 from ..config.parsing import key_source, option_source
-from ..data.factory import color_jitter_off_by_aa, input_format, train_interpolation
+from ..config.timm_args import timm_args
+from ..data.factory import NATIVE_DATASETS, color_jitter_off_by_aa, input_format, train_interpolation
 from ..model.factory import head_classes
 from ..optim.factory import optimizer_arguments
 
@@ -50,6 +55,27 @@ def write_config(cfg: Config, path: Path, derived: dict) -> None:
     header = "".join(f"# {key}: {value}\n" for key, value in derived.items())
     body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     write_text(path, CONFIG_MARKER + "\n" + header + body, owner=path.parent)
+
+
+def write_timm_args(cfg: Config, path: Path, initial_checkpoint: str | None) -> None:
+    """The args.yaml timm's train.py would have written for this run (timm's keys and meanings,
+    engine.config.timm_args.timm_args, dumped as timm dumps its arguments), what timm cannot express in a comment at
+    its top. ``initial_checkpoint``: the weights --checkpoint resolved to."""
+    resolved = {}
+    if cfg.dataset in NATIVE_DATASETS:  # their size and statistics stand in for the model's, which timm would take
+        shape = input_format(cfg)
+        resolved = dict(img_size=shape.img_size, mean=list(shape.mean), std=list(shape.std))
+    values, left_out = timm_args(cfg, initial_checkpoint, resolved)
+    if is_model(cfg.model) and not model_entrypoint(cfg.model).__module__.startswith("timm."):
+        module = model_entrypoint(cfg.model).__module__
+        left_out.append(f"--model {cfg.model} (registered by {module}: timm's train.py needs that module imported)")
+    header = (
+        f"# what timm's train.py cannot express ({CONFIG_FILE} has it): {'; '.join(left_out)}"
+        if left_out
+        else "# timm's train.py expresses every option of this run"
+    )
+    body = yaml.safe_dump(values, default_flow_style=False)  # as timm's train.py writes its args.yaml
+    write_text(path, f"{TIMM_ARGS_MARKER}\n{header}\n{body}", owner=path.parent)
 
 
 # Bytes of a log.jsonl or summary.csv read whole: a line per epoch and evaluation stays far below it
@@ -298,7 +324,14 @@ def summary_line(
         return "n/a" if value is None else f"{value:.{digits}f}"
 
     best_value = (best or {}).get(f"eval_{metric}", results.get(f"best_{metric}"))
-    files = (RESULTS_FILE, SUMMARY_FILE, LOG_FILE, CONFIG_FILE, *(f"{CHECKPOINTS_DIR}/{link}" for link in LINKS))
+    files = (
+        RESULTS_FILE,
+        SUMMARY_FILE,
+        LOG_FILE,
+        CONFIG_FILE,
+        TIMM_ARGS_FILE,
+        *(f"{CHECKPOINTS_DIR}/{link}" for link in LINKS),
+    )
     of = " of the EMA" if results.get("metric_of") == "ema" else ""
     return (
         f"done: final top-1{of} {shown(results['final_top1'])} (epoch {final_epoch}), best {METRIC_NAMES[metric]}{of} "

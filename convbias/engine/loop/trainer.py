@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from convbias.base.errors import NonFiniteLossError, Preempted
-from convbias.base.run_layout import CONFIG_FILE
+from convbias.base.run_layout import CONFIG_FILE, TIMM_ARGS_FILE
 
 from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
 from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_options
@@ -57,6 +57,7 @@ from .records import (
     startup_block,
     summary_line,
     write_config,
+    write_timm_args,
 )
 from .setup import Models, build_data, build_models_and_optimization, build_preemption, setup_warnings
 from .start import RunStart, check_exact_continuation, kept
@@ -162,6 +163,7 @@ class Trainer:
         if acc.is_main_process:
             self.output.mkdir(parents=True, exist_ok=True)
             write_config(cfg, self.output / CONFIG_FILE, derived)
+            write_timm_args(cfg, self.output / TIMM_ARGS_FILE, self.start.checkpoint.weights)
         if cfg.log_wandb:
             resumed = {"id": cfg.wandb_resume_id, "resume": "must"} if cfg.wandb_resume_id else {}
             acc.init_trackers(
