@@ -78,6 +78,7 @@ MIXING = Needs(
 # timm's train.py picks its loss by mixup, then smoothing: without either it trains with plain cross-entropy
 SOFT_TARGETS = Needs(lambda c: MIXING.met(c) or c.smoothing > 0, "mixup/cutmix or --smoothing")
 BCE = Needs(lambda c: c.bce_loss and SOFT_TARGETS.met(c), "--bce-loss (with mixup/cutmix or --smoothing)")
+EVALUATING = Needs(lambda c: bool(c.eval_only), "--eval-only")
 LR_NOISE = Needs(lambda c: c.lr_noise is not None, "--lr-noise")
 LAYER_DECAY = Needs(lambda c: c.layer_decay is not None, "--layer-decay")
 WANDB = Needs(lambda c: c.log_wandb, "--log-wandb")
@@ -597,6 +598,18 @@ class CheckpointingOptions:
         None,
         "weights to evaluate or start from (a file or a run dir); --initial-checkpoint is timm's name for it",
         aliases=("initial_checkpoint",),
+    )
+    use_ema: bool = option(
+        False,
+        "evaluate the EMA's weights (timm's validate.py --use-ema): a run directory's point's, timm's checkpoint's "
+        "state_dict_ema",
+        needs=EVALUATING,
+    )
+    use_train_size: bool = option(
+        False,
+        "evaluate at train.py's input size and crop (timm's validate.py --use-train-size); by default, as validate.py, "
+        "at the model's test_input_size and test_crop_pct where its pretrained config has them",
+        needs=EVALUATING,
     )
     save_epochs: list[int] = option(
         [],

@@ -169,6 +169,14 @@ def parse_config(
 SOURCES = "_option_sources"
 # ... and of the -c file's keys that timm's train.py would ignore, ignored here too: (the file, the keys)
 IGNORED_KEYS = "_ignored_keys"
+# ... and of the options that the checks or the run's set-up derived from others: option -> what gave its value
+DERIVED = "_derived_sources"
+
+
+def credit(cfg: Config, name: str, source: str) -> None:
+    """Record that option ``name``'s value was derived from ``source`` (another option, the model's config), which
+    ``option_source`` then names, whether ``cfg`` was parsed or built in Python."""
+    cfg.__dict__.setdefault(DERIVED, {})[name] = source
 
 
 def _given_on_command_line(argv: list[str] | None) -> dict[str, Any]:
@@ -183,7 +191,9 @@ def _given_on_command_line(argv: list[str] | None) -> dict[str, Any]:
 def option_source(cfg: Config, name: str) -> str:
     """Where option ``name``'s value came from: the command line, a recipe file, or the default (timm's train.py's
     where timm has the option); a Config built in Python: 'set' where it differs from the default."""
-    sources = cfg.__dict__.get(SOURCES)
+    derived, sources = cfg.__dict__.get(DERIVED) or {}, cfg.__dict__.get(SOURCES)
+    if name in derived:
+        return derived[name]
     if sources is not None and name in sources:
         return sources[name]
     if sources is None and getattr(cfg, name) != default_value(name):
@@ -302,9 +312,11 @@ def inert_options(cfg: Config) -> dict[str, str]:
     return found
 
 
-def config_warnings(cfg: Config) -> list[str]:
+def config_warnings(cfg: Config, trained_epochs: int | None = None) -> list[str]:
     """Valid but probably unintended settings, printed as `warning: ...` lines before the run starts: among them
-    timm's options set where they have no effect, which timm's train.py ignores and so does this engine."""
+    timm's options set where they have no effect, which timm's train.py ignores and so does this engine.
+    ``trained_epochs``: the epochs the run trains as timm's scheduler counts them (engine.optim.factory's
+    trained_epochs: the schedule's and a cooldown, further lr cycles), by default the schedule's."""
     warnings = [
         f"{message}: ignored, as timm's train.py ignores it"
         for name, message in inert_options(cfg).items()
@@ -318,10 +330,17 @@ def config_warnings(cfg: Config) -> list[str]:
             "them"
         )
     epochs, warmup = effective_epochs(cfg)
+    trained = trained_epochs or epochs
     if not cfg.eval_only and not cfg.warmup_prefix and warmup >= epochs:
+        covered = (
+            f"the whole run of {epochs} epoch(s)"
+            if trained == epochs
+            else f"the whole schedule of {epochs} epoch(s) of the {trained} the run trains (--cooldown-epochs, lr "
+            "cycles: at the schedule's end lr)"
+        )
         warnings.append(
-            f"--warmup-epochs {warmup} covers the whole run of {epochs} epoch(s): the lr only ramps up "
-            f"from --warmup-lr and never reaches its peak; lower --warmup-epochs"
+            f"--warmup-epochs {warmup} covers {covered}: the lr only ramps up from --warmup-lr and never reaches its "
+            "peak; lower --warmup-epochs"
         )
     return warnings
 
@@ -380,7 +399,10 @@ def _normalize(cfg: Config) -> None:
     if cfg.pretrained_file:
         cfg.pretrained = True
     if cfg.input_size is not None:  # timm's --input-size C H W: --in-chans C --img-size H (_check_input: they agree)
-        cfg.in_chans, cfg.img_size = cfg.in_chans or cfg.input_size[0], cfg.img_size or cfg.input_size[1]
+        for name, value in (("in_chans", cfg.input_size[0]), ("img_size", cfg.input_size[1])):
+            if getattr(cfg, name) is None:
+                setattr(cfg, name, value)
+                credit(cfg, name, f"--input-size ({option_source(cfg, 'input_size')})")
     if cfg.input_img_mode is not None:  # timm's image mode: the channels (_check_input: they agree)
         cfg.in_chans = cfg.in_chans or IMAGE_MODE_CHANNELS[cfg.input_img_mode]
 

@@ -7,7 +7,7 @@ Also what a run that stops says it kept. Every check here runs before the run wr
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from convbias.base.errors import ConfigError, DamagedInputError, DamagedRunRecordError
 from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
+    EMA_FILE,
     LAST_LINK,
     MANIFEST_FILE,
     RESULTS_FILE,
@@ -32,15 +33,16 @@ from ..checkpointing.resume import Resume, ResumePoint, find_resume
 from ..checkpointing.run_dir import RunDir, verify_file
 from ..checkpointing.run_files import (
     is_run_dir,
+    is_timm_checkpoint_name,
     is_timm_output_dir,
     read_run_config,
     timm_output_file,
 )
-from ..checkpointing.timm_checkpoint import TimmCheckpoint
+from ..checkpointing.timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
 from ..config.derived import RunValues
 from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
-from ..config.parsing import option_source
-from ..data.factory import dataset_info
+from ..config.parsing import credit, option_source
+from ..data.factory import input_format
 from ..model.factory import check_model_name
 from ..model.pretrained import check_pretrained_reachable
 from ..optim import factory as optim
@@ -66,11 +68,35 @@ class CheckpointChoice:
     name: str | None = None
     run: RunDir | None = None
     which: str = DEFAULT_WHICH
+    timm_ema: bool = False  # the state_dict_ema of timm's checkpoint ``weights`` (--use-ema)
 
 
 def resolve_checkpoint(cfg: Config) -> CheckpointChoice:
     """--checkpoint's weights: a run directory's checkpoints/<--which>, timm's output folder's file by --which,
-    else the file itself."""
+    else the file itself; with --use-ema, the EMA's weights of that point or timm checkpoint."""
+    choice = _chosen_weights(cfg)
+    return _ema_of(choice, cfg.checkpoint) if cfg.use_ema else choice
+
+
+def _ema_of(choice: CheckpointChoice, given: str) -> CheckpointChoice:
+    """The EMA's weights beside the chosen ones, as timm's validate.py --use-ema loads them: timm's checkpoint's
+    state_dict_ema, a resume point's EMA file (verified against its manifest); a ConfigError where there is none."""
+    if is_timm_checkpoint_name(choice.weights) and choice.run is None:
+        read_timm_checkpoint(choice.weights).weights(use_ema=True)  # a ConfigError when the file has none
+        return replace(choice, name=f"{choice.name} (state_dict_ema)", timm_ema=True)
+    if choice.run is None:
+        raise ConfigError(
+            f"--use-ema takes the EMA of a run directory's checkpoint or of timm's checkpoint; {given} is a weights "
+            "file: pass the EMA's own file"
+        )
+    ema = Path(choice.weights).parent / EMA_FILE
+    if not ema.is_file():
+        raise ConfigError(f"--use-ema: {choice.name} holds no EMA weights ({EMA_FILE}: its run had no --model-ema)")
+    verify_file(ema)
+    return CheckpointChoice(str(ema), f"{choice.name}, its EMA", None, choice.which)
+
+
+def _chosen_weights(cfg: Config) -> CheckpointChoice:
     if cfg.checkpoint is None:
         _check_which_target(cfg.which, None)
         return CheckpointChoice()
@@ -311,7 +337,8 @@ def resolved_options(cfg: Config, checkpoint: str | None, metadata: dict[str, st
     model agree), and from the metadata of --checkpoint's weights the reparametrization and output scale they
     were written with (a checkpoint written after --reparametrize-at-epoch needs the changed architecture;
     weights of an output-scaled run hold f_w0 too)."""
-    changes: dict[str, Any] = {"img_size": cfg.img_size or dataset_info(cfg.dataset).default_img_size}
+    shape = input_format(cfg)  # the model's input size as timm resolves it (validate.py's with --eval-only)
+    changes: dict[str, Any] = {"img_size": cfg.img_size or shape.img_size}
     if checkpoint is not None:
         changes["checkpoint"] = checkpoint
     if metadata:
@@ -319,6 +346,8 @@ def resolved_options(cfg: Config, checkpoint: str | None, metadata: dict[str, st
         if metadata.get("output_scale"):
             changes["output_scale"] = cfg.output_scale or float(metadata["output_scale"])
     resolved = cfg.resolved(**changes)
+    if cfg.img_size is None:
+        credit(resolved, "img_size", shape.sources["img_size"])
     check_reparametrization(resolved, extensions)
     return resolved
 
