@@ -218,14 +218,14 @@ def timm_args(
     """(the args.yaml timm's train.py would have written for the run of ``cfg``: every key of timm's parser, each
     value meaning what timm's train.py makes of it; what of the run timm cannot express). ``initial_checkpoint``:
     the weights --checkpoint resolved to (a run directory's point); ``resolved``: values of timm's keys that the
-    run resolved where timm would resolve others (the input size and statistics of this engine's own data sets)."""
+    run resolved where timm would resolve others (the input size and statistics of this engine's own data sets;
+    ``resume``: a --resume of timm's own checkpoint, which timm's train.py continues too)."""
     values, options = dict(TIMM_TRAIN_DEFAULTS), cfg.to_dict()
     for name, default in TIMM_TRAIN_DEFAULTS.items():
         if name in options:  # timm's "unset" is '' where its default is ''
             values[name] = default if options[name] is None and default == "" else options[name]
     epochs, warmup_epochs = effective_epochs(cfg)
     output = Path(cfg.output)  # timm writes into OUTPUT/EXPERIMENT
-    timm_resume = cfg.resume and cfg.resume.endswith((".pth.tar", ".pth"))  # timm's own checkpoints only
     values.update(
         dataset=TIMM_DATASET_NAMES.get(cfg.dataset, cfg.dataset),
         epochs=epochs,
@@ -242,7 +242,7 @@ def timm_args(
         initial_checkpoint=initial_checkpoint or cfg.checkpoint or "",
         val_interval=cfg.eval_interval,
         model_ema_force_cpu=bool(cfg.model_ema and not cfg.model_ema_metric),
-        resume=cfg.resume if timm_resume else "",
+        resume="",
         **(resolved or {}),
     )
     left_out = [
@@ -255,7 +255,7 @@ def timm_args(
     ]
     if cfg.dataset in EMBEDDED_DATASETS:
         left_out.append(f"--dataset {cfg.dataset} (this engine's embedded data set)")
-    if cfg.resume and not timm_resume:
+    if cfg.resume and not values["resume"]:
         left_out.append(f"--resume {cfg.resume} (this launch continued a resume point of this engine)")
     return values, left_out
 

@@ -42,6 +42,7 @@ from convbias.base.run_layout import (
 from convbias.base.storage import write_text
 from convbias.base.tables import csv_text
 
+from ..checkpointing.run_files import is_timm_checkpoint_name
 from ..config.derived import ema_is_the_metric, lr_scaling
 from ..config.options import (
     Config,
@@ -70,10 +71,10 @@ def write_timm_args(cfg: Config, path: Path, initial_checkpoint: str | None) -> 
     """The args.yaml timm's train.py would have written for this run (timm's keys and meanings,
     engine.config.timm_args.timm_args, dumped as timm dumps its arguments), what timm cannot express in a comment at
     its top. ``initial_checkpoint``: the weights --checkpoint resolved to."""
-    resolved = {}
+    resolved: dict[str, Any] = {"resume": cfg.resume} if is_timm_checkpoint_name(cfg.resume or "") else {}
     if cfg.dataset in NATIVE_DATASETS:  # their size and statistics stand in for the model's, which timm would take
         shape = input_format(cfg)
-        resolved = dict(img_size=shape.img_size, mean=list(shape.mean), std=list(shape.std))
+        resolved.update(img_size=shape.img_size, mean=list(shape.mean), std=list(shape.std))
     values, left_out = timm_args(cfg, initial_checkpoint, resolved)
     if is_model(cfg.model) and not model_entrypoint(cfg.model).__module__.startswith("timm."):
         module = model_entrypoint(cfg.model).__module__
