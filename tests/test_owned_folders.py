@@ -46,13 +46,19 @@ from convbias.cli import predict, train
 from convbias.engine.checkpointing.points import CheckpointDir
 from convbias.engine.checkpointing.timm_checkpoint import read_timm_checkpoint
 from convbias.studies.efcn_protocol import command as efcn_protocol
+from convbias.studies.efcn_protocol import seeds
 from convbias.studies.efcn_protocol.seeds import BASELINE_METRICS, SUMMARY_METRICS
 from convbias.studies.phase_diagram import command as phase_diagram
+from convbias.studies.phase_diagram import study as phase_diagram_study
 from convbias.studies.regimes import command as regimes
 from convbias.studies.robustness import command as robustness
 from convbias.studies.stability import command as stability
+from convbias.studies.stability import contrasts as stability_contrasts
 from convbias.studies.stability import contrasts_command as contrasts
+from convbias.studies.stability import study as stability_study
 from convbias.studies.sweep import command as sweep_command
+from convbias.studies.sweep import report as sweep_report
+from convbias.studies.sweep import runs as sweep_runs
 from convbias.studies.sweep import sweep
 from convbias.studies.sweep.spec import load_spec
 
@@ -520,21 +526,52 @@ def test_a_sweep_report_refuses_a_runs_table_with_no_accuracy_in_top1(sweep_fold
     assert not (tmp_path / "report").exists()
 
 
-@pytest.mark.parametrize("damage", ["not utf-8", "no run column"])
+@pytest.mark.parametrize("damage", ["not utf-8", "no run column", "a run named by a path"])
 def test_regimes_refuses_a_runs_table_that_is_not_the_sweeps(sweep_folder, tmp_path, damage):
+    """A runs.csv regimes cannot read is named (it read it with its own open()); a run named by a path (its folder
+    is runs/NAME) is no row the sweep wrote, and is never loaded from where the path leads."""
     folder = tmp_path / "sweep"
     shutil.copytree(sweep_folder.path, folder, symlinks=True)
     table = folder / "runs.csv"
     if damage == "not utf-8":
         table.write_bytes(b"run,model,top1\n\xff\xfe,convit_tiny,50\n")
         refused = r"is not a CSV file this package wrote \('utf-8' codec can't decode byte 0xff"
-    else:
+    elif damage == "no run column":
         edited(table, table, lambda rows: ([c for c in rows[0] if c != "run"], rows))
         refused = r"has no 'run' column"
+    else:
+        edited(table, table, lambda rows: (list(rows[0]), [dict(rows[0], run="../../trained/run"), *rows[1:]]))
+        refused = r"line 2, column run: unexpected value \.\./\.\./trained/run \(expected the name of a run folder\)"
     before = tree(folder)
     code, err = call(regimes.main, [str(folder)])
-    assert code == EXIT_DAMAGED and len(err) == 1 and re.search(rf"{re.escape(str(table))} {refused}", err[0]), err
+    assert code == EXIT_DAMAGED and len(err) == 1 and re.search(rf"{re.escape(str(table))}:? {refused}", err[0]), err
     assert tree(folder) == before
+
+
+def test_every_table_of_the_results_reads_back_through_its_reader():
+    """The columns each reader declares are those its writer writes: every table and record the repository's
+    results hold (the studies' and sweeps' own outputs) reads back through its reader."""
+    results = REPO / "results"
+    readers: list[tuple[Callable[[Path], object], Path]] = []
+    for folder in (results / "relative_stability", results / "relative_stability" / "grid"):
+        readers += [(stability_study.read_rows, folder / STABILITY_TABLE)]
+        layers = lambda path: stability_study.read_rows(path, stability_study.LAYER_COLUMNS)  # noqa: E731
+        readers += [(layers, folder / "stability_layers.csv")]
+    readers += [(stability_contrasts.read_trajectories, results / "relative_stability" / "trajectories.csv")]
+    readers += [(sweep_runs.read_runs, path) for path in sorted(results.rglob("runs.csv"))]
+    readers += [(sweep_report.read_ensembles, path) for path in sorted(results.rglob("ensembles.csv"))]
+    readers += [(sweep.read_record, path.parent) for path in sorted(results.rglob("sweep.yaml"))]
+    for folder in (results / "phase_diagram", results / "phase_diagram" / "long_budget"):
+        readers += [(phase_diagram_study.read_nets, folder / "nets.csv")]
+        readers += [(phase_diagram_study.read_cells, folder / "cells.csv")]
+    for folder in (results / "efcn", *sorted((results / "efcn" / "seeds").iterdir())):
+        readers += [(seeds._read_csv, folder / "relax_times.csv"), (seeds._read_csv, folder / "baselines.csv")]
+        readers += [(seeds._seed, folder)]
+    assert len(readers) >= 44  # the tables committed with the results, and any added since
+    for read, path in readers:
+        assert read(path) is not None, path
+    top1 = [row["top1"] for row in sweep_runs.read_runs(results / "sample_efficiency" / "runs.csv")]
+    assert len(top1) == 30 and all(isinstance(value, float) and 0 <= value <= 100 for value in top1)
 
 
 # ------------------------------------------------------------------------------------------ the folders' marks
