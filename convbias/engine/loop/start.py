@@ -133,15 +133,21 @@ def take_lock(accelerator: Accelerator, lock: RunLock | None, notes: list[str]) 
         raise (DamagedInputError if foreign else ConfigError)(message)
 
 
-def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, write: bool) -> str | None:
+def finished_message(
+    state: dict[str, Any] | None, output: Path, epochs: int, write: bool, options: dict[str, Any]
+) -> str | None:
     """What --resume of a run that already trained all its epochs says instead of training again. Its
     results.json follows the point: missing, unreadable or older than the point (a run extended with a larger
     --epochs, killed before it rewrote the file), it is rewritten from the training state (by the main
-    process, ``write``) and the message says so."""
+    process, ``write``) and the message says so. The record is the one the run writes when it finishes
+    (``records.results_record``), of the options it trained with: its config.yaml over this command's
+    ``options``, the point's own over both; the same fields with the same meaning (``metric_of``: whose
+    evaluations the training state holds, the EMA's or the model's, even when --model-ema is not repeated)."""
     if not state or state.get("step") or state["epoch"] < epochs:
         return None
     final, best = state.get("final") or {}, state.get("best") or {}
-    expected = results_record(state.get("options") or {"model": state["model"]}, state["epoch"], final, best)
+    options = {**options, **_trained_with(output), **(state.get("options") or {"model": state["model"]})}
+    expected = results_record(options, state["epoch"], final, best)
     try:
         results = RunDir(output).results()
     except DamagedRunRecordError:
@@ -156,13 +162,21 @@ def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, wr
         if write:
             RunLog(output, enabled=True).write_results({**results, **expected})
         repaired = f"{RESULTS_FILE} was {problem}; rewrote it from epoch {state['epoch']}'s training state; "
-    metric = (state.get("options") or {}).get("eval_metric", "top1")  # what chose the best epoch
+    metric = options.get("eval_metric", "top1")  # what chose the best epoch
     return (
         f"{repaired}{output} is already finished (epoch {state['epoch']}/{epochs}, final top-1 "
         f"{final.get('eval_top1', float('nan')):.2f}, best {METRIC_NAMES.get(metric, metric)} "
         f"{best.get(f'eval_{metric}', float('nan')):.{4 if metric == 'loss' else 2}f} at epoch {best.get('epoch')}); "
         f"nothing to do (a larger --epochs trains on)"
     )
+
+
+def _trained_with(output: Path) -> dict[str, Any]:
+    """The options of the run in ``output`` as its config.yaml records them ({} when it has none that reads)."""
+    try:
+        return read_run_config(output)
+    except ConfigError:
+        return {}
 
 
 def kept(cfg: Config, output: Path) -> str:
@@ -323,7 +337,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     start.threads = threads
     start.head = requested_head(cfg, metadata, resume)
     state = point.state if point is not None else None
-    finished = finished_message(state, output, values.epochs, acc.is_main_process)
+    finished = finished_message(state, output, values.epochs, acc.is_main_process, cfg.to_dict())
     if finished:
         start.finished = "; ".join([*notes, finished])
     else:
