@@ -364,7 +364,10 @@ def test_model_kwargs_of_the_wrong_type_name_the_kwarg_and_the_type(tmp_path, ca
 
 def test_launch_refuses_a_process_count_below_one(capsys):
     assert launch.main(["--cpu", "--num_processes", "-3", "train.py"]) == EXIT_USAGE
-    one_line(messages(capsys.readouterr().err), r"^error: --num_processes -3: expected a whole number of at least 1")
+    one_line(
+        messages(capsys.readouterr().err),
+        r"^error: argument --num_processes/--num-processes: must be >= 1, got -3; usage: ",
+    )
 
 
 def test_a_read_only_output_is_74(tmp_path, capsys, monkeypatch):

@@ -327,8 +327,8 @@ def test_the_paper_sweeps_give_valid_commands(tmp_path, repo, name, runs):
     "args, message",
     [
         (["--models", "convit_tiny", "convit_tinny"], "unknown model 'convit_tinny'"),
-        (["--fractions", "0"], "train_fraction must be a number in (0, 1], got 0.0"),
-        (["--fractions", "0.5", "1.5"], "train_fraction must be a number in (0, 1], got 1.5"),
+        (["--fractions", "0"], "argument --fractions: must be in (0, 1], got 0"),
+        (["--fractions", "0.5", "1.5"], "argument --fractions: must be in (0, 1], got 1.5"),
         (["--grid", "lerning_rate=0.1,0.2"], "'lerning_rate' is not a train.py option"),
         (
             ["--models", "deit_tiny_patch16_224", "--grid", "model_kwargs.locality_strength=1,2"],

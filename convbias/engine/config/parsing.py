@@ -27,7 +27,7 @@ from convbias.base.errors import ConfigError
 from convbias.base.inputs import quoted, read_yaml
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
-from .command_line import OptionParser, build_parser, timm_only_options
+from .command_line import OptionParser, build_parser, non_finite, timm_only_options
 from .derived import effective_epochs
 from .options import (
     IMAGE_MODE_CHANNELS,
@@ -43,10 +43,16 @@ from .options import (
 from .timm_args import is_timm_args, translate_timm_keys
 
 
-def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _including: tuple[Path, ...] = ()) -> dict:
+def load_yaml(
+    path: str | Path,
+    origins: dict[str, str] | None = None,
+    _including: tuple[Path, ...] = (),
+    places: dict[str, str] | None = None,
+) -> dict:
     """Read a recipe, following ``_base_`` files first (relative to the file that names them); ``origins``, when
-    given, gets the name of the file that set each key. A file that names itself, directly or through its
-    bases, is refused naming the cycle."""
+    given, gets the name of the file that set each key, and ``places`` where it is set ('recipe PATH, line N:
+    key', how a message names a value of the file). A file that names itself, directly or through its bases, is
+    refused naming the cycle; a key given twice in one file, naming both lines (base.inputs)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -54,7 +60,8 @@ def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _includin
     if real in _including:
         cycle = " -> ".join(str(p) for p in (*_including[_including.index(real) :], real))
         raise ConfigError(f"{path}: the _base_ files name each other in a cycle ({cycle})")
-    data = read_yaml(path, "recipe") or {}
+    lines: dict[Any, int] = {}
+    data = read_yaml(path, "recipe", key_lines=lines) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of option: value")
     bases = data.pop("_base_", [])
@@ -63,10 +70,12 @@ def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _includin
         raise ConfigError(f"{path}: _base_ must be a path or a list of paths, got {quoted(bases)}")
     merged: dict = {}
     for base in bases:
-        merged.update(load_yaml(path.parent / base, origins, (*_including, real)))
+        merged.update(load_yaml(path.parent / base, origins, (*_including, real), places))
     merged.update(data)
     if origins is not None:
         origins.update(dict.fromkeys(data, f"recipe {path.name}"))
+    if places is not None:
+        places.update({key: f"recipe {path}, line {lines[key]}: {key}" for key in data if key in lines})
     return merged
 
 
@@ -103,7 +112,8 @@ def parse_config(
     config_only.add_argument("--checkpoint", "--initial-checkpoint", default=None)
     known, _ = config_only.parse_known_args(argv)
     origins: dict[str, str] = {}
-    file_cfg = load_yaml(known.config, origins) if known.config else {}
+    places: dict[str, str] = {}  # where each value of a file is set, as its messages name it
+    file_cfg = load_yaml(known.config, origins, places=places) if known.config else {}
     experiment = file_cfg.get("experiment") if is_timm_args(file_cfg) else None
     problems: list[str] = []
     if is_timm_args(file_cfg):  # the args.yaml of timm's train.py
@@ -113,10 +123,12 @@ def parse_config(
     target = _evaluated(known)
     run_options = evaluated_run(target) if evaluated_run is not None and target is not None else {}
     origins.update({key: "the evaluated run's config.yaml" for key in run_options if key not in file_cfg})
+    places.update({key: f"{Path(target) / 'config.yaml'}: {key}" for key in run_options if key not in file_cfg})
     file_cfg = {**run_options, **file_cfg}
     for key in [key for key in file_cfg if key not in option_names()]:
-        problems.append(f"{known.config}: {key}: unknown option{did_you_mean(key)}")
+        problems.append(f"{places.get(key, f'{known.config}: {key}')}: unknown option{did_you_mean(key)}")
         del file_cfg[key]
+    problems += _typed_file_values(parser, file_cfg, places)
     merged = key_value_options()
     parser.set_defaults(**{k: v for k, v in file_cfg.items() if k not in merged})
     namespace, extra = parser.parse_known_args(argv)
@@ -152,6 +164,7 @@ def parse_config(
         for key in _as_dict(given.get(name) or None, flag_name(name)):
             sources[f"{name}.{key}"] = "command line"
     cfg.__dict__[SOURCES] = sources
+    cfg.__dict__[PLACES] = {name: place for name, place in places.items() if name not in command_line}
     try:
         validate(cfg)
     except ConfigError as e:
@@ -165,6 +178,31 @@ def parse_config(
 
 # A parsed Config's record of where each option set by the user came from (the start-up block prints it)
 SOURCES = "_option_sources"
+# ... and, for an option a file set, where in the file: how a refusal of its value names it
+PLACES = "_option_places"
+
+
+def _typed_file_values(parser: argparse.ArgumentParser, values: dict[str, Any], places: dict[str, str]) -> list[str]:
+    """A file's text values typed as the command line's are (argparse types the defaults it is given, and would
+    name a bad one as the command line's ``argument --lr``), in place; a value that does not convert is dropped
+    and named by its file, line and key."""
+    types = {action.dest: action.type for action in parser._actions if action.type is not None}
+    problems = []
+    for key, value in list(values.items()):
+        kind = types.get(key)
+        if not isinstance(value, str) or kind is None or key in key_value_options():
+            continue
+        try:
+            values[key] = kind(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            problems.append(f"{places.get(key, key)} expects {_describe(kind, None)}, got {quoted(repr(value))}")
+            del values[key]
+    return problems
+
+
+def option_label(cfg: Config, name: str) -> str:
+    """How a message names option ``name`` of ``cfg``: where a file set it (its path, line and key), else its flag."""
+    return (cfg.__dict__.get(PLACES) or {}).get(name) or flag_name(name)
 
 
 def _given_on_command_line(argv: list[str] | None) -> dict[str, Any]:
@@ -235,9 +273,8 @@ def coerce(name: str, value: Any, label: str | None = None) -> Any:
     for candidate in candidates:
         converted = _converted(value, candidate, nargs)
         if converted is not _INVALID:
-            finite = [v for v in (converted if isinstance(converted, list) else [converted]) if isinstance(v, float)]
-            bad = [v for v in finite if not math.isfinite(v)]
-            require(not bad, f"{label} must be a finite number, got {bad[0] if bad else ''}")
+            bad = non_finite(converted)
+            require(bad is None, f"{label} must be a finite number, got {bad}")
             return converted
     raise ConfigError(
         f"{label} expects {_describe(candidates[0], nargs)}, got {quoted(repr(value) if isinstance(value, str) else value)}"
@@ -280,10 +317,15 @@ def check_option(name: str, value: Any, label: str | None = None) -> None:
     if value is None:
         return
     if meta["choices"] is not None:
-        require(value in meta["choices"], f"unknown {label} '{value}'; choices: {', '.join(meta['choices'])}")
+        unknown = f"unknown {label} '{value}'" if label.startswith("-") else f"{label}: unknown value '{value}'"
+        shown = ", ".join(repr(c) if c == "" else c for c in meta["choices"])
+        require(value in meta["choices"], f"{unknown}; choices: {shown}")
     rule = meta["check"]
-    if rule is not None:
-        require(rule.valid(value), f"{label} must be {rule.expected}, got {quoted(value)}")
+    if rule is not None and not rule.valid(value):
+        shown = f"{label} {quoted(value)}" if label.startswith("-") else f"{label}: {quoted(value)}"
+        raise ConfigError(
+            f"{shown}: {rule.reason(value)}" if rule.reason else f"{label} must be {rule.expected}, got {quoted(value)}"
+        )
 
 
 def inert_options(cfg: Config) -> dict[str, str]:
@@ -325,8 +367,8 @@ def validate(cfg: Config) -> None:
     problems = []
     for name in option_names():  # each option's own type and range, all named at once
         try:
-            setattr(cfg, name, coerce(name, getattr(cfg, name)))
-            check_option(name, getattr(cfg, name))
+            setattr(cfg, name, coerce(name, getattr(cfg, name), option_label(cfg, name)))
+            check_option(name, getattr(cfg, name), option_label(cfg, name))
         except ConfigError as e:
             problems.append(str(e))
     require(not problems, "; ".join(problems))
