@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from convbias.studies.efcn_protocol import command as efcn_protocol
+from convbias.studies.efcn_protocol import protocol
 
 # a tiny CNN on 8-px digits: a second thread costs more than it saves
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -89,7 +90,15 @@ def test_protocol_rejects_bad_config(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump(dict(TINY, cnn_epoch=3)))
     assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
-    assert re.fullmatch(r"error: unknown keys in \S*bad.yaml: cnn_epoch; known: .*\n", capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: protocol config \S*bad.yaml, line \d+: cnn_epoch: unknown key .*; known: .*\n", err)
+    config.write_text(yaml.safe_dump(dict(TINY)) + "cnn_lr: .nan\n")
+    assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+    lines = len(yaml.safe_dump(dict(TINY)).splitlines()) + 1
+    assert (
+        capsys.readouterr().err
+        == f"error: protocol config {config}, line {lines}: cnn_lr must be a finite number, got nan\n"
+    )
     config.write_text(yaml.safe_dump(dict(TINY, model="resnet18")))
     assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
     assert "error: model efcn_resnet18 is not registered" in capsys.readouterr().err
@@ -101,7 +110,7 @@ def _fake_seed(directory: Path, seed: int, acc: list[float], cnn: float, fcn: fl
     from convbias.studies.efcn_protocol.seeds import BASELINE_METRICS, SUMMARY_METRICS
 
     directory.mkdir(parents=True)
-    (directory / "protocol_config.yaml").write_text(yaml.safe_dump({"seed": seed}))
+    (directory / protocol.WRITTEN_CONFIG).write_text(yaml.safe_dump(dict(protocol.DEFAULTS, seed=seed)))
     rows = [{"relax_time": t, **{k: a + i for i, k in enumerate(SUMMARY_METRICS)}} for t, a in zip((0, 5), acc)]
     write_csv(rows, directory / "relax_times.csv")
     write_csv([dict(zip(BASELINE_METRICS, (cnn, fcn, 0.9)))], directory / "baselines.csv")
@@ -134,6 +143,26 @@ def test_seed_summary_refuses_missing_runs_before_writing(tmp_path, capsys):
     assert re.fullmatch(r"error: \S*missing/relax_times.csv not found: run the protocol .*\n", capsys.readouterr().err)
     assert efcn_protocol.main(["--stage", "summarize", "--seed-dirs", str(good), "--output", str(out)]) == 2
     assert "needs --seed-dirs with at least 2 directories" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_seed_summary_refuses_a_damaged_protocol_config_naming_it(tmp_path, capsys):
+    """The protocol_config.yaml a protocol wrote, read back as its declarations say (exit 65 naming the file)."""
+    dirs = [_fake_seed(tmp_path / f"s{i}", i, [95.0, 96.0], 95.0, 96.0) for i in range(2)]
+    config, out = dirs[1] / protocol.WRITTEN_CONFIG, tmp_path / "summary"
+    written = config.read_text()
+    for text, message in (
+        (written.replace("seed: 1", "seed: abc"), r"line \d+: seed expects int, got 'abc'"),
+        (written + "seed: 2\n", r"is not valid YAML: the key 'seed' is given twice, on lines \d+ and \d+"),
+        ("seed: 1\n", r"lacks model, model_kwargs, "),
+    ):
+        config.write_text(text)
+        argv = ["--stage", "summarize", "--seed-dirs", *map(str, dirs), "--output", str(out)]
+        assert efcn_protocol.main(argv) == 65
+        err = capsys.readouterr().err
+        assert (
+            re.match(rf"error: protocol config {re.escape(str(config))},? {message}", err) and err.count("\n") == 1
+        ), err
     assert not out.exists()
 
 

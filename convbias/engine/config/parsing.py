@@ -14,14 +14,16 @@ and exits 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 import signal
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import quoted, read_yaml
@@ -31,6 +33,7 @@ from .command_line import OptionParser, build_parser, non_finite, timm_only_opti
 from .derived import effective_epochs
 from .options import (
     IMAGE_MODE_CHANNELS,
+    Check,
     Config,
     declaration,
     default_value,
@@ -75,7 +78,7 @@ def load_yaml(
     if origins is not None:
         origins.update(dict.fromkeys(data, f"recipe {path.name}"))
     if places is not None:
-        places.update({key: f"recipe {path}, line {lines[key]}: {key}" for key in data if key in lines})
+        places.update({key: file_place("recipe", path, lines.get(key), key) for key in data})
     return merged
 
 
@@ -123,7 +126,8 @@ def parse_config(
     target = _evaluated(known)
     run_options = evaluated_run(target) if evaluated_run is not None and target is not None else {}
     origins.update({key: "the evaluated run's config.yaml" for key in run_options if key not in file_cfg})
-    places.update({key: f"{Path(target) / 'config.yaml'}: {key}" for key in run_options if key not in file_cfg})
+    # a run's config.yaml is checked, naming it, as it is read; timm's args (args.yaml, a checkpoint's) are named here
+    places.update({key: f"{target}: {key}" for key in run_options if key not in file_cfg})
     file_cfg = {**run_options, **file_cfg}
     for key in [key for key in file_cfg if key not in option_names()]:
         problems.append(f"{places.get(key, f'{known.config}: {key}')}: unknown option{did_you_mean(key)}")
@@ -254,18 +258,18 @@ def _is_number(value: Any) -> bool:
 
 
 def coerce(name: str, value: Any, label: str | None = None) -> Any:
-    """``value`` as option ``name``'s declared type (a recipe's values skip argparse's conversion): ints to
-    floats, a string of items to a list, K=V pairs to a mapping; a ConfigError naming the option (or ``label``:
-    the file and key it came from) otherwise. inf and nan make no sense for any option."""
-    kind, nargs = option_types()[name], declaration(name).metadata["nargs"]
-    label = label or flag_name(name)
+    """``value`` as option ``name``'s declared type (a recipe's values skip argparse's conversion; ``as_type``),
+    a ConfigError naming the option (or ``label``: the file and key it came from) otherwise."""
+    return as_type(option_types()[name], value, label or flag_name(name), declaration(name).metadata["nargs"])
+
+
+def as_type(kind: Any, value: Any, label: str, nargs: int | str | None = None) -> Any:
+    """``value`` as the declared type ``kind`` (a type hint: float, list[int], dict[str, Any], int | None, ...):
+    ints to floats, a string of items to a list, K=V pairs to a mapping; a ConfigError naming ``label``
+    otherwise. inf and nan make no sense for any declared number."""
     candidates = (
         [a for a in typing.get_args(kind) if a is not type(None)]
-        if typing.get_origin(kind)
-        in (
-            typing.Union,
-            types.UnionType,
-        )
+        if typing.get_origin(kind) in (typing.Union, types.UnionType)
         else [kind]
     )
     if value is None and len(candidates) < len(typing.get_args(kind) or (kind,)):
@@ -313,19 +317,83 @@ def _converted(value: Any, kind: Any, nargs: int | str | None) -> Any:
 
 def check_option(name: str, value: Any, label: str | None = None) -> None:
     """ConfigError naming the option (or ``label``) when ``value`` breaks its declared check or choices."""
-    meta, label = declaration(name).metadata, label or flag_name(name)
+    meta = declaration(name).metadata
+    check_value(value, label or flag_name(name), meta["check"], meta["choices"])
+
+
+def check_value(value: Any, label: str, rule: Check | None, choices: Sequence[Any] | None = None) -> None:
+    """ConfigError naming ``label`` (a flag, or a file and key) when ``value`` is not one of ``choices`` or breaks
+    ``rule``; None passes (an option left unset)."""
     if value is None:
         return
-    if meta["choices"] is not None:
+    if choices is not None:
         unknown = f"unknown {label} '{value}'" if label.startswith("-") else f"{label}: unknown value '{value}'"
-        shown = ", ".join(repr(c) if c == "" else c for c in meta["choices"])
-        require(value in meta["choices"], f"{unknown}; choices: {shown}")
-    rule = meta["check"]
+        shown = ", ".join(repr(c) if c == "" else str(c) for c in choices)
+        require(value in choices, f"{unknown}; choices: {shown}")
     if rule is not None and not rule.valid(value):
         shown = f"{label} {quoted(value)}" if label.startswith("-") else f"{label}: {quoted(value)}"
         raise ConfigError(
             f"{shown}: {rule.reason(value)}" if rule.reason else f"{label} must be {rule.expected}, got {quoted(value)}"
         )
+
+
+class Declared(NamedTuple):
+    """One key of a command's own YAML file (a study's config): its type (a type hint), and its check and choices
+    as a train.py option's (engine.config.options)."""
+
+    kind: Any
+    check: Check | None = None
+    choices: tuple[Any, ...] | None = None
+
+
+def train_option(name: str) -> Declared:
+    """The declaration of a file key that is train.py's option ``name`` too (seed, batch_size, ...): one rule."""
+    meta = declaration(name).metadata
+    return Declared(option_types()[name], meta["check"], meta["choices"])
+
+
+def dataclass_declarations(cls: type) -> dict[str, Declared]:
+    """The declarations of a dataclass's fields: each field's type hint, and the check of its ``metadata``."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: Declared(hints[f.name], f.metadata.get("check"), f.metadata.get("choices")) for f in fields(cls)}
+
+
+def declared_value(spec: Declared, value: Any, label: str) -> Any:
+    """``value`` as ``spec`` declares it (its type, then its check and choices); a ConfigError naming ``label``."""
+    converted = as_type(spec.kind, value, label)
+    check_value(converted, label, spec.check, spec.choices)
+    return converted
+
+
+def file_place(what: str, path: str | Path, line: int | None, key: str) -> str:
+    """How a message names the value of ``key`` in a file: 'recipe PATH, line N: key'."""
+    return f"{what} {path}, line {line}: {key}" if line is not None else f"{what} {path}: {key}"
+
+
+def read_declared_yaml(
+    path: str | Path, what: str, declared: Mapping[str, Declared], error: type[Exception] = ConfigError
+) -> dict[str, Any]:
+    """The mapping of the YAML file ``path`` (a ``what``: 'protocol config'), every key one of ``declared`` and
+    its value converted and checked as declared (``declared_value``); ``error`` naming the file, the line and the
+    key of the first that is not (a key given twice, naming both lines: base.inputs)."""
+    lines: dict[Any, int] = {}
+    data = read_yaml(path, what, error, key_lines=lines)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise error(f"{what} {path} must hold a mapping of key: value")
+    values = {}
+    for key, value in data.items():
+        label = file_place(what, path, lines.get(str(key)), str(key))
+        if key not in declared:
+            close = difflib.get_close_matches(str(key), declared, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise error(f"{label}: unknown key{hint}; known: {', '.join(declared)}")
+        try:
+            values[key] = declared_value(declared[key], value, label)
+        except ConfigError as e:
+            raise error(str(e)) from None
+    return values
 
 
 def inert_options(cfg: Config) -> dict[str, str]:

@@ -19,13 +19,10 @@ from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.storage import output_folder, write_text
 from convbias.engine.config.command_line import OptionParser, Typed, declared
-from convbias.engine.config.options import POSITIVE_INT, Check
+from convbias.engine.config.options import POSITIVE_INT
 
-from .protocol import analyze_stage, load_config, train_stage
+from .protocol import OPTIMIZERS, SNAPSHOTS, WRITTEN_CONFIG, analyze_stage, load_config, train_stage
 from .seeds import single_seed_intervals, summarize_seeds
-
-# the protocol's relax times: the initialization and the trained CNN at least
-SNAPSHOTS = Check(lambda v: v >= 2, ">= 2 (the initialization and the trained CNN)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--snapshots", type=Typed(int, SNAPSHOTS), dest="snapshots")
     parser.add_argument("--workers", **declared("workers"), dest="workers")
     parser.add_argument("--seed", **declared("seed"), dest="seed")
-    parser.add_argument("--optimizer", choices=("sgd", "adam"))
+    parser.add_argument("--optimizer", choices=OPTIMIZERS)
     parser.add_argument("--data-dir", dest="data_dir", help="dataset folder (CIFAR, ImageNet, ...)")
     return parser
 
@@ -77,7 +74,7 @@ def _protocol(args: argparse.Namespace, started: float) -> int:
         },
     )
     out = output_folder(args.output)
-    write_text(out / "protocol_config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+    write_text(out / WRITTEN_CONFIG, yaml.safe_dump(cfg, sort_keys=False))
     if args.stage in ("all", "train"):
         train_stage(cfg, out)
     if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:

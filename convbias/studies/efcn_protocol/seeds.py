@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from convbias.base.errors import ConfigError
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import markdown_table, read_csv, write_csv
 
 from ..intervals import cell, interval, wilson
+from .protocol import read_written_config
 
 SUMMARY_METRICS = (  # per relax time: mean [95% t-interval] over seeds
     "final_test_acc",
@@ -43,7 +42,7 @@ def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:
     t-interval, and the per-seed paired differences final eFCN accuracy - CNN and - FCN (the gaps the paper
     claims). Writes relax_times_seeds.csv, baselines_seeds.csv and seeds.md into `out`."""
     per_seed = [(_read_csv(d / "relax_times.csv"), _read_csv(d / "baselines.csv")[0]) for d in seed_dirs]
-    seeds = [yaml.safe_load((d / "protocol_config.yaml").read_text())["seed"] for d in seed_dirs]
+    seeds = [read_written_config(d)["seed"] for d in seed_dirs]
     times = sorted({r["relax_time"] for rows, _ in per_seed for r in rows})
     output_folder(out)
     rows, baselines = [], {}
