@@ -20,7 +20,8 @@ from import_graph import REPO
 from PIL import Image
 
 import convbias.base.weights
-from convbias.base.errors import EXIT_USAGE
+from convbias.base.devices import check_device, default_device
+from convbias.base.errors import EXIT_USAGE, ConfigError
 from convbias.engine.config.command_line import DEVICE, Typed, key_value, literal_key_value
 from convbias.engine.config.options import Config, declaration, flag_name, option_types
 
@@ -269,3 +270,14 @@ def test_values_probe_what_their_declarations_refuse():
         with pytest.raises(argparse.ArgumentTypeError, match="finite"):
             Typed(float)(text)
     assert math.isclose(Typed(float)("0.5"), 0.5)
+
+
+def test_devices_are_checked_against_this_machine():
+    assert check_device("cpu") == "cpu"
+    for name in ("cpu:0", "tpu", "cuda:x", ""):
+        with pytest.raises(ConfigError, match=r"expected cpu, cuda or cuda:N"):
+            check_device(name)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ConfigError, match="no CUDA device" if count == 0 else "CUDA device"):
+        check_device(f"cuda:{count}")
+    assert default_device() == ("cuda" if count else "cpu")

@@ -8,6 +8,7 @@ import csv
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,19 @@ def test_console_script_writes_csv_to_standard_output(run, images, console_scrip
     predicted = {row[0]: int(row[2]) for row in rows[1:]}
     assert predicted == {p: e.argmax().item() for p, e in zip(images["paths"], images["probabilities"])}
     assert images["broken"] in done.stderr and "skipped 1 unreadable images" in done.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full (a device that is always full)")
+def test_predictions_on_a_full_standard_output_are_one_line(run, images, capsys, monkeypatch):
+    """The CSV written to standard output on a full disk: a StorageError naming standard output (exit 74)."""
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert predict.main([str(run), str(images["folder"]), "--topk", "1", "--device", "cpu"]) == 74
+        monkeypatch.undo()
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("error: ")] == err[-1:], err
+    assert err[-1] == "error: writing to standard output failed (no space left on the device)", err
+    assert "Traceback" not in "".join(err)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import timm
@@ -388,3 +389,18 @@ def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line
     ]
     assert result.returncode == 65 and len(lines) == 1, result.stderr[-2000:]
     assert re.search(r"^error: unreadable image .*0broken.png", lines[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (a device that is always full)")
+def test_standard_output_on_a_full_disk_is_named_as_such(capsys, monkeypatch, tmp_path):
+    """The start-up block written to a full standard output: standard output's failure, not the --output folder's
+    disk (which has room), and nothing left for the interpreter to fail on at exit."""
+    with open("/dev/full", "w", buffering=1) as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        code, err = run_cli(capsys, SMALL + ["--output", str(tmp_path / "run")])
+        monkeypatch.undo()
+        full.write("left at exit\n")  # what the interpreter flushes at exit now goes nowhere, without an error
+    assert code == 74 and err == [
+        "error: writing to standard output failed (no space left on the device); no checkpoint was written yet "
+        f"in {tmp_path / 'run'}; rerun the same command to start over"
+    ], err
