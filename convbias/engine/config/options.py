@@ -93,11 +93,10 @@ TRAIN_INTERPOLATIONS = ("random", *FILTERS)
 
 # timm's auto-augment policies (timm.data.auto_augment): NAME-SECTION-SECTION..., each section a key and its
 # number (m9, mstd0.5), for RandAugment also t and a transform set (tweights); the type each key's number has
-_NUMBER_TYPES = {"int": int, "float": float}
-AUTO_AUGMENT_SECTIONS = {
-    "rand": {"m": "int", "n": "int", "p": "float", "mstd": "float", "mmax": "int", "inc": "int"},
-    "augmix": {"m": "int", "w": "int", "d": "int", "a": "float", "b": "int", "mstd": "float"},
-    **{name: {"mstd": "float"} for name in ("original", "originalr", "v0", "v0r", "3a")},  # AutoAugment's policies
+AUTO_AUGMENT_SECTIONS: dict[str, dict[str, type]] = {
+    "rand": {"m": int, "n": int, "p": float, "mstd": float, "mmax": int, "inc": int},
+    "augmix": {"m": int, "w": int, "d": int, "a": float, "b": int, "mstd": float},
+    **{name: {"mstd": float} for name in ("original", "originalr", "v0", "v0r", "3a")},  # AutoAugment's policies
 }
 RAND_AUGMENT_SETS = ("weights", "3aw", "3a")  # rand-t<SET>: timm's transform sets (any other name is its default)
 
@@ -119,12 +118,15 @@ def auto_augment_problem(policy: str) -> str | None:
             continue
         key, number = re.fullmatch(r"(\D*)(.*)", section).groups()  # as timm splits it: at the first digit
         if key not in keys or not number:
-            shown = ", ".join(f"{k}<{kind}>" for k, kind in keys.items()) + (", t<set>" if name == "rand" else "")
+            shown = ", ".join(f"{k}<{kind.__name__}>" for k, kind in keys.items()) + (
+                ", t<set>" if name == "rand" else ""
+            )
             return f"section {section!r} is not one of the {name} policy's sections ({shown})"
         try:
-            value = _NUMBER_TYPES[keys[key]](number)
+            value = keys[key](number)
         except ValueError:
-            return f"section {section!r}: {key} takes {'an' if keys[key] == 'int' else 'a'} {keys[key]}, got {number!r}"
+            article = "an" if keys[key] is int else "a"
+            return f"section {section!r}: {key} takes {article} {keys[key].__name__}, got {number!r}"
         if not math.isfinite(value):
             return f"section {section!r}: {key} must be finite"
     return None
