@@ -21,7 +21,7 @@ from convbias.base.storage import output_folder, write_text
 from convbias.engine.config.command_line import OptionParser, Typed, declared
 from convbias.engine.config.options import POSITIVE_INT
 
-from .protocol import OPTIMIZERS, SNAPSHOTS, WRITTEN_CONFIG, analyze_stage, load_config, train_stage
+from .protocol import OPTIMIZERS, SNAPSHOTS, analyze_stage, load_config, train_stage
 from .seeds import single_seed_intervals, summarize_seeds
 
 
@@ -74,7 +74,7 @@ def _protocol(args: argparse.Namespace, started: float) -> int:
         },
     )
     out = output_folder(args.output)
-    write_text(out / WRITTEN_CONFIG, yaml.safe_dump(cfg, sort_keys=False))
+    write_text(out / "protocol_config.yaml", yaml.safe_dump(cfg, sort_keys=False))
     if args.stage in ("all", "train"):
         train_stage(cfg, out)
     if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:

@@ -33,7 +33,6 @@ import timm
 import torch
 
 from convbias import engine
-from convbias.base.errors import DamagedInputError
 from convbias.base.run_layout import SUMMARY_FILE, snapshot_name
 from convbias.base.tables import write_csv
 from convbias.base.weights import load_weights
@@ -104,7 +103,6 @@ DECLARED: dict[str, Declared] = dict(
     string_lr=Declared(float, POSITIVE),
     string_stiffness=Declared(float, NON_NEGATIVE),
 )
-WRITTEN_CONFIG = "protocol_config.yaml"  # the protocol's resolved config, in its output folder
 
 
 def load_config(path: str | None, overrides: dict) -> dict:
@@ -123,17 +121,6 @@ def load_config(path: str | None, overrides: dict) -> dict:
                 f"model {family + cfg['model']} is not registered (import efcn registers "
                 f"vanilla_cnn, alexnet_cifar and their efcn_/fcn_ variants)"
             )
-    return cfg
-
-
-def read_written_config(out: Path) -> dict:
-    """The config a protocol wrote in ``out`` (WRITTEN_CONFIG), every key of DECLARED as declared; a
-    DamagedInputError naming the file, line and key otherwise."""
-    path = out / WRITTEN_CONFIG
-    cfg = read_declared_yaml(path, "protocol config", DECLARED, DamagedInputError)
-    missing = [key for key in DECLARED if key not in cfg]
-    if missing:
-        raise DamagedInputError(f"protocol config {path} lacks {', '.join(missing)}")
     return cfg
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from convbias.base.errors import ConfigError
+from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.inputs import read_yaml
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import markdown_table, read_csv, write_csv
+from convbias.engine.config.parsing import declared_value
 
 from ..intervals import cell, interval, wilson
-from .protocol import read_written_config
+from .protocol import DECLARED
 
 SUMMARY_METRICS = (  # per relax time: mean [95% t-interval] over seeds
     "final_test_acc",
@@ -37,12 +39,25 @@ def _read_csv(path: Path) -> list[dict]:
     return read_csv(path, "protocol results")
 
 
+def _seed(folder: Path) -> int:
+    """The seed a protocol output records in its protocol_config.yaml, checked as the protocol's seed is."""
+    path = folder / "protocol_config.yaml"
+    recorded = read_yaml(path, "protocol record", DamagedInputError)
+    label = f"protocol record {path}: seed"
+    if not isinstance(recorded, dict) or "seed" not in recorded:
+        raise DamagedInputError(f"{label} is missing")
+    try:
+        return declared_value(DECLARED["seed"], recorded["seed"], label)
+    except ConfigError as e:
+        raise DamagedInputError(str(e)) from None
+
+
 def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:
     """Per relax time, over the protocols in `seed_dirs` (one per seed): n and each metric's mean with its 95%
     t-interval, and the per-seed paired differences final eFCN accuracy - CNN and - FCN (the gaps the paper
     claims). Writes relax_times_seeds.csv, baselines_seeds.csv and seeds.md into `out`."""
     per_seed = [(_read_csv(d / "relax_times.csv"), _read_csv(d / "baselines.csv")[0]) for d in seed_dirs]
-    seeds = [read_written_config(d)["seed"] for d in seed_dirs]
+    seeds = [_seed(d) for d in seed_dirs]
     times = sorted({r["relax_time"] for rows, _ in per_seed for r in rows})
     output_folder(out)
     rows, baselines = [], {}
