@@ -14,6 +14,7 @@ short prefix only. Light to import: no torch.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import reprlib
@@ -119,7 +120,7 @@ MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *base`: the keys it brings in may 
 
 class _BoundedLoader(yaml.SafeLoader):
     """yaml.SafeLoader that counts depth and aliases while composing, and the expanded size after; refuses a key
-    given twice in one mapping; records the line of each top-level key in ``key_lines``."""
+    given twice in one mapping; records the line of each key in ``key_lines`` (``_record_key_lines``)."""
 
     def __init__(self, stream: Any, key_lines: dict[Any, int] | None = None):
         super().__init__(stream)
@@ -161,11 +162,23 @@ class _BoundedLoader(yaml.SafeLoader):
         node = super().get_single_node()
         if node is not None:
             expanded_size(node)
-        if self.key_lines is not None and isinstance(node, yaml.MappingNode):
-            for key_node, _ in node.value:
-                if isinstance(key_node, yaml.ScalarNode):
-                    self.key_lines.setdefault(key_node.value, key_node.start_mark.line + 1)
+        if self.key_lines is not None:
+            self._record_key_lines(node)
         return node
+
+    def _record_key_lines(self, root: Any) -> None:
+        """The line (from 1) of each key of the mappings in ``root``, a nested one as 'outer.inner'; a mapping
+        reached again through an alias is recorded once, under its first path."""
+        pending, seen = collections.deque([(root, "")]), set()
+        while pending:
+            node, prefix = pending.popleft()
+            if not isinstance(node, yaml.MappingNode) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for key_node, value_node in node.value:
+                if isinstance(key_node, yaml.ScalarNode):
+                    self.key_lines.setdefault(prefix + key_node.value, key_node.start_mark.line + 1)
+                    pending.append((value_node, f"{prefix}{key_node.value}."))
 
 
 def expanded_size(node: yaml.Node) -> int:
@@ -194,7 +207,7 @@ def expanded_size(node: yaml.Node) -> int:
 
 def parse_yaml(text: str | bytes, key_lines: dict[Any, int] | None = None) -> Any:
     """The YAML document in ``text`` (yaml.YAMLError when it is not YAML, gives a key twice or breaks a limit);
-    ``key_lines``, when given, gets the line (from 1) of each key of a top-level mapping."""
+    ``key_lines``, when given, gets the line (from 1) of each key of its mappings ('set.lr' for a nested one)."""
     loader = _BoundedLoader(text, key_lines)
     try:
         return loader.get_single_data()

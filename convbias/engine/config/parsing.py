@@ -190,18 +190,39 @@ def _typed_file_values(parser: argparse.ArgumentParser, values: dict[str, Any], 
     """A file's text values typed as the command line's are (argparse types the defaults it is given, and would
     name a bad one as the command line's ``argument --lr``), in place; a value that does not convert is dropped
     and named by its file, line and key."""
-    types = {action.dest: action.type for action in parser._actions if action.type is not None}
+    types = _parser_types(parser)
     problems = []
     for key, value in list(values.items()):
-        kind = types.get(key)
-        if not isinstance(value, str) or kind is None or key in key_value_options():
-            continue
         try:
-            values[key] = kind(value)
-        except (ValueError, TypeError, argparse.ArgumentTypeError):
-            problems.append(f"{places.get(key, key)} expects {_describe(kind, None)}, got {quoted(repr(value))}")
+            values[key] = _typed_text(types, key, value, places.get(key, key))
+        except ConfigError as e:
+            problems.append(str(e))
             del values[key]
     return problems
+
+
+def _parser_types(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    return {action.dest: action.type for action in parser._actions if action.type is not None}
+
+
+def _typed_text(types: dict[str, Any], name: str, value: Any, label: str) -> Any:
+    """A file's text value of option ``name`` typed by its command-line type (``value`` when it is no text)."""
+    kind = types.get(name)
+    if not isinstance(value, str) or kind is None or name in key_value_options():
+        return value
+    try:
+        return kind(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ConfigError(f"{label} expects {_describe(kind, None)}, got {quoted(repr(value))}") from None
+
+
+def file_option_value(name: str, value: Any, label: str, parser: argparse.ArgumentParser | None = None) -> Any:
+    """A value of train.py's option ``name`` that a file gives (a sweep file's ``set``, ``grid`` or
+    ``variants``), typed and checked as a recipe's is; a ConfigError naming ``label`` (the file, line and key)."""
+    value = _typed_text(_parser_types(parser or build_parser()), name, value, label)
+    value = coerce(name, value, label)
+    check_option(name, value, label)
+    return value
 
 
 def option_label(cfg: Config, name: str) -> str:
