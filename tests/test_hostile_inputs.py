@@ -323,6 +323,23 @@ def test_model_kwargs_checkpoint_path_goes_through_the_weights_checks(tmp_path, 
     assert not marker.exists() and not (tmp_path / "run").exists()
 
 
+def test_model_kwargs_checkpoint_path_loads_what_timms_own_loader_loads(tmp_path, tiny_model):
+    """The route through the package's checks loads the file's weights as timm.create_model(checkpoint_path=)
+    does (the oracle: timm's load_checkpoint), into the model the run's other options build."""
+    import timm
+
+    cfg = tiny_model(**{"--num-classes": 10})
+    weights = {key: torch.randn_like(value) for key, value in modeling.create_model(cfg, 10, 1).state_dict().items()}
+    path = tmp_path / "weights.pt"
+    torch.save({"state_dict": weights, "epoch": 3}, path)  # as timm's train.py writes its checkpoints (no EMA)
+    ours = modeling.create_model(cfg.replace(model_kwargs={**cfg.model_kwargs, "checkpoint_path": str(path)}), 10, 1)
+    timms = timm.create_model(
+        cfg.model, checkpoint_path=str(path), num_classes=10, in_chans=1, img_size=cfg.img_size, **cfg.model_kwargs
+    )
+    assert ours.state_dict().keys() == timms.state_dict().keys() == weights.keys()
+    assert all(torch.equal(ours.state_dict()[key], timms.state_dict()[key]) for key in weights)
+
+
 # ------------------------------------------------------------------------------------ 5. no tracebacks
 LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)
