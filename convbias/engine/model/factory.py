@@ -172,7 +172,11 @@ def create_model_and_report(cfg: Config, num_classes: int | None, in_chans: int)
     if path is None and model.pretrained_cfg.get("file"):  # a model argument had timm load a file (cnn_checkpoint)
         check_finite(dict(model.named_parameters()), f"{model.pretrained_cfg['file']} (as {cfg.model}'s weights)")
     if checkpoint_path is not None and not any(p.is_meta for p in model.parameters()):
-        load_checked(model, read_state_dict(checkpoint_path), f"--model-kwargs {CHECKPOINT_ARGUMENT}={checkpoint_path}")
+        load_checked(
+            model,
+            read_state_dict(checkpoint_path, use_ema=True),  # as timm's create_model(checkpoint_path=) loads it
+            f"--model-kwargs {CHECKPOINT_ARGUMENT}={checkpoint_path}",
+        )
     if cfg.head_init_scale is not None:
         with torch.no_grad():
             for tensor in classifier_tensors(model, ("weight", "bias"), "--head-init-scale", cfg.model):
