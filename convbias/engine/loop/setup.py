@@ -39,6 +39,7 @@ from ..model.factory import (
     create_run_model,
     create_teacher,
     head_classes,
+    head_fit_warning,
     set_grad_checkpointing,
     sync_batchnorm,
 )
@@ -46,7 +47,7 @@ from ..model.output_scale import OutputScale, ScaledLoss
 from ..optim import factory as optim
 from ..optim.build import Optimization, build_optimization
 from .metrics import evaluate
-from .node import local_processes, node_cores
+from .node import busy_cores_warning, local_processes, node_cores
 from .preemption import PreemptionSignals, ignore_in_worker
 from .start import CheckpointChoice, RunStart
 
@@ -83,6 +84,21 @@ def setup_warnings(cfg: Config, values: RunValues) -> list[str]:
     if crowded:
         found.append(crowded)
     return found
+
+
+def training_warnings(start: RunStart, data: TrainingData, models: Models) -> list[str]:
+    """What a user needs to hear before the first epoch: ``setup_warnings``, a head larger than the data's class
+    count when the options or the model's default chose it (weights that fix the head are not the options'), and
+    on CPUs intra-op threads beyond the cores the node's load leaves free."""
+    cfg = start.cfg
+    found = setup_warnings(cfg, start.values)
+    if cfg.num_classes is not None or start.head[0] is None:
+        found.append(
+            head_fit_warning(models.num_classes, start.head[1], data.bundle.num_classes, f"--dataset {cfg.dataset}")
+        )
+    if start.accelerator.device.type == "cpu":
+        found.append(busy_cores_warning(torch.get_num_threads()))
+    return [warning for warning in found if warning]
 
 
 # torch's DataLoader warns of more workers than cores on its own, at creation and at each new iterator

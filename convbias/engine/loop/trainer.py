@@ -55,7 +55,7 @@ from .records import (
     summary_line,
     write_config,
 )
-from .setup import Models, build_data, build_models_and_optimization, build_preemption, setup_warnings
+from .setup import Models, build_data, build_models_and_optimization, build_preemption, training_warnings
 from .start import RunStart, check_exact_continuation, kept
 
 __all__ = ["RESUME_PART_TYPES", "NonFiniteLossError", "Trainer", "build_trainer"]
@@ -79,8 +79,8 @@ def build_trainer(start: RunStart) -> Trainer:
         accepted = None
     preemption = build_preemption(cfg)
     data = build_data(start, preemption, train=True)
-    warnings = setup_warnings(cfg, start.values)
     models, optimization, was_reparametrized = build_models_and_optimization(start, data)
+    warnings = training_warnings(start, data, models)
     diagnostics = None
     if cfg.diagnostics:
         count = min(cfg.diagnostics_images, len(data.bundle.val))
