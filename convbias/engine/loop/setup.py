@@ -123,7 +123,7 @@ def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> T
     (engine.loop.preemption)."""
     if crowded_loaders(start.cfg.workers):  # the engine's warning says it once, counting the node's processes
         warnings.filterwarnings("ignore", message=TORCH_WORKERS_WARNING, category=UserWarning)
-    worker_init_fn = partial(ignore_in_worker, preemption.signals) if preemption.signals else None
+    worker_init_fn = partial(ignore_in_worker, preemption.handled)
     return build_training_data(start.cfg, start.accelerator, worker_init_fn, train)
 
 

@@ -29,7 +29,7 @@ from timm.utils import distribute_bn
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from convbias.base.errors import NonFiniteLossError, Preempted
+from convbias.base.errors import Interrupted, NonFiniteLossError, Preempted
 from convbias.base.run_layout import CONFIG_FILE
 
 from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
@@ -383,12 +383,16 @@ class Trainer:
 
     def _maybe_stop_mid_epoch(self, epoch: int, steps: int, loss_sum: torch.Tensor) -> None:
         """After an optimizer update: a resume point every --checkpoint-interval updates, and on a
-        preemption signal a resume point then Preempted (every rank decides together, every
-        engine.loop.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
+        preemption signal or Ctrl-C a resume point then Preempted or Interrupted (every rank decides together,
+        every engine.loop.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
         signals = self.preemption
-        preempted = signals.requested(self.accelerator, self.progress.num_updates) if signals.signals else False
-        point = self.checkpointer.save(epoch, steps, loss_sum=loss_sum, force=preempted)
-        if preempted:
+        stop = signals.requested(self.accelerator, self.progress.num_updates)
+        point = self.checkpointer.save(epoch, steps, loss_sum=loss_sum, force=stop)
+        if stop and signals.interrupts:
+            raise Interrupted(
+                f"Ctrl-C after step {steps} of epoch {epoch + 1}; resume point {point} (continue with --resume auto)"
+            )
+        if stop:
             raise Preempted(self.preemption.name, point, epoch, steps)
 
     def _mean_loss(self, loss_sum: torch.Tensor, steps: int, epoch: int) -> float:
