@@ -361,7 +361,7 @@ def _fcn_baselines(analysis: _Analysis, cnn_results: dict) -> tuple[dict, Filter
     filters = [("initialization", _first_filter(fcn))]
     load_weights(fcn, _snapshot(out / "fcn", E)).eval()
     filters.append((f"after {E} epochs", _first_filter(fcn)))
-    filters.append(("difference", filters[1][1] - filters[0][1]))
+    filters.append((plots.DIFFERENCE, filters[1][1] - filters[0][1]))
     curves = _read_summary(out / "fcn", "fcn", fcn_initial)
     fcn_local = {}
     for keep in ("local", "off_local"):
