@@ -19,7 +19,7 @@ from convbias.base.reporting import report
 from convbias.base.storage import output_folder, write_text
 from convbias.engine.config.command_line import OptionParser
 
-from .protocol import analyze_stage, load_config, train_stage
+from .protocol import analyze_stage, load_config, protocol_stages, train_stage
 from .seeds import single_seed_intervals, summarize_seeds
 
 
@@ -64,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         out = output_folder(args.output)
         write_text(out / "protocol_config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+        analyze = args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0
+        progress = protocol_stages(cfg, train=args.stage in ("all", "train"), analyze=analyze)
         if args.stage in ("all", "train"):
-            train_stage(cfg, out)
-        if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:
-            analyze_stage(cfg, out)
+            train_stage(cfg, out, progress)
+        if analyze:
+            analyze_stage(cfg, out, progress)
     except (Exception, KeyboardInterrupt) as error:  # the one error helper: its line and exit code
         return report(error)
     print(f"[efcn_protocol] done in {(time.perf_counter() - started) / 60:.1f} min")
