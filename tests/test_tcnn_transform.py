@@ -48,7 +48,9 @@ def test_exact_init_with_the_default_stride_is_as_far_from_the_cnn_as_the_readme
     assert (
         '`init="exact"`: alpha = lambda = 16; with `keep_stride=True` the T-CNN computes the CNN\'s function' in readme
     )
-    low, high = map(float, re.search(r"its logits are (\d+)-(\d+)% off the CNN's at 64 px", readme).groups())
+    low, high = map(
+        float, re.search(r"with the default, its logits are (\d+)-(\d+)% off the CNN's at 64 px", readme).groups()
+    )
     default = transform(copy.deepcopy(cnn), init="exact").eval()
     error = relative_error(default(tcnn_images), cnn(tcnn_images))
     assert low <= round(100 * error) <= high, error
