@@ -77,17 +77,16 @@ def price_step(trainer) -> tuple[dict[str, DispatchCost], int, int]:
             batch = trainer.data.augment(batch)
         with costs["mixup"]:
             batch, labels = optimization.mixup(batch, labels)
-        with acc.accumulate(models.model):
-            with costs["forward"], SavedForBackward() as saved:
-                loss = optimization.train_loss(models.forward(batch), labels)
-            with costs["backward"]:
-                acc.backward(loss)
-            with costs["optimizer"]:
-                trainer._update()
+        with costs["forward"], SavedForBackward() as saved:
+            loss = optimization.train_loss(models.forward(batch), labels)
+        with costs["backward"]:
+            acc.backward(loss)
+        with costs["optimizer"]:
+            trainer._update()
         with costs["ema"]:
             trainer._update_ema()
         with costs["bookkeeping"]:
-            trainer._after_step(0, 0, steps, loss, loss_sum, tqdm(total=steps, disable=True))
+            trainer._after_step(0, 0, steps, loss, loss_sum, tqdm(total=steps, disable=True), updated=True)
     return costs, saved.bytes, batch.numel() * 4
 
 

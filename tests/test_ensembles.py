@@ -110,8 +110,8 @@ def test_sweep_with_several_seeds_reports_its_ensemble(seed_runs, capsys):
     assert ensemble["member_top1"] == pytest.approx(sum(members) / 2)
     assert ensemble["member_top1_std"] == pytest.approx(abs(members[0] - members[1]) / 2**0.5)
     assert ensemble["images"] == 359  # the digits' validation split
-    csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
-    sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME)
+    csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME, owner=prepared.sweep_dir)  # its own
+    sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME, owner=prepared.sweep_dir)
     text = report.write_report(csv_path, ensembles=report.ensembles_beside(csv_path))[0].read_text()
     table = text.split("## Ensembles over seeds")[1]
     correct = round(ensemble["ensemble_top1"] * 359 / 100)

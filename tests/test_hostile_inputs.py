@@ -137,6 +137,27 @@ def test_a_lock_file_that_is_a_link_is_never_written_through(tmp_path, capsys):
     assert mine.read_text() == "the user's file" and sorted(p.name for p in output.iterdir()) == [".lock"]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "hard link"])
+def test_a_lock_file_that_is_a_fifo_or_a_hard_link_is_never_read_or_written_through(tmp_path, capsys, kind):
+    """A FIFO would block the lock's read of its holder (train.py hung silently); a hard link to another run's
+    results.json would be emptied to record the holder."""
+    output = tmp_path / "run"
+    output.mkdir()
+    if kind == "fifo":
+        os.mkfifo(output / ".lock")
+        described = r"a named pipe \(FIFO\)"
+    else:
+        (tmp_path / "results.json").write_text('{"model": "convit_tiny"}\n')
+        os.link(tmp_path / "results.json", output / ".lock")
+        described = r"a hard link \(2 names for one file\)"
+    before = tree(tmp_path)
+    code, err = run_train(capsys, "--output", str(output))
+    assert code == EXIT_DAMAGED
+    one_line(err, rf"{output}/.lock is {described}, not a lock file of train.py; nothing was read from or written")
+    assert tree(tmp_path) == before
+
+
 @pytest.mark.parametrize("name", ["log.jsonl", "summary.csv", "config.yaml", "results.json"])
 def test_a_log_or_results_file_that_is_a_link_is_refused_naming_it(tmp_path, capsys, name):
     mine = tmp_path / "mine.txt"

@@ -340,27 +340,33 @@ def test_a_run_config_value_is_named_by_its_file_and_key_not_by_an_option(traine
 
 
 @pytest.mark.parametrize(
-    "reader, header",
+    "reader, declared, checked",
     [
-        ("convbias.studies.phase_diagram.study:read_cells", "width,alpha_tilde,test_error"),
-        ("convbias.studies.efcn_protocol.seeds:_read_csv", "relax_time,final_test_acc,fcn_deviation_total"),
-        ("convbias.studies.stability.study:read_rows", "seed,images,D_f"),
+        ("convbias.studies.phase_diagram.study:read_cells", "CELL_COLUMNS", ("width", "alpha_tilde", "seeds")),
+        ("convbias.studies.efcn_protocol.seeds:_read_csv", None, ("relax_time", "final_test_acc", "deviation_total")),
+        ("convbias.studies.stability.study:read_rows", "ROW_COLUMNS", ("seed", "images", "draws")),
     ],
 )
-def test_a_results_table_a_command_wrote_is_read_back_and_a_damaged_cell_named(tmp_path, reader, header):
-    """The studies read their own CSVs back through base.tables.read_csv: the numbers as written; a cell that is
-    no number (a table edited by hand or cut short) is one DamagedInputError naming the file, line and column;
-    a FIFO in its place is refused unread."""
+def test_a_results_table_a_command_wrote_is_read_back_and_a_damaged_cell_named(tmp_path, reader, declared, checked):
+    """The studies read their own CSVs back through base.tables.read_csv with the columns their writers declare:
+    the numbers as written; a cell that is no number (a table edited by hand or cut short) is one
+    DamagedInputError naming the file, line and column; a FIFO in its place is refused unread."""
     import importlib
 
     module, name = reader.split(":")
     read = getattr(importlib.import_module(module), name)
-    table, columns = tmp_path / "table.csv", header.split(",")
-    table.write_text(f"{header}\n1,2,3\n5,6,7\n")
-    assert [[row[c] for c in columns] for row in read(table)] == [[1, 2, 3], [5, 6, 7]]
-    table.write_text(f"{header}\n1,2,3\n5,six,7\n")
+    columns = list(getattr(importlib.import_module(module), declared)) if declared else list(checked)
+    table = tmp_path / "table.csv"
+
+    def write(*rows: tuple[str, ...]) -> None:
+        cells = [{c: "1" for c in columns} | dict(zip(checked, row)) for row in rows]
+        table.write_text(",".join(columns) + "\n" + "".join(",".join(r[c] for c in columns) + "\n" for r in cells))
+
+    write(("1", "2", "3"), ("5", "6", "7"))
+    assert [[row[c] for c in checked] for row in read(table)] == [[1, 2, 3], [5, 6, 7]]
+    write(("1", "2", "3"), ("5", "six", "7"))
     with pytest.raises(
-        DamagedInputError, match=re.escape(f"{table}: line 3, column {columns[1]}: unexpected value six")
+        DamagedInputError, match=re.escape(f"{table}: line 3, column {checked[1]}: unexpected value six")
     ):
         read(table)
     table.unlink()

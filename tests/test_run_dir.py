@@ -145,7 +145,7 @@ def test_restart_after_a_failure_before_the_first_checkpoint_takes_over_the_stal
     ) in captured.err.splitlines()
     assert captured.out.strip().splitlines()[-1] == (
         f"done: final top-1 {results['final_top1']:.2f} (epoch 1), best top-1 {results['best_top1']:.2f} (epoch 1); "
-        f"in {output}: results.json, summary.csv, log.jsonl, config.yaml, checkpoints/last, checkpoints/best"
+        f"in {output}: results.json, summary.csv, log.jsonl, config.yaml, args.yaml, checkpoints/last, checkpoints/best"
     )
     assert b"\r" not in (output / "summary.csv").read_bytes()  # one line ending
     assert json.loads((output / "results.json").read_text()) == results

@@ -558,6 +558,48 @@ def test_a_damaged_results_file_is_named_then_rewritten_from_the_point(main, fin
     assert json.loads(results.read_text()) == original
 
 
+@pytest.fixture(scope="module")
+def ema_args(cli_argv) -> list[str]:
+    """One epoch of the tiny ConViT with --model-ema: the EMA's evaluation is the epoch's metric."""
+    return cli_argv(
+        cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, batch_size=64, train_fraction=0.1, epochs=1, seed=0
+    ) + ["--model-ema", "--no-diagnostics"]
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory, ema_args) -> Path:
+    output = tmp_path_factory.mktemp("ema") / "run"
+    train.run(ema_args + ["--output", str(output)])
+    return output
+
+
+@pytest.mark.parametrize(
+    "recovery", ["removed", "removed, resumed without --model-ema", "killed before it was written", "rerun intact"]
+)
+def test_a_recovered_record_of_an_ema_run_is_the_one_the_run_wrote(ema_run, ema_args, tmp_path, recovery, monkeypatch):
+    """--resume auto completes results.json from the training state: the whole record equals the uninterrupted
+    run's (metric_of "ema": whose evaluations the state holds), whether the file was removed (and the resume
+    given without --model-ema: the run's config.yaml says how it trained), the run killed after its last point
+    and before the file, or the finished run resumed again (its intact record left as it is)."""
+    uninterrupted = json.loads((ema_run / "results.json").read_text())
+    assert uninterrupted["metric_of"] == "ema"
+    run = tmp_path / "run"
+    if recovery == "killed before it was written":
+        monkeypatch.setattr(
+            run_log.RunLog, "write_results", lambda self, results: (_ for _ in ()).throw(KeyboardInterrupt)
+        )
+        assert train.main(ema_args + ["--output", str(run)]) == 130
+        monkeypatch.undo()
+        assert not (run / "results.json").exists() and (run / "checkpoints" / "epoch_0001").is_dir()
+    else:
+        shutil.copytree(ema_run, run, symlinks=True)
+        if recovery.startswith("removed"):
+            (run / "results.json").unlink()
+    resume = [arg for arg in ema_args if arg != "--model-ema"] if "without" in recovery else ema_args
+    assert train.main(resume + ["--output", str(run), "--resume", "auto"]) == 0
+    assert json.loads((run / "results.json").read_text()) == uninterrupted
+
+
 def test_damaged_log_lines_are_dropped_with_a_note_and_the_run_resumes(main, stopped, reference, tmp_path):
     run = copy(stopped, tmp_path)
     with open(run / "log.jsonl", "ab") as f:

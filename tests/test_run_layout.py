@@ -20,6 +20,7 @@ SOURCES = ("convbias", "train.py", "benchmarks")
 LAYOUT = ROOT / "convbias" / "base" / "run_layout.py"
 FILE_NAMES = {
     layout.CONFIG_FILE,
+    layout.TIMM_ARGS_FILE,
     layout.SUMMARY_FILE,
     layout.LOG_FILE,
     layout.RESULTS_FILE,
@@ -92,6 +93,7 @@ def test_the_layout_names_what_it_promises():
     """What the check above looks for are the names train.py writes (a renamed file would go unchecked)."""
     assert layout.RUN_FILES == (
         layout.CONFIG_FILE,
+        layout.TIMM_ARGS_FILE,
         layout.SUMMARY_FILE,
         layout.LOG_FILE,
         layout.RESULTS_FILE,

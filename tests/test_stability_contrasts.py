@@ -90,7 +90,7 @@ def test_training_logs_round_trip_through_trajectories_csv(tmp_path: Path):
     for name, init in (("cnn_P1.0_seed0", 0.5), ("cnn_P1.0_seed1", 0.7), ("plain_P1.0_seed0", None)):
         run = tmp_path / "runs" / name
         run.mkdir(parents=True)
-        (run / "config.yaml").write_text("epochs: 2\ndiagnostics_images: 100\n")
+        (run / "config.yaml").write_text("model: efcn_vanilla_cnn\nepochs: 2\ndiagnostics_images: 100\n")
         records = [dict(epoch=e, rf=init * (e + 1), eval_top1=50.0 + e) if init else dict(epoch=e) for e in (1, 2)]
         records[0] |= dict(init_rf=init) if init else {}
         (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")

@@ -4,26 +4,35 @@ data, global batch with the effective lr and the rule that gave it, epochs and w
 import json
 import re
 from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
 
 import pytest
 import timm
 import torch
+import yaml
 from conftest import REPO
 from safetensors.torch import save_file
+from test_timm_train_options_effects import timm_train_loss
 from test_train_errors import PROGRESS, messages
+from timm.loss import BinaryCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from torchvision.transforms import ColorJitter
 
 import convit  # noqa: F401  (registers the project's models)
 import transformed_cnn  # noqa: F401
 from convbias.cli import train
 from convbias.engine.config.options import Config
-from convbias.engine.config.parsing import option_source, parse_config
+from convbias.engine.config.parsing import config_warnings, option_source, parse_config
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.data.factory import build_transforms
 from convbias.engine.loop import node
 from convbias.engine.loop.node import busy_cores_warning, intra_op_threads, set_threads
 from convbias.engine.loop.records import model_arguments, settings_lines
 from convbias.engine.loop.start import finished_message
 from convbias.engine.model.factory import create_model_and_report, head_fit_warning
+from convbias.engine.optim.factory import create_mixup, optimizer_arguments, trained_epochs
+from convbias.engine.optim.factory import create_train_loss as recipe_loss
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -41,15 +50,17 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
     )
     params = sum(p.numel() for p in model.parameters()) / 1e6
     updates = 719 // 16  # half of the 1,438 training digits, in full batches of 16
-    assert out.splitlines()[:13] == [
+    assert out.splitlines()[:15] == [
         f"output: {output} (a new run)",
-        "processes: 1 (1 thread each [OMP_NUM_THREADS=1]) on cpu, fp32",  # the module's single_thread fixture
+        # the module's single_thread fixture; fp32: --mixed-precision's default
+        "processes: 1 (1 thread each [OMP_NUM_THREADS=1]) on cpu, fp32 [default]",
         f"model: convit_tiny, {params:.2f}M parameters; arguments patch_size=2 [command line], depth=2 [command line], "
         "local_up_to_layer=1 [command line], embed_dim=8 [command line]",
-        "data: digits, 719 train / 359 val images, 10 classes",
+        "data: digits [command line], 719 train / 359 val images, 10 classes",
         "num_classes: 10 (command line)",  # PLAIN_DIGITS's --num-classes 10
-        "batch: 16 global = 16 per process x 1 x 1 accumulation; lr 0.00625 (--lr-base 0.1 x 16 / --lr-base-size 256)",
-        f"schedule: 1 epoch, 0 of warm-up, {updates} updates per epoch",
+        "batch: 16 global = 16 [command line] per process x 1 x 1 [timm default] accumulation; lr 0.00625 (--lr-base "
+        "0.1 x 16 / --lr-base-size 256)",
+        f"schedule: 1 epoch [command line], 0 of warm-up [command line], {updates} updates per epoch",
         # timm's train.py's defaults where the command line sets nothing, each value with its source
         "optimizer: SGD (--opt sgd [timm default]), momentum 0.9 [timm default], nesterov True [--opt sgd], "
         "weight decay 2e-05 [timm default]",
@@ -58,11 +69,13 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
         "min lr 0 [timm default]",
         # --no-aug on the command line set these, not their defaults
         "augmentation: auto-augment none [--no-aug (command line)], random erasing 0 [--no-aug (command line)], "
-        "mixup/cutmix off, repeated augmentation 1 [command line], drop-path the model's, color jitter 0 [--no-aug "
-        "(command line)], smoothing 0 [--no-aug (command line)] (all off: --no-aug)",
+        "mixup/cutmix off [--no-aug (command line)], repeated augmentation 1 [command line], drop-path the model's, "
+        "color jitter 0 [--no-aug (command line)] (all off: --no-aug)",
+        "loss: CrossEntropyLoss (no mixup/cutmix, smoothing 0 [--no-aug (command line)])",  # timm's without either
         "EMA: off [timm default]",
         "input: 8 [command line] px, crop 1.0 [command line], interpolation bicubic [model convit_tiny's config] "
         "(train bicubic [as eval]), mean (0.3053,) [dataset digits], std (0.3759,) [dataset digits]",
+        "also: --train-fraction 0.5 [command line], --hflip 0 [--no-aug (command line)]",  # off timm's defaults
     ]
 
 
@@ -192,7 +205,7 @@ def test_the_startup_block_says_where_the_threads_came_from(cli_argv, tmp_path, 
     )
     assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
     out, err = capsys.readouterr()
-    assert "processes: 1 (1 thread each [2 cores less 3 loader workers]) on cpu, fp32" in out.splitlines()
+    assert "processes: 1 (1 thread each [2 cores less 3 loader workers]) on cpu, fp32 [default]" in out.splitlines()
     assert not [w for w in recwarn if "This DataLoader will create" in str(w.message)]
     assert [line for line in messages(err) if "loader processes" in line] == [
         "warning: --workers 3 x 1 process on this node start 3 loader processes for 2 cores: they compete with "
@@ -325,9 +338,78 @@ def test_a_finished_run_names_the_best_epoch_by_its_eval_metric(tmp_path):
         "epoch": 2,
         "step": 0,
         "model": "convit_tiny",
-        "options": {"model": "convit_tiny", "eval_metric": "top5"},
+        "options": {"model": "convit_tiny"},  # a point records the options its exact continuation needs
         "final": {"epoch": 2, "eval_top1": 60.0, "eval_top5": 90.0},
         "best": {"epoch": 1, "eval_top1": 65.0, "eval_top5": 92.5},
     }
-    message = finished_message(state, tmp_path, epochs=2, write=False)
+    message = finished_message(state, tmp_path, epochs=2, write=False, options={"eval_metric": "top5"})
     assert "final top-1 60.00, best top-5 92.50 at epoch 1); nothing to do" in message
+
+
+def test_the_input_size_is_credited_to_input_size_not_to_the_recipe_that_left_it_unset(tmp_path):
+    """timm's args.yaml holds img_size: null; --input-size 3 64 64 on the command line gives the 64."""
+    recipe = tmp_path / "args.yaml"
+    recipe.write_text(yaml.safe_dump({**TIMM_TRAIN_DEFAULTS, "model": "resnet18"}))
+    cfg = parse_config(["-c", str(recipe), "--input-size", "3", "64", "64", "--output", str(tmp_path / "run")])
+    shown = next(line for line in settings_lines(cfg, 0.1) if line.startswith("input: "))
+    assert shown.startswith("input: 64 [--input-size (command line)] px, crop 0.95 [model resnet18's config]")
+    assert (option_source(cfg, "img_size"), option_source(cfg, "in_chans")) == ("--input-size (command line)",) * 2
+
+
+def test_a_lookahead_optimizers_values_are_credited_to_the_optimizer_it_wraps(tmp_path):
+    """lookahead_adamw: timm's factory builds Lookahead over AdamW, whose defaults give eps and betas."""
+    cfg = parse_config(["--model", "resnet18", "--opt", "lookahead_adamw", "--output", str(tmp_path / "run")])
+    built = create_optimizer_v2([torch.zeros(1, requires_grad=True)], **optimizer_arguments(cfg, 0.1))
+    inner = built._base_optimizer  # the oracle: what timm's factory builds from the same options
+    shown = next(line for line in settings_lines(cfg, 0.1) if line.startswith("optimizer: "))
+    assert shown == (
+        f"optimizer: {type(built).__name__} of {type(inner).__name__} (--opt lookahead_adamw [command line]), "
+        f"eps {inner.defaults['eps']} [AdamW default], betas {inner.defaults['betas']} [AdamW default], weight "
+        "decay 2e-05 [timm default]"
+    )
+
+
+def test_every_training_value_off_timms_defaults_is_shown_with_its_source(tmp_path):
+    """The loss timm's branches choose with its options, and --layer-decay, --clip-grad, --drop, --lr-noise,
+    --decay-epochs/--decay-rate, --eval-metric and the EMA's warm-up, each with where it came from."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: resnet18\nclip_grad: 1.0\ndecay_rate: 0.97\n")
+    given = (
+        "--bce-loss --bce-sum --bce-target-thresh 0.2 --mixup 0.8 --layer-decay 0.65 --drop 0.2 --lr-noise 0.42 0.9 "
+        "--sched step --decay-epochs 2.4 --eval-metric loss --model-ema --model-ema-warmup"
+    )
+    cfg = parse_config(["-c", str(recipe), *given.split(), "--output", str(tmp_path / "run")])
+    lines = settings_lines(cfg, 0.1)
+    loss = recipe_loss(cfg, create_mixup(cfg, num_classes=10))
+    theirs = timm_train_loss({**TIMM_TRAIN_DEFAULTS, **cfg.to_dict()}, torch.device("cpu"))  # timm's branches
+    assert type(loss) is type(theirs) is BinaryCrossEntropy
+    assert next(line for line in lines if line.startswith("loss: ")) == (
+        "loss: BinaryCrossEntropy (--bce-loss [command line], smoothing 0.1 [timm default] in mixup/cutmix's "
+        "targets, target threshold 0.2 [command line], summed over classes True [command line], positive weight "
+        "none [timm default])"
+    )
+    assert next(line for line in lines if line.startswith("EMA: ")).startswith(
+        "EMA: decay 0.9998 [timm default], warm-up True [command line]; "
+    )
+    assert next(line for line in lines if line.startswith("also: ")) == (
+        "also: --drop 0.2 [command line], --layer-decay 0.65 [command line], --clip-grad 1 [recipe recipe.yaml], "
+        "--decay-epochs 2.4 [command line], --decay-rate 0.97 [recipe recipe.yaml], --lr-noise 0.42 0.9 "
+        "[command line], --eval-metric loss [command line]"
+    )
+
+
+def test_the_warm_up_warning_counts_the_epochs_timms_scheduler_trains(tmp_path):
+    """--epochs 1 --cooldown-epochs 10: timm's create_scheduler_v2 trains 11 epochs; a warm-up of 5 still covers the
+    whole schedule of 1, and the warning says both."""
+    cfg = parse_config(
+        ["--model", "resnet18", "--epochs", "1", "--cooldown-epochs", "10", "--output", str(tmp_path / "run")]
+    )
+    args = SimpleNamespace(**{**TIMM_TRAIN_DEFAULTS, **cfg.to_dict()})
+    _, timm_epochs = create_scheduler_v2(torch.optim.SGD([torch.zeros(1)], lr=0.1), **scheduler_kwargs(args))
+    assert trained_epochs(cfg) == timm_epochs == 11
+    warned = [w for w in config_warnings(cfg, trained_epochs(cfg)) if w.startswith("--warmup-epochs")]
+    assert warned == [
+        "--warmup-epochs 5 covers the whole schedule of 1 epoch(s) of the 11 the run trains (--cooldown-epochs, lr "
+        "cycles: at the schedule's end lr): the lr only ramps up from --warmup-lr and never reaches its peak; lower "
+        "--warmup-epochs"
+    ]

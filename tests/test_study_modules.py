@@ -180,7 +180,7 @@ def test_the_runs_read_back_as_written_numbers_parsed(tmp_path):
     rows = [dict(ROWS[0], top5=None), *ROWS[1:]]  # a result a run did not have: an empty cell, dropped
     write_csv(rows, tmp_path / "runs.csv")
     assert runs.read_runs(tmp_path / "runs.csv") == ROWS
-    for content, message in (("", "holds no runs"), ("run,top1\na,1\n", "has no 'model' column")):
+    for content, message in (("", "holds no rows"), ("run,top1\na,1\n", "has no 'model' column")):
         (tmp_path / "bad.csv").write_text(content)
         with pytest.raises(ValueError, match=message):
             runs.read_runs(tmp_path / "bad.csv")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from test_sweep import TINY_SET, sweep_cli
 
-from convbias.base.errors import StorageError
+from convbias.base.errors import DamagedInputError, StorageError
 from convbias.base.tables import write_csv
 from convbias.studies.regimes import study as regimes
 from convbias.studies.sweep import spec as sweep_spec
@@ -208,14 +208,26 @@ def test_sweep_csvs_on_a_full_disk_are_one_error_line_and_exit_74(tmp_path, monk
     assert not list(prepared.sweep_dir.glob(".*.tmp*"))
 
 
-def test_a_run_log_that_cannot_be_written_is_a_storage_error_before_the_run_starts(tmp_path):
-    """The sweep's own writes name their file: here a folder stands where the run's log goes."""
+def test_a_run_log_that_cannot_be_written_is_named_before_the_run_starts(tmp_path, monkeypatch):
+    """The sweep's own writes name their file: a folder where the run's log goes is no file the sweep wrote (65),
+    an I/O error opening it a failed write (74)."""
     prepared = fake_sweep(tmp_path, seeds=[0])
     (run,) = prepared.runs
     (prepared.run_dir(run) / "results.json").unlink()  # not run yet
     log = prepared.sweep_dir / "logs" / f"{run.name}.log"
     log.mkdir(parents=True)
-    with pytest.raises(StorageError, match=rf"^writing {re.escape(str(log))} failed \(IsADirectoryError: "):
+    with pytest.raises(DamagedInputError, match=rf"its file {re.escape(str(log))} is a folder, not a file"):
+        prepared.execute(launcher=["false"], log=lambda line: None)
+    log.rmdir()
+    real_open = os.open
+
+    def failing(path, flags, *args):
+        if str(path) == str(log):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", failing)
+    with pytest.raises(StorageError, match=rf"^writing {re.escape(str(log))} failed \(an I/O error of the device\)"):
         prepared.execute(launcher=["false"], log=lambda line: None)
     assert list(prepared.run_dir(run).iterdir()) == []  # no run was started
 

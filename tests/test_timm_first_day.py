@@ -74,7 +74,7 @@ def test_without_num_classes_the_head_is_the_models_default_and_mixup_targets_it
     ):
         shown = trainer_for([*argv, *given, "--output", str(tmp_path / f"shown{len(given)}")])
         model = shown.accelerator.unwrap_model(shown.models.model)
-        assert line in startup_block(shown.start, shown.data.bundle, shown.data.steps_per_epoch, model)
+        assert line in startup_block(shown.start, shown.data, model)
 
 
 def test_a_head_smaller_than_the_data_is_refused_naming_both_options(tmp_path, folder):

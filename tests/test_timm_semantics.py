@@ -64,6 +64,19 @@ def test_the_models_pretrained_config_sets_the_data_config_as_timm_resolves_it(t
     assert given.crop_pct == 0.5 and given.sources["crop_pct"] == "set"
 
 
+def test_a_runs_image_size_is_the_models_as_timm_resolves_it_and_credited_to_it(tmp_path, folder):
+    """Without --img-size a folder run trains at the model's input size (efficientnet_b2's 256, not 224), the size
+    timm's resolve_data_config gives its train.py, and the start-up block names where it came from."""
+    from convbias.engine.config.parsing import option_source
+    from convbias.engine.loop.start import start_run
+
+    cfg = parse(tmp_path, "--data-dir", str(folder), "--model", "efficientnet_b2", "--workers", "0")
+    resolved = start_run(cfg, None, None).cfg
+    expected = resolve_data_config({}, pretrained_cfg=get_pretrained_cfg("efficientnet_b2").to_dict())
+    assert (3, resolved.img_size, resolved.img_size) == expected["input_size"] == (3, 256, 256)
+    assert option_source(resolved, "img_size") == "model efficientnet_b2's config"
+
+
 def test_values_parse_as_timm_parses_them(tmp_path, folder):
     cfg = parse(tmp_path, "--data-dir", str(folder), "--model-kwargs", "dims=(32,64)", "flag=True", "name=abc")
     assert cfg.model_kwargs == {"dims": (32, 64), "flag": True, "name": "abc"}  # ast.literal_eval, else a string

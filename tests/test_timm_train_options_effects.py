@@ -26,6 +26,7 @@ from convbias.engine import parse_config, validate
 from convbias.engine.config.command_line import build_parser
 from convbias.engine.config.options import Config, default_value, flag_name
 from convbias.engine.config.parsing import config_warnings
+from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.model import factory as modeling
 from convbias.engine.model.output_scale import OutputScale
 from convbias.engine.optim import factory as recipe
@@ -359,8 +360,58 @@ def test_bce_loss_and_its_options_against_the_closed_form(tmp_path, options, clo
     mixup = recipe.create_mixup(with_mixup, num_classes=10)
     _, soft = mixup(torch.randn(8, 3, 8, 8), labels)
     loss = recipe.create_train_loss(with_mixup, mixup)
-    assert isinstance(loss, BinaryCrossEntropy) and loss.smoothing == 0.0
+    assert isinstance(loss, BinaryCrossEntropy)  # timm's own smoothing argument, unused on dense targets
     assert loss(logits, soft).item() == pytest.approx(closed_form(logits, soft).item(), rel=1e-6)
+
+
+def timm_train_loss(args: dict, device: torch.device) -> nn.Module:
+    """The training loss timm's train.py builds for ``args`` (train.py at TIMM_TRAIN_COMMIT, its "setup loss
+    function" block, JSD aside): ``mixup_active`` first, then ``args.smoothing``, else CrossEntropyLoss."""
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+    mixup_active = args["mixup"] > 0 or args["cutmix"] > 0.0 or args["cutmix_minmax"] is not None
+    bce = dict(
+        target_threshold=args["bce_target_thresh"], sum_classes=args["bce_sum"], pos_weight=args["bce_pos_weight"]
+    )
+    if mixup_active:
+        loss = BinaryCrossEntropy(**bce) if args["bce_loss"] else SoftTargetCrossEntropy()
+    elif args["smoothing"]:
+        if args["bce_loss"]:
+            loss = BinaryCrossEntropy(smoothing=args["smoothing"], **bce)
+        else:
+            loss = LabelSmoothingCrossEntropy(smoothing=args["smoothing"])
+    else:
+        loss = nn.CrossEntropyLoss()
+    return loss.to(device=device)
+
+
+def loss_state(loss: nn.Module) -> tuple:
+    """A loss module's class and attributes (its smoothing, threshold, reductions, buffers)."""
+    attributes = {k: v for k, v in vars(loss).items() if not k.startswith("_") and k != "training"}
+    buffers = {k: v.tolist() for k, v in loss.named_buffers()}
+    return type(loss), attributes, buffers
+
+
+@pytest.mark.parametrize("bce_loss", [False, True], ids=["ce", "bce"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["unsmoothed", "smoothed"])
+@pytest.mark.parametrize("mixup", [0.0, 0.8], ids=["plain", "mixup"])
+def test_the_train_loss_is_the_one_timms_branches_choose(tmp_path, mixup, smoothing, bce_loss):
+    """Every combination of mixup, --smoothing and --bce-loss (with the BCE options set): the loss timm's train.py
+    builds, its class, attributes and value on the targets the step gives it. --bce-loss without mixup and
+    smoothing is timm's plain cross-entropy, and its options are then ignored with a warning."""
+    bce_options = dict(bce_target_thresh=0.2, bce_sum=True, bce_pos_weight=2.0) if bce_loss else {}
+    cfg = config(tmp_path, mixup=mixup, cutmix=0.0, smoothing=smoothing, bce_loss=bce_loss, **bce_options)
+    mixer = recipe.create_mixup(cfg, num_classes=10)
+    ours = recipe.create_train_loss(cfg, mixer)
+    args = {**TIMM_TRAIN_DEFAULTS, "mixup": mixup, "smoothing": smoothing, "bce_loss": bce_loss, **bce_options}
+    theirs = timm_train_loss(args, torch.device("cpu"))
+    assert loss_state(ours) == loss_state(theirs)
+    torch.manual_seed(0)
+    logits, labels = torch.randn(8, 10), torch.randint(0, 10, (8,))
+    targets = mixer(torch.randn(8, 3, 8, 8), labels)[1] if mixer is not None else labels
+    assert ours(logits, targets).item() == pytest.approx(theirs(logits, targets).item(), rel=1e-6)
+    inert = [w for w in config_warnings(cfg) if w.startswith("--bce")]
+    assert len(inert) == (bce_loss and not mixup and not smoothing) * 4, inert  # --bce-loss and its 3 options
 
 
 def test_model_ema_warmup_warms_the_decay_up(tmp_path):

@@ -67,13 +67,56 @@ def check_regular_file(path: str | Path, what: str = "file", error: type[Excepti
     return path
 
 
+def check_plain_file(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> Path:
+    """``path`` when it is a regular file under that one name, as the package writes its own files: ``error``
+    naming it when it is a symbolic link (with its target), has other names (a hard link: a write through it
+    changes them all), or is no regular file (``check_regular_file``). Found by its status, never opened."""
+    path = Path(path)
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return check_regular_file(path, what, error)  # missing or unreadable: named there
+    if stat.S_ISLNK(status.st_mode):
+        raise error(
+            f"{what} {path} is a symbolic link (to {os.readlink(path)}), not the file this package wrote there; "
+            f"it was not read or written through: replace it with a copy of what it points at, or move it away"
+        )
+    check_regular_file(path, what, error)
+    if status.st_nlink > 1:
+        raise error(
+            f"{what} {path} is a hard link ({status.st_nlink} names for one file), not the file this package "
+            f"wrote there; it was not read or written through: replace it with a copy (cp), or move it away"
+        )
+    return path
+
+
+def read_head(path: str | Path, size: int) -> bytes | None:
+    """The first ``size`` bytes of the regular file ``path``, or None when it is missing, not a regular file or
+    unreadable: what a check that recognizes a file by its first line reads (never blocking on a FIFO)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(descriptor, "rb") as f:
+        try:
+            return f.read(size) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
+        except OSError:
+            return None
+
+
 def read_file(
-    path: str | Path, what: str = "file", error: type[Exception] = ConfigError, limit: int = MAX_FILE_BYTES
+    path: str | Path,
+    what: str = "file",
+    error: type[Exception] = ConfigError,
+    limit: int = MAX_FILE_BYTES,
+    plain: bool = False,
+    tail: bool = False,
 ) -> bytes:
-    """The bytes of the regular file ``path`` (``check_regular_file``), at most ``limit`` of them; ``error``
-    naming it (as ``what``) otherwise. Opened without blocking, so a file swapped for a FIFO after the check
-    is refused too."""
-    path = check_regular_file(path, what, error)
+    """The bytes of the regular file ``path`` (``check_regular_file``; with ``plain``, a file the package wrote
+    and reads back: ``check_plain_file``), at most ``limit`` of them (with ``tail``, its last ``limit`` bytes:
+    a log's end); ``error`` naming it (as ``what``) otherwise. Opened without blocking, so a file swapped for a
+    FIFO after the check is refused too."""
+    path = check_plain_file(path, what, error) if plain else check_regular_file(path, what, error)
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -83,6 +126,8 @@ def read_file(
         if kind is not None:
             raise error(f"{what} {path} is {kind}, not a regular file; it was not read")
         try:
+            if tail:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
             data = f.read(limit + 1)
         except OSError as e:
             raise error(f"{what} {path} cannot be read ({e.strerror or e})") from None
@@ -91,10 +136,10 @@ def read_file(
     return data
 
 
-def read_json(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> Any:
+def read_json(path: str | Path, what: str = "file", error: type[Exception] = ConfigError, plain: bool = False) -> Any:
     """The JSON value of the file ``path`` (``read_file``'s checks); ``error`` naming it when it is not UTF-8
     JSON or is nested beyond what the interpreter decodes."""
-    data = read_file(path, what, error)
+    data = read_file(path, what, error, plain=plain)
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -167,10 +212,11 @@ def parse_yaml(text: str | bytes) -> Any:
     return yaml.load(text, Loader=_BoundedLoader)
 
 
-def read_yaml(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> Any:
+def read_yaml(path: str | Path, what: str = "file", error: type[Exception] = ConfigError, plain: bool = False) -> Any:
     """The YAML document of the file ``path``; ``error`` naming it when it is missing, not a regular file, not
-    UTF-8 text, not YAML or beyond the limits (``what`` says what the file is: 'recipe', 'sweep file')."""
-    data = read_file(path, what, error)
+    UTF-8 text, not YAML or beyond the limits (``what`` says what the file is: 'recipe', 'sweep file'). With
+    ``plain``: a file the package wrote and reads back (``check_plain_file``)."""
+    data = read_file(path, what, error, plain=plain)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -4,10 +4,13 @@ Every command that writes results (train.py's bookkeeping, the sweep's CSVs, an 
 through ``atomic_write`` (a file) or ``staged_directory`` (a folder): the new content goes under a hidden
 temporary name, ``.<name>.tmp<pid>``, and is renamed into place only once complete. A write that fails
 removes its temporary; one that is killed leaves it, and the next write of the same name removes it once
-its process is gone (``remove_stale_temporaries``). Figures go through ``save_figure`` and output folders are
-made by ``output_folder``. Each of these refuses, before writing, a destination that is a file another
-command reads (a run's or an exported model's: ``check_destination``), unless the writer names that folder
-as its ``owner`` (train.py writing its own run).
+its process is gone (``remove_stale_temporaries``). Figures go through ``save_figure``, a log that grows
+through ``open_append``, and output folders are made by ``output_folder`` (a study's or sweep's marked as
+its owner's, ``run_layout.OwnedFolder``). Each of these refuses, before writing, a destination that is a file
+another command reads (a run's, an exported model's, a study's or sweep's read-back files:
+``check_destination``), unless the writer names that folder as its ``owner`` (train.py writing its own run, a
+study its own folder). A whole-file write replaces the name it is given, so it never writes through a link
+of either kind; an append would, so ``open_append`` refuses a file that is not plain.
 
 A write that fails (disk full, read-only, removed) is a ``StorageError`` naming the file and why
 (``write_failure``; ``storage_reason`` names the disk and the space it needs when it is full): every writer here
@@ -23,12 +26,22 @@ import errno
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from .errors import StorageError
-from .run_layout import check_destination, check_output_folder
+from .errors import ConfigError, DamagedInputError, StorageError
+from .inputs import check_plain_file
+from .run_layout import (
+    OWNER_FILE,
+    OwnedFolder,
+    check_destination,
+    check_output_folder,
+    check_owned_files,
+    marked_owner,
+    owner_mark,
+)
 
 _REASONS = {
     errno.EDQUOT: "the disk quota is exhausted",
@@ -119,14 +132,66 @@ def save_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
     return path
 
 
-def output_folder(path: str | os.PathLike, option: str = "--output") -> Path:
-    """Make a command's output folder (and its parents) once it is known to be no run's or exported model's
-    (``run_layout.check_output_folder``); returns it."""
+def check_output(path: str | os.PathLike, option: str = "--output", owned: OwnedFolder | None = None) -> Path:
+    """What ``output_folder`` checks, without writing: the folder is no run's or exported model's
+    (``run_layout.check_output_folder``); with ``owned``, no other command's marked folder; and the files of its
+    declaration (``owned``'s, else its mark's) are plain (``run_layout.check_owned_files``)."""
     path = Path(path)
     check_output_folder(path, option)
+    marked = marked_owner(path)
+    if owned is not None and marked is not None and marked.owner != owned.owner:
+        raise ConfigError(
+            f"{option} {path} is the output folder of {marked.owner} (its {OWNER_FILE}); {owned.owner} writes into a "
+            f"folder of its own: choose another {option}"
+        )
+    if os.path.lexists(path / OWNER_FILE):  # the mark is a file the package wrote: plain, naming its owner
+        check_plain_file(path / OWNER_FILE, f"{option} {path}: its file", DamagedInputError)
+        if marked is None:
+            raise DamagedInputError(
+                f"{option} {path}: its {OWNER_FILE} names no command of this package; nothing was written: move it away"
+            )
+    declared = owned or marked
+    if declared is not None:
+        check_owned_files(path, declared, option)
+    return path
+
+
+def output_folder(path: str | os.PathLike, option: str = "--output", owned: OwnedFolder | None = None) -> Path:
+    """Make a command's output folder (and its parents) once ``check_output`` passes; with ``owned``, mark it as
+    that declaration's owner's (``OWNER_FILE``), so the guard keeps its read-back files from other commands.
+    Returns it."""
+    path = check_output(path, option, owned)
     with writing(path):
         path.mkdir(parents=True, exist_ok=True)
+    if owned is not None and marked_owner(path) is None:
+        write_text(path / OWNER_FILE, owner_mark(owned), owner=path)
     return path
+
+
+def open_append(path: str | os.PathLike, owner: str | os.PathLike | None = None, what: str = "file") -> IO[str]:
+    """``path`` opened to append text (created when absent), once ``check_destination`` passes: never through a
+    symbolic link (``O_NOFOLLOW``) and never a file with other names (a hard link) or no regular file, which
+    are a DamagedInputError naming it as ``what`` (exit 65); a failed open is a StorageError. The caller closes
+    it."""
+    path = Path(path)
+    check_destination(path, owner=owner)
+    if os.path.lexists(path):
+        check_plain_file(path, what, DamagedInputError)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    with writing(path):
+        try:
+            descriptor = os.open(path, flags, 0o644)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.ENXIO):  # a link, or a FIFO without a reader, put there meanwhile
+                check_plain_file(path, what, DamagedInputError)
+            raise
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:  # swapped in between: named, never written
+            os.close(descriptor)
+            check_plain_file(path, what, DamagedInputError)
+            raise DamagedInputError(f"{what} {path} changed while it was opened; nothing was written")
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "a", encoding="utf-8", newline="")
 
 
 @contextlib.contextmanager

@@ -145,9 +145,11 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
         validate(cfg)
     else:
         cfg = parse_config(config, models_registered=extensions is not None)
-    for warning in config_warnings(cfg):
-        print_error(warning, prefix="warning")
     from .checkpointing.lock import RunLock  # imported after parsing: `train.py --help` loads no torch
+    from .optim.factory import trained_epochs
+
+    for warning in config_warnings(cfg, trained_epochs(cfg)):
+        print_error(warning, prefix="warning")
     from .checkpointing.run_dir import RunDir
     from .loop.setup import build_evaluator
     from .loop.start import start_run

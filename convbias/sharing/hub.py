@@ -43,7 +43,7 @@ from huggingface_hub.constants import SAFETENSORS_SINGLE_FILE
 from huggingface_hub.errors import OfflineModeIsEnabled
 from timm.models import model_entrypoint, save_for_hf
 
-from convbias.base.run_layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE
+from convbias.base.run_layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE, TIMM_ARGS_FILE
 from convbias.base.storage import staged_directory, storage_reason
 from convbias.base.tables import markdown_table
 from convbias.engine import (
@@ -561,7 +561,7 @@ def export_timm_checkpoint(
     def card(exported: dict[str, Any]) -> str:
         return timm_model_card(model, checkpoint, use_ema, exported, license, repo_id)
 
-    files = {"args.yaml": yaml.safe_dump(_plain(checkpoint.args), sort_keys=False)}  # as timm's run folder has it
+    files = {TIMM_ARGS_FILE: yaml.safe_dump(_plain(checkpoint.args), sort_keys=False)}  # as timm's run folder has it
     checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license)
     return {
         "output": output,

@@ -9,7 +9,14 @@ from typing import Any
 
 from convbias.base.errors import ConfigError, DamagedInputError, StorageError
 from convbias.base.inputs import read_yaml
-from convbias.base.run_layout import CHECKPOINTS_DIR, check_destination, held_entries, is_train_run, run_owning
+from convbias.base.run_layout import (
+    CHECKPOINTS_DIR,
+    TIMM_ARGS_FILE,
+    check_destination,
+    held_entries,
+    is_train_run,
+    run_owning,
+)
 from convbias.engine.checkpointing.timm_checkpoint import read_timm_checkpoint
 
 from ..config.options import Config
@@ -35,7 +42,7 @@ def timm_run_options(target: str | Path) -> dict[str, Any]:
     saved args) or one of its checkpoints (the args saved in it), read as timm's args.yaml keys."""
     path = Path(target)
     if path.is_dir():
-        args_file = path / "args.yaml"
+        args_file = path / TIMM_ARGS_FILE
         if args_file.is_file():
             args = read_yaml(args_file, "timm args") or {}
         else:

@@ -17,11 +17,13 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.inputs import special_file
 from convbias.base.run_layout import LOCK_FILE
 
 
@@ -30,15 +32,18 @@ class RunLockedError(ConfigError):
 
 
 class ForeignLockError(DamagedInputError, RunLockedError):
-    """The lock file's place holds a symbolic link (exit 65): the lock is never written through it."""
+    """The lock file's place holds a symbolic link, a hard link or no regular file (exit 65): the lock is never
+    written through it, nor read from a FIFO."""
 
 
-def _holder(path: Path) -> dict[str, Any]:
-    """What the lock file says about its holder ({} when it is empty or unreadable)."""
-    if path.is_symlink():
-        return {}
+MAX_HOLDER_BYTES = 4096  # what a lock file's record of its holder can hold: a few dozen bytes are written
+
+
+def _holder(fd: int) -> dict[str, Any]:
+    """What the open lock file says about its holder ({} when it is empty or unreadable); read through its
+    descriptor, bounded: the file checked at the open is the file read."""
     try:
-        holder = json.loads(path.read_text() or "{}")
+        holder = json.loads(os.pread(fd, MAX_HOLDER_BYTES, 0) or b"{}")
     except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}
@@ -68,7 +73,7 @@ class RunLock:
             self._created_dir = True
         while True:
             try:  # never through a link: a lock file that is one would overwrite what it points at
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
             except OSError as e:
                 if e.errno != errno.ELOOP:
                     raise
@@ -77,12 +82,14 @@ class RunLock:
                     f"--output {self.output}: {self.path} is a symbolic link (to {os.readlink(self.path)}), not a "
                     f"lock file of train.py; nothing was written through it: remove the link or choose another --output"
                 ) from None
+            self._check_plain(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                holder = _holder(fd)
                 os.close(fd)
                 self._cleanup_dir()
-                raise RunLockedError(self._refusal(_holder(self.path))) from None
+                raise RunLockedError(self._refusal(holder)) from None
             try:  # the file may have been released (unlinked) between our open and our flock: retry
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -90,7 +97,7 @@ class RunLock:
             if same:
                 break
             os.close(fd)
-        previous = _holder(self.path)
+        previous = _holder(fd)
         if previous.get("pid") and previous.get("host") not in (None, socket.gethostname()):
             os.close(fd)  # flock says nothing about another host's process: trust the file
             self._cleanup_dir()
@@ -108,6 +115,22 @@ class RunLock:
             raise
         self._fd = fd
         return self
+
+    def _check_plain(self, fd: int) -> None:
+        """ForeignLockError (fd closed) when the opened lock file is no regular file (a FIFO would block its
+        reads) or has other names (a hard link: truncating it to record the holder would empty them too)."""
+        status = os.fstat(fd)
+        kind = special_file(status.st_mode) or ("a folder" if stat.S_ISDIR(status.st_mode) else None)
+        if kind is None and status.st_nlink > 1:
+            kind = f"a hard link ({status.st_nlink} names for one file)"
+        if kind is None:
+            return
+        os.close(fd)
+        self._cleanup_dir()
+        raise ForeignLockError(
+            f"--output {self.output}: {self.path} is {kind}, not a lock file of train.py; nothing was read from or "
+            f"written through it: remove it or choose another --output"
+        )
 
     def _refusal(self, holder: dict[str, Any]) -> str:
         who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"

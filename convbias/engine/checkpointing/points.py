@@ -51,6 +51,7 @@ from convbias.base.storage import atomic_write, storage_reason
 from ..config.options import DEFAULT_KEEP_CHECKPOINTS
 from .run_dir import (
     check_point,
+    check_snapshots,
     file_entry,
     point_files,
     read_manifest,
@@ -307,16 +308,15 @@ class CheckpointDir:
 
     def save_snapshot(self, epoch: int, weights: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
         """``--save-epochs``: a weights-only copy that the rotation never deletes, listed with its size and
-        sha256 in ``snapshots.json`` (what ``verify_snapshot`` checks)."""
+        sha256 in ``snapshots.json`` (what ``verify_snapshot`` checks). The listing is read (``check_snapshots``)
+        before anything is written: a damaged one, or a link or FIFO in its place, is a DamagedCheckpointError
+        naming it (exit 65), never a listing started over."""
         self.root.mkdir(parents=True, exist_ok=True)
         path, listing = self.root / snapshot_file(epoch), self.root / SNAPSHOTS_FILE
+        entries = check_snapshots(self.root)
         try:
             save_weights(weights, path, metadata, owner=self.root.parent)
-            try:
-                entries = json.loads(listing.read_bytes())
-            except (OSError, ValueError):
-                entries = {}
-            entries = {**(entries if isinstance(entries, dict) else {}), path.name: file_entry(path)}
+            entries = {**entries, path.name: file_entry(path)}
             atomic_write(listing, lambda tmp: tmp.write_text(json.dumps(entries, indent=1) + "\n"), self.root.parent)
         except WRITE_ERRORS as e:
             reason = storage_reason(e, self.root, payload_bytes(weights))

@@ -30,7 +30,7 @@ from convbias.base.weights import weights_metadata
 
 from ..config.options import Config
 from .points import CheckpointDir, find_resume_point
-from .run_dir import load_training_state
+from .run_dir import check_snapshots, load_training_state
 from .run_files import foreign_entry, foreign_links, is_timm_checkpoint_name
 from .timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
 
@@ -130,6 +130,8 @@ def _point_in_output(cfg: Config, output: Path, notes: list[str]) -> Path | None
             f"what it points at, or move it away; nothing was changed"
         )
     checkpoints = CheckpointDir(output, cfg.keep_checkpoints)
+    if cfg.save_epochs:  # the snapshots it writes are listed beside those it wrote: the listing must read first
+        check_snapshots(checkpoints.root)
     foreign = None if checkpoints.points() else foreign_entry(output)
     if foreign:
         raise DamagedInputError(

@@ -41,7 +41,7 @@ from convbias.base.errors import (
     DamagedRunRecordError,
     RunBeingWrittenError,
 )
-from convbias.base.inputs import first_line, quoted, read_file, read_json
+from convbias.base.inputs import check_plain_file, first_line, quoted, read_file, read_json
 from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -51,6 +51,7 @@ from convbias.base.run_layout import (
     RESULTS_FILE,
     SHARDED_DIR,
     SNAPSHOT_NAME,
+    SNAPSHOT_SUFFIX,
     SNAPSHOTS_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
@@ -146,13 +147,45 @@ def load_manifest(point: Path) -> dict[str, Any]:
         parts = Path(name).parts
         if not name or Path(name).is_absolute() or ".." in parts or name == MANIFEST_FILE:
             raise damaged(f"files: {quoted(name)}", "not the name of a file inside the point")
-        entry = entry if isinstance(entry, dict) else {}
-        size, digest = entry.get("bytes"), entry.get("sha256")
-        if not is_count(size):
-            raise damaged(f"files: {name}: bytes", f"expected an integer >= 0, got {quoted(size)}")
-        if not (isinstance(digest, str) and SHA256_HEX.fullmatch(digest)):
-            raise damaged(f"files: {name}: sha256", f"expected 64 hex digits, got {quoted(digest)}")
+        problem = entry_problem(entry)
+        if problem:
+            raise damaged(f"files: {name}: {problem[0]}", problem[1])
     return manifest
+
+
+def entry_problem(entry: Any) -> tuple[str, str] | None:
+    """(the key, what is wrong) of a file's entry in a manifest or the snapshot listing: ``bytes`` an integer
+    >= 0, ``sha256`` 64 hex digits; None when it is one."""
+    entry = entry if isinstance(entry, dict) else {}
+    size, digest = entry.get("bytes"), entry.get("sha256")
+    if not is_count(size):
+        return "bytes", f"expected an integer >= 0, got {quoted(size)}"
+    if not (isinstance(digest, str) and SHA256_HEX.fullmatch(digest)):
+        return "sha256", f"expected 64 hex digits, got {quoted(digest)}"
+    return None
+
+
+def read_snapshots(root: Path) -> dict[str, dict[str, Any]]:
+    """The listing of a run's ``--save-epochs`` snapshots, ``checkpoints/snapshots.json`` ({} when there is none):
+    an object of snapshot file names (``epoch_N.safetensors``) to their entries (``entry_problem``), read as the
+    file the engine wrote (a plain regular file: never through a link, never a FIFO). DamagedCheckpointError
+    (exit 65) naming the file and the field otherwise: what it lists cannot be verified."""
+    path = root / SNAPSHOTS_FILE
+    if not os.path.lexists(path):
+        return {}
+    listing = read_json(path, "snapshot listing", DamagedCheckpointError, plain=True)
+    if not isinstance(listing, dict):
+        raise DamagedCheckpointError(f"{path}: (top level): expected an object, got {type(listing).__name__}")
+    for name, entry in listing.items():
+        stem = name.removesuffix(SNAPSHOT_SUFFIX)
+        if stem == name or not SNAPSHOT_NAME.fullmatch(stem) or snapshot_file(snapshot_epoch(stem)) != name:
+            raise DamagedCheckpointError(
+                f"{path}: {quoted(name)}: not the name of a snapshot (epoch_N{SNAPSHOT_SUFFIX})"
+            )
+        problem = entry_problem(entry)
+        if problem:
+            raise DamagedCheckpointError(f"{path}: {name}: {problem[0]}: {problem[1]}")
+    return listing
 
 
 def read_manifest(point: Path) -> dict[str, Any] | None:
@@ -210,13 +243,23 @@ def file_entry(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
+def check_snapshots(root: Path) -> dict[str, dict[str, Any]]:
+    """What a run writing ``--save-epochs`` snapshots into ``root`` (its checkpoints/) checks first: the listing
+    (``read_snapshots``, returned) and every snapshot file there a plain regular file (never a link or FIFO:
+    ``inputs.check_plain_file``); a DamagedCheckpointError (exit 65) naming the first that is not."""
+    listing = read_snapshots(root)
+    for path in sorted(root.glob(f"*{SNAPSHOT_SUFFIX}")) if root.is_dir() else ():
+        if SNAPSHOT_NAME.fullmatch(path.name.removesuffix(SNAPSHOT_SUFFIX)):
+            check_plain_file(path, "snapshot", DamagedCheckpointError)
+    return listing
+
+
 def verify_snapshot(path: Path) -> None:
-    """DamagedCheckpointError unless a ``--save-epochs`` snapshot matches its entry in ``snapshots.json``
-    (one written before that file existed must at least read as safetensors)."""
-    try:
-        listed = json.loads((path.parent / SNAPSHOTS_FILE).read_bytes()).get(path.name)
-    except (OSError, ValueError, AttributeError):
-        listed = None
+    """DamagedCheckpointError unless a ``--save-epochs`` snapshot is a plain file matching its entry in
+    ``snapshots.json`` (``read_snapshots``; one written before that file existed must at least read as
+    safetensors)."""
+    check_plain_file(path, "snapshot", DamagedCheckpointError)
+    listed = read_snapshots(path.parent).get(path.name)
     if listed is None:
         try:
             weights_metadata(path)
@@ -392,7 +435,7 @@ class RunDir:
             raise ConfigError(f"checkpoint {which!r}: expected last, best, init or epoch_N")
         epoch = snapshot_epoch(which)
         weights = self.root / snapshot_file(epoch)
-        if not weights.is_file():
+        if not os.path.lexists(weights):
             hint = " (train with --save-epochs 0)" if epoch == 0 else f" (train with --save-epochs {epoch})"
             raise ConfigError(f"{self.path} has no checkpoint {which!r}: {weights} not found{hint}")
         verify_snapshot(weights)

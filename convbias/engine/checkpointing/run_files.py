@@ -20,6 +20,7 @@ from convbias.base.run_layout import (
     LOG_FILE,
     RUN_FILES,
     SUMMARY_FILE,
+    TIMM_ARGS_FILE,
     is_temporary,
     point_position,
     written_by_engine,
@@ -78,7 +79,7 @@ def foreign_entry(output: Path) -> str | None:
             continue
         if entry.is_symlink():
             return f"{name} (a symbolic link to {os.readlink(entry)})"
-        if name in (CONFIG_FILE, SUMMARY_FILE, LOG_FILE):
+        if name in (CONFIG_FILE, TIMM_ARGS_FILE, SUMMARY_FILE, LOG_FILE):
             if not written_by_engine(entry):
                 return f"{name} (not as train.py writes it)"
         elif name not in RUN_FILES or not marked:

@@ -14,6 +14,7 @@ as damaged or foreign (exit 65).
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,12 @@ import torch
 from timm.data import resolve_data_config
 
 from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.inputs import quoted
 from convbias.base.weights import load_checked, load_torch_file
+
+from ..config.options import option_names
+from ..config.parsing import check_option, coerce, require
+from ..data.class_map import read_class_map
 
 SCALER_KEY = "amp_scaler"  # timm.utils.NativeScaler.state_dict_key: torch's GradScaler state
 # Optimizer defaults that newer torch and timm versions added, filled in with their defaults where an older file
@@ -100,6 +106,7 @@ def read_timm_checkpoint(path: str | Path) -> TimmCheckpoint:
         )
     args = content.get("args")
     args = vars(args) if isinstance(args, argparse.Namespace) else dict(args) if isinstance(args, dict) else {}
+    check_args(args, path)
     optimizer = content.get("optimizer")
     version = content.get("version", 1)
     return TimmCheckpoint(
@@ -113,6 +120,52 @@ def read_timm_checkpoint(path: str | Path) -> TimmCheckpoint:
         args=args,
         metric=content.get("metric") if isinstance(content.get("metric"), (int, float)) else None,
     )
+
+
+# The fields of timm's saved args that building, evaluating and labelling its model read (create_timm_model,
+# timm_data_config, timm_class_names), each checked as this engine's option of the same name checks it; the
+# input size and channels only for their type and sign (this engine's own runs are square, 1 or 3 channels,
+# timm's need not be)
+ARGS_READ = (
+    "model",
+    "num_classes",
+    "in_chans",
+    "input_size",
+    "img_size",
+    "gp",
+    "bn_eps",
+    "model_kwargs",
+    "mean",
+    "std",
+    "crop_pct",
+    "crop_mode",
+    "interpolation",
+    "class_map",
+)
+ANY_SHAPE = ("in_chans", "input_size")
+
+
+def check_args(args: dict[str, Any], path: Path) -> None:
+    """DamagedInputError (exit 65) naming the checkpoint and the field (``args.interpolation``) when a field of
+    ``ARGS_READ`` holds what its option refuses (timm's '' and None mean unset); a class map it names is read as
+    ``--class-map`` reads one (a FIFO or device never opened)."""
+    for key in ARGS_READ:
+        value = args.get(key)
+        if key not in option_names() or value in ("", None):
+            continue
+        label = f"{path}: args.{key}"
+        try:
+            value = coerce(key, value, label)
+            if key in ANY_SHAPE:
+                values = value if isinstance(value, list) else [value]
+                require(all(v >= 1 for v in values), f"{label} must be positive, got {quoted(value)}")
+            else:
+                check_option(key, value, label)
+            if key == "class_map" and os.path.lexists(value) and Path(value).suffix.lower() == ".txt":
+                read_class_map(value)  # one that is not here (trained elsewhere) leaves the labels as indices
+        except ConfigError as error:
+            message = str(error) if str(error).startswith(label) else f"{label}: {error}"
+            raise DamagedInputError(message) from None
 
 
 def _describe_groups(groups: list[dict[str, Any]]) -> str:
@@ -220,10 +273,13 @@ def timm_class_names(checkpoint: TimmCheckpoint, num_classes: int) -> tuple[list
     path = Path(class_map)
     if path.suffix.lower() != ".txt":
         return None, [f"its --class-map {class_map} is not a .txt file of names: labels are class indices"]
-    try:
-        names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]  # line i: class i
-    except (OSError, UnicodeDecodeError) as error:
-        return None, [f"its --class-map {class_map} cannot be read ({type(error).__name__}): labels are class indices"]
+    if not os.path.lexists(path):
+        return None, [f"its --class-map {class_map} is not here: labels are class indices"]
+    try:  # as --class-map reads one: a regular file, line i naming class i
+        mapping = read_class_map(path)
+    except ConfigError as error:
+        raise DamagedInputError(f"{checkpoint.path}: args.class_map: {error}") from None
+    names = sorted(mapping, key=mapping.__getitem__)
     if len(names) != num_classes:
         return None, [f"its --class-map {class_map} has {len(names)} names, the model {num_classes} classes"]
     return names, []

@@ -75,7 +75,10 @@ MIXING = Needs(
     lambda c: c.no_aug or c.mixup > 0 or c.cutmix > 0 or c.cutmix_minmax is not None,
     "--mixup, --cutmix or --cutmix-minmax",
 )
-BCE = Needs(lambda c: c.bce_loss, "--bce-loss")
+# timm's train.py picks its loss by mixup, then smoothing: without either it trains with plain cross-entropy
+SOFT_TARGETS = Needs(lambda c: MIXING.met(c) or c.smoothing > 0, "mixup/cutmix or --smoothing")
+BCE = Needs(lambda c: c.bce_loss and SOFT_TARGETS.met(c), "--bce-loss (with mixup/cutmix or --smoothing)")
+EVALUATING = Needs(lambda c: bool(c.eval_only), "--eval-only")
 LR_NOISE = Needs(lambda c: c.lr_noise is not None, "--lr-noise")
 LAYER_DECAY = Needs(lambda c: c.layer_decay is not None, "--layer-decay")
 WANDB = Needs(lambda c: c.log_wandb, "--log-wandb")
@@ -369,7 +372,8 @@ class DataOptions:
     bce_loss: bool = option(
         False,
         "train with binary cross-entropy (timm's BinaryCrossEntropy) on mixup/cutmix's soft targets, or on "
-        "--smoothing's targets without them",
+        "--smoothing's targets without them (without either, timm's train.py trains with cross-entropy)",
+        needs=SOFT_TARGETS,
     )
     bce_target_thresh: float | None = option(
         None, "binarize the BCE targets: 1 above this threshold, else 0", check=BELOW_ONE, needs=BCE
@@ -594,6 +598,18 @@ class CheckpointingOptions:
         None,
         "weights to evaluate or start from (a file or a run dir); --initial-checkpoint is timm's name for it",
         aliases=("initial_checkpoint",),
+    )
+    use_ema: bool = option(
+        False,
+        "evaluate the EMA's weights (timm's validate.py --use-ema): a run directory's point's, timm's checkpoint's "
+        "state_dict_ema",
+        needs=EVALUATING,
+    )
+    use_train_size: bool = option(
+        False,
+        "evaluate at train.py's input size and crop (timm's validate.py --use-train-size); by default, as validate.py, "
+        "at the model's test_input_size and test_crop_pct where its pretrained config has them",
+        needs=EVALUATING,
     )
     save_epochs: list[int] = option(
         [],

@@ -40,7 +40,7 @@ from .options import (
     option_names,
     option_types,
 )
-from .timm_args import is_timm_args, translate_timm_keys
+from .timm_args import ignored_timm_keys, is_timm_args, translate_timm_keys
 
 
 def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _including: tuple[Path, ...] = ()) -> dict:
@@ -106,6 +106,7 @@ def parse_config(
     file_cfg = load_yaml(known.config, origins) if known.config else {}
     experiment = file_cfg.get("experiment") if is_timm_args(file_cfg) else None
     problems: list[str] = []
+    ignored = ignored_timm_keys(file_cfg) if is_timm_args(file_cfg) else []  # taken and never read by timm
     if is_timm_args(file_cfg):  # the args.yaml of timm's train.py
         file_cfg, file_problems = translate_timm_keys(file_cfg, known.config)
         problems += [f"{known.config}: {problem}" for problem in file_problems]
@@ -152,6 +153,7 @@ def parse_config(
         for key in _as_dict(given.get(name) or None, flag_name(name)):
             sources[f"{name}.{key}"] = "command line"
     cfg.__dict__[SOURCES] = sources
+    cfg.__dict__[IGNORED_KEYS] = (known.config, ignored)
     try:
         validate(cfg)
     except ConfigError as e:
@@ -165,6 +167,16 @@ def parse_config(
 
 # A parsed Config's record of where each option set by the user came from (the start-up block prints it)
 SOURCES = "_option_sources"
+# ... and of the -c file's keys that timm's train.py would ignore, ignored here too: (the file, the keys)
+IGNORED_KEYS = "_ignored_keys"
+# ... and of the options that the checks or the run's set-up derived from others: option -> what gave its value
+DERIVED = "_derived_sources"
+
+
+def credit(cfg: Config, name: str, source: str) -> None:
+    """Record that option ``name``'s value was derived from ``source`` (another option, the model's config), which
+    ``option_source`` then names, whether ``cfg`` was parsed or built in Python."""
+    cfg.__dict__.setdefault(DERIVED, {})[name] = source
 
 
 def _given_on_command_line(argv: list[str] | None) -> dict[str, Any]:
@@ -179,7 +191,9 @@ def _given_on_command_line(argv: list[str] | None) -> dict[str, Any]:
 def option_source(cfg: Config, name: str) -> str:
     """Where option ``name``'s value came from: the command line, a recipe file, or the default (timm's train.py's
     where timm has the option); a Config built in Python: 'set' where it differs from the default."""
-    sources = cfg.__dict__.get(SOURCES)
+    derived, sources = cfg.__dict__.get(DERIVED) or {}, cfg.__dict__.get(SOURCES)
+    if name in derived:
+        return derived[name]
     if sources is not None and name in sources:
         return sources[name]
     if sources is None and getattr(cfg, name) != default_value(name):
@@ -298,19 +312,35 @@ def inert_options(cfg: Config) -> dict[str, str]:
     return found
 
 
-def config_warnings(cfg: Config) -> list[str]:
+def config_warnings(cfg: Config, trained_epochs: int | None = None) -> list[str]:
     """Valid but probably unintended settings, printed as `warning: ...` lines before the run starts: among them
-    timm's options set where they have no effect, which timm's train.py ignores and so does this engine."""
+    timm's options set where they have no effect, which timm's train.py ignores and so does this engine.
+    ``trained_epochs``: the epochs the run trains as timm's scheduler counts them (engine.optim.factory's
+    trained_epochs: the schedule's and a cooldown, further lr cycles), by default the schedule's."""
     warnings = [
         f"{message}: ignored, as timm's train.py ignores it"
         for name, message in inert_options(cfg).items()
         if name in TIMM_TRAIN_DEFAULTS
     ]
-    epochs, warmup = effective_epochs(cfg)
-    if not cfg.eval_only and not cfg.warmup_prefix and warmup >= epochs:
+    source, ignored = cfg.__dict__.get(IGNORED_KEYS) or (None, [])
+    if ignored:
         warnings.append(
-            f"--warmup-epochs {warmup} covers the whole run of {epochs} epoch(s): the lr only ramps up "
-            f"from --warmup-lr and never reaches its peak; lower --warmup-epochs"
+            f"{source}: {len(ignored)} key{'s' if len(ignored) > 1 else ''} that no option reads (a fork's own, or "
+            f"attributes timm's train.py sets at run time): {', '.join(ignored)}; ignored, as timm's train.py ignores "
+            "them"
+        )
+    epochs, warmup = effective_epochs(cfg)
+    trained = trained_epochs or epochs
+    if not cfg.eval_only and not cfg.warmup_prefix and warmup >= epochs:
+        covered = (
+            f"the whole run of {epochs} epoch(s)"
+            if trained == epochs
+            else f"the whole schedule of {epochs} epoch(s) of the {trained} the run trains (--cooldown-epochs, lr "
+            "cycles: at the schedule's end lr)"
+        )
+        warnings.append(
+            f"--warmup-epochs {warmup} covers {covered}: the lr only ramps up from --warmup-lr and never reaches its "
+            "peak; lower --warmup-epochs"
         )
     return warnings
 
@@ -369,7 +399,10 @@ def _normalize(cfg: Config) -> None:
     if cfg.pretrained_file:
         cfg.pretrained = True
     if cfg.input_size is not None:  # timm's --input-size C H W: --in-chans C --img-size H (_check_input: they agree)
-        cfg.in_chans, cfg.img_size = cfg.in_chans or cfg.input_size[0], cfg.img_size or cfg.input_size[1]
+        for name, value in (("in_chans", cfg.input_size[0]), ("img_size", cfg.input_size[1])):
+            if getattr(cfg, name) is None:
+                setattr(cfg, name, value)
+                credit(cfg, name, f"--input-size ({option_source(cfg, 'input_size')})")
     if cfg.input_img_mode is not None:  # timm's image mode: the channels (_check_input: they agree)
         cfg.in_chans = cfg.in_chans or IMAGE_MODE_CHANNELS[cfg.input_img_mode]
 

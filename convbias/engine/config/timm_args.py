@@ -6,11 +6,14 @@
 default, inactive value (``TIMM_TRAIN_DEFAULTS``, generated from timm's parser). Set to anything else, every
 such key is refused in one line with the reason (``TIMM_REFUSALS``); none is ignored silently. The few timm
 options that change only where or how fast timm runs, never the values it trains with, are accepted at any
-value (``TIMM_ANY_VALUE``).
+value (``TIMM_ANY_VALUE``). A key that is nobody's option, which timm's train.py sets on its arguments and never reads
+(a fork's own keys, the runtime attributes its checkpoints save), is ignored here too, named in one warning; one
+within a typo of an option's name is refused with that name.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,10 +21,10 @@ from typing import Any
 from convbias.base.errors import ConfigError
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
+from .derived import effective_epochs
 from .options import (
     declaration,
     default_value,
-    did_you_mean,
     flag_name,
     option_aliases,
     option_names,
@@ -97,6 +100,31 @@ OBSOLETE_TIMM_KEYS: dict[str, tuple[Any, ...]] = {
 }
 
 
+# attributes timm's train.py sets on its parsed arguments (main, init_distributed_device): the arguments its
+# checkpoints save hold them, and so does an args.yaml written from those (convbias-export's)
+TIMM_RUNTIME_ATTRIBUTES = ("prefetcher", "distributed", "world_size", "rank")
+# how close (difflib's ratio) a key that is nobody's option must be to an option's name to be taken for its typo
+TYPO_SIMILARITY = 0.85
+
+
+def typo_of(name: str) -> list[str]:
+    """The names of this engine's and timm's options that ``name`` is within a typo of (up to three)."""
+    names = sorted({*option_names(), *option_aliases(), *TIMM_TRAIN_DEFAULTS})
+    return difflib.get_close_matches(name, names, n=3, cutoff=TYPO_SIMILARITY)
+
+
+def _nobodys(name: str) -> bool:
+    """A key that is neither this engine's option (or alias) nor timm's, today's or an older version's."""
+    known = (*TIMM_TRAIN_DEFAULTS, *OBSOLETE_TIMM_KEYS, *option_aliases())
+    return name not in option_names() and name not in known and not any(name in keys for keys in TIMM_TRANSLATIONS)
+
+
+def ignored_timm_keys(values: dict[str, Any]) -> list[str]:
+    """The keys of a timm args file that timm's train.py would take and never read: nobody's option, and a runtime
+    attribute of its arguments or no typo of an option's name. Ignored here as there, in one warning."""
+    return [name for name in values if _nobodys(name) and (name in TIMM_RUNTIME_ATTRIBUTES or not typo_of(name))]
+
+
 def _amp(values: dict[str, Any]) -> dict[str, Any]:
     if not values.get("amp"):
         return {}
@@ -150,6 +178,97 @@ TIMM_TRANSLATIONS: dict[tuple[str, ...], Callable[[dict[str, Any]], dict[str, An
 }
 
 
+# this engine's data sets under timm's names for them: the folder at --data-dir, torchvision's CIFAR files there
+TIMM_DATASET_NAMES = {"folder": "", "cifar10": "torch/cifar10", "cifar100": "torch/cifar100"}
+EMBEDDED_DATASETS = ("digits", "mnist")  # data sets that ship with a package: timm's train.py has no reader for them
+# this engine's options that an args.yaml holds under timm's keys (TIMM_TRANSLATIONS reads them back), or that it
+# holds resolved (--scale-epochs: in epochs and warmup_epochs; --which: in initial_checkpoint); --config names the
+# file itself
+EXPRESSED_AS_TIMM_KEYS = (
+    "pretrained_file",
+    "model_ema_metric",
+    "repeated_aug",
+    "eval_batch_size",
+    "scale_epochs",
+    "mixed_precision",
+    "compile",
+    "compile_mode",
+    "compile_backend",
+    "checkpoint",
+    "which",
+    "eval_interval",
+    "config",
+)
+# this engine's options that watch and keep the run (diagnostics, signals, resume points) and change nothing it trains
+# or evaluates: an args.yaml need not express them
+RUN_KEEPING = (
+    "diagnostics",
+    "diagnostics_images",
+    "preempt_signals",
+    "checkpoint_interval",
+    "keep_checkpoints",
+    "save_epochs",
+    "accept_resume_changes",
+)
+
+
+def timm_args(
+    cfg: Any, initial_checkpoint: str | None = None, resolved: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """(the args.yaml timm's train.py would have written for the run of ``cfg``: every key of timm's parser, each
+    value meaning what timm's train.py makes of it; what of the run timm cannot express). ``initial_checkpoint``:
+    the weights --checkpoint resolved to (a run directory's point); ``resolved``: values of timm's keys that the
+    run resolved where timm would resolve others (the input size and statistics of this engine's own data sets;
+    ``resume``: a --resume of timm's own checkpoint, which timm's train.py continues too)."""
+    values, options = dict(TIMM_TRAIN_DEFAULTS), cfg.to_dict()
+    for name, default in TIMM_TRAIN_DEFAULTS.items():
+        if name in options:  # timm's "unset" is '' where its default is ''
+            values[name] = default if options[name] is None and default == "" else options[name]
+    epochs, warmup_epochs = effective_epochs(cfg)
+    output = Path(cfg.output)  # timm writes into OUTPUT/EXPERIMENT
+    values.update(
+        dataset=TIMM_DATASET_NAMES.get(cfg.dataset, cfg.dataset),
+        epochs=epochs,
+        warmup_epochs=warmup_epochs,
+        amp=cfg.mixed_precision != "no",
+        amp_dtype="bfloat16" if cfg.mixed_precision == "bf16" else "float16",
+        torchcompile=cfg.compile_backend if cfg.compile else None,
+        torchcompile_mode=cfg.compile_mode if cfg.compile and cfg.compile_mode != "default" else None,
+        output=str(output.parent),
+        experiment=output.name,
+        aug_repeats=cfg.repeated_aug if cfg.repeated_aug > 1 else 0,
+        validation_batch_size=cfg.eval_batch_size,
+        pretrained_path=cfg.pretrained_file,
+        initial_checkpoint=initial_checkpoint or cfg.checkpoint or "",
+        val_interval=cfg.eval_interval,
+        model_ema_force_cpu=bool(cfg.model_ema and not cfg.model_ema_metric),
+        resume="",
+        **(resolved or {}),
+    )
+    left_out = [
+        f"--no-{flag_name(name)[2:]}"
+        if options[name] is False
+        else f"{flag_name(name)} {_shown(options[name])}".strip()
+        for name in option_names()
+        if name not in (*TIMM_TRAIN_DEFAULTS, *EXPRESSED_AS_TIMM_KEYS, *RUN_KEEPING)
+        and options[name] != default_value(name)
+    ]
+    if cfg.dataset in EMBEDDED_DATASETS:
+        left_out.append(f"--dataset {cfg.dataset} (this engine's embedded data set)")
+    if cfg.resume and not values["resume"]:
+        left_out.append(f"--resume {cfg.resume} (this launch continued a resume point of this engine)")
+    return values, left_out
+
+
+def _shown(value: Any) -> str:
+    """An option's value as a command line gives it."""
+    if value is True:
+        return ""
+    if isinstance(value, dict):
+        return " ".join(f"{key}={item}" for key, item in value.items())
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def _accepts_none(name: str) -> bool:
     return type(None) in getattr(option_types()[name], "__args__", ())
 
@@ -164,8 +283,8 @@ def _shared_option(name: str, value: Any) -> tuple[bool, Any]:
     """(whether to set it, the value) for a key both timm and this engine declare. timm's '' and None mean
     "unset": None where this engine's option takes None, else this engine's default; ''
     is a value where it is one of the option's choices (--dist-bn '', --lr-base-scale '')."""
-    if name == "dataset" and value == "":  # timm's folder of class folders at --data-dir (or data)
-        return True, "folder"
+    if name == "dataset" and value in TIMM_DATASET_NAMES.values():  # timm's folder (''), torchvision's CIFAR
+        return True, next(ours for ours, timms in TIMM_DATASET_NAMES.items() if timms == value)
     if value not in ("", None) or (value == "" and "" in (declaration(name).metadata["choices"] or ())):
         return True, value
     if _accepts_none(name):
@@ -184,7 +303,8 @@ def read_timm_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
 
 def translate_timm_keys(values: dict[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
     """(this engine's options, the problems: 'key: value (reason)' for each active timm option that this engine
-    does not apply, 'key: unknown option' for each key neither this engine's nor timm's)."""
+    does not apply, 'key: unknown option (did you mean ...?)' for each key within a typo of an option's name;
+    ``ignored_timm_keys`` are left out)."""
     values = {option_aliases().get(key, key): value for key, value in values.items()}
     options: dict[str, Any] = {}
     for name, value in values.items():
@@ -196,9 +316,9 @@ def translate_timm_keys(values: dict[str, Any], source: str) -> tuple[dict[str, 
     for keys, translate in TIMM_TRANSLATIONS.items():
         if any(key in values for key in keys):
             options.update(translate({key: values.get(key) for key in keys}))
-    problems = []
+    problems, ignored = [], ignored_timm_keys(values)
     for name, value in values.items():
-        if name in option_names() or name in translated:
+        if name in option_names() or name in translated or name in ignored:
             continue
         if name in OBSOLETE_TIMM_KEYS:
             inert = OBSOLETE_TIMM_KEYS[name]
@@ -207,7 +327,7 @@ def translate_timm_keys(values: dict[str, Any], source: str) -> tuple[dict[str, 
                     f"{name}: {value!r} (an option of older timm train.py versions; accepted at {inert[0]!r})"
                 )
         elif name not in TIMM_TRAIN_DEFAULTS:
-            problems.append(f"{name}: unknown option{did_you_mean(name)}")
+            problems.append(f"{name}: unknown option (did you mean {', '.join(typo_of(name))}?)")
         elif value != TIMM_TRAIN_DEFAULTS[name] and name not in TIMM_ANY_VALUE:
             problems.append(f"{name}: {value!r} ({timm_option_status(name)[1]})")
     return options, problems

@@ -25,7 +25,8 @@ class TrainingData:
     streamed: bool  # timm's reader shards a stream itself: its loaders are not prepared
     worker_init_fn: Any
     train_loader: Any = None
-    steps_per_epoch: int = 0
+    steps_per_epoch: int = 0  # the train loader's batches: every one is trained on
+    updates_per_epoch: int = 0  # optimizer updates: one per --grad-accum-steps batches, and one for the rest
     augment: DeviceAugment | None = None  # the fast path's device half (engine.data.device_augment)
 
 
@@ -59,10 +60,11 @@ def build_training_data(cfg: Config, acc: Accelerator, worker_init_fn: Any, trai
         )
     if bundle.device_spec is not None:
         data.augment = DeviceAugment(bundle.device_spec, acc.device, seed=cfg.seed, rank=acc.process_index)
-    data.steps_per_epoch = len(data.train_loader) // cfg.grad_accum_steps * cfg.grad_accum_steps
+    data.steps_per_epoch = len(data.train_loader)
+    data.updates_per_epoch = (data.steps_per_epoch + cfg.grad_accum_steps - 1) // cfg.grad_accum_steps  # as timm
     if data.steps_per_epoch == 0:
         raise ConfigError(
             f"the training set ({len(bundle.train)} images) gives no full batch of {cfg.batch_size} x "
-            f"{acc.num_processes} processes x {cfg.grad_accum_steps} accumulation steps; lower --batch-size"
+            f"{acc.num_processes} processes; lower --batch-size"
         )
     return data

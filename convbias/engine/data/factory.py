@@ -111,9 +111,11 @@ def model_pretrained_cfg(name: str | None) -> dict[str, Any]:
 def input_format(cfg: Config) -> InputFormat:
     """As timm's train.py (its resolve_data_config over the model's pretrained config): the image size
     --img-size, else --input-size's H, else the model's; --interpolation, --crop-pct, --mean and --std, else
-    the model's. On the engine's own datasets (NATIVE_DATASETS) their size, channels and statistics stand in for
-    the model's. in_chans = --in-chans or --input-size's C or --input-img-mode's or the dataset's (one value of
-    --mean/--std is repeated, three are luma-weighted for one channel: _per_channel)."""
+    the model's. --eval-only evaluates as timm's validate.py: at the model's test_input_size and test_crop_pct where
+    its pretrained config has them, unless --use-train-size. On the engine's own datasets (NATIVE_DATASETS) their
+    size, channels and statistics stand in for the model's. in_chans = --in-chans or --input-size's C or
+    --input-img-mode's or the dataset's (one value of --mean/--std is repeated, three are luma-weighted for one
+    channel: _per_channel)."""
     info = dataset_info(cfg.dataset)
     pretrained = model_pretrained_cfg(cfg.model)
     model_source = f"model {cfg.model}'s config" if pretrained else "timm's default"
@@ -121,6 +123,8 @@ def input_format(cfg: Config) -> InputFormat:
     if native:
         size = info.default_img_size
         pretrained = {**pretrained, "input_size": (info.in_chans, size, size), "mean": info.mean, "std": info.std}
+        pretrained.pop("test_input_size", None)  # the data set's size stands in for the model's sizes
+    use_test_size = bool(cfg.eval_only) and not cfg.use_train_size
     channels, size = (cfg.input_size or (None, None))[:2]
     mode_channels = IMAGE_MODE_CHANNELS.get(cfg.input_img_mode)
     in_chans = int(cfg.in_chans or channels or mode_channels or info.in_chans)
@@ -133,6 +137,7 @@ def input_format(cfg: Config) -> InputFormat:
             "std": None,
         },
         pretrained_cfg=pretrained or {"input_size": (3, 224, 224)},
+        use_test_size=use_test_size,
     )
     default_source = f"dataset {cfg.dataset}" if native else model_source
     given = {
@@ -146,6 +151,9 @@ def input_format(cfg: Config) -> InputFormat:
     if native:
         sources["interpolation"] = "set" if cfg.interpolation else model_source
         sources["crop_pct"] = "set" if cfg.crop_pct else model_source
+    for name, key in (("img_size", "test_input_size"), ("crop_pct", "test_crop_pct")):  # validate.py's choice
+        if use_test_size and not given[name] and pretrained.get(key):
+            sources[name] = f"model {cfg.model}'s {key}"
     return InputFormat(
         in_chans,
         int(resolved["input_size"][-1]),

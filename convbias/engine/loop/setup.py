@@ -26,9 +26,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from timm.utils import ModelEmaV3
 
-from convbias.base.weights import load_weights, rebuild_hint
+from convbias.base.weights import load_checked, load_weights, rebuild_hint
 
 from ..checkpointing.shards import FullCopy
+from ..checkpointing.timm_checkpoint import read_timm_checkpoint
 from ..config.derived import RunValues
 from ..config.options import Config
 from ..config.parsing import parse_signals
@@ -49,6 +50,7 @@ from ..optim.build import Optimization, build_optimization
 from .metrics import evaluate
 from .node import busy_cores_warning, local_processes, node_cores
 from .preemption import PreemptionSignals, ignore_in_worker
+from .records import evaluation_block
 from .start import CheckpointChoice, RunStart
 
 LOW_LR = 1e-5  # a scaled lr below this barely moves a model in a short run
@@ -159,6 +161,9 @@ def _load_checkpoint(model: torch.nn.Module, choice: CheckpointChoice) -> Checkp
     """--checkpoint's weights into ``model``; returns the choice loaded: a run directory's next verified point
     when the run removed the chosen one meanwhile."""
     with rebuild_hint(choice.weights):
+        if choice.timm_ema:  # --use-ema of timm's checkpoint
+            load_checked(model, read_timm_checkpoint(choice.weights).weights(use_ema=True), choice.name)
+            return choice
         if choice.run is None:
             load_weights(model, choice.weights)
             return choice
@@ -211,9 +216,8 @@ def build_models_and_optimization(start: RunStart, data: TrainingData) -> tuple[
     ema = optim.create_ema(cfg, model, acc.device)
     full_copy = FullCopy(model, acc.device) if start.sharded else None
     before = cfg.reparametrize_at_epoch is not None and not was_reparametrized
-    updates_per_epoch = data.steps_per_epoch // cfg.grad_accum_steps
     prepared, optimization = build_optimization(
-        cfg, acc, model, start.values, updates_per_epoch, head_classes(model), before
+        cfg, acc, model, start.values, data.updates_per_epoch, head_classes(model), before
     )
     if teacher is not None:
         optimization.train_loss = optim.HardDistillationLoss(optimization.train_loss, teacher)
@@ -243,6 +247,8 @@ class Evaluator:
     def run(self) -> dict[str, float]:
         """Top-1, top-5 and loss of the checkpoint over the whole validation set, printed and returned."""
         start, data = self.start, self.data
+        for line in evaluation_block(start, data):
+            start.accelerator.print(line)
         metrics = evaluate(start.accelerator, self.forward, data.eval_loader, data.streamed, start.cfg.channels_last)
         self.start.accelerator.print(
             f"top1 {metrics['eval_top1']:.2f}  top5 {metrics['eval_top5']:.2f}  "

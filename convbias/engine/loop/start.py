@@ -7,7 +7,7 @@ Also what a run that stops says it kept. Every check here runs before the run wr
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from convbias.base.errors import ConfigError, DamagedInputError, DamagedRunRecordError
 from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
+    EMA_FILE,
     LAST_LINK,
     MANIFEST_FILE,
     RESULTS_FILE,
@@ -32,15 +33,16 @@ from ..checkpointing.resume import Resume, ResumePoint, find_resume
 from ..checkpointing.run_dir import RunDir, verify_file
 from ..checkpointing.run_files import (
     is_run_dir,
+    is_timm_checkpoint_name,
     is_timm_output_dir,
     read_run_config,
     timm_output_file,
 )
-from ..checkpointing.timm_checkpoint import TimmCheckpoint
+from ..checkpointing.timm_checkpoint import TimmCheckpoint, read_timm_checkpoint
 from ..config.derived import RunValues
 from ..config.options import DEFAULT_WHICH, Config, OptimizationOptions, ScheduleOptions
-from ..config.parsing import option_source
-from ..data.factory import dataset_info
+from ..config.parsing import credit, option_source
+from ..data.factory import input_format
 from ..model.factory import check_model_name
 from ..model.pretrained import check_pretrained_reachable
 from ..optim import factory as optim
@@ -66,11 +68,35 @@ class CheckpointChoice:
     name: str | None = None
     run: RunDir | None = None
     which: str = DEFAULT_WHICH
+    timm_ema: bool = False  # the state_dict_ema of timm's checkpoint ``weights`` (--use-ema)
 
 
 def resolve_checkpoint(cfg: Config) -> CheckpointChoice:
     """--checkpoint's weights: a run directory's checkpoints/<--which>, timm's output folder's file by --which,
-    else the file itself."""
+    else the file itself; with --use-ema, the EMA's weights of that point or timm checkpoint."""
+    choice = _chosen_weights(cfg)
+    return _ema_of(choice, cfg.checkpoint) if cfg.use_ema else choice
+
+
+def _ema_of(choice: CheckpointChoice, given: str) -> CheckpointChoice:
+    """The EMA's weights beside the chosen ones, as timm's validate.py --use-ema loads them: timm's checkpoint's
+    state_dict_ema, a resume point's EMA file (verified against its manifest); a ConfigError where there is none."""
+    if is_timm_checkpoint_name(choice.weights) and choice.run is None:
+        read_timm_checkpoint(choice.weights).weights(use_ema=True)  # a ConfigError when the file has none
+        return replace(choice, name=f"{choice.name} (state_dict_ema)", timm_ema=True)
+    if choice.run is None:
+        raise ConfigError(
+            f"--use-ema takes the EMA of a run directory's checkpoint or of timm's checkpoint; {given} is a weights "
+            "file: pass the EMA's own file"
+        )
+    ema = Path(choice.weights).parent / EMA_FILE
+    if not ema.is_file():
+        raise ConfigError(f"--use-ema: {choice.name} holds no EMA weights ({EMA_FILE}: its run had no --model-ema)")
+    verify_file(ema)
+    return CheckpointChoice(str(ema), f"{choice.name}, its EMA", None, choice.which)
+
+
+def _chosen_weights(cfg: Config) -> CheckpointChoice:
     if cfg.checkpoint is None:
         _check_which_target(cfg.which, None)
         return CheckpointChoice()
@@ -107,15 +133,21 @@ def take_lock(accelerator: Accelerator, lock: RunLock | None, notes: list[str]) 
         raise (DamagedInputError if foreign else ConfigError)(message)
 
 
-def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, write: bool) -> str | None:
+def finished_message(
+    state: dict[str, Any] | None, output: Path, epochs: int, write: bool, options: dict[str, Any]
+) -> str | None:
     """What --resume of a run that already trained all its epochs says instead of training again. Its
     results.json follows the point: missing, unreadable or older than the point (a run extended with a larger
     --epochs, killed before it rewrote the file), it is rewritten from the training state (by the main
-    process, ``write``) and the message says so."""
+    process, ``write``) and the message says so. The record is the one the run writes when it finishes
+    (``records.results_record``), of the options it trained with: its config.yaml over this command's
+    ``options``, the point's own over both; the same fields with the same meaning (``metric_of``: whose
+    evaluations the training state holds, the EMA's or the model's, even when --model-ema is not repeated)."""
     if not state or state.get("step") or state["epoch"] < epochs:
         return None
     final, best = state.get("final") or {}, state.get("best") or {}
-    expected = results_record(state.get("options") or {"model": state["model"]}, state["epoch"], final, best)
+    options = {**options, **_trained_with(output), **(state.get("options") or {"model": state["model"]})}
+    expected = results_record(options, state["epoch"], final, best)
     try:
         results = RunDir(output).results()
     except DamagedRunRecordError:
@@ -130,13 +162,21 @@ def finished_message(state: dict[str, Any] | None, output: Path, epochs: int, wr
         if write:
             RunLog(output, enabled=True).write_results({**results, **expected})
         repaired = f"{RESULTS_FILE} was {problem}; rewrote it from epoch {state['epoch']}'s training state; "
-    metric = (state.get("options") or {}).get("eval_metric", "top1")  # what chose the best epoch
+    metric = options.get("eval_metric", "top1")  # what chose the best epoch
     return (
         f"{repaired}{output} is already finished (epoch {state['epoch']}/{epochs}, final top-1 "
         f"{final.get('eval_top1', float('nan')):.2f}, best {METRIC_NAMES.get(metric, metric)} "
         f"{best.get(f'eval_{metric}', float('nan')):.{4 if metric == 'loss' else 2}f} at epoch {best.get('epoch')}); "
         f"nothing to do (a larger --epochs trains on)"
     )
+
+
+def _trained_with(output: Path) -> dict[str, Any]:
+    """The options of the run in ``output`` as its config.yaml records them ({} when it has none that reads)."""
+    try:
+        return read_run_config(output)
+    except ConfigError:
+        return {}
 
 
 def kept(cfg: Config, output: Path) -> str:
@@ -271,10 +311,8 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     """The accelerator, the checks that need no data, the lock and the resume point."""
     extensions = extensions or Extensions()
     threads = set_threads(cfg.workers)
-    acc = Accelerator(
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.grad_accum_steps,
-        log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None,
+    acc = Accelerator(  # the trainer accumulates gradients as timm's train.py does (engine.loop.trainer)
+        mixed_precision=cfg.mixed_precision, log_with="wandb" if cfg.log_wandb and not cfg.eval_only else None
     )
     _check_fsdp(acc, cfg)
     check_model_name(cfg.model)
@@ -300,7 +338,7 @@ def start_run(cfg: Config, extensions: Extensions | None, lock: RunLock | None) 
     start.threads = threads
     start.head = requested_head(cfg, metadata, resume)
     state = point.state if point is not None else None
-    finished = finished_message(state, output, values.epochs, acc.is_main_process)
+    finished = finished_message(state, output, values.epochs, acc.is_main_process, cfg.to_dict())
     if finished:
         start.finished = "; ".join([*notes, finished])
     else:
@@ -314,7 +352,8 @@ def resolved_options(cfg: Config, checkpoint: str | None, metadata: dict[str, st
     model agree), and from the metadata of --checkpoint's weights the reparametrization and output scale they
     were written with (a checkpoint written after --reparametrize-at-epoch needs the changed architecture;
     weights of an output-scaled run hold f_w0 too)."""
-    changes: dict[str, Any] = {"img_size": cfg.img_size or dataset_info(cfg.dataset).default_img_size}
+    shape = input_format(cfg)  # the model's input size as timm resolves it (validate.py's with --eval-only)
+    changes: dict[str, Any] = {"img_size": cfg.img_size or shape.img_size}
     if checkpoint is not None:
         changes["checkpoint"] = checkpoint
     if metadata:
@@ -322,6 +361,8 @@ def resolved_options(cfg: Config, checkpoint: str | None, metadata: dict[str, st
         if metadata.get("output_scale"):
             changes["output_scale"] = cfg.output_scale or float(metadata["output_scale"])
     resolved = cfg.resolved(**changes)
+    if cfg.img_size is None:
+        credit(resolved, "img_size", shape.sources["img_size"])
     check_reparametrization(resolved, extensions)
     return resolved
 

@@ -12,8 +12,10 @@ FSDP a resume point also holds every rank's shards of the weights and the optimi
 torch distributed checkpoint), from which ``--resume`` continues exactly; the EMA update and the
 diagnostics read an ordinary copy of the model refreshed from the shards (``FullCopy``).
 The train loader's sampler shards itself across ranks (engine.loop.setup); evaluation is exact across
-processes (engine.loop.metrics). Gradient accumulation uses ``accelerator.accumulate``; each epoch runs a multiple
-of ``--grad-accum-steps`` batches (the few left over are skipped) so every optimizer step sees the same number of batches.
+processes (engine.loop.metrics). Gradient accumulation is timm's train.py's: every batch of the epoch is trained on,
+an update every ``--grad-accum-steps`` batches, each batch's loss divided by that count, and the last update of the
+epoch made from the batches that remain, their loss divided by their own count (timm's ``last_accum_steps``); the
+batches before an update skip the gradients' reduction across ranks (``accelerator.no_sync``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -30,7 +33,7 @@ from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from convbias.base.errors import Interrupted, NonFiniteLossError, Preempted
-from convbias.base.run_layout import CONFIG_FILE
+from convbias.base.run_layout import CONFIG_FILE, TIMM_ARGS_FILE
 
 from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
 from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_options
@@ -54,6 +57,7 @@ from .records import (
     startup_block,
     summary_line,
     write_config,
+    write_timm_args,
 )
 from .setup import Models, build_data, build_models_and_optimization, build_preemption, training_warnings
 from .start import RunStart, check_exact_continuation, kept
@@ -93,6 +97,15 @@ def build_trainer(start: RunStart) -> Trainer:
     return trainer
 
 
+def accumulation(step: int, steps: int, accum_steps: int) -> tuple[bool, int]:
+    """(whether an optimizer update follows batch ``step`` of an epoch of ``steps`` batches, the number of batches
+    that update averages), as timm's train.py counts them: an update every ``accum_steps`` batches and after the
+    epoch's last, the last ``steps % accum_steps`` batches forming an update of their own."""
+    remainder = steps % accum_steps
+    group = remainder if step >= steps - remainder else accum_steps
+    return (step + 1) % accum_steps == 0 or step + 1 == steps, group
+
+
 class Trainer:
     """One run's training, composed of its built parts; ``fit()`` trains, evaluates, logs and checkpoints."""
 
@@ -117,7 +130,7 @@ class Trainer:
             data.augment,
             models.num_classes,
             data.bundle.in_chans,
-            updates_per_epoch=data.steps_per_epoch // start.cfg.grad_accum_steps,
+            updates_per_epoch=data.updates_per_epoch,
         )
         self.resumed: str | None = None  # what the run resumed, as the checkpoint manager restored it
         self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
@@ -137,7 +150,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
         model = self.accelerator.unwrap_model(self.models.model)
-        for line in startup_block(self.start, self.data.bundle, self.data.steps_per_epoch, model) + self.start.notes:
+        for line in startup_block(self.start, self.data, model) + self.start.notes:
             acc.print(line)
         derived = dict(
             num_processes=acc.num_processes,
@@ -150,6 +163,7 @@ class Trainer:
         if acc.is_main_process:
             self.output.mkdir(parents=True, exist_ok=True)
             write_config(cfg, self.output / CONFIG_FILE, derived)
+            write_timm_args(cfg, self.output / TIMM_ARGS_FILE, self.start.checkpoint.weights)
         if cfg.log_wandb:
             resumed = {"id": cfg.wandb_resume_id, "resume": "must"} if cfg.wandb_resume_id else {}
             acc.init_trackers(
@@ -306,26 +320,29 @@ class Trainer:
         loader = epoch_batches(self.data.train_loader, epoch, first, steps - first, cfg.seed, acc.process_index)
         batches = DeviceBatches(loader, acc.device, self.data.augment)
         for step, (images, targets) in enumerate(batches, start=first):
+            update, group = accumulation(step, steps, cfg.grad_accum_steps)
             if cfg.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             if optimization.mixup is not None:
                 with record_function("mixup"):
                     images, targets = optimization.mixup(images, targets)
-            with acc.accumulate(model):
-                with record_function("forward_backward"):
-                    outputs = models.forward(images)
-                    if models.teacher is not None:
-                        with acc.autocast():
-                            loss = optimization.train_loss(images, outputs, targets)
-                    else:
-                        loss = optimization.train_loss(outputs, targets)
-                    acc.backward(loss)
+            with record_function("forward_backward"), nullcontext() if update else acc.no_sync(model):
+                outputs = models.forward(images)
+                if models.teacher is not None:
+                    with acc.autocast():
+                        loss = optimization.train_loss(images, outputs, targets)
+                else:
+                    loss = optimization.train_loss(outputs, targets)
+                acc.backward(loss / group if group > 1 else loss)
+            if update:
                 with record_function("optimizer"):
                     self._update()
-            with record_function("ema"):
-                self._update_ema()
+                with record_function("ema"):
+                    self._update_ema()
             with record_function("bookkeeping"):
-                mean_loss = self._after_step(epoch, step, steps, loss, loss_sum, progress)
+                mean_loss = self._after_step(epoch, step, steps, loss, loss_sum, progress, update)
+        if hasattr(optimization.optimizer.optimizer, "sync_lookahead"):  # timm's train.py, at each epoch's end
+            optimization.optimizer.optimizer.sync_lookahead()
         progress.close()
         seconds = time.perf_counter() - started
         return {
@@ -336,30 +353,36 @@ class Trainer:
         }
 
     def _update(self) -> None:
-        """The optimizer's update from the gradients of the last --grad-accum-steps batches (accelerate's optimizer
-        skips the batches before): clipping, the step, the gradients freed, the update counted and the schedule
-        stepped. Each is a few multi-tensor ops for all parameters together, not a loop over them."""
+        """The optimizer's update from the gradients accumulated since the last one: clipping, the step, the
+        gradients freed, the update counted and the schedule stepped. Each is a few multi-tensor ops for all
+        parameters together, not a loop over them."""
         cfg, acc, optimization = self.cfg, self.accelerator, self.optimization
-        if cfg.clip_grad and acc.sync_gradients:
+        if cfg.clip_grad:
             optim.clip_gradients(cfg, acc, self.models.model)
         optimization.optimizer.step()
         optimization.optimizer.zero_grad(set_to_none=True)
-        if acc.sync_gradients:
-            self.progress.num_updates += 1
-            optimization.scheduler.step_update(self.progress.num_updates)
+        self.progress.num_updates += 1
+        optimization.scheduler.step_update(self.progress.num_updates)
 
     def _update_ema(self) -> None:
         """The EMA's update after an optimizer update (engine.optim.factory.ModelEma: multi-tensor ops), at its count."""
-        if self.accelerator.sync_gradients and self.models.ema is not None:
+        if self.models.ema is not None:
             self.models.ema.update(self.models.whole_model(), step=self.progress.num_updates)
 
     def _after_step(
-        self, epoch: int, step: int, steps: int, loss: torch.Tensor, loss_sum: torch.Tensor, progress: tqdm
+        self,
+        epoch: int,
+        step: int,
+        steps: int,
+        loss: torch.Tensor,
+        loss_sum: torch.Tensor,
+        progress: tqdm,
+        updated: bool,
     ) -> float | None:
-        """What follows a step's update: the loss sum, every LOSS_CHECK_INTERVAL steps and at the epoch's last the
-        one cross-rank reduction (finiteness, progress bar, --log-interval; the mean loss so far is returned then,
-        else None), and the mid-epoch resume points and preemption. Nothing else here reads a device value on the
-        host."""
+        """What follows a step (``updated``: an optimizer update ended it): the loss sum, every LOSS_CHECK_INTERVAL
+        steps and at the epoch's last the one cross-rank reduction (finiteness, progress bar, --log-interval; the
+        mean loss so far is returned then, else None), and after an update the mid-epoch resume points and
+        preemption. Nothing else here reads a device value on the host."""
         cfg, acc = self.cfg, self.accelerator
         loss_sum += loss.detach().double()
         checked = (step + 1) % LOSS_CHECK_INTERVAL == 0 or step + 1 == steps
@@ -377,7 +400,7 @@ class Trainer:
                     f"{mean_loss:.4f}  lr {self._lr():.2e}  {pace(seconds, speed, self._seconds_left(epoch, step + 1))}"
                 )
         progress.update(1)
-        if acc.sync_gradients and step + 1 < steps:
+        if updated and step + 1 < steps:
             self._maybe_stop_mid_epoch(epoch, step + 1, loss_sum)
         return mean_loss
 
@@ -428,7 +451,7 @@ class Trainer:
             optimization.optimizer,
             self.start.values.schedule_epochs,
             self.start.values.warmup_epochs,
-            self.data.steps_per_epoch // cfg.grad_accum_steps,
+            self.data.updates_per_epoch,
         )
         optim.set_scheduled_lr(optimization.scheduler, self.progress.num_updates, self.progress.epoch)
         models.compile(cfg)

@@ -1,14 +1,11 @@
 """Optimization, built from timm: parameter groups, optimizer, schedule, mixup/cutmix, losses,
 EMA, gradient clipping.
 
-Defaults follow DeiT: AdamW, lr 5e-4 x global batch / 512, weight decay 0.05 on weight matrices only
-(timm's rule: no decay on 1-D parameters (norms, GPSA gates), biases, and the names a model lists in
-``no_weight_decay()`` (position embeddings, class/distillation tokens)), warmup then cosine to 1e-5, mixup/cutmix with soft-target cross-entropy, label smoothing.
-
-The lr schedule is stepped per optimizer update (timm ``step_update``) by default, where timm's train.py and DeiT
-step it per epoch: warmup and decay are smooth even for runs of a few epochs, as the short runs of the paper's
-sample-efficiency sweeps need. ``--no-sched-on-updates`` steps it per epoch as they do; the plateau schedule
-always steps per evaluation. Either way a resumed run lands on exactly the same lr.
+The defaults are timm's train.py's (the DeiT recipe is configs/recipes/deit.yaml). Weight decay follows timm's
+rule: none on 1-D parameters (norms, GPSA gates), biases and the names a model lists in ``no_weight_decay()``
+(position embeddings, class/distillation tokens). The lr schedule is stepped per epoch, as timm's train.py steps
+it, or per optimizer update with ``--sched-on-updates`` (timm ``step_update``); the plateau schedule always steps
+per evaluation. Either way a resumed run lands on exactly the same lr.
 """
 
 from __future__ import annotations
@@ -284,19 +281,16 @@ def create_mixup(cfg: Config, num_classes: int) -> Mixup | None:
 
 
 def create_train_loss(cfg: Config, mixup: Mixup | None) -> nn.Module:
-    """Soft-target CE (or BCE) with mixup/cutmix, whose soft targets carry the smoothing; else smoothed CE (or
-    BCE on smoothed one-hot targets), as timm's train.py combines them. One difference: --bce-loss without
-    mixup and smoothing is BCE here (timm's train.py falls back to plain CE)."""
-    if cfg.bce_loss:
-        return BinaryCrossEntropy(
-            smoothing=0.0 if mixup is not None else cfg.smoothing,
-            target_threshold=cfg.bce_target_thresh,
-            sum_classes=cfg.bce_sum,
-            pos_weight=cfg.bce_pos_weight,
-        )
+    """The training loss timm's train.py chooses, in its order: with mixup/cutmix, BCE (--bce-loss) or
+    soft-target CE on the mixed targets, which carry the smoothing; else with --smoothing, BCE on smoothed one-hot
+    targets or smoothed CE; else plain CE, --bce-loss or not. Built with timm's arguments (its BCE's own default
+    smoothing stays with mixup: dense targets are taken as they are)."""
+    bce = dict(target_threshold=cfg.bce_target_thresh, sum_classes=cfg.bce_sum, pos_weight=cfg.bce_pos_weight)
     if mixup is not None:
-        return SoftTargetCrossEntropy()
-    if cfg.smoothing > 0:
+        return BinaryCrossEntropy(**bce) if cfg.bce_loss else SoftTargetCrossEntropy()
+    if cfg.smoothing:
+        if cfg.bce_loss:
+            return BinaryCrossEntropy(smoothing=cfg.smoothing, **bce)
         return LabelSmoothingCrossEntropy(smoothing=cfg.smoothing)
     return nn.CrossEntropyLoss()
 

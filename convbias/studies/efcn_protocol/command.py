@@ -16,7 +16,8 @@ import yaml
 
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import report
-from convbias.base.storage import output_folder, write_text
+from convbias.base.run_layout import EFCN_PROTOCOL_FOLDER, PROTOCOL_CONFIG
+from convbias.base.storage import check_output, output_folder, write_text
 from convbias.engine.config.command_line import OptionParser
 
 from .protocol import analyze_stage, load_config, protocol_stages, train_stage
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             files = single_seed_intervals(Path(args.output), args.test_images)
             print(f"[efcn_protocol] wrote {', '.join(map(str, files))}")
             return 0
+        check_output(args.output, owned=EFCN_PROTOCOL_FOLDER)  # before the config is read and the families loaded
         cfg = load_config(
             args.config,
             {
@@ -62,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("cnn_epochs", "efcn_epochs", "snapshots", "workers", "seed", "optimizer", "data_dir")
             },
         )
-        out = output_folder(args.output)
-        write_text(out / "protocol_config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+        out = output_folder(args.output, owned=EFCN_PROTOCOL_FOLDER)
+        write_text(out / PROTOCOL_CONFIG, yaml.safe_dump(cfg, sort_keys=False), owner=out)
         analyze = args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0
         progress = protocol_stages(cfg, train=args.stage in ("all", "train"), analyze=analyze)
         if args.stage in ("all", "train"):

@@ -36,7 +36,7 @@ import torch
 
 from convbias import engine
 from convbias.base.inputs import read_yaml
-from convbias.base.run_layout import SUMMARY_FILE, snapshot_name
+from convbias.base.run_layout import BASELINES_TABLE, RELAX_TIMES_TABLE, SUMMARY_FILE, snapshot_name
 from convbias.base.tables import write_csv
 from convbias.base.weights import load_weights
 from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
@@ -541,8 +541,8 @@ def analyze_stage(cfg: dict, out: Path, progress: Progress | None = None) -> Non
     curves += fcn_curves
     interpolation_rows = _interpolations(analysis, times, progress)
 
-    write_csv(rows, out / "relax_times.csv")
-    write_csv([baselines], out / "baselines.csv")
+    write_csv(rows, out / RELAX_TIMES_TABLE, owner=out)
+    write_csv([baselines], out / BASELINES_TABLE, owner=out)
     write_csv(curves, out / "curves.csv")
     write_csv(interpolation_rows, out / "interpolation.csv")
     plots.training_curves(curves, times, out / "fig6_2_training_curves.png")

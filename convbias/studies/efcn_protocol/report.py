@@ -182,5 +182,5 @@ def write_report(
         + "\n\n".join(f"{caption}\n\n![{name}]({name})" for name, caption in FIGURES if (out / name).is_file()),
         "## Cost\n\n" + _cost(out, stages),
     ]
-    write_text(out / REPORT_NAME, "\n\n".join(s.rstrip("\n") for s in sections) + "\n")
+    write_text(out / REPORT_NAME, "\n\n".join(s.rstrip("\n") for s in sections) + "\n", owner=out)
     return out / REPORT_NAME

@@ -6,13 +6,15 @@ intervals over the test images (`--stage single-seed`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import yaml
-
-from convbias.base.errors import ConfigError
-from convbias.base.storage import output_folder, write_text
-from convbias.base.tables import markdown_table, read_csv, write_csv
+from convbias.base import tables
+from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.inputs import quoted, read_yaml
+from convbias.base.run_layout import BASELINES_TABLE, EFCN_PROTOCOL_FOLDER, PROTOCOL_CONFIG, RELAX_TIMES_TABLE
+from convbias.base.storage import check_output, output_folder, write_text
+from convbias.base.tables import markdown_table, write_csv
 
 from ..intervals import cell, interval, wilson
 
@@ -32,20 +34,48 @@ BASELINE_METRICS = ("cnn_final_test_acc", "fcn_final_test_acc", "fcn_deviation_t
 SINGLE_SEED_ACCURACIES = ("final_test_acc", "local_only_test_acc", "off_local_only_test_acc")
 
 
-def _read_csv(path: Path) -> list[dict]:
-    if not path.exists():
+def _cell(column: str, value: str) -> float:
+    """A protocol table's cell: the relax time a whole number, an accuracy finite, any other measure a number."""
+    if column == "relax_time":
+        return tables.integer(column, value)
+    return tables.finite(column, value) if column.endswith("_acc") else tables.number(column, value)
+
+
+def _read_csv(path: Path, required: tuple[str, ...] = ()) -> list[dict]:
+    """relax_times.csv or baselines.csv of a protocol output (``protocol.analyze_stage``), with the ``required``
+    columns and at least one row; a damaged one is a DamagedInputError naming the file (and line and column)."""
+    if not os.path.lexists(path):
         raise ConfigError(f"{path} not found: run the protocol (--stage all) in that directory first")
-    return read_csv(path, "protocol results")
+    return tables.read_csv(path, "protocol results", _cell, required, rows=True)
+
+
+def _seed(folder: Path) -> int:
+    """The seed a protocol output records in its protocol_config.yaml (read back as the protocol wrote it)."""
+    path = folder / PROTOCOL_CONFIG
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path} not found: run the protocol (--stage all) in that directory first")
+    recorded = read_yaml(path, "protocol record", DamagedInputError, plain=True)
+    seed = recorded.get("seed") if isinstance(recorded, dict) else None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise DamagedInputError(f"protocol record {path}: seed expects an integer, got {quoted(seed)}")
+    return seed
 
 
 def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:
     """Per relax time, over the protocols in `seed_dirs` (one per seed): n and each metric's mean with its 95%
     t-interval, and the per-seed paired differences final eFCN accuracy - CNN and - FCN (the gaps the paper
     claims). Writes relax_times_seeds.csv, baselines_seeds.csv and seeds.md into `out`."""
-    per_seed = [(_read_csv(d / "relax_times.csv"), _read_csv(d / "baselines.csv")[0]) for d in seed_dirs]
-    seeds = [yaml.safe_load((d / "protocol_config.yaml").read_text())["seed"] for d in seed_dirs]
+    check_output(out, owned=EFCN_PROTOCOL_FOLDER)
+    per_seed = [
+        (
+            _read_csv(d / RELAX_TIMES_TABLE, ("relax_time", *SUMMARY_METRICS)),
+            _read_csv(d / BASELINES_TABLE, BASELINE_METRICS)[0],
+        )
+        for d in seed_dirs
+    ]
+    seeds = [_seed(d) for d in seed_dirs]
     times = sorted({r["relax_time"] for rows, _ in per_seed for r in rows})
-    output_folder(out)
+    output_folder(out, owned=EFCN_PROTOCOL_FOLDER)
     rows, baselines = [], {}
     for key in BASELINE_METRICS:
         n, mean, low, high = interval([b[key] for _, b in per_seed])
@@ -109,11 +139,13 @@ def single_seed_intervals(folder: Path, test_images: int) -> list[Path]:
     """One protocol output's accuracies (relax_times.csv, baselines.csv in `folder`) with their 95% Wilson
     intervals over the `test_images` test images: the test-set sampling uncertainty of each network, which
     leaves out the spread between seeds (summarize_seeds). Writes single_seed.csv and single_seed.md there."""
-    base = _read_csv(folder / "baselines.csv")[0]
+    check_output(folder, owned=EFCN_PROTOCOL_FOLDER)
+    fcn_columns = tuple(f"fcn_{key}" for key in SINGLE_SEED_ACCURACIES)
+    base = _read_csv(folder / BASELINES_TABLE, ("cnn_final_test_acc", *fcn_columns))[0]
     fcn = {key: base[f"fcn_{key}"] for key in SINGLE_SEED_ACCURACIES}
     rows = [dict(model="CNN", relax_time="", final_test_acc=base["cnn_final_test_acc"])]
     rows.append(dict(model="standard FCN", relax_time="", **fcn))
-    for r in _read_csv(folder / "relax_times.csv"):
+    for r in _read_csv(folder / RELAX_TIMES_TABLE, ("relax_time", *SINGLE_SEED_ACCURACIES)):
         rows.append(dict(model="eFCN", relax_time=int(r["relax_time"]), **{k: r[k] for k in SINGLE_SEED_ACCURACIES}))
     for row in rows:
         row.update(seeds=1, test_images=test_images)
@@ -134,5 +166,6 @@ def single_seed_intervals(folder: Path, test_images: int) -> list[Path]:
         "images (test-set sampling only); the spread between seeds and the deviation delta: seeds.md.\n\n"
         + markdown_table(head, body)
     )
+    output_folder(folder, owned=EFCN_PROTOCOL_FOLDER)
     write_text(folder / "single_seed.md", text)
     return [write_csv(rows, folder / "single_seed.csv"), folder / "single_seed.md"]

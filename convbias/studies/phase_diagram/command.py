@@ -8,14 +8,16 @@ convbias-sweep report --csv results/phase_diagram/runs.csv --output results/phas
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
-from convbias.base.run_layout import check_output_folder
+from convbias.base.run_layout import PHASE_DIAGRAM_FOLDER
+from convbias.base.storage import check_output, output_folder
 from convbias.engine.config.command_line import OptionParser
 
-from .study import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, run, write_report_csvs
+from .study import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, report_tables, run, write_report_csvs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,14 +38,19 @@ def main(argv: list[str] | None = None) -> int:
 def _phase_diagram(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     output = Path(args.output)
-    check_output_folder(output)  # it writes its own config.yaml there
+    check_output(output, owned=PHASE_DIAGRAM_FOLDER)  # it writes its own config.yaml there
     cfg = PhaseDiagramConfig.from_yaml(args.config) if args.config else PhaseDiagramConfig().validated()
-    if args.plot_only and not (output / CELLS_CSV).is_file():
+    if args.plot_only and not os.path.lexists(output / CELLS_CSV):
         raise ConfigError(f"--plot-only: {output / CELLS_CSV} not found; run without --plot-only first")
-    if not args.plot_only and (output / CELLS_CSV).exists():
+    if not args.plot_only and os.path.lexists(output / CELLS_CSV):
         raise ConfigError(f"{output} already holds a phase diagram ({CELLS_CSV}); choose another --output")
-    cells = read_cells(output / CELLS_CSV) if args.plot_only else run(cfg, output)
-    for path in plot(cells, output) + write_report_csvs(output):
+    if args.plot_only:  # everything read back before anything is written
+        cells, tables = read_cells(output / CELLS_CSV), report_tables(output)
+        output_folder(output, owned=PHASE_DIAGRAM_FOLDER)  # marked as the phase diagram's, if it was not
+    else:
+        cells = run(cfg, output)
+        tables = report_tables(output)
+    for path in plot(cells, output) + write_report_csvs(output, tables):
         print(f"wrote {path}")
     return 0
 

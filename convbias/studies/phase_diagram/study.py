@@ -29,8 +29,8 @@ Files in OUTPUT: config.yaml, nets.csv (every net), cells.csv (every cell), runs
 
 from __future__ import annotations
 
-import csv
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -45,19 +45,27 @@ from sklearn.datasets import load_digits
 from sklearn.decomposition import PCA
 from torch import nn
 
-from convbias.base.errors import ConfigError
+from convbias.base import tables
+from convbias.base.errors import ConfigError, DamagedInputError
 from convbias.base.inputs import read_yaml
-from convbias.base.run_layout import CONFIG_FILE
+from convbias.base.run_layout import (
+    CONFIG_FILE,
+    PHASE_CELLS_TABLE,
+    PHASE_DIAGRAM_FOLDER,
+    PHASE_NETS_TABLE,
+    SWEEP_ENSEMBLES_TABLE,
+    SWEEP_RUNS_TABLE,
+)
 from convbias.base.storage import output_folder, save_figure, write_text
-from convbias.base.tables import read_csv, write_csv
+from convbias.base.tables import write_csv
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change
 
-NETS_CSV = "nets.csv"  # one row per net, every measurement
-CELLS_CSV = "cells.csv"  # one row per (width, alpha~): the figures' data
-RUNS_CSV = "runs.csv"  # the sweep report's schema (convbias-sweep report --csv ...)
-ENSEMBLES_CSV = "ensembles.csv"  # the sweep report's ensemble schema
+NETS_CSV = PHASE_NETS_TABLE  # one row per net, every measurement
+CELLS_CSV = PHASE_CELLS_TABLE  # one row per (width, alpha~): the figures' data
+RUNS_CSV = SWEEP_RUNS_TABLE  # the sweep report's schema (convbias-sweep report --csv ...)
+ENSEMBLES_CSV = SWEEP_ENSEMBLES_TABLE  # the sweep report's ensemble schema
 REPORT_COLUMNS = ("model", "width", "alpha_tilde", "seed", "top1", "train_seconds")
 DIGITS_IMAGES = 1797  # scikit-learn's digits: train_size of them train, the rest test
 
@@ -80,18 +88,26 @@ class PhaseDiagramConfig:
     ntk_samples: int = 100  # test points on which the kernel change is measured
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> PhaseDiagramConfig:
+    def from_yaml(cls, path: str | Path, error: type[ConfigError] = ConfigError) -> PhaseDiagramConfig:
+        """A user's config (``error`` ConfigError), or with DamagedInputError the one a phase diagram wrote into
+        its folder and reads back (a plain file: ``inputs.check_plain_file``); ``error`` names the file."""
         path = Path(path)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ConfigError(f"phase-diagram config not found: {path}")
-        data = read_yaml(path, "phase-diagram config") or {}
+        data = read_yaml(path, "phase-diagram config", error, plain=error is DamagedInputError) or {}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known) if isinstance(data, dict) else ["(not a mapping)"]
         if unknown:
-            raise ConfigError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
-        return cls(**data).validated()
+            raise error(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+        try:
+            return cls(**data).validated()
+        except ConfigError as e:
+            raise error(f"{path}: {e}") from None
 
     def validated(self) -> PhaseDiagramConfig:
+        for name in ("widths", "alpha_tildes", "seeds"):
+            if not isinstance(getattr(self, name), list):
+                raise ConfigError(f"{name} must be a list, got {getattr(self, name)!r}")
         if not self.widths or any(not isinstance(h, int) or h < 1 for h in self.widths):
             raise ConfigError(f"widths must be positive integers, got {self.widths}")
         if not self.alpha_tildes or any(not isinstance(a, (int, float)) or not a > 0 for a in self.alpha_tildes):
@@ -272,7 +288,8 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
     """Train the whole grid, write nets.csv (one row per net) and cells.csv; return the cells."""
     torch.manual_seed(0)
     data = odd_even_digits(cfg.train_size, cfg.pca_components, cfg.data_seed)
-    write_text(output_folder(output) / CONFIG_FILE, yaml.safe_dump(asdict(cfg), sort_keys=False))
+    output_folder(output, owned=PHASE_DIAGRAM_FOLDER)
+    write_text(output / CONFIG_FILE, yaml.safe_dump(asdict(cfg), sort_keys=False), owner=output)
     all_rows, all_cells = [], []
     for width in cfg.widths:
         started = time.perf_counter()
@@ -280,8 +297,8 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
         cells = cell_rows(cfg, width, rows, test_outputs, data[3])
         all_rows += rows
         all_cells += cells
-        write_csv(all_rows, output / NETS_CSV)  # after every width: a partial grid is readable
-        write_csv(all_cells, output / CELLS_CSV)
+        write_csv(all_rows, output / NETS_CSV, owner=output)  # after every width: a partial grid is readable
+        write_csv(all_cells, output / CELLS_CSV, owner=output)
         log(
             f"h={width:4d}  {time.perf_counter() - started:6.1f}s  "
             + "  ".join(
@@ -293,49 +310,71 @@ def run(cfg: PhaseDiagramConfig, output: Path, log=print) -> list[dict]:
     return all_cells
 
 
-def write_report_csvs(output: Path) -> list[Path]:
-    """runs.csv and ensembles.csv in the sweep report's schemas, from nets.csv, cells.csv and config.yaml,
-    so that `convbias-sweep report --csv OUTPUT/runs.csv` tabulates and plots this grid like any sweep
-    (an ensemble with its test-set interval, its members with their spread)."""
-    with open(output / NETS_CSV, newline="") as f:
-        nets = list(csv.DictReader(f))
-    test_images = DIGITS_IMAGES - PhaseDiagramConfig.from_yaml(output / CONFIG_FILE).train_size
+def report_tables(output: Path) -> tuple[list[dict], list[dict]]:
+    """The rows of runs.csv and ensembles.csv in the sweep report's schemas, from the folder's nets.csv, cells.csv
+    and config.yaml (each read back as written, checked), so that `convbias-sweep report --csv OUTPUT/runs.csv`
+    tabulates and plots this grid like any sweep (an ensemble with its test-set interval, its members with
+    their spread)."""
+    nets = read_nets(output / NETS_CSV)
+    test_images = DIGITS_IMAGES - PhaseDiagramConfig.from_yaml(output / CONFIG_FILE, DamagedInputError).train_size
     member_top1: dict[tuple[int, float], list[float]] = {}
     for r in nets:
-        member_top1.setdefault((int(r["width"]), float(r["alpha_tilde"])), []).append(float(r["top1"]))
-    write_csv(
-        [
-            {
-                "run": f"fc2__h{r['width']}__a{float(r['alpha_tilde']):g}__seed{r['seed']}",
-                **{k: r[k] for k in REPORT_COLUMNS},
-            }
-            for r in nets
-        ],
-        output / RUNS_CSV,
-    )
-    write_csv(
-        [
-            {
-                "model": "fc2",
-                "width": int(c["width"]),
-                "alpha_tilde": c["alpha_tilde"],
-                "members": int(c["seeds"]),
-                "ensemble_top1": 100 - c["ensemble_test_error"],
-                "member_top1": 100 - c["mean_test_error"],
-                "member_top1_std": float(np.std(member_top1[(int(c["width"]), c["alpha_tilde"])], ddof=1)),
-                "fluctuation": c["fluctuation"],
-                "images": test_images,
-            }
-            for c in read_cells(output / CELLS_CSV)
-        ],
-        output / ENSEMBLES_CSV,
-    )
+        member_top1.setdefault((r["width"], r["alpha_tilde"]), []).append(r["top1"])
+    runs = [
+        {"run": f"fc2__h{r['width']}__a{r['alpha_tilde']:g}__seed{r['seed']}", **{k: r[k] for k in REPORT_COLUMNS}}
+        for r in nets
+    ]
+    ensembles = [
+        {
+            "model": "fc2",
+            "width": c["width"],
+            "alpha_tilde": c["alpha_tilde"],
+            "members": c["seeds"],
+            "ensemble_top1": 100 - c["ensemble_test_error"],
+            "member_top1": 100 - c["mean_test_error"],
+            "member_top1_std": float(np.std(member_top1[(c["width"], c["alpha_tilde"])], ddof=1)),
+            "fluctuation": c["fluctuation"],
+            "images": test_images,
+        }
+        for c in read_cells(output / CELLS_CSV)
+    ]
+    return runs, ensembles
+
+
+def write_report_csvs(output: Path, tables: tuple[list[dict], list[dict]] | None = None) -> list[Path]:
+    """runs.csv and ensembles.csv of ``report_tables`` (given, or read from ``output`` now) in ``output``."""
+    runs, ensembles = tables if tables is not None else report_tables(output)
+    write_csv(runs, output / RUNS_CSV, owner=output)
+    write_csv(ensembles, output / ENSEMBLES_CSV, owner=output)
     return [output / RUNS_CSV, output / ENSEMBLES_CSV]
 
 
+# The columns of nets.csv (``train_width``'s rows) and cells.csv (``cell_rows``'), each with how it is read back
+NET_COLUMNS = {
+    "model": tables.text,
+    **dict.fromkeys(("width", "seed", "params", "unfit", "converged", "steps"), tables.integer),
+    **dict.fromkeys(("alpha_tilde", "train_error", "test_error", "top1", "train_seconds"), tables.finite),
+    "ntk_change": tables.number,
+}
+CELL_COLUMNS = {
+    **dict.fromkeys(("width", "params", "seeds"), tables.integer),
+    **dict.fromkeys(("alpha_tilde", "ensemble_test_error", "mean_test_error", "fluctuation"), tables.finite),
+    **dict.fromkeys(("converged_fraction", "mean_train_error", "mean_steps"), tables.finite),
+    "ntk_change": tables.number,
+}
+
+
+def read_nets(path: Path, required: tuple[str, ...] = tuple(NET_COLUMNS)) -> list[dict]:
+    """nets.csv as written (``NET_COLUMNS``); the ``required`` columns must be there."""
+    return tables.read_csv(path, "phase diagram nets", tables.by_column(NET_COLUMNS), required, rows=True)
+
+
+def read_cells(path: Path, required: tuple[str, ...] = tuple(CELL_COLUMNS)) -> list[dict]:
+    """cells.csv as written (``CELL_COLUMNS``); the ``required`` columns must be there."""
+    return tables.read_csv(path, "phase diagram cells", tables.by_column(CELL_COLUMNS), required, rows=True)
+
+
 # ------------------------------------------------------------------------------------------- figures
-def read_cells(path: Path) -> list[dict]:
-    return read_csv(path, "phase diagram cells")
 
 
 def plot(cells: list[dict], output: Path, curves: tuple[float, ...] | None = None) -> list[Path]:

@@ -14,7 +14,7 @@ import numpy as np
 from convbias.base.tables import markdown_table
 
 from ..intervals import proportion_interval, t_half_width
-from ..sweep.runs import read_runs_like
+from .study import CELLS_CSV, NETS_CSV, read_cells, read_nets
 
 
 def mean_interval(values: Sequence[float]) -> str:
@@ -57,8 +57,11 @@ def phase_diagram_tables(directory: str | Path, test_size: int) -> str:
     ensemble per cell); kernel change: geometric mean [t interval of the logs]; nets at zero loss:
     k / n [Clopper-Pearson]."""
     directory = Path(directory)
-    nets = read_runs_like(directory / "nets.csv")
-    cells = {(c["alpha_tilde"], c["width"]): c for c in read_runs_like(directory / "cells.csv")}
+    nets = read_nets(directory / NETS_CSV, ("width", "alpha_tilde", "test_error", "ntk_change", "converged"))
+    cells = {
+        (c["alpha_tilde"], c["width"]): c
+        for c in read_cells(directory / CELLS_CSV, ("width", "alpha_tilde", "ensemble_test_error"))
+    }
     widths = sorted({n["width"] for n in nets})
     alphas = sorted({n["alpha_tilde"] for n in nets}, reverse=True)
     by_cell: dict[tuple[Any, Any], list[dict[str, Any]]] = {}

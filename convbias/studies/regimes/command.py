@@ -9,10 +9,12 @@ What is measured: convbias.studies.regimes.study.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
+from convbias.base.run_layout import SWEEP_RUNS_TABLE
 from convbias.engine.config.command_line import OptionParser
 from convbias.families import load_families
 
@@ -33,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _regimes(sweep_dir: Path) -> int:
-    if not (sweep_dir / "runs.csv").is_file():
-        raise ConfigError(f"{sweep_dir / 'runs.csv'} not found; run the sweep first (convbias-sweep run ...)")
+    if not os.path.lexists(sweep_dir / SWEEP_RUNS_TABLE):
+        raise ConfigError(f"{sweep_dir / SWEEP_RUNS_TABLE} not found; run the sweep first (convbias-sweep run ...)")
     written = write(sweep_dir, load_families())
     print("wrote " + ", ".join(str(path) for path in written))
     return 0

@@ -15,7 +15,6 @@ script is ``convbias-regimes SWEEP_DIR`` (`convbias.studies.regimes.command`).
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,8 @@ import torch
 from matplotlib.figure import Figure
 
 from convbias.base.errors import ConfigError
-from convbias.base.run_layout import LOG_FILE
-from convbias.base.storage import save_figure, write_text
+from convbias.base.run_layout import LOG_FILE, SWEEP_RUNS_DIR, SWEEP_RUNS_TABLE
+from convbias.base.storage import check_output, output_folder, save_figure, write_text
 from convbias.base.tables import markdown_table, write_csv
 from convbias.engine import read_log
 from convbias.evaluation.ensembles import load_run
@@ -32,6 +31,7 @@ from convbias.evaluation.figures import dodged, error_bar_note, log_ticks
 from convbias.evaluation.landscape import Batches, local_energy
 
 from ..intervals import cell, error_bar, interval, per_seed_gaps
+from ..sweep.runs import read_runs
 
 SIGMAS = (0.0, 0.05, 0.1, 0.2, 0.3)
 DRAWS = 5
@@ -62,11 +62,10 @@ def last_evaluation(run_dir: Path) -> dict[str, Any]:
 
 def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
     """One row per complete run: model, alpha, top-1, kernel change, local energy at SIGMAS."""
-    with open(sweep_dir / "runs.csv", newline="") as f:
-        runs = list(csv.DictReader(f))
+    runs = read_runs(sweep_dir / SWEEP_RUNS_TABLE, required=("run",))  # the sweep's table, its columns checked
     rows, data = [], None
     for run in runs:
-        run_dir = sweep_dir / "runs" / run["run"]
+        run_dir = sweep_dir / SWEEP_RUNS_DIR / run["run"]
         model, cfg, data = load_run(run_dir, extensions, data, which="last")  # the final weights
         if cfg.output_scale is None:
             raise ConfigError(f"{run_dir} was not trained with --output-scale")
@@ -79,7 +78,7 @@ def summarize(sweep_dir: Path, extensions=None) -> list[dict[str, Any]]:
         rows.append(
             {
                 "run": run["run"],
-                "seed": int(run["seed"]) if run.get("seed") not in (None, "") else None,
+                "seed": run.get("seed"),
                 "model": cfg.model,
                 "alpha": cfg.output_scale,
                 "lr": cfg.lr,
@@ -188,8 +187,10 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
 
 def write(sweep_dir: Path, extensions=None) -> list[Path]:
     """Summarize the sweep in `sweep_dir`: regimes.csv, regimes_seeds.csv, regimes.md and regimes.png there."""
+    check_output(sweep_dir, "SWEEP_DIR")  # a link or FIFO among the sweep's files stops it before any work
     rows = summarize(sweep_dir, extensions)
     summary = over_seeds(rows)
+    output_folder(sweep_dir, "SWEEP_DIR")
     markdown_path = sweep_dir / MARKDOWN_NAME
     write_text(markdown_path, markdown(summary))
     return [

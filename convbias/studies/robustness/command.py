@@ -27,7 +27,8 @@ import torch
 
 from convbias.base.deprecation import Deprecated, announce
 from convbias.base.reporting import run_command
-from convbias.base.run_layout import check_output_folder
+from convbias.base.run_layout import ROBUSTNESS_FOLDER
+from convbias.base.storage import check_output
 from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
 from convbias.engine.config.command_line import OptionParser, key_value
 from convbias.families import load_families
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse and check everything that needs no data or model."""
     args = build_parser().parse_args(argv)
-    check_output_folder(args.output)  # before any run is read or model evaluated
+    check_output(args.output, owned=ROBUSTNESS_FOLDER)  # before any run is read or model evaluated
     announce(args)
     if args.source and args.checkpoint:
         raise ConfigError(f"{args.source} and --checkpoint {args.checkpoint}: give the run or weights once")

@@ -14,6 +14,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from convbias.base import tables
+from convbias.base.run_layout import ROBUSTNESS_FOLDER
 from convbias.base.storage import output_folder, save_figure, write_text
 
 from .corruptions import CATEGORIES, CATEGORY_OF
@@ -162,7 +163,7 @@ def write_report(
     """Write the Table G.1-style table (robustness.csv / .md), the per-corruption accuracies
     (corruptions.csv), the corruption errors per category (corruption_errors.csv) and, with a
     baseline among the models, the Fig. 8.3 plot (improvement.png) of the first other model."""
-    output = output_folder(output)
+    output = output_folder(output, owned=ROBUSTNESS_FOLDER)
     columns = TABLE_COLUMNS + ATTACK_COLUMNS
     files = dict(table_csv=tables.write_csv(_cells(table, columns), output / "robustness.csv"))
     described = _attack_description(table)

@@ -27,8 +27,16 @@ import torch
 
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
-from convbias.base.run_layout import INIT_SNAPSHOT, LAST_LINK, SNAPSHOT_NAME, SUMMARY_FILE
-from convbias.base.storage import output_folder, write_text
+from convbias.base.run_layout import (
+    INIT_SNAPSHOT,
+    LAST_LINK,
+    SNAPSHOT_NAME,
+    STABILITY_FOLDER,
+    STABILITY_LAYERS_TABLE,
+    STABILITY_TABLE,
+    SUMMARY_FILE,
+)
+from convbias.base.storage import check_output, output_folder, write_text
 from convbias.base.tables import write_csv
 from convbias.engine import WHICH
 from convbias.engine.config.command_line import OptionParser
@@ -107,11 +115,12 @@ def study_command(argv: list[str] | None) -> int:
     """The study: everything is read and checked (options, runs, datasets, weights, grid) before OUTPUT is
     created: bad input or a damaged checkpoint leaves no output behind."""
     settings, paths, combine, output = parse_args(argv)
+    check_output(output, owned=STABILITY_FOLDER)  # before any run is read: a link among its files stops it first
     extensions = load_families()
     runs = [study.load_run(Path(path), settings, extensions) for path in paths]
     if combine:
-        rows = [r for d in combine for r in study.read_rows(d / "stability.csv")]
-        layer_rows = [r for d in combine for r in study.read_rows(d / "stability_layers.csv")]
+        rows = [r for d in combine for r in study.read_rows(d / STABILITY_TABLE)]
+        layer_rows = [r for d in combine for r in study.read_rows(d / STABILITY_LAYERS_TABLE, study.LAYER_COLUMNS)]
         study.check_combinable(rows)
         first = rows[0]
         settings.convention, settings.modes, settings.images, settings.draws = (
@@ -120,7 +129,7 @@ def study_command(argv: list[str] | None) -> int:
             first["images"],
             first["draws"],
         )
-    output_folder(output)  # before measuring: an output that cannot be made stops it first
+    output_folder(output, owned=STABILITY_FOLDER)  # before measuring: an output that cannot be made stops it first
     if not combine:
         rows, layer_rows = study.measure(runs, settings)
     summary, layers = study.seed_summary(rows), study.layer_summary(layer_rows)
@@ -128,8 +137,8 @@ def study_command(argv: list[str] | None) -> int:
     before, after = settings.checkpoints[0], settings.checkpoints[-1]
     contrasts = study.contrasts(rows, *main_point, before, after, reference=CONTRAST_REFERENCE)
     tables = [
-        write_csv(rows, output / "stability.csv"),
-        write_csv(layer_rows, output / "stability_layers.csv"),
+        write_csv(rows, output / STABILITY_TABLE, owner=output),
+        write_csv(layer_rows, output / STABILITY_LAYERS_TABLE, owner=output),
         write_csv(summary, output / SUMMARY_FILE),
         write_csv(layers, output / "summary_layers.csv"),
         write_csv(contrasts, output / "contrasts.csv"),

@@ -11,19 +11,20 @@ per run and epoch, and per group of seeds with the geometric mean and its 95% t-
 
 from __future__ import annotations
 
-import csv
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 from matplotlib.figure import Figure
 
+from convbias.base import tables
 from convbias.base.errors import ConfigError
-from convbias.base.inputs import json_record
-from convbias.base.run_layout import CONFIG_FILE, LOG_FILE
+from convbias.base.run_layout import LOG_FILE
 from convbias.base.storage import save_figure, write_text
 from convbias.base.tables import markdown_table, write_csv
+from convbias.engine import RunDir, read_log
 
 from ..intervals import CONFIDENCE, cell, interval
 
@@ -118,27 +119,29 @@ def pair_table(rows: list[dict]) -> str:
     return title + "\n\n" + markdown_table(head, body) + "\n"
 
 
-def write_pairs(rows: list[dict], output: Path) -> list[Path]:
-    """pairs.csv and pairs.md in `output`, from the paired contrasts of stability.csv rows."""
+def write_pairs(rows: list[dict], output: Path) -> tuple[list[Path], str]:
+    """pairs.csv and pairs.md in `output`, from the paired contrasts of stability.csv rows; the paths and the
+    markdown."""
     pairs = pair_rows(rows)
     if not pairs:
         raise ConfigError("no contrast of the study has a seed run in both groups: nothing to pair")
-    write_text(output / "pairs.md", pair_table(pairs))
-    return [write_csv(pairs, output / "pairs.csv"), output / "pairs.md"]
+    markdown = pair_table(pairs)
+    write_text(output / "pairs.md", markdown)
+    return [write_csv(pairs, output / "pairs.csv"), output / "pairs.md"], markdown
 
 
 # -- trajectories --------------------------------------------------------------------------------
 def log_rows(runs: Path, convention: str, modes: str) -> list[dict]:
     """One row per run and epoch (epoch 0 = init_rf) of every run under `runs` whose log.jsonl has R_f
-    diagnostics. The logs do not say how R_f was measured: `convention` and `modes` are the training
-    code's, one draw per image."""
+    diagnostics, read as every command reads a run's log and config (damaged log lines dropped; the config's
+    values checked as its options'). The logs do not say how R_f was measured: `convention` and `modes` are
+    the training code's, one draw per image."""
     rows = []
     for log in sorted(runs.glob(f"*/{LOG_FILE}")):
-        records = [r for r in map(json_record, log.read_bytes().splitlines()) if isinstance(r, dict)]
+        records, _ = read_log(log)
         if not records or "init_rf" not in records[0]:
             continue
-        config = (log.parent / CONFIG_FILE).read_text().splitlines()
-        images = next((int(line.split(":")[1]) for line in config if "diagnostics_images" in line), None)
+        images = RunDir(log.parent).config.get("diagnostics_images")
         label = dict(convention=convention, modes=modes, draws=1, images=images)
         name = log.parent.name
         rows.append(dict(run=name, epoch=0, rf=records[0]["init_rf"], eval_top1=None, **label))
@@ -149,19 +152,26 @@ def log_rows(runs: Path, convention: str, modes: str) -> list[dict]:
     return rows
 
 
+# The columns of trajectories.csv (`log_rows`): no top-1 before training, no image count in an older log
+TRAJECTORY_COLUMNS = {
+    "run": tables.text,
+    "epoch": tables.integer,
+    "rf": tables.optional(tables.number, math.nan),
+    "eval_top1": tables.optional(tables.finite),
+    "convention": tables.text,
+    "modes": tables.text,
+    "draws": tables.optional(tables.integer),
+    "images": tables.optional(tables.integer),
+}
+
+
 def read_trajectories(path: Path) -> list[dict]:
-    """Rows of a trajectories.csv (`log_rows`), with its numbers as numbers (no top-1 or image count: None)."""
-    if not path.is_file():
+    """Rows of a trajectories.csv (`log_rows`), each column parsed as declared (``TRAJECTORY_COLUMNS``); a
+    damaged one is one DamagedInputError naming the file (and the line and column)."""
+    if not os.path.lexists(path):
         raise ConfigError(f"{path} not found: give the training runs (--runs) to read their logs")
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    for row in rows:
-        row["epoch"] = int(row["epoch"])
-        row["rf"] = float(row["rf"]) if row["rf"] else math.nan
-        row["eval_top1"] = float(row["eval_top1"]) if row["eval_top1"] else None
-        for key in ("draws", "images"):
-            row[key] = int(row[key]) if row[key] else None
-    return rows
+    columns = TRAJECTORY_COLUMNS
+    return tables.read_csv(path, "trajectories table", tables.by_column(columns), required=list(columns), rows=True)
 
 
 def trajectory_summary(rows: list[dict]) -> list[dict]:

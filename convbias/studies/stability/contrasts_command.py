@@ -8,8 +8,8 @@ pairs.csv and pairs.md (the study's contrasts paired by seed, with 95% and Bonfe
 convbias.studies.stability.contrasts). With --runs it reads R_f logged during training (train.py
 --diagnostics) from every RUNS/*/log.jsonl into FOLDER/trajectories.csv; without, it reads an existing
 FOLDER/trajectories.csv. Either way it writes trajectories_summary.csv and trajectories.png (the geometric
-mean over seeds with its 95% interval). What stops it is one `error: ...` line: a missing or unreadable
-table or bad option (exit status 2), a failed write (74).
+mean over seeds with its 95% interval). What stops it is one `error: ...` line: a missing table or bad option
+(exit status 2), a damaged table, or a link or FIFO among FOLDER's files (65), a failed write (74).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import argparse
 from pathlib import Path
 
 from convbias.base.reporting import run_command
+from convbias.base.run_layout import STABILITY_FOLDER, STABILITY_TABLE, TRAJECTORIES_TABLE
+from convbias.base.storage import check_output, output_folder
 from convbias.base.tables import write_csv
 from convbias.engine.config.command_line import OptionParser
 
@@ -47,16 +49,18 @@ def contrasts_command(argv: list[str] | None) -> int:
     """Everything is read before anything is written, so bad input leaves FOLDER as it was."""
     args = build_parser().parse_args(argv)
     folder: Path = args.folder
-    rows = read_rows(folder / "stability.csv")
+    check_output(folder, "FOLDER", owned=STABILITY_FOLDER)
+    rows = read_rows(folder / STABILITY_TABLE)
     if args.runs is not None:
         trajectories = contrasts.log_rows(args.runs, args.convention, args.modes)
     else:
-        trajectories = contrasts.read_trajectories(folder / "trajectories.csv")
-    files = contrasts.write_pairs(rows, folder)
+        trajectories = contrasts.read_trajectories(folder / TRAJECTORIES_TABLE)
+    output_folder(folder, "FOLDER", owned=STABILITY_FOLDER)
+    files, pairs = contrasts.write_pairs(rows, folder)
     if args.runs is not None:
-        files.append(write_csv(trajectories, folder / "trajectories.csv"))
+        files.append(write_csv(trajectories, folder / TRAJECTORIES_TABLE, owner=folder))
     files += contrasts.write_trajectories(trajectories, folder, figure=not args.no_figure)
-    print((folder / "pairs.md").read_text(), end="")
+    print(pairs, end="")
     print("wrote " + ", ".join(map(str, files)))
     return 0
 

@@ -15,6 +15,7 @@ R_f), and the mean test error with its 95% interval: the seeds' spread, which in
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,9 @@ from typing import Any
 
 import torch
 
+from convbias.base import tables
 from convbias.base.errors import ConfigError
-from convbias.base.tables import markdown_table, read_csv
+from convbias.base.tables import markdown_table
 from convbias.engine import RunDir, build_datasets, check_model_name
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
@@ -184,26 +186,25 @@ def measure(runs: list[Run], settings: Settings) -> tuple[list[dict], list[dict]
     return rows, layer_rows
 
 
-NUMERIC = {"seed", "train_fraction", "test_error", "images", "draws", "delta", "cut", "T", "depth", "relative_depth"}
+# The columns of the rows `measure` writes (stability.csv) and of its per-layer rows (stability_layers.csv), each
+# with how a reader parses it: what identifies a measurement is finite, a measured value may be NaN (undefined)
+IDENTIFYING = {
+    **dict.fromkeys(("run", "group", "model", "checkpoint", "convention", "modes"), tables.text),
+    **dict.fromkeys(("seed", "images", "draws"), tables.integer),
+    **dict.fromkeys(("train_fraction", "test_error"), tables.finite),
+}
+MEASURED = dict.fromkeys(("D", "D_se", "G", "G_se", "R", "R_se"), tables.number)
+ROW_COLUMNS = {**IDENTIFYING, "delta": tables.finite, "cut": tables.integer, "T": tables.finite, **MEASURED}
+LAYER_COLUMNS = {**IDENTIFYING, "depth": tables.integer, "relative_depth": tables.finite, **MEASURED}
 
 
-def _cell(column: str, value: str) -> Any:
-    """A stability table's cell: a number in the measured and identifying columns (missing: NaN), else text."""
-    if column in NUMERIC or column[0] in "DGR":
-        return float(value) if value not in ("", "None") else float("nan")
-    return value
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a stability.csv / stability_layers.csv written by `measure`, with their numbers as numbers."""
-    if not path.exists():
+def read_rows(path: Path, columns: dict[str, tables.Cell] = ROW_COLUMNS) -> list[dict]:
+    """Rows of a stability.csv (``columns``: ``ROW_COLUMNS``) or stability_layers.csv (``LAYER_COLUMNS``) written by
+    `measure`, each column parsed as declared; a table without them, without rows or with a value out of its
+    column's type is one DamagedInputError naming the file (and the line and column)."""
+    if not os.path.lexists(path):
         raise ConfigError(f"{path} not found: measure the runs with convbias-stability first")
-    rows = read_csv(path, "stability table", _cell)
-    for row in rows:
-        for key in ("seed", "cut", "images", "draws", "depth"):
-            if key in row and row[key] == row[key]:
-                row[key] = int(row[key])
-    return rows
+    return tables.read_csv(path, "stability table", tables.by_column(columns), required=list(columns), rows=True)
 
 
 def check_combinable(rows: list[dict]) -> None:

@@ -21,6 +21,7 @@ Without a sweep file the grid is convit_tiny vs deit_tiny_patch16_224 at f in {0
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -154,14 +155,15 @@ def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
         print(f"{len(missing)} of {len(prepared.runs)} runs are not complete: {'; '.join(missing)}")
     if not rows:
         return 1
-    csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME)
+    csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME, owner=prepared.sweep_dir)
     written = [csv_path]
     if len({row["seed"] for row in rows}) > 1:  # several seeds: ensemble columns in the report
         from convbias.families import load_families  # registers the models: only when ensembles are built
 
         ensembles = prepared.collect_ensembles(rows, load_families())
         if ensembles:
-            written.append(sweep.write_csv(ensembles, prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME))
+            path = prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME
+            written.append(sweep.write_csv(ensembles, path, owner=prepared.sweep_dir))
     ensembles = report.ensembles_beside(csv_path)
     paths = report.write_report(
         csv_path, baseline=args.baseline or prepared.spec["baseline"], best=args.best, ensembles=ensembles
@@ -189,9 +191,9 @@ def _sweep(args: argparse.Namespace) -> int:
         return 0
     if args.command == "collect":
         record = Path(args.output) / sweep.RECORD_NAME
-        if not record.is_file():
+        if not os.path.lexists(record):
             raise ConfigError(f"{record} not found: is {args.output} a sweep directory?")
-        prepared = sweep.Sweep.prepare(sweep_spec.load_spec(record), args.output)
+        prepared = sweep.Sweep.prepare(sweep.read_record(Path(args.output)), args.output)
         return write_outputs(prepared, args)
     prepared = sweep.Sweep.prepare(spec_from_args(args), args.output)
     launcher = shlex.split(args.launcher) if args.launcher else None

@@ -21,11 +21,13 @@ The runs are read and grouped by ``runs``, the plots drawn by ``figures``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from convbias.base.errors import ConfigError
+from convbias.base.run_layout import REPORT_FILE
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import markdown_table
 
@@ -43,6 +45,7 @@ from ..intervals import (
 )
 from .figures import plot_parameter_sweep, plot_sample_efficiency
 from .runs import (
+    ENSEMBLE_COLUMNS,
     Rows,
     choose_baseline,
     column_values,
@@ -59,7 +62,7 @@ from .runs import (
 )
 from .sweep import ENSEMBLES_CSV_NAME
 
-REPORT_NAME = "report.md"
+REPORT_NAME = REPORT_FILE
 
 
 def _gap(value: Stat | None, base: Stat | None) -> str:
@@ -178,11 +181,9 @@ ENSEMBLE_SPREAD = ("member_top1_std", "images")  # the intervals' inputs, in swe
 
 
 def read_ensembles(path: str | Path) -> Rows:
-    """ensembles.csv (written by the sweep when a grid has several seeds): one row per group of runs."""
-    rows = read_runs_like(path)
-    if not rows or any(metric not in rows[0] for metric in ENSEMBLE_METRICS):
-        raise ConfigError(f"{path} holds no ensembles (expected columns {', '.join(ENSEMBLE_METRICS)})")
-    return rows
+    """ensembles.csv (written by the sweep when a grid has several seeds): one row per group of runs, its
+    columns as declared (``runs.ENSEMBLE_COLUMNS``)."""
+    return read_runs_like(path, "sweep ensembles table", ENSEMBLE_COLUMNS, ENSEMBLE_METRICS)
 
 
 def ensemble_table(rows: Rows) -> str:
@@ -221,7 +222,7 @@ def ensemble_table(rows: Rows) -> str:
 def ensembles_beside(csv_path: str | Path) -> Path | None:
     """The sweep's ensembles.csv beside its runs CSV, when there is one: what a report includes by default."""
     path = Path(csv_path).parent / ENSEMBLES_CSV_NAME
-    return path if path.is_file() else None
+    return path if os.path.lexists(path) else None  # whatever is there is read (and refused) as the table
 
 
 def write_report(
@@ -234,6 +235,7 @@ def write_report(
     """Write ``report.md`` and the PNGs next to the CSV (or in ``out_dir``); return the paths. ``ensembles``
     (an ensembles.csv, e.g. ``ensembles_beside(csv_path)``) adds the table of ensembles over seeds."""
     rows = read_runs(csv_path)
+    ensemble_rows = read_ensembles(ensembles) if ensembles is not None else None  # every table read before writing
     out_dir = output_folder(out_dir if out_dir is not None else Path(csv_path).parent)
     metric = "best_top1" if best else "top1"
     if best and metric not in rows[0]:
@@ -280,7 +282,7 @@ def write_report(
             "has no replicate over seeds, so its interval is the "
             f"{CONFIDENCE:.0%} Clopper-Pearson interval over the validation images (test-set sampling only); "
             f"the members' top-1 is mean ± std [{CONFIDENCE:.0%} t interval over the members].\n\n"
-            + ensemble_table(read_ensembles(ensembles))
+            + ensemble_table(ensemble_rows)
         )
     report = out_dir / REPORT_NAME
     write_text(report, "\n\n".join(sections) + "\n")

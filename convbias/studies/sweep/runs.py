@@ -9,11 +9,13 @@ results (``top1``, ``top5``, ``best_top1``, ...).
 from __future__ import annotations
 
 import itertools
+import math
+import os
 from pathlib import Path
 from typing import Any
 
+from convbias.base import tables
 from convbias.base.errors import ConfigError
-from convbias.base.tables import read_csv
 
 from .sweep import RESULT_COLUMNS, TIME_COLUMN
 
@@ -32,24 +34,70 @@ def _parse(value: str) -> Any:
     return value
 
 
-def read_runs_like(path: str | Path) -> Rows:
-    """Any results CSV, numbers parsed (no column required)."""
-    rows = read_csv(path, "results table", lambda _, value: _parse(value))
+def _finite(low: float = -math.inf, high: float = math.inf) -> tables.Cell:
+    """A number in [low, high] (NaN and infinities refused), as ``_parse`` gives it (an int stays an int)."""
+
+    def cell(column: str, value: str) -> Any:
+        parsed = _parse(value)
+        if value == "":
+            return value
+        if not isinstance(parsed, (int, float)) or not (math.isfinite(parsed) and low <= parsed <= high):
+            raise ValueError(f"expected a finite number{f' in [{low:g}, {high:g}]' if math.isfinite(high) else ''}")
+        return parsed
+
+    return cell
+
+
+def _whole(column: str, value: str) -> Any:
+    return value if value == "" else tables.integer(column, value)
+
+
+def _run_name(column: str, value: str) -> str:
+    """A run's folder name under the sweep's runs/ (what ``Run.name`` gives): one name, no path."""
+    if not value or value in (".", "..") or "/" in value or "\\" in value:
+        raise ValueError("expected the name of a run folder")
+    return value
+
+
+# The columns of runs.csv that the sweep writes (``Sweep.collect``) and the phase diagram in its schema, each with
+# how it is read; a swept factor's column is read as a number where it is one, else as text
+RUN_COLUMNS: dict[str, tables.Cell] = {
+    "run": _run_name,
+    **dict.fromkeys(("variant", "model"), tables.text),
+    "train_fraction": _finite(0, 1),
+    **dict.fromkeys(("seed", "best_epoch", "epochs_trained"), _whole),
+    **dict.fromkeys(("top1", "top5", "best_top1", "best_top5"), _finite(0, 100)),
+    TIME_COLUMN: _finite(0),
+}
+# The columns of ensembles.csv (``Sweep.collect_ensembles``, the phase diagram's in the same schema)
+ENSEMBLE_COLUMNS: dict[str, tables.Cell] = {
+    **RUN_COLUMNS,
+    **dict.fromkeys(("members", "images"), _whole),
+    **dict.fromkeys(("ensemble_top1", "member_top1"), _finite(0, 100)),
+    **dict.fromkeys(("member_top1_std", "fluctuation"), _finite(0)),
+}
+
+
+def read_runs_like(
+    path: str | Path,
+    what: str = "results table",
+    columns: dict[str, tables.Cell] = RUN_COLUMNS,
+    required: tuple[str, ...] = (),
+) -> Rows:
+    """A results CSV with at least one row, each declared column parsed as declared (``columns``), any other
+    number parsed; empty cells dropped. DamagedInputError naming the file (and line and column) otherwise."""
+    parse = tables.by_column(columns, lambda _, value: _parse(value))
+    rows = tables.read_csv(path, what, parse, required=required, rows=True)
     return [{key: value for key, value in row.items() if value != ""} for row in rows]
 
 
-def read_runs(path: str | Path) -> Rows:
-    """Read a sweep CSV; numbers become int/float, empty cells are dropped."""
+def read_runs(path: str | Path, required: tuple[str, ...] = ("model", "top1")) -> Rows:
+    """Read a sweep CSV (``RUN_COLUMNS``): numbers become int/float, empty cells are dropped; the ``required``
+    columns must be there (the report's: the compared model and its top-1)."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"CSV not found: {path}")
-    rows = read_runs_like(path)
-    if not rows:
-        raise ConfigError(f"{path} holds no runs")
-    for column in ("model", "top1"):
-        if column not in rows[0]:
-            raise ConfigError(f"{path} has no {column!r} column; expected a CSV written by convbias-sweep")
-    return rows
+    return read_runs_like(path, "sweep runs table", RUN_COLUMNS, required)
 
 
 def compared_column(rows: Rows) -> str:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import os
 import shlex
 import statistics
 import subprocess
@@ -50,10 +51,20 @@ from typing import Any, TextIO
 import torch
 import yaml
 
-from convbias.base.errors import ConfigError
-from convbias.base.inputs import read_yaml
-from convbias.base.run_layout import RESULTS_FILE, SUMMARY_FILE
-from convbias.base.storage import output_folder, write_text, writing
+from convbias.base.errors import ConfigError, DamagedInputError
+from convbias.base.inputs import read_file, read_yaml
+from convbias.base.run_layout import (
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    SWEEP_ENSEMBLES_TABLE,
+    SWEEP_FOLDER,
+    SWEEP_LOG_SUFFIX,
+    SWEEP_LOGS_DIR,
+    SWEEP_RECORD,
+    SWEEP_RUNS_DIR,
+    SWEEP_RUNS_TABLE,
+)
+from convbias.base.storage import check_output, open_append, output_folder, write_text, writing
 from convbias.base.tables import write_csv  # noqa: F401  (sweep.write_csv writes runs.csv)
 from convbias.engine import (
     Config,
@@ -69,14 +80,16 @@ from convbias.engine.data.factory import input_format
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
 
+from . import spec as sweep_spec
 from .spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
 
 # Options the sweep itself decides for every run: a sweep file must not set them.
 RESERVED_OPTIONS = ("output", "resume", "config", "scale_epochs", "eval_only", "checkpoint")
-RECORD_NAME = "sweep.yaml"
+RECORD_NAME = SWEEP_RECORD
 BAD_INPUT_EXIT = 2  # train.py's exit code for a user mistake (convbias.cli.train)
-CSV_NAME = "runs.csv"
-ENSEMBLES_CSV_NAME = "ensembles.csv"  # one row per group of runs that differ only by seed
+CSV_NAME = SWEEP_RUNS_TABLE
+ENSEMBLES_CSV_NAME = SWEEP_ENSEMBLES_TABLE  # one row per group of runs that differ only by seed
+LOG_TAIL_BYTES = 1 << 16  # the end of a run's console log read for its last line
 TRAIN_MODULE = "convbias.cli.train"  # train.py's body, importable from an installed package
 # results.json field -> CSV column. The CSV keeps names that cannot collide with a swept option.
 RESULT_COLUMNS = {
@@ -181,15 +194,28 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
-def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
-    """Write ``sweep.yaml``, or check that the one already there holds the same grid."""
+def read_record(sweep_dir: Path) -> dict[str, Any]:
+    """The grid a sweep directory records (its ``sweep.yaml``, as ``record_grid`` wrote it): DamagedInputError
+    (exit 65) naming it when it is no plain regular file, not YAML or not a sweep's mapping."""
     record = sweep_dir / RECORD_NAME
-    if record.exists():
-        old = read_yaml(record, "sweep record")
-        if not isinstance(old, dict):
-            raise ConfigError(
-                f"{record} is not a sweep record (expected a mapping); move it away or choose another --output"
-            )
+    old = read_yaml(record, "sweep record", DamagedInputError, plain=True)
+    if not isinstance(old, dict):
+        raise DamagedInputError(
+            f"{record} is not a sweep record (expected a mapping); move it away or choose another --output"
+        )
+    try:
+        return sweep_spec.normalize_spec(old, source=str(record))
+    except ConfigError as error:
+        raise DamagedInputError(f"sweep record {error}") from None
+
+
+def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
+    """Write ``sweep.yaml``, or check that the one already there holds the same grid; the folder is marked as
+    the sweep's (``run_layout.SWEEP_FOLDER``) either way."""
+    check_output(sweep_dir, owned=SWEEP_FOLDER)
+    record = sweep_dir / RECORD_NAME
+    if os.path.lexists(record):
+        old = read_record(sweep_dir)
         # The baseline only changes the report, not the runs.
         differences = _diff(
             {k: v for k, v in old.items() if k != "baseline"}, {k: v for k, v in spec.items() if k != "baseline"}
@@ -200,9 +226,10 @@ def record_grid(sweep_dir: Path, spec: dict[str, Any]) -> None:
                 f"(recorded -> requested): {'; '.join(differences)}. "
                 "Use another output directory, or rerun with the recorded grid."
             )
+        output_folder(sweep_dir, owned=SWEEP_FOLDER)
         return
-    output_folder(sweep_dir)
-    write_text(record, yaml.safe_dump(spec, sort_keys=False))
+    output_folder(sweep_dir, owned=SWEEP_FOLDER)
+    write_text(record, yaml.safe_dump(spec, sort_keys=False), owner=sweep_dir)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -306,16 +333,19 @@ def train_seconds(run_dir: Path) -> float | None:
 
 
 def last_line(log_path: Path) -> str:
-    """The last non-empty line of a run's console log (any bytes), for a one-line report."""
-    lines = log_path.read_bytes().decode("utf-8", errors="replace").strip().splitlines()
+    """The last non-empty line of a run's console log (any bytes; its end only, read as the sweep's own file),
+    for a one-line report."""
+    data = read_file(log_path, "run log", DamagedInputError, LOG_TAIL_BYTES, plain=True, tail=True)
+    lines = data.decode("utf-8", errors="replace").strip().splitlines()
     return lines[-1].strip() if lines else "(empty log)"
 
 
-def open_log(path: Path, header: str) -> TextIO:
-    """``path`` opened to append a run's console output, ``header`` written first; a failed write is a
-    StorageError naming the log (a failure to start the run is not one)."""
+def open_log(path: Path, header: str, sweep_dir: Path) -> TextIO:
+    """``path`` opened to append a run's console output (``storage.open_append``: never through a link),
+    ``header`` written first; a failed write is a StorageError naming the log (a failure to start the run is
+    not one)."""
+    log = open_append(path, owner=sweep_dir, what="run log")
     with writing(path):
-        log = open(path, "a")  # noqa: SIM115 (the caller's with closes it)
         try:
             log.write(header)
             log.flush()
@@ -337,6 +367,7 @@ class Sweep:
     @classmethod
     def prepare(cls, spec: dict[str, Any], sweep_dir: str | Path) -> Sweep:
         """Expand and validate the grid and record it in ``sweep_dir``; nothing runs yet."""
+        check_output(sweep_dir, owned=SWEEP_FOLDER)  # another command's folder, a link among its files: first
         runs = expand_grid(spec)
         known = _options_by_key(train_parser())
         validate(spec, runs, known)
@@ -345,7 +376,7 @@ class Sweep:
         return cls(spec, sweep_dir, runs, known)
 
     def run_dir(self, run: Run) -> Path:
-        return self.sweep_dir / "runs" / run.name
+        return self.sweep_dir / SWEEP_RUNS_DIR / run.name
 
     def commands(self, launcher: list[str] | None = None) -> list[list[str]]:
         """The command of every run that is not complete."""
@@ -369,7 +400,8 @@ class Sweep:
         finds it interrupted and resumes it from its last checkpoint.
         """
         failed = []
-        log_dir = self.sweep_dir / "logs"
+        log_dir = self.sweep_dir / SWEEP_LOGS_DIR
+        check_output(self.sweep_dir, owned=SWEEP_FOLDER)  # a link among the logs stops it before any run starts
         with writing(log_dir):
             log_dir.mkdir(parents=True, exist_ok=True)
         for index, run in enumerate(self.runs, 1):
@@ -381,9 +413,9 @@ class Sweep:
                 continue
             cmd = command(train_args(run, run_dir, self.spec, self.known), launcher)
             log(f"{prefix}: {'resuming' if state == 'interrupted' else 'starting'}")
-            log_path = log_dir / f"{run.name}.log"
+            log_path = log_dir / f"{run.name}{SWEEP_LOG_SUFFIX}"
             start = time.time()
-            with open_log(log_path, f"$ {shlex.join(cmd)}\n") as log_file:
+            with open_log(log_path, f"$ {shlex.join(cmd)}\n", self.sweep_dir) as log_file:
                 child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
                 try:
                     returncode = child.wait()
@@ -450,7 +482,7 @@ class Sweep:
         for key, members in groups.items():
             if len(members) < 2:
                 continue
-            result = evaluate_runs([self.sweep_dir / "runs" / m["run"] for m in members], extensions)
+            result = evaluate_runs([self.sweep_dir / SWEEP_RUNS_DIR / m["run"] for m in members], extensions)
             ensembles.append(
                 {
                     **dict(key),
