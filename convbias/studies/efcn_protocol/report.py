@@ -133,9 +133,9 @@ def _interpolations(points: list[dict[str, Any]]) -> str:
             ends = max(path[0]["train_loss"], path[-1]["train_loss"])
             highest = max(path, key=lambda p: p["train_loss"])
             lowest = min(p["test_acc"] for p in path)
-            body.append(
-                [t, method, f"{highest['train_loss'] - ends:+.3g} (alpha {highest['alpha']:.2g})", f"{lowest:.2f}"]
-            )
+            above = highest["train_loss"] - ends
+            barrier = f"{above:+.3g} (alpha {highest['alpha']:.2g})" if above > 0 else "none"
+            body.append([t, method, barrier, f"{lowest:.2f}"])
     return markdown_table(["t_w", "path", "train loss above its ends, at most", "lowest test acc %"], body)
 
 
