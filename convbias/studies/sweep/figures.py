@@ -73,11 +73,11 @@ def plot_sample_efficiency(rows: Rows, baseline: str, path: Path, metric: str = 
             capsize=3,
             label=f"{name} - {baseline}",
         )
-    for axis in (ax, gap_ax):
+    for axis, series in ((ax, names), (gap_ax, others)):
         axis.set_xscale("log")
         axis.set_xticks(fractions, [fraction_label(f) for f in fractions])
         axis.minorticks_off()
-        axis.set_xlabel("fraction of the training set" + (" (series shifted apart)" if len(names) > 1 else ""))
+        axis.set_xlabel("fraction of the training set" + (" (series shifted apart)" if len(series) > 1 else ""))
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     ax.set_ylabel(f"{metric_label(metric)} accuracy (%)")
