@@ -88,6 +88,13 @@ def test_protocol_end_to_end(tmp_path, capsys):
         assert f"![{figure}.png]({figure}.png)" in report
     assert "This command ran 9 stages in" in report
 
+    # a run that did not finish its record (as one stopped by Ctrl-C has none) is continued by rerunning the command
+    (out / "fcn" / "results.json").unlink()
+    assert efcn_protocol.main(["-c", str(config), "--output", str(out), "--stage", "train"]) == 0
+    rerun = capsys.readouterr().out
+    assert rerun.count("already complete, kept") == 3 and f"{out / 'fcn'} is already finished" in rerun
+    assert (out / "fcn" / "results.json").is_file()
+
     rows = _rows(out / "relax_times.csv")
     assert [r["relax_time"] for r in rows] == [0, 2]
     fcn = _rows(out / "baselines.csv")[0]

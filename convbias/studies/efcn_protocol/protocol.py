@@ -35,6 +35,7 @@ import timm
 import torch
 
 from convbias import engine
+from convbias.base.errors import Interrupted, Preempted
 from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import BASELINES_TABLE, RELAX_TIMES_TABLE, SUMMARY_FILE, snapshot_name
 from convbias.base.tables import write_csv
@@ -263,7 +264,11 @@ def _run_once(config: Config, stage: Stage) -> dict:
         stage.seconds = None
         return RunDir(output).results()
     _say(f"training {config.model} for {config.epochs} epochs into {output}")
-    return engine.run(config, load_families())
+    try:
+        return engine.run(config, load_families())
+    except (Interrupted, Preempted):  # the engine's line follows, naming the resume point
+        _say("stopped; rerun this command to continue: each run resumes from its point (the next line names this one)")
+        raise
 
 
 def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
