@@ -86,6 +86,8 @@ def test_a_wds_shard_set_trains(run_argv, tmp_path):
     [
         ("truncate", "toy-train-0001.tar is corrupt or partial"),
         ("no_info", "no _info.json or info.json"),
+        ("not_json", "shard set info {shards}/_info.json is not JSON"),
+        ("infinite_count", "_info.json: missing or malformed cannot convert float infinity to integer"),
         ("fraction", "--train-fraction and --first-classes need an index of labels"),
         (
             "workers",
@@ -102,6 +104,11 @@ def test_bad_stream_input_is_one_line_and_writes_nothing(shards, run_argv, tmp_p
         shard.write_bytes(shard.read_bytes()[:700])
     elif mistake == "no_info":
         (shards / "_info.json").unlink()
+    elif mistake == "not_json":
+        (shards / "_info.json").write_text("{")
+    elif mistake == "infinite_count":
+        info = shards / "_info.json"
+        info.write_text(info.read_text().replace('"num_samples": 96', '"num_samples": Infinity'))
     elif mistake == "fraction":
         extra = ["--train-fraction", "0.5"]
     else:
@@ -109,6 +116,7 @@ def test_bad_stream_input_is_one_line_and_writes_nothing(shards, run_argv, tmp_p
     output = tmp_path / "run"
     code = train.main(run_argv(output=output) + extra)
     err = capsys.readouterr().err.strip().splitlines()
+    expected = expected.format(shards=shards)
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
     assert not output.exists()
 

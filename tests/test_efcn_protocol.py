@@ -131,7 +131,15 @@ def test_protocol_rejects_bad_config(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump(dict(TINY, cnn_epoch=3)))
     assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
-    assert re.fullmatch(r"error: unknown keys in \S*bad.yaml: cnn_epoch; known: .*\n", capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: protocol config \S*bad.yaml, line \d+: cnn_epoch: unknown key .*; known: .*\n", err)
+    config.write_text(yaml.safe_dump(dict(TINY)) + "cnn_lr: .nan\n")
+    assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+    lines = len(yaml.safe_dump(dict(TINY)).splitlines()) + 1
+    assert (
+        capsys.readouterr().err
+        == f"error: protocol config {config}, line {lines}: cnn_lr must be a finite number, got nan\n"
+    )
     config.write_text(yaml.safe_dump(dict(TINY, model="resnet18")))
     assert efcn_protocol.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
     assert "error: model efcn_resnet18 is not registered" in capsys.readouterr().err
@@ -176,6 +184,21 @@ def test_seed_summary_refuses_missing_runs_before_writing(tmp_path, capsys):
     assert re.fullmatch(r"error: \S*missing/relax_times.csv not found: run the protocol .*\n", capsys.readouterr().err)
     assert efcn_protocol.main(["--stage", "summarize", "--seed-dirs", str(good), "--output", str(out)]) == 2
     assert "needs --seed-dirs with at least 2 directories" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_seed_summary_refuses_a_damaged_protocol_config_naming_it(tmp_path, capsys):
+    """The protocol_config.yaml a protocol wrote, read back through base.inputs: a seed that is no seed, or a
+    key given twice, is exit 65 naming the file, and nothing is written."""
+    dirs = [_fake_seed(tmp_path / f"s{i}", i, [95.0, 96.0], 95.0, 96.0) for i in range(2)]
+    config, out = dirs[1] / "protocol_config.yaml", tmp_path / "summary"
+    for text, problem in (("seed: abc\n", "seed"), ("seed: 1\nseed: 2\n", "the key 'seed' is given twice")):
+        config.write_text(text)
+        argv = ["--stage", "summarize", "--seed-dirs", *map(str, dirs), "--output", str(out)]
+        assert efcn_protocol.main(argv) == 65
+        err = capsys.readouterr().err
+        assert err.startswith("error: protocol ") and str(config) in err and problem in err, err
+        assert err.count("\n") == 1
     assert not out.exists()
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,6 +287,78 @@ def test_integer_or_non_finite_weights_are_refused_at_load(tmp_path, tiny_model,
         load_weights(model, path)  # --checkpoint, --eval-only, a resume: the engine's own load
     with pytest.raises(DamagedInputError, match=pattern):  # --pretrained-file: timm's load
         modeling.create_model(tiny_model(**{"--pretrained-file": path, "--num-classes": 10}), 10, 1)
+    cfg = tiny_model(**{"--num-classes": 10})
+    for pretrained, route in (  # the files timm.create_model's own arguments name, given as --model-kwargs
+        (False, dict(checkpoint_path=str(path))),
+        (True, dict(pretrained_cfg_overlay=dict(file=str(path)))),
+        (True, dict(pretrained_cfg=dict(file=str(path)))),
+    ):
+        routed = cfg.replace(pretrained=pretrained, model_kwargs={**cfg.model_kwargs, **route})
+        with pytest.raises(DamagedInputError, match=pattern):
+            modeling.create_model(routed, 10, 1)
+
+
+def test_weights_a_family_argument_has_timm_load_are_checked(tmp_path, tiny_model):
+    """An eFCN's cnn_checkpoint=FILE (the families registered by ``tiny_model``): timm's pretrained loading reads it
+    inside the family's builder; the model it built is refused when the file gave it non-finite weights."""
+    import timm
+
+    from convbias.engine import Config
+
+    cnn = timm.create_model("vanilla_cnn", channels=4, img_size=8, num_classes=10, in_chans=1).state_dict()
+    cnn["conv1.weight"][0] = float("nan")
+    torch.save(cnn, tmp_path / "cnn.pt")
+    cfg = Config(model="efcn_vanilla_cnn", model_kwargs=dict(channels=4, cnn_checkpoint=str(tmp_path / "cnn.pt")))
+    with pytest.raises(DamagedInputError, match=r"cnn\.pt \(as efcn_vanilla_cnn's weights\) holds non-finite .*conv1"):
+        modeling.create_model(cfg.replace(img_size=8), 10, 1)
+
+
+class Executes:
+    """A pickle that writes ``marker`` when it is loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "executed"))
+
+
+@pytest.mark.parametrize("damage", ["nan", "pickle"])
+def test_model_kwargs_checkpoint_path_goes_through_the_weights_checks(tmp_path, capsys, tiny_model, damage):
+    """timm.create_model(checkpoint_path=FILE) given as --model-kwargs: checked as --checkpoint FILE is (exit 65
+    naming the tensors; a pickle refused unexecuted), not handed to timm's loader."""
+    weights = modeling.create_model(tiny_model(), 10, 1).state_dict()
+    path, marker = tmp_path / "weights.pt", tmp_path / "executed"
+    if damage == "nan":
+        for key in ("blocks.0.mlp.fc1.weight", "head.bias"):
+            weights[key][0] = float("nan")
+        torch.save(weights, path)
+        expected = r"non-finite values \(NaN or infinity\) in 2 tensors: .*blocks\.0\.mlp\.fc1\.weight"
+    else:
+        torch.save({"state_dict": weights, "extra": Executes(marker)}, path)
+        expected = rf"--model-kwargs checkpoint_path: {re.escape(str(path))} cannot be read as weights .*not unpickled"
+    kwargs = TINY.index("--model-kwargs") + 1
+    argv = [*TINY[: kwargs + 4], f"checkpoint_path={path}", *TINY[kwargs + 4 :], "--num-classes", "10"]
+    assert train.main([*argv, "--output", str(tmp_path / "run")]) == EXIT_DAMAGED
+    one_line(messages(capsys.readouterr().err), expected)
+    assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+def test_model_kwargs_checkpoint_path_loads_what_timms_own_loader_loads(tmp_path, tiny_model):
+    """The route through the package's checks loads the file's weights as timm.create_model(checkpoint_path=)
+    does (the oracle: timm's load_checkpoint), into the model the run's other options build."""
+    import timm
+
+    cfg = tiny_model(**{"--num-classes": 10})
+    weights = {key: torch.randn_like(value) for key, value in modeling.create_model(cfg, 10, 1).state_dict().items()}
+    path = tmp_path / "weights.pt"
+    torch.save({"state_dict": weights, "epoch": 3}, path)  # as timm's train.py writes its checkpoints (no EMA)
+    ours = modeling.create_model(cfg.replace(model_kwargs={**cfg.model_kwargs, "checkpoint_path": str(path)}), 10, 1)
+    timms = timm.create_model(
+        cfg.model, checkpoint_path=str(path), num_classes=10, in_chans=1, img_size=cfg.img_size, **cfg.model_kwargs
+    )
+    assert ours.state_dict().keys() == timms.state_dict().keys() == weights.keys()
+    assert all(torch.equal(ours.state_dict()[key], timms.state_dict()[key]) for key in weights)
 
 
 # ------------------------------------------------------------------------------------ 5. no tracebacks
@@ -385,7 +458,10 @@ def test_model_kwargs_of_the_wrong_type_name_the_kwarg_and_the_type(tmp_path, ca
 
 def test_launch_refuses_a_process_count_below_one(capsys):
     assert launch.main(["--cpu", "--num_processes", "-3", "train.py"]) == EXIT_USAGE
-    one_line(messages(capsys.readouterr().err), r"^error: --num_processes -3: expected a whole number of at least 1")
+    one_line(
+        messages(capsys.readouterr().err),
+        r"^error: argument --num_processes/--num-processes: must be >= 1, got -3; usage: ",
+    )
 
 
 def test_a_read_only_output_is_74(tmp_path, capsys, monkeypatch):

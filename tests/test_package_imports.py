@@ -5,6 +5,7 @@ their rule too (test_engine_imports.py)."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 from pathlib import Path
 
@@ -110,3 +111,41 @@ def test_a_planted_wrong_edge_fails(tmp_path, module, planted, expected):
     target = tmp_path / module
     target.write_text(target.read_text() + "\n" + planted)
     assert any(expected in line for line in wrong_edges(tmp_path)), wrong_edges(tmp_path)
+
+
+YAML_PARSERS = {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all", "full_load_all"}
+YAML_READER = "convbias.base.inputs"  # bounded, a key given twice refused naming both lines
+
+
+def yaml_parsed_outside_the_reader(modules: dict[str, Path]) -> list[str]:
+    """Calls of PyYAML's parsers (yaml.safe_load, ...) in a module other than the package's one YAML reader."""
+    found = []
+    for module, path in modules.items():
+        text = path.read_text()
+        if module == YAML_READER or "yaml." not in text:
+            continue
+        for node in ast.walk(ast.parse(text, str(path))):
+            function = node.func if isinstance(node, ast.Call) else None
+            if (
+                isinstance(function, ast.Attribute)
+                and function.attr in YAML_PARSERS
+                and isinstance(function.value, ast.Name)
+                and function.value.id == "yaml"
+            ):
+                found.append(f"{module}:{node.lineno} yaml.{function.attr}")
+    return found
+
+
+def test_every_yaml_file_is_read_through_the_one_reader():
+    """Recipes, a run's config.yaml, the studies' configs, a sweep file: read_yaml / parse_yaml refuse a key given
+    twice, a tag that runs code and an alias bomb; yaml.safe_load would keep the last key without a word."""
+    assert yaml_parsed_outside_the_reader(package_modules()) == []
+
+
+def test_the_yaml_rule_catches_a_planted_parser(tmp_path):
+    module = "convbias.studies.regimes.study"
+    planted = tmp_path / "study.py"
+    source = package_modules()[module].read_text()
+    planted.write_text(source + "\n\ndef planted(text):\n    return yaml.safe_load(text)\n")
+    found = yaml_parsed_outside_the_reader({module: planted})
+    assert len(found) == 1 and found[0].startswith(f"{module}:"), found

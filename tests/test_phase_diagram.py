@@ -56,14 +56,20 @@ def test_odd_even_digits_on_the_sphere():
 
 
 def test_bad_grid_is_refused_before_any_work(tmp_path, capsys):
+    """One line naming the file, the line and the key (each key's checks: test_study_modules.py), nothing written."""
     config = tmp_path / "grid.yaml"
-    config.write_text("alpha_tildes: [1.0, -2.0]\n")
-    assert phase_cli.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
-    assert "alpha_tildes must be positive" in capsys.readouterr().err
+    for text, message in (
+        ("widths: [4]\nalpha_tildes: [1.0, -2.0]\n", "line 2: alpha_tildes must be a list of positive numbers"),
+        ("widths: [4]\nsteps: 3\n", "line 2: steps: unknown key (did you mean max_steps, seeds?); known: widths, "),
+        ("train_size: abc\n", "line 1: train_size expects int, got 'abc'"),
+        ("widths: 4\n", "line 1: widths expects a list of int values, got 4"),
+        ("activation_beta: .nan\n", "line 1: activation_beta must be a finite number, got nan"),
+    ):
+        config.write_text(text)
+        assert phase_cli.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: phase-diagram config {config}, {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
-    config.write_text("widths: [4]\nsteps: 3\n")
-    assert phase_cli.main(["-c", str(config), "--output", str(tmp_path / "out")]) == 2
-    assert "unknown key(s) ['steps']" in capsys.readouterr().err
 
 
 def test_report_csvs_give_the_ensembles_their_test_set_and_member_spread(tmp_path, repo):

@@ -8,6 +8,7 @@ import csv
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,19 @@ def test_console_script_writes_csv_to_standard_output(run, images, console_scrip
     assert images["broken"] in done.stderr and "skipped 1 unreadable images" in done.stderr
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full (a device that is always full)")
+def test_predictions_on_a_full_standard_output_are_one_line(run, images, capsys, monkeypatch):
+    """The CSV written to standard output on a full disk: a StorageError naming standard output (exit 74)."""
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert predict.main([str(run), str(images["folder"]), "--topk", "1", "--device", "cpu"]) == 74
+        monkeypatch.undo()
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("error: ")] == err[-1:], err
+    assert err[-1] == "error: writing to standard output failed (no space left on the device)", err
+    assert "Traceback" not in "".join(err)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -159,8 +173,8 @@ def test_console_script_writes_csv_to_standard_output(run, images, console_scrip
         (["{run}", "{images}", "--output", "{tmp}/preds.txt"], "unknown suffix '.txt'; choose .csv or .json"),
         (["{run}", "{images}", "--output", "{tmp}/no/preds.csv"], "folder {tmp}/no not found"),
         (["{run}", "{images}", "--topk", "11"], "--topk 11: the model has 10 classes (choose 1 to 10)"),
-        (["{run}", "{images}", "--topk", "0"], "--topk and --batch-size must be at least 1"),
-        (["{run}", "{images}", "--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+        (["{run}", "{images}", "--topk", "0"], "argument --topk: must be a positive integer, got 0"),
+        (["{run}", "{images}", "--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
         (["{run}", "{broken}"], "none of the 1 images could be read (skipped 1 unreadable images)"),
         (["{exported}", "{images}", "--which", "best"], "--which is for run directories"),
     ],

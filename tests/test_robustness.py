@@ -487,7 +487,7 @@ def test_cli_deprecated_checkpoint_option_is_one_note_and_the_same_table(trained
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--corruptions", "rain"], "unknown rain"),
+        (["--corruptions", "rain"], "argument --corruptions: invalid choice: 'rain'"),
         (["--severities", "6"], "--severities"),
         (["--eps", "-1"], "--eps"),
         (["--compare-model", MODEL], "--compare-checkpoint"),

@@ -420,12 +420,15 @@ def test_command_refuses_bad_input_before_any_work(digits_run, tmp_path, capsys)
         ([str(run), "--cuts", "4", "--deltas", "1.5"], "delta=1.5 is outside the diffeomorphism region [0.5, 1.27]"),
         ([str(run), "--checkpoints", "epoch_7"], "has no checkpoint 'epoch_7'"),
         ([str(other)], "does not fit this model"),
-        ([str(run), "--images", "0"], "--images must be >= 1, got 0"),
-        ([str(run), "--draws", "0"], "--draws must be >= 1, got 0"),
+        ([str(run), "--images", "0"], "argument --images: must be a positive integer, got 0"),
+        ([str(run), "--draws", "0"], "argument --draws: must be a positive integer, got 0"),
         ([str(run), "--combine", str(tmp_path)], "give either RUN folders to measure or --combine DIR"),
         (["--combine", str(tmp_path)], "stability.csv not found: measure the runs with convbias-stability first"),
         ([str(tmp_path)], "is not a run directory: no config.yaml"),
-        ([str(run), "--checkpoints", "last", "bestest"], "--checkpoints bestest: expected best, last, init"),
+        (
+            [str(run), "--checkpoints", "last", "bestest"],
+            "argument --checkpoints: must be best, last, init (= epoch_0) or epoch_N (a --save-epochs snapshot), got bestest",
+        ),
     ]
     for argv, message in cases:
         out = tmp_path / "out"

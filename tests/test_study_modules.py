@@ -1,22 +1,29 @@
 """The studies' own modules, called directly: the eFCN protocol's schedule and recipe
-(convbias.studies.efcn_protocol.protocol) against closed forms and timm's optimizer factory, the robustness
+(convbias.studies.efcn_protocol.protocol) against closed forms and timm's optimizer factory, the keys of its
+config file and the phase diagram's (convbias.studies.phase_diagram.study) checked as declared, the robustness
 study (convbias.studies.robustness.study) against the accuracy of the bare model on the same images, and the
 runs a sweep's report reads (convbias.studies.sweep.runs) against the rows written."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import typing
 
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
+import yaml
 from safetensors.torch import save_file
 from timm.optim import create_optimizer_v2
 
 from convbias.base.tables import write_csv
 from convbias.engine import Config, ConfigError, build_datasets
+from convbias.engine.config.parsing import dataclass_declarations
 from convbias.studies.efcn_protocol import protocol
+from convbias.studies.phase_diagram import study as phase_diagram
 from convbias.studies.robustness.study import RobustnessOptions, RobustnessStudy, evaluate
 from convbias.studies.sweep import runs
 
@@ -41,17 +48,83 @@ def test_the_config_is_the_defaults_with_the_files_keys_and_the_given_options(tm
     path.write_text("cnn_epochs: 4\nsnapshots: 3\n")
     cfg = protocol.load_config(str(path), {"efcn_epochs": 2, "seed": None})  # None: not given
     assert cfg == dict(protocol.DEFAULTS, cnn_epochs=4, snapshots=3, efcn_epochs=2)
-    path.write_text("cnn_epoch: 4\n")
-    with pytest.raises(ConfigError, match=f"unknown keys in {path}: cnn_epoch; known: model, "):
+    path.write_text("cnn_epochs: 4\ncnn_epoch: 4\n")
+    with pytest.raises(ConfigError, match=rf"^protocol config {path}, line 2: cnn_epoch: unknown key \(did you mean"):
         protocol.load_config(str(path), {})
     for overrides, message in (
         ({"snapshots": 1}, "snapshots must be >= 2"),
-        ({"optimizer": "sgdm"}, "optimizer must be sgd or adam, got 'sgdm'"),
+        ({"optimizer": "sgdm"}, "optimizer: unknown value 'sgdm'; choices: sgd, adam"),
         ({"cnn_epochs": 0}, "cnn_epochs must be a positive integer, got 0"),
         ({"model": "resnet18"}, "model efcn_resnet18 is not registered"),
     ):
         with pytest.raises(ConfigError, match=message):
             protocol.load_config(None, overrides)
+
+
+# numbers a declared range is tried on: each declaration refuses some of them
+CANDIDATES = [-(2**40), -1, 0, 1, 2, 9, 10, 64, 65, 1700, 1701, 2**31, 2**40]
+
+
+def refused_values(spec) -> list:
+    """What a file key's declaration refuses, derived from it: another type, NaN and infinity where a number
+    goes, the candidates its check refuses, a name outside its choices."""
+    optional = type(None) in typing.get_args(spec.kind)
+    kind = next(a for a in typing.get_args(spec.kind) if a is not type(None)) if optional else spec.kind
+    item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
+    refused = lambda values: [v for v in values if spec.check is not None and not spec.check.valid(v)]  # noqa: E731
+    if kind is int:
+        return ["abc", 1.5, True, *refused(CANDIDATES)]
+    if kind is float:
+        return ["abc", math.nan, math.inf, *refused([float(c) for c in CANDIDATES])]
+    if item in (int, float):
+        lists = [[item(c)] * 2 for c in CANDIDATES]
+        return [3, ["abc"], [math.nan] if item is float else [1.5], *([[]] if refused([[]]) else []), *refused(lists)]
+    if typing.get_origin(kind) is dict:
+        return [3, {"channels": math.nan}]
+    assert kind is str, kind
+    return [3, *(["bogus"] if spec.choices else [])]
+
+
+def file_cases(declared: dict) -> list[tuple[str, object]]:
+    cases = [(key, value) for key, spec in declared.items() for value in refused_values(spec)]
+    assert {key for key, _ in cases} == set(declared), "a key whose declaration refuses nothing"
+    return cases
+
+
+@pytest.mark.parametrize(("key", "value"), file_cases(protocol.DECLARED))
+def test_each_key_of_a_protocol_config_is_checked_naming_the_file_line_and_key(tmp_path, key, value):
+    """Derived from the declarations: a protocol config's value of another type, NaN, infinite, out of range or
+    not one of a closed set is one ConfigError naming the file, the line and the key, before any work."""
+    path = tmp_path / "protocol.yaml"
+    path.write_text("# a protocol config\n" + yaml.safe_dump({key: value}))
+    with pytest.raises(ConfigError) as refused:
+        protocol.load_config(str(path), {})
+    message = str(refused.value)
+    assert re.match(rf"protocol config {re.escape(str(path))}, line 2: {key}[ :]", message) and "\n" not in message
+
+
+def test_the_protocol_declares_every_key_its_defaults_and_files_pass(repo):
+    assert list(protocol.DECLARED) == list(protocol.DEFAULTS)
+    assert protocol.load_config(None, {}) == protocol.DEFAULTS
+    for path in sorted((repo / "configs" / "efcn_protocol").glob("*.yaml")):
+        protocol.load_config(str(path), {})
+
+
+@pytest.mark.parametrize(("key", "value"), file_cases(dataclass_declarations(phase_diagram.PhaseDiagramConfig)))
+def test_each_key_of_a_phase_diagram_config_is_checked_naming_the_file_line_and_key(tmp_path, key, value):
+    path = tmp_path / "grid.yaml"
+    path.write_text("# a phase-diagram config\n" + yaml.safe_dump({key: value}))
+    with pytest.raises(ConfigError) as refused:
+        phase_diagram.PhaseDiagramConfig.from_yaml(path)
+    message = str(refused.value)
+    assert re.match(rf"phase-diagram config {re.escape(str(path))}, line 2: {key}[ :]", message), message
+    assert "\n" not in message
+
+
+def test_the_phase_diagrams_defaults_and_files_pass_their_declarations(repo):
+    assert phase_diagram.PhaseDiagramConfig().validated() == phase_diagram.PhaseDiagramConfig()
+    for path in sorted((repo / "configs" / "phase_diagram").glob("*.yaml")):
+        phase_diagram.PhaseDiagramConfig.from_yaml(path)
 
 
 def test_the_recipes_sgd_is_plain_sgd_in_timms_optimizer_factory():

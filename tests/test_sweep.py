@@ -327,8 +327,8 @@ def test_the_paper_sweeps_give_valid_commands(tmp_path, repo, name, runs):
     "args, message",
     [
         (["--models", "convit_tiny", "convit_tinny"], "unknown model 'convit_tinny'"),
-        (["--fractions", "0"], "train_fraction must be a number in (0, 1], got 0.0"),
-        (["--fractions", "0.5", "1.5"], "train_fraction must be a number in (0, 1], got 1.5"),
+        (["--fractions", "0"], "argument --fractions: must be in (0, 1], got 0"),
+        (["--fractions", "0.5", "1.5"], "argument --fractions: must be in (0, 1], got 1.5"),
         (["--grid", "lerning_rate=0.1,0.2"], "'lerning_rate' is not a train.py option"),
         (
             ["--models", "deit_tiny_patch16_224", "--grid", "model_kwargs.locality_strength=1,2"],
@@ -344,6 +344,36 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, args, message):
     assert done.returncode == 2
     assert message in done.stderr and done.stderr.startswith("error: ")
     assert "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "message"),
+    [
+        ("set:\n  img_size: 8\n  lr: abc\n", [], "sweep file {path}, line 3: set.lr expects float, got 'abc'"),
+        ("grid:\n  lr: [0.1, .nan]\n", [], "sweep file {path}, line 2: grid.lr must be a finite number, got nan"),
+        ("set:\n  aa: rand-m9-n-3\n", [], "sweep file {path}, line 2: set.aa: rand-m9-n-3: section 'n' is not"),
+        (
+            "variants:\n  a: {model: convit_tiny, interpolation: bogus}\n",
+            [],
+            "sweep file {path}, line 2: variants.a.interpolation: unknown value 'bogus'; choices: ''",
+        ),
+        (
+            "grid:\n  model_kwargs.locality_strength: [1, .inf]\n",
+            [],
+            "sweep file {path}, line 2: grid.model_kwargs.locality_strength must be a finite number, got inf",
+        ),
+        ("set: {lr: 0.1}\n", ["--set", "lr=abc"], "--set lr expects float, got 'abc'"),
+        ("set: {lr: 0.1}\n", ["--grid", "lr=0.1,nan"], "--grid lr must be a finite number, got nan"),
+    ],
+)
+def test_a_sweep_files_value_is_named_by_the_file_line_and_key(tmp_path, capsys, text, argv, message):
+    """Not by the train.py command line the sweep renders it to (``run X: argument --lr``), and before any run."""
+    path, out = tmp_path / "sweep.yaml", tmp_path / "sweep"
+    path.write_text(text)
+    models = [] if "variants" in text else ["--models", "convit_tiny"]
+    assert SWEEP_CLI.main(["run", str(path), "--output", str(out), *models, *argv]) == 2
+    assert capsys.readouterr().err.startswith("error: " + message.format(path=path))
     assert not out.exists()
 
 

@@ -89,6 +89,35 @@ def test_a_timm_checkpoint_starts_a_run_and_is_evaluated(tmp_path, folder_of_thr
         parse_config([*base, "--resume", str(other), "--output", str(tmp_path / "run")])
 
 
+def test_training_from_a_timm_checkpoint_starts_from_its_ema_as_timms_initial_checkpoint(tmp_path, folder_of_three):
+    """timm's train.py --initial-checkpoint is create_model(checkpoint_path=), whose load_checkpoint takes
+    state_dict_ema first (use_ema=True); its validate.py takes the model's unless --use-ema. --checkpoint (and
+    --model-kwargs checkpoint_path) start training from what timm's create_model loads; --eval-only evaluates the
+    model's weights."""
+    from safetensors.torch import load_file
+
+    from convbias import engine
+    from convbias.base.run_layout import CHECKPOINTS_DIR, snapshot_file
+    from convbias.families import load_families
+
+    model, ema = timm_checkpoint(tmp_path)
+    best = str(tmp_path / "model_best.pth.tar")
+    assert not torch.equal(model.conv1[0].weight, ema.conv1[0].weight)  # two inits: which one loads shows
+    timms = timm.create_model("resnet10t", num_classes=3, checkpoint_path=best).state_dict()
+    base = ["--model", "resnet10t", "--num-classes", "3", "--data-dir", str(folder_of_three), "--workers", "0"]
+    base += ["--epochs", "1", "--save-epochs", "0", "--img-size", "16", "--batch-size", "2", "--warmup-epochs", "0"]
+    for name, weights in (
+        ("checkpoint", ["--checkpoint", best]),
+        ("kwargs", ["--model-kwargs", f"checkpoint_path={best}"]),
+    ):
+        run = tmp_path / name
+        assert engine.run([*base, *weights, "--output", str(run)], load_families())
+        started = load_file(run / CHECKPOINTS_DIR / snapshot_file(0))
+        assert started.keys() == timms.keys()
+        assert all(torch.equal(started[k], v) for k, v in timms.items()), name
+    assert all(torch.equal(read_state_dict(best)[k], v) for k, v in model.state_dict().items())  # eval's weights
+
+
 # --------------------------------------------------------------------------- --resume of timm's last.pth.tar
 TIMM_EPOCHS = 3  # timm's run: 3 epochs, stopped after its second (saved epoch 1); resumed here for the third
 UPDATES_PER_EPOCH = 2

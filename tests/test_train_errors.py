@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import timm
@@ -22,6 +23,8 @@ SMALL = [
     "depth=2",
     "local_up_to_layer=1",
     "embed_dim=4",
+    "--num-classes",
+    "10",  # the digits' head (timm's default would be 1000 outputs, which a run warns of)
     "--workers",
     "0",
     "--epochs",
@@ -104,17 +107,32 @@ def test_bad_input_is_one_line_exit_2_and_keeps_output(capsys, output, tmp_path,
             ["--param-group-lr", "gating_param=inf"],
             r"--param-group-lr gating_param=\.\.\. needs a positive number, got 'inf'",
         ),
-        (["-c", "RECIPE:scale: 0.5"], r"^error: --scale expects a list of 2 float values, got 0.5$"),
-        (["-c", "RECIPE:scale: [0.5]"], r"^error: --scale expects a list of 2 float values, got \[0.5\]$"),
-        (["-c", "RECIPE:save_epochs: 1"], r"^error: --save-epochs expects a list of int values, got 1$"),
-        (["-c", "RECIPE:data_dir: 3"], r"^error: --data-dir expects a string, got 3$"),
-        (["-c", "RECIPE:lr: .inf"], r"^error: --lr must be a finite number, got inf$"),
+        (
+            ["-c", "RECIPE:scale: 0.5"],
+            r"^error: recipe RECIPE, line 1: scale expects a list of 2 float values, got 0.5$",
+        ),
+        (
+            ["-c", "RECIPE:scale: [0.5]"],
+            r"^error: recipe RECIPE, line 1: scale expects a list of 2 float values, got \[0.5\]$",
+        ),
+        (
+            ["-c", "RECIPE:save_epochs: 1"],
+            r"^error: recipe RECIPE, line 1: save_epochs expects a list of int values, got 1$",
+        ),
+        (["-c", "RECIPE:data_dir: 3"], r"^error: recipe RECIPE, line 1: data_dir expects a string, got 3$"),
+        (["-c", "RECIPE:lr: .inf"], r"^error: recipe RECIPE, line 1: lr must be a finite number, got inf$"),
+        (["-c", "RECIPE:epochs: 2\nlr: abc"], r"^error: recipe RECIPE, line 2: lr expects float, got 'abc'$"),
+        (
+            ["-c", "RECIPE:lr: 0.1\nepochs: 2\nlr: 0.2"],
+            r"^error: recipe RECIPE is not valid YAML: the key 'lr' is given twice, on lines 1 and 3$",
+        ),
         (["--which", "best"], r"--which best picks a checkpoint of a run directory; --checkpoint \(none\) is not one"),
     ],
 )
 def test_more_mistakes_are_one_line_exit_2_and_keep_output(capsys, output, tmp_path, args, expected):
     """Unreadable weight files in every option that loads weights, non-finite numbers, recipe values of the
-    wrong type (a YAML recipe skips argparse's conversion)."""
+    wrong type (a YAML recipe skips argparse's conversion: the recipe, its line and key named), a recipe key
+    given twice (both lines named)."""
     garbage, truncated = tmp_path / "garbage.safetensors", tmp_path / "truncated.safetensors"
     garbage.write_bytes(bytes(range(256)) * 4)
     save_weights({"w": torch.zeros(64, 64)}, truncated)
@@ -127,6 +145,7 @@ def test_more_mistakes_are_one_line_exit_2_and_keep_output(capsys, output, tmp_p
         resolved.append(str(garbage) if a == "GARBAGE" else str(truncated) if a == "TRUNCATED" else a)
     code, err = run_cli(capsys, SMALL + ["--output", str(output)] + resolved)
     expected = expected.replace("GARBAGE", re.escape(str(garbage))).replace("TRUNCATED", re.escape(str(truncated)))
+    expected = expected.replace("RECIPE", re.escape(str(tmp_path / "recipe.yaml")))
     damaged = {"GARBAGE", "TRUNCATED"} & set(args)  # a weights file that does not read: damaged input (65)
     assert code == (65 if damaged else 2) and len(err) == 1 and err[0].startswith("error: "), err
     assert re.search(expected, err[0]), err[0]
@@ -225,8 +244,7 @@ def test_ctrl_c_says_what_was_kept_and_exits_130(capsys, tmp_path):
 
     output = tmp_path / "run"
     code = train.main(
-        SMALL[:-4]
-        + ["--epochs", "2", "--warmup-epochs", "0", "--no-aug", "--num-classes", "10", "--output", str(output)],
+        SMALL[:-4] + ["--epochs", "2", "--warmup-epochs", "0", "--no-aug", "--output", str(output)],
         Extensions(diagnostics={"interrupt": interrupt_at_the_second_evaluation}),
     )
     err = messages(capsys.readouterr().err)
@@ -377,3 +395,18 @@ def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line
     ]
     assert result.returncode == 65 and len(lines) == 1, result.stderr[-2000:]
     assert re.search(r"^error: unreadable image .*0broken.png", lines[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (a device that is always full)")
+def test_standard_output_on_a_full_disk_is_named_as_such(capsys, monkeypatch, tmp_path):
+    """The start-up block written to a full standard output: standard output's failure, not the --output folder's
+    disk (which has room), and nothing left for the interpreter to fail on at exit."""
+    with open("/dev/full", "w", buffering=1) as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        code, err = run_cli(capsys, SMALL + ["--output", str(tmp_path / "run")])
+        monkeypatch.undo()
+        full.write("left at exit\n")  # what the interpreter flushes at exit now goes nowhere, without an error
+    assert code == 74 and err == [
+        "error: writing to standard output failed (no space left on the device); no checkpoint was written yet "
+        f"in {tmp_path / 'run'}; rerun the same command to start over"
+    ], err

@@ -6,13 +6,15 @@ Every file read whole is a regular file (``read_file``: a FIFO, socket or device
 could block forever or never end) of bounded size.
 
 YAML is read with PyYAML's safe loader (no tags that run code) bounded in nesting depth, in aliases and in
-the size the aliases expand to (a "billion laughs" file of 1 KB expands to 10^9 nodes). A JSON line nested
+the size the aliases expand to (a "billion laughs" file of 1 KB expands to 10^9 nodes); a mapping that gives a
+key twice is refused naming the key and both lines (PyYAML would keep the last without a word). A JSON line nested
 deeper than the interpreter's recursion limit is a damaged line like any other. Messages quote a value by a
 short prefix only. Light to import: no torch.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import reprlib
@@ -154,13 +156,38 @@ class YAMLLimitError(yaml.YAMLError):
     """A YAML document beyond one of the limits above."""
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that counts depth and aliases while composing, and the expanded size after."""
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping that gives one key twice."""
 
-    def __init__(self, stream: Any):
+
+MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *base`: the keys it brings in may be given again, by YAML's rules
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that counts depth and aliases while composing, and the expanded size after; refuses a key
+    given twice in one mapping; records the line of each key in ``key_lines`` (``_record_key_lines``)."""
+
+    def __init__(self, stream: Any, key_lines: dict[Any, int] | None = None):
         super().__init__(stream)
         self._depth = 0
         self._aliases = 0
+        self.key_lines = key_lines
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == MERGE_TAG:
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    first = lines.get(key)
+                except TypeError:  # an unhashable key: the constructor names it
+                    continue
+                if first is not None:
+                    raise DuplicateKeyError(f"the key {quoted(str(key))!r} is given twice, on lines {first} and {line}")
+                lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -180,7 +207,23 @@ class _BoundedLoader(yaml.SafeLoader):
         node = super().get_single_node()
         if node is not None:
             expanded_size(node)
+        if self.key_lines is not None:
+            self._record_key_lines(node)
         return node
+
+    def _record_key_lines(self, root: Any) -> None:
+        """The line (from 1) of each key of the mappings in ``root``, a nested one as 'outer.inner'; a mapping
+        reached again through an alias is recorded once, under its first path."""
+        pending, seen = collections.deque([(root, "")]), set()
+        while pending:
+            node, prefix = pending.popleft()
+            if not isinstance(node, yaml.MappingNode) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for key_node, value_node in node.value:
+                if isinstance(key_node, yaml.ScalarNode):
+                    self.key_lines.setdefault(prefix + key_node.value, key_node.start_mark.line + 1)
+                    pending.append((value_node, f"{prefix}{key_node.value}."))
 
 
 def expanded_size(node: yaml.Node) -> int:
@@ -207,22 +250,34 @@ def expanded_size(node: yaml.Node) -> int:
     return size(node)
 
 
-def parse_yaml(text: str | bytes) -> Any:
-    """The YAML document in ``text`` (yaml.YAMLError when it is not YAML or breaks a limit)."""
-    return yaml.load(text, Loader=_BoundedLoader)
+def parse_yaml(text: str | bytes, key_lines: dict[Any, int] | None = None) -> Any:
+    """The YAML document in ``text`` (yaml.YAMLError when it is not YAML, gives a key twice or breaks a limit);
+    ``key_lines``, when given, gets the line (from 1) of each key of its mappings ('set.lr' for a nested one)."""
+    loader = _BoundedLoader(text, key_lines)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
-def read_yaml(path: str | Path, what: str = "file", error: type[Exception] = ConfigError, plain: bool = False) -> Any:
+def read_yaml(
+    path: str | Path,
+    what: str = "file",
+    error: type[Exception] = ConfigError,
+    plain: bool = False,
+    key_lines: dict[Any, int] | None = None,
+) -> Any:
     """The YAML document of the file ``path``; ``error`` naming it when it is missing, not a regular file, not
-    UTF-8 text, not YAML or beyond the limits (``what`` says what the file is: 'recipe', 'sweep file'). With
-    ``plain``: a file the package wrote and reads back (``check_plain_file``)."""
+    UTF-8 text, not YAML, gives a key twice or is beyond the limits (``what`` says what the file is: 'recipe',
+    'sweep file'). With ``plain``: a file the package wrote and reads back (``check_plain_file``); ``key_lines``
+    as ``parse_yaml``'s."""
     data = read_file(path, what, error, plain=plain)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
     try:
-        return parse_yaml(text)
+        return parse_yaml(text, key_lines)
     except yaml.YAMLError as e:
         raise error(f"{what} {path} is not valid YAML: {yaml_problem(e)}") from None
 

@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Callable
 
 from .errors import exit_code, one_line, print_line, show_traceback, stop_prefix
+from .storage import guarded_standard_output
 
 
 def describe(error: BaseException) -> tuple[int, str]:
@@ -30,8 +31,10 @@ def report(error: BaseException) -> int:
 
 
 def run_command(body: Callable[[], int | None]) -> int:
-    """``body()``'s exit code (None is 0), or the one line and exit code of what stopped it (``report``)."""
+    """``body()``'s exit code (None is 0), or the one line and exit code of what stopped it (``report``); a
+    failed write to standard output is a StorageError naming it (``storage.guarded_standard_output``)."""
     try:
-        return body() or 0
+        with guarded_standard_output():
+            return body() or 0
     except (Exception, KeyboardInterrupt) as error:
         return report(error)

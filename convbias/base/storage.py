@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -99,6 +100,64 @@ def writing(path: str | os.PathLike, kept: str = "") -> Iterator[None]:
         yield
     except OSError as error:
         raise write_failure(error, path, kept) from error
+
+
+STANDARD_OUTPUT = "standard output"
+
+
+class _GuardedStream:
+    """A text stream whose failed writes are the StorageError of standard output, not an OSError that a
+    command would take for its own output folder's (or report as a bug)."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def _failed(self, error: OSError) -> StorageError:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # what is left is dropped at exit, not
+            devnull = os.open(os.devnull, os.O_WRONLY)  # written again (a second error at exit)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        return StorageError(f"writing to {STANDARD_OUTPUT} failed ({storage_reason(error)})")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            raise self._failed(error) from error
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise self._failed(error) from error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guarded_standard_output() -> Iterator[None]:
+    """While the block runs, a failed write to ``sys.stdout`` (a full disk, a closed pipe) is a StorageError naming
+    standard output; what the block printed is flushed before it ends, so a failure is reported by the command."""
+    if isinstance(sys.stdout, _GuardedStream) or sys.stdout is None:
+        yield
+        return
+    original = guard = sys.stdout
+    sys.stdout = guard = _GuardedStream(original)
+    try:
+        yield
+        guard.flush()
+    except BaseException:
+        with contextlib.suppress(StorageError):  # what stopped the block is the error to report
+            guard.flush()
+        raise
+    finally:
+        if sys.stdout is guard:
+            sys.stdout = original
 
 
 def atomic_write(

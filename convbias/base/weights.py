@@ -64,27 +64,39 @@ def load_torch_file(path: str | Path, what: str = "weights") -> Any:
         ) from None
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+# The keys a checkpoint file keeps its weights under: the model's, and its EMA's (timm's load_state_dict order)
+WEIGHTS_KEYS = ("model", "state_dict", "model_state_dict")
+EMA_KEYS = ("state_dict_ema", "model_ema")
+
+
+def read_state_dict(path: str | Path, use_ema: bool = False) -> dict[str, torch.Tensor]:
     """Weights from a file or a directory (see resolve_weights_path), without unpickling arbitrary objects.
 
     Reads ``.safetensors``, or a torch file (``.pt``/``.pth``/``.bin``, timm's ``.pth.tar``) with weights_only=True
-    (load_torch_file), unwrapping ``{'model': ...}``/``{'state_dict': ...}`` (timm's checkpoints: the model's
-    weights, not its EMA's, as timm's load_checkpoint by default) and a DDP ``module.`` prefix.
+    (load_torch_file), unwrapping ``{'model': ...}``/``{'state_dict': ...}`` and a DDP ``module.`` prefix. With
+    ``use_ema``, a checkpoint's EMA (``state_dict_ema``, ``model_ema``) comes first where it holds one, as timm's
+    ``load_state_dict(use_ema=True)`` takes it (``read_weights`` also says which key was read).
     """
+    return read_weights(path, use_ema)[0]
+
+
+def read_weights(path: str | Path, use_ema: bool = False) -> tuple[dict[str, torch.Tensor], str | None]:
+    """``read_state_dict``'s weights and the checkpoint's key they were read from (None for a bare state dict)."""
     path = resolve_weights_path(path)
     if path.suffix == ".safetensors":
         try:
-            return load_file(str(path))
+            return load_file(str(path)), None
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise DamagedInputError(f"{path} is not a readable safetensors file ({first_line(e)})") from None
     obj = load_torch_file(path)
-    for key in ("model", "state_dict", "model_state_dict"):
+    chosen = None
+    for key in (EMA_KEYS if use_ema else ()) + WEIGHTS_KEYS:
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
+            obj, chosen = obj[key], key
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise DamagedInputError(f"{path} does not hold a state dict of tensors")
-    return {k.removeprefix("module."): v for k, v in obj.items()}
+    return {k.removeprefix("module."): v for k, v in obj.items()}, chosen
 
 
 def _shown(keys: list[str]) -> str:
@@ -168,13 +180,14 @@ def partial_load(
     return line
 
 
-def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
-    """Load weights written by train.py (or any safetensors / torch state-dict file) into ``model``.
+def load_weights(model: torch.nn.Module, path: str | Path, use_ema: bool = False) -> torch.nn.Module:
+    """Load weights written by train.py (or any safetensors / torch state-dict file) into ``model`` (``use_ema``:
+    as ``read_state_dict``'s).
 
     Raises ValueError naming the missing, unexpected or mismatched keys when the file belongs to
     another model. Returns the model.
     """
-    return load_checked(model, read_state_dict(path), str(path))
+    return load_checked(model, read_state_dict(path, use_ema), str(path))
 
 
 def load_checked(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> torch.nn.Module:

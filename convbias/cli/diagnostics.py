@@ -37,6 +37,8 @@ from convbias.base.run_layout import LOG_FILE
 from convbias.base.weights import load_weights
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.engine import DEFAULT_WHICH, WHICH, Config, RunDir, create_model, is_run_dir
+from convbias.engine.config.command_line import Typed, declared
+from convbias.engine.config.options import NON_NEGATIVE, POSITIVE_INT
 from convbias.engine.loop.records import read_log as read_run_log
 from convbias.evaluation.figures import metric_history, plot_attention_maps, plot_nonlocality, plot_per_head
 
@@ -73,16 +75,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--which", choices=WHICH, default=DEFAULT_WHICH, help="checkpoint of the run (default: last)")
     parser.add_argument("--image", help="image file for the attention maps")
-    parser.add_argument("--img-size", type=int, help="input size the model was trained at (default: the model's)")
-    parser.add_argument("--num-classes", type=int, help="classifier size of the checkpoint (default: the model's)")
-    parser.add_argument("--in-chans", type=int, help="input channels of the model (default: the run's, else 3)")
+    parser.add_argument(
+        "--img-size", **declared("img_size"), help="input size the model was trained at (default: the model's)"
+    )
+    parser.add_argument(
+        "--num-classes", **declared("num_classes"), help="classifier size of the checkpoint (default: the model's)"
+    )
+    parser.add_argument(
+        "--in-chans", **declared("in_chans"), help="input channels of the model (default: the run's, else 3)"
+    )
     parser.add_argument(
         "--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V", help="extra model kwargs"
     )
     parser.add_argument(
-        "--query", nargs=2, type=int, metavar=("ROW", "COL"), help="query patch on the grid (default: center)"
+        "--query",
+        nargs=2,
+        type=Typed(int, NON_NEGATIVE),
+        metavar=("ROW", "COL"),
+        help="query patch on the grid (default: center)",
     )
-    parser.add_argument("--layers", nargs="+", type=int, help="1-based attention layers to draw (default: all)")
+    parser.add_argument(
+        "--layers", nargs="+", type=Typed(int, POSITIVE_INT), help="1-based attention layers to draw (default: all)"
+    )
     parser.add_argument("--output", help="directory for the PNG files (default: <first run>/figures, else ./figures)")
     parser.add_argument("--out", dest="output", action=Deprecated, help=argparse.SUPPRESS, note="use --output {}")
     return parser
@@ -122,10 +136,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--image {args.image}: file not found")
     if args.checkpoint and not Path(args.checkpoint).exists():
         parser.error(f"--checkpoint {args.checkpoint}: no such file or directory")
-    if args.query and min(args.query) < 0:
-        parser.error(f"--query {args.query[0]} {args.query[1]}: row and column must be >= 0")
-    if args.layers and min(args.layers) < 1:
-        parser.error("--layers: layers are numbered from 1")
     if args.output is None:
         args.output = str(Path(args.runs[0]) / "figures") if args.runs else "figures"
     return args

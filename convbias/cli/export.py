@@ -16,18 +16,22 @@ with nothing left at --output; a failed upload (1) leaves the folder in place.
 
 from __future__ import annotations
 
+import argparse
+
 from convbias.base.errors import ConfigError, print_error
 from convbias.base.run_layout import check_output_folder
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
 from convbias.engine.checkpointing.run_files import in_timm_output, is_timm_checkpoint_name
+from convbias.engine.config.command_line import Typed
+from convbias.engine.config.options import POSITIVE_INT
 
 
 def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: _export(argv))
 
 
-def _export(argv: list[str] | None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = OptionParser(prog="convbias-export", description=__doc__.split("\n")[0])
     parser.add_argument("run", metavar="RUN_DIR", help="a train.py output directory, or timm's *.pth.tar")
     parser.add_argument("--output", required=True, help="new folder to write (must not exist, or be empty)")
@@ -35,11 +39,17 @@ def _export(argv: list[str] | None) -> int:
     parser.add_argument("--use-ema", action="store_true", help="timm's checkpoint: its EMA's weights (state_dict_ema)")
     parser.add_argument("--onnx", action="store_true", help="also write model.onnx (needs the onnx extra)")
     parser.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export)")
-    parser.add_argument("--img-size", type=int, help="input side of model.onnx / model.pt2 (default: the run's)")
+    parser.add_argument(
+        "--img-size", type=Typed(int, POSITIVE_INT), help="input side of model.onnx / model.pt2 (default: the run's)"
+    )
     parser.add_argument("--license", default="apache-2.0", help="license of the weights, in the card")
     parser.add_argument("--push-to", metavar="REPO_ID", help="upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true", help="with --push-to: create a private repository")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _export(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     check_output_folder(args.output)  # a folder in a run's checkpoints/ would be taken for a point's
     args.run, args.which = in_timm_output(args.run, args.which)  # timm's output folder: its file by --which
     timm_file = is_timm_checkpoint_name(args.run)

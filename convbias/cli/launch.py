@@ -37,6 +37,7 @@ stderr would also filter the ranks', which share it, and a rank's own traceback 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -52,6 +53,8 @@ from typing import Any, NoReturn
 from convbias.base.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, StorageError, print_error
 from convbias.base.storage import writing
 from convbias.cli import run_command
+from convbias.engine.config.command_line import Typed
+from convbias.engine.config.options import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Check
 
 USAGE = "convbias-launch [accelerate launch options] train.py ARGS..."
 # What the launcher tells train.py (convbias.cli.train): the process count it was asked for (accelerate's launcher
@@ -85,16 +88,10 @@ def _launch(argv: list[str]) -> int:
     for signum in (signal.SIGINT, *PREEMPTION_SIGNALS):
         signal.signal(signum, _on_signal)
     try:
-        from accelerate.commands.launch import launch_command, launch_command_parser
+        from accelerate.commands.launch import launch_command
 
-        parser = launch_command_parser()
-        parser.prog, parser.usage = "convbias-launch", USAGE
-        parser.description = f"accelerate launch, ending with the engine's one line and exit code. {parser.description}"
-        parser.error = _usage_error  # one line, not argparse's usage block
+        parser = build_parser()
         first = parser.parse_args(argv)
-        for option in ("num_processes", "num_machines"):
-            if getattr(first, option, None) is not None and getattr(first, option) < 1:
-                _usage_error(f"--{option} {getattr(first, option)}: expected a whole number of at least 1")
         args = parser.parse_args(_multi_cpu(argv, first))
         print(_accelerate_values(args), file=sys.stderr)
         if args.num_processes:
@@ -109,6 +106,34 @@ def _launch(argv: list[str]) -> int:
     except _Stopped as stopped:
         print(stopped, file=sys.stderr)
         return stopped.code
+
+
+# The ranges of accelerate's number options that this launcher relies on; its other numbers are finite
+LAUNCH_RANGES = {
+    "num_processes": AT_LEAST_ONE,
+    "num_machines": AT_LEAST_ONE,
+    "num_cpu_threads_per_process": AT_LEAST_ONE,
+    "machine_rank": NON_NEGATIVE,
+    "main_process_port": Check(lambda v: 0 <= v < 2**16, "a port number in [0, 65535] (0: a free one)"),
+    "max_restarts": NON_NEGATIVE,
+    "monitor_interval": POSITIVE,
+    "gradient_accumulation_steps": AT_LEAST_ONE,
+    "gradient_clipping": POSITIVE,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """accelerate launch's parser, its errors one line, its number options declared with their checks (Typed)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    parser.prog, parser.usage = "convbias-launch", USAGE
+    parser.description = f"accelerate launch, ending with the engine's one line and exit code. {parser.description}"
+    parser.error = _usage_error  # one line, not argparse's usage block
+    for action in parser._actions:
+        if action.type in (int, float):
+            action.type = Typed(action.type, LAUNCH_RANGES.get(action.dest))
+    return parser
 
 
 def _usage_error(message: str) -> NoReturn:

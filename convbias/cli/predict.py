@@ -16,32 +16,38 @@ output that cannot be written (74).
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+from convbias.base.devices import default_device
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH, ConfigError
+from convbias.engine.config.command_line import Typed, add_device_option
+from convbias.engine.config.options import POSITIVE_INT
 
 
 def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: _predict(argv))
 
 
-def _predict(argv: list[str] | None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = OptionParser(prog="convbias-predict", description=__doc__.split("\n")[0])
     parser.add_argument(
         "source", metavar="RUN_OR_EXPORTED_DIR", help="a train.py run, a convbias-export folder or timm's *.pth.tar"
     )
     parser.add_argument("images", nargs="+", metavar="IMAGES", help="image files, folders or glob patterns")
-    parser.add_argument("--topk", type=int, default=5, help="classes reported per image")
+    parser.add_argument("--topk", type=Typed(int, POSITIVE_INT), default=5, help="classes reported per image")
     parser.add_argument("--output", help="a .csv or .json file to write (default: CSV on standard output)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--batch-size", type=Typed(int, POSITIVE_INT), default=64)
+    add_device_option(parser)
     parser.add_argument("--which", choices=WHICH, help="checkpoint of a run directory (default: last)")
     parser.add_argument("--use-ema", action="store_true", help="timm's checkpoint: its EMA's weights (state_dict_ema)")
-    args = parser.parse_args(argv)
-    # imported after parsing: `convbias-predict --help` loads no torch or model family
-    import torch
+    return parser
 
+
+def _predict(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    # imported after parsing: `convbias-predict --help` loads no torch or model family
     from convbias.engine.checkpointing.run_files import in_timm_output
     from convbias.sharing.prediction import (
         find_images,
@@ -55,9 +61,7 @@ def _predict(argv: list[str] | None) -> int:
 
     source_kind(*in_timm_output(args.source, args.which), args.use_ema)
     suffix = output_format(args.output)
-    if args.topk < 1 or args.batch_size < 1:
-        raise ConfigError(f"--topk and --batch-size must be at least 1, got {args.topk} and {args.batch_size}")
-    device = _device(args.device, torch.cuda.is_available())
+    device = args.device or default_device()
     paths = find_images(args.images)
     predictor = load_predictor(args.source, args.which, args.use_ema)
     for note in predictor.notes:
@@ -77,18 +81,6 @@ def _predict(argv: list[str] | None) -> int:
     if result.skipped:
         print(f"skipped {len(result.skipped)} unreadable images", file=sys.stderr)
     return 0
-
-
-def _device(name: str | None, cuda_available: bool) -> str:
-    """The --device asked for, checked before any model is built; cuda when there is one otherwise."""
-    if name is None:
-        return "cuda" if cuda_available else "cpu"
-    kind = name.split(":")[0]
-    if kind not in ("cpu", "cuda") or (kind == "cuda" and name != "cuda" and not name[5:].isdigit()):
-        raise ConfigError(f"--device {name}: expected cpu, cuda or cuda:N")
-    if kind == "cuda" and not cuda_available:
-        raise ConfigError(f"--device {name}: no CUDA device is available here")
-    return name
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 from convbias import engine
 from convbias.base.errors import exit_code, print_error
 from convbias.base.reporting import describe, report
+from convbias.base.storage import guarded_standard_output
 from convbias.cli.launch import LAUNCH_EXIT_DIR, LAUNCH_PROCESSES
 from convbias.engine.loop.extensions import Extensions
 
@@ -40,10 +41,11 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
     try:
         for warning in launch_warnings():  # before the options' checks: said even when they refuse the command line
             print_error(warning, prefix="warning")
-        if any(arg in ("-h", "--help") for arg in argv):
-            engine.run(argv)  # the options alone: no torch, no registry
-        else:
-            run(argv, extensions)
+        with guarded_standard_output():  # a failed write to it is standard output's, not the run's output's
+            if any(arg in ("-h", "--help") for arg in argv):
+                engine.run(argv)  # the options alone: no torch, no registry
+            else:
+                run(argv, extensions)
     except (Exception, KeyboardInterrupt) as error:
         if exit_code(error) is None:  # no code in errors.STOPS: a bug, with its traceback
             raise

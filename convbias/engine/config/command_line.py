@@ -1,5 +1,8 @@
 """train.py's command line, derived from the option declarations (engine.config.options), and the argparse pieces every
-command of the project shares (``OptionParser``, ``key_value``, ``yaml_scalar``; convbias.cli re-exports them).
+command of the project shares (``OptionParser``, ``key_value``, ``yaml_scalar``; convbias.cli re-exports them), among
+them the declared types of the other commands' options: ``Typed`` (a number, finite and within a declared
+``Check`` such as train.py's options have, or a name a ``Check`` accepts) and ``DEVICE`` (a device of this machine),
+so that every value is refused at parsing, before any work, in one line.
 
 Light to import: ``train.py --help`` builds this parser and loads no torch.
 """
@@ -10,18 +13,21 @@ import argparse
 import ast
 import copy
 import dataclasses
+import math
 import typing
 from typing import Any
 
 import yaml
 
+from convbias.base.devices import DEVICE_FORMS, check_device
 from convbias.base.errors import ConfigError
-from convbias.base.inputs import parse_yaml
+from convbias.base.inputs import parse_yaml, quoted
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 from .options import (
     DESCRIPTION,
     SECTIONS,
+    Check,
     declaration,
     default_value,
     flag_name,
@@ -65,12 +71,27 @@ def yaml_scalar(text: str) -> Any:
     return text if isinstance(value, (dict, list)) else value
 
 
+def non_finite(value: Any) -> float | None:
+    """The first NaN or infinity in ``value`` (a number, or a list, tuple or mapping of them), else None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else value
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((found for found in map(non_finite, items) if found is not None), None)
+
+
+def _finite_pair(text: str, key: str, value: Any) -> tuple[str, Any]:
+    if non_finite(value) is not None:
+        raise argparse.ArgumentTypeError(f"{quoted(text)}: the value must be a finite number, got {non_finite(value)}")
+    return key, value
+
+
 def key_value(text: str) -> tuple[str, Any]:
-    """argparse type of every K=V option of the project's commands: 'k=0.1' -> ('k', 0.1) (YAML scalars)."""
+    """argparse type of every K=V option of the project's commands: 'k=0.1' -> ('k', 0.1) (YAML scalars); a NaN
+    or infinity is refused (no model or optimizer argument takes one)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{text}'")
-    return key, yaml_scalar(value)
+    return _finite_pair(text, key, yaml_scalar(value))
 
 
 def literal_key_value(text: str) -> tuple[str, Any]:
@@ -78,9 +99,71 @@ def literal_key_value(text: str) -> tuple[str, Any]:
     value a Python literal ('(32, 64)' -> a tuple), else a YAML scalar ('true' -> True), else the string."""
     key, value = key_value(text)
     try:
-        return key, ast.literal_eval(text.partition("=")[2])
+        return _finite_pair(text, key, ast.literal_eval(text.partition("=")[2]))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return key, value
+
+
+class Typed:
+    """argparse ``type`` of an option of a command, declared with its check as train.py's options are
+    (engine.config.options): the text as ``kind`` (int, float or str), a number finite, then ``rule`` (a
+    ``Check``: POSITIVE_INT, PROBABILITY, ...); argparse names the option in the one line that refuses it. What
+    it takes stays readable (``kind``, ``rule``), so that a test derives the values it refuses."""
+
+    def __init__(self, kind: type, rule: Check | None = None):
+        self.kind, self.rule = kind, rule
+        self.__name__ = kind.__name__  # argparse's name of the type in its own messages
+
+    def __call__(self, text: str) -> Any:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            expected = {int: "an integer", float: "a number"}.get(self.kind, self.kind.__name__)
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {quoted(text)!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if self.rule is not None and not self.rule.valid(value):
+            reason = self.rule.reason(value) if self.rule.reason else f"must be {self.rule.expected}"
+            raise argparse.ArgumentTypeError(f"{reason}, got {quoted(text)}")
+        return value
+
+    def __repr__(self) -> str:
+        return f"Typed({self.__name__}{', ' + self.rule.expected if self.rule else ''})"
+
+
+def declared(name: str) -> dict[str, Any]:
+    """argparse's ``type`` (and ``choices``) of another command's option that is train.py's option ``name`` too
+    (--img-size, --batch-size, --seed, ...): its declared type and check, so both commands take the same values."""
+    kind = option_types()[name]
+    kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+    kind = typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
+    argument: dict[str, Any] = {"type": Typed(kind, declaration(name).metadata["check"])}
+    if declaration(name).metadata["choices"] is not None:
+        argument["choices"] = declaration(name).metadata["choices"]
+    return argument
+
+
+class Device:
+    """argparse ``type`` of ``--device``: cpu, cuda or cuda:N, a device of this machine (base.devices)."""
+
+    __name__ = "device"
+
+    def __call__(self, text: str) -> str:
+        try:
+            return check_device(text)
+        except ConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+
+DEVICE = Device()
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--device`` of a command that runs models: checked against this machine as it is parsed; left None
+    when not given (``base.devices.default_device``: cuda when there is one)."""
+    parser.add_argument(
+        "--device", type=DEVICE, metavar="DEVICE", help=f"{DEVICE_FORMS} (default: cuda when this machine has one)"
+    )
 
 
 def _argument(spec: dataclasses.Field, kind: Any) -> dict[str, Any]:

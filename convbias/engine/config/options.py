@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,10 +51,12 @@ DEFAULT_KEEP_CHECKPOINTS = 2  # resume points kept: one to fall back to when the
 
 
 class Check(NamedTuple):
-    """A declared option's rule: ``valid(value)``, else ``--name must be {expected}, got {value}``."""
+    """A declared option's rule: ``valid(value)``, else ``--name must be {expected}, got {value}``; with
+    ``reason``, ``--name VALUE: {reason(value)}`` (what is wrong in a value with parts)."""
 
     valid: Callable[[Any], bool]
     expected: str
+    reason: Callable[[Any], str] | None = None
 
 
 class Needs(NamedTuple):
@@ -85,8 +88,56 @@ WANDB = Needs(lambda c: c.log_wandb, "--log-wandb")
 HF_DATASET = Needs(lambda c: c.dataset.startswith(HF_PREFIXES), "an hfds/ or hfids/ --dataset")
 COLUMN = Check(lambda v: bool(v) and "," not in v, "one column name (multi-label targets are not supported)")
 
-# timm's train interpolations: 'random' or a Pillow filter name (timm.data.transforms.str_to_pil_interp)
-TRAIN_INTERPOLATIONS = ("random", "bilinear", "bicubic", "nearest", "box", "hamming", "lanczos")
+# timm's interpolations: a Pillow filter name (timm.data.transforms.str_to_interp_mode), '' for the model's at
+# evaluation, 'random' (bilinear or bicubic per image) in training
+FILTERS = ("bilinear", "bicubic", "nearest", "box", "hamming", "lanczos")
+EVAL_INTERPOLATIONS = ("", *FILTERS)
+TRAIN_INTERPOLATIONS = ("random", *FILTERS)
+
+# timm's auto-augment policies (timm.data.auto_augment): NAME-SECTION-SECTION..., each section a key and its
+# number (m9, mstd0.5), for RandAugment also t and a transform set (tweights); the type each key's number has
+AUTO_AUGMENT_SECTIONS: dict[str, dict[str, type]] = {
+    "rand": {"m": int, "n": int, "p": float, "mstd": float, "mmax": int, "inc": int},
+    "augmix": {"m": int, "w": int, "d": int, "a": float, "b": int, "mstd": float},
+    **{name: {"mstd": float} for name in ("original", "originalr", "v0", "v0r", "3a")},  # AutoAugment's policies
+}
+RAND_AUGMENT_SETS = ("weights", "3aw", "3a")  # rand-t<SET>: timm's transform sets (any other name is its default)
+
+
+def auto_augment_problem(policy: str) -> str | None:
+    """What timm's auto-augment parser would refuse in ``policy`` (an AssertionError or a ValueError when the
+    transform is built) or skip without a word (a section without a number, an unknown transform set), else
+    None; 'none' or '' (no auto-augment) is not a policy to parse."""
+    if policy.lower() in ("none", ""):
+        return None
+    name, *sections = policy.split("-")
+    if name not in AUTO_AUGMENT_SECTIONS:
+        return f"unknown policy {name!r}; timm's: rand-..., augmix-..., {', '.join(list(AUTO_AUGMENT_SECTIONS)[2:])}"
+    keys = AUTO_AUGMENT_SECTIONS[name]
+    for section in sections:
+        if name == "rand" and section.startswith("t"):
+            if section[1:] not in RAND_AUGMENT_SETS:
+                return f"section {section!r}: the transform set is one of {', '.join(RAND_AUGMENT_SETS)}"
+            continue
+        key, number = re.fullmatch(r"(\D*)(.*)", section).groups()  # as timm splits it: at the first digit
+        if key not in keys or not number:
+            shown = ", ".join(f"{k}<{kind.__name__}>" for k, kind in keys.items()) + (
+                ", t<set>" if name == "rand" else ""
+            )
+            return f"section {section!r} is not one of the {name} policy's sections ({shown})"
+        try:
+            value = keys[key](number)
+        except ValueError:
+            article = "an" if keys[key] is int else "a"
+            return f"section {section!r}: {key} takes {article} {keys[key].__name__}, got {number!r}"
+        if not math.isfinite(value):
+            return f"section {section!r}: {key} must be finite"
+    return None
+
+
+AUTO_AUGMENT = Check(
+    lambda v: auto_augment_problem(v) is None, "one of timm's auto-augment policies", auto_augment_problem
+)
 
 POSITIVE = Check(lambda v: v > 0, "positive")
 POSITIVE_INT = Check(lambda v: v >= 1, "a positive integer")
@@ -268,7 +319,11 @@ class DataOptions:
     )
     train_fraction: float = option(1.0, "keep this fraction of each class, in (0, 1]", check=FRACTION)
     workers: int = option(4, "data loader processes per training process", check=NON_NEGATIVE)
-    aa: str | None = option(None, "timm auto-augment policy (rand-m9-mstd0.5-inc1: DeiT's); none to disable")
+    aa: str | None = option(
+        None,
+        "timm auto-augment policy (rand-m9-mstd0.5-inc1: DeiT's; augmix-..., original, v0, 3a, ...); none to disable",
+        check=AUTO_AUGMENT,
+    )
     reprob: float = option(0.0, "random erasing probability", check=PROBABILITY)
     remode: str = option(
         "pixel",
@@ -287,7 +342,9 @@ class DataOptions:
         None, "probability of a Gaussian blur (kernel 23, as timm's)", check=PROBABILITY
     )
     interpolation: str = option(
-        "", "eval resize interpolation (bilinear, bicubic, ...); '' the model's (timm's resolve_data_config)"
+        "",
+        "eval resize interpolation (bilinear, bicubic, ...); '' the model's (timm's resolve_data_config)",
+        choices=EVAL_INTERPOLATIONS,
     )
     train_interpolation: str | None = option(
         "random",

@@ -14,23 +14,26 @@ and exits 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 import signal
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import quoted, read_yaml
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
-from .command_line import OptionParser, build_parser, timm_only_options
+from .command_line import OptionParser, build_parser, non_finite, timm_only_options
 from .derived import effective_epochs
 from .options import (
     IMAGE_MODE_CHANNELS,
+    Check,
     Config,
     declaration,
     default_value,
@@ -43,10 +46,16 @@ from .options import (
 from .timm_args import ignored_timm_keys, is_timm_args, translate_timm_keys
 
 
-def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _including: tuple[Path, ...] = ()) -> dict:
+def load_yaml(
+    path: str | Path,
+    origins: dict[str, str] | None = None,
+    _including: tuple[Path, ...] = (),
+    places: dict[str, str] | None = None,
+) -> dict:
     """Read a recipe, following ``_base_`` files first (relative to the file that names them); ``origins``, when
-    given, gets the name of the file that set each key. A file that names itself, directly or through its
-    bases, is refused naming the cycle."""
+    given, gets the name of the file that set each key, and ``places`` where it is set ('recipe PATH, line N:
+    key', how a message names a value of the file). A file that names itself, directly or through its bases, is
+    refused naming the cycle; a key given twice in one file, naming both lines (base.inputs)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -54,7 +63,8 @@ def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _includin
     if real in _including:
         cycle = " -> ".join(str(p) for p in (*_including[_including.index(real) :], real))
         raise ConfigError(f"{path}: the _base_ files name each other in a cycle ({cycle})")
-    data = read_yaml(path, "recipe") or {}
+    lines: dict[Any, int] = {}
+    data = read_yaml(path, "recipe", key_lines=lines) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of option: value")
     bases = data.pop("_base_", [])
@@ -63,10 +73,12 @@ def load_yaml(path: str | Path, origins: dict[str, str] | None = None, _includin
         raise ConfigError(f"{path}: _base_ must be a path or a list of paths, got {quoted(bases)}")
     merged: dict = {}
     for base in bases:
-        merged.update(load_yaml(path.parent / base, origins, (*_including, real)))
+        merged.update(load_yaml(path.parent / base, origins, (*_including, real), places))
     merged.update(data)
     if origins is not None:
         origins.update(dict.fromkeys(data, f"recipe {path.name}"))
+    if places is not None:
+        places.update({key: file_place("recipe", path, lines.get(key), key) for key in data})
     return merged
 
 
@@ -103,7 +115,8 @@ def parse_config(
     config_only.add_argument("--checkpoint", "--initial-checkpoint", default=None)
     known, _ = config_only.parse_known_args(argv)
     origins: dict[str, str] = {}
-    file_cfg = load_yaml(known.config, origins) if known.config else {}
+    places: dict[str, str] = {}  # where each value of a file is set, as its messages name it
+    file_cfg = load_yaml(known.config, origins, places=places) if known.config else {}
     experiment = file_cfg.get("experiment") if is_timm_args(file_cfg) else None
     problems: list[str] = []
     ignored = ignored_timm_keys(file_cfg) if is_timm_args(file_cfg) else []  # taken and never read by timm
@@ -114,10 +127,13 @@ def parse_config(
     target = _evaluated(known)
     run_options = evaluated_run(target) if evaluated_run is not None and target is not None else {}
     origins.update({key: "the evaluated run's config.yaml" for key in run_options if key not in file_cfg})
+    # a run's config.yaml is checked, naming it, as it is read; timm's args (args.yaml, a checkpoint's) are named here
+    places.update({key: f"{target}: {key}" for key in run_options if key not in file_cfg})
     file_cfg = {**run_options, **file_cfg}
     for key in [key for key in file_cfg if key not in option_names()]:
-        problems.append(f"{known.config}: {key}: unknown option{did_you_mean(key)}")
+        problems.append(f"{places.get(key, f'{known.config}: {key}')}: unknown option{did_you_mean(key)}")
         del file_cfg[key]
+    problems += _typed_file_values(parser, file_cfg, places)
     merged = key_value_options()
     parser.set_defaults(**{k: v for k, v in file_cfg.items() if k not in merged})
     namespace, extra = parser.parse_known_args(argv)
@@ -154,6 +170,7 @@ def parse_config(
             sources[f"{name}.{key}"] = "command line"
     cfg.__dict__[SOURCES] = sources
     cfg.__dict__[IGNORED_KEYS] = (known.config, ignored)
+    cfg.__dict__[PLACES] = {name: place for name, place in places.items() if name not in command_line}
     try:
         validate(cfg)
     except ConfigError as e:
@@ -171,12 +188,58 @@ SOURCES = "_option_sources"
 IGNORED_KEYS = "_ignored_keys"
 # ... and of the options that the checks or the run's set-up derived from others: option -> what gave its value
 DERIVED = "_derived_sources"
+# ... and, for an option a file set, where in the file: how a refusal of its value names it
+PLACES = "_option_places"
 
 
 def credit(cfg: Config, name: str, source: str) -> None:
     """Record that option ``name``'s value was derived from ``source`` (another option, the model's config), which
     ``option_source`` then names, whether ``cfg`` was parsed or built in Python."""
     cfg.__dict__.setdefault(DERIVED, {})[name] = source
+
+
+def _typed_file_values(parser: argparse.ArgumentParser, values: dict[str, Any], places: dict[str, str]) -> list[str]:
+    """A file's text values typed as the command line's are (argparse types the defaults it is given, and would
+    name a bad one as the command line's ``argument --lr``), in place; a value that does not convert is dropped
+    and named by its file, line and key."""
+    types = _parser_types(parser)
+    problems = []
+    for key, value in list(values.items()):
+        try:
+            values[key] = _typed_text(types, key, value, places.get(key, key))
+        except ConfigError as e:
+            problems.append(str(e))
+            del values[key]
+    return problems
+
+
+def _parser_types(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    return {action.dest: action.type for action in parser._actions if action.type is not None}
+
+
+def _typed_text(types: dict[str, Any], name: str, value: Any, label: str) -> Any:
+    """A file's text value of option ``name`` typed by its command-line type (``value`` when it is no text)."""
+    kind = types.get(name)
+    if not isinstance(value, str) or kind is None or name in key_value_options():
+        return value
+    try:
+        return kind(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ConfigError(f"{label} expects {_describe(kind, None)}, got {quoted(repr(value))}") from None
+
+
+def file_option_value(name: str, value: Any, label: str, parser: argparse.ArgumentParser | None = None) -> Any:
+    """A value of train.py's option ``name`` that a file gives (a sweep file's ``set``, ``grid`` or
+    ``variants``), typed and checked as a recipe's is; a ConfigError naming ``label`` (the file, line and key)."""
+    value = _typed_text(_parser_types(parser or build_parser()), name, value, label)
+    value = coerce(name, value, label)
+    check_option(name, value, label)
+    return value
+
+
+def option_label(cfg: Config, name: str) -> str:
+    """How a message names option ``name`` of ``cfg``: where a file set it (its path, line and key), else its flag."""
+    return (cfg.__dict__.get(PLACES) or {}).get(name) or flag_name(name)
 
 
 def _given_on_command_line(argv: list[str] | None) -> dict[str, Any]:
@@ -230,18 +293,18 @@ def _is_number(value: Any) -> bool:
 
 
 def coerce(name: str, value: Any, label: str | None = None) -> Any:
-    """``value`` as option ``name``'s declared type (a recipe's values skip argparse's conversion): ints to
-    floats, a string of items to a list, K=V pairs to a mapping; a ConfigError naming the option (or ``label``:
-    the file and key it came from) otherwise. inf and nan make no sense for any option."""
-    kind, nargs = option_types()[name], declaration(name).metadata["nargs"]
-    label = label or flag_name(name)
+    """``value`` as option ``name``'s declared type (a recipe's values skip argparse's conversion; ``as_type``),
+    a ConfigError naming the option (or ``label``: the file and key it came from) otherwise."""
+    return as_type(option_types()[name], value, label or flag_name(name), declaration(name).metadata["nargs"])
+
+
+def as_type(kind: Any, value: Any, label: str, nargs: int | str | None = None) -> Any:
+    """``value`` as the declared type ``kind`` (a type hint: float, list[int], dict[str, Any], int | None, ...):
+    ints to floats, a string of items to a list, K=V pairs to a mapping; a ConfigError naming ``label``
+    otherwise. inf and nan make no sense for any declared number."""
     candidates = (
         [a for a in typing.get_args(kind) if a is not type(None)]
-        if typing.get_origin(kind)
-        in (
-            typing.Union,
-            types.UnionType,
-        )
+        if typing.get_origin(kind) in (typing.Union, types.UnionType)
         else [kind]
     )
     if value is None and len(candidates) < len(typing.get_args(kind) or (kind,)):
@@ -249,9 +312,8 @@ def coerce(name: str, value: Any, label: str | None = None) -> Any:
     for candidate in candidates:
         converted = _converted(value, candidate, nargs)
         if converted is not _INVALID:
-            finite = [v for v in (converted if isinstance(converted, list) else [converted]) if isinstance(v, float)]
-            bad = [v for v in finite if not math.isfinite(v)]
-            require(not bad, f"{label} must be a finite number, got {bad[0] if bad else ''}")
+            bad = non_finite(converted)
+            require(bad is None, f"{label} must be a finite number, got {bad}")
             return converted
     raise ConfigError(
         f"{label} expects {_describe(candidates[0], nargs)}, got {quoted(repr(value) if isinstance(value, str) else value)}"
@@ -290,14 +352,88 @@ def _converted(value: Any, kind: Any, nargs: int | str | None) -> Any:
 
 def check_option(name: str, value: Any, label: str | None = None) -> None:
     """ConfigError naming the option (or ``label``) when ``value`` breaks its declared check or choices."""
-    meta, label = declaration(name).metadata, label or flag_name(name)
+    meta = declaration(name).metadata
+    check_value(value, label or flag_name(name), meta["check"], meta["choices"])
+
+
+def check_value(value: Any, label: str, rule: Check | None, choices: Sequence[Any] | None = None) -> None:
+    """ConfigError naming ``label`` (a flag, or a file and key) when ``value`` is not one of ``choices`` or breaks
+    ``rule``; None passes (an option left unset)."""
     if value is None:
         return
-    if meta["choices"] is not None:
-        require(value in meta["choices"], f"unknown {label} '{value}'; choices: {', '.join(meta['choices'])}")
-    rule = meta["check"]
-    if rule is not None:
-        require(rule.valid(value), f"{label} must be {rule.expected}, got {quoted(value)}")
+    if choices is not None:
+        unknown = f"unknown {label} '{value}'" if label.startswith("-") else f"{label}: unknown value '{value}'"
+        shown = ", ".join(repr(c) if c == "" else str(c) for c in choices)
+        require(value in choices, f"{unknown}; choices: {shown}")
+    if rule is not None and not rule.valid(value):
+        shown = f"{label} {quoted(value)}" if label.startswith("-") else f"{label}: {quoted(value)}"
+        raise ConfigError(
+            f"{shown}: {rule.reason(value)}" if rule.reason else f"{label} must be {rule.expected}, got {quoted(value)}"
+        )
+
+
+class Declared(NamedTuple):
+    """One key of a command's own YAML file (a study's config): its type (a type hint), and its check and choices
+    as a train.py option's (engine.config.options)."""
+
+    kind: Any
+    check: Check | None = None
+    choices: tuple[Any, ...] | None = None
+
+
+def train_option(name: str) -> Declared:
+    """The declaration of a file key that is train.py's option ``name`` too (seed, batch_size, ...): one rule."""
+    meta = declaration(name).metadata
+    return Declared(option_types()[name], meta["check"], meta["choices"])
+
+
+def dataclass_declarations(cls: type) -> dict[str, Declared]:
+    """The declarations of a dataclass's fields: each field's type hint, and the check of its ``metadata``."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: Declared(hints[f.name], f.metadata.get("check"), f.metadata.get("choices")) for f in fields(cls)}
+
+
+def declared_value(spec: Declared, value: Any, label: str) -> Any:
+    """``value`` as ``spec`` declares it (its type, then its check and choices); a ConfigError naming ``label``."""
+    converted = as_type(spec.kind, value, label)
+    check_value(converted, label, spec.check, spec.choices)
+    return converted
+
+
+def file_place(what: str, path: str | Path, line: int | None, key: str) -> str:
+    """How a message names the value of ``key`` in a file: 'recipe PATH, line N: key'."""
+    return f"{what} {path}, line {line}: {key}" if line is not None else f"{what} {path}: {key}"
+
+
+def read_declared_yaml(
+    path: str | Path,
+    what: str,
+    declared: Mapping[str, Declared],
+    error: type[Exception] = ConfigError,
+    plain: bool = False,
+) -> dict[str, Any]:
+    """The mapping of the YAML file ``path`` (a ``what``: 'protocol config'), every key one of ``declared`` and
+    its value converted and checked as declared (``declared_value``); ``error`` naming the file, the line and the
+    key of the first that is not (a key given twice, naming both lines: base.inputs). With ``plain``: a file the
+    package wrote and reads back (``inputs.check_plain_file``)."""
+    lines: dict[Any, int] = {}
+    data = read_yaml(path, what, error, plain=plain, key_lines=lines)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise error(f"{what} {path} must hold a mapping of key: value")
+    values = {}
+    for key, value in data.items():
+        label = file_place(what, path, lines.get(str(key)), str(key))
+        if key not in declared:
+            close = difflib.get_close_matches(str(key), declared, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise error(f"{label}: unknown key{hint}; known: {', '.join(declared)}")
+        try:
+            values[key] = declared_value(declared[key], value, label)
+        except ConfigError as e:
+            raise error(str(e)) from None
+    return values
 
 
 def inert_options(cfg: Config) -> dict[str, str]:
@@ -355,8 +491,8 @@ def validate(cfg: Config) -> None:
     problems = []
     for name in option_names():  # each option's own type and range, all named at once
         try:
-            setattr(cfg, name, coerce(name, getattr(cfg, name)))
-            check_option(name, getattr(cfg, name))
+            setattr(cfg, name, coerce(name, getattr(cfg, name), option_label(cfg, name)))
+            check_option(name, getattr(cfg, name), option_label(cfg, name))
         except ConfigError as e:
             problems.append(str(e))
     require(not problems, "; ".join(problems))

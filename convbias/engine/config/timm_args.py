@@ -243,8 +243,8 @@ def timm_args(
         val_interval=cfg.eval_interval,
         model_ema_force_cpu=bool(cfg.model_ema and not cfg.model_ema_metric),
         resume="",
-        **(resolved or {}),
     )
+    values.update(resolved or {})
     left_out = [
         f"--no-{flag_name(name)[2:]}"
         if options[name] is False

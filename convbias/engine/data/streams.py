@@ -40,7 +40,6 @@ unknown or unreachable NAME, a corrupt file) is one ConfigError line, quoting th
 
 from __future__ import annotations
 
-import json
 import logging
 import logging.handlers
 import os
@@ -54,11 +53,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 from timm.data import create_dataset
 from torch.utils.data import Dataset
 
 from convbias.base.errors import ConfigError
+from convbias.base.inputs import read_json
 
 WDS_PREFIX, HFIDS_PREFIX, HFDS_PREFIX = "wds/", "hfids/", "hfds/"
 STREAM_PREFIXES = (WDS_PREFIX, HFIDS_PREFIX)
@@ -190,15 +189,13 @@ def _check_wds(root: Path) -> dict[str, Any]:
     info_file = next((root / n for n in INFO_FILES if (root / n).is_file()), None)
     if info_file is None:
         raise ConfigError(f"--data-dir {root}: no {' or '.join(INFO_FILES)}; expected {STREAM_LAYOUT}")
+    info = read_json(info_file, "shard set info")
     try:
-        info = (
-            json.loads(info_file.read_text()) if info_file.suffix == ".json" else yaml.safe_load(info_file.read_text())
-        )
         splits = {split: info["splits"][split] for split in SPLITS}
         counts = {split: int(splits[split]["num_samples"]) for split in SPLITS}
         files = {split: [root / f for f in splits[split]["filenames"]] for split in SPLITS}
         num_classes = int(info["num_classes"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise ConfigError(f"{info_file}: missing or malformed {e}; expected {STREAM_LAYOUT}") from None
     for split in SPLITS:
         for shard in files[split]:

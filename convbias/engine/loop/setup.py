@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from timm.utils import ModelEmaV3
 
-from convbias.base.weights import load_checked, load_weights, rebuild_hint
+from convbias.base.weights import EMA_KEYS, load_checked, read_weights, rebuild_hint
 
 from ..checkpointing.shards import FullCopy
 from ..checkpointing.timm_checkpoint import read_timm_checkpoint
@@ -148,7 +148,7 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     if cfg.checkpoint and start.resume is None:
         if metadata.get("output_scale"):
             model = OutputScale(model, cfg.output_scale)
-        start.checkpoint = _load_checkpoint(model, start.checkpoint)
+        start.checkpoint = _load_checkpoint(model, start.checkpoint, initial=not cfg.eval_only)
         start.weights = f"{start.checkpoint.name}: all {len(model.state_dict())} tensors loaded"
     if cfg.grad_checkpointing:
         set_grad_checkpointing(model.model if isinstance(model, OutputScale) else model, cfg.model)
@@ -157,16 +157,19 @@ def build_model(start: RunStart, data: TrainingData) -> tuple[torch.nn.Module, b
     return model, was_reparametrized
 
 
-def _load_checkpoint(model: torch.nn.Module, choice: CheckpointChoice) -> CheckpointChoice:
+def _load_checkpoint(model: torch.nn.Module, choice: CheckpointChoice, initial: bool) -> CheckpointChoice:
     """--checkpoint's weights into ``model``; returns the choice loaded: a run directory's next verified point
-    when the run removed the chosen one meanwhile."""
+    when the run removed the chosen one meanwhile. A file's EMA comes first where it holds one when training
+    starts from it (``initial``), as timm's --initial-checkpoint loads it (``load_checkpoint``'s use_ema=True);
+    --eval-only takes the model's, as timm's validate.py does unless --use-ema."""
     with rebuild_hint(choice.weights):
         if choice.timm_ema:  # --use-ema of timm's checkpoint
             load_checked(model, read_timm_checkpoint(choice.weights).weights(use_ema=True), choice.name)
             return choice
         if choice.run is None:
-            load_weights(model, choice.weights)
-            return choice
+            weights, key = read_weights(choice.weights, use_ema=initial)
+            load_checked(model, weights, str(choice.weights))
+            return replace(choice, name=f"{choice.name} ({key})") if key in EMA_KEYS else choice
         loaded = choice.run.load_weights(model, choice.which)
         return replace(choice, weights=str(loaded.weights), name=loaded.describe())
 

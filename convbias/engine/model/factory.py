@@ -22,9 +22,11 @@ from timm.layers import is_fast_norm, set_fast_norm
 from convbias.base.errors import ConfigError, DamagedInputError
 from convbias.base.inputs import first_line, quoted
 from convbias.base.weights import (
+    check_finite,
     check_pretrained,
     check_weights_file,
     describe_pretrained_load,
+    load_checked,
     load_weights,
     read_state_dict,
     timm_load_report,
@@ -81,6 +83,27 @@ def mistyped_kwargs(model: str, model_kwargs: dict[str, Any]) -> list[str]:
     return found
 
 
+# timm.create_model's argument that loads a weights file into the model it built (timm's load_checkpoint, as
+# timm's train.py --initial-checkpoint); given in --model-kwargs, the engine loads it with the package's checks
+CHECKPOINT_ARGUMENT = "checkpoint_path"
+# timm.create_model's arguments whose "file" is the weights its pretrained loading reads (with --pretrained)
+PRETRAINED_CFG_ARGUMENTS = ("pretrained_cfg_overlay", "pretrained_cfg")
+
+
+def _pretrained_file(cfg: Config, model_kwargs: dict[str, Any]) -> tuple[str, str | None]:
+    """(how it was named, the file) of the weights timm's pretrained loading reads: --pretrained-file, or the
+    "file" of a pretrained config that --model-kwargs gives (read with --pretrained only); two files named is a
+    ConfigError."""
+    named = {"--pretrained-file": cfg.pretrained_file} if cfg.pretrained_file else {}
+    for key in PRETRAINED_CFG_ARGUMENTS:
+        value = model_kwargs.get(key)
+        if cfg.pretrained and isinstance(value, dict) and value.get("file"):
+            named[f"--model-kwargs {key}"] = str(value["file"])
+    if len({str(Path(path).resolve()) for path in named.values()}) > 1:
+        raise ConfigError(f"{' and '.join(f'{k} {v}' for k, v in named.items())} name two weights files; give one")
+    return next(iter(named.items()), ("--pretrained-file", None))
+
+
 def create_model(cfg: Config, num_classes: int | None, in_chans: int) -> torch.nn.Module:
     """timm.create_model with the run's model options (see create_model_and_report)."""
     return create_model_and_report(cfg, num_classes, in_chans)[0]
@@ -100,14 +123,21 @@ def create_model_and_report(cfg: Config, num_classes: int | None, in_chans: int)
         in_chans=None if in_chans == 3 else in_chans,
         pretrained=bool(cfg.pretrained),
     )
-    if cfg.pretrained_file:
-        try:
-            check_weights_file(cfg.pretrained_file)
-        except ValueError as e:  # a damaged file stays one (exit 65)
-            raise type(e)(f"--pretrained-file: {e}") from None
-        kwargs["pretrained_cfg_overlay"] = dict(file=str(Path(cfg.pretrained_file).resolve()))
     model_kwargs = dict(cfg.model_kwargs or {})
+    checkpoint_path = model_kwargs.pop(CHECKPOINT_ARGUMENT, None)  # loaded below, with the package's checks
+    pretrained_file = _pretrained_file(cfg, model_kwargs)
+    for label, path in (pretrained_file, (f"--model-kwargs {CHECKPOINT_ARGUMENT}", checkpoint_path)):
+        if path is not None:
+            if not isinstance(path, str):
+                raise ConfigError(f"{label} must be a weights file's path, got {quoted(path)}")
+            try:
+                check_weights_file(path)
+            except ValueError as e:  # a damaged file stays one (exit 65)
+                raise type(e)(f"{label}: {e}") from None
     kwargs.update(model_kwargs)
+    if pretrained_file[1] is not None:
+        overlay = model_kwargs.get("pretrained_cfg_overlay") or {}
+        kwargs["pretrained_cfg_overlay"] = {**overlay, "file": str(Path(pretrained_file[1]).resolve())}
     kwargs.setdefault("img_size", cfg.img_size)
     try:
         with fast_norm(bool(cfg.fast_norm)), timm_load_report() as loaded:
@@ -129,15 +159,24 @@ def create_model_and_report(cfg: Config, num_classes: int | None, in_chans: int)
             f"cannot build {cfg.model} with {quoted(given or 'default arguments', 300)}: {first_line(e)}"
         ) from e  # the constructor's traceback, shown with CONVBIAS_TRACEBACK=1
     report = None
-    if cfg.pretrained_file:
-        given = read_state_dict(cfg.pretrained_file)
-        partial = check_pretrained(model, cfg.pretrained_file, given, loaded, cfg.allow_partial)
+    path = pretrained_file[1]
+    if path is not None:
+        given = read_state_dict(path)
+        partial = check_pretrained(model, path, given, loaded, cfg.allow_partial)
         if partial:
             warnings.warn(f"--allow-partial: {partial}", stacklevel=2)
-        report = describe_pretrained_load(model, cfg.pretrained_file, loaded, given)
+        report = describe_pretrained_load(model, path, loaded, given)
     elif cfg.pretrained:
         source = model.pretrained_cfg.get("hf_hub_id") or model.pretrained_cfg.get("url") or "timm's weights"
         report = describe_pretrained_load(model, source, loaded, None)
+    if path is None and model.pretrained_cfg.get("file"):  # a model argument had timm load a file (cnn_checkpoint)
+        check_finite(dict(model.named_parameters()), f"{model.pretrained_cfg['file']} (as {cfg.model}'s weights)")
+    if checkpoint_path is not None and not any(p.is_meta for p in model.parameters()):
+        load_checked(
+            model,
+            read_state_dict(checkpoint_path, use_ema=True),  # as timm's create_model(checkpoint_path=) loads it
+            f"--model-kwargs {CHECKPOINT_ARGUMENT}={checkpoint_path}",
+        )
     if cfg.head_init_scale is not None:
         with torch.no_grad():
             for tensor in classifier_tensors(model, ("weight", "bias"), "--head-init-scale", cfg.model):

@@ -36,11 +36,12 @@ import torch
 
 from convbias import engine
 from convbias.base.errors import Interrupted, Preempted
-from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import BASELINES_TABLE, RELAX_TIMES_TABLE, SUMMARY_FILE, snapshot_name
 from convbias.base.tables import write_csv
 from convbias.base.weights import load_weights
 from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
+from convbias.engine.config.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, Check
+from convbias.engine.config.parsing import Declared, declared_value, read_declared_yaml, train_option
 from convbias.evaluation import landscape
 from convbias.families import family_tools, load_families
 
@@ -80,26 +81,43 @@ DEFAULTS = dict(
 
 
 # ------------------------------------------------------------------------------------- configuration
+OPTIMIZERS = ("sgd", "adam")
+SNAPSHOTS = Check(lambda v: v >= 2, ">= 2 (the initialization and the trained CNN)")
+PATH_POINTS = Check(lambda v: v >= 2, ">= 2 (the two ends of the path)")
+# Each key of DEFAULTS with its type and check; a key that is train.py's option too is declared as that option
+DECLARED: dict[str, Declared] = dict(
+    model=Declared(str),
+    **{key: train_option(key) for key in ("model_kwargs", "dataset", "data_dir", "img_size", "num_classes")},
+    **{key: train_option(key) for key in ("batch_size", "workers", "seed")},
+    cnn_epochs=Declared(int, POSITIVE_INT),
+    cnn_lr=Declared(float, POSITIVE),
+    snapshots=Declared(int, SNAPSHOTS),
+    efcn_epochs=Declared(int, POSITIVE_INT),
+    efcn_lr=Declared(float, POSITIVE),
+    optimizer=Declared(str, choices=OPTIMIZERS),
+    adam_lr=Declared(float, POSITIVE),
+    max_params=Declared(int | None, POSITIVE_INT),
+    measure_train_samples=Declared(int, POSITIVE_INT),
+    measure_test_samples=Declared(int | None, POSITIVE_INT),
+    power_iterations=Declared(int, POSITIVE_INT),
+    interpolate_relax_times=Declared(int, NON_NEGATIVE),
+    interpolation_points=Declared(int, PATH_POINTS),
+    string_points=Declared(int, PATH_POINTS),
+    string_steps=Declared(int, NON_NEGATIVE),
+    string_lr=Declared(float, POSITIVE),
+    string_stiffness=Declared(float, NON_NEGATIVE),
+)
+
+
 def load_config(path: str | None, overrides: dict) -> dict:
+    """DEFAULTS, then the keys of the file ``path``, then the ``overrides`` that are not None, each value as
+    DECLARED (a ConfigError naming the file, line and key, or the override)."""
     cfg = dict(DEFAULTS)
     if path:
         if not Path(path).is_file():
             raise ConfigError(f"config file not found: {path}")
-        loaded = read_yaml(path, "protocol config") or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path} must hold a mapping of key: value")
-        unknown = sorted(set(loaded) - set(DEFAULTS))
-        if unknown:
-            raise ConfigError(f"unknown keys in {path}: {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
-        cfg.update(loaded)
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    if cfg["optimizer"] not in ("sgd", "adam"):
-        raise ConfigError(f"optimizer must be sgd or adam, got {cfg['optimizer']!r}")
-    for key in ("cnn_epochs", "efcn_epochs", "snapshots", "batch_size", "power_iterations", "interpolation_points"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise ConfigError(f"{key} must be a positive integer, got {cfg[key]!r}")
-    if cfg["snapshots"] < 2:
-        raise ConfigError("snapshots must be >= 2 (the initialization and the trained CNN)")
+        cfg.update(read_declared_yaml(path, "protocol config", DECLARED))
+    cfg.update({k: declared_value(DECLARED[k], v, k) for k, v in overrides.items() if v is not None})
     load_families()
     for family in ("efcn_", "fcn_", ""):
         if not timm.is_model(family + cfg["model"]):

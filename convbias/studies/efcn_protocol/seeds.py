@@ -11,12 +11,14 @@ from pathlib import Path
 
 from convbias.base import tables
 from convbias.base.errors import ConfigError, DamagedInputError
-from convbias.base.inputs import quoted, read_yaml
+from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import BASELINES_TABLE, EFCN_PROTOCOL_FOLDER, PROTOCOL_CONFIG, RELAX_TIMES_TABLE
 from convbias.base.storage import check_output, output_folder, write_text
 from convbias.base.tables import markdown_table, write_csv
+from convbias.engine.config.parsing import declared_value
 
 from ..intervals import cell, interval, wilson
+from .protocol import DECLARED
 
 SUMMARY_METRICS = (  # per relax time: mean [95% t-interval] over seeds
     "final_test_acc",
@@ -50,15 +52,18 @@ def _read_csv(path: Path, required: tuple[str, ...] = ()) -> list[dict]:
 
 
 def _seed(folder: Path) -> int:
-    """The seed a protocol output records in its protocol_config.yaml (read back as the protocol wrote it)."""
+    """The seed a protocol output records in its protocol_config.yaml, checked as the protocol's seed is."""
     path = folder / PROTOCOL_CONFIG
     if not os.path.lexists(path):
         raise ConfigError(f"{path} not found: run the protocol (--stage all) in that directory first")
     recorded = read_yaml(path, "protocol record", DamagedInputError, plain=True)
-    seed = recorded.get("seed") if isinstance(recorded, dict) else None
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise DamagedInputError(f"protocol record {path}: seed expects an integer, got {quoted(seed)}")
-    return seed
+    label = f"protocol record {path}: seed"
+    if not isinstance(recorded, dict) or "seed" not in recorded:
+        raise DamagedInputError(f"{label} is missing")
+    try:
+        return declared_value(DECLARED["seed"], recorded["seed"], label)
+    except ConfigError as e:
+        raise DamagedInputError(str(e)) from None
 
 
 def summarize_seeds(seed_dirs: list[Path], out: Path) -> list[Path]:

@@ -12,27 +12,31 @@ without that checkpoint (exit status 2), a member whose weights fail their manif
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import check_destination
 from convbias.base.storage import write_text
 from convbias.engine import WHICH
-from convbias.engine.config.command_line import OptionParser
+from convbias.engine.config.command_line import OptionParser, declared
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
 from convbias.families import load_families
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = OptionParser(prog="convbias-ensemble", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="train.py output directories (2 or more)")
     parser.add_argument("--which", choices=WHICH, default="best", help="the checkpoint of every member")
     parser.add_argument("--average", choices=AVERAGES, default="logits", help="what the ensemble averages")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", **declared("batch_size"), default=256)
     parser.add_argument("--output", help="also write the result to this JSON file")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
     def body() -> int:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
         if args.output:
             check_destination(args.output)
         result = evaluate_runs(args.runs, load_families(), args.average, args.batch_size, args.which)

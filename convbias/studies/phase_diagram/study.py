@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +47,6 @@ from torch import nn
 
 from convbias.base import tables
 from convbias.base.errors import ConfigError, DamagedInputError
-from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import (
     CONFIG_FILE,
     PHASE_CELLS_TABLE,
@@ -58,6 +57,8 @@ from convbias.base.run_layout import (
 )
 from convbias.base.storage import output_folder, save_figure, write_text
 from convbias.base.tables import write_csv
+from convbias.engine.config.options import POSITIVE, POSITIVE_INT, Check, declaration, option
+from convbias.engine.config.parsing import dataclass_declarations, declared_value, read_declared_yaml
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change
@@ -70,60 +71,71 @@ REPORT_COLUMNS = ("model", "width", "alpha_tilde", "seed", "top1", "train_second
 DIGITS_IMAGES = 1797  # scikit-learn's digits: train_size of them train, the rest test
 
 
+SEED = declaration("seed").metadata["check"]  # train.py's: numpy and torch take it
+TRAIN_SIZES = (10, 1700)  # the rest of the digits (97 images at least) is the test set
+PCA_COMPONENTS = (1, 64)  # the digits are 8x8 images
+
+
 @dataclass
 class PhaseDiagramConfig:
-    """The grid and the training protocol (defaults: the committed reproduction)."""
+    """The grid and the training protocol (defaults: the committed reproduction); each field declared with its
+    check, applied to a config file's values (naming the file, line and key) and by ``validated``."""
 
-    widths: list[int] = field(default_factory=lambda: [4, 6, 8, 12, 16, 24, 32, 48])
-    alpha_tildes: list[float] = field(default_factory=lambda: [0.1, 1.0, 10.0, 100.0, 1000.0])
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
-    train_size: int = 1000  # the rest of the digits is the test set
-    pca_components: int = 10
-    data_seed: int = 0
-    activation_beta: float = 5.0  # softplus sharpness of the hidden units (paper: 5)
-    loss_beta: float = 20.0  # soft-hinge sharpness (paper: 20)
-    max_output_change: float = 0.1  # adaptive step: max |F_new - F_old| over the training set
-    initial_dt: float = 1.0
-    max_steps: int = 2000
-    ntk_samples: int = 100  # test points on which the kernel change is measured
+    widths: list[int] = option(
+        [4, 6, 8, 12, 16, 24, 32, 48],
+        "hidden widths h",
+        check=Check(lambda v: bool(v) and min(v) >= 1, "a list of positive integers"),
+    )
+    alpha_tildes: list[float] = option(
+        [0.1, 1.0, 10.0, 100.0, 1000.0],
+        "rescaled output scales",
+        check=Check(lambda v: bool(v) and min(v) > 0, "a list of positive numbers (the rescaled output scale)"),
+    )
+    seeds: list[int] = option(
+        [0, 1, 2, 3, 4],
+        "the nets of a cell, one per seed",
+        check=Check(
+            lambda v: len(v) >= 2 and all(SEED.valid(s) for s in v),
+            f"at least 2 seeds (an ensemble), each {SEED.expected}",
+        ),
+    )
+    train_size: int = option(
+        1000,
+        "training images (the rest of the digits is the test set)",
+        check=Check(lambda v: TRAIN_SIZES[0] <= v <= TRAIN_SIZES[1], "in {}..{}".format(*TRAIN_SIZES)),
+    )
+    pca_components: int = option(
+        10,
+        "principal components the inputs are projected on",
+        check=Check(lambda v: PCA_COMPONENTS[0] <= v <= PCA_COMPONENTS[1], "in {}..{}".format(*PCA_COMPONENTS)),
+    )
+    data_seed: int = option(0, "the split and the PCA", check=SEED)
+    activation_beta: float = option(5.0, "softplus sharpness of the hidden units (paper: 5)", check=POSITIVE)
+    loss_beta: float = option(20.0, "soft-hinge sharpness (paper: 20)", check=POSITIVE)
+    max_output_change: float = option(0.1, "adaptive step: max |F_new - F_old| over the training set", check=POSITIVE)
+    initial_dt: float = option(1.0, "the first step", check=POSITIVE)
+    max_steps: int = option(2000, "gradient-descent steps at most", check=POSITIVE_INT)
+    ntk_samples: int = option(
+        100, "test points on which the kernel change is measured", check=Check(lambda v: v >= 2, ">= 2")
+    )
 
     @classmethod
-    def from_yaml(cls, path: str | Path, error: type[ConfigError] = ConfigError) -> PhaseDiagramConfig:
-        """A user's config (``error`` ConfigError), or with DamagedInputError the one a phase diagram wrote into
-        its folder and reads back (a plain file: ``inputs.check_plain_file``); ``error`` names the file."""
+    def from_yaml(cls, path: str | Path, error: type[Exception] = ConfigError) -> PhaseDiagramConfig:
+        """The config of the file ``path``: every key a field, every value as its field declares it; ``error``
+        naming the file, line and key otherwise (DamagedInputError for the copy the study wrote and reads back, a plain
+        file: ``inputs.check_plain_file``)."""
         path = Path(path)
         if not os.path.lexists(path):
             raise ConfigError(f"phase-diagram config not found: {path}")
-        data = read_yaml(path, "phase-diagram config", error, plain=error is DamagedInputError) or {}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known) if isinstance(data, dict) else ["(not a mapping)"]
-        if unknown:
-            raise error(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
-        try:
-            return cls(**data).validated()
-        except ConfigError as e:
-            raise error(f"{path}: {e}") from None
+        declared = dataclass_declarations(cls)
+        return cls(
+            **read_declared_yaml(path, "phase-diagram config", declared, error, plain=error is DamagedInputError)
+        )
 
     def validated(self) -> PhaseDiagramConfig:
-        for name in ("widths", "alpha_tildes", "seeds"):
-            if not isinstance(getattr(self, name), list):
-                raise ConfigError(f"{name} must be a list, got {getattr(self, name)!r}")
-        if not self.widths or any(not isinstance(h, int) or h < 1 for h in self.widths):
-            raise ConfigError(f"widths must be positive integers, got {self.widths}")
-        if not self.alpha_tildes or any(not isinstance(a, (int, float)) or not a > 0 for a in self.alpha_tildes):
-            raise ConfigError(
-                f"alpha_tildes must be positive numbers (the rescaled output scale), got {self.alpha_tildes}"
-            )
-        if len(self.seeds) < 2:
-            raise ConfigError(f"seeds: an ensemble needs at least 2 seeds, got {self.seeds}")
-        if not 10 <= self.train_size <= 1700:
-            raise ConfigError(
-                f"train_size must be in 10..1700 (digits has {DIGITS_IMAGES:,} images), got {self.train_size}"
-            )
-        if not 1 <= self.pca_components <= 64:
-            raise ConfigError(f"pca_components must be in 1..64, got {self.pca_components}")
-        if self.max_steps < 1 or self.ntk_samples < 2:
-            raise ConfigError("max_steps must be >= 1 and ntk_samples >= 2")
+        """This config with each field as declared (a ConfigError naming the field otherwise)."""
+        for name, spec in dataclass_declarations(type(self)).items():
+            setattr(self, name, declared_value(spec, getattr(self, name), name))
         return self
 
 

@@ -23,14 +23,14 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import torch
-
 from convbias.base.deprecation import Deprecated, announce
+from convbias.base.devices import default_device
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import ROBUSTNESS_FOLDER
 from convbias.base.storage import check_output
 from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
-from convbias.engine.config.command_line import OptionParser, key_value
+from convbias.engine.config.command_line import OptionParser, Typed, add_device_option, declared, key_value
+from convbias.engine.config.options import POSITIVE_INT, Check
 from convbias.families import load_families
 
 from .corruptions import CORRUPTIONS, SEVERITIES
@@ -45,6 +45,9 @@ from .study import (
 )
 
 DATASET_CHOICES = ("digits", "cifar10", "cifar100", "imagenet", "folder")
+PIXEL_SCALE = 255  # attack budgets are on the 0-255 pixel scale: a budget above it leaves the image range
+BUDGET = Check(lambda v: 0 <= v <= PIXEL_SCALE, f"in [0, {PIXEL_SCALE}] (the 0-255 pixel scale)")
+STEP = Check(lambda v: 0 < v <= PIXEL_SCALE, f"in (0, {PIXEL_SCALE}] (the 0-255 pixel scale)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -85,11 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="clean evaluation set (as train.py); default: the run folder's, else digits",
     )
     p.add_argument("--data-dir", help="dataset folder (as train.py)")
-    p.add_argument("--first-classes", type=int, help="first N classes only (as train.py)")
-    p.add_argument("--img-size", type=int, help="evaluation resolution (None: the dataset's default)")
-    p.add_argument("--eps", type=float, default=PAPER_ATTACK["eps"], help="attack budget, 0-255 pixel scale")
-    p.add_argument("--pgd-steps", type=int, default=PAPER_ATTACK["pgd_steps"])
-    p.add_argument("--pgd-step-size", type=float, default=PAPER_ATTACK["pgd_step_size"], help="0-255 pixel scale")
+    p.add_argument("--first-classes", **declared("first_classes"), help="first N classes only (as train.py)")
+    p.add_argument("--img-size", **declared("img_size"), help="evaluation resolution (None: the dataset's default)")
+    p.add_argument(
+        "--eps", type=Typed(float, BUDGET), default=PAPER_ATTACK["eps"], help="attack budget, 0-255 pixel scale"
+    )
+    p.add_argument("--pgd-steps", type=Typed(int, POSITIVE_INT), default=PAPER_ATTACK["pgd_steps"])
+    p.add_argument(
+        "--pgd-step-size", type=Typed(float, STEP), default=PAPER_ATTACK["pgd_step_size"], help="0-255 pixel scale"
+    )
     p.add_argument(
         "--pgd-random-start",
         action=argparse.BooleanOptionalAction,
@@ -101,10 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--corruptions",
         nargs="+",
         default=["all"],
+        choices=("all", "none", *CORRUPTIONS),
         metavar="NAME",
         help=f"'all', 'none' or some of: {', '.join(CORRUPTIONS)}",
     )
-    p.add_argument("--severities", nargs="+", type=int, default=list(SEVERITIES))
+    p.add_argument("--severities", nargs="+", type=Typed(int), choices=SEVERITIES, default=list(SEVERITIES))
     p.add_argument(
         "--imagenet-c", metavar="DIR", help=f"ImageNet-C copy, {IMAGENET_C_LAYOUT}; replaces the generated corruptions"
     )
@@ -116,11 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's classes in logit order, for the -C/-A/-R folders: an ImageNet train "
         "folder (sorted wnid folders) or a wnid list file; default: the --dataset classes",
     )
-    p.add_argument("--max-images", type=int, help="evaluate on a fixed random subset of N images per dataset")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0, help="subset, corruption and PGD randomness")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--max-images", type=Typed(int, POSITIVE_INT), help="evaluate on a fixed random subset of N images per dataset"
+    )
+    p.add_argument("--batch-size", **declared("batch_size"), default=64)
+    p.add_argument("--workers", **declared("workers"), default=2)
+    p.add_argument("--seed", **declared("seed"), default=0, help="subset, corruption and PGD randomness")
+    add_device_option(p)
     p.add_argument("--output", default="robustness", help="output folder")
     return p
 
@@ -136,30 +146,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     del args.source  # one name for the weights, as robustness.json records them
     if not args.checkpoint:
         raise ConfigError("give the run or weights to evaluate as the first argument: convbias-robustness RUN ...")
-    if args.eps < 0 or args.pgd_step_size <= 0 or args.pgd_steps < 1:
-        raise ConfigError(
-            f"--eps must be >= 0, --pgd-step-size > 0 and --pgd-steps >= 1 "
-            f"(got {args.eps}, {args.pgd_step_size}, {args.pgd_steps})"
-        )
-    if args.max_images is not None and args.max_images < 1:
-        raise ConfigError(f"--max-images must be >= 1, got {args.max_images}")
-    if args.batch_size < 1 or args.workers < 0:
-        raise ConfigError(f"--batch-size must be >= 1 and --workers >= 0 (got {args.batch_size}, {args.workers})")
+    args.device = args.device or default_device()
     args.attacks = [] if "none" in args.attacks else list(dict.fromkeys(args.attacks))
     if args.corruptions == ["all"]:
         args.corruptions = list(CORRUPTIONS)
     elif args.corruptions == ["none"]:
         args.corruptions = []
-    else:
-        unknown = [name for name in args.corruptions if name not in CORRUPTIONS]
-        if unknown:
-            raise ConfigError(
-                f"--corruptions: unknown {', '.join(unknown)}; expected 'all', 'none' or some of "
-                f"{', '.join(CORRUPTIONS)}"
-            )
-    bad = [s for s in args.severities if s not in SEVERITIES]
-    if bad:
-        raise ConfigError(f"--severities must be in {list(SEVERITIES)}, got {bad}")
+    elif {"all", "none"} & set(args.corruptions):
+        raise ConfigError(f"--corruptions {' '.join(args.corruptions)}: 'all' and 'none' stand alone")
     if bool(args.compare_model) != bool(args.compare_checkpoint):
         raise ConfigError("--compare-model and --compare-checkpoint go together")
     for option, path in (("run or weights", args.checkpoint), ("--compare-checkpoint", args.compare_checkpoint)):

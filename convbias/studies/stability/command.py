@@ -23,8 +23,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
+from convbias.base.devices import default_device
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import (
@@ -39,7 +38,8 @@ from convbias.base.run_layout import (
 from convbias.base.storage import check_output, output_folder, write_text
 from convbias.base.tables import write_csv
 from convbias.engine import WHICH
-from convbias.engine.config.command_line import OptionParser
+from convbias.engine.config.command_line import OptionParser, Typed, add_device_option, declared
+from convbias.engine.config.options import POSITIVE_INT, Check
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
 from convbias.families import load_families
@@ -48,6 +48,11 @@ from . import study
 from .figures import plots
 
 CONTRAST_REFERENCE = "vanilla_cnn"  # the group every other is compared with, at the same training fraction
+CHECKPOINT = Check(lambda v: v in WHICH or SNAPSHOT_NAME.fullmatch(v) is not None, study.CHECKPOINT_FORMS)
+# the diffeomorphism region of a displacement starts at 1/2 pixel (its end depends on c and the image's size,
+# checked with the runs' images before any measurement); a cut-off c >= 2 (ln c > 0)
+DISPLACEMENT = Check(lambda v: v >= 0.5, ">= 1/2 pixel (the diffeomorphism region starts there)")
+CUT = Check(lambda v: v >= 2, ">= 2 (ln c > 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,15 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--combine", nargs="+", default=[], metavar="DIR", help="summarize earlier outputs instead of measuring RUNs"
     )
     p.add_argument(
-        "--checkpoints", nargs="+", default=[INIT_SNAPSHOT, LAST_LINK], metavar="NAME", help=study.CHECKPOINT_FORMS
+        "--checkpoints",
+        nargs="+",
+        type=Typed(str, CHECKPOINT),
+        default=[INIT_SNAPSHOT, LAST_LINK],
+        metavar="NAME",
+        help=study.CHECKPOINT_FORMS,
     )
-    p.add_argument("--images", type=int, default=500, help="test images R_f is measured on (the first N)")
     p.add_argument(
-        "--deltas", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5], help="typical displacements, pixels"
+        "--images", type=Typed(int, POSITIVE_INT), default=500, help="test images R_f is measured on (the first N)"
     )
-    p.add_argument("--cuts", type=int, nargs="+", default=[3, 5], help="high-frequency cut-offs c")
     p.add_argument(
-        "--main-delta", type=float, default=1.0, help="delta of the table, the per-layer curve and the error plot"
+        "--deltas",
+        type=Typed(float, DISPLACEMENT),
+        nargs="+",
+        default=[0.5, 0.75, 1.0, 1.5],
+        help="typical displacements, pixels",
+    )
+    p.add_argument("--cuts", type=Typed(int, CUT), nargs="+", default=[3, 5], help="high-frequency cut-offs c")
+    p.add_argument(
+        "--main-delta",
+        type=Typed(float, DISPLACEMENT),
+        default=1.0,
+        help="delta of the table, the per-layer curve and the error plot",
     )
     p.add_argument(
         "--convention",
@@ -83,24 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=diffeo.MODE_SETS,
         help="Fourier modes under the cut-off: published sqrt(i^2+j^2) < c+1/2, disc i^2+j^2 <= c^2",
     )
-    p.add_argument("--draws", type=int, default=10, help="diffeomorphism and noise draws per image")
+    p.add_argument(
+        "--draws", type=Typed(int, POSITIVE_INT), default=10, help="diffeomorphism and noise draws per image"
+    )
     p.add_argument("--normalize", action="store_true", help="divide D_f and G_f by <||f(x) - f(z)||^2> over test pairs")
     p.add_argument("--interpolation", default="bilinear", choices=diffeo.INTERPOLATIONS)
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0, help="diffeomorphisms and noise")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--chunk-size", type=Typed(int, POSITIVE_INT), default=64)
+    p.add_argument("--seed", **declared("seed"), default=0, help="diffeomorphisms and noise")
+    add_device_option(p)
     p.add_argument("--output", default="stability", help="output folder")
     return p
 
 
 def parse_args(argv: list[str] | None) -> tuple[study.Settings, list[str], list[Path], Path]:
     args = build_parser().parse_args(argv)
-    for name in ("images", "chunk_size", "draws"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in args.checkpoints:
-        if name not in WHICH and not SNAPSHOT_NAME.fullmatch(name):
-            raise ConfigError(f"--checkpoints {name}: expected {study.CHECKPOINT_FORMS}")
+    args.device = args.device or default_device()
     if bool(args.runs) == bool(args.combine):
         raise ConfigError("give either RUN folders to measure or --combine DIR... (earlier outputs), not both")
     fields = {k: getattr(args, k) for k in study.Settings.__dataclass_fields__}

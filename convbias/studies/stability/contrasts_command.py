@@ -22,6 +22,8 @@ from convbias.base.run_layout import STABILITY_FOLDER, STABILITY_TABLE, TRAJECTO
 from convbias.base.storage import check_output, output_folder
 from convbias.base.tables import write_csv
 from convbias.engine.config.command_line import OptionParser
+from convbias.evaluation.diffeo import MODE_SETS
+from convbias.evaluation.stability import CONVENTIONS
 
 from . import contrasts
 from .study import read_rows
@@ -35,8 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("folder", type=Path, metavar="FOLDER", help="a convbias-stability output: reads and writes here")
     p.add_argument("--runs", type=Path, help="train.py output folders' parent: (re)write trajectories.csv from logs")
-    p.add_argument("--convention", default="published", help="the convention the training code logged R_f in")
-    p.add_argument("--modes", default="published", help="the mode set the training code logged R_f with")
+    p.add_argument(
+        "--convention",
+        default="published",
+        choices=tuple(CONVENTIONS),
+        help="the convention the training code logged R_f in",
+    )
+    p.add_argument(
+        "--modes", default="published", choices=MODE_SETS, help="the mode set the training code logged R_f with"
+    )
     p.add_argument("--no-figure", action="store_true", help="skip trajectories.png")
     return p
 

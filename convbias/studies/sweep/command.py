@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.engine import Interrupted
-from convbias.engine.config.command_line import OptionParser, yaml_scalar
+from convbias.engine.config.command_line import OptionParser, Typed, declared, yaml_scalar
+from convbias.engine.config.options import FRACTION
 
 from . import spec as sweep_spec
 
@@ -66,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("sweep", nargs="?", help="sweep YAML (configs/sweeps/*.yaml); default: ConViT vs DeiT grid")
     run.add_argument("--output", required=True, help="sweep directory (runs/, logs/, sweep.yaml, runs.csv, report)")
     run.add_argument("--models", nargs="+", help="grid axis: model names")
-    run.add_argument("--fractions", nargs="+", type=float, help="grid axis: train fractions in (0, 1]")
-    run.add_argument("--seeds", nargs="+", type=int, help="grid axis: seeds")
+    run.add_argument("--fractions", nargs="+", type=Typed(float, FRACTION), help="grid axis: train fractions in (0, 1]")
+    run.add_argument("--seeds", nargs="+", **declared("seed"), help="grid axis: seeds")
     run.add_argument(
         "--grid",
         nargs="+",

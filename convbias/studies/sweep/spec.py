@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import read_yaml
+from convbias.engine.config.command_line import build_parser, non_finite
+from convbias.engine.config.options import option_names
+from convbias.engine.config.parsing import file_option_value, file_place
 
 SWEEP_KEYS = ("config", "set", "grid", "variants", "scale_epochs", "baseline")
 MODEL_KWARG_PREFIX = "model_kwargs."
@@ -34,10 +38,35 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sweep file not found: {path}")
-    raw = read_yaml(path, "sweep file") or {}
+    lines: dict[str, int] = {}
+    raw = read_yaml(path, "sweep file", key_lines=lines) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
-    return normalize_spec(raw, source=str(path))
+    spec = normalize_spec(raw, source=str(path))
+    check_values(spec, lambda key: file_place("sweep file", path, lines.get(key), key))
+    return spec
+
+
+def check_values(spec: dict[str, Any], place: Callable[[str], str]) -> None:
+    """Each value the spec gives a train.py option (in ``set``, on a ``grid`` axis, in a variant) typed and checked
+    as that option's, before any run is expanded: a ConfigError naming where it is (``place('set.lr')``: the
+    file, line and key), not the command line the sweep renders it to; a model kwarg's number finite. Keys that
+    are no option are refused by the sweep's own check, with their close names."""
+    parser = build_parser()
+    given = [(f"set.{key}", key, value) for key, value in spec["set"].items()]
+    given += [(f"grid.{key}", key, value) for key, values in spec["grid"].items() for value in values]
+    given += [
+        (f"variants.{name}.{key}", key, value)
+        for name, options in spec["variants"].items()
+        for key, value in options.items()
+    ]
+    for where, key, value in given:
+        if key.startswith(MODEL_KWARG_PREFIX):
+            bad = non_finite(value)
+            if bad is not None:
+                raise ConfigError(f"{place(where)} must be a finite number, got {bad}")
+        elif key in option_names():
+            file_option_value(key, value, place(where), parser)
 
 
 def normalize_spec(raw: dict[str, Any], source: str = "sweep") -> dict[str, Any]:
@@ -71,7 +100,10 @@ def normalize_spec(raw: dict[str, Any], source: str = "sweep") -> dict[str, Any]
 def override_spec(
     spec: dict[str, Any], grid: dict[str, list] | None = None, options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Return a copy of ``spec`` with grid axes and shared options replaced (the CLI overrides)."""
+    """Return a copy of ``spec`` with grid axes and shared options replaced (the CLI overrides), each value
+    checked as its option's (``check_values``, naming ``--set KEY`` or ``--grid KEY``)."""
+    given = {"set": dict(options or {}), "grid": {key: list(values) for key, values in (grid or {}).items()}}
+    check_values({**given, "variants": {}}, lambda where: "--" + where.replace(".", " ", 1))
     spec = copy.deepcopy(spec)
     for key, values in (grid or {}).items():
         spec["grid"][key] = list(values)
