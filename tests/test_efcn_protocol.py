@@ -8,6 +8,8 @@ import pytest
 import yaml
 
 from convbias.studies.efcn_protocol import command as efcn_protocol
+from convbias.studies.efcn_protocol import report as protocol_report
+from convbias.studies.intervals import wilson
 
 # a tiny CNN on 8-px digits: a second thread costs more than it saves
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -18,6 +20,14 @@ def _rows(path: Path) -> list[dict]:
         return [{k: (v if k in ("method", "run") else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
+FIGURES = (
+    "fig6_2_training_curves",
+    "fig6_3_accuracy_gradient_hessian",
+    "fig6_4_deviation",
+    "fig6_5_local_offlocal",
+    "fig6_6_6_7_first_layer_filters",
+    "figE6_interpolation",
+)
 TINY = dict(
     model="vanilla_cnn",
     model_kwargs={"channels": 4},
@@ -40,11 +50,50 @@ TINY = dict(
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_protocol_end_to_end(tmp_path):
+def test_protocol_end_to_end(tmp_path, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
     out = tmp_path / "out"
     assert efcn_protocol.main(["-c", str(config), "--output", str(out)]) == 0
+
+    # each stage said as it starts, with the time left once its kind has been timed
+    stages = re.findall(r"^\[efcn_protocol\] stage (\d+) of (\d+): (.*); (.*)$", capsys.readouterr().out, re.M)
+    n = 4 + 3 + 2  # trainings: CNN, 2 eFCNs, FCN; measurements: 2 eFCNs, the FCN; 2 interpolations
+    assert [(int(k), int(total)) for k, total, _, _ in stages] == [(k, n) for k in range(1, n + 1)]
+    assert stages[0][2:] == (
+        "training the CNN for 2 epochs",
+        "time left: known once these are timed: the CNN's "
+        "training, the eFCN and FCN trainings, the measurements, the interpolations",
+    )
+    assert re.fullmatch(
+        r"about \d+ s left, plus what is not timed yet: the measurements, the interpolations", stages[2][3]
+    )
+    assert re.fullmatch(r"about \d+ s left", stages[-1][3])
+    # a run keeps the snapshots the analysis reads and one resume point (and its best, when that is another)
+    for run in ("cnn", "efcn_tw0", "efcn_tw2", "fcn"):
+        points = [p.name for p in (out / run / "checkpoints").glob("epoch_????") if not p.is_symlink()]
+        assert 1 <= len(points) <= 2, (run, points)
+    report = (out / "report.md").read_text()
+    assert report.startswith("# eFCN relax-time protocol report\n")
+    assert "measured on 180 test images" in report  # 5 classes of the 359 validation digits
+    table = report.split("## Relax times")[1].split("##")[0]
+    first = next(r for r in _rows(out / "relax_times.csv") if r["relax_time"] == 0)
+    low, high = wilson(first["final_test_acc"], 180)
+    assert (
+        f"| 0 | {first['cnn_test_acc_at_relax_time']:.2f} | {first['final_test_acc']:.2f} [{low:.2f}, {high:.2f}] |"
+        in table
+    )
+    assert [name for name, _ in protocol_report.FIGURES] == [f"{figure}.png" for figure in FIGURES]
+    for figure in FIGURES:
+        assert f"![{figure}.png]({figure}.png)" in report
+    assert "This command ran 9 stages in" in report
+
+    # a run that did not finish its record (as one stopped by Ctrl-C has none) is continued by rerunning the command
+    (out / "fcn" / "results.json").unlink()
+    assert efcn_protocol.main(["-c", str(config), "--output", str(out), "--stage", "train"]) == 0
+    rerun = capsys.readouterr().out
+    assert rerun.count("already complete, kept") == 3 and f"{out / 'fcn'} is already finished" in rerun
+    assert (out / "fcn" / "results.json").is_file()
 
     rows = _rows(out / "relax_times.csv")
     assert [r["relax_time"] for r in rows] == [0, 2]
@@ -74,14 +123,7 @@ def test_protocol_end_to_end(tmp_path):
         final = next(r for r in rows if r["relax_time"] == t)
         assert by_method["linear"][-1]["train_loss"] == pytest.approx(final["final_train_loss"], rel=1e-5)
 
-    for figure in (
-        "fig6_2_training_curves",
-        "fig6_3_accuracy_gradient_hessian",
-        "fig6_4_deviation",
-        "fig6_5_local_offlocal",
-        "fig6_6_6_7_first_layer_filters",
-        "figE6_interpolation",
-    ):
+    for figure in FIGURES:
         assert (out / f"{figure}.png").stat().st_size > 10_000
 
 

@@ -20,7 +20,9 @@ from matplotlib.axis import Axis
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PathCollection
 from matplotlib.container import ErrorbarContainer
+from matplotlib.contour import ContourSet
 from matplotlib.figure import Figure
+from matplotlib.image import AxesImage
 from matplotlib.legend import Legend
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
@@ -382,6 +384,43 @@ def _texts(fig: Figure) -> str:
     return "\n".join(texts + sorted(_legend_texts(legends)))
 
 
+def _colour_bar_label(mappable) -> str:
+    bar = mappable.colorbar
+    return (bar.ax.get_ylabel() or bar.ax.get_xlabel()).strip() if bar is not None else ""
+
+
+def unexplained_colours(fig: Figure) -> list[str]:
+    """The panels whose colours encode a value with no labelled colour bar to read it on: an image drawn through a
+    colour map (a grey one is a picture of an input), a mesh, a scatter of several colours (the colours of a
+    legend's categories are separate collections, one colour each). A colour bar serves every mappable that
+    shares its norm and colour map (one bar beside a row of attention maps)."""
+    panels = [ax for ax in fig.axes if not hasattr(ax, "_colorbar")]
+    mappables = [m for ax in panels for m in (*ax.images, *ax.collections) if not isinstance(m, ContourSet)]
+    labelled = {(id(m.norm), m.get_cmap().name) for m in mappables if _colour_bar_label(m)}
+    missing = []
+    for ax in panels:
+        for m in (*ax.images, *ax.collections):
+            if isinstance(m, AxesImage):
+                encodes = np.ndim(m.get_array()) == 2 and m.get_cmap().name not in ("gray", "Greys")
+            elif isinstance(m, ContourSet):
+                continue
+            else:
+                encodes = m.get_array() is not None or len({tuple(c) for c in m.get_facecolors()}) > 1
+            if encodes and (m.get_array() is None or (id(m.norm), m.get_cmap().name) not in labelled):
+                missing.append(f"{ax.get_title()!r}: {type(m).__name__}")
+    return missing
+
+
+def stacked_error_bars(fig: Figure) -> list[str]:
+    """The x positions where two series of one panel draw their error bars on top of each other."""
+    stacked = []
+    for ax in fig.axes:
+        positions = [np.asarray(c.lines[0].get_xdata(), dtype=float) for c in _error_bars(ax)]
+        for a, b in itertools.combinations(positions, 2):
+            stacked += [f"{ax.get_title()!r}: {x:g}" for x in a if np.isclose(b, x, rtol=1e-9, atol=0).any()]
+    return stacked
+
+
 STABILITY_FILES = ("rf_vs_delta.png", "rf_per_layer.png", "rf_vs_error.png", "deformed_examples.png")
 FIGURES = [
     f"{builder}: {name}"
@@ -444,6 +483,16 @@ def test_error_bars_say_what_they_are(figure, name):
     if any(_error_bars(ax) for ax in fig.axes):
         note = r"error bars: (none|95% t interval[^;]*? over \d+(-\d+)? seeds)"
         assert re.search(note, " ".join(_texts(fig).split()))
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_every_colour_encoding_has_a_labelled_colour_bar(figure, name):
+    assert unexplained_colours(figure(name)) == []
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_error_bars_at_one_point_are_shifted_apart(figure, name):
+    assert stacked_error_bars(figure(name)) == []
 
 
 @pytest.mark.parametrize("builder", [b for b in BUILDERS if b.startswith("stability")])

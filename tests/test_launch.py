@@ -9,16 +9,22 @@ import os
 import signal
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
+import psutil
 import pytest
 import torch.distributed as dist
+from accelerate.commands.launch import launch_command_parser
 
+from convbias.base.run_layout import CHECKPOINTS_DIR, MANIFEST_FILE
 from convbias.cli import launch
 from convbias.cli.launch import LAUNCH_PROCESSES
 from convbias.cli.train import launch_warnings
 from convbias.engine.checkpointing.points import STATE_FILE
 from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.engine.loop.preemption import INTERRUPT_NOTE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -86,16 +92,28 @@ def test_sigterm_to_the_launcher_writes_a_resume_point_and_exits_75(tmp_path, co
     assert f"# num_processes: {processes}" in (output / "config.yaml").read_text()
     notes = lines(err, "note: --cpu --num_processes 2 runs as ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu")
     assert len(notes) == (processes > 1), err[-3000:]
+    assert "values were not passed to `accelerate launch`" not in err, err[-3000:]  # they were: accelerate's defaults
+    assert len(lines(err, "note: no accelerate config")) == 1, err[-3000:]
 
 
-def test_ctrl_c_to_the_job_is_one_line_and_exit_130(tmp_path, console_script, train_args):
+def test_ctrl_c_to_the_job_keeps_a_mid_epoch_point_in_one_line_and_exit_130(tmp_path, console_script, train_args):
+    """Ctrl-C keeps what SIGTERM keeps: the run stops after its step with a resume point inside the epoch (the
+    run writes none of its own there) and says so when the key is pressed, then in its one line."""
     output = tmp_path / "run"
-    command = [console_script("convbias-launch"), "--cpu", *train_args, "--epochs", "5", "--checkpoint-interval", "2"]
+    command = [console_script("convbias-launch"), "--cpu", *train_args, "--epochs", "50"]
     process = start(command + ["--output", str(output)], tmp_path)
     code, _, err = stop_mid_epoch(process, output, lambda: os.killpg(process.pid, signal.SIGINT))
 
     assert code == 130, err[-3000:]
-    assert len(lines(err, "interrupted:")) == 1 and "continue with --resume auto" in err, err[-3000:]
+    last = (output / "checkpoints" / "last").resolve()
+    state = load_training_state(last)
+    assert state["step"] >= 1, last  # inside an epoch: written on Ctrl-C
+    (line,) = lines(err, "interrupted:")
+    assert line == (
+        f"interrupted: Ctrl-C after step {state['step']} of epoch {state['epoch'] + 1}; resume point {last} "
+        "(continue with --resume auto)"
+    )
+    assert INTERRUPT_NOTE in err.splitlines(), err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
 
 
@@ -148,3 +166,59 @@ def test_the_launcher_exits_with_the_lowest_rank_code_and_its_line(tmp_path, cap
     assert launch._exit_code(tmp_path / "none", {0: -9}) == 137
     assert capsys.readouterr().err.startswith("error: training process 0 stopped on SIGKILL")
     assert launch._exit_code(tmp_path / "none", {}) == 0
+
+
+def test_a_rank_that_stops_first_is_named_with_its_signal_what_was_kept_and_resume_auto(tmp_path, capsys, train_args):
+    """torchrun lists the rank that stopped first (rank 1, killed: out of memory, say) before those it stopped
+    after it (rank 0, on its SIGTERM): the launcher's line names the first, and what the run kept, found with the
+    run's own options."""
+    run = tmp_path / "run"
+    point = run / CHECKPOINTS_DIR / "epoch_0001_step_0000004"  # a mid-epoch resume point
+    point.mkdir(parents=True)
+    (point / MANIFEST_FILE).write_text("{}")
+    args = launch_command_parser().parse_args(["--cpu", *TWO, *train_args, "--epochs", "5", "--output", str(run)])
+    assert launch._exit_code(tmp_path / "none", {1: -9, 0: -15}, partial(launch._kept, args)) == 137
+    assert capsys.readouterr().err == (
+        "error: training process 1 stopped on SIGKILL first (the other processes were stopped after it) without "
+        f"reporting an exit code; kept {run / CHECKPOINTS_DIR / 'last'} (epoch 1 and 4 steps of epoch 2); continue "
+        "with --resume auto\n"
+    )
+    other = launch_command_parser().parse_args(["--cpu", "my_script.py", "--output", str(run)])  # not train.py
+    assert launch._exit_code(tmp_path / "none", {0: -9}, partial(launch._kept, other)) == 137
+    assert capsys.readouterr().err.endswith("without reporting an exit code; see the output above\n")
+
+
+def test_the_launcher_passes_accelerate_the_values_it_would_default_or_names_the_config(tmp_path, monkeypatch):
+    """Without an accelerate config, convbias-launch passes accelerate what accelerate itself would default (its
+    own validation, the oracle, then has nothing to warn about); with one, it says accelerate reads it."""
+    from accelerate.commands import launch as accelerate_launch
+
+    config = tmp_path / "default_config.yaml"  # where `accelerate config` would write (not written)
+    monkeypatch.setattr("accelerate.commands.config.default_config_file", str(config))
+    monkeypatch.setattr(accelerate_launch, "default_config_file", str(config))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    parse = launch_command_parser().parse_args
+    ours, theirs = parse(["--cpu", "train.py"]), parse(["--cpu", "--num_processes", "1", "train.py"])
+    note = launch._accelerate_values(ours)
+    threads = psutil.cpu_count(logical=False)
+    assert note == (
+        f"note: no accelerate config (`accelerate config` writes {config}): convbias-launch passes accelerate's "
+        f"defaults --num_machines 1 --mixed_precision no --dynamo_backend no --num_processes 1 "
+        f"--num_cpu_threads_per_process {threads}"
+    )
+    with mock.patch.object(accelerate_launch.logger, "warning") as warned:
+        accelerate_launch._validate_launch_command(ours)
+        assert warned.call_count == 0  # accelerate has nothing left to default
+        accelerate_launch._validate_launch_command(theirs)
+    if threads > 1:  # accelerate warns of the threads it chose on a machine of several cores
+        assert "The following values were not passed to `accelerate launch`" in warned.call_args[0][0]
+    for name in ("num_processes", "num_machines", "mixed_precision", "dynamo_backend", "num_cpu_threads_per_process"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+    config.write_text("compute_environment: LOCAL_MACHINE\n")
+    multi = parse(["--num_processes", "2", "train.py"])
+    assert (
+        launch._accelerate_values(multi)
+        == f"note: accelerate launch takes its values from the accelerate config {config}"
+    )
+    assert multi.num_machines is None  # accelerate reads it from the config

@@ -27,10 +27,10 @@ from convbias.engine.config.parsing import config_warnings, option_source, parse
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.data.factory import build_transforms
 from convbias.engine.loop import node
-from convbias.engine.loop.node import intra_op_threads, set_threads
+from convbias.engine.loop.node import busy_cores_warning, intra_op_threads, set_threads
 from convbias.engine.loop.records import model_arguments, settings_lines
 from convbias.engine.loop.start import finished_message
-from convbias.engine.model.factory import create_model_and_report
+from convbias.engine.model.factory import create_model_and_report, head_fit_warning
 from convbias.engine.optim.factory import create_mixup, optimizer_arguments, trained_epochs
 from convbias.engine.optim.factory import create_train_loss as recipe_loss
 
@@ -80,9 +80,15 @@ def test_the_startup_block_states_what_the_run_will_do(cli_argv, tmp_path, capsy
 
 
 def test_likely_unintended_settings_are_warned_before_training(cli_argv, tmp_path, capsys, monkeypatch):
-    """The DeiT recipe on 8-px digits: its augmentation, an lr scaled to 7.8e-6 by a batch of 8, and more
-    loader workers than the node's cores (one core here)."""
+    """The DeiT recipe on 8-px digits: its augmentation, an lr scaled to 7.8e-6 by a batch of 8, more loader
+    workers than the node's cores (one core here), timm's 1000-way head for the 10 digits, and 2 intra-op threads
+    where the load average leaves no core free."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    monkeypatch.setattr(node, "load_average", lambda: 0.7)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice, which the engine keeps
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     args = cli_argv(
         cli_argv.DEIT_RECIPE,
         cli_argv.TINY_CONVIT,
@@ -93,7 +99,10 @@ def test_likely_unintended_settings_are_warned_before_training(cli_argv, tmp_pat
         warmup_epochs=0,
         workers=2,
     )
-    assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
+    try:
+        assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     warnings = [line for line in messages(capsys.readouterr().err) if line.startswith("warning: ")]
     assert warnings == [
         "warning: the lr scaled to the global batch is 7.81e-06 (--lr-base 0.0005 x 8 / --lr-base-size 512), below "
@@ -103,6 +112,11 @@ def test_likely_unintended_settings_are_warned_before_training(cli_argv, tmp_pat
         "use a light recipe (configs/train/demo_digits.yaml) or --no-aug",
         "warning: --workers 2 x 1 process on this node start 2 loader processes for 1 core: they compete with "
         "training; lower --workers",
+        "warning: the model's head has 1000 outputs (model default, as timm) and --dataset digits has 10 classes: "
+        "990 outputs are never a label but share the softmax; pass --num-classes 10",
+        "warning: 2 intra-op threads, and the load average (0.7 over the last minute) leaves about 0 of 1 cores "
+        "free: threads waiting for a busy core slow every step; set OMP_NUM_THREADS=1 (convbias-launch, accelerate "
+        "launch: --num_cpu_threads_per_process 1)",
     ]
 
 
@@ -127,6 +141,35 @@ def test_intra_op_threads_are_the_cores_the_loader_workers_leave():
     assert intra_op_threads(cores=16, processes=1, workers=4) == 12
     assert intra_op_threads(cores=16, processes=2, workers=4) == 4  # 8 cores each
     assert intra_op_threads(cores=8, processes=4, workers=2) == 1
+
+
+def test_threads_beyond_the_cores_the_load_leaves_are_warned_with_the_option_that_lowers_them(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(node, "load_average", lambda: 4.2)  # 4 of the 8 cores are taken by other jobs
+    warning = busy_cores_warning(threads=4)
+    assert warning.startswith("4 intra-op threads per process x 2 processes, and the load average (4.2 over the last")
+    assert "leaves about 4 of 8 cores free" in warning and warning.endswith(
+        "set OMP_NUM_THREADS=2 (convbias-launch, accelerate launch: --num_cpu_threads_per_process 2)"
+    )
+    assert busy_cores_warning(threads=2) is None  # 2 x 2 fit the 4 free cores
+    assert busy_cores_warning(threads=1) is None  # nothing to lower
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # 8 cores of a 64-core machine: 1/8 of its load is here
+    assert busy_cores_warning(threads=3) is None  # 3 x 2 of the 7 cores free
+    assert "leaves about 7 of 8 cores free" in busy_cores_warning(threads=4)
+    monkeypatch.setattr(node, "load_average", lambda: None)  # a system without a load average
+    assert busy_cores_warning(threads=64) is None
+
+
+def test_a_head_larger_than_the_data_classes_is_warned_with_the_option_that_fits_it():
+    warning = head_fit_warning(10, "recipe", 3, "--dataset folder")
+    assert warning == (
+        "the model's head has 10 outputs (recipe) and --dataset folder has 3 classes: 7 outputs are never a label "
+        "but share the softmax; pass --num-classes 3; with 3 classes eval_top5 says nothing (a 3-way model scores "
+        "100%): judge by top-1"
+    )
+    assert head_fit_warning(10, "command line", 10, "--dataset digits") is None
 
 
 def test_each_process_takes_its_share_of_the_cores_unless_the_user_set_the_threads(monkeypatch):

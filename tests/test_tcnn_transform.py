@@ -1,6 +1,7 @@
 """Transformed CNN conversion: exactness against the CNN itself, paths, paper init, errors."""
 
 import copy
+import re
 
 import pytest
 import timm
@@ -35,6 +36,24 @@ def test_exact_init_without_stride_reproduces_the_cnn_with_the_same_stride_chang
     assert expected.shape[-1] == 2 * cnn.forward_features(tcnn_images).shape[-1]  # the stride change is real
     tcnn = transform(copy.deepcopy(cnn), init="exact").eval()
     assert relative_error(tcnn.forward_features(tcnn_images), expected) < 1e-4
+
+
+@torch.no_grad()
+def test_exact_init_with_the_default_stride_is_as_far_from_the_cnn_as_the_readme_says(
+    cnn, tcnn_images, relative_error, repo
+):
+    """README: init="exact" computes the CNN's function only with keep_stride=True; with the default the logits
+    are off by the range it states at 64 px (these two models, random weights and BatchNorm statistics)."""
+    readme = " ".join((repo / "README.md").read_text().split())
+    assert (
+        '`init="exact"`: alpha = lambda = 16; with `keep_stride=True` the T-CNN computes the CNN\'s function' in readme
+    )
+    low, high = map(
+        float, re.search(r"with the default, its logits are (\d+)-(\d+)% off the CNN's at 64 px", readme).groups()
+    )
+    default = transform(copy.deepcopy(cnn), init="exact").eval()
+    error = relative_error(default(tcnn_images), cnn(tcnn_images))
+    assert low <= round(100 * error) <= high, error
 
 
 @torch.no_grad()

@@ -23,6 +23,8 @@ SMALL = [
     "depth=2",
     "local_up_to_layer=1",
     "embed_dim=4",
+    "--num-classes",
+    "10",  # the digits' head (timm's default would be 1000 outputs, which a run warns of)
     "--workers",
     "0",
     "--epochs",
@@ -216,7 +218,9 @@ def test_a_one_class_dataset_is_refused(capsys, tmp_path, output):
 def test_unreadable_image_without_skipping_is_one_line_and_a_plain_rerun_starts_over(capsys, tmp_path):
     data, output = write_folder(tmp_path / "data", classes=2, broken=True), tmp_path / "run"
     # 15 training images in 3 batches of 5: every image is read in the first epoch
-    args = SMALL + FOLDER + ["--batch-size", "5", "--data-dir", str(data), "--output", str(output)]
+    args = (
+        SMALL + FOLDER + ["--batch-size", "5", "--num-classes", "2", "--data-dir", str(data), "--output", str(output)]
+    )
     code, err = run_cli(capsys, args + ["--no-skip-unreadable"])
     assert code == 65 and len(err) == 1, err  # damaged input
     assert re.search(r"^error: unreadable image .*0broken.png: .*--skip-unreadable skips and counts such files", err[0])
@@ -370,6 +374,8 @@ def test_a_worker_process_hitting_an_unreadable_image_ends_the_run_with_one_line
             *FOLDER,
             "--batch-size",
             "5",
+            "--num-classes",
+            "2",
             "--data-dir",
             str(data),
             "--workers",

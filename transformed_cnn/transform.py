@@ -17,7 +17,7 @@ from .gpsa_conv import GPSAConv2d
 
 # Initial (locality strength alpha, gating lambda) of the GPSA layers.
 # 'paper' (Sec. 8.2): between convolution and free attention, so the T-CNN can leave locality.
-# 'exact': sharp enough that the T-CNN computes the CNN's function in float32: a head puts a
+# 'exact': sharp enough that each GPSA layer computes its convolution in float32: a head puts a
 # weight about 4 exp(-alpha) on pixels next to its tap and the content attention gets
 # 1 - sigmoid(lambda) ~ exp(-lambda), both about 1e-7 at 16.
 INITS = {"paper": (1.0, 1.0), "exact": (16.0, 16.0)}
@@ -118,7 +118,8 @@ def transform(
         stages: stage numbers 1..4 (the `layerN` modules), an int, a list or a string '3,4';
             default: the last stage.
         init: 'paper' (alpha = 1, lambda = 1, Sec. 8.2) or 'exact' (sharp attention and gating: the
-            T-CNN computes the CNN's function, up to the stride change below).
+            T-CNN computes the CNN's function with keep_stride=True; with the default, the function of the CNN
+            with the stride change below, which is another function).
         keep_stride: False (paper) turns each chosen stage's stride-2 conv and its shortcut into
             stride 1; True converts the strided conv exactly, with queries on the strided grid.
         locality_strength, gating: override the init's alpha and lambda.

@@ -16,11 +16,14 @@ stderr would also filter the ranks', which share it, and a rank's own traceback 
 
 - `--cpu --num_processes N` (N > 1) runs as accelerate's multi-CPU form, `--multi_gpu` with
   ACCELERATE_USE_CPU=1 (torchrun, gloo), said in one line.
+- Without an accelerate config, the values accelerate would default with a warning of several lines are passed
+  to it, with their defaults, and named in one note; with a config, the note names the file accelerate reads.
 - The engine is told the process count asked for (`LAUNCH_PROCESSES`: train.py warns when it got fewer)
   and a folder where every rank leaves its exit code and its one line (`LAUNCH_EXIT_DIR`). The
   launcher exits with the lowest rank's non-zero code and prints that rank's line when rank 0 did not
   (torchrun stops the other ranks as soon as one fails, which can be before rank 0 printed). A process that
-  left no code (a bug, its traceback above; a kill) gets one line naming it and its status.
+  left no code (a bug, its traceback above; a kill) gets one line naming it and its status: the rank that stopped
+  first (torchrun lists it before those it stopped after it), with what the run kept and `--resume auto`.
 - The launcher's exceptions are caught (so accelerate's --quiet is not needed: it would hide the exit
   status of the simple launcher's process) and torchrun's log lines (closing signals, failure report) left
   out: the engine's line says what happened.
@@ -42,10 +45,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
-from convbias.base.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, print_error
+from convbias.base.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, StorageError, print_error
 from convbias.base.storage import writing
 from convbias.cli import run_command
 from convbias.engine.config.command_line import Typed
@@ -88,6 +93,7 @@ def _launch(argv: list[str]) -> int:
         parser = build_parser()
         first = parser.parse_args(argv)
         args = parser.parse_args(_multi_cpu(argv, first))
+        print(_accelerate_values(args), file=sys.stderr)
         if args.num_processes:
             os.environ[LAUNCH_PROCESSES] = str(args.num_processes)
         os.environ.setdefault("PET_SIGNALS_TO_HANDLE", TORCHRUN_SIGNALS)
@@ -96,7 +102,7 @@ def _launch(argv: list[str]) -> int:
             exits = tempfile.TemporaryDirectory(prefix="convbias-launch-")
         with exits as folder:
             os.environ[LAUNCH_EXIT_DIR] = folder
-            return _exit_code(Path(folder), _run(launch_command, args))
+            return _exit_code(Path(folder), _run(launch_command, args), partial(_kept, args))
     except _Stopped as stopped:
         print(stopped, file=sys.stderr)
         return stopped.code
@@ -149,6 +155,42 @@ def _multi_cpu(argv: list[str], args: Any) -> list[str]:
     return options + ["--multi_gpu"] + argv[script:]
 
 
+def _accelerate_values(args: Any) -> str:
+    """The note that says where accelerate's values come from: the user's accelerate config (accelerate reads it
+    when --config_file names one, or without --cpu when `accelerate config` wrote its default file), or else the
+    values accelerate would default with a warning, passed to it here (set in ``args``): one process with
+    --cpu, else the machine's CUDA devices; one machine; no mixed precision, no dynamo; with --cpu and no
+    OMP_NUM_THREADS, the physical cores shared by the processes (accelerate's default)."""
+    from accelerate.commands.config import default_config_file
+
+    if args.config_file is not None or (os.path.isfile(default_config_file) and not args.cpu):
+        return f"note: accelerate launch takes its values from the accelerate config {args.config_file or default_config_file}"
+    defaults: dict[str, Any] = dict(num_machines=1, mixed_precision="no", dynamo_backend="no")
+    if args.cpu or torch_cuda_devices():
+        defaults["num_processes"] = 1 if args.cpu else torch_cuda_devices()
+    if args.cpu and "OMP_NUM_THREADS" not in os.environ:
+        import psutil  # a dependency of accelerate
+
+        processes = max((args.num_processes or defaults["num_processes"]) // (args.num_machines or 1), 1)
+        defaults["num_cpu_threads_per_process"] = max(1, (psutil.cpu_count(logical=False) or 1) // processes)
+    passed = {name: value for name, value in defaults.items() if getattr(args, name, None) is None}
+    for name, value in passed.items():
+        setattr(args, name, value)
+    if not passed:
+        return "note: accelerate launch takes every value from this command line (no accelerate config)"
+    shown = " ".join(f"--{name} {value}" for name, value in passed.items())
+    return (
+        f"note: no accelerate config (`accelerate config` writes {default_config_file}): convbias-launch passes "
+        f"accelerate's defaults {shown}"
+    )
+
+
+def torch_cuda_devices() -> int:
+    import torch  # accelerate's launcher imports it too
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _quiet_torchrun() -> None:
     """torchrun's agent logs the signals it forwards and a report of each failed rank: the engine's line says it."""
     quiet = logging.getLogger("torch.distributed.elastic")
@@ -180,9 +222,10 @@ def _run(launch_command: Any, args: Any) -> dict[int, int]:
     return {}
 
 
-def _exit_code(folder: Path, failed: dict[int, int]) -> int:
+def _exit_code(folder: Path, failed: dict[int, int], kept: Callable[[], str] | None = None) -> int:
     """The lowest rank's non-zero code left by the engine (with its line when rank 0 did not print it), else
-    the status of the first process that failed without leaving one, in one line."""
+    the status of the process that stopped first without leaving one (``failed`` in the order the launcher saw
+    the processes stop; torchrun stops the others after it), in one line with what the run kept (``kept``)."""
     left = {}
     for path in folder.glob("rank*"):
         code, _, line = path.read_text().partition("\n")
@@ -194,17 +237,38 @@ def _exit_code(folder: Path, failed: dict[int, int]) -> int:
         if rank != 0:  # rank 0 prints its own line
             print(line, file=sys.stderr)
         return code
-    unreported = sorted((rank, status) for rank, status in failed.items() if rank not in left)
+    unreported = [(rank, status) for rank, status in failed.items() if rank not in left]
     if not unreported or (unreported[0][0] == ANY_RANK and left):
         return 0
     rank, status = unreported[0]
-    who = "the training processes" if rank == ANY_RANK else f"training process {rank}"
-    if status < 0:
-        how = f"stopped on {signal.Signals(-status).name}"
-        print_error(f"{who} {how} before reporting an exit code; see the output above")
-        return 128 - status
-    print_error(f"{who} exited with status {status} without a message; see the output above")
-    return status
+    how = f"stopped on {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
+    if rank == ANY_RANK:
+        stopped = f"the training processes {how}"
+    elif len(failed) > 1:
+        stopped = f"training process {rank} {how} first (the other processes were stopped after it)"
+    else:
+        stopped = f"training process {rank} {how}"
+    where = "" if status < 0 else " (its output is above)"
+    print_error(
+        f"{stopped} without reporting an exit code{where}; {(kept() if kept else '') or 'see the output above'}"
+    )
+    return 128 - status if status < 0 else status
+
+
+def _kept(args: Any) -> str:
+    """What a run of this package's train.py left to continue from, in the engine's words (``kept``); '' for
+    another script, or options that the engine refuses (each rank said why)."""
+    script = Path(args.training_script).name if not args.module else args.training_script
+    if script not in ("train.py", "convbias.cli.train"):
+        return ""
+    from convbias import engine
+    from convbias.engine.loop.start import kept
+
+    try:
+        cfg = engine.parse_config(list(args.training_script_args))
+    except (ConfigError, StorageError):
+        return ""
+    return kept(cfg, Path(cfg.output))
 
 
 def _on_signal(signum: int, frame: Any) -> None:

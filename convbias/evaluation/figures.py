@@ -21,6 +21,7 @@ error bars are, said in a legend or title).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import textwrap
@@ -113,6 +114,20 @@ def shared_legend(fig: Figure, axes: Iterable[Axes], title: str = "", **kwargs) 
     title = "\n".join(textwrap.fill(line, LEGEND_TITLE_WIDTH) for line in title.splitlines())
     options = dict(loc="outside right center", fontsize="x-small", title_fontsize="x-small", alignment="left")
     return fig.legend(list(entries.values()), list(entries), title=title or None, **(options | kwargs))
+
+
+DODGE = 0.3  # series drawn at the same grid points spread over this fraction of the grid's smallest step
+
+
+def dodged(xs: Sequence[float], index: int, count: int, grid: Iterable[float], log: bool = False) -> list[float]:
+    """``xs`` of series ``index`` of ``count`` drawn at the same ``grid`` points, shifted by its part of DODGE of the
+    grid's smallest step (in decades on a log axis), so that their error bars stay apart."""
+    if count < 2:
+        return list(xs)
+    points = sorted({math.log10(x) if log else x for x in grid})
+    step = min((b - a for a, b in itertools.pairwise(points)), default=1.0)
+    shift = DODGE * step * (index / (count - 1) - 0.5)
+    return [x * 10**shift if log else x + shift for x in xs]
 
 
 def error_bar_note(counts: Iterable[int], interval: str = "95% t interval of the mean", over: str = "seeds") -> str:

@@ -44,3 +44,33 @@ def set_threads(workers: int) -> str:
     _threads_set.add(threads)
     share = f"{cores} cores / {processes} processes" if processes > 1 else f"{cores} core{'s' if cores > 1 else ''}"
     return f"{share} less {workers} loader worker{'s' if workers != 1 else ''}"
+
+
+def load_average() -> float | None:
+    """The node's load average over the last minute: the processes running or waiting for a core (None where the
+    system does not report it)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_cores_warning(threads: int) -> str | None:
+    """The warning of more intra-op threads on this node (``threads`` per process, this launch's processes) than the
+    cores its load average leaves free: each op waits for its slowest thread, and a thread that waits for a busy
+    core slows every step. None when they fit, or with one thread per process (nothing to lower). The load average
+    is the machine's: on cores of a machine's share (an affinity mask) it counts in proportion to that share."""
+    load = load_average()
+    if load is None or threads <= 1:
+        return None
+    cores, processes = node_cores(), local_processes()
+    free = max(0, round(cores - load * cores / max(cores, os.cpu_count() or cores)))
+    if threads * processes <= free:
+        return None
+    fits = max(1, free // processes)
+    each = f" per process x {processes} processes" if processes > 1 else ""
+    return (
+        f"{threads} intra-op threads{each}, and the load average ({load:.1f} over the last minute) leaves about "
+        f"{free} of {cores} cores free: threads waiting for a busy core slow every step; set OMP_NUM_THREADS={fits} "
+        f"(convbias-launch, accelerate launch: --num_cpu_threads_per_process {fits})"
+    )

@@ -40,6 +40,7 @@ from ..model.factory import (
     create_run_model,
     create_teacher,
     head_classes,
+    head_fit_warning,
     set_grad_checkpointing,
     sync_batchnorm,
 )
@@ -47,7 +48,7 @@ from ..model.output_scale import OutputScale, ScaledLoss
 from ..optim import factory as optim
 from ..optim.build import Optimization, build_optimization
 from .metrics import evaluate
-from .node import local_processes, node_cores
+from .node import busy_cores_warning, local_processes, node_cores
 from .preemption import PreemptionSignals, ignore_in_worker
 from .records import evaluation_block
 from .start import CheckpointChoice, RunStart
@@ -87,6 +88,21 @@ def setup_warnings(cfg: Config, values: RunValues) -> list[str]:
     return found
 
 
+def training_warnings(start: RunStart, data: TrainingData, models: Models) -> list[str]:
+    """What a user needs to hear before the first epoch: ``setup_warnings``, a head larger than the data's class
+    count when the options or the model's default chose it (weights that fix the head are not the options'), and
+    on CPUs intra-op threads beyond the cores the node's load leaves free."""
+    cfg = start.cfg
+    found = setup_warnings(cfg, start.values)
+    if cfg.num_classes is not None or start.head[0] is None:
+        found.append(
+            head_fit_warning(models.num_classes, start.head[1], data.bundle.num_classes, f"--dataset {cfg.dataset}")
+        )
+    if start.accelerator.device.type == "cpu":
+        found.append(busy_cores_warning(torch.get_num_threads()))
+    return [warning for warning in found if warning]
+
+
 # torch's DataLoader warns of more workers than cores on its own, at creation and at each new iterator
 TORCH_WORKERS_WARNING = r"This DataLoader will create \d+ worker processes in total"
 
@@ -109,7 +125,7 @@ def build_data(start: RunStart, preemption: PreemptionSignals, train: bool) -> T
     (engine.loop.preemption)."""
     if crowded_loaders(start.cfg.workers):  # the engine's warning says it once, counting the node's processes
         warnings.filterwarnings("ignore", message=TORCH_WORKERS_WARNING, category=UserWarning)
-    worker_init_fn = partial(ignore_in_worker, preemption.signals) if preemption.signals else None
+    worker_init_fn = partial(ignore_in_worker, preemption.handled)
     return build_training_data(start.cfg, start.accelerator, worker_init_fn, train)
 
 

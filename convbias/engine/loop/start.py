@@ -191,8 +191,9 @@ def kept(cfg: Config, output: Path) -> str:
     if point is None:
         return f"no checkpoint was written yet in {output}; rerun the same command to start over"
     name = LAST_LINK if point == checkpoints.points()[0] else point.name
-    epoch = point_position(point)[0]
-    return f"kept {output / CHECKPOINTS_DIR / name} (epoch {epoch}); continue with --resume auto"
+    epoch, step = point_position(point)
+    within = f" and {step} steps of epoch {epoch + 1}" if step else ""
+    return f"kept {output / CHECKPOINTS_DIR / name} (epoch {epoch}{within}); continue with --resume auto"
 
 
 def check_exact_continuation(

@@ -32,7 +32,7 @@ from timm.utils import distribute_bn
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from convbias.base.errors import NonFiniteLossError, Preempted
+from convbias.base.errors import Interrupted, NonFiniteLossError, Preempted
 from convbias.base.run_layout import CONFIG_FILE, TIMM_ARGS_FILE
 
 from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
@@ -59,7 +59,7 @@ from .records import (
     write_config,
     write_timm_args,
 )
-from .setup import Models, build_data, build_models_and_optimization, build_preemption, setup_warnings
+from .setup import Models, build_data, build_models_and_optimization, build_preemption, training_warnings
 from .start import RunStart, check_exact_continuation, kept
 
 __all__ = ["RESUME_PART_TYPES", "NonFiniteLossError", "Trainer", "build_trainer"]
@@ -83,8 +83,8 @@ def build_trainer(start: RunStart) -> Trainer:
         accepted = None
     preemption = build_preemption(cfg)
     data = build_data(start, preemption, train=True)
-    warnings = setup_warnings(cfg, start.values)
     models, optimization, was_reparametrized = build_models_and_optimization(start, data)
+    warnings = training_warnings(start, data, models)
     diagnostics = None
     if cfg.diagnostics:
         count = min(cfg.diagnostics_images, len(data.bundle.val))
@@ -406,12 +406,16 @@ class Trainer:
 
     def _maybe_stop_mid_epoch(self, epoch: int, steps: int, loss_sum: torch.Tensor) -> None:
         """After an optimizer update: a resume point every --checkpoint-interval updates, and on a
-        preemption signal a resume point then Preempted (every rank decides together, every
-        engine.loop.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
+        preemption signal or Ctrl-C a resume point then Preempted or Interrupted (every rank decides together,
+        every engine.loop.preemption.PREEMPTION_CHECK_INTERVAL updates when several processes train)."""
         signals = self.preemption
-        preempted = signals.requested(self.accelerator, self.progress.num_updates) if signals.signals else False
-        point = self.checkpointer.save(epoch, steps, loss_sum=loss_sum, force=preempted)
-        if preempted:
+        stop = signals.requested(self.accelerator, self.progress.num_updates)
+        point = self.checkpointer.save(epoch, steps, loss_sum=loss_sum, force=stop)
+        if stop and signals.interrupts:
+            raise Interrupted(
+                f"Ctrl-C after step {steps} of epoch {epoch + 1}; resume point {point} (continue with --resume auto)"
+            )
+        if stop:
             raise Preempted(self.preemption.name, point, epoch, steps)
 
     def _mean_loss(self, loss_sum: torch.Tensor, steps: int, epoch: int) -> float:

@@ -254,6 +254,27 @@ def check_head_fits(model: torch.nn.Module, data_classes: int, classes_source: s
     return head
 
 
+TRIVIAL_TOP5 = 5  # with this many classes or fewer, every model's top-5 holds every label: eval_top5 is 100
+
+
+def head_fit_warning(head: int, head_source: str, data_classes: int, classes_source: str) -> str | None:
+    """The warning of a head larger than the data set's class count (timm's 1000-way default on a 10-class set, a
+    recipe's 10-way head on a 3-class folder), which trains without an error: the extra outputs are never a label
+    but take part in the softmax and in top-5. None when the head fits."""
+    if head <= data_classes:
+        return None
+    top5 = (
+        f"; with {data_classes} classes eval_top5 says nothing (a {data_classes}-way model scores 100%): judge by top-1"
+        if data_classes <= TRIVIAL_TOP5
+        else ""
+    )
+    return (
+        f"the model's head has {head} outputs ({head_source}) and {classes_source} has {data_classes} classes: "
+        f"{head - data_classes} outputs are never a label but share the softmax; pass --num-classes "
+        f"{data_classes}{top5}"
+    )
+
+
 def classifier_tensors(model: torch.nn.Module, keys: tuple[str, ...], option: str, name: str) -> list[torch.Tensor]:
     """The classifier's ``keys`` tensors (every head's, for a distilled model's pair), which --head-init-scale and
     --head-init-bias set after the model is created, as timm's train.py does (a small head starts fine-tuning

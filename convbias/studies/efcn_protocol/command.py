@@ -22,7 +22,7 @@ from convbias.base.storage import check_output, output_folder, write_text
 from convbias.engine.config.command_line import OptionParser, Typed, declared
 from convbias.engine.config.options import POSITIVE_INT
 
-from .protocol import OPTIMIZERS, SNAPSHOTS, analyze_stage, load_config, train_stage
+from .protocol import OPTIMIZERS, SNAPSHOTS, analyze_stage, load_config, protocol_stages, train_stage
 from .seeds import single_seed_intervals, summarize_seeds
 
 
@@ -77,10 +77,12 @@ def _protocol(args: argparse.Namespace, started: float) -> int:
     )
     out = output_folder(args.output, owned=EFCN_PROTOCOL_FOLDER)
     write_text(out / PROTOCOL_CONFIG, yaml.safe_dump(cfg, sort_keys=False), owner=out)
+    analyze = args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0
+    progress = protocol_stages(cfg, train=args.stage in ("all", "train"), analyze=analyze)
     if args.stage in ("all", "train"):
-        train_stage(cfg, out)
-    if args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0:
-        analyze_stage(cfg, out)
+        train_stage(cfg, out, progress)
+    if analyze:
+        analyze_stage(cfg, out, progress)
     print(f"[efcn_protocol] done in {(time.perf_counter() - started) / 60:.1f} min")
     return 0
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 
 from convbias.base.storage import save_figure
@@ -20,6 +21,19 @@ from convbias.evaluation.figures import log_ticks, shared_legend
 
 def _colors(n: int):
     return colormaps["viridis"](np.linspace(0.0, 0.9, max(n, 1)))
+
+
+def _relax_time_colours(relax_times: list[int]) -> tuple[ListedColormap, BoundaryNorm]:
+    """The colours of the relax times (``_colors``, one per t_w in order) as a colour map and a norm over their
+    indices, for a scatter coloured by t_w and its colour bar."""
+    n = len(relax_times)
+    return ListedColormap(_colors(n)), BoundaryNorm(np.arange(n + 1) - 0.5, n)
+
+
+def _relax_time_bar(fig: Figure, points, axes, relax_times: list[int]) -> None:
+    """The colour bar of a scatter coloured by relax time: one tick per t_w, labelled."""
+    bar = fig.colorbar(points, ax=axes, ticks=range(len(relax_times)), label="relax time t_w (epochs)")
+    bar.ax.set_yticklabels([str(t) for t in relax_times])
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -86,14 +100,18 @@ def accuracy_and_landscape(rows: list[dict], baselines: dict, path: Path) -> Non
 
 
 def deviation(rows: list[dict], baselines: dict, path: Path) -> None:
-    """Fig. 6.4: delta vs t_w, vs the initial loss, vs the final accuracy (standard FCN in blue)."""
-    fig = _figure(13, 4)
+    """Fig. 6.4: delta vs t_w, vs the initial loss, vs the final accuracy (standard FCN in blue); the eFCNs of the
+    last two panels are coloured by t_w, read on their colour bar."""
+    fig = _figure(14, 4)
     axes = fig.subplots(1, 3)
     delta = [r["deviation_total"] for r in rows]
-    axes[0].plot([r["relax_time"] for r in rows], delta, "o-")
+    times = [r["relax_time"] for r in rows]
+    cmap, norm = _relax_time_colours(times)
+    by_time = dict(c=range(len(rows)), cmap=cmap, norm=norm)
+    axes[0].plot(times, delta, "o-")
     _symlog_epochs(axes[0])
     axes[0].set_xlabel("relax time t_w (epochs, symlog)")
-    axes[1].scatter([r["initial_train_loss"] for r in rows], delta, c=_colors(len(rows)), label="eFCN")
+    points = axes[1].scatter([r["initial_train_loss"] for r in rows], delta, **by_time, label="eFCN")
     axes[1].scatter(
         [baselines["fcn_initial_train_loss"]],
         [baselines["fcn_deviation_total"]],
@@ -102,7 +120,7 @@ def deviation(rows: list[dict], baselines: dict, path: Path) -> None:
         label="standard FCN",
     )
     axes[1].set_xlabel("initial train loss")
-    axes[2].scatter([r["final_test_acc"] for r in rows], delta, c=_colors(len(rows)), label="eFCN")
+    axes[2].scatter([r["final_test_acc"] for r in rows], delta, **by_time, label="eFCN")
     axes[2].scatter(
         [baselines["fcn_final_test_acc"]],
         [baselines["fcn_deviation_total"]],
@@ -116,6 +134,7 @@ def deviation(rows: list[dict], baselines: dict, path: Path) -> None:
         ax.set_yscale("log")
     for ax in axes[1:]:
         ax.legend(fontsize=8)
+    _relax_time_bar(fig, points, list(axes[1:]), times)
     _save(fig, path)
 
 
@@ -134,9 +153,12 @@ def local_contributions(rows: list[dict], path: Path) -> None:
     _save(fig, path)
 
 
+DIFFERENCE = "difference"  # the title of a filter panel that shows the change of the weights, not the weights
+
+
 def filter_heatmaps(filters: dict[str, list[tuple[str, np.ndarray]]], path: Path) -> None:
     """Figs. 6.6/6.7: log|w| of one row of the first layer (one output unit), unflattened to the
-    input image (channels averaged). One row of panels per model."""
+    input image (channels averaged). One row of panels per model, each panel with its labelled colour bar."""
     names = list(filters)
     columns = max(len(v) for v in filters.values())
     fig = _figure(3 * columns, 2.8 * len(names))
@@ -151,7 +173,8 @@ def filter_heatmaps(filters: dict[str, list[tuple[str, np.ndarray]]], path: Path
             image = np.log(np.abs(row).mean(axis=0) + 1e-12)
             shown = ax.imshow(image, cmap="viridis")
             ax.set_title(f"{name}\n{title}", fontsize=8)
-            fig.colorbar(shown, ax=ax, fraction=0.046)
+            what = "|change of w|" if title == DIFFERENCE else "|w|"
+            fig.colorbar(shown, ax=ax, fraction=0.046, label=f"log {what} (channels averaged)")
     _save(fig, path)
 
 

@@ -22,8 +22,10 @@ seeds are summarized by `convbias.studies.efcn_protocol.seeds`.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,6 +35,7 @@ import timm
 import torch
 
 from convbias import engine
+from convbias.base.errors import Interrupted, Preempted
 from convbias.base.run_layout import BASELINES_TABLE, RELAX_TIMES_TABLE, SUMMARY_FILE, snapshot_name
 from convbias.base.tables import write_csv
 from convbias.base.weights import load_weights
@@ -43,6 +46,7 @@ from convbias.evaluation import landscape
 from convbias.families import family_tools, load_families
 
 from . import figures as plots
+from .report import duration, write_report
 
 efcn = family_tools("efcn")  # the eFCN's measurements and masks, from its family record
 
@@ -138,7 +142,9 @@ EVAL_TRANSFORM = dict(interpolation="bicubic", crop_pct=0.875)
 
 def train_recipe(cfg: dict) -> Config:
     """The train.py options shared by every run of the protocol (Sec. 6.2.2); each run's config.yaml records
-    them with its own.
+    them with its own. A run keeps one resume point (and its best, when that is another), to continue it when it
+    is interrupted: the analysis reads only the --save-epochs snapshots, so the other points would be weights
+    kept for nothing.
 
     Plain SGD is timm's "momentum" optimizer with momentum 0 (timm's "sgd" is Nesterov SGD, which
     refuses momentum 0)."""
@@ -155,6 +161,9 @@ def train_recipe(cfg: dict) -> Config:
         no_aug=True,
         repeated_aug=1,
         drop_path=0.0,
+        resume="auto",  # a run interrupted mid-way continues from its resume point when the protocol is rerun
+        keep_checkpoints=1,  # the newest resume point (and the best): the analysis reads the --save-epochs snapshots
+        checkpoint_hist=1,
         **EVAL_TRANSFORM,
         **{k: cfg[k] for k in ("data_dir", "img_size", "num_classes") if cfg[k] is not None},
         **({"first_classes": cfg["num_classes"]} if cfg["num_classes"] is not None else {}),
@@ -180,55 +189,152 @@ def _efcn_kwargs(cfg: dict, **extra) -> dict:
     return kwargs
 
 
+# ------------------------------------------------------------------------------------------ progress
+@dataclass
+class Stage:
+    """One stage of the protocol: a training run or a measurement. Stages of one ``kind`` take about the same time
+    per unit (an epoch of a training, one measurement), which is what the time left is estimated from."""
+
+    kind: str
+    what: str
+    units: float = 1.0
+    seconds: float | None = None  # measured, once the stage did its work (not when it was already complete)
+
+
+class Progress:
+    """The stages of one protocol command, said as they start ("stage k of n") with the time left: the remaining
+    stages at the pace (seconds per unit) that this command measured for their kind, and, for a kind not yet
+    timed, a lower bound that names it."""
+
+    def __init__(self, stages: list[Stage]):
+        self.stages, self.done = stages, 0
+
+    @contextmanager
+    def stage(self) -> Iterator[Stage]:
+        """The next stage, said as it starts, and timed; the body sets its ``seconds`` to None when there was
+        nothing to do (an already complete run)."""
+        stage = self.stages[self.done]
+        _say(f"stage {self.done + 1} of {len(self.stages)}: {stage.what}; {self.left()}")
+        started = time.perf_counter()
+        stage.seconds = 0.0
+        yield stage
+        if stage.seconds is not None:
+            stage.seconds = time.perf_counter() - started
+        self.done += 1
+
+    def pace(self) -> dict[str, float]:
+        """Seconds per unit of each kind of stage done in this command."""
+        timed: dict[str, list[Stage]] = {}
+        for stage in self.stages[: self.done]:
+            if stage.seconds is not None:
+                timed.setdefault(stage.kind, []).append(stage)
+        return {kind: sum(s.seconds for s in done) / sum(s.units for s in done) for kind, done in timed.items()}
+
+    def left(self) -> str:
+        pace, remaining = self.pace(), self.stages[self.done :]
+        known = sum(s.units * pace[s.kind] for s in remaining if s.kind in pace)
+        untimed = ", ".join(dict.fromkeys(s.kind for s in remaining if s.kind not in pace))
+        if not untimed:
+            return f"about {duration(known)} left"
+        if not known:
+            return f"time left: known once these are timed: {untimed}"
+        return f"about {duration(known)} left, plus what is not timed yet: {untimed}"
+
+
+def _say(line: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:  # under accelerate launch: once, not once per process
+        print(f"[efcn_protocol] {line}", flush=True)
+
+
+TRAINING, FCN_TRAINING, MEASUREMENT, INTERPOLATION = (
+    "the CNN's training",
+    "the eFCN and FCN trainings",
+    "the measurements",
+    "the interpolations",
+)
+
+
+def protocol_stages(cfg: dict, train: bool, analyze: bool) -> Progress:
+    """The stages of a command that trains and/or analyzes: the CNN, one eFCN per relax time and the FCN; then
+    one measurement per relax time, the FCN's, and the interpolations (App. E.3)."""
+    times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
+    stages = []
+    if train:
+        stages.append(Stage(TRAINING, f"training the CNN for {cfg['cnn_epochs']} epochs", cfg["cnn_epochs"]))
+        stages += [Stage(FCN_TRAINING, f"training the eFCN of t_w={t}", cfg["efcn_epochs"]) for t in times]
+        stages.append(Stage(FCN_TRAINING, "training the standard FCN", cfg["efcn_epochs"]))
+    if analyze:
+        stages += [Stage(MEASUREMENT, f"measuring the eFCN of t_w={t}") for t in times]
+        stages.append(Stage(MEASUREMENT, "measuring the CNN and the standard FCN"))
+        stages += [
+            Stage(INTERPOLATION, f"interpolating from the CNN to the eFCN of t_w={t}")
+            for t in _pick(times, cfg["interpolate_relax_times"])
+        ]
+    return Progress(stages)
+
+
 # ------------------------------------------------------------------------------------------ training
-def _run_once(config: Config) -> dict:
+def _run_once(config: Config, stage: Stage) -> dict:
+    """The run of ``config``, trained unless it is complete (then its ``stage`` did no work)."""
     output = Path(config.output)
     if output.is_dir() and RunDir(output).status() == "done":
-        print(f"[efcn_protocol] {output} already complete, kept")
+        _say(f"{output} already complete, kept")
+        stage.seconds = None
         return RunDir(output).results()
-    print(f"[efcn_protocol] training {config.model} for {config.epochs} epochs into {output}", flush=True)
-    return engine.run(config, load_families())
+    _say(f"training {config.model} for {config.epochs} epochs into {output}")
+    try:
+        return engine.run(config, load_families())
+    except (Interrupted, Preempted):  # the engine's line follows, naming the resume point
+        _say("stopped; rerun this command to continue: each run resumes from its point (the next line names this one)")
+        raise
 
 
-def train_stage(cfg: dict, out: Path) -> None:
+def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
+    progress = progress or protocol_stages(cfg, train=True, analyze=False)
     recipe = train_recipe(cfg)
-    _run_once(
-        _train_config(
-            recipe,
-            cfg["model"],
-            cfg["cnn_epochs"],
-            _lr(cfg, cfg["cnn_lr"]),
-            out / "cnn",
-            sorted(set(times) | {cfg["cnn_epochs"]}),
-            cfg["model_kwargs"],
-        )
-    )
-    middle = cfg["efcn_epochs"] // 2
-    for t in times:
-        snapshot = _snapshot(out / "cnn", t).resolve()
+    with progress.stage() as stage:
         _run_once(
             _train_config(
                 recipe,
-                "efcn_" + cfg["model"],
+                cfg["model"],
+                cfg["cnn_epochs"],
+                _lr(cfg, cfg["cnn_lr"]),
+                out / "cnn",
+                sorted(set(times) | {cfg["cnn_epochs"]}),
+                cfg["model_kwargs"],
+            ),
+            stage,
+        )
+    middle = cfg["efcn_epochs"] // 2
+    for t in times:
+        snapshot = _snapshot(out / "cnn", t).resolve()
+        with progress.stage() as stage:
+            _run_once(
+                _train_config(
+                    recipe,
+                    "efcn_" + cfg["model"],
+                    cfg["efcn_epochs"],
+                    _lr(cfg, cfg["efcn_lr"]),
+                    out / f"efcn_tw{t}",
+                    sorted({0, middle, cfg["efcn_epochs"]}),
+                    _efcn_kwargs(cfg, cnn_checkpoint=str(snapshot)),
+                ),
+                stage,
+            )
+    with progress.stage() as stage:
+        _run_once(
+            _train_config(
+                recipe,
+                "fcn_" + cfg["model"],
                 cfg["efcn_epochs"],
                 _lr(cfg, cfg["efcn_lr"]),
-                out / f"efcn_tw{t}",
+                out / "fcn",
                 sorted({0, middle, cfg["efcn_epochs"]}),
-                _efcn_kwargs(cfg, cnn_checkpoint=str(snapshot)),
-            )
+                _efcn_kwargs(cfg),
+            ),
+            stage,
         )
-    _run_once(
-        _train_config(
-            recipe,
-            "fcn_" + cfg["model"],
-            cfg["efcn_epochs"],
-            _lr(cfg, cfg["efcn_lr"]),
-            out / "fcn",
-            sorted({0, middle, cfg["efcn_epochs"]}),
-            _efcn_kwargs(cfg),
-        )
-    )
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -379,7 +485,7 @@ def _fcn_baselines(analysis: _Analysis, cnn_results: dict) -> tuple[dict, Filter
     filters = [("initialization", _first_filter(fcn))]
     load_weights(fcn, _snapshot(out / "fcn", E)).eval()
     filters.append((f"after {E} epochs", _first_filter(fcn)))
-    filters.append(("difference", filters[1][1] - filters[0][1]))
+    filters.append((plots.DIFFERENCE, filters[1][1] - filters[0][1]))
     curves = _read_summary(out / "fcn", "fcn", fcn_initial)
     fcn_local = {}
     for keep in ("local", "off_local"):
@@ -398,39 +504,50 @@ def _fcn_baselines(analysis: _Analysis, cnn_results: dict) -> tuple[dict, Filter
     return baselines, filters, curves
 
 
-def _interpolations(analysis: _Analysis, times: list[int]) -> list[dict]:
+def _interpolations(analysis: _Analysis, times: list[int], progress: Progress) -> list[dict]:
     """App. E.3: from the lifted final CNN to the eFCNs trained from a few relax times, along the straight line
     and the string method's path in parameter space, and by mixing the two models' outputs."""
-    cfg, train = analysis.cfg, analysis.train
-    rows = []
+    cfg, rows = analysis.cfg, []
     cnn_final = _snapshot(analysis.out / "cnn", cfg["cnn_epochs"]).resolve()
     lifted_cnn = timm.create_model(
         "efcn_" + cfg["model"], **analysis.build_kwargs, cnn_checkpoint=str(cnn_final)
     ).eval()
     start_params = landscape.parameters_of(lifted_cnn)
     for t in _pick(times, cfg["interpolate_relax_times"]):
-        started = time.perf_counter()
-        trained = analysis.build("efcn_", _snapshot(analysis.out / f"efcn_tw{t}", cfg["efcn_epochs"]))
-        end_params = landscape.parameters_of(trained)
-        alphas = np.linspace(0, 1, cfg["interpolation_points"]).tolist()
-        for alpha, params in zip(alphas, landscape.linear_path(start_params, end_params, alphas)):
-            rows.append(analysis.point(t, "linear", alpha, partial(landscape.evaluate, trained, params=params)))
-        string_alphas = np.linspace(0, 1, cfg["string_points"]).tolist()
-        string = (cfg["string_stiffness"], cfg["string_steps"], cfg["string_lr"])
-        path = landscape.string_path(trained, start_params, end_params, string_alphas, train, *string)
-        for alpha, params in zip(string_alphas, path):
-            rows.append(analysis.point(t, "string", alpha, partial(landscape.evaluate, trained, params=params)))
-        for alpha in alphas:
-            mixture = partial(landscape.evaluate_output_mixture, lifted_cnn, trained, alpha)
-            rows.append(analysis.point(t, "output", alpha, mixture))
-        print(f"[efcn_protocol] interpolation t_w={t} ({time.perf_counter() - started:.0f} s)", flush=True)
+        with progress.stage():
+            rows += _interpolation(analysis, t, lifted_cnn, start_params)
     return rows
 
 
-def analyze_stage(cfg: dict, out: Path) -> None:
-    """Steps 4-5: measure the trained CNN, eFCNs and FCN in one process, then write the CSVs and figures."""
+def _interpolation(
+    analysis: _Analysis, t: int, lifted_cnn: torch.nn.Module, start_params: landscape.Params
+) -> list[dict]:
+    """interpolation.csv's rows of relax time t: along each path from the lifted final CNN to its trained eFCN."""
+    cfg, train, rows = analysis.cfg, analysis.train, []
+    started = time.perf_counter()
+    trained = analysis.build("efcn_", _snapshot(analysis.out / f"efcn_tw{t}", cfg["efcn_epochs"]))
+    end_params = landscape.parameters_of(trained)
+    alphas = np.linspace(0, 1, cfg["interpolation_points"]).tolist()
+    for alpha, params in zip(alphas, landscape.linear_path(start_params, end_params, alphas)):
+        rows.append(analysis.point(t, "linear", alpha, partial(landscape.evaluate, trained, params=params)))
+    string_alphas = np.linspace(0, 1, cfg["string_points"]).tolist()
+    string = (cfg["string_stiffness"], cfg["string_steps"], cfg["string_lr"])
+    path = landscape.string_path(trained, start_params, end_params, string_alphas, train, *string)
+    for alpha, params in zip(string_alphas, path):
+        rows.append(analysis.point(t, "string", alpha, partial(landscape.evaluate, trained, params=params)))
+    for alpha in alphas:
+        mixture = partial(landscape.evaluate_output_mixture, lifted_cnn, trained, alpha)
+        rows.append(analysis.point(t, "output", alpha, mixture))
+    print(f"[efcn_protocol] interpolation t_w={t} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return rows
+
+
+def analyze_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
+    """Steps 4-5: measure the trained CNN, eFCNs and FCN in one process, then write the CSVs, the figures and
+    report.md."""
     torch.manual_seed(cfg["seed"])
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
+    progress = progress or protocol_stages(cfg, train=False, analyze=True)
     analysis = _Analysis.prepare(cfg, out)
     cnn_results = RunDir(out / "cnn").results()
     cnn_init = analysis.build("", _snapshot(out / "cnn", 0))
@@ -438,12 +555,14 @@ def analyze_stage(cfg: dict, out: Path) -> None:
     curves = _read_summary(out / "cnn", "cnn", initial)
     rows, filters = [], {}
     for t in times:
-        row, filters[f"eFCN t_w={t}"], efcn_curves = _relax_time(analysis, t)
+        with progress.stage():
+            row, filters[f"eFCN t_w={t}"], efcn_curves = _relax_time(analysis, t)
         rows.append(row)
         curves += efcn_curves
-    baselines, filters["FCN"], fcn_curves = _fcn_baselines(analysis, cnn_results)
+    with progress.stage():
+        baselines, filters["FCN"], fcn_curves = _fcn_baselines(analysis, cnn_results)
     curves += fcn_curves
-    interpolation_rows = _interpolations(analysis, times)
+    interpolation_rows = _interpolations(analysis, times, progress)
 
     write_csv(rows, out / RELAX_TIMES_TABLE, owner=out)
     write_csv([baselines], out / BASELINES_TABLE, owner=out)
@@ -455,4 +574,7 @@ def analyze_stage(cfg: dict, out: Path) -> None:
     plots.local_contributions(rows, out / "fig6_5_local_offlocal.png")
     plots.filter_heatmaps(filters, out / "fig6_6_6_7_first_layer_filters.png")
     plots.interpolation(interpolation_rows, out / "figE6_interpolation.png")
-    print(f"[efcn_protocol] wrote CSVs and figures to {out}")
+    report = write_report(
+        out, cfg, times, rows, baselines, interpolation_rows, len(analysis.test.labels), progress.stages
+    )
+    _say(f"wrote the CSVs, the figures and {report.name} to {out}")

@@ -27,7 +27,7 @@ from convbias.base.storage import check_output, output_folder, save_figure, writ
 from convbias.base.tables import markdown_table, write_csv
 from convbias.engine import read_log
 from convbias.evaluation.ensembles import load_run
-from convbias.evaluation.figures import error_bar_note, log_ticks
+from convbias.evaluation.figures import dodged, error_bar_note, log_ticks
 from convbias.evaluation.landscape import Batches, local_energy
 
 from ..intervals import cell, error_bar, interval, per_seed_gaps
@@ -149,9 +149,10 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
     local-energy curve (`rows`: one per run; `summary`: their `over_seeds`)."""
     fig = Figure(figsize=(13, 3.9))
     axes = fig.subplots(1, 3)
-    for model in dict.fromkeys(r["model"] for r in summary):
+    models = list(dict.fromkeys(r["model"] for r in summary))
+    for index, model in enumerate(models):
         mine = [r for r in summary if r["model"] == model]
-        alphas = [r["alpha"] for r in mine]
+        alphas = dodged([r["alpha"] for r in mine], index, len(models), [r["alpha"] for r in summary], log=True)
         for ax, column in zip(axes[:2], ("top1", "ntk_change")):
             centre = [r[column] for r in mine]
             spread = [
@@ -169,7 +170,7 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
     axes[1].axhline(1.0, color="gray", linestyle=":")
     for ax in axes[:2]:
         ax.set_xscale("log")
-        ax.set_xlabel("output scale alpha")
+        ax.set_xlabel("output scale alpha" + (" (series shifted apart)" if len(models) > 1 else ""))
     axes[2].set_xlabel("relative weight noise sigma")
     axes[2].set_ylabel("training error (%)")
     axes[2].set_title("local energy: mean over seeds, no error bars", fontsize=9)

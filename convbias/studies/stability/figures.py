@@ -4,7 +4,6 @@ Runs that differ only by seed are averaged geometrically, as in Petrini et al. 2
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
@@ -14,14 +13,20 @@ from matplotlib.figure import Figure
 
 from convbias.base.storage import save_figure
 from convbias.evaluation import diffeo
-from convbias.evaluation.figures import displayable, error_bar_note, log_ticks, qualitative_colors, shared_legend
+from convbias.evaluation.figures import (
+    displayable,
+    dodged,
+    error_bar_note,
+    log_ticks,
+    qualitative_colors,
+    shared_legend,
+)
 
 from ..intervals import error_bar
 from .study import Run, Settings, layer_summary, seed_summary
 
 ERROR_LAW = 0.2  # Petrini et al. 2021, CIFAR-10 across 15 architectures: test error ~ 0.2 sqrt(R_f)
 R_INTERVAL = "95% t interval of the geometric mean"  # on log R_f, as in the summary tables
-DODGE = 0.3  # series at one grid point spread over this fraction of the grid's step
 
 
 def plots(rows: list[dict], layer_rows: list[dict], runs: list[Run], settings: Settings, output: Path) -> list[Path]:
@@ -178,15 +183,13 @@ class _Style:
 
 def _curves(ax: Axes, style: _Style, points: list[dict], x: str) -> None:
     """R_f of summary rows against `x`, a series per group and checkpoint, each shifted by a part of the grid's
-    step (DODGE in all) so that the error bars of series at the same point stay apart."""
-    grid = sorted({p[x] for p in points})
-    step = min((b - a for a, b in itertools.pairwise(grid)), default=1.0)
+    step (evaluation.figures.dodged) so that the error bars of series at the same point stay apart."""
+    grid = [p[x] for p in points]
     series = style.series()
     for i, (group, checkpoint) in enumerate(series):
         mine = sorted((p for p in points if (p["group"], p["checkpoint"]) == (group, checkpoint)), key=lambda p: p[x])
-        shift = DODGE * step * (i / (len(series) - 1) - 0.5) if len(series) > 1 else 0.0
         R, spread = _bars(mine, "R")
-        style.errorbar(ax, group, checkpoint, [p[x] + shift for p in mine], R, yerr=spread)
+        style.errorbar(ax, group, checkpoint, dodged([p[x] for p in mine], i, len(series), grid), R, yerr=spread)
 
 
 def _bars(points: list[dict], key: str, scale: float = 1.0) -> tuple[list[float], list[list[float]]]:

@@ -11,7 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from convbias.base.storage import save_figure
-from convbias.evaluation.figures import error_bar_note
+from convbias.evaluation.figures import dodged, error_bar_note
 
 from ..intervals import ACCURACY_RANGE, error_bar, paired_gap, stat
 from .runs import (
@@ -36,14 +36,16 @@ def plot_sample_efficiency(rows: Rows, baseline: str, path: Path, metric: str = 
     fig = Figure(figsize=(9, 3.9))
     ax, gap_ax = fig.subplots(1, 2)
     counts, cut = [], False
-    for name in column_values(rows, column):
+    names = column_values(rows, column)
+    others = [name for name in names if name != baseline]
+    for i, name in enumerate(names):
         stats = [stat(select_runs(rows, **{column: name, "train_fraction": f}), metric) for f in fractions]
         xs = [f for f, s in zip(fractions, stats) if s is not None]
         counts += [s.n for s in stats if s]
         shown = [s for s in stats if s]
         cut = cut or any(s.cut for s in shown)
         ax.errorbar(
-            xs,
+            dodged(xs, i, len(names), fractions, log=True),
             [s.mean for s in shown],
             yerr=np.array([s.error_bars() for s in shown]).T,
             marker="o",
@@ -62,18 +64,20 @@ def plot_sample_efficiency(rows: Rows, baseline: str, path: Path, metric: str = 
             for f in xs
         ]
         gap_ax.errorbar(
-            [f for f, g in zip(xs, gaps) if g is not None],
+            dodged(
+                [f for f, g in zip(xs, gaps) if g is not None], others.index(name), len(others), fractions, log=True
+            ),
             [g.mean for g in gaps if g is not None],
             yerr=[error_bar(g.half_width) for g in gaps if g is not None],
             marker="o",
             capsize=3,
             label=f"{name} - {baseline}",
         )
-    for axis in (ax, gap_ax):
+    for axis, series in ((ax, names), (gap_ax, others)):
         axis.set_xscale("log")
         axis.set_xticks(fractions, [fraction_label(f) for f in fractions])
         axis.minorticks_off()
-        axis.set_xlabel("fraction of the training set")
+        axis.set_xlabel("fraction of the training set" + (" (series shifted apart)" if len(series) > 1 else ""))
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     ax.set_ylabel(f"{metric_label(metric)} accuracy (%)")
@@ -125,14 +129,15 @@ def plot_parameter_sweep(rows: Rows, path: Path, metric: str = "top1") -> Path:
             fig.colorbar(image, ax=ax, label=f"{metric_label(metric)} accuracy (%)")
         else:
             x_col, rest = params[0], params[1:]
-            for line, line_rows in group_runs(selected, rest):
+            lines = group_runs(selected, rest)
+            for i, (line, line_rows) in enumerate(lines):
                 xs = sorted(column_values(line_rows, x_col))
                 stats = [stat(select_runs(line_rows, **{x_col: x}), metric) for x in xs]
                 counts += [s.n for s in stats]
                 cut = cut or any(s.cut for s in stats)
                 positions = xs if _is_numeric(xs) else list(range(len(xs)))
                 ax.errorbar(
-                    positions,
+                    dodged(positions, i, len(lines), positions),
                     [s.mean for s in stats],
                     yerr=np.array([s.error_bars() for s in stats]).T,
                     marker="o",
