@@ -59,6 +59,20 @@ def _history(layers: int, heads: int, epochs: int, gated: int) -> list[dict]:
                 for head, value in enumerate(values, start=1):
                     record[f"{metric}/layer{layer}/head{head}"] = float(value)
         records.append(record)
+    # the values at initialization, logged with the first epoch (as the engine's loop logs them)
+    records[0].update({f"init_{key}": value for key, value in records[0].items() if "/" in key})
+    return records
+
+
+def _deviation(layers: tuple[str, ...], epochs: int, start: float) -> list[dict]:
+    """log.jsonl records as `efcn.diagnostics.summary` logs them: each embedded layer's deviation and the total."""
+    records = []
+    for epoch in range(1, epochs + 1):
+        values = {layer: start + (1 - start) * (1 - math.exp(-epoch / (5 + i))) / 2 for i, layer in enumerate(layers)}
+        record = {"epoch": epoch, **{f"deviation/{layer}": value for layer, value in values.items()}}
+        record["deviation/total"] = sum(values.values()) / len(values)
+        records.append(record)
+    records[0].update({f"init_deviation/{layer}": start for layer in (*layers, "total")})
     return records
 
 
@@ -172,11 +186,15 @@ def _efcn(tmp_path: Path) -> None:
 
 
 def _diagnostics(tmp_path: Path) -> None:
-    """`convbias-diagnostics`: ConViT-S-like logs (10 gated layers of 12, 9 heads) and attention maps."""
+    """`convbias-diagnostics`: ConViT-S-like logs (10 gated layers of 12, 9 heads), an eFCN's and an FCN's deviation
+    (three embedded layers) and attention maps."""
     records = _history(layers=12, heads=9, epochs=30, gated=10)
     figures.plot_nonlocality({"DeiT-S": records, "ConViT-S": records}, tmp_path / "nonlocality.png")
     figures.plot_per_head(records, "gating", tmp_path / "gating_convit.png", title="convit")
     figures.plot_per_head(records, "span", tmp_path / "span_convit.png", title="convit")
+    layers = ("conv1", "conv2", "conv3")
+    deviation = {"eFCN t_w=5": _deviation(layers, 30, 0.0), "FCN": _deviation(layers, 30, 0.9)}
+    figures.plot_deviation(deviation, tmp_path / "deviation.png")
     maps = {f"layer {layer}": torch.rand(9, 14, 14).softmax(-1) for layer in (1, 10)}
     queries = {label: (7, 7) for label in maps}
     gates = {"layer 1": torch.linspace(0.05, 0.95, 9).tolist()}
@@ -386,7 +404,13 @@ STABILITY_FILES = ("rf_vs_delta.png", "rf_per_layer.png", "rf_vs_error.png", "de
 FIGURES = [
     f"{builder}: {name}"
     for builder, names in {
-        "diagnostics": ("nonlocality.png", "gating_convit.png", "span_convit.png", "attention_maps.png"),
+        "diagnostics": (
+            "nonlocality.png",
+            "gating_convit.png",
+            "span_convit.png",
+            "deviation.png",
+            "attention_maps.png",
+        ),
         **dict.fromkeys((b for b in BUILDERS if b.startswith("stability")), STABILITY_FILES),
         "efcn": ("fig6_2.png", "fig6_3.png", "fig6_4.png", "fig6_5.png", "fig6_6.png", "figE6.png"),
         "report": ("se.png", "heatmap.png", "lines.png", "named.png"),
