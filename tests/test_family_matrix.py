@@ -1,8 +1,8 @@
 """Every family through every command that takes a run or a model (the table of docs/families.md): ConViT, DeiT+,
 T-CNN (fine-tuned from a plain ResNet's weights), the eFCN (of a CNN trained first), its FCN and the toy family of
-tests/toy_family, each trained for real on the embedded digits at a tiny size, then resumed, evaluated, labelling images, exported (with --pt2, and --onnx),
-loaded by timm with and without this package, drawn, ensembled, measured (relative stability, robustness), with
-its model card. Each cell works, or is refused with one line that says why, before anything is written; the
+tests/toy_family, each trained for real on the embedded digits at a tiny size, then resumed, evaluated, labelling
+images, exported (with --pt2 and --onnx), loaded by timm with and without this package, drawn, ensembled, measured
+(relative stability, robustness), with its model card. Each cell works, or is refused with one line that says why, before anything is written; the
 docs' table says which.
 
 Then the cases a user met, each its own test on the same runs: a T-CNN's history figures (and a T-CNN beside a
@@ -65,9 +65,6 @@ REFUSED = {
     # timm alone builds only its own architectures: of these, the ConViT
     **{(family, "timm alone"): rf"^RuntimeError: Unknown model \({model}\)$" for family, model in NOT_TIMMS.items()},
 }
-# --onnx as well as --pt2 for the ConViT (GPSA's hot path) and the eFCN (its masked layers); the others' ONNX
-# exports take seconds each here and are measured in docs/sharing.md
-ONNX = ("ConViT", "eFCN")
 FIGURES = {  # what convbias-diagnostics RUN draws for a family that logs what they need
     "ConViT": ["nonlocality.png", "gating_ConViT.png", "span_ConViT.png"],
     "DeiT+": ["nonlocality.png"],
@@ -198,10 +195,9 @@ def test_every_family_through_every_command(trained, digit_images, tmp_path, cap
         assert len(csv.read_text().splitlines()) == 1 + 4
 
         folder = tmp_path / "exported" / family
-        deploy = ["--pt2", "--onnx"] if family in ONNX else ["--pt2"]
-        code, out, err = _call(capsys, export.main, [run, "--output", folder, *deploy])
+        code, out, err = _call(capsys, export.main, [run, "--output", folder, "--pt2", "--onnx"])
         refused_or_ok(family, "export", code, err)
-        assert "model.pt2: relative error" in out and ("model.onnx: relative error" in out) == (family in ONNX)
+        assert "model.pt2: relative error" in out and "model.onnx: relative error" in out
         _no_machine_paths(folder, root, REPO, Path.home())
         exported[family] = folder
         code, _, err = _call(capsys, predict.main, [folder, digit_images, "--topk", "2", "--output", f"{csv}.json"])
