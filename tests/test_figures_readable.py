@@ -9,6 +9,7 @@ import itertools
 import math
 import re
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from convbias.studies.sweep import figures as sweep_figures
 pytestmark = pytest.mark.slow
 
 PACKAGE = Path(figures.__file__).resolve().parents[1]
+LAYOUT_WARNINGS: dict[str, list[str]] = {}  # 'builder: file name' -> matplotlib's constrained-layout warnings
 SEEDS = (0, 1, 2)
 
 
@@ -192,6 +194,12 @@ def _diagnostics(tmp_path: Path) -> None:
     figures.plot_nonlocality({"DeiT-S": records, "ConViT-S": records}, tmp_path / "nonlocality.png")
     figures.plot_per_head(records, "gating", tmp_path / "gating_convit.png", title="convit")
     figures.plot_per_head(records, "span", tmp_path / "span_convit.png", title="convit")
+    one_layer = _history(layers=2, heads=4, epochs=2, gated=1)  # a tiny ConViT's: one GPSA layer, spans 1e-5 from 1
+    for record in one_layer:
+        record.update(
+            {key: 1 + 1e-5 * (value - 2.0) for key, value in record.items() if key.startswith(("span/", "init_span/"))}
+        )
+    figures.plot_per_head(one_layer, "span", tmp_path / "span_one_layer.png", title="tiny")
     layers = ("conv1", "conv2", "conv3")
     deviation = {"eFCN t_w=5": _deviation(layers, 30, 0.0), "FCN": _deviation(layers, 30, 0.9)}
     figures.plot_deviation(deviation, tmp_path / "deviation.png")
@@ -322,9 +330,12 @@ def drawn(tmp_path_factory) -> tuple[dict[str, Figure], set[tuple[str, str]]]:
         patch.setattr(Figure, "__init__", record_init)
         for builder, build in BUILDERS.items():  # noqa: B007 (record_save reads it)
             build(tmp_path_factory.mktemp("figures"))
-    for fig in saved.values():
+    for name, fig in saved.items():
         FigureCanvasAgg(fig)
-        fig.draw_without_rendering()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fig.draw_without_rendering()
+        LAYOUT_WARNINGS[name] = [str(w.message) for w in caught if "constrained_layout" in str(w.message)]
     return saved, building
 
 
@@ -408,6 +419,7 @@ FIGURES = [
             "nonlocality.png",
             "gating_convit.png",
             "span_convit.png",
+            "span_one_layer.png",
             "deviation.png",
             "attention_maps.png",
         ),
@@ -450,6 +462,13 @@ def test_every_figure_of_the_package_is_drawn(drawn):
     assert len(builders) >= 15  # the ast scan finds them
     assert builders - building == set()
     assert sorted(saved) == sorted(FIGURES)
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_the_layout_fits_the_figure(figure, name):
+    """matplotlib's constrained layout found room for every panel, its labels and legends (no collapsed axes)."""
+    figure(name)
+    assert LAYOUT_WARNINGS[name] == []
 
 
 @pytest.mark.parametrize("name", FIGURES)

@@ -68,6 +68,7 @@ INIT_PREFIX = "init_"  # the values at initialization, logged with the first epo
 LOG_SCALE_RANGE = 1e-4  # attention maps show at most four decades below their maximum
 GATE_COLOR_RANGE = (0.3, 1.0)  # the part of matplotlib's Reds a head's title takes for sigma 0..1 (0: still legible)
 LEGEND_TITLE_WIDTH = 44  # characters per line of a shared legend's title
+PER_HEAD_MIN_WIDTH = 4.8  # inches: a per-head figure's one panel with its axis labels and the legend of its heads
 _KEY = re.compile(r"^(?P<metric>\w+)/layer(?P<layer>\d+)(?:/head(?P<head>\d+))?$")
 _METRIC_LABELS = {  # the quantity and its unit (token positions are in patches, or pixels of a T-CNN layer's map)
     "nonlocality": "nonlocality: mean attention distance (patches)",
@@ -272,8 +273,10 @@ def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title:
     _require(history, metric, "the log")
     layers = sorted(history)
     rows, cols = _grid(len(layers))
-    fig = Figure(figsize=(2.6 * cols, 2.2 * rows + 0.4), layout="constrained")
+    # at least the width of a panel, its labels and the legend beside it (one layer: a small model)
+    fig = Figure(figsize=(max(2.6 * cols, PER_HEAD_MIN_WIDTH), 2.2 * rows + 0.4), layout="constrained")
     axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).flatten()
+    axes[0].yaxis.get_major_formatter().set_useOffset(False)  # values as logged (1.00001), not an offset's digits
     for ax, layer in zip(axes, layers):
         heads = sorted(h for h in history[layer] if h is not None)
         for color, head in zip(qualitative_colors(len(heads)), heads):
