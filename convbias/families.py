@@ -44,7 +44,14 @@ def load_families() -> Extensions:
         _add(diagnostics, record.diagnostics, f"family {package}'s diagnostic")
         _add(reparametrizations, record.reparametrizations, f"family {package}'s reparametrization")
     _add(diagnostics, {"stability": stability.diagnostic}, "the diagnostic")
-    return Extensions(diagnostics=diagnostics, reparametrizations=reparametrizations)
+    return Extensions(
+        diagnostics=diagnostics, reparametrizations=reparametrizations, initialization_kwargs=initialization_kwargs()
+    )
+
+
+def initialization_kwargs() -> frozenset[str]:
+    """The model kwargs that only say where initial weights come from, of every family (`Family`)."""
+    return frozenset(name for record in families().values() for name in record.initialization_kwargs)
 
 
 def _add(known: dict[str, Any], contributed: Any, what: str) -> None:

@@ -50,6 +50,10 @@ def _grid_encodings(grid_size: GridSize, device: torch.device) -> torch.Tensor:
 class GPSA(GatedPositionalAttention):
     """Gated positional self-attention over a grid of patch tokens (no class token)."""
 
+    # the eager forward's caches (dicts keyed by (grid, device)): TorchScript, which cannot type them once a
+    # forward has filled them, skips them, as the scripted forward never reads them
+    __jit_ignored_attributes__ = ["_rel_cache", "_basis_cache"]
+
     def __init__(
         self,
         dim: int,

@@ -483,6 +483,20 @@ def _create_convit(variant: str, pretrained: bool, arch: dict[str, Any], kwargs:
         raise TypeError(f"{variant}: {error}; model kwargs: {allowed} (and timm.create_model's own)") from None
 
 
+def _create_deit_plus(variant: str, pretrained: bool, arch: dict[str, Any], kwargs: dict[str, Any]) -> ConViT:
+    """A DeiT+ baseline: the ConViT of its width without GPSA blocks. GPSA blocks asked for (a ConViT recipe's
+    `local_up_to_layer`) would make it that ConViT under the DeiT's name, exported and reported as a DeiT:
+    refused, naming the ConViT that has them."""
+    blocks = kwargs.get("local_up_to_layer", 0)
+    if blocks:
+        convit = variant.replace("deit_", "convit_")
+        raise ValueError(
+            f"{variant} has no GPSA blocks: local_up_to_layer={blocks} would make it {convit}; "
+            f"give local_up_to_layer=0 for the DeiT, or use {convit}"
+        )
+    return _create_convit(variant, pretrained, {**arch, "local_up_to_layer": 0}, kwargs)
+
+
 def _cfg(**kwargs) -> dict[str, Any]:
     return {
         "url": "",
@@ -562,16 +576,16 @@ def convit_base_plus(pretrained: bool = False, **kwargs) -> ConViT:
 @_register
 def deit_tiny_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """DeiT-Ti+ baseline: ConViT-Ti+ without GPSA (4 heads x 64, 12 SA blocks)."""
-    return _create_convit("deit_tiny_plus", pretrained, dict(embed_dim=64, num_heads=4, local_up_to_layer=0), kwargs)
+    return _create_deit_plus("deit_tiny_plus", pretrained, dict(embed_dim=64, num_heads=4), kwargs)
 
 
 @_register
 def deit_small_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """DeiT-S+ baseline: 9 heads x 64, 12 SA blocks."""
-    return _create_convit("deit_small_plus", pretrained, dict(embed_dim=64, num_heads=9, local_up_to_layer=0), kwargs)
+    return _create_deit_plus("deit_small_plus", pretrained, dict(embed_dim=64, num_heads=9), kwargs)
 
 
 @_register
 def deit_base_plus(pretrained: bool = False, **kwargs) -> ConViT:
     """DeiT-B+ baseline: 16 heads x 64, 12 SA blocks."""
-    return _create_convit("deit_base_plus", pretrained, dict(embed_dim=64, num_heads=16, local_up_to_layer=0), kwargs)
+    return _create_deit_plus("deit_base_plus", pretrained, dict(embed_dim=64, num_heads=16), kwargs)

@@ -19,6 +19,7 @@ from .models import AlexNetCIFAR, VanillaCNN
 FAMILY = Family(
     hub_tag="efcn",
     diagnostics={"efcn": diagnostics.summary},
+    initialization_kwargs=("cnn_checkpoint",),  # the trained CNN an eFCN starts from, read when it is built
     tools=SimpleNamespace(
         local_layers=diagnostics.local_layers,
         deviation=deviation,

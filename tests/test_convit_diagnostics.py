@@ -316,7 +316,10 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {tmp_path}: no log.jsonl in this directory\n"
     (tmp_path / "log.jsonl").write_text('{"epoch": 0, "train_loss": 1.0}\n')
     assert cli.main([str(tmp_path)]) == 2
-    assert capsys.readouterr().err.startswith("error: no 'nonlocality/layer*' values")
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}: its log.jsonl holds no nonlocality/, gating/, span/, deviation/ values (and no "
+        "readable config.yaml names its model)\n"
+    )
     assert cli.main([str(tmp_path), "--image", str(tmp_path / "log.jsonl")]) == 2  # a log, but no model
     assert capsys.readouterr().err == (
         f"error: {tmp_path}: no config.yaml, so no model for the attention maps: give --model\n"

@@ -9,6 +9,7 @@ import itertools
 import math
 import re
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from convbias.studies.sweep import figures as sweep_figures
 pytestmark = pytest.mark.slow
 
 PACKAGE = Path(figures.__file__).resolve().parents[1]
+LAYOUT_WARNINGS: dict[str, list[str]] = {}  # 'builder: file name' -> matplotlib's constrained-layout warnings
 SEEDS = (0, 1, 2)
 
 
@@ -61,6 +63,20 @@ def _history(layers: int, heads: int, epochs: int, gated: int) -> list[dict]:
                 for head, value in enumerate(values, start=1):
                     record[f"{metric}/layer{layer}/head{head}"] = float(value)
         records.append(record)
+    # the values at initialization, logged with the first epoch (as the engine's loop logs them)
+    records[0].update({f"init_{key}": value for key, value in records[0].items() if "/" in key})
+    return records
+
+
+def _deviation(layers: tuple[str, ...], epochs: int, start: float) -> list[dict]:
+    """log.jsonl records as `efcn.diagnostics.summary` logs them: each embedded layer's deviation and the total."""
+    records = []
+    for epoch in range(1, epochs + 1):
+        values = {layer: start + (1 - start) * (1 - math.exp(-epoch / (5 + i))) / 2 for i, layer in enumerate(layers)}
+        record = {"epoch": epoch, **{f"deviation/{layer}": value for layer, value in values.items()}}
+        record["deviation/total"] = sum(values.values()) / len(values)
+        records.append(record)
+    records[0].update({f"init_deviation/{layer}": start for layer in (*layers, "total")})
     return records
 
 
@@ -174,11 +190,21 @@ def _efcn(tmp_path: Path) -> None:
 
 
 def _diagnostics(tmp_path: Path) -> None:
-    """`convbias-diagnostics`: ConViT-S-like logs (10 gated layers of 12, 9 heads) and attention maps."""
+    """`convbias-diagnostics`: ConViT-S-like logs (10 gated layers of 12, 9 heads), an eFCN's and an FCN's deviation
+    (three embedded layers) and attention maps."""
     records = _history(layers=12, heads=9, epochs=30, gated=10)
     figures.plot_nonlocality({"DeiT-S": records, "ConViT-S": records}, tmp_path / "nonlocality.png")
     figures.plot_per_head(records, "gating", tmp_path / "gating_convit.png", title="convit")
     figures.plot_per_head(records, "span", tmp_path / "span_convit.png", title="convit")
+    one_layer = _history(layers=2, heads=4, epochs=2, gated=1)  # a tiny ConViT's: one GPSA layer, spans 1e-5 from 1
+    for record in one_layer:
+        record.update(
+            {key: 1 + 1e-5 * (value - 2.0) for key, value in record.items() if key.startswith(("span/", "init_span/"))}
+        )
+    figures.plot_per_head(one_layer, "span", tmp_path / "span_one_layer.png", title="tiny")
+    layers = ("conv1", "conv2", "conv3")
+    deviation = {"eFCN t_w=5": _deviation(layers, 30, 0.0), "FCN": _deviation(layers, 30, 0.9)}
+    figures.plot_deviation(deviation, tmp_path / "deviation.png")
     maps = {f"layer {layer}": torch.rand(9, 14, 14).softmax(-1) for layer in (1, 10)}
     queries = {label: (7, 7) for label in maps}
     gates = {"layer 1": torch.linspace(0.05, 0.95, 9).tolist()}
@@ -306,9 +332,12 @@ def drawn(tmp_path_factory) -> tuple[dict[str, Figure], set[tuple[str, str]]]:
         patch.setattr(Figure, "__init__", record_init)
         for builder, build in BUILDERS.items():  # noqa: B007 (record_save reads it)
             build(tmp_path_factory.mktemp("figures"))
-    for fig in saved.values():
+    for name, fig in saved.items():
         FigureCanvasAgg(fig)
-        fig.draw_without_rendering()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fig.draw_without_rendering()
+        LAYOUT_WARNINGS[name] = [str(w.message) for w in caught if "constrained_layout" in str(w.message)]
     return saved, building
 
 
@@ -425,7 +454,14 @@ STABILITY_FILES = ("rf_vs_delta.png", "rf_per_layer.png", "rf_vs_error.png", "de
 FIGURES = [
     f"{builder}: {name}"
     for builder, names in {
-        "diagnostics": ("nonlocality.png", "gating_convit.png", "span_convit.png", "attention_maps.png"),
+        "diagnostics": (
+            "nonlocality.png",
+            "gating_convit.png",
+            "span_convit.png",
+            "span_one_layer.png",
+            "deviation.png",
+            "attention_maps.png",
+        ),
         **dict.fromkeys((b for b in BUILDERS if b.startswith("stability")), STABILITY_FILES),
         "efcn": ("fig6_2.png", "fig6_3.png", "fig6_4.png", "fig6_5.png", "fig6_6.png", "figE6.png"),
         "report": ("se.png", "heatmap.png", "lines.png", "named.png"),
@@ -465,6 +501,13 @@ def test_every_figure_of_the_package_is_drawn(drawn):
     assert len(builders) >= 15  # the ast scan finds them
     assert builders - building == set()
     assert sorted(saved) == sorted(FIGURES)
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_the_layout_fits_the_figure(figure, name):
+    """matplotlib's constrained layout found room for every panel, its labels and legends (no collapsed axes)."""
+    figure(name)
+    assert LAYOUT_WARNINGS[name] == []
 
 
 @pytest.mark.parametrize("name", FIGURES)

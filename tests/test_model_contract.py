@@ -11,7 +11,7 @@ import torch
 from fresh_registry import fresh_registry
 from timm.models import get_pretrained_cfg, model_entrypoint
 
-import convit  # noqa: F401  (registers convit_*, deit_*_plus)
+import convit.diagnostics  # registers convit_*, deit_*_plus
 import efcn  # noqa: F401  (registers vanilla_cnn, alexnet_cifar, efcn_*, fcn_*)
 import transformed_cnn  # noqa: F401  (registers tcnn_*)
 from convbias.base.timm_compat import feature_take_indices
@@ -91,6 +91,22 @@ def test_builds_on_the_meta_device_with_the_structure_of_a_real_model(name):
 
 
 @pytest.mark.parametrize("name", CHECKED)
+def test_forward_on_the_meta_device_gives_the_shapes_of_a_real_forward(name):
+    """timm's model tests run on the device TORCH_DEVICE names, the meta device included (as a meta-device
+    initialization, FSDP's, meets it): forward_features, forward_head and forward compute shapes only there."""
+    x = _input(name)
+    with torch.no_grad():
+        real = _build(name)
+        want = (real.forward_features(x).shape, real(x).shape)
+        meta = _build(name, device="meta")
+        meta_x = x.to("meta")
+        features = meta.forward_features(meta_x)
+        got = (features.shape, meta(meta_x).shape)
+        assert meta.forward_head(features).shape == want[1]
+    assert got == want and features.device.type == "meta"
+
+
+@pytest.mark.parametrize("name", CHECKED)
 def test_forward_features_and_head_compose_to_forward(name):
     model = _build(name, num_classes=7)
     x = _input(name)
@@ -152,13 +168,17 @@ SCRIPTED = [n for n in CHECKED if not n.startswith("tcnn_") or n in ("tcnn_resne
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 @pytest.mark.parametrize("name", SCRIPTED)
 def test_torchscript_matches_eager(name):
-    """timm's models script; so do ours. A scripted GPSA layer runs the explicit path (the hot path's
-    autograd Function does not script), the same function up to rounding."""
+    """timm's models script; so do ours, also once they have run (eager forwards and the training's
+    diagnostics fill the layers' caches of the token grid). A scripted GPSA layer runs the explicit path (the
+    hot path's autograd Function does not script), the same function up to rounding."""
     model = _build(name)
     x = _input(name)
+    with torch.no_grad():
+        eager = model(x)
+    convit.diagnostics.summary(model, x)  # the explicit path's caches too (attention maps, nonlocality)
     scripted = torch.jit.script(model)
     with torch.no_grad():
-        torch.testing.assert_close(scripted(x), model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(scripted(x), eager, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
@@ -206,6 +226,8 @@ def test_features_only_maps_match_feature_info_and_intermediates(name):
     x = _input(name, batch=1)
     with torch.no_grad():
         maps = features(x)
+    if not token_model:  # timm's test_model_forward_features: a CNN's default taps are at least three levels
+        assert len(features.feature_info.channels()) >= 3
     assert [m.shape[1] for m in maps] == features.feature_info.channels()
     for m, reduction in zip(maps, features.feature_info.reduction()):  # timm's bounds (unpadded pools round down)
         assert x.shape[-1] / (2 * reduction) < m.shape[-1] <= math.ceil(x.shape[-1] / reduction) + 1

@@ -322,6 +322,43 @@ def test_diagnostics_reads_the_run_dir_and_unreadable_weights_are_one_line(finis
     assert not (tmp_path / "figures2").exists() and not (tmp_path / "r").exists()
 
 
+def test_diagnostics_draws_the_maps_of_the_image_as_the_run_evaluates_it(finished_run, tmp_path, monkeypatch, capsys):
+    """--image goes through the run's own evaluation transform, the one convbias-predict applies (the digits' mean
+    and std, the run's crop_pct 1), not timm's defaults for the architecture (averaged ImageNet statistics, crop
+    0.875, which cut the digit's border): a dark image with a light left column, normalized in closed form. An
+    exported folder of the run gives the same tensor."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from convbias.cli import diagnostics, export
+    from convbias.engine.data.datasets import DIGITS_MEAN, DIGITS_STD
+    from convbias.sharing.prediction import load_predictor
+
+    output, _results, _ = finished_run
+    pixels = np.zeros((8, 8), dtype=np.uint8)
+    pixels[:, 0] = 255
+    image = tmp_path / "column.png"
+    Image.fromarray(pixels).save(image)
+    drawn = []
+    plot = diagnostics.plot_attention_maps
+    monkeypatch.setattr(
+        diagnostics, "plot_attention_maps", lambda x, *args, **kw: drawn.append(x) or plot(x, *args, **kw)
+    )
+    assert diagnostics.main([str(output), "--image", str(image), "--output", str(tmp_path / "figures")]) == 0
+    (x,) = drawn
+    (mean,), (std,) = DIGITS_MEAN, DIGITS_STD
+    expected = torch.full((1, 8, 8), -mean / std)
+    expected[..., 0] = (1 - mean) / std
+    torch.testing.assert_close(x, expected, rtol=0, atol=1e-6)
+    assert torch.equal(x, load_predictor(output).image(image))  # the one code path predict uses
+    exported = tmp_path / "exported"
+    assert export.main([str(output), "--output", str(exported)]) == 0
+    assert diagnostics.main([str(exported), "--image", str(image), "--output", str(tmp_path / "from_export")]) == 0
+    assert f"note: {exported}: no log.jsonl in it, so no history figures" in capsys.readouterr().err
+    torch.testing.assert_close(drawn[1], expected, rtol=0, atol=1e-6)  # the export's preprocessing is the run's
+
+
 def test_damaged_run_weights_are_one_line_exit_65_for_diagnostics_and_robustness(finished_run, tmp_path, capsys):
     """The newest point's weights with bytes flipped in their middle: refused before any model is built,
     naming the file; a run without a resume point is one line and exit 2 (no usage text)."""

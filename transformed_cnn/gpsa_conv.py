@@ -75,6 +75,10 @@ def _conv_output_length(size: int, kernel: int, padding: int, dilation: int, str
 class GPSAConv2d(GatedPositionalAttention):
     """Gated positional self-attention shaped like `nn.Conv2d`: NCHW in, NCHW out, same output size."""
 
+    # the eager forward's cache (a dict keyed by input size and device): TorchScript, which cannot type it once a
+    # forward has filled it, skips it, as the scripted forward never reads it
+    __jit_ignored_attributes__ = ["_geometry_cache"]
+
     def __init__(
         self,
         in_channels: int,

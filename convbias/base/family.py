@@ -32,6 +32,9 @@ class Family:
       is exported as}; that model takes the reparametrization's options as its keyword arguments.
     - `query_maps`: the attention maps `convbias-diagnostics --image` draws (see `QueryMaps`).
     - `tools`: what a study of this one family calls (the eFCN protocol's measurements and masks).
+    - `initialization_kwargs`: model kwargs that only say where the initial weights come from (an eFCN's
+      `cnn_checkpoint`, a file read when the model is built); trained weights replace them, so a run's model is
+      rebuilt without them and an export leaves them out (a path of the machine that trained it).
     """
 
     hub_tag: str
@@ -40,3 +43,4 @@ class Family:
     export_names: Mapping[str, Callable[[str], str]] = field(default_factory=dict)
     query_maps: QueryMaps | None = None
     tools: SimpleNamespace = field(default_factory=SimpleNamespace)
+    initialization_kwargs: tuple[str, ...] = ()

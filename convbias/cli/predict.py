@@ -6,7 +6,8 @@
 The model is a train.py run (--which last|best picks its checkpoint), a convbias-export folder, or timm's
 train.py checkpoint (last.pth.tar, model_best.pth.tar: the model and preprocessing its saved arguments name,
 --use-ema for its EMA's weights, as timm's validate.py); images are preprocessed as the run's validation images (resize and center crop at its img_size and crop_pct, its
-interpolation, the dataset's mean and std and channels). IMAGES are files, folders (searched recursively
+interpolation, the dataset's mean and std and channels), and the input the model expects is printed first on
+stderr (channels, size, normalization, dark or light images). IMAGES are files, folders (searched recursively
 for image files) or glob patterns. Writes, for each image, the top-k classes with their label, index and
 probability: CSV or JSON by the --output suffix (replaced atomically), CSV on standard output without
 --output. An image that cannot be decoded is named on stderr and skipped, and counted at the end. What
@@ -64,6 +65,7 @@ def _predict(argv: list[str] | None) -> int:
     device = args.device or default_device()
     paths = find_images(args.images)
     predictor = load_predictor(args.source, args.which, args.use_ema)
+    print(f"input: {predictor.expects()}", file=sys.stderr)
     for note in predictor.notes:
         print(f"warning: {note}", file=sys.stderr)
 

@@ -3,15 +3,21 @@
 Figures are built as `matplotlib.figure.Figure` objects and saved with the Agg canvas, without
 pyplot: nothing here changes the caller's matplotlib backend or leaves figures open.
 
-- `plot_nonlocality`: nonlocality per layer over epochs, one panel per run (Fig. 7.6: DeiT | ConViT).
+- `plot_nonlocality`: nonlocality per layer over epochs, one panel per run (Fig. 7.6: DeiT | ConViT), the
+  layer's depth in color with its color bar.
 - `plot_per_head`: gating sigma(lambda_h) (Fig. 7.7) or attention span 1/alpha_h (Fig. 8.4B) per
-  head over epochs, one panel per layer, heads in color and their mean in black.
+  head over epochs, one panel per layer on shared axes, heads in color and their mean in black.
+- `plot_deviation`: an eFCN's deviation from the CNN subspace per embedded layer over epochs, one panel per
+  run on shared axes (Sec. 6.3.3).
 - `plot_attention_maps`: an image with its query boxed in red, then one panel per head and a row per
   layer with the query's attention on a log color scale; each title gives sigma(lambda_h), its color
-  going from light (content) to dark red (position) (Figs. 7.8, 8.5). The maps come from
-  `convit.diagnostics.query_maps` (ViT layers) or `transformed_cnn.diagnostics.query_maps` (T-CNN layers).
+  going from light (content) to dark red (position), read on the gating color bar (Figs. 7.8, 8.5). The maps
+  come from `convit.diagnostics.query_maps` (ViT layers) or `transformed_cnn.diagnostics.query_maps` (T-CNN
+  layers).
 The history plots read the engine's `log.jsonl` (one JSON object per epoch, with `epoch` and keys
-`<metric>/layer<l>[/head<h>]`, as `convit.diagnostics.summary` logs them).
+`<metric>/layer<l>[/head<h>]`, as `convit.diagnostics.summary` logs them, or `deviation/<layer>`, as
+`efcn.diagnostics.summary` does); the first epoch's record also holds the values at initialization
+(`init_<key>`), drawn at epoch 0.
 
 Every module of the package that draws uses the helpers below, so that all its figures read alike:
 `qualitative_colors` (series that must be told apart), `log_ticks` (plain, non-overlapping labels on log
@@ -25,7 +31,7 @@ import itertools
 import math
 import re
 import textwrap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +40,8 @@ from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.axis import Axis
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import LogNorm
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import BoundaryNorm, ListedColormap, LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.legend import Legend
 from matplotlib.patches import Rectangle
@@ -49,6 +56,7 @@ __all__ = [
     "log_ticks",
     "metric_history",
     "plot_attention_maps",
+    "plot_deviation",
     "plot_nonlocality",
     "plot_per_head",
     "qualitative_colors",
@@ -56,13 +64,18 @@ __all__ = [
 ]
 
 METRICS = ("nonlocality", "gating", "span")
+HISTORY_METRICS = (*METRICS, "deviation")  # what the history figures draw: the metrics above and an eFCN's deviation
+INIT_PREFIX = "init_"  # the values at initialization, logged with the first epoch (drawn at epoch 0)
 LOG_SCALE_RANGE = 1e-4  # attention maps show at most four decades below their maximum
+GATE_COLOR_RANGE = (0.3, 1.0)  # the part of matplotlib's Reds a head's title takes for sigma 0..1 (0: still legible)
 LEGEND_TITLE_WIDTH = 44  # characters per line of a shared legend's title
+PER_HEAD_MIN_WIDTH = 4.8  # inches: a per-head figure's one panel with its axis labels and the legend of its heads
 _KEY = re.compile(r"^(?P<metric>\w+)/layer(?P<layer>\d+)(?:/head(?P<head>\d+))?$")
 _METRIC_LABELS = {  # the quantity and its unit (token positions are in patches, or pixels of a T-CNN layer's map)
     "nonlocality": "nonlocality: mean attention distance (patches)",
     "gating": r"gating $\sigma(\lambda_h)$ (0-1)",
     "span": r"attention span $1/\alpha_h$ (patches$^2$)",
+    "deviation": r"deviation $\delta$ from the CNN subspace (0-1)",
 }
 _METRIC_TITLES = {
     "nonlocality": "nonlocality per layer",
@@ -144,26 +157,59 @@ def error_bar_note(counts: Iterable[int], interval: str = "95% t interval of the
 History = dict[int, dict[int | None, tuple[list[float], list[float]]]]
 
 
+def _logged(records: Sequence[dict]) -> Iterator[tuple[float, str, float]]:
+    """(epoch, key, value) of every value the records log, in epoch order: the first epoch's `init_<key>` values
+    as (0, key), since they were measured before training."""
+    found = []
+    for record in records:
+        for key, value in record.items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or key == "epoch":
+                continue
+            initial = key.startswith(INIT_PREFIX)
+            epoch = 0.0 if initial else float(record["epoch"])
+            found.append((epoch, key.removeprefix(INIT_PREFIX) if initial else key, float(value)))
+    return iter(sorted(found, key=lambda item: item[0]))
+
+
 def metric_history(records: Sequence[dict], metric: str) -> History:
-    """{layer: {head or None for the layer mean: (epochs, values)}} of one metric over the records."""
+    """{layer: {head or None for the layer mean: (epochs, values)}} of one metric over the records, from
+    initialization (epoch 0) on."""
     if metric not in METRICS:
         raise ConfigError(f"metric must be one of {METRICS}, got {metric!r}")
     history: History = {}
-    for record in records:
-        for key, value in record.items():
-            match = _KEY.match(key)
-            if match is None or match["metric"] != metric or value is None:
-                continue
-            head = int(match["head"]) if match["head"] else None
-            epochs, values = history.setdefault(int(match["layer"]), {}).setdefault(head, ([], []))
-            epochs.append(float(record["epoch"]))
-            values.append(float(value))
+    for epoch, key, value in _logged(records):
+        match = _KEY.match(key)
+        if match is None or match["metric"] != metric:
+            continue
+        head = int(match["head"]) if match["head"] else None
+        epochs, values = history.setdefault(int(match["layer"]), {}).setdefault(head, ([], []))
+        epochs.append(epoch)
+        values.append(value)
     return history
 
 
-def _require(history: History, metric: str, what: str) -> None:
+def deviation_history(records: Sequence[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """{embedded layer or "total": (epochs, deviation)} of an eFCN's log (`deviation/<layer>` keys), from
+    initialization (epoch 0) on."""
+    history: dict[str, tuple[list[float], list[float]]] = {}
+    for epoch, key, value in _logged(records):
+        metric, _, layer = key.partition("/")
+        if metric == "deviation" and layer:
+            epochs, values = history.setdefault(layer, ([], []))
+            epochs.append(epoch)
+            values.append(value)
+    return history
+
+
+def logs_metric(records: Sequence[dict], metric: str) -> bool:
+    """Whether the records hold values that the history figure of `metric` (one of HISTORY_METRICS) draws."""
+    return bool(deviation_history(records) if metric == "deviation" else metric_history(records, metric))
+
+
+def _require(history: Mapping, metric: str, what: str) -> None:
     if not history:
-        raise ConfigError(f"no '{metric}/layer*' values in {what}: was the run logged with diagnostics on?")
+        key = f"{metric}/*" if metric == "deviation" else f"{metric}/layer*"
+        raise ConfigError(f"no '{key}' values in {what}: its model logs none (or it was trained with --no-diagnostics)")
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
@@ -180,7 +226,8 @@ def _grid(count: int) -> tuple[int, int]:
 
 # -- history figures ----------------------------------------------------------------------------
 def plot_nonlocality(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Path:
-    """Fig. 7.6: nonlocality of each layer (mean over heads) over epochs, one panel per run.
+    """Fig. 7.6: nonlocality of each layer (mean over heads) over epochs from initialization, one panel per run on
+    shared axes, the layer's depth in color (its color bar: layer 1 to the deepest of the runs).
 
     runs: {panel title: log records}, e.g. {"DeiT-S": deit_log, "ConViT-S": convit_log}."""
     histories = {name: metric_history(records, "nonlocality") for name, records in runs.items()}
@@ -188,32 +235,63 @@ def plot_nonlocality(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Pa
         raise ConfigError("no runs to plot")
     for name, history in histories.items():
         _require(history, "nonlocality", f"run {name!r}")
-    fig = Figure(figsize=(4.5 * len(histories), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(histories), sharey=True, squeeze=False)[0]
+    deepest = max(max(history) for history in histories.values())
+    layer_colors = colormaps["viridis"].resampled(deepest)  # one color per layer 1..deepest
+    norm = BoundaryNorm(np.arange(0.5, deepest + 1), deepest)
+    fig = Figure(figsize=(4.5 * len(histories) + 0.8, 3.6), layout="constrained")
+    axes = fig.subplots(1, len(histories), sharex=True, sharey=True, squeeze=False)[0]
     for ax, (name, history) in zip(axes, histories.items()):
-        layers = sorted(history)
-        colors = colormaps["viridis"](np.linspace(0, 0.9, len(layers)))
-        for color, layer in zip(colors, layers):
+        for layer in sorted(history):
             epochs, values = history[layer][None]
-            ax.plot(epochs, values, color=color, label=f"layer {layer}")
+            ax.plot(epochs, values, color=layer_colors(layer - 1), label=f"_layer {layer}")  # read on the color bar
         ax.set_title(f"{name}: {_METRIC_TITLES['nonlocality']}")
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("epoch (0: initialization)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize="x-small", ncol=2)
     axes[0].set_ylabel(_METRIC_LABELS["nonlocality"])
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=layer_colors), ax=list(axes), label="layer (line color)")
+    bar.set_ticks(range(1, deepest + 1) if deepest <= 12 else MaxNLocator(integer=True).tick_values(1, deepest))
+    return _save(fig, path)
+
+
+def plot_deviation(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Path:
+    """An eFCN's deviation from the CNN subspace, delta = ||W (1 - mask)|| / ||W|| (Sec. 6.3.3), of each embedded
+    layer and in total over epochs from initialization, one panel per run on shared axes (0 for an eFCN at its
+    embedding; an FCN of the same architecture starts far from it).
+
+    runs: {panel title: log records of an eFCN or FCN run}."""
+    histories = {name: deviation_history(records) for name, records in runs.items()}
+    if not histories:
+        raise ConfigError("no runs to plot")
+    for name, history in histories.items():
+        _require(history, "deviation", f"run {name!r}")
+    fig = Figure(figsize=(4.5 * len(histories), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(histories), sharex=True, sharey=True, squeeze=False)[0]
+    for ax, (name, history) in zip(axes, histories.items()):
+        layers = [layer for layer in history if layer != "total"]
+        for color, layer in zip(qualitative_colors(len(layers)), layers):
+            ax.plot(*history[layer], color=color, linewidth=1.3, label=layer)
+        if "total" in history:
+            ax.plot(*history["total"], "k--", linewidth=1.0, label="all layers")
+        ax.set_title(f"{name}: deviation per layer", fontsize="small")
+        ax.set_xlabel("epoch (0: initialization)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_ylabel(_METRIC_LABELS["deviation"])
+    shared_legend(fig, axes, title="embedded layer")
     return _save(fig, path)
 
 
 def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title: str = "") -> Path:
-    """Fig. 7.7 (metric="gating") or Fig. 8.4B (metric="span"): one panel per layer, one line per head in
-    colors told apart, drawn over the mean over heads (thin, dashed, black) so that no head hides under it;
-    one legend for all panels."""
+    """Fig. 7.7 (metric="gating") or Fig. 8.4B (metric="span"): one panel per layer on shared axes, from
+    initialization (epoch 0) on, one line per head in colors told apart, drawn over the mean over heads (thin,
+    dashed, black) so that no head hides under it; one legend for all panels."""
     history = metric_history(records, metric)
     _require(history, metric, "the log")
     layers = sorted(history)
     rows, cols = _grid(len(layers))
-    fig = Figure(figsize=(2.6 * cols, 2.2 * rows + 0.4), layout="constrained")
-    axes = fig.subplots(rows, cols, sharex=True, sharey=metric == "gating", squeeze=False).flatten()
+    # at least the width of a panel, its labels and the legend beside it (one layer: a small model)
+    fig = Figure(figsize=(max(2.6 * cols, PER_HEAD_MIN_WIDTH), 2.2 * rows + 0.4), layout="constrained")
+    axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).flatten()
+    axes[0].yaxis.get_major_formatter().set_useOffset(False)  # values as logged (1.00001), not an offset's digits
     for ax, layer in zip(axes, layers):
         heads = sorted(h for h in history[layer] if h is not None)
         for color, head in zip(qualitative_colors(len(heads)), heads):
@@ -226,7 +304,7 @@ def plot_per_head(records: Sequence[dict], metric: str, path: str | Path, title:
             ax.set_ylim(-0.03, 1.03)
     for ax in axes[len(layers) :]:
         ax.set_visible(False)
-    fig.supxlabel("epoch")
+    fig.supxlabel("epoch (0: initialization)")
     fig.supylabel(_METRIC_LABELS[metric])
     fig.suptitle(f"{title}: {_METRIC_TITLES[metric]}" if title else _METRIC_TITLES[metric])
     shared_legend(fig, axes[: len(layers)])
@@ -267,10 +345,10 @@ def plot_attention_maps(
         raise ConfigError("no attention maps to plot")
     gates = gates or {}
     heads = max(layer_maps.shape[0] for layer_maps in maps.values())
-    fig = Figure(figsize=(1.9 * (heads + 1), 2.0 * len(maps) + 0.3), layout="constrained")
+    fig = Figure(figsize=(1.9 * (heads + 1), 2.0 * len(maps) + 0.3 + 0.5 * bool(gates)), layout="constrained")
     axes = fig.subplots(len(maps), heads + 1, squeeze=False)
     shown = displayable(image)
-    reds = colormaps["Reds"]
+    reds = ListedColormap(colormaps["Reds"](np.linspace(*GATE_COLOR_RANGE, 256)))  # sigma 0..1: light to dark red
     for row_axes, (label, layer_maps) in zip(axes, maps.items()):
         layer_maps = layer_maps.detach().float().cpu().numpy()
         grid = layer_maps.shape[1:]
@@ -294,11 +372,20 @@ def plot_attention_maps(
                 ax.set_title(f"head {head}", fontsize="small")
             else:
                 gate = float(layer_gates[head - 1])
-                ax.set_title(rf"head {head}  $\sigma$={gate:.2f}", fontsize="small", color=reds(0.3 + 0.7 * gate))
+                ax.set_title(rf"head {head}  $\sigma$={gate:.2f}", fontsize="small", color=reds(gate))
         for ax in row_axes:
             ax.set_xticks([])
             ax.set_yticks([])
         fig.colorbar(shown_map, ax=list(row_axes[1:]), shrink=0.9, label="attention weight\n(log scale)")
+    if gates:
+        fig.colorbar(
+            ScalarMappable(norm=Normalize(0, 1), cmap=reds),
+            ax=list(axes.flat),
+            location="bottom",
+            shrink=0.5,
+            aspect=40,
+            label=r"title color: gating $\sigma(\lambda_h)$ (0 content, 1 position)",
+        )
     fig.suptitle(
         r"attention of the boxed query, per head ($\sigma$: gating, weight on position)"
         if gates

@@ -202,9 +202,11 @@ def gate_factors(positional: PositionalFactors, gate: torch.Tensor) -> GatedFact
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype a Linear layer with this weight outputs here: autocast's when it is on, else the weight's."""
-    if torch.is_autocast_enabled(weight.device.type):
-        return torch.get_autocast_dtype(weight.device.type)
+    """The dtype a Linear layer with this weight outputs here: autocast's when it is on, else the weight's (on a
+    device type without autocast too, such as the meta device of a model built without memory)."""
+    device_type = weight.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
     return weight.dtype
 
 

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from importlib import metadata
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from huggingface_hub.constants import SAFETENSORS_SINGLE_FILE
 from huggingface_hub.errors import OfflineModeIsEnabled
 from timm.models import model_entrypoint, save_for_hf
 
+from convbias.base.errors import DamagedInputError
+from convbias.base.inputs import read_file
 from convbias.base.run_layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE, TIMM_ARGS_FILE
 from convbias.base.storage import staged_directory, storage_reason
 from convbias.base.tables import markdown_table
@@ -66,7 +69,7 @@ from convbias.engine.checkpointing.timm_checkpoint import (
     timm_data_config,
 )
 from convbias.engine.data.factory import input_format
-from convbias.families import export_name, hub_tag
+from convbias.families import export_name, hub_tag, initialization_kwargs
 from convbias.sharing.deploy import (
     DEPLOY_FORMATS,
     PACKAGE,
@@ -75,6 +78,7 @@ from convbias.sharing.deploy import (
     export_onnx,
     export_program,
 )
+from convbias.sharing.prediction import describe_input
 
 DEFAULT_LICENSE = "apache-2.0"
 # The recipe fields a model card lists (the whole config.yaml is in the folder too).
@@ -105,7 +109,20 @@ RECIPE_KEYS = (
     "model_ema",
     "seed",
 )
-RUN_FILES = (CONFIG_FILE, RESULTS_FILE)  # the run's own files, copied beside the card
+RUN_FILES = (CONFIG_FILE, RESULTS_FILE)  # the run's own files, beside the card
+# Options naming a file or folder of the machine that trained the run (train.py's, and timm's args.yaml keys):
+# an exported folder leaves them out, as the model kwargs that only say where initial weights came from
+MACHINE_PATH_OPTIONS = ("output", "data_dir", "data", "resume", "checkpoint", "eval_only", "pretrained_file",
+                        "pretrained_path", "initial_checkpoint", "class_map", "distill_teacher_file", "config")  # fmt: skip
+KWARG_OPTIONS = ("model_kwargs", "reparametrize_kwargs")
+# The work a card cites: the thesis (its chapter per family) and the ConViT paper
+CITATIONS = (
+    "S. d'Ascoli, *Overparametrization, Architectures and Dynamics of Deep Neural Networks: from Theory to "
+    "Practice*, PhD thesis, Université PSL, 2022; Part II, *From Architectural Constraints to Inductive Biases* "
+    "(chapter 6: eFCNs, chapter 7: ConViT, chapter 8: Transformed CNNs).",
+    "S. d'Ascoli, H. Touvron, M. L. Leavitt, A. S. Morcos, G. Biroli, L. Sagun, *ConViT: Improving Vision "
+    "Transformers with Soft Convolutional Inductive Biases*, ICML 2021.",
+)
 # pretrained_cfg fields that describe timm's published weights of the architecture, not a run's
 SOURCE_FIELDS = (
     "tag",
@@ -144,7 +161,9 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
             "eps; export a run without it"
         )
     spec = run.model_spec(which)  # refuses a run without that checkpoint; verifies its weights
-    name, model_kwargs = spec["model"], dict(spec["model_kwargs"])
+    initialization = initialization_kwargs()  # the checkpoint's weights replace them (a file that may be gone)
+    name = spec["model"]
+    model_kwargs = {key: value for key, value in spec["model_kwargs"].items() if key not in initialization}
     try:
         check_model_name(name, option=f"{run.path / CONFIG_FILE} model")
     except ConfigError as error:
@@ -217,6 +236,33 @@ def run_metrics(run: RunDir, checkpoint: RunCheckpoint) -> dict[str, float]:
         if record["epoch"] == checkpoint.epoch and record.get("eval_top1") is not None:
             return _top(record, "eval")
     return {}
+
+
+def portable_options(options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A run's options (its config.yaml, or timm's args.yaml) as an exported folder holds them: the options naming
+    a file or folder of the machine that trained it emptied (`MACHINE_PATH_OPTIONS`), the model kwargs that only
+    say where initial weights came from dropped (the families' `initialization_kwargs`); and what was left out."""
+    kept, left_out = dict(options), []
+    for name in MACHINE_PATH_OPTIONS:
+        if isinstance(kept.get(name), str) and kept[name] not in ("", "auto"):
+            kept[name] = None
+            left_out.append(name)
+    initialization = initialization_kwargs()
+    for name in KWARG_OPTIONS:
+        kwargs = kept.get(name)
+        if isinstance(kwargs, dict) and initialization & set(kwargs):
+            kept[name] = {key: value for key, value in kwargs.items() if key not in initialization}
+            left_out += [f"{name}.{key}" for key in sorted(initialization & set(kwargs))]
+    return kept, left_out
+
+
+def portable_run_config(run: RunDir) -> tuple[str, list[str]]:
+    """The run's config.yaml as an exported folder holds it (`portable_options`): its comment lines (the derived
+    values), then the options; and what was left out."""
+    text = read_file(run.path / CONFIG_FILE, "run config", DamagedInputError).decode("utf-8", "replace")
+    comments = "".join(line + "\n" for line in takewhile(lambda line: line.startswith("#"), text.splitlines()))
+    options, left_out = portable_options(run.config)
+    return comments + yaml.safe_dump(options, sort_keys=False), left_out
 
 
 def _provenance() -> dict[str, str]:
@@ -310,10 +356,16 @@ def model_card(
     args = exported["model_args"]
     params = sum(p.numel() for p in model.parameters())
     cfg = exported["pretrained_cfg"]
-    recipe = [(key, json.dumps(config[key])) for key in RECIPE_KEYS if key in config and config[key] not in (None, {})]
+    options = portable_options(config)[0]  # the recipe without the machine's paths, as config.yaml beside it
+    recipe = [(key, json.dumps(options[key])) for key in RECIPE_KEYS if options.get(key) not in (None, {})]
     results = _results_table(checkpoint, dataset, metrics)
     provenance = exported["provenance"]
-    size = cfg["input_size"]
+    left_out = exported.get("left_out") or []
+    rerun = "`train.py -c config.yaml` reruns it" + (
+        f"; left out, as paths of the machine that trained it: {', '.join(left_out)} (give them again)"
+        if left_out
+        else ""
+    )
     lines = [
         *_card_top(front, name),
         "",
@@ -323,38 +375,92 @@ def model_card(
         "## Model details",
         f"- **Architecture:** `{name}`, {params / 1e6:.3f}M parameters",
         f"- **Constructor arguments (`model_args`):** `{json.dumps(args, sort_keys=True)}`",
-        f"- **Input:** {size[0]} x {size[1]} x {size[2]}, mean {list(cfg['mean'])}, std {list(cfg['std'])}, "
-        f"crop_pct {cfg.get('crop_pct')}, interpolation {cfg.get('interpolation')}",
+        f"- **Input:** {describe_input(cfg)}",
         f"- **Classes:** {cfg['num_classes']}"
         + (f" ({', '.join(map(str, exported['label_names']))})" if exported.get("label_names") else ""),
         f"- **Dataset:** {dataset}",
         "",
+        *_intended_use(f"the {cfg['num_classes']} classes of `{dataset}`", "below, on its validation images", cfg),
         "## Training recipe",
         markdown_table(["option", "value"], recipe).rstrip(),
         "",
-        "The complete resolved options are in `config.yaml` beside this card (`train.py -c config.yaml` reruns it).",
+        f"The complete resolved options are in `config.yaml` beside this card ({rerun}).",
         "",
         "## Results",
         results.rstrip(),
         "",
-        *_loading_and_software(f"import {family}  # registers {name} in timm\n", repo_id, provenance),
+        *_usage_and_software(family, name, repo_id, exported["folder"], provenance),
     ]
     return "\n".join(lines)
 
 
-def _loading_and_software(imports: str, repo_id: str | None, provenance: dict[str, str]) -> list[str]:
-    """A model card's last sections: how to load the model through timm, and the software that exported it.
-    `imports`: the line that registers the model's family in timm ('' for timm's own models)."""
+def _intended_use(classes: str, measured: str, cfg: dict[str, Any]) -> list[str]:
+    """The card's intended use and limits: what the model was trained for, the inputs it labels, what was measured."""
+    size = cfg["input_size"]
     return [
+        "## Intended use and limits",
+        "- **Intended use:** research on convolutional inductive biases (the work cited below): reproducing, "
+        "comparing or extending its experiments, such as the locality diagnostics of `convbias-diagnostics`.",
+        f"- **Inputs:** {size[0]} x {size[1]} x {size[2]} images of {classes}, preprocessed as `config.json`'s "
+        "`pretrained_cfg` says (timm's `resolve_model_data_config`, below). An image of another kind or class gets "
+        "one of these labels anyway, without meaning.",
+        f"- **Measured:** the accuracy {measured}, and nothing else: its calibration, robustness and behaviour on "
+        "other data were not evaluated. It is not meant for decisions about people or anything safety-related.",
+        "",
+    ]
+
+
+def _timm_builds_its_own(name: str) -> bool:
+    """Whether timm alone (without the family's package) has its own model of this name (timm's ConViTs)."""
+    entry = getattr(timm.models, name, None)
+    return callable(entry) and getattr(entry, "__module__", "").startswith("timm.")
+
+
+def _usage_and_software(
+    family: str, name: str, repo_id: str | None, folder: str, provenance: dict[str, str]
+) -> list[str]:
+    """A model card's last sections: how to get the package that registers a family's model, how to load the model
+    through timm (from the Hub with `repo_id`, else from the folder), the work to cite, and the software that
+    exported it. `family`: the package that registered the model ('timm' for timm's own)."""
+    ours = family != "timm"
+    source = f"hf-hub:{repo_id}" if repo_id else f"local-dir:{folder}"
+    where = "" if repo_id else "  # this folder, from the folder that holds it"
+    lines = []
+    if ours:
+        lines += [
+            "## Getting the package",
+            f"`import {family}` registers `{name}` in timm; it comes with the `{PACKAGE}` package "
+            f"({provenance['version']}), which is not part of timm. Install it from its source tree at the commit "
+            "below (in a checkout of it: `pip install .`; Python >= 3.10, it brings torch and timm >= 1.0.31).",
+            *(
+                [f"timm alone (without `import {family}`) builds its own `{name}` from this folder too."]
+                if _timm_builds_its_own(name)
+                else []
+            ),
+            "",
+        ]
+    lines += [
         "## How to load it",
         "```python",
         "import timm",
-        f"{imports}",
-        f"model = timm.create_model('hf-hub:{repo_id or 'USER/REPO'}', pretrained=True).eval()  # or 'local-dir:PATH'",
+        *([f"import {family}  # registers {name} in timm"] if ours else []),
+        "",
+        f"model = timm.create_model('{source}', pretrained=True).eval(){where}",
         "data_config = timm.data.resolve_model_data_config(model)",
         "transform = timm.data.create_transform(**data_config, is_training=False)",
         "```",
         "",
+    ]
+    if not repo_id:
+        lines += [
+            "Uploaded to the Hugging Face Hub (`convbias-export RUN --output DIR --push-to` a repository id, or "
+            "`huggingface-cli upload`), it loads with `hf-hub:` and that id in place of `local-dir:`.",
+            "",
+        ]
+    if ours:
+        lines += ["## Citation", *(f"- {citation}" for citation in CITATIONS), ""]
+    return [
+        *lines,
         "## Software",
         f"- {PACKAGE} {provenance['version']}, commit {provenance['commit']}",
         f"- timm {provenance['timm']}, torch {provenance['torch']}",
@@ -424,7 +530,8 @@ def export_run(
         return model_card(model, info, metrics, exported, license, repo_id)
 
     files: dict[str, Path | str] = {name: run.path / name for name in RUN_FILES if (run.path / name).is_file()}
-    checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license)
+    files[CONFIG_FILE], left_out = portable_run_config(run)
+    checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license, left_out)
     return {
         "output": output,
         "model": info["model"],
@@ -444,10 +551,12 @@ def write_export(
     deploy: tuple[str, ...],
     example: torch.Tensor | None,
     license: str,
+    left_out: list[str] | None = None,
 ) -> dict[str, float]:
     """Write the export folder (staged, renamed into place): timm's save_for_hf files, the card (``card``: the
     README.md text from what was exported), ``files`` (a Path: copied; a str: the text written), and the ``deploy`` formats checked
-    against the model (their relative errors are returned)."""
+    against the model (their relative errors are returned); ``left_out``: the options the files leave out (the
+    machine's paths), for the card."""
     # the weights are the run's: drop what the registered cfg says about timm's pretrained weights
     model.pretrained_cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in SOURCE_FIELDS}
     model.pretrained_cfg["license"] = license
@@ -461,6 +570,8 @@ def write_export(
             "pretrained_cfg": hf_config["pretrained_cfg"],
             "label_names": hf_config.get("label_names"),
             "provenance": _provenance(),
+            "folder": output.name,
+            "left_out": left_out,
         }
         with _writing(output, "README.md"):
             (tmp / "README.md").write_text(card(exported))
@@ -500,11 +611,11 @@ def timm_model_card(model: torch.nn.Module, checkpoint: Any, use_ema: bool, expo
     family = _family(name)
     dataset = str(args.get("dataset") or "image folder")
     front = _front_matter(name, family, dataset, {}, license)
-    cfg, size = exported["pretrained_cfg"], exported["pretrained_cfg"]["input_size"]
-    recipe = [(key, json.dumps(_plain(args[key]))) for key in TIMM_RECIPE_KEYS if args.get(key) not in (None, {}, "")]
+    cfg = exported["pretrained_cfg"]
+    options = portable_options(_plain(args))[0]  # without the machine's paths, as args.yaml beside it
+    recipe = [(key, json.dumps(options[key])) for key in TIMM_RECIPE_KEYS if options.get(key) not in (None, {}, "")]
     metric = "not saved" if checkpoint.metric is None else f"{args.get('eval_metric', 'top1')} {checkpoint.metric:.4g}"
     provenance = exported["provenance"]
-    imports = "" if family == "timm" else f"import {family}  # registers {name} in timm\n"
     lines = [
         *_card_top(front, name),
         "",
@@ -514,20 +625,26 @@ def timm_model_card(model: torch.nn.Module, checkpoint: Any, use_ema: bool, expo
         "## Model details",
         f"- **Architecture:** `{name}`, {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters",
         f"- **Constructor arguments (`model_args`):** `{json.dumps(exported['model_args'], sort_keys=True)}`",
-        f"- **Input:** {size[0]} x {size[1]} x {size[2]}, mean {list(cfg['mean'])}, std {list(cfg['std'])}, "
-        f"crop_pct {cfg.get('crop_pct')}, interpolation {cfg.get('interpolation')}",
+        f"- **Input:** {describe_input(cfg)}",
         f"- **Classes:** {cfg['num_classes']}"
         + (f" ({', '.join(map(str, exported['label_names']))})" if exported.get("label_names") else ""),
         "",
+        *_intended_use(f"its {cfg['num_classes']} classes", "timm's train.py saved with it (below)", cfg),
         "## Training recipe",
         markdown_table(["option", "value"], recipe).rstrip(),
         "",
-        "The complete arguments are in `args.yaml` beside this card (timm's `train.py -c args.yaml`).",
+        "The complete arguments are in `args.yaml` beside this card (timm's `train.py -c args.yaml`"
+        + (
+            f"; left out, as paths of the machine that trained it: {', '.join(exported['left_out'])}"
+            if exported["left_out"]
+            else ""
+        )
+        + ").",
         "",
         "## Results",
         f"Metric saved with the checkpoint by timm's train.py (the EMA's when its run evaluated one): {metric}.",
         "",
-        *_loading_and_software(imports, repo_id, provenance),
+        *_usage_and_software(family, name, repo_id, exported["folder"], provenance),
     ]
     return "\n".join(lines)
 
@@ -561,8 +678,9 @@ def export_timm_checkpoint(
     def card(exported: dict[str, Any]) -> str:
         return timm_model_card(model, checkpoint, use_ema, exported, license, repo_id)
 
-    files = {TIMM_ARGS_FILE: yaml.safe_dump(_plain(checkpoint.args), sort_keys=False)}  # as timm's run folder has it
-    checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license)
+    args, left_out = portable_options(_plain(checkpoint.args))
+    files = {TIMM_ARGS_FILE: yaml.safe_dump(args, sort_keys=False)}  # as timm's run folder has it, less the paths
+    checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license, left_out)
     return {
         "output": output,
         "model": checkpoint.args["model"],

@@ -55,6 +55,46 @@ EXPORTED_WEIGHTS = (SAFETENSORS_SINGLE_FILE, PYTORCH_WEIGHTS_NAME)  # the files 
 GLOB_CHARACTERS = frozenset("*?[")
 
 
+# A channel mean of the training images below this (or above 1 - it) says they are mostly dark (light)
+MOSTLY_DARK = 0.4
+
+
+def describe_input(data_config: dict[str, Any]) -> str:
+    """The input a model expects, in words, from its evaluation preprocessing (timm's data config: input_size,
+    mean, std, crop_pct, interpolation): channels, size, the resize and crop, the normalization, and whether its
+    training images were mostly dark or light (the digits' light strokes on a dark background)."""
+    channels, height, width = data_config["input_size"]
+    crop, interpolation = float(data_config.get("crop_pct") or 1.0), data_config.get("interpolation") or "bilinear"
+    mean, std = tuple(data_config["mean"]), tuple(data_config["std"])
+    kind = (
+        "1-channel (grayscale)"
+        if channels == 1
+        else f"{channels}-channel (RGB)"
+        if channels == 3
+        else f"{channels}-channel"
+    )
+    resize = round(min(height, width) / crop)
+    text = (
+        f"{kind} images, shorter side resized to {resize} px ({interpolation}) and center-cropped to "
+        f"{height}x{width}, then normalized with mean {_numbers(mean)} and std {_numbers(std)}"
+    )
+    level = sum(mean) / len(mean)
+    if level < MOSTLY_DARK:
+        text += (
+            f"; its training images are mostly dark (mean pixel {level:.2f} of 1): light strokes on a dark "
+            "background, as the digits datasets' (invert dark-on-light images first)"
+        )
+    elif level > 1 - MOSTLY_DARK:
+        text += (
+            f"; its training images are mostly light (mean pixel {level:.2f} of 1): invert light-on-dark images first"
+        )
+    return text
+
+
+def _numbers(values: tuple[float, ...]) -> str:
+    return ", ".join(f"{value:.4g}" for value in values) if len(values) > 1 else f"{values[0]:.4g}"
+
+
 @dataclass
 class Predictor:
     """A model in eval mode with the preprocessing and class names it was trained with."""
@@ -66,9 +106,21 @@ class Predictor:
     source: str  # the checkpoint or folder, for the user
     label_names: list[str] | None = None  # None: classes are named by their index
     notes: list[str] = field(default_factory=list)  # what the user should know (why labels are indices)
+    data_config: dict[str, Any] = field(default_factory=dict)  # the preprocessing: input_size, mean, std, crop...
 
     def label(self, index: int) -> str:
         return self.label_names[index] if self.label_names else str(index)
+
+    def expects(self) -> str:
+        """The input the model expects, in words (`describe_input`)."""
+        return describe_input(self.data_config)
+
+    def image(self, path: str | Path) -> torch.Tensor:
+        """One image file as the model sees it at evaluation (ConfigError naming a file that does not decode)."""
+        try:
+            return self.transform(read_image(Path(path), self.image_mode))
+        except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
+            raise ConfigError(f"{path}: cannot read the image ({first_line(error)})") from None
 
 
 @dataclass
@@ -141,7 +193,7 @@ def load_timm(path: str | Path, use_ema: bool = False) -> Predictor:
     labels, notes = timm_class_names(checkpoint, model.num_classes)
     source = f"{path}" + (" (EMA)" if use_ema else "")
     in_chans = data_config["input_size"][0]
-    return Predictor(model, transform, model.num_classes, image_mode(in_chans), source, labels, notes)
+    return Predictor(model, transform, model.num_classes, image_mode(in_chans), source, labels, notes, data_config)
 
 
 def load_run(path: str | Path, which: str = "last") -> Predictor:
@@ -155,7 +207,15 @@ def load_run(path: str | Path, which: str = "last") -> Predictor:
     _, transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, config)
     num_classes = spec["num_classes"] or model.num_classes
     labels, notes = run_class_names(config, num_classes)
-    return Predictor(model, transform, num_classes, image_mode(spec["in_chans"]), checkpoint.describe(), labels, notes)
+    data_config = dict(
+        input_size=(shape.in_chans, shape.img_size, shape.img_size),
+        mean=shape.mean,
+        std=shape.std,
+        crop_pct=shape.crop_pct,
+        interpolation=shape.interpolation,
+    )
+    mode = image_mode(spec["in_chans"])
+    return Predictor(model, transform, num_classes, mode, checkpoint.describe(), labels, notes, data_config)
 
 
 def run_class_names(config: Any, num_classes: int) -> tuple[list[str] | None, list[str]]:
@@ -239,7 +299,7 @@ def load_exported(path: str | Path) -> Predictor:
     labels = model.pretrained_cfg.get("label_names")
     notes = [] if labels else [f"{path / EXPORTED_CONFIG} has no label_names: labels are class indices"]
     in_chans = data_config["input_size"][0]
-    return Predictor(model, transform, model.num_classes, image_mode(in_chans), str(path), labels, notes)
+    return Predictor(model, transform, model.num_classes, image_mode(in_chans), str(path), labels, notes, data_config)
 
 
 def find_images(items: Sequence[str | Path]) -> list[Path]:

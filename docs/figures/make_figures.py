@@ -132,12 +132,13 @@ def sweeps(scratch: Path) -> None:
 
 
 def _gating_log(layers: int = 6, heads: int = 9, epochs: int = 30) -> list[dict]:
-    """A synthetic log.jsonl of a ConViT-S-like run: heads leave position for content at their own pace."""
+    """A synthetic log.jsonl of a ConViT-S-like run: heads leave position for content at their own pace; the
+    first epoch's record holds the values at initialization too (init_<key>), as train.py logs them."""
     rng = np.random.default_rng(1)
     pace = np.linspace(0.2, 3.0, heads)
     records = []
-    for epoch in range(epochs):
-        record: dict = {"epoch": epoch}
+    for epoch in range(epochs + 1):
+        record: dict = {}
         for layer in range(1, layers + 1):
             record[f"nonlocality/layer{layer}"] = 1.5 + 0.2 * layer + 0.04 * epoch * layer / layers
             decay = np.exp(-pace * (epoch / epochs) * (1 + layer / layers))
@@ -145,6 +146,25 @@ def _gating_log(layers: int = 6, heads: int = 9, epochs: int = 30) -> list[dict]
                 values = values + rng.normal(0, 0.01, heads)
                 record[f"{metric}/layer{layer}"] = float(values.mean())
                 record.update({f"{metric}/layer{layer}/head{h}": float(v) for h, v in enumerate(values, start=1)})
+        if epoch == 0:
+            initial = {f"init_{key}": value for key, value in record.items()}
+        else:
+            records.append({"epoch": epoch, **(initial if epoch == 1 else {}), **record})
+    return records
+
+
+def _deviation_log(start: float, epochs: int = 30) -> list[dict]:
+    """A synthetic log.jsonl of an eFCN (`start` 0: at its embedding) or of its FCN (`start` near 1)."""
+    layers = ("conv1", "conv2", "conv3")
+    value = {layer: start * (0.9 + 0.05 * i) for i, layer in enumerate(layers)}
+    records = []
+    for epoch in range(1, epochs + 1):
+        grown = {layer: v + (1 - v) * 0.02 * (3 - i) * epoch / epochs for i, (layer, v) in enumerate(value.items())}
+        record = {"epoch": epoch, **{f"deviation/{layer}": v for layer, v in grown.items()}}
+        record["deviation/total"] = float(np.mean(list(grown.values())))
+        if epoch == 1:
+            record |= {f"init_deviation/{layer}": v for layer, v in value.items()}
+            record["init_deviation/total"] = float(np.mean(list(value.values())))
         records.append(record)
     return records
 
@@ -153,11 +173,16 @@ def locality(scratch: Path) -> None:
     """`convbias-diagnostics` figures: synthetic logs, and an untrained ConViT's attention of one query."""
     records = _gating_log()
     deit = [
-        {"epoch": r["epoch"], **{k: 1.3 * v for k, v in r.items() if k.startswith("nonlocality/")}} for r in records
+        {
+            "epoch": r["epoch"],
+            **{k: 1.3 * v for k, v in r.items() if k.removeprefix("init_").startswith("nonlocality/")},
+        }
+        for r in records
     ]
     figures.plot_nonlocality({"DeiT": deit, "ConViT": records}, HERE / "nonlocality.png")
     figures.plot_per_head(records, "gating", HERE / "gating.png", title="ConViT (synthetic log)")
     figures.plot_per_head(records, "span", HERE / "span.png", title="ConViT (synthetic log)")
+    figures.plot_deviation({"eFCN": _deviation_log(0.0), "FCN": _deviation_log(0.9)}, HERE / "deviation.png")
     torch.manual_seed(0)
     model = timm.create_model("convit_tiny", img_size=32, patch_size=4, num_classes=10).eval()
     digit = torch.tensor(load_digits().images[3], dtype=torch.float32)[None, None] / 16

@@ -504,8 +504,10 @@ class RunDir:
         return self._unless_removed(which, lambda: self._build_verified_model(which, extensions))
 
     def _build_verified_model(self, which: str, extensions: Any) -> tuple[Any, RunCheckpoint]:
-        spec = self.model_spec(which)
-        cfg = self.run_config().replace(img_size=spec["img_size"], pretrained=False, pretrained_file=None)
+        spec, cfg = self.model_spec(which), self.run_config()
+        initialization = getattr(extensions, "initialization_kwargs", frozenset())  # the checkpoint replaces them
+        model_kwargs = {k: v for k, v in (cfg.model_kwargs or {}).items() if k not in initialization}
+        cfg = cfg.replace(img_size=spec["img_size"], pretrained=False, pretrained_file=None, model_kwargs=model_kwargs)
         known = getattr(extensions, "reparametrizations", {}) or {}
         model, _ = create_run_model(
             cfg, spec["num_classes"], spec["in_chans"], spec["reparametrized"], known, spec["checkpoint"].describe()

@@ -9,6 +9,8 @@ training:
 - `reparametrizations`: {name: fn(model, **kwargs) -> model}, a change of architecture during training
   (`--reparametrize NAME --reparametrize-at-epoch E`): the engine swaps the model and keeps the optimizer
   state of every parameter that survives (same name and shape).
+- `initialization_kwargs`: model kwargs that only say where a model's initial weights come from (a file read
+  when it is built): a run's model rebuilt around its checkpoint's weights is built without them.
 """
 
 from __future__ import annotations
@@ -22,3 +24,4 @@ from convbias.base.family import Diagnostic, Reparametrization  # no torch there
 class Extensions:
     diagnostics: dict[str, Diagnostic] = field(default_factory=dict)
     reparametrizations: dict[str, Reparametrization] = field(default_factory=dict)
+    initialization_kwargs: frozenset[str] = frozenset()
