@@ -547,8 +547,10 @@ def _normalize(cfg: Config) -> None:
     if cfg.pretrained_file:
         cfg.pretrained = True
     if cfg.input_size is not None:  # timm's --input-size C H W: --in-chans C --img-size H (_check_input: they agree)
+        given = option_source(cfg, "input_size") == "command line"
         for name, value in (("in_chans", cfg.input_size[0]), ("img_size", cfg.input_size[1])):
-            if getattr(cfg, name) is None:
+            # the command line's over a file's, as timm's resolve_data_config takes input_size over img_size
+            if getattr(cfg, name) is None or (given and option_source(cfg, name) != "command line"):
                 setattr(cfg, name, value)
                 credit(cfg, name, f"--input-size ({option_source(cfg, 'input_size')})")
     if cfg.input_img_mode is not None:  # timm's image mode: the channels (_check_input: they agree)
