@@ -21,6 +21,7 @@ from torchvision.transforms import ColorJitter
 
 import convit  # noqa: F401  (registers the project's models)
 import transformed_cnn  # noqa: F401
+from convbias.base.errors import ConfigError
 from convbias.cli import train
 from convbias.engine.config.options import Config
 from convbias.engine.config.parsing import config_warnings, option_source, parse_config
@@ -354,6 +355,24 @@ def test_the_input_size_is_credited_to_input_size_not_to_the_recipe_that_left_it
     shown = next(line for line in settings_lines(cfg, 0.1) if line.startswith("input: "))
     assert shown.startswith("input: 64 [--input-size (command line)] px, crop 0.95 [model resnet18's config]")
     assert (option_source(cfg, "img_size"), option_source(cfg, "in_chans")) == ("--input-size (command line)",) * 2
+
+
+def test_input_size_on_the_command_line_wins_over_an_args_files_img_size_as_in_timm(tmp_path):
+    """timm's args.yaml with img_size: 96, and --input-size 3 64 64 on the command line: timm's resolve_data_config
+    takes input_size over img_size, so train.py trains at 64; so does this engine, crediting the command line."""
+    from timm.data import resolve_data_config
+
+    values = {**TIMM_TRAIN_DEFAULTS, "model": "resnet18", "img_size": 96}
+    recipe = tmp_path / "args.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    cfg = parse_config(["-c", str(recipe), "--input-size", "3", "64", "64", "--output", str(tmp_path / "run")])
+    pretrained = timm.get_pretrained_cfg("resnet18").to_dict()
+    theirs = resolve_data_config({**values, "input_size": [3, 64, 64]}, pretrained_cfg=pretrained)["input_size"]
+    assert (cfg.in_chans, cfg.img_size, cfg.img_size) == theirs == (3, 64, 64)
+    assert option_source(cfg, "img_size") == "--input-size (command line)"
+    given_both = ["--model", "resnet18", "--img-size", "96", "--input-size", "3", "64", "64"]
+    with pytest.raises(ConfigError, match="--input-size 3 64 64 and --img-size 96 disagree"):
+        parse_config([*given_both, "--output", str(tmp_path / "run")])
 
 
 def test_a_lookahead_optimizers_values_are_credited_to_the_optimizer_it_wraps(tmp_path):

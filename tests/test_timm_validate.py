@@ -20,6 +20,7 @@ from timm.utils import AverageMeter, CheckpointSaver, accuracy
 
 from convbias import engine
 from convbias.base.errors import ConfigError
+from convbias.engine.config.parsing import option_source
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.families import load_families
 
@@ -121,3 +122,23 @@ def test_use_ema_and_use_train_size_are_for_eval_only_and_a_file_with_an_ema(tim
             "--use-ema", "--workers", "0", "--model-kwargs", "channels=(8,16,32,64)", "stem_width=8"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"--use-ema takes the EMA of a run directory's checkpoint or of timm's"):
         engine.run(argv, load_families())
+
+
+def test_the_options_taken_from_timms_folder_or_file_are_credited_to_it(timm_output, tmp_path):
+    """--eval-only of timm's folder takes the model from its args.yaml, of one of its checkpoints from the args saved
+    in it, of a run from its config.yaml: the start-up block names which."""
+    output, data = timm_output
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": "resnet10t", "num_classes": 3}))
+    for target, source in (
+        (output, "the evaluated folder's args.yaml"),
+        (output / "last.pth.tar", "the evaluated checkpoint's saved args"),
+        (run, "the evaluated run's config.yaml"),
+    ):
+        cfg = engine.parse_config(["--eval-only", str(target), "--data-dir", str(data)])
+        assert (cfg.model, option_source(cfg, "model"), option_source(cfg, "num_classes")) == (
+            "resnet10t",
+            source,
+            source,
+        )

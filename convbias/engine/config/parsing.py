@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import quoted, read_yaml
+from convbias.base.run_layout import CONFIG_FILE, TIMM_ARGS_FILE
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 from .command_line import OptionParser, build_parser, non_finite, timm_only_options
@@ -87,6 +88,17 @@ def _evaluated(known: argparse.Namespace) -> str | None:
     return known.eval_only if isinstance(known.eval_only, str) else known.checkpoint if known.eval_only else None
 
 
+def _evaluated_source(target: str) -> str:
+    """Where the options that --eval-only takes from ``target`` come from: a run's config.yaml, timm's output
+    folder's args.yaml, else the args saved in timm's checkpoint."""
+    path = Path(target)
+    if (path / CONFIG_FILE).is_file():
+        return f"the evaluated run's {CONFIG_FILE}"
+    if (path / TIMM_ARGS_FILE).is_file():
+        return f"the evaluated folder's {TIMM_ARGS_FILE}"
+    return "the evaluated checkpoint's saved args"
+
+
 def _as_dict(value: Any, key: str) -> dict:
     """KEY=VALUE options arrive as a list of pairs (command line) or a mapping (YAML)."""
     if value is None:
@@ -126,7 +138,7 @@ def parse_config(
         origins.update({key: f"recipe {Path(known.config).name}" for key in file_cfg if key not in origins})
     target = _evaluated(known)
     run_options = evaluated_run(target) if evaluated_run is not None and target is not None else {}
-    origins.update({key: "the evaluated run's config.yaml" for key in run_options if key not in file_cfg})
+    origins.update({key: _evaluated_source(target) for key in run_options if key not in file_cfg})
     # a run's config.yaml is checked, naming it, as it is read; timm's args (args.yaml, a checkpoint's) are named here
     places.update({key: f"{target}: {key}" for key in run_options if key not in file_cfg})
     file_cfg = {**run_options, **file_cfg}
@@ -535,8 +547,10 @@ def _normalize(cfg: Config) -> None:
     if cfg.pretrained_file:
         cfg.pretrained = True
     if cfg.input_size is not None:  # timm's --input-size C H W: --in-chans C --img-size H (_check_input: they agree)
+        given = option_source(cfg, "input_size") == "command line"
         for name, value in (("in_chans", cfg.input_size[0]), ("img_size", cfg.input_size[1])):
-            if getattr(cfg, name) is None:
+            # the command line's over a file's, as timm's resolve_data_config takes input_size over img_size
+            if getattr(cfg, name) is None or (given and option_source(cfg, name) != "command line"):
                 setattr(cfg, name, value)
                 credit(cfg, name, f"--input-size ({option_source(cfg, 'input_size')})")
     if cfg.input_img_mode is not None:  # timm's image mode: the channels (_check_input: they agree)
