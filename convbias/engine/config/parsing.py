@@ -138,7 +138,9 @@ def parse_config(
         origins.update({key: f"recipe {Path(known.config).name}" for key in file_cfg if key not in origins})
     target = _evaluated(known)
     run_options = evaluated_run(target) if evaluated_run is not None and target is not None else {}
-    origins.update({key: _evaluated_source(target) for key in run_options if key not in file_cfg})
+    if run_options:
+        source = _evaluated_source(target)
+        origins.update({key: source for key in run_options if key not in file_cfg})
     # a run's config.yaml is checked, naming it, as it is read; timm's args (args.yaml, a checkpoint's) are named here
     places.update({key: f"{target}: {key}" for key in run_options if key not in file_cfg})
     file_cfg = {**run_options, **file_cfg}
