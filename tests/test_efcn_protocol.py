@@ -73,6 +73,11 @@ def test_protocol_end_to_end(tmp_path, capsys):
     for run in ("cnn", "efcn_tw0", "efcn_tw2", "fcn"):
         points = [p.name for p in (out / run / "checkpoints").glob("epoch_????") if not p.is_symlink()]
         assert 1 <= len(points) <= 2, (run, points)
+        # the snapshots the analysis reads besides the final weights, which are the last point's (no copy)
+        snapshots = sorted(p.name for p in (out / run / "checkpoints").glob("epoch_*.safetensors"))
+        assert snapshots == (
+            ["epoch_0.safetensors"] if run == "cnn" else ["epoch_0.safetensors", "epoch_1.safetensors"]
+        )
     report = (out / "report.md").read_text()
     assert report.startswith("# eFCN relax-time protocol report\n")
     assert "measured on 180 test images" in report  # 5 classes of the 359 validation digits

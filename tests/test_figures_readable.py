@@ -1,6 +1,6 @@
 """Every figure the package writes, drawn from small synthetic inputs of the shapes its callers pass, checked
 on the drawn Figure: no two tick labels of an axis overlap, every labelled line and error bar has a legend
-entry, and a figure with error bars says what they are."""
+entry, and a figure with error bars says what they are; docs/figures/make_figures.py redraws the docs' figures."""
 
 from __future__ import annotations
 
@@ -576,3 +576,18 @@ def test_per_head_lines_are_distinct_and_over_the_mean(figure):
         assert len(heads) == 9 and len({line.get_color() for line in heads}) == 9
         assert all(line.get_zorder() > mean.get_zorder() for line in heads)
         assert mean.get_linestyle() == "--" and mean.get_linewidth() < min(line.get_linewidth() for line in heads)
+
+
+@pytest.mark.slow
+def test_the_docs_figures_script_redraws_every_docs_figure_from_the_committed_tables(tmp_path, monkeypatch, capsys):
+    """docs/figures/make_figures.py reads results/ through the studies' checked readers and draws each PNG of
+    docs/figures (here into a scratch folder)."""
+    import importlib.util
+
+    here = Path(__file__).resolve().parents[1] / "docs" / "figures"
+    spec = importlib.util.spec_from_file_location("make_figures", here / "make_figures.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "HERE", tmp_path)
+    script.main()
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(p.name for p in here.glob("*.png"))

@@ -1,12 +1,14 @@
 """What the repository's layout promises a reader: docs/engine.md names only modules and functions that
 exist and shows every engine module, results/ holds results only, README.md stays short, tests/README.md
-lists every test file under the part it tests."""
+lists every test file under the part it tests, pyproject.toml declares each dependency once."""
 
 from __future__ import annotations
 
 import importlib
 import re
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "convbias" / "engine"
@@ -79,6 +81,13 @@ def test_results_hold_results_only():
 def test_readme_stays_short():
     lines = (REPO / "README.md").read_text().count("\n")
     assert lines <= README_LINES, f"README.md has {lines} lines; the depth goes to docs/"
+
+
+def test_each_dependency_is_declared_once():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for group, requirements in {"dependencies": project["dependencies"], **project["optional-dependencies"]}.items():
+        names = [re.match(r"[A-Za-z0-9_.-]+", requirement).group().lower() for requirement in requirements]
+        assert len(names) == len(set(names)), f"{group}: {sorted(n for n in set(names) if names.count(n) > 1)} twice"
 
 
 def listed_test_files(index: str) -> list[str]:

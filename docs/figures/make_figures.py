@@ -64,7 +64,10 @@ def _keep(scratch: Path, names: dict[str, str]) -> None:
 def stability(scratch: Path) -> None:
     """The committed (delta, c) grid of results/relative_stability (35 runs, 5 seeds per group)."""
     grid = RESULTS / "relative_stability" / "grid"
-    rows, layer_rows = study.read_rows(grid / "stability.csv"), study.read_rows(grid / "stability_layers.csv")
+    rows, layer_rows = (
+        study.read_rows(grid / "stability.csv"),
+        study.read_rows(grid / "stability_layers.csv", study.LAYER_COLUMNS),
+    )
     first = rows[0]
     settings = study.Settings(
         checkpoints=list(dict.fromkeys(r["checkpoint"] for r in rows)),

@@ -1,7 +1,7 @@
 """The relax-time protocol of Sec. 6.2.2 (eFCN), end to end.
 
 1. Train the CNN (SGD lr 0.1, batch 250, no momentum / weight decay / augmentation), keeping
-   `snapshots` checkpoints at log-spaced epochs (0 = the initialization).
+   `snapshots` checkpoints at log-spaced epochs (0 = the initialization; the last: its final resume point).
 2. Lift each snapshot to its eFCN and train it (SGD lr 0.01, or Adam as in App. E).
 3. Train the standard FCN of the same architecture from PyTorch's default init.
 4. Measure, for each eFCN at the start and end of its training, the gradient norm and the top
@@ -36,7 +36,7 @@ import torch
 
 from convbias import engine
 from convbias.base.errors import Interrupted, Preempted
-from convbias.base.run_layout import BASELINES_TABLE, RELAX_TIMES_TABLE, SUMMARY_FILE, snapshot_name
+from convbias.base.run_layout import BASELINES_TABLE, LAST_LINK, RELAX_TIMES_TABLE, SUMMARY_FILE, snapshot_name
 from convbias.base.tables import write_csv
 from convbias.base.weights import load_weights
 from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
@@ -143,8 +143,8 @@ EVAL_TRANSFORM = dict(interpolation="bicubic", crop_pct=0.875)
 def train_recipe(cfg: dict) -> Config:
     """The train.py options shared by every run of the protocol (Sec. 6.2.2); each run's config.yaml records
     them with its own. A run keeps one resume point (and its best, when that is another), to continue it when it
-    is interrupted: the analysis reads only the --save-epochs snapshots, so the other points would be weights
-    kept for nothing.
+    is interrupted: the analysis reads the --save-epochs snapshots and, for the final weights, that point (no
+    snapshot repeats it), so the other points would be weights kept for nothing.
 
     Plain SGD is timm's "momentum" optimizer with momentum 0 (timm's "sgd" is Nesterov SGD, which
     refuses momentum 0)."""
@@ -162,7 +162,7 @@ def train_recipe(cfg: dict) -> Config:
         repeated_aug=1,
         drop_path=0.0,
         resume="auto",  # a run interrupted mid-way continues from its resume point when the protocol is rerun
-        keep_checkpoints=1,  # the newest resume point (and the best): the analysis reads the --save-epochs snapshots
+        keep_checkpoints=1,  # the newest resume point (and the best): the final weights the analysis reads
         checkpoint_hist=1,
         **EVAL_TRANSFORM,
         **{k: cfg[k] for k in ("data_dir", "img_size", "num_classes") if cfg[k] is not None},
@@ -301,7 +301,7 @@ def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
                 cfg["cnn_epochs"],
                 _lr(cfg, cfg["cnn_lr"]),
                 out / "cnn",
-                sorted(set(times) | {cfg["cnn_epochs"]}),
+                sorted(set(times) - {cfg["cnn_epochs"]}),  # the final weights: its last resume point
                 cfg["model_kwargs"],
             ),
             stage,
@@ -317,7 +317,7 @@ def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
                     cfg["efcn_epochs"],
                     _lr(cfg, cfg["efcn_lr"]),
                     out / f"efcn_tw{t}",
-                    sorted({0, middle, cfg["efcn_epochs"]}),
+                    sorted({0, middle} - {cfg["efcn_epochs"]}),
                     _efcn_kwargs(cfg, cnn_checkpoint=str(snapshot)),
                 ),
                 stage,
@@ -330,7 +330,7 @@ def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
                 cfg["efcn_epochs"],
                 _lr(cfg, cfg["efcn_lr"]),
                 out / "fcn",
-                sorted({0, middle, cfg["efcn_epochs"]}),
+                sorted({0, middle} - {cfg["efcn_epochs"]}),
                 _efcn_kwargs(cfg),
             ),
             stage,
@@ -365,8 +365,11 @@ def _read_summary(run: Path, name: str, initial: tuple[float, float] | None) -> 
 
 
 def _snapshot(run: Path, epoch: int) -> Path:
-    """The run's --save-epochs snapshot after ``epoch`` epochs, verified against its listing."""
-    return RunDir(run).checkpoint(snapshot_name(epoch)).weights
+    """The run's weights after ``epoch`` epochs, verified: its newest resume point's when that is at the end of
+    ``epoch`` (a finished run's final weights, which no snapshot repeats), else its --save-epochs snapshot."""
+    folder = RunDir(run)
+    last = folder.checkpoint(LAST_LINK)
+    return last.weights if (last.epoch, last.step) == (epoch, 0) else folder.checkpoint(snapshot_name(epoch)).weights
 
 
 def _pick(items: list, n: int) -> list:

@@ -155,8 +155,8 @@ def _cost(out: Path, stages: Sequence[Any]) -> str:
     held = sum(_size(run / CHECKPOINTS_DIR) for run in sorted(out.iterdir()) if (run / CHECKPOINTS_DIR).is_dir())
     lines.append(
         f"The folder holds {_size(out) / MEGABYTE:.1f} MB, {held / MEGABYTE:.1f} MB of them the runs' checkpoints (each "
-        "run's --save-epochs snapshots that the analysis reads, and one resume point, with its best when that is "
-        "another)."
+        "run's --save-epochs snapshots that the analysis reads, and one resume point, which holds the final weights, "
+        "with its best when that is another)."
     )
     return "\n".join(lines)
 
