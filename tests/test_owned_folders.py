@@ -515,6 +515,42 @@ def test_stability_combine_refuses_a_table_that_is_not_the_studys(stability_fold
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "options, refused",
+    [
+        (
+            ["--main-delta", "1.5", "--deltas", "1.5"],
+            r"the tables hold no measurement at --main-delta 1\.5 and cut 3 \(the first of --cuts\); they hold delta 1 "
+            r"at cut 3: give --main-delta and --cuts as measured",
+        ),
+        (["--checkpoints", "init", "last"], r"has no measurement of checkpoint last \(it has best, init\)"),
+    ],
+)
+def test_stability_combine_with_settings_its_tables_do_not_hold_is_one_line(
+    stability_folder, tmp_path, options, refused
+):
+    """Summarizing at a point or checkpoint the tables were not measured at names what they hold (it was a
+    traceback of a figure's empty log axes, or a KeyError), and nothing is written."""
+    argv = ["--combine", str(stability_folder.path), *COMBINE, *options, "--output", str(tmp_path / "out")]
+    code, err = call(stability.main, argv)
+    assert code == EXIT_USAGE and len(err) == 1 and re.search(f"^error: --combine: .*{refused}", err[0]), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_stability_combine_of_rows_with_no_positive_r_f_draws_its_figures(stability_folder, tmp_path):
+    """R_f is NaN where D_f = G_f = 0 (a model its input does not move) and 0 where D_f = 0, as measure writes it:
+    the tables and figures are written, the error plot without its log axes (it was a matplotlib traceback)."""
+    source = tmp_path / "measured"
+    shutil.copytree(stability_folder.path, source)
+    table = source / STABILITY_TABLE
+    edited(
+        table, table, lambda rows: (list(rows[0]), [dict(r, R="nan" if i % 2 else "0.0") for i, r in enumerate(rows)])
+    )
+    code, err = call(stability.main, ["--combine", str(source), *COMBINE, "--output", str(tmp_path / "out")])
+    assert code == 0 and err == [], err
+    assert (tmp_path / "out" / "rf_vs_error.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("top1, refused", [("high", "unexpected value high"), ("nan", "unexpected value nan")])
 def test_a_sweep_report_refuses_a_runs_table_with_no_accuracy_in_top1(sweep_folder, tmp_path, top1, refused):
     table = edited(
