@@ -10,6 +10,7 @@ is an in-process call of a command's main(argv)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import io
@@ -459,6 +460,7 @@ def with_args(source: Path, path: Path, **args) -> Path:
         ("crop_pct", 7.0, r"args\.crop_pct must be in \(0, 1\], got 7\.0"),
         ("mean", [float("nan")] * 3, r"args\.mean must be a finite number, got nan"),
         ("num_classes", "three", r"args\.num_classes expects int, got 'three'"),
+        ("mean", [0.5, 0.5], r"args\.mean has 2 values for 3-channel images: \[0\.5, 0\.5\]"),
     ],
 )
 def test_a_timm_checkpoints_saved_args_are_checked_as_their_options(timm_checkpoint, tmp_path, field, value, refused):
@@ -474,6 +476,44 @@ def test_a_timm_checkpoints_saved_args_are_checked_as_their_options(timm_checkpo
     code, err = call(predict.main, [str(path), str(tmp_path / "img.png"), "--output", str(tmp_path / "out.csv")])
     assert code == EXIT_DAMAGED and len(err) == 1 and re.search(refused, err[0]), err
     assert not (tmp_path / "out.csv").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("named", ["a pickle", "a FIFO", "no file"])
+def test_a_weights_file_in_a_timm_checkpoints_saved_model_kwargs_is_never_read(timm_checkpoint, tmp_path, named):
+    """timm.create_model(checkpoint_path=) would load what the saved args.model_kwargs name before the checkpoint's
+    own weights replace it: a pickle was torch's advice to unpickle it (exit 2), a FIFO a FileNotFoundError
+    traceback. Not read, the labels are those of the checkpoint's own weights."""
+    target = tmp_path / "weights.pth"
+    if named == "a pickle":
+        torch.save({"state_dict": argparse.Namespace(x=1)}, target)  # a Python object besides tensors
+    elif named == "a FIFO":
+        os.mkfifo(target)
+    path = with_args(timm_checkpoint, tmp_path / "last.pth.tar", model_kwargs={"checkpoint_path": str(target)})
+    png(tmp_path / "img.png", 90)
+    outputs = {}
+    for name, source in (("named", path), ("plain", timm_checkpoint)):
+        argv = [str(source), str(tmp_path / "img.png"), "--topk", "3", "--output", str(tmp_path / f"{name}.csv")]
+        code, err = call(predict.main, argv)
+        assert code == 0 and err[-1] == f"1 images labelled by {source} -> {tmp_path / f'{name}.csv'}", err
+        outputs[name] = (tmp_path / f"{name}.csv").read_text().splitlines()[1].split(",", 1)[1]
+    assert outputs["named"] == outputs["plain"]
+
+
+def test_a_pool_type_a_constructor_asserts_on_is_one_line(timm_checkpoint, tmp_path):
+    """timm's ResNet refuses a global pool type with an AssertionError: --gp, and a timm checkpoint's args.gp."""
+    argv = ["--model", "test_resnet", "--dataset", "digits", "--img-size", "8", "--gp", "bogus"]
+    code, err = call(train.main, [*argv, "--output", str(tmp_path / "run")])
+    assert code == EXIT_USAGE and err == [
+        "error: cannot build test_resnet with {'global_pool': 'bogus'}: Invalid pool type: bogus"
+    ], err
+    path = with_args(timm_checkpoint, tmp_path / "last.pth.tar", gp="bogus")
+    png(tmp_path / "img.png")
+    code, err = call(predict.main, [str(path), str(tmp_path / "img.png"), "--output", str(tmp_path / "out.csv")])
+    assert code == EXIT_USAGE and err == [
+        f"error: {path}: timm cannot build test_resnet from its args (Invalid pool type: bogus)"
+    ], err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out.csv").exists()
 
 
 # ---------------------------------------------------------------------- tables the package wrote, read back
