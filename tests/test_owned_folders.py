@@ -10,6 +10,7 @@ is an in-process call of a command's main(argv)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import io
@@ -459,6 +460,7 @@ def with_args(source: Path, path: Path, **args) -> Path:
         ("crop_pct", 7.0, r"args\.crop_pct must be in \(0, 1\], got 7\.0"),
         ("mean", [float("nan")] * 3, r"args\.mean must be a finite number, got nan"),
         ("num_classes", "three", r"args\.num_classes expects int, got 'three'"),
+        ("mean", [0.5, 0.5], r"args\.mean has 2 values for 3-channel images: \[0\.5, 0\.5\]"),
     ],
 )
 def test_a_timm_checkpoints_saved_args_are_checked_as_their_options(timm_checkpoint, tmp_path, field, value, refused):
@@ -474,6 +476,44 @@ def test_a_timm_checkpoints_saved_args_are_checked_as_their_options(timm_checkpo
     code, err = call(predict.main, [str(path), str(tmp_path / "img.png"), "--output", str(tmp_path / "out.csv")])
     assert code == EXIT_DAMAGED and len(err) == 1 and re.search(refused, err[0]), err
     assert not (tmp_path / "out.csv").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("named", ["a pickle", "a FIFO", "no file"])
+def test_a_weights_file_in_a_timm_checkpoints_saved_model_kwargs_is_never_read(timm_checkpoint, tmp_path, named):
+    """timm.create_model(checkpoint_path=) would load what the saved args.model_kwargs name before the checkpoint's
+    own weights replace it: a pickle was torch's advice to unpickle it (exit 2), a FIFO a FileNotFoundError
+    traceback. Not read, the labels are those of the checkpoint's own weights."""
+    target = tmp_path / "weights.pth"
+    if named == "a pickle":
+        torch.save({"state_dict": argparse.Namespace(x=1)}, target)  # a Python object besides tensors
+    elif named == "a FIFO":
+        os.mkfifo(target)
+    path = with_args(timm_checkpoint, tmp_path / "last.pth.tar", model_kwargs={"checkpoint_path": str(target)})
+    png(tmp_path / "img.png", 90)
+    outputs = {}
+    for name, source in (("named", path), ("plain", timm_checkpoint)):
+        argv = [str(source), str(tmp_path / "img.png"), "--topk", "3", "--output", str(tmp_path / f"{name}.csv")]
+        code, err = call(predict.main, argv)
+        assert code == 0 and err[-1] == f"1 images labelled by {source} -> {tmp_path / f'{name}.csv'}", err
+        outputs[name] = (tmp_path / f"{name}.csv").read_text().splitlines()[1].split(",", 1)[1]
+    assert outputs["named"] == outputs["plain"]
+
+
+def test_a_pool_type_a_constructor_asserts_on_is_one_line(timm_checkpoint, tmp_path):
+    """timm's ResNet refuses a global pool type with an AssertionError: --gp, and a timm checkpoint's args.gp."""
+    argv = ["--model", "test_resnet", "--dataset", "digits", "--img-size", "8", "--gp", "bogus"]
+    code, err = call(train.main, [*argv, "--output", str(tmp_path / "run")])
+    assert code == EXIT_USAGE and err == [
+        "error: cannot build test_resnet with {'global_pool': 'bogus'}: Invalid pool type: bogus"
+    ], err
+    path = with_args(timm_checkpoint, tmp_path / "last.pth.tar", gp="bogus")
+    png(tmp_path / "img.png")
+    code, err = call(predict.main, [str(path), str(tmp_path / "img.png"), "--output", str(tmp_path / "out.csv")])
+    assert code == EXIT_USAGE and err == [
+        f"error: {path}: timm cannot build test_resnet from its args (Invalid pool type: bogus)"
+    ], err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out.csv").exists()
 
 
 # ---------------------------------------------------------------------- tables the package wrote, read back
@@ -513,6 +553,42 @@ def test_stability_combine_refuses_a_table_that_is_not_the_studys(stability_fold
         and re.search(rf"{re.escape(str(table))}\S* {refused}|{re.escape(str(table))}{refused}", err[0])
     ), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "options, refused",
+    [
+        (
+            ["--main-delta", "1.5", "--deltas", "1.5"],
+            r"the tables hold no measurement at --main-delta 1\.5 and cut 3 \(the first of --cuts\); they hold delta 1 "
+            r"at cut 3: give --main-delta and --cuts as measured",
+        ),
+        (["--checkpoints", "init", "last"], r"has no measurement of checkpoint last \(it has best, init\)"),
+    ],
+)
+def test_stability_combine_with_settings_its_tables_do_not_hold_is_one_line(
+    stability_folder, tmp_path, options, refused
+):
+    """Summarizing at a point or checkpoint the tables were not measured at names what they hold (it was a
+    traceback of a figure's empty log axes, or a KeyError), and nothing is written."""
+    argv = ["--combine", str(stability_folder.path), *COMBINE, *options, "--output", str(tmp_path / "out")]
+    code, err = call(stability.main, argv)
+    assert code == EXIT_USAGE and len(err) == 1 and re.search(f"^error: --combine: .*{refused}", err[0]), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_stability_combine_of_rows_with_no_positive_r_f_draws_its_figures(stability_folder, tmp_path):
+    """R_f is NaN where D_f = G_f = 0 (a model its input does not move) and 0 where D_f = 0, as measure writes it:
+    the tables and figures are written, the error plot without its log axes (it was a matplotlib traceback)."""
+    source = tmp_path / "measured"
+    shutil.copytree(stability_folder.path, source)
+    table = source / STABILITY_TABLE
+    edited(
+        table, table, lambda rows: (list(rows[0]), [dict(r, R="nan" if i % 2 else "0.0") for i, r in enumerate(rows)])
+    )
+    code, err = call(stability.main, ["--combine", str(source), *COMBINE, "--output", str(tmp_path / "out")])
+    assert code == 0 and err == [], err
+    assert (tmp_path / "out" / "rf_vs_error.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("top1, refused", [("high", "unexpected value high"), ("nan", "unexpected value nan")])

@@ -211,6 +211,19 @@ def test_printed_commands_are_train_py_invocations_with_scaled_epochs(tmp_path):
     assert epochs == [2, 7, 40]  # 2 / 1, ceil(2 / 0.3), 2 / 0.05
 
 
+def test_a_sweep_files_shared_model_argument_by_its_dotted_key_reaches_every_run(tmp_path, capsys):
+    """``set: {model_kwargs.NAME: V}`` in a file, as ``--set model_kwargs.NAME=V`` gives it (it was a KeyError
+    traceback): every printed command carries it beside the file's other model arguments."""
+    path, out = tmp_path / "sweep.yaml", tmp_path / "sweep"
+    text = "set:\n  dataset: digits\n  img_size: 8\n  model_kwargs.patch_size: 2\n  model_kwargs: {depth: 2, local_up_to_layer: 1}\n"
+    path.write_text(text + "grid:\n  model: [convit_tiny]\n  seed: [0, 1]\n")
+    assert SWEEP_CLI.main(["run", str(path), "--output", str(out), "--print-commands"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert parse_config(shlex.split(line)[3:]).model_kwargs == {"patch_size": 2, "depth": 2, "local_up_to_layer": 1}
+
+
 def test_launcher_prefix_and_no_scale_epochs(tmp_path):
     done = sweep_cli(
         "run",

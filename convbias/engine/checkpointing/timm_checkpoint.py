@@ -166,6 +166,13 @@ def check_args(args: dict[str, Any], path: Path) -> None:
         except ConfigError as error:
             message = str(error) if str(error).startswith(label) else f"{label}: {error}"
             raise DamagedInputError(message) from None
+    channels = args.get("in_chans") or (args.get("input_size") or [3])[0]
+    for key in ("mean", "std"):  # one value per channel, as timm's normalization takes them
+        value = args.get(key)
+        if isinstance(value, (list, tuple)) and len(value) not in (1, channels):
+            raise DamagedInputError(
+                f"{path}: args.{key} has {len(value)} values for {channels}-channel images: {quoted(list(value))}"
+            )
 
 
 def _describe_groups(groups: list[dict[str, Any]]) -> str:
@@ -243,6 +250,7 @@ def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torc
     input_size = args.get("input_size")
     in_chans = args.get("in_chans") or (input_size[0] if input_size else 3)
     kwargs = dict(args.get("model_kwargs") or {})
+    kwargs.pop("checkpoint_path", None)  # timm.create_model would load it; the checkpoint's own weights replace it
     try:
         model = timm.create_model(
             name,
@@ -252,7 +260,7 @@ def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torc
             bn_eps=args.get("bn_eps"),
             **kwargs,
         )
-    except (TypeError, ValueError, RuntimeError) as error:  # the model's constructor refuses its arguments
+    except (TypeError, ValueError, RuntimeError, AssertionError) as error:  # the constructor refuses its arguments
         raise ConfigError(f"{path}: timm cannot build {name} from its args ({' '.join(str(error).split())})") from None
     load_checked(model, checkpoint.weights(use_ema), f"{path}" + (" (state_dict_ema)" if use_ema else ""))
     return model.eval()

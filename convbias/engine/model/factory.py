@@ -150,7 +150,7 @@ def create_model_and_report(cfg: Config, num_classes: int | None, in_chans: int)
                 model = timm.create_model(cfg.model, **kwargs)
     except DamagedInputError:  # a file the model's arguments name (an eFCN's cnn_checkpoint) is damaged: exit 65
         raise
-    except (TypeError, ValueError, RuntimeError, FileNotFoundError) as e:
+    except (TypeError, ValueError, RuntimeError, FileNotFoundError, AssertionError) as e:  # how constructors refuse
         mistyped = mistyped_kwargs(cfg.model, model_kwargs)
         if mistyped:
             raise ConfigError(f"--model-kwargs {'; '.join(mistyped)}") from e

@@ -145,6 +145,7 @@ def study_command(argv: list[str] | None) -> int:
             first["images"],
             first["draws"],
         )
+        study.check_combined_settings(rows, settings)
     output_folder(output, owned=STABILITY_FOLDER)  # before measuring: an output that cannot be made stops it first
     if not combine:
         rows, layer_rows = study.measure(runs, settings)

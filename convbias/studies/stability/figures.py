@@ -102,14 +102,14 @@ def rf_vs_error(rows: list[dict], summary: list[dict], style: _Style, settings: 
         grid = [lo * (hi / lo) ** (i / 20) for i in range(21)] if hi > lo else [lo]
         ax.plot(grid, [ERROR_LAW * math.sqrt(x) for x in grid], "k--", lw=0.8, label="0.2 sqrt(R_f) (CIFAR-10, paper)")
     ax.set(
-        xscale="log",
-        yscale="log",
         xlabel=f"R_f (delta = {settings.main_delta}, c = {settings.cuts[0]})",
         ylabel="test error",
-        title="test error vs relative stability",
+        title="test error vs relative stability" + ("" if main else ": no run with R_f > 0 and test error > 0"),
     )
-    log_ticks(ax.xaxis)
-    log_ticks(ax.yaxis)
+    if main:  # log axes need a positive point (R_f is undefined where D_f = G_f = 0, and 0 where D_f = 0)
+        ax.set(xscale="log", yscale="log")
+        log_ticks(ax.xaxis)
+        log_ticks(ax.yaxis)
     note = style.legend_title(means, extra=" (R_f) and of the mean (test error); small dots: single runs")
     shared_legend(fig, [ax], title=note)
     return save_figure(fig, path, dpi=120)

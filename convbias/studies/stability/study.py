@@ -215,6 +215,28 @@ def check_combinable(rows: list[dict]) -> None:
             raise ConfigError(f"the measurements differ in {key} ({', '.join(values)}): summarize them apart")
 
 
+def check_combined_settings(rows: list[dict], settings: Settings) -> None:
+    """ConfigError unless the rows of earlier outputs hold what ``settings`` summarizes: the main point
+    (``--main-delta`` at the first of ``--cuts``) and every run there at each of ``--checkpoints``."""
+    main = [r for r in rows if (r["delta"], r["cut"]) == (settings.main_delta, settings.cuts[0])]
+    if not main:
+        held = ", ".join(sorted({f"delta {r['delta']:g} at cut {r['cut']}" for r in rows}))
+        raise ConfigError(
+            f"--combine: the tables hold no measurement at --main-delta {settings.main_delta:g} and cut "
+            f"{settings.cuts[0]} (the first of --cuts); they hold {held}: give --main-delta and --cuts as measured"
+        )
+    by_run: dict[str, set[str]] = defaultdict(set)
+    for r in main:
+        by_run[r["run"]].add(r["checkpoint"])
+    for run, held in by_run.items():
+        missing = [name for name in settings.checkpoints if name not in held]
+        if missing:
+            raise ConfigError(
+                f"--combine: run {run} has no measurement of checkpoint {', '.join(missing)} (it has "
+                f"{', '.join(sorted(held))}): give --checkpoints as measured"
+            )
+
+
 def _fmt(value: float) -> str:
     return "undefined" if value != value else f"{value:.3g}"
 
@@ -309,7 +331,8 @@ def contrasts(rows: list[dict], delta: float, cut: int, before: str, after: str,
     out = []
     for group, per in by_group.items():
         runs = sorted(set(per[before]) & set(per[after]))
-        n, ratio, low, high = interval([per[after][r] / per[before][r] for r in runs], log=True)
+        ratios = [per[after][r] / per[before][r] if per[before][r] > 0 else math.nan for r in runs]  # R_f 0: none
+        n, ratio, low, high = interval(ratios, log=True)
         row = dict(group=group, delta=delta, cut=cut, n=n, trained_over_init=ratio)
         row.update(trained_over_init_low=low, trained_over_init_high=high)
         ref = next(

@@ -164,7 +164,9 @@ def expand_grid(spec: dict[str, Any]) -> list[Run]:
     runs = []
     for values in itertools.product(*axes.values()):
         point = dict(zip(axes, values))
-        options = copy.deepcopy(spec["set"])
+        options: dict[str, Any] = {}
+        for key, value in copy.deepcopy(spec["set"]).items():  # model_kwargs.NAME in a file's set too
+            _apply(options, key, value)
         for key, value in point.items():
             if key == "variant":
                 for vkey, vvalue in spec["variants"][value].items():
