@@ -35,6 +35,7 @@ from convbias.base.run_layout import (
     CHECKPOINTS_DIR,
     OWNED_FOLDERS,
     OWNER_FILE,
+    REPORT_FILE,
     SNAPSHOT_NAME,
     SNAPSHOT_SUFFIX,
     SNAPSHOTS_FILE,
@@ -664,3 +665,34 @@ def test_a_marked_folder_is_the_owners_only(stability_folder, sweep_folder, tmp_
     (folder / OWNER_FILE).write_text("someone-else\n")
     code, err = call(*stability_folder.writers[0](folder, tmp_path))
     assert code == EXIT_DAMAGED and len(err) == 1 and f"its {OWNER_FILE} names no command" in err[0]
+
+
+def test_a_sweep_report_or_regimes_writes_only_into_folders_whose_workflow_has_them(
+    stability_folder, sweep_folder, efcn_protocol_folder, phase_diagram_folder, tmp_path
+):
+    """`convbias-sweep report --output` and `convbias-regimes` write into another command's folder only where the
+    documented workflow does (a phase diagram's report; a sweep's regimes): a stability study's or an eFCN
+    protocol's folder, whose report.md they would replace, is one line and left as it was."""
+    for source in (stability_folder, efcn_protocol_folder):
+        folder = tmp_path / source.path.parent.name
+        shutil.copytree(source.path, folder)
+        (folder / REPORT_FILE).write_text("the study's own report\n")
+        table = str(shutil.copy(sweep_folder.path / "runs.csv", folder))  # a sweep's table, there by mistake
+        before = tree(folder)
+        owner = (folder / OWNER_FILE).read_text().splitlines()[0]
+        for main, argv, writer in (
+            (sweep_command.main, ["report", "--csv", table, "--output", str(folder)], "convbias-sweep"),
+            (regimes.main, [str(folder)], "convbias-regimes"),
+        ):
+            code, err = call(main, argv)
+            option = "--output" if writer == "convbias-sweep" else "SWEEP_DIR"
+            assert code == EXIT_USAGE and err == [
+                f"error: {option} {folder} is the output folder of {owner} (its {OWNER_FILE}), which {writer} does "
+                f"not write into: choose another {option}"
+            ], err
+            assert tree(folder) == before
+    folder = tmp_path / "phase"
+    shutil.copytree(phase_diagram_folder.path, folder)
+    code, err = call(sweep_command.main, ["report", "--csv", str(folder / "runs.csv"), "--output", str(folder)])
+    assert code == 0 and err == [], err
+    assert (folder / REPORT_FILE).read_text().startswith("# Sweep report")

@@ -253,11 +253,17 @@ class OwnedFolder:
     """An output folder whose files another command reads back: marked by ``owner`` (``OWNER_FILE``), holding
     ``files`` (names or glob patterns relative to the folder, as ``fnmatch`` reads them: what its commands write
     there, the mark included), of which ``read_back`` are read back by a command: the write guard refuses them to
-    any command but the folder's (docs/run-directory.md names who writes each)."""
+    any command but the folder's, and a command that writes into folders of others writes only where it is one
+    of ``guests`` (docs/run-directory.md names who writes each)."""
 
     owner: str
     files: tuple[str, ...]
     read_back: tuple[str, ...]
+    guests: tuple[str, ...] = ()  # the other commands whose documented workflow writes there
+
+    def admits(self, writer: str) -> bool:
+        """``writer`` (a console script) may write into this folder: its owner's or a guest's."""
+        return writer == self.owner or writer in self.guests
 
     def declares(self, relative: str) -> bool:
         """``relative`` (a path inside the folder, '/'-separated) is one of the files its writers write."""
@@ -281,6 +287,7 @@ SWEEP_LOGS_DIR = "logs"
 SWEEP_LOG_SUFFIX = ".log"
 SWEEP_RUNS_DIR = "runs"  # the sweep's train.py runs: each its own run directory
 REPORT_FILE = "report.md"
+REGIMES_COMMAND = "convbias-regimes"  # writes its tables and figure into the sweep's folder it summarizes
 # convbias-phase-diagram's tables (its own config.yaml records its grid)
 PHASE_NETS_TABLE = "nets.csv"
 PHASE_CELLS_TABLE = "cells.csv"
@@ -300,11 +307,13 @@ SWEEP_FOLDER = OwnedFolder(
     owner="convbias-sweep",
     files=(SWEEP_RECORD, f"{SWEEP_LOGS_DIR}/*{SWEEP_LOG_SUFFIX}", *STUDY_OUTPUTS),
     read_back=(SWEEP_RECORD, SWEEP_RUNS_TABLE, SWEEP_ENSEMBLES_TABLE, f"{SWEEP_LOGS_DIR}/*{SWEEP_LOG_SUFFIX}"),
+    guests=(REGIMES_COMMAND,),
 )
 PHASE_DIAGRAM_FOLDER = OwnedFolder(
     owner="convbias-phase-diagram",
     files=(CONFIG_FILE, *STUDY_OUTPUTS),
     read_back=(CONFIG_FILE, PHASE_NETS_TABLE, PHASE_CELLS_TABLE, SWEEP_RUNS_TABLE, SWEEP_ENSEMBLES_TABLE),
+    guests=("convbias-sweep",),  # its report
 )
 EFCN_PROTOCOL_FOLDER = OwnedFolder(
     owner="convbias-efcn-protocol",

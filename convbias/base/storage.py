@@ -191,10 +191,13 @@ def save_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
     return path
 
 
-def check_output(path: str | os.PathLike, option: str = "--output", owned: OwnedFolder | None = None) -> Path:
+def check_output(
+    path: str | os.PathLike, option: str = "--output", owned: OwnedFolder | None = None, writer: str | None = None
+) -> Path:
     """What ``output_folder`` checks, without writing: the folder is no run's or exported model's
-    (``run_layout.check_output_folder``); with ``owned``, no other command's marked folder; and the files of its
-    declaration (``owned``'s, else its mark's) are plain (``run_layout.check_owned_files``)."""
+    (``run_layout.check_output_folder``); with ``owned``, no other command's marked folder; with ``writer`` (a
+    command that writes into unmarked folders or others'), a marked folder only where it is a guest; and the files
+    of its declaration (``owned``'s, else its mark's) are plain (``run_layout.check_owned_files``)."""
     path = Path(path)
     check_output_folder(path, option)
     marked = marked_owner(path)
@@ -202,6 +205,11 @@ def check_output(path: str | os.PathLike, option: str = "--output", owned: Owned
         raise ConfigError(
             f"{option} {path} is the output folder of {marked.owner} (its {OWNER_FILE}); {owned.owner} writes into a "
             f"folder of its own: choose another {option}"
+        )
+    if writer is not None and marked is not None and not marked.admits(writer):
+        raise ConfigError(
+            f"{option} {path} is the output folder of {marked.owner} (its {OWNER_FILE}), which {writer} does not "
+            f"write into: choose another {option}"
         )
     if os.path.lexists(path / OWNER_FILE):  # the mark is a file the package wrote: plain, naming its owner
         check_plain_file(path / OWNER_FILE, f"{option} {path}: its file", DamagedInputError)
@@ -215,11 +223,13 @@ def check_output(path: str | os.PathLike, option: str = "--output", owned: Owned
     return path
 
 
-def output_folder(path: str | os.PathLike, option: str = "--output", owned: OwnedFolder | None = None) -> Path:
+def output_folder(
+    path: str | os.PathLike, option: str = "--output", owned: OwnedFolder | None = None, writer: str | None = None
+) -> Path:
     """Make a command's output folder (and its parents) once ``check_output`` passes; with ``owned``, mark it as
     that declaration's owner's (``OWNER_FILE``), so the guard keeps its read-back files from other commands.
     Returns it."""
-    path = check_output(path, option, owned)
+    path = check_output(path, option, owned, writer)
     with writing(path):
         path.mkdir(parents=True, exist_ok=True)
     if owned is not None and marked_owner(path) is None:

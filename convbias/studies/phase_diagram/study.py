@@ -270,6 +270,12 @@ def train_width(cfg: PhaseDiagramConfig, width: int, data: tuple[torch.Tensor, .
     return rows, test_scaled.view(len(cfg.alpha_tildes), len(cfg.seeds), -1)
 
 
+def geometric_mean(values: list[float]) -> float:
+    """The geometric mean; 0 when a value is 0 (a network whose kernel did not move)."""
+    with np.errstate(divide="ignore"):
+        return float(np.exp(np.mean(np.log(values))))
+
+
 def cell_rows(
     cfg: PhaseDiagramConfig, width: int, rows: list[dict], test_outputs: torch.Tensor, y_test: torch.Tensor
 ) -> list[dict]:
@@ -289,7 +295,7 @@ def cell_rows(
                 "fluctuation": ensemble.fluctuation,
                 "converged_fraction": sum(r["converged"] for r in members) / len(members),
                 "mean_train_error": float(np.mean([r["train_error"] for r in members])),
-                "ntk_change": float(np.exp(np.mean(np.log([r["ntk_change"] for r in members])))),  # geometric mean
+                "ntk_change": geometric_mean([r["ntk_change"] for r in members]),
                 "mean_steps": float(np.mean([r["steps"] for r in members])),
             }
         )

@@ -22,7 +22,7 @@ import torch
 from matplotlib.figure import Figure
 
 from convbias.base.errors import ConfigError
-from convbias.base.run_layout import LOG_FILE, SWEEP_RUNS_DIR, SWEEP_RUNS_TABLE
+from convbias.base.run_layout import LOG_FILE, REGIMES_COMMAND, SWEEP_RUNS_DIR, SWEEP_RUNS_TABLE
 from convbias.base.storage import check_output, output_folder, save_figure, write_text
 from convbias.base.tables import markdown_table, write_csv
 from convbias.engine import read_log
@@ -187,10 +187,10 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
 
 def write(sweep_dir: Path, extensions=None) -> list[Path]:
     """Summarize the sweep in `sweep_dir`: regimes.csv, regimes_seeds.csv, regimes.md and regimes.png there."""
-    check_output(sweep_dir, "SWEEP_DIR")  # a link or FIFO among the sweep's files stops it before any work
+    check_output(sweep_dir, "SWEEP_DIR", writer=REGIMES_COMMAND)  # a link or FIFO among its files: before any work
     rows = summarize(sweep_dir, extensions)
     summary = over_seeds(rows)
-    output_folder(sweep_dir, "SWEEP_DIR")
+    output_folder(sweep_dir, "SWEEP_DIR", writer=REGIMES_COMMAND)
     markdown_path = sweep_dir / MARKDOWN_NAME
     write_text(markdown_path, markdown(summary))
     return [

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from convbias.base.errors import ConfigError
-from convbias.base.run_layout import REPORT_FILE
+from convbias.base.run_layout import REPORT_FILE, SWEEP_FOLDER
 from convbias.base.storage import output_folder, write_text
 from convbias.base.tables import markdown_table
 
@@ -236,7 +236,7 @@ def write_report(
     (an ensembles.csv, e.g. ``ensembles_beside(csv_path)``) adds the table of ensembles over seeds."""
     rows = read_runs(csv_path)
     ensemble_rows = read_ensembles(ensembles) if ensembles is not None else None  # every table read before writing
-    out_dir = output_folder(out_dir if out_dir is not None else Path(csv_path).parent)
+    out_dir = output_folder(out_dir if out_dir is not None else Path(csv_path).parent, writer=SWEEP_FOLDER.owner)
     metric = "best_top1" if best else "top1"
     if best and metric not in rows[0]:
         raise ConfigError(f"{csv_path} has no best_top1 column")
