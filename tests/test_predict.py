@@ -6,6 +6,7 @@ console script; the refusals, each one `error:` line with exit status 2."""
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -168,6 +169,7 @@ def test_predictions_on_a_full_standard_output_are_one_line(run, images, capsys,
         (["{tmp}/missing", "{images}"], "{tmp}/missing not found: expected a train.py run directory"),
         (["{tmp}", "{images}"], "is neither a train.py run directory (no config.yaml), a convbias-export folder"),
         (["{run}", "{tmp}/nothing.png"], "image not found: {tmp}/nothing.png"),
+        (["{run}", "{fifo}"], "image {fifo} is a named pipe (FIFO), not a regular file; it was not read"),
         (["{run}", "{tmp}/*.jpg"], "no file matches {tmp}/*.jpg"),
         (["{run}", "{tmp}"], "no image in folder {tmp}"),
         (["{run}", "{images}", "--output", "{tmp}/preds.txt"], "unknown suffix '.txt'; choose .csv or .json"),
@@ -180,7 +182,11 @@ def test_predictions_on_a_full_standard_output_are_one_line(run, images, capsys,
     ],
 )
 def test_refusals_are_one_line(run, images, exported, tmp_path, capsys, argv, message):
+    fifo = tmp_path / "pipe" / "digit.png"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)  # never opened: a read of it would block
     values = dict(tmp=tmp_path, run=run, images=images["folder"], broken=images["broken"], exported=exported)
+    values["fifo"] = fifo
     assert predict.main([arg.format(**values) for arg in argv]) == 2
     out, err = capsys.readouterr()
     error_lines = [line for line in err.splitlines() if line.startswith("error: ")]

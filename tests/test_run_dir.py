@@ -322,6 +322,30 @@ def test_diagnostics_reads_the_run_dir_and_unreadable_weights_are_one_line(finis
     assert not (tmp_path / "figures2").exists() and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("kind", ["missing", "a folder", "a FIFO"])
+def test_diagnostics_names_an_image_that_is_no_file_as_what_it_is(tmp_path, capsys, kind):
+    """--image that is missing, a folder or a FIFO is one line saying which, before a model is built (a FIFO is
+    never opened: a read would block)."""
+    from convbias.base.errors import EXIT_USAGE
+    from convbias.cli import diagnostics
+
+    image = tmp_path / "digit.png"
+    if kind == "a folder":
+        image.mkdir()
+    elif kind == "a FIFO":
+        os.mkfifo(image)
+    expected = {
+        "missing": f"--image not found: {image}",
+        "a folder": f"--image {image} is a folder, not a file",
+        "a FIFO": f"--image {image} is a named pipe (FIFO), not a regular file; it was not read",
+    }[kind]
+    argv = ["--model", "convit_tiny", "--image", str(image), "--output", str(tmp_path / "figures")]
+    assert diagnostics.main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].endswith(f"error: {expected}"), err
+    assert not (tmp_path / "figures").exists()
+
+
 def test_diagnostics_draws_the_maps_of_the_image_as_the_run_evaluates_it(finished_run, tmp_path, monkeypatch, capsys):
     """--image goes through the run's own evaluation transform, the one convbias-predict applies (the digits' mean
     and std, the run's crop_pct 1), not timm's defaults for the architecture (averaged ImageNet statistics, crop

@@ -38,6 +38,7 @@ from timm.data import create_transform, resolve_data_config
 from convbias import families
 from convbias.base.deprecation import Deprecated, announce
 from convbias.base.errors import ConfigError
+from convbias.base.inputs import check_regular_file
 from convbias.base.run_layout import LOG_FILE
 from convbias.base.weights import load_weights
 from convbias.cli import OptionParser, key_value, run_command
@@ -156,8 +157,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("--model needs --image")
     if args.image and not (args.model or args.maps_run):
         parser.error("--image needs a run directory or --model")
-    if args.image and not Path(args.image).is_file():
-        parser.error(f"--image {args.image}: file not found")
+    if args.image:
+        try:
+            check_regular_file(args.image, "--image")
+        except ConfigError as error:
+            parser.error(str(error))
     if args.checkpoint and not Path(args.checkpoint).exists():
         parser.error(f"--checkpoint {args.checkpoint}: no such file or directory")
     if args.output is None:

@@ -317,14 +317,12 @@ def find_images(items: Sequence[str | Path]) -> list[Path]:
             ]
             if not matches:
                 raise ConfigError(f"no image in folder {path} (extensions: {', '.join(IMG_EXTENSIONS)})")
-        elif path.is_file():
-            matches = [path]
-        elif GLOB_CHARACTERS & set(str(item)):
+        elif GLOB_CHARACTERS & set(str(item)) and not os.path.lexists(path):
             matches = [Path(p) for p in sorted(glob.glob(str(item), recursive=True)) if Path(p).is_file()]
             if not matches:
                 raise ConfigError(f"no file matches {item}")
-        else:
-            raise ConfigError(f"image not found: {item}")
+        else:  # missing, a FIFO, a socket or a device: named as what it is
+            matches = [check_regular_file(path, "image")]
         found.update(dict.fromkeys(matches))
     if not found:
         raise ConfigError("no images given")
