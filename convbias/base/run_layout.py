@@ -313,7 +313,7 @@ PHASE_DIAGRAM_FOLDER = OwnedFolder(
     owner="convbias-phase-diagram",
     files=(CONFIG_FILE, *STUDY_OUTPUTS),
     read_back=(CONFIG_FILE, PHASE_NETS_TABLE, PHASE_CELLS_TABLE, SWEEP_RUNS_TABLE, SWEEP_ENSEMBLES_TABLE),
-    guests=("convbias-sweep",),  # its report
+    guests=(SWEEP_FOLDER.owner,),  # its report
 )
 EFCN_PROTOCOL_FOLDER = OwnedFolder(
     owner="convbias-efcn-protocol",

@@ -321,7 +321,7 @@ def find_images(items: Sequence[str | Path]) -> list[Path]:
             matches = [Path(p) for p in sorted(glob.glob(str(item), recursive=True)) if Path(p).is_file()]
             if not matches:
                 raise ConfigError(f"no file matches {item}")
-        else:  # missing, a FIFO, a socket or a device: named as what it is
+        else:  # a file; missing, a folder, a FIFO, a socket or a device is named as what it is
             matches = [check_regular_file(path, "image")]
         found.update(dict.fromkeys(matches))
     if not found:
