@@ -145,6 +145,12 @@ ARGS_READ = (
 ANY_SHAPE = ("in_chans", "input_size")
 
 
+def _image_channels(args: dict[str, Any]) -> int:
+    """The channels of the images timm's train.py trained on: --in-chans, else --input-size's first, else 3."""
+    input_size = args.get("input_size")
+    return args.get("in_chans") or (input_size[0] if input_size else 3)
+
+
 def check_args(args: dict[str, Any], path: Path) -> None:
     """DamagedInputError (exit 65) naming the checkpoint and the field (``args.interpolation``) when a field of
     ``ARGS_READ`` holds what its option refuses (timm's '' and None mean unset); a class map it names is read as
@@ -166,7 +172,7 @@ def check_args(args: dict[str, Any], path: Path) -> None:
         except ConfigError as error:
             message = str(error) if str(error).startswith(label) else f"{label}: {error}"
             raise DamagedInputError(message) from None
-    channels = args.get("in_chans") or (args.get("input_size") or [3])[0]
+    channels = _image_channels(args)
     for key in ("mean", "std"):  # one value per channel, as timm's normalization takes them
         value = args.get(key)
         if isinstance(value, (list, tuple)) and len(value) not in (1, channels):
@@ -247,15 +253,13 @@ def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torc
         raise DamagedInputError(f"{path} holds no args.model (timm's train.py saves it): its architecture is unknown")
     if not timm.is_model(name):
         raise ConfigError(f"{path}: its args.model {name!r} is not a registered timm model")
-    input_size = args.get("input_size")
-    in_chans = args.get("in_chans") or (input_size[0] if input_size else 3)
     kwargs = dict(args.get("model_kwargs") or {})
     kwargs.pop("checkpoint_path", None)  # timm.create_model would load it; the checkpoint's own weights replace it
     try:
         model = timm.create_model(
             name,
             num_classes=args.get("num_classes"),
-            in_chans=in_chans,
+            in_chans=_image_channels(args),
             global_pool=args.get("gp"),
             bn_eps=args.get("bn_eps"),
             **kwargs,
