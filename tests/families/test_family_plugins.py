@@ -1,0 +1,168 @@
+"""Families plug in at one place: no module of the package but convbias/families.py imports a family (imports
+inside functions counted), no family imports another, and a planted import fails the rule. A toy family
+(tests/toy_family/) plugged in by its name in `convbias.families.FAMILIES` alone is trained by convbias-train
+with its diagnostic and reparametrization, drawn by convbias-diagnostics and exported with its Hub tag under
+the model name its record gives."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+import yaml
+from PIL import Image
+from support import REPO
+from support.import_graph import edges, modules_under
+
+from convbias import families
+from convbias.base.family import Family
+from convbias.cli import diagnostics, export, train
+from convbias.sharing.hub import run_model
+
+COMPOSITION_ROOT = "convbias.families"
+SHIPPED = families.FAMILIES  # the package's own families (the toy family is added to FAMILIES below)
+
+
+def package_modules(root: Path) -> dict[str, Path]:
+    found = {"train": root / "train.py"}
+    for top in ("convbias", *SHIPPED):
+        found.update(modules_under(root / top, root))
+    return found
+
+
+def family_imports(root: Path = REPO) -> list[str]:
+    """Every import of a family package from outside it, but the composition root's."""
+    found = []
+    for source, target, inside, line in edges(package_modules(root), root):
+        here, there = source.split(".")[0], target.split(".")[0]
+        if there in SHIPPED and here != there and source != COMPOSITION_ROOT:
+            where = "inside a function" if inside else "at module level"
+            found.append(f"{source}:{line} imports {target} ({where})")
+    return found
+
+
+def test_only_the_composition_root_imports_a_family():
+    """What a tool needs from a family comes through convbias.families; a family stands alone."""
+    found = family_imports()
+    assert not found, "a family is imported outside convbias/families.py (ask convbias.families):\n" + "\n".join(found)
+
+
+@pytest.fixture(scope="module")
+def copied_tree(tmp_path_factory):
+    """A copy of the package and what the rule finds in it before anything is planted."""
+    root = tmp_path_factory.mktemp("tree")
+    for top in ("convbias", *SHIPPED):
+        shutil.copytree(REPO / top, root / top, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "train.py", root / "train.py")
+    return root, family_imports(root)
+
+
+@pytest.mark.parametrize(
+    "module, planted, expected",
+    [
+        ("convbias/sharing/hub.py", "import convit\n", "convbias.sharing.hub:{line} imports convit (at module"),
+        (
+            "convbias/cli/diagnostics.py",
+            "def _planted():\n    from transformed_cnn import query_maps\n",
+            "convbias.cli.diagnostics:{line} imports transformed_cnn (inside a function)",
+        ),
+        ("efcn/models.py", "import convit.diagnostics\n", "efcn.models:{line} imports convit.diagnostics"),
+    ],
+)
+def test_a_planted_family_import_fails(copied_tree, module, planted, expected):
+    """The rule reads real files: an import written into a copy of the package is reported, with its line."""
+    root, before = copied_tree
+    target = root / module
+    original = target.read_text()
+    target.write_text(original + "\n" + planted)
+    try:
+        added = sorted(set(family_imports(root)) - set(before))
+    finally:
+        target.write_text(original)
+    line = original.count("\n") + 1 + planted.count("\n")
+    assert len(added) == 1 and added[0].startswith(expected.format(line=line)), added
+
+
+# -- the toy family -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plugged():
+    """The one line a maintainer adds to convbias/families.py: the toy family's name in FAMILIES."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(families, "FAMILIES", (*families.FAMILIES, "toy_family"))
+        yield
+
+
+def test_a_family_not_named_in_families_is_not_plugged_in(monkeypatch):
+    monkeypatch.setattr(families, "FAMILIES", SHIPPED)
+    assert "toy_scale" not in families.load_families().reparametrizations
+    assert families.hub_tag("toy_family") == "toy_family"  # a package that is no family tags as itself
+
+
+def test_a_name_two_families_give_is_refused(plugged, monkeypatch):
+    import toy_family
+
+    monkeypatch.setattr(toy_family, "FAMILY", Family(hub_tag="toy", diagnostics={"attention": toy_family.head_norm}))
+    with pytest.raises(ValueError, match="family toy_family's diagnostic 'attention': the name is taken"):
+        families.load_families()
+
+
+@pytest.fixture(scope="module")
+def toy_run(plugged, cli_argv, tmp_path_factory):
+    """convbias-train of the toy family's model on the embedded digits: reparametrized with its `toy_scale` at
+    the start of the second epoch, with its diagnostic logged."""
+    run = tmp_path_factory.mktemp("toy") / "run"
+    train.run(
+        cli_argv(
+            cli_argv.PLAIN_DIGITS,
+            model="toy_net",
+            img_size=8,
+            epochs=2,
+            batch_size=64,
+            train_fraction=0.2,
+            reparametrize="toy_scale",
+            reparametrize_at_epoch=1,
+            reparametrize_kwargs=dict(scale=2.0),
+            output=run,
+        )
+    )
+    return run
+
+
+@pytest.mark.integration
+def test_training_logs_the_toy_familys_diagnostic_and_applies_its_reparametrization(toy_run):
+    records = [json.loads(line) for line in (toy_run / "log.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "toy/head_norm" in r]
+    assert [r["epoch"] for r in evaluated] == [1, 2]
+    assert "toy/scale" not in evaluated[0] and "toy/scale" in evaluated[1]  # from the second epoch on
+
+
+@pytest.mark.integration
+@torch.no_grad()
+def test_export_tags_the_toy_family_and_names_its_reparametrized_model(toy_run, tmp_path):
+    out = tmp_path / "exported"
+    assert export.main([str(toy_run), "--output", str(out)]) == 0
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["tags"] == ["image-classification", "timm", "toy-family"]
+    assert "import toy_family  # registers toy_scaled_toy_net in timm" in card
+    config = json.loads((out / "config.json").read_text())
+    assert config["architecture"] == "toy_scaled_toy_net" and config["model_args"]["scale"] == 2.0
+    model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    assert model.scale is not None and model.scale.item() != 2.0  # trained for an epoch after it was added
+    trained, _ = run_model(toy_run)
+    images = torch.randn(4, 1, 8, 8)
+    assert torch.equal(model(images), trained(images))
+
+
+@pytest.mark.integration
+def test_diagnostics_draws_the_toy_familys_maps(plugged, tmp_path, capsys):
+    image = tmp_path / "digit.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8), dtype=np.uint8)).save(image)
+    argv = ["--model", "toy_net", "--image", str(image), "--in-chans", "1", "--img-size", "8"]
+    assert diagnostics.main([*argv, "--output", str(tmp_path / "figures")]) == 0
+    assert (tmp_path / "figures" / "attention_maps.png").stat().st_size > 0

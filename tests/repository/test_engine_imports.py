@@ -1,0 +1,105 @@
+"""The engine's packages and the one direction of their dependencies, read from the source of every engine
+module: config <- {data, model, optim} <- checkpointing <- loop, no cycle between modules, no import
+inside a function unless the module says why, no torch in config."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+from support import REPO, import_graph
+from support.import_graph import cycles
+
+ENGINE = REPO / "convbias" / "engine"
+# a package may import its own modules and those of packages on a lower level; data, model and optim
+# share a level and do not import each other
+LEVELS = {"config": 0, "data": 1, "model": 1, "optim": 1, "checkpointing": 2, "loop": 3}
+HEAVY = ("torch", "timm", "accelerate", "numpy", "safetensors", "torchvision")  # none in config
+
+
+def engine_modules() -> dict[str, Path]:
+    return import_graph.modules_under(ENGINE, ENGINE.parent.parent)
+
+
+def imports(path: Path) -> list[tuple[str, bool, int]]:
+    return import_graph.imports(path, ENGINE.parent.parent)
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in LEVELS else None
+
+
+def edges() -> list[tuple[str, str, bool, int]]:
+    return import_graph.edges(engine_modules(), ENGINE.parent.parent)
+
+
+def test_every_engine_module_lives_in_a_package():
+    loose = [m for m in engine_modules() if m != "convbias.engine" and package_of(m) is None]
+    assert not loose, f"engine modules outside the packages {sorted(LEVELS)}: {loose}"
+
+
+def test_packages_depend_one_way():
+    wrong = []
+    for source, target, _, line in edges():
+        here, there = package_of(source), package_of(target)
+        if here is None:  # the facade (convbias/engine/__init__.py) composes every package
+            continue
+        if there is None or (there != here and LEVELS[there] >= LEVELS[here]):
+            wrong.append(f"{source}:{line} imports {target}")
+    assert not wrong, "imports against config <- {data, model, optim} <- checkpointing <- loop:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle_between_engine_modules():
+    graph: dict[str, set[str]] = {}
+    for source, target, _, _ in edges():
+        graph.setdefault(source, set()).add(target)
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_imports_inside_functions_only_where_the_module_says_why():
+    """An engine module imports the engine at module level; only the facade defers (so that `train.py --help`
+    loads no torch, as its docstring says). A module that defers a third-party import (an optional
+    dependency) says why in its docstring, in a sentence naming imports inside functions."""
+    modules = engine_modules()
+    facade = ast.get_docstring(ast.parse(modules["convbias.engine"].read_text())) or ""
+    assert "loads no torch" in facade
+    wrong = []
+    for name, path in modules.items():
+        deferred = [(target, line) for target, inside, line in imports(path) if inside]
+        said = "inside functions" in (ast.get_docstring(ast.parse(path.read_text())) or "")
+        for target, line in deferred:
+            if target.startswith("convbias") and name != "convbias.engine":
+                wrong.append(f"{name}:{line} {target} (the engine's own modules: at module level)")
+            elif not target.startswith("convbias") and not said:
+                wrong.append(f"{name}:{line} {target} (the module's docstring does not say why)")
+    assert not wrong, "imports inside functions:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("heavy", HEAVY)
+def test_config_imports_no_torch(heavy):
+    found = [
+        f"{m}:{line} {t}"
+        for m, p in engine_modules().items()
+        if package_of(m) == "config"
+        for t, _, line in imports(p)
+        if t == heavy or t.startswith(heavy + ".")
+    ]
+    assert not found, found
+
+
+def test_the_rule_catches_a_wrong_edge(tmp_path, monkeypatch):
+    """The checks above read real files: an import against the rule, written into a copy, is reported."""
+    copy = tmp_path / "convbias" / "engine"
+    for path in ENGINE.rglob("*.py"):
+        target = copy / path.relative_to(ENGINE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    options = copy / "config" / "options.py"
+    options.write_text(options.read_text() + "\nfrom ..loop import trainer  # noqa\n")
+    monkeypatch.setattr(sys.modules[__name__], "ENGINE", copy)
+    with pytest.raises(AssertionError, match="config.options:.* imports convbias.engine.loop.trainer"):
+        test_packages_depend_one_way()
