@@ -2,7 +2,7 @@
 
 The resume point is what the engine writes on a preemption signal or every --checkpoint-interval steps:
 model weights (safetensors), EMA weights, optimizer + scheduler state and RNG states (training_state.pt),
-written into a temporary directory and renamed into place (convbias.engine.checkpointing.points.CheckpointDir,
+written into a temporary directory and renamed into place (convbias.engine.checkpoint.points.CheckpointDir,
 the engine's own code). Steps and saves alternate in one process, so both see the same machine; the
 ratio is the median save time over the median step time (the issue's target: < 2 steps).
 
@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     from timm.utils import ModelEmaV3
 
     import convbias.families
-    from convbias.engine.checkpointing.points import CheckpointDir, rng_state
+    from convbias.engine.checkpoint.points import CheckpointDir
+    from convbias.engine.checkpoint.rng import rng_state
 
     convbias.families.load_families()
     torch.set_num_threads(args.threads)

@@ -15,7 +15,7 @@ fails on a literal of one elsewhere). A run directory::
         epoch_0007_step_0000120/    a mid-epoch resume point: 120 steps into the 8th epoch
             model.safetensors       the weights
             ema.safetensors         the EMA's weights, with --model-ema
-            training_state.pt       the state of the run's parts (engine.checkpointing.state_parts)
+            training_state.pt       the state of the run's parts (engine.checkpoint.parts)
             sharded/                under FSDP: every rank's shards (torch distributed checkpoint)
             manifest.json           the size and sha256 of every file above, written last
         last -> epoch_0007          links, regenerated from the training state

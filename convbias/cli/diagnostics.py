@@ -43,10 +43,10 @@ from convbias.base.run_layout import LOG_FILE
 from convbias.base.weights import load_weights
 from convbias.cli import OptionParser, key_value, run_command
 from convbias.engine import DEFAULT_WHICH, WHICH, Config, create_model, is_run_dir
-from convbias.engine.checkpointing.run_files import read_run_config
 from convbias.engine.config.command_line import Typed, declared
 from convbias.engine.config.options import NON_NEGATIVE, POSITIVE_INT
 from convbias.engine.loop.records import read_log as read_run_log
+from convbias.engine.rundir.run_files import read_run_config
 from convbias.evaluation.figures import (
     HISTORY_METRICS,
     INIT_PREFIX,

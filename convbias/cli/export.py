@@ -22,9 +22,9 @@ from convbias.base.errors import ConfigError, print_error
 from convbias.base.run_layout import check_output_folder
 from convbias.cli import OptionParser, run_command
 from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_files import in_timm_output, is_timm_checkpoint_name
 from convbias.engine.config.command_line import Typed
 from convbias.engine.config.options import POSITIVE_INT
+from convbias.engine.rundir.run_files import in_timm_output, is_timm_checkpoint_name
 
 
 def main(argv: list[str] | None = None) -> int:

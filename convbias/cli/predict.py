@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _predict(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # imported after parsing: `convbias-predict --help` loads no torch or model family
-    from convbias.engine.checkpointing.run_files import in_timm_output
+    from convbias.engine.rundir.run_files import in_timm_output
     from convbias.sharing.prediction import (
         find_images,
         format_predictions,

@@ -1,4 +1,4 @@
-"""The training engine: config, data, model, optim, checkpointing, loop. It names no model family.
+"""The training engine: config, rundir, data, model, optim, checkpoint, loop. It names no model family.
 
 ``run(cfg_or_argv, extensions)`` trains (or evaluates) one run and raises the package's errors
 (``convbias.base.errors``: a user's mistake, a damaged input, a failed write, a divergence, an interruption, a
@@ -46,13 +46,14 @@ _RENDEZVOUS_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 # accelerate, which `--help` does not need. Anything else is imported from its submodule.
 _SUBMODULE_OF = {
     **dict.fromkeys(("Config", "DEFAULT_WHICH", "WHICH"), "config.options"),
-    **dict.fromkeys(("RunCheckpoint", "RunDir"), "checkpointing.run_dir"),
-    **dict.fromkeys(("is_run_dir",), "checkpointing.run_files"),
+    **dict.fromkeys(("RunCheckpoint", "RunDir"), "rundir.reader"),
+    **dict.fromkeys(("is_run_dir",), "rundir.run_files"),
     **dict.fromkeys(("build_datasets",), "data.factory"),
     **dict.fromkeys(("build_eval_loader",), "data.loaders"),
     **dict.fromkeys(("DATASETS", "ImageFolderDataset"), "data.datasets"),
     **dict.fromkeys(("check_model_name", "create_model"), "model.factory"),
     **dict.fromkeys(("OutputScale",), "model.output_scale"),
+    **dict.fromkeys(("build_run_model", "create_timm_model", "run_model_spec"), "model.build"),
     **dict.fromkeys(("read_log", "read_summary"), "loop.records"),
     **dict.fromkeys(("compile_model",), "model.compile"),
 }
@@ -90,8 +91,8 @@ def parse_config(argv: list[str] | None, *, models_registered: bool = False) -> 
 
 
 def _evaluated_run_options(target: str) -> dict[str, Any]:
-    """What --eval-only RUN_DIR takes from the run directory it names (the checkpointing package reads it)."""
-    from .checkpointing.checks import evaluated_run_options  # after --help: see the docstring
+    """What --eval-only RUN_DIR takes from the run directory it names (the rundir package reads it)."""
+    from .rundir.checks import evaluated_run_options  # after --help: see the docstring
 
     return evaluated_run_options(target)
 
@@ -118,13 +119,13 @@ def check_packages(cfg: Config) -> None:
 
 def package_problems(cfg: Config, models_registered: bool = False) -> list[str]:
     """Every package's refusal of a checked Config (each package's first), as 'what: why' lines."""
-    from .checkpointing import checks as checkpointing_checks  # the packages load torch: see the docstring
-    from .data import checks as data_checks
+    from .data import checks as data_checks  # the packages load torch: see the docstring
     from .model import checks as model_checks
     from .optim import checks as optim_checks
+    from .rundir import checks as rundir_checks
 
     problems = []
-    checks = [data_checks.check, optim_checks.check, model_checks.check, checkpointing_checks.check]
+    checks = [data_checks.check, optim_checks.check, model_checks.check, rundir_checks.check]
     if models_registered:
         checks.append(model_checks.check_names)
     for check in checks:
@@ -145,17 +146,17 @@ def run(config: Config | list[str] | None = None, extensions: Extensions | None 
         validate(cfg)
     else:
         cfg = parse_config(config, models_registered=extensions is not None)
-    from .checkpointing.lock import RunLock  # imported after parsing: `train.py --help` loads no torch
     from .optim.factory import trained_epochs
+    from .rundir.lock import RunLock  # imported after parsing: `train.py --help` loads no torch
 
     for warning in config_warnings(cfg, trained_epochs(cfg)):
         print_error(warning, prefix="warning")
-    from .checkpointing.run_dir import RunDir
     from .loop.setup import build_evaluator
     from .loop.start import start_run
     from .loop.trainer import build_trainer
+    from .rundir.reader import RunDir
 
-    lock = None if cfg.eval_only else RunLock(cfg.output)  # held for the life of the run (engine.checkpointing.lock)
+    lock = None if cfg.eval_only else RunLock(cfg.output)  # held for the life of the run (engine.rundir.lock)
     try:
         try:
             start = start_run(cfg, extensions, lock)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from convbias.base.errors import ConfigError
-from convbias.engine import Config, RunCheckpoint, RunDir, build_datasets, build_eval_loader
+from convbias.engine import Config, RunCheckpoint, RunDir, build_datasets, build_eval_loader, build_run_model
 
 AVERAGES = ("logits", "probabilities")
 
@@ -123,7 +123,7 @@ def load_run(
     the model is rebuilt as train.py built it (``RunDir.build_model``). `data`, when given, is reused: the
     members of an ensemble share their datasets."""
     run = RunDir(run_dir)
-    model, _ = run.build_model(which, extensions)
+    model, _ = build_run_model(run, which, extensions)
     cfg = run.run_config()
     return model, cfg, data if data is not None else build_datasets(cfg)
 
@@ -150,7 +150,7 @@ def evaluate_runs(
     loader = build_eval_loader(build_datasets(runs[0].run_config()).val, batch_size, 0)
     outputs, checkpoints, labels = [], [], []
     for run in runs:
-        model, checkpoint = run.build_model(which, extensions)
+        model, checkpoint = build_run_model(run, which, extensions)
         with torch.no_grad():
             batches = [(model(images), targets) for images, targets in loader]
         outputs.append(torch.cat([output for output, _ in batches]))

@@ -58,17 +58,18 @@ from convbias.engine import (
     build_datasets,
     check_model_name,
     create_model,
-    read_log,
-)
-from convbias.engine.checkpointing.points import WRITE_ERRORS
-from convbias.engine.checkpointing.run_dir import check_which
-from convbias.engine.checkpointing.timm_checkpoint import (
     create_timm_model,
+    read_log,
+    run_model_spec,
+)
+from convbias.engine.checkpoint.points import WRITE_ERRORS
+from convbias.engine.data.factory import input_format
+from convbias.engine.rundir.reader import check_which
+from convbias.engine.rundir.timm_files import (
     read_timm_checkpoint,
     timm_class_names,
     timm_data_config,
 )
-from convbias.engine.data.factory import input_format
 from convbias.families import export_name, hub_tag, initialization_kwargs
 from convbias.sharing.deploy import (
     DEPLOY_FORMATS,
@@ -160,7 +161,7 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
             "construction: timm's config.json cannot record it, so the exported model would normalize with another "
             "eps; export a run without it"
         )
-    spec = run.model_spec(which)  # refuses a run without that checkpoint; verifies its weights
+    spec = run_model_spec(run, which)  # refuses a run without that checkpoint; verifies its weights
     initialization = initialization_kwargs()  # the checkpoint's weights replace them (a file that may be gone)
     name = spec["model"]
     model_kwargs = {key: value for key, value in spec["model_kwargs"].items() if key not in initialization}

@@ -8,7 +8,7 @@ The model is either a train.py run (read through ``RunDir``: verified weights, t
 the engine's ``build_transforms``, class names from its dataset), a ``convbias-export`` folder (loaded by timm
 from ``local-dir:``, preprocessing from its pretrained_cfg, class names from its ``label_names``) or timm's
 training checkpoint (``*.pth.tar``: the model and preprocessing its saved train.py arguments give, read safely
-by ``convbias.engine.checkpointing.timm_checkpoint``), so an image is preprocessed exactly as the run's
+by ``convbias.engine.rundir.timm_files``), so an image is preprocessed exactly as the run's
 validation images were. Images that cannot be decoded are skipped and reported, never fatal. Every refusal is a ConfigError with one line (exit 2 in the commands).
 """
 
@@ -37,16 +37,24 @@ from convbias.base.inputs import check_regular_file, first_line, quoted, read_js
 from convbias.base.run_layout import check_destination
 from convbias.base.storage import write_text
 from convbias.base.weights import load_checked, read_state_dict
-from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, in_timm_output, is_timm_checkpoint_name
-from convbias.engine.checkpointing.timm_checkpoint import (
+from convbias.engine import (
+    ConfigError,
+    DamagedCheckpointError,
+    RunDir,
+    build_datasets,
+    build_run_model,
     create_timm_model,
+    is_run_dir,
+    run_model_spec,
+)
+from convbias.engine.data.device_augment import image_mode
+from convbias.engine.data.factory import build_transforms, input_format
+from convbias.engine.rundir.run_files import TIMM_SUFFIXES, in_timm_output, is_timm_checkpoint_name
+from convbias.engine.rundir.timm_files import (
     read_timm_checkpoint,
     timm_class_names,
     timm_data_config,
 )
-from convbias.engine.data.device_augment import image_mode
-from convbias.engine.data.factory import build_transforms, input_format
 from convbias.families import load_families
 
 OUTPUT_FORMATS = (".csv", ".json")
@@ -143,7 +151,7 @@ def is_exported(path: str | Path) -> bool:
 
 def source_kind(source: str | Path, which: str | None = None, use_ema: bool = False) -> str:
     """ "exported", "run" or "timm" (timm's training checkpoint, read by
-    ``convbias.engine.checkpointing.timm_checkpoint``): what ``source`` is, checked before anything is loaded
+    ``convbias.engine.rundir.timm_files``): what ``source`` is, checked before anything is loaded
     (ConfigError otherwise)."""
     path = Path(source)
     if is_timm_checkpoint_name(path):
@@ -201,8 +209,8 @@ def load_run(path: str | Path, which: str = "last") -> Predictor:
     --mean/--std or its dataset's statistics, for the channels the model was built with)."""
     run = RunDir(path)
     config = run.run_config()
-    spec = run.model_spec(which)  # refuses a missing checkpoint, verifies the weights against their manifest
-    model, checkpoint = run.build_model(which, load_families())
+    spec = run_model_spec(run, which)  # refuses a missing checkpoint, verifies the weights against their manifest
+    model, checkpoint = build_run_model(run, which, load_families())
     shape = input_format(config.replace(img_size=int(spec["img_size"]), in_chans=spec["in_chans"]))
     _, transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, config)
     num_classes = spec["num_classes"] or model.num_classes

@@ -30,12 +30,12 @@ from convbias.base.storage import write_failure
 from convbias.base.weights import load_weights
 from convbias.cli import diagnostics, export, launch, predict, train
 from convbias.engine import parse_config
-from convbias.engine.checkpointing import lock
-from convbias.engine.checkpointing.points import CheckpointDir
+from convbias.engine.checkpoint.points import CheckpointDir
 from convbias.engine.config.parsing import load_yaml
 from convbias.engine.data import datasets
 from convbias.engine.loop.records import read_log
 from convbias.engine.model import factory as modeling
+from convbias.engine.rundir import lock
 from convbias.studies.efcn_protocol import command as efcn_protocol
 from convbias.studies.ensembles import command as ensemble
 from convbias.studies.phase_diagram import command as phase_diagram

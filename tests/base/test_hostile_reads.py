@@ -17,8 +17,8 @@ from test_train_errors import messages
 
 from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError, DamagedInputError
 from convbias.cli import diagnostics, export, predict, train
-from convbias.engine.checkpointing.points import find_resume_point
-from convbias.engine.checkpointing.run_dir import check_point
+from convbias.engine.checkpoint.resume import find_resume_point
+from convbias.engine.rundir.reader import check_point
 from convbias.studies.ensembles import command as ensemble
 from convbias.studies.robustness import command as robustness
 from convbias.studies.stability import command as stability

@@ -45,8 +45,8 @@ from convbias.base.run_layout import (
     snapshot_file,
 )
 from convbias.cli import predict, train
-from convbias.engine.checkpointing.points import CheckpointDir
-from convbias.engine.checkpointing.timm_checkpoint import read_timm_checkpoint
+from convbias.engine.checkpoint.points import CheckpointDir
+from convbias.engine.rundir.timm_files import read_timm_checkpoint
 from convbias.studies.efcn_protocol import command as efcn_protocol
 from convbias.studies.efcn_protocol import seeds
 from convbias.studies.efcn_protocol.seeds import BASELINE_METRICS, SUMMARY_METRICS

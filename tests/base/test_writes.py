@@ -22,8 +22,8 @@ from convbias.base.run_layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
 from convbias.base.weights import read_state_dict
 from convbias.cli import diagnostics, export, predict, train
 from convbias.engine import RunDir
-from convbias.engine.checkpointing import run_dir as run_dir_module
-from convbias.engine.checkpointing.points import CheckpointDir
+from convbias.engine.checkpoint.points import CheckpointDir
+from convbias.engine.rundir import reader as run_dir_module
 from convbias.families import load_families
 from convbias.studies.efcn_protocol import command as efcn_protocol
 from convbias.studies.ensembles import command as ensemble

@@ -22,8 +22,8 @@ from convbias.base.run_layout import CHECKPOINTS_DIR, MANIFEST_FILE
 from convbias.cli import launch
 from convbias.cli.launch import LAUNCH_PROCESSES
 from convbias.cli.train import launch_warnings
-from convbias.engine.checkpointing.points import STATE_FILE
-from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.engine.checkpoint.points import STATE_FILE
+from convbias.engine.checkpoint.resume import load_training_state
 from convbias.engine.loop.preemption import INTERRUPT_NOTE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -88,7 +88,7 @@ def test_no_cycle_between_parts():
         # the bottom layer reaching up into the engine at module level
         (
             "convbias/base/storage.py",
-            "from convbias.engine.checkpointing import run_dir\n",
+            "from convbias.engine.rundir import reader\n",
             "base may not import engine",
         ),
         # a study's console script reaching up for the generic commands' helpers

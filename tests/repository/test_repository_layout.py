@@ -15,7 +15,7 @@ ENGINE = REPO / "convbias" / "engine"
 PACKAGES = ("config", "data", "model", "optim", "checkpointing", "loop")
 README_LINES = 400
 CODE_SUFFIXES = (".py", ".sh", ".ipynb")
-# `loop.trainer.Trainer.fit`, `checkpointing.manager.CheckpointManager` (under convbias.engine), or a file
+# `loop.trainer.Trainer.fit`, `checkpoint.manager.CheckpointManager` (under convbias.engine), or a file
 # `loop/trainer.py` (under convbias/engine)
 DOTTED = re.compile(rf"^(?:convbias\.engine\.)?((?:{'|'.join(PACKAGES)})(?:\.\w+)+)(?:\(\))?$")
 FILE = re.compile(rf"^(?:convbias/engine/)?((?:{'|'.join(PACKAGES)})/\w+\.py)$")

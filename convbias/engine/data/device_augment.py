@@ -328,7 +328,7 @@ class DeviceAugment:
 
     def reseed(self, seed: int, rank: int, epoch: int = 0) -> None:
         """Fresh streams from (seed, rank, epoch): for a resume whose point was written by another number of
-        processes, which cannot replay its ranks' streams (as engine.checkpointing.state_parts's RandomStreams does)."""
+        processes, which cannot replay its ranks' streams (as engine.checkpoint.parts's RandomStreams does)."""
         plan_seed, noise_seed = np.random.SeedSequence([seed, rank, AUGMENT_STREAM, epoch]).generate_state(2)
         self.plan_generator.manual_seed(int(plan_seed))
         self.noise_generator.manual_seed(int(noise_seed))

@@ -26,11 +26,11 @@ from timm.data.auto_augment import posterize as timm_posterize
 from timm.data.constants import DEFAULT_CROP_PCT
 from timm.models import get_pretrained_cfg
 
+from convbias.base.class_map import apply_class_map, read_class_map
 from convbias.base.errors import ConfigError
 
 from ..config.options import IMAGE_MODE_CHANNELS, Config, flag_name
 from ..config.parsing import check_option
-from .class_map import apply_class_map, read_class_map
 from .datasets import (
     DATASETS,
     EMBEDDED_SOURCES,
@@ -182,7 +182,7 @@ def _per_channel(name: str, given: Any, dataset: tuple[float, ...], in_chans: in
 
 
 def class_map(cfg: Config) -> dict[str, int] | None:
-    """--class-map as {class name: label} (engine.data.class_map.read_class_map), found as timm finds it (the path, else
+    """--class-map as {class name: label} (base.class_map.read_class_map), found as timm finds it (the path, else
     under --data-dir); None without one. A source whose labels timm's readers assign has no class index to map."""
     if not cfg.class_map:  # timm's unset value is ''
         return None

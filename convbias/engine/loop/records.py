@@ -42,7 +42,6 @@ from convbias.base.run_layout import (
 from convbias.base.storage import write_text
 from convbias.base.tables import csv_text
 
-from ..checkpointing.run_files import is_timm_checkpoint_name
 from ..config.derived import ema_is_the_metric, lr_scaling
 from ..config.options import (
     Config,
@@ -58,6 +57,7 @@ from ..config.timm_args import timm_args
 from ..data.factory import NATIVE_DATASETS, color_jitter_off_by_aa, input_format, train_interpolation
 from ..model.factory import head_classes
 from ..optim.factory import create_mixup, create_train_loss, optimizer_arguments
+from ..rundir.run_files import is_timm_checkpoint_name
 
 
 def write_config(cfg: Config, path: Path, derived: dict) -> None:
@@ -215,10 +215,10 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def startup_block(start: Any, data: Any, model: Any) -> list[str]:
+def startup_block(start: Any, data: Any, model: Any, weights: str | None) -> list[str]:
     """What this launch will do, before its first step: where, on what, with which batch, lr and length
     (``start``: the run's engine.loop.start.RunStart; ``data``: its engine.data.build.TrainingData; ``model``: the
-    unwrapped model)."""
+    unwrapped model; ``weights``: what its starting weights are, engine.model.build.StartingModel's)."""
     cfg, acc, bundle = start.cfg, start.accelerator, data.bundle
     begin = f"resuming from {start.point}" if start.point is not None else "a new run"
     if start.resume is not None and start.point is None:
@@ -237,7 +237,7 @@ def startup_block(start: Any, data: Any, model: Any) -> list[str]:
         f"processes: {acc.num_processes} ({plural(torch.get_num_threads(), 'thread')} each [{start.threads}]) on "
         f"{acc.device.type}, {precision} [{given}]",
         f"model: {cfg.model}, {params / 1e6:.2f}M parameters; arguments {model_arguments(cfg)}",
-        *([f"weights: {start.weights}"] if start.weights else []),
+        *([f"weights: {weights}"] if weights else []),
         f"data: {_value(cfg, 'dataset')}, {sizes}, {bundle.num_classes} classes",
         f"num_classes: {head_classes(model)} ({start.head[1]})",
         f"batch: {values.global_batch} global = {_value(cfg, 'batch_size')} per process x {acc.num_processes} x "
@@ -422,7 +422,7 @@ def input_line(cfg: Any, shape: Any, after_interpolation: str = "") -> str:
     return f"input: {size} px, crop {crop}, interpolation {interp}{after_interpolation}, mean {mean}, std {std}"
 
 
-def evaluation_block(start: Any, data: Any) -> list[str]:
+def evaluation_block(start: Any, data: Any, checkpoint_name: str | None) -> list[str]:
     """What --eval-only will do, before it starts: which weights, on what, and the input, as timm's validate.py
     takes it (the model's test size and crop) or, with --use-train-size, as train.py does."""
     cfg = start.cfg
@@ -438,7 +438,7 @@ def evaluation_block(start: Any, data: Any) -> list[str]:
         "(--use-train-size: train.py's)"
     )
     return [
-        f"evaluating: {start.checkpoint.name}, {weights}, on {cfg.dataset} ({images})",
+        f"evaluating: {checkpoint_name}, {weights}, on {cfg.dataset} ({images})",
         f"{input_line(cfg, input_format(cfg))}; as {rule}",
     ]
 

@@ -1,17 +1,17 @@
 """The training loop: one accelerate code path for CPU, one GPU, many GPUs and many nodes.
 
-``build_trainer(start)`` composes a ``Trainer`` from the parts engine.loop.setup builds (data, models,
-optimization) once ``start_run`` has done every check that can fail on user input, before anything is
-written; ``Trainer.fit()`` then trains, evaluates, logs and checkpoints each epoch: it calls its
-``CheckpointManager`` (engine.checkpointing.manager) to ``load()`` the resume point and to ``save()`` after every
-epoch and optimizer update.
+``build_trainer(start)`` composes a ``Trainer`` from each package's builder (engine.data.build, engine.model.build,
+engine.optim.build) once ``start_run`` has done every check that can fail on user input, before anything is
+written; it hands the checkpoint manager (engine.checkpoint.manager) the run's folder, options, resume parts and
+models. ``Trainer.fit()`` begins with the manager's one ``load`` of what the run resumes, then trains, evaluates,
+logs and checkpoints each epoch (``save()`` after every epoch and optimizer update).
 
-Distribution: the model and its optimizer go through ``accelerator.prepare`` together: DDP, or FSDP2
+Distribution: the trainer hands the model and its optimizer to ``accelerator.prepare`` together: DDP, or FSDP2
 when the accelerate config asks for FSDP with ``fsdp_version: 2`` (FSDP1 is refused at set-up). Under
-FSDP a resume point also holds every rank's shards of the weights and the optimizer state (engine.checkpointing.shards,
+FSDP a resume point also holds every rank's shards of the weights and the optimizer state (engine.checkpoint.shards,
 torch distributed checkpoint), from which ``--resume`` continues exactly; the EMA update and the
 diagnostics read an ordinary copy of the model refreshed from the shards (``FullCopy``).
-The train loader's sampler shards itself across ranks (engine.loop.setup); evaluation is exact across
+The train loader's sampler shards itself across ranks (engine.data.loaders); evaluation is exact across
 processes (engine.loop.metrics). Gradient accumulation is timm's train.py's: every batch of the epoch is trained on,
 an update every ``--grad-accum-steps`` batches, each batch's loss divided by that count, and the last update of the
 epoch made from the batches that remain, their loss divided by their own count (timm's ``last_accum_steps``); the
@@ -35,16 +35,20 @@ from tqdm.auto import tqdm
 from convbias.base.errors import Interrupted, NonFiniteLossError, Preempted
 from convbias.base.run_layout import CONFIG_FILE, TIMM_ARGS_FILE
 
-from ..checkpointing.manager import RESUME_PART_TYPES, CheckpointManager
-from ..checkpointing.state_parts import Stateful, TrainingProgress, exact_options
+from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.parts import SchedulerState, TrainingProgress, continuation_options, resume_parts
+from ..checkpoint.points import CheckpointDir
+from ..checkpoint.resume import check_exact_continuation
 from ..config.derived import ema_is_the_metric
 from ..data.build import TrainingData
 from ..data.device_augment import DeviceBatches
 from ..data.loaders import epoch_batches, first_images
+from ..model.build import Models, StartingModel, build_model, build_models
 from ..model.compile import compile_counters
 from ..model.factory import reparametrize
+from ..model.output_scale import ScaledLoss
 from ..optim import factory as optim
-from ..optim.build import Optimization
+from ..optim.build import Optimization, build_optimization
 from .diagnostics import ModelDiagnostics
 from .metrics import evaluate
 from .preemption import PreemptionSignals
@@ -59,10 +63,10 @@ from .records import (
     write_config,
     write_timm_args,
 )
-from .setup import Models, build_data, build_models_and_optimization, build_preemption, training_warnings
-from .start import RunStart, check_exact_continuation, kept
+from .setup import build_data, build_preemption, training_warnings
+from .start import RunStart, kept
 
-__all__ = ["RESUME_PART_TYPES", "NonFiniteLossError", "Trainer", "build_trainer"]
+__all__ = ["NonFiniteLossError", "Trainer", "build_trainer"]
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
 # The torch.profiler ranges of a training step (benchmarks/train_loop.py sums them): the loader's and the
@@ -71,29 +75,38 @@ STEP_RANGES = ("loader_wait", "device_augment", "mixup", "forward_backward", "op
 
 
 def build_trainer(start: RunStart) -> Trainer:
-    """The Trainer of a run that has epochs left: a mid-epoch resume point checked against the options its
-    parts need, the parts built whole, then what the run resumes restored into them in one call."""
-    cfg, point = start.cfg, start.point
-    if point is not None:
-        keys = exact_options(RESUME_PART_TYPES)
-        accepted = check_exact_continuation(cfg, point.state, point.path, keys)
-        if accepted:
-            start.notes.append(f"--accept-resume-changes: continuing {point} with {accepted}")
-    else:
-        accepted = None
+    """The Trainer of a run that has epochs left: its parts built whole, the model and its optimizer prepared by
+    accelerate together, a mid-epoch resume point checked against the options its parts need."""
+    cfg, acc, values = start.cfg, start.accelerator, start.values
     preemption = build_preemption(cfg)
     data = build_data(start, preemption, train=True)
-    models, optimization, was_reparametrized = build_models_and_optimization(start, data)
-    warnings = training_warnings(start, data, models)
+    bundle = data.bundle
+    built = build_model(start, bundle.in_chans, bundle.num_classes, f"--dataset {cfg.dataset}")
+    models = build_models(cfg, acc, built.module, bundle.in_chans)
+    before = cfg.reparametrize_at_epoch is not None and not built.reparametrized
+    optimizer = optim.create_optimizer(cfg, models.model, values.lr, require_all_patterns=not before)
+    if acc.is_fsdp2:  # every rank has built the whole model; accelerate's rank-0 loading (on by default)
+        acc.state.fsdp_plugin.cpu_ram_efficient_loading = False  # serves transformers models only
+    models.model, optimizer = acc.prepare(models.model, optimizer)
+    optimization = build_optimization(cfg, optimizer, values, data.updates_per_epoch, models.num_classes, acc.device)
+    if models.teacher is not None:
+        optimization.train_loss = optim.HardDistillationLoss(optimization.train_loss, models.teacher)
+    if cfg.output_scale:
+        optimization.train_loss = ScaledLoss(optimization.train_loss, cfg.output_scale)
+    models.compile(cfg)
     diagnostics = None
     if cfg.diagnostics:
-        count = min(cfg.diagnostics_images, len(data.bundle.val))
-        images = first_images(data.bundle.val, count).to(start.accelerator.device)
+        count = min(cfg.diagnostics_images, len(bundle.val))
+        images = first_images(bundle.val, count).to(acc.device)
         diagnostics = ModelDiagnostics(images, start.extensions.diagnostics)
-    trainer = Trainer(start, data, models, optimization, preemption, diagnostics)
-    trainer.progress.reparametrized = was_reparametrized
-    trainer.resumed = trainer.checkpointer.load()
-    trainer.warnings, trainer.accepted_changes = warnings, accepted
+    trainer = Trainer(start, data, built, models, optimization, preemption, diagnostics)
+    if start.point is not None:
+        point = start.point
+        accepted = check_exact_continuation(cfg, point, continuation_options())
+        if accepted:
+            trainer.notes.append(f"--accept-resume-changes: continuing {point} with {accepted}")
+        trainer.accepted_changes = accepted
+    trainer.warnings = training_warnings(start, data, models)
     return trainer
 
 
@@ -113,34 +126,34 @@ class Trainer:
         self,
         start: RunStart,
         data: TrainingData,
+        built: StartingModel,
         models: Models,
         optimization: Optimization,
         preemption: PreemptionSignals,
         diagnostics: ModelDiagnostics | None,
     ):
         self.start, self.cfg, self.accelerator, self.output = start, start.cfg, start.accelerator, start.output
-        self.data, self.models, self.optimization = data, models, optimization
+        self.data, self.built, self.models, self.optimization = data, built, models, optimization
         self.preemption, self.diagnostics = preemption, diagnostics
-        self.progress = TrainingProgress()
-        self.checkpointer = CheckpointManager(
-            start,
-            models,
+        self.progress = TrainingProgress(reparametrized=built.reparametrized)
+        values = start.values
+        self.schedule = SchedulerState(
             optimization,
             self.progress,
-            data.augment,
-            models.num_classes,
-            data.bundle.in_chans,
-            updates_per_epoch=data.updates_per_epoch,
+            lambda: optim.create_scheduler(
+                self.cfg, optimization.optimizer, values.schedule_epochs, values.warmup_epochs, data.updates_per_epoch
+            ),
+            data.updates_per_epoch,
+            values.lr,
         )
-        self.resumed: str | None = None  # what the run resumed, as the checkpoint manager restored it
+        parts = resume_parts(self.cfg, self.accelerator, self.progress, optimization, self.schedule, data.augment)
+        folder = CheckpointDir(self.output, self.cfg.keep_checkpoints)
+        self.checkpointer = CheckpointManager(folder, self.cfg, parts, models)
+        self.notes = list(start.notes)  # said when training starts
         self.accepted_changes: str | None = None  # --accept-resume-changes: what differs from the point
         self.warnings: list[str] = []  # likely unintended settings, said before anything runs
         self.launch_started, self.launch_first_step = 0.0, 0  # this launch's training: for the time left
         self.epoch_started, self.epoch_first_step = 0.0, 0  # the epoch's training: for its images per second
-
-    def resume_parts(self) -> dict[str, Stateful]:
-        """The named parts a resume point holds (``CheckpointManager.parts``)."""
-        return self.checkpointer.parts()
 
     def kept(self) -> str:
         """What an interrupted run leaves behind, in one sentence."""
@@ -149,8 +162,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------- main entry
     def fit(self) -> dict[str, Any]:
         cfg, acc, progress = self.cfg, self.accelerator, self.progress
+        resumed_from = self.checkpointer.load(self.start.resume)  # what the run resumes, restored in one call
         model = self.accelerator.unwrap_model(self.models.model)
-        for line in startup_block(self.start, self.data, model) + self.start.notes:
+        for line in startup_block(self.start, self.data, model, self.built.weights) + self.notes:
             acc.print(line)
         derived = dict(
             num_processes=acc.num_processes,
@@ -163,7 +177,7 @@ class Trainer:
         if acc.is_main_process:
             self.output.mkdir(parents=True, exist_ok=True)
             write_config(cfg, self.output / CONFIG_FILE, derived)
-            write_timm_args(cfg, self.output / TIMM_ARGS_FILE, self.start.checkpoint.weights)
+            write_timm_args(cfg, self.output / TIMM_ARGS_FILE, self.built.checkpoint.weights)
         if cfg.log_wandb:
             resumed = {"id": cfg.wandb_resume_id, "resume": "must"} if cfg.wandb_resume_id else {}
             acc.init_trackers(
@@ -176,8 +190,8 @@ class Trainer:
         log = RunLog(self.output, acc.is_main_process, acc if cfg.log_wandb else None)
         for note in log.start(progress.epoch):
             acc.print(note)
-        if self.resumed is not None:
-            acc.print(self.resumed)
+        if resumed_from is not None:
+            acc.print(resumed_from)
         else:
             self._start_fresh()
         self.preemption.install()
@@ -446,14 +460,7 @@ class Trainer:
             models.ema.module = reparametrize(models.ema.module, cfg, known).to(acc.device)
         acc.free_memory()  # drop accelerate's references to the old model and optimizer
         models.model, optimization.optimizer = acc.prepare(new_model, optimizer)  # the eval loader stays prepared
-        optimization.scheduler = optim.create_scheduler(
-            cfg,
-            optimization.optimizer,
-            self.start.values.schedule_epochs,
-            self.start.values.warmup_epochs,
-            self.data.updates_per_epoch,
-        )
-        optim.set_scheduled_lr(optimization.scheduler, self.progress.num_updates, self.progress.epoch)
+        self.schedule.recreate()
         models.compile(cfg)
         self.progress.reparametrized = True
         acc.print(f"reparametrized the model with {cfg.reparametrize}({cfg.reparametrize_kwargs})")

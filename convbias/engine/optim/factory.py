@@ -29,7 +29,7 @@ from timm.optim import (
     param_groups_weight_decay,
 )
 from timm.scheduler import PlateauLRScheduler, create_scheduler_v2, scheduler_kwargs
-from timm.utils import ModelEmaV3, dispatch_clip_grad
+from timm.utils import dispatch_clip_grad
 from torch import nn
 
 from convbias.base.errors import ConfigError
@@ -293,34 +293,6 @@ def create_train_loss(cfg: Config, mixup: Mixup | None) -> nn.Module:
             return BinaryCrossEntropy(smoothing=cfg.smoothing, **bce)
         return LabelSmoothingCrossEntropy(smoothing=cfg.smoothing)
     return nn.CrossEntropyLoss()
-
-
-def create_ema(cfg: Config, model: nn.Module, device: torch.device) -> ModelEma | None:
-    """--model-ema: timm's ModelEmaV3 of the weights. Its decay (with --model-ema-warmup, its warm-up) follows the
-    update count it is given, so a resumed run continues it exactly from the saved EMA weights. Built where the model
-    is, then moved to ``device``, as timm's train.py builds it on the model's device: timm's ModelEmaV3 told another
-    device than the model's updates one tensor at a time; here its update is one multi-tensor op on every device."""
-    if not cfg.model_ema:
-        return None
-    ema = ModelEma(model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup)
-    return ema.to(device)
-
-
-class ModelEma(ModelEmaV3):
-    """timm's ModelEmaV3 whose update copies the integer buffers (BatchNorm's ``num_batches_tracked``) in one
-    multi-tensor op beside the one that interpolates the floating-point tensors; timm's copies them one at a
-    time, a kernel per BatchNorm. The same values either way."""
-
-    def apply_update_(self, model: nn.Module, decay: float) -> None:
-        if not self.foreach:
-            return super().apply_update_(model, decay)
-        pairs = list(zip(self.module.state_dict().values(), model.state_dict().values()))
-        interpolated = [(ema_v, model_v) for ema_v, model_v in pairs if ema_v.is_floating_point()]
-        copied = [(ema_v, model_v) for ema_v, model_v in pairs if not ema_v.is_floating_point()]
-        if copied:
-            torch._foreach_copy_(*map(list, zip(*copied)))
-        if interpolated:
-            self._foreach_lerp_(*map(list, zip(*interpolated)), weight=1.0 - decay)
 
 
 class HardDistillationLoss(nn.Module):

@@ -28,7 +28,7 @@ from convbias.base.devices import default_device
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import ROBUSTNESS_FOLDER
 from convbias.base.storage import check_output
-from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
+from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir, run_model_spec
 from convbias.engine.config.command_line import OptionParser, Typed, add_device_option, declared, key_value
 from convbias.engine.config.options import POSITIVE_INT, Check
 from convbias.families import load_families
@@ -177,7 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 RUN_OPTIONS = ("model", "dataset", "data_dir", "first_classes", "img_size")
-# the run's data options, as engine.checkpointing.run_dir's RUN_KEYS
+# the run's data options, as engine.rundir.reader's RUN_KEYS
 RUN_DATA_OPTIONS = ("crop_pct", "interpolation", "in_chans", "mean", "std", "class_map", "input_key", "target_key")
 RUN_MODEL_OPTIONS = (
     "bn_eps",
@@ -197,7 +197,7 @@ def _take_run_options(args: argparse.Namespace) -> None:
         options = run_dir.options()
         kwargs_key = f"{model_key}_kwargs"
         setattr(args, kwargs_key, {**(options.get("model_kwargs") or {}), **getattr(args, kwargs_key)})
-        options = {**options, "num_classes": run_dir.model_spec(args.which or "last")["num_classes"]}  # the head
+        options = {**options, "num_classes": run_model_spec(run_dir, args.which or "last")["num_classes"]}  # the head
         setattr(args, f"{model_key}_options", {k: options[k] for k in RUN_MODEL_OPTIONS if options.get(k) is not None})
         if getattr(args, model_key) is None:
             setattr(args, model_key, options.get("model"))

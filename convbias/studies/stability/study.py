@@ -26,7 +26,7 @@ import torch
 from convbias.base import tables
 from convbias.base.errors import ConfigError
 from convbias.base.tables import markdown_table
-from convbias.engine import RunDir, build_datasets, check_model_name
+from convbias.engine import RunDir, build_datasets, build_run_model, check_model_name
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import relative_stability
 
@@ -95,7 +95,7 @@ def load_run(path: Path, settings: Settings, extensions: Any = None) -> Run:
     images = torch.stack([bundle.val[i][0] for i in range(count)])
     for delta, cut in settings.grid:
         diffeo.temperature(delta, cut, images.shape[-2:])  # the whole grid is checked before any work
-    models = {name: run.build_model(name, extensions)[0].to(settings.device) for name in settings.checkpoints}
+    models = {name: build_run_model(run, name, extensions)[0].to(settings.device) for name in settings.checkpoints}
     return Run(path, cfg, images, bundle.val, models)
 
 

@@ -21,26 +21,20 @@ from convbias.base.run_layout import (
     snapshot_file,
 )
 from convbias.engine import Config
-from convbias.engine.checkpointing.manager import CheckpointManager
-from convbias.engine.checkpointing.points import find_resume_point
-from convbias.engine.checkpointing.resume import ResumePoint
-from convbias.engine.checkpointing.run_dir import load_training_state
-from convbias.engine.checkpointing.state_parts import TrainingProgress
-
-
-@dataclass
-class Run:
-    cfg: Any
-    accelerator: Accelerator
-    output: Path
-    resume: ResumePoint | None = None
-    sharded: bool = False
-    values: Any = None
+from convbias.engine.checkpoint.manager import CheckpointManager
+from convbias.engine.checkpoint.parts import SchedulerState, TrainingProgress, resume_parts
+from convbias.engine.checkpoint.points import CheckpointDir
+from convbias.engine.checkpoint.resume import ResumePoint, find_resume_point, load_training_state
 
 
 @dataclass
 class Models:
+    """The models a manager reads (the engine's are engine.model.build.Models)."""
+
+    accelerator: Accelerator
     model: torch.nn.Module
+    in_chans: int = 3
+    num_classes: int = 2
     ema: Any = None
 
 
@@ -50,16 +44,22 @@ class Optimization:
     scheduler: Any
 
 
-def built(output: Path, cfg: Config, point: Path | None = None) -> tuple[CheckpointManager, Models, Optimization]:
+def built(
+    output: Path, cfg: Config, point: Path | None = None
+) -> tuple[CheckpointManager, Models, Optimization, ResumePoint | None]:
+    """A manager as the trainer builds one: the run's folder, options, resume parts and models."""
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(3, 2)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     optimization = Optimization(optimizer, CosineLRScheduler(optimizer, t_initial=4))
-    run = Run(cfg, accelerator, output, ResumePoint(point, load_training_state(point), {}) if point else None)
-    models = Models(model)
-    manager = CheckpointManager(run, models, optimization, TrainingProgress(), None, 2, 3, updates_per_epoch=4)
-    return manager, models, optimization
+    progress = TrainingProgress()
+    schedule = SchedulerState(optimization, progress, lambda: CosineLRScheduler(optimizer, t_initial=4), 4, 0.1)
+    parts = resume_parts(cfg, accelerator, progress, optimization, schedule, None)
+    models = Models(accelerator, model)
+    manager = CheckpointManager(CheckpointDir(output, cfg.keep_checkpoints), cfg, parts, models)
+    resume = ResumePoint(point, load_training_state(point), {}) if point else None
+    return manager, models, optimization, resume
 
 
 def step(models: Models, optimization: Optimization, progress: TrainingProgress) -> None:
@@ -72,8 +72,8 @@ def step(models: Models, optimization: Optimization, progress: TrainingProgress)
 
 def test_save_writes_the_points_that_are_due_and_load_restores_them(tmp_path):
     cfg = Config(model="convit_tiny", save_epochs=[1], checkpoint_interval=2, output=str(tmp_path))
-    manager, models, optimization = built(tmp_path, cfg)
-    assert manager.load() is None  # a fresh run
+    manager, models, optimization, _ = built(tmp_path, cfg)
+    assert manager.load(None) is None  # a fresh run
     step(models, optimization, manager.progress)
     assert manager.save(0, 1, loss_sum=torch.tensor(0.5)) is None  # 1 update: not due with --checkpoint-interval 2
     assert manager.points() == []
@@ -91,9 +91,9 @@ def test_save_writes_the_points_that_are_due_and_load_restores_them(tmp_path):
     assert not (point / EMA_FILE).exists()
     assert find_resume_point("auto", tmp_path) == point.resolve()
 
-    fresh, fresh_models, fresh_optimization = built(tmp_path, cfg, point)
+    fresh, fresh_models, fresh_optimization, resume = built(tmp_path, cfg, point)
     assert not torch.equal(fresh_models.model.weight, models.model.weight)  # built afresh: other weights
-    assert fresh.load() == f"resumed from {point} after epoch 1"
+    assert fresh.load(resume) == f"resumed from {point} after epoch 1"
     assert (fresh.progress.epoch, fresh.progress.step, fresh.progress.num_updates) == (1, 0, 3)
     for name, value in models.model.state_dict().items():
         assert torch.equal(fresh_models.model.state_dict()[name], value)  # the weights, in the same call

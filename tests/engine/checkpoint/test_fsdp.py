@@ -1,5 +1,5 @@
 """FSDP2 resume points on CPU: PyTorch's `fully_shard` over a gloo mesh of 2 processes (accelerate enables
-FSDP only on GPUs, see convbias/engine/checkpointing/shards.py), a tiny ConViT sharded block by block.
+FSDP only on GPUs, see convbias/engine/checkpoint/shards.py), a tiny ConViT sharded block by block.
 
 - A run saved after 3 steps with `save_sharded` and continued in fresh processes with `load_sharded`
   ends bit-identical to the run that went on (sharded weights *and* AdamW state restored).
@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import convit  # noqa: F401  (registers convit_tiny)
-from convbias.engine.checkpointing.shards import FullCopy, load_sharded, save_sharded
+from convbias.engine.checkpoint.shards import FullCopy, load_sharded, save_sharded
 
 global_batch = 8
 
@@ -154,7 +154,7 @@ def test_sharded_save_and_resume_continue_exactly(tmp_path):
     import timm
 
     import convit  # noqa: F401
-    from convbias.engine.checkpointing.shards import load_full_weights
+    from convbias.engine.checkpoint.shards import load_full_weights
 
     model = timm.create_model(
         "convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8, in_chans=1, num_classes=10
@@ -169,7 +169,7 @@ def test_sharded_save_and_resume_continue_exactly(tmp_path):
     # weights and optimizer state into an ordinary model and AdamW, no process group (resume without FSDP)
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from convbias.engine.checkpointing.shards import load_sharded
+    from convbias.engine.checkpoint.shards import load_sharded
 
     plain = timm.create_model(
         "convit_tiny", patch_size=2, depth=2, local_up_to_layer=1, embed_dim=8, img_size=8, in_chans=1, num_classes=10

@@ -28,22 +28,17 @@ from convbias.base.errors import (
     DamagedRunRecordError,
     StorageError,
 )
+from convbias.base.run_layout import MANIFEST_FILE
 from convbias.base.weights import load_weights
 from convbias.cli import train
-from convbias.engine.checkpointing import lock
-from convbias.engine.checkpointing import points as checkpoint
-from convbias.engine.checkpointing.points import (
-    MANIFEST_FILE,
-    STATE_FILE,
-    WEIGHTS_FILE,
-    CheckpointDir,
-    find_resume_point,
-    write_manifest,
-)
-from convbias.engine.checkpointing.run_dir import RunDir, load_training_state
+from convbias.engine.checkpoint import points as checkpoint
+from convbias.engine.checkpoint.points import STATE_FILE, WEIGHTS_FILE, CheckpointDir, write_manifest
+from convbias.engine.checkpoint.resume import find_resume_point, load_training_state
 from convbias.engine.loop import records as run_log
 from convbias.engine.loop import trainer
 from convbias.engine.loop.records import read_log
+from convbias.engine.rundir import lock
+from convbias.engine.rundir.reader import RunDir
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,4 +1,4 @@
-"""Reading timm's training checkpoints (convbias.engine.checkpointing.timm_checkpoint) against timm itself: files
+"""Reading timm's training checkpoints (convbias.engine.rundir.timm_files) against timm itself: files
 written by timm's own CheckpointSaver (and in the layout older timm versions saved), read back as timm's
 resume_checkpoint and clean_state_dict read them, timm's optimizer state paired with this engine's parameter
 groups, and a pickle with a foreign global refused without running it."""
@@ -16,12 +16,9 @@ from timm.optim import create_optimizer_v2
 from timm.utils import CheckpointSaver
 
 from convbias.base.errors import ConfigError, DamagedInputError
-from convbias.engine.checkpointing.timm_checkpoint import (
-    aligned_optimizer_state,
-    create_timm_model,
-    read_timm_checkpoint,
-    timm_class_names,
-)
+from convbias.engine.checkpoint.timm_resume import aligned_optimizer_state
+from convbias.engine.model.build import create_timm_model
+from convbias.engine.rundir.timm_files import read_timm_checkpoint, timm_class_names
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

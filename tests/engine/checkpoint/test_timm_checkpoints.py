@@ -218,7 +218,7 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
     import json
 
     from convbias.engine import parse_config
-    from convbias.engine.checkpointing.points import CheckpointDir
+    from convbias.engine.checkpoint.points import CheckpointDir
     from convbias.engine.loop.start import start_run
     from convbias.engine.loop.trainer import build_trainer
     from convbias.families import load_families
@@ -228,6 +228,7 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
     args = saved["args"]
     cfg = parse_config(engine_arguments(folder_of_twelve, tmp_path / "run", last))
     trainer = build_trainer(start_run(cfg, load_families(), None))
+    resumed = trainer.checkpointer.load(trainer.start.resume)  # what fit() begins with (and does again below)
     assert trainer.data.steps_per_epoch == UPDATES_PER_EPOCH  # 8 training images in batches of 4: as timm's run
     model = trainer.accelerator.unwrap_model(trainer.models.model)
     assert all(torch.equal(v, saved["state_dict"][k]) for k, v in model.state_dict().items())
@@ -248,9 +249,7 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
     assert by_decay(optimizer.param_groups) == by_decay(oracle.param_groups)
     assert 0 < optimizer.param_groups[0]["lr"] < args.lr  # cosine after its warm-up, at epoch 2 of 3
     # this run's lr (--lr-base 0.1 for a batch of 4) is not the file's: the schedule follows the file's, as timm's
-    assert (
-        trainer.start.values.lr == 0.1 * 4 / 256 and "starts from the file's lr (0.05), not 0.00156" in trainer.resumed
-    )
+    assert trainer.start.values.lr == 0.1 * 4 / 256 and "starts from the file's lr (0.05), not 0.00156" in resumed
 
     trainer.fit()
     rows = list(csv.DictReader((tmp_path / "run" / "summary.csv").read_text().splitlines()))
@@ -270,7 +269,7 @@ def test_resume_of_timms_checkpoint_with_other_parameter_groups_is_refused_in_on
     last = timm_run(tmp_path, timm_train_args(weight_decay=0.0))  # timm's optimizer: one group
     cfg = parse_config(engine_arguments(folder_of_twelve, tmp_path / "run", last))  # weight decay 2e-5: two
     with pytest.raises(ConfigError) as refused:
-        build_trainer(start_run(cfg, load_families(), None))
+        build_trainer(start_run(cfg, load_families(), None)).fit()  # its first step: the one load, before any write
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(f"--resume {last}: its optimizer state does not fit this run's optimizer")

@@ -9,10 +9,10 @@ import yaml
 from convbias import engine
 from convbias.base.errors import ConfigError
 from convbias.engine import parse_config, validate
-from convbias.engine.checkpointing.state_parts import (
+from convbias.engine.checkpoint.parts import (
     RunIdentity,
     TrainingProgress,
-    exact_options,
+    continuation_options,
     restore,
     resume_state,
 )
@@ -118,9 +118,9 @@ def test_engine_run_takes_a_config_and_leaves_it_unchanged(tmp_path):
 
 
 def test_resume_parts_declare_the_exact_continuation_options():
-    parts = {"identity": RunIdentity("m", {}, False), "progress": TrainingProgress()}
-    assert exact_options(parts) == ("model", "model_kwargs", "dataset", "train_fraction", "seed", "batch_size",
-                                    "grad_accum_steps")  # fmt: skip
+    assert continuation_options() == ("model", "model_kwargs", "dataset", "train_fraction", "seed", "batch_size",
+                                      "grad_accum_steps", "no_prefetcher", "aa", "reprob", "img_size",
+                                      "interpolation")  # fmt: skip
 
 
 class Counter:
@@ -181,10 +181,12 @@ def test_a_training_state_written_before_the_parts_existed_loads():
     assert (progress.epoch, progress.num_updates, progress.best["eval_top1"]) == (3, 30, 50.0)
 
 
-def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path, deit_recipe):
-    """RESUME_PART_TYPES (whose exact_options are checked before set-up) names every part a point holds."""
+def test_the_trainer_hands_its_manager_every_part_a_point_holds(tmp_path, deit_recipe):
+    """The parts the trainer hands its checkpoint manager: the run's identity with the continuation options' values,
+    its progress, optimizer, schedule, random streams and (the DeiT recipe's device-side augmentation) the device
+    augmentation's streams; fp32 on a CPU: no grad scaler."""
     from convbias.engine.loop.start import start_run
-    from convbias.engine.loop.trainer import RESUME_PART_TYPES, build_trainer
+    from convbias.engine.loop.trainer import build_trainer
 
     options = dict(
         model="convit_tiny",
@@ -200,7 +202,9 @@ def test_the_trainers_resume_parts_are_the_declared_part_types(tmp_path, deit_re
     )
     cfg = Config(**{**deit_recipe, **options})  # fmt: skip  (the DeiT recipe: device-side augmentation)
     validate(cfg)
-    parts = build_trainer(start_run(cfg, load_families(), None)).resume_parts()
-    assert set(parts) == set(RESUME_PART_TYPES)  # fp32 on a CPU: no grad scaler
-    assert all(isinstance(parts[name], kind) for name, kind in RESUME_PART_TYPES.items())
-    assert parts["identity"].options == {key: getattr(cfg, key) for key in exact_options(RESUME_PART_TYPES)}
+    trainer = build_trainer(start_run(cfg, load_families(), None))
+    parts = trainer.checkpointer.parts
+    assert list(parts) == ["identity", "progress", "optimizer", "scheduler", "rng", "augment"]
+    assert parts["progress"] is trainer.progress and parts["augment"].augment is trainer.data.augment
+    assert parts["scheduler"].optimization is trainer.optimization
+    assert parts["identity"].options == {key: getattr(cfg, key) for key in continuation_options()}

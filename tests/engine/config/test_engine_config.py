@@ -13,7 +13,6 @@ from support import REPO
 
 from convbias import engine
 from convbias.base.errors import ConfigError
-from convbias.engine.checkpointing import checks as checkpointing_checks
 from convbias.engine.config import parsing as config_parsing
 from convbias.engine.config.derived import RunValues
 from convbias.engine.config.options import Config
@@ -23,6 +22,7 @@ from convbias.engine.loop.start import start_run
 from convbias.engine.model import checks as model_checks
 from convbias.engine.optim import checks as optim_checks
 from convbias.engine.optim import factory as optim_factory
+from convbias.engine.rundir import checks as checkpointing_checks
 from convbias.families import load_families
 
 ROOT = REPO

@@ -15,8 +15,8 @@ import yaml
 from PIL import Image
 from support import REPO
 
+from convbias.base.class_map import read_class_map
 from convbias.engine import Config, ConfigError, build_datasets, parse_config
-from convbias.engine.data.class_map import read_class_map
 from convbias.engine.data.datasets import DIGITS_MEAN, DIGITS_STD
 from convbias.engine.data.device_augment import DeviceAugment
 from convbias.engine.data.factory import augment_spec

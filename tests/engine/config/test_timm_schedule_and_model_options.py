@@ -14,7 +14,7 @@ from torch import nn
 
 from convbias.base.errors import ConfigError
 from convbias.engine import RunDir, read_log, validate
-from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.engine.checkpoint.resume import load_training_state
 from convbias.engine.config.options import Config
 from convbias.engine.data import loaders
 from convbias.engine.loop.start import start_run

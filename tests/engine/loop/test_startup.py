@@ -23,6 +23,7 @@ import convit  # noqa: F401  (registers the project's models)
 import transformed_cnn  # noqa: F401
 from convbias.base.errors import ConfigError
 from convbias.cli import train
+from convbias.engine.checkpoint.resume import ResumePoint
 from convbias.engine.config.options import Config
 from convbias.engine.config.parsing import config_warnings, option_source, parse_config
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
@@ -343,7 +344,8 @@ def test_a_finished_run_names_the_best_epoch_by_its_eval_metric(tmp_path):
         "final": {"epoch": 2, "eval_top1": 60.0, "eval_top5": 90.0},
         "best": {"epoch": 1, "eval_top1": 65.0, "eval_top5": 92.5},
     }
-    message = finished_message(state, tmp_path, epochs=2, write=False, options={"eval_metric": "top5"})
+    point = ResumePoint(tmp_path / "checkpoints" / "epoch_0002", state, {})
+    message = finished_message(point, tmp_path, epochs=2, write=False, options={"eval_metric": "top5"})
     assert "final top-1 60.00, best top-5 92.50 at epoch 1); nothing to do" in message
 
 

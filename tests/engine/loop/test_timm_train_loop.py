@@ -25,11 +25,11 @@ from convbias.base.run_layout import (
     WEIGHTS_FILE,
 )
 from convbias.engine import parse_config
-from convbias.engine.checkpointing.run_files import foreign_entry
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.data.device_augment import DeviceBatches
 from convbias.engine.data.loaders import epoch_batches
 from convbias.engine.loop.trainer import accumulation
+from convbias.engine.rundir.run_files import foreign_entry
 from convbias.families import load_families
 
 pytestmark = pytest.mark.usefixtures("single_thread")

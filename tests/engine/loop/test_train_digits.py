@@ -12,7 +12,7 @@ import torch
 from convbias.base.weights import load_weights
 from convbias.cli import train
 from convbias.engine import parse_config
-from convbias.engine.checkpointing.points import save_weights
+from convbias.engine.checkpoint.points import save_weights
 from convbias.engine.loop.records import SUMMARY_FIELDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("single_thread")]  # tiny models

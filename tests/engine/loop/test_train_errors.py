@@ -11,7 +11,7 @@ import torch
 
 from convbias.base.run_layout import CONFIG_MARKER
 from convbias.cli import train
-from convbias.engine.checkpointing.points import save_weights
+from convbias.engine.checkpoint.points import save_weights
 
 SMALL = [
     "--dataset",

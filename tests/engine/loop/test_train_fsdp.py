@@ -28,8 +28,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from convbias.engine.checkpointing.points import STATE_FILE
-from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.engine.checkpoint.points import STATE_FILE
+from convbias.engine.checkpoint.resume import load_training_state
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate enables FSDP only on GPUs"),

@@ -203,7 +203,7 @@ def test_the_ema_updates_every_tensor_in_two_ops_on_any_device_as_timm_updates_t
     from timm.utils import ModelEmaV3
 
     from convbias.base.dispatch_cost import DispatchCost
-    from convbias.engine.optim.factory import create_ema
+    from convbias.engine.model.build import create_ema
 
     torch.manual_seed(0)
     layers = [m for _ in range(4) for m in (torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))]

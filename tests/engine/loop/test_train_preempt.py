@@ -23,8 +23,8 @@ import torch
 from support import DATA
 
 from convbias.base.errors import EXIT_REQUEUE as REQUEUE_EXIT_CODE
-from convbias.engine.checkpointing.points import STATE_FILE, write_manifest
-from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.engine.checkpoint.points import STATE_FILE, write_manifest
+from convbias.engine.checkpoint.resume import load_training_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 

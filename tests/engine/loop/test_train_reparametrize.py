@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from convbias.cli import train
-from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.engine.checkpoint.resume import load_training_state
 
 pytestmark = pytest.mark.integration
 

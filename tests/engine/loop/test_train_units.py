@@ -13,8 +13,8 @@ from support import REPO
 import convit  # noqa: F401  (registers the project's models)
 from convbias.base.weights import load_weights
 from convbias.engine import parse_config
-from convbias.engine.checkpointing.points import CheckpointDir, find_resume_point
-from convbias.engine.checkpointing.run_dir import load_training_state
+from convbias.engine.checkpoint.points import CheckpointDir
+from convbias.engine.checkpoint.resume import find_resume_point, load_training_state
 from convbias.engine.config.derived import effective_epochs
 from convbias.engine.config.parsing import ConfigError
 from convbias.engine.optim.factory import create_optimizer, create_scheduler, param_groups, rebuild_optimizer

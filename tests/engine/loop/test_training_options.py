@@ -94,7 +94,7 @@ def test_log_interval_prints_a_progress_line_every_n_steps_without_a_terminal(tm
 
 def test_a_resumed_run_draws_the_same_device_side_augmentations(tmp_path, cli_argv):
     """The DeiT recipe's RandAugment and random erasing run on the device from their own streams, which a resume
-    point holds (engine.checkpointing.state_parts.AugmentStreams): 1 epoch, then --resume to 2, equals 2 epochs straight."""
+    point holds (engine.checkpoint.parts.AugmentStreams): 1 epoch, then --resume to 2, equals 2 epochs straight."""
     from safetensors.torch import load_file
 
     from convbias.engine import RunDir, read_log

@@ -16,7 +16,7 @@ import pytest
 from convbias import engine
 from convbias.cli import train
 from convbias.engine import parse_config
-from convbias.engine.checkpointing.lock import RunLock, RunLockedError
+from convbias.engine.rundir.lock import RunLock, RunLockedError
 from convbias.families import load_families
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -70,7 +70,7 @@ def hold_lock(directory):
     """A live process holding `directory`'s run lock (as a running train.py does); returns the Popen."""
     code = textwrap.dedent(f"""
         import time
-        from convbias.engine.checkpointing.lock import RunLock
+        from convbias.engine.rundir.lock import RunLock
         RunLock({str(directory)!r}).acquire()
         print("locked", flush=True)
         time.sleep(120)

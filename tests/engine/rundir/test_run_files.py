@@ -1,4 +1,4 @@
-"""What a folder holds, told without reading a checkpoint (convbias.engine.checkpointing.run_files), against the
+"""What a folder holds, told without reading a checkpoint (convbias.engine.rundir.run_files), against the
 folders that really write them: a run folder that a one-epoch train.py run wrote here, and an output folder that
 timm's own CheckpointSaver (what timm's train.py saves with) wrote, beside folders of other files."""
 
@@ -15,7 +15,7 @@ from timm.utils import CheckpointSaver
 
 from convbias.base.errors import ConfigError, DamagedInputError
 from convbias.cli import train
-from convbias.engine.checkpointing.run_files import (
+from convbias.engine.rundir.run_files import (
     foreign_entry,
     foreign_links,
     in_timm_output,

@@ -1,6 +1,6 @@
 """Writing resume points: atomic writes, safetensors weights, manifests, the ``last``/``best`` links, rotation,
 ``--save-epochs`` snapshots, and RNG states in a loadable form. The names are base.run_layout's;
-reading and verifying a point is engine.checkpointing.run_dir's.
+reading and verifying a point is engine.rundir.reader's.
 
 A resume point is complete when its manifest is there and every file matches it: a kill at any moment
 leaves the newest complete point intact (a point is written under a hidden staging name and renamed into
@@ -18,24 +18,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from convbias.base.errors import ConfigError, DamagedCheckpointError, StorageError
+from convbias.base.errors import StorageError
 from convbias.base.run_layout import (
     BEST_LINK,
     CHECKPOINTS_DIR,
     EMA_FILE,
     LAST_LINK,
     LINKS,
-    MANIFEST_FILE,
     SNAPSHOTS_FILE,
     STAGING_GLOB,
     STATE_FILE,
@@ -49,13 +46,7 @@ from convbias.base.run_layout import (
 from convbias.base.storage import atomic_write, storage_reason
 
 from ..config.options import DEFAULT_KEEP_CHECKPOINTS
-from .run_dir import (
-    check_point,
-    check_snapshots,
-    file_entry,
-    point_files,
-    read_manifest,
-)
+from ..rundir.manifest import check_point, check_snapshots, file_entry, point_files, read_manifest, write_manifest
 
 # torch.save and safetensors report I/O their own way; a StorageError is base.storage's, read by its cause
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, StorageError)
@@ -73,44 +64,6 @@ def save_weights(
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), owner)
 
 
-# ----------------------------------------------------------------------------------------- RNG states
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states in weights_only-loadable types (tensors, ints, tuples)."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (
-            np_state[0],
-            torch.from_numpy(np_state[1].astype(np.int64)),
-            int(np_state[2]),
-            int(np_state[3]),
-            float(np_state[4]),
-        ),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ------------------------------------------------------------------------------------------ manifests
-def write_manifest(point: Path, epoch: int, step: int, best_epoch: int | None = None) -> None:
-    """The size and sha256 of every file of the resume point, written last (atomically), with the epoch of
-    the run's best point so far (what ``RunDir`` reads to find it without loading the training state)."""
-    files = {name: file_entry(point / name) for name in point_files(point)}
-    text = json.dumps({"epoch": epoch, "step": step, "best_epoch": best_epoch, "files": files}, indent=1) + "\n"
-    atomic_write(point / MANIFEST_FILE, lambda tmp: tmp.write_text(text), owner=point.parent.parent)
-
-
 def payload_bytes(obj: Any) -> int:
     """The bytes of every tensor in a (nested) state: about what writing it takes on disk."""
     if isinstance(obj, torch.Tensor):
@@ -125,7 +78,7 @@ def payload_bytes(obj: Any) -> int:
 # ------------------------------------------------------------------------------ resume points on disk
 class CheckpointDir:
     """The ``checkpoints/`` folder of a run as the training loop writes it: resume points, their rotation,
-    the ``last``/``best`` links and snapshots. Reading a run is ``engine.checkpointing.run_dir.RunDir``'s."""
+    the ``last``/``best`` links and snapshots. Reading a run is ``engine.rundir.reader.RunDir``'s."""
 
     def __init__(self, output: str | Path, keep: int = DEFAULT_KEEP_CHECKPOINTS):
         self.root = Path(output) / CHECKPOINTS_DIR
@@ -297,7 +250,7 @@ class CheckpointDir:
 
     def _discard(self, point: Path) -> None:
         """Rename ``point`` to its staging name, then delete it: a command reading the run meanwhile finds the
-        whole point or none of it, never a point with some of its files gone (engine.checkpointing.run_dir)."""
+        whole point or none of it, never a point with some of its files gone (engine.rundir.reader)."""
         staging = self._staging(point.name)
         shutil.rmtree(staging, ignore_errors=True)
         try:
@@ -322,25 +275,3 @@ class CheckpointDir:
             reason = storage_reason(e, self.root, payload_bytes(weights))
             raise StorageError(f"writing the snapshot {path.name} failed ({reason})") from None
         return path
-
-
-def find_resume_point(resume: str, output: str | Path) -> Path | None:
-    """The checkpoint directory ``--resume`` names, checked against its manifest; for 'auto' the newest
-    intact point of the run dir (None when it has none).
-
-    Raises ConfigError for an explicit path that holds no resume point, DamagedCheckpointError for one
-    whose files do not match its manifest (a point without one, written before checksums, is taken as is).
-    """
-    if resume == "auto":
-        return CheckpointDir(output).select()[0]
-    path = Path(resume)
-    for candidate in (path, path / LAST_LINK, path / CHECKPOINTS_DIR / LAST_LINK):
-        if (candidate / STATE_FILE).is_file() and (candidate / WEIGHTS_FILE).is_file():
-            problem = check_point(candidate) if os.path.lexists(candidate / MANIFEST_FILE) else None
-            if problem:
-                raise DamagedCheckpointError(f"--resume {resume}: {candidate} is damaged: {problem}")
-            return candidate.resolve()
-    raise ConfigError(
-        f"--resume {resume}: no checkpoint there (expected a run dir with {CHECKPOINTS_DIR}/{LAST_LINK}/, "
-        f"or a checkpoint dir holding {WEIGHTS_FILE} and {STATE_FILE})"
-    )

@@ -7,7 +7,7 @@ tensors with their shard layout, so the *weights* also load on another number of
 an unsharded model on one process (``load_full_weights``): a run can move to fewer or more GPUs from
 its weights; exact continuation (optimizer state, RNG streams, sampler position) needs the same world.
 
-Atomicity comes from the resume point itself (engine.checkpointing.points: written under a temporary name,
+Atomicity comes from the resume point itself (engine.checkpoint.points: written under a temporary name,
 renamed when complete), so a killed save never leaves a ``last`` that points at a partial shard set.
 
 A sharded point also resumes without FSDP (one process, or DDP): DCP reads the global tensors into
@@ -25,7 +25,6 @@ under accelerate's FSDP2 is tested on a GPU (tests/test_train_fsdp.py, skipped w
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
@@ -78,22 +76,3 @@ def load_full_weights(point: str | Path, model: torch.nn.Module) -> None:
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     model.load_state_dict(state["model"])
-
-
-def gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full weights of a sharded model on every rank, in the sharded parameters' dtype and keyed like
-    the unsharded model's state dict (a collective)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
-class FullCopy:
-    """An ordinary copy of a model that is sharded for training, refreshed from the shards on demand."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device | str):
-        self.module = copy.deepcopy(model).to(device)  # the model before fully_shard
-        self.module.requires_grad_(False)
-
-    def refresh(self, sharded: torch.nn.Module) -> torch.nn.Module:
-        """The copy, now holding the sharded model's current weights (every rank calls it)."""
-        self.module.load_state_dict(gathered_state(sharded))
-        return self.module

@@ -19,17 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 from timm.data import resolve_data_config
 
+from convbias.base.class_map import read_class_map
 from convbias.base.errors import ConfigError, DamagedInputError
 from convbias.base.inputs import quoted
-from convbias.base.weights import load_checked, load_torch_file
+from convbias.base.weights import load_torch_file
 
 from ..config.options import option_names
 from ..config.parsing import check_option, coerce, require
-from ..data.class_map import read_class_map
 
 SCALER_KEY = "amp_scaler"  # timm.utils.NativeScaler.state_dict_key: torch's GradScaler state
 # Optimizer defaults that newer torch and timm versions added, filled in with their defaults where an older file
@@ -145,7 +144,7 @@ ARGS_READ = (
 ANY_SHAPE = ("in_chans", "input_size")
 
 
-def _image_channels(args: dict[str, Any]) -> int:
+def image_channels(args: dict[str, Any]) -> int:
     """The channels of the images timm's train.py trained on: --in-chans, else --input-size's first, else 3."""
     input_size = args.get("input_size")
     return args.get("in_chans") or (input_size[0] if input_size else 3)
@@ -172,102 +171,13 @@ def check_args(args: dict[str, Any], path: Path) -> None:
         except ConfigError as error:
             message = str(error) if str(error).startswith(label) else f"{label}: {error}"
             raise DamagedInputError(message) from None
-    channels = _image_channels(args)
+    channels = image_channels(args)
     for key in ("mean", "std"):  # one value per channel, as timm's normalization takes them
         value = args.get(key)
         if isinstance(value, (list, tuple)) and len(value) not in (1, channels):
             raise DamagedInputError(
                 f"{path}: args.{key} has {len(value)} values for {channels}-channel images: {quoted(list(value))}"
             )
-
-
-def _describe_groups(groups: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{len(g['params'])} (weight decay {g.get('weight_decay', 0):g})" for g in groups)
-
-
-def _group_key(group: dict[str, Any]) -> tuple[int, bool]:
-    """What pairs a saved parameter group with one of this run's: its size and whether it decays."""
-    return len(group["params"]), group.get("weight_decay", 0) == 0
-
-
-def aligned_optimizer_state(
-    saved: dict[str, Any], optimizer: torch.optim.Optimizer, source: str, option: str
-) -> dict[str, Any]:
-    """``saved`` (timm's ``optimizer.state_dict()``) with its parameter groups in ``optimizer``'s order, ready
-    for ``optimizer.load_state_dict``. Groups are paired by their number of parameters and whether they decay
-    (timm lists the group without weight decay first, this engine in the order of the model's parameters); the
-    parameters inside a group are in the model's order in both. The keys this engine adds to a group (its
-    lr pattern, parameter names) are kept. ConfigError (one line) naming what differs: the number or sizes of
-    the groups, the optimizer (its hyper-parameter names), a state tensor's shape."""
-    saved_groups, groups = saved["param_groups"], optimizer.param_groups
-    sizes = f"the file's parameter groups: {_describe_groups(saved_groups)}; this run's: {_describe_groups(groups)}"
-    if len(saved_groups) != len(groups):
-        raise ConfigError(
-            f"{option} {source}: its optimizer state does not fit this run's optimizer ({sizes}); give the options "
-            f"timm's run had (--weight-decay, --layer-decay, --opt), or start from its weights with "
-            f"--initial-checkpoint {source}"
-        )
-    unused, order = list(range(len(saved_groups))), []
-    for group in groups:
-        key = _group_key(group)
-        match = next((i for i in unused if _group_key(saved_groups[i]) == key), None)
-        if match is None:
-            raise ConfigError(
-                f"{option} {source}: its optimizer state does not fit this run's optimizer ({sizes}); give the "
-                f"options timm's run had, or start from its weights with --initial-checkpoint {source}"
-            )
-        unused.remove(match)
-        order.append(match)
-    missing = sorted(set(optimizer.defaults) - set(saved_groups[0]) - IMPLEMENTATION_FLAGS)
-    if missing:
-        raise ConfigError(
-            f"{option} {source}: its optimizer state was written by another optimizer than this run's "
-            f"{type(optimizer).__name__} (its groups lack {', '.join(missing)}); give timm's run's --opt, or start "
-            f"from its weights with --initial-checkpoint {source}"
-        )
-    state = saved.get("state", {})
-    for group, index in zip(groups, order):
-        for param, saved_id in zip(group["params"], saved_groups[index]["params"]):
-            for name, value in state.get(saved_id, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() == param.dim() > 0 and value.shape != param.shape:
-                    raise ConfigError(
-                        f"{option} {source}: its optimizer state {name} {tuple(value.shape)} does not fit a parameter "
-                        f"{tuple(param.shape)} of this run's model; start from its weights with "
-                        f"--initial-checkpoint {source}"
-                    )
-    kept = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-    return {
-        "state": state,
-        "param_groups": [{**extra, **saved_groups[i]} for extra, i in zip(kept, order)],
-    }
-
-
-def create_timm_model(checkpoint: TimmCheckpoint, use_ema: bool = False) -> torch.nn.Module:
-    """The model ``checkpoint`` holds, in eval mode, built from its train.py arguments as timm's validate.py builds
-    it (``timm.create_model(args.model, num_classes, in_chans, global_pool, **model_kwargs)``, the BatchNorm eps
-    train.py gave it) and loaded strictly with the model's weights, or with ``use_ema`` its EMA's (validate.py's
-    --use-ema). The families' models must be registered (``convbias.families.load_families``)."""
-    args, path = checkpoint.args, checkpoint.path
-    name = args.get("model")
-    if not isinstance(name, str):
-        raise DamagedInputError(f"{path} holds no args.model (timm's train.py saves it): its architecture is unknown")
-    if not timm.is_model(name):
-        raise ConfigError(f"{path}: its args.model {name!r} is not a registered timm model")
-    kwargs = dict(args.get("model_kwargs") or {})
-    kwargs.pop("checkpoint_path", None)  # timm.create_model would load it; the checkpoint's own weights replace it
-    try:
-        model = timm.create_model(
-            name,
-            num_classes=args.get("num_classes"),
-            in_chans=_image_channels(args),
-            global_pool=args.get("gp"),
-            bn_eps=args.get("bn_eps"),
-            **kwargs,
-        )
-    except (TypeError, ValueError, RuntimeError, AssertionError) as error:  # the constructor refuses its arguments
-        raise ConfigError(f"{path}: timm cannot build {name} from its args ({' '.join(str(error).split())})") from None
-    load_checked(model, checkpoint.weights(use_ema), f"{path}" + (" (state_dict_ema)" if use_ema else ""))
-    return model.eval()
 
 
 def timm_data_config(checkpoint: TimmCheckpoint, model: torch.nn.Module) -> dict[str, Any]:

@@ -2,18 +2,19 @@
 
 A part is anything with ``state_dict()`` / ``load_state_dict(state)`` (torch's optimizers and timm's
 schedulers as they are, and the parts below), and ``exact_options``: the options a *mid-epoch* point must be
-continued with to give the uninterrupted run's numbers (``engine.loop.start.check_exact_continuation`` reads them).
+continued with to give the uninterrupted run's numbers (``engine.checkpoint.resume.check_exact_continuation``).
 
 The model's and the EMA's weights are safetensors files beside it (``CheckpointManager.save``); under FSDP the
 weights and the optimizer state are every rank's shards. The file's layout is the one resume points have
 always had: the ``progress`` and ``identity`` parts' keys at the top level, every other part under its name,
 so a point written before the parts existed loads unchanged. Adding a part is one entry in
-``manager.RESUME_PART_TYPES`` and its instance in ``CheckpointManager.parts``; its ``exact_options`` join
-the check by themselves.
+its instance in ``resume_parts``, which the trainer hands the checkpoint manager; its ``exact_options`` join
+the check by themselves (``continuation_options``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -21,7 +22,7 @@ from accelerate.utils import gather_object, set_seed
 from timm.scheduler import PlateauLRScheduler
 
 from ..optim.factory import set_scheduled_lr
-from .points import rng_state, set_rng_state
+from .rng import rng_state, set_rng_state
 
 TOP_LEVEL = ("progress", "identity")  # the parts whose keys sit at the top level of the file
 
@@ -38,14 +39,6 @@ class OptimizerAndScheduler(Protocol):
 
     optimizer: Any  # accelerate's prepared optimizer
     scheduler: Any  # timm's scheduler
-
-
-class ProcessContext(Protocol):
-    """What the per-rank parts read of the run (engine.loop.start.RunStart is one): the process's place and the
-    seed fresh streams are drawn from."""
-
-    accelerator: Any
-    cfg: Any
 
 
 @dataclass
@@ -109,8 +102,22 @@ class SchedulerState:
     plateau scheduler saves only its best metric; its patience and cooldown counters (torch's ReduceLROnPlateau
     inside it) are saved here too, so a resumed run decays the lr when the uninterrupted one does."""
 
-    def __init__(self, optimization: OptimizerAndScheduler, progress: TrainingProgress):
-        self.optimization, self.progress = optimization, progress
+    def __init__(
+        self,
+        optimization: OptimizerAndScheduler,
+        progress: TrainingProgress,
+        create: Callable[[], Any],
+        updates_per_epoch: int,
+        lr: float,
+    ):
+        self.optimization, self.progress, self.create = optimization, progress, create
+        self.updates_per_epoch, self.lr = updates_per_epoch, lr  # the run's own lr, where a fresh schedule starts
+
+    def recreate(self) -> None:
+        """The schedule created again over the optimizer's current groups (their initial_lr), stepped to the
+        progress' update and epoch: what a checkpoint without this engine's scheduler state continues with."""
+        self.optimization.scheduler = self.create()
+        set_scheduled_lr(self.optimization.scheduler, self.progress.num_updates, self.progress.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         scheduler = self.optimization.scheduler
@@ -132,8 +139,8 @@ class PerRankStreams:
     written by another number of processes cannot replay its ranks' streams, so fresh ones are seeded from
     (seed, rank, epoch). Subclasses say what one rank's streams are."""
 
-    def __init__(self, start: ProcessContext, progress: TrainingProgress):
-        self.start, self.progress = start, progress
+    def __init__(self, accelerator: Any, seed: int, progress: TrainingProgress):
+        self.accelerator, self.seed, self.progress = accelerator, seed, progress
 
     def local_state(self) -> Any:
         raise NotImplementedError
@@ -148,11 +155,11 @@ class PerRankStreams:
         return gather_object([self.local_state()])
 
     def load_state_dict(self, world: list[Any]) -> None:
-        acc = self.start.accelerator
+        acc = self.accelerator
         if len(world) == acc.num_processes:
             self.load_local(world[acc.process_index])
         else:
-            self.reseed(self.start.cfg.seed, acc.process_index, self.progress.epoch)
+            self.reseed(self.seed, acc.process_index, self.progress.epoch)
 
 
 class RandomStreams(PerRankStreams):
@@ -175,8 +182,8 @@ class AugmentStreams(PerRankStreams):
 
     exact_options = ("no_prefetcher", "aa", "reprob", "img_size", "interpolation")  # what the streams draw for
 
-    def __init__(self, start: ProcessContext, progress: TrainingProgress, augment: Any):
-        super().__init__(start, progress)
+    def __init__(self, accelerator: Any, seed: int, progress: TrainingProgress, augment: Any):
+        super().__init__(accelerator, seed, progress)
         self.augment = augment
 
     def local_state(self) -> dict[str, Any]:
@@ -189,12 +196,39 @@ class AugmentStreams(PerRankStreams):
         self.augment.reseed(seed, rank, epoch)
 
 
-def exact_options(parts: dict[str, Any]) -> tuple[str, ...]:
-    """Every option that the parts say a mid-epoch point must be continued with, in order."""
+def continuation_options() -> tuple[str, ...]:
+    """Every option a mid-epoch point must be continued with, as the kinds of part declare them (the device
+    augmentation's too in a run without one: turning it on or off changes what the epoch draws)."""
     names: list[str] = []
-    for part in parts.values():
-        names += [name for name in getattr(part, "exact_options", ()) if name not in names]
+    for part in (RunIdentity, TrainingProgress, AugmentStreams):
+        names += [name for name in part.exact_options if name not in names]
     return tuple(names)
+
+
+def resume_parts(
+    cfg: Any,
+    accelerator: Any,
+    progress: TrainingProgress,
+    optimization: OptimizerAndScheduler,
+    schedule: SchedulerState,
+    augment: Any,
+) -> dict[str, Stateful]:
+    """The named parts a resume point holds, each over the run's live objects (the weights are files beside
+    them): what the trainer hands its checkpoint manager."""
+    sharded = accelerator.is_fsdp2
+    exact = {key: getattr(cfg, key) for key in continuation_options()}
+    parts: dict[str, Stateful] = {
+        "identity": RunIdentity(cfg.model, exact, sharded),
+        "progress": progress,
+        "optimizer": OptimizerState(optimization, sharded),
+        "scheduler": schedule,
+        "rng": RandomStreams(accelerator, cfg.seed, progress),
+    }
+    if augment is not None:  # the device half of the input pipeline
+        parts["augment"] = AugmentStreams(accelerator, cfg.seed, progress, augment)
+    if accelerator.scaler is not None:  # fp16: torch's GradScaler is a part as it is
+        parts["scaler"] = accelerator.scaler
+    return parts
 
 
 def resume_state(parts: dict[str, Stateful]) -> dict[str, Any]:

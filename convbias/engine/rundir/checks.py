@@ -17,7 +17,7 @@ from convbias.base.run_layout import (
     is_train_run,
     run_owning,
 )
-from convbias.engine.checkpointing.timm_checkpoint import read_timm_checkpoint
+from convbias.engine.rundir.timm_files import read_timm_checkpoint
 
 from ..config.options import Config
 from ..config.parsing import require

@@ -2,7 +2,7 @@
 folder, which of its entries train.py did not write, and the run's options (its config.yaml); whose file a path
 is, convbias.base.run_layout's. Light to import (no
 torch): option checks and ``--help`` read this module; reading a run's checkpoints is
-engine.checkpointing.run_dir's.
+engine.rundir.reader's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..config.options import did_you_mean, option_names, with_option_names
 from ..config.parsing import check_option, coerce
 
 # The file names of timm's training checkpoints (its CheckpointSaver's .pth.tar, timm's usual .pth weights): a
-# file named so is read as one (convbias.engine.checkpointing.timm_checkpoint) where a command takes a run directory
+# file named so is read as one (convbias.engine.rundir.timm_files) where a command takes a run directory
 TIMM_SUFFIXES = (".pth.tar", ".pth")
 
 
