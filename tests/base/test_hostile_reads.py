@@ -18,7 +18,7 @@ from test_train_errors import messages
 from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError, DamagedInputError
 from convbias.cli import diagnostics, export, predict, train
 from convbias.engine.checkpoint.resume import find_resume_point
-from convbias.engine.rundir.reader import check_point
+from convbias.engine.rundir.manifest import check_point
 from convbias.studies.ensembles import command as ensemble
 from convbias.studies.robustness import command as robustness
 from convbias.studies.stability import command as stability

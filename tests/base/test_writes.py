@@ -21,7 +21,7 @@ from convbias.base.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from convbias.base.run_layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
 from convbias.base.weights import read_state_dict
 from convbias.cli import diagnostics, export, predict, train
-from convbias.engine import RunDir
+from convbias.engine import RunDir, build_run_model
 from convbias.engine.checkpoint.points import CheckpointDir
 from convbias.engine.rundir import reader as run_dir_module
 from convbias.families import load_families
@@ -214,7 +214,7 @@ def test_a_reader_loads_the_next_verified_point_when_the_run_rotates_its_choice_
     shutil.copytree(folders.run, run, symlinks=True)
     chosen = RunDir(run).newest_point()
     calls = rotate_under_the_reader(run, monkeypatch, times=1)
-    model, checkpoint = RunDir(run).build_model("last", load_families())
+    model, checkpoint = build_run_model(RunDir(run), "last", load_families())
     assert calls == [chosen / WEIGHTS_FILE] and not chosen.exists()  # removed between the choice and the load
     assert checkpoint.epoch == 3 and checkpoint.weights == run / CHECKPOINTS_DIR / point_name(3) / WEIGHTS_FILE
     expected = read_state_dict(checkpoint.weights)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import tomllib
 from support import REPO
+from support.engine_doc import package_table
 
 ENGINE = REPO / "convbias" / "engine"
-PACKAGES = ("config", "data", "model", "optim", "checkpointing", "loop")
+PACKAGES = ("config", "rundir", "data", "model", "optim", "checkpoint", "loop")
 README_LINES = 400
 CODE_SUFFIXES = (".py", ".sh", ".ipynb")
 # `loop.trainer.Trainer.fit`, `checkpoint.manager.CheckpointManager` (under convbias.engine), or a file
@@ -58,10 +59,33 @@ def test_engine_doc_names_only_what_exists():
 
 
 def test_engine_doc_shows_every_package_and_module():
-    text = (REPO / "docs" / "engine.md").read_text()
-    named = {m.group(1) for token in backticked(text) if (m := FILE.match(token))}
+    named = {m.group(1) for token in backticked((REPO / "docs" / "engine.md").read_text()) if (m := FILE.match(token))}
     modules = {str(p.relative_to(ENGINE)) for p in ENGINE.glob("*/*.py") if p.name != "__init__.py"}
     assert modules <= named, f"engine modules docs/engine.md does not show: {sorted(modules - named)}"
+
+
+def tree_of(engine: Path) -> dict[str, set[str]]:
+    """Each engine package's modules, as the tree holds them."""
+    return {
+        package.name: {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+        for package in sorted(engine.iterdir())
+        if (package / "__init__.py").is_file()
+    }
+
+
+def test_engine_docs_package_table_is_the_tree():
+    shown = {package: modules for package, (modules, _) in package_table().items()}
+    assert shown == tree_of(ENGINE)
+
+
+def test_a_module_the_table_omits_is_caught(tmp_path):
+    for package, modules in tree_of(ENGINE).items():
+        (tmp_path / package).mkdir()
+        for name in ["__init__", *modules]:
+            (tmp_path / package / f"{name}.py").write_text("")
+    assert {p: m for p, (m, _) in package_table().items()} == tree_of(tmp_path)
+    (tmp_path / "rundir" / "planted.py").write_text("")
+    assert {p: m for p, (m, _) in package_table().items()} != tree_of(tmp_path)
 
 
 def test_a_wrong_name_in_the_doc_is_caught():

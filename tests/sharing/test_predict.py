@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from convbias.cli import export, predict, train
-from convbias.engine import RunDir, build_datasets
+from convbias.engine import RunDir, build_datasets, build_run_model
 from convbias.families import load_families
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("single_thread")]
@@ -50,7 +50,7 @@ def images(run, tmp_path_factory) -> dict:
         val[index][0].save(path)
         paths.append(str(path))
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
-    model, _ = RunDir(run).build_model("last", load_families())
+    model, _ = build_run_model(RunDir(run), "last", load_families())
     val.transform = transform
     with torch.no_grad():
         probabilities = model(torch.stack([val[i][0] for i in range(IMAGES)])).softmax(-1)

@@ -1,2 +1,3 @@
-"""Checkpointing: the run directory's layout, resume points and their parts, shards, the lock, the
-run-directory reader, and the manager the loop saves and loads through."""
+"""What the training loop saves and resumes: resume points (``points``), random streams (``rng``), the parts a
+point holds (``parts``), resume with every check of a run against its point (``resume``), timm's checkpoint
+continued (``timm_resume``), FSDP shards (``shards``) and the manager the loop calls (``manager``)."""

@@ -42,7 +42,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import convit  # noqa: F401  (registers convit_tiny)
-from convbias.engine.checkpoint.shards import FullCopy, load_sharded, save_sharded
+from convbias.engine.checkpoint.shards import load_sharded, save_sharded
+from convbias.engine.model.build import FullCopy
 
 global_batch = 8
 

@@ -16,7 +16,7 @@ from PIL import Image
 from support import REPO
 
 from convbias.base.class_map import read_class_map
-from convbias.engine import Config, ConfigError, build_datasets, parse_config
+from convbias.engine import Config, ConfigError, build_datasets, build_run_model, parse_config, run_model_spec
 from convbias.engine.data.datasets import DIGITS_MEAN, DIGITS_STD
 from convbias.engine.data.device_augment import DeviceAugment
 from convbias.engine.data.factory import augment_spec
@@ -296,8 +296,8 @@ def test_a_run_with_these_options_predicts_with_them(tmp_path):
         + ["--epochs", "3", "--lr", "0.02", "--drop-path", "0", "--dataset", "digits", "--batch-size", "64", "--no-aug"]
         + ["--workers", "0", "--warmup-epochs", "0", "--no-diagnostics", "--output", str(run)]
     )
-    model, _ = RunDir(run).build_model("last", load_families())
-    assert first_conv(model).in_channels == 3 and RunDir(run).model_spec()["num_classes"] == 3
+    model, _ = build_run_model(RunDir(run), "last", load_families())
+    assert first_conv(model).in_channels == 3 and run_model_spec(RunDir(run))["num_classes"] == 3
     evaluated = parse_config(["--eval-only", str(run)])  # --eval-only RUN takes the run's data options too
     assert (evaluated.in_chans, evaluated.mean, evaluated.std) == (3, [0.5], [0.5])
     assert evaluated.class_map == str(tmp_path / "classes.txt") and evaluated.img_size == 8

@@ -75,7 +75,7 @@ def test_without_num_classes_the_head_is_the_models_default_and_mixup_targets_it
     ):
         shown = trainer_for([*argv, *given, "--output", str(tmp_path / f"shown{len(given)}")])
         model = shown.accelerator.unwrap_model(shown.models.model)
-        assert line in startup_block(shown.start, shown.data, model)
+        assert line in startup_block(shown.start, shown.data, model, shown.built.weights)
 
 
 def test_a_head_smaller_than_the_data_is_refused_naming_both_options(tmp_path, folder):
@@ -164,7 +164,7 @@ def test_a_published_args_yaml_trains_a_step_on_a_tiny_folder(tmp_path, folder):
     argv += ["--no-channels-last"]
     results = engine.run(argv, load_families())
     assert results["epochs"] == 1 and (tmp_path / "my_mobileone_s1" / "results.json").is_file()
-    spec = engine.RunDir(tmp_path / "my_mobileone_s1").model_spec()
+    spec = engine.run_model_spec(engine.RunDir(tmp_path / "my_mobileone_s1"))
     assert spec["num_classes"] == 1000
 
 

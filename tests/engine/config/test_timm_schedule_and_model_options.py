@@ -13,7 +13,7 @@ from timm.scheduler import CosineLRScheduler, PlateauLRScheduler
 from torch import nn
 
 from convbias.base.errors import ConfigError
-from convbias.engine import RunDir, read_log, validate
+from convbias.engine import RunDir, build_run_model, read_log, run_model_spec, validate
 from convbias.engine.checkpoint.resume import load_training_state
 from convbias.engine.config.options import Config
 from convbias.engine.data import loaders
@@ -164,7 +164,7 @@ def test_plateau_options_are_checked(tmp_path):
 def test_checkpoint_hist_keeps_the_points_of_the_k_best_evaluations(tmp_path):
     cfg = small_cnn(tmp_path, epochs=5, lr=0.05, eval_metric="loss", keep_checkpoints=1, checkpoint_hist=3, bn_eps=1e-3)
     records = train(cfg)
-    rebuilt, _ = RunDir(tmp_path / "run").build_model("best", load_families())  # as evaluation commands rebuild it
+    rebuilt, _ = build_run_model(RunDir(tmp_path / "run"), "best", load_families())  # as evaluation commands rebuild it
     assert {m.eps for m in rebuilt.modules() if isinstance(m, nn.BatchNorm2d)} == {1e-3}
     losses = {r["epoch"]: r["eval_loss"] for r in records}
     best_three = sorted(losses, key=losses.get)[:3]
@@ -201,9 +201,9 @@ def test_gp_is_kept_by_every_command_that_rebuilds_the_run(tmp_path):
     cfg = small_cnn(tmp_path, gp="catavgmax")
     records = train(cfg)
     run = RunDir(cfg.output)
-    model, _ = run.build_model("last", load_families())
+    model, _ = build_run_model(run, "last", load_families())
     assert model.get_classifier().in_features == 2 * model.num_features  # average and max pools concatenated
-    assert run.model_spec()["model_kwargs"] == {"global_pool": "catavgmax"}
+    assert run_model_spec(run)["model_kwargs"] == {"global_pool": "catavgmax"}
     assert parse_config(["--eval-only", cfg.output]).gp == "catavgmax"
     evaluated = train_command.run(["--eval-only", cfg.output, "--workers", "0"])
     assert evaluated["eval_top1"] == pytest.approx(records[-1]["eval_top1"])

@@ -29,6 +29,7 @@ from convbias.engine.config.options import Config, default_value, flag_name
 from convbias.engine.config.parsing import config_warnings
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.model import factory as modeling
+from convbias.engine.model.build import create_ema
 from convbias.engine.model.output_scale import OutputScale
 from convbias.engine.optim import factory as recipe
 from convbias.families import load_families
@@ -418,7 +419,7 @@ def test_the_train_loss_is_the_one_timms_branches_choose(tmp_path, mixup, smooth
 def test_model_ema_warmup_warms_the_decay_up(tmp_path):
     model = nn.Linear(3, 2)
     cfg = config(tmp_path, model_ema=True, model_ema_decay=0.99, model_ema_warmup=True)
-    ema = recipe.create_ema(cfg, model, torch.device("cpu"))
+    ema = create_ema(cfg, model, torch.device("cpu"))
     for step in (2, 5, 50, 10**6):  # timm's warm-up: 1 - (1 + (step - 1))^(-2/3), capped at the decay
         assert ema.get_decay(step) == pytest.approx(min(1 - step ** (-2 / 3), 0.99))
     start = ema.module.weight.clone()
@@ -427,8 +428,8 @@ def test_model_ema_warmup_warms_the_decay_up(tmp_path):
     ema.update(model, step=5)
     decay = 1 - 5 ** (-2 / 3)
     assert torch.allclose(ema.module.weight, decay * start + (1 - decay) * model.weight, atol=1e-6)
-    plain = recipe.create_ema(config(tmp_path, model_ema=True, model_ema_decay=0.99), model, torch.device("cpu"))
-    assert plain.get_decay(5) == 0.99 and recipe.create_ema(config(tmp_path), model, torch.device("cpu")) is None
+    plain = create_ema(config(tmp_path, model_ema=True, model_ema_decay=0.99), model, torch.device("cpu"))
+    assert plain.get_decay(5) == 0.99 and create_ema(config(tmp_path), model, torch.device("cpu")) is None
 
 
 # --------------------------------------------------------------------------------------- options, errors
