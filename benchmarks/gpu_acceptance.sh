@@ -5,7 +5,7 @@
 #   OUT=/tmp/gpu-out bash benchmarks/gpu_acceptance.sh          # from the repository's root
 #   CPU_SMOKE=1 OUT=/tmp/smoke bash benchmarks/gpu_acceptance.sh # every step at a tiny shape on the CPU
 #   STEPS="train-loop-eager tcnn" OUT=... bash benchmarks/gpu_acceptance.sh   # a subset, by name
-#   GPU_TESTS="tests/test_attention.py -k bf16" ...               # other arguments for the gpu-tests step
+#   GPU_TESTS="tests/gpsa/test_attention.py -k bf16" ...               # other arguments for the gpu-tests step
 #
 # Steps run in priority order, each under its own time limit (cut to what is left of LIMIT seconds, and
 # skipped when less than MIN_STEP is left); a failing step does not stop the others. The headline rows come
@@ -91,20 +91,20 @@ if [ "$SMOKE" = 1 ]; then # every step at a tiny shape on the CPU: checks the sc
   TI="$DEV --quick --settings 32px --steps 1 --warmup 1"
   LOOP="--quick --steps 2 --rounds 1"
   TCNN="--quick --steps 1 --warmup 1"
-  GPU_TESTS=${GPU_TESTS:-"tests/test_train_loop.py -k preemption"}
+  GPU_TESTS=${GPU_TESTS:-"tests/engine/loop/test_train_loop.py -k preemption"}
   JPEG_ARGS="--classes 2 --per-class 16 --val-per-class 4 --size 64 48"
   ENGINE="--img-size 32 --model-kwargs patch_size=4 --batch-size 8 --workers 1 --mixed-precision no"
-  FSDP_TESTS="tests/test_train_loop.py -k workers"
+  FSDP_TESTS="tests/engine/loop/test_train_loop.py -k workers"
   COST="--models deit_tiny_patch16_224 --img-size 32 --batch-size 2 --augment-batch-size 4"
 else
   DEV="--device cuda --precision bf16"
   TI="$DEV --settings 224px --batch-size 256 --steps 12 --warmup 3"
   LOOP="--device cuda --precision bf16 --img-size 224 --patch-size 16 --batch-size 256 --steps 20 --rounds 3 --workers 8 --no-profile"
   TCNN="$DEV --batch-size 128 --steps 10 --warmup 3"
-  GPU_TESTS=${GPU_TESTS:-"tests/test_attention.py -k cuda"}
+  GPU_TESTS=${GPU_TESTS:-"tests/gpsa/test_attention.py -k cuda"}
   JPEG_ARGS="--classes 10 --per-class 800 --val-per-class 20"
   ENGINE="--batch-size 256 --workers 14 --mixed-precision bf16"
-  FSDP_TESTS="tests/test_train_fsdp.py"
+  FSDP_TESTS="tests/engine/loop/test_train_fsdp.py"
   COST=""
 fi
 
@@ -131,8 +131,8 @@ step engine-eager 55 $PYTHON train.py -c configs/train/convit/imagenet/convit_ti
 step step-cost 45 $PYTHON benchmarks/step_cost.py $COST
 # Then correctness on the GPU and the other rows
 step gpu-tests 60 $PYTHON -m pytest -q -p no:cacheprovider $GPU_TESTS
-[ -f tests/test_fused_gpsa.py ] && [ "$SMOKE" != 1 ] &&
-  step fused-tests 90 $PYTHON -m pytest -q -p no:cacheprovider tests/test_fused_gpsa.py
+[ -f tests/gpsa/test_fused_gpsa.py ] && [ "$SMOKE" != 1 ] &&
+  step fused-tests 90 $PYTHON -m pytest -q -p no:cacheprovider tests/gpsa/test_fused_gpsa.py
 step ti-eager-products 100 $PYTHON benchmarks/convit_train_step.py $TI --modes training inference \
   --positional-product $PRODUCTS --models ours deit
 step fsdp 90 $PYTHON -m pytest -q -p no:cacheprovider $FSDP_TESTS

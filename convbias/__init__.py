@@ -13,6 +13,6 @@
   `convbias.sharing`: export, the Hub, prediction;
 - `convbias.cli`: the generic console scripts (`convbias-train`, `convbias-launch`, `convbias-diagnostics`, ...).
 
-Each imports only the parts listed before it (tests/test_package_imports.py). Importing `convbias` registers
+Each imports only the parts listed before it (tests/repository/test_package_imports.py). Importing `convbias` registers
 no model.
 """

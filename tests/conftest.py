@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def idle_machine():
     """The engine's load average reads as an idle machine's in this process: whether a run warns of threads beyond
-    the free cores must not depend on what else runs beside the tests (tests/test_startup.py sets a load where it
+    the free cores must not depend on what else runs beside the tests (tests/engine/loop/test_startup.py sets a load where it
     tests the warning)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("convbias.engine.loop.node.load_average", lambda: 0.0)

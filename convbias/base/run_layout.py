@@ -1,7 +1,7 @@
 """The run directory's layout: every file and folder name train.py writes, how resume points are named, and
 which run or exported folder a path belongs to (the guard every writer goes through, `storage.atomic_write`).
 
-Every other module, in the engine and outside it, takes these names from here (tests/test_run_layout.py
+Every other module, in the engine and outside it, takes these names from here (tests/base/test_run_layout.py
 fails on a literal of one elsewhere). A run directory::
 
     config.yaml             the resolved options (its first line marks the folder as this engine's run)

@@ -40,8 +40,8 @@ from .loop.extensions import Extensions
 # in every process it starts, with LOCAL_RANK
 _RENDEZVOUS_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
-# The engine's public API, each name documented in docs/engine.md: what the console scripts, experiments and
-# evaluation import. Beyond run and main, names are loaded from their submodule on first use (PEP 562
+# The engine's public API, each name documented in docs/engine.md: what the console scripts, studies, sharing and
+# evaluation import. Beyond run, names are loaded from their submodule on first use (PEP 562
 # `__getattr__`), to keep start-up time low: the model, data and checkpoint modules import timm and
 # accelerate, which `--help` does not need. Anything else is imported from its submodule.
 _SUBMODULE_OF = {

@@ -120,7 +120,7 @@ def load_run(
     """(model in eval mode with the verified weights of `which`, the run's Config, its datasets).
 
     `which` is best (the point the run records as its best evaluation) by default, or last, init, epoch_N;
-    the model is rebuilt as train.py built it (``RunDir.build_model``). `data`, when given, is reused: the
+    the model is rebuilt as train.py built it (``convbias.engine.build_run_model``). `data`, when given, is reused: the
     members of an ensemble share their datasets."""
     run = RunDir(run_dir)
     model, _ = build_run_model(run, which, extensions)

@@ -539,7 +539,7 @@ def test_inputs_quote_a_short_prefix_of_a_value():
 
 def test_the_preempted_row_is_train_pys(monkeypatch, capsys):
     """75 belongs to the commands that train (train.py, and convbias-launch, which passes its rank's code on:
-    tests/test_launch.py); what stops train.py before its set-up is reported as every other command's."""
+    tests/cli/test_launch.py); what stops train.py before its set-up is reported as every other command's."""
     import argparse
 
     from convbias.base.errors import EXIT_REQUEUE, Preempted

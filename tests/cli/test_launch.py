@@ -121,7 +121,7 @@ def test_ctrl_c_to_the_job_keeps_a_mid_epoch_point_in_one_line_and_exit_130(tmp_
 def test_a_user_error_in_every_rank_is_one_line_and_exit_2(tmp_path, console_script, train_args):
     """Every rank refuses the command line; torchrun stops the rest when the first fails: one line, exit 2.
     (The simple launcher's one process passes its code on as the signal tests show, through the same exit
-    folder; the refusals themselves are tests/test_train_errors.py's.)"""
+    folder; the refusals themselves are tests/engine/loop/test_train_errors.py's.)"""
     args = [arg if arg != "convit_tiny" else "convit_tny" for arg in train_args]
     command = [console_script("convbias-launch"), "--cpu", *TWO, *args, "--epochs", "1"]
     code, _, err = finish(start(command + ["--output", str(tmp_path / "run")], tmp_path))

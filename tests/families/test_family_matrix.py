@@ -8,7 +8,7 @@ docs' table says which.
 Then the cases a user met, each its own test on the same runs: a T-CNN's history figures (and a T-CNN beside a
 DeiT), an eFCN exported once its CNN's checkpoint is gone, a DeiT+ given a ConViT recipe, and the history figures'
 axes (from initialization, shared, color bars). (Attention maps of the run's own evaluation transform:
-tests/test_run_dir.py.)"""
+tests/engine/rundir/test_run_dir.py.)"""
 
 from __future__ import annotations
 

@@ -218,7 +218,7 @@ def test_dense_product_on_a_transformed_cnn_layer_matches_the_factored_one():
 def test_both_products_compile_to_one_graph_and_match_eager(product):
     """torch.compile(fullgraph=True) raises on any graph break, the autograd Functions' included. The
     aot_eager backend traces forward and backward as inductor receives them, without inductor's minute
-    of code generation (tests/test_compile.py runs inductor on whole models)."""
+    of code generation (tests/families/test_compile.py runs inductor on whole models)."""
     layer = randomized_gpsa(dim=24, heads=4)
     layer.positional_product = product
     x = torch.randn(2, 20, 24)

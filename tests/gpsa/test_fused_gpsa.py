@@ -21,7 +21,7 @@ from transformed_cnn import GPSAConv2d
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 FP32_TOLERANCE = 2e-5  # of each tensor's largest magnitude: fp32 rounding over a few dozen terms
-# bf16: the same rule as tests/test_attention.py's oracle: within twice the error of the explicit path
+# bf16: the same rule as tests/gpsa/test_attention.py's oracle: within twice the error of the explicit path
 # itself run in bf16 (the floor bf16 sets), or 1e-2 of the largest magnitude, whichever is larger
 BF16_OVER_FLOOR, BF16_MIN_TOLERANCE = 2.0, 1e-2
 
@@ -229,7 +229,7 @@ def test_kernels_compile_for_a_cuda_gpu_without_one():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_kernel_on_cuda_matches_the_explicit_path_in_fp32():
     """The compiled Triton kernels (not the interpreter) at ConViT-Ti's layer shape, 196 tokens over
-    several 64-token blocks; bf16 is the oracle's in tests/test_attention.py (every product, CUDA too)."""
+    several 64-token blocks; bf16 is the oracle's in tests/gpsa/test_attention.py (every product, CUDA too)."""
     layer = randomized_gpsa(dim=192, heads=4).cuda()
     x = torch.randn(8, 196, 192, device="cuda")
 

@@ -1,4 +1,4 @@
-"""convbias-export beyond what every family does (tests/test_family_matrix.py: each family's run exports, reloads
+"""convbias-export beyond what every family does (tests/families/test_family_matrix.py: each family's run exports, reloads
 with its logits, predicts as its run, with --pt2 and --onnx checked against PyTorch): the best checkpoint's card;
 the refused cases (no checkpoint, unknown architecture, a fixed-size model at another size, an unreachable Hub)
 with one line; the upload through huggingface_hub's API, replaced at its boundary. Faults: a damaged weights file

@@ -1,4 +1,4 @@
-"""A toy model family (tests/test_family_plugins.py): a whole family in one small package, plugged in as a real
+"""A toy model family (tests/families/test_family_plugins.py): a whole family in one small package, plugged in as a real
 one is, by its name in `convbias.families.FAMILIES`.
 
 Importing it registers `toy_net` (logits = a Linear of the flattened image) and `toy_scaled_toy_net` (the same,

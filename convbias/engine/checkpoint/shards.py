@@ -17,10 +17,10 @@ ordinary ones.
 on every rank, refreshed from the shards (an all-gather of the fp32 weights, not of the low-precision
 copies FSDP's mixed precision computes with).
 
-Tested on CPU with 2 gloo processes below accelerate (tests/test_fsdp.py): accelerate 1.15 enables FSDP
+Tested on CPU with 2 gloo processes below accelerate (tests/engine/checkpoint/test_fsdp.py): accelerate 1.15 enables FSDP
 only for GPU-like devices; with ``ACCELERATE_USE_CPU=1 accelerate launch --use_fsdp --fsdp_version 2``
 it silently falls back to DDP (``AcceleratorState`` keeps ``DistributedType.MULTI_CPU``). The engine
-under accelerate's FSDP2 is tested on a GPU (tests/test_train_fsdp.py, skipped without one).
+under accelerate's FSDP2 is tested on a GPU (tests/engine/loop/test_train_fsdp.py, skipped without one).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from convbias.base.errors import ConfigError
 from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 
 from .derived import effective_epochs
@@ -290,15 +289,6 @@ def _shared_option(name: str, value: Any) -> tuple[bool, Any]:
     if _accepts_none(name):
         return True, None
     return False, None
-
-
-def read_timm_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
-    """An args.yaml's keys as this engine's options; a ConfigError naming every active timm option that this
-    engine does not apply, and every key that is neither this engine's nor timm's, each with its reason."""
-    options, problems = translate_timm_keys(values, source)
-    if problems:
-        raise ConfigError(f"{source}: {'; '.join(problems)}")
-    return options
 
 
 def translate_timm_keys(values: dict[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:

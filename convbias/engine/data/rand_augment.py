@@ -5,7 +5,7 @@ there. Images here are float32 (N, C, H, W) holding the integers 0..255 that tim
 each op rounds or truncates where Pillow does, so that it matches timm's PIL op on the same image and
 parameter: exactly for the lookup-table and blend ops, within interpolation differences for the
 geometric ones (torch's bicubic is Keys' a=-0.75, Pillow's affine bicubic another cubic; PSNR in
-tests/test_input_pipeline.py).
+tests/engine/data/test_input_pipeline.py).
 
 The random choices (op, whether it applies, magnitude, sign, erased box) are drawn on the host from a
 CPU generator, one set per image, with timm's distributions; the device gets them in one copy and never

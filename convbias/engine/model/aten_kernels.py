@@ -11,7 +11,7 @@ and docs/hot-path.md the design). Here:
   vectorizes both ways (same gradient as ATen's: to the first maximum of a window); other windows go
   through ATen's kernels as a custom op; without autograd, inductor's own (fast) max-pool.
 
-Every op computes exactly what the eager module does (tests/test_aten_kernels.py compares bit for bit).
+Every op computes exactly what the eager module does (tests/engine/model/test_aten_kernels.py compares bit for bit).
 `use_aten_kernels(model)` switches modules of the exact classes nn.GELU, nn.LayerNorm and timm's
 LayerNorm (with weight and bias), nn.ReLU and nn.MaxPool2d (without return_indices) to the subclasses
 at the bottom (AtenGELU, ...); parameters, buffers, state_dict keys and isinstance checks are unchanged.

@@ -201,7 +201,7 @@ def create_run_model(
     """The model a run with the options ``cfg`` trains, or trained when its weights were written: timm's registry
     (``create_model_and_report``), then, for weights written after a reparametrization (``reparametrized``), the
     run's ``--reparametrize`` from ``reparametrizations`` (the composition root's). The one way a run's model is
-    rebuilt: by the set-up (a resumed run, ``--checkpoint``) and by ``RunDir.build_model`` (evaluation, studies).
+    rebuilt: by the set-up (a resumed run, ``--checkpoint``) and by ``model.build.build_run_model`` (evaluation, studies).
     ``written_by`` names the weights in the messages."""
     model, report = create_model_and_report(cfg, num_classes, in_chans)
     if reparametrized:

@@ -1,4 +1,4 @@
-"""The checkpointing package's part in reading a run's options, before any work starts: what --eval-only
+"""The rundir package's part in reading a run's options, before any work starts: what --eval-only
 RUN_DIR takes from the run directory it names, the file --resume names, and the output directory."""
 
 from __future__ import annotations

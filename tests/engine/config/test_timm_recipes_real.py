@@ -136,7 +136,7 @@ def ours(command: str, folder, tmp_path):
 def groups_by_parameter(optimizer: torch.optim.Optimizer, names: dict) -> dict:
     """Each parameter's hyper-parameters (its group's, 'params', the engine's bookkeeping and 'foreach' left out:
     the engine asks for torch's multi-tensor code on every device, which torch takes by itself on CUDA; the same
-    update, tests/test_train_loop.py)."""
+    update, tests/engine/loop/test_train_loop.py)."""
     left_out = ("params", "lr_scale", "lr_pattern", "param_names", "foreach")
     return {
         names[id(p)]: {k: v for k, v in group.items() if k not in left_out}

@@ -1,6 +1,6 @@
 """The device augmentation's passes (engine.data.augment_passes): what one batch costs a GPU (aten ops and bytes
 written, counted at the dispatcher on the CPU), each image's drawn ops against rand_augment's batched ops (timm's,
-tests/test_input_pipeline.py), and the Triton kernels against their reference under Triton's interpreter.
+tests/engine/data/test_input_pipeline.py), and the Triton kernels against their reference under Triton's interpreter.
 
 The interpreter needs TRITON_INTERPRET=1 in the environment before triton is imported: those checks
 (tests/support/interpreted_augment.py) run in a child process (`_interpreted_results`), whose measured differences the
@@ -62,7 +62,7 @@ def test_a_batch_is_a_few_passes_whatever_the_draw():
 
 def oracle(images: torch.Tensor, augment: DeviceAugment) -> tuple[torch.Tensor, np.ndarray]:
     """What DeviceAugment should give for its next draw: each image through rand_augment's batched op of each
-    layer (timm's ops, tests/test_input_pipeline.py) alone, normalized, then its box filled with the noise."""
+    layer (timm's ops, tests/engine/data/test_input_pipeline.py) alone, normalized, then its box filled with the noise."""
     n, channels, height, width = images.shape
     spec = augment.rand_augment
     ops, args = spec.sample(n, augment.plan_generator)

@@ -185,7 +185,7 @@ def test_a_resume_point_before_the_epochs_last_short_update_continues_exactly(
 
 
 def test_the_run_writes_its_args_yaml_for_timms_train_py_beside_its_config(accumulated_run):
-    """The run's args.yaml (tests/test_timm_args_yaml.py reads it as timm's train.py does): marked as this engine's,
+    """The run's args.yaml (tests/engine/config/test_timm_args_yaml.py reads it as timm's train.py does): marked as this engine's,
     what timm cannot express at its top, and read back with -c to the run of its config.yaml but for those."""
     output = accumulated_run.output
     lines = (output / TIMM_ARGS_FILE).read_text().splitlines()

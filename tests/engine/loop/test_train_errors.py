@@ -35,7 +35,7 @@ SMALL = [
 
 
 # What an earlier attempt that failed before its first checkpoint left (a folder holding anything that is not
-# the engine's own is refused as such: tests/test_hostile_inputs.py).
+# the engine's own is refused as such: tests/base/test_hostile_inputs.py).
 KEPT, KEPT_TEXT = "config.yaml", f"{CONFIG_MARKER}\nmodel: convit_tiny\n# keep me\n"
 
 

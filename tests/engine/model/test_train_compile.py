@@ -4,7 +4,7 @@ an eager run's do. --grad-checkpointing trains the same model as without it.
 
 Runs in-process (`train.run`), so dynamo's counters can be read; tiny models. The engine's plumbing is
 what is tested here, through dynamo and AOTAutograd (`aot_eager`: forward and backward graphs, no code
-generation); inductor's numerics on the models are tests/test_compile.py's.
+generation); inductor's numerics on the models are tests/families/test_compile.py's.
 """
 
 import json
