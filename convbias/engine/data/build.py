@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from accelerate import Accelerator
+from torch.utils.data import DataLoader
 
 from convbias.base.errors import ConfigError
 
 from ..config.options import Config
 from .device_augment import DeviceAugment
-from .factory import build_datasets
+from .factory import DataBundle, build_datasets
 from .loaders import build_eval_loader, build_stream_loader, build_train_loader
 from .streams import is_stream
 
@@ -20,17 +21,19 @@ from .streams import is_stream
 class TrainingData:
     """The datasets and their loaders: the train loader shards itself across ranks (engine.data.factory)."""
 
-    bundle: Any  # engine.data.factory.DataBundle
-    eval_loader: Any
+    bundle: DataBundle
+    eval_loader: DataLoader  # accelerate's prepared loader, or a stream's own
     streamed: bool  # timm's reader shards a stream itself: its loaders are not prepared
-    worker_init_fn: Any
-    train_loader: Any = None
+    worker_init_fn: Callable[[int], None]
+    train_loader: DataLoader | None = None
     steps_per_epoch: int = 0  # the train loader's batches: every one is trained on
     updates_per_epoch: int = 0  # optimizer updates: one per --grad-accum-steps batches, and one for the rest
     augment: DeviceAugment | None = None  # the fast path's device half (engine.data.device_augment)
 
 
-def build_training_data(cfg: Config, acc: Accelerator, worker_init_fn: Any, train: bool) -> TrainingData:
+def build_training_data(
+    cfg: Config, acc: Accelerator, worker_init_fn: Callable[[int], None], train: bool
+) -> TrainingData:
     """The datasets and loaders of ``cfg`` (only the evaluation loader unless ``train``); ``worker_init_fn`` runs
     in every loader worker."""
     bundle = build_datasets(cfg)
