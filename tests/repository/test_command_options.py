@@ -19,7 +19,6 @@ import torch
 from PIL import Image
 from support import REPO
 
-
 import convbias.base.weights
 from convbias.base.devices import check_device, default_device
 from convbias.base.errors import EXIT_USAGE, ConfigError
