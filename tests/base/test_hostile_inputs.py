@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
-from test_run_faults import save_point
-from test_train_errors import messages
+from support.images import png
+from support.runs import TINY_TRAIN_ARGS, Pickled, a_run, messages, one_line, run_train, save_point, tree
 
 from convbias.base import inputs
 from convbias.base.errors import (
@@ -47,58 +46,7 @@ from convbias.studies.sweep import command as sweep
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# A 1-block ConViT of width 8 on 8x8 digits: built in milliseconds, never trained here.
-TINY = ["--model", "convit_tiny", "--model-kwargs", "patch_size=2", "depth=2", "local_up_to_layer=1", "embed_dim=8"]
-TINY += [
-    "--img-size",
-    "8",
-    "--dataset",
-    "digits",
-    "--epochs",
-    "1",
-    "--warmup-epochs",
-    "0",
-    "--workers",
-    "0",
-    "--no-aug",
-]
 
-
-def run_train(capsys, *args: str) -> tuple[int, list[str]]:
-    code = train.main([*TINY, *args])
-    return code, messages(capsys.readouterr().err)
-
-
-def tree(root) -> dict[str, bytes | str]:
-    """Every entry under ``root``: a file's bytes, a link's target (what a refusal must leave as it was)."""
-    found = {}
-    for path in sorted(root.rglob("*")):
-        key = str(path.relative_to(root))
-        found[key] = f"-> {os.readlink(path)}" if path.is_symlink() else path.read_bytes() if path.is_file() else "dir"
-    return found
-
-
-def one_line(err: list[str], pattern: str) -> None:
-    assert len(err) == 1 and re.search(pattern, err[0]), err
-    assert "Traceback" not in err[0] and "weights_only=False" not in err[0]
-
-
-def png(path, value: int = 0) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", (4, 4), (value, value, value)).save(path)
-
-
-def a_run(root, points: int = 1):
-    """A run folder as train.py leaves it: its marked config.yaml and ``points`` resume points."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.yaml").write_text(f"{CONFIG_MARKER}\nmodel: convit_tiny\nlr: 0.001\n")
-    checkpoints = CheckpointDir(root)
-    for epoch in range(1, points + 1):
-        save_point(checkpoints, epoch, is_best=epoch == 1)
-    return root
-
-
-# ------------------------------------------------------------------------------------- 1. folder scans
 def test_a_folder_scan_follows_no_loop_and_counts_each_file_once(tmp_path, monkeypatch, capsys):
     train_dir = tmp_path / "data" / "train"
     for name, value in (("cat/a.png", 0), ("cat/b.png", 1), ("dog/c.png", 2), ("dog/d.png", 3)):
@@ -251,7 +199,7 @@ def tiny_model():
     from convbias.families import load_families
 
     load_families()
-    return lambda **options: parse_config([*TINY, *[str(item) for pair in options.items() for item in pair]])
+    return lambda **options: parse_config([*TINY_TRAIN_ARGS, *[str(item) for pair in options.items() for item in pair]])
 
 
 def test_a_partial_pretrained_file_is_listed_and_needs_allow_partial(tmp_path, tiny_model):
@@ -337,8 +285,14 @@ def test_model_kwargs_checkpoint_path_goes_through_the_weights_checks(tmp_path, 
     else:
         torch.save({"state_dict": weights, "extra": Executes(marker)}, path)
         expected = rf"--model-kwargs checkpoint_path: {re.escape(str(path))} cannot be read as weights .*not unpickled"
-    kwargs = TINY.index("--model-kwargs") + 1
-    argv = [*TINY[: kwargs + 4], f"checkpoint_path={path}", *TINY[kwargs + 4 :], "--num-classes", "10"]
+    kwargs = TINY_TRAIN_ARGS.index("--model-kwargs") + 1
+    argv = [
+        *TINY_TRAIN_ARGS[: kwargs + 4],
+        f"checkpoint_path={path}",
+        *TINY_TRAIN_ARGS[kwargs + 4 :],
+        "--num-classes",
+        "10",
+    ]
     assert train.main([*argv, "--output", str(tmp_path / "run")]) == EXIT_DAMAGED
     one_line(messages(capsys.readouterr().err), expected)
     assert not marker.exists() and not (tmp_path / "run").exists()
@@ -416,10 +370,6 @@ def exported(tmp_path, name: str, data: bytes):
     (folder / "config.json").write_text(json.dumps({"architecture": "convit_tiny", "num_classes": 10}))
     (folder / name).write_bytes(data)
     return folder
-
-
-class Pickled:
-    """An object that a weights_only load refuses."""
 
 
 @pytest.mark.parametrize(

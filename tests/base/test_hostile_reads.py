@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hostile_inputs import TINY, Pickled, a_run, one_line, png, run_train, tree
-from test_train_errors import messages
+from support.images import png
+from support.runs import TINY_TRAIN_ARGS, Pickled, a_run, messages, one_line, run_train, tree
 
 from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError, DamagedInputError
 from convbias.cli import diagnostics, export, predict, train
@@ -104,7 +104,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     """One epoch of a 2-block ConViT of width 8 on 8x8 digits, its export, and an image to label."""
     root = tmp_path_factory.mktemp("reads")
     run = root / "run"
-    argv = [*TINY, "--train-fraction", "0.1", "--batch-size", "64", "--output", str(run)]
+    argv = [*TINY_TRAIN_ARGS, "--train-fraction", "0.1", "--batch-size", "64", "--output", str(run)]
     assert train.main(argv) == 0
     assert export.main([str(run), "--output", str(root / "exported")]) == 0
     png(root / "img.png")
@@ -211,7 +211,10 @@ COMMANDS = {
     ),
     "export": lambda f: (export.main, [str(f["run"]), "--output", str(f["out"])]),
     "eval-only": lambda f: (train.main, ["--eval-only", str(f["run"]), "--workers", "0", "--output", str(f["out"])]),
-    "resume": lambda f: (train.main, [*TINY, "--resume", str(newest_point(f["run"])), "--output", str(f["out"])]),
+    "resume": lambda f: (
+        train.main,
+        [*TINY_TRAIN_ARGS, "--resume", str(newest_point(f["run"])), "--output", str(f["out"])],
+    ),
     "ensemble": lambda f: (ensemble.main, [str(f["run"]), str(f["run"]), "--output", str(f["out"]) + ".json"]),
     "robustness": lambda f: (
         robustness.main,

@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_hostile_inputs import TINY, png, tree
-from test_sweep import TINY_SET
-from test_train_errors import messages
+from support import REPO
+from support.images import png
+from support.runs import TINY_TRAIN_ARGS, messages, tree
+from support.sweeps import TINY_SET
 
 from convbias.base import run_layout
 from convbias.base.errors import EXIT_DAMAGED, EXIT_USAGE, DamagedCheckpointError, DamagedInputError
@@ -66,10 +67,8 @@ from convbias.studies.sweep.spec import load_spec
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.integration]
 
-from support import REPO
-
 STUDY = REPO / "results" / "relative_stability"
-RUN = [*TINY, "--train-fraction", "0.1", "--batch-size", "64", "--no-diagnostics"]
+RUN = [*TINY_TRAIN_ARGS, "--train-fraction", "0.1", "--batch-size", "64", "--no-diagnostics"]
 Command = Callable[[Path, Path], tuple[Callable[[list[str]], int], list[str]]]  # (folder, scratch) -> main, argv
 
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from test_hostile_inputs import one_line, png, tree
-from test_train_errors import messages
+from support.images import png
+from support.runs import messages, one_line, tree
 
 from convbias.base import storage
 from convbias.base.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError

@@ -9,7 +9,7 @@ import re
 import pytest
 import timm
 import torch
-from test_model_contract import CHECKED, _build, _input, _tiny
+from support.models import CHECKED, build_tiny, tiny_input, tiny_kwargs_and_side
 from timm.models import save_for_hf
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -48,7 +48,7 @@ def _other_kwargs(name: str) -> dict:
 
 def _same_model(name: str, kwargs: dict, randomize_norms) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = _build(name, num_classes=5, **kwargs)
+    model = build_tiny(name, num_classes=5, **kwargs)
     return randomize_norms(model) if any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) else model
 
 
@@ -57,11 +57,12 @@ def _same_model(name: str, kwargs: dict, randomize_norms) -> torch.nn.Module:
 def test_save_for_hf_then_local_dir_gives_the_same_logits(name, tmp_path, randomize_norms):
     kwargs = _other_kwargs(name)
     model = _same_model(name, kwargs, randomize_norms)
-    side = kwargs.get("img_size", _tiny(name)[1])
+    tiny, tiny_side = tiny_kwargs_and_side(name)
+    side = kwargs.get("img_size", tiny_side)
     x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(1))
     save_for_hf(model, tmp_path, safe_serialization=True)
     saved = json.loads((tmp_path / "config.json").read_text())["model_args"]
-    given = json.loads(json.dumps({**_tiny(name)[0], **kwargs, "num_classes": 5}))  # tuples as JSON lists
+    given = json.loads(json.dumps({**tiny, **kwargs, "num_classes": 5}))  # tuples as JSON lists
     assert {k: saved[k] for k in given} == {k: [v, v] if k == "img_size" else v for k, v in given.items()}
     loaded = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
     assert type(loaded) is type(model) and loaded.pretrained_cfg["architecture"] == name
@@ -69,7 +70,7 @@ def test_save_for_hf_then_local_dir_gives_the_same_logits(name, tmp_path, random
     # the same file through pretrained_cfg_overlay (what train.py --pretrained-file does), kwargs given again;
     # the overlay's num_classes says the file's head fits (timm resets a head of another class count)
     file = str(tmp_path / "model.safetensors")
-    overlay = _build(
+    overlay = build_tiny(
         name, num_classes=5, pretrained=True, pretrained_cfg_overlay=dict(file=file, num_classes=5), **kwargs
     )
     assert torch.equal(overlay(x), model(x))
@@ -146,8 +147,8 @@ def test_tcnn_unknown_feature_cls_fails_as_for_timms_resnet():
 @pytest.mark.parametrize("name", EXPORTED)
 def test_torch_export_matches_eager_with_a_dynamic_batch(name):
     """torch.export (the graph ONNX and AOTInductor start from) for every family, batch left dynamic."""
-    model = _build(name)
-    x = _input(name)
+    model = build_tiny(name)
+    x = tiny_input(name)
     program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
-    other = _input(name, batch=3)
+    other = tiny_input(name, batch=3)
     torch.testing.assert_close(program.module()(other), model(other), rtol=1e-5, atol=1e-5)

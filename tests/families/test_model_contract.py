@@ -9,41 +9,13 @@ import pytest
 import timm
 import torch
 from support.fresh_registry import fresh_registry
-from timm.models import get_pretrained_cfg, model_entrypoint
+from support.models import CHECKED, REGISTERED, build_tiny, tiny_input
+from timm.models import get_pretrained_cfg
 
-import convit.diagnostics  # registers convit_*, deit_*_plus
-import efcn  # noqa: F401  (registers vanilla_cnn, alexnet_cifar, efcn_*, fcn_*)
-import transformed_cnn  # noqa: F401  (registers tcnn_*)
+import convit.diagnostics
 from convbias.base.timm_compat import feature_take_indices
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-FAMILIES = ("convit", "transformed_cnn", "efcn")
-OURS = sorted(n for n in timm.list_models() if model_entrypoint(n).__module__.split(".")[0] in FAMILIES)
-TCNN_CHECKED = ("tcnn_resnet18", "tcnn_resnet26d", "tcnn_resnet50", "tcnn_resnetrs50")
-# a T-CNN entry is timm's ResNet plus the same transform: the listed depths stand for the family
-CHECKED = [n for n in OURS if not n.startswith("tcnn_") or n in TCNN_CHECKED]
-
-
-def _tiny(name: str) -> tuple[dict, int]:
-    """Model kwargs and input side small enough for a unit test."""
-    if name.startswith(("convit_", "deit_")):
-        local = 0 if name.startswith("deit") else 1  # embed_dim per head: 8 instead of 48-64
-        return dict(img_size=16, patch_size=4, depth=2, embed_dim=8, local_up_to_layer=local), 16
-    if name.startswith("tcnn_"):  # a quarter of timm's widths: the contract is the same, building is 8x faster
-        return dict(channels=(16, 32, 64, 128)), 32
-    if "vanilla_cnn" in name:
-        return dict(channels=4, img_size=8), 8
-    return {}, 32  # alexnet_cifar family: built for 32x32
-
-
-def _build(name: str, **kwargs) -> torch.nn.Module:
-    tiny, _ = _tiny(name)
-    return timm.create_model(name, **{**tiny, **kwargs}).eval()
-
-
-def _input(name: str, batch: int = 2) -> torch.Tensor:
-    return torch.randn(batch, 3, _tiny(name)[1], _tiny(name)[1], generator=torch.Generator().manual_seed(0))
 
 
 def test_registry_lists_every_family():
@@ -54,7 +26,7 @@ def test_registry_lists_every_family():
         "vanilla_cnn",
         "efcn_vanilla_cnn",
         "fcn_alexnet_cifar",
-    } <= set(OURS)
+    } <= set(REGISTERED)
 
 
 @pytest.mark.parametrize("name", CHECKED)
@@ -73,7 +45,7 @@ def test_unknown_kwarg_is_a_type_error_naming_it(name):
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_device_and_dtype_kwargs(name):
-    model = _build(name, device="cpu", dtype=torch.float64)
+    model = build_tiny(name, device="cpu", dtype=torch.float64)
     assert {p.dtype for p in model.parameters()} == {torch.float64}
 
 
@@ -81,12 +53,12 @@ def test_device_and_dtype_kwargs(name):
 def test_builds_on_the_meta_device_with_the_structure_of_a_real_model(name):
     """timm reads a model's structure on the meta device (no memory, no values): same names and shapes."""
     with torch.device("meta"):  # as timm's test_model_default_cfgs builds
-        meta = _build(name, device="meta", dtype=torch.float64)
+        meta = build_tiny(name, device="meta", dtype=torch.float64)
     assert {p.device.type for p in meta.parameters()} == {"meta"} and {p.dtype for p in meta.parameters()} == {
         torch.float64
     }
     assert {k: v.shape for k, v in meta.state_dict().items()} == {
-        k: v.shape for k, v in _build(name).state_dict().items()
+        k: v.shape for k, v in build_tiny(name).state_dict().items()
     }
 
 
@@ -94,11 +66,11 @@ def test_builds_on_the_meta_device_with_the_structure_of_a_real_model(name):
 def test_forward_on_the_meta_device_gives_the_shapes_of_a_real_forward(name):
     """timm's model tests run on the device TORCH_DEVICE names, the meta device included (as a meta-device
     initialization, FSDP's, meets it): forward_features, forward_head and forward compute shapes only there."""
-    x = _input(name)
+    x = tiny_input(name)
     with torch.no_grad():
-        real = _build(name)
+        real = build_tiny(name)
         want = (real.forward_features(x).shape, real(x).shape)
-        meta = _build(name, device="meta")
+        meta = build_tiny(name, device="meta")
         meta_x = x.to("meta")
         features = meta.forward_features(meta_x)
         got = (features.shape, meta(meta_x).shape)
@@ -108,8 +80,8 @@ def test_forward_on_the_meta_device_gives_the_shapes_of_a_real_forward(name):
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_forward_features_and_head_compose_to_forward(name):
-    model = _build(name, num_classes=7)
-    x = _input(name)
+    model = build_tiny(name, num_classes=7)
+    x = tiny_input(name)
     with torch.no_grad():
         out = model(x)
         features = model.forward_features(x)
@@ -123,10 +95,10 @@ def test_forward_features_and_head_compose_to_forward(name):
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_reset_classifier_follows_mode_and_removes_the_head(name):
-    model = _build(name)
+    model = build_tiny(name)
     model.reset_classifier(5)
     assert not model.get_classifier().training  # the model is in eval mode: a new head too
-    x = _input(name)
+    x = tiny_input(name)
     with torch.no_grad():
         assert model(x).shape == (2, 5)
         model.reset_classifier(0)
@@ -143,13 +115,13 @@ NO_UNPOOLED_MAP = ("convit_", "deit_", "alexnet_cifar", "efcn_alexnet_cifar", "f
 @pytest.mark.parametrize("name", [n for n in CHECKED if not n.startswith(NO_UNPOOLED_MAP)])
 def test_removing_classifier_and_pooling_returns_the_last_map(name):
     """timm's contract: reset_classifier(0, '') and num_classes=0, global_pool='' give forward_features' map."""
-    model = _build(name)
-    x = _input(name)
+    model = build_tiny(name)
+    x = tiny_input(name)
     with torch.no_grad():
         features = model.forward_features(x)
         model.reset_classifier(0, "")
         torch.testing.assert_close(model(x), features)
-        built = _build(name, num_classes=0, global_pool="")
+        built = build_tiny(name, num_classes=0, global_pool="")
         built.load_state_dict(model.state_dict())
         torch.testing.assert_close(built(x), features)
     assert features.dim() == 4
@@ -157,7 +129,7 @@ def test_removing_classifier_and_pooling_returns_the_last_map(name):
 
 def test_alexnet_refuses_to_drop_the_flatten_its_mlp_reads():
     with pytest.raises(ValueError, match="after its flatten come drop1, fc1"):
-        _build("alexnet_cifar").reset_classifier(0, "")
+        build_tiny("alexnet_cifar").reset_classifier(0, "")
 
 
 # T-CNN: one ResNet with basic blocks, one with bottlenecks (scripting every depth would be slow; what else
@@ -171,8 +143,8 @@ def test_torchscript_matches_eager(name):
     """timm's models script; so do ours, also once they have run (eager forwards and the training's
     diagnostics fill the layers' caches of the token grid). A scripted GPSA layer runs the explicit path (the
     hot path's autograd Function does not script), the same function up to rounding."""
-    model = _build(name)
-    x = _input(name)
+    model = build_tiny(name)
+    x = tiny_input(name)
     with torch.no_grad():
         eager = model(x)
     convit.diagnostics.summary(model, x)  # the explicit path's caches too (attention maps, nonlocality)
@@ -184,9 +156,9 @@ def test_torchscript_matches_eager(name):
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 def test_torchscript_keeps_convit_test_time_masks():
     """A masked gate (a float gate_override instead of None) compiles and gives the eager output."""
-    model = _build("convit_tiny", depth=3, local_up_to_layer=2)
+    model = build_tiny("convit_tiny", depth=3, local_up_to_layer=2)
     model.set_test_masks(content_layers=1)
-    x = _input("convit_tiny")
+    x = tiny_input("convit_tiny")
     with torch.no_grad():
         torch.testing.assert_close(torch.jit.script(model)(x), model(x), rtol=1e-5, atol=1e-5)
 
@@ -195,8 +167,8 @@ def test_torchscript_keeps_convit_test_time_masks():
 @pytest.mark.parametrize("name", ["convit_tiny", "deit_tiny_plus"])
 def test_torchscript_features_only(name):
     """timm's getter wrapper scripts forward_intermediates, as timm's test_pruned_features_torchscript does."""
-    model = _build(name, features_only=True, out_indices=(0,))
-    x = _input(name, batch=1)
+    model = build_tiny(name, features_only=True, out_indices=(0,))
+    x = tiny_input(name, batch=1)
     with torch.no_grad():
         for got, want in zip(torch.jit.script(model)(x), model(x)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -207,7 +179,7 @@ def test_efcn_masked_refuses_a_scripted_model():
     """`masked` switches LocalLinear layers, which a scripted model no longer has: one line, not a silent no-op."""
     from efcn.embedding import masked
 
-    scripted = torch.jit.script(_build("efcn_vanilla_cnn"))
+    scripted = torch.jit.script(build_tiny("efcn_vanilla_cnn"))
     with pytest.raises(ValueError, match="masked needs the eager model"), masked(scripted, "local"):
         pass
 
@@ -220,10 +192,10 @@ def test_features_only_maps_match_feature_info_and_intermediates(name):
     token_model = name.startswith(("convit_", "deit_"))
     kwargs = dict(out_indices=2) if token_model else {}  # the tiny ViTs have 2 blocks (timm's default: last 3)
     torch.manual_seed(0)
-    model = _build(name)
+    model = build_tiny(name)
     torch.manual_seed(0)  # the same initialization: the wrapper only prunes what follows the taps
-    features = _build(name, features_only=True, **kwargs)
-    x = _input(name, batch=1)
+    features = build_tiny(name, features_only=True, **kwargs)
+    x = tiny_input(name, batch=1)
     with torch.no_grad():
         maps = features(x)
     if not token_model:  # timm's test_model_forward_features: a CNN's default taps are at least three levels

@@ -26,7 +26,8 @@ def package_table(text: str | None = None) -> dict[str, tuple[set[str], set[str]
         modules, imports = table[package]
         modules.append(line[modules_at:imports_at])
         imports.append(line[imports_at:])
-    words = lambda cells: {
-        w for w in re.split(r"[,\s]+", " ".join(cells)) if w and not w.startswith("(") and not w.endswith(")")
-    }  # noqa: E731
+
+    def words(cells):
+        return {w for w in re.split(r"[,\s]+", " ".join(cells)) if w and not w.startswith("(") and not w.endswith(")")}
+
     return {name: (words(modules), words(imports) - {"torch"}) for name, (modules, imports) in table.items()}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_errors import messages
+from support.runs import messages, save_point
 
 from convbias.base.errors import (
     EXIT_DAMAGED,
@@ -378,13 +378,6 @@ def test_sighup_stops_with_a_resume_point_and_changes_that_break_exactness_are_r
 
 
 # ---------------------------------------------------------------------- resume points, without training
-def save_point(points: CheckpointDir, epoch: int, step: int = 0, is_best: bool = False) -> Path:
-    model = torch.nn.Linear(3, 2)
-    points.stage(epoch, step)
-    best = {"epoch": 1}  # the training state records the best point (epoch 1 in these tests)
-    return points.save(epoch, model.state_dict(), {"model": "m", "epoch": epoch, "best": best}, None, {}, is_best, step)
-
-
 @pytest.mark.parametrize("where", ["save_file", "torch.save", "write_manifest", "rename", "link"])
 def test_a_kill_during_each_stage_of_a_save_keeps_an_intact_newest_point(tmp_path, monkeypatch, where):
     points = CheckpointDir(tmp_path)

@@ -9,23 +9,12 @@ import pytest
 import timm
 import torch
 import yaml
+from support.images import image_folder
+from support.timm_train import TIMM_EPOCHS, TIMM_UPDATES_PER_EPOCH, TINY_RESNET, timm_run, timm_train_args
 from timm.utils import CheckpointSaver
 
 from convbias.base.errors import ConfigError
 from convbias.base.weights import load_weights, read_state_dict
-
-
-def image_folder(root: Path, per_class: int, side: int) -> Path:
-    """root/data/<class>/<image>.png: 3 classes of `per_class` plain images, each its own colour."""
-    from PIL import Image
-
-    for label in range(3):
-        (root / "data" / f"c{label}").mkdir(parents=True)
-        for index in range(per_class):
-            Image.new("RGB", (side, side), (80 * label, 40 * index, 30)).save(
-                root / "data" / f"c{label}" / f"{index}.png"
-            )
-    return root / "data"
 
 
 @pytest.fixture
@@ -119,48 +108,7 @@ def test_training_from_a_timm_checkpoint_starts_from_its_ema_as_timms_initial_ch
 
 
 # --------------------------------------------------------------------------- --resume of timm's last.pth.tar
-TIMM_EPOCHS = 3  # timm's run: 3 epochs, stopped after its second (saved epoch 1); resumed here for the third
-UPDATES_PER_EPOCH = 2
-
-
-TINY_RESNET = {"channels": (8, 16, 32, 64), "stem_width": 8}  # resnet10t's layers at 1/8 of its width
-
-
-def timm_train_args(**overrides):
-    """timm's train.py arguments (its parser's defaults) with a small run's values."""
-    from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
-
-    # lr: what train.py sets from --lr-base for its global batch before it builds the optimizer
-    values = {**TIMM_TRAIN_DEFAULTS, "model": "resnet10t", "num_classes": 3, "epochs": TIMM_EPOCHS, "lr": 0.05}
-    values["model_kwargs"] = TINY_RESNET  # as timm's --model-kwargs parses them
-    return argparse.Namespace(**{**values, "warmup_epochs": 1, "model_ema": True, **overrides})
-
-
-def timm_run(tmp_path, args):
-    """Two epochs of timm's train.py's loop (its optimizer, schedule stepped per epoch, EMA and CheckpointSaver),
-    a few real SGD steps with momentum on random images; returns last.pth.tar."""
-    from timm.optim import create_optimizer_v2, optimizer_kwargs
-    from timm.scheduler import create_scheduler_v2, scheduler_kwargs
-    from timm.utils import ModelEmaV3
-
-    torch.manual_seed(0)
-    model = timm.create_model(args.model, num_classes=args.num_classes, **args.model_kwargs)
-    optimizer = create_optimizer_v2(model, **optimizer_kwargs(args))
-    scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(args), updates_per_epoch=UPDATES_PER_EPOCH)
-    ema = ModelEmaV3(model, decay=0.5)
-    saver = CheckpointSaver(model, optimizer, args=args, model_ema=ema, checkpoint_dir=str(tmp_path))
-    for epoch in range(2):
-        for step in range(UPDATES_PER_EPOCH):
-            images, targets = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, step])
-            torch.nn.functional.cross_entropy(model(images), targets).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            ema.update(model, step=epoch * UPDATES_PER_EPOCH + step + 1)
-        scheduler.step(epoch + 1)
-        saver.save_checkpoint(epoch=epoch, metric=float(epoch))
-    return tmp_path / "last.pth.tar"
-
-
+# timm_run's run: TIMM_EPOCHS epochs, stopped after its second (saved epoch 1); resumed here for the third
 def timm_resumed_optimizer(path, args, sched_on_updates):
     """The oracle: timm's train.py's resume of ``path`` (resume_checkpoint into a fresh model and optimizer, then
     create_scheduler_v2 and its step to the start epoch); returns (model, optimizer)."""
@@ -172,9 +120,9 @@ def timm_resumed_optimizer(path, args, sched_on_updates):
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(args))
     start_epoch = resume_checkpoint(model, str(path), optimizer=optimizer, log_info=False)
     args = argparse.Namespace(**{**vars(args), "sched_on_updates": sched_on_updates})
-    scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(args), updates_per_epoch=UPDATES_PER_EPOCH)
+    scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(args), updates_per_epoch=TIMM_UPDATES_PER_EPOCH)
     if sched_on_updates:
-        scheduler.step_update(start_epoch * UPDATES_PER_EPOCH)
+        scheduler.step_update(start_epoch * TIMM_UPDATES_PER_EPOCH)
     else:
         scheduler.step(start_epoch)
     return model, optimizer, start_epoch
@@ -229,7 +177,7 @@ def test_resume_of_timms_last_checkpoint_continues_as_timms_train_py(tmp_path, f
     cfg = parse_config(engine_arguments(folder_of_twelve, tmp_path / "run", last))
     trainer = build_trainer(start_run(cfg, load_families(), None))
     resumed = trainer.checkpointer.load(trainer.start.resume)  # what fit() begins with (and does again below)
-    assert trainer.data.steps_per_epoch == UPDATES_PER_EPOCH  # 8 training images in batches of 4: as timm's run
+    assert trainer.data.steps_per_epoch == TIMM_UPDATES_PER_EPOCH  # 8 training images in batches of 4: as timm's run
     model = trainer.accelerator.unwrap_model(trainer.models.model)
     assert all(torch.equal(v, saved["state_dict"][k]) for k, v in model.state_dict().items())
     ema = trainer.models.ema.module.state_dict()

@@ -1,5 +1,5 @@
 """A run's args.yaml, as timm's train.py would have written it, read both ways: timm's parser semantics (its
-defaults with the file's values over them, tests/engine/config/test_timm_recipes_real.py's timm_yaml_args) and timm's factories
+defaults with the file's values over them, tests/support/timm_train.py's timm_yaml_args) and timm's factories
 give the run's optimizer, schedule, transforms and mixup, its keys are exactly timm's, and ``-c`` reads it back to
 the same run. Keys of an args file that timm's train.py takes and never reads (a fork's, the runtime attributes of
 its saved arguments) are ignored with one warning; a typo of an option's name is refused; this package's own
@@ -13,7 +13,7 @@ import pytest
 import timm
 import yaml
 from PIL import Image
-from test_timm_recipes_real import assert_timms_values, timm_yaml_args
+from support.timm_train import assert_timms_values, timm_yaml_args
 from timm.utils import CheckpointSaver
 
 from convbias.base.errors import ConfigError

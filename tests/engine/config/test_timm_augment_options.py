@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from support import REPO
-from test_input_pipeline import sample_image
+from support.images import sample_image
 from timm.data import create_transform
 
 from convbias.engine.config.options import Config

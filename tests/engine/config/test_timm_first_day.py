@@ -17,8 +17,8 @@ import timm
 import torch
 import yaml
 from support import DATA
-from test_timm_checkpoints import TINY_RESNET, image_folder, timm_run, timm_train_args
-from test_timm_recipes_real import assert_timms_values, timm_args
+from support.images import image_folder
+from support.timm_train import TINY_RESNET, assert_timms_values, timm_args, timm_run, timm_train_args
 from timm.data import ImageDataset, Mixup
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import CheckpointSaver

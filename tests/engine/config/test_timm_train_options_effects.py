@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import yaml
 from accelerate import Accelerator
 from support import REPO
+from support.timm_train import timm_train_loss
 from timm.loss import BinaryCrossEntropy
 from timm.optim import param_groups_layer_decay
 from timm.scheduler import CosineLRScheduler, MultiStepLRScheduler, create_scheduler_v2
@@ -364,27 +365,6 @@ def test_bce_loss_and_its_options_against_the_closed_form(tmp_path, options, clo
     loss = recipe.create_train_loss(with_mixup, mixup)
     assert isinstance(loss, BinaryCrossEntropy)  # timm's own smoothing argument, unused on dense targets
     assert loss(logits, soft).item() == pytest.approx(closed_form(logits, soft).item(), rel=1e-6)
-
-
-def timm_train_loss(args: dict, device: torch.device) -> nn.Module:
-    """The training loss timm's train.py builds for ``args`` (train.py at TIMM_TRAIN_COMMIT, its "setup loss
-    function" block, JSD aside): ``mixup_active`` first, then ``args.smoothing``, else CrossEntropyLoss."""
-    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-
-    mixup_active = args["mixup"] > 0 or args["cutmix"] > 0.0 or args["cutmix_minmax"] is not None
-    bce = dict(
-        target_threshold=args["bce_target_thresh"], sum_classes=args["bce_sum"], pos_weight=args["bce_pos_weight"]
-    )
-    if mixup_active:
-        loss = BinaryCrossEntropy(**bce) if args["bce_loss"] else SoftTargetCrossEntropy()
-    elif args["smoothing"]:
-        if args["bce_loss"]:
-            loss = BinaryCrossEntropy(smoothing=args["smoothing"], **bce)
-        else:
-            loss = LabelSmoothingCrossEntropy(smoothing=args["smoothing"])
-    else:
-        loss = nn.CrossEntropyLoss()
-    return loss.to(device=device)
 
 
 def loss_state(loss: nn.Module) -> tuple:

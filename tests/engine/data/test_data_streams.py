@@ -5,47 +5,16 @@ subsampling of a stream each stop the run before any work with one line and exit
 """
 
 import functools
-import io
 import json
-import tarfile
-from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+from support.images import SHARD_SIDE, write_shards
 
 from convbias.cli import train
 
 pytest.importorskip("webdataset")
 
-SIZE = 16
-RUN = dict(img_size=SIZE, batch_size=8, lr=2e-3, epochs=2, diagnostics_images=4, dataset="wds/toy", num_classes=2)
-
-
-def write_shards(root: Path, per_split: dict[str, int], shards: int = 2) -> None:
-    """Two classes of RGB PNGs (bright left half vs bright right half) in `shards` tars per split, and
-    timm's _info.json listing them."""
-    rng = np.random.default_rng(0)
-    info = {"num_classes": 2, "splits": {}}
-    for split, count in per_split.items():
-        names, lengths = [], []
-        for shard in range(shards):
-            name, members = f"toy-{split}-{shard:04d}.tar", range(shard, count, shards)
-            with tarfile.open(root / name, "w") as tar:
-                for i in members:
-                    label = (i // shards) % 2
-                    image = rng.integers(0, 90, (SIZE, SIZE, 3), dtype=np.uint8)
-                    image[:, label * SIZE // 2 : (label + 1) * SIZE // 2] += 150
-                    png = io.BytesIO()
-                    Image.fromarray(image).save(png, format="PNG")
-                    for ext, data in (("png", png.getvalue()), ("cls", str(label).encode())):
-                        member = tarfile.TarInfo(f"{split}_{i:05d}.{ext}")
-                        member.size = len(data)
-                        tar.addfile(member, io.BytesIO(data))
-            names.append(name)
-            lengths.append(len(members))
-        info["splits"][split] = {"name": split, "num_samples": count, "filenames": names, "shard_lengths": lengths}
-    (root / "_info.json").write_text(json.dumps(info))
+RUN = dict(img_size=SHARD_SIDE, batch_size=8, lr=2e-3, epochs=2, diagnostics_images=4, dataset="wds/toy", num_classes=2)
 
 
 @pytest.fixture()

@@ -9,8 +9,8 @@ tests assert on."""
 import numpy as np
 import pytest
 import torch
-from interpreted import interpreted_results
 from support import REPO
+from support.interpreted import interpreted_results
 
 from convbias.base.dispatch_cost import DispatchCost
 from convbias.engine.data import augment_passes

@@ -2,7 +2,6 @@
 each batched op on the same image and parameters, the distributions of the random choices against timm's
 own samplers, JPEG draft decoding against a full decode, reproducibility and resume of the device half."""
 
-import importlib.util
 import json
 import math
 import random
@@ -16,6 +15,7 @@ import yaml
 from PIL import Image
 from scipy import stats
 from support import REPO
+from support.images import jpeg_file, psnr, sample_image, write_shards
 from timm.data import auto_augment
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
@@ -52,23 +52,10 @@ GEOMETRIC_MIN_PSNR = 38.0
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
 
-def sample_image(size=(96, 72), offset=(180, 120)) -> Image.Image:
-    """A natural RGB image (scikit-learn's china.jpg, read without importing scikit-learn), non-square."""
-    root = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0])
-    image = Image.open(root / "datasets" / "images" / "china.jpg").convert("RGB")
-    return image.crop((offset[0], offset[1], offset[0] + size[0], offset[1] + size[1]))
-
-
 def to_tensor(image: Image.Image) -> torch.Tensor:
     """uint8 PIL (L or RGB) -> float (C, H, W) holding 0..255."""
     array = np.array(image, dtype=np.float32)
     return torch.from_numpy(array[None] if array.ndim == 2 else array.transpose(2, 0, 1))
-
-
-def psnr(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    mse = np.mean((a - b) ** 2)
-    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
 def timm_argument(name: str, magnitude: float, negate: bool, monkeypatch) -> tuple:
@@ -233,13 +220,6 @@ def test_erase_fills_exactly_the_boxes():
     assert erased[2, :, 5:10, 7:12].all() and erased[2].sum() == 2 * 25
 
 
-def jpeg_file(tmp_path: Path, size: tuple[int, int]) -> Path:
-    """A quality-90 JPEG of a natural image, upscaled to `size`."""
-    path = tmp_path / f"image_{size[0]}x{size[1]}.jpg"
-    sample_image((420, 315), (100, 60)).resize(size, Image.Resampling.BICUBIC).save(path, quality=90)
-    return path
-
-
 @pytest.mark.parametrize("box, reduction", [((40, 100, 700, 900), 2), ((0, 0, 1000, 1250), 4)])
 def test_draft_decode_agrees_with_full_decode_and_resize(tmp_path, box, reduction):
     """A large box decodes at 1/2 or 1/4 DCT scale; timm decodes fully, crops and resizes with Pillow's bicubic."""
@@ -400,8 +380,6 @@ def test_fast_path_trains_digits_as_well_as_the_classic_path(tmp_path, cli_argv)
 def test_a_webdataset_stream_takes_the_fast_path(tmp_path):
     """timm's stream reader decodes whole images (no JPEG draft there); crop, flip and uint8 work the same."""
     pytest.importorskip("webdataset")
-    from test_data_streams import write_shards
-
     from convbias.engine.data.loaders import build_stream_loader
 
     write_shards(tmp_path, {"train": 32, "validation": 8})

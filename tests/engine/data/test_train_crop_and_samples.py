@@ -14,7 +14,7 @@ import torch
 import yaml
 from PIL import Image
 from support import REPO
-from test_input_pipeline import jpeg_file, psnr, sample_image
+from support.images import jpeg_file, psnr, sample_image, write_shards
 from timm.data import create_transform
 from timm.data.transforms import (
     CenterCropOrPad,
@@ -180,8 +180,6 @@ def test_train_num_samples_sets_a_wds_epoch(tmp_path, num_samples):
     else the _info.json count; the loader's length and steps per epoch follow (batches of 4, the last partial
     one dropped)."""
     pytest.importorskip("webdataset")
-    from test_data_streams import write_shards
-
     write_shards(tmp_path, {"train": 32, "validation": 8})
     cfg = deit_config(
         dataset="wds/toy", data_dir=str(tmp_path), img_size=16, workers=0, batch_size=4, train_num_samples=num_samples

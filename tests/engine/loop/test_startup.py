@@ -12,8 +12,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 from support import REPO
-from test_timm_train_options_effects import timm_train_loss
-from test_train_errors import PROGRESS, messages
+from support.runs import PROGRESS, messages
+from support.timm_train import timm_train_loss
 from timm.loss import BinaryCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs

@@ -8,6 +8,7 @@ import sys
 import pytest
 import timm
 import torch
+from support.runs import messages
 
 from convbias.base.run_layout import CONFIG_MARKER
 from convbias.cli import train
@@ -46,14 +47,6 @@ def output(tmp_path):
     out.mkdir()
     (out / KEPT).write_text(KEPT_TEXT)
     return out
-
-
-def messages(stderr):
-    """stderr's lines without the progress bars (tqdm redraws them on stderr)."""
-    return [line for line in stderr.strip().splitlines() if line.strip() and not PROGRESS.match(line)]
-
-
-PROGRESS = re.compile(r"^\s*epoch \d+/\d+:")
 
 
 def run_cli(capsys, args):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import io
 import json
 import math
 import os
@@ -13,9 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import matplotlib.image
 import numpy as np
@@ -23,74 +19,21 @@ import pytest
 import yaml
 from matplotlib.figure import Figure
 from scipy import stats as scipy_stats
+from support.sweeps import TINY_MODEL_KWARGS, TINY_SET, sweep_cli
 
 from convbias.engine import parse_config
 from convbias.engine.config.derived import effective_epochs
 from convbias.studies import intervals
 from convbias.studies.phase_diagram import tables as phase_diagram_tables
+from convbias.studies.sweep import command as SWEEP_CLI
 from convbias.studies.sweep import figures as sweep_figures
 from convbias.studies.sweep import report, sweep
 from convbias.studies.sweep import spec as sweep_spec
-
-# A ConViT and a DeiT of equal width and depth, small enough for a 1-second run on 8x8 digits.
-TINY_MODEL_KWARGS = {"patch_size": 2, "embed_dim": 4, "depth": 2, "num_heads": 4, "local_up_to_layer": 1}
-TINY_SET = {
-    "dataset": "digits",
-    "img_size": 8,
-    "epochs": 1,
-    "warmup_epochs": 0,
-    "batch_size": 64,
-    "workers": 0,
-    "no_aug": True,
-    "repeated_aug": 1,
-    "diagnostics": False,
-    "model_kwargs": TINY_MODEL_KWARGS,
-}
 
 
 def tiny_spec(**grid) -> dict:
     grid = grid or {"model": ["convit_tiny", "deit_tiny_plus"], "train_fraction": [0.5, 1.0], "seed": [0, 1]}
     return sweep_spec.normalize_spec({"set": TINY_SET, "grid": grid})
-
-
-from convbias.studies.sweep import command as SWEEP_CLI  # noqa: E402
-
-
-@dataclass
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-class TrainHere:
-    """What the sweep starts for a run, ``python -m convbias.cli.train ARGS`` with both streams to the run's log,
-    run as train.py's main in this process; ``wait`` gives its exit code. A train.py subprocess costs seconds of
-    start-up: tests of what the sweep does with a run's outcome use this, the kill test a real subprocess."""
-
-    def __init__(self, command: list[str], stdout, stderr) -> None:
-        from convbias.cli import train
-
-        assert command[:3] == [sys.executable, "-m", sweep.TRAIN_MODULE] and stderr == subprocess.STDOUT, command
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
-            self.returncode = train.main(command[3:])
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.returncode
-
-
-def sweep_cli(*args: str, train_here: bool = False) -> Done:
-    """convbias-sweep in this process; its train.py runs are subprocesses, or with ``train_here`` train.py's main
-    in this process (``TrainHere``)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.ExitStack() as stack:
-        if train_here:
-            here = SimpleNamespace(Popen=TrainHere, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired)
-            stack.enter_context(pytest.MonkeyPatch.context()).setattr(sweep, "subprocess", here)
-        stack.enter_context(contextlib.redirect_stdout(out))
-        stack.enter_context(contextlib.redirect_stderr(err))
-        code = SWEEP_CLI.main(list(args))
-    return Done(code, out.getvalue(), err.getvalue())
 
 
 # ----------------------------------------------------------------------------- grid expansion

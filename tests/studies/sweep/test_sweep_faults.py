@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_sweep import TINY_SET, sweep_cli
+from support.sweeps import TINY_SET, sweep_cli
 
 from convbias.base.errors import DamagedInputError, StorageError
 from convbias.base.tables import write_csv
