@@ -82,20 +82,23 @@ def test_deit_param_groups_exclude_norms_biases_tokens_and_gating():
         assert group["lr"] == pytest.approx(cfg.min_lr + 0.5 * (base - cfg.min_lr))
 
 
-def test_build_optimization_prepares_the_model_with_timms_optimizer_schedule_and_mixup():
-    """engine.optim.build: the optimizer is timm's AdamW with the param groups above, prepared by accelerate with
-    the model; the schedule is cosine after a linear warm-up, in closed form per update; mixup targets the head's
-    outputs, and the loss is timm's soft-target cross-entropy."""
+def test_build_optimization_gives_timms_optimizer_schedule_and_mixup():
+    """engine.optim: the optimizer is timm's AdamW with the param groups above (prepared by accelerate with the
+    model, as the trainer does); the schedule built around it is cosine after a linear warm-up, in closed form per
+    update; mixup targets the head's outputs, and the loss is timm's soft-target cross-entropy."""
     from accelerate import Accelerator
     from timm.data import Mixup
     from timm.loss import SoftTargetCrossEntropy
 
     from convbias.engine.optim.build import build_optimization
+    from convbias.engine.optim.factory import create_optimizer
 
     model = timm.create_model("convit_tiny", img_size=32, patch_size=8, depth=3, local_up_to_layer=2, num_classes=7)
     cfg = parse_config(["-c", str(DEIT_RECIPE), "--model", "convit_tiny", "--sched-on-updates"])
     values = SimpleNamespace(lr=1e-3, schedule_epochs=10, warmup_epochs=2)
-    prepared, optimization = build_optimization(cfg, Accelerator(cpu=True), model, values, 5, 7, False)
+    accelerator = Accelerator(cpu=True)
+    prepared, optimizer = accelerator.prepare(model, create_optimizer(cfg, model, values.lr))
+    optimization = build_optimization(cfg, optimizer, values, 5, 7, accelerator.device)
     assert prepared is model and isinstance(optimization.optimizer.optimizer, torch.optim.AdamW)
     groups = param_groups(model, cfg.weight_decay, {})
     assert [g["params"] for g in optimization.optimizer.param_groups] == [g["params"] for g in groups]
