@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from einops import repeat
 from torch import nn
 
 from convbias.base.errors import ConfigError
@@ -191,12 +192,9 @@ class GatedFactors(NamedTuple):
 def gate_factors(positional: PositionalFactors, gate: torch.Tensor) -> GatedFactors:
     """`GatedFactors` from the factors (..., H, Qy, Ky), (..., H, Qx, Kx) and the gate (..., H)."""
     rows, cols = positional
-    *lead, heads, query_cols, key_cols = cols.shape
-    key_rows = rows.shape[-1]
-    repeated = cols.unsqueeze(-3).expand(*lead, heads, key_rows, query_cols, key_cols)
     return GatedFactors(
         weighted_rows=rows * gate[..., None, None],
-        cols_per_key_row=repeated.reshape(*lead, heads * key_rows, query_cols, key_cols),
+        cols_per_key_row=repeat(cols, "... h q k -> ... (h r) q k", r=rows.shape[-1]),
         content_weight=1 - gate,
     )
 
