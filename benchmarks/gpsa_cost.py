@@ -1,4 +1,4 @@
-"""What GPSA adds to a training step, counted at PyTorch's dispatcher (`convbias.base.dispatch_cost`) on the CPU.
+"""What GPSA adds to a training step, counted at PyTorch's dispatcher (`dispatch_cost`) on the CPU.
 
 Two pairs, each model beside its baseline:
   ConViT-Ti against DeiT-Ti: aten ops dispatched and bytes written by one forward + backward (eager, after a
@@ -18,10 +18,10 @@ import argparse
 
 import timm
 import torch
+from dispatch_cost import DispatchCost, SavedForBackward
 
 import convit  # noqa: F401  (registers convit_tiny)
 import transformed_cnn  # noqa: F401  (registers tcnn_resnet50)
-from convbias.base.dispatch_cost import DispatchCost, SavedForBackward
 from convbias.base.tables import markdown_table
 from transformed_cnn.transform import remove_stage_stride
 

@@ -45,7 +45,8 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convbias.base.dispatch_cost import DispatchCost
+from dispatch_cost import DispatchCost
+
 from convbias.engine.config.options import Config
 from convbias.engine.data.datasets import DATASETS, ImageFolderDataset
 from convbias.engine.data.device_augment import AugmentSpec, DeviceAugment, DeviceBatches
@@ -238,7 +239,7 @@ def device_ms(recipe: AugmentSpec, batches: list[torch.Tensor], device: torch.de
 
 def print_cost(batch: int, seeds: int) -> None:
     """The device half's aten ops and bytes written for one batch of random uint8 images at 224 (the DeiT
-    recipe), per seed: convbias.base.dispatch_cost's count of what a GPU launches and writes, on this CPU."""
+    recipe), per seed: dispatch_cost's count of what a GPU launches and writes, on this CPU."""
     images = torch.randint(
         0, 256, (batch, 3, SIZE, SIZE), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
     )

@@ -2,7 +2,7 @@
 
 A GPU step's time outside the big GEMMs follows the kernels it launches and the bytes it writes, and its
 activation memory the tensors autograd saves; all three are counted at PyTorch's dispatcher in eager mode on
-the CPU (``convbias.base.dispatch_cost``). Each model's step is the one train.py builds (``start_run`` and
+the CPU (``benchmarks/dispatch_cost.py``). Each model's step is the one train.py builds (``start_run`` and
 ``build_trainer``, as benchmarks/train_loop.py builds it, on synthetic uint8 crops) with the DeiT recipe
 (configs/recipes/deit.yaml: RandAugment rand-m9-mstd0.5-inc1, erasing 0.25, mixup 0.8 / cutmix 1.0, smoothing
 0.1, AdamW) and its EMA (``--model-ema``), driven phase by phase through the engine's own objects: the loader's
@@ -34,10 +34,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from dispatch_cost import DispatchCost, SavedForBackward
 from tqdm.auto import tqdm
 from train_loop import build_engine
 
-from convbias.base.dispatch_cost import DispatchCost, SavedForBackward
 from convbias.engine.data.device_augment import DeviceBatches
 
 PHASES = ("hand-off", "augmentation", "mixup", "forward", "backward", "optimizer", "ema", "bookkeeping")

@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 import torch.fx
 import torch.nn.functional as F
+from einops import repeat
 from timm.layers import register_notrace_function
 from torch import nn
 
@@ -103,11 +104,7 @@ class LocalLinear(nn.Linear):
 
     def full_mask(self) -> torch.Tensor:
         """Boolean (out_features, in_features) mask of local entries (materialized)."""
-        c_out, c_in = self.out_shape[0], self.in_shape[0]
-        p, q = self.locality_mask.shape
-        return (
-            self.locality_mask[None, :, None, :].expand(c_out, p, c_in, q).reshape(self.out_features, self.in_features)
-        )
+        return repeat(self.locality_mask, "p q -> (o p) (i q)", o=self.out_shape[0], i=self.in_shape[0])
 
     def local_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(out pixel, in pixel, tap) of every local (p, q) pair, as index vectors."""

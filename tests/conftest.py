@@ -56,6 +56,35 @@ def idle_machine():
         yield
 
 
+# What the package reads from the environment that a user's shell may hold: the suite runs without them, so that
+# none decides a result (a test that needs one sets it). OMP_NUM_THREADS stays: it only sizes the thread pools.
+PACKAGE_VARIABLES = (
+    "CONVBIAS_TRACEBACK",  # every error with its traceback (convbias.base.errors)
+    "CONVBIAS_LAUNCH_PROCESSES",  # set by convbias-launch for the processes it starts (convbias.cli.launch)
+    "CONVBIAS_LAUNCH_EXIT_DIR",
+    "TRITON_INTERPRET",  # the Triton kernels under the interpreter (convbias.gpsa.fused, engine.data.augment_passes)
+    # a launcher's: torch's env:// rendezvous and the world sizes of MPI launchers (convbias.engine, convbias.cli.train)
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PMI_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_user_settings():
+    """The package's environment variables (`PACKAGE_VARIABLES`) unset for the whole session, subprocesses included."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in PACKAGE_VARIABLES:
+            patch.delenv(name, raising=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     """The repository root (configs/, train.py)."""

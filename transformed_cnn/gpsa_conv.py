@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from timm.layers import register_notrace_module, to_2tuple, trunc_normal_
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -135,7 +136,7 @@ class GPSAConv2d(GatedPositionalAttention):
         ).to(device=conv.weight.device, dtype=conv.weight.dtype)
         with torch.no_grad():
             # W_out^h = W[:, :, ky, kx] for head h = ky * k + kx: columns ordered (head, input channel)
-            layer.proj.weight.copy_(conv.weight.permute(0, 2, 3, 1).reshape(conv.out_channels, -1))
+            layer.proj.weight.copy_(rearrange(conv.weight, "o i ky kx -> o (ky kx i)"))
             if conv.bias is not None:
                 layer.proj.bias.copy_(conv.bias)
         return layer

@@ -36,7 +36,6 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
 from convbias import families
-from convbias.base.deprecation import Deprecated, announce
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import check_regular_file
 from convbias.base.run_layout import LOG_FILE
@@ -73,21 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="train.py run directories: history figures from their log.jsonl; with --image the first one "
         "gives the model and its weights, unless --model or --checkpoint is given",
     )
-    parser.add_argument(
-        "--run",
-        nargs="+",
-        default=[],
-        action=Deprecated,
-        help=argparse.SUPPRESS,
-        note="give the runs as the first arguments: convbias-diagnostics {} ...",
-    )
     parser.add_argument("--model", help="timm model name, to draw the attention maps of --image")
     parser.add_argument(
-        "--checkpoint",
-        action=Deprecated,
-        when=is_run_dir,
-        note="give the run as the first argument: convbias-diagnostics {} --image IMAGE ...",
-        help="weights of --model (safetensors or any state dict); default: the model's initialization",
+        "--checkpoint", help="weights of --model (safetensors or any state dict); default: the model's initialization"
     )
     parser.add_argument("--which", choices=WHICH, default=DEFAULT_WHICH, help="checkpoint of the run (default: last)")
     parser.add_argument("--image", help="image file for the attention maps")
@@ -114,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers", nargs="+", type=Typed(int, POSITIVE_INT), help="1-based attention layers to draw (default: all)"
     )
     parser.add_argument("--output", help="directory for the PNG files (default: <first run>/figures, else ./figures)")
-    parser.add_argument("--out", dest="output", action=Deprecated, help=argparse.SUPPRESS, note="use --output {}")
     return parser
 
 
@@ -122,9 +108,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse and check everything that needs no model; a run's model options are read here."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    announce(args)
-    args.runs = [*args.runs, *args.run]
-    del args.run
     args.model_kwargs = dict(args.model_kwargs)
     for run in args.runs:
         if not Path(run).is_dir():
@@ -136,8 +119,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if not is_run_dir(args.runs[0]):
             parser.error(f"{args.runs[0]}: no config.yaml, so no model for the attention maps: give --model")
         args.maps_run = args.runs[0]  # the first run gives the model and its weights
-    if args.checkpoint and is_run_dir(args.checkpoint):
-        args.maps_run, args.checkpoint = args.checkpoint, None
     if args.maps_run:
         given = [flag for flag, value in _MODEL_OPTIONS.items() if getattr(args, value)]
         if given:

@@ -12,24 +12,22 @@ from __future__ import annotations
 import functools
 
 import torch
+from einops import rearrange, repeat
 
 
 def _fold(v: torch.Tensor) -> torch.Tensor:
-    """(B, H, N, dv) -> (H, N, B*dv): the batch folded into the columns (one copy)."""
-    b, h, n, dv = v.shape
-    return v.permute(1, 2, 0, 3).contiguous().view(h, n, b * dv)
+    """(B, H, N, dv) -> (H, N, B*dv): the batch folded into the columns (one copy, contiguous)."""
+    return rearrange(v, "b h n d -> h n (b d)").contiguous()
 
 
 def _unfold(folded: torch.Tensor, batch: int) -> torch.Tensor:
     """(H, N, B*dv) -> (B, H, N, dv), a view."""
-    h, n, bd = folded.shape
-    return folded.view(h, n, batch, bd // batch).permute(2, 0, 1, 3)
+    return rearrange(folded, "h n (b d) -> b h n d", b=batch)
 
 
 def _per_row(cols: torch.Tensor, rows: int) -> torch.Tensor:
     """(H, Q, K) -> (H*rows, Q, K): the columns factor once per grid row, to batch the GEMMs over rows."""
-    heads, q, k = cols.shape
-    return cols[:, None].expand(heads, rows, q, k).reshape(heads * rows, q, k)
+    return repeat(cols, "h q k -> (h r) q k", r=rows)
 
 
 def _along_cols(cols: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
@@ -78,14 +76,13 @@ def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> to
     whole K, a large share of the step (docs/benchmarks.md). Cutting K into
     `splits` chunks gives G * splits blocks (split-K), at the price of a copy of each operand and
     a sum of the partial products (in fp32). The CPU's GEMM needs no help: one chunk there."""
-    groups, m, length = a.shape
+    length = a.shape[-1]
     splits = _split_count(length, a.device) if splits is None else splits
     if splits == 1:
         return torch.bmm(a, b.transpose(1, 2))
-    chunk = length // splits
-    a = a.view(groups, m, splits, chunk).transpose(1, 2).reshape(groups * splits, m, chunk)
-    b = b.view(groups, -1, splits, chunk).transpose(1, 2).reshape(groups * splits, -1, chunk)
-    partial = torch.bmm(a, b.transpose(1, 2)).view(groups, splits, m, -1)
+    a = rearrange(a, "g m (s c) -> (g s) m c", s=splits)
+    b = rearrange(b, "g l (s c) -> (g s) l c", s=splits)
+    partial = rearrange(torch.bmm(a, b.transpose(1, 2)), "(g s) m l -> g s m l", s=splits)
     return partial.sum(dim=1, dtype=_accumulation_dtype(partial)).to(partial.dtype)
 
 
@@ -194,7 +191,7 @@ def kronecker_positional_grads(
     _, query_cols, key_cols = cols.shape
     batch, width = grad.shape[0], folded.shape[-1]
     weight = gate.to(grad.dtype).view(-1, 1, 1)
-    grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, query_rows, query_cols * width)  # unweighted
+    grad_folded = rearrange(grad, "b h (y x) d -> h y (x b d)", y=query_rows)  # unweighted
     grad_rows = grad_cols = grad_v = grad_gate = None
     if needs[1] or needs[2]:
         # S: (H*Ky, Qx, B*dv), the gradient reaching along_cols, with the gate's weight
@@ -232,9 +229,8 @@ class DensePositionalMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         content, attention, folded, gate = ctx.saved_tensors
-        heads, nq, _ = attention.shape
         weight = gate.to(grad.dtype).view(-1, 1, 1)
-        grad_folded = grad.permute(1, 2, 0, 3).reshape(heads, nq, folded.shape[-1])  # unweighted
+        grad_folded = rearrange(grad, "b h n d -> h n (b d)")  # unweighted
         grad_content = grad_attention = grad_v = grad_gate = None
         if ctx.needs_input_grad[0]:
             grad_content = grad * (1 - weight).view(1, -1, 1, 1)

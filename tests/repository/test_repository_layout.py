@@ -116,7 +116,7 @@ def test_each_dependency_is_declared_once():
 
 # tests/ mirrors the package: a folder per part, named as the part's package (convbias/engine/loop ->
 # tests/engine/loop, a family's package -> tests/convit), and these folders that are no part of it
-TEST_FOLDERS_OF_NO_PART = {"support", "data", "toy_family", "repository", "families"}
+TEST_FOLDERS_OF_NO_PART = {"support", "data", "toy_family", "repository", "families", "benchmarks"}
 
 
 def parts_without_a_package(root: Path) -> list[str]:

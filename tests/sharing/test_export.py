@@ -115,16 +115,24 @@ def test_push_uploads_the_folder_with_huggingface_hub(efcn_run, tmp_path, monkey
     assert "timm.create_model('hf-hub:user/efcn-digits', pretrained=True)" in (out / "README.md").read_text()
 
 
-def test_push_without_network_is_one_line_and_keeps_the_folder(efcn_run, tmp_path, monkeypatch, capsys):
-    """A real connection attempt (a closed local port stands for the unreachable Hub)."""
+@pytest.mark.parametrize(
+    "offline, reason", [(False, "cannot upload ("), (True, "HF_HUB_OFFLINE is set; ")], ids=["unreachable", "offline"]
+)
+def test_push_without_network_is_one_line_and_keeps_the_folder(
+    efcn_run, tmp_path, monkeypatch, capsys, offline, reason
+):
+    """A real connection attempt (a closed local port stands for the unreachable Hub), and huggingface_hub's offline
+    mode. The mode is set here either way: huggingface_hub reads HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) from the
+    caller's environment once, when it is imported."""
     from huggingface_hub import constants
 
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
     out = tmp_path / "offline"
     assert export.main([str(efcn_run), "--output", str(out), "--push-to", "user/efcn-digits"]) == 1
     err = _error_line(capsys)
-    assert err.startswith("error: --push-to user/efcn-digits: cannot upload (") and err.endswith(f"stays in {out}")
+    assert err.startswith(f"error: --push-to user/efcn-digits: {reason}") and err.endswith(f"stays in {out}")
     assert (out / "model.safetensors").is_file()
 
 

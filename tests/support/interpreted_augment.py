@@ -1,5 +1,5 @@
 """The device augmentation's Triton kernels against their reference under Triton's interpreter: the child
-process of tests/engine/data/test_device_augment_cost.py (`interpreted.interpreted_results`). A module of its own, importing
+process of tests/engine/data/test_augment_passes.py (`interpreted.interpreted_results`). A module of its own, importing
 only the passes and the ops they run: the test module's others (DeviceAugment's timm transforms) would only
 lengthen the child's start."""
 

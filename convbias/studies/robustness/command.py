@@ -23,7 +23,6 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from convbias.base.deprecation import Deprecated, announce
 from convbias.base.devices import default_device
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import ROBUSTNESS_FOLDER
@@ -67,12 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_OR_WEIGHTS",
         help="a train.py run folder (its config.yaml gives --model, --model-kwargs, --dataset, --data-dir, "
         "--first-classes, --img-size unless given), a checkpoint folder or a safetensors / state-dict file",
-    )
-    p.add_argument(
-        "--checkpoint",
-        action=Deprecated,
-        help=argparse.SUPPRESS,
-        note="give the run or weights as the first argument: convbias-robustness {} ...",
     )
     p.add_argument("--which", choices=WHICH, default=DEFAULT_WHICH, help="checkpoint of a run folder")
     p.add_argument("--model", help="timm model name (any registered name); default: the run folder's")
@@ -139,10 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse and check everything that needs no data or model."""
     args = build_parser().parse_args(argv)
     check_output(args.output, owned=ROBUSTNESS_FOLDER)  # before any run is read or model evaluated
-    announce(args)
-    if args.source and args.checkpoint:
-        raise ConfigError(f"{args.source} and --checkpoint {args.checkpoint}: give the run or weights once")
-    args.checkpoint = args.source or args.checkpoint
+    args.checkpoint = args.source
     del args.source  # one name for the weights, as robustness.json records them
     if not args.checkpoint:
         raise ConfigError("give the run or weights to evaluate as the first argument: convbias-robustness RUN ...")

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures
 PROGRAM = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-sys.path.insert(0, {str(REPO / "tests")!r})
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]  # the packages before tests/ (whose folders share their names)
 import test_train_ddp
 test_train_ddp.run_jobs(sys.argv[1])
 """

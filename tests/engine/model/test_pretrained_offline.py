@@ -20,6 +20,9 @@ from convbias.base.errors import EXIT_USAGE, ConfigError
 from convbias.engine.model.pretrained import HUB_CHECK_SECONDS, check_pretrained_reachable, weights_source
 
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens there
+# what huggingface_hub reads when imported to pick the Hub and its offline mode: a test sets its own, whatever the
+# caller's environment holds
+HUB_VARIABLES = ("HF_ENDPOINT", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 @pytest.mark.parametrize("model", ["convit_tiny", "tcnn_resnet18", "resnet18", "convit_small.fb_in1k"])
@@ -69,8 +72,8 @@ print(json.dumps([code, time.perf_counter() - started]))
 )
 def test_pretrained_without_a_network_is_one_line_within_seconds(tmp_path, hub, reason):
     """The time is the command's own, from the call to its exit code (the interpreter's imports left out)."""
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1", **hub}
-    env.pop("HF_HUB_OFFLINE" if "HF_ENDPOINT" in hub else "HF_ENDPOINT", None)
+    caller = {name: value for name, value in os.environ.items() if name not in HUB_VARIABLES}
+    env = {**caller, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1", **hub}
     output = tmp_path / "run"
     args = ["--model", "convit_tiny", "--pretrained", "--dataset", "digits", "--img-size", "32", "--output", output]
     done = subprocess.run(

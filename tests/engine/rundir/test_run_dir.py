@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -200,23 +199,14 @@ def test_robustness_reads_the_run_dir_and_its_clean_accuracy_is_the_runs_final_t
     assert f"| convit_tiny | {described} | 8 |" in (tmp_path / "robustness" / "robustness.md").read_text()
 
 
-def test_robustness_run_as_first_argument_is_the_deprecated_checkpoint_option(finished_run, tmp_path, capsys):
-    """`convbias-robustness RUN` and its former spelling `--checkpoint RUN` (one note line) write the same tables,
-    which name the run's checkpoint and the attacks' eps and steps."""
+def test_robustness_tables_name_the_runs_checkpoint_and_the_attacks(finished_run, tmp_path):
+    """`convbias-robustness RUN --which best` writes tables that name the run's checkpoint and the attacks' eps and
+    steps."""
     from convbias.studies.robustness import command as robustness
 
     output, _results, _ = finished_run
     argv = ["--which", "best", "--pgd-steps", "2", "--corruptions", "none", "--max-images", "32", "--workers", "0"]
     assert robustness.main([str(output), *argv, "--output", str(tmp_path / "new")]) == 0
-    assert "note:" not in capsys.readouterr().err
-    assert robustness.main(["--checkpoint", str(output), *argv, "--output", str(tmp_path / "old")]) == 0
-    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
-    assert notes == [
-        f"note: --checkpoint is deprecated; give the run or weights as the first argument: convbias-robustness "
-        f"{output} ..."
-    ]
-    for name in ("robustness.csv", "robustness.md"):
-        assert (tmp_path / "old" / name).read_text() == (tmp_path / "new" / name).read_text(), name
     described = str(output / "checkpoints" / "best") + " (epoch "
     markdown = (tmp_path / "new" / "robustness.md").read_text()
     assert "| FGSM eps 1/255 (0.003922) | PGD eps 1/255 (0.003922), 2 steps |" in markdown
@@ -225,49 +215,6 @@ def test_robustness_run_as_first_argument_is_the_deprecated_checkpoint_option(fi
         row = next(csv.DictReader(f))
     assert row["checkpoint"].startswith(described) and (row["eps_255"], row["pgd_steps"]) == ("1", "2")
     assert row["eps_fraction"] == "0.00392157"
-
-
-@pytest.mark.parametrize(
-    "old, new, note",
-    [
-        (
-            ["--run", "RUN", "--output", "OUT"],
-            ["RUN", "--output", "OUT"],
-            "--run is deprecated; give the runs as the first arguments: convbias-diagnostics RUN ...",
-        ),
-        (
-            ["--checkpoint", "RUN", "--which", "best", "--image", "IMAGE", "--output", "OUT"],
-            ["RUN", "--which", "best", "--image", "IMAGE", "--output", "OUT"],
-            "--checkpoint is deprecated; give the run as the first argument: convbias-diagnostics RUN --image IMAGE ...",
-        ),
-        (["RUN", "--out", "OUT"], ["RUN", "--output", "OUT"], "--out is deprecated; use --output OUT"),
-    ],
-)
-def test_diagnostics_runs_as_first_arguments_are_the_deprecated_options(finished_run, tmp_path, capsys, old, new, note):
-    """Each former spelling still draws the same figures, with one note line naming what replaces it."""
-    import numpy as np
-    from PIL import Image
-
-    from convbias.cli import diagnostics
-
-    output, _results, _ = finished_run
-    image = tmp_path / "digit.png"
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8), dtype=np.uint8)).save(image)
-
-    def draw(argv: list[str], out: str) -> tuple[list[str], list[str]]:
-        """The figures written and the note lines of the command line with RUN, IMAGE and OUT filled in."""
-        names = {"RUN": str(output), "IMAGE": str(image), "OUT": str(tmp_path / out)}
-        assert diagnostics.main([names.get(arg, arg) for arg in argv]) == 0
-        captured = capsys.readouterr()
-        return captured.out.split(), [line for line in captured.err.splitlines() if line.startswith("note:")]
-
-    new_figures, new_notes = draw(new, "new")
-    old_figures, old_notes = draw(old, "old")
-    filled = note.replace("RUN", str(output)).replace("OUT", str(tmp_path / "old"))  # IMAGE: the note's placeholder
-    assert new_notes == [] and old_notes == [f"note: {filled}"]
-    assert old_figures and {Path(path).name for path in old_figures} <= {Path(path).name for path in new_figures}
-    for path in old_figures:
-        assert Path(path).read_bytes() == (tmp_path / "new" / Path(path).name).read_bytes(), path
 
 
 @pytest.mark.parametrize("command", ["diagnostics", "robustness"])

@@ -452,32 +452,19 @@ def test_cli_reads_an_imagenet_c_folder(trained, tmp_path, cli_argv):
     assert "| R | FGSM | PGD |" in (out / "robustness.md").read_text()  # no attack: no eps to state
 
 
-def test_cli_deprecated_checkpoint_option_is_one_note_and_the_same_table(trained, tmp_path, capsys, cli_argv):
-    """--checkpoint WEIGHTS, the former spelling of the first argument: one note line, the same table; the table
-    says what FGSM measured (eps in grey levels and as a fraction) and that PGD did not run."""
+def test_cli_table_says_what_the_attacks_measured(trained, tmp_path, capsys, cli_argv):
+    """The table of weights given as the first argument says what FGSM measured (eps in grey levels and as a
+    fraction) and that PGD did not run; without the weights, one error line says where they go."""
     cli = _load_cli()
     weights = str(trained["weights"] / "trained.safetensors")
     options = dict(model=MODEL, img_size=IMG_SIZE, max_images=32, attacks="fgsm", corruptions="none", workers=0)
     assert cli.main([weights, *cli_argv(options, output=tmp_path / "new")]) == 0
-    assert "note:" not in capsys.readouterr().err
-    assert cli.main(cli_argv(options, checkpoint=weights, output=tmp_path / "old")) == 0
-    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
-    assert notes == [
-        f"note: --checkpoint is deprecated; give the run or weights as the first argument: "
-        f"convbias-robustness {weights} ..."
-    ]
-    for name in ("robustness.csv", "robustness.md"):
-        assert (tmp_path / "old" / name).read_text() == (tmp_path / "new" / name).read_text(), name
+    capsys.readouterr()
     row = _read_csv(tmp_path / "new" / "robustness.csv")[0]
     assert (row["eps_255"], row["eps_fraction"], row["pgd_steps"], row["PGD"]) == ("1", "0.00392157", "", "")
     markdown = (tmp_path / "new" / "robustness.md").read_text()
     assert "| FGSM eps 1/255 (0.003922) | PGD |" in markdown
     assert "white-box L-inf attacks on the clean evaluation images, eps 1/255 (0.003922)." in markdown
-
-    assert cli.main([weights, *cli_argv(options, checkpoint=weights, output=tmp_path / "both")]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        f"error: {weights} and --checkpoint {weights}: give the run or weights once"
-    )
     assert cli.main(cli_argv(options, output=tmp_path / "none")) == 2
     assert capsys.readouterr().err == (
         "error: give the run or weights to evaluate as the first argument: convbias-robustness RUN ...\n"

@@ -1,4 +1,4 @@
-"""What GPSA adds to a training step, counted at the dispatcher (`convbias.base.dispatch_cost`): ConViT-Ti's forward
+"""What GPSA adds to a training step, counted at the dispatcher (benchmarks/dispatch_cost.py): ConViT-Ti's forward
 and backward against DeiT-Ti's (aten ops, bytes written), tcnn_resnet50's activations against resnet50's
 (bytes saved for the backward). The ratios guard the design of docs/hot-path.md: the layers' positional
 operands computed in one pass, the gate folded into the factored product, the T-CNN's GPSA layers recomputed
@@ -11,7 +11,7 @@ import torch
 
 import convit  # noqa: F401  (registers convit_tiny)
 import transformed_cnn  # noqa: F401  (registers tcnn_resnet50)
-from convbias.base.dispatch_cost import DispatchCost, SavedForBackward
+from benchmarks.dispatch_cost import DispatchCost, SavedForBackward
 
 # ConViT-Ti against DeiT-Ti, batch 2 at 224 (the op count does not depend on the shape; the bytes' ratio is
 # 1.19 at batch 8, higher at batch 2 where the weights' gradients weigh more)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from convbias.base.dispatch_cost import DispatchCost, SavedForBackward
+from benchmarks.dispatch_cost import DispatchCost, SavedForBackward
 
 
 def test_ops_and_bytes_of_element_wise_ops_and_views():
