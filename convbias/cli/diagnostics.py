@@ -36,17 +36,25 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
 from convbias import families
+from convbias.base.command_line import OptionParser, Typed, key_value
 from convbias.base.deprecation import Deprecated, announce
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import check_regular_file
 from convbias.base.run_layout import LOG_FILE
 from convbias.base.weights import load_weights
-from convbias.cli import OptionParser, key_value, run_command
-from convbias.engine import DEFAULT_WHICH, WHICH, Config, create_model, is_run_dir
-from convbias.engine.checkpointing.run_files import read_run_config
-from convbias.engine.config.command_line import Typed, declared
-from convbias.engine.config.options import NON_NEGATIVE, POSITIVE_INT
-from convbias.engine.loop.records import read_log as read_run_log
+from convbias.cli import run_command
+from convbias.engine import (
+    DEFAULT_WHICH,
+    NON_NEGATIVE,
+    POSITIVE_INT,
+    WHICH,
+    Config,
+    create_model,
+    declared,
+    is_run_dir,
+    read_run_config,
+)
+from convbias.engine import read_log as read_run_log
 from convbias.evaluation.figures import (
     HISTORY_METRICS,
     INIT_PREFIX,

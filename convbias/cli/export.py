@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 
+from convbias.base.command_line import OptionParser, Typed
 from convbias.base.errors import ConfigError, print_error
 from convbias.base.run_layout import check_output_folder
-from convbias.cli import OptionParser, run_command
-from convbias.engine import WHICH
-from convbias.engine.checkpointing.run_files import in_timm_output, is_timm_checkpoint_name
-from convbias.engine.config.command_line import Typed
-from convbias.engine.config.options import POSITIVE_INT
+from convbias.cli import run_command
+from convbias.engine import POSITIVE_INT, WHICH, in_timm_output, is_timm_checkpoint_name
 
 
 def main(argv: list[str] | None = None) -> int:

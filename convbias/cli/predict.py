@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from convbias.base.command_line import OptionParser, Typed, add_device_option
 from convbias.base.devices import default_device
-from convbias.cli import OptionParser, run_command
-from convbias.engine import WHICH, ConfigError
-from convbias.engine.config.command_line import Typed, add_device_option
-from convbias.engine.config.options import POSITIVE_INT
+from convbias.cli import run_command
+from convbias.engine import POSITIVE_INT, WHICH, ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _predict(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # imported after parsing: `convbias-predict --help` loads no torch or model family
-    from convbias.engine.checkpointing.run_files import in_timm_output
+    from convbias.engine import in_timm_output
     from convbias.sharing.prediction import (
         find_images,
         format_predictions,

@@ -22,7 +22,7 @@ from convbias.base.errors import exit_code, print_error
 from convbias.base.reporting import describe, report
 from convbias.base.storage import guarded_standard_output
 from convbias.cli.launch import LAUNCH_EXIT_DIR, LAUNCH_PROCESSES
-from convbias.engine.loop.extensions import Extensions
+from convbias.engine import Extensions
 
 # the variables accelerate reads the number of processes from (torchrun's, then MPI's)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")

@@ -50,6 +50,7 @@ from convbias.base.run_layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE, TIMM_A
 from convbias.base.storage import staged_directory, storage_reason
 from convbias.base.tables import markdown_table
 from convbias.engine import (
+    WRITE_ERRORS,
     Config,
     ConfigError,
     RunCheckpoint,
@@ -57,18 +58,15 @@ from convbias.engine import (
     StorageError,
     build_datasets,
     check_model_name,
+    check_which,
     create_model,
-    read_log,
-)
-from convbias.engine.checkpointing.points import WRITE_ERRORS
-from convbias.engine.checkpointing.run_dir import check_which
-from convbias.engine.checkpointing.timm_checkpoint import (
     create_timm_model,
+    input_format,
+    read_log,
     read_timm_checkpoint,
     timm_class_names,
     timm_data_config,
 )
-from convbias.engine.data.factory import input_format
 from convbias.families import export_name, hub_tag, initialization_kwargs
 from convbias.sharing.deploy import (
     DEPLOY_FORMATS,

@@ -37,16 +37,23 @@ from convbias.base.inputs import check_regular_file, first_line, quoted, read_js
 from convbias.base.run_layout import check_destination
 from convbias.base.storage import write_text
 from convbias.base.weights import load_checked, read_state_dict
-from convbias.engine import ConfigError, DamagedCheckpointError, RunDir, build_datasets, is_run_dir
-from convbias.engine.checkpointing.run_files import TIMM_SUFFIXES, in_timm_output, is_timm_checkpoint_name
-from convbias.engine.checkpointing.timm_checkpoint import (
+from convbias.engine import (
+    TIMM_SUFFIXES,
+    ConfigError,
+    DamagedCheckpointError,
+    RunDir,
+    build_datasets,
+    build_transforms,
     create_timm_model,
+    image_mode,
+    in_timm_output,
+    input_format,
+    is_run_dir,
+    is_timm_checkpoint_name,
     read_timm_checkpoint,
     timm_class_names,
     timm_data_config,
 )
-from convbias.engine.data.device_augment import image_mode
-from convbias.engine.data.factory import build_transforms, input_format
 from convbias.families import load_families
 
 OUTPUT_FORMATS = (".csv", ".json")

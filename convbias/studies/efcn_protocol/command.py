@@ -15,12 +15,12 @@ from pathlib import Path
 
 import yaml
 
+from convbias.base.command_line import OptionParser, Typed
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import EFCN_PROTOCOL_FOLDER, PROTOCOL_CONFIG
 from convbias.base.storage import check_output, output_folder, write_text
-from convbias.engine.config.command_line import OptionParser, Typed, declared
-from convbias.engine.config.options import POSITIVE_INT
+from convbias.engine import POSITIVE_INT, declared
 
 from .protocol import OPTIMIZERS, SNAPSHOTS, analyze_stage, load_config, protocol_stages, train_stage
 from .seeds import single_seed_intervals, summarize_seeds

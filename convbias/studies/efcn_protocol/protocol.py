@@ -39,9 +39,21 @@ from convbias.base.errors import Interrupted, Preempted
 from convbias.base.run_layout import BASELINES_TABLE, LAST_LINK, RELAX_TIMES_TABLE, SUMMARY_FILE, snapshot_name
 from convbias.base.tables import write_csv
 from convbias.base.weights import load_weights
-from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
-from convbias.engine.config.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, Check
-from convbias.engine.config.parsing import Declared, declared_value, read_declared_yaml, train_option
+from convbias.engine import (
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_INT,
+    Check,
+    Config,
+    ConfigError,
+    Declared,
+    RunDir,
+    build_datasets,
+    declared_value,
+    read_declared_yaml,
+    read_summary,
+    train_option,
+)
 from convbias.evaluation import landscape
 from convbias.families import family_tools, load_families
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from convbias.base.command_line import OptionParser
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import check_destination
 from convbias.base.storage import write_text
-from convbias.engine import WHICH
-from convbias.engine.config.command_line import OptionParser, declared
+from convbias.engine import WHICH, declared
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
 from convbias.families import load_families
 

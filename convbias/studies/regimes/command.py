@@ -12,10 +12,10 @@ import argparse
 import os
 from pathlib import Path
 
+from convbias.base.command_line import OptionParser
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import SWEEP_RUNS_TABLE
-from convbias.engine.config.command_line import OptionParser
 from convbias.families import load_families
 
 from .study import write

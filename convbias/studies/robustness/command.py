@@ -23,14 +23,23 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from convbias.base.command_line import OptionParser, Typed, add_device_option, key_value
 from convbias.base.deprecation import Deprecated, announce
 from convbias.base.devices import default_device
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import ROBUSTNESS_FOLDER
 from convbias.base.storage import check_output
-from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir
-from convbias.engine.config.command_line import OptionParser, Typed, add_device_option, declared, key_value
-from convbias.engine.config.options import POSITIVE_INT, Check
+from convbias.engine import (
+    DEFAULT_WHICH,
+    POSITIVE_INT,
+    WHICH,
+    Check,
+    ConfigError,
+    RunDir,
+    check_model_name,
+    declared,
+    is_run_dir,
+)
 from convbias.families import load_families
 
 from .corruptions import CORRUPTIONS, SEVERITIES

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.command_line import OptionParser, Typed, add_device_option
 from convbias.base.devices import default_device
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
@@ -37,9 +38,7 @@ from convbias.base.run_layout import (
 )
 from convbias.base.storage import check_output, output_folder, write_text
 from convbias.base.tables import write_csv
-from convbias.engine import WHICH
-from convbias.engine.config.command_line import OptionParser, Typed, add_device_option, declared
-from convbias.engine.config.options import POSITIVE_INT, Check
+from convbias.engine import POSITIVE_INT, WHICH, Check, declared
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
 from convbias.families import load_families

@@ -28,11 +28,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from convbias.base.command_line import OptionParser, Typed, yaml_scalar
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
-from convbias.engine import Interrupted
-from convbias.engine.config.command_line import OptionParser, Typed, declared, yaml_scalar
-from convbias.engine.config.options import FRACTION
+from convbias.engine import FRACTION, Interrupted, declared
 
 from . import spec as sweep_spec
 

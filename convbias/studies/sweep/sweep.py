@@ -70,13 +70,13 @@ from convbias.engine import (
     Config,
     DamagedRunRecordError,
     RunDir,
+    build_parser,
     check_model_name,
     create_model,
+    input_format,
     parse_config,
     read_summary,
 )
-from convbias.engine.config.command_line import build_parser
-from convbias.engine.data.factory import input_format
 from convbias.evaluation.ensembles import evaluate_runs
 from convbias.families import load_families
 
