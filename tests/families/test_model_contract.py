@@ -11,14 +11,13 @@ import torch
 from support.fresh_registry import fresh_registry
 from timm.models import get_pretrained_cfg, model_entrypoint
 
-import convit.diagnostics  # registers convit_*, deit_*_plus
-import efcn  # noqa: F401  (registers vanilla_cnn, alexnet_cifar, efcn_*, fcn_*)
-import transformed_cnn  # noqa: F401  (registers tcnn_*)
+import convit.diagnostics
 from convbias.base.timm_compat import feature_take_indices
+from convbias.families import FAMILIES, load_families
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-FAMILIES = ("convit", "transformed_cnn", "efcn")
+load_families()  # every family's models in timm's registry: convit_*, deit_*_plus, tcnn_*, vanilla_cnn, efcn_*, ...
 OURS = sorted(n for n in timm.list_models() if model_entrypoint(n).__module__.split(".")[0] in FAMILIES)
 TCNN_CHECKED = ("tcnn_resnet18", "tcnn_resnet26d", "tcnn_resnet50", "tcnn_resnetrs50")
 # a T-CNN entry is timm's ResNet plus the same transform: the listed depths stand for the family
