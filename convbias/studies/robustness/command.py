@@ -40,7 +40,7 @@ from convbias.engine import (
     declared,
     is_run_dir,
 )
-from convbias.families import load_families
+from convbias.families import Families, load_families
 
 from .corruptions import CORRUPTIONS, SEVERITIES
 from .measure import PAPER_ATTACK
@@ -178,7 +178,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.model is None:
         raise ConfigError(f"{args.checkpoint} is not a run folder: pass --model NAME")
     args.dataset = args.dataset or "digits"
-    load_families()
     for option, name in (("--model", args.model), ("--compare-model", args.compare_model)):
         if name:
             check_model_name(name, option)
@@ -230,11 +229,13 @@ def _options(args: argparse.Namespace) -> RobustnessOptions:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: _evaluate(argv))
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given): their models are registered."""
+    return run_command(lambda: _evaluate(argv, families))
 
 
-def _evaluate(argv: list[str] | None) -> None:
+def _evaluate(argv: list[str] | None, families: Families | None) -> None:
+    families = families or load_families()  # registers their models: --model is checked against the registry
     args = parse_args(argv)
     study = RobustnessStudy(_options(args))
     result = evaluate(study, settings=vars(args))

@@ -78,7 +78,6 @@ from convbias.engine import (
     read_summary,
 )
 from convbias.evaluation.ensembles import evaluate_runs
-from convbias.families import load_families
 
 from . import spec as sweep_spec
 from .spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
@@ -145,9 +144,10 @@ def _check_fraction(run: Run) -> None:
 
 
 def _check_model_name(run: Run) -> None:
+    """The run's model, in timm's registry: the families' models are registered by the command first
+    (``convbias.families.load_families()``)."""
     if run.options.get("model") is None:
         raise ConfigError(f"run {run.name}: no model (add grid.model, set.model or variants)")
-    load_families()
     check_model_name(run.options["model"], option=f"run {run.name}")
 
 
