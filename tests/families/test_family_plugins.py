@@ -6,7 +6,9 @@ by convbias-diagnostics and exported with its Hub tag under the model name its r
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from convbias.cli import diagnostics, export, train
 from convbias.sharing.hub import run_model
 
 COMPOSITION_ROOT = "convbias.families"
+# The console scripts' modules (pyproject's [project.scripts], train.py): the only callers of load_families
+ENTRY_POINTS = re.compile(r"train|convbias\.cli\.\w+|convbias\.studies\.\w+\.(command|\w+_command)")
 SHIPPED = families.FAMILIES  # the package's own families (the toy family is named beside them below)
 
 
@@ -50,6 +54,37 @@ def test_only_the_composition_root_imports_a_family():
     """What a tool needs from a family comes through convbias.families; a family stands alone."""
     found = family_imports()
     assert not found, "a family is imported outside convbias/families.py (ask convbias.families):\n" + "\n".join(found)
+
+
+def registrations(root: Path = REPO) -> list[str]:
+    """Every call of `load_families` outside an entry point's module: registering the families is the console
+    script's explicit call, and what it loads is passed down, never loaded again by a helper."""
+    found = []
+    for module, path in package_modules(root).items():
+        if module == COMPOSITION_ROOT or ENTRY_POINTS.fullmatch(module):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if called == "load_families":
+                    found.append(f"{module}:{node.lineno} calls load_families")
+    return found
+
+
+def test_only_the_entry_points_register_the_families():
+    found = registrations()
+    assert not found, "a helper registers the families (take them from the command instead):\n" + "\n".join(found)
+
+
+def test_a_planted_registration_in_a_helper_fails(copied_tree):
+    root, _ = copied_tree
+    target = root / "convbias" / "sharing" / "prediction.py"
+    original = target.read_text()
+    target.write_text(original + "\n\ndef _planted():\n    load_families()\n")
+    try:
+        assert registrations(root) == [f"convbias.sharing.prediction:{original.count(chr(10)) + 4} calls load_families"]
+    finally:
+        target.write_text(original)
 
 
 @pytest.fixture(scope="module")
