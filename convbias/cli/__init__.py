@@ -1,5 +1,6 @@
 """The generic console scripts (see pyproject's [project.scripts]); each module's `main(argv) -> exit code`.
-Each study's own console script is its `command` module (convbias.studies), built on the same helpers.
+Each study's own console script is its `command` module (convbias.studies), built on the same helpers: the
+argparse pieces of ``convbias.base.command_line`` and the declared options of ``convbias.engine``.
 
 Every command reports what stops it the same way (``run_command``, ``convbias.base.reporting``): one ``error: ...`` line (``interrupted:``
 for Ctrl-C) and the engine's exit code of ``convbias.base.errors``: 2 bad input, 65 a damaged or foreign
@@ -10,6 +11,5 @@ else is a bug and keeps its traceback; with ``CONVBIAS_TRACEBACK=1`` every error
 from __future__ import annotations
 
 from convbias.base.reporting import report, run_command
-from convbias.engine.config.command_line import OptionParser, key_value, yaml_scalar
 
-__all__ = ["OptionParser", "key_value", "report", "run_command", "yaml_scalar"]
+__all__ = ["report", "run_command"]

@@ -35,17 +35,24 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
-from convbias import families
+from convbias.base.command_line import OptionParser, Typed, key_value
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import check_regular_file
 from convbias.base.run_layout import LOG_FILE
 from convbias.base.weights import load_weights
-from convbias.cli import OptionParser, key_value, run_command
-from convbias.engine import DEFAULT_WHICH, WHICH, Config, create_model, is_run_dir
-from convbias.engine.config.command_line import Typed, declared
-from convbias.engine.config.options import NON_NEGATIVE, POSITIVE_INT
-from convbias.engine.loop.records import read_log as read_run_log
-from convbias.engine.rundir.run_files import read_run_config
+from convbias.cli import run_command
+from convbias.engine import (
+    DEFAULT_WHICH,
+    NON_NEGATIVE,
+    POSITIVE_INT,
+    WHICH,
+    Config,
+    create_model,
+    declared,
+    is_run_dir,
+    read_run_config,
+)
+from convbias.engine import read_log as read_run_log
 from convbias.evaluation.figures import (
     HISTORY_METRICS,
     INIT_PREFIX,
@@ -55,6 +62,7 @@ from convbias.evaluation.figures import (
     plot_nonlocality,
     plot_per_head,
 )
+from convbias.families import Families, load_families
 from convbias.sharing.prediction import is_exported, load_predictor
 
 
@@ -105,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse and check everything that needs no model; a run's model options are read here."""
+    """Parse and check everything that needs no model; a run's model options are read here. A --model is
+    looked up in timm's registry: the families' models are registered first (``main``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.model_kwargs = dict(args.model_kwargs)
@@ -128,7 +137,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             )
         args.model = None
     args.in_chans = args.in_chans or 3
-    families.load_families()
     if not args.runs and not (args.model or args.maps_run):
         parser.error("give run directories (history figures) and/or --image with a run or --model (attention maps)")
     if args.model:
@@ -237,13 +245,15 @@ def load_image(path: str, model: torch.nn.Module, in_chans: int, img_size: int |
     return create_transform(**config)(image)
 
 
-def model_and_image(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
+def model_and_image(args: argparse.Namespace, families: Families) -> tuple[torch.nn.Module, torch.Tensor]:
     """The model the maps are drawn of and --image as it sees it: a run's (or exported folder's) model, weights
     and evaluation transform, through the one reader convbias-predict uses; or --model at its initialization or
     with --checkpoint's weights, with its pretrained config's preprocessing."""
     if args.maps_run:
         which = None if is_exported(args.maps_run) else args.which
-        predictor = load_predictor(args.maps_run, which)  # its faults are one line: no checkpoint 2, damaged 65
+        predictor = load_predictor(
+            args.maps_run, families, which
+        )  # its faults are one line: no checkpoint 2, damaged 65
         architecture = predictor.model.pretrained_cfg.get("architecture", type(predictor.model).__name__)
         print(f"{architecture}: {predictor.source}", file=sys.stderr)
         try:
@@ -273,16 +283,18 @@ def model_and_image(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Te
     return model.eval(), load_image(args.image, model, args.in_chans, args.img_size)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: _draw(argv))
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given), whose maps --image draws."""
+    return run_command(lambda: _draw(argv, families))
 
 
-def _draw(argv: list[str] | None) -> None:
+def _draw(argv: list[str] | None, families: Families | None) -> None:
+    families = families or load_families()  # registers the families' models: a --model is checked against them
     args = parse_args(argv)
     out = Path(args.output)
     maps = None
     if args.image:  # the model, its weights and its maps first: a refusal leaves no figure written
-        model, image = model_and_image(args)
+        model, image = model_and_image(args, families)
         query = tuple(args.query) if args.query else None
         maps = image, families.query_maps(model, image, query=query, layers=args.layers)
     logs = read_histories(args.runs, maps_too=maps is not None)

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import argparse
 
+from convbias.base.command_line import OptionParser, Typed
 from convbias.base.errors import ConfigError, print_error
 from convbias.base.run_layout import check_output_folder
-from convbias.cli import OptionParser, run_command
-from convbias.engine import WHICH
-from convbias.engine.config.command_line import Typed
-from convbias.engine.config.options import POSITIVE_INT
-from convbias.engine.rundir.run_files import in_timm_output, is_timm_checkpoint_name
+from convbias.cli import run_command
+from convbias.engine import POSITIVE_INT, WHICH, in_timm_output, is_timm_checkpoint_name
+from convbias.families import Families, load_families
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: _export(argv))
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given), whose models it exports."""
+    return run_command(lambda: _export(argv, families))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _export(argv: list[str] | None) -> int:
+def _export(argv: list[str] | None, families: Families | None) -> int:
     args = build_parser().parse_args(argv)
     check_output_folder(args.output)  # a folder in a run's checkpoints/ would be taken for a point's
     args.run, args.which = in_timm_output(args.run, args.which)  # timm's output folder: its file by --which
@@ -60,18 +60,17 @@ def _export(argv: list[str] | None) -> int:
             f"--use-ema picks the EMA weights of timm's checkpoint file (*.pth.tar); {args.run} is not one"
         )
     # imported after parsing: `convbias-export --help` loads no timm, Hub client or model family
-    from convbias.families import load_families
     from convbias.sharing.hub import export_run, export_timm_checkpoint, push_folder
 
-    load_families()
+    families = families or load_families()  # registers the families' models
     deploy = tuple(name for name, wanted in (("onnx", args.onnx), ("pt2", args.pt2)) if wanted)
     if timm_file:
         done = export_timm_checkpoint(
-            args.run, args.output, args.use_ema, deploy, args.img_size, args.license, args.push_to
+            args.run, args.output, families, args.use_ema, deploy, args.img_size, args.license, args.push_to
         )
     else:
         done = export_run(
-            args.run, args.output, args.which or "last", deploy, args.img_size, args.license, args.push_to
+            args.run, args.output, families, args.which or "last", deploy, args.img_size, args.license, args.push_to
         )
     top1 = done["metrics"].get("top1")
     print(

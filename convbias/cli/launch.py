@@ -50,11 +50,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
+from convbias.base.command_line import Typed
 from convbias.base.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, StorageError, print_error
 from convbias.base.storage import writing
 from convbias.cli import run_command
-from convbias.engine.config.command_line import Typed
-from convbias.engine.config.options import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Check
+from convbias.engine import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Check
 
 USAGE = "convbias-launch [accelerate launch options] train.py ARGS..."
 # What the launcher tells train.py (convbias.cli.train): the process count it was asked for (accelerate's launcher
@@ -262,13 +262,12 @@ def _kept(args: Any) -> str:
     if script not in ("train.py", "convbias.cli.train"):
         return ""
     from convbias import engine
-    from convbias.engine.loop.start import kept
 
     try:
         cfg = engine.parse_config(list(args.training_script_args))
     except (ConfigError, StorageError):
         return ""
-    return kept(cfg, Path(cfg.output))
+    return engine.kept(cfg, Path(cfg.output))
 
 
 def _on_signal(signum: int, frame: Any) -> None:

@@ -20,15 +20,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from convbias.base.command_line import OptionParser, Typed, add_device_option
 from convbias.base.devices import default_device
-from convbias.cli import OptionParser, run_command
-from convbias.engine import WHICH, ConfigError
-from convbias.engine.config.command_line import Typed, add_device_option
-from convbias.engine.config.options import POSITIVE_INT
+from convbias.cli import run_command
+from convbias.engine import POSITIVE_INT, WHICH, ConfigError
+from convbias.families import Families, load_families
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: _predict(argv))
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given), whose models it labels with."""
+    return run_command(lambda: _predict(argv, families))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _predict(argv: list[str] | None) -> int:
+def _predict(argv: list[str] | None, families: Families | None) -> int:
     args = build_parser().parse_args(argv)
     # imported after parsing: `convbias-predict --help` loads no torch or model family
-    from convbias.engine.rundir.run_files import in_timm_output
+    from convbias.engine import in_timm_output
     from convbias.sharing.prediction import (
         find_images,
         format_predictions,
@@ -64,7 +65,7 @@ def _predict(argv: list[str] | None) -> int:
     suffix = output_format(args.output)
     device = args.device or default_device()
     paths = find_images(args.images)
-    predictor = load_predictor(args.source, args.which, args.use_ema)
+    predictor = load_predictor(args.source, families or load_families(), args.which, args.use_ema)
     print(f"input: {predictor.expects()}", file=sys.stderr)
     for note in predictor.notes:
         print(f"warning: {note}", file=sys.stderr)

@@ -22,21 +22,22 @@ from convbias.base.errors import exit_code, print_error
 from convbias.base.reporting import describe, report
 from convbias.base.storage import guarded_standard_output
 from convbias.cli.launch import LAUNCH_EXIT_DIR, LAUNCH_PROCESSES
-from convbias.engine.loop.extensions import Extensions
+from convbias.families import Families, load_families
 
 # the variables accelerate reads the number of processes from (torchrun's, then MPI's)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
-def run(argv: list[str], extensions: Extensions | None = None) -> dict[str, Any]:
-    """train.py from Python: returns the content of results.json (raises ConfigError on bad input)."""
-    from convbias.families import load_families  # not at the top: `--help` loads no model code (see main)
+def run(argv: list[str], families: Families | None = None) -> dict[str, Any]:
+    """train.py from Python: returns the content of results.json (raises ConfigError on bad input). ``families``:
+    the loaded families (``load_families()``, called here when not given), registered before the options are
+    checked so that an unknown --model is named with the rest."""
+    return engine.run(argv, families or load_families())
 
-    return engine.run(argv, extensions or load_families())
 
-
-def main(argv: list[str] | None = None, extensions: Extensions | None = None) -> int:
-    """train.py's exit code: 0, or the code of what stopped the run, reported in one line."""
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """train.py's exit code: 0, or the code of what stopped the run, reported in one line. ``families``: as
+    ``run``'s (a test's own family plugged in: ``load_families((*FAMILIES, "toy_family"))``)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         for warning in launch_warnings():  # before the options' checks: said even when they refuse the command line
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None, extensions: Extensions | None = None) ->
             if any(arg in ("-h", "--help") for arg in argv):
                 engine.run(argv)  # the options alone: no torch, no registry
             else:
-                run(argv, extensions)
+                run(argv, families)
     except (Exception, KeyboardInterrupt) as error:
         if exit_code(error) is None:  # no code in errors.STOPS: a bug, with its traceback
             raise

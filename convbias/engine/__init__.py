@@ -43,7 +43,8 @@ _RENDEZVOUS_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 # The engine's public API, each name documented in docs/engine.md: what the console scripts, studies, sharing and
 # evaluation import. Beyond run, names are loaded from their submodule on first use (PEP 562
 # `__getattr__`), to keep start-up time low: the model, data and checkpoint modules import timm and
-# accelerate, which `--help` does not need. Anything else is imported from its submodule.
+# accelerate, which `--help` does not need. No module outside the engine imports its submodules
+# (tests/repository/test_package_imports.py): a name the rest of the package needs is added here.
 _SUBMODULE_OF = {
     **dict.fromkeys(("Config", "DEFAULT_WHICH", "WHICH"), "config.options"),
     **dict.fromkeys(("RunCheckpoint", "RunDir"), "rundir.reader"),
@@ -56,6 +57,35 @@ _SUBMODULE_OF = {
     **dict.fromkeys(("build_run_model", "create_timm_model", "run_model_spec"), "model.build"),
     **dict.fromkeys(("read_log", "read_summary"), "loop.records"),
     **dict.fromkeys(("compile_model",), "model.compile"),
+    # what the console scripts, studies and the sharing package build on: train.py's parser and the declared
+    # options' checks and readers (for options of their own declared as train.py's are), the run files and
+    # timm checkpoints they read, the run's input format and evaluation transform
+    **dict.fromkeys(("build_parser", "declared"), "config.command_line"),
+    **dict.fromkeys(
+        ("AT_LEAST_ONE", "Check", "FRACTION", "NON_NEGATIVE", "POSITIVE", "POSITIVE_INT"), "config.options"
+    ),
+    **dict.fromkeys(("declaration", "option", "option_names"), "config.options"),
+    **dict.fromkeys(
+        (
+            "Declared",
+            "dataclass_declarations",
+            "declared_value",
+            "file_option_value",
+            "file_place",
+            "read_declared_yaml",
+            "train_option",
+        ),
+        "config.parsing",
+    ),
+    **dict.fromkeys(("WRITE_ERRORS",), "checkpoint.points"),
+    **dict.fromkeys(("check_which",), "rundir.reader"),
+    **dict.fromkeys(
+        ("TIMM_SUFFIXES", "in_timm_output", "is_timm_checkpoint_name", "read_run_config"), "rundir.run_files"
+    ),
+    **dict.fromkeys(("read_timm_checkpoint", "timm_class_names", "timm_data_config"), "rundir.timm_files"),
+    **dict.fromkeys(("image_mode",), "data.device_augment"),
+    **dict.fromkeys(("build_transforms", "input_format"), "data.factory"),
+    **dict.fromkeys(("kept",), "loop.start"),
 }
 __all__ = [
     "ConfigError",

@@ -7,7 +7,8 @@ and the run's own `config.yaml` and `results.json` beside them. The folder loads
 `timm.create_model('local-dir:OUT', pretrained=True)` once the family is imported (`import transformed_cnn`);
 pushed to the Hub, with `'hf-hub:USER/REPO'`. The deployment exports (`model.onnx`, `model.pt2`) are
 `convbias.sharing.deploy`'s. What a family adds (its Hub tag, the model a reparametrized run is exported as)
-comes from its record, through `convbias.families`: this module names no family.
+comes from its record, in the loaded families (`convbias.families.Families`) the command passes in: this module
+names no family and registers none.
 
 A run reparametrized during training (`--reparametrize tcnn`) is exported as the registered model its family
 names for it (the `tcnn_<resnet>` entry its weights belong to), with the reparametrization's options as that
@@ -50,6 +51,7 @@ from convbias.base.run_layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE, TIMM_A
 from convbias.base.storage import staged_directory, storage_reason
 from convbias.base.tables import markdown_table
 from convbias.engine import (
+    WRITE_ERRORS,
     Config,
     ConfigError,
     RunCheckpoint,
@@ -57,20 +59,17 @@ from convbias.engine import (
     StorageError,
     build_datasets,
     check_model_name,
+    check_which,
     create_model,
     create_timm_model,
+    input_format,
     read_log,
-    run_model_spec,
-)
-from convbias.engine.checkpoint.points import WRITE_ERRORS
-from convbias.engine.data.factory import input_format
-from convbias.engine.rundir.reader import check_which
-from convbias.engine.rundir.timm_files import (
     read_timm_checkpoint,
+    run_model_spec,
     timm_class_names,
     timm_data_config,
 )
-from convbias.families import export_name, hub_tag, initialization_kwargs
+from convbias.families import Families
 from convbias.sharing.deploy import (
     DEPLOY_FORMATS,
     PACKAGE,
@@ -144,8 +143,11 @@ def _family(model_name: str) -> str:
     return model_entrypoint(model_name).__module__.split(".")[0]
 
 
-def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The run's model (eval mode, the checkpoint's verified weights) built through timm's registry, and
+def run_model(
+    run: str | Path | RunDir, families: Families, which: str = "last"
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The run's model (eval mode, the checkpoint's verified weights) built through timm's registry (the
+    ``families`` loaded: their models registered, the model a reparametrized run is exported as named), and
     what was used to build it: name, kwargs, checkpoint, config, data options. ConfigError (one line) for
     what cannot be exported, DamagedCheckpointError naming a weights file that fails its manifest."""
     run = run if isinstance(run, RunDir) else RunDir(run)
@@ -162,7 +164,7 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
             "eps; export a run without it"
         )
     spec = run_model_spec(run, which)  # refuses a run without that checkpoint; verifies its weights
-    initialization = initialization_kwargs()  # the checkpoint's weights replace them (a file that may be gone)
+    initialization = families.initialization_kwargs  # the checkpoint's weights replace them (a file that may be gone)
     name = spec["model"]
     model_kwargs = {key: value for key, value in spec["model_kwargs"].items() if key not in initialization}
     try:
@@ -170,7 +172,7 @@ def run_model(run: str | Path | RunDir, which: str = "last") -> tuple[torch.nn.M
     except ConfigError as error:
         raise ConfigError(f"{error} (is its family imported? convbias.families.load_families())") from None
     if spec["reparametrized"]:
-        exported = export_name(config.get("reparametrize"), name)
+        exported = families.export_name(config.get("reparametrize"), name)
         if exported is None or not timm.is_model(exported):
             raise ConfigError(
                 f"{spec['checkpoint'].describe()} holds {name} reparametrized with "
@@ -239,16 +241,16 @@ def run_metrics(run: RunDir, checkpoint: RunCheckpoint) -> dict[str, float]:
     return {}
 
 
-def portable_options(options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def portable_options(options: dict[str, Any], initialization: frozenset[str]) -> tuple[dict[str, Any], list[str]]:
     """A run's options (its config.yaml, or timm's args.yaml) as an exported folder holds them: the options naming
     a file or folder of the machine that trained it emptied (`MACHINE_PATH_OPTIONS`), the model kwargs that only
-    say where initial weights came from dropped (the families' `initialization_kwargs`); and what was left out."""
+    say where initial weights came from dropped (``initialization``: the families' `initialization_kwargs`); and
+    what was left out."""
     kept, left_out = dict(options), []
     for name in MACHINE_PATH_OPTIONS:
         if isinstance(kept.get(name), str) and kept[name] not in ("", "auto"):
             kept[name] = None
             left_out.append(name)
-    initialization = initialization_kwargs()
     for name in KWARG_OPTIONS:
         kwargs = kept.get(name)
         if isinstance(kwargs, dict) and initialization & set(kwargs):
@@ -257,12 +259,12 @@ def portable_options(options: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     return kept, left_out
 
 
-def portable_run_config(run: RunDir) -> tuple[str, list[str]]:
+def portable_run_config(run: RunDir, initialization: frozenset[str]) -> tuple[str, list[str]]:
     """The run's config.yaml as an exported folder holds it (`portable_options`): its comment lines (the derived
     values), then the options; and what was left out."""
     text = read_file(run.path / CONFIG_FILE, "run config", DamagedInputError).decode("utf-8", "replace")
     comments = "".join(line + "\n" for line in takewhile(lambda line: line.startswith("#"), text.splitlines()))
-    options, left_out = portable_options(run.config)
+    options, left_out = portable_options(run.config, initialization)
     return comments + yaml.safe_dump(options, sort_keys=False), left_out
 
 
@@ -294,13 +296,13 @@ def _card_top(front: dict[str, Any], name: str) -> list[str]:
     return ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", f"# Model card for {name}"]
 
 
-def _front_matter(name: str, family: str, dataset: str, metrics: dict[str, float], license: str) -> dict[str, Any]:
+def _front_matter(name: str, tag: str, dataset: str, metrics: dict[str, float], license: str) -> dict[str, Any]:
     """The card's YAML header: what the Hub indexes (library, license, tags, dataset) and the run's top-k as a
     model-index, so the Hub shows the accuracy beside the model."""
     front = {
         "library_name": "timm",
         "license": license,
-        "tags": ["image-classification", "timm", hub_tag(family)],
+        "tags": ["image-classification", "timm", tag],
         "datasets": [dataset],
         "metrics": ["accuracy"],
         "pipeline_tag": "image-classification",
@@ -345,19 +347,21 @@ def model_card(
     info: dict[str, Any],
     metrics: dict[str, float],
     exported: dict[str, Any],
+    families: Families,
     license: str = DEFAULT_LICENSE,
     repo_id: str | None = None,
 ) -> str:
     """README.md in the Hub's format: YAML front matter (library, license, tags, datasets, metrics as a
-    model-index with the run's top-1), then the architecture, the recipe, the results and how to load it."""
+    model-index with the run's top-1), then the architecture, the recipe, the results and how to load it; the tag
+    and the kwargs left out are the ``families``'."""
     config, name, checkpoint = info["config"], info["model"], info["checkpoint"]
     family = _family(name)
     dataset = str(config["dataset"])
-    front = _front_matter(name, family, dataset, metrics, license)
+    front = _front_matter(name, families.hub_tag(family), dataset, metrics, license)
     args = exported["model_args"]
     params = sum(p.numel() for p in model.parameters())
     cfg = exported["pretrained_cfg"]
-    options = portable_options(config)[0]  # the recipe without the machine's paths, as config.yaml beside it
+    options = portable_options(config, families.initialization_kwargs)[0]  # without the machine's paths, as config.yaml
     recipe = [(key, json.dumps(options[key])) for key in RECIPE_KEYS if options.get(key) not in (None, {})]
     results = _results_table(checkpoint, dataset, metrics)
     provenance = exported["provenance"]
@@ -503,6 +507,7 @@ def _usual_modes(folder: Path) -> None:
 def export_run(
     run: str | Path,
     output: str | Path,
+    families: Families,
     which: str = "last",
     deploy: tuple[str, ...] = (),
     img_size: int | None = None,
@@ -510,7 +515,8 @@ def export_run(
     repo_id: str | None = None,
 ) -> dict[str, Any]:
     """Write the Hub folder of `run`'s checkpoint `which` to `output` (a new folder); `deploy` adds
-    `model.onnx` and/or `model.pt2` checked against the PyTorch model. Returns what was written."""
+    `model.onnx` and/or `model.pt2` checked against the PyTorch model; `families`: the loaded families
+    (`convbias.families.load_families()`). Returns what was written."""
     output = Path(output)
     check_which(which)
     unknown = [f for f in deploy if f not in DEPLOY_FORMATS]
@@ -520,7 +526,7 @@ def export_run(
     _check_output(output)
     if "onnx" in deploy:
         check_onnx_installed()
-    model, info = run_model(run, which)
+    model, info = run_model(run, families, which)
     preprocessing = data_config(info["config"], info["in_chans"], info["img_size"])
     example = deploy_input(model, preprocessing, img_size) if deploy else None
     labels = _class_names(info["config"])
@@ -528,10 +534,10 @@ def export_run(
     metrics = run_metrics(run, info["checkpoint"])
 
     def card(exported: dict[str, Any]) -> str:
-        return model_card(model, info, metrics, exported, license, repo_id)
+        return model_card(model, info, metrics, exported, families, license, repo_id)
 
     files: dict[str, Path | str] = {name: run.path / name for name in RUN_FILES if (run.path / name).is_file()}
-    files[CONFIG_FILE], left_out = portable_run_config(run)
+    files[CONFIG_FILE], left_out = portable_run_config(run, families.initialization_kwargs)
     checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license, left_out)
     return {
         "output": output,
@@ -605,15 +611,15 @@ def _plain(value: Any) -> Any:
 
 
 def timm_model_card(model: torch.nn.Module, checkpoint: Any, use_ema: bool, exported: dict[str, Any], license: str,
-                    repo_id: str | None) -> str:  # fmt: skip
+                    repo_id: str | None, families: Families) -> str:  # fmt: skip
     """README.md for a model exported from timm's training checkpoint: front matter, architecture, the recipe its
     args record, the metric timm's train.py saved with it, how to load it."""
     args, name = checkpoint.args, checkpoint.args["model"]
     family = _family(name)
     dataset = str(args.get("dataset") or "image folder")
-    front = _front_matter(name, family, dataset, {}, license)
+    front = _front_matter(name, families.hub_tag(family), dataset, {}, license)
     cfg = exported["pretrained_cfg"]
-    options = portable_options(_plain(args))[0]  # without the machine's paths, as args.yaml beside it
+    options = portable_options(_plain(args), families.initialization_kwargs)[0]  # without the machine's paths
     recipe = [(key, json.dumps(options[key])) for key in TIMM_RECIPE_KEYS if options.get(key) not in (None, {}, "")]
     metric = "not saved" if checkpoint.metric is None else f"{args.get('eval_metric', 'top1')} {checkpoint.metric:.4g}"
     provenance = exported["provenance"]
@@ -653,6 +659,7 @@ def timm_model_card(model: torch.nn.Module, checkpoint: Any, use_ema: bool, expo
 def export_timm_checkpoint(
     path: str | Path,
     output: str | Path,
+    families: Families,
     use_ema: bool = False,
     deploy: tuple[str, ...] = (),
     img_size: int | None = None,
@@ -677,9 +684,9 @@ def export_timm_checkpoint(
     model_config = {"label_names": labels} if labels else {}
 
     def card(exported: dict[str, Any]) -> str:
-        return timm_model_card(model, checkpoint, use_ema, exported, license, repo_id)
+        return timm_model_card(model, checkpoint, use_ema, exported, license, repo_id, families)
 
-    args, left_out = portable_options(_plain(checkpoint.args))
+    args, left_out = portable_options(_plain(checkpoint.args), families.initialization_kwargs)
     files = {TIMM_ARGS_FILE: yaml.safe_dump(args, sort_keys=False)}  # as timm's run folder has it, less the paths
     checks = write_export(output, model, model_config, preprocessing, card, files, deploy, example, license, left_out)
     return {

@@ -1,6 +1,6 @@
 """Label a user's own images with a trained model, as timm's inference.py does: top-k classes and probabilities.
 
-    predictor = load_predictor("runs/convit_tiny-digits", which="best")   # or an exported folder
+    predictor = load_predictor("runs/convit_tiny-digits", load_families(), which="best")   # or an exported folder
     result = predict(predictor, find_images(["photos/", "*.png"]), topk=3)
     write_predictions(result, "preds.csv", topk=3)
 
@@ -8,7 +8,7 @@ The model is either a train.py run (read through ``RunDir``: verified weights, t
 the engine's ``build_transforms``, class names from its dataset), a ``convbias-export`` folder (loaded by timm
 from ``local-dir:``, preprocessing from its pretrained_cfg, class names from its ``label_names``) or timm's
 training checkpoint (``*.pth.tar``: the model and preprocessing its saved train.py arguments give, read safely
-by ``convbias.engine.rundir.timm_files``), so an image is preprocessed exactly as the run's
+by the engine's ``read_timm_checkpoint``), so an image is preprocessed exactly as the run's
 validation images were. Images that cannot be decoded are skipped and reported, never fatal. Every refusal is a ConfigError with one line (exit 2 in the commands).
 """
 
@@ -38,24 +38,25 @@ from convbias.base.run_layout import check_destination
 from convbias.base.storage import write_text
 from convbias.base.weights import load_checked, read_state_dict
 from convbias.engine import (
+    TIMM_SUFFIXES,
     ConfigError,
     DamagedCheckpointError,
     RunDir,
     build_datasets,
     build_run_model,
+    build_transforms,
     create_timm_model,
+    image_mode,
+    in_timm_output,
+    input_format,
     is_run_dir,
-    run_model_spec,
-)
-from convbias.engine.data.device_augment import image_mode
-from convbias.engine.data.factory import build_transforms, input_format
-from convbias.engine.rundir.run_files import TIMM_SUFFIXES, in_timm_output, is_timm_checkpoint_name
-from convbias.engine.rundir.timm_files import (
+    is_timm_checkpoint_name,
     read_timm_checkpoint,
+    run_model_spec,
     timm_class_names,
     timm_data_config,
 )
-from convbias.families import load_families
+from convbias.families import Families
 
 OUTPUT_FORMATS = (".csv", ".json")
 EXPORTED_CONFIG = "config.json"  # what save_for_hf writes beside the weights: marks an exported folder
@@ -178,23 +179,27 @@ def source_kind(source: str | Path, which: str | None = None, use_ema: bool = Fa
     )
 
 
-def load_predictor(source: str | Path, which: str | None = None, use_ema: bool = False) -> Predictor:
+def load_predictor(
+    source: str | Path, families: Families, which: str | None = None, use_ema: bool = False
+) -> Predictor:
     """The model of a train.py run (``which``: last or best, default last), of an exported folder, or of timm's
-    training checkpoint (``use_ema``: its EMA's weights), or of timm's output folder (its checkpoint by ``which``)."""
+    training checkpoint (``use_ema``: its EMA's weights), or of timm's output folder (its checkpoint by ``which``).
+    ``families``: the loaded families (``convbias.families.load_families()``): their models are registered, and a
+    run's reparametrization is theirs."""
     source, which = in_timm_output(source, which)
     kind = source_kind(source, which, use_ema)
     if kind == "exported":
         return load_exported(source)
     if kind == "timm":
         return load_timm(source, use_ema)
-    return load_run(source, which or "last")
+    return load_run(source, families, which or "last")
 
 
 def load_timm(path: str | Path, use_ema: bool = False) -> Predictor:
     """timm's training checkpoint as timm's inference.py predicts with it: the model its args name, the
-    preprocessing ``resolve_data_config`` gives for its args and model, the names of its --class-map."""
+    preprocessing ``resolve_data_config`` gives for its args and model, the names of its --class-map. The
+    families' models are registered (``convbias.families.load_families()``)."""
     checkpoint = read_timm_checkpoint(path)
-    load_families()  # registers the architectures of the families
     model = create_timm_model(checkpoint, use_ema)
     data_config = timm_data_config(checkpoint, model)
     transform = create_transform(**data_config, is_training=False)
@@ -204,13 +209,14 @@ def load_timm(path: str | Path, use_ema: bool = False) -> Predictor:
     return Predictor(model, transform, model.num_classes, image_mode(in_chans), source, labels, notes, data_config)
 
 
-def load_run(path: str | Path, which: str = "last") -> Predictor:
-    """A run's checkpoint ``which`` as train.py evaluated it: its model and the engine's eval transform (its
-    --mean/--std or its dataset's statistics, for the channels the model was built with)."""
+def load_run(path: str | Path, families: Families, which: str = "last") -> Predictor:
+    """A run's checkpoint ``which`` as train.py evaluated it: its model (built with the loaded ``families``) and
+    the engine's eval transform (its --mean/--std or its dataset's statistics, for the channels the model was built
+    with)."""
     run = RunDir(path)
     config = run.run_config()
     spec = run_model_spec(run, which)  # refuses a missing checkpoint, verifies the weights against their manifest
-    model, checkpoint = build_run_model(run, which, load_families())
+    model, checkpoint = build_run_model(run, which, families)
     shape = input_format(config.replace(img_size=int(spec["img_size"]), in_chans=spec["in_chans"]))
     _, transform = build_transforms(shape.img_size, shape.in_chans, shape.mean, shape.std, config)
     num_classes = spec["num_classes"] or model.num_classes
@@ -243,12 +249,12 @@ def run_class_names(config: Any, num_classes: int) -> tuple[list[str] | None, li
 def read_exported_config(path: Path) -> dict[str, Any]:
     """The config.json of an export folder, every field timm reads checked for its type: ``architecture`` a
     registered model, ``num_classes`` an integer >= 1, ``model_args`` and ``pretrained_cfg`` mappings,
-    ``label_names`` one name per class. DamagedInputError naming the file and the key otherwise."""
+    ``label_names`` one name per class. DamagedInputError naming the file and the key otherwise. The families'
+    models are registered (``convbias.families.load_families()``)."""
     file = path / EXPORTED_CONFIG
     config = read_json(file, "exported model config", DamagedInputError)
     if not isinstance(config, dict):
         raise DamagedInputError(f"{file} is not timm's model config (expected an object, got {type(config).__name__})")
-    load_families()  # registers the architectures of the families
     architecture, num_classes = config.get("architecture"), config.get("num_classes")
     rules = (
         ("architecture", isinstance(architecture, str) and timm.is_model(architecture), "a registered timm model"),

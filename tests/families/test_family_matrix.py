@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -77,11 +78,10 @@ FAMILY_PACKAGE = {"ConViT": "convit", "DeiT+": "convit", "T-CNN": "transformed_c
 
 
 @pytest.fixture(scope="module")
-def plugged():
-    """The toy family plugged in as a real one is (its name in FAMILIES), for the whole module."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(families, "FAMILIES", (*families.FAMILIES, "toy_family"))
-        yield
+def plugged() -> families.Families:
+    """The families with the toy family plugged in as a real one is (by its name beside FAMILIES'), handed to
+    every command's main and to what the commands call, for the whole module."""
+    return families.load_families((*families.FAMILIES, "toy_family"))
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def trained(plugged, single_thread, cli_argv, tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     runs, codes = {}, {}
     digits = {**cli_argv.PLAIN_DIGITS, "img_size": 8, "batch_size": 64, "train_fraction": 0.2}
-    assert train.main(cli_argv(digits, CNN, epochs=1, output=root / "CNN")) == 0
+    assert train.main(cli_argv(digits, CNN, epochs=1, output=root / "CNN"), plugged) == 0
     torch.manual_seed(0)
     resnet = root / "resnet10t.safetensors"  # a plain ResNet's weights, for the T-CNN to start from
     save_file(timm.create_model("resnet10t", channels=(8, 8, 8, 8)).state_dict(), str(resnet))
@@ -103,9 +103,9 @@ def trained(plugged, single_thread, cli_argv, tmp_path_factory):
             recipe = dict(recipe, pretrained_file=resnet)
         recipe = {**digits, **recipe}
         run, seed = root / family, root / f"{family}-seed1"
-        codes[family, "train"] = train.main(cli_argv(recipe, epochs=1, output=run))
-        codes[family, "resume"] = train.main(cli_argv(recipe, epochs=2, resume="auto", output=run))
-        codes[family, "seed"] = train.main(cli_argv(recipe, epochs=2, seed=1, output=seed))
+        codes[family, "train"] = train.main(cli_argv(recipe, epochs=1, output=run), plugged)
+        codes[family, "resume"] = train.main(cli_argv(recipe, epochs=2, resume="auto", output=run), plugged)
+        codes[family, "seed"] = train.main(cli_argv(recipe, epochs=2, seed=1, output=seed), plugged)
         runs[family] = (run, seed)
     return runs, codes, root
 
@@ -146,7 +146,7 @@ TIMM_ALONE = """
 import json, sys, timm, torch
 from safetensors.torch import load_file, save_file
 folders, inputs = json.loads(sys.argv[1]), load_file(sys.argv[2])
-assert not {"convit", "transformed_cnn", "efcn", "convbias"} & set(sys.modules)
+assert not {*json.loads(sys.argv[4]), "convbias"} & set(sys.modules)  # the families and this package
 logits, errors = {}, {}
 for family, folder in folders.items():
     try:
@@ -162,8 +162,12 @@ print(json.dumps(errors))
 
 
 @torch.no_grad()
-def test_every_family_through_every_command(trained, digit_images, tmp_path, capsys):
+def test_every_family_through_every_command(trained, plugged, digit_images, tmp_path, capsys):
     runs, codes, root = trained
+    predict_main, export_main, diagnostics_main, ensemble_main, stability_main, robustness_main = (
+        partial(command.main, families=plugged)
+        for command in (predict, export, diagnostics, ensemble, stability, robustness)
+    )
     outcomes: dict[tuple[str, str], str | None] = {}  # None: works; else the refusal's line
 
     def refused_or_ok(family: str, command: str, code: int, err: str, out_path: Path | None = None) -> None:
@@ -184,28 +188,28 @@ def test_every_family_through_every_command(trained, digit_images, tmp_path, cap
             refused_or_ok(family, command, codes[family, command], "")
         assert codes[family, "seed"] == 0 and [r["epoch"] for r in log if "eval_top1" in r] == [1, 2]
 
-        evaluated = train.run(["--eval-only", str(run)])
+        evaluated = train.run(["--eval-only", str(run)], plugged)
         assert evaluated["eval_top1"] == pytest.approx(results["final_top1"], abs=1e-9)
         outcomes[family, "--eval-only"] = None
 
         csv = tmp_path / f"{family}.csv"
-        code, _, err = _call(capsys, predict.main, [run, digit_images, "--topk", "2", "--output", csv])
+        code, _, err = _call(capsys, predict_main, [run, digit_images, "--topk", "2", "--output", csv])
         refused_or_ok(family, "predict", code, err)
         assert "input: 1-channel (grayscale) images" in err and "light strokes on a dark background" in err
         assert len(csv.read_text().splitlines()) == 1 + 4
 
         folder = tmp_path / "exported" / family
-        code, out, err = _call(capsys, export.main, [run, "--output", folder, "--pt2", "--onnx"])
+        code, out, err = _call(capsys, export_main, [run, "--output", folder, "--pt2", "--onnx"])
         refused_or_ok(family, "export", code, err)
         assert "model.pt2: relative error" in out and "model.onnx: relative error" in out
         _no_machine_paths(folder, root, REPO, Path.home())
         exported[family] = folder
-        code, _, err = _call(capsys, predict.main, [folder, digit_images, "--topk", "2", "--output", f"{csv}.json"])
+        code, _, err = _call(capsys, predict_main, [folder, digit_images, "--topk", "2", "--output", f"{csv}.json"])
         assert code == 0, err
         from_folder = json.loads(Path(f"{csv}.json").read_text())["predictions"]
         assert [p["top"] for p in from_folder] == [_csv_top(row) for row in csv.read_text().splitlines()[1:]]
 
-        model, info = run_model(run)
+        model, info = run_model(run, plugged)
         shape = (3, info["in_chans"], info["img_size"], info["img_size"])
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
         inputs[family], package_logits[family] = x, model(x)
@@ -215,41 +219,49 @@ def test_every_family_through_every_command(trained, digit_images, tmp_path, cap
         outcomes[family, "timm"] = None
 
         figures_out = tmp_path / "figures" / family
-        code, out, err = _call(capsys, diagnostics.main, [run, "--output", figures_out])
+        code, out, err = _call(capsys, diagnostics_main, [run, "--output", figures_out])
         refused_or_ok(family, "histories", code, err, figures_out)
         if code == 0:
             assert sorted(Path(p).name for p in out.split()) == sorted(FIGURES[family])
         maps_out = tmp_path / "maps" / family
         image = next(digit_images.iterdir())
-        code, out, err = _call(capsys, diagnostics.main, [run, "--image", image, "--output", maps_out])
+        code, out, err = _call(capsys, diagnostics_main, [run, "--image", image, "--output", maps_out])
         refused_or_ok(family, "--image", code, err, maps_out)
         if code == 0:
             assert (maps_out / "attention_maps.png").stat().st_size > 0
 
-        code, out, err = _call(capsys, ensemble.main, [run, seed, "--which", "last"])
+        code, out, err = _call(capsys, ensemble_main, [run, seed, "--which", "last"])
         refused_or_ok(family, "ensemble", code, err)
         assert re.search(r"ensemble of 2 \(logits averaged\): error [\d.]+%", out)
 
         stability_out = tmp_path / "stability" / family
         argv = [run, "--checkpoints", "last", "--images", "4", "--deltas", "0.5", "--main-delta", "0.5", "--cuts", "3"]
         argv += ["--draws", "1"]
-        code, _, err = _call(capsys, stability.main, [*argv, "--output", stability_out])
+        code, _, err = _call(capsys, stability_main, [*argv, "--output", stability_out])
         refused_or_ok(family, "stability", code, err)
 
         robustness_out = tmp_path / "robustness" / family
         argv = [run, "--max-images", "16", "--corruptions", "gaussian_noise", "--severities", "1", "--pgd-steps", "2"]
-        code, _, err = _call(capsys, robustness.main, [*argv, "--workers", "0", "--output", robustness_out])
+        code, _, err = _call(capsys, robustness_main, [*argv, "--workers", "0", "--output", robustness_out])
         refused_or_ok(family, "robustness", code, err)
         assert (robustness_out / "robustness.csv").is_file()
 
         config = json.loads((folder / "config.json").read_text())
-        _check_card((folder / "README.md").read_text(), family, config, results)
+        _check_card((folder / "README.md").read_text(), family, config, results, plugged)
         outcomes[family, "card"] = None
 
     save_file(inputs, tmp_path / "inputs.safetensors")
     folders = json.dumps({family: str(folder) for family, folder in exported.items()})
     alone = subprocess.run(
-        [sys.executable, "-c", TIMM_ALONE, folders, tmp_path / "inputs.safetensors", tmp_path / "logits.safetensors"],
+        [
+            sys.executable,
+            "-c",
+            TIMM_ALONE,
+            folders,
+            tmp_path / "inputs.safetensors",
+            tmp_path / "logits.safetensors",
+            json.dumps(list(plugged.records)),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -278,7 +290,7 @@ def _csv_top(row: str) -> list[dict]:
     ]
 
 
-def _check_card(card: str, family: str, config: dict, results: dict) -> None:
+def _check_card(card: str, family: str, config: dict, results: dict, loaded: families.Families) -> None:
     """A card a reader can act on: the Hub's front matter with the run's top-1, how to get the package that
     registers the model, its intended use and limits, the work it cites, code without a placeholder; and the
     config.json beside it: the run's preprocessing and classes, not timm's published weights."""
@@ -286,7 +298,7 @@ def _check_card(card: str, family: str, config: dict, results: dict) -> None:
     front = yaml.safe_load(card.split("---\n")[1])
     metrics = {m["name"]: m["value"] for m in front["model-index"][0]["results"][0]["metrics"]}
     assert metrics == {"top-1": round(results["final_top1"], 4), "top-5": round(results["final_top5"], 4)}
-    assert front["tags"] == ["image-classification", "timm", families.hub_tag(package)]
+    assert front["tags"] == ["image-classification", "timm", loaded.hub_tag(package)]
     assert "USER/REPO" not in card and f"timm.create_model('local-dir:{family}', pretrained=True)" in card
     for section in ("## Intended use and limits", "## Getting the package", "## How to load it", "## Citation"):
         assert section in card

@@ -1,12 +1,14 @@
 """Families plug in at one place: no module of the package but convbias/families.py imports a family (imports
 inside functions counted), no family imports another, and a planted import fails the rule. A toy family
-(tests/toy_family/) plugged in by its name in `convbias.families.FAMILIES` alone is trained by convbias-train
-with its diagnostic and reparametrization, drawn by convbias-diagnostics and exported with its Hub tag under
-the model name its record gives."""
+(tests/toy_family/) plugged in by its name alone, beside `convbias.families.FAMILIES`' (`load_families(names)`, the
+result handed to the commands' main), is trained by convbias-train with its diagnostic and reparametrization, drawn
+by convbias-diagnostics and exported with its Hub tag under the model name its record gives."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -25,7 +27,9 @@ from convbias.cli import diagnostics, export, train
 from convbias.sharing.hub import run_model
 
 COMPOSITION_ROOT = "convbias.families"
-SHIPPED = families.FAMILIES  # the package's own families (the toy family is added to FAMILIES below)
+# The console scripts' modules (pyproject's [project.scripts], train.py): the only callers of load_families
+ENTRY_POINTS = re.compile(r"train|convbias\.cli\.\w+|convbias\.studies\.\w+\.(command|\w+_command)")
+SHIPPED = families.FAMILIES  # the package's own families (the toy family is named beside them below)
 
 
 def package_modules(root: Path) -> dict[str, Path]:
@@ -50,6 +54,37 @@ def test_only_the_composition_root_imports_a_family():
     """What a tool needs from a family comes through convbias.families; a family stands alone."""
     found = family_imports()
     assert not found, "a family is imported outside convbias/families.py (ask convbias.families):\n" + "\n".join(found)
+
+
+def registrations(root: Path = REPO) -> list[str]:
+    """Every call of `load_families` outside an entry point's module: registering the families is the console
+    script's explicit call, and what it loads is passed down, never loaded again by a helper."""
+    found = []
+    for module, path in package_modules(root).items():
+        if module == COMPOSITION_ROOT or ENTRY_POINTS.fullmatch(module):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if called == "load_families":
+                    found.append(f"{module}:{node.lineno} calls load_families")
+    return found
+
+
+def test_only_the_entry_points_register_the_families():
+    found = registrations()
+    assert not found, "a helper registers the families (take them from the command instead):\n" + "\n".join(found)
+
+
+def test_a_planted_registration_in_a_helper_fails(copied_tree):
+    root, _ = copied_tree
+    target = root / "convbias" / "sharing" / "prediction.py"
+    original = target.read_text()
+    target.write_text(original + "\n\ndef _planted():\n    load_families()\n")
+    try:
+        assert registrations(root) == [f"convbias.sharing.prediction:{original.count(chr(10)) + 4} calls load_families"]
+    finally:
+        target.write_text(original)
 
 
 @pytest.fixture(scope="module")
@@ -89,26 +124,29 @@ def test_a_planted_family_import_fails(copied_tree, module, planted, expected):
 
 
 # -- the toy family -------------------------------------------------------------------------------------------
+PLUGGED = (*SHIPPED, "toy_family")  # what a maintainer's one line in FAMILIES makes of them
+
+
 @pytest.fixture(scope="module")
-def plugged():
-    """The one line a maintainer adds to convbias/families.py: the toy family's name in FAMILIES."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(families, "FAMILIES", (*families.FAMILIES, "toy_family"))
-        yield
+def plugged() -> families.Families:
+    """The families with the toy family's name beside the shipped ones', as every command is handed them."""
+    return families.load_families(PLUGGED)
 
 
-def test_a_family_not_named_in_families_is_not_plugged_in(monkeypatch):
-    monkeypatch.setattr(families, "FAMILIES", SHIPPED)
-    assert "toy_scale" not in families.load_families().reparametrizations
-    assert families.hub_tag("toy_family") == "toy_family"  # a package that is no family tags as itself
+def test_a_family_not_named_is_not_plugged_in(plugged):
+    shipped = families.load_families()  # the toy family imported already (its models in timm's registry): not named
+    assert "toy_scale" not in shipped.reparametrizations and "toy_scale" in plugged.reparametrizations
+    assert list(shipped.records) == list(SHIPPED) and list(plugged.records) == list(PLUGGED)
+    assert shipped.hub_tag("toy_family") == "toy_family"  # a package that is no family tags as itself
+    assert plugged.hub_tag("toy_family") == "toy-family"
 
 
-def test_a_name_two_families_give_is_refused(plugged, monkeypatch):
+def test_a_name_two_families_give_is_refused(monkeypatch):
     import toy_family
 
     monkeypatch.setattr(toy_family, "FAMILY", Family(hub_tag="toy", diagnostics={"attention": toy_family.head_norm}))
     with pytest.raises(ValueError, match="family toy_family's diagnostic 'attention': the name is taken"):
-        families.load_families()
+        families.load_families(PLUGGED)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +166,8 @@ def toy_run(plugged, cli_argv, tmp_path_factory):
             reparametrize_at_epoch=1,
             reparametrize_kwargs=dict(scale=2.0),
             output=run,
-        )
+        ),
+        plugged,
     )
     return run
 
@@ -143,9 +182,9 @@ def test_training_logs_the_toy_familys_diagnostic_and_applies_its_reparametrizat
 
 @pytest.mark.integration
 @torch.no_grad()
-def test_export_tags_the_toy_family_and_names_its_reparametrized_model(toy_run, tmp_path):
+def test_export_tags_the_toy_family_and_names_its_reparametrized_model(toy_run, plugged, tmp_path):
     out = tmp_path / "exported"
-    assert export.main([str(toy_run), "--output", str(out)]) == 0
+    assert export.main([str(toy_run), "--output", str(out)], plugged) == 0
     card = (out / "README.md").read_text()
     front = yaml.safe_load(card.split("---\n")[1])
     assert front["tags"] == ["image-classification", "timm", "toy-family"]
@@ -154,7 +193,7 @@ def test_export_tags_the_toy_family_and_names_its_reparametrized_model(toy_run, 
     assert config["architecture"] == "toy_scaled_toy_net" and config["model_args"]["scale"] == 2.0
     model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     assert model.scale is not None and model.scale.item() != 2.0  # trained for an epoch after it was added
-    trained, _ = run_model(toy_run)
+    trained, _ = run_model(toy_run, plugged)
     images = torch.randn(4, 1, 8, 8)
     assert torch.equal(model(images), trained(images))
 
@@ -164,5 +203,5 @@ def test_diagnostics_draws_the_toy_familys_maps(plugged, tmp_path, capsys):
     image = tmp_path / "digit.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8), dtype=np.uint8)).save(image)
     argv = ["--model", "toy_net", "--image", str(image), "--in-chans", "1", "--img-size", "8"]
-    assert diagnostics.main([*argv, "--output", str(tmp_path / "figures")]) == 0
+    assert diagnostics.main([*argv, "--output", str(tmp_path / "figures")], plugged) == 0
     assert (tmp_path / "figures" / "attention_maps.png").stat().st_size > 0

@@ -20,9 +20,9 @@ from PIL import Image
 from support import REPO
 
 import convbias.base.weights
+from convbias.base.command_line import DEVICE, Typed, key_value, literal_key_value
 from convbias.base.devices import check_device, default_device
 from convbias.base.errors import EXIT_USAGE, ConfigError
-from convbias.engine.config.command_line import DEVICE, Typed, key_value, literal_key_value
 from convbias.engine.config.options import Config, declaration, flag_name, option_types
 
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]

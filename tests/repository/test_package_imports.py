@@ -1,6 +1,7 @@
 """The package's layers and the one direction of their dependencies, read from the source of every module of
-convbias/, the three families and train.py, imports inside functions included: a part imports only parts on a
-lower level, so no two parts import each other, directly or around a cycle. The engine's own packages keep
+convbias/, the families and train.py, imports inside functions included: a part imports only parts on a
+lower level, so no two parts import each other, directly or around a cycle; and the rest of the package reaches
+the engine through its facade (`convbias.engine`), never one of its submodules. The engine's own packages keep
 their rule too (test_engine_imports.py)."""
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 from support import REPO
-from support.import_graph import cycles, edges, modules_under
+from support.import_graph import cycles, edges, imports, modules_under, resolve
 
-FAMILIES = ("convit", "transformed_cnn", "efcn")
+from convbias.families import FAMILIES
+
+ENGINE = "convbias.engine"  # the facade: what the rest of the package imports of the engine
 # from the bottom: a part may import its own modules and those of parts on a lower level
 LEVELS = {
     "convbias": 0,  # the namespace's docstring; imports nothing
@@ -52,6 +55,24 @@ def wrong_edges(root: Path = REPO) -> list[str]:
         if here != there and LEVELS[there] >= LEVELS[here]:
             where = "inside a function" if inside else "at module level"
             found.append(f"{source}:{line} imports {target} ({where}): {here} may not import {there}")
+    return found
+
+
+def engine_submodules_imported(root: Path = REPO) -> list[str]:
+    """Every import of one of the engine's submodules (`from convbias.engine.loop import x`, `import
+    convbias.engine.data.factory`, `from convbias.engine import loop`) by a module of the package outside the
+    engine, at module level or inside a function. `from convbias.engine import name` of a facade name is none."""
+    modules = package_modules(root)
+    engine = {name: path for name, path in modules.items() if part_of(name) == "engine"}
+    found = []
+    for module, path in modules.items():
+        if module in engine:
+            continue
+        for target, inside, line in imports(path, root):
+            reached = resolve(target, engine)
+            if reached is not None and reached != ENGINE:
+                where = "inside a function" if inside else "at module level"
+                found.append(f"{module}:{line} imports {reached} ({where}): import its names from {ENGINE}")
     return found
 
 
@@ -105,13 +126,59 @@ def test_no_cycle_between_parts():
 )
 def test_a_planted_wrong_edge_fails(tmp_path, module, planted, expected):
     """The rule reads real files: an import against it, written into a copy of the package, is reported."""
-    for top in ("convbias", *FAMILIES):
-        shutil.copytree(REPO / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "train.py", tmp_path / "train.py")
+    copy_package(tmp_path)
     assert wrong_edges(tmp_path) == []
     target = tmp_path / module
     target.write_text(target.read_text() + "\n" + planted)
     assert any(expected in line for line in wrong_edges(tmp_path)), wrong_edges(tmp_path)
+
+
+def copy_package(root: Path) -> None:
+    for top in ("convbias", *FAMILIES):
+        shutil.copytree(REPO / top, root / top, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "train.py", root / "train.py")
+
+
+def test_the_package_imports_the_engine_through_its_facade():
+    found = engine_submodules_imported()
+    assert not found, "imports past the engine's facade (add the name to convbias/engine/__init__.py):\n" + "\n".join(
+        found
+    )
+
+
+@pytest.mark.parametrize(
+    "module, planted, expected",
+    [
+        # a study's module reaching into the config package at module level
+        (
+            "convbias/studies/sweep/spec.py",
+            "from convbias.engine.config.options import option_names\n",
+            "convbias.studies.sweep.spec:{line} imports convbias.engine.config.options (at module level)",
+        ),
+        # a console script importing a module of the data package, deferred into a function
+        (
+            "convbias/cli/launch.py",
+            "def _planted():\n    import convbias.engine.data.factory\n",
+            "convbias.cli.launch:{line} imports convbias.engine.data.factory (inside a function)",
+        ),
+        # a submodule named through the facade's package
+        (
+            "train.py",
+            "from convbias.engine import loop\n",
+            "train:{line} imports convbias.engine.loop (at module level)",
+        ),
+    ],
+)
+def test_a_planted_import_past_the_facade_fails(tmp_path, module, planted, expected):
+    """The rule reads real files: an import of an engine submodule, written into a copy of the package, is
+    reported with its line; the facade's own names, imported the same way, are not."""
+    copy_package(tmp_path)
+    assert engine_submodules_imported(tmp_path) == []
+    target = tmp_path / module
+    original = target.read_text()
+    target.write_text(original + "\n" + planted + "from convbias.engine import Config, RunDir\n")
+    line = original.count("\n") + 1 + planted.count("\n")
+    assert engine_submodules_imported(tmp_path) == [f"{expected.format(line=line)}: import its names from {ENGINE}"]
 
 
 YAML_PARSERS = {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all", "full_load_all"}

@@ -288,15 +288,17 @@ def test_a_failed_write_is_one_line_exit_74_and_leaves_nothing(
 def test_the_exported_options_leave_out_the_paths_of_the_machine():
     """config.yaml (a run's options) and args.yaml (timm's) as an export writes them: every option naming a file or
     folder emptied, 'auto' and empty values kept, an eFCN's cnn_checkpoint dropped from the model kwargs; each named."""
+    from convbias.families import load_families
     from convbias.sharing.hub import portable_options
 
+    initialization = load_families().initialization_kwargs  # the eFCN's cnn_checkpoint
     timm_args = {"model": "resnet10t", "data_dir": "/data/imagenet", "output": "/home/me/out", "resume": "",
                  "initial_checkpoint": "/home/me/init.pth", "class_map": "", "lr": 0.1}  # fmt: skip
-    kept, left_out = portable_options(timm_args)
+    kept, left_out = portable_options(timm_args, initialization)
     assert kept == {**timm_args, "data_dir": None, "output": None, "initial_checkpoint": None}
     assert left_out == ["output", "data_dir", "initial_checkpoint"]
     run = {"model": "efcn_vanilla_cnn", "output": "runs/efcn", "resume": "auto", "pretrained_file": None,
            "model_kwargs": {"channels": 4, "cnn_checkpoint": "/home/me/runs/cnn/checkpoints/epoch_0003"}}  # fmt: skip
-    kept, left_out = portable_options(run)
+    kept, left_out = portable_options(run, initialization)
     assert kept == {**run, "output": None, "model_kwargs": {"channels": 4}}
     assert left_out == ["output", "model_kwargs.cnn_checkpoint"]

@@ -22,12 +22,19 @@ from timm.optim import create_optimizer_v2
 from convbias.base.tables import write_csv
 from convbias.engine import Config, ConfigError, build_datasets
 from convbias.engine.config.parsing import dataclass_declarations
+from convbias.families import load_families
 from convbias.studies.efcn_protocol import protocol
 from convbias.studies.phase_diagram import study as phase_diagram
 from convbias.studies.robustness.study import RobustnessOptions, RobustnessStudy, evaluate
 from convbias.studies.sweep import runs
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("single_thread", "registered")
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """The families' models in timm's registry, as each study's command registers them before it reads a config."""
+    load_families()
 
 
 # -- the eFCN protocol ----------------------------------------------------------------------------------------
@@ -152,9 +159,6 @@ MODEL_KWARGS = dict(channels=4)
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     """A VanillaCNN on the native 8x8 digits: its initialization and the same after 40 steps of Adam."""
-    from convbias.families import load_families
-
-    load_families()
     folder = tmp_path_factory.mktemp("weights")
     torch.manual_seed(0)
     bundle = build_datasets(Config(dataset="digits", img_size=8, no_aug=True))

@@ -1,8 +1,8 @@
 """What importing the model families does to a fresh timm registry, seen from a child process: the test process
 has imported them all already. Importing timm in a new interpreter is most of the child's time, so one child
-serves every family's registration test (`fresh_registry()`, once per test process): it imports efcn,
-transformed_cnn and convit one after the other with every warning an error, and reports the registry after each
-import."""
+serves every family's registration test (`fresh_registry()`, once per test process): it imports the families of
+`convbias.families.FAMILIES` one after the other with every warning an error, and reports the registry after
+each import."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-FAMILIES = ("efcn", "transformed_cnn", "convit")
+from convbias.families import FAMILIES
 
 PROBE = f"""
 import json, timm

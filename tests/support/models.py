@@ -4,11 +4,9 @@ import timm
 import torch
 from timm.models import model_entrypoint
 
-import convit  # noqa: F401  (registers convit_*, deit_*_plus)
-import efcn  # noqa: F401  (registers vanilla_cnn, alexnet_cifar, efcn_*, fcn_*)
-import transformed_cnn  # noqa: F401  (registers tcnn_*)
+from convbias.families import FAMILIES, load_families
 
-FAMILIES = ("convit", "transformed_cnn", "efcn")
+load_families()  # every family's models in timm's registry: convit_*, deit_*_plus, tcnn_*, vanilla_cnn, efcn_*, ...
 REGISTERED = sorted(n for n in timm.list_models() if model_entrypoint(n).__module__.split(".")[0] in FAMILIES)
 TCNN_CHECKED = ("tcnn_resnet18", "tcnn_resnet26d", "tcnn_resnet50", "tcnn_resnetrs50")
 # a T-CNN entry is timm's ResNet plus the same transform: the listed depths stand for the family

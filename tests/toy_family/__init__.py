@@ -1,5 +1,5 @@
-"""A toy model family (tests/families/test_family_plugins.py): a whole family in one small package, plugged in as a real
-one is, by its name in `convbias.families.FAMILIES`.
+"""A toy model family (tests/families/test_family_plugins.py): a whole family in one small package, plugged in as
+a real one is, by its name alone: `convbias.families.load_families((*FAMILIES, "toy_family"))`.
 
 Importing it registers `toy_net` (logits = a Linear of the flattened image) and `toy_scaled_toy_net` (the same,
 times a learned scale) in timm's registry. Its `FAMILY` record gives the tools everything else: a diagnostic,

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import yaml
 
+from convbias.base.command_line import OptionParser, Typed
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import EFCN_PROTOCOL_FOLDER, PROTOCOL_CONFIG
 from convbias.base.storage import check_output, output_folder, write_text
-from convbias.engine.config.command_line import OptionParser, Typed, declared
-from convbias.engine.config.options import POSITIVE_INT
+from convbias.engine import POSITIVE_INT, declared
+from convbias.families import Families, load_families
 
 from .protocol import OPTIMIZERS, SNAPSHOTS, analyze_stage, load_config, protocol_stages, train_stage
 from .seeds import single_seed_intervals, summarize_seeds
@@ -49,12 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given): the eFCN's models and tools."""
     started = time.perf_counter()
-    return run_command(lambda: _protocol(build_parser().parse_args(argv), started))
+    return run_command(lambda: _protocol(build_parser().parse_args(argv), started, families))
 
 
-def _protocol(args: argparse.Namespace, started: float) -> int:
+def _protocol(args: argparse.Namespace, started: float, families: Families | None) -> int:
     if args.stage == "summarize":
         if len(args.seed_dirs) < 2:
             raise ConfigError(f"--stage summarize needs --seed-dirs with at least 2 directories, got {args.seed_dirs}")
@@ -68,6 +70,7 @@ def _protocol(args: argparse.Namespace, started: float) -> int:
         print(f"[efcn_protocol] wrote {', '.join(map(str, files))}")
         return 0
     check_output(args.output, owned=EFCN_PROTOCOL_FOLDER)  # before the config is read and the families loaded
+    families = families or load_families()  # registers the models the config names, gives the eFCN's tools
     cfg = load_config(
         args.config,
         {
@@ -80,9 +83,9 @@ def _protocol(args: argparse.Namespace, started: float) -> int:
     analyze = args.stage in ("all", "analyze") and int(os.environ.get("RANK", "0")) == 0
     progress = protocol_stages(cfg, train=args.stage in ("all", "train"), analyze=analyze)
     if args.stage in ("all", "train"):
-        train_stage(cfg, out, progress)
+        train_stage(cfg, out, families, progress)
     if analyze:
-        analyze_stage(cfg, out, progress)
+        analyze_stage(cfg, out, families, progress)
     print(f"[efcn_protocol] done in {(time.perf_counter() - started) / 60:.1f} min")
     return 0
 

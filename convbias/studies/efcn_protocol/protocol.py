@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import timm
@@ -39,16 +40,26 @@ from convbias.base.errors import Interrupted, Preempted
 from convbias.base.run_layout import BASELINES_TABLE, LAST_LINK, RELAX_TIMES_TABLE, SUMMARY_FILE, snapshot_name
 from convbias.base.tables import write_csv
 from convbias.base.weights import load_weights
-from convbias.engine import Config, ConfigError, RunDir, build_datasets, read_summary
-from convbias.engine.config.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, Check
-from convbias.engine.config.parsing import Declared, declared_value, read_declared_yaml, train_option
+from convbias.engine import (
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_INT,
+    Check,
+    Config,
+    ConfigError,
+    Declared,
+    RunDir,
+    build_datasets,
+    declared_value,
+    read_declared_yaml,
+    read_summary,
+    train_option,
+)
 from convbias.evaluation import landscape
-from convbias.families import family_tools, load_families
+from convbias.families import Families
 
 from . import figures as plots
 from .report import duration, write_report
-
-efcn = family_tools("efcn")  # the eFCN's measurements and masks, from its family record
 
 DEFAULTS = dict(
     model="vanilla_cnn",  # the CNN; efcn_<model> and fcn_<model> must be registered
@@ -111,14 +122,14 @@ DECLARED: dict[str, Declared] = dict(
 
 def load_config(path: str | None, overrides: dict) -> dict:
     """DEFAULTS, then the keys of the file ``path``, then the ``overrides`` that are not None, each value as
-    DECLARED (a ConfigError naming the file, line and key, or the override)."""
+    DECLARED (a ConfigError naming the file, line and key, or the override); its CNN, eFCN and FCN registered
+    (the command loads the families first)."""
     cfg = dict(DEFAULTS)
     if path:
         if not Path(path).is_file():
             raise ConfigError(f"config file not found: {path}")
         cfg.update(read_declared_yaml(path, "protocol config", DECLARED))
     cfg.update({k: declared_value(DECLARED[k], v, k) for k, v in overrides.items() if v is not None})
-    load_families()
     for family in ("efcn_", "fcn_", ""):
         if not timm.is_model(family + cfg["model"]):
             raise ConfigError(
@@ -274,8 +285,9 @@ def protocol_stages(cfg: dict, train: bool, analyze: bool) -> Progress:
 
 
 # ------------------------------------------------------------------------------------------ training
-def _run_once(config: Config, stage: Stage) -> dict:
-    """The run of ``config``, trained unless it is complete (then its ``stage`` did no work)."""
+def _run_once(config: Config, stage: Stage, families: Families) -> dict:
+    """The run of ``config`` (with the loaded ``families``' extensions), trained unless it is complete (then its
+    ``stage`` did no work)."""
     output = Path(config.output)
     if output.is_dir() and RunDir(output).status() == "done":
         _say(f"{output} already complete, kept")
@@ -283,13 +295,13 @@ def _run_once(config: Config, stage: Stage) -> dict:
         return RunDir(output).results()
     _say(f"training {config.model} for {config.epochs} epochs into {output}")
     try:
-        return engine.run(config, load_families())
+        return engine.run(config, families)
     except (Interrupted, Preempted):  # the engine's line follows, naming the resume point
         _say("stopped; rerun this command to continue: each run resumes from its point (the next line names this one)")
         raise
 
 
-def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
+def train_stage(cfg: dict, out: Path, families: Families, progress: Progress | None = None) -> None:
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
     progress = progress or protocol_stages(cfg, train=True, analyze=False)
     recipe = train_recipe(cfg)
@@ -305,6 +317,7 @@ def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
                 cfg["model_kwargs"],
             ),
             stage,
+            families,
         )
     middle = cfg["efcn_epochs"] // 2
     for t in times:
@@ -321,6 +334,7 @@ def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
                     _efcn_kwargs(cfg, cnn_checkpoint=str(snapshot)),
                 ),
                 stage,
+                families,
             )
     with progress.stage() as stage:
         _run_once(
@@ -334,6 +348,7 @@ def train_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
                 _efcn_kwargs(cfg),
             ),
             stage,
+            families,
         )
 
 
@@ -344,7 +359,7 @@ def _tensors(dataset, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items])
 
 
-def _first_filter(model: torch.nn.Module) -> np.ndarray:
+def _first_filter(model: torch.nn.Module, efcn: SimpleNamespace) -> np.ndarray:
     """First layer's row for output channel 0 at the central output pixel, as (C_in, H, W).
 
     (The paper shows the top-left pixel; on digits its unit sits on the blank border and often gets
@@ -380,9 +395,10 @@ def _pick(items: list, n: int) -> list:
 
 @dataclass
 class _Analysis:
-    """What the analyze stage measures every model on (fixed train and test images) and how it rebuilds the
-    protocol's models from the snapshots in `out`."""
+    """What the analyze stage measures every model on (fixed train and test images), how it rebuilds the
+    protocol's models from the snapshots in `out`, and the eFCN's measurements and masks (its family's tools)."""
 
+    efcn: SimpleNamespace
     cfg: dict
     out: Path
     train: landscape.Batches
@@ -391,8 +407,9 @@ class _Analysis:
     build_kwargs: dict
 
     @classmethod
-    def prepare(cls, cfg: dict, out: Path) -> _Analysis:
-        """The measurement images (the dataset as train.py builds it, unaugmented) and the models' arguments."""
+    def prepare(cls, cfg: dict, out: Path, families: Families) -> _Analysis:
+        """The measurement images (the dataset as train.py builds it, unaugmented), the models' arguments and the
+        eFCN family's tools, from the loaded ``families``."""
         bundle = build_datasets(
             Config(
                 dataset=cfg["dataset"],
@@ -409,7 +426,7 @@ class _Analysis:
         cnn_kwargs = dict(num_classes=bundle.num_classes, in_chans=bundle.in_chans, **cfg["model_kwargs"])
         if cfg["img_size"] is not None:
             cnn_kwargs["img_size"] = cfg["img_size"]
-        return cls(cfg, out, train, test, cnn_kwargs, _efcn_kwargs(cfg, **cnn_kwargs))
+        return cls(families.tools("efcn"), cfg, out, train, test, cnn_kwargs, _efcn_kwargs(cfg, **cnn_kwargs))
 
     def build(self, family: str, path: Path) -> torch.nn.Module:
         """The `family` ("", "efcn_" or "fcn_") model with the weights at `path`, in eval mode."""
@@ -444,6 +461,7 @@ def _relax_time(analysis: _Analysis, t: int) -> tuple[dict, Filters, list[dict]]
     end of training, its distance to the CNN subspace and its local / off-local parts), its first-layer filters
     through training and its training curve."""
     out, train, test, E = analysis.out, analysis.train, analysis.test, analysis.cfg["efcn_epochs"]
+    efcn = analysis.efcn
     run = out / f"efcn_tw{t}"
     started = time.perf_counter()
     model = analysis.build("efcn_", _snapshot(run, 0))
@@ -454,10 +472,10 @@ def _relax_time(analysis: _Analysis, t: int) -> tuple[dict, Filters, list[dict]]
     row["initial_train_loss"], row["initial_train_acc"] = landscape.evaluate(model, train)
     row["initial_test_acc"] = landscape.evaluate(model, test)[1]
     start = analysis.landscape_at(model)
-    filters = [("at relax time", _first_filter(model))]
+    filters = [("at relax time", _first_filter(model, efcn))]
     for epoch in sorted({E // 2, E} - {0}):
         load_weights(model, _snapshot(run, epoch)).eval()
-        filters.append((f"after {epoch} epochs", _first_filter(model)))
+        filters.append((f"after {epoch} epochs", _first_filter(model, efcn)))
     row["final_train_loss"], row["final_train_acc"] = landscape.evaluate(model, train)
     row["final_test_acc"] = landscape.evaluate(model, test)[1]
     row["best_test_acc"] = RunDir(run).results()["best_top1"]
@@ -483,11 +501,12 @@ def _fcn_baselines(analysis: _Analysis, cnn_results: dict) -> tuple[dict, Filter
     """baselines.csv's row (the trained CNN, and the standard FCN with its distance to the CNN subspace and its
     local / off-local parts), the FCN's first-layer filters and its training curve."""
     out, train, test, E = analysis.out, analysis.train, analysis.test, analysis.cfg["efcn_epochs"]
+    efcn = analysis.efcn
     fcn = analysis.build("fcn_", _snapshot(out / "fcn", 0))
     fcn_initial = landscape.evaluate(fcn, train)[0], landscape.evaluate(fcn, test)[1]
-    filters = [("initialization", _first_filter(fcn))]
+    filters = [("initialization", _first_filter(fcn, efcn))]
     load_weights(fcn, _snapshot(out / "fcn", E)).eval()
-    filters.append((f"after {E} epochs", _first_filter(fcn)))
+    filters.append((f"after {E} epochs", _first_filter(fcn, efcn)))
     filters.append((plots.DIFFERENCE, filters[1][1] - filters[0][1]))
     curves = _read_summary(out / "fcn", "fcn", fcn_initial)
     fcn_local = {}
@@ -545,13 +564,13 @@ def _interpolation(
     return rows
 
 
-def analyze_stage(cfg: dict, out: Path, progress: Progress | None = None) -> None:
-    """Steps 4-5: measure the trained CNN, eFCNs and FCN in one process, then write the CSVs, the figures and
-    report.md."""
+def analyze_stage(cfg: dict, out: Path, families: Families, progress: Progress | None = None) -> None:
+    """Steps 4-5: measure the trained CNN, eFCNs and FCN in one process (with the eFCN family's tools, from the
+    loaded ``families``), then write the CSVs, the figures and report.md."""
     torch.manual_seed(cfg["seed"])
     times = relax_times(cfg["cnn_epochs"], cfg["snapshots"])
     progress = progress or protocol_stages(cfg, train=False, analyze=True)
-    analysis = _Analysis.prepare(cfg, out)
+    analysis = _Analysis.prepare(cfg, out, families)
     cnn_results = RunDir(out / "cnn").results()
     cnn_init = analysis.build("", _snapshot(out / "cnn", 0))
     initial = landscape.evaluate(cnn_init, analysis.train)[0], landscape.evaluate(cnn_init, analysis.test)[1]

@@ -15,7 +15,7 @@ from convbias.base.inputs import read_yaml
 from convbias.base.run_layout import BASELINES_TABLE, EFCN_PROTOCOL_FOLDER, PROTOCOL_CONFIG, RELAX_TIMES_TABLE
 from convbias.base.storage import check_output, output_folder, write_text
 from convbias.base.tables import markdown_table, write_csv
-from convbias.engine.config.parsing import declared_value
+from convbias.engine import declared_value
 
 from ..intervals import cell, interval, wilson
 from .protocol import DECLARED

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from convbias.base.command_line import OptionParser
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import check_destination
 from convbias.base.storage import write_text
-from convbias.engine import WHICH
-from convbias.engine.config.command_line import OptionParser, declared
+from convbias.engine import WHICH, declared
 from convbias.evaluation.ensembles import AVERAGES, evaluate_runs
-from convbias.families import load_families
+from convbias.families import Families, load_families
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,12 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given), whose runs it ensembles."""
+
     def body() -> int:
         args = build_parser().parse_args(argv)
         if args.output:
             check_destination(args.output)
-        result = evaluate_runs(args.runs, load_families(), args.average, args.batch_size, args.which)
+        result = evaluate_runs(args.runs, families or load_families(), args.average, args.batch_size, args.which)
         for run, error, checkpoint in zip(args.runs, result.member_errors, result.checkpoints):
             print(f"{run}: error {error:.2f}% ({checkpoint.describe()})")
         print(

@@ -11,11 +11,11 @@ import argparse
 import os
 from pathlib import Path
 
+from convbias.base.command_line import OptionParser
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import PHASE_DIAGRAM_FOLDER
 from convbias.base.storage import check_output, output_folder
-from convbias.engine.config.command_line import OptionParser
 
 from .study import CELLS_CSV, PhaseDiagramConfig, plot, read_cells, report_tables, run, write_report_csvs
 

@@ -57,8 +57,16 @@ from convbias.base.run_layout import (
 )
 from convbias.base.storage import output_folder, save_figure, write_text
 from convbias.base.tables import write_csv
-from convbias.engine.config.options import POSITIVE, POSITIVE_INT, Check, declaration, option
-from convbias.engine.config.parsing import dataclass_declarations, declared_value, read_declared_yaml
+from convbias.engine import (
+    POSITIVE,
+    POSITIVE_INT,
+    Check,
+    dataclass_declarations,
+    declaration,
+    declared_value,
+    option,
+    read_declared_yaml,
+)
 from convbias.evaluation.ensembles import evaluate_ensemble
 from convbias.evaluation.figures import log_ticks, shared_legend
 from convbias.evaluation.ntk import empirical_ntk, relative_change

@@ -12,11 +12,11 @@ import argparse
 import os
 from pathlib import Path
 
+from convbias.base.command_line import OptionParser
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import SWEEP_RUNS_TABLE
-from convbias.engine.config.command_line import OptionParser
-from convbias.families import load_families
+from convbias.families import Families, load_families
 
 from .study import write
 
@@ -30,14 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: _regimes(Path(build_parser().parse_args(argv).sweep_dir)))
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given), whose runs it measures."""
+    return run_command(lambda: _regimes(Path(build_parser().parse_args(argv).sweep_dir), families))
 
 
-def _regimes(sweep_dir: Path) -> int:
+def _regimes(sweep_dir: Path, families: Families | None) -> int:
     if not os.path.lexists(sweep_dir / SWEEP_RUNS_TABLE):
         raise ConfigError(f"{sweep_dir / SWEEP_RUNS_TABLE} not found; run the sweep first (convbias-sweep run ...)")
-    written = write(sweep_dir, load_families())
+    written = write(sweep_dir, families or load_families())
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

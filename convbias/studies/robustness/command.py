@@ -23,14 +23,24 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from convbias.base.command_line import OptionParser, Typed, add_device_option, key_value
 from convbias.base.devices import default_device
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import ROBUSTNESS_FOLDER
 from convbias.base.storage import check_output
-from convbias.engine import DEFAULT_WHICH, WHICH, ConfigError, RunDir, check_model_name, is_run_dir, run_model_spec
-from convbias.engine.config.command_line import OptionParser, Typed, add_device_option, declared, key_value
-from convbias.engine.config.options import POSITIVE_INT, Check
-from convbias.families import load_families
+from convbias.engine import (
+    DEFAULT_WHICH,
+    POSITIVE_INT,
+    WHICH,
+    Check,
+    ConfigError,
+    RunDir,
+    check_model_name,
+    declared,
+    is_run_dir,
+    run_model_spec,
+)
+from convbias.families import Families, load_families
 
 from .corruptions import CORRUPTIONS, SEVERITIES
 from .measure import PAPER_ATTACK
@@ -159,7 +169,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.model is None:
         raise ConfigError(f"{args.checkpoint} is not a run folder: pass --model NAME")
     args.dataset = args.dataset or "digits"
-    load_families()
     for option, name in (("--model", args.model), ("--compare-model", args.compare_model)):
         if name:
             check_model_name(name, option)
@@ -211,11 +220,13 @@ def _options(args: argparse.Namespace) -> RobustnessOptions:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: _evaluate(argv))
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given): their models are registered."""
+    return run_command(lambda: _evaluate(argv, families))
 
 
-def _evaluate(argv: list[str] | None) -> None:
+def _evaluate(argv: list[str] | None, families: Families | None) -> None:
+    families = families or load_families()  # registers their models: --model is checked against the registry
     args = parse_args(argv)
     study = RobustnessStudy(_options(args))
     result = evaluate(study, settings=vars(args))

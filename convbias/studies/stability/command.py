@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.command_line import OptionParser, Typed, add_device_option
 from convbias.base.devices import default_device
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
@@ -37,12 +38,10 @@ from convbias.base.run_layout import (
 )
 from convbias.base.storage import check_output, output_folder, write_text
 from convbias.base.tables import write_csv
-from convbias.engine import WHICH
-from convbias.engine.config.command_line import OptionParser, Typed, add_device_option, declared
-from convbias.engine.config.options import POSITIVE_INT, Check
+from convbias.engine import POSITIVE_INT, WHICH, Check, declared
 from convbias.evaluation import diffeo
 from convbias.evaluation.stability import CONVENTIONS
-from convbias.families import load_families
+from convbias.families import Families, load_families
 
 from . import study
 from .figures import plots
@@ -123,17 +122,18 @@ def parse_args(argv: list[str] | None) -> tuple[study.Settings, list[str], list[
     return study.Settings(**fields), args.runs, [Path(d) for d in args.combine], Path(args.output)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: study_command(argv))
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given), whose runs it measures."""
+    return run_command(lambda: study_command(argv, families))
 
 
-def study_command(argv: list[str] | None) -> int:
+def study_command(argv: list[str] | None, families: Families | None) -> int:
     """The study: everything is read and checked (options, runs, datasets, weights, grid) before OUTPUT is
     created: bad input or a damaged checkpoint leaves no output behind."""
     settings, paths, combine, output = parse_args(argv)
     check_output(output, owned=STABILITY_FOLDER)  # before any run is read: a link among its files stops it first
-    extensions = load_families()
-    runs = [study.load_run(Path(path), settings, extensions) for path in paths]
+    families = families or load_families()  # registers their models; a reparametrized run's is theirs
+    runs = [study.load_run(Path(path), settings, families) for path in paths]
     if combine:
         rows = [r for d in combine for r in study.read_rows(d / STABILITY_TABLE)]
         layer_rows = [r for d in combine for r in study.read_rows(d / STABILITY_LAYERS_TABLE, study.LAYER_COLUMNS)]

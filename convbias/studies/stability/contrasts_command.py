@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convbias.base.command_line import OptionParser
 from convbias.base.reporting import run_command
 from convbias.base.run_layout import STABILITY_FOLDER, STABILITY_TABLE, TRAJECTORIES_TABLE
 from convbias.base.storage import check_output, output_folder
 from convbias.base.tables import write_csv
-from convbias.engine.config.command_line import OptionParser
 from convbias.evaluation.diffeo import MODE_SETS
 from convbias.evaluation.stability import CONVENTIONS
 

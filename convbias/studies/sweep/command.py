@@ -28,11 +28,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from convbias.base.command_line import OptionParser, Typed, yaml_scalar
 from convbias.base.errors import ConfigError
 from convbias.base.reporting import run_command
-from convbias.engine import Interrupted
-from convbias.engine.config.command_line import OptionParser, Typed, declared, yaml_scalar
-from convbias.engine.config.options import FRACTION
+from convbias.engine import FRACTION, Interrupted, declared
+from convbias.families import Families, load_families
 
 from . import spec as sweep_spec
 
@@ -147,8 +147,9 @@ def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
-    """runs.csv and the report from the complete runs; 1 if some runs are missing."""
+def write_outputs(prepared: Sweep, args: argparse.Namespace, families: Families) -> int:
+    """runs.csv and the report from the complete runs (their ensembles built with the loaded ``families``); 1 if
+    some runs are missing."""
     from . import report, sweep  # not at the top: `--help` loads no torch or timm
 
     rows, missing = prepared.collect()
@@ -159,9 +160,7 @@ def write_outputs(prepared: Sweep, args: argparse.Namespace) -> int:
     csv_path = sweep.write_csv(rows, prepared.sweep_dir / sweep.CSV_NAME, owner=prepared.sweep_dir)
     written = [csv_path]
     if len({row["seed"] for row in rows}) > 1:  # several seeds: ensemble columns in the report
-        from convbias.families import load_families  # registers the models: only when ensembles are built
-
-        ensembles = prepared.collect_ensembles(rows, load_families())
+        ensembles = prepared.collect_ensembles(rows, families)
         if ensembles:
             path = prepared.sweep_dir / sweep.ENSEMBLES_CSV_NAME
             written.append(sweep.write_csv(ensembles, path, owner=prepared.sweep_dir))
@@ -177,11 +176,13 @@ def _print_written(paths: list[Path]) -> None:
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: _sweep(build_parser().parse_args(argv)))
+def main(argv: list[str] | None = None, families: Families | None = None) -> int:
+    """``families``: the loaded families (``load_families()`` when not given): the runs' models are checked
+    against the registry they fill, and the ensembles built with them."""
+    return run_command(lambda: _sweep(build_parser().parse_args(argv), families))
 
 
-def _sweep(args: argparse.Namespace) -> int:
+def _sweep(args: argparse.Namespace, families: Families | None) -> int:
     from . import report, sweep  # not at the top: `--help` loads no torch or timm
 
     if args.command == "report":
@@ -190,12 +191,13 @@ def _sweep(args: argparse.Namespace) -> int:
             print(f"ensembles over seeds: {ensembles}")  # a file the CSV does not name: say which one
         _print_written(report.write_report(args.csv, args.output, args.baseline, args.best, ensembles))
         return 0
+    families = families or load_families()  # registers their models: each run's model is checked against them
     if args.command == "collect":
         record = Path(args.output) / sweep.RECORD_NAME
         if not os.path.lexists(record):
             raise ConfigError(f"{record} not found: is {args.output} a sweep directory?")
         prepared = sweep.Sweep.prepare(sweep.read_record(Path(args.output)), args.output)
-        return write_outputs(prepared, args)
+        return write_outputs(prepared, args, families)
     prepared = sweep.Sweep.prepare(spec_from_args(args), args.output)
     launcher = shlex.split(args.launcher) if args.launcher else None
     if args.print_commands:
@@ -209,7 +211,7 @@ def _sweep(args: argparse.Namespace) -> int:
         raise Interrupted("rerun the same command to resume (complete runs are kept)") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-    status = write_outputs(prepared, args)
+    status = write_outputs(prepared, args, families)
     if failed:
         print(f"{len(failed)} run(s) failed, left as they are: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else status

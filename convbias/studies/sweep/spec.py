@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from convbias.base.command_line import non_finite
 from convbias.base.errors import ConfigError
 from convbias.base.inputs import read_yaml
-from convbias.engine.config.command_line import build_parser, non_finite
-from convbias.engine.config.options import option_names
-from convbias.engine.config.parsing import file_option_value, file_place
+from convbias.engine import build_parser, file_option_value, file_place, option_names
 
 SWEEP_KEYS = ("config", "set", "grid", "variants", "scale_epochs", "baseline")
 MODEL_KWARG_PREFIX = "model_kwargs."

@@ -70,15 +70,14 @@ from convbias.engine import (
     Config,
     DamagedRunRecordError,
     RunDir,
+    build_parser,
     check_model_name,
     create_model,
+    input_format,
     parse_config,
     read_summary,
 )
-from convbias.engine.config.command_line import build_parser
-from convbias.engine.data.factory import input_format
 from convbias.evaluation.ensembles import evaluate_runs
-from convbias.families import load_families
 
 from . import spec as sweep_spec
 from .spec import MODEL_KWARG_PREFIX, Run, column_name, expand_grid
@@ -145,9 +144,10 @@ def _check_fraction(run: Run) -> None:
 
 
 def _check_model_name(run: Run) -> None:
+    """The run's model, in timm's registry: the families' models are registered by the command first
+    (``convbias.families.load_families()``)."""
     if run.options.get("model") is None:
         raise ConfigError(f"run {run.name}: no model (add grid.model, set.model or variants)")
-    load_families()
     check_model_name(run.options["model"], option=f"run {run.name}")
 
 

@@ -322,7 +322,7 @@ def test_diagnostics_draws_the_maps_of_the_image_as_the_run_evaluates_it(finishe
     expected = torch.full((1, 8, 8), -mean / std)
     expected[..., 0] = (1 - mean) / std
     torch.testing.assert_close(x, expected, rtol=0, atol=1e-6)
-    assert torch.equal(x, load_predictor(output).image(image))  # the one code path predict uses
+    assert torch.equal(x, load_predictor(output, load_families()).image(image))  # the one code path predict uses
     exported = tmp_path / "exported"
     assert export.main([str(output), "--output", str(exported)]) == 0
     assert diagnostics.main([str(exported), "--image", str(image), "--output", str(tmp_path / "from_export")]) == 0
