@@ -3,7 +3,7 @@
 The engine side is what train.py builds (``start_run`` and ``build_trainer``: loaders with workers,
 accelerate, the recipe's mixup/cutmix, loss and optimizer, the device half of the input pipeline), with one
 change: its train set is synthetic uint8 crops held in memory (what the fast path's workers produce), so no
-decoding is timed. Each round times one engine epoch (``Trainer._train_one_epoch``) of ``--steps`` steps.
+decoding is timed. Each round times one engine epoch (``Trainer.train_one_epoch``) of ``--steps`` steps.
 
 The bare step is the same model (the same module and compiled view, the same weights, precision, optimizer
 and thread count) on one batch already on the device: device augmentation, mixup/cutmix, forward, loss,
@@ -182,7 +182,7 @@ def synchronize(device: torch.device) -> None:
 def time_engine_epoch(trainer, epoch: int) -> float:
     synchronize(trainer.accelerator.device)
     started = time.perf_counter()
-    trainer._train_one_epoch(epoch, 0)
+    trainer.train_one_epoch(epoch, 0)
     synchronize(trainer.accelerator.device)
     return time.perf_counter() - started
 
@@ -223,7 +223,7 @@ def count_synchronizations(trainer, epoch: int, steps: int) -> None:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer._train_one_epoch(epoch, 0)
+            trainer.train_one_epoch(epoch, 0)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> float:
             engine_profiles, bare_profiles = [], []
             for _ in range(PROFILED_ROUNDS):
                 epoch += 1
-                engine_profiles.append(profile_ranges(lambda epoch=epoch: trainer._train_one_epoch(epoch, 0), device))
+                engine_profiles.append(profile_ranges(lambda epoch=epoch: trainer.train_one_epoch(epoch, 0), device))
                 bare_profiles.append(profile_ranges(lambda: [bare.step() for _ in range(args.steps)], device))
             engine = min(engine_profiles, key=lambda profiled: profiled[2])  # the least disturbed epoch of each side
             plain = min(bare_profiles, key=lambda profiled: profiled[2])

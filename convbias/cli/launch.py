@@ -93,7 +93,7 @@ def _launch(argv: list[str]) -> int:
         parser = build_parser()
         first = parser.parse_args(argv)
         args = parser.parse_args(_multi_cpu(argv, first))
-        print(_accelerate_values(args), file=sys.stderr)
+        print(accelerate_values(args), file=sys.stderr)
         if args.num_processes:
             os.environ[LAUNCH_PROCESSES] = str(args.num_processes)
         os.environ.setdefault("PET_SIGNALS_TO_HANDLE", TORCHRUN_SIGNALS)
@@ -102,7 +102,7 @@ def _launch(argv: list[str]) -> int:
             exits = tempfile.TemporaryDirectory(prefix="convbias-launch-")
         with exits as folder:
             os.environ[LAUNCH_EXIT_DIR] = folder
-            return _exit_code(Path(folder), _run(launch_command, args), partial(_kept, args))
+            return exit_code(Path(folder), _run(launch_command, args), partial(kept_line, args))
     except _Stopped as stopped:
         print(stopped, file=sys.stderr)
         return stopped.code
@@ -155,7 +155,7 @@ def _multi_cpu(argv: list[str], args: Any) -> list[str]:
     return options + ["--multi_gpu"] + argv[script:]
 
 
-def _accelerate_values(args: Any) -> str:
+def accelerate_values(args: Any) -> str:
     """The note that says where accelerate's values come from: the user's accelerate config (accelerate reads it
     when --config_file names one, or without --cpu when `accelerate config` wrote its default file), or else the
     values accelerate would default with a warning, passed to it here (set in ``args``): one process with
@@ -222,7 +222,7 @@ def _run(launch_command: Any, args: Any) -> dict[int, int]:
     return {}
 
 
-def _exit_code(folder: Path, failed: dict[int, int], kept: Callable[[], str] | None = None) -> int:
+def exit_code(folder: Path, failed: dict[int, int], kept: Callable[[], str] | None = None) -> int:
     """The lowest rank's non-zero code left by the engine (with its line when rank 0 did not print it), else
     the status of the process that stopped first without leaving one (``failed`` in the order the launcher saw
     the processes stop; torchrun stops the others after it), in one line with what the run kept (``kept``)."""
@@ -255,7 +255,7 @@ def _exit_code(folder: Path, failed: dict[int, int], kept: Callable[[], str] | N
     return 128 - status if status < 0 else status
 
 
-def _kept(args: Any) -> str:
+def kept_line(args: Any) -> str:
     """What a run of this package's train.py left to continue from, in the engine's words (``kept``); '' for
     another script, or options that the engine refuses (each rank said why)."""
     script = Path(args.training_script).name if not args.module else args.training_script

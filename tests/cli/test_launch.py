@@ -156,16 +156,16 @@ def test_the_launcher_exits_with_the_lowest_rank_code_and_its_line(tmp_path, cap
     prints the line of the lowest rank that left one; a process that left none is one line with its status."""
     (tmp_path / "rank1").write_text("2\nerror: unknown model\n")
     (tmp_path / "rank2").write_text("2\nerror: unknown model\n")
-    assert launch._exit_code(tmp_path, {0: -15, 1: 2, 2: 2}) == 2
+    assert launch.exit_code(tmp_path, {0: -15, 1: 2, 2: 2}) == 2
     assert capsys.readouterr().err == "error: unknown model\n"
 
     (tmp_path / "rank0").write_text("75\npreempted: stopped by SIGTERM\n")
-    assert launch._exit_code(tmp_path, {}) == 75
+    assert launch.exit_code(tmp_path, {}) == 75
     assert capsys.readouterr().err == ""  # rank 0 printed it
 
-    assert launch._exit_code(tmp_path / "none", {0: -9}) == 137
+    assert launch.exit_code(tmp_path / "none", {0: -9}) == 137
     assert capsys.readouterr().err.startswith("error: training process 0 stopped on SIGKILL")
-    assert launch._exit_code(tmp_path / "none", {}) == 0
+    assert launch.exit_code(tmp_path / "none", {}) == 0
 
 
 def test_a_rank_that_stops_first_is_named_with_its_signal_what_was_kept_and_resume_auto(tmp_path, capsys, train_args):
@@ -177,14 +177,14 @@ def test_a_rank_that_stops_first_is_named_with_its_signal_what_was_kept_and_resu
     point.mkdir(parents=True)
     (point / MANIFEST_FILE).write_text("{}")
     args = launch_command_parser().parse_args(["--cpu", *TWO, *train_args, "--epochs", "5", "--output", str(run)])
-    assert launch._exit_code(tmp_path / "none", {1: -9, 0: -15}, partial(launch._kept, args)) == 137
+    assert launch.exit_code(tmp_path / "none", {1: -9, 0: -15}, partial(launch.kept_line, args)) == 137
     assert capsys.readouterr().err == (
         "error: training process 1 stopped on SIGKILL first (the other processes were stopped after it) without "
         f"reporting an exit code; kept {run / CHECKPOINTS_DIR / 'last'} (epoch 1 and 4 steps of epoch 2); continue "
         "with --resume auto\n"
     )
     other = launch_command_parser().parse_args(["--cpu", "my_script.py", "--output", str(run)])  # not train.py
-    assert launch._exit_code(tmp_path / "none", {0: -9}, partial(launch._kept, other)) == 137
+    assert launch.exit_code(tmp_path / "none", {0: -9}, partial(launch.kept_line, other)) == 137
     assert capsys.readouterr().err.endswith("without reporting an exit code; see the output above\n")
 
 
@@ -199,7 +199,7 @@ def test_the_launcher_passes_accelerate_the_values_it_would_default_or_names_the
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     parse = launch_command_parser().parse_args
     ours, theirs = parse(["--cpu", "train.py"]), parse(["--cpu", "--num_processes", "1", "train.py"])
-    note = launch._accelerate_values(ours)
+    note = launch.accelerate_values(ours)
     threads = psutil.cpu_count(logical=False)
     assert note == (
         f"note: no accelerate config (`accelerate config` writes {config}): convbias-launch passes accelerate's "
@@ -218,7 +218,7 @@ def test_the_launcher_passes_accelerate_the_values_it_would_default_or_names_the
     config.write_text("compute_environment: LOCAL_MACHINE\n")
     multi = parse(["--num_processes", "2", "train.py"])
     assert (
-        launch._accelerate_values(multi)
+        launch.accelerate_values(multi)
         == f"note: accelerate launch takes its values from the accelerate config {config}"
     )
     assert multi.num_machines is None  # accelerate reads it from the config

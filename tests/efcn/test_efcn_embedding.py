@@ -14,10 +14,12 @@ import efcn
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)  # torch's (timm's subclass them)
+
 
 def _randomize_batchnorm(model: nn.Module) -> nn.Module:
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, BATCH_NORMS):
             m.running_mean.normal_()
             m.running_var.uniform_(0.5, 2.0)
             nn.init.normal_(m.weight)
@@ -79,7 +81,7 @@ def test_every_layer_type_with_batchnorm_folded():
     )
     model = _assert_equivalent(cnn, (3, 13, 12))
     assert len(model.local_layers()) == 3
-    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert not any(isinstance(m, BATCH_NORMS) for m in model.modules())
 
 
 class FunctionalCNN(nn.Module):

@@ -223,7 +223,7 @@ def test_both_products_compile_to_one_graph_and_match_eager(product):
     layer.positional_product = product
     x = torch.randn(2, 20, 24)
     eager_out, eager_dx, eager_grads = _output_and_grads(layer, x, (4, 5), fused=True, product=product)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     layer.zero_grad(set_to_none=True)
     inputs = x.clone().requires_grad_(True)
@@ -295,7 +295,8 @@ def test_gate_override_selects_content_or_position(gate_override):
     layer = randomized_gpsa(dim=16, heads=4).double()
     grid = (3, 4)
     x = torch.randn(2, 12, 16, dtype=torch.float64)
-    q, k, v = layer._qkv(x)
+    q, k = layer.qk(x).view(2, 12, 2, 4, 4).permute(2, 0, 3, 1, 4)  # timm's ConViT: heads of 4 from qk and v
+    v = layer.v(x).view(2, 12, 4, 4).transpose(1, 2)
     if gate_override == 0.0:
         attn = (q @ k.transpose(-2, -1) * layer.scale).softmax(-1)
     else:

@@ -1,7 +1,7 @@
 """The fused GPSA kernel (`convbias.gpsa.fused`) against the explicit path, forward and every gradient.
 
 The Triton kernels run under Triton's interpreter, which needs TRITON_INTERPRET=1 in the environment
-before triton is imported: those checks run in one child process (`_interpreted_results`), whose
+before triton is imported: those checks run in one child process (`_interpreted`), whose
 measured errors the tests below assert on. The op's PyTorch reference (the CPU path without the
 interpreter), its registration (fake implementation, autograd) and `torch.compile` run in this process.
 """
@@ -54,9 +54,18 @@ def _relative_errors(got: dict, want: dict) -> dict:
     return {name: (got[name] - want[name]).abs().max().item() / scales[name] for name in want}
 
 
-def _interpreted_checks() -> dict:
+def interpreted_checks() -> dict:
     """Run in the child process (TRITON_INTERPRET=1): errors of the fused kernel against the references."""
+    import triton
+
     torch.set_num_threads(1)
+    jitted, jit = [], triton.jit
+
+    def recorded_jit(fn=None, **options):  # the kernels the layers' launches make (`triton.jit`, on first use)
+        jitted.extend([fn.__name__] if fn is not None else [])
+        return jit(fn, **options)
+
+    triton.jit = recorded_jit
     results = {}
     # a ConViT layer: 35 tokens (5 x 7), 2 heads of 16; fp32 and bf16 against the explicit path in fp32
     layer = randomized_gpsa(dim=32, heads=2)
@@ -84,7 +93,9 @@ def _interpreted_checks() -> dict:
     model = ConViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, local_up_to_layer=1, num_classes=5)
     x = torch.randn(2, 3, 16, 16)
     results["convit_fp32"] = {"fused": _relative_errors(_run(model, x), _run(model, x, product="auto"))}
-    results["kernel_ran"] = True in fused_gpsa._KERNELS  # the interpreter's kernels, not the reference
+    triton.jit = jit
+    # the interpreter's kernels ran (made on their first launch), not the PyTorch reference
+    results["kernel_ran"] = {"forward_kernel", "key_grad_kernel", "query_grad_kernel"} <= set(jitted)
     return results
 
 
@@ -157,7 +168,7 @@ def test_fused_layer_compiles_to_one_graph():
     layer = randomized_gpsa(dim=24, heads=4)
     x = torch.randn(2, 20, 24)
     eager = _run(layer, x, (4, 5))
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     explained = torch._dynamo.explain(layer)(x, (4, 5))
     assert explained.graph_break_count == 0 and explained.graph_count == 1
@@ -169,12 +180,11 @@ def test_fused_layer_compiles_to_one_graph():
 def test_values_too_wide_for_the_kernel_fall_back_to_the_factored_product(monkeypatch):
     """A Transformed CNN layer whose value (C_in per head) exceeds FUSED_MAX_VALUE_WIDTH takes the
     unfused schedule: the same result as "kronecker", and the kernel is never called."""
-    monkeypatch.setattr(fused_gpsa, "FUSED_MAX_VALUE_WIDTH", 8)
     calls = []
     monkeypatch.setattr(fused_gpsa, "fused_gated_attention", lambda *args: calls.append(args))
     torch.manual_seed(0)
-    conv = GPSAConv2d(9, 4)
-    x = torch.randn(1, 9, 5, 5)
+    conv = GPSAConv2d(fused_gpsa.FUSED_MAX_VALUE_WIDTH + 1, 4)
+    x = torch.randn(1, fused_gpsa.FUSED_MAX_VALUE_WIDTH + 1, 5, 5)
     errors = _relative_errors(_run(conv, x), _run(conv, x, product="kronecker"))
     assert not calls and max(errors.values()) == 0.0
 

@@ -408,9 +408,9 @@ def unlegended_lines(fig: Figure) -> list[str]:
 
 def _texts(fig: Figure) -> str:
     """The titles, and the legends' titles and entries, of a figure."""
-    titles = [fig._suptitle, *(ax.title for ax in fig.axes)]
+    titles = [*([fig.get_suptitle()] if fig.get_suptitle() else []), *(ax.get_title() for ax in fig.axes)]
     legends = [legend for legend in (*fig.legends, *(ax.get_legend() for ax in fig.axes)) if legend is not None]
-    texts = [t.get_text() for t in titles if t is not None] + [legend.get_title().get_text() for legend in legends]
+    texts = titles + [legend.get_title().get_text() for legend in legends]
     return "\n".join(texts + sorted(_legend_texts(legends)))
 
 

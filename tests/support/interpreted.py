@@ -1,5 +1,5 @@
 """Checks that run under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton is imported, so a
-module's ``_interpreted_checks()`` (a test module's, or a helper module importing only what the kernels need)
+module's ``interpreted_checks()`` (a test module's, or a helper module importing only what the kernels need)
 runs in a child process (one for all of its checks: its imports are a large part of its time) and returns its
 measurements as JSON."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 
 
 def interpreted_results(module: Path, timeout: int) -> dict:
-    """``_interpreted_checks()`` of the module file `module` (one of tests/) run in a child process under the
+    """``interpreted_checks()`` of the module file `module` (one of tests/) run in a child process under the
     interpreter."""
     path = [str(module.parent), str(Path(__file__).parents[1])]  # its folder, and tests/ for `support`
     code = f"import json, sys; sys.path[:0] = {path!r}; import {module.stem} as t; "
-    code += "print(json.dumps(t._interpreted_checks()))"
+    code += "print(json.dumps(t.interpreted_checks()))"
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -86,6 +86,16 @@ def groups_by_parameter(optimizer: torch.optim.Optimizer, names: dict) -> dict:
     }
 
 
+def scheduled_lrs(scheduler, t: int) -> list[float]:
+    """The lr of each of the scheduler's optimizer's groups once stepped to `t` (an epoch, or an update when it
+    steps per update), as a run steps it (its lr noise and groups' scales included)."""
+    if scheduler.t_in_epochs:
+        scheduler.step(t)
+    else:
+        scheduler.step_update(t)
+    return [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 def assert_timms_values(cfg, args: SimpleNamespace, num_classes: int = NUM_CLASSES) -> None:
     """The engine's lr, optimizer, schedule, data config, transforms and batch augmentation for `cfg` equal
     what timm's own factories build from timm's train.py arguments `args`."""
@@ -109,8 +119,8 @@ def assert_timms_values(cfg, args: SimpleNamespace, num_classes: int = NUM_CLASS
     sched = create_scheduler(cfg, mine, cfg.epochs, cfg.warmup_epochs, SCHEDULE_UPDATES_PER_EPOCH)
     assert type(sched) is type(timm_sched) and sched.t_in_epochs == timm_sched.t_in_epochs
     steps = range(0, timm_epochs * (1 if timm_sched.t_in_epochs else SCHEDULE_UPDATES_PER_EPOCH), 13)
-    flat = [lr for t in steps for lr in sched._get_lr(t)]  # one lr per parameter group
-    assert flat == pytest.approx([lr for t in steps for lr in timm_sched._get_lr(t)], rel=1e-12)
+    flat = [lr for t in steps for lr in scheduled_lrs(sched, t)]  # one lr per parameter group
+    assert flat == pytest.approx([lr for t in steps for lr in scheduled_lrs(timm_sched, t)], rel=1e-12)
 
     # data config and transforms, from the model's pretrained config as timm's train.py resolves them
     data_config = resolve_data_config(vars(args), pretrained_cfg=get_pretrained_cfg(args.model).to_dict())

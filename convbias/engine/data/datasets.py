@@ -320,7 +320,7 @@ def _indices_by_class(targets: Sequence[int]) -> list[np.ndarray]:
     return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _stratified_split(targets: Sequence[int], val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def stratified_split(targets: Sequence[int], val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint (train, val) indices holding out round(val_fraction * n_c) images of each class c
     (at least one when the class has two or more)."""
     rng = np.random.default_rng(seed)
@@ -361,7 +361,7 @@ def load_digits_split():
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
     classes = [str(name) for name in digits.target_names]
     full = ArrayImageDataset(images, digits.target, classes)
-    train_idx, val_idx = _stratified_split(full.targets, DIGITS_VAL_FRACTION, SPLIT_SEED)
+    train_idx, val_idx = stratified_split(full.targets, DIGITS_VAL_FRACTION, SPLIT_SEED)
     return full.subset(train_idx), full.subset(val_idx)
 
 
@@ -372,7 +372,7 @@ def load_mnist_split():
 
     pixels, targets = mnist_data()
     full = ArrayImageDataset(pixels.reshape(-1, 28, 28).astype(np.uint8), targets, [str(k) for k in range(10)])
-    train_idx, val_idx = _stratified_split(full.targets, MNIST_VAL_FRACTION, SPLIT_SEED)
+    train_idx, val_idx = stratified_split(full.targets, MNIST_VAL_FRACTION, SPLIT_SEED)
     return full.subset(train_idx), full.subset(val_idx)
 
 
@@ -459,5 +459,5 @@ def load_image_folders(
             )
         val = ImageFolderDataset.scan(val_dir, layout, train.classes, skip_unreadable)
         return train, val
-    train_idx, val_idx = _stratified_split(train.targets, FOLDER_VAL_FRACTION, SPLIT_SEED)
+    train_idx, val_idx = stratified_split(train.targets, FOLDER_VAL_FRACTION, SPLIT_SEED)
     return train.subset(train_idx), train.subset(val_idx)

@@ -162,11 +162,11 @@ def check_stream(
         info = _check_wds(Path(data_dir))
     if train_num_samples:
         info["num_samples"]["train"] = int(train_num_samples)
-    _check_shards_per_worker(name, info["train_shards"], workers, processes)
+    check_shards_per_worker(name, info["train_shards"], workers, processes)
     return info
 
 
-def _check_shards_per_worker(name: str, shards: int, workers: int, processes: int) -> None:
+def check_shards_per_worker(name: str, shards: int, workers: int, processes: int) -> None:
     """timm's readers hand whole training shards to loader workers: a worker without one reads nothing (wds/:
     the epoch silently ends early; hfids/: timm raises in the worker mid-run). ReaderWds deals the shards out
     to every worker of every process; datasets' split_dataset_by_node gives each process shards / processes

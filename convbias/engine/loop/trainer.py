@@ -228,13 +228,13 @@ class Trainer:
                 self._reparametrize()
             if cfg.mixup_off_epoch and epoch >= cfg.mixup_off_epoch and self.optimization.mixup is not None:
                 self.optimization.mixup.mixup_enabled = False  # as timm's train.py: smoothed one-hot targets stay
-            train = self._train_one_epoch(epoch, progress.step if epoch == first_epoch else 0)
+            train = self.train_one_epoch(epoch, progress.step if epoch == first_epoch else 0)
             record: dict[str, Any] = {"epoch": epoch + 1, **train, **(initial if epoch == 0 else {})}
             if epoch == first_epoch and self.accepted_changes:
                 record["resume_changes_accepted"] = self.accepted_changes
             evaluated = (epoch + 1) % cfg.eval_interval == 0 or epoch + 1 == self.start.values.epochs
             if evaluated:
-                self._distribute_batchnorm()
+                self.distribute_batchnorm()
                 metrics = self._epoch_metrics()
                 progress.final = {"epoch": epoch + 1, **metrics}
                 record.update(metrics)
@@ -288,7 +288,7 @@ class Trainer:
         if scheduler.t_in_epochs:
             scheduler.step(epoch + 1, evaluation[f"eval_{self.cfg.eval_metric}"] if evaluation else None)
 
-    def _distribute_batchnorm(self) -> None:
+    def distribute_batchnorm(self) -> None:
         """--dist-bn: every process evaluates with the same BatchNorm statistics (averaged, or rank 0's), as
         timm's train.py does before evaluating; the EMA's too."""
         acc, models = self.accelerator, self.models
@@ -313,7 +313,7 @@ class Trainer:
         return {**ema, **{f"model_{k}": v for k, v in metrics.items()}, **{f"ema_{k}": v for k, v in ema.items()}}
 
     # ---------------------------------------------------------------------------------------- epochs
-    def _train_one_epoch(self, epoch: int, first: int) -> dict[str, float]:
+    def train_one_epoch(self, epoch: int, first: int) -> dict[str, float]:
         """One epoch from step ``first`` (the remainder after a mid-epoch resume point); stops with Preempted
         on a signal."""
         cfg, acc, models, optimization = self.cfg, self.accelerator, self.models, self.optimization

@@ -212,14 +212,14 @@ def test_the_hfids_worker_check_follows_datasets_split_between_processes(shards,
     split_dataset_by_node actually gives rank 0 (the oracle): that many pass, one more is refused."""
     from datasets.distributed import split_dataset_by_node
 
-    from convbias.engine.data.streams import _check_shards_per_worker
+    from convbias.engine.data.streams import check_shards_per_worker
 
     stream = datasets.IterableDataset.from_generator(_numbers, gen_kwargs={"files": list(range(shards))})
     assert stream.num_shards == shards
     per_process = split_dataset_by_node(stream, rank=0, world_size=processes).num_shards
-    _check_shards_per_worker("hfids/toy", shards, per_process, processes)
+    check_shards_per_worker("hfids/toy", shards, per_process, processes)
     with pytest.raises(ValueError, match=f"use --workers {per_process} or fewer"):
-        _check_shards_per_worker("hfids/toy", shards, per_process + 1, processes)
+        check_shards_per_worker("hfids/toy", shards, per_process + 1, processes)
 
 
 @pytest.fixture(scope="module")

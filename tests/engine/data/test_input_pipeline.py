@@ -23,7 +23,7 @@ from torchvision import transforms
 
 from convbias.engine.config.options import Config
 from convbias.engine.data.device_augment import AugmentSpec, CropFlip, DeviceAugment, DeviceBatches
-from convbias.engine.data.factory import _posterize_zero_bits, build_datasets, fast_path_reason
+from convbias.engine.data.factory import build_datasets, build_transforms, fast_path_reason
 from convbias.engine.data.loaders import seeded_rngs
 from convbias.engine.data.rand_augment import LEVELS, OPS, ErasingSpec, OpContext, RandAugmentSpec, erase, erasing_noise
 
@@ -83,10 +83,19 @@ def test_level_arguments_are_timms(name, monkeypatch):
         assert (expected[0] if expected else 0.0) == value, (name, magnitude, negate)
 
 
+def engine_posterize(name: str):
+    """The PIL function the engine's RandAugment runs for timm's posterize op `name` (build_transforms routes it
+    to one that takes 0 bits: timm's own raises with Pillow 13)."""
+    policy = "rand-m9-mstd0.5-inc1" if name.endswith("Increasing") else "rand-m9-mstd0.5"
+    train, _ = build_transforms(16, 3, IMAGENET_MEAN, IMAGENET_STD, Config(aa=policy))
+    rand_augment = next(t for t in train.transforms if hasattr(t, "ops"))
+    return next(op.aug_fn for op in rand_augment.ops if op.name == name)
+
+
 def run_both(name: str, image: Image.Image, monkeypatch) -> list[tuple[np.ndarray, np.ndarray]]:
     """(timm's PIL result, ours) for each (magnitude, sign) variant, ours computed as one batch."""
     op = auto_augment.AugmentOp(name, prob=1.0, magnitude=10, hparams=HPARAMS)
-    pil_fn = _posterize_zero_bits if name.startswith("Posterize") else op.aug_fn  # the engine's posterize
+    pil_fn = engine_posterize(name) if name.startswith("Posterize") else op.aug_fn
     arguments = LEVELS[name](np.array([m for m, _ in VARIANTS]), np.array([n for _, n in VARIANTS]), HPARAMS)
     channels = len(image.getbands())
     fill = torch.tensor(FILL[:channels], dtype=torch.float32).view(1, channels, 1, 1)

@@ -179,7 +179,7 @@ def test_each_process_takes_its_share_of_the_cores_unless_the_user_set_the_threa
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("OMP_NUM_THREADS")
     before = torch.get_num_threads()
-    monkeypatch.setattr(node, "TORCH_THREADS_AT_IMPORT", before)
+    torch.set_num_threads(node.TORCH_THREADS_AT_IMPORT)  # as if nothing had set them since the engine's import
     try:
         assert set_threads(workers=0) == "8 cores / 4 processes less 0 loader workers"
         assert torch.get_num_threads() == 2  # 8 cores, 4 processes on the node
@@ -201,11 +201,15 @@ def test_the_startup_block_says_where_the_threads_came_from(cli_argv, tmp_path, 
     printed beside the engine's."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(node, "TORCH_THREADS_AT_IMPORT", torch.get_num_threads())
+    before = torch.get_num_threads()
+    torch.set_num_threads(node.TORCH_THREADS_AT_IMPORT)  # as if nothing had set them since the engine's import
     args = cli_argv(
         cli_argv.TINY_CONVIT, cli_argv.PLAIN_DIGITS, batch_size=16, train_fraction=0.05, epochs=1, workers=3
     )
-    assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
+    try:
+        assert train.main(args + ["--output", str(tmp_path / "run"), "--no-diagnostics"]) == 0
+    finally:
+        torch.set_num_threads(before)
     out, err = capsys.readouterr()
     assert "processes: 1 (1 thread each [2 cores less 3 loader workers]) on cpu, fp32 [default]" in out.splitlines()
     assert not [w for w in recwarn if "This DataLoader will create" in str(w.message)]
@@ -380,12 +384,15 @@ def test_input_size_on_the_command_line_wins_over_an_args_files_img_size_as_in_t
 def test_a_lookahead_optimizers_values_are_credited_to_the_optimizer_it_wraps(tmp_path):
     """lookahead_adamw: timm's factory builds Lookahead over AdamW, whose defaults give eps and betas."""
     cfg = parse_config(["--model", "resnet18", "--opt", "lookahead_adamw", "--output", str(tmp_path / "run")])
-    built = create_optimizer_v2([torch.zeros(1, requires_grad=True)], **optimizer_arguments(cfg, 0.1))
-    inner = built._base_optimizer  # the oracle: what timm's factory builds from the same options
+    # the oracle: what timm's factory builds from the same options, and without lookahead_ the optimizer it wraps
+    # (whose defaults Lookahead's are)
+    arguments = optimizer_arguments(cfg, 0.1)
+    built = create_optimizer_v2([torch.zeros(1, requires_grad=True)], **arguments)
+    inner = create_optimizer_v2([torch.zeros(1, requires_grad=True)], **{**arguments, "opt": "adamw"})
     shown = next(line for line in settings_lines(cfg, 0.1) if line.startswith("optimizer: "))
     assert shown == (
         f"optimizer: {type(built).__name__} of {type(inner).__name__} (--opt lookahead_adamw [command line]), "
-        f"eps {inner.defaults['eps']} [AdamW default], betas {inner.defaults['betas']} [AdamW default], weight "
+        f"eps {built.defaults['eps']} [AdamW default], betas {built.defaults['betas']} [AdamW default], weight "
         "decay 2e-05 [timm default]"
     )
 

@@ -29,6 +29,7 @@ from convbias.engine.config.timm_train_options import TIMM_TRAIN_DEFAULTS
 from convbias.engine.data.device_augment import DeviceBatches
 from convbias.engine.data.loaders import epoch_batches
 from convbias.engine.loop.trainer import accumulation
+from convbias.engine.optim.factory import main_lr
 from convbias.engine.rundir.run_files import foreign_entry
 from convbias.families import load_families
 
@@ -101,9 +102,17 @@ def accumulated_run(cli_argv, tmp_path_factory):
         )
         for e in range(cfg.epochs)
     ]
-    lrs, update = [], trainer._update
-    trainer._update = lambda: (update(), lrs.append(trainer._lr()))
-    trainer.fit()
+    lrs, scheduler = [], trainer.optimization.scheduler
+    step_update = type(scheduler).step_update
+
+    def recorded(self, num_updates, metric=None):  # the run's main lr after each update's schedule step
+        step_update(self, num_updates, metric)
+        if self is scheduler:
+            lrs.append(main_lr(trainer.optimization.optimizer.param_groups))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(scheduler), "step_update", recorded)
+        trainer.fit()
 
     args = SimpleNamespace(
         **{**TIMM_TRAIN_DEFAULTS, **{k: getattr(cfg, k) for k in TIMM_TRAIN_DEFAULTS if hasattr(cfg, k)}}

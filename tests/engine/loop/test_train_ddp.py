@@ -56,10 +56,10 @@ def running_means(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def every_dist_bn(args: list[str], dump: Path):
-    """A `Trainer._distribute_batchnorm` that, before the run's own step, records the rank's BatchNorm
+    """A `Trainer.distribute_batchnorm` that, before the run's own step, records the rank's BatchNorm
     statistics and what each --dist-bn of DIST_BN (parsed from the command line) makes of them, every one
     applied by the engine's own step to the rank's own statistics, in dump/bn_rank<process index>.safetensors."""
-    engine_step = engine_trainer.Trainer._distribute_batchnorm
+    engine_step = engine_trainer.Trainer.distribute_batchnorm
 
     def recorded(self) -> None:
         model = self.accelerator.unwrap_model(self.models.model)
@@ -82,15 +82,15 @@ def every_dist_bn(args: list[str], dump: Path):
 def run_jobs(jobs_file: str) -> None:
     """In every launched process: the runs of `jobs_file` in turn ({"args", "dump", "dist_bn"} each: with
     "dist_bn", what every --dist-bn makes of each rank's BatchNorm statistics is recorded too)."""
-    engine_step = engine_trainer.Trainer._distribute_batchnorm
+    engine_step = engine_trainer.Trainer.distribute_batchnorm
     for job in json.loads(Path(jobs_file).read_text()):
         dump = Path(job["dump"])
         if job["dist_bn"]:
-            engine_trainer.Trainer._distribute_batchnorm = every_dist_bn(job["args"], dump)
+            engine_trainer.Trainer.distribute_batchnorm = every_dist_bn(job["args"], dump)
         try:
             train_and_dump(job["args"], dump)
         finally:
-            engine_trainer.Trainer._distribute_batchnorm = engine_step
+            engine_trainer.Trainer.distribute_batchnorm = engine_step
 
 
 def launch_two(tmp_path: Path, jobs: dict[str, tuple[list[str], int, bool]]) -> dict[str, Path]:

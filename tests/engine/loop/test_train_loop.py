@@ -118,10 +118,10 @@ def test_an_epoch_reads_device_values_only_at_the_loss_checks(cli_argv, tmp_path
     trainer = build(cli_argv, tmp_path, no_aug=False, train_fraction=0.15, epochs=2, workers=1, **DEIT_STEP)
     steps = trainer.data.steps_per_epoch
     assert steps > LOSS_CHECK_INTERVAL and trainer.data.augment is not None and trainer.optimization.mixup
-    trainer._train_one_epoch(0, 0)  # the optimizer's state exists from here on
+    trainer.train_one_epoch(0, 0)  # the optimizer's state exists from here on
     reads = HostReads(optimizer_steps(trainer.optimization.optimizer.optimizer))
     with reads:
-        trainer._train_one_epoch(1, 0)
+        trainer.train_one_epoch(1, 0)
     checks = steps // LOSS_CHECK_INTERVAL + (steps % LOSS_CHECK_INTERVAL != 0)
     assert reads.count == checks, f"{reads.count} host reads in {steps} steps, expected {checks}"
 
