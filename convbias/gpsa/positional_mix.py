@@ -43,13 +43,13 @@ def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
 
 
-# Split-K for `_contract`: chunks of at least this many terms per product (GPU only, see there)
+# Split-K for `contract`: chunks of at least this many terms per product (GPU only, see there)
 SPLIT_K_MIN_CHUNK = 1024
 SPLIT_K_MAX_SPLITS = 256
 
 
 def _scan_split_count(length: int, device: torch.device) -> int:
-    """How many chunks `_contract` cuts a contraction of this length into: 1 (no split) off the GPU."""
+    """How many chunks `contract` cuts a contraction of this length into: 1 (no split) off the GPU."""
     if device.type != "cuda":
         return 1
     divisors = [d for d in range(2, SPLIT_K_MAX_SPLITS + 1) if length % d == 0 and length // d >= SPLIT_K_MIN_CHUNK]
@@ -59,7 +59,7 @@ def _scan_split_count(length: int, device: torch.device) -> int:
 _cached_split_count = functools.lru_cache(maxsize=None)(_scan_split_count)  # a few distinct shapes per model
 
 
-def _split_count(length: int, device: torch.device) -> int:
+def split_count(length: int, device: torch.device) -> int:
     """`_scan_split_count`, cached in eager mode (called twice per GPSA layer's backward); Dynamo traces the
     scan itself once per graph (it warns about a cache wrapper it would ignore), as does AOT tracing of a
     backward with dynamic shapes."""
@@ -68,7 +68,7 @@ def _split_count(length: int, device: torch.device) -> int:
     return _cached_split_count(length, device)
 
 
-def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+def contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """a @ b^T for a (G, M, K) and b (G, L, K) with a long K and a small M x L output: (G, M, L).
 
     The backward's products for the factors' gradients have a 14 x 14 output per head and K = B * dv *
@@ -77,7 +77,7 @@ def _contract(a: torch.Tensor, b: torch.Tensor, splits: int | None = None) -> to
     `splits` chunks gives G * splits blocks (split-K), at the price of a copy of each operand and
     a sum of the partial products (in fp32). The CPU's GEMM needs no help: one chunk there."""
     length = a.shape[-1]
-    splits = _split_count(length, a.device) if splits is None else splits
+    splits = split_count(length, a.device) if splits is None else splits
     if splits == 1:
         return torch.bmm(a, b.transpose(1, 2))
     a = rearrange(a, "g m (s c) -> (g s) m c", s=splits)
@@ -155,13 +155,13 @@ class PositionalMix(torch.autograd.Function):
                 heads * key_rows, query_cols, width
             )
             if ctx.needs_input_grad[2]:
-                grad_cols = _contract(through_rows, folded)  # (H*Ky, Qx, Kx)
+                grad_cols = contract(through_rows, folded)  # (H*Ky, Qx, Kx)
             if ctx.needs_input_grad[3]:
                 grad_v = _unfold(
                     torch.bmm(cols_per_key_row.transpose(1, 2), through_rows).view(heads, -1, width), batch
                 )
         if ctx.needs_input_grad[1]:
-            grad_rows = _contract(grad_folded, along_cols)  # (H, Qy, Ky)
+            grad_rows = contract(grad_folded, along_cols)  # (H, Qy, Ky)
         return grad_content, grad_rows, grad_cols, grad_v, grad_weight
 
 
@@ -197,13 +197,13 @@ def kronecker_positional_grads(
         # S: (H*Ky, Qx, B*dv), the gradient reaching along_cols, with the gate's weight
         through_rows = torch.bmm((rows * weight).transpose(1, 2), grad_folded).view(heads * key_rows, query_cols, width)
         if needs[1]:
-            per_row = _contract(through_rows, folded)  # (H*Ky, Qx, Kx)
+            per_row = contract(through_rows, folded)  # (H*Ky, Qx, Kx)
             grad_cols = per_row.view(heads, key_rows, query_cols, key_cols).sum(dim=1)
         if needs[2]:
             grad_folded_v = torch.bmm(_per_row(cols, key_rows).transpose(1, 2), through_rows)  # (H*Ky, Kx, B*dv)
             grad_v = _unfold(grad_folded_v.view(heads, key_rows * key_cols, width), batch)
     if needs[0] or needs[3]:
-        grad_scores = _contract(grad_folded, _along_cols(cols, folded))  # (H, Qy, Ky), unweighted
+        grad_scores = contract(grad_folded, _along_cols(cols, folded))  # (H, Qy, Ky), unweighted
         if needs[0]:
             grad_rows = grad_scores * weight
         if needs[3]:
@@ -216,7 +216,7 @@ class DensePositionalMix(torch.autograd.Function):
 
     The same function as `PositionalMix`, as GEMMs shaped for tensor cores: Nk terms per output instead
     of Ky and Kx, Nk / (Ky + Kx) times the work. Only the folded V and P are saved. Backward: dV = (s P)^T G
-    (one GEMM), dL/dP = s G V^T (one GEMM with K = B*dv terms, split along K on a GPU by `_contract`); the
+    (one GEMM), dL/dP = s G V^T (one GEMM with K = B*dv terms, split along K on a GPU by `contract`); the
     gate's gradient is sum P * G V^T, the positional term being linear in P."""
 
     @staticmethod
@@ -237,7 +237,7 @@ class DensePositionalMix(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_v = _unfold(torch.bmm((attention * weight).transpose(1, 2), grad_folded), grad.shape[0])
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
-            grad_scores = _contract(grad_folded, folded)  # (H, Nq, Nk), unweighted
+            grad_scores = contract(grad_folded, folded)  # (H, Nq, Nk), unweighted
             if ctx.needs_input_grad[1]:
                 grad_attention = grad_scores * weight
             if ctx.needs_input_grad[3]:

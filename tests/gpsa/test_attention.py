@@ -101,7 +101,7 @@ def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads, split_
     if split_k:
         monkeypatch.setattr(
             positional_mix,
-            "_split_count",
+            "split_count",
             lambda length, device: next(n for n in range(2, length + 1) if length % n == 0),
         )
     torch.manual_seed(0)
@@ -125,16 +125,16 @@ def test_factored_hot_path_gradients_on_a_strided_query_grid(value_heads, split_
 def test_split_k_contraction_equals_one_product(splits):
     torch.manual_seed(0)
     a, b = torch.randn(4, 5, 36, dtype=torch.float64), torch.randn(4, 7, 36, dtype=torch.float64)
-    torch.testing.assert_close(positional_mix._contract(a, b, splits), a @ b.transpose(1, 2))
+    torch.testing.assert_close(positional_mix.contract(a, b, splits), a @ b.transpose(1, 2))
 
 
 def test_split_k_is_chosen_on_the_gpu_only():
     """ConViT-Ti at batch 256: K = 256 * 48 * 14 terms, cut into chunks of >= SPLIT_K_MIN_CHUNK on a GPU."""
     length = 256 * 48 * 14
-    splits = positional_mix._split_count(length, torch.device("cuda"))
+    splits = positional_mix.split_count(length, torch.device("cuda"))
     assert length % splits == 0 and length // splits >= positional_mix.SPLIT_K_MIN_CHUNK and splits == 168
-    assert positional_mix._split_count(length, torch.device("cpu")) == 1
-    assert positional_mix._split_count(100, torch.device("cuda")) == 1  # too short to split
+    assert positional_mix.split_count(length, torch.device("cpu")) == 1
+    assert positional_mix.split_count(100, torch.device("cuda")) == 1  # too short to split
 
 
 class _ShapeRecorder(TorchDispatchMode):
