@@ -1,8 +1,11 @@
 """Shared pytest fixtures: the repository root, the installed console scripts, test data builders."""
 
+import contextlib
 import io
 import os
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +13,10 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from support.faults import Fault, FaultyFileSystem, no_space, read_only_disk
 from torch import nn
+
+from convbias.base import storage
 
 REPO = Path(__file__).resolve().parents[1]
 # configs/recipes/deit.yaml, the DeiT recipe: for tests written about it (train.py's own defaults are timm's)
@@ -125,6 +131,71 @@ def single_thread():
         del os.environ["OMP_NUM_THREADS"]
     else:
         os.environ["OMP_NUM_THREADS"] = variable
+
+
+# -- Faults, at the package's own seams -------------------------------------------------------------------
+@pytest.fixture
+def file_faults():
+    """The package's file-system calls (convbias.base.storage.FileSystem) for the test, with the faults that
+    ``file_faults.add(Fault(...))`` plans (support.faults); ``file_faults.clear()`` ends them, for a rerun on a
+    sound disk."""
+    faulty = FaultyFileSystem()
+    with storage.using(faulty):
+        yield faulty
+
+
+def _fault_of(file_faults: FaultyFileSystem, error: Callable[[], BaseException]):
+    def add(on: str, name: str = "", at: int = 1, partial: bool = False) -> Fault:
+        return file_faults.add(Fault(on, error(), name, at, partial=partial))
+
+    return add
+
+
+@pytest.fixture
+def disk_full(file_faults):
+    """``disk_full(on, name="", at=1, partial=False)``: the ``at``-th call of the FileSystem method ``on`` (on a
+    file whose name holds ``name``) fails as on a full disk (ENOSPC), having written part of its content with
+    ``partial``."""
+    return _fault_of(file_faults, no_space)
+
+
+@pytest.fixture
+def read_only(file_faults):
+    """``read_only(on, name="", at=1, partial=False)``: that call fails as on a read-only disk (EROFS)."""
+    return _fault_of(file_faults, read_only_disk)
+
+
+@pytest.fixture
+def killed_at(file_faults):
+    """``killed_at(on, name="", at=1)``: the process is killed inside that call (a second Ctrl-C: the
+    KeyboardInterrupt that no handler turns into a clean stop)."""
+    return _fault_of(file_faults, KeyboardInterrupt)
+
+
+@pytest.fixture
+def signal_after():
+    """``with signal_after(signal.SIGHUP, batches=4):`` in the block, the run's process receives the signal once an
+    epoch has handed out that many batches (the training loop's ``watching_batches``), as from a closed terminal or
+    a scheduler."""
+    from convbias.engine.loop.trainer import watching_batches  # not at the top: collecting loads no training loop
+
+    def after(sig: signal.Signals, batches: int) -> contextlib.AbstractContextManager:
+        def watch(source):
+            for i, batch in enumerate(source):
+                if i == batches:
+                    os.kill(os.getpid(), sig)
+                yield batch
+
+        return watching_batches(watch)
+
+    return after
+
+
+@pytest.fixture
+def as_an_unprivileged_user(monkeypatch):
+    """The permission checks answer as for a user whom a folder's modes stop: the tests run as root, whom chmod
+    stops not (``os.access`` says no)."""
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
 
 
 # -- Command lines of the console scripts (convbias-train, convbias-robustness) --------------------------

@@ -17,6 +17,11 @@ A write that fails (disk full, read-only, removed) is a ``StorageError`` naming 
 raises it, and a command writing by other means wraps the write in ``writing(path)``. An ``OSError`` that reaches
 a command's reporter is no write the package made, so it is a bug and keeps its traceback. Light to import: no
 torch.
+
+The calls these writers make to the file system (and those of the resume points' writer, the run log, the run lock,
+the export and the weights reader) go through one ``FileSystem``, ``file_system()``: ``with using(other):``
+replaces it for the block, so that a test puts a full disk, a read-only one or a kill at a real call of the
+package, wherever the code making it lives.
 """
 
 from __future__ import annotations
@@ -52,6 +57,79 @@ _REASONS = {
     errno.EIO: "an I/O error of the device",
 }
 _MIN_FREE = 1 << 20  # below this a write without an errno (torch's, safetensors') is taken as a full disk
+
+
+class FileSystem:
+    """The file-system calls of the package's writers and of its weights reader: the OS's, and the writes of
+    safetensors, torch and timm (imported by the call that needs them). A subclass overrides what it changes."""
+
+    def write_text(self, path: Path, text: str) -> None:
+        path.write_text(text, newline="")
+
+    def append_text(self, path: Path, text: str) -> None:
+        with open(path, "a", newline="") as f:
+            f.write(text)
+
+    def copy_file(self, source: Path, target: Path) -> None:
+        shutil.copyfile(source, target)
+
+    def replace(self, source: Path, target: Path) -> None:
+        os.replace(source, target)
+
+    def rename(self, source: Path, target: Path) -> None:
+        os.rename(source, target)
+
+    def mkdir(self, path: Path, parents: bool = False, exist_ok: bool = False) -> None:
+        path.mkdir(parents=parents, exist_ok=exist_ok)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+    def open(self, path: Path, flags: int, mode: int = 0o777) -> int:
+        return os.open(path, flags, mode)
+
+    def pwrite(self, descriptor: int, data: bytes, offset: int) -> int:
+        return os.pwrite(descriptor, data, offset)
+
+    def save_safetensors(self, tensors: dict[str, Any], path: Path, metadata: dict[str, str] | None = None) -> None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata=metadata)
+
+    def save_torch(self, obj: Any, path: Path) -> None:
+        import torch
+
+        torch.save(obj, path)
+
+    def save_hf(self, model: Any, folder: Path, **kwargs: Any) -> None:
+        """timm's ``save_for_hf`` of ``model`` into ``folder`` (its weights and config.json)."""
+        from timm.models import save_for_hf
+
+        save_for_hf(model, folder, **kwargs)
+
+    def load_safetensors(self, path: Path) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+
+
+_file_system = FileSystem()
+
+
+def file_system() -> FileSystem:
+    """The FileSystem the package's writes go through (``using`` replaces it)."""
+    return _file_system
+
+
+@contextlib.contextmanager
+def using(replacement: FileSystem) -> Iterator[FileSystem]:
+    """``with using(faulty):`` the package's file-system calls are ``faulty``'s until the block ends."""
+    global _file_system
+    previous, _file_system = _file_system, replacement
+    try:
+        yield replacement
+    finally:
+        _file_system = previous
 
 
 def temporary_name(path: Path) -> Path:
@@ -173,7 +251,7 @@ def atomic_write(
     try:
         with writing(path, kept="any earlier version of it is unchanged"):
             write(tmp)
-            os.replace(tmp, path)
+            file_system().replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):  # on a read-only or removed output there is nothing to clean
             tmp.unlink(missing_ok=True)
@@ -181,7 +259,7 @@ def atomic_write(
 
 def write_text(path: str | os.PathLike, text: str, owner: str | os.PathLike | None = None) -> None:
     """``atomic_write`` of a text file (LF line endings as given)."""
-    atomic_write(path, lambda tmp: tmp.write_text(text, newline=""), owner)
+    atomic_write(path, lambda tmp: file_system().write_text(tmp, text), owner)
 
 
 def save_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
@@ -231,7 +309,7 @@ def output_folder(
     Returns it."""
     path = check_output(path, option, owned, writer)
     with writing(path):
-        path.mkdir(parents=True, exist_ok=True)
+        file_system().mkdir(path, parents=True, exist_ok=True)
     if owned is not None and marked_owner(path) is None:
         write_text(path / OWNER_FILE, owner_mark(owned), owner=path)
     return path
@@ -249,7 +327,7 @@ def open_append(path: str | os.PathLike, owner: str | os.PathLike | None = None,
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     with writing(path):
         try:
-            descriptor = os.open(path, flags, 0o644)
+            descriptor = file_system().open(path, flags, 0o644)
         except OSError as error:
             if error.errno in (errno.ELOOP, errno.ENXIO):  # a link, or a FIFO without a reader, put there meanwhile
                 check_plain_file(path, what, DamagedInputError)
@@ -272,16 +350,16 @@ def staged_directory(path: str | os.PathLike) -> Iterator[Path]:
     tmp = temporary_name(path)
     kept = f"nothing was written to {path}"
     with writing(path, kept):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        file_system().mkdir(path.parent, parents=True, exist_ok=True)
         remove_stale_temporaries(path)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        file_system().mkdir(tmp)
     try:
         yield tmp
         with writing(path, kept):
             if path.exists():
                 path.rmdir()  # empty: a non-empty one is the caller's to refuse
-            os.replace(tmp, path)
+            file_system().replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from convbias.base.errors import DamagedInputError
 from convbias.base.inputs import quoted, read_file
-from convbias.base.storage import atomic_write
+from convbias.base.storage import write_text
 
 Cell = Callable[[str, str], Any]  # (column, value) -> the cell's value; ValueError or TypeError refuses it
 
@@ -37,7 +37,7 @@ def write_csv(
     path = Path(path)
     columns = list(columns) if columns is not None else list(dict.fromkeys(key for row in rows for key in row))
     text = csv_text(rows, columns)
-    atomic_write(path, lambda tmp: tmp.write_text(text, newline=""), owner)
+    write_text(path, text, owner)
     return path
 
 

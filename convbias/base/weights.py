@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from convbias.base.errors import ConfigError, DamagedInputError
 from convbias.base.inputs import check_regular_file, first_line
 from convbias.base.run_layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
+from convbias.base.storage import file_system
 
 MAX_KEYS_SHOWN = 5
 
@@ -85,7 +85,7 @@ def read_weights(path: str | Path, use_ema: bool = False) -> tuple[dict[str, tor
     path = resolve_weights_path(path)
     if path.suffix == ".safetensors":
         try:
-            return load_file(str(path)), None
+            return file_system().load_safetensors(path), None
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise DamagedInputError(f"{path} is not a readable safetensors file ({first_line(e)})") from None
     obj = load_torch_file(path)

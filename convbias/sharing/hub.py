@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from importlib import metadata
@@ -43,12 +42,12 @@ import yaml
 from huggingface_hub import HfApi
 from huggingface_hub.constants import SAFETENSORS_SINGLE_FILE
 from huggingface_hub.errors import OfflineModeIsEnabled
-from timm.models import model_entrypoint, save_for_hf
+from timm.models import model_entrypoint
 
 from convbias.base.errors import DamagedInputError
 from convbias.base.inputs import read_file
 from convbias.base.run_layout import CONFIG_FILE, LOG_FILE, RESULTS_FILE, TIMM_ARGS_FILE
-from convbias.base.storage import staged_directory, storage_reason
+from convbias.base.storage import file_system, staged_directory, storage_reason
 from convbias.base.tables import markdown_table
 from convbias.engine import (
     WRITE_ERRORS,
@@ -570,7 +569,9 @@ def write_export(
     checks = {}
     with _writing(output, ""), staged_directory(output) as tmp:
         with _writing(output, SAFETENSORS_SINGLE_FILE):
-            save_for_hf(model, tmp, model_config=model_config, safe_serialization=True, data_config=preprocessing)
+            file_system().save_hf(
+                model, tmp, model_config=model_config, safe_serialization=True, data_config=preprocessing
+            )
         hf_config = json.loads((tmp / "config.json").read_text())
         exported = {
             "model_args": hf_config.get("model_args", {}),
@@ -587,7 +588,7 @@ def write_export(
                 if isinstance(source, str):
                     (tmp / name).write_text(source)
                 else:
-                    shutil.copyfile(source, tmp / name)
+                    file_system().copy_file(source, tmp / name)
         for name, export in (("onnx", export_onnx), ("pt2", export_program)):
             if name in deploy:
                 with _writing(output, f"model.{name}"):

@@ -50,17 +50,12 @@ def test_each_reported_error_is_one_line_and_its_exit_code(capsys, error, code, 
     assert err.strip() == (line or f"error: {error}")
 
 
-def test_a_failed_write_names_the_file_and_the_disk(capsys, tmp_path, monkeypatch):
+def test_a_failed_write_names_the_file_and_the_disk(capsys, tmp_path, disk_full, file_faults):
     """The package's writers turn a failed write into a StorageError naming the file; the earlier file stays."""
     (tmp_path / "table.md").write_text("earlier\n")
-    real_replace = storage.os.replace
-
-    def full(source, target):
-        raise OSError(errno.ENOSPC, "No space left on device", str(source))
-
-    monkeypatch.setattr(storage.os, "replace", full)
+    disk_full("replace", "table.md")  # the temporary written, its rename into place fails
     assert run_command(lambda: storage.write_text(tmp_path / "table.md", "new\n")) == EXIT_STORAGE
-    monkeypatch.setattr(storage.os, "replace", real_replace)
+    file_faults.clear()
     err = capsys.readouterr().err.strip()
     assert re.fullmatch(
         rf"error: writing {re.escape(str(tmp_path))}/table.md failed \(no space left on the device: the disk at "
@@ -71,13 +66,9 @@ def test_a_failed_write_names_the_file_and_the_disk(capsys, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("writer", ["output_folder", "staged_directory", "writing"])
-def test_every_writer_of_the_package_reports_a_failed_write_as_a_storage_error(tmp_path, monkeypatch, writer):
+def test_every_writer_of_the_package_reports_a_failed_write_as_a_storage_error(tmp_path, read_only, writer):
     """Where a folder cannot be made (the disk is read-only), each writer names the path and why."""
-
-    def read_only(self, *args, **kwargs):
-        raise OSError(errno.EROFS, "Read-only file system", str(self))
-
-    monkeypatch.setattr(storage.Path, "mkdir", read_only)
+    read_only("mkdir")
     out = tmp_path / "out"
     kept = f"; nothing was written to {re.escape(str(out))}" if writer == "staged_directory" else ""
     with pytest.raises(
@@ -90,7 +81,7 @@ def test_every_writer_of_the_package_reports_a_failed_write_as_a_storage_error(t
                 pass
         else:
             with storage.writing(out):
-                out.mkdir()
+                storage.file_system().mkdir(out)
     assert list(tmp_path.iterdir()) == []
 
 

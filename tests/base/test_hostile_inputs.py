@@ -414,8 +414,8 @@ def test_launch_refuses_a_process_count_below_one(capsys):
     )
 
 
-def test_a_read_only_output_is_74(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(os, "access", lambda path, mode: False)  # the tests run as root, whom chmod stops not
+@pytest.mark.usefixtures("as_an_unprivileged_user")  # the tests run as root, whom chmod stops not
+def test_a_read_only_output_is_74(tmp_path, capsys):
     code, err = run_train(capsys, "--output", str(tmp_path / "run"))
     assert code == EXIT_STORAGE
     one_line(err, rf"^error: --output {tmp_path}/run: {tmp_path} is not writable \(read-only\)")

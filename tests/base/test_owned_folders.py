@@ -4,9 +4,9 @@ file), so that no other command writes over the files read back there; its comma
 (never through a symbolic or hard link, never into a FIFO) and read back only tables with their declared columns
 and types. train.py's --save-epochs snapshots, its lock and a timm checkpoint's saved args are read the same way.
 
-The folders here are written by the commands themselves (tiny inputs: a study's tables combined, a sweep of runs
-that a stand-in launcher fails, a phase diagram of two nets, one tiny training run), once per module; every check
-is an in-process call of a command's main(argv)."""
+The folders here are written by the commands themselves (tiny inputs: a study's tables combined, a sweep of two
+tiny trained runs and one that a stand-in launcher fails, a phase diagram of two nets, one tiny training run), once
+per module; every check is an in-process call of a command's main(argv)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import csv
 import io
-import json
 import os
 import re
 import shutil
@@ -154,9 +153,6 @@ def stability_folder(tmp_path_factory) -> Folder:
     return Folder(folder, run_layout.STABILITY_FOLDER.declares, [rewrite, pairs], readers)
 
 
-ENSEMBLE = {"model": "convit_tiny", "members": 2, "ensemble_top1": 51.0, "member_top1": 50.5, "fluctuation": 0.1}
-
-
 def sweep_file(root: Path) -> Path:
     path = root / "grid.yaml"
     spec = {"set": TINY_SET, "grid": {"model": ["convit_tiny"], "seed": [0, 1, 2]}}
@@ -166,20 +162,16 @@ def sweep_file(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def sweep_folder(tmp_path_factory) -> Folder:
-    """Seeds 0 and 1 done (their results.json beside a point), seed 2 started by a launcher that fails (`false`):
-    the sweep's record, its runs' table and ensembles (their evaluation stood in for), a log and the report."""
+    """Seeds 0 and 1 trained (train.py in this process, as the sweep's commands say), seed 2 started by a launcher
+    that fails (`false`): the sweep's record, its runs' table and their ensemble, a log and the report."""
     root = tmp_path_factory.mktemp("sweep")
     grid, folder = sweep_file(root), root / "folder"
     prepared = sweep.Sweep.prepare(load_spec(grid), folder)
-    for run in prepared.runs[:2]:
-        run_dir = prepared.run_dir(run)
-        (run_dir / CHECKPOINTS_DIR / "epoch_0001").mkdir(parents=True)
-        results = dict(model="convit_tiny", train_fraction=1.0, seed=run.point["seed"], epochs=1)
-        (run_dir / "results.json").write_text(json.dumps(dict(results, final_top1=50.0, best_top1=51.0, best_epoch=1)))
+    for command in prepared.commands()[:2]:
+        assert call(train.main, command[3:])[0] == 0  # python -m convbias.cli.train ARGS
     run = ["run", str(grid), "--output", str(folder), "--launcher", "false"]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sweep.Sweep, "collect_ensembles", lambda self, rows, extensions=None: [ENSEMBLE])
-        assert call(sweep_command.main, run)[0] == 1  # seed 2 failed, left as it is
+    assert call(sweep_command.main, run)[0] == 1  # seed 2 failed, left as it is
+    assert (folder / "ensembles.csv").is_file()
     writers: list[Command] = [
         lambda f, scratch: (sweep_command.main, ["run", str(grid), "--output", str(f), "--launcher", "false"]),
         lambda f, scratch: (sweep_command.main, ["collect", "--output", str(f)]),

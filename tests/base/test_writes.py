@@ -5,6 +5,7 @@ exported model, however the path is spelled, unless the writer is the run itself
 reads a run still training loads the point it verified or the next verified one. The runs are real (a tiny
 eFCN trained by train.py) and the export is convbias-export's, built once for the module."""
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -18,12 +19,13 @@ from support.runs import messages, one_line, tree
 
 from convbias.base import storage
 from convbias.base.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
-from convbias.base.run_layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name
-from convbias.base.weights import read_state_dict
+from convbias.base.run_layout import CHECKPOINTS_DIR, WEIGHTS_FILE, point_name, point_position
+from convbias.base.weights import read_state_dict, weights_metadata
 from convbias.cli import diagnostics, export, predict, train
 from convbias.engine import RunDir, build_run_model
 from convbias.engine.checkpoint.points import CheckpointDir
-from convbias.engine.rundir import reader as run_dir_module
+from convbias.engine.checkpoint.resume import load_training_state
+from convbias.engine.rundir.reader import ROTATION_RETRIES
 from convbias.families import load_families
 from convbias.studies.efcn_protocol import command as efcn_protocol
 from convbias.studies.ensembles import command as ensemble
@@ -190,30 +192,51 @@ def test_train_writes_its_own_run_and_a_resume_continues_it(folders, tmp_path):
 
 
 # --------------------------------------------------------------------------- reading a run being written
-def rotate_under_the_reader(run, monkeypatch, times: int):
-    """Before each of the reader's first ``times`` loads, the run saves a new point (copied from the newest)
-    and its rotation (the training loop's own code, keeping 1) removes the point the reader chose."""
-    real_load, calls = run_dir_module.load_weights, []
+class RotatingRun(storage.FileSystem):
+    """The package's file system, where the run at ``run`` saves a new point before each of the first ``times``
+    loads of one of its weights files (``loads``): the training loop's own save (CheckpointDir.save, of the newest
+    point's weights and state one epoch on), whose rotation (keeping 1 point, and the best as --checkpoint-hist 1
+    ranks it) removes the point the reader chose between its choice and its load."""
 
-    def load_after_a_save(model, weights):
-        if len(calls) < times:
-            calls.append(weights)
-            points = CheckpointDir(run, keep=1)
-            newest = points.points()[0]
-            epoch = int(newest.name.split("_")[1]) + 1
-            shutil.copytree(newest, points.root / point_name(epoch))
-            points._remove_superseded(keep=set())
-        return real_load(model, weights)
+    def __init__(self, run: Path, times: int):
+        self.run, self.times, self.loads = run.resolve(), times, []
 
-    monkeypatch.setattr(run_dir_module, "load_weights", load_after_a_save)
-    return calls
+    def load_safetensors(self, path):
+        if len(self.loads) < self.times and Path(path).resolve().is_relative_to(self.run):
+            self.loads.append(Path(path))
+            self.save_a_point()
+        return super().load_safetensors(path)
+
+    def save_a_point(self) -> None:
+        points = CheckpointDir(self.run, keep=1)
+        newest = points.points()[0]
+        epoch = point_position(newest)[0] + 1
+        state = load_training_state(newest)
+        weights = storage.FileSystem().load_safetensors(newest / WEIGHTS_FILE)
+        points.stage(epoch)
+        state = dict(state, epoch=epoch, ranked=[state["best"]])
+        points.save(epoch, weights, state, None, weights_metadata(newest / WEIGHTS_FILE), is_best=False)
 
 
-def test_a_reader_loads_the_next_verified_point_when_the_run_rotates_its_choice_away(folders, tmp_path, monkeypatch):
+@pytest.fixture
+def rotate_under_the_reader():
+    """``rotate_under_the_reader(run, times)``: for the rest of the test the run rotates its points away under
+    the reader (``RotatingRun``); returns the weights files whose loads it preceded."""
+    with contextlib.ExitStack() as stack:
+
+        def rotate(run: Path, times: int) -> list[Path]:
+            return stack.enter_context(storage.using(RotatingRun(run, times))).loads
+
+        yield rotate
+
+
+def test_a_reader_loads_the_next_verified_point_when_the_run_rotates_its_choice_away(
+    folders, tmp_path, rotate_under_the_reader
+):
     run = tmp_path / "training"
     shutil.copytree(folders.run, run, symlinks=True)
     chosen = RunDir(run).newest_point()
-    calls = rotate_under_the_reader(run, monkeypatch, times=1)
+    calls = rotate_under_the_reader(run, times=1)
     model, checkpoint = build_run_model(RunDir(run), "last", load_families())
     assert calls == [chosen / WEIGHTS_FILE] and not chosen.exists()  # removed between the choice and the load
     assert checkpoint.epoch == 3 and checkpoint.weights == run / CHECKPOINTS_DIR / point_name(3) / WEIGHTS_FILE
@@ -221,19 +244,23 @@ def test_a_reader_loads_the_next_verified_point_when_the_run_rotates_its_choice_
     assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
 
 
-def test_a_run_that_keeps_rotating_under_a_reader_is_one_line_run_again(folders, tmp_path, monkeypatch, capsys):
+def test_a_run_that_keeps_rotating_under_a_reader_is_one_line_run_again(
+    folders, tmp_path, rotate_under_the_reader, capsys
+):
     run = tmp_path / "training"
     shutil.copytree(folders.run, run, symlinks=True)
-    rotate_under_the_reader(run, monkeypatch, times=run_dir_module.ROTATION_RETRIES)
+    rotate_under_the_reader(run, times=ROTATION_RETRIES)
     capsys.readouterr()
     assert predict.main([str(run), str(tmp_path / ".." / folders.image)]) == EXIT_REQUEUE
     one_line(messages(capsys.readouterr().err), rf"^error: {run} is being written: .* run the command again")
 
 
-def test_an_export_of_a_run_being_written_holds_the_next_verified_point(folders, tmp_path, monkeypatch, capsys):
+def test_an_export_of_a_run_being_written_holds_the_next_verified_point(
+    folders, tmp_path, rotate_under_the_reader, capsys
+):
     run = tmp_path / "training"
     shutil.copytree(folders.run, run, symlinks=True)
-    rotate_under_the_reader(run, monkeypatch, times=1)
+    rotate_under_the_reader(run, times=1)
     assert export.main([str(run), "--output", str(tmp_path / "exported")]) == 0
     assert "epoch 3" in capsys.readouterr().out
     exported = read_state_dict(tmp_path / "exported" / WEIGHTS_FILE)
@@ -241,24 +268,28 @@ def test_an_export_of_a_run_being_written_holds_the_next_verified_point(folders,
     assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
-def test_eval_only_of_a_run_being_written_evaluates_the_next_verified_point(folders, tmp_path, monkeypatch, capsys):
+def test_eval_only_of_a_run_being_written_evaluates_the_next_verified_point(
+    folders, tmp_path, rotate_under_the_reader, capsys
+):
     """train.py --eval-only RUN chooses the point before it builds the model; the run's rotation removes it
     in between, and the evaluation loads the next verified point and names it."""
     run = tmp_path / "training"
     shutil.copytree(folders.run, run, symlinks=True)
     chosen = RunDir(run).newest_point()
-    calls = rotate_under_the_reader(run, monkeypatch, times=1)
+    calls = rotate_under_the_reader(run, times=1)
     capsys.readouterr()
     assert train.main(["--eval-only", str(run), "--workers", "0"]) == 0
     assert calls == [chosen / WEIGHTS_FILE] and not chosen.exists()
     assert re.search(rf"\({run / CHECKPOINTS_DIR / 'last'} \(epoch 3\)\)", capsys.readouterr().out)
 
 
-def test_robustness_of_a_run_being_written_evaluates_the_next_verified_point(folders, tmp_path, monkeypatch, capsys):
+def test_robustness_of_a_run_being_written_evaluates_the_next_verified_point(
+    folders, tmp_path, rotate_under_the_reader, capsys
+):
     run = tmp_path / "training"
     shutil.copytree(folders.run, run, symlinks=True)
     chosen = RunDir(run).newest_point()
-    calls = rotate_under_the_reader(run, monkeypatch, times=1)
+    calls = rotate_under_the_reader(run, times=1)
     output = tmp_path / "robustness"
     assert robustness.main([str(run), "--max-images", "8", "--output", str(output)]) == 0
     assert calls == [chosen / WEIGHTS_FILE] and not chosen.exists()

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from support import REPO
 
-import convbias.base.weights
+from convbias.base import storage
 from convbias.base.command_line import DEVICE, Typed, key_value, literal_key_value
 from convbias.base.devices import check_device, default_device
 from convbias.base.errors import EXIT_USAGE, ConfigError
@@ -126,10 +126,14 @@ def no_work(monkeypatch, tmp_path):
 
     monkeypatch.setattr(timm, "create_model", work)
     monkeypatch.setattr(torch, "load", work)
-    monkeypatch.setattr(convbias.base.weights, "load_file", work)
     monkeypatch.setattr(Image, "open", work)
     monkeypatch.chdir(tmp_path)
-    yield
+
+    class NoWeightsRead(storage.FileSystem):
+        load_safetensors = staticmethod(work)
+
+    with storage.using(NoWeightsRead()):
+        yield
     assert list(tmp_path.iterdir()) == []
 
 

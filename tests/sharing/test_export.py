@@ -5,7 +5,6 @@ with one line; the upload through huggingface_hub's API, replaced at its boundar
 or results.json (one line, exit 65), a full disk while writing (one line, exit 74, nothing left), a killed export's
 staging folder (removed by the next export), results.json older than the newest point."""
 
-import errno
 import json
 import re
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.faults import Fault, no_space
 
 from convbias.base.errors import EXIT_DAMAGED, EXIT_STORAGE
 from convbias.cli import export, train
@@ -222,55 +222,40 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(efcn_run,
     assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by others, not safetensors' 0600
 
 
-def _full_disk(*args, **kwargs):
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-def _safetensors_fails(*args, **kwargs):
+def _safetensors_fails() -> Exception:
     from safetensors import SafetensorError
 
-    raise SafetensorError("Error while serializing: IoError")
+    return SafetensorError("Error while serializing: IoError")
 
 
-def _torch_fails(*args, **kwargs):
-    raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+# a fault of the export's writes: the FileSystem call, on which file, the error, the file named
+EXPORT_FAULTS = {
+    "enospc": ("save_hf", "", no_space(), "model.safetensors", r"no space left on the device: the disk at \S+ "),
+    "safetensors": ("save_hf", "", _safetensors_fails(), "model.safetensors", r"SafetensorError: Error while "),
+    "torch": (
+        "save_hf",
+        "",
+        RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file"),
+        "model.safetensors",
+        r"RuntimeError: \[enforce fail ",
+    ),
+    "run-files": (  # results.json is copied as the run wrote it (config.yaml is written less the machine's paths)
+        "copy_file",
+        "results.json",
+        no_space(),
+        "results.json",
+        r"no space left on the device: the disk at \S+ ",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "target, fault, written, reason",
-    [
-        (
-            "convbias.sharing.hub.save_for_hf",
-            _full_disk,
-            "model.safetensors",
-            r"no space left on the device: the disk at \S+ ",
-        ),
-        ("convbias.sharing.hub.save_for_hf", _safetensors_fails, "model.safetensors", r"SafetensorError: Error while "),
-        ("convbias.sharing.hub.save_for_hf", _torch_fails, "model.safetensors", r"RuntimeError: \[enforce fail "),
-        (
-            "convbias.sharing.hub.shutil.copyfile",
-            _full_disk,
-            "results.json",  # copied as the run wrote it (config.yaml is written less the machine's paths)
-            r"no space left on the device: the disk at \S+ ",
-        ),
-    ],
-    ids=["enospc", "safetensors", "torch", "run-files"],
-)
+@pytest.mark.parametrize("fault", EXPORT_FAULTS)
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "empty-output"])
 def test_a_failed_write_is_one_line_exit_74_and_leaves_nothing(
-    efcn_run, tmp_path, capsys, monkeypatch, target, fault, written, reason, existing
+    efcn_run, tmp_path, capsys, file_faults, fault, existing
 ):
-    def partly(save):
-        """The fault after a partial write into the staging folder, as a full disk leaves it."""
-
-        def write(*args, **kwargs):
-            folder = Path(args[1]) if Path(args[1]).is_dir() else Path(args[1]).parent  # save_for_hf's, copyfile's
-            (folder / "partial").write_bytes(b"half")
-            save(*args, **kwargs)
-
-        return write
-
-    monkeypatch.setattr(target, partly(fault))
+    on, name, error, written, reason = EXPORT_FAULTS[fault]
+    file_faults.add(Fault(on, error, name, partial=True))  # after a partial write into the staging folder
     out = tmp_path / "out"
     if existing:
         out.mkdir()

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from convbias.base.errors import StorageError
 from convbias.base.run_layout import (
@@ -43,7 +42,7 @@ from convbias.base.run_layout import (
     snapshot_file,
     staging_name,
 )
-from convbias.base.storage import atomic_write, storage_reason
+from convbias.base.storage import atomic_write, file_system, storage_reason, write_text
 
 from ..config.options import DEFAULT_KEEP_CHECKPOINTS
 from ..rundir.manifest import check_point, check_snapshots, file_entry, point_files, read_manifest, write_manifest
@@ -61,7 +60,7 @@ def save_weights(
     """Write a state dict as safetensors, atomically. Tensors are copied to CPU (shared storage is fine).
     ``owner``: the run whose file ``path`` is, when the run writes it (``convbias.base.run_layout.check_destination``)."""
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), owner)
+    atomic_write(path, lambda tmp: file_system().save_safetensors(tensors, tmp, metadata), owner)
 
 
 def payload_bytes(obj: Any) -> int:
@@ -112,7 +111,7 @@ class CheckpointDir:
         while target.exists() or target.is_symlink():
             n += 1
             target = path.with_name(f"{path.name}{suffix}{n}")
-        os.rename(path, target)
+        file_system().rename(path, target)
         return target
 
     def remove_staging(self) -> None:
@@ -159,19 +158,20 @@ class CheckpointDir:
         final, tmp = self.root / name, self._staging(name)
         if not tmp.is_dir():
             raise FileNotFoundError(f"{tmp}: stage({epoch}, {step}) first")
+        files = file_system()
         try:
-            save_file(
+            files.save_safetensors(
                 {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
-                str(tmp / WEIGHTS_FILE),
-                metadata=metadata,
+                tmp / WEIGHTS_FILE,
+                metadata,
             )
             if ema_weights is not None:
-                save_file(
+                files.save_safetensors(
                     {k: v.detach().to("cpu", copy=True).contiguous() for k, v in ema_weights.items()},
-                    str(tmp / EMA_FILE),
-                    metadata=metadata,
+                    tmp / EMA_FILE,
+                    metadata,
                 )
-            torch.save(state, tmp / STATE_FILE)
+            files.save_torch(state, tmp / STATE_FILE)
             write_manifest(tmp, epoch, step, (state.get("best") or {}).get("epoch"))
             if final.is_symlink():  # a link put there: set aside, never deleted or written through
                 self.set_aside(final, ".link")
@@ -180,7 +180,7 @@ class CheckpointDir:
                     shutil.rmtree(final)
                 else:
                     self.set_aside(final)
-            os.rename(tmp, final)
+            files.rename(tmp, final)
         except BaseException as e:  # a kill leaves the staging folder, removed at the next start
             if isinstance(e, WRITE_ERRORS):  # why, before the staging folder's space is given back
                 needed = payload_bytes((weights, ema_weights, state))
@@ -212,7 +212,7 @@ class CheckpointDir:
             if tmp.is_symlink() or tmp.exists():
                 tmp.unlink()
             os.symlink(target, tmp)
-            os.replace(tmp, path)
+            file_system().replace(tmp, path)
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -254,7 +254,7 @@ class CheckpointDir:
         staging = self._staging(point.name)
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            os.rename(point, staging)
+            file_system().rename(point, staging)
         except OSError:  # kept: nothing is deleted that was not first set apart whole
             return
         shutil.rmtree(staging, ignore_errors=True)
@@ -270,7 +270,7 @@ class CheckpointDir:
         try:
             save_weights(weights, path, metadata, owner=self.root.parent)
             entries = {**entries, path.name: file_entry(path)}
-            atomic_write(listing, lambda tmp: tmp.write_text(json.dumps(entries, indent=1) + "\n"), self.root.parent)
+            write_text(listing, json.dumps(entries, indent=1) + "\n", self.root.parent)
         except WRITE_ERRORS as e:
             reason = storage_reason(e, self.root, payload_bytes(weights))
             raise StorageError(f"writing the snapshot {path.name} failed ({reason})") from None

@@ -39,7 +39,7 @@ from convbias.base.run_layout import (
     TIMM_ARGS_FILE,
     TIMM_ARGS_MARKER,
 )
-from convbias.base.storage import write_text
+from convbias.base.storage import file_system, write_text
 from convbias.base.tables import csv_text
 
 from ..config.derived import ema_is_the_metric, lr_scaling
@@ -146,8 +146,7 @@ def _append_line(path: Path, line: str) -> None:
     disk allows it (``start`` drops one that stays, when the run resumes)."""
     size = path.stat().st_size
     try:
-        with open(path, "a", newline="") as f:
-            f.write(line)
+        file_system().append_text(path, line)
     except OSError:
         with contextlib.suppress(OSError):
             os.truncate(path, size)

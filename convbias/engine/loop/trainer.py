@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -66,12 +67,27 @@ from .records import (
 from .setup import build_data, build_preemption, training_warnings
 from .start import RunStart, kept
 
-__all__ = ["NonFiniteLossError", "Trainer", "build_trainer"]
+__all__ = ["NonFiniteLossError", "Trainer", "build_trainer", "watching_batches"]
 
 LOSS_CHECK_INTERVAL = 10  # steps between cross-rank loss reductions (finiteness check, progress bar)
 # The torch.profiler ranges of a training step (benchmarks/train_loop.py sums them): the loader's and the
 # device augmentation's in engine.data.device_augment.DeviceBatches, the others around the step's parts here.
 STEP_RANGES = ("loader_wait", "device_augment", "mixup", "forward_backward", "optimizer", "ema", "bookkeeping")
+
+Batches = Iterable[Any]
+_watch: Callable[[Batches], Batches] | None = None  # watching_batches'
+
+
+@contextmanager
+def watching_batches(watch: Callable[[Batches], Batches]) -> Iterator[None]:
+    """While the block runs, each epoch trains on ``watch(batches)`` of its loader's batches: where a test meets a
+    run at a given step (the signal a closed terminal sends after N batches) without reaching into the loop."""
+    global _watch
+    previous, _watch = _watch, watch
+    try:
+        yield
+    finally:
+        _watch = previous
 
 
 def build_trainer(start: RunStart) -> Trainer:
@@ -332,7 +348,7 @@ class Trainer:
         started, mean_loss = time.perf_counter(), None
         self.epoch_started, self.epoch_first_step = started, first
         loader = epoch_batches(self.data.train_loader, epoch, first, steps - first, cfg.seed, acc.process_index)
-        batches = DeviceBatches(loader, acc.device, self.data.augment)
+        batches = DeviceBatches(loader if _watch is None else _watch(loader), acc.device, self.data.augment)
         for step, (images, targets) in enumerate(batches, start=first):
             update, group = accumulation(step, steps, cfg.grad_accum_steps)
             if cfg.channels_last:

@@ -25,6 +25,7 @@ from typing import Any
 from convbias.base.errors import ConfigError, DamagedInputError
 from convbias.base.inputs import special_file
 from convbias.base.run_layout import LOCK_FILE
+from convbias.base.storage import file_system
 
 
 class RunLockedError(ConfigError):
@@ -73,7 +74,9 @@ class RunLock:
             self._created_dir = True
         while True:
             try:  # never through a link: a lock file that is one would overwrite what it points at
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+                fd = file_system().open(
+                    self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644
+                )
             except OSError as e:
                 if e.errno != errno.ELOOP:
                     raise
@@ -106,10 +109,10 @@ class RunLock:
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(holder).encode(), 0)
+            file_system().pwrite(fd, json.dumps(holder).encode(), 0)
         except OSError:  # a full or read-only disk: leave no empty lock file behind
             with contextlib.suppress(OSError):
-                os.unlink(self.path)
+                file_system().unlink(self.path)
             os.close(fd)
             self._cleanup_dir()
             raise
@@ -142,7 +145,7 @@ class RunLock:
         if self._fd is None:
             return
         with contextlib.suppress(OSError):  # removed or read-only output: the file stays, recognizably stale
-            os.unlink(self.path)
+            file_system().unlink(self.path)
         os.close(self._fd)  # closing drops the flock
         self._fd = None
         self._cleanup_dir()

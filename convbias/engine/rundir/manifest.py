@@ -26,7 +26,7 @@ from convbias.base.run_layout import (
     snapshot_epoch,
     snapshot_file,
 )
-from convbias.base.storage import atomic_write
+from convbias.base.storage import write_text
 from convbias.base.weights import weights_metadata
 
 _HASH_CHUNK = 1 << 22  # sha256 is streamed in 4 MiB reads
@@ -211,4 +211,4 @@ def write_manifest(point: Path, epoch: int, step: int, best_epoch: int | None = 
     the run's best point so far (what ``RunDir`` reads to find it without loading the training state)."""
     files = {name: file_entry(point / name) for name in point_files(point)}
     text = json.dumps({"epoch": epoch, "step": step, "best_epoch": best_epoch, "files": files}, indent=1) + "\n"
-    atomic_write(point / MANIFEST_FILE, lambda tmp: tmp.write_text(text), owner=point.parent.parent)
+    write_text(point / MANIFEST_FILE, text, owner=point.parent.parent)

@@ -2,8 +2,9 @@
 their checksums, disk faults are one line with their own exit code, and `--resume auto` then finishes with
 the numbers of the uninterrupted run wherever the fault left an intact resume point.
 
-Faults are injected at the write boundaries (safetensors' save_file, torch.save, the log's open, the
-lock's pwrite) with the errno a full or read-only disk gives: the tests run as root, whom chmod stops not.
+Faults are injected at the package's file-system calls (convbias.base.storage.FileSystem: safetensors' and
+torch's writes, the log's appends, the lock's writes; the fixtures of tests/conftest.py) with the errno a full or
+read-only disk gives: the tests run as root, whom chmod stops not.
 """
 
 import csv
@@ -17,8 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.faults import Fault, FaultyFileSystem, no_space
 from support.runs import messages, save_point
 
+from convbias.base import storage
 from convbias.base.errors import (
     EXIT_DAMAGED,
     EXIT_REQUEUE,
@@ -31,13 +34,9 @@ from convbias.base.errors import (
 from convbias.base.run_layout import MANIFEST_FILE
 from convbias.base.weights import load_weights
 from convbias.cli import train
-from convbias.engine.checkpoint import points as checkpoint
 from convbias.engine.checkpoint.points import STATE_FILE, WEIGHTS_FILE, CheckpointDir, write_manifest
 from convbias.engine.checkpoint.resume import find_resume_point, load_training_state
-from convbias.engine.loop import records as run_log
-from convbias.engine.loop import trainer
 from convbias.engine.loop.records import read_log
-from convbias.engine.rundir import lock
 from convbias.engine.rundir.reader import RunDir
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -88,10 +87,6 @@ def snapshot(output: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(output)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in output.rglob("*")}
 
 
-def no_space(*args, **kwargs):
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, args) -> Path:
     """The uninterrupted 3-epoch run."""
@@ -109,16 +104,7 @@ def reference(finished):
 def stopped(tmp_path_factory, args):
     """A run whose third resume point met a full disk (safetensors' write): epochs 1 and 2 are kept."""
     output = tmp_path_factory.mktemp("faults") / "stopped"
-    real, calls = checkpoint.save_file, []
-
-    def full_at_the_third(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            no_space()
-        return real(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(checkpoint, "save_file", full_at_the_third)
+    with storage.using(FaultyFileSystem(Fault("save_safetensors", no_space(), at=3))):
         code = train.main(args + ["--output", str(output)])
     return output, code
 
@@ -153,18 +139,11 @@ def test_disk_full_during_a_save_is_one_line_and_resume_auto_finishes_the_run(ma
     assert summary(run) == reference
 
 
-def test_disk_full_message(main, tmp_path):
+def test_disk_full_message(main, tmp_path, disk_full):
     """The one line names the point, the reason, what is kept and how to resume."""
-    real, calls = checkpoint.save_file, []
-
-    def full_at_the_second(*args, **kwargs):
-        calls.append(1)
-        return no_space() if len(calls) == 2 else real(*args, **kwargs)
-
     output = tmp_path / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(checkpoint, "save_file", full_at_the_second)
-        code, _, err = main(output, "--epochs", "2")
+    disk_full("save_safetensors", WEIGHTS_FILE, at=2, partial=True)
+    code, _, err = main(output, "--epochs", "2")
     assert code == EXIT_STORAGE and len(err) == 1
     assert re.fullmatch(
         rf"error: writing the resume point epoch_0002 failed \({DISK_FULL}; this write needs about [\d.]+ \w+\); "
@@ -236,41 +215,11 @@ def test_a_foreign_training_state_is_one_line_never_advice_to_unpickle(main, tmp
     assert not (tmp_path / "run").exists()
 
 
-def half_line_then(code: int, log_name: str = "log.jsonl", at_epoch: int = 2):
-    """An ``open`` for run_log that writes half of the chosen epoch's line into ``log_name``, then fails."""
-    real, seen = open, []
-
-    class HalfThenFail:
-        def __init__(self, f, path):
-            self.f, self.path = f, str(path)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, text):
-            self.f.write(text[: len(text) // 2])
-            self.f.flush()
-            raise OSError(code, os.strerror(code), self.path)
-
-    def failing_open(path, mode="r", *args, **kwargs):
-        f = real(path, mode, *args, **kwargs)
-        if "a" in mode and Path(path).name == log_name:
-            seen.append(1)
-            if len(seen) == at_epoch:
-                return HalfThenFail(f, path)
-        return f
-
-    return failing_open
-
-
-def test_disk_full_while_logging_leaves_no_half_line_and_resumes(main, reference, tmp_path, monkeypatch):
+def test_disk_full_while_logging_leaves_no_half_line_and_resumes(main, reference, tmp_path, disk_full, file_faults):
     output = tmp_path / "run"
-    monkeypatch.setattr(run_log, "open", half_line_then(errno.ENOSPC), raising=False)
+    disk_full("append_text", "log.jsonl", at=2, partial=True)  # half of epoch 2's line, then the disk is full
     code, _, err = main(output)
-    monkeypatch.undo()
+    file_faults.clear()
     assert code == EXIT_STORAGE and len(err) == 1
     assert re.fullmatch(
         rf"error: writing {re.escape(str(output))}/log.jsonl failed \({DISK_FULL}\); "
@@ -282,19 +231,12 @@ def test_disk_full_while_logging_leaves_no_half_line_and_resumes(main, reference
     assert code == 0 and err == [] and summary(output) == reference
 
 
-def test_read_only_output_mid_run_is_one_line_and_the_lock_is_stale_not_live(main, tmp_path, monkeypatch):
+def test_read_only_output_mid_run_is_one_line_and_the_lock_is_stale_not_live(main, tmp_path, read_only, file_faults):
     output = tmp_path / "run"
-    monkeypatch.setattr(run_log, "open", half_line_then(errno.EROFS, "summary.csv", at_epoch=1), raising=False)
-    real_unlink = os.unlink
-
-    def read_only_unlink(path, *args, **kwargs):
-        if Path(path).name == ".lock":
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-        return real_unlink(path, *args, **kwargs)
-
-    monkeypatch.setattr(lock.os, "unlink", read_only_unlink)
+    read_only("append_text", "summary.csv", partial=True)  # half of epoch 1's row, then the disk is read-only
+    read_only("unlink", ".lock")
     code, _, err = main(output)
-    monkeypatch.undo()
+    file_faults.clear()
     assert code == EXIT_STORAGE and err == [
         f"error: writing {output}/summary.csv failed (the file system is read-only); no checkpoint was written yet "
         f"in {output}; rerun the same command to start over"
@@ -304,15 +246,9 @@ def test_read_only_output_mid_run_is_one_line_and_the_lock_is_stale_not_live(mai
     assert code == 0 and "took over the stale lock" in out and not (output / ".lock").exists()
 
 
-def test_output_removed_mid_run_is_one_line(main, tmp_path, monkeypatch):
+def test_output_removed_mid_run_is_one_line(main, tmp_path, file_faults):
     output = tmp_path / "run"
-    real = run_log.RunLog.log_epoch
-
-    def removed_first(self, record):
-        shutil.rmtree(output)
-        return real(self, record)
-
-    monkeypatch.setattr(run_log.RunLog, "log_epoch", removed_first)
+    file_faults.add(Fault("append_text", name="summary.csv", meanwhile=lambda path: shutil.rmtree(output)))
     code, _, err = main(output)
     assert code == EXIT_STORAGE and err == [
         f"error: writing {output}/summary.csv failed (the output directory or a file in it was removed); "
@@ -320,9 +256,9 @@ def test_output_removed_mid_run_is_one_line(main, tmp_path, monkeypatch):
     ]
 
 
-def test_starting_on_a_full_disk_is_one_line_and_leaves_no_lock(main, tmp_path, monkeypatch):
+def test_starting_on_a_full_disk_is_one_line_and_leaves_no_lock(main, tmp_path, disk_full):
     output = tmp_path / "run"
-    monkeypatch.setattr(lock.os, "pwrite", no_space)
+    disk_full("pwrite")  # the lock's record of its holder
     code, _, err = main(output)
     assert code == EXIT_STORAGE and len(err) == 1
     assert re.fullmatch(
@@ -331,26 +267,12 @@ def test_starting_on_a_full_disk_is_one_line_and_leaves_no_lock(main, tmp_path, 
     assert not output.exists()
 
 
-def sighup_after(steps: int):
-    """epoch_batches for the trainer that sends this process SIGHUP (a closed terminal) after ``steps`` batches."""
-    real = trainer.epoch_batches
-
-    def batches(*args, **kwargs):
-        for i, batch in enumerate(real(*args, **kwargs)):
-            if i == steps:
-                os.kill(os.getpid(), signal.SIGHUP)
-            yield batch
-
-    return batches
-
-
 def test_sighup_stops_with_a_resume_point_and_changes_that_break_exactness_are_refused(
-    main, reference, tmp_path, monkeypatch
+    main, reference, tmp_path, signal_after
 ):
     output = tmp_path / "run"
-    monkeypatch.setattr(trainer, "epoch_batches", sighup_after(4))
-    code, _, err = main(output)
-    monkeypatch.undo()
+    with signal_after(signal.SIGHUP, batches=4):  # a closed terminal, during step 5
+        code, _, err = main(output)
     point = output / "checkpoints" / "epoch_0000_step_0000005"
     assert code == EXIT_REQUEUE and len(err) == 1 and err[0].startswith("preempted: stopped by SIGHUP after step 5")
     assert not (output / ".lock").exists() and load_training_state(point)["step"] == 5
@@ -378,25 +300,24 @@ def test_sighup_stops_with_a_resume_point_and_changes_that_break_exactness_are_r
 
 
 # ---------------------------------------------------------------------- resume points, without training
-@pytest.mark.parametrize("where", ["save_file", "torch.save", "write_manifest", "rename", "link"])
-def test_a_kill_during_each_stage_of_a_save_keeps_an_intact_newest_point(tmp_path, monkeypatch, where):
+# where a save is killed: the FileSystem call, on which file
+KILLED_IN = {
+    "save_file": ("save_safetensors", WEIGHTS_FILE),
+    "torch.save": ("save_torch", STATE_FILE),
+    "write_manifest": ("write_text", MANIFEST_FILE),
+    "rename": ("rename", "epoch_0002"),  # the staging folder renamed into place
+    "link": ("replace", "last"),  # the new last link swapped in
+}
+
+
+@pytest.mark.parametrize("where", KILLED_IN)
+def test_a_kill_during_each_stage_of_a_save_keeps_an_intact_newest_point(tmp_path, killed_at, file_faults, where):
     points = CheckpointDir(tmp_path)
     first = save_point(points, 1, is_best=True)
-
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    target = {
-        "save_file": (checkpoint, "save_file"),
-        "torch.save": (torch, "save"),
-        "write_manifest": (checkpoint, "write_manifest"),
-        "rename": (checkpoint.os, "rename"),
-        "link": (CheckpointDir, "link"),
-    }[where]
-    monkeypatch.setattr(*target, killed)
+    killed_at(*KILLED_IN[where])
     with pytest.raises(KeyboardInterrupt):
         save_point(points, 2)
-    monkeypatch.undo()
+    file_faults.clear()
     newest = "epoch_0002" if where == "link" else "epoch_0001"  # renamed into place, the link not yet swapped
     assert find_resume_point("auto", tmp_path).name == newest
     assert not list(points.root.glob(".*.tmp")) and first.is_dir()
@@ -410,21 +331,17 @@ def test_a_kill_during_each_stage_of_a_save_keeps_an_intact_newest_point(tmp_pat
         (RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos"), "RuntimeError: [enforce fail"),
     ],
 )
-def test_a_failed_write_is_a_storage_error_and_leaves_no_staging(tmp_path, monkeypatch, error, reason):
+def test_a_failed_write_is_a_storage_error_and_leaves_no_staging(tmp_path, file_faults, error, reason):
     points = CheckpointDir(tmp_path)
     save_point(points, 1)
-
-    def fail(*args, **kwargs):
-        raise error
-
-    monkeypatch.setattr(torch, "save", fail)
+    file_faults.add(Fault("save_torch", error, partial=True))
     with pytest.raises(StorageError, match=re.escape(f"writing the resume point epoch_0002 failed ({reason}")):
         save_point(points, 2)
     assert sorted(p.name for p in points.root.iterdir()) == ["epoch_0001", "last"]
 
 
-def test_a_failed_snapshot_write_is_a_storage_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "save_file", no_space)
+def test_a_failed_snapshot_write_is_a_storage_error(tmp_path, disk_full):
+    disk_full("save_safetensors", partial=True)
     with pytest.raises(StorageError, match=r"writing the snapshot epoch_5.safetensors failed \(no space left"):
         CheckpointDir(tmp_path).save_snapshot(5, torch.nn.Linear(3, 2).state_dict(), {})
     assert list((tmp_path / "checkpoints").iterdir()) == []  # no temporary file left
@@ -504,17 +421,13 @@ def test_a_missing_dangling_or_copied_last_link_resumes_by_name_and_is_regenerat
 
 
 def test_a_run_extended_and_killed_before_its_results_rewrites_them_from_the_point(
-    main, finished, tmp_path, monkeypatch
+    main, finished, tmp_path, killed_at, file_faults
 ):
     run = copy(finished, tmp_path)
     three = json.loads((run / "results.json").read_text())
-
-    def killed(self, results):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(run_log.RunLog, "write_results", killed)
+    killed_at("write_text", "results.json")
     code, _, _ = main(run, "--resume", "auto", "--epochs", "4")
-    monkeypatch.undo()
+    file_faults.clear()
     assert code == 130 and json.loads((run / "results.json").read_text()) == three
     assert (run / "checkpoints" / "epoch_0004").is_dir()
     assert RunDir(run).status() == "interrupted" and RunDir(run).current_results() is None  # never "done"
@@ -564,7 +477,9 @@ def ema_run(tmp_path_factory, ema_args) -> Path:
 @pytest.mark.parametrize(
     "recovery", ["removed", "removed, resumed without --model-ema", "killed before it was written", "rerun intact"]
 )
-def test_a_recovered_record_of_an_ema_run_is_the_one_the_run_wrote(ema_run, ema_args, tmp_path, recovery, monkeypatch):
+def test_a_recovered_record_of_an_ema_run_is_the_one_the_run_wrote(
+    ema_run, ema_args, tmp_path, recovery, killed_at, file_faults
+):
     """--resume auto completes results.json from the training state: the whole record equals the uninterrupted
     run's (metric_of "ema": whose evaluations the state holds), whether the file was removed (and the resume
     given without --model-ema: the run's config.yaml says how it trained), the run killed after its last point
@@ -573,11 +488,9 @@ def test_a_recovered_record_of_an_ema_run_is_the_one_the_run_wrote(ema_run, ema_
     assert uninterrupted["metric_of"] == "ema"
     run = tmp_path / "run"
     if recovery == "killed before it was written":
-        monkeypatch.setattr(
-            run_log.RunLog, "write_results", lambda self, results: (_ for _ in ()).throw(KeyboardInterrupt)
-        )
+        killed_at("write_text", "results.json")
         assert train.main(ema_args + ["--output", str(run)]) == 130
-        monkeypatch.undo()
+        file_faults.clear()
         assert not (run / "results.json").exists() and (run / "checkpoints" / "epoch_0001").is_dir()
     else:
         shutil.copytree(ema_run, run, symlinks=True)
@@ -605,20 +518,12 @@ def test_damaged_log_lines_are_dropped_with_a_note_and_the_run_resumes(main, sto
 
 @pytest.mark.parametrize("where", ["results.json", "config.yaml"])
 def test_disk_full_at_the_bookkeeping_writes_is_one_line_and_resume_auto_finishes(
-    main, reference, tmp_path, where, monkeypatch
+    main, reference, tmp_path, where, disk_full, file_faults
 ):
     output = tmp_path / "run"
-    real = Path.write_text
-
-    def full(self, *args, **kwargs):  # the disk fills while the file's temporary is being written
-        if self.name.startswith(f".{where}.tmp"):
-            real(self, "half")
-            no_space()
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", full)
+    disk_full("write_text", where, partial=True)  # the disk fills while the file's temporary is being written
     code, _, err = main(output)
-    monkeypatch.undo()
+    file_faults.clear()
     assert code == EXIT_STORAGE and len(err) == 1 and re.search(DISK_FULL, err[0]), err
     assert not [p for p in output.rglob(".*") if p.name != ".lock"]  # no temporary left
     code, _, err = main(output, "--resume", "auto") if where == "results.json" else main(output)

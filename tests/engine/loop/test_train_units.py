@@ -140,7 +140,7 @@ def test_rebuild_optimizer_keeps_state_of_surviving_parameters():
     assert model[1].weight not in new.state
 
 
-def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkeypatch):
+def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, killed_at, file_faults):
     model = torch.nn.Linear(3, 2)
     ckpt = CheckpointDir(tmp_path, keep=1)  # the newest point and best
     ckpt.stage(1)
@@ -151,16 +151,13 @@ def test_checkpoint_kill_during_save_keeps_last_and_load_errors(tmp_path, monkey
     with torch.no_grad():
         model.weight.add_(1.0)
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt("killed while writing")
-
-    monkeypatch.setattr(torch, "save", killed)
+    killed_at("save_torch")  # while the training state is written
     ckpt.stage(2)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(
             2, model.state_dict(), {"model": "m", "epoch": 2, "best": {"epoch": 1}}, None, {"epoch": "2"}, is_best=False
         )
-    monkeypatch.undo()
+    file_faults.clear()
     point = find_resume_point("auto", tmp_path)
     assert point.name == "epoch_0001" and load_training_state(point)["epoch"] == 1
     restored = load_weights(torch.nn.Linear(3, 2), point)

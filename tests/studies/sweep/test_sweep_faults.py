@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.faults import Fault
 from support.sweeps import TINY_SET, sweep_cli
 
 from convbias.base.errors import DamagedInputError, StorageError
@@ -166,27 +167,9 @@ def test_a_damaged_or_stale_results_file_is_an_incomplete_run_naming_it(tmp_path
 # ----------------------------------------------------------------------------- a full disk
 
 
-@pytest.fixture
-def full_disk(monkeypatch):
-    """``full_disk(name)``: writing a file whose name contains ``name`` writes a few bytes, then fails as on a
-    full disk (ENOSPC); every other write goes through."""
-    write_text = Path.write_text
-
-    def arm(name: str) -> None:
-        def failing(self, data, *args, **kwargs):
-            if name not in self.name:
-                return write_text(self, data, *args, **kwargs)
-            self.write_bytes(data[:5].encode())
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        monkeypatch.setattr(Path, "write_text", failing)
-
-    return arm
-
-
-def test_write_csv_on_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, full_disk):
+def test_write_csv_on_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, disk_full):
     path = write_csv([{"a": 1}], tmp_path / "runs.csv")
-    full_disk("runs.csv")
+    disk_full("write_text", "runs.csv", partial=True)  # a few bytes of the temporary, then the disk is full
     with pytest.raises(StorageError, match=rf"^writing {path} failed \(no space left on the device: the disk at "):
         write_csv([{"a": 2}], path)
     assert path.read_text() == "a\n1\n"
@@ -194,11 +177,10 @@ def test_write_csv_on_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path,
 
 
 @pytest.mark.parametrize("name", [sweep.CSV_NAME, sweep.ENSEMBLES_CSV_NAME])
-def test_sweep_csvs_on_a_full_disk_are_one_error_line_and_exit_74(tmp_path, monkeypatch, full_disk, name):
-    prepared = fake_sweep(tmp_path, seeds=[0, 1])
-    ensemble = {"model": "convit_tiny", "members": 2, "ensemble_top1": 51.0}
-    monkeypatch.setattr(sweep.Sweep, "collect_ensembles", lambda self, rows, extensions=None: [ensemble])
-    full_disk(name)
+def test_sweep_csvs_on_a_full_disk_are_one_error_line_and_exit_74(tmp_path, disk_full, name):
+    """Two trained seeds: runs.csv, then their ensemble's evaluation for ensembles.csv."""
+    _, prepared = trained_sweep(tmp_path, epochs=1, seeds=[0, 1])
+    disk_full("write_text", name, partial=True)
 
     done = sweep_cli("collect", "--output", str(prepared.sweep_dir))
 
@@ -208,7 +190,7 @@ def test_sweep_csvs_on_a_full_disk_are_one_error_line_and_exit_74(tmp_path, monk
     assert not list(prepared.sweep_dir.glob(".*.tmp*"))
 
 
-def test_a_run_log_that_cannot_be_written_is_named_before_the_run_starts(tmp_path, monkeypatch):
+def test_a_run_log_that_cannot_be_written_is_named_before_the_run_starts(tmp_path, file_faults):
     """The sweep's own writes name their file: a folder where the run's log goes is no file the sweep wrote (65),
     an I/O error opening it a failed write (74)."""
     prepared = fake_sweep(tmp_path, seeds=[0])
@@ -219,14 +201,7 @@ def test_a_run_log_that_cannot_be_written_is_named_before_the_run_starts(tmp_pat
     with pytest.raises(DamagedInputError, match=rf"its file {re.escape(str(log))} is a folder, not a file"):
         prepared.execute(launcher=["false"], log=lambda line: None)
     log.rmdir()
-    real_open = os.open
-
-    def failing(path, flags, *args):
-        if str(path) == str(log):
-            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", failing)
+    file_faults.add(Fault("open", OSError(errno.EIO, os.strerror(errno.EIO)), name=log.name))
     with pytest.raises(StorageError, match=rf"^writing {re.escape(str(log))} failed \(an I/O error of the device\)"):
         prepared.execute(launcher=["false"], log=lambda line: None)
     assert list(prepared.run_dir(run).iterdir()) == []  # no run was started
