@@ -20,8 +20,11 @@ from convbias.families import FAMILIES
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-# What the repository holds that a build neither needs nor should see: its history, caches, earlier builds
-NOT_COPIED = shutil.ignore_patterns(".git", "__pycache__", ".*_cache", "build", "dist", "*.egg-info", "runs", "wandb")
+# What the repository holds that a build neither needs nor should see: its history, virtual environment, caches,
+# earlier builds, runs and results
+NOT_COPIED = shutil.ignore_patterns(
+    ".git", ".venv", "__pycache__", ".*_cache", "build", "dist", "*.egg-info", "runs", "wandb", "results"
+)
 
 CHILD = """
 import json, sys
