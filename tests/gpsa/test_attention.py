@@ -223,7 +223,7 @@ def test_both_products_compile_to_one_graph_and_match_eager(product):
     layer.positional_product = product
     x = torch.randn(2, 20, 24)
     eager_out, eager_dx, eager_grads = _output_and_grads(layer, x, (4, 5), fused=True, product=product)
-    torch.compiler.reset()
+    torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     layer.zero_grad(set_to_none=True)
     inputs = x.clone().requires_grad_(True)

@@ -168,7 +168,7 @@ def test_fused_layer_compiles_to_one_graph():
     layer = randomized_gpsa(dim=24, heads=4)
     x = torch.randn(2, 20, 24)
     eager = _run(layer, x, (4, 5))
-    torch.compiler.reset()
+    torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     explained = torch._dynamo.explain(layer)(x, (4, 5))
     assert explained.graph_break_count == 0 and explained.graph_count == 1

@@ -57,7 +57,7 @@ def test_swapped_module_computes_what_the_original_does(name, autocast):
     assert swapped.state_dict().keys() == original.state_dict().keys()
     assert type(pickle.loads(pickle.dumps(swapped))) is type(swapped)  # torch.save of a whole model works
 
-    torch.compiler.reset()
+    torch._dynamo.reset()
     compiled = torch.compile(swapped, fullgraph=True, backend="inductor")  # fullgraph: a break raises
     expected = _with_grads(original, original, x, autocast)
     for fn in (swapped, compiled):

@@ -38,7 +38,7 @@ def convit(cli_argv) -> list[str]:
 
 
 def run(args, output, *extra):
-    torch.compiler.reset()
+    torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     results = train.run(args + ["--output", str(output), *extra])
     log = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
