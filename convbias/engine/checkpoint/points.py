@@ -59,8 +59,13 @@ def save_weights(
 ) -> None:
     """Write a state dict as safetensors, atomically. Tensors are copied to CPU (shared storage is fine).
     ``owner``: the run whose file ``path`` is, when the run writes it (``convbias.base.run_layout.check_destination``)."""
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+    tensors = cpu_copy(state_dict)
     atomic_write(path, lambda tmp: file_system().save_safetensors(tensors, tmp, metadata), owner)
+
+
+def cpu_copy(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as safetensors writes them: detached, contiguous copies on the CPU (shared storage is fine)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
 
 
 def payload_bytes(obj: Any) -> int:
@@ -160,17 +165,9 @@ class CheckpointDir:
             raise FileNotFoundError(f"{tmp}: stage({epoch}, {step}) first")
         files = file_system()
         try:
-            files.save_safetensors(
-                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
-                tmp / WEIGHTS_FILE,
-                metadata,
-            )
+            files.save_safetensors(cpu_copy(weights), tmp / WEIGHTS_FILE, metadata)
             if ema_weights is not None:
-                files.save_safetensors(
-                    {k: v.detach().to("cpu", copy=True).contiguous() for k, v in ema_weights.items()},
-                    tmp / EMA_FILE,
-                    metadata,
-                )
+                files.save_safetensors(cpu_copy(ema_weights), tmp / EMA_FILE, metadata)
             files.save_torch(state, tmp / STATE_FILE)
             write_manifest(tmp, epoch, step, (state.get("best") or {}).get("epoch"))
             if final.is_symlink():  # a link put there: set aside, never deleted or written through
